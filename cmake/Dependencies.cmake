@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: Apache-2.0
+# Every find_package of the project, in one place. Configuring never downloads anything.
+find_package(Threads REQUIRED)
+# glog must precede LibTorch on the link line (see shared/gpu-host/README.md: c10 logging clash).
+find_package(glog REQUIRED)
+find_package(Boost 1.74 REQUIRED)
+find_package(cppzmq REQUIRED)
+find_package(tomlplusplus REQUIRED)
+find_package(nlohmann_json 3 REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(Torch REQUIRED)
+
+# LibTorch's exported flags (ABI define) apply only to targets that use torch; keep them out of
+# the global flags so torch-free libraries stay torch-free.
+if(TARGET torch)
+  set(RP_TORCH_TARGET torch)
+endif()
+
+# CUDA is used only when the LibTorch we build against has it (the GPU host's torch wheel).
+set(RP_WITH_CUDA_DEFAULT OFF)
+if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda OR TARGET c10_cuda)
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    set(RP_WITH_CUDA_DEFAULT ON)
+  endif()
+endif()
+option(RP_WITH_CUDA "Build the CUDA worker backend" ${RP_WITH_CUDA_DEFAULT})
+if(RP_WITH_CUDA)
+  find_package(CUDAToolkit REQUIRED)
+endif()
+message(STATUS "RoundPipe: RP_WITH_CUDA=${RP_WITH_CUDA}, Torch ${Torch_VERSION}")
+
+find_package(GTest QUIET)

@@ -1,0 +1,492 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "coordinator/coordinator.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/logging.h"
+#include "common/session.h"
+#include "common/time_util.h"
+#include "coordinator/optim/optimizer_step.h"
+#include "core/data.h"
+#include "core/job_config.h"
+#include "core/lr_schedule.h"
+#include "core/model_spec.h"
+#include "core/plan.h"
+#include "core/run_output.h"
+#include "protocol/channel.h"
+#include "protocol/codec.h"
+#include "shm/segment.h"
+
+namespace rp::coord {
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+using proto::Message;
+
+// One stage job of the current step.
+struct JobState {
+  int64_t index = 0;  // global launch counter
+  int call = 0;       // call inside the step
+  int stage = 0;
+  int worker = 0;
+  int next_mb = 0;    // microbatches reported done
+  bool grads_ready = false;
+  bool commit_sent = false;
+  bool done = false;
+  int64_t start_us = 0, fetch_end_us = 0, end_us = 0;
+  std::vector<std::pair<int64_t, int64_t>> mb_times;
+};
+
+class Coordinator {
+ public:
+  explicit Coordinator(CoordinatorOptions o) : opts_(std::move(o)) {}
+  Status Run();
+
+ private:
+  Status Setup();
+  Status InitState();
+  Status AcceptWorkers();
+  Status RunStep(int64_t step);
+  Status Handle(int rank, const Message& m);
+  Status OnMicrobatchDone(int rank, const proto::MicrobatchDone& d);
+  Status OnGradsReady(int rank, const proto::GradsReady& g);
+  Status OnJobDone(int rank, const proto::JobDone& d);
+  Status FeedCall(int call);
+  Status TryCommits();
+  StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
+  void Optimize(int64_t step, double* grad_norm, double* lr);
+  void RecordTrace(const JobState& j);
+  Status WriteTrace();
+  void ShutdownWorkers(int exit_code);
+
+  CoordinatorOptions opts_;
+  core::JobConfig cfg_;
+  core::ModelSpec spec_;
+  core::PipelinePlan plan_;
+  shm::ArenaLayout layout_;
+  std::optional<shm::Unlinker> unlinker_;  // declared before the segment: unmapped first
+  std::optional<shm::Segment> segment_;
+  std::optional<core::Dataset> data_;
+  std::optional<proto::RouterChannel> channel_;
+  std::optional<core::MetricsWriter> metrics_;
+  std::vector<int> worker_pids_;
+
+  // Current step.
+  int64_t step_ = 0;
+  int64_t job_counter_ = 0;
+  int64_t first_job_of_step_ = 0;
+  std::vector<JobState> jobs_;  // index - first_job_of_step_
+  std::vector<int> call_jobs_done_;
+  double step_loss_sum_ = 0.0;
+  int64_t step_targets_ = 0;
+  double loss_scale_ = 0.0;
+
+  nlohmann::json trace_ = nlohmann::json::array();
+  double busy_s_ = 0.0, makespan_s_ = 0.0;
+};
+
+Status Coordinator::Setup() {
+  RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
+  spec_ = core::BuildModelSpec(cfg_.model);
+  RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_));
+  layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
+  RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
+  data_.emplace(std::move(data));
+  RP_RETURN_IF_ERROR(core::PrepareOutputDir(cfg_));
+  RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::Open(cfg_.job.output_dir + "/metrics.jsonl"));
+  metrics_.emplace(std::move(mw));
+  RP_LOG(INFO) << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
+               << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
+               << " workers; segment " << layout_.total_bytes / (1 << 20) << " MiB";
+  return Status::Ok();
+}
+
+Status Coordinator::InitState() {
+  const std::string name = shm::StateSegmentName(opts_.session);
+  unlinker_.emplace(name);
+  RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Create(name, layout_.total_bytes));
+  segment_.emplace(std::move(seg));
+  auto* h = segment_->header();
+  std::memset(static_cast<void*>(h), 0, sizeof(*h));
+  h->magic = shm::kSegmentMagic;
+  h->version = shm::kSegmentVersion;
+  h->header_bytes = shm::kHeaderBytes;
+  h->layout_hash = layout_.hash;
+  h->total_bytes = layout_.total_bytes;
+  h->trainable_params = static_cast<uint64_t>(spec_.TrainableParams());
+  h->coordinator_pid = ::getpid();
+  proto::CopyText(h->session, opts_.session);
+  // Masters from the seeded init; compute copies from the masters. m, v and gradients are zero
+  // because a fresh tmpfs object reads as zeros.
+  const bool bf16 = cfg_.train.dtype == "bf16";
+  for (size_t p = 0; p < spec_.params.size(); ++p) {
+    float* master = segment_->At<float>(layout_.master[p]);
+    core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
+    const int64_t n = spec_.params[p].numel;
+    if (bf16) {
+      auto* c = segment_->At<uint16_t>(layout_.compute[p]);
+      for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(master[i]);
+    } else {
+      std::memcpy(segment_->At<float>(layout_.compute[p]), master, n * sizeof(float));
+    }
+  }
+  h->ready.store(1, std::memory_order_release);
+  return Status::Ok();
+}
+
+Status Coordinator::AcceptWorkers() {
+  RP_ASSIGN_OR_RETURN(auto ch, proto::RouterChannel::Bind(ControlEndpoint(opts_.runtime_dir)));
+  channel_.emplace(std::move(ch));
+  worker_pids_.assign(opts_.num_workers, 0);
+  int connected = 0;
+  const double deadline = MonoSeconds() + opts_.hello_timeout_s;
+  while (connected < opts_.num_workers) {
+    if (g_stop) return Status::Cancelled("stopped by signal while waiting for workers");
+    if (MonoSeconds() > deadline)
+      return Status::DeadlineExceeded("only " + std::to_string(connected) + " of " +
+                                      std::to_string(opts_.num_workers) + " workers connected within " +
+                                      std::to_string(opts_.hello_timeout_s) + " s");
+    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(100));
+    if (!env) continue;
+    const auto* hello = std::get_if<proto::Hello>(&env->message);
+    if (!hello || env->rank >= opts_.num_workers || hello->rank != env->rank) {
+      RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message))
+                      << " from peer w" << env->rank << " during registration";
+      continue;
+    }
+    if (hello->layout_hash != layout_.hash) {
+      return Status::ProtocolError("worker " + std::to_string(env->rank) +
+                                   " computed a different shared-memory layout (different job file, "
+                                   "overrides or build)");
+    }
+    if (worker_pids_[env->rank] == 0) connected++;
+    worker_pids_[env->rank] = hello->pid;
+    proto::Welcome w{};
+    w.segment_bytes = layout_.total_bytes;
+    w.num_workers = opts_.num_workers;
+    proto::CopyText(w.segment_name, segment_->name());
+    RP_RETURN_IF_ERROR(channel_->Send(env->rank, w));
+    RP_VLOG(1) << "worker " << env->rank << " (pid " << hello->pid << ") connected";
+  }
+  RP_LOG(INFO) << "all " << opts_.num_workers << " workers connected";
+  return Status::Ok();
+}
+
+StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* what) {
+  if (index < first_job_of_step_ || index >= first_job_of_step_ + static_cast<int64_t>(jobs_.size()))
+    return Status::ProtocolError(std::string(what) + " from worker " + std::to_string(rank) +
+                                 " names job " + std::to_string(index) + ", not in step " +
+                                 std::to_string(step_));
+  JobState* j = &jobs_[index - first_job_of_step_];
+  if (j->worker != rank)
+    return Status::ProtocolError(std::string(what) + " for job " + std::to_string(index) +
+                                 " came from worker " + std::to_string(rank) + ", but worker " +
+                                 std::to_string(j->worker) + " runs it");
+  return j;
+}
+
+Status Coordinator::FeedCall(int call) {
+  const int64_t global_call = step_ * cfg_.train.accum_calls + call;
+  const int parity = static_cast<int>(global_call % 2);
+  for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
+    data_->Fill(step_, call, mb, segment_->At<int64_t>(layout_.TokenSlot(parity, mb)),
+                segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
+  const size_t stages = plan_.stages.size();
+  const JobState& first = jobs_[call * stages];
+  for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
+    RP_RETURN_IF_ERROR(channel_->Send(first.worker, proto::InputReady{first.index, mb, 0}));
+  return Status::Ok();
+}
+
+Status Coordinator::TryCommits() {
+  // Gradients of one stage are added in call order, so the float sums (and therefore the
+  // trained weights) do not depend on which worker finishes first.
+  const size_t stages = plan_.stages.size();
+  for (auto& j : jobs_) {
+    if (!j.grads_ready || j.commit_sent) continue;
+    if (j.call > 0 && !jobs_[(j.call - 1) * stages + j.stage].done) continue;
+    j.commit_sent = true;
+    RP_RETURN_IF_ERROR(channel_->Send(j.worker, proto::CommitGrads{j.index}));
+  }
+  return Status::Ok();
+}
+
+Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
+  RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, d.job_index, "MicrobatchDone"));
+  if (d.microbatch != j->next_mb)
+    return Status::ProtocolError("worker " + std::to_string(rank) + " finished microbatch " +
+                                 std::to_string(d.microbatch) + " of job " +
+                                 std::to_string(d.job_index) + ", expected " +
+                                 std::to_string(j->next_mb));
+  j->next_mb++;
+  j->mb_times.emplace_back(d.start_us, d.end_us);
+  if (plan_.stages[j->stage].kind == core::StageKind::kFusedTail) {
+    step_loss_sum_ += d.loss_sum;
+    step_targets_ += d.targets;
+  }
+  const size_t stages = plan_.stages.size();
+  if (static_cast<size_t>(j->stage) + 1 < stages) {
+    const JobState& next = jobs_[j->call * stages + j->stage + 1];
+    RP_RETURN_IF_ERROR(channel_->Send(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
+  }
+  return Status::Ok();
+}
+
+Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
+  RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, g.job_index, "GradsReady"));
+  if (plan_.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != cfg_.train.microbatches)
+    return Status::ProtocolError("unexpected GradsReady for job " + std::to_string(g.job_index));
+  j->grads_ready = true;
+  return TryCommits();
+}
+
+Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
+  RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, d.job_index, "JobDone"));
+  const bool needs_commit = plan_.stages[j->stage].kind != core::StageKind::kForward;
+  if (j->done || j->next_mb != cfg_.train.microbatches || (needs_commit && !j->commit_sent))
+    return Status::ProtocolError("premature JobDone for job " + std::to_string(d.job_index));
+  j->done = true;
+  j->start_us = d.start_us;
+  j->fetch_end_us = d.fetch_end_us;
+  j->end_us = d.end_us;
+  RecordTrace(*j);
+  RP_RETURN_IF_ERROR(TryCommits());
+  if (++call_jobs_done_[j->call] == static_cast<int>(plan_.stages.size())) {
+    // The call's slots (parity) are free again: the call two later may fill them.
+    if (j->call + 2 < cfg_.train.accum_calls) RP_RETURN_IF_ERROR(FeedCall(j->call + 2));
+  }
+  return Status::Ok();
+}
+
+Status Coordinator::Handle(int rank, const Message& m) {
+  switch (proto::TypeOfMessage(m)) {
+    case proto::MsgType::kMicrobatchDone: return OnMicrobatchDone(rank, std::get<proto::MicrobatchDone>(m));
+    case proto::MsgType::kGradsReady: return OnGradsReady(rank, std::get<proto::GradsReady>(m));
+    case proto::MsgType::kJobDone: return OnJobDone(rank, std::get<proto::JobDone>(m));
+    case proto::MsgType::kJobFailed: {
+      const auto& f = std::get<proto::JobFailed>(m);
+      return Status::Unavailable("worker " + std::to_string(rank) + " failed job " +
+                                 std::to_string(f.job_index) + ": " + f.message);
+    }
+    case proto::MsgType::kHello:
+      RP_LOG(WARNING) << "worker " << rank << " said Hello again mid-run; ignored";
+      return Status::Ok();
+    case proto::MsgType::kWelcome:
+    case proto::MsgType::kRunJob:
+    case proto::MsgType::kInputReady:
+    case proto::MsgType::kCommitGrads:
+    case proto::MsgType::kShutdown:
+      RP_LOG(WARNING) << "dropped coordinator-bound " << proto::MsgTypeName(proto::TypeOfMessage(m))
+                      << " from worker " << rank;
+      return Status::Ok();
+  }
+  return Status::Ok();
+}
+
+void Coordinator::Optimize(int64_t step, double* grad_norm, double* lr) {
+  const double t0 = MonoSeconds();
+  // Tied parameters: fold the extra gradient slots into the owner's slot, in slot order.
+  std::vector<int> primary(spec_.params.size(), -1);
+  for (size_t s = 0; s < spec_.grad_slots.size(); ++s) {
+    const int p = spec_.grad_slots[s].param;
+    if (primary[p] < 0) {
+      primary[p] = static_cast<int>(s);
+      continue;
+    }
+    float* dst = segment_->At<float>(layout_.grad[primary[p]]);
+    const float* src = segment_->At<float>(layout_.grad[s]);
+    for (int64_t i = 0; i < spec_.params[p].numel; ++i) dst[i] += src[i];
+  }
+  std::vector<ParamArrays> arrays;
+  for (size_t p = 0; p < spec_.params.size(); ++p) {
+    ParamArrays a;
+    a.master = segment_->At<float>(layout_.master[p]);
+    a.m = segment_->At<float>(layout_.adam_m[p]);
+    a.v = segment_->At<float>(layout_.adam_v[p]);
+    a.grad = segment_->At<float>(layout_.grad[primary[p]]);
+    a.compute = segment_->At<void>(layout_.compute[p]);
+    a.numel = spec_.params[p].numel;
+    a.decay = spec_.params[p].weight_decay;
+    arrays.push_back(a);
+  }
+  *lr = core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
+  const int threads = opts_.optimizer_threads > 0 ? opts_.optimizer_threads
+                                                  : static_cast<int>(std::thread::hardware_concurrency());
+  auto r = OptimizerStep(arrays, cfg_.optimizer, *lr, step + 1, cfg_.train.grad_clip,
+                         cfg_.train.dtype == "bf16" ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32,
+                         threads);
+  *grad_norm = r.grad_norm;
+  const double t1 = MonoSeconds();
+  nlohmann::json e = {{"name", "optimizer"}, {"cat", "optimizer"}, {"ph", "X"},
+                      {"ts", WallMicros() - static_cast<int64_t>((t1 - t0) * 1e6)},
+                      {"dur", static_cast<int64_t>((t1 - t0) * 1e6)}, {"pid", 0}, {"tid", 0},
+                      {"args", {{"step", step}}}};
+  trace_.push_back(e);
+}
+
+void Coordinator::RecordTrace(const JobState& j) {
+  if (!cfg_.metrics.trace) return;
+  const auto& st = plan_.stages[j.stage];
+  const char* kind = core::StageKindName(st.kind);
+  std::string name = std::string(st.kind == core::StageKind::kForward ? "F"
+                                 : st.kind == core::StageKind::kBackward ? "B" : "T") +
+                     std::to_string(j.stage);
+  nlohmann::json args = {{"job_index", j.index}, {"step", step_}, {"call", j.call},
+                         {"stage", j.stage}, {"kind", kind}, {"layers", {st.begin, st.end}},
+                         {"microbatches", cfg_.train.microbatches}, {"worker_rank", j.worker},
+                         {"worker_pid", worker_pids_[j.worker]},
+                         {"fetch_us", j.fetch_end_us - j.start_us}};
+  trace_.push_back({{"name", name}, {"cat", "job"}, {"ph", "X"}, {"ts", j.start_us},
+                    {"dur", j.end_us - j.start_us}, {"pid", j.worker + 1}, {"tid", 0},
+                    {"args", args}});
+  for (size_t m = 0; m < j.mb_times.size(); ++m) {
+    trace_.push_back({{"name", name + "/mb" + std::to_string(m)}, {"cat", "microbatch"},
+                      {"ph", "X"}, {"ts", j.mb_times[m].first},
+                      {"dur", j.mb_times[m].second - j.mb_times[m].first}, {"pid", j.worker + 1},
+                      {"tid", 1}, {"args", {{"job_index", j.index}, {"microbatch", m}}}});
+    busy_s_ += static_cast<double>(j.mb_times[m].second - j.mb_times[m].first) * 1e-6;
+  }
+}
+
+Status Coordinator::WriteTrace() {
+  if (!cfg_.metrics.trace) return Status::Ok();
+  nlohmann::json events = nlohmann::json::array();
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0},
+                    {"args", {{"name", "coordinator (pid " + std::to_string(::getpid()) + ")"}}}});
+  for (int w = 0; w < opts_.num_workers; ++w)
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", w + 1},
+                      {"args", {{"name", "worker " + std::to_string(w) + " (pid " +
+                                             std::to_string(worker_pids_[w]) + ")"}}}});
+  for (auto& e : trace_) events.push_back(e);
+  nlohmann::json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"},
+                        {"otherData", {{"coordinator_pid", ::getpid()},
+                                       {"num_workers", opts_.num_workers},
+                                       {"cursor0", 0},
+                                       {"plan", plan_.Describe()}}}};
+  return core::WriteFileAtomically(cfg_.job.output_dir + "/trace.json", doc.dump());
+}
+
+Status Coordinator::RunStep(int64_t step) {
+  const double t0 = MonoSeconds();
+  step_ = step;
+  step_loss_sum_ = 0.0;
+  step_targets_ = 0;
+  const int64_t targets = data_->CountStepTargets(step);
+  if (targets == 0) return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
+  loss_scale_ = 1.0 / static_cast<double>(targets);
+  // Gradient slots start each step at zero; workers add into them.
+  const uint64_t g0 = layout_.grad.front(), g1 = layout_.tokens;
+  std::memset(segment_->data() + g0, 0, g1 - g0);
+
+  const int K = static_cast<int>(cfg_.train.accum_calls);
+  const int S = static_cast<int>(plan_.stages.size());
+  first_job_of_step_ = job_counter_;
+  jobs_.assign(static_cast<size_t>(K) * S, JobState{});
+  call_jobs_done_.assign(K, 0);
+  for (int c = 0; c < K; ++c)
+    for (int s = 0; s < S; ++s) {
+      JobState& j = jobs_[c * S + s];
+      j.index = job_counter_++;
+      j.call = c;
+      j.stage = s;
+      j.worker = core::WorkerForJob(j.index, 0, opts_.num_workers);
+      proto::RunJob r{j.index, step, c, s,
+                      static_cast<int32_t>((step * K + c) % 2),
+                      static_cast<int32_t>(cfg_.train.microbatches), loss_scale_};
+      RP_RETURN_IF_ERROR(channel_->Send(j.worker, r));
+    }
+  for (int c = 0; c < std::min(K, 2); ++c) RP_RETURN_IF_ERROR(FeedCall(c));
+
+  size_t done = 0;
+  while (done < jobs_.size()) {
+    if (g_stop) return Status::Cancelled("stopped by signal during step " + std::to_string(step));
+    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(200));
+    if (!env) continue;
+    if (env->rank >= opts_.num_workers) {
+      RP_LOG(WARNING) << "dropped a message from unknown worker " << env->rank;
+      continue;
+    }
+    RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
+    done = 0;
+    for (auto& j : jobs_) done += j.done;
+  }
+  const double t_compute = MonoSeconds();
+  double grad_norm = 0.0, lr = 0.0;
+  Optimize(step, &grad_norm, &lr);
+  const double t1 = MonoSeconds();
+
+  core::StepMetrics m;
+  m.step = step + 1;
+  m.loss = step_loss_sum_ / static_cast<double>(step_targets_);
+  m.lr = lr;
+  m.grad_norm = grad_norm;
+  m.tokens = K * cfg_.train.microbatches * cfg_.TokensPerMicrobatch();
+  m.step_time_s = t1 - t0;
+  // Bubble ratio of this step: idle worker time over (workers x wall time of the pipeline part).
+  double busy = 0.0;
+  for (auto& j : jobs_)
+    for (auto& [a, b] : j.mb_times) busy += static_cast<double>(b - a) * 1e-6;
+  const double span = t_compute - t0;
+  m.bubble_ratio = span > 0 ? std::max(0.0, 1.0 - busy / (span * opts_.num_workers)) : 0.0;
+  makespan_s_ += span;
+  RP_RETURN_IF_ERROR(metrics_->Append(m));
+  RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr " << lr
+               << " grad_norm " << grad_norm << " " << static_cast<int64_t>(m.tokens / m.step_time_s)
+               << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "%";
+  return Status::Ok();
+}
+
+void Coordinator::ShutdownWorkers(int exit_code) {
+  if (!channel_) return;
+  for (int w = 0; w < opts_.num_workers; ++w) {
+    Status s = channel_->Send(w, proto::Shutdown{exit_code, 0});
+    if (!s.ok()) RP_VLOG(1) << "shutdown of worker " << w << ": " << s.message();
+  }
+}
+
+Status Coordinator::Run() {
+  RP_RETURN_IF_ERROR(Setup());
+  RP_RETURN_IF_ERROR(InitState());
+  Status st = AcceptWorkers();
+  const double t0 = MonoSeconds();
+  for (int64_t step = 0; st.ok() && step < cfg_.train.steps; ++step) st = RunStep(step);
+  const double wall = MonoSeconds() - t0;
+  ShutdownWorkers(st.ok() ? 0 : 1);
+  Status trace = WriteTrace();
+  if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
+  if (st.ok()) {
+    nlohmann::json summary = {
+        {"steps", cfg_.train.steps}, {"num_workers", opts_.num_workers},
+        {"plan", plan_.Describe()}, {"trainable_params", spec_.TrainableParams()},
+        {"segment_bytes", layout_.total_bytes}, {"wall_s", wall},
+        {"tokens_per_s", static_cast<double>(cfg_.train.steps * cfg_.train.accum_calls *
+                                             cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
+        {"busy_s", busy_s_}, {"pipeline_s", makespan_s_}};
+    RP_RETURN_IF_ERROR(core::WriteFileAtomically(cfg_.job.output_dir + "/summary.json",
+                                                 summary.dump(2) + "\n"));
+  }
+  // Give the Shutdown frames a moment to leave before the socket closes with LINGER 0.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return st;
+}
+
+}  // namespace
+
+void RequestStop() { g_stop = true; }
+
+Status RunCoordinator(const CoordinatorOptions& options) {
+  Coordinator c(options);
+  return c.Run();
+}
+
+}  // namespace rp::coord

@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: Apache-2.0
+// rp-coordinator: owns the run's host state and drives the schedule.
+//
+// Role: creates the state segment (and is the only process that unlinks it), initializes the
+// weights, accepts N workers, dispatches stage jobs round-robin, routes per-microbatch readiness
+// between consecutive jobs, orders gradient commits, runs the optimizer, writes metrics.jsonl,
+// summary.json and trace.json. It never runs layer compute and links no model code.
+//
+// Threading: one event-loop thread owns the control socket; the optimizer uses a thread pool
+// inside a step. Failure: any Status error ends the run; workers are told to shut down and the
+// segment name is removed by RAII on every path.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace rp::coord {
+
+struct CoordinatorOptions {
+  std::string job_path;
+  std::vector<std::string> overrides;
+  int num_workers = 1;
+  std::string session;
+  std::string runtime_dir;
+  int optimizer_threads = 0;      // 0: hardware concurrency
+  int hello_timeout_s = 120;      // how long to wait for every worker to connect
+};
+
+// Runs the whole job. Returns OK after the last step's metrics are written.
+Status RunCoordinator(const CoordinatorOptions& options);
+
+// Asks a running coordinator to stop (async-signal-safe; used by the SIGINT/SIGTERM handler).
+void RequestStop();
+
+}  // namespace rp::coord

@@ -1,0 +1,47 @@
+// SPDX-License-Identifier: Apache-2.0
+// rp-coordinator: normally started by rp-launch, which passes every flag below.
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+
+#include "common/exit_status.h"
+#include "common/logging.h"
+#include "common/session.h"
+#include "coordinator/coordinator.h"
+
+namespace {
+void OnSignal(int) { rp::coord::RequestStop(); }
+}  // namespace
+
+int main(int argc, char** argv) {
+  rp::BindLifetimeToLauncher();
+  rp::coord::CoordinatorOptions o;
+  int verbosity = 0;
+  CLI::App app{"RoundPipe coordinator (started by rp-launch)"};
+  app.add_option("--job", o.job_path, "job file")->required();
+  app.add_option("--set", o.overrides, "section.key=value override");
+  app.add_option("--gpus", o.num_workers, "number of workers")->required()->check(CLI::Range(1, 4096));
+  app.add_option("--session", o.session, "session id")->required();
+  app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();
+  app.add_option("--optimizer-threads", o.optimizer_threads, "CPU optimizer threads (0 = all)");
+  app.add_option("-v", verbosity, "verbosity");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : rp::kExitBadConfig;
+  }
+  rp::InitLogging(argv[0], "coordinator");
+  rp::SetVerbosity(verbosity);
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  rp::Status s = rp::coord::RunCoordinator(o);
+  if (!s.ok()) {
+    RP_LOG(ERROR) << s.ToString();
+    return rp::ExitCodeFor(s);
+  }
+  RP_LOG(INFO) << "done";
+  return 0;
+}

@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "coordinator/optim/adamw.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace rp::coord {
+
+uint16_t FloatToBFloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float BFloat16ToFloat(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype) {
+  // Same operation order as torch.optim.AdamW (single-tensor path) so results agree to rounding.
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const float step_size = static_cast<float>(h.lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  const float b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
+  const float one_minus_b1 = static_cast<float>(1.0 - h.beta1);
+  const float one_minus_b2 = static_cast<float>(1.0 - h.beta2);
+  const float eps = static_cast<float>(h.eps);
+  float* out32 = static_cast<float*>(compute);
+  uint16_t* out16 = static_cast<uint16_t*>(compute);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i] * grad_scale;
+    float p = master[i] * decay;
+    const float mi = m[i] * b1 + g * one_minus_b1;
+    const float vi = v[i] * b2 + g * g * one_minus_b2;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    p = p - step_size * (mi / denom);
+    master[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+    if (compute_dtype == ComputeDtype::kFloat32) out32[i] = p;
+    else out16[i] = FloatToBFloat16(p);
+  }
+}
+
+void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
+  if (threads <= 1 || n <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto body = [&] {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  std::vector<std::thread> pool;
+  const int t = static_cast<int>(std::min<int64_t>(threads, n));
+  for (int i = 1; i < t; ++i) pool.emplace_back(body);
+  body();
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace rp::coord

@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: Apache-2.0
+// AdamW on flat fp32 arrays (torch.optim.AdamW semantics: decoupled weight decay, bias
+// correction), plus a parallel-for used to spread parameter updates over threads.
+//
+// Contract: AdamWUpdate() makes one pass over n elements: reads master, m, v and grad (times
+// grad_scale, which carries gradient clipping), writes master, m, v and the compute copy (fp32 or
+// bf16, round-to-nearest-even). The scalar loop here is the oracle that SIMD versions must match.
+// Pure function of its arguments; call it on disjoint ranges from several threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace rp::coord {
+
+struct AdamWHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // already 0 for parameters excluded from decay
+  int64_t step = 1;           // 1-based, for bias correction
+};
+
+enum class ComputeDtype : uint8_t { kFloat32, kBFloat16 };
+
+void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype);
+
+uint16_t FloatToBFloat16(float f);
+float BFloat16ToFloat(uint16_t b);
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads (work-stealing by an atomic counter, so
+// a few huge tasks and many tiny ones both balance).
+void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn);
+
+}  // namespace rp::coord

@@ -1,0 +1,38 @@
+// SPDX-License-Identifier: Apache-2.0
+// One optimizer step over a whole model: global gradient norm, clipping, AdamW per parameter.
+//
+// Shared by rp-coordinator (arrays in shared memory) and rp-train-ref (arrays in its own
+// tensors), so both apply bit-identical updates to bit-identical gradients.
+// The norm is summed per parameter in double and then over parameters in index order, so it
+// does not depend on the thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "coordinator/optim/adamw.h"
+#include "core/job_config.h"
+
+namespace rp::coord {
+
+struct ParamArrays {
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  const float* grad = nullptr;
+  void* compute = nullptr;  // may alias master when the compute dtype is fp32
+  int64_t numel = 0;
+  bool decay = true;
+};
+
+struct OptimizerStepResult {
+  double grad_norm = 0.0;   // before clipping
+  double clip_scale = 1.0;  // multiplier applied to the gradients
+};
+
+OptimizerStepResult OptimizerStep(const std::vector<ParamArrays>& params,
+                                  const core::OptimizerConfig& opt, double lr,
+                                  int64_t step_one_based, double grad_clip, ComputeDtype dtype,
+                                  int threads);
+
+}  // namespace rp::coord

@@ -1,0 +1,420 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "core/job_config.h"
+
+#include <toml++/toml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <sstream>
+
+namespace rp::core {
+namespace {
+
+namespace fs = std::filesystem;
+
+using Setter = std::function<Status(const toml::node&, JobConfig&, const std::string& name)>;
+
+struct KeySpec {
+  KeyDoc doc;
+  Setter set;
+};
+
+std::string TypeOf(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "string";
+    case toml::node_type::integer: return "integer";
+    case toml::node_type::floating_point: return "float";
+    case toml::node_type::boolean: return "boolean";
+    case toml::node_type::array: return "array";
+    case toml::node_type::table: return "table";
+    default: return "date/time";
+  }
+}
+
+Status WrongType(const std::string& name, const char* want, const toml::node& n) {
+  return Status::InvalidArgument(name + ": expected " + want + ", got " + TypeOf(n));
+}
+
+template <typename Field>
+KeySpec Int(std::string section, std::string key, Field field, int64_t def, int64_t lo, int64_t hi,
+            std::string meaning) {
+  KeySpec s;
+  std::string range = "range [" + std::to_string(lo) + ", " +
+                      (hi == std::numeric_limits<int64_t>::max() ? std::string("inf")
+                                                                  : std::to_string(hi)) + "]";
+  s.doc = {section, key, "int", std::to_string(def), meaning + " (" + range + ")"};
+  s.set = [field, lo, hi](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
+    auto v = n.value_exact<int64_t>();
+    if (!v) return WrongType(name, "an integer", n);
+    if (*v < lo || *v > hi)
+      return Status::InvalidArgument(name + ": must be in [" + std::to_string(lo) + ", " +
+                                     std::to_string(hi) + "], got " + std::to_string(*v));
+    field(c) = *v;
+    return Status::Ok();
+  };
+  return s;
+}
+
+template <typename Field>
+KeySpec Float(std::string section, std::string key, Field field, double def, double lo, double hi,
+              std::string meaning) {
+  KeySpec s;
+  std::ostringstream d;
+  d << def;
+  s.doc = {section, key, "float", d.str(), meaning};
+  s.set = [field, lo, hi](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
+    std::optional<double> v;
+    if (auto f = n.value_exact<double>()) v = *f;
+    else if (auto i = n.value_exact<int64_t>()) v = static_cast<double>(*i);
+    if (!v) return WrongType(name, "a number", n);
+    if (!(*v >= lo && *v <= hi)) {
+      std::ostringstream m;
+      m << name << ": must be in [" << lo << ", " << hi << "], got " << *v;
+      return Status::InvalidArgument(m.str());
+    }
+    field(c) = *v;
+    return Status::Ok();
+  };
+  return s;
+}
+
+template <typename Field>
+KeySpec Bool(std::string section, std::string key, Field field, bool def, std::string meaning) {
+  KeySpec s;
+  s.doc = {section, key, "bool", def ? "true" : "false", meaning};
+  s.set = [field](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
+    auto v = n.value_exact<bool>();
+    if (!v) return WrongType(name, "true or false", n);
+    field(c) = *v;
+    return Status::Ok();
+  };
+  return s;
+}
+
+template <typename Field>
+KeySpec Str(std::string section, std::string key, Field field, std::string def,
+            std::string meaning) {
+  KeySpec s;
+  s.doc = {section, key, "string", "\"" + def + "\"", meaning};
+  s.set = [field](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
+    auto v = n.value_exact<std::string>();
+    if (!v) return WrongType(name, "a string", n);
+    field(c) = *v;
+    return Status::Ok();
+  };
+  return s;
+}
+
+template <typename Field>
+KeySpec Enum(std::string section, std::string key, Field field, std::string def,
+             std::vector<std::string> allowed, std::string meaning) {
+  KeySpec s;
+  std::string list;
+  for (auto& a : allowed) list += (list.empty() ? "" : " | ") + ("\"" + a + "\"");
+  s.doc = {section, key, "enum", "\"" + def + "\"", meaning + " (" + list + ")"};
+  s.set = [field, allowed, list](const toml::node& n, JobConfig& c,
+                                 const std::string& name) -> Status {
+    auto v = n.value_exact<std::string>();
+    if (!v) return WrongType(name, "a string", n);
+    for (auto& a : allowed)
+      if (*v == a) {
+        field(c) = *v;
+        return Status::Ok();
+      }
+    return Status::InvalidArgument(name + ": must be one of " + list + ", got \"" + *v + "\"");
+  };
+  return s;
+}
+
+template <typename Field>
+KeySpec IntArray(std::string section, std::string key, Field field, std::string meaning) {
+  KeySpec s;
+  s.doc = {section, key, "int array", "[]", meaning};
+  s.set = [field](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
+    const toml::array* arr = n.as_array();
+    if (!arr) return WrongType(name, "an array of integers", n);
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < arr->size(); ++i) {
+      auto v = (*arr)[i].value_exact<int64_t>();
+      if (!v) return WrongType(name + "[" + std::to_string(i) + "]", "an integer", (*arr)[i]);
+      out.push_back(*v);
+    }
+    field(c) = out;
+    return Status::Ok();
+  };
+  return s;
+}
+
+#define F(member) [](JobConfig& c) -> auto& { return c.member; }
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+const std::vector<KeySpec>& Table() {
+  static const std::vector<KeySpec> table = {
+      Str("job", "name", F(job.name), "job", "Name used in logs and the summary."),
+      Str("job", "output_dir", F(job.output_dir), "output",
+          "Where metrics.jsonl, summary.json, trace.json and logs go; relative to the job file. "
+          "An existing directory is reused, but not one holding a previous run's metrics."),
+      Enum("job", "device", F(job.device), "auto", {"auto", "cpu", "cuda"},
+           "Worker backend; auto = cuda when the build has CUDA and a GPU is visible"),
+
+      Str("model", "path", F(model.path), "",
+          "Hugging Face model directory; its config.json overrides the architecture keys. "
+          "Not supported yet: must be empty."),
+      Int("model", "vocab_size", F(model.vocab_size), 256, 2, 1 << 24, "Vocabulary size"),
+      Int("model", "hidden_size", F(model.hidden_size), 128, 1, 1 << 20, "Model width"),
+      Int("model", "intermediate_size", F(model.intermediate_size), 384, 1, 1 << 22,
+          "SwiGLU MLP width"),
+      Int("model", "num_layers", F(model.num_layers), 4, 1, 4096, "Decoder blocks"),
+      Int("model", "num_heads", F(model.num_heads), 4, 1, 4096, "Query heads"),
+      Int("model", "num_kv_heads", F(model.num_kv_heads), 2, 1, 4096,
+          "Key/value heads (GQA); must divide num_heads"),
+      Int("model", "head_dim", F(model.head_dim), 32, 2, 4096, "Per-head width; must be even (RoPE)"),
+      Float("model", "rope_theta", F(model.rope_theta), 10000.0, 1.0, 1e12, "RoPE base"),
+      Float("model", "rms_norm_eps", F(model.rms_norm_eps), 1e-6, 0.0, 1.0, "RMSNorm epsilon"),
+      Bool("model", "qk_norm", F(model.qk_norm), true, "Per-head RMSNorm on q and k (Qwen3)"),
+      Bool("model", "tie_embeddings", F(model.tie_embeddings), true,
+           "LM head shares the embedding matrix"),
+      Float("model", "init_std", F(model.init_std), 0.02, 0.0, 10.0,
+            "Std of the normal init of matrices (norm weights start at 1)"),
+
+      Enum("data", "format", F(data.format), "bytes", {"bytes", "random"},
+           "bytes: the file at data.path, one token per byte (vocab_size >= 256); "
+           "random: uniform synthetic tokens from train.seed (benchmarks)"),
+      Str("data", "path", F(data.path), "", "Text corpus for format = bytes; relative to the job file"),
+      Int("data", "seq_len", F(data.seq_len), 64, 2, 1 << 20, "Tokens per sequence"),
+      Bool("data", "shuffle", F(data.shuffle), true,
+           "Visit the corpus windows in a seeded random order each epoch"),
+
+      Int("train", "steps", F(train.steps), 20, 1, kMax, "Optimizer steps"),
+      Int("train", "seed", F(train.seed), 1234, 0, kMax, "Seed of init and data order"),
+      Int("train", "microbatches", F(train.microbatches), 3, 1, 4096,
+          "M: microbatches per accumulation call (>= GPUs + 1 keeps the pipeline full)"),
+      Int("train", "accum_calls", F(train.accum_calls), 2, 1, 4096,
+          "K: accumulation calls per optimizer step"),
+      Int("train", "microbatch_size", F(train.microbatch_size), 2, 1, 1 << 20,
+          "Sequences per microbatch"),
+      Enum("train", "dtype", F(train.dtype), "fp32", {"fp32", "bf16"},
+           "Compute dtype of the weight copy workers read; masters and moments are fp32"),
+      Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
+            "Clip the global gradient L2 norm to this; 0 disables"),
+
+      Enum("optimizer", "name", F(optimizer.name), "adamw", {"adamw"}, "Optimizer"),
+      Enum("optimizer", "mode", F(optimizer.mode), "exact", {"exact", "stale1"},
+           "exact: step t+1 sees step t's update; stale1: one step stale (not implemented yet)"),
+      Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
+      Float("optimizer", "min_lr", F(optimizer.min_lr), 3e-4, 0.0, 10.0,
+            "Learning rate at the end of the cosine decay"),
+      Int("optimizer", "warmup_steps", F(optimizer.warmup_steps), 2, 0, kMax,
+          "Linear warmup steps before the cosine decay"),
+      Float("optimizer", "weight_decay", F(optimizer.weight_decay), 0.1, 0.0, 10.0,
+            "Decoupled weight decay (applied to matrices, not to norm weights)"),
+      Float("optimizer", "beta1", F(optimizer.beta1), 0.9, 0.0, 0.999999, "Adam beta1"),
+      Float("optimizer", "beta2", F(optimizer.beta2), 0.95, 0.0, 0.9999999, "Adam beta2"),
+      Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
+
+      Int("lora", "rank", F(lora.rank), 0, 0, 0,
+          "LoRA rank; 0 = full fine-tuning (LoRA is not implemented yet)"),
+
+      Int("schedule", "forward_stages", F(schedule.forward_stages), 2, 1, 4096,
+          "Forward stages, equal layer counts (ignored when forward_cuts is set)"),
+      Int("schedule", "backward_stages", F(schedule.backward_stages), 2, 1, 4096,
+          "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is set)"),
+      Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
+          "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
+      IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
+               "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
+               "1..num_layers = blocks)"),
+      IntArray("schedule", "backward_cuts", F(schedule.backward_cuts),
+               "Explicit first layers of the non-tail backward stages except the one at 0 "
+               "(ascending)"),
+      Enum("schedule", "activation_transport", F(schedule.activation_transport), "auto",
+           {"auto", "host", "cuda_ipc"}, "How activations move between workers"),
+
+      Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
+          "Write a training checkpoint every this many steps; 0 = never"),
+      Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
+          "Checkpoint directory, relative to job.output_dir"),
+
+      Bool("metrics", "trace", F(metrics.trace), true, "Write trace.json (Chrome/Perfetto format)"),
+  };
+  return table;
+}
+#undef F
+
+std::string Join(const std::string& dir, const std::string& p) {
+  if (p.empty()) return p;
+  fs::path path(p);
+  if (path.is_absolute()) return path.lexically_normal().string();
+  return (fs::path(dir) / path).lexically_normal().string();
+}
+
+Status CheckCuts(const std::string& name, const std::vector<int64_t>& cuts, int64_t lo, int64_t hi) {
+  int64_t prev = lo - 1;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    if (cuts[i] < lo || cuts[i] > hi)
+      return Status::InvalidArgument(name + "[" + std::to_string(i) + "]: layer " +
+                                     std::to_string(cuts[i]) + " is outside [" + std::to_string(lo) +
+                                     ", " + std::to_string(hi) + "]");
+    if (cuts[i] <= prev)
+      return Status::InvalidArgument(name + ": must be strictly ascending, got " +
+                                     std::to_string(cuts[i]) + " after " + std::to_string(prev));
+    prev = cuts[i];
+  }
+  return Status::Ok();
+}
+
+Status CrossValidate(const JobConfig& c) {
+  const auto& m = c.model;
+  if (!m.path.empty())
+    return Status::InvalidArgument("model.path: loading Hugging Face model directories is not "
+                                   "implemented yet; remove the key and use the [model] keys");
+  if (m.num_heads % m.num_kv_heads != 0)
+    return Status::InvalidArgument("model.num_kv_heads: must divide model.num_heads (" +
+                                   std::to_string(m.num_heads) + "), got " +
+                                   std::to_string(m.num_kv_heads));
+  if (m.head_dim % 2 != 0)
+    return Status::InvalidArgument("model.head_dim: must be even for rotary embeddings, got " +
+                                   std::to_string(m.head_dim));
+  if (c.data.format == "bytes") {
+    if (c.data.path.empty())
+      return Status::InvalidArgument("data.path: required when data.format = \"bytes\"");
+    std::error_code ec;
+    if (!fs::is_regular_file(c.data.path, ec))
+      return Status::InvalidArgument("data.path: no such file: " + c.data.path);
+    if (m.vocab_size < 256)
+      return Status::InvalidArgument("model.vocab_size: must be >= 256 for data.format = "
+                                     "\"bytes\", got " + std::to_string(m.vocab_size));
+    auto size = fs::file_size(c.data.path, ec);
+    if (ec || static_cast<int64_t>(size) < c.data.seq_len + 1)
+      return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
+                                     std::to_string(c.data.seq_len + 1) + " bytes");
+  }
+  if (c.optimizer.mode == "stale1")
+    return Status::InvalidArgument("optimizer.mode: \"stale1\" is not implemented yet; use \"exact\"");
+  if (c.optimizer.min_lr > c.optimizer.lr)
+    return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
+  if (c.train.dtype == "bf16" && c.job.device == "cpu")
+    return Status::InvalidArgument("train.dtype: \"bf16\" needs job.device = \"cuda\" or \"auto\"; "
+                                   "CPU workers compute in fp32");
+  // Pipeline layers: 0 = embedding, 1..L = blocks, L+1 = head. The tail holds the head and
+  // tail_blocks blocks, so forward stages cover [0, tail_start).
+  const int64_t L = m.num_layers;
+  if (c.schedule.tail_blocks > L)
+    return Status::InvalidArgument("schedule.tail_blocks: must be <= model.num_layers (" +
+                                   std::to_string(L) + "), got " +
+                                   std::to_string(c.schedule.tail_blocks));
+  const int64_t tail_start = L + 1 - c.schedule.tail_blocks;
+  if (c.schedule.forward_cuts.empty() && c.schedule.forward_stages > tail_start)
+    return Status::InvalidArgument("schedule.forward_stages: " +
+                                   std::to_string(c.schedule.forward_stages) +
+                                   " stages for only " + std::to_string(tail_start) +
+                                   " forward layers");
+  if (c.schedule.backward_cuts.empty() && c.schedule.backward_stages > tail_start)
+    return Status::InvalidArgument("schedule.backward_stages: " +
+                                   std::to_string(c.schedule.backward_stages) +
+                                   " stages for only " + std::to_string(tail_start) +
+                                   " backward layers");
+  RP_RETURN_IF_ERROR(CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
+  RP_RETURN_IF_ERROR(CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
+  if (c.checkpoint.every > 0)
+    return Status::InvalidArgument("checkpoint.every: training checkpoints are not implemented yet; "
+                                   "set 0");
+  return Status::Ok();
+}
+
+StatusOr<toml::table> ParseText(const std::string& text, const std::string& origin) {
+  try {
+    return toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream m;
+    m << origin << ":" << e.source().begin.line << ":" << e.source().begin.column
+      << ": TOML syntax error: " << e.description();
+    return Status::InvalidArgument(m.str());
+  }
+}
+
+Status ApplyOverride(toml::table& root, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  auto dot = assignment.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+    return Status::InvalidArgument("--set " + assignment +
+                                   ": expected section.key=value (for example train.steps=5)");
+  std::string section = assignment.substr(0, dot);
+  std::string key = assignment.substr(dot + 1, eq - dot - 1);
+  std::string value = assignment.substr(eq + 1);
+  if (section.empty() || key.empty())
+    return Status::InvalidArgument("--set " + assignment + ": empty section or key");
+  // The value is TOML (5, 1e-3, true, "x", [1, 2]); anything that does not parse is a string.
+  toml::table snippet;
+  try {
+    snippet = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    snippet.insert_or_assign("v", value);
+  }
+  toml::table* sec = root[section].as_table();
+  if (!sec) {
+    root.insert_or_assign(section, toml::table{});
+    sec = root[section].as_table();
+  }
+  sec->insert_or_assign(key, *snippet.get("v"));
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::vector<KeyDoc> DocumentedKeys() {
+  std::vector<KeyDoc> out;
+  for (auto& s : Table()) out.push_back(s.doc);
+  return out;
+}
+
+StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
+                                   const std::vector<std::string>& overrides) {
+  RP_ASSIGN_OR_RETURN(toml::table root, ParseText(toml_text, base_dir + "/<job>"));
+  for (auto& o : overrides) RP_RETURN_IF_ERROR(ApplyOverride(root, o));
+
+  std::map<std::string, std::map<std::string, const KeySpec*>> known;
+  for (auto& s : Table()) known[s.doc.section][s.doc.key] = &s;
+
+  JobConfig cfg;
+  for (auto& [sec_name, sec_node] : root) {
+    std::string sec(sec_name.str());
+    auto it = known.find(sec);
+    if (it == known.end())
+      return Status::InvalidArgument(sec + ": unknown section (known: job, model, data, train, "
+                                     "optimizer, lora, schedule, checkpoint, metrics)");
+    const toml::table* tbl = sec_node.as_table();
+    if (!tbl) return Status::InvalidArgument(sec + ": must be a [" + sec + "] table");
+    for (auto& [key_name, node] : *tbl) {
+      std::string key(key_name.str());
+      auto kit = it->second.find(key);
+      if (kit == it->second.end())
+        return Status::InvalidArgument(sec + "." + key + ": unknown key (see configs/README.md)");
+      RP_RETURN_IF_ERROR(kit->second->set(node, cfg, sec + "." + key));
+    }
+  }
+  cfg.data.path = Join(base_dir, cfg.data.path);
+  cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
+  RP_RETURN_IF_ERROR(CrossValidate(cfg));
+  return cfg;
+}
+
+StatusOr<JobConfig> LoadJobConfig(const std::string& path,
+                                  const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return Status::InvalidArgument("job file: no such file: " + path);
+  std::ifstream in(path);
+  if (!in) return Status::InvalidArgument("job file: cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  fs::path abs = fs::absolute(path, ec).lexically_normal();
+  auto cfg = ParseJobConfig(ss.str(), abs.parent_path().string(), overrides);
+  if (!cfg.ok()) return Status::InvalidArgument(path + ": " + cfg.status().message());
+  cfg->source_path = abs.string();
+  return cfg;
+}
+
+}  // namespace rp::core

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+// JobConfig: the TOML job file, validated.
+//
+// Contract:
+//  * LoadJobConfig() parses a job file, applies `--set section.key=value` overrides, and
+//    validates everything before any process or shared-memory segment exists. Any problem is an
+//    InvalidArgument Status whose message starts with the key ("train.steps: must be >= 1, got 0").
+//  * Unknown sections and keys are errors (a typo must never be silently ignored).
+//  * Every key is declared once in the table in job_config.cc; `configs/README.md` documents the
+//    same table and a unit test keeps the two in sync.
+//  * Relative paths (data.path, job.output_dir) resolve against the job file's directory.
+//  * The struct is a plain value: copy it freely; no thread-safety concerns.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace rp::core {
+
+struct ModelConfig {
+  std::string path;  // Hugging Face model directory (not yet supported: must be empty)
+  int64_t vocab_size = 256;
+  int64_t hidden_size = 128;
+  int64_t intermediate_size = 384;
+  int64_t num_layers = 4;        // decoder blocks
+  int64_t num_heads = 4;
+  int64_t num_kv_heads = 2;      // grouped-query attention when < num_heads
+  int64_t head_dim = 32;
+  double rope_theta = 10000.0;
+  double rms_norm_eps = 1e-6;
+  bool qk_norm = true;           // Qwen3's per-head RMSNorm on q and k
+  bool tie_embeddings = true;
+  double init_std = 0.02;
+};
+
+struct DataConfig {
+  std::string format = "bytes";  // "bytes": UTF-8 file as byte tokens; "random": synthetic
+  std::string path;              // resolved to an absolute path
+  int64_t seq_len = 64;
+  bool shuffle = true;
+};
+
+struct TrainConfig {
+  int64_t steps = 20;
+  int64_t seed = 1234;
+  int64_t microbatches = 3;      // M per accumulation call
+  int64_t accum_calls = 2;       // K calls per optimizer step
+  int64_t microbatch_size = 2;   // sequences per microbatch
+  std::string dtype = "fp32";    // "fp32" | "bf16" (compute copy dtype; masters are fp32)
+  double grad_clip = 1.0;        // global L2 norm; 0 disables
+};
+
+struct OptimizerConfig {
+  std::string name = "adamw";
+  std::string mode = "exact";    // "exact" | "stale1"
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 2;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+};
+
+struct LoraConfig {
+  int64_t rank = 0;              // 0: full fine-tuning
+};
+
+struct ScheduleConfig {
+  int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty
+  int64_t backward_stages = 2;   // equal split of the non-tail backward layers
+  int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
+  std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
+  std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
+  std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"
+};
+
+struct CheckpointConfig {
+  int64_t every = 0;             // steps between checkpoints; 0 = only none
+  std::string dir = "checkpoints";
+};
+
+struct MetricsConfig {
+  bool trace = true;             // write trace.json
+};
+
+struct JobOptions {
+  std::string name = "job";
+  std::string output_dir = "output";
+  std::string device = "auto";   // "auto" | "cpu" | "cuda"
+};
+
+struct JobConfig {
+  JobOptions job;
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  OptimizerConfig optimizer;
+  LoraConfig lora;
+  ScheduleConfig schedule;
+  CheckpointConfig checkpoint;
+  MetricsConfig metrics;
+
+  std::string source_path;       // the job file, absolute
+
+  // Derived: layers in the pipeline = embedding + blocks + head.
+  int64_t TotalLayers() const { return model.num_layers + 2; }
+  int64_t TokensPerMicrobatch() const { return train.microbatch_size * data.seq_len; }
+};
+
+// Parses `path`, applies overrides ("section.key=value"; the value is TOML, or a bare string),
+// validates. The returned message names the key and the problem.
+StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides);
+// Same from TOML text (tests); `base_dir` resolves relative paths.
+StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
+                                   const std::vector<std::string>& overrides);
+
+// One documented key: the table that drives parsing, validation and configs/README.md.
+struct KeyDoc {
+  std::string section;
+  std::string key;
+  std::string type;     // "int" | "float" | "bool" | "string" | "int array" | "enum"
+  std::string default_value;
+  std::string meaning;
+};
+std::vector<KeyDoc> DocumentedKeys();
+
+}  // namespace rp::core

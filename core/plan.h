@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+// PipelinePlan: layers -> stages, which activations cross stage boundaries, and the round-robin
+// dispatch rule.
+//
+// Layers are numbered 0 = embedding, 1..L = decoder blocks, L+1 = head; "boundary b" is the
+// hidden state entering layer b. Stages of one accumulation call run as a chain:
+//   F_0 .. F_{f-1}   forward stages, ascending layer ranges covering [0, tail_start)
+//   T                the fused tail: forward of [tail_start, L+2), loss, backward (no recompute)
+//   B_1 .. B_b       backward stages, descending ranges covering [0, tail_start), each
+//                    recomputing its layers from a checkpoint then backpropagating
+// Microbatch m of chain position k starts after microbatch m of position k-1, so the chain order
+// is the only dependency inside a call.
+//
+// Dispatch: the k-th stage job launched since the run began (counting across calls and steps)
+// runs on worker (cursor0 + k) mod N. One rule, one place: WorkerForJob().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "core/job_config.h"
+
+namespace rp::core {
+
+enum class StageKind : uint8_t { kForward = 0, kFusedTail = 1, kBackward = 2 };
+const char* StageKindName(StageKind k);
+
+struct Stage {
+  StageKind kind;
+  int begin;  // first layer
+  int end;    // one past the last layer
+};
+
+struct PipelinePlan {
+  int num_layers = 0;  // pipeline layers (L + 2)
+  int tail_start = 0;
+  std::vector<Stage> stages;             // chain order: forward, tail, backward
+  std::vector<int> hidden_boundaries;    // boundaries stored in activation slots, ascending
+  std::vector<int> grad_boundaries;      // boundaries whose input-gradient crosses stages
+
+  int NumForward() const;
+  // Slot index of boundary b in hidden_boundaries / grad_boundaries, or -1.
+  int HiddenSlot(int b) const;
+  int GradSlot(int b) const;
+  // True if a forward stage must save the hidden state entering layer b (a checkpoint for a
+  // backward stage that starts there).
+  bool IsCheckpoint(int b) const;
+  std::string Describe() const;
+};
+
+// Builds the plan from [schedule] (explicit cuts, else equal layer counts). Never drops or
+// duplicates a layer: each of forward and backward covers [0, tail_start) exactly once.
+StatusOr<PipelinePlan> MakePlan(const JobConfig& config);
+
+// Splits [0, n) into `parts` contiguous ranges whose sizes differ by at most one (larger first).
+std::vector<int> EqualCuts(int n, int parts);
+
+inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {
+  return static_cast<int>((cursor0 + job_index) % num_workers);
+}
+
+}  // namespace rp::core

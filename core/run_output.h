@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// The run's output directory: metrics.jsonl (one JSON object per optimizer step) and
+// summary.json. Shared by rp-coordinator and rp-train-ref so their files compare line by line.
+//
+// Contract: PrepareOutputDir() creates the directory if needed and refuses (InvalidArgument) one
+// that already holds a previous run's metrics or checkpoints: nothing on disk is overwritten.
+// MetricsWriter flushes each line as it is written, so a crash loses at most the current step.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "common/status.h"
+#include "core/job_config.h"
+
+namespace rp::core {
+
+Status CheckOutputDir(const JobConfig& config);  // no side effects
+Status PrepareOutputDir(const JobConfig& config);
+
+struct StepMetrics {
+  int64_t step = 0;       // 1-based: the number of optimizer updates applied after this step
+  double loss = 0.0;
+  double lr = 0.0;
+  double grad_norm = 0.0;
+  int64_t tokens = 0;
+  double step_time_s = 0.0;
+  double bubble_ratio = -1.0;  // omitted when < 0
+};
+
+class MetricsWriter {
+ public:
+  static StatusOr<MetricsWriter> Open(const std::string& path);
+  MetricsWriter(MetricsWriter&& o) noexcept : f_(o.f_) { o.f_ = nullptr; }
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  ~MetricsWriter();
+  Status Append(const StepMetrics& m);
+
+ private:
+  explicit MetricsWriter(std::FILE* f) : f_(f) {}
+  std::FILE* f_;
+};
+
+// Writes `json_text` to `path` atomically (temporary name, fsync, rename).
+Status WriteFileAtomically(const std::string& path, const std::string& text);
+
+}  // namespace rp::core

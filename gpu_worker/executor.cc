@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "gpu_worker/executor.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+namespace rp::worker {
+
+Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                   const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+                   const shm::Segment& segment, Device& device)
+    : cfg_(cfg),
+      spec_(spec),
+      plan_(plan),
+      layout_(layout),
+      segment_(segment),
+      device_(device),
+      math_(cfg.model),
+      act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat) {}
+
+bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
+
+Status Executor::Begin(const proto::RunJob& job) {
+  if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size()) || job.parity < 0 ||
+      job.parity > 1 || job.num_microbatches != cfg_.train.microbatches)
+    return Status::ProtocolError("RunJob " + std::to_string(job.job_index) +
+                                 " has out-of-range stage, parity or microbatch count");
+  job_ = job;
+  stage_ = plan_.stages[job.stage];
+  weights_.clear();
+  grad_uses_.clear();
+  const bool grads = HasGrads();
+  try {
+    for (int l = stage_.begin; l < stage_.end; ++l) {
+      model::LayerWeights w;
+      for (const auto& use : spec_.layer_uses[l]) {
+        const auto& p = spec_.params[use.param];
+        at::Tensor t = device_.Fetch(segment_.data() + layout_.compute[use.param], p.shape, act_dtype_);
+        if (grads) {
+          t.requires_grad_(true);
+          grad_uses_.push_back({t, use.grad_slot});
+        }
+        w.emplace(use.role, t);
+      }
+      weights_.push_back(std::move(w));
+    }
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("fetching weights: ") + e.what_without_backtrace());
+  }
+  return Status::Ok();
+}
+
+at::Tensor Executor::Tokens(int mb, bool labels) {
+  const uint64_t off = labels ? layout_.LabelSlot(job_.parity, mb) : layout_.TokenSlot(job_.parity, mb);
+  return device_.Fetch(segment_.data() + off, {cfg_.train.microbatch_size, cfg_.data.seq_len}, at::kLong);
+}
+
+at::Tensor Executor::Hidden(int mb, int boundary) {
+  const int slot = plan_.HiddenSlot(boundary);
+  return device_.Fetch(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot),
+                       {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
+                       act_dtype_);
+}
+
+at::Tensor Executor::InputGrad(int mb, int boundary) {
+  const int slot = plan_.GradSlot(boundary);
+  return device_.Fetch(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot),
+                       {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
+                       act_dtype_);
+}
+
+void Executor::StoreHidden(int mb, int boundary, const at::Tensor& t) {
+  device_.Store(t, segment_.data() + layout_.HiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)),
+                act_dtype_);
+}
+
+void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
+  device_.Store(t, segment_.data() + layout_.InputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)),
+                act_dtype_);
+}
+
+MicrobatchResult Executor::RunForward(int mb) {
+  c10::NoGradGuard no_grad;
+  at::Tensor x = stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin);
+  for (int l = stage_.begin; l < stage_.end; ++l) {
+    x = math_.Layer(l, weights_[l - stage_.begin], x);
+    // The stage output and every checkpoint a backward stage will recompute from.
+    if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
+  }
+  return {};
+}
+
+MicrobatchResult Executor::RunTail(int mb) {
+  at::Tensor x = Hidden(mb, stage_.begin).requires_grad_(true);
+  at::Tensor y = x;
+  const int head = plan_.num_layers - 1;
+  for (int l = stage_.begin; l < head; ++l) y = math_.Layer(l, weights_[l - stage_.begin], y);
+  at::Tensor labels = Tokens(mb, true);
+  auto r = math_.HeadForwardBackward(weights_.back(), y, labels, job_.loss_scale, /*backward=*/true);
+  StoreInputGrad(mb, stage_.begin, x.grad());
+  return {r.loss_sum, r.targets};
+}
+
+MicrobatchResult Executor::RunBackward(int mb) {
+  at::Tensor x;
+  if (stage_.begin == 0) {
+    x = Tokens(mb, false);
+  } else {
+    x = Hidden(mb, stage_.begin).requires_grad_(true);
+  }
+  at::Tensor y = x;
+  for (int l = stage_.begin; l < stage_.end; ++l) y = math_.Layer(l, weights_[l - stage_.begin], y);
+  y.backward(InputGrad(mb, stage_.end));
+  if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, x.grad());
+  return {};
+}
+
+StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
+  if (mb < 0 || mb >= cfg_.train.microbatches)
+    return Status::ProtocolError("microbatch " + std::to_string(mb) + " out of range");
+  try {
+    MicrobatchResult r;
+    switch (stage_.kind) {
+      case core::StageKind::kForward: r = RunForward(mb); break;
+      case core::StageKind::kFusedTail: r = RunTail(mb); break;
+      case core::StageKind::kBackward: r = RunBackward(mb); break;
+    }
+    device_.Synchronize();
+    return r;
+  } catch (const c10::Error& e) {
+    return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +
+                            std::to_string(mb) + ": " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +
+                            std::to_string(mb) + ": " + e.what());
+  }
+}
+
+Status Executor::CommitGrads() {
+  try {
+    for (auto& g : grad_uses_) {
+      if (!g.weight.grad().defined()) continue;  // e.g. a parameter unused by this stage
+      device_.AccumulateFloat(g.weight.grad(), segment_.At<float>(layout_.grad[g.grad_slot]));
+    }
+    device_.Synchronize();
+  } catch (const c10::Error& e) {
+    return Status::Internal(std::string("committing gradients: ") + e.what_without_backtrace());
+  }
+  return Status::Ok();
+}
+
+void Executor::End() {
+  weights_.clear();
+  grad_uses_.clear();
+}
+
+}  // namespace rp::worker

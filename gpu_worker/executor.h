@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+// Executor: runs one stage job's microbatches against the shared segment.
+//
+// Contract:
+//  * Begin(job) fetches the stage's weights; Microbatch(m) computes microbatch m (its input must
+//    be in its slot: the coordinator said InputReady); CommitGrads() adds the job's gradients
+//    into the shared gradient slots; End() drops the weights.
+//  * Forward stages write hidden states (stage output and checkpoints). The fused tail and
+//    backward stages write input gradients; their parameter gradients accumulate locally (fp32)
+//    over the job's microbatches and reach shared memory only in CommitGrads(), so a job that
+//    dies mid-way commits nothing.
+//  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
+//  * Single-threaded.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "core/plan.h"
+#include "gpu_worker/device.h"
+#include "model/transformer.h"
+#include "protocol/messages.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+namespace rp::worker {
+
+struct MicrobatchResult {
+  double loss_sum = 0.0;
+  int64_t targets = 0;
+};
+
+class Executor {
+ public:
+  Executor(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
+           const shm::ArenaLayout& layout, const shm::Segment& segment, Device& device);
+
+  Status Begin(const proto::RunJob& job);
+  StatusOr<MicrobatchResult> Microbatch(int mb);
+  Status CommitGrads();
+  void End();
+  bool HasGrads() const;
+
+ private:
+  at::Tensor Tokens(int mb, bool labels);
+  at::Tensor Hidden(int mb, int boundary);
+  at::Tensor InputGrad(int mb, int boundary);
+  void StoreHidden(int mb, int boundary, const at::Tensor& t);
+  void StoreInputGrad(int mb, int boundary, const at::Tensor& t);
+  MicrobatchResult RunForward(int mb);
+  MicrobatchResult RunTail(int mb);
+  MicrobatchResult RunBackward(int mb);
+
+  const core::JobConfig& cfg_;
+  const core::ModelSpec& spec_;
+  const core::PipelinePlan& plan_;
+  const shm::ArenaLayout& layout_;
+  const shm::Segment& segment_;
+  Device& device_;
+  model::Transformer math_;
+  at::ScalarType act_dtype_;
+
+  proto::RunJob job_{};
+  core::Stage stage_{};
+  std::vector<model::LayerWeights> weights_;  // per layer of the stage
+  struct GradUse {
+    at::Tensor weight;
+    int grad_slot;
+  };
+  std::vector<GradUse> grad_uses_;
+};
+
+}  // namespace rp::worker

@@ -1,0 +1,218 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "gpu_worker/worker.h"
+
+#include <unistd.h>
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "common/logging.h"
+#include "common/session.h"
+#include "common/time_util.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "core/plan.h"
+#include "gpu_worker/device.h"
+#include "gpu_worker/executor.h"
+#include "protocol/channel.h"
+#include "protocol/codec.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+namespace rp::worker {
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+struct ActiveJob {
+  proto::RunJob job;
+  int next_mb = 0;
+  bool begun = false;
+  bool grads_reported = false;
+  int64_t start_us = 0, fetch_end_us = 0;
+};
+
+class Worker {
+ public:
+  explicit Worker(WorkerOptions o) : opts_(std::move(o)) {}
+  Status Run();
+
+ private:
+  Status Handle(const proto::Message& m);
+  // Makes as much progress on the head job as its inputs allow. Returns true if it did work.
+  StatusOr<bool> Progress();
+  Status Fail(int64_t job, const Status& s);
+
+  WorkerOptions opts_;
+  core::JobConfig cfg_;
+  core::ModelSpec spec_;
+  core::PipelinePlan plan_;
+  shm::ArenaLayout layout_;
+  std::optional<proto::DealerChannel> channel_;
+  std::optional<shm::Segment> segment_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Executor> exec_;
+
+  std::deque<ActiveJob> queue_;
+  std::map<int64_t, std::set<int>> ready_;  // job -> microbatches whose input is ready
+  std::set<int64_t> commit_granted_;
+  bool shutdown_ = false;
+  int shutdown_code_ = 0;
+};
+
+Status Worker::Handle(const proto::Message& m) {
+  switch (proto::TypeOfMessage(m)) {
+    case proto::MsgType::kRunJob: {
+      const auto& r = std::get<proto::RunJob>(m);
+      if (!queue_.empty() && r.job_index <= queue_.back().job.job_index)
+        return Status::ProtocolError("RunJob " + std::to_string(r.job_index) + " arrived out of order");
+      queue_.push_back(ActiveJob{r});
+      return Status::Ok();
+    }
+    case proto::MsgType::kInputReady: {
+      const auto& r = std::get<proto::InputReady>(m);
+      if (r.microbatch < 0 || r.microbatch >= cfg_.train.microbatches) {
+        RP_LOG(WARNING) << "dropped InputReady with microbatch " << r.microbatch;
+        return Status::Ok();
+      }
+      ready_[r.job_index].insert(r.microbatch);
+      return Status::Ok();
+    }
+    case proto::MsgType::kCommitGrads:
+      commit_granted_.insert(std::get<proto::CommitGrads>(m).job_index);
+      return Status::Ok();
+    case proto::MsgType::kShutdown:
+      shutdown_ = true;
+      shutdown_code_ = std::get<proto::Shutdown>(m).exit_code;
+      return Status::Ok();
+    case proto::MsgType::kHello:
+    case proto::MsgType::kWelcome:
+    case proto::MsgType::kMicrobatchDone:
+    case proto::MsgType::kGradsReady:
+    case proto::MsgType::kJobDone:
+    case proto::MsgType::kJobFailed:
+      RP_LOG(WARNING) << "dropped unexpected " << proto::MsgTypeName(proto::TypeOfMessage(m));
+      return Status::Ok();
+  }
+  return Status::Ok();
+}
+
+Status Worker::Fail(int64_t job, const Status& s) {
+  proto::JobFailed f{};
+  f.job_index = job;
+  proto::CopyText(f.message, s.ToString());
+  Status sent = channel_->Send(f);
+  if (!sent.ok()) RP_LOG(ERROR) << "could not report the failure: " << sent.message();
+  return s;
+}
+
+StatusOr<bool> Worker::Progress() {
+  if (queue_.empty()) return false;
+  ActiveJob& a = queue_.front();
+  const int64_t id = a.job.job_index;
+  if (!a.begun) {
+    a.start_us = WallMicros();
+    Status s = exec_->Begin(a.job);
+    if (!s.ok()) return Fail(id, s);
+    a.fetch_end_us = WallMicros();
+    a.begun = true;
+  }
+  if (a.next_mb < a.job.num_microbatches) {
+    auto it = ready_.find(id);
+    if (it == ready_.end() || !it->second.count(a.next_mb)) return false;
+    proto::MicrobatchDone d{};
+    d.job_index = id;
+    d.microbatch = a.next_mb;
+    d.start_us = WallMicros();
+    auto r = exec_->Microbatch(a.next_mb);
+    if (!r.ok()) return Fail(id, r.status());
+    d.end_us = WallMicros();
+    d.loss_sum = r->loss_sum;
+    d.targets = r->targets;
+    it->second.erase(a.next_mb);
+    a.next_mb++;
+    RP_RETURN_IF_ERROR(channel_->Send(d));
+    return true;
+  }
+  if (exec_->HasGrads()) {
+    if (!a.grads_reported) {
+      RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
+      a.grads_reported = true;
+    }
+    if (!commit_granted_.count(id)) return false;
+    Status s = exec_->CommitGrads();
+    if (!s.ok()) return Fail(id, s);
+    commit_granted_.erase(id);
+  }
+  exec_->End();
+  RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, a.start_us, a.fetch_end_us, WallMicros()}));
+  ready_.erase(id);
+  queue_.pop_front();
+  return true;
+}
+
+Status Worker::Run() {
+  RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
+  spec_ = core::BuildModelSpec(cfg_.model);
+  RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_));
+  layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
+  if (cfg_.job.device == "cuda")
+    return Status::InvalidArgument("job.device: \"cuda\" requested, but this build has no CUDA "
+                                   "backend (configure with a CUDA LibTorch)");
+  device_ = MakeCpuDevice();
+
+  RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
+  channel_.emplace(std::move(ch));
+  RP_RETURN_IF_ERROR(channel_->Send(proto::Hello{opts_.rank, static_cast<int32_t>(::getpid()), layout_.hash, -1, 0}));
+
+  const double deadline = MonoSeconds() + opts_.welcome_timeout_s;
+  while (!segment_) {
+    if (g_stop) return Status::Cancelled("stopped by signal before joining");
+    if (LauncherGone()) return Status::Unavailable("launcher is gone");
+    if (MonoSeconds() > deadline) return Status::DeadlineExceeded("no Welcome from the coordinator");
+    RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(100));
+    if (!m) continue;
+    if (auto* s = std::get_if<proto::Shutdown>(&*m)) return Status::Cancelled("coordinator refused: shutdown " + std::to_string(s->exit_code));
+    auto* w = std::get_if<proto::Welcome>(&*m);
+    if (!w) continue;
+    RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Open(w->segment_name, layout_.hash));
+    if (seg.header()->ready.load(std::memory_order_acquire) != 1)
+      return Status::ProtocolError("segment " + seg.name() + " is not initialized");
+    segment_.emplace(std::move(seg));
+  }
+  exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
+  RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
+
+  while (!shutdown_) {
+    if (g_stop) return Status::Cancelled("stopped by signal");
+    if (LauncherGone()) return Status::Unavailable("launcher is gone");
+    RP_ASSIGN_OR_RETURN(bool worked, Progress());
+    // Block only when nothing can move; otherwise just drain what has arrived.
+    RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : 100));
+    while (m) {
+      RP_RETURN_IF_ERROR(Handle(*m));
+      RP_ASSIGN_OR_RETURN(m, channel_->Receive(0));
+    }
+  }
+  if (shutdown_code_ != 0) return Status::Cancelled("coordinator ended the run with an error");
+  return Status::Ok();
+}
+
+}  // namespace
+
+void RequestStop() { g_stop = true; }
+
+Status RunWorker(const WorkerOptions& options) {
+  // One intra-op thread per worker process: N workers share the host's cores, and a fixed
+  // thread count keeps CPU results bit-reproducible.
+  at::set_num_threads(1);
+  Worker w(options);
+  return w.Run();
+}
+
+}  // namespace rp::worker

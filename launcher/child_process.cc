@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "launcher/child_process.h"
+
+#include <signal.h>
+#include <spawn.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+extern char** environ;
+
+namespace rp::launch {
+
+std::string ExitInfo::Describe() const {
+  if (!signaled) return "exited with code " + std::to_string(code);
+  const char* name = sigabbrev_np(code);
+  return "was killed by signal " + std::to_string(code) + (name ? std::string(" (SIG") + name + ")" : "");
+}
+
+StatusOr<ChildProcess> ChildProcess::Spawn(const std::string& role,
+                                           const std::vector<std::string>& argv,
+                                           const std::vector<std::string>& extra_env) {
+  std::vector<char*> args;
+  for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::vector<std::string> env_store;
+  for (char** e = environ; *e; ++e) env_store.emplace_back(*e);
+  for (auto& e : extra_env) env_store.push_back(e);
+  std::vector<char*> env;
+  for (auto& e : env_store) env.push_back(const_cast<char*>(e.c_str()));
+  env.push_back(nullptr);
+  pid_t pid = -1;
+  int rc = ::posix_spawn(&pid, argv[0].c_str(), nullptr, nullptr, args.data(), env.data());
+  if (rc != 0) return Status::FromErrno("starting " + role + " (" + argv[0] + ")", rc);
+  return ChildProcess(role, pid);
+}
+
+ChildProcess::ChildProcess(ChildProcess&& o) noexcept
+    : role_(std::move(o.role_)), pid_(o.pid_), exit_(o.exit_) {
+  o.pid_ = -1;
+}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
+  if (this != &o) {
+    Terminate(std::chrono::milliseconds(2000));
+    role_ = std::move(o.role_);
+    pid_ = o.pid_;
+    exit_ = o.exit_;
+    o.pid_ = -1;
+  }
+  return *this;
+}
+
+ChildProcess::~ChildProcess() { Terminate(std::chrono::milliseconds(2000)); }
+
+bool ChildProcess::TryReap() {
+  if (pid_ <= 0) return true;
+  if (exit_) return true;
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r != pid_) return false;
+  ExitInfo info;
+  if (WIFSIGNALED(status)) {
+    info.signaled = true;
+    info.code = WTERMSIG(status);
+  } else {
+    info.code = WEXITSTATUS(status);
+  }
+  exit_ = info;
+  return true;
+}
+
+void ChildProcess::Signal(int sig) const {
+  if (pid_ > 0 && !exit_) ::kill(pid_, sig);
+}
+
+void ChildProcess::Terminate(std::chrono::milliseconds grace) {
+  if (pid_ <= 0 || TryReap()) return;
+  ::kill(pid_, SIGTERM);
+  auto deadline = std::chrono::steady_clock::now() + grace;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (TryReap()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+  exit_ = ExitInfo{true, SIGKILL};
+}
+
+}  // namespace rp::launch

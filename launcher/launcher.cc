@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "launcher/launcher.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "common/exit_codes.h"
+#include "common/logging.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "core/plan.h"
+#include "core/run_output.h"
+#include "launcher/child_process.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+namespace rp::launch {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string NewSessionId() {
+  std::random_device rd;  // unguessable names: another user cannot predict or pre-create them
+  std::ostringstream o;
+  for (int i = 0; i < 4; ++i) {
+    char buf[9];
+    std::snprintf(buf, sizeof(buf), "%08x", rd());
+    o << buf;
+  }
+  return o.str().substr(0, 20);
+}
+
+std::string RuntimeBase() {
+  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
+  if (xdg && *xdg && ::access(xdg, W_OK) == 0) return xdg;
+  return "/tmp";
+}
+
+// Owns the runtime directory: removed (with the control socket in it) on every exit path.
+class RuntimeDir {
+ public:
+  explicit RuntimeDir(std::string path) : path_(std::move(path)) {}
+  ~RuntimeDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+    if (ec) RP_LOG(ERROR) << "could not remove " << path_ << ": " << ec.message();
+  }
+  RuntimeDir(const RuntimeDir&) = delete;
+  RuntimeDir& operator=(const RuntimeDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void PrintDryRun(const core::JobConfig& cfg, int gpus) {
+  auto spec = core::BuildModelSpec(cfg.model);
+  auto plan = core::MakePlan(cfg);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "plan: %s\n", plan.status().message().c_str());
+    return;
+  }
+  auto layout = shm::ComputeLayout(cfg, spec, *plan);
+  std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
+              static_cast<long long>(spec.TrainableParams()), gpus);
+  std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
+  std::printf("shared memory: %.1f MiB (%.1f bytes per parameter incl. activation slots)\n",
+              static_cast<double>(layout.total_bytes) / (1 << 20),
+              static_cast<double>(layout.total_bytes) / static_cast<double>(spec.TrainableParams()));
+}
+
+}  // namespace
+
+int RunLauncher(const LaunchOptions& o) {
+  auto cfg = core::LoadJobConfig(o.job_path, o.overrides);
+  if (!cfg.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", cfg.status().message().c_str());
+    return kExitBadConfig;
+  }
+  if (auto plan = core::MakePlan(*cfg); !plan.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", plan.status().message().c_str());
+    return kExitBadConfig;
+  }
+  if (o.dry_run) {
+    PrintDryRun(*cfg, o.gpus);
+    return kExitOk;
+  }
+  if (Status s = core::CheckOutputDir(*cfg); !s.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
+    return kExitBadConfig;
+  }
+  const std::string coord_bin = o.bin_dir + "/rp-coordinator";
+  const std::string worker_bin = o.bin_dir + "/rp-worker";
+  for (const auto& b : {coord_bin, worker_bin})
+    if (::access(b.c_str(), X_OK) != 0) {
+      std::fprintf(stderr, "rp-launch: cannot execute %s\n", b.c_str());
+      return kExitError;
+    }
+
+  const std::string session = NewSessionId();
+  const std::string dir = RuntimeBase() + "/rp-" + session;
+  if (::mkdir(dir.c_str(), 0700) != 0) {
+    std::fprintf(stderr, "rp-launch: cannot create runtime directory %s: %s\n", dir.c_str(),
+                 std::strerror(errno));
+    return kExitError;
+  }
+  RuntimeDir runtime(dir);
+  // Backstop: the coordinator unlinks the segment itself, but not if it is SIGKILLed.
+  shm::Unlinker segment_name(shm::StateSegmentName(session));
+
+  // Signals are taken synchronously (sigtimedwait) so the supervision loop is the only place
+  // that reacts to them; children get the default dispositions back via posix_spawn's exec.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGCHLD);
+  sigset_t old;
+  pthread_sigmask(SIG_BLOCK, &set, &old);
+
+  std::vector<std::string> common = {"--job", cfg->source_path, "--gpus", std::to_string(o.gpus),
+                                     "--session", session, "--runtime-dir", dir,
+                                     "-v", std::to_string(o.verbosity)};
+  for (auto& s : o.overrides) {
+    common.push_back("--set");
+    common.push_back(s);
+  }
+  std::vector<std::string> env = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()),
+                                  "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
+  std::vector<ChildProcess> children;
+  int exit_code = kExitOk;
+  {
+    std::vector<std::string> argv = {coord_bin};
+    argv.insert(argv.end(), common.begin(), common.end());
+    auto c = ChildProcess::Spawn("coordinator", argv, env);
+    if (!c.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());
+      pthread_sigmask(SIG_SETMASK, &old, nullptr);
+      return kExitError;
+    }
+    children.push_back(std::move(c).value());
+  }
+  for (int r = 0; r < o.gpus && exit_code == kExitOk; ++r) {
+    std::vector<std::string> argv = {worker_bin, "--rank", std::to_string(r)};
+    argv.insert(argv.end(), common.begin(), common.end());
+    auto e = env;
+    e.push_back("RP_RANK=" + std::to_string(r));
+    auto c = ChildProcess::Spawn("worker " + std::to_string(r), argv, e);
+    if (!c.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());
+      exit_code = kExitError;
+      break;
+    }
+    children.push_back(std::move(c).value());
+  }
+  RP_LOG(INFO) << "session " << session << ": coordinator pid " << children[0].pid() << ", "
+               << o.gpus << " workers";
+
+  bool interrupted = false;
+  std::string failure;
+  auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
+  while (exit_code == kExitOk && !interrupted) {
+    timespec ts{0, 100 * 1000 * 1000};
+    int sig = sigtimedwait(&set, nullptr, &ts);
+    if (sig == SIGINT || sig == SIGTERM) {
+      interrupted = true;
+      for (auto& c : children) c.Signal(SIGTERM);
+      break;
+    }
+    bool all_done = true;
+    for (auto& c : children) {
+      if (!c.TryReap()) {
+        all_done = false;
+        continue;
+      }
+      const ExitInfo& e = *c.exit_info();
+      const bool is_coord = &c == &children[0];
+      if (is_coord && !e.signaled && e.code == 0) {
+        if (coordinator_done_at == std::chrono::steady_clock::time_point::max())
+          coordinator_done_at = std::chrono::steady_clock::now();
+        continue;
+      }
+      if (!is_coord && !e.signaled && e.code == 0 && children[0].exit_info()) continue;
+      if (failure.empty()) {
+        failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
+        exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : kExitPeerLost;
+      }
+    }
+    if (all_done) break;
+    // Workers get a grace period to leave after the coordinator finished the job.
+    if (std::chrono::steady_clock::now() - coordinator_done_at > std::chrono::seconds(10)) {
+      RP_LOG(WARNING) << "workers still running 10 s after the coordinator finished; stopping them";
+      break;
+    }
+  }
+  if (!failure.empty()) std::fprintf(stderr, "rp-launch: %s; stopping the run\n", failure.c_str());
+  // Stops whatever still runs (SIGTERM, then SIGKILL) and reaps it.
+  for (auto it = children.rbegin(); it != children.rend(); ++it)
+    it->Terminate(std::chrono::milliseconds(3000));
+  children.clear();
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  if (interrupted) {
+    std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");
+    return kExitInterrupted;
+  }
+  return exit_code;
+}
+
+}  // namespace rp::launch

@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: Apache-2.0
+// rp-launch: starts one coordinator and N workers for a job and supervises them.
+//
+// Contract:
+//  * The job file and overrides are validated before any process, directory or segment exists;
+//    a bad job exits kExitBadConfig with one message naming the key.
+//  * Children are direct children (posix_spawn, no shell). They die with the launcher
+//    (PR_SET_PDEATHSIG) even if it is SIGKILLed.
+//  * The first failure decides the outcome: which process, its pid, exit code or signal. The
+//    others are then stopped (SIGTERM, then SIGKILL).
+//  * SIGINT/SIGTERM are forwarded to every child; the launcher then exits kExitInterrupted.
+//  * On every exit path the run's shared-memory segment and its 0700 runtime directory (control
+//    socket) are removed.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace rp::launch {
+
+struct LaunchOptions {
+  int gpus = 1;
+  std::string job_path;
+  std::vector<std::string> overrides;
+  int verbosity = 0;
+  bool dry_run = false;
+  std::string bin_dir;  // where rp-coordinator and rp-worker live (default: beside rp-launch)
+};
+
+// Returns the process exit code (common/exit_codes.h).
+int RunLauncher(const LaunchOptions& options);
+
+}  // namespace rp::launch

@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "model/transformer.h"
+
+#include <ATen/core/Reduction.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace rp::model {
+
+const at::Tensor& Get(const LayerWeights& w, const std::string& role) {
+  auto it = w.find(role);
+  if (it == w.end()) throw std::invalid_argument("layer weights lack '" + role + "'");
+  return it->second;
+}
+
+Transformer::Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens)
+    : config_(config), loss_chunk_tokens_(loss_chunk_tokens) {}
+
+at::Tensor Transformer::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
+  at::Tensor normed = xf * at::rsqrt(var + config_.rms_norm_eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+void Transformer::RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin) {
+  if (!cos_.defined() || cos_.size(0) != seq || cos_.device() != like.device() ||
+      cos_.scalar_type() != like.scalar_type()) {
+    c10::NoGradGuard no_grad;
+    const int64_t D = config_.head_dim;
+    auto opts = at::TensorOptions().dtype(at::kDouble);
+    at::Tensor inv_freq =
+        1.0 / at::pow(config_.rope_theta, at::arange(0, D, 2, opts) / static_cast<double>(D));
+    at::Tensor pos = at::arange(seq, opts);
+    at::Tensor freqs = at::outer(pos, inv_freq);
+    at::Tensor emb = at::cat({freqs, freqs}, -1);
+    cos_ = emb.cos().to(like.device(), like.scalar_type());
+    sin_ = emb.sin().to(like.device(), like.scalar_type());
+  }
+  *cos = cos_;
+  *sin = sin_;
+}
+
+at::Tensor Transformer::Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+  // x: [B, heads, S, D]; rotate-half convention (as Hugging Face Llama / Qwen3).
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor x1 = x.narrow(-1, 0, half);
+  at::Tensor x2 = x.narrow(-1, half, half);
+  at::Tensor rotated = at::cat({-x2, x1}, -1);
+  return x * cos + rotated * sin;
+}
+
+at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+  // q: [B, nh, S, D]; k, v: [B, nkv, S, D]. Expand kv heads for grouped-query attention.
+  const int64_t groups = config_.num_heads / config_.num_kv_heads;
+  at::Tensor ke = groups > 1 ? k.repeat_interleave(groups, 1) : k;
+  at::Tensor ve = groups > 1 ? v.repeat_interleave(groups, 1) : v;
+#if TORCH_VERSION_MAJOR >= 2
+  // Fused kernels on the GPU; the CPU keeps the explicit path below, which is the oracle.
+  if (q.is_cuda()) return at::scaled_dot_product_attention(q, ke, ve, {}, 0.0, /*is_causal=*/true);
+#endif
+  const int64_t S = q.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, ke.transpose(-2, -1)).to(at::kFloat) * scale;
+  at::Tensor mask = at::ones({S, S}, scores.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1).to(q.scalar_type());
+  return at::matmul(probs, ve);
+}
+
+at::Tensor Transformer::Embed(const LayerWeights& w, const at::Tensor& tokens) const {
+  return at::embedding(Get(w, "embed"), tokens);
+}
+
+at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x) {
+  const int64_t B = x.size(0), S = x.size(1);
+  const int64_t nh = config_.num_heads, nkv = config_.num_kv_heads, D = config_.head_dim;
+  at::Tensor h = RmsNorm(x, Get(w, "input_norm"));
+  at::Tensor q = at::linear(h, Get(w, "q_proj")).view({B, S, nh, D});
+  at::Tensor k = at::linear(h, Get(w, "k_proj")).view({B, S, nkv, D});
+  at::Tensor v = at::linear(h, Get(w, "v_proj")).view({B, S, nkv, D});
+  if (config_.qk_norm) {
+    q = RmsNorm(q, Get(w, "q_norm"));
+    k = RmsNorm(k, Get(w, "k_norm"));
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
+  at::Tensor cos, sin;
+  RopeTables(S, q, &cos, &sin);
+  q = Rope(q, cos, sin);
+  k = Rope(k, cos, sin);
+  at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
+  at::Tensor x1 = x + at::linear(attn, Get(w, "o_proj"));
+  at::Tensor h2 = RmsNorm(x1, Get(w, "post_norm"));
+  at::Tensor mlp = at::linear(at::silu(at::linear(h2, Get(w, "gate_proj"))) *
+                                  at::linear(h2, Get(w, "up_proj")),
+                              Get(w, "down_proj"));
+  return x1 + mlp;
+}
+
+HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Tensor& x,
+                                            const at::Tensor& labels, double loss_scale,
+                                            bool backward) {
+  HeadResult r;
+  const at::Tensor& lm_head = Get(w, "lm_head");
+  at::Tensor h = RmsNorm(x, Get(w, "final_norm"));
+  // Cut the graph after the norm: each chunk's logits are created, backpropagated into h_leaf
+  // and the head weight, and freed before the next chunk. One backward through the norm follows.
+  at::Tensor h_leaf = h.detach().requires_grad_(backward);
+  at::Tensor flat = h_leaf.reshape({-1, h.size(-1)});
+  at::Tensor flat_labels = labels.reshape({-1});
+  const int64_t n = flat.size(0);
+  for (int64_t c0 = 0; c0 < n; c0 += loss_chunk_tokens_) {
+    const int64_t len = std::min(loss_chunk_tokens_, n - c0);
+    at::Tensor lab = flat_labels.narrow(0, c0, len);
+    at::Tensor logits = at::linear(flat.narrow(0, c0, len), lm_head).to(at::kFloat);
+    at::Tensor ce = at::cross_entropy_loss(logits, lab, {}, at::Reduction::Sum, -100);
+    r.loss_sum += ce.item<double>();
+    r.targets += lab.ne(-100).sum().item<int64_t>();
+    if (backward) (ce * loss_scale).backward();
+  }
+  if (backward) h.backward(h_leaf.grad());
+  return r;
+}
+
+}  // namespace rp::model

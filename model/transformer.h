@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+// Transformer math for one pipeline layer at a time (Llama / Qwen3 decoder family).
+//
+// Contract:
+//  * Stateless with respect to weights: every call receives the layer's weights (LayerWeights,
+//    keyed by core::ParamUse::role). The same functions run in rp-worker (per stage job) and in
+//    rp-train-ref (whole model), which is what makes the reference an oracle for the pipeline.
+//  * Tensors may live on any device; the math follows its inputs. Activations are
+//    [batch, seq, hidden] in the compute dtype; normalization and softmax run in fp32.
+//  * HeadForwardBackward runs final norm + LM head + cross-entropy in chunks of tokens and, when
+//    asked, backpropagates each chunk at once, so full [tokens, vocab] logits never exist.
+//  * Not thread-safe (a small RoPE table cache); one instance per thread.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+
+#include "core/job_config.h"
+
+namespace rp::model {
+
+using LayerWeights = std::map<std::string, at::Tensor>;
+
+struct HeadResult {
+  double loss_sum = 0.0;  // summed token cross-entropy (unscaled)
+  int64_t targets = 0;    // labels != -100
+};
+
+class Transformer {
+ public:
+  explicit Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens = 4096);
+
+  // Layer 0: tokens [B, S] int64 -> hidden [B, S, H].
+  at::Tensor Embed(const LayerWeights& w, const at::Tensor& tokens) const;
+  // Layers 1..L.
+  at::Tensor Block(const LayerWeights& w, const at::Tensor& x);
+  // Layer 0 (Embed) or 1..L (Block), by pipeline layer index.
+  at::Tensor Layer(int layer, const LayerWeights& w, const at::Tensor& x) {
+    return layer == 0 ? Embed(w, x) : Block(w, x);
+  }
+  // Layer L+1. With `backward`, each chunk's loss * loss_scale is backpropagated into the
+  // weights' .grad and, through the final norm, into x's graph (x.grad if x is a leaf).
+  HeadResult HeadForwardBackward(const LayerWeights& w, const at::Tensor& x,
+                                 const at::Tensor& labels, double loss_scale, bool backward);
+
+  const core::ModelConfig& config() const { return config_; }
+
+ private:
+  at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
+  at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
+  void RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin);
+
+  core::ModelConfig config_;
+  int64_t loss_chunk_tokens_;
+  at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype)
+};
+
+const at::Tensor& Get(const LayerWeights& w, const std::string& role);
+
+}  // namespace rp::model

@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: Apache-2.0
+// The control-plane message set (coordinator <-> workers). Closed and versioned.
+//
+// Contract:
+//  * Every frame is FrameHeader + exactly one payload POD; the payload size is fixed per type, so
+//    a frame of the wrong size is rejected before any field is read (codec.h).
+//  * Adding a message: add a MsgType value, a payload struct with static_asserts, an entry in the
+//    Message variant, and bump kProtocolVersion. Switches over MsgType have no `default:`, so the
+//    build breaks until every handler knows the new message.
+//  * Bulk data never travels here: only indices, counters and timings. Tensors live in the shared
+//    segment (shm/layout.h).
+//  * Field semantics (job_index, microbatch) are validated by the receiver against its own state;
+//    the codec validates framing and enum ranges only.
+//
+// Conversation:
+//   worker -> Hello                    (after connecting)
+//   coord  -> Welcome                  (segment to map) | Shutdown (refused)
+//   coord  -> RunJob ...               (queued by the worker in arrival order = job order)
+//   coord  -> InputReady(job, mb)      (the job's input for microbatch mb is in its slot)
+//   worker -> MicrobatchDone(job, mb)  (outputs written; loss for the fused tail)
+//   worker -> GradsReady(job)          (a tail/backward job holds its gradients)
+//   coord  -> CommitGrads(job)         (add them into the shared gradient slots now)
+//   worker -> JobDone(job)             (everything the job writes is in shared memory)
+//   worker -> JobFailed(job, text)     (the job cannot complete; the worker exits after)
+//   coord  -> Shutdown
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <variant>
+
+namespace rp::proto {
+
+inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
+inline constexpr uint16_t kProtocolVersion = 1;
+
+enum class MsgType : uint16_t {
+  kHello = 1,
+  kWelcome = 2,
+  kRunJob = 3,
+  kInputReady = 4,
+  kMicrobatchDone = 5,
+  kGradsReady = 6,
+  kCommitGrads = 7,
+  kJobDone = 8,
+  kJobFailed = 9,
+  kShutdown = 10,
+};
+inline constexpr uint16_t kMinMsgType = 1;
+inline constexpr uint16_t kMaxMsgType = 10;
+const char* MsgTypeName(MsgType t);
+
+struct FrameHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;
+  uint32_t payload_bytes;
+  uint32_t reserved;
+};
+static_assert(sizeof(FrameHeader) == 16);
+
+struct Hello {
+  int32_t rank;
+  int32_t pid;
+  uint64_t layout_hash;  // the worker's own computation; must equal the coordinator's
+  int32_t device_index;  // -1 for CPU
+  uint32_t reserved;
+};
+static_assert(sizeof(Hello) == 24);
+
+struct Welcome {
+  uint64_t segment_bytes;
+  int32_t num_workers;
+  uint32_t reserved;
+  char segment_name[64];  // NUL-terminated
+};
+static_assert(sizeof(Welcome) == 80);
+
+struct RunJob {
+  int64_t job_index;      // global launch counter (round-robin key)
+  int64_t step;
+  int32_t call;           // accumulation call inside the step
+  int32_t stage;          // index into PipelinePlan::stages
+  int32_t parity;         // activation slot parity (global call % 2)
+  int32_t num_microbatches;
+  double loss_scale;      // 1 / (non-ignored targets in the whole step)
+};
+static_assert(sizeof(RunJob) == 40);
+
+struct InputReady {
+  int64_t job_index;
+  int32_t microbatch;
+  uint32_t reserved;
+};
+static_assert(sizeof(InputReady) == 16);
+
+struct MicrobatchDone {
+  int64_t job_index;
+  int32_t microbatch;
+  uint32_t reserved;
+  double loss_sum;        // fused tail only: summed token cross-entropy (unscaled)
+  int64_t targets;        // fused tail only: non-ignored labels in this microbatch
+  int64_t start_us;       // wall clock, microseconds
+  int64_t end_us;
+};
+static_assert(sizeof(MicrobatchDone) == 48);
+
+struct GradsReady {
+  int64_t job_index;
+};
+static_assert(sizeof(GradsReady) == 8);
+
+struct CommitGrads {
+  int64_t job_index;
+};
+static_assert(sizeof(CommitGrads) == 8);
+
+struct JobDone {
+  int64_t job_index;
+  int64_t start_us;       // job began (weight fetch)
+  int64_t fetch_end_us;   // weights resident
+  int64_t end_us;
+};
+static_assert(sizeof(JobDone) == 32);
+
+struct JobFailed {
+  int64_t job_index;
+  char message[504];      // NUL-terminated
+};
+static_assert(sizeof(JobFailed) == 512);
+
+struct Shutdown {
+  int32_t exit_code;      // what the worker should exit with
+  uint32_t reserved;
+};
+static_assert(sizeof(Shutdown) == 8);
+
+using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone, GradsReady,
+                             CommitGrads, JobDone, JobFailed, Shutdown>;
+
+template <typename T>
+constexpr MsgType TypeOf();
+template <> constexpr MsgType TypeOf<Hello>() { return MsgType::kHello; }
+template <> constexpr MsgType TypeOf<Welcome>() { return MsgType::kWelcome; }
+template <> constexpr MsgType TypeOf<RunJob>() { return MsgType::kRunJob; }
+template <> constexpr MsgType TypeOf<InputReady>() { return MsgType::kInputReady; }
+template <> constexpr MsgType TypeOf<MicrobatchDone>() { return MsgType::kMicrobatchDone; }
+template <> constexpr MsgType TypeOf<GradsReady>() { return MsgType::kGradsReady; }
+template <> constexpr MsgType TypeOf<CommitGrads>() { return MsgType::kCommitGrads; }
+template <> constexpr MsgType TypeOf<JobDone>() { return MsgType::kJobDone; }
+template <> constexpr MsgType TypeOf<JobFailed>() { return MsgType::kJobFailed; }
+template <> constexpr MsgType TypeOf<Shutdown>() { return MsgType::kShutdown; }
+
+}  // namespace rp::proto

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "shm/segment.h"
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+
+#include "common/logging.h"
+
+namespace rp::shm {
+
+namespace bip = boost::interprocess;
+
+struct Segment::Impl {
+  bip::shared_memory_object object;
+  bip::mapped_region region;
+};
+
+Segment::Segment(std::unique_ptr<Impl> impl, std::string name)
+    : impl_(std::move(impl)), name_(std::move(name)) {}
+Segment::Segment(Segment&&) noexcept = default;
+Segment& Segment::operator=(Segment&&) noexcept = default;
+Segment::~Segment() = default;  // mapped_region unmaps; nothing here can throw
+
+uint8_t* Segment::data() const { return static_cast<uint8_t*>(impl_->region.get_address()); }
+uint64_t Segment::size() const { return impl_->region.get_size(); }
+
+StatusOr<Segment> Segment::Create(const std::string& name, uint64_t bytes) {
+  try {
+    bip::permissions perm;
+    perm.set_permissions(0600);  // only this user's processes may map the run's state
+    auto impl = std::make_unique<Impl>();
+    impl->object = bip::shared_memory_object(bip::create_only, name.c_str(), bip::read_write, perm);
+    impl->object.truncate(static_cast<bip::offset_t>(bytes));
+    impl->region = bip::mapped_region(impl->object, bip::read_write);
+    return Segment(std::move(impl), name);
+  } catch (const bip::interprocess_exception& e) {
+    return Status::IoError("creating shared memory /dev/shm/" + name + " (" +
+                           std::to_string(bytes) + " bytes): " + e.what());
+  }
+}
+
+StatusOr<Segment> Segment::Open(const std::string& name, uint64_t expected_layout_hash) {
+  std::unique_ptr<Impl> impl;
+  try {
+    impl = std::make_unique<Impl>();
+    impl->object = bip::shared_memory_object(bip::open_only, name.c_str(), bip::read_write);
+    impl->region = bip::mapped_region(impl->object, bip::read_write);
+  } catch (const bip::interprocess_exception& e) {
+    return Status::IoError("opening shared memory /dev/shm/" + name + ": " + e.what());
+  }
+  Segment seg(std::move(impl), name);
+  if (seg.size() < kHeaderBytes)
+    return Status::ProtocolError("segment " + name + " is smaller than its header");
+  const SegmentHeader* h = seg.header();
+  if (h->magic != kSegmentMagic)
+    return Status::ProtocolError("segment " + name + ": bad magic (not a RoundPipe state segment)");
+  if (h->version != kSegmentVersion)
+    return Status::ProtocolError("segment " + name + ": version " + std::to_string(h->version) +
+                                 ", this build reads " + std::to_string(kSegmentVersion));
+  if (h->layout_hash != expected_layout_hash)
+    return Status::ProtocolError("segment " + name +
+                                 ": layout hash differs from this process's job config (was the "
+                                 "worker started with a different job file or build?)");
+  if (h->total_bytes != seg.size())
+    return Status::ProtocolError("segment " + name + ": header says " +
+                                 std::to_string(h->total_bytes) + " bytes, mapping has " +
+                                 std::to_string(seg.size()));
+  return seg;
+}
+
+bool RemoveSharedMemory(const std::string& name) {
+  try {
+    return bip::shared_memory_object::remove(name.c_str());
+  } catch (...) {
+    return false;
+  }
+}
+
+Unlinker::~Unlinker() { Remove(); }
+
+bool Unlinker::Remove() {
+  if (name_.empty()) return false;
+  bool removed = RemoveSharedMemory(name_);
+  name_.clear();
+  return removed;
+}
+
+}  // namespace rp::shm

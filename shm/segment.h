@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: Apache-2.0
+// RAII owners for POSIX shared memory (Boost.Interprocess underneath).
+//
+// Contract:
+//  * Segment owns one mapping of one named object. Create() makes a new object (fails if the name
+//    exists), sizes it and maps it; Open() maps an existing one and validates its SegmentHeader
+//    against the layout hash the caller computed. Move-only. The destructor unmaps; it never
+//    unlinks the name and never throws.
+//  * Unlinker owns the *name*: its destructor removes it from /dev/shm. The creator holds one, so
+//    the name disappears on every exit path of the creating process; the launcher holds a second
+//    one for the case where the coordinator is killed.
+//  * Neither type is thread-safe to mutate; the mapped bytes follow the arena rules in layout.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "shm/layout.h"
+
+namespace rp::shm {
+
+class Segment {
+ public:
+  static StatusOr<Segment> Create(const std::string& name, uint64_t bytes);
+  // Opens and checks magic, version, size and layout hash.
+  static StatusOr<Segment> Open(const std::string& name, uint64_t expected_layout_hash);
+
+  Segment(Segment&&) noexcept;
+  Segment& operator=(Segment&&) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+
+  uint8_t* data() const;
+  uint64_t size() const;
+  const std::string& name() const { return name_; }
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(data()); }
+  template <typename T>
+  T* At(uint64_t offset) const {
+    return reinterpret_cast<T*>(data() + offset);
+  }
+
+ private:
+  struct Impl;
+  explicit Segment(std::unique_ptr<Impl> impl, std::string name);
+  std::unique_ptr<Impl> impl_;
+  std::string name_;
+};
+
+class Unlinker {
+ public:
+  explicit Unlinker(std::string name) : name_(std::move(name)) {}
+  Unlinker(Unlinker&& o) noexcept : name_(std::move(o.name_)) { o.name_.clear(); }
+  Unlinker(const Unlinker&) = delete;
+  Unlinker& operator=(const Unlinker&) = delete;
+  ~Unlinker();
+  // Removes the name now (idempotent). Returns true if something was removed.
+  bool Remove();
+
+ private:
+  std::string name_;
+};
+
+// Removes a shared-memory name if present; never throws. Returns true if something was removed.
+bool RemoveSharedMemory(const std::string& name);
+
+}  // namespace rp::shm

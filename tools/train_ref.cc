@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// rp-train-ref job.toml [--set section.key=value ...]
+//
+// The oracle: the same training as rp-launch in one process, with no pipeline, no shared memory
+// and no recompute. It uses the same model math (model/), data order (core/data), init
+// (core/model_spec) and optimizer (coordinator/optim), and writes the same metrics.jsonl, so a
+// pipelined fp32 CPU run must match it step for step.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+
+#include "common/exit_codes.h"
+#include "common/exit_status.h"
+#include "common/logging.h"
+#include "coordinator/optim/optimizer_step.h"
+#include "core/data.h"
+#include "core/job_config.h"
+#include "core/lr_schedule.h"
+#include "core/model_spec.h"
+#include "core/run_output.h"
+#include "model/transformer.h"
+
+namespace {
+
+rp::Status Train(const std::string& job, const std::vector<std::string>& overrides) {
+  RP_ASSIGN_OR_RETURN(rp::core::JobConfig cfg, rp::core::LoadJobConfig(job, overrides));
+  if (cfg.train.dtype != "fp32")
+    return rp::Status::InvalidArgument("train.dtype: rp-train-ref runs fp32 only");
+  RP_ASSIGN_OR_RETURN(rp::core::Dataset data, rp::core::Dataset::Open(cfg));
+  RP_RETURN_IF_ERROR(rp::core::PrepareOutputDir(cfg));
+  RP_ASSIGN_OR_RETURN(auto metrics, rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
+  const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model);
+  rp::model::Transformer math(cfg.model);
+
+  std::vector<at::Tensor> params, adam_m, adam_v;
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    at::Tensor t = at::empty(spec.params[p].shape, at::kFloat);
+    rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
+                        t.data_ptr<float>());
+    params.push_back(t.requires_grad_(true));
+    adam_m.push_back(at::zeros_like(t));
+    adam_v.push_back(at::zeros_like(t));
+  }
+  std::vector<rp::model::LayerWeights> layers(spec.NumLayers());
+  for (int l = 0; l < spec.NumLayers(); ++l)
+    for (auto& use : spec.layer_uses[l]) layers[l].emplace(use.role, params[use.param]);
+
+  const int64_t B = cfg.train.microbatch_size, S = cfg.data.seq_len;
+  at::Tensor tokens = at::empty({B, S}, at::kLong), labels = at::empty({B, S}, at::kLong);
+  const int L = static_cast<int>(cfg.model.num_layers);
+  for (int64_t step = 0; step < cfg.train.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
+    const double scale = 1.0 / static_cast<double>(data.CountStepTargets(step));
+    double loss_sum = 0.0;
+    int64_t targets = 0;
+    for (int64_t c = 0; c < cfg.train.accum_calls; ++c)
+      for (int64_t mb = 0; mb < cfg.train.microbatches; ++mb) {
+        data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
+        at::Tensor x = math.Embed(layers[0], tokens);
+        for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x);
+        auto r = math.HeadForwardBackward(layers[L + 1], x, labels, scale, /*backward=*/true);
+        loss_sum += r.loss_sum;
+        targets += r.targets;
+      }
+    std::vector<rp::coord::ParamArrays> arrays;
+    for (size_t p = 0; p < params.size(); ++p) {
+      at::Tensor g = params[p].grad();
+      if (!g.defined()) return rp::Status::Internal(spec.params[p].name + " received no gradient");
+      rp::coord::ParamArrays a;
+      a.master = params[p].data_ptr<float>();
+      a.m = adam_m[p].data_ptr<float>();
+      a.v = adam_v[p].data_ptr<float>();
+      a.grad = g.data_ptr<float>();
+      a.compute = a.master;  // fp32: the weights are their own compute copy
+      a.numel = spec.params[p].numel;
+      a.decay = spec.params[p].weight_decay;
+      arrays.push_back(a);
+    }
+    const double lr = rp::core::LearningRate(cfg.optimizer, step, cfg.train.steps);
+    auto res = rp::coord::OptimizerStep(arrays, cfg.optimizer, lr, step + 1, cfg.train.grad_clip,
+                                        rp::coord::ComputeDtype::kFloat32, 1);
+    for (auto& p : params) p.mutable_grad().zero_();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rp::core::StepMetrics m;
+    m.step = step + 1;
+    m.loss = loss_sum / static_cast<double>(targets);
+    m.lr = lr;
+    m.grad_norm = res.grad_norm;
+    m.tokens = cfg.train.accum_calls * cfg.train.microbatches * B * S;
+    m.step_time_s = secs;
+    RP_RETURN_IF_ERROR(metrics.Append(m));
+    RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm;
+  }
+  return rp::Status::Ok();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string job;
+  std::vector<std::string> overrides;
+  CLI::App app{"RoundPipe single-process reference trainer (the oracle)"};
+  app.add_option("job", job, "job file (TOML)")->required();
+  app.add_option("--set", overrides, "override a job key: section.key=value (repeatable)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : rp::kExitBadConfig;
+  }
+  rp::InitLogging(argv[0], "ref");
+  at::set_num_threads(1);  // same intra-op threading as a worker, for bitwise-comparable math
+  rp::Status s = Train(job, overrides);
+  if (!s.ok()) {
+    std::fprintf(stderr, "rp-train-ref: %s\n", s.ToString().c_str());
+    return rp::ExitCodeFor(s);
+  }
+  return 0;
+}
