@@ -38,6 +38,5 @@ function(rp_cc_test)
   endif()
   gtest_discover_tests(${A_NAME}
     PROPERTIES LABELS "${A_LABELS}" TIMEOUT ${A_TIMEOUT}
-    ENVIRONMENT "RP_BIN_DIR=${CMAKE_RUNTIME_OUTPUT_DIRECTORY};RP_SOURCE_DIR=${PROJECT_SOURCE_DIR}"
     DISCOVERY_TIMEOUT 60)
 endfunction()

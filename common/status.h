@@ -81,6 +81,8 @@ class [[nodiscard]] StatusOr {
   T* operator->() { return &std::get<T>(v_); }
   const T* operator->() const { return &std::get<T>(v_); }
   T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
 
  private:
   std::variant<Status, T> v_;
@@ -88,6 +90,11 @@ class [[nodiscard]] StatusOr {
 
 namespace detail {
 inline Status ToStatus(Status s) { return s; }
+// Appends the " @ file:line" trail, except to bad-input errors: those are read by users and are
+// about their input (which the message names), not about our code.
+inline Status Trail(const Status& s, const char* loc) {
+  return s.code() == StatusCode::kInvalidArgument ? s : s.WithSuffix(loc);
+}
 template <typename T>
 Status ToStatus(const StatusOr<T>& s) {
   return s.status();
@@ -103,14 +110,14 @@ Status ToStatus(const StatusOr<T>& s) {
 #define RP_RETURN_IF_ERROR(expr)                                   \
   do {                                                             \
     ::rp::Status _rp_st = ::rp::detail::ToStatus((expr));          \
-    if (!_rp_st.ok()) return _rp_st.WithSuffix(RP_LOC);            \
+    if (!_rp_st.ok()) return ::rp::detail::Trail(_rp_st, RP_LOC);  \
   } while (0)
 
 #define RP_CONCAT_INNER(a, b) a##b
 #define RP_CONCAT(a, b) RP_CONCAT_INNER(a, b)
 #define RP_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr)                   \
   auto tmp = (expr);                                               \
-  if (!tmp.ok()) return tmp.status().WithSuffix(RP_LOC);           \
+  if (!tmp.ok()) return ::rp::detail::Trail(tmp.status(), RP_LOC); \
   lhs = std::move(tmp).value()
 #define RP_ASSIGN_OR_RETURN(lhs, expr) \
   RP_ASSIGN_OR_RETURN_IMPL(RP_CONCAT(_rp_sor_, __LINE__), lhs, expr)

@@ -135,6 +135,8 @@ int RunLauncher(const LaunchOptions& o) {
   }
   std::vector<std::string> env = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()),
                                   "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
+  // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
+  if (!std::getenv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=1");
   std::vector<ChildProcess> children;
   int exit_code = kExitOk;
   {
@@ -188,7 +190,9 @@ int RunLauncher(const LaunchOptions& o) {
           coordinator_done_at = std::chrono::steady_clock::now();
         continue;
       }
-      if (!is_coord && !e.signaled && e.code == 0 && children[0].exit_info()) continue;
+      // A worker exits 0 only after the coordinator's Shutdown{0}, i.e. at the end of a good run,
+      // possibly before the launcher has seen the coordinator's own exit.
+      if (!is_coord && !e.signaled && e.code == 0) continue;
       if (failure.empty()) {
         failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
         exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : kExitPeerLost;

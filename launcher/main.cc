@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <filesystem>
 
 #include "common/exit_codes.h"
 #include "common/logging.h"
+#include "core/job_config.h"
 #include "launcher/launcher.h"
 
 int main(int argc, char** argv) {
@@ -14,15 +16,31 @@ int main(int argc, char** argv) {
   CLI::App app{"RoundPipe launcher: one coordinator and one worker per GPU"};
   app.add_option("--gpus", o.gpus, "workers to start (one per GPU; CPU workers when job.device = cpu)")
       ->check(CLI::Range(1, 4096));
-  app.add_option("job", o.job_path, "job file (TOML)")->required();
+  app.add_option("job", o.job_path, "job file (TOML)");
   app.add_option("--set", o.overrides, "override a job key: section.key=value (repeatable)");
   app.add_option("-v", o.verbosity, "log verbosity (0 = info)");
   app.add_flag("--dry-run", o.dry_run, "validate the job, print the plan and memory, start nothing");
+  bool print_keys = false;
+  app.add_flag("--print-keys", print_keys, "print every job key as a Markdown table and exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     int rc = app.exit(e);
     return rc == 0 ? 0 : rp::kExitBadConfig;
+  }
+  if (print_keys) {
+    std::printf("| key | type | default | meaning |\n|---|---|---|---|\n");
+    for (auto k : rp::core::DocumentedKeys()) {
+      for (size_t i = k.meaning.find('|'); i != std::string::npos; i = k.meaning.find('|', i + 2))
+        k.meaning.replace(i, 1, "\\|");  // a bare pipe would split the Markdown cell
+      std::printf("| `%s.%s` | %s | `%s` | %s |\n", k.section.c_str(), k.key.c_str(), k.type.c_str(),
+                  k.default_value.c_str(), k.meaning.c_str());
+    }
+    return 0;
+  }
+  if (o.job_path.empty()) {
+    std::fprintf(stderr, "rp-launch: a job file is required (rp-launch --help)\n");
+    return rp::kExitBadConfig;
   }
   rp::InitLogging(argv[0], "launch");
   std::error_code ec;

@@ -73,6 +73,10 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
   }
   for (auto off : a.grad) h = HashKey({h, off});
+  // The plan is part of the contract too: RunJob names stages by index.
+  for (const auto& st : plan.stages)
+    h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),
+                 static_cast<uint64_t>(st.end)});
   for (int b : plan.hidden_boundaries) h = HashKey({h, 0x11u, static_cast<uint64_t>(b)});
   for (int b : plan.grad_boundaries) h = HashKey({h, 0x22u, static_cast<uint64_t>(b)});
   a.hash = h;

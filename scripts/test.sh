@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up, builds, and runs the whole CPU test suite (unit + integration). GPU tests (label gpu)
+# run on a CUDA build: ctest --test-dir build-cuda -L gpu.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export OPENBLAS_NUM_THREADS=1
+# Serial on purpose: integration tests start several processes each and assert on timing bounds.
+ctest --test-dir build -L "unit|integration" --output-on-failure --timeout 900
+left=$(ls /dev/shm | grep -E '^rp-' || true)
+if [ -n "$left" ]; then
+  echo "test: shared-memory segments left behind: $left" >&2
+  exit 1
+fi
+echo "test: all passed"

@@ -1,0 +1,228 @@
+// SPDX-License-Identifier: Apache-2.0
+// Real processes: rp-launch, rp-coordinator, rp-worker and rp-train-ref on CPU.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/exit_codes.h"
+#include "tests/testing/process_harness.h"
+
+namespace rp {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::BinDir;
+using testing::SourceDir;
+
+std::vector<double> Losses(const std::string& metrics_path) {
+  std::vector<double> out;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+class LaunchTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tmp_ = testing::MakeTempDir("rp-it-");
+    runtime_ = tmp_ + "/xdg";
+    fs::create_directories(runtime_);
+    fs::permissions(runtime_, fs::perms::owner_all);
+    before_ = testing::LeftoverSegments();
+  }
+  void TearDown() override {
+    // Nothing of ours may outlive a test, whether it passed or not.
+    EXPECT_EQ(testing::LeftoverSegments(), before_) << "shared-memory segments left behind";
+    std::vector<std::string> left;
+    for (auto& e : fs::directory_iterator(runtime_)) left.push_back(e.path().string());
+    EXPECT_TRUE(left.empty()) << "runtime directory left behind: " << (left.empty() ? "" : left[0]);
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+  std::vector<std::string> Env() const { return {"XDG_RUNTIME_DIR=" + runtime_}; }
+  std::string Job() const { return SourceDir() + "/tests/testdata/parity.toml"; }
+
+  std::vector<std::string> LaunchArgs(int n, const std::string& out, std::vector<std::string> sets = {}) {
+    std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", std::to_string(n), Job(),
+                                  "--set", "job.output_dir=" + out};
+    for (auto& s : sets) {
+      a.push_back("--set");
+      a.push_back(s);
+    }
+    return a;
+  }
+
+  testing::ProcessResult Launch(int n, const std::string& out, std::vector<std::string> sets = {},
+                                double timeout = 240) {
+    return testing::RunProcess(LaunchArgs(n, out, sets), timeout, Env());
+  }
+
+  std::string tmp_, runtime_;
+  std::vector<std::string> before_;
+};
+
+
+TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
+  const std::string ref_out = tmp_ + "/ref";
+  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + ref_out}, 240);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const std::vector<double> expected = Losses(ref_out + "/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 20u);
+  const std::vector<std::vector<std::string>> partitions = {
+      {},  // F[0,2) F[2,5) T[5,6)... from the job's equal split with one tail block
+      {"schedule.tail_blocks=0", "schedule.forward_cuts=[3]", "schedule.backward_cuts=[1,2,4]"},
+  };
+  for (size_t p = 0; p < partitions.size(); ++p)
+    for (int n = 1; n <= 3; ++n) {
+      const std::string out = tmp_ + "/p" + std::to_string(p) + "n" + std::to_string(n);
+      auto r = Launch(n, out, partitions[p]);
+      ASSERT_EQ(r.code, 0) << "partition " << p << ", N=" << n << "\n" << r.output;
+      std::vector<double> got = Losses(out + "/metrics.jsonl");
+      ASSERT_EQ(got.size(), expected.size()) << "partition " << p << ", N=" << n;
+      double worst = 0;
+      for (size_t s = 0; s < got.size(); ++s) {
+        const double rel = std::abs(got[s] - expected[s]) / std::abs(expected[s]);
+        worst = std::max(worst, rel);
+        EXPECT_LE(rel, 1e-5) << "partition " << p << ", N=" << n << ", step " << s + 1 << ": "
+                             << got[s] << " vs reference " << expected[s];
+      }
+      std::printf("partition %zu N=%d: max relative loss difference %.3g over %zu steps\n", p, n,
+                  worst, got.size());
+    }
+  EXPECT_LT(expected.back(), expected.front());
+}
+
+TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
+  const std::string out = tmp_ + "/trace";
+  auto r = Launch(3, out, {"train.steps=3"});
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto trace = nlohmann::json::parse(testing::ReadFile(out + "/trace.json"));
+  const int coord_pid = trace["otherData"]["coordinator_pid"].get<int>();
+  const int cursor0 = trace["otherData"]["cursor0"].get<int>();
+  std::map<int64_t, nlohmann::json> jobs;
+  std::map<int, int> pid_of_rank;
+  for (auto& e : trace["traceEvents"]) {
+    if (e.value("cat", "") != "job") continue;
+    const auto& a = e["args"];
+    const int64_t k = a["job_index"].get<int64_t>();
+    ASSERT_FALSE(jobs.count(k)) << "job " << k << " recorded twice";
+    jobs[k] = a;
+    for (const char* key : {"kind", "stage", "microbatches", "worker_rank", "worker_pid"})
+      EXPECT_TRUE(a.contains(key)) << key;
+    EXPECT_TRUE(e.contains("ts") && e.contains("dur"));
+    const int rank = a["worker_rank"].get<int>();
+    const int pid = a["worker_pid"].get<int>();
+    EXPECT_NE(pid, coord_pid) << "stage job " << k << " ran in the coordinator";
+    EXPECT_GT(pid, 0);
+    if (pid_of_rank.count(rank)) EXPECT_EQ(pid_of_rank[rank], pid);
+    pid_of_rank[rank] = pid;
+  }
+  // 3 steps x K=2 calls x 5 stages.
+  ASSERT_EQ(jobs.size(), 30u);
+  for (auto& [k, a] : jobs) EXPECT_EQ(a["worker_rank"].get<int>(), (cursor0 + k) % 3) << "job " << k;
+  EXPECT_EQ(pid_of_rank.size(), 3u);
+  // The coordinator cannot run layer compute: it does not even link LibTorch.
+  auto ldd = testing::RunProcess({"/usr/bin/ldd", BinDir() + "/rp-coordinator"}, 30);
+  EXPECT_EQ(ldd.output.find("libtorch"), std::string::npos) << ldd.output;
+  EXPECT_EQ(ldd.output.find("libc10"), std::string::npos) << ldd.output;
+}
+
+TEST_F(LaunchTest, BadConfigFailsBeforeAnythingStarts) {
+  const std::string out = tmp_ + "/bad";
+  auto r = Launch(2, out, {"train.stepz=3"});
+  EXPECT_EQ(r.code, kExitBadConfig) << r.output;
+  EXPECT_NE(r.output.find("train.stepz: unknown key"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+  auto r2 = Launch(2, out, {"model.num_kv_heads=3"});
+  EXPECT_EQ(r2.code, kExitBadConfig);
+  EXPECT_NE(r2.output.find("model.num_kv_heads"), std::string::npos) << r2.output;
+  auto r3 = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", tmp_ + "/missing.toml"}, 30, Env());
+  EXPECT_EQ(r3.code, kExitBadConfig);
+  EXPECT_NE(r3.output.find("no such file"), std::string::npos) << r3.output;
+}
+
+TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
+  const std::string out = tmp_ + "/prev";
+  fs::create_directories(out);
+  { std::ofstream(out + "/metrics.jsonl") << "{\"step\": 1, \"loss\": 9}\n"; }
+  auto r = Launch(1, out);
+  EXPECT_EQ(r.code, kExitBadConfig) << r.output;
+  EXPECT_NE(r.output.find("previous run"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::ReadFile(out + "/metrics.jsonl"), "{\"step\": 1, \"loss\": 9}\n");
+}
+
+// Waits until the launcher has started its coordinator and n workers; returns their pids.
+std::vector<pid_t> WaitForChildren(pid_t launcher, size_t n) {
+  for (int i = 0; i < 600; ++i) {
+    auto kids = testing::ChildrenOf(launcher);
+    if (kids.size() >= n) return kids;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return {};
+}
+
+bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
+  const std::string out = tmp_ + "/kill";
+  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000"}), Env());
+  auto kids = WaitForChildren(launcher.pid(), 3);
+  ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
+  // Let the run get into its steps, then kill a worker mid-step.
+  for (int i = 0; i < 400 && !fs::exists(out + "/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  pid_t victim = -1;
+  for (pid_t k : kids) {
+    std::string cmd = testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline");
+    if (cmd.find("rp-worker") != std::string::npos) victim = k;
+  }
+  ASSERT_GT(victim, 0);
+  ::kill(victim, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = launcher.Wait(60);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.code, kExitPeerLost) << r.output;
+  EXPECT_NE(r.output.find("(pid " + std::to_string(victim) + ") was killed by signal 9"),
+            std::string::npos) << r.output;
+  EXPECT_LT(secs, 10.0);
+  for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+}
+
+TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
+  const std::string out = tmp_ + "/int";
+  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000"}), Env());
+  auto kids = WaitForChildren(launcher.pid(), 3);
+  ASSERT_EQ(kids.size(), 3u);
+  for (int i = 0; i < 400 && !fs::exists(out + "/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ::kill(launcher.pid(), SIGINT);
+  auto r = launcher.Wait(60);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.code, kExitInterrupted) << r.output;
+  for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+}
+
+TEST_F(LaunchTest, DemoJobLossFallsByAThird) {
+  const std::string out = tmp_ + "/demo";
+  auto r = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2",
+                                SourceDir() + "/configs/tiny.toml", "--set", "job.output_dir=" + out},
+                               600, Env());
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto losses = Losses(out + "/metrics.jsonl");
+  ASSERT_FALSE(losses.empty());
+  std::printf("demo: loss %.4f -> %.4f over %zu steps\n", losses.front(), losses.back(), losses.size());
+  EXPECT_LE(losses.back(), 0.7 * losses.front());
+}
+
+}  // namespace
+}  // namespace rp

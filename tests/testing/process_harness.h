@@ -1,0 +1,51 @@
+// SPDX-License-Identifier: Apache-2.0
+// Test helpers for real processes: start a binary, capture its output, wait with a deadline,
+// and check that nothing of ours is left in /dev/shm or the runtime directory.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace rp::testing {
+
+struct ProcessResult {
+  bool timed_out = false;
+  bool signaled = false;
+  int code = 0;        // exit code or signal number
+  std::string output;  // stdout + stderr
+};
+
+// Directory of the built binaries (RP_BIN_DIR from CTest) and of the sources.
+std::string BinDir();
+std::string SourceDir();
+// A fresh temporary directory under /tmp (not removed automatically).
+std::string MakeTempDir(const std::string& prefix);
+
+class Process {
+ public:
+  // Starts argv with extra environment entries; output goes to a temp file.
+  Process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
+  ~Process();  // kills and reaps if still running
+  pid_t pid() const { return pid_; }
+  // Waits up to timeout_s; on timeout kills the process (SIGKILL) and reports timed_out.
+  ProcessResult Wait(double timeout_s);
+  std::string OutputSoFar() const;
+
+ private:
+  pid_t pid_ = -1;
+  std::string out_path_;
+  bool reaped_ = false;
+};
+
+ProcessResult RunProcess(const std::vector<std::string>& argv, double timeout_s,
+                         const std::vector<std::string>& env = {});
+
+// Names in /dev/shm that look like ours ("rp-*-state").
+std::vector<std::string> LeftoverSegments();
+// Children of `pid` (from /proc), e.g. the launcher's coordinator and workers.
+std::vector<pid_t> ChildrenOf(pid_t pid);
+std::string ReadFile(const std::string& path);
+
+}  // namespace rp::testing

@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include <ATen/ATen.h>
+
+#include "coordinator/optim/adamw.h"
+#include "coordinator/optim/optimizer_step.h"
+
+namespace rp::coord {
+namespace {
+
+TEST(AdamW, MatchesTorchOptimAdamWOverSeveralSteps) {
+  at::manual_seed(3);
+  for (int64_t n : {1, 7, 1000, 4099}) {
+    at::Tensor p_ref = at::randn({n});
+    std::vector<float> master(p_ref.data_ptr<float>(), p_ref.data_ptr<float>() + n);
+    std::vector<float> m(n, 0.f), v(n, 0.f), compute(n, 0.f);
+    p_ref.set_requires_grad(true);
+    const double lr = 3e-3, wd = 0.1;
+    torch::optim::AdamW opt({p_ref}, torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(wd));
+    for (int step = 1; step <= 5; ++step) {
+      at::Tensor g = at::randn({n});
+      p_ref.mutable_grad() = g.clone();
+      opt.step();
+      AdamWHyper h{lr, 0.9, 0.95, 1e-8, wd, step};
+      AdamWUpdate(h, 1.0f, g.data_ptr<float>(), master.data(), m.data(), v.data(), n,
+                  compute.data(), ComputeDtype::kFloat32);
+    }
+    at::Tensor ours = at::from_blob(master.data(), {n}).clone();
+    at::Tensor ref = p_ref.detach();
+    const double max_diff = (ours - ref).abs().max().item<double>();
+    EXPECT_LT(max_diff, 1e-6) << "n=" << n;
+    EXPECT_TRUE(at::equal(at::from_blob(compute.data(), {n}), ours));
+  }
+}
+
+TEST(AdamW, BFloat16ConversionMatchesATen) {
+  at::manual_seed(4);
+  at::Tensor x = at::cat({at::randn({10000}) * 100, at::tensor({0.f, -0.f, 1e-40f, 65504.f, 3.0e38f})});
+  at::Tensor ref = x.to(at::kBFloat16).to(at::kFloat);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    float f = x[i].item<float>();
+    ASSERT_EQ(BFloat16ToFloat(FloatToBFloat16(f)), ref[i].item<float>()) << f;
+  }
+}
+
+TEST(OptimizerStep, ClipsByGlobalNormAndIsThreadCountIndependent) {
+  at::manual_seed(5);
+  std::vector<at::Tensor> grads = {at::randn({300}) * 3, at::randn({5000}) * 2};
+  auto run = [&](int threads, std::vector<std::vector<float>>* out) {
+    std::vector<std::vector<float>> master, m, v;
+    std::vector<ParamArrays> arrays;
+    for (auto& g : grads) {
+      master.emplace_back(g.numel(), 1.0f);
+      m.emplace_back(g.numel(), 0.0f);
+      v.emplace_back(g.numel(), 0.0f);
+    }
+    for (size_t i = 0; i < grads.size(); ++i) {
+      ParamArrays a;
+      a.master = master[i].data();
+      a.m = m[i].data();
+      a.v = v[i].data();
+      a.grad = grads[i].data_ptr<float>();
+      a.compute = master[i].data();
+      a.numel = grads[i].numel();
+      arrays.push_back(a);
+    }
+    core::OptimizerConfig o;
+    auto r = OptimizerStep(arrays, o, 1e-2, 1, 1.0, ComputeDtype::kFloat32, threads);
+    *out = master;
+    return r;
+  };
+  std::vector<std::vector<float>> a, b;
+  auto r1 = run(1, &a);
+  auto r4 = run(4, &b);
+  const double norm = std::sqrt(grads[0].pow(2).sum().item<double>() + grads[1].pow(2).sum().item<double>());
+  EXPECT_NEAR(r1.grad_norm, norm, 1e-6 * norm);
+  EXPECT_NEAR(r1.clip_scale, 1.0 / norm, 1e-6);
+  EXPECT_EQ(r1.grad_norm, r4.grad_norm);
+  EXPECT_EQ(a, b);
+}
+
+}  // namespace
+}  // namespace rp::coord

@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "core/job_config.h"
+#include "tests/testing/process_harness.h"
+
+namespace rp::core {
+namespace {
+
+std::string CorpusDir() { return testing::SourceDir() + "/data"; }
+
+// A valid job relative to data/, so data.path resolves.
+const char* kValid = R"(
+[data]
+path = "tiny_corpus.txt"
+seq_len = 16
+[train]
+steps = 3
+)";
+
+StatusOr<JobConfig> Parse(const std::string& text, std::vector<std::string> overrides = {}) {
+  return ParseJobConfig(text, CorpusDir(), overrides);
+}
+
+void ExpectError(const std::string& text, const std::string& key_prefix,
+                 std::vector<std::string> overrides = {}) {
+  auto c = Parse(text, overrides);
+  ASSERT_FALSE(c.ok()) << "accepted: " << text;
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.status().message().rfind(key_prefix, 0), 0u)
+      << "message should start with '" << key_prefix << "': " << c.status().message();
+}
+
+TEST(JobConfig, ValidJobParsesWithDefaults) {
+  auto c = Parse(kValid);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->train.steps, 3);
+  EXPECT_EQ(c->data.seq_len, 16);
+  EXPECT_EQ(c->optimizer.mode, "exact");
+  EXPECT_EQ(c->TotalLayers(), c->model.num_layers + 2);
+  EXPECT_EQ(c->data.path, std::filesystem::path(CorpusDir() + "/tiny_corpus.txt").lexically_normal().string());
+}
+
+TEST(JobConfig, UnknownSectionAndKey) {
+  ExpectError(std::string(kValid) + "[trian]\nsteps = 1\n", "trian: unknown section");
+  ExpectError(std::string(kValid) + "[model]\nhiden_size = 1\n", "model.hiden_size: unknown key");
+}
+
+TEST(JobConfig, WrongTypes) {
+  ExpectError(std::string(kValid) + "[model]\nhidden_size = \"big\"\n", "model.hidden_size: expected an integer");
+  ExpectError(std::string(kValid) + "[model]\nqk_norm = 1\n", "model.qk_norm: expected true or false");
+  ExpectError(std::string(kValid) + "[optimizer]\nlr = \"fast\"\n", "optimizer.lr: expected a number");
+  ExpectError(std::string(kValid) + "[schedule]\nforward_cuts = [1, \"x\"]\n", "schedule.forward_cuts[1]");
+  ExpectError("model = 3\n", "model: must be a [model] table");
+}
+
+TEST(JobConfig, OutOfRange) {
+  ExpectError(std::string(kValid) + "[model]\nnum_layers = 0\n", "model.num_layers: must be in [1,");
+  ExpectError(std::string(kValid) + "[optimizer]\nbeta2 = 1.5\n", "optimizer.beta2: must be in");
+  ExpectError(std::string(kValid) + "[job]\ndevice = \"tpu\"\n", "job.device: must be one of");
+}
+
+TEST(JobConfig, CrossFieldChecks) {
+  ExpectError(std::string(kValid) + "[model]\nnum_heads = 4\nnum_kv_heads = 3\n", "model.num_kv_heads");
+  ExpectError(std::string(kValid) + "[model]\nhead_dim = 7\n", "model.head_dim");
+  ExpectError(std::string(kValid) + "[schedule]\nforward_cuts = [3, 2]\n", "schedule.forward_cuts");
+  ExpectError(std::string(kValid) + "[schedule]\nbackward_cuts = [99]\n", "schedule.backward_cuts[0]");
+  ExpectError(std::string(kValid) + "[schedule]\nforward_stages = 50\n", "schedule.forward_stages");
+  ExpectError(std::string(kValid) + "[schedule]\ntail_blocks = 9\n", "schedule.tail_blocks");
+  ExpectError(std::string(kValid) + "[model]\npath = \"/models/qwen\"\n", "model.path");
+}
+
+TEST(JobConfig, MissingFiles) {
+  ExpectError("[data]\npath = \"no_such_file.txt\"\n", "data.path: no such file");
+  auto c = LoadJobConfig("/nonexistent/job.toml", {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("no such file"), std::string::npos);
+}
+
+TEST(JobConfig, SyntaxErrorNamesLine) {
+  auto c = Parse("[train]\nsteps = = 3\n");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find(":2:"), std::string::npos) << c.status().message();
+}
+
+TEST(JobConfig, Overrides) {
+  auto c = Parse(kValid, {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0", "job.name=abc",
+                          "schedule.forward_cuts=[2]", "model.qk_norm=false"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->train.steps, 7);
+  EXPECT_DOUBLE_EQ(c->optimizer.lr, 1e-4);
+  EXPECT_EQ(c->job.name, "abc");
+  EXPECT_EQ(c->schedule.forward_cuts, std::vector<int64_t>{2});
+  EXPECT_FALSE(c->model.qk_norm);
+  ExpectError(kValid, "--set train.steps", {"train.steps"});
+  ExpectError(kValid, "train.stepz: unknown key", {"train.stepz=3"});
+  ExpectError(kValid, "train.steps: expected an integer", {"train.steps=three"});
+}
+
+TEST(JobConfig, ReadmeDocumentsEveryKey) {
+  const std::string readme = testing::ReadFile(testing::SourceDir() + "/configs/README.md");
+  ASSERT_FALSE(readme.empty());
+  std::set<std::string> seen;
+  for (const auto& k : DocumentedKeys()) {
+    const std::string name = "`" + k.section + "." + k.key + "`";
+    EXPECT_NE(readme.find(name), std::string::npos) << name << " is not documented in configs/README.md";
+    EXPECT_TRUE(seen.insert(k.section + "." + k.key).second) << "declared twice: " << name;
+  }
+}
+
+TEST(JobConfig, ShippedConfigsAreValid) {
+  for (const char* f : {"configs/tiny.toml"}) {
+    auto c = LoadJobConfig(testing::SourceDir() + "/" + f, {});
+    EXPECT_TRUE(c.ok()) << f << ": " << c.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace rp::core
