@@ -25,9 +25,10 @@ void PrefixFormatter(std::ostream& s, const google::LogMessageInfo& l, void*) {
 void InitLogging(const char* argv0, const std::string& tag) {
   if (g_tag != nullptr) return;
   g_tag = new std::string(tag);  // lives for the process: the formatter may run at exit
-  FLAGS_logtostderr = true;
-  FLAGS_colorlogtostderr = false;
   google::InitGoogleLogging(argv0, &PrefixFormatter, nullptr);
+  // The function, not FLAGS_logtostderr: libc10 of LibTorch builds without glog defines a symbol
+  // of that name too, and which one a flag assignment binds to depends on link order.
+  google::LogToStderr();
 }
 
 void SetVerbosity(int level) { g_verbosity.store(level, std::memory_order_relaxed); }

@@ -216,7 +216,8 @@ Status Coordinator::TryCommits() {
     if (!j.grads_ready || j.commit_sent) continue;
     if (j.call > 0 && !jobs_[(j.call - 1) * stages + j.stage].done) continue;
     j.commit_sent = true;
-    RP_RETURN_IF_ERROR(channel_->Send(j.worker, proto::CommitGrads{j.index}));
+    // The first call of a step overwrites the slots, so they never need zeroing.
+    RP_RETURN_IF_ERROR(channel_->Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
   }
   return Status::Ok();
 }
@@ -384,9 +385,6 @@ Status Coordinator::RunStep(int64_t step) {
   const int64_t targets = data_->CountStepTargets(step);
   if (targets == 0) return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
   loss_scale_ = 1.0 / static_cast<double>(targets);
-  // Gradient slots start each step at zero; workers add into them.
-  const uint64_t g0 = layout_.grad.front(), g1 = layout_.tokens;
-  std::memset(segment_->data() + g0, 0, g1 - g0);
 
   const int K = static_cast<int>(cfg_.train.accum_calls);
   const int S = static_cast<int>(plan_.stages.size());

@@ -1,36 +1,51 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU backend: host copies stand in for DMA, so the worker runs the same code path as on a GPU.
+#include "rp_config.h"
 #include "gpu_worker/device.h"
 
 namespace rp::worker {
 namespace {
+
+at::Tensor View(const void* p, at::IntArrayRef shape, at::ScalarType dtype) {
+  return at::from_blob(const_cast<void*>(p), shape, at::TensorOptions().dtype(dtype));
+}
 
 class CpuDevice final : public Device {
  public:
   std::string Describe() const override { return "cpu"; }
   at::Device torch_device() const override { return at::Device(at::kCPU); }
 
-  at::Tensor Fetch(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
-    // A copy, not a view: the weights a job computes with must not change under it if the
-    // optimizer rewrites the compute copy while the job is still running.
-    return at::from_blob(const_cast<void*>(src), shape, at::TensorOptions().dtype(dtype)).clone();
+  // Copies, not views: a job's weights must not change under it if the optimizer rewrites the
+  // compute copy, and a consumer's input must not change if its slot is refilled.
+  at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
+    return View(src, shape, dtype).clone();
   }
-
+  uint64_t WeightsFence() override { return 0; }
+  void WaitWeights(uint64_t) override {}
+  at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
+    return View(src, shape, dtype).clone();
+  }
   void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) override {
-    at::Tensor out = at::from_blob(dst, t.sizes(), at::TensorOptions().dtype(dtype));
-    out.copy_(t.detach());
+    View(dst, t.sizes(), dtype).copy_(t.detach());
   }
-
-  void AccumulateFloat(const at::Tensor& t, float* dst) override {
-    at::Tensor out = at::from_blob(dst, t.sizes(), at::TensorOptions().dtype(at::kFloat));
-    out.add_(t.detach().to(at::kFloat));
+  void CommitFloat(const at::Tensor& t, float* dst, bool accumulate) override {
+    at::Tensor out = View(dst, t.sizes(), at::kFloat);
+    if (accumulate) out.add_(t.detach());
+    else out.copy_(t.detach());
   }
-
   void Synchronize() override {}
 };
 
 }  // namespace
 
 std::unique_ptr<Device> MakeCpuDevice() { return std::make_unique<CpuDevice>(); }
+
+#if !RP_WITH_CUDA
+int CudaDeviceCount() { return 0; }
+StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, void*, uint64_t) {
+  return Status::InvalidArgument("job.device: \"cuda\" requested, but this build has no CUDA "
+                                 "backend (configure against a CUDA LibTorch with the CUDA toolkit)");
+}
+#endif
 
 }  // namespace rp::worker

@@ -20,51 +20,89 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
 
-Status Executor::Begin(const proto::RunJob& job) {
+Status Executor::Validate(const proto::RunJob& job) const {
   if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size()) || job.parity < 0 ||
       job.parity > 1 || job.num_microbatches != cfg_.train.microbatches)
     return Status::ProtocolError("RunJob " + std::to_string(job.job_index) +
                                  " has out-of-range stage, parity or microbatch count");
-  job_ = job;
-  stage_ = plan_.stages[job.stage];
-  weights_.clear();
-  grad_uses_.clear();
-  const bool grads = HasGrads();
-  try {
-    for (int l = stage_.begin; l < stage_.end; ++l) {
-      model::LayerWeights w;
-      for (const auto& use : spec_.layer_uses[l]) {
-        const auto& p = spec_.params[use.param];
-        at::Tensor t = device_.Fetch(segment_.data() + layout_.compute[use.param], p.shape, act_dtype_);
-        if (grads) {
-          t.requires_grad_(true);
-          grad_uses_.push_back({t, use.grad_slot});
-        }
-        w.emplace(use.role, t);
+  return Status::Ok();
+}
+
+Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {
+  StageWeights w;
+  w.job_index = job.job_index;
+  const core::Stage& st = plan_.stages[job.stage];
+  const bool grads = st.kind != core::StageKind::kForward;
+  for (int l = st.begin; l < st.end; ++l) {
+    model::LayerWeights lw;
+    for (const auto& use : spec_.layer_uses[l]) {
+      const auto& p = spec_.params[use.param];
+      at::Tensor t = device_.FetchWeights(segment_.data() + layout_.compute[use.param], p.shape, act_dtype_);
+      if (grads) {
+        t.requires_grad_(true);
+        w.grads.push_back({t, use.grad_slot, at::Tensor()});
       }
-      weights_.push_back(std::move(w));
+      lw.emplace(use.role, t);
     }
-  } catch (const c10::Error& e) {
-    return Status::Internal(std::string("fetching weights: ") + e.what_without_backtrace());
+    w.layers.push_back(std::move(lw));
+  }
+  w.fence = device_.WeightsFence();
+  return w;
+}
+
+Status Executor::Prefetch(const proto::RunJob& job) {
+  RP_RETURN_IF_ERROR(Validate(job));
+  try {
+    next_ = FetchStage(job);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("prefetching weights: ") + e.what());
   }
   return Status::Ok();
 }
 
+Status Executor::Begin(const proto::RunJob& job) {
+  RP_RETURN_IF_ERROR(Validate(job));
+  job_ = job;
+  stage_ = plan_.stages[job.stage];
+  try {
+    if (next_.job_index == job.job_index) {
+      current_ = std::move(next_);
+      next_ = StageWeights();
+    } else {
+      current_ = FetchStage(job);
+    }
+    device_.WaitWeights(current_.fence);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("fetching weights: ") + e.what());
+  }
+  return Status::Ok();
+}
+
+void Executor::AccumulateGrads() {
+  for (auto& g : current_.grads) {
+    const at::Tensor& grad = g.weight.grad();
+    if (!grad.defined()) continue;
+    if (g.accum.defined()) g.accum.add_(grad);
+    else g.accum = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    g.weight.mutable_grad().reset();
+  }
+}
+
 at::Tensor Executor::Tokens(int mb, bool labels) {
   const uint64_t off = labels ? layout_.LabelSlot(job_.parity, mb) : layout_.TokenSlot(job_.parity, mb);
-  return device_.Fetch(segment_.data() + off, {cfg_.train.microbatch_size, cfg_.data.seq_len}, at::kLong);
+  return device_.FetchActivation(segment_.data() + off, {cfg_.train.microbatch_size, cfg_.data.seq_len}, at::kLong);
 }
 
 at::Tensor Executor::Hidden(int mb, int boundary) {
   const int slot = plan_.HiddenSlot(boundary);
-  return device_.Fetch(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot),
+  return device_.FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot),
                        {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
                        act_dtype_);
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
   const int slot = plan_.GradSlot(boundary);
-  return device_.Fetch(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot),
+  return device_.FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot),
                        {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
                        act_dtype_);
 }
@@ -83,7 +121,7 @@ MicrobatchResult Executor::RunForward(int mb) {
   c10::NoGradGuard no_grad;
   at::Tensor x = stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin);
   for (int l = stage_.begin; l < stage_.end; ++l) {
-    x = math_.Layer(l, weights_[l - stage_.begin], x);
+    x = math_.Layer(l, current_.layers[l - stage_.begin], x);
     // The stage output and every checkpoint a backward stage will recompute from.
     if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
   }
@@ -94,9 +132,9 @@ MicrobatchResult Executor::RunTail(int mb) {
   at::Tensor x = Hidden(mb, stage_.begin).requires_grad_(true);
   at::Tensor y = x;
   const int head = plan_.num_layers - 1;
-  for (int l = stage_.begin; l < head; ++l) y = math_.Layer(l, weights_[l - stage_.begin], y);
+  for (int l = stage_.begin; l < head; ++l) y = math_.Layer(l, current_.layers[l - stage_.begin], y);
   at::Tensor labels = Tokens(mb, true);
-  auto r = math_.HeadForwardBackward(weights_.back(), y, labels, job_.loss_scale, /*backward=*/true);
+  auto r = math_.HeadForwardBackward(current_.layers.back(), y, labels, job_.loss_scale, /*backward=*/true);
   StoreInputGrad(mb, stage_.begin, x.grad());
   return {r.loss_sum, r.targets};
 }
@@ -109,7 +147,7 @@ MicrobatchResult Executor::RunBackward(int mb) {
     x = Hidden(mb, stage_.begin).requires_grad_(true);
   }
   at::Tensor y = x;
-  for (int l = stage_.begin; l < stage_.end; ++l) y = math_.Layer(l, weights_[l - stage_.begin], y);
+  for (int l = stage_.begin; l < stage_.end; ++l) y = math_.Layer(l, current_.layers[l - stage_.begin], y);
   y.backward(InputGrad(mb, stage_.end));
   if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, x.grad());
   return {};
@@ -125,6 +163,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
       case core::StageKind::kFusedTail: r = RunTail(mb); break;
       case core::StageKind::kBackward: r = RunBackward(mb); break;
     }
+    if (HasGrads()) AccumulateGrads();
     device_.Synchronize();
     return r;
   } catch (const c10::Error& e) {
@@ -136,22 +175,23 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
   }
 }
 
-Status Executor::CommitGrads() {
+Status Executor::CommitGrads(bool accumulate) {
   try {
-    for (auto& g : grad_uses_) {
-      if (!g.weight.grad().defined()) continue;  // e.g. a parameter unused by this stage
-      device_.AccumulateFloat(g.weight.grad(), segment_.At<float>(layout_.grad[g.grad_slot]));
+    for (auto& g : current_.grads) {
+      if (!g.accum.defined()) {
+        // A parameter this stage did not reach: its slot must still read zero, not last step.
+        if (accumulate) continue;
+        g.accum = at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
+      }
+      device_.CommitFloat(g.accum, segment_.At<float>(layout_.grad[g.grad_slot]), accumulate);
     }
     device_.Synchronize();
-  } catch (const c10::Error& e) {
-    return Status::Internal(std::string("committing gradients: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("committing gradients: ") + e.what());
   }
   return Status::Ok();
 }
 
-void Executor::End() {
-  weights_.clear();
-  grad_uses_.clear();
-}
+void Executor::End() { current_ = StageWeights(); }
 
 }  // namespace rp::worker

@@ -2,13 +2,16 @@
 // Executor: runs one stage job's microbatches against the shared segment.
 //
 // Contract:
-//  * Begin(job) fetches the stage's weights; Microbatch(m) computes microbatch m (its input must
+//  * Prefetch(job) starts copying a later job's weights (the next one in the worker's queue) so
+//    they are resident when Begin(job) makes the compute stream wait for them.
+//  * Begin(job) fetches the stage's weights (or adopts the prefetched ones); Microbatch(m) computes microbatch m (its input must
 //    be in its slot: the coordinator said InputReady); CommitGrads() adds the job's gradients
 //    into the shared gradient slots; End() drops the weights.
 //  * Forward stages write hidden states (stage output and checkpoints). The fused tail and
-//    backward stages write input gradients; their parameter gradients accumulate locally (fp32)
-//    over the job's microbatches and reach shared memory only in CommitGrads(), so a job that
-//    dies mid-way commits nothing.
+//    backward stages write input gradients; their parameter gradients accumulate on the device
+//    in fp32 over the job's microbatches (bf16 weights produce bf16 gradients per microbatch) and
+//    reach shared memory only in CommitGrads(accumulate), so a job that dies mid-way commits
+//    nothing.
 //  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
 //  * Single-threaded.
 #pragma once
@@ -40,9 +43,10 @@ class Executor {
   Executor(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
            const shm::ArenaLayout& layout, const shm::Segment& segment, Device& device);
 
+  Status Prefetch(const proto::RunJob& job);
   Status Begin(const proto::RunJob& job);
   StatusOr<MicrobatchResult> Microbatch(int mb);
-  Status CommitGrads();
+  Status CommitGrads(bool accumulate);
   void End();
   bool HasGrads() const;
 
@@ -55,6 +59,20 @@ class Executor {
   MicrobatchResult RunForward(int mb);
   MicrobatchResult RunTail(int mb);
   MicrobatchResult RunBackward(int mb);
+  Status Validate(const proto::RunJob& job) const;
+  struct GradUse {
+    at::Tensor weight;
+    int grad_slot;
+    at::Tensor accum;  // fp32 sum over the job's microbatches
+  };
+  struct StageWeights {
+    int64_t job_index = -1;
+    uint64_t fence = 0;
+    std::vector<model::LayerWeights> layers;  // per layer of the stage
+    std::vector<GradUse> grads;
+  };
+  StageWeights FetchStage(const proto::RunJob& job);
+  void AccumulateGrads();
 
   const core::JobConfig& cfg_;
   const core::ModelSpec& spec_;
@@ -67,12 +85,7 @@ class Executor {
 
   proto::RunJob job_{};
   core::Stage stage_{};
-  std::vector<model::LayerWeights> weights_;  // per layer of the stage
-  struct GradUse {
-    at::Tensor weight;
-    int grad_slot;
-  };
-  std::vector<GradUse> grad_uses_;
+  StageWeights current_, next_;
 };
 
 }  // namespace rp::worker

@@ -34,6 +34,7 @@ struct ActiveJob {
   int next_mb = 0;
   bool begun = false;
   bool grads_reported = false;
+  bool prefetched = false;
   int64_t start_us = 0, fetch_end_us = 0;
 };
 
@@ -55,12 +56,13 @@ class Worker {
   shm::ArenaLayout layout_;
   std::optional<proto::DealerChannel> channel_;
   std::optional<shm::Segment> segment_;
+  bool use_cuda_ = false;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Executor> exec_;
 
   std::deque<ActiveJob> queue_;
   std::map<int64_t, std::set<int>> ready_;  // job -> microbatches whose input is ready
-  std::set<int64_t> commit_granted_;
+  std::map<int64_t, bool> commit_granted_;  // job -> accumulate
   bool shutdown_ = false;
   int shutdown_code_ = 0;
 };
@@ -83,9 +85,11 @@ Status Worker::Handle(const proto::Message& m) {
       ready_[r.job_index].insert(r.microbatch);
       return Status::Ok();
     }
-    case proto::MsgType::kCommitGrads:
-      commit_granted_.insert(std::get<proto::CommitGrads>(m).job_index);
+    case proto::MsgType::kCommitGrads: {
+      const auto& c = std::get<proto::CommitGrads>(m);
+      commit_granted_[c.job_index] = c.accumulate != 0;
       return Status::Ok();
+    }
     case proto::MsgType::kShutdown:
       shutdown_ = true;
       shutdown_code_ = std::get<proto::Shutdown>(m).exit_code;
@@ -122,6 +126,13 @@ StatusOr<bool> Worker::Progress() {
     a.fetch_end_us = WallMicros();
     a.begun = true;
   }
+  // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
+  // runs on the low-priority stream while this job computes.
+  if (queue_.size() > 1 && !queue_[1].prefetched) {
+    Status s = exec_->Prefetch(queue_[1].job);
+    if (!s.ok()) return Fail(queue_[1].job.job_index, s);
+    queue_[1].prefetched = true;
+  }
   if (a.next_mb < a.job.num_microbatches) {
     auto it = ready_.find(id);
     if (it == ready_.end() || !it->second.count(a.next_mb)) return false;
@@ -144,8 +155,9 @@ StatusOr<bool> Worker::Progress() {
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
       a.grads_reported = true;
     }
-    if (!commit_granted_.count(id)) return false;
-    Status s = exec_->CommitGrads();
+    auto grant = commit_granted_.find(id);
+    if (grant == commit_granted_.end()) return false;
+    Status s = exec_->CommitGrads(grant->second);
     if (!s.ok()) return Fail(id, s);
     commit_granted_.erase(id);
   }
@@ -161,14 +173,18 @@ Status Worker::Run() {
   spec_ = core::BuildModelSpec(cfg_.model);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_));
   layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
-  if (cfg_.job.device == "cuda")
-    return Status::InvalidArgument("job.device: \"cuda\" requested, but this build has no CUDA "
-                                   "backend (configure with a CUDA LibTorch)");
-  device_ = MakeCpuDevice();
+  const int gpus = CudaDeviceCount();
+  use_cuda_ = cfg_.job.device == "cuda" || (cfg_.job.device == "auto" && gpus > 0);
+  if (use_cuda_ && gpus == 0)
+    return Status::InvalidArgument("job.device: \"cuda\" requested, but no CUDA device is usable "
+                                   "by this build");
+  if (!use_cuda_ && cfg_.train.dtype == "bf16")
+    return Status::InvalidArgument("train.dtype: \"bf16\" needs CUDA workers");
 
   RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
   channel_.emplace(std::move(ch));
-  RP_RETURN_IF_ERROR(channel_->Send(proto::Hello{opts_.rank, static_cast<int32_t>(::getpid()), layout_.hash, -1, 0}));
+  RP_RETURN_IF_ERROR(channel_->Send(proto::Hello{opts_.rank, static_cast<int32_t>(::getpid()), layout_.hash,
+                                                use_cuda_ ? opts_.rank % gpus : -1, 0}));
 
   const double deadline = MonoSeconds() + opts_.welcome_timeout_s;
   while (!segment_) {
@@ -184,6 +200,12 @@ Status Worker::Run() {
     if (seg.header()->ready.load(std::memory_order_acquire) != 1)
       return Status::ProtocolError("segment " + seg.name() + " is not initialized");
     segment_.emplace(std::move(seg));
+  }
+  if (use_cuda_) {
+    // Worker i uses GPU i mod the device count; N workers may share one GPU.
+    RP_ASSIGN_OR_RETURN(device_, MakeCudaDevice(opts_.rank % gpus, segment_->data(), segment_->size()));
+  } else {
+    device_ = MakeCpuDevice();
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();

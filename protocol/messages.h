@@ -19,7 +19,7 @@
 //   coord  -> InputReady(job, mb)      (the job's input for microbatch mb is in its slot)
 //   worker -> MicrobatchDone(job, mb)  (outputs written; loss for the fused tail)
 //   worker -> GradsReady(job)          (a tail/backward job holds its gradients)
-//   coord  -> CommitGrads(job)         (add them into the shared gradient slots now)
+//   coord  -> CommitGrads(job, acc)    (write, or add, them into the shared gradient slots now)
 //   worker -> JobDone(job)             (everything the job writes is in shared memory)
 //   worker -> JobFailed(job, text)     (the job cannot complete; the worker exits after)
 //   coord  -> Shutdown
@@ -33,7 +33,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint16_t kProtocolVersion = 2;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -113,8 +113,10 @@ static_assert(sizeof(GradsReady) == 8);
 
 struct CommitGrads {
   int64_t job_index;
+  int32_t accumulate;     // 0: first commit of these slots in the step, overwrite; 1: add
+  uint32_t reserved;
 };
-static_assert(sizeof(CommitGrads) == 8);
+static_assert(sizeof(CommitGrads) == 16);
 
 struct JobDone {
   int64_t job_index;

@@ -21,7 +21,7 @@ TEST(Codec, RoundTripsEveryMessage) {
                               RunJob{17, 3, 1, 4, 1, 5, 0.25},
                               InputReady{17, 2, 0},
                               MicrobatchDone{17, 2, 0, 1.5, 64, 10, 20},
-                              GradsReady{17}, CommitGrads{17}, JobDone{17, 1, 2, 3}, f,
+                              GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
                               Shutdown{0, 0}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
