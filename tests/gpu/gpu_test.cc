@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU tests (label gpu): skipped without a usable CUDA device. Real processes, as in the
+// integration tests, with job.device = "cuda".
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "gpu_worker/device.h"
+#include "tests/testing/process_harness.h"
+
+namespace rp {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::BinDir;
+using testing::SourceDir;
+
+std::vector<double> Losses(const std::string& path) {
+  std::vector<double> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
+}
+
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (worker::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    tmp_ = testing::MakeTempDir("rp-gpu-");
+  }
+  void TearDown() override {
+    EXPECT_TRUE(testing::LeftoverSegments().empty());
+    std::error_code ec;
+    if (!tmp_.empty()) fs::remove_all(tmp_, ec);
+  }
+  std::vector<double> Launch(int n, const std::string& name, std::vector<std::string> sets) {
+    const std::string out = tmp_ + "/" + name;
+    std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", std::to_string(n),
+                                  SourceDir() + "/tests/testdata/parity.toml", "--set",
+                                  "job.output_dir=" + out};
+    for (auto& s : sets) {
+      a.push_back("--set");
+      a.push_back(s);
+    }
+    auto r = testing::RunProcess(a, 300);
+    EXPECT_EQ(r.code, 0) << r.output;
+    return Losses(out + "/metrics.jsonl");
+  }
+  std::string tmp_;
+};
+
+TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
+  const std::string ref_out = tmp_ + "/ref";
+  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
+                                  "--set", "job.output_dir=" + ref_out}, 300);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto expected = Losses(ref_out + "/metrics.jsonl");
+  auto got = Launch(1, "cuda", {"job.device=\"cuda\""});
+  ASSERT_EQ(got.size(), expected.size());
+  double worst = 0;
+  for (size_t s = 0; s < got.size(); ++s) {
+    const double rel = std::abs(got[s] - expected[s]) / std::abs(expected[s]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, 1e-4) << "step " << s + 1 << ": cuda " << got[s] << " vs cpu " << expected[s];
+  }
+  std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", worst);
+}
+
+TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
+  auto one = Launch(1, "n1", {"job.device=\"cuda\""});
+  for (int n : {2, 3}) {
+    auto got = Launch(n, "n" + std::to_string(n), {"job.device=\"cuda\""});
+    ASSERT_EQ(got.size(), one.size());
+    for (size_t s = 0; s < got.size(); ++s)
+      EXPECT_LE(std::abs(got[s] - one[s]) / std::abs(one[s]), 1e-5) << "N=" << n << " step " << s + 1;
+  }
+}
+
+TEST_F(GpuTest, Bf16TrainingLearns) {
+  auto got = Launch(2, "bf16", {"job.device=\"cuda\"", "train.dtype=\"bf16\""});
+  ASSERT_EQ(got.size(), 20u);
+  EXPECT_LT(got.back(), 0.8 * got.front());
+}
+
+}  // namespace
+}  // namespace rp
