@@ -437,6 +437,22 @@ Status Coordinator::RunStep(int64_t step) {
   const double span = t_compute - t0;
   m.bubble_ratio = span > 0 ? std::max(0.0, 1.0 - busy / (span * opts_.num_workers)) : 0.0;
   makespan_s_ += span;
+  // What the workers' executors read from host memory this step: each job's stage weights once,
+  // and per microbatch its inputs (tokens or a hidden state; labels for the tail; the incoming
+  // gradient for backward stages).
+  int64_t h2d = 0;
+  const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
+  const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
+  for (auto& j : jobs_) {
+    const auto& st = plan_.stages[j.stage];
+    for (int l = st.begin; l < st.end; ++l)
+      for (auto& use : spec_.layer_uses[l]) h2d += spec_.params[use.param].numel * layout_.compute_elem_bytes;
+    int64_t per_mb = st.begin == 0 ? tok : act;
+    if (st.kind == core::StageKind::kFusedTail) per_mb += tok;
+    if (st.kind == core::StageKind::kBackward) per_mb += act;
+    h2d += per_mb * cfg_.train.microbatches;
+  }
+  m.h2d_bytes = h2d;
   RP_RETURN_IF_ERROR(metrics_->Append(m));
   RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr " << lr
                << " grad_norm " << grad_norm << " " << static_cast<int64_t>(m.tokens / m.step_time_s)

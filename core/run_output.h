@@ -27,6 +27,7 @@ struct StepMetrics {
   int64_t tokens = 0;
   double step_time_s = 0.0;
   double bubble_ratio = -1.0;  // omitted when < 0
+  int64_t h2d_bytes = -1;      // host-to-device bytes the step's jobs read; omitted when < 0
 };
 
 class MetricsWriter {

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/core/GradMode.h>
+
 #include "core/model_spec.h"
 #include "model/transformer.h"
 
@@ -66,7 +68,7 @@ TEST(Transformer, ChunkedHeadEqualsFullCrossEntropy) {
       EXPECT_TRUE(at::allclose(g_small[i], g_big[i], 1e-4, 1e-6)) << "param " << i;
     // And against the textbook formula on full logits.
     Transformer t(f.cfg);
-    at::NoGradGuard ng;
+    c10::NoGradGuard ng;
     at::Tensor x = t.Embed(f.layers[0], tokens);
     for (int l = 1; l <= 2; ++l) x = t.Block(f.layers[l], x);
     const auto& head = f.layers[3];
@@ -84,7 +86,7 @@ TEST(Transformer, RecomputeIsBitIdentical) {
   at::Tensor x = at::randn({2, 9, 32});
   at::Tensor a, b;
   {
-    at::NoGradGuard ng;
+    c10::NoGradGuard ng;
     a = t.Block(f.layers[1], x);
   }
   b = t.Block(f.layers[1], x.clone().requires_grad_(true));
@@ -94,7 +96,7 @@ TEST(Transformer, RecomputeIsBitIdentical) {
 TEST(Transformer, CausalAttentionIgnoresTheFuture) {
   Fixture f(true);
   Transformer t(f.cfg);
-  at::NoGradGuard ng;
+  c10::NoGradGuard ng;
   at::manual_seed(3);
   at::Tensor x = at::randn({1, 10, 32});
   at::Tensor y = x.clone();

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs one benchmark job and prints one JSON line (append it to bench/results.jsonl).
+#   bench/gpu_bench.sh BUILD_DIR WORKERS JOB [--set ...]
+# Env: RP_COMMIT (the commit measured), RP_MACHINE (free text). Steady-state figures skip the
+# first two steps (allocator and page warm-up); whole-run figures include them and the drain.
+set -euo pipefail
+build=$1; n=$2; job=$3; shift 3
+out=$(mktemp -d /tmp/rp-bench-XXXXXX)
+cmd="$build/bin/rp-launch --gpus $n $job --set job.output_dir=$out/run $*"
+$cmd > "$out/log" 2>&1 &
+launcher=$!
+peak_coord_anon=0; peak_worker_rss=0; peak_shm=0
+while kill -0 $launcher 2>/dev/null; do
+  c=$(pgrep -P $launcher -f rp-coordinator || true)
+  if [ -n "$c" ]; then
+    a=$(awk '/RssAnon/ {print $2}' /proc/$c/status 2>/dev/null || echo 0)
+    [ "${a:-0}" -gt "$peak_coord_anon" ] && peak_coord_anon=$a
+  fi
+  w=0
+  for p in $(pgrep -P $launcher -f rp-worker || true); do
+    r=$(awk '/VmRSS/ {print $2}' /proc/$p/status 2>/dev/null || echo 0); w=$((w + ${r:-0}))
+  done
+  [ "$w" -gt "$peak_worker_rss" ] && peak_worker_rss=$w
+  s=$(du -sk /dev/shm 2>/dev/null | cut -f1); [ "${s:-0}" -gt "$peak_shm" ] && peak_shm=$s
+  sleep 1
+done
+wait $launcher || { echo "bench: run failed" >&2; tail -30 "$out/log" >&2; exit 1; }
+python3 - "$out" "$n" "$job" "$cmd" "$peak_coord_anon" "$peak_worker_rss" "$peak_shm" <<'PY'
+import json, sys, datetime, os, subprocess
+out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb = sys.argv[1:]
+steps = [json.loads(l) for l in open(out + "/run/metrics.jsonl")]
+summ = json.load(open(out + "/run/summary.json"))
+steady = steps[2:] if len(steps) > 3 else steps
+tok = sum(s["tokens"] for s in steady); t = sum(s["step_time_s"] for s in steady)
+params = summ["trainable_params"]
+tps = tok / t
+seg = summ["segment_bytes"]
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip().splitlines()[0]
+except Exception:
+    gpu = "unknown"
+print(json.dumps({
+  "date": datetime.date.today().isoformat(), "commit": os.environ.get("RP_COMMIT", "?"),
+  "machine": os.environ.get("RP_MACHINE", gpu), "command": cmd, "workload": os.path.basename(job),
+  "workers": int(n), "steps": len(steps),
+  "tokens_per_s_steady": round(tps, 1), "tokens_per_s_whole_run": round(summ["tokens_per_s"], 1),
+  "mfu_steady": round(6 * params * tps / 790e12, 4),
+  "bubble_ratio_steady": round(sum(s.get("bubble_ratio", 0) for s in steady) / len(steady), 4),
+  "h2d_gb_per_s_steady": round(sum(s.get("h2d_bytes", 0) for s in steady) / t / 1e9, 2),
+  "step_time_s_steady": round(t / len(steady), 3), "trainable_params": params,
+  "host_bytes_per_param": round((seg + int(coord_anon_kb) * 1024) / params, 2),
+  "segment_bytes": seg, "coordinator_anon_rss_bytes": int(coord_anon_kb) * 1024,
+  "worker_rss_bytes_total": int(worker_rss_kb) * 1024,
+  "losses": [round(s["loss"], 4) for s in steps],
+}))
+PY
+rm -rf "$out"
