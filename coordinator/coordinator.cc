@@ -7,7 +7,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +17,7 @@
 #include "common/logging.h"
 #include "common/session.h"
 #include "common/time_util.h"
+#include "coordinator/optim/async_optimizer.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "core/data.h"
 #include "core/job_config.h"
@@ -36,6 +39,7 @@ using proto::Message;
 // One stage job of the current step.
 struct JobState {
   int64_t index = 0;  // global launch counter
+  int64_t step = 0;
   int call = 0;       // call inside the step
   int stage = 0;
   int worker = 0;
@@ -56,15 +60,18 @@ class Coordinator {
   Status Setup();
   Status InitState();
   Status AcceptWorkers();
-  Status RunStep(int64_t step);
+  Status Dispatch(int64_t step);
+  Status TryFeed();
+  Status Loop();
+  Status ReportSteps();
+  int64_t StepH2dBytes(int64_t step) const;
   Status Handle(int rank, const Message& m);
   Status OnMicrobatchDone(int rank, const proto::MicrobatchDone& d);
   Status OnGradsReady(int rank, const proto::GradsReady& g);
   Status OnJobDone(int rank, const proto::JobDone& d);
-  Status FeedCall(int call);
-  Status TryCommits();
+  Status FeedCall(int64_t global_call);
+  Status TryCommits(int64_t step);
   StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
-  void Optimize(int64_t step, double* grad_norm, double* lr);
   void RecordTrace(const JobState& j);
   Status WriteTrace();
   void ShutdownWorkers(int exit_code);
@@ -81,15 +88,27 @@ class Coordinator {
   std::optional<core::MetricsWriter> metrics_;
   std::vector<int> worker_pids_;
 
-  // Current step.
-  int64_t step_ = 0;
+  // In-flight work. Steps overlap: step t + 1 is dispatched while step t drains, and its stages
+  // start as soon as their layers' weights reach version t + 1.
+  struct StepState {
+    int64_t first_job = 0;
+    double loss_scale = 0.0;
+    double loss_sum = 0.0;
+    int64_t targets = 0;
+    int jobs_done = 0;
+    double busy_s = 0.0;
+    double done_at = -1.0;  // all jobs done (monotonic seconds)
+    bool reported = false;
+  };
+  std::map<int64_t, StepState> steps_;
+  std::map<int64_t, JobState> jobs_;           // by global job index
+  std::map<int64_t, int> call_jobs_done_;      // by global call index
+  std::set<int64_t> fed_calls_;
   int64_t job_counter_ = 0;
-  int64_t first_job_of_step_ = 0;
-  std::vector<JobState> jobs_;  // index - first_job_of_step_
-  std::vector<int> call_jobs_done_;
-  double step_loss_sum_ = 0.0;
-  int64_t step_targets_ = 0;
-  double loss_scale_ = 0.0;
+  int64_t next_step_to_dispatch_ = 0;
+  int64_t next_step_to_report_ = 0;
+  double run_start_ = 0.0, last_report_at_ = 0.0;
+  std::unique_ptr<AsyncOptimizer> optimizer_;
 
   nlohmann::json trace_ = nlohmann::json::array();
   double busy_s_ = 0.0, makespan_s_ = 0.0;
@@ -183,11 +202,11 @@ Status Coordinator::AcceptWorkers() {
 }
 
 StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* what) {
-  if (index < first_job_of_step_ || index >= first_job_of_step_ + static_cast<int64_t>(jobs_.size()))
+  auto it = jobs_.find(index);
+  if (it == jobs_.end())
     return Status::ProtocolError(std::string(what) + " from worker " + std::to_string(rank) +
-                                 " names job " + std::to_string(index) + ", not in step " +
-                                 std::to_string(step_));
-  JobState* j = &jobs_[index - first_job_of_step_];
+                                 " names job " + std::to_string(index) + ", which is not in flight");
+  JobState* j = &it->second;
   if (j->worker != rank)
     return Status::ProtocolError(std::string(what) + " for job " + std::to_string(index) +
                                  " came from worker " + std::to_string(rank) + ", but worker " +
@@ -195,28 +214,48 @@ StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* wh
   return j;
 }
 
-Status Coordinator::FeedCall(int call) {
-  const int64_t global_call = step_ * cfg_.train.accum_calls + call;
-  const int parity = static_cast<int>(global_call % 2);
+Status Coordinator::FeedCall(int64_t g) {
+  const int64_t K = cfg_.train.accum_calls;
+  const int64_t step = g / K, call = g % K;
+  const int parity = static_cast<int>(g % 2);
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
-    data_->Fill(step_, call, mb, segment_->At<int64_t>(layout_.TokenSlot(parity, mb)),
+    data_->Fill(step, call, mb, segment_->At<int64_t>(layout_.TokenSlot(parity, mb)),
                 segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
-  const size_t stages = plan_.stages.size();
-  const JobState& first = jobs_[call * stages];
+  const JobState& first = jobs_.at(steps_.at(step).first_job + call * static_cast<int64_t>(plan_.stages.size()));
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
     RP_RETURN_IF_ERROR(channel_->Send(first.worker, proto::InputReady{first.index, mb, 0}));
+  fed_calls_.insert(g);
   return Status::Ok();
 }
 
-Status Coordinator::TryCommits() {
-  // Gradients of one stage are added in call order, so the float sums (and therefore the
-  // trained weights) do not depend on which worker finishes first.
-  const size_t stages = plan_.stages.size();
-  for (auto& j : jobs_) {
+Status Coordinator::TryFeed() {
+  // Global call g uses slot parity g % 2, so it may be fed once call g - 2 is completely done.
+  const int64_t K = cfg_.train.accum_calls;
+  for (int64_t g = next_step_to_report_ * K; g < next_step_to_dispatch_ * K; ++g) {
+    if (fed_calls_.count(g)) continue;
+    auto prev = call_jobs_done_.find(g - 2);
+    const bool free = g < 2 || (prev != call_jobs_done_.end() && prev->second == static_cast<int>(plan_.stages.size()));
+    if (!free) break;  // calls are fed in order
+    RP_RETURN_IF_ERROR(FeedCall(g));
+  }
+  return Status::Ok();
+}
+
+Status Coordinator::TryCommits(int64_t step) {
+  // Gradients of one stage are written in call order (the first overwrites, later ones add), so
+  // the float sums do not depend on which worker finishes first.
+  const int64_t S = static_cast<int64_t>(plan_.stages.size());
+  const int64_t first = steps_.at(step).first_job;
+  for (int64_t k = first; k < first + S * cfg_.train.accum_calls; ++k) {
+    auto it = jobs_.find(k);
+    if (it == jobs_.end()) continue;
+    JobState& j = it->second;
     if (!j.grads_ready || j.commit_sent) continue;
-    if (j.call > 0 && !jobs_[(j.call - 1) * stages + j.stage].done) continue;
+    if (j.call > 0) {
+      auto prev = jobs_.find(k - S);
+      if (prev != jobs_.end() && !prev->second.done) continue;
+    }
     j.commit_sent = true;
-    // The first call of a step overwrites the slots, so they never need zeroing.
     RP_RETURN_IF_ERROR(channel_->Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
   }
   return Status::Ok();
@@ -231,13 +270,14 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
                                  std::to_string(j->next_mb));
   j->next_mb++;
   j->mb_times.emplace_back(d.start_us, d.end_us);
+  StepState& st = steps_.at(j->step);
+  st.busy_s += static_cast<double>(d.end_us - d.start_us) * 1e-6;
   if (plan_.stages[j->stage].kind == core::StageKind::kFusedTail) {
-    step_loss_sum_ += d.loss_sum;
-    step_targets_ += d.targets;
+    st.loss_sum += d.loss_sum;
+    st.targets += d.targets;
   }
-  const size_t stages = plan_.stages.size();
-  if (static_cast<size_t>(j->stage) + 1 < stages) {
-    const JobState& next = jobs_[j->call * stages + j->stage + 1];
+  if (static_cast<size_t>(j->stage) + 1 < plan_.stages.size()) {
+    const JobState& next = jobs_.at(j->index + 1);
     RP_RETURN_IF_ERROR(channel_->Send(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
   }
   return Status::Ok();
@@ -248,7 +288,7 @@ Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
   if (plan_.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != cfg_.train.microbatches)
     return Status::ProtocolError("unexpected GradsReady for job " + std::to_string(g.job_index));
   j->grads_ready = true;
-  return TryCommits();
+  return TryCommits(j->step);
 }
 
 Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
@@ -261,12 +301,23 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   j->fetch_end_us = d.fetch_end_us;
   j->end_us = d.end_us;
   RecordTrace(*j);
-  RP_RETURN_IF_ERROR(TryCommits());
-  if (++call_jobs_done_[j->call] == static_cast<int>(plan_.stages.size())) {
-    // The call's slots (parity) are free again: the call two later may fill them.
-    if (j->call + 2 < cfg_.train.accum_calls) RP_RETURN_IF_ERROR(FeedCall(j->call + 2));
+  const int64_t step = j->step;
+  const auto& stage = plan_.stages[j->stage];
+  // The last call's commit of a stage makes its layers' gradients final for the step.
+  if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1)
+    for (int l = stage.begin; l < stage.end; ++l)
+      for (const auto& use : spec_.layer_uses[l]) optimizer_->SlotFinal(step, use.grad_slot);
+  const int64_t g = step * cfg_.train.accum_calls + j->call;
+  RP_RETURN_IF_ERROR(TryCommits(step));
+  jobs_.erase(d.job_index);
+  call_jobs_done_[g]++;
+  StepState& st = steps_.at(step);
+  if (++st.jobs_done == static_cast<int>(plan_.stages.size() * cfg_.train.accum_calls)) {
+    st.done_at = MonoSeconds();
+    // Two steps in flight: the one draining and the next one.
+    if (next_step_to_dispatch_ < cfg_.train.steps) RP_RETURN_IF_ERROR(Dispatch(next_step_to_dispatch_));
   }
-  return Status::Ok();
+  return TryFeed();
 }
 
 Status Coordinator::Handle(int rank, const Message& m) {
@@ -294,47 +345,6 @@ Status Coordinator::Handle(int rank, const Message& m) {
   return Status::Ok();
 }
 
-void Coordinator::Optimize(int64_t step, double* grad_norm, double* lr) {
-  const double t0 = MonoSeconds();
-  // Tied parameters: fold the extra gradient slots into the owner's slot, in slot order.
-  std::vector<int> primary(spec_.params.size(), -1);
-  for (size_t s = 0; s < spec_.grad_slots.size(); ++s) {
-    const int p = spec_.grad_slots[s].param;
-    if (primary[p] < 0) {
-      primary[p] = static_cast<int>(s);
-      continue;
-    }
-    float* dst = segment_->At<float>(layout_.grad[primary[p]]);
-    const float* src = segment_->At<float>(layout_.grad[s]);
-    for (int64_t i = 0; i < spec_.params[p].numel; ++i) dst[i] += src[i];
-  }
-  std::vector<ParamArrays> arrays;
-  for (size_t p = 0; p < spec_.params.size(); ++p) {
-    ParamArrays a;
-    a.master = segment_->At<float>(layout_.master[p]);
-    a.m = segment_->At<float>(layout_.adam_m[p]);
-    a.v = segment_->At<float>(layout_.adam_v[p]);
-    a.grad = segment_->At<float>(layout_.grad[primary[p]]);
-    a.compute = segment_->At<void>(layout_.compute[p]);
-    a.numel = spec_.params[p].numel;
-    a.decay = spec_.params[p].weight_decay;
-    arrays.push_back(a);
-  }
-  *lr = core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
-  const int threads = opts_.optimizer_threads > 0 ? opts_.optimizer_threads
-                                                  : static_cast<int>(std::thread::hardware_concurrency());
-  auto r = OptimizerStep(arrays, cfg_.optimizer, *lr, step + 1, cfg_.train.grad_clip,
-                         cfg_.train.dtype == "bf16" ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32,
-                         threads);
-  *grad_norm = r.grad_norm;
-  const double t1 = MonoSeconds();
-  nlohmann::json e = {{"name", "optimizer"}, {"cat", "optimizer"}, {"ph", "X"},
-                      {"ts", WallMicros() - static_cast<int64_t>((t1 - t0) * 1e6)},
-                      {"dur", static_cast<int64_t>((t1 - t0) * 1e6)}, {"pid", 0}, {"tid", 0},
-                      {"args", {{"step", step}}}};
-  trace_.push_back(e);
-}
-
 void Coordinator::RecordTrace(const JobState& j) {
   if (!cfg_.metrics.trace) return;
   const auto& st = plan_.stages[j.stage];
@@ -342,7 +352,7 @@ void Coordinator::RecordTrace(const JobState& j) {
   std::string name = std::string(st.kind == core::StageKind::kForward ? "F"
                                  : st.kind == core::StageKind::kBackward ? "B" : "T") +
                      std::to_string(j.stage);
-  nlohmann::json args = {{"job_index", j.index}, {"step", step_}, {"call", j.call},
+  nlohmann::json args = {{"job_index", j.index}, {"step", j.step}, {"call", j.call},
                          {"stage", j.stage}, {"kind", kind}, {"layers", {st.begin, st.end}},
                          {"microbatches", cfg_.train.microbatches}, {"worker_rank", j.worker},
                          {"worker_pid", worker_pids_[j.worker]},
@@ -377,74 +387,41 @@ Status Coordinator::WriteTrace() {
   return core::WriteFileAtomically(cfg_.job.output_dir + "/trace.json", doc.dump());
 }
 
-Status Coordinator::RunStep(int64_t step) {
-  const double t0 = MonoSeconds();
-  step_ = step;
-  step_loss_sum_ = 0.0;
-  step_targets_ = 0;
+Status Coordinator::Dispatch(int64_t step) {
   const int64_t targets = data_->CountStepTargets(step);
-  if (targets == 0) return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
-  loss_scale_ = 1.0 / static_cast<double>(targets);
-
+  if (targets == 0)
+    return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
+  StepState& st = steps_[step];
+  st.loss_scale = 1.0 / static_cast<double>(targets);
+  st.first_job = job_counter_;
   const int K = static_cast<int>(cfg_.train.accum_calls);
   const int S = static_cast<int>(plan_.stages.size());
-  first_job_of_step_ = job_counter_;
-  jobs_.assign(static_cast<size_t>(K) * S, JobState{});
-  call_jobs_done_.assign(K, 0);
   for (int c = 0; c < K; ++c)
     for (int s = 0; s < S; ++s) {
-      JobState& j = jobs_[c * S + s];
+      JobState j;
       j.index = job_counter_++;
+      j.step = step;
       j.call = c;
       j.stage = s;
       j.worker = core::WorkerForJob(j.index, 0, opts_.num_workers);
-      proto::RunJob r{j.index, step, c, s,
-                      static_cast<int32_t>((step * K + c) % 2),
-                      static_cast<int32_t>(cfg_.train.microbatches), loss_scale_};
+      // Exact mode: step t reads weights holding t updates.
+      proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % 2),
+                      static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, step};
       RP_RETURN_IF_ERROR(channel_->Send(j.worker, r));
+      jobs_.emplace(j.index, j);
     }
-  for (int c = 0; c < std::min(K, 2); ++c) RP_RETURN_IF_ERROR(FeedCall(c));
+  next_step_to_dispatch_ = step + 1;
+  return TryFeed();
+}
 
-  size_t done = 0;
-  while (done < jobs_.size()) {
-    if (g_stop) return Status::Cancelled("stopped by signal during step " + std::to_string(step));
-    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(200));
-    if (!env) continue;
-    if (env->rank >= opts_.num_workers) {
-      RP_LOG(WARNING) << "dropped a message from unknown worker " << env->rank;
-      continue;
-    }
-    RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
-    done = 0;
-    for (auto& j : jobs_) done += j.done;
-  }
-  const double t_compute = MonoSeconds();
-  double grad_norm = 0.0, lr = 0.0;
-  Optimize(step, &grad_norm, &lr);
-  const double t1 = MonoSeconds();
-
-  core::StepMetrics m;
-  m.step = step + 1;
-  m.loss = step_loss_sum_ / static_cast<double>(step_targets_);
-  m.lr = lr;
-  m.grad_norm = grad_norm;
-  m.tokens = K * cfg_.train.microbatches * cfg_.TokensPerMicrobatch();
-  m.step_time_s = t1 - t0;
-  // Bubble ratio of this step: idle worker time over (workers x wall time of the pipeline part).
-  double busy = 0.0;
-  for (auto& j : jobs_)
-    for (auto& [a, b] : j.mb_times) busy += static_cast<double>(b - a) * 1e-6;
-  const double span = t_compute - t0;
-  m.bubble_ratio = span > 0 ? std::max(0.0, 1.0 - busy / (span * opts_.num_workers)) : 0.0;
-  makespan_s_ += span;
-  // What the workers' executors read from host memory this step: each job's stage weights once,
-  // and per microbatch its inputs (tokens or a hidden state; labels for the tail; the incoming
-  // gradient for backward stages).
+int64_t Coordinator::StepH2dBytes(int64_t) const {
+  // What the workers' executors read from host memory in one step: each job's stage weights
+  // once, and per microbatch its inputs (tokens or a hidden state; labels for the tail; the
+  // incoming gradient for backward stages).
   int64_t h2d = 0;
   const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
-  for (auto& j : jobs_) {
-    const auto& st = plan_.stages[j.stage];
+  for (const auto& st : plan_.stages) {
     for (int l = st.begin; l < st.end; ++l)
       for (auto& use : spec_.layer_uses[l]) h2d += spec_.params[use.param].numel * layout_.compute_elem_bytes;
     int64_t per_mb = st.begin == 0 ? tok : act;
@@ -452,11 +429,60 @@ Status Coordinator::RunStep(int64_t step) {
     if (st.kind == core::StageKind::kBackward) per_mb += act;
     h2d += per_mb * cfg_.train.microbatches;
   }
-  m.h2d_bytes = h2d;
-  RP_RETURN_IF_ERROR(metrics_->Append(m));
-  RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr " << lr
-               << " grad_norm " << grad_norm << " " << static_cast<int64_t>(m.tokens / m.step_time_s)
-               << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "%";
+  return h2d * cfg_.train.accum_calls;
+}
+
+Status Coordinator::ReportSteps() {
+  // A step is reported when its jobs are done and its gradient norm is known. Its time is the
+  // interval since the previous step was reported (since the start for the first), so the sum
+  // of step times is the run's wall time and overlap between steps is not counted twice.
+  while (next_step_to_report_ < cfg_.train.steps) {
+    auto it = steps_.find(next_step_to_report_);
+    if (it == steps_.end() || it->second.done_at < 0) return Status::Ok();
+    auto norm = optimizer_->GradNorm(next_step_to_report_);
+    if (!norm) return Status::Ok();
+    StepState& st = it->second;
+    const double now = MonoSeconds();
+    core::StepMetrics m;
+    m.step = next_step_to_report_ + 1;
+    m.loss = st.loss_sum / static_cast<double>(st.targets);
+    m.lr = optimizer_->LearningRate(next_step_to_report_);
+    m.grad_norm = *norm;
+    m.tokens = cfg_.train.accum_calls * cfg_.train.microbatches * cfg_.TokensPerMicrobatch();
+    m.step_time_s = now - last_report_at_;
+    m.bubble_ratio = std::max(0.0, 1.0 - st.busy_s / (m.step_time_s * opts_.num_workers));
+    m.h2d_bytes = StepH2dBytes(next_step_to_report_);
+    busy_s_ += st.busy_s;
+    last_report_at_ = now;
+    RP_RETURN_IF_ERROR(metrics_->Append(m));
+    RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr "
+                 << m.lr << " grad_norm " << m.grad_norm << " "
+                 << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s)
+                 << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "%";
+    steps_.erase(it);
+    next_step_to_report_++;
+  }
+  return Status::Ok();
+}
+
+Status Coordinator::Loop() {
+  run_start_ = last_report_at_ = MonoSeconds();
+  RP_RETURN_IF_ERROR(Dispatch(0));
+  if (cfg_.train.steps > 1) RP_RETURN_IF_ERROR(Dispatch(1));
+  // Done when every step is reported and the last update is in shared memory (the final drain).
+  while (next_step_to_report_ < cfg_.train.steps || !optimizer_->Updated(cfg_.train.steps - 1)) {
+    if (g_stop) return Status::Cancelled("stopped by signal at step " + std::to_string(next_step_to_report_ + 1));
+    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(jobs_.empty() ? 2 : 20));
+    if (env) {
+      if (env->rank >= opts_.num_workers) {
+        RP_LOG(WARNING) << "dropped a message from unknown worker " << env->rank;
+        continue;
+      }
+      RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
+    }
+    RP_RETURN_IF_ERROR(ReportSteps());
+  }
+  makespan_s_ = MonoSeconds() - run_start_;
   return Status::Ok();
 }
 
@@ -472,9 +498,11 @@ Status Coordinator::Run() {
   RP_RETURN_IF_ERROR(Setup());
   RP_RETURN_IF_ERROR(InitState());
   Status st = AcceptWorkers();
-  const double t0 = MonoSeconds();
-  for (int64_t step = 0; st.ok() && step < cfg_.train.steps; ++step) st = RunStep(step);
-  const double wall = MonoSeconds() - t0;
+  const int threads = opts_.optimizer_threads > 0 ? opts_.optimizer_threads
+                                                  : static_cast<int>(std::thread::hardware_concurrency());
+  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, segment_->data(), threads);
+  if (st.ok()) st = Loop();
+  const double wall = makespan_s_;
   ShutdownWorkers(st.ok() ? 0 : 1);
   Status trace = WriteTrace();
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
@@ -485,7 +513,7 @@ Status Coordinator::Run() {
         {"segment_bytes", layout_.total_bytes}, {"wall_s", wall},
         {"tokens_per_s", static_cast<double>(cfg_.train.steps * cfg_.train.accum_calls *
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
-        {"busy_s", busy_s_}, {"pipeline_s", makespan_s_}};
+        {"busy_s", busy_s_}};
     RP_RETURN_IF_ERROR(core::WriteFileAtomically(cfg_.job.output_dir + "/summary.json",
                                                  summary.dump(2) + "\n"));
   }

@@ -2,6 +2,8 @@
 #include "gpu_worker/executor.h"
 
 #include <c10/core/GradMode.h>
+
+#include <atomic>
 #include <c10/util/Exception.h>
 
 namespace rp::worker {
@@ -26,6 +28,19 @@ Status Executor::Validate(const proto::RunJob& job) const {
     return Status::ProtocolError("RunJob " + std::to_string(job.job_index) +
                                  " has out-of-range stage, parity or microbatch count");
   return Status::Ok();
+}
+
+bool Executor::WeightsReady(const proto::RunJob& job) const {
+  if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size())) return true;  // Begin rejects it
+  const core::Stage& st = plan_.stages[job.stage];
+  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
+  for (int l = st.begin; l < st.end; ++l)
+    for (const auto& use : spec_.layer_uses[l]) {
+      const int owner = spec_.params[use.param].owner_layer;
+      if (versions[owner].load(std::memory_order_acquire) < static_cast<uint64_t>(job.weights_version))
+        return false;
+    }
+  return true;
 }
 
 Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {

@@ -43,6 +43,9 @@ class Executor {
   Executor(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
            const shm::ArenaLayout& layout, const shm::Segment& segment, Device& device);
 
+  // True once the optimizer has written every weight the job reads at the version it needs
+  // (exact mode: step t reads weights holding t updates). Never blocks.
+  bool WeightsReady(const proto::RunJob& job) const;
   Status Prefetch(const proto::RunJob& job);
   Status Begin(const proto::RunJob& job);
   StatusOr<MicrobatchResult> Microbatch(int mb);

@@ -64,6 +64,7 @@ class Worker {
   std::map<int64_t, std::set<int>> ready_;  // job -> microbatches whose input is ready
   std::map<int64_t, bool> commit_granted_;  // job -> accumulate
   bool shutdown_ = false;
+  bool waiting_for_weights_ = false;
   int shutdown_code_ = 0;
 };
 
@@ -120,6 +121,13 @@ StatusOr<bool> Worker::Progress() {
   ActiveJob& a = queue_.front();
   const int64_t id = a.job.job_index;
   if (!a.begun) {
+    // The optimizer may still be writing this step's weights (per layer, as gradients become
+    // final); wait for the versions without blocking the message loop.
+    if (!exec_->WeightsReady(a.job)) {
+      waiting_for_weights_ = true;
+      return false;
+    }
+    waiting_for_weights_ = false;
     a.start_us = WallMicros();
     Status s = exec_->Begin(a.job);
     if (!s.ok()) return Fail(id, s);
@@ -128,7 +136,7 @@ StatusOr<bool> Worker::Progress() {
   }
   // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
   // runs on the low-priority stream while this job computes.
-  if (queue_.size() > 1 && !queue_[1].prefetched) {
+  if (queue_.size() > 1 && !queue_[1].prefetched && exec_->WeightsReady(queue_[1].job)) {
     Status s = exec_->Prefetch(queue_[1].job);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);
     queue_[1].prefetched = true;
@@ -215,7 +223,7 @@ Status Worker::Run() {
     if (LauncherGone()) return Status::Unavailable("launcher is gone");
     RP_ASSIGN_OR_RETURN(bool worked, Progress());
     // Block only when nothing can move; otherwise just drain what has arrived.
-    RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : 100));
+    RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : waiting_for_weights_ ? 1 : 100));
     while (m) {
       RP_RETURN_IF_ERROR(Handle(*m));
       RP_ASSIGN_OR_RETURN(m, channel_->Receive(0));

@@ -33,7 +33,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 2;
+inline constexpr uint16_t kProtocolVersion = 3;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -85,8 +85,9 @@ struct RunJob {
   int32_t parity;         // activation slot parity (global call % 2)
   int32_t num_microbatches;
   double loss_scale;      // 1 / (non-ignored targets in the whole step)
+  int64_t weights_version;  // fetch only after every used layer's version reaches this
 };
-static_assert(sizeof(RunJob) == 40);
+static_assert(sizeof(RunJob) == 48);
 
 struct InputReady {
   int64_t job_index;

@@ -28,6 +28,8 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
   ArenaLayout a;
   a.compute_elem_bytes = c.train.dtype == "bf16" ? 2 : 4;
   uint64_t pos = kHeaderBytes;
+  a.layer_versions = pos;
+  pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
   // Compute copies are packed (256-byte aligned inside the region) so a layer's weights form one
   // run that a worker can fetch with a single copy.
   a.compute_begin = pos;

@@ -5,6 +5,9 @@
 // attaches, never resized; see docs/shm_layout.md):
 //
 //   [0, 4096)            SegmentHeader (below)
+//   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
+//                        updates its owned parameters' compute copies hold. Written only by the
+//                        coordinator (release), read by workers (acquire) before a weight fetch.
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
 //                        contiguous run), dtype = train.dtype; what workers fetch
 //   masters              fp32 per parameter                      (coordinator only)
@@ -70,6 +73,7 @@ struct ArenaLayout {
   std::vector<uint64_t> compute, master, adam_m, adam_v;  // per parameter
   std::vector<uint64_t> grad;                             // per gradient slot
   uint64_t compute_begin = 0, compute_end = 0;            // the compute-copy region
+  uint64_t layer_versions = 0;                            // std::atomic<uint64_t>[num layers]
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
   uint64_t tokens_per_mb = 0;        // elements per token slot
   uint64_t act_elems = 0;            // elements per hidden / input-grad slot
@@ -84,6 +88,9 @@ struct ArenaLayout {
 
 ArenaLayout ComputeLayout(const core::JobConfig& config, const core::ModelSpec& spec,
                           const core::PipelinePlan& plan);
+
+static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
+              "layer versions must be plain lock-free words to be shared across processes");
 
 inline std::string StateSegmentName(const std::string& session) { return "rp-" + session + "-state"; }
 

@@ -25,6 +25,14 @@ struct ParamArrays {
   bool decay = true;
 };
 
+// Parameters are processed in chunks of this many elements; the global norm is the sum of
+// per-(parameter, chunk) partial sums taken in (parameter, chunk) order, so the synchronous step
+// below and the coordinator's asynchronous per-layer optimizer get bit-identical norms.
+inline constexpr int64_t kOptimizerChunk = 1 << 20;
+double SquaredSum(const float* g, int64_t n);
+// Multiplier for gradients with global norm `norm` under clipping threshold `clip` (0 = off).
+double ClipScale(double norm, double clip);
+
 struct OptimizerStepResult {
   double grad_norm = 0.0;   // before clipping
   double clip_scale = 1.0;  // multiplier applied to the gradients

@@ -18,7 +18,7 @@ TEST(Codec, RoundTripsEveryMessage) {
   f.job_index = 9;
   CopyText(f.message, "boom");
   std::vector<Message> all = {Hello{2, 1000, 0xabcdef, -1, 0}, w,
-                              RunJob{17, 3, 1, 4, 1, 5, 0.25},
+                              RunJob{17, 3, 1, 4, 1, 5, 0.25, 3},
                               InputReady{17, 2, 0},
                               MicrobatchDone{17, 2, 0, 1.5, 64, 10, 20},
                               GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
@@ -70,7 +70,7 @@ TEST(Codec, RejectsMalformedFrames) {
 TEST(Codec, RandomBytesNeverCrash) {
   std::mt19937 rng(7);
   for (int i = 0; i < 20000; ++i) {
-    std::string frame = Encode(RunJob{1, 2, 3, 4, 0, 5, 1.0});
+    std::string frame = Encode(RunJob{1, 2, 3, 4, 0, 5, 1.0, 2});
     if (i % 2) frame.resize(rng() % 80);
     for (int k = 0; k < 3; ++k)
       if (!frame.empty()) frame[rng() % frame.size()] = static_cast<char>(rng());

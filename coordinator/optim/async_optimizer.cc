@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "coordinator/optim/async_optimizer.h"
+
+#include <cmath>
+
+#include "common/logging.h"
+#include "common/time_util.h"
+#include "core/lr_schedule.h"
+
+namespace rp::coord {
+
+AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                               const shm::ArenaLayout& layout, uint8_t* base, int threads)
+    : cfg_(cfg),
+      spec_(spec),
+      layout_(layout),
+      base_(base),
+      param_chunks_(spec.params.size()),
+      param_slots_(spec.params.size()),
+      layer_param_count_(spec.NumLayers(), 0),
+      slots_left_(spec.params.size(), 0),
+      param_chunks_left_(spec.params.size()),
+      layer_params_left_(spec.NumLayers()) {
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    for (int64_t b = 0; b < spec.params[p].numel; b += kOptimizerChunk) {
+      param_chunks_[p].push_back(chunks_.size());
+      chunks_.push_back({static_cast<int>(p), b, std::min(spec.params[p].numel, b + kOptimizerChunk)});
+    }
+    layer_param_count_[spec.params[p].owner_layer]++;
+  }
+  for (size_t s = 0; s < spec.grad_slots.size(); ++s)
+    param_slots_[spec.grad_slots[s].param].push_back(static_cast<int>(s));
+  partial_.assign(chunks_.size(), 0.0);
+  for (int t = 0; t < std::max(1, threads); ++t) threads_.emplace_back([this] { WorkerLoop(); });
+}
+
+AsyncOptimizer::~AsyncOptimizer() {
+  {
+    std::unique_lock<std::mutex> l(queue_mu_);
+    idle_cv_.wait(l, [&] { return pending_ == 0; });  // finish what was started: no torn update
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void AsyncOptimizer::Submit(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> l(queue_mu_);
+    queue_.push_back(std::move(task));
+    pending_++;
+  }
+  queue_cv_.notify_one();
+}
+
+void AsyncOptimizer::WorkerLoop() {
+  while (true) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> l(queue_mu_);
+      queue_cv_.wait(l, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+    {
+      std::lock_guard<std::mutex> l(queue_mu_);
+      pending_--;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+double AsyncOptimizer::LearningRate(int64_t step) const {
+  return core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
+}
+
+void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
+  if (step != step_) {
+    RP_CHECK(step == step_ + 1 && updated_through_.load() == step_)
+        << "optimizer step " << step << " began before step " << step_ << " was updated";
+    step_ = step;
+    for (size_t p = 0; p < spec_.params.size(); ++p) {
+      slots_left_[p] = static_cast<int>(param_slots_[p].size());
+      param_chunks_left_[p].store(static_cast<int64_t>(param_chunks_[p].size()));
+    }
+    for (int l = 0; l < spec_.NumLayers(); ++l) layer_params_left_[l].store(layer_param_count_[l]);
+    chunks_norm_left_.store(static_cast<int64_t>(chunks_.size()));
+    params_left_.store(static_cast<int>(spec_.params.size()));
+  }
+  const int p = spec_.grad_slots[slot].param;
+  RP_CHECK(slots_left_[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
+  if (--slots_left_[p] > 0) return;
+  const bool update_now = cfg_.train.grad_clip <= 0.0;
+  for (size_t c : param_chunks_[p]) Submit([this, step, c, update_now] { NormChunk(step, c, update_now); });
+}
+
+void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
+  const double t0 = MonoSeconds();
+  const Chunk& c = chunks_[chunk];
+  const auto& slots = param_slots_[c.param];
+  float* g = reinterpret_cast<float*>(base_ + layout_.grad[slots[0]]) + c.begin;
+  // Tied parameters: fold the other uses' gradients into the first slot, in slot order.
+  for (size_t s = 1; s < slots.size(); ++s) {
+    const float* o = reinterpret_cast<const float*>(base_ + layout_.grad[slots[s]]) + c.begin;
+    for (int64_t i = 0; i < c.end - c.begin; ++i) g[i] += o[i];
+  }
+  partial_[chunk] = SquaredSum(g, c.end - c.begin);
+  if (then_update) UpdateChunk(step, chunk);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    busy_[step] += MonoSeconds() - t0;
+  }
+  if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
+}
+
+void AsyncOptimizer::OnNormsDone(int64_t step) {
+  double total = 0.0;
+  for (double s : partial_) total += s;  // fixed order: parameter-major, chunk-minor
+  const double norm = std::sqrt(total);
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    norms_[step] = norm;
+  }
+  if (cfg_.train.grad_clip <= 0.0) return;  // already updated chunk by chunk
+  clip_scale_ = ClipScale(norm, cfg_.train.grad_clip);
+  // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    Submit([this, step, c] {
+      const double t0 = MonoSeconds();
+      UpdateChunk(step, c);
+      std::lock_guard<std::mutex> l(mu_);
+      busy_[step] += MonoSeconds() - t0;
+    });
+}
+
+void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
+  const Chunk& c = chunks_[chunk];
+  const auto& ps = spec_.params[c.param];
+  const bool bf16 = cfg_.train.dtype == "bf16";
+  AdamWHyper h{LearningRate(step), cfg_.optimizer.beta1, cfg_.optimizer.beta2, cfg_.optimizer.eps,
+               ps.weight_decay ? cfg_.optimizer.weight_decay : 0.0, step + 1};
+  auto f32 = [&](uint64_t off) { return reinterpret_cast<float*>(base_ + off) + c.begin; };
+  const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
+  AdamWUpdate(h, scale, f32(layout_.grad[param_slots_[c.param][0]]), f32(layout_.master[c.param]),
+              f32(layout_.adam_m[c.param]), f32(layout_.adam_v[c.param]), c.end - c.begin,
+              base_ + layout_.compute[c.param] + c.begin * (bf16 ? 2 : 4),
+              bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32);
+  if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
+}
+
+void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
+  const int layer = spec_.params[param].owner_layer;
+  if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.layer_versions);
+    versions[layer].store(static_cast<uint64_t>(step + 1), std::memory_order_release);
+  }
+  if (params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) updated_through_.store(step);
+}
+
+std::optional<double> AsyncOptimizer::GradNorm(int64_t step) const {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = norms_.find(step);
+  if (it == norms_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool AsyncOptimizer::Updated(int64_t step) const { return updated_through_.load() >= step; }
+
+double AsyncOptimizer::BusySeconds(int64_t step) const {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = busy_.find(step);
+  return it == busy_.end() ? 0.0 : it->second;
+}
+
+}  // namespace rp::coord

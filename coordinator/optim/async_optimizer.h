@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: Apache-2.0
+// AsyncOptimizer: the coordinator's per-layer optimizer, running on its own thread pool while
+// the workers keep computing.
+//
+// Contract:
+//  * SlotFinal(step, slot) says that gradient slot `slot` holds its final value for `step` (its
+//    last commit of the step is in shared memory). When every slot of a parameter is final, the
+//    parameter's extra slots (tied embeddings) are folded into its first slot and its squared
+//    norm is taken, in chunks of kOptimizerChunk.
+//  * Without clipping (train.grad_clip = 0) each parameter is updated right after that. With
+//    clipping the update needs the global norm, so updates start when the last parameter is
+//    final, in ascending parameter order (embedding first: what the next step's first forward
+//    stage needs first). Either way the result is exactly the synchronous step's (the norm is
+//    summed in a fixed order, see optimizer_step.h).
+//  * When every parameter a layer owns is updated, its version in shared memory becomes step + 1
+//    (release store). Workers fetch a layer for step t only at version >= t, so no fetch reads a
+//    half-written copy, and no commit of step t + 1 can overwrite a gradient the update of step
+//    t still reads (that commit's job fetched the updated weights first).
+//  * Steps are strictly sequential: SlotFinal for step t + 1 only after step t is fully updated,
+//    which the version protocol guarantees.
+//  * Thread-safety: SlotFinal, GradNorm and Updated may be called from one thread (the
+//    coordinator's event loop) while the pool runs; the destructor waits for queued work.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "coordinator/optim/optimizer_step.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "shm/layout.h"
+
+namespace rp::coord {
+
+class AsyncOptimizer {
+ public:
+  AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                 const shm::ArenaLayout& layout, uint8_t* base, int threads);
+  ~AsyncOptimizer();
+  AsyncOptimizer(const AsyncOptimizer&) = delete;
+  AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
+
+  void SlotFinal(int64_t step, int slot);
+  std::optional<double> GradNorm(int64_t step) const;
+  // True once every parameter is updated for `step` (all layer versions >= step + 1).
+  bool Updated(int64_t step) const;
+  double LearningRate(int64_t step) const;
+  // Seconds the pool spent on `step` (sum over tasks, for reporting).
+  double BusySeconds(int64_t step) const;
+
+ private:
+  struct Chunk {
+    int param;
+    int64_t begin, end;
+  };
+  void Submit(std::function<void()> task);
+  void WorkerLoop();
+  void NormChunk(int64_t step, size_t chunk, bool then_update);
+  void UpdateChunk(int64_t step, size_t chunk);
+  void OnNormsDone(int64_t step);
+  void OnParamUpdated(int64_t step, int param);
+
+  const core::JobConfig cfg_;
+  const core::ModelSpec& spec_;
+  const shm::ArenaLayout& layout_;
+  uint8_t* base_;
+  std::vector<Chunk> chunks_;                  // all chunks, parameter-major
+  std::vector<std::vector<size_t>> param_chunks_;
+  std::vector<std::vector<int>> param_slots_;  // slots of each parameter, first = primary
+  std::vector<int> layer_param_count_;
+
+  // Current step's state.
+  int64_t step_ = -1;
+  std::vector<int> slots_left_;                // per parameter
+  std::vector<double> partial_;                // per chunk
+  std::atomic<int64_t> chunks_norm_left_{0};
+  std::vector<std::atomic<int64_t>> param_chunks_left_;
+  std::vector<std::atomic<int>> layer_params_left_;
+  std::atomic<int> params_left_{0};
+  double clip_scale_ = 1.0;
+
+  mutable std::mutex mu_;
+  std::map<int64_t, double> norms_;            // GUARDED_BY(mu_)
+  std::map<int64_t, double> busy_;             // GUARDED_BY(mu_)
+  std::atomic<int64_t> updated_through_{-1};
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void()>> queue_;    // GUARDED_BY(queue_mu_)
+  bool stopping_ = false;                      // GUARDED_BY(queue_mu_)
+  int pending_ = 0;                            // GUARDED_BY(queue_mu_)
+  std::condition_variable idle_cv_;
+  std::vector<std::thread> threads_;           // last: stopped before the state above
+};
+
+}  // namespace rp::coord
