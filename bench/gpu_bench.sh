@@ -54,4 +54,5 @@ print(json.dumps({
   "losses": [round(s["loss"], 4) for s in steps],
 }))
 PY
+[ -n "${RP_BENCH_KEEP:-}" ] && cp -r "$out/run" "$RP_BENCH_KEEP"
 rm -rf "$out"
