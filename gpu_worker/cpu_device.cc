@@ -28,12 +28,19 @@ class CpuDevice final : public Device {
   void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) override {
     View(dst, t.sizes(), dtype).copy_(t.detach());
   }
-  void CommitFloat(const at::Tensor& t, float* dst, bool accumulate) override {
-    at::Tensor out = View(dst, t.sizes(), at::kFloat);
-    if (accumulate) out.add_(t.detach());
-    else out.copy_(t.detach());
-  }
   void Synchronize() override {}
+  uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) override {
+    for (auto& it : items) {
+      at::Tensor out = View(it.dst, it.grad.sizes(), at::kFloat);
+      if (accumulate) out.add_(it.grad.detach());
+      else out.copy_(it.grad.detach());
+    }
+    return ++tickets_;
+  }
+  bool CommitDone(uint64_t) override { return true; }
+
+ private:
+  uint64_t tickets_ = 0;
 };
 
 }  // namespace

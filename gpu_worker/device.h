@@ -11,8 +11,9 @@
 //    may still be copying when it returns: the compute stream waits for it only when the fence
 //    returned by WeightsFence() is passed to WaitWeights(), so prefetching the next job's
 //    weights never delays the current job's kernels.
-//  * Store() and CommitFloat() are asynchronous: their bytes are in shared memory once
-//    Synchronize() returns (and not necessarily before).
+//  * Store() is asynchronous: its bytes are in shared memory once Synchronize() returns.
+//    Gradient commits run on their own path (StartCommit / CommitDone) so that a job's
+//    gradient write-back overlaps the next job's compute instead of stalling it.
 //  * The CPU backend is first-class: it is what CI runs, and the oracle the CUDA backend is
 //    compared with.
 //  * One Device per worker process; used by one thread.
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -41,9 +43,19 @@ class Device {
   virtual at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) = 0;
   // Writes `t` converted to `dtype` to `dst`.
   virtual void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) = 0;
-  // Writes fp32 `t` to `dst` (accumulate = false) or adds it there (accumulate = true).
-  virtual void CommitFloat(const at::Tensor& t, float* dst, bool accumulate) = 0;
+  // Blocks until every Store() issued so far is in shared memory.
   virtual void Synchronize() = 0;
+
+  // Gradient write-back, asynchronous so the next job can compute meanwhile: writes each fp32
+  // tensor to its destination (accumulate = false) or adds it there (accumulate = true). The
+  // device keeps the tensors alive until CommitDone(ticket) returns true, after which the bytes
+  // are in shared memory.
+  struct CommitItem {
+    at::Tensor grad;
+    float* dst;
+  };
+  virtual uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) = 0;
+  virtual bool CommitDone(uint64_t ticket) = 0;
 };
 
 std::unique_ptr<Device> MakeCpuDevice();

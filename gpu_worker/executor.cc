@@ -190,21 +190,34 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
   }
 }
 
-Status Executor::CommitGrads(bool accumulate) {
+void Executor::Detach() {
+  std::vector<HeldGrad> held;
+  for (auto& g : current_.grads)
+    held.push_back({g.accum, g.grad_slot, g.weight.sizes().vec(), g.weight.options().dtype(at::kFloat)});
+  held_[job_.job_index] = std::move(held);
+  End();
+}
+
+StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
+  auto it = held_.find(job_index);
+  if (it == held_.end())
+    return Status::ProtocolError("commit grant for job " + std::to_string(job_index) +
+                                 ", which holds no gradients here");
   try {
-    for (auto& g : current_.grads) {
+    std::vector<Device::CommitItem> items;
+    for (auto& g : it->second) {
       if (!g.accum.defined()) {
         // A parameter this stage did not reach: its slot must still read zero, not last step.
         if (accumulate) continue;
-        g.accum = at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
+        g.accum = at::zeros(g.shape, g.options);
       }
-      device_.CommitFloat(g.accum, segment_.At<float>(layout_.grad[g.grad_slot]), accumulate);
+      items.push_back({g.accum, segment_.At<float>(layout_.grad[g.grad_slot])});
     }
-    device_.Synchronize();
+    held_.erase(it);
+    return device_.StartCommit(std::move(items), accumulate);
   } catch (const std::exception& e) {
     return Status::Internal(std::string("committing gradients: ") + e.what());
   }
-  return Status::Ok();
 }
 
 void Executor::End() { current_ = StageWeights(); }

@@ -10,14 +10,14 @@
 //  * Forward stages write hidden states (stage output and checkpoints). The fused tail and
 //    backward stages write input gradients; their parameter gradients accumulate on the device
 //    in fp32 over the job's microbatches (bf16 weights produce bf16 gradients per microbatch) and
-//    reach shared memory only in CommitGrads(accumulate), so a job that dies mid-way commits
-//    nothing.
+//    reach shared memory only through StartCommit(), so a job that dies mid-way commits nothing.
 //  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
 //  * Single-threaded.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -49,7 +49,13 @@ class Executor {
   Status Prefetch(const proto::RunJob& job);
   Status Begin(const proto::RunJob& job);
   StatusOr<MicrobatchResult> Microbatch(int mb);
-  Status CommitGrads(bool accumulate);
+  // Starts writing (accumulate = false) or adding the job's gradients into the shared slots and
+  // releases the job's weights; the next job may Begin at once. Done when
+  // device.CommitDone(ticket) is true.
+  // Ends a finished tail/backward job but keeps its gradients (on the device) for a later
+  // StartCommit(job_index, ...): the commit grant may arrive while the next job computes.
+  void Detach();
+  StatusOr<uint64_t> StartCommit(int64_t job_index, bool accumulate);
   void End();
   bool HasGrads() const;
 
@@ -89,6 +95,13 @@ class Executor {
   proto::RunJob job_{};
   core::Stage stage_{};
   StageWeights current_, next_;
+  struct HeldGrad {
+    at::Tensor accum;  // undefined if the stage never produced this gradient
+    int grad_slot;
+    std::vector<int64_t> shape;
+    at::TensorOptions options;
+  };
+  std::map<int64_t, std::vector<HeldGrad>> held_;  // by job index
 };
 
 }  // namespace rp::worker

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -61,6 +62,14 @@ class Worker {
   std::unique_ptr<Executor> exec_;
 
   std::deque<ActiveJob> queue_;
+  // Jobs whose microbatches are done, waiting for their commit grant or their commit's copy.
+  struct Finishing {
+    ActiveJob job;
+    bool committing = false;
+    uint64_t ticket = 0;
+  };
+  std::deque<Finishing> finishing_;
+  StatusOr<bool> Finish();
   std::map<int64_t, std::set<int>> ready_;  // job -> microbatches whose input is ready
   std::map<int64_t, bool> commit_granted_;  // job -> accumulate
   bool shutdown_ = false;
@@ -159,21 +168,52 @@ StatusOr<bool> Worker::Progress() {
     return true;
   }
   if (exec_->HasGrads()) {
-    if (!a.grads_reported) {
-      RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
-      a.grads_reported = true;
-    }
-    auto grant = commit_granted_.find(id);
-    if (grant == commit_granted_.end()) return false;
-    Status s = exec_->CommitGrads(grant->second);
-    if (!s.ok()) return Fail(id, s);
-    commit_granted_.erase(id);
+    // Hand the job to the finishing list: its gradients wait there (on the device) for the
+    // commit grant, while the next job in the queue starts computing.
+    RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
+    finishing_.push_back({a, false, 0});
+    exec_->Detach();
+  } else {
+    exec_->End();
+    RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, a.start_us, a.fetch_end_us, WallMicros()}));
   }
-  exec_->End();
-  RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, a.start_us, a.fetch_end_us, WallMicros()}));
   ready_.erase(id);
   queue_.pop_front();
   return true;
+}
+
+StatusOr<bool> Worker::Finish() {
+  bool worked = false;
+  for (auto it = finishing_.begin(); it != finishing_.end();) {
+    const int64_t id = it->job.job.job_index;
+    if (!it->committing) {
+      auto grant = commit_granted_.find(id);
+      if (grant == commit_granted_.end()) {
+        ++it;
+        continue;
+      }
+      auto ticket = exec_->StartCommit(id, grant->second);
+      if (!ticket.ok()) return Fail(id, ticket.status());
+      it->ticket = *ticket;
+      it->committing = true;
+      commit_granted_.erase(grant);
+      worked = true;
+    }
+    bool done = false;
+    try {
+      done = device_->CommitDone(it->ticket);
+    } catch (const std::exception& e) {
+      return Fail(id, Status::Internal(e.what()));
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, it->job.start_us, it->job.fetch_end_us, WallMicros()}));
+    it = finishing_.erase(it);
+    worked = true;
+  }
+  return worked;
 }
 
 Status Worker::Run() {
@@ -222,8 +262,13 @@ Status Worker::Run() {
     if (g_stop) return Status::Cancelled("stopped by signal");
     if (LauncherGone()) return Status::Unavailable("launcher is gone");
     RP_ASSIGN_OR_RETURN(bool worked, Progress());
+    RP_ASSIGN_OR_RETURN(bool finished, Finish());
+    worked = worked || finished;
+    // Poll while a gradient copy is in flight; it completes without a message.
+    const bool polling = waiting_for_weights_ || std::any_of(finishing_.begin(), finishing_.end(),
+                                                             [](const Finishing& f) { return f.committing; });
     // Block only when nothing can move; otherwise just drain what has arrived.
-    RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : waiting_for_weights_ ? 1 : 100));
+    RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));
     while (m) {
       RP_RETURN_IF_ERROR(Handle(*m));
       RP_ASSIGN_OR_RETURN(m, channel_->Receive(0));

@@ -4,14 +4,21 @@
 // Streams (all non-blocking, so none synchronizes implicitly with LibTorch's compute stream):
 //   weights      low priority: H2D of stage weights, in chunks, usually for the *next* job
 //   activations  high priority: H2D of the current microbatch's inputs
-//   d2h          D2H of outputs, checkpoints and gradients
+//   d2h          D2H of outputs and checkpoints (what the next stage waits for)
+//   grads        low priority: D2H of a finished job's gradients, overlapping the next job
+// A committer thread waits for each gradient copy and, for accumulating commits, adds the staged
+// values into the shared slot, so neither the wait nor the add stalls the compute thread.
 // Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -88,14 +95,23 @@ class CudaDevice final : public Device {
     RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&weights_, cudaStreamNonBlocking, least));
     RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&acts_, cudaStreamNonBlocking, greatest));
     RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&d2h_, cudaStreamNonBlocking, greatest));
+    RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&grads_, cudaStreamNonBlocking, least));
+    committer_ = std::thread([this] { CommitterLoop(); });
     return Status::Ok();
   }
 
   ~CudaDevice() override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (committer_.joinable()) committer_.join();
     LogIfError(cudaDeviceSynchronize(), "cudaDeviceSynchronize at worker exit");
+    for (auto& [t, c] : inflight_) LogIfError(cudaEventDestroy(c->event), "cudaEventDestroy");
     for (auto& f : fences_) LogIfError(cudaEventDestroy(f.event), "cudaEventDestroy");
     for (cudaEvent_t e : free_events_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
-    for (cudaStream_t s : {weights_, acts_, d2h_})
+    for (cudaStream_t s : {weights_, acts_, d2h_, grads_})
       if (s) LogIfError(cudaStreamDestroy(s), "cudaStreamDestroy");
   }
 
@@ -146,32 +162,61 @@ class CudaDevice final : public Device {
     keep_alive_.push_back(src);
   }
 
-  void CommitFloat(const at::Tensor& t, float* dst, bool accumulate) override {
-    at::Tensor src = t.detach().to(at::kFloat).contiguous();
-    if (!accumulate) {
-      Store(src, dst, at::kFloat);
-      return;
-    }
-    pending_adds_.push_back({src, dst, staged_bytes_});
-    staged_bytes_ += (src.nbytes() + 255) / 256 * 256;
+  void Synchronize() override {
+    ThrowIfError(cudaStreamSynchronize(d2h_), "cudaStreamSynchronize(d2h)");
+    keep_alive_.clear();
   }
 
-  void Synchronize() override {
-    if (!pending_adds_.empty()) {
-      // Accumulating commits: stage them all in pinned memory, then add on the CPU in parallel.
-      Status s = staging_.Reserve(staged_bytes_);
-      if (!s.ok()) throw std::runtime_error(s.message());
-      StreamWaitsForCompute(d2h_);
-      for (auto& a : pending_adds_)
-        ThrowIfError(cudaMemcpyAsync(staging_.data() + a.offset, a.src.data_ptr(), a.src.nbytes(),
-                                     cudaMemcpyDeviceToHost, d2h_),
+  uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) override {
+    auto c = std::make_shared<Commit>();
+    c->ticket = ++commit_counter_;
+    c->accumulate = accumulate;
+    uint64_t total = 0;
+    for (auto& it : items) {
+      it.grad = it.grad.detach().to(at::kFloat).contiguous();
+      c->offsets.push_back(total);
+      total += (it.grad.nbytes() + 255) / 256 * 256;
+    }
+    c->items = std::move(items);
+    StreamWaitsForCompute(grads_);
+    if (accumulate) {
+      c->staging = TakeStaging(total);
+      for (size_t i = 0; i < c->items.size(); ++i)
+        ThrowIfError(cudaMemcpyAsync(c->staging->data() + c->offsets[i], c->items[i].grad.data_ptr(),
+                                     c->items[i].grad.nbytes(), cudaMemcpyDeviceToHost, grads_),
+                     "cudaMemcpyAsync(gradient D2H to staging)");
+    } else {
+      // First commit of the step: straight into the shared slot, nothing to add.
+      for (auto& it : c->items)
+        ThrowIfError(cudaMemcpyAsync(it.dst, it.grad.data_ptr(), it.grad.nbytes(),
+                                     cudaMemcpyDeviceToHost, grads_),
                      "cudaMemcpyAsync(gradient D2H)");
     }
-    ThrowIfError(cudaStreamSynchronize(d2h_), "cudaStreamSynchronize(d2h)");
-    if (!pending_adds_.empty()) AddStaged();
-    pending_adds_.clear();
-    staged_bytes_ = 0;
-    keep_alive_.clear();
+    c->event = TakeEvent();
+    ThrowIfError(cudaEventRecord(c->event, grads_), "cudaEventRecord(grads)");
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      inflight_[c->ticket] = c;
+      to_finish_.push_back(c);
+    }
+    cv_.notify_all();
+    return c->ticket;
+  }
+
+  bool CommitDone(uint64_t ticket) override {
+    std::shared_ptr<Commit> c;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = inflight_.find(ticket);
+      if (it == inflight_.end()) return true;
+      if (!it->second->done.load(std::memory_order_acquire)) return false;
+      c = it->second;
+      inflight_.erase(it);
+      if (c->staging) free_staging_.push_back(std::move(c->staging));
+    }
+    free_events_.push_back(c->event);
+    if (!c->error.empty()) throw std::runtime_error(c->error);
+    return true;  // c's tensors are released here, on the compute thread, after the copy ended
   }
 
  private:
@@ -179,11 +224,49 @@ class CudaDevice final : public Device {
     uint64_t id;
     cudaEvent_t event;
   };
-  struct PendingAdd {
-    at::Tensor src;
-    float* dst;
-    uint64_t offset;
+  struct Commit {
+    uint64_t ticket = 0;
+    bool accumulate = false;
+    std::vector<CommitItem> items;
+    std::vector<uint64_t> offsets;
+    std::unique_ptr<PinnedBuffer> staging;
+    cudaEvent_t event = nullptr;
+    std::string error;
+    std::atomic<bool> done{false};
   };
+
+  std::unique_ptr<PinnedBuffer> TakeStaging(uint64_t bytes) {
+    std::unique_ptr<PinnedBuffer> b;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!free_staging_.empty()) {
+        b = std::move(free_staging_.back());
+        free_staging_.pop_back();
+      }
+    }
+    if (!b) b = std::make_unique<PinnedBuffer>();
+    Status s = b->Reserve(bytes);
+    if (!s.ok()) throw std::runtime_error(s.message());
+    return b;
+  }
+
+  void CommitterLoop() {
+    cudaSetDevice(index_);
+    while (true) {
+      std::shared_ptr<Commit> c;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stopping_ || !to_finish_.empty(); });
+        if (to_finish_.empty()) return;
+        c = to_finish_.front();
+        to_finish_.pop_front();
+      }
+      cudaError_t e = cudaEventSynchronize(c->event);
+      if (e != cudaSuccess) c->error = CudaStatus(e, "cudaEventSynchronize(grads)").message();
+      else if (c->accumulate) AddStaged(*c);
+      c->done.store(true, std::memory_order_release);
+    }
+  }
 
   cudaEvent_t TakeEvent() {
     if (!free_events_.empty()) {
@@ -218,16 +301,17 @@ class CudaDevice final : public Device {
                    "cudaMemcpyAsync(weights H2D)");
   }
 
-  void AddStaged() {
+  static void AddStaged(const Commit& c) {
     uint64_t total = 0;
-    for (auto& a : pending_adds_) total += a.src.numel();
+    for (auto& it : c.items) total += it.grad.numel();
     const int threads = static_cast<int>(std::min<uint64_t>(8, 1 + total / (1 << 20)));
     auto work = [&](int t) {
-      for (auto& a : pending_adds_) {
-        const int64_t n = a.src.numel();
+      for (size_t i = 0; i < c.items.size(); ++i) {
+        const int64_t n = c.items[i].grad.numel();
         const int64_t b = n * t / threads, e = n * (t + 1) / threads;
-        const float* s = reinterpret_cast<const float*>(staging_.data() + a.offset);
-        for (int64_t i = b; i < e; ++i) a.dst[i] += s[i];
+        const float* src = reinterpret_cast<const float*>(c.staging->data() + c.offsets[i]);
+        float* dst = c.items[i].dst;
+        for (int64_t k = b; k < e; ++k) dst[k] += src[k];
       }
     };
     std::vector<std::thread> pool;
@@ -238,14 +322,19 @@ class CudaDevice final : public Device {
 
   int index_;
   HostRegistration registration_;
-  cudaStream_t weights_ = nullptr, acts_ = nullptr, d2h_ = nullptr;
+  cudaStream_t weights_ = nullptr, acts_ = nullptr, d2h_ = nullptr, grads_ = nullptr;
   std::deque<Fence> fences_;
   std::vector<cudaEvent_t> free_events_;
   uint64_t fence_counter_ = 0;
-  std::vector<at::Tensor> keep_alive_;  // sources of in-flight D2H copies
-  std::vector<PendingAdd> pending_adds_;
-  uint64_t staged_bytes_ = 0;
-  PinnedBuffer staging_;
+  std::vector<at::Tensor> keep_alive_;  // sources of in-flight activation D2H copies
+  uint64_t commit_counter_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;                                     // GUARDED_BY(mu_)
+  std::deque<std::shared_ptr<Commit>> to_finish_;             // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<Commit>> inflight_;      // GUARDED_BY(mu_)
+  std::vector<std::unique_ptr<PinnedBuffer>> free_staging_;   // GUARDED_BY(mu_)
+  std::thread committer_;  // last member: joined before the state above goes away
 };
 
 }  // namespace
