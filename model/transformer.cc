@@ -20,6 +20,11 @@ Transformer::Transformer(const core::ModelConfig& config, int64_t loss_chunk_tok
     : config_(config), loss_chunk_tokens_(loss_chunk_tokens) {}
 
 at::Tensor Transformer::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
+#if TORCH_VERSION_MAJOR >= 2
+  // One fused kernel on the GPU instead of six memory-bound ones (fp32 statistics inside). The
+  // explicit path below stays the CPU oracle.
+  if (x.is_cuda()) return at::rms_norm(x, {x.size(-1)}, weight, config_.rms_norm_eps);
+#endif
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
   at::Tensor normed = xf * at::rsqrt(var + config_.rms_norm_eps);

@@ -24,20 +24,28 @@ float BFloat16ToFloat(uint16_t b) {
   return f;
 }
 
-void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
-                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype) {
-  // Same operation order as torch.optim.AdamW (single-tensor path) so results agree to rounding.
-  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  const float step_size = static_cast<float>(h.lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  const float b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
-  const float one_minus_b1 = static_cast<float>(1.0 - h.beta1);
-  const float one_minus_b2 = static_cast<float>(1.0 - h.beta2);
-  const float eps = static_cast<float>(h.eps);
-  float* out32 = static_cast<float*>(compute);
-  uint16_t* out16 = static_cast<uint16_t*>(compute);
+namespace {
+
+// Round-to-nearest-even without a branch, so the loop below vectorizes. NaN stays NaN (quiet).
+inline uint16_t ToBf16Branchless(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x40u;
+  const bool is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<uint16_t>(is_nan ? nan : rounded);
+}
+
+// One element-wise pass; the compute copy's type is a template parameter so the inner loop has no
+// branch. The same operation order as torch.optim.AdamW (single-tensor path) so results agree to
+// rounding. target_clones compiles AVX-512, AVX2 and baseline versions and picks one at load
+// time for the CPU at hand (the coordinator host is not known at build time).
+template <typename Out>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void AdamWLoop(const float* __restrict grad, float* __restrict master, float* __restrict m,
+               float* __restrict v, Out* __restrict out, int64_t n, float grad_scale, float decay,
+               float b1, float b2, float one_minus_b1, float one_minus_b2, float step_size,
+               float bc2_sqrt, float eps) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * grad_scale;
     float p = master[i] * decay;
@@ -48,8 +56,42 @@ void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float
     master[i] = p;
     m[i] = mi;
     v[i] = vi;
-    if (compute_dtype == ComputeDtype::kFloat32) out32[i] = p;
-    else out16[i] = FloatToBFloat16(p);
+    if constexpr (sizeof(Out) == 4) out[i] = p;
+    else out[i] = ToBf16Branchless(p);
+  }
+}
+
+}  // namespace
+
+void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype) {
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const float step_size = static_cast<float>(h.lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  const float b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
+  const float one_minus_b1 = static_cast<float>(1.0 - h.beta1);
+  const float one_minus_b2 = static_cast<float>(1.0 - h.beta2);
+  const float eps = static_cast<float>(h.eps);
+  // master may alias a fp32 compute copy (rp-train-ref): then the plain loop keeps it correct.
+  if (compute_dtype == ComputeDtype::kFloat32 && compute == master) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = grad[i] * grad_scale;
+      float p = master[i] * decay;
+      const float mi = m[i] * b1 + g * one_minus_b1;
+      const float vi = v[i] * b2 + g * g * one_minus_b2;
+      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+      master[i] = p - step_size * (mi / denom);
+      m[i] = mi;
+      v[i] = vi;
+    }
+  } else if (compute_dtype == ComputeDtype::kFloat32) {
+    AdamWLoop(grad, master, m, v, static_cast<float*>(compute), n, grad_scale, decay, b1, b2,
+              one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
+  } else {
+    AdamWLoop(grad, master, m, v, static_cast<uint16_t*>(compute), n, grad_scale, decay, b1, b2,
+              one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
   }
 }
 

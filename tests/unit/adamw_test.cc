@@ -35,6 +35,18 @@ TEST(AdamW, MatchesTorchOptimAdamWOverSeveralSteps) {
   }
 }
 
+TEST(AdamW, Bf16ComputeCopyIsTheRoundedMaster) {
+  at::manual_seed(6);
+  const int64_t n = 1037;  // not a multiple of any vector width: exercises the loop tail
+  at::Tensor g = at::randn({n});
+  std::vector<float> master(n, 0.5f), m(n, 0.f), v(n, 0.f);
+  std::vector<uint16_t> bf(n, 0);
+  AdamWHyper h{1e-2, 0.9, 0.95, 1e-8, 0.1, 1};
+  AdamWUpdate(h, 1.0f, g.data_ptr<float>(), master.data(), m.data(), v.data(), n, bf.data(),
+              ComputeDtype::kBFloat16);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bf[i], FloatToBFloat16(master[i])) << i;
+}
+
 TEST(AdamW, BFloat16ConversionMatchesATen) {
   at::manual_seed(4);
   at::Tensor x = at::cat({at::randn({10000}) * 100, at::tensor({0.f, -0.f, 1e-40f, 65504.f, 3.0e38f})});
