@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace rp::coord {
@@ -37,13 +38,13 @@ inline uint16_t ToBf16Branchless(float f) {
 }
 
 // One element-wise pass; the compute copy's type is a template parameter so the inner loop has no
-// branch. The same operation order as torch.optim.AdamW (single-tensor path) so results agree to
+// branch (Out = void: the master is its own compute copy, as in rp-train-ref). The same operation order as torch.optim.AdamW (single-tensor path) so results agree to
 // rounding. target_clones compiles AVX-512, AVX2 and baseline versions and picks one at load
 // time for the CPU at hand (the coordinator host is not known at build time).
 template <typename Out>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void AdamWLoop(const float* __restrict grad, float* __restrict master, float* __restrict m,
-               float* __restrict v, Out* __restrict out, int64_t n, float grad_scale, float decay,
+               float* __restrict v, Out* __restrict out_copy, int64_t n, float grad_scale, float decay,
                float b1, float b2, float one_minus_b1, float one_minus_b2, float step_size,
                float bc2_sqrt, float eps) {
   for (int64_t i = 0; i < n; ++i) {
@@ -56,8 +57,8 @@ void AdamWLoop(const float* __restrict grad, float* __restrict master, float* __
     master[i] = p;
     m[i] = mi;
     v[i] = vi;
-    if constexpr (sizeof(Out) == 4) out[i] = p;
-    else out[i] = ToBf16Branchless(p);
+    if constexpr (std::is_same_v<Out, float>) out_copy[i] = p;
+    if constexpr (std::is_same_v<Out, uint16_t>) out_copy[i] = ToBf16Branchless(p);
   }
 }
 
@@ -74,18 +75,9 @@ void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float
   const float one_minus_b1 = static_cast<float>(1.0 - h.beta1);
   const float one_minus_b2 = static_cast<float>(1.0 - h.beta2);
   const float eps = static_cast<float>(h.eps);
-  // master may alias a fp32 compute copy (rp-train-ref): then the plain loop keeps it correct.
   if (compute_dtype == ComputeDtype::kFloat32 && compute == master) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float g = grad[i] * grad_scale;
-      float p = master[i] * decay;
-      const float mi = m[i] * b1 + g * one_minus_b1;
-      const float vi = v[i] * b2 + g * g * one_minus_b2;
-      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      master[i] = p - step_size * (mi / denom);
-      m[i] = mi;
-      v[i] = vi;
-    }
+    AdamWLoop(grad, master, m, v, static_cast<void*>(nullptr), n, grad_scale, decay, b1, b2,
+              one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
   } else if (compute_dtype == ComputeDtype::kFloat32) {
     AdamWLoop(grad, master, m, v, static_cast<float*>(compute), n, grad_scale, decay, b1, b2,
               one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
