@@ -6,8 +6,9 @@
 //   activations  high priority: H2D of the current microbatch's inputs
 //   d2h          D2H of outputs and checkpoints (what the next stage waits for)
 //   grads        low priority: D2H of a finished job's gradients, overlapping the next job
-// A committer thread waits for each gradient copy and, for accumulating commits, adds the staged
-// values into the shared slot, so neither the wait nor the add stalls the compute thread.
+// An accumulating commit (a later call of the step) first brings the slot's current value in on
+// the activations stream and adds on the GPU: PCIe both ways costs less than a CPU pass over the
+// slot. A committer thread waits for each gradient copy so the compute thread never blocks.
 // Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read.
@@ -53,32 +54,6 @@ class HostRegistration {
  private:
   explicit HostRegistration(void* base) : base_(base) {}
   void* base_;
-};
-
-// Pinned staging memory for gradient accumulation (D2H lands here, the CPU adds it into the
-// shared slot). Grows, never shrinks; freed on destruction.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (ptr_) LogIfError(cudaFreeHost(ptr_), "cudaFreeHost");
-  }
-  Status Reserve(uint64_t bytes) {
-    if (bytes <= size_) return Status::Ok();
-    if (ptr_) RP_CUDA_RETURN_IF_ERROR(cudaFreeHost(ptr_));
-    ptr_ = nullptr;
-    size_ = 0;
-    RP_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&ptr_, bytes, cudaHostAllocPortable));
-    size_ = bytes;
-    return Status::Ok();
-  }
-  char* data() const { return static_cast<char*>(ptr_); }
-
- private:
-  void* ptr_ = nullptr;
-  uint64_t size_ = 0;
 };
 
 void ThrowIfError(cudaError_t e, const char* call) {
@@ -170,28 +145,27 @@ class CudaDevice final : public Device {
   uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) override {
     auto c = std::make_shared<Commit>();
     c->ticket = ++commit_counter_;
-    c->accumulate = accumulate;
-    uint64_t total = 0;
-    for (auto& it : items) {
-      it.grad = it.grad.detach().to(at::kFloat).contiguous();
-      c->offsets.push_back(total);
-      total += (it.grad.nbytes() + 255) / 256 * 256;
-    }
-    c->items = std::move(items);
-    StreamWaitsForCompute(grads_);
+    for (auto& it : items) it.grad = it.grad.detach().to(at::kFloat).contiguous();
     if (accumulate) {
-      c->staging = TakeStaging(total);
-      for (size_t i = 0; i < c->items.size(); ++i)
-        ThrowIfError(cudaMemcpyAsync(c->staging->data() + c->offsets[i], c->items[i].grad.data_ptr(),
-                                     c->items[i].grad.nbytes(), cudaMemcpyDeviceToHost, grads_),
-                     "cudaMemcpyAsync(gradient D2H to staging)");
-    } else {
-      // First commit of the step: straight into the shared slot, nothing to add.
-      for (auto& it : c->items)
-        ThrowIfError(cudaMemcpyAsync(it.dst, it.grad.data_ptr(), it.grad.nbytes(),
-                                     cudaMemcpyDeviceToHost, grads_),
-                     "cudaMemcpyAsync(gradient D2H)");
+      // The slot holds the earlier calls' sum; the coordinator granted this commit only after
+      // that sum was complete in shared memory.
+      std::vector<at::Tensor> current;
+      StreamWaitsForCompute(acts_);
+      for (auto& it : items) {
+        at::Tensor t = at::empty_like(it.grad);
+        ThrowIfError(cudaMemcpyAsync(t.data_ptr(), it.dst, t.nbytes(), cudaMemcpyHostToDevice, acts_),
+                     "cudaMemcpyAsync(gradient slot H2D)");
+        current.push_back(t);
+      }
+      ComputeWaitsFor(acts_);
+      for (size_t i = 0; i < items.size(); ++i) items[i].grad.add_(current[i]);
     }
+    StreamWaitsForCompute(grads_);
+    for (auto& it : items)
+      ThrowIfError(cudaMemcpyAsync(it.dst, it.grad.data_ptr(), it.grad.nbytes(),
+                                   cudaMemcpyDeviceToHost, grads_),
+                   "cudaMemcpyAsync(gradient D2H)");
+    c->items = std::move(items);
     c->event = TakeEvent();
     ThrowIfError(cudaEventRecord(c->event, grads_), "cudaEventRecord(grads)");
     {
@@ -212,7 +186,6 @@ class CudaDevice final : public Device {
       if (!it->second->done.load(std::memory_order_acquire)) return false;
       c = it->second;
       inflight_.erase(it);
-      if (c->staging) free_staging_.push_back(std::move(c->staging));
     }
     free_events_.push_back(c->event);
     if (!c->error.empty()) throw std::runtime_error(c->error);
@@ -226,29 +199,11 @@ class CudaDevice final : public Device {
   };
   struct Commit {
     uint64_t ticket = 0;
-    bool accumulate = false;
     std::vector<CommitItem> items;
-    std::vector<uint64_t> offsets;
-    std::unique_ptr<PinnedBuffer> staging;
     cudaEvent_t event = nullptr;
     std::string error;
     std::atomic<bool> done{false};
   };
-
-  std::unique_ptr<PinnedBuffer> TakeStaging(uint64_t bytes) {
-    std::unique_ptr<PinnedBuffer> b;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (!free_staging_.empty()) {
-        b = std::move(free_staging_.back());
-        free_staging_.pop_back();
-      }
-    }
-    if (!b) b = std::make_unique<PinnedBuffer>();
-    Status s = b->Reserve(bytes);
-    if (!s.ok()) throw std::runtime_error(s.message());
-    return b;
-  }
 
   void CommitterLoop() {
     cudaSetDevice(index_);
@@ -263,7 +218,6 @@ class CudaDevice final : public Device {
       }
       cudaError_t e = cudaEventSynchronize(c->event);
       if (e != cudaSuccess) c->error = CudaStatus(e, "cudaEventSynchronize(grads)").message();
-      else if (c->accumulate) AddStaged(*c);
       c->done.store(true, std::memory_order_release);
     }
   }
@@ -301,25 +255,6 @@ class CudaDevice final : public Device {
                    "cudaMemcpyAsync(weights H2D)");
   }
 
-  static void AddStaged(const Commit& c) {
-    uint64_t total = 0;
-    for (auto& it : c.items) total += it.grad.numel();
-    const int threads = static_cast<int>(std::min<uint64_t>(8, 1 + total / (1 << 20)));
-    auto work = [&](int t) {
-      for (size_t i = 0; i < c.items.size(); ++i) {
-        const int64_t n = c.items[i].grad.numel();
-        const int64_t b = n * t / threads, e = n * (t + 1) / threads;
-        const float* src = reinterpret_cast<const float*>(c.staging->data() + c.offsets[i]);
-        float* dst = c.items[i].dst;
-        for (int64_t k = b; k < e; ++k) dst[k] += src[k];
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
-    work(0);
-    for (auto& th : pool) th.join();
-  }
-
   int index_;
   HostRegistration registration_;
   cudaStream_t weights_ = nullptr, acts_ = nullptr, d2h_ = nullptr, grads_ = nullptr;
@@ -333,7 +268,6 @@ class CudaDevice final : public Device {
   bool stopping_ = false;                                     // GUARDED_BY(mu_)
   std::deque<std::shared_ptr<Commit>> to_finish_;             // GUARDED_BY(mu_)
   std::map<uint64_t, std::shared_ptr<Commit>> inflight_;      // GUARDED_BY(mu_)
-  std::vector<std::unique_ptr<PinnedBuffer>> free_staging_;   // GUARDED_BY(mu_)
   std::thread committer_;  // last member: joined before the state above goes away
 };
 
