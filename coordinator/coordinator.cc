@@ -251,6 +251,9 @@ Status Coordinator::TryCommits(int64_t step) {
     if (it == jobs_.end()) continue;
     JobState& j = it->second;
     if (!j.grads_ready || j.commit_sent) continue;
+    // The first commit of a step overwrites the slots: the previous step's update must have
+    // consumed them (implied in exact mode by the weight versions, not in stale1 mode).
+    if (j.call == 0 && step > 0 && !optimizer_->Updated(step - 1)) continue;
     if (j.call > 0) {
       auto prev = jobs_.find(k - S);
       if (prev != jobs_.end() && !prev->second.done) continue;
@@ -404,9 +407,11 @@ Status Coordinator::Dispatch(int64_t step) {
       j.call = c;
       j.stage = s;
       j.worker = core::WorkerForJob(j.index, 0, opts_.num_workers);
-      // Exact mode: step t reads weights holding t updates.
+      // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's
+      // update overlaps all of step t.
+      const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
       proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % 2),
-                      static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, step};
+                      static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version};
       RP_RETURN_IF_ERROR(channel_->Send(j.worker, r));
       jobs_.emplace(j.index, j);
     }
@@ -480,6 +485,8 @@ Status Coordinator::Loop() {
       }
       RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
     }
+    // A grant may have been waiting for the previous step's update (see TryCommits).
+    for (const auto& [step, state] : steps_) RP_RETURN_IF_ERROR(TryCommits(step));
     RP_RETURN_IF_ERROR(ReportSteps());
   }
   makespan_s_ = MonoSeconds() - run_start_;

@@ -203,7 +203,7 @@ const std::vector<KeySpec>& Table() {
 
       Enum("optimizer", "name", F(optimizer.name), "adamw", {"adamw"}, "Optimizer"),
       Enum("optimizer", "mode", F(optimizer.mode), "exact", {"exact", "stale1"},
-           "exact: step t+1 sees step t's update; stale1: one step stale (not implemented yet)"),
+           "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: step t+1 reads the weights before step t's update, which then overlaps all of step t+1 (the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
       Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
       Float("optimizer", "min_lr", F(optimizer.min_lr), 3e-4, 0.0, 10.0,
             "Learning rate at the end of the cosine decay"),
@@ -292,8 +292,6 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
                                      std::to_string(c.data.seq_len + 1) + " bytes");
   }
-  if (c.optimizer.mode == "stale1")
-    return Status::InvalidArgument("optimizer.mode: \"stale1\" is not implemented yet; use \"exact\"");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
   if (c.train.dtype == "bf16" && c.job.device == "cpu")

@@ -52,7 +52,9 @@ Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {
     model::LayerWeights lw;
     for (const auto& use : spec_.layer_uses[l]) {
       const auto& p = spec_.params[use.param];
-      at::Tensor t = device_.FetchWeights(segment_.data() + layout_.compute[use.param], p.shape, act_dtype_);
+      const int buffer = static_cast<int>(job.weights_version % layout_.compute_buffers);
+      at::Tensor t = device_.FetchWeights(segment_.data() + layout_.ComputeCopy(use.param, buffer),
+                                          p.shape, act_dtype_);
       if (grads) {
         t.requires_grad_(true);
         w.grads.push_back({t, use.grad_slot, at::Tensor()});

@@ -39,6 +39,8 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
   }
   pos = Align(pos);
   a.compute_end = pos;
+  a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
+  pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   for (auto* region : {&a.master, &a.adam_m, &a.adam_v}) {
     for (auto& p : spec.params) {
       region->push_back(pos);
@@ -69,7 +71,8 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
   a.total_bytes = pos;
 
   uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
-                        static_cast<uint64_t>(a.compute_elem_bytes)});
+                        static_cast<uint64_t>(a.compute_elem_bytes),
+                        static_cast<uint64_t>(a.compute_buffers)});
   for (auto& p : spec.params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});

@@ -9,7 +9,8 @@
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
-//                        contiguous run), dtype = train.dtype; what workers fetch
+//                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
+//                        mode a second such region follows (double buffer by version parity)
 //   masters              fp32 per parameter                      (coordinator only)
 //   adam m, adam v       fp32 per parameter                      (coordinator only)
 //   gradients            fp32 per gradient slot (a parameter use by a layer); workers add a
@@ -72,7 +73,8 @@ struct ArenaLayout {
   int compute_elem_bytes = 4;
   std::vector<uint64_t> compute, master, adam_m, adam_v;  // per parameter
   std::vector<uint64_t> grad;                             // per gradient slot
-  uint64_t compute_begin = 0, compute_end = 0;            // the compute-copy region
+  uint64_t compute_begin = 0, compute_end = 0;            // the compute-copy region (buffer 0)
+  int compute_buffers = 1;                                // 2 in stale1 mode: version v in v % 2
   uint64_t layer_versions = 0;                            // std::atomic<uint64_t>[num layers]
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
   uint64_t tokens_per_mb = 0;        // elements per token slot
@@ -80,6 +82,10 @@ struct ArenaLayout {
   uint64_t act_slot_bytes = 0;       // bytes per slot, aligned
   int microbatches = 0, num_hidden = 0, num_grad = 0;
 
+  // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
+  uint64_t ComputeCopy(int p, int buffer) const {
+    return compute[p] + static_cast<uint64_t>(buffer) * (compute_end - compute_begin);
+  }
   uint64_t TokenSlot(int parity, int mb) const;
   uint64_t LabelSlot(int parity, int mb) const;
   uint64_t HiddenSlot(int parity, int mb, int idx) const;

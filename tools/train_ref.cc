@@ -7,6 +7,7 @@
 // pipelined fp32 CPU run must match it step for step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -35,11 +36,16 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model);
   rp::model::Transformer math(cfg.model);
 
-  std::vector<at::Tensor> params, adam_m, adam_v;
+  // `params` are what the model computes with; `masters` are what the optimizer updates. In
+  // exact mode they are the same tensors. In stale1 mode step t computes with the weights
+  // holding t - 1 updates, so `params` trail `masters` by one update.
+  const bool stale1 = cfg.optimizer.mode == "stale1";
+  std::vector<at::Tensor> params, masters, adam_m, adam_v;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     at::Tensor t = at::empty(spec.params[p].shape, at::kFloat);
     rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
                         t.data_ptr<float>());
+    masters.push_back(stale1 ? t.clone() : t);
     params.push_back(t.requires_grad_(true));
     adam_m.push_back(at::zeros_like(t));
     adam_v.push_back(at::zeros_like(t));
@@ -65,16 +71,21 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
         loss_sum += r.loss_sum;
         targets += r.targets;
       }
+    if (stale1 && step > 0) {
+      // The next step computes with the weights as they are now (step updates applied).
+      c10::NoGradGuard no_grad;
+      for (size_t p = 0; p < params.size(); ++p) params[p].copy_(masters[p]);
+    }
     std::vector<rp::coord::ParamArrays> arrays;
     for (size_t p = 0; p < params.size(); ++p) {
       at::Tensor g = params[p].grad();
       if (!g.defined()) return rp::Status::Internal(spec.params[p].name + " received no gradient");
       rp::coord::ParamArrays a;
-      a.master = params[p].data_ptr<float>();
+      a.master = masters[p].data_ptr<float>();
       a.m = adam_m[p].data_ptr<float>();
       a.v = adam_v[p].data_ptr<float>();
       a.grad = g.data_ptr<float>();
-      a.compute = a.master;  // fp32: the weights are their own compute copy
+      a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
       a.numel = spec.params[p].numel;
       a.decay = spec.params[p].weight_decay;
       arrays.push_back(a);

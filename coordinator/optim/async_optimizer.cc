@@ -145,7 +145,8 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
   AdamWUpdate(h, scale, f32(layout_.grad[param_slots_[c.param][0]]), f32(layout_.master[c.param]),
               f32(layout_.adam_m[c.param]), f32(layout_.adam_v[c.param]), c.end - c.begin,
-              base_ + layout_.compute[c.param] + c.begin * (bf16 ? 2 : 4),
+              base_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
+                  c.begin * (bf16 ? 2 : 4),
               bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32);
   if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
 }

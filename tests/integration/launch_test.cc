@@ -101,6 +101,28 @@ TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
   EXPECT_LT(expected.back(), expected.front());
 }
 
+TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
+  // stale1: step t computes with the weights before step t - 1's update; the reference does the
+  // same with a second weight set. The two must agree, and differ from exact mode.
+  const std::string ref_out = tmp_ + "/ref-stale1";
+  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + ref_out,
+                                  "--set", "optimizer.mode=stale1"}, 240);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const auto expected = Losses(ref_out + "/metrics.jsonl");
+  const std::string out = tmp_ + "/stale1";
+  auto r = Launch(2, out, {"optimizer.mode=stale1"});
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto got = Losses(out + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t s = 0; s < got.size(); ++s)
+    EXPECT_LE(std::abs(got[s] - expected[s]) / expected[s], 1e-5) << "step " << s + 1;
+  // Step 2 computes with the initial weights in stale1 mode, so its loss is close to step 1's.
+  const std::string exact_out = tmp_ + "/ref-exact";
+  auto exact = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + exact_out}, 240);
+  ASSERT_EQ(exact.code, 0);
+  EXPECT_NE(Losses(exact_out + "/metrics.jsonl")[1], got[1]);
+}
+
 TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
   const std::string out = tmp_ + "/trace";
   auto r = Launch(3, out, {"train.steps=3"});
