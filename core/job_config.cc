@@ -231,7 +231,9 @@ const std::vector<KeySpec>& Table() {
                "Explicit first layers of the non-tail backward stages except the one at 0 "
                "(ascending)"),
       Enum("schedule", "activation_transport", F(schedule.activation_transport), "auto",
-           {"auto", "host", "cuda_ipc"}, "How activations move between workers"),
+           {"auto", "host", "cuda_ipc"},
+           "How activations move between workers; today always through host-staged slots in the "
+           "shared segment (cuda_ipc is refused until it exists)"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training checkpoint every this many steps; 0 = never"),
@@ -292,6 +294,9 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
                                      std::to_string(c.data.seq_len + 1) + " bytes");
   }
+  if (c.schedule.activation_transport == "cuda_ipc")
+    return Status::InvalidArgument("schedule.activation_transport: \"cuda_ipc\" is not implemented "
+                                   "yet; activations move through host-staged slots (\"host\")");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
   if (c.train.dtype == "bf16" && c.job.device == "cpu")
