@@ -28,8 +28,11 @@ int Verbosity();
 #define RP_LOG_FATAL ::google::LogMessageFatal(__FILE__, __LINE__).stream()
 #define RP_LOG(severity) RP_LOG_##severity
 
+// The `?:` + LogMessageVoidify form (not `if/else`) keeps these safe inside an unbraced `if`.
 #define RP_VLOG(level) \
-  if (::rp::Verbosity() < (level)) {} else RP_LOG_INFO
+  (::rp::Verbosity() < (level)) ? (void)0 : ::google::LogMessageVoidify() & RP_LOG_INFO
 
-#define RP_CHECK(cond) \
-  if (cond) {} else ::google::LogMessageFatal(__FILE__, __LINE__).stream() << "Check failed: " #cond " "
+#define RP_CHECK(cond)                                            \
+  (cond) ? (void)0                                                \
+         : ::google::LogMessageVoidify() &                        \
+               ::google::LogMessageFatal(__FILE__, __LINE__).stream() << "Check failed: " #cond " "

@@ -47,7 +47,8 @@ StatusOr<RouterChannel> RouterChannel::Bind(const std::string& endpoint) {
 }
 
 Status RouterChannel::Send(int rank, const Message& m) {
-  std::string id = "w" + std::to_string(rank);
+  std::string id = "w";
+  id += std::to_string(rank);
   std::string frame = Encode(m);
   try {
     auto r1 = impl_->sock.send(zmq::buffer(id), zmq::send_flags::sndmore);
@@ -105,7 +106,9 @@ StatusOr<DealerChannel> DealerChannel::Connect(const std::string& endpoint, int 
   try {
     auto impl = std::make_unique<Impl>();
     impl->sock.set(zmq::sockopt::linger, 0);
-    impl->sock.set(zmq::sockopt::routing_id, "w" + std::to_string(rank));
+    std::string id = "w";
+    id += std::to_string(rank);
+    impl->sock.set(zmq::sockopt::routing_id, id);
     impl->sock.connect(endpoint);
     return DealerChannel(std::move(impl));
   } catch (const zmq::error_t& e) {

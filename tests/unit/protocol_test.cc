@@ -75,7 +75,9 @@ TEST(Codec, RandomBytesNeverCrash) {
     for (int k = 0; k < 3; ++k)
       if (!frame.empty()) frame[rng() % frame.size()] = static_cast<char>(rng());
     auto d = Decode(frame);
-    if (d.ok()) EXPECT_EQ(Encode(*d).size(), frame.size());
+    if (d.ok()) {
+      EXPECT_EQ(Encode(*d).size(), frame.size());
+    }
   }
 }
 
