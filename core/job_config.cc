@@ -201,7 +201,9 @@ const std::vector<KeySpec>& Table() {
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
             "Clip the global gradient L2 norm to this; 0 disables"),
 
-      Enum("optimizer", "name", F(optimizer.name), "adamw", {"adamw"}, "Optimizer"),
+      Enum("optimizer", "name", F(optimizer.name), "adamw", {"adamw", "sgd"},
+           "adamw: decoupled weight decay, bias correction (state m, v); sgd: momentum with "
+           "coupled weight decay as torch.optim.SGD (state: one momentum buffer)"),
       Enum("optimizer", "mode", F(optimizer.mode), "exact", {"exact", "stale1"},
            "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: step t+1 reads the weights before step t's update, which then overlaps all of step t+1 (the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
       Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
@@ -214,6 +216,7 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "beta1", F(optimizer.beta1), 0.9, 0.0, 0.999999, "Adam beta1"),
       Float("optimizer", "beta2", F(optimizer.beta2), 0.95, 0.0, 0.9999999, "Adam beta2"),
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
+      Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
 
       Int("lora", "rank", F(lora.rank), 0, 0, 0,
           "LoRA rank; 0 = full fine-tuning (LoRA is not implemented yet)"),

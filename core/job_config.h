@@ -63,6 +63,7 @@ struct OptimizerConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
+  double momentum = 0.9;         // SGD only
 };
 
 struct LoraConfig {

@@ -41,7 +41,10 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
   a.compute_end = pos;
   a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
-  for (auto* region : {&a.master, &a.adam_m, &a.adam_v}) {
+  // SGD keeps one state buffer (momentum, in adam_m); AdamW two.
+  std::vector<std::vector<uint64_t>*> regions = {&a.master, &a.adam_m};
+  if (c.optimizer.name == "adamw") regions.push_back(&a.adam_v);
+  for (auto* region : regions) {
     for (auto& p : spec.params) {
       region->push_back(pos);
       pos += (static_cast<uint64_t>(p.numel) * 4 + 255) / 256 * 256;

@@ -71,7 +71,7 @@ struct ArenaLayout {
   uint64_t total_bytes = 0;
   uint64_t hash = 0;
   int compute_elem_bytes = 4;
-  std::vector<uint64_t> compute, master, adam_m, adam_v;  // per parameter
+  std::vector<uint64_t> compute, master, adam_m, adam_v;  // per parameter; adam_v empty for sgd
   std::vector<uint64_t> grad;                             // per gradient slot
   uint64_t compute_begin = 0, compute_end = 0;            // the compute-copy region (buffer 0)
   int compute_buffers = 1;                                // 2 in stale1 mode: version v in v % 2

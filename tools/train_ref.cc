@@ -83,7 +83,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
       rp::coord::ParamArrays a;
       a.master = masters[p].data_ptr<float>();
       a.m = adam_m[p].data_ptr<float>();
-      a.v = adam_v[p].data_ptr<float>();
+      a.v = cfg.optimizer.name == "adamw" ? adam_v[p].data_ptr<float>() : nullptr;
       a.grad = g.data_ptr<float>();
       a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
       a.numel = spec.params[p].numel;

@@ -87,6 +87,36 @@ void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float
   }
 }
 
+namespace {
+template <typename Out>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void SgdLoop(const float* __restrict grad, float* __restrict master, float* __restrict buf,
+             Out* __restrict out_copy, int64_t n, float grad_scale, float lr, float mu, float wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = master[i];
+    const float d = grad[i] * grad_scale + wd * p;
+    const float b = buf[i] * mu + d;
+    const float np = p - lr * b;
+    buf[i] = b;
+    master[i] = np;
+    if constexpr (std::is_same_v<Out, float>) out_copy[i] = np;
+    if constexpr (std::is_same_v<Out, uint16_t>) out_copy[i] = ToBf16Branchless(np);
+  }
+}
+}  // namespace
+
+void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* master, float* buf,
+               int64_t n, void* compute, ComputeDtype compute_dtype) {
+  const float lr = static_cast<float>(h.lr), mu = static_cast<float>(h.momentum);
+  const float wd = static_cast<float>(h.weight_decay);
+  if (compute_dtype == ComputeDtype::kFloat32 && compute == master)
+    SgdLoop(grad, master, buf, static_cast<void*>(nullptr), n, grad_scale, lr, mu, wd);
+  else if (compute_dtype == ComputeDtype::kFloat32)
+    SgdLoop(grad, master, buf, static_cast<float*>(compute), n, grad_scale, lr, mu, wd);
+  else
+    SgdLoop(grad, master, buf, static_cast<uint16_t*>(compute), n, grad_scale, lr, mu, wd);
+}
+
 void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
   if (threads <= 1 || n <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);

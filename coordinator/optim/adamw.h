@@ -27,6 +27,16 @@ enum class ComputeDtype : uint8_t { kFloat32, kBFloat16 };
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
                  float* v, int64_t n, void* compute, ComputeDtype compute_dtype);
 
+// SGD with momentum, torch.optim.SGD semantics (dampening 0, not Nesterov): d = g + wd * p;
+// buf = momentum * buf + d (buf starts at zero, so the first step's buf is d); p -= lr * buf.
+struct SgdHyper {
+  double lr = 1e-2;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+};
+void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* master, float* buf,
+               int64_t n, void* compute, ComputeDtype compute_dtype);
+
 uint16_t FloatToBFloat16(float f);
 float BFloat16ToFloat(uint16_t b);
 

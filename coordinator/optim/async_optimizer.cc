@@ -139,12 +139,12 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
   const Chunk& c = chunks_[chunk];
   const auto& ps = spec_.params[c.param];
   const bool bf16 = cfg_.train.dtype == "bf16";
-  AdamWHyper h{LearningRate(step), cfg_.optimizer.beta1, cfg_.optimizer.beta2, cfg_.optimizer.eps,
-               ps.weight_decay ? cfg_.optimizer.weight_decay : 0.0, step + 1};
   auto f32 = [&](uint64_t off) { return reinterpret_cast<float*>(base_ + off) + c.begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
-  AdamWUpdate(h, scale, f32(layout_.grad[param_slots_[c.param][0]]), f32(layout_.master[c.param]),
-              f32(layout_.adam_m[c.param]), f32(layout_.adam_v[c.param]), c.end - c.begin,
+  UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
+              f32(layout_.grad[param_slots_[c.param][0]]), f32(layout_.master[c.param]),
+              f32(layout_.adam_m[c.param]),
+              layout_.adam_v.empty() ? nullptr : f32(layout_.adam_v[c.param]), c.end - c.begin,
               base_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
                   c.begin * (bf16 ? 2 : 4),
               bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32);

@@ -15,6 +15,18 @@ double ClipScale(double norm, double clip) {
   return clip > 0.0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
 }
 
+void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_based, bool decay,
+                 float grad_scale, const float* grad, float* master, float* m, float* v, int64_t n,
+                 void* compute, ComputeDtype dtype) {
+  const double wd = decay ? opt.weight_decay : 0.0;
+  if (opt.name == "sgd") {
+    SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype);
+    return;
+  }
+  AdamWUpdate(AdamWHyper{lr, opt.beta1, opt.beta2, opt.eps, wd, step_one_based}, grad_scale, grad,
+              master, m, v, n, compute, dtype);
+}
+
 OptimizerStepResult OptimizerStep(const std::vector<ParamArrays>& params,
                                   const core::OptimizerConfig& opt, double lr,
                                   int64_t step_one_based, double grad_clip, ComputeDtype dtype,
@@ -37,11 +49,9 @@ OptimizerStepResult OptimizerStep(const std::vector<ParamArrays>& params,
   ParallelFor(static_cast<int64_t>(tasks.size()), threads, [&](int64_t t) {
     const Task& task = tasks[t];
     const ParamArrays& p = params[task.param];
-    AdamWHyper h{lr, opt.beta1, opt.beta2, opt.eps, p.decay ? opt.weight_decay : 0.0,
-                 step_one_based};
     const size_t elem = dtype == ComputeDtype::kFloat32 ? 4 : 2;
-    AdamWUpdate(h, scale, p.grad + task.begin, p.master + task.begin, p.m + task.begin,
-                p.v + task.begin, task.end - task.begin,
+    UpdateRange(opt, lr, step_one_based, p.decay, scale, p.grad + task.begin, p.master + task.begin,
+                p.m + task.begin, p.v ? p.v + task.begin : nullptr, task.end - task.begin,
                 static_cast<char*>(p.compute) + task.begin * elem, dtype);
   });
   return r;

@@ -33,6 +33,13 @@ double SquaredSum(const float* g, int64_t n);
 // Multiplier for gradients with global norm `norm` under clipping threshold `clip` (0 = off).
 double ClipScale(double norm, double clip);
 
+// Updates elements [0, n) of one parameter with the configured optimizer (adamw or sgd); `v` is
+// unused (may be null) for sgd. The one place both the synchronous step and the asynchronous
+// per-layer optimizer go through.
+void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_based, bool decay,
+                 float grad_scale, const float* grad, float* master, float* m, float* v, int64_t n,
+                 void* compute, ComputeDtype dtype);
+
 struct OptimizerStepResult {
   double grad_norm = 0.0;   // before clipping
   double clip_scale = 1.0;  // multiplier applied to the gradients

@@ -123,6 +123,25 @@ TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
   EXPECT_NE(Losses(exact_out + "/metrics.jsonl")[1], got[1]);
 }
 
+TEST_F(LaunchTest, SgdMatchesTheReference) {
+  const std::vector<std::string> sgd = {"optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.min_lr=0.005"};
+  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/ref-sgd"};
+  for (auto& s : sgd) {
+    ref_args.push_back("--set");
+    ref_args.push_back(s);
+  }
+  auto ref = testing::RunProcess(ref_args, 240);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto r = Launch(2, tmp_ + "/sgd", sgd);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto expected = Losses(tmp_ + "/ref-sgd/metrics.jsonl");
+  const auto got = Losses(tmp_ + "/sgd/metrics.jsonl");
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t s = 0; s < got.size(); ++s)
+    EXPECT_LE(std::abs(got[s] - expected[s]) / expected[s], 1e-5) << "step " << s + 1;
+  EXPECT_LT(got.back(), got.front());
+}
+
 TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
   const std::string out = tmp_ + "/trace";
   auto r = Launch(3, out, {"train.steps=3"});
@@ -145,7 +164,9 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
     const int pid = a["worker_pid"].get<int>();
     EXPECT_NE(pid, coord_pid) << "stage job " << k << " ran in the coordinator";
     EXPECT_GT(pid, 0);
-    if (pid_of_rank.count(rank)) EXPECT_EQ(pid_of_rank[rank], pid);
+    if (pid_of_rank.count(rank)) {
+      EXPECT_EQ(pid_of_rank[rank], pid);
+    }
     pid_of_rank[rank] = pid;
   }
   // 3 steps x K=2 calls x 5 stages.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <ATen/ATen.h>
 
@@ -33,6 +34,26 @@ TEST(AdamW, MatchesTorchOptimAdamWOverSeveralSteps) {
     EXPECT_LT(max_diff, 1e-6) << "n=" << n;
     EXPECT_TRUE(at::equal(at::from_blob(compute.data(), {n}), ours));
   }
+}
+
+TEST(Sgd, MatchesTorchOptimSgdWithMomentumAndWeightDecay) {
+  at::manual_seed(8);
+  const int64_t n = 1029;
+  at::Tensor p_ref = at::randn({n});
+  std::vector<float> master(p_ref.data_ptr<float>(), p_ref.data_ptr<float>() + n);
+  std::vector<float> buf(n, 0.f), compute(n, 0.f);
+  p_ref.set_requires_grad(true);
+  torch::optim::SGD opt({p_ref}, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
+  for (int step = 1; step <= 5; ++step) {
+    at::Tensor g = at::randn({n});
+    p_ref.mutable_grad() = g.clone();
+    opt.step();
+    SgdUpdate(SgdHyper{0.05, 0.9, 0.01}, 1.0f, g.data_ptr<float>(), master.data(), buf.data(), n,
+              compute.data(), ComputeDtype::kFloat32);
+  }
+  at::Tensor ours = at::from_blob(master.data(), {n}).clone();
+  EXPECT_LT((ours - p_ref.detach()).abs().max().item<double>(), 1e-6);
+  EXPECT_TRUE(at::equal(at::from_blob(compute.data(), {n}), ours));
 }
 
 TEST(AdamW, Bf16ComputeCopyIsTheRoundedMaster) {
