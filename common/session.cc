@@ -22,11 +22,13 @@ void BindLifetimeToLauncher() {
   // A SIGKILLed launcher cannot clean up after us; the kernel kills us instead, so no orphan
   // keeps a GPU or a shared-memory mapping alive.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (::getppid() != launcher) std::_Exit(10);  // launcher died before prctl took effect
+  // Under a --worker-wrapper our parent is the wrapper, not the launcher; only a launcher that
+  // is gone already means we should not start.
+  if (::getppid() != launcher && ::kill(launcher, 0) != 0) std::_Exit(10);
 }
 
 bool LauncherGone() {
   pid_t launcher = LauncherPid();
-  return launcher > 0 && ::getppid() != launcher;
+  return launcher > 0 && ::getppid() != launcher && ::kill(launcher, 0) != 0;
 }
 }  // namespace rp

@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // rp-worker: normally started by rp-launch, which passes every flag below.
 #include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include <CLI/CLI.hpp>
 
@@ -24,6 +28,7 @@ int main(int argc, char** argv) {
   app.add_option("--gpus", o.num_workers, "number of workers")->required();
   app.add_option("--session", o.session, "session id")->required();
   app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();
+  app.add_option("--hello-timeout-s", o.welcome_timeout_s, "how long to wait for the coordinator's Welcome");
   app.add_option("-v", verbosity, "verbosity");
   try {
     app.parse(argc, argv);
@@ -32,6 +37,13 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : rp::kExitBadConfig;
   }
   rp::InitLogging(argv[0], "worker " + std::to_string(o.rank));
+  if (std::getenv("RP_DEBUG_PAUSE") != nullptr) {
+    // --debug-worker: let any debugger of this user attach (Yama ptrace scope), then wait stopped
+    // until it (or kill -CONT) resumes us; nothing has touched the GPU yet.
+    prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    RP_LOG(WARNING) << "paused for a debugger (pid " << getpid() << ")";
+    raise(SIGSTOP);
+  }
   rp::SetVerbosity(verbosity);
   struct sigaction sa {};
   sa.sa_handler = OnSignal;

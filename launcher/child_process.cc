@@ -21,7 +21,8 @@ std::string ExitInfo::Describe() const {
 
 StatusOr<ChildProcess> ChildProcess::Spawn(const std::string& role,
                                            const std::vector<std::string>& argv,
-                                           const std::vector<std::string>& extra_env) {
+                                           const std::vector<std::string>& extra_env,
+                                           int output_fd) {
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -31,8 +32,16 @@ StatusOr<ChildProcess> ChildProcess::Spawn(const std::string& role,
   std::vector<char*> env;
   for (auto& e : env_store) env.push_back(const_cast<char*>(e.c_str()));
   env.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (output_fd >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, output_fd, 1);
+    posix_spawn_file_actions_adddup2(&actions, output_fd, 2);
+  }
   pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, argv[0].c_str(), nullptr, nullptr, args.data(), env.data());
+  // posix_spawnp: a --worker-wrapper names its tool without a path.
+  int rc = ::posix_spawnp(&pid, argv[0].c_str(), &actions, nullptr, args.data(), env.data());
+  posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) return Status::FromErrno("starting " + role + " (" + argv[0] + ")", rc);
   return ChildProcess(role, pid);
 }

@@ -28,8 +28,9 @@ struct ExitInfo {
 
 class ChildProcess {
  public:
+  // `output_fd` >= 0 becomes the child's stdout and stderr.
   static StatusOr<ChildProcess> Spawn(const std::string& role, const std::vector<std::string>& argv,
-                                      const std::vector<std::string>& extra_env);
+                                      const std::vector<std::string>& extra_env, int output_fd = -1);
   ChildProcess(ChildProcess&& o) noexcept;
   ChildProcess& operator=(ChildProcess&& o) noexcept;
   ChildProcess(const ChildProcess&) = delete;

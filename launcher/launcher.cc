@@ -19,6 +19,7 @@
 #include "core/plan.h"
 #include "core/run_output.h"
 #include "launcher/child_process.h"
+#include "launcher/log_pump.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
 
@@ -137,37 +138,86 @@ int RunLauncher(const LaunchOptions& o) {
                                   "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
   // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
   if (!std::getenv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=1");
+  if (o.debug_worker >= 0) {
+    // A paused worker must not make the coordinator give up waiting for it.
+    common.push_back("--hello-timeout-s");
+    common.push_back("86400");
+  }
+  // Logs of this run: one file per process, never overwriting an earlier run's.
+  const std::string log_dir = cfg->job.output_dir + "/logs/" + session;
+  std::error_code ec;
+  fs::create_directories(log_dir, ec);
+  if (ec) {
+    std::fprintf(stderr, "rp-launch: cannot create %s: %s\n", log_dir.c_str(), ec.message().c_str());
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    return kExitError;
+  }
+  LogPump pump;  // declared before the children: it outlives them and drains their pipes
+  std::vector<std::string> roles = {"coordinator"};
+  for (int r = 0; r < o.gpus; ++r) roles.push_back("worker " + std::to_string(r));
+  std::vector<int> out_fds;
+  for (const auto& role : roles) {
+    std::string file = role;
+    for (auto& ch : file)
+      if (ch == ' ') ch = '-';
+    auto fd = pump.Pipe(role, log_dir + "/" + file + ".log");
+    if (!fd.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", fd.status().message().c_str());
+      for (int f : out_fds) ::close(f);
+      pthread_sigmask(SIG_SETMASK, &old, nullptr);
+      return kExitError;
+    }
+    out_fds.push_back(*fd);
+  }
+  pump.Start();
+  std::vector<std::string> wrapper;
+  {
+    std::istringstream words(o.worker_wrapper);
+    for (std::string w; words >> w;) wrapper.push_back(w);
+  }
   std::vector<ChildProcess> children;
   int exit_code = kExitOk;
   {
     std::vector<std::string> argv = {coord_bin};
     argv.insert(argv.end(), common.begin(), common.end());
-    auto c = ChildProcess::Spawn("coordinator", argv, env);
+    auto c = ChildProcess::Spawn("coordinator", argv, env, out_fds[0]);
     if (!c.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());
+      for (int f : out_fds) ::close(f);
       pthread_sigmask(SIG_SETMASK, &old, nullptr);
       return kExitError;
     }
     children.push_back(std::move(c).value());
   }
   for (int r = 0; r < o.gpus && exit_code == kExitOk; ++r) {
-    std::vector<std::string> argv = {worker_bin, "--rank", std::to_string(r)};
+    std::vector<std::string> argv = wrapper;
+    argv.push_back(worker_bin);
+    argv.insert(argv.end(), {"--rank", std::to_string(r)});
     argv.insert(argv.end(), common.begin(), common.end());
     auto e = env;
     e.push_back("RP_RANK=" + std::to_string(r));
-    auto c = ChildProcess::Spawn("worker " + std::to_string(r), argv, e);
+    if (r == o.debug_worker) e.push_back("RP_DEBUG_PAUSE=1");
+    auto c = ChildProcess::Spawn("worker " + std::to_string(r), argv, e, out_fds[r + 1]);
     if (!c.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());
       exit_code = kExitError;
       break;
     }
+    if (r == o.debug_worker)
+      std::fprintf(stderr,
+                   "rp-launch: worker %d (pid %d) waits stopped before touching the GPU. Attach with\n"
+                   "    cuda-gdb -p %d      (or: gdb -p %d)\n"
+                   "then `signal SIGCONT` (or `continue`) in the debugger, or resume without one:\n"
+                   "    kill -CONT %d\n",
+                   r, c->pid(), c->pid(), c->pid(), c->pid());
     children.push_back(std::move(c).value());
   }
+  for (int f : out_fds) ::close(f);  // the children hold the write ends now
   RP_LOG(INFO) << "session " << session << ": coordinator pid " << children[0].pid() << ", "
                << o.gpus << " workers";
 
   bool interrupted = false;
-  std::string failure;
+  std::string failure, failed_role;
   auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
   while (exit_code == kExitOk && !interrupted) {
     timespec ts{0, 100 * 1000 * 1000};
@@ -194,6 +244,7 @@ int RunLauncher(const LaunchOptions& o) {
       // possibly before the launcher has seen the coordinator's own exit.
       if (!is_coord && !e.signaled && e.code == 0) continue;
       if (failure.empty()) {
+        failed_role = c.role();
         failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
         exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : kExitPeerLost;
       }
@@ -210,6 +261,11 @@ int RunLauncher(const LaunchOptions& o) {
   for (auto it = children.rbegin(); it != children.rend(); ++it)
     it->Terminate(std::chrono::milliseconds(3000));
   children.clear();
+  pump.Finish();
+  if (!failure.empty()) {
+    std::fprintf(stderr, "rp-launch: last lines of %s (all logs in %s):\n%s", failed_role.c_str(),
+                 log_dir.c_str(), pump.LastLines(failed_role).c_str());
+  }
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   if (interrupted) {
     std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");

@@ -11,6 +11,8 @@
 //  * SIGINT/SIGTERM are forwarded to every child; the launcher then exits kExitInterrupted.
 //  * On every exit path the run's shared-memory segment and its 0700 runtime directory (control
 //    socket) are removed.
+//  * Every process's output goes to the console and to job.output_dir/logs/<session>/<role>.log;
+//    a failure report ends with the failed process's last lines.
 #pragma once
 
 #include <string>
@@ -25,6 +27,8 @@ struct LaunchOptions {
   int verbosity = 0;
   bool dry_run = false;
   std::string bin_dir;  // where rp-coordinator and rp-worker live (default: beside rp-launch)
+  int debug_worker = -1;       // this worker starts stopped, for a debugger to attach
+  std::string worker_wrapper;  // a tool to run workers under, e.g. compute-sanitizer
 };
 
 // Returns the process exit code (common/exit_codes.h).

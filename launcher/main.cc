@@ -20,6 +20,10 @@ int main(int argc, char** argv) {
   app.add_option("--set", o.overrides, "override a job key: section.key=value (repeatable)");
   app.add_option("-v", o.verbosity, "log verbosity (0 = info)");
   app.add_flag("--dry-run", o.dry_run, "validate the job, print the plan and memory, start nothing");
+  app.add_option("--debug-worker", o.debug_worker,
+                 "start this worker stopped and print how to attach a debugger to it");
+  app.add_option("--worker-wrapper", o.worker_wrapper,
+                 "run workers under a tool, e.g. compute-sanitizer or valgrind");
   bool print_keys = false;
   app.add_flag("--print-keys", print_keys, "print every job key as a Markdown table and exit");
   try {

@@ -239,6 +239,47 @@ TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
             std::string::npos) << r.output;
   EXPECT_LT(secs, 10.0);
   for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+  // The diagnosis ends with the failed worker's last log lines, and every process has a log file.
+  EXPECT_NE(r.output.find("rp-launch: last lines of worker"), std::string::npos) << r.output;
+  size_t logs = 0;
+  for (auto& e : fs::recursive_directory_iterator(out + "/logs"))
+    logs += e.path().extension() == ".log";
+  EXPECT_EQ(logs, 3u);
+}
+
+TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
+  // `timeout` forks the worker as its own child, so the worker's parent is not the launcher.
+  auto args = LaunchArgs(2, tmp_ + "/wrapped", {"train.steps=2"});
+  args.insert(args.begin() + 1, {"--worker-wrapper", "timeout 300"});
+  auto r = testing::RunProcess(args, 240, Env());
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(Losses(tmp_ + "/wrapped/metrics.jsonl").size(), 2u);
+}
+
+TEST_F(LaunchTest, DebugWorkerStartsStoppedAndResumes) {
+  auto args = LaunchArgs(2, tmp_ + "/debug", {"train.steps=2"});
+  args.insert(args.begin() + 1, {"--debug-worker", "1"});
+  testing::Process launcher(args, Env());
+  pid_t worker = -1;
+  for (int i = 0; i < 400 && worker < 0; ++i) {
+    const std::string out = launcher.OutputSoFar();
+    auto at = out.find("kill -CONT ");
+    if (at != std::string::npos) worker = static_cast<pid_t>(std::stol(out.substr(at + 11)));
+    else std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GT(worker, 0) << launcher.OutputSoFar();
+  EXPECT_NE(launcher.OutputSoFar().find("cuda-gdb -p " + std::to_string(worker)), std::string::npos);
+  char state = '?';
+  for (int i = 0; i < 200 && state != 'T'; ++i) {
+    std::string stat = testing::ReadFile("/proc/" + std::to_string(worker) + "/stat");
+    auto close = stat.rfind(')');
+    if (close != std::string::npos) state = stat[close + 2];
+    if (state != 'T') std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(state, 'T') << "the debugged worker should wait stopped";
+  ::kill(worker, SIGCONT);
+  auto r = launcher.Wait(240);
+  EXPECT_EQ(r.code, 0) << r.output;
 }
 
 TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
