@@ -368,7 +368,6 @@ void Coordinator::RecordTrace(const JobState& j) {
                       {"ph", "X"}, {"ts", j.mb_times[m].first},
                       {"dur", j.mb_times[m].second - j.mb_times[m].first}, {"pid", j.worker + 1},
                       {"tid", 1}, {"args", {{"job_index", j.index}, {"microbatch", m}}}});
-    busy_s_ += static_cast<double>(j.mb_times[m].second - j.mb_times[m].first) * 1e-6;
   }
 }
 

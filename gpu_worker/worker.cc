@@ -34,7 +34,6 @@ struct ActiveJob {
   proto::RunJob job;
   int next_mb = 0;
   bool begun = false;
-  bool grads_reported = false;
   bool prefetched = false;
   int64_t start_us = 0, fetch_end_us = 0;
 };
