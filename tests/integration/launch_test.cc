@@ -173,6 +173,17 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
   ASSERT_EQ(jobs.size(), 30u);
   for (auto& [k, a] : jobs) EXPECT_EQ(a["worker_rank"].get<int>(), (cursor0 + k) % 3) << "job " << k;
   EXPECT_EQ(pid_of_rank.size(), 3u);
+  // rp-report draws the same trace: one row per worker, one box per microbatch.
+  auto rep = testing::RunProcess({BinDir() + "/rp-report", out}, 60);
+  ASSERT_EQ(rep.code, 0) << rep.output;
+  const std::string svg = testing::ReadFile(out + "/timeline.svg");
+  size_t rows = 0, mbs = 0;
+  for (size_t p = svg.find("data-worker="); p != std::string::npos; p = svg.find("data-worker=", p + 1)) rows++;
+  for (size_t p = svg.find("class=\"mb\""); p != std::string::npos; p = svg.find("class=\"mb\"", p + 1)) mbs++;
+  EXPECT_EQ(rows, 3u);
+  EXPECT_EQ(mbs, 30u * 3u);
+  EXPECT_TRUE(fs::exists(out + "/loss.svg"));
+  EXPECT_EQ(testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/nothing-here"}, 60).code, kExitBadConfig);
   // The coordinator cannot run layer compute: it does not even link LibTorch.
   auto ldd = testing::RunProcess({"/usr/bin/ldd", BinDir() + "/rp-coordinator"}, 30);
   EXPECT_EQ(ldd.output.find("libtorch"), std::string::npos) << ldd.output;
