@@ -18,6 +18,7 @@
 #include "core/model_spec.h"
 #include "core/plan.h"
 #include "core/run_output.h"
+#include "core/simulator.h"
 #include "launcher/child_process.h"
 #include "launcher/log_pump.h"
 #include "shm/layout.h"
@@ -73,6 +74,12 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
   std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
               static_cast<long long>(spec.TrainableParams()), gpus);
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
+  // Prediction from FLOPs alone (transfers and the optimizer are not modelled).
+  auto flops = core::StageFlops(cfg, *plan);
+  auto sim = core::SimulateRoundRobin(flops, gpus, static_cast<int>(cfg.train.microbatches),
+                                      static_cast<int>(cfg.train.accum_calls));
+  std::printf("predicted bubble ratio (FLOP cost model, one step from idle): %.1f%%\n",
+              100.0 * sim.bubble_ratio);
   std::printf("shared memory: %.1f MiB (%.1f bytes per parameter incl. activation slots)\n",
               static_cast<double>(layout.total_bytes) / (1 << 20),
               static_cast<double>(layout.total_bytes) / static_cast<double>(spec.TrainableParams()));

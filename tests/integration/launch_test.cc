@@ -78,7 +78,7 @@ TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
   const std::vector<double> expected = Losses(ref_out + "/metrics.jsonl");
   ASSERT_EQ(expected.size(), 20u);
   const std::vector<std::vector<std::string>> partitions = {
-      {},  // F[0,2) F[2,5) T[5,6)... from the job's equal split with one tail block
+      {},  // F[0,2) F[2,4) T[4,6) B[2,4) B[0,2): the job's equal split with one tail block
       {"schedule.tail_blocks=0", "schedule.forward_cuts=[3]", "schedule.backward_cuts=[1,2,4]"},
   };
   for (size_t p = 0; p < partitions.size(); ++p)
@@ -202,6 +202,16 @@ TEST_F(LaunchTest, BadConfigFailsBeforeAnythingStarts) {
   auto r3 = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", tmp_ + "/missing.toml"}, 30, Env());
   EXPECT_EQ(r3.code, kExitBadConfig);
   EXPECT_NE(r3.output.find("no such file"), std::string::npos) << r3.output;
+}
+
+TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
+  auto args = LaunchArgs(3, tmp_ + "/dry");
+  args.push_back("--dry-run");
+  auto r = testing::RunProcess(args, 30, Env());
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("plan: F[0,2) F[2,4) T[4,6) B[2,4) B[0,2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("predicted bubble ratio"), std::string::npos);
+  EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
 }
 
 TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
