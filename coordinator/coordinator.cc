@@ -117,7 +117,7 @@ class Coordinator {
 Status Coordinator::Setup() {
   RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
   spec_ = core::BuildModelSpec(cfg_.model);
-  RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_));
+  RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   data_.emplace(std::move(data));

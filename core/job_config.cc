@@ -233,6 +233,12 @@ const std::vector<KeySpec>& Table() {
       IntArray("schedule", "backward_cuts", F(schedule.backward_cuts),
                "Explicit first layers of the non-tail backward stages except the one at 0 "
                "(ascending)"),
+      Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},
+           "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
+           "tail size and both partitions minimizing the simulated step time (FLOP cost model; "
+           "rp-plan shows its choice)"),
+      Float("schedule", "gpu_memory_gb", F(schedule.gpu_memory_gb), 0.0, 0.0, 1e6,
+            "Per-worker memory limit the auto planner respects (estimate); 0 = unlimited"),
       Enum("schedule", "activation_transport", F(schedule.activation_transport), "auto",
            {"auto", "host", "cuda_ipc"},
            "How activations move between workers; today always through host-staged slots in the "
@@ -323,6 +329,10 @@ Status CrossValidate(const JobConfig& c) {
                                    std::to_string(c.schedule.backward_stages) +
                                    " stages for only " + std::to_string(tail_start) +
                                    " backward layers");
+  if (c.schedule.partition == "auto" &&
+      (!c.schedule.forward_cuts.empty() || !c.schedule.backward_cuts.empty()))
+    return Status::InvalidArgument("schedule.partition: \"auto\" chooses the cuts itself; remove "
+                                   "schedule.forward_cuts and schedule.backward_cuts");
   RP_RETURN_IF_ERROR(CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
   RP_RETURN_IF_ERROR(CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
   if (c.checkpoint.every > 0)

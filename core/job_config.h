@@ -77,6 +77,8 @@ struct ScheduleConfig {
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
   std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"
+  std::string partition = "equal";  // "equal": stage counts or explicit cuts; "auto": planner
+  double gpu_memory_gb = 0.0;       // per-worker memory limit for "auto"; 0 = unlimited
 };
 
 struct CheckpointConfig {

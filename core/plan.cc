@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/plan.h"
 
+#include "core/partitioner.h"
+
 #include <algorithm>
 #include <set>
 #include <sstream>
@@ -59,7 +61,13 @@ std::string PipelinePlan::Describe() const {
   return o.str();
 }
 
-StatusOr<PipelinePlan> MakePlan(const JobConfig& c) {
+StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
+  if (c.schedule.partition != "auto") return BuildPlan(c);
+  RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));
+  return choice.plan;
+}
+
+StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {
   PipelinePlan p;
   const int L = static_cast<int>(c.model.num_layers);
   p.num_layers = L + 2;

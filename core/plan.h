@@ -52,7 +52,11 @@ struct PipelinePlan {
 
 // Builds the plan from [schedule] (explicit cuts, else equal layer counts). Never drops or
 // duplicates a layer: each of forward and backward covers [0, tail_start) exactly once.
-StatusOr<PipelinePlan> MakePlan(const JobConfig& config);
+// With schedule.partition = "auto" the planner (core/partitioner.h) chooses tail size and cuts
+// for `workers` workers first; every process computes the same plan from the same inputs.
+StatusOr<PipelinePlan> MakePlan(const JobConfig& config, int workers = 1);
+// The plan for the config's explicit cuts or equal stage counts (what "auto" evaluates).
+StatusOr<PipelinePlan> BuildPlan(const JobConfig& config);
 
 // Splits [0, n) into `parts` contiguous ranges whose sizes differ by at most one (larger first).
 std::vector<int> EqualCuts(int n, int parts);

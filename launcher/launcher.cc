@@ -65,7 +65,7 @@ class RuntimeDir {
 
 void PrintDryRun(const core::JobConfig& cfg, int gpus) {
   auto spec = core::BuildModelSpec(cfg.model);
-  auto plan = core::MakePlan(cfg);
+  auto plan = core::MakePlan(cfg, gpus);
   if (!plan.ok()) {
     std::fprintf(stderr, "plan: %s\n", plan.status().message().c_str());
     return;
@@ -93,7 +93,7 @@ int RunLauncher(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: %s\n", cfg.status().message().c_str());
     return kExitBadConfig;
   }
-  if (auto plan = core::MakePlan(*cfg); !plan.ok()) {
+  if (auto plan = core::MakePlan(*cfg, o.gpus); !plan.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", plan.status().message().c_str());
     return kExitBadConfig;
   }

@@ -80,6 +80,7 @@ TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
   const std::vector<std::vector<std::string>> partitions = {
       {},  // F[0,2) F[2,4) T[4,6) B[2,4) B[0,2): the job's equal split with one tail block
       {"schedule.tail_blocks=0", "schedule.forward_cuts=[3]", "schedule.backward_cuts=[1,2,4]"},
+      {"schedule.partition=auto"},  // whatever the planner picks for N workers
   };
   for (size_t p = 0; p < partitions.size(); ++p)
     for (int n = 1; n <= 3; ++n) {

@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "core/partitioner.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/model_spec.h"
+#include "core/simulator.h"
+
+namespace rp::core {
+
+std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
+  const int n = static_cast<int>(costs.size());
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[p][i]: minimal largest sum splitting the first i items into p ranges.
+  std::vector<std::vector<double>> best(parts + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0.0;
+  for (int p = 1; p <= parts; ++p)
+    for (int i = p; i <= n; ++i)
+      for (int j = p - 1; j < i; ++j) {
+        const double v = std::max(best[p - 1][j], prefix[i] - prefix[j]);
+        if (v < best[p][i]) {
+          best[p][i] = v;
+          cut[p][i] = j;
+        }
+      }
+  std::vector<int> starts(parts);
+  for (int p = parts, i = n; p >= 1; --p) {
+    starts[p - 1] = cut[p][i];
+    i = cut[p][i];
+  }
+  return starts;
+}
+
+double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan) {
+  const ModelSpec spec = BuildModelSpec(c.model);
+  const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
+  const double tokens = static_cast<double>(c.TokensPerMicrobatch());
+  const double H = static_cast<double>(c.model.hidden_size);
+  const double I = static_cast<double>(c.model.intermediate_size);
+  double worst_weights = 0.0, worst_stage = 0.0;
+  for (const auto& st : plan.stages) {
+    double params = 0.0;
+    for (int l = st.begin; l < st.end; ++l)
+      for (const auto& use : spec.layer_uses[l]) params += static_cast<double>(spec.params[use.param].numel);
+    const bool grads = st.kind != StageKind::kForward;
+    // Activations kept for backward per block: roughly ten hidden-sized and three
+    // intermediate-sized tensors per token; forward stages keep about one block's worth.
+    const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
+    const double per_block = tokens * (10.0 * H + 3.0 * I) * elem;
+    double acts = grads ? blocks * per_block : per_block;
+    if (st.end == plan.num_layers)  // the head: one chunk of fp32 logits and its gradient
+      acts += 2.0 * std::min(4096.0, tokens) * static_cast<double>(c.model.vocab_size) * 4.0;
+    const double stage = params * elem + (grads ? params * (4.0 + elem) : 0.0) + acts;
+    worst_weights = std::max(worst_weights, params * elem);
+    worst_stage = std::max(worst_stage, stage);
+  }
+  return worst_stage + worst_weights;  // the running stage plus the next one's prefetched weights
+}
+
+StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
+  const double rate = c.job.device == "cpu" ? 2e10 : 790e12 * 0.5;
+  const int L = static_cast<int>(c.model.num_layers);
+  const double limit = c.schedule.gpu_memory_gb * 1e9;
+  PlanChoice best;
+  best.step_seconds = std::numeric_limits<double>::infinity();
+  int best_jobs = std::numeric_limits<int>::max();
+  int candidates = 0;
+  double smallest_memory = std::numeric_limits<double>::infinity();
+  JobConfig probe = c;
+  probe.schedule.partition = "equal";
+  for (int tail = 0; tail <= std::min(L, 3); ++tail) {
+    const int t = L + 1 - tail;  // layers before the tail
+    probe.schedule.tail_blocks = tail;
+    probe.schedule.forward_cuts.clear();
+    probe.schedule.backward_cuts.clear();
+    // Per-layer forward costs of [0, t) from a one-stage-per-layer plan.
+    probe.schedule.forward_stages = t;
+    probe.schedule.backward_stages = 1;
+    auto per_layer = BuildPlan(probe);
+    if (!per_layer.ok()) continue;
+    std::vector<double> layer_cost = StageFlops(probe, *per_layer);
+    layer_cost.resize(t);  // the forward stages come first: one per layer here
+    for (int f = 1; f <= std::min(t, 2 * workers + 2); ++f)
+      for (int b = 1; b <= std::min(t, 3 * workers + 3); ++b) {
+        std::vector<std::vector<int>> fwd = {EqualCuts(t, f), MinMaxPartition(layer_cost, f)};
+        std::vector<std::vector<int>> bwd = {EqualCuts(t, b), MinMaxPartition(layer_cost, b)};
+        for (const auto& fc : fwd)
+          for (const auto& bc : bwd) {
+            // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
+            probe.schedule.forward_stages = f;
+            probe.schedule.backward_stages = b;
+            probe.schedule.forward_cuts.assign(fc.begin() + 1, fc.end());
+            probe.schedule.backward_cuts.assign(bc.begin() + 1, bc.end());
+            auto plan = BuildPlan(probe);
+            if (!plan.ok()) continue;
+            candidates++;
+            const double mem = EstimatePeakMemory(probe, *plan);
+            smallest_memory = std::min(smallest_memory, mem);
+            if (limit > 0 && mem > limit) continue;
+            std::vector<double> secs = StageFlops(probe, *plan);
+            for (double& s : secs) s /= rate;
+            auto sim = SimulateRoundRobin(secs, workers, static_cast<int>(c.train.microbatches),
+                                          static_cast<int>(c.train.accum_calls));
+            const int jobs = static_cast<int>(plan->stages.size());
+            // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
+            if (sim.makespan < best.step_seconds * (1.0 - 1e-6) ||
+                (sim.makespan <= best.step_seconds * (1.0 + 1e-6) && jobs < best_jobs)) {
+              best.plan = *plan;
+              best.step_seconds = sim.makespan;
+              best.bubble_ratio = sim.bubble_ratio;
+              best.peak_memory_bytes = mem;
+              best_jobs = jobs;
+            }
+          }
+      }
+  }
+  best.candidates = candidates;
+  best.flops_per_second = rate;
+  if (best_jobs == std::numeric_limits<int>::max())
+    return Status::InvalidArgument(
+        "schedule.gpu_memory_gb: no plan fits in " + std::to_string(c.schedule.gpu_memory_gb) +
+        " GB per worker; the smallest estimate is " + std::to_string(smallest_memory / 1e9) + " GB");
+  return best;
+}
+
+}  // namespace rp::core

@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <random>
+
+#include "core/partitioner.h"
+#include "core/simulator.h"
+
+namespace rp::core {
+namespace {
+
+double LargestRange(const std::vector<double>& c, const std::vector<int>& starts) {
+  double worst = 0;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    const int end = i + 1 < starts.size() ? starts[i + 1] : static_cast<int>(c.size());
+    double s = 0;
+    for (int j = starts[i]; j < end; ++j) s += c[j];
+    worst = std::max(worst, s);
+  }
+  return worst;
+}
+
+TEST(Partitioner, MinMaxPartitionMatchesBruteForce) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 8);
+    const int parts = 1 + static_cast<int>(rng() % n);
+    std::vector<double> c(n);
+    for (auto& x : c) x = 1 + rng() % 20;
+    auto starts = MinMaxPartition(c, parts);
+    ASSERT_EQ(static_cast<int>(starts.size()), parts);
+    EXPECT_EQ(starts[0], 0);
+    for (int i = 1; i < parts; ++i) EXPECT_LT(starts[i - 1], starts[i]);
+    // Brute force over every choice of parts - 1 cut positions.
+    double best = 1e300;
+    std::vector<int> cur = {0};
+    std::function<void(int)> rec = [&](int from) {
+      if (static_cast<int>(cur.size()) == parts) {
+        best = std::min(best, LargestRange(c, cur));
+        return;
+      }
+      for (int s = from; s < n; ++s) {
+        cur.push_back(s);
+        rec(s + 1);
+        cur.pop_back();
+      }
+    };
+    rec(1);
+    EXPECT_DOUBLE_EQ(LargestRange(c, starts), best) << "n=" << n << " parts=" << parts;
+  }
+}
+
+JobConfig Small(int layers) {
+  JobConfig c;
+  c.model.num_layers = layers;
+  c.model.vocab_size = 4096;  // a head that costs several blocks, as in real models
+  c.job.device = "cpu";
+  c.schedule.partition = "auto";
+  return c;
+}
+
+TEST(Partitioner, AutoIsNoSlowerThanEqualSplitsAndCoversEveryLayer) {
+  for (int layers : {2, 4, 6})
+    for (int workers : {1, 2, 3}) {
+      JobConfig c = Small(layers);
+      auto choice = ChoosePlan(c, workers);
+      ASSERT_TRUE(choice.ok()) << choice.status().ToString();
+      auto via_make = MakePlan(c, workers);  // MakePlan verifies single coverage of every layer
+      ASSERT_TRUE(via_make.ok()) << via_make.status().ToString();
+      EXPECT_EQ(via_make->Describe(), choice->plan.Describe());
+      JobConfig eq = c;
+      eq.schedule.partition = "equal";
+      for (int tail = 0; tail <= std::min(layers, 3); ++tail)
+        for (int f = 1; f <= layers + 1 - tail && f <= 2 * workers + 2; ++f)
+          for (int b = 1; b <= layers + 1 - tail && b <= 3 * workers + 3; ++b) {
+            eq.schedule.tail_blocks = tail;
+            eq.schedule.forward_stages = f;
+            eq.schedule.backward_stages = b;
+            auto plan = BuildPlan(eq);
+            ASSERT_TRUE(plan.ok());
+            auto secs = StageFlops(eq, *plan);
+            for (auto& s : secs) s /= choice->flops_per_second;
+            auto sim = SimulateRoundRobin(secs, workers, static_cast<int>(c.train.microbatches),
+                                          static_cast<int>(c.train.accum_calls));
+            EXPECT_LE(choice->step_seconds, sim.makespan * (1 + 1e-9)) << plan->Describe();
+          }
+    }
+}
+
+TEST(Partitioner, RespectsTheMemoryLimit) {
+  JobConfig c = Small(6);
+  c.train.microbatch_size = 8;
+  c.data.seq_len = 512;
+  auto free_choice = ChoosePlan(c, 2);
+  ASSERT_TRUE(free_choice.ok());
+  c.schedule.gpu_memory_gb = free_choice->peak_memory_bytes / 1e9 * 0.6;
+  auto limited = ChoosePlan(c, 2);
+  if (limited.ok()) {
+    EXPECT_LE(limited->peak_memory_bytes, c.schedule.gpu_memory_gb * 1e9);
+    EXPECT_LE(EstimatePeakMemory(c, limited->plan), c.schedule.gpu_memory_gb * 1e9);
+  }
+  c.schedule.gpu_memory_gb = 1e-6;
+  auto impossible = ChoosePlan(c, 2);
+  ASSERT_FALSE(impossible.ok());
+  EXPECT_EQ(impossible.status().message().rfind("schedule.gpu_memory_gb", 0), 0u);
+}
+
+}  // namespace
+}  // namespace rp::core
