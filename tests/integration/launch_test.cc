@@ -22,13 +22,7 @@ namespace fs = std::filesystem;
 using testing::BinDir;
 using testing::SourceDir;
 
-std::vector<double> Losses(const std::string& metrics_path) {
-  std::vector<double> out;
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+using testing::Losses;
 
 class LaunchTest : public ::testing::Test {
  protected:

@@ -15,6 +15,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 extern char** environ;
 
 namespace rp::testing {
@@ -43,6 +45,14 @@ std::string ReadFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+std::vector<double> Losses(const std::string& metrics_path) {
+  std::vector<double> out;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return out;
 }
 
 Process::Process(const std::vector<std::string>& argv, const std::vector<std::string>& env) {

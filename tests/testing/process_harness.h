@@ -47,5 +47,7 @@ std::vector<std::string> LeftoverSegments();
 // Children of `pid` (from /proc), e.g. the launcher's coordinator and workers.
 std::vector<pid_t> ChildrenOf(pid_t pid);
 std::string ReadFile(const std::string& path);
+// The "loss" of every line of a metrics.jsonl file, in order.
+std::vector<double> Losses(const std::string& metrics_path);
 
 }  // namespace rp::testing
