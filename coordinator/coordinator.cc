@@ -381,6 +381,11 @@ Status Coordinator::WriteTrace() {
                       {"args", {{"name", "worker " + std::to_string(w) + " (pid " +
                                              std::to_string(worker_pids_[w]) + ")"}}}});
   for (auto& e : trace_) events.push_back(e);
+  if (optimizer_)
+    for (const auto& s : optimizer_->TakeLayerSpans())
+      events.push_back({{"name", "update layer " + std::to_string(s.layer)}, {"cat", "optimizer"},
+                        {"ph", "X"}, {"ts", s.start_us}, {"dur", s.end_us - s.start_us},
+                        {"pid", 0}, {"tid", 0}, {"args", {{"step", s.step}, {"layer", s.layer}}}});
   nlohmann::json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"},
                         {"otherData", {{"coordinator_pid", ::getpid()},
                                        {"num_workers", opts_.num_workers},

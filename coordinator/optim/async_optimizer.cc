@@ -20,7 +20,8 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       layer_param_count_(spec.NumLayers(), 0),
       slots_left_(spec.params.size(), 0),
       param_chunks_left_(spec.params.size()),
-      layer_params_left_(spec.NumLayers()) {
+      layer_params_left_(spec.NumLayers()),
+      layer_start_us_(spec.NumLayers()) {
   for (size_t p = 0; p < spec.params.size(); ++p) {
     for (int64_t b = 0; b < spec.params[p].numel; b += kOptimizerChunk) {
       param_chunks_[p].push_back(chunks_.size());
@@ -85,7 +86,10 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
       slots_left_[p] = static_cast<int>(param_slots_[p].size());
       param_chunks_left_[p].store(static_cast<int64_t>(param_chunks_[p].size()));
     }
-    for (int l = 0; l < spec_.NumLayers(); ++l) layer_params_left_[l].store(layer_param_count_[l]);
+    for (int l = 0; l < spec_.NumLayers(); ++l) {
+      layer_params_left_[l].store(layer_param_count_[l]);
+      layer_start_us_[l].store(0);
+    }
     chunks_norm_left_.store(static_cast<int64_t>(chunks_.size()));
     params_left_.store(static_cast<int>(spec_.params.size()));
   }
@@ -137,6 +141,8 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
   const Chunk& c = chunks_[chunk];
+  int64_t unset = 0;
+  layer_start_us_[spec_.params[c.param].owner_layer].compare_exchange_strong(unset, WallMicros());
   const auto& ps = spec_.params[c.param];
   const bool bf16 = cfg_.train.dtype == "bf16";
   auto f32 = [&](uint64_t off) { return reinterpret_cast<float*>(base_ + off) + c.begin; };
@@ -156,6 +162,8 @@ void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
   if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.layer_versions);
     versions[layer].store(static_cast<uint64_t>(step + 1), std::memory_order_release);
+    std::lock_guard<std::mutex> l(mu_);
+    spans_.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
   }
   if (params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) updated_through_.store(step);
 }
@@ -165,6 +173,13 @@ std::optional<double> AsyncOptimizer::GradNorm(int64_t step) const {
   auto it = norms_.find(step);
   if (it == norms_.end()) return std::nullopt;
   return it->second;
+}
+
+std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::TakeLayerSpans() {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<LayerSpan> out;
+  out.swap(spans_);
+  return out;
 }
 
 bool AsyncOptimizer::Updated(int64_t step) const { return updated_through_.load() >= step; }

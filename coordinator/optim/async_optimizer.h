@@ -56,6 +56,15 @@ class AsyncOptimizer {
   // Seconds the pool spent on `step` (sum over tasks, for reporting).
   double BusySeconds(int64_t step) const;
 
+  // When each layer's update ran: from the first update chunk of a parameter it owns starting
+  // to its version being published (wall-clock microseconds, for the trace).
+  struct LayerSpan {
+    int64_t step;
+    int layer;
+    int64_t start_us, end_us;
+  };
+  std::vector<LayerSpan> TakeLayerSpans();
+
  private:
   struct Chunk {
     int param;
@@ -91,6 +100,8 @@ class AsyncOptimizer {
   std::map<int64_t, double> norms_;            // GUARDED_BY(mu_)
   std::map<int64_t, double> busy_;             // GUARDED_BY(mu_)
   std::atomic<int64_t> updated_through_{-1};
+  std::vector<std::atomic<int64_t>> layer_start_us_;  // first update chunk of the current step
+  std::vector<LayerSpan> spans_;                     // GUARDED_BY(mu_)
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

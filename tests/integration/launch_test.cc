@@ -166,6 +166,15 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
   }
   // 3 steps x K=2 calls x 5 stages.
   ASSERT_EQ(jobs.size(), 30u);
+  // The coordinator's optimizer work: one update span per layer and step (6 layers, 3 steps).
+  size_t updates = 0;
+  for (auto& e : trace["traceEvents"])
+    if (e.value("cat", "") == "optimizer") {
+      updates++;
+      EXPECT_EQ(e["pid"].get<int>(), 0);
+      EXPECT_GE(e["dur"].get<int64_t>(), 0);
+    }
+  EXPECT_EQ(updates, 18u);
   for (auto& [k, a] : jobs) EXPECT_EQ(a["worker_rank"].get<int>(), (cursor0 + k) % 3) << "job " << k;
   EXPECT_EQ(pid_of_rank.size(), 3u);
   // rp-report draws the same trace: one row per worker, one box per microbatch.
