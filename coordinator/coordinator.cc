@@ -467,7 +467,10 @@ Status Coordinator::ReportSteps() {
     RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr "
                  << m.lr << " grad_norm " << m.grad_norm << " "
                  << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s)
-                 << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "%";
+                 << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "% ETA "
+                 << static_cast<int64_t>((now - run_start_) / static_cast<double>(m.step) *
+                                         static_cast<double>(cfg_.train.steps - m.step))
+                 << " s";
     steps_.erase(it);
     next_step_to_report_++;
   }
