@@ -64,7 +64,7 @@ class Coordinator {
   Status TryFeed();
   Status Loop();
   Status ReportSteps();
-  int64_t StepH2dBytes(int64_t step) const;
+  int64_t StepH2dBytes() const;
   Status Handle(int rank, const Message& m);
   Status OnMicrobatchDone(int rank, const proto::MicrobatchDone& d);
   Status OnGradsReady(int rank, const proto::GradsReady& g);
@@ -98,7 +98,6 @@ class Coordinator {
     int jobs_done = 0;
     double busy_s = 0.0;
     double done_at = -1.0;  // all jobs done (monotonic seconds)
-    bool reported = false;
   };
   std::map<int64_t, StepState> steps_;
   std::map<int64_t, JobState> jobs_;           // by global job index
@@ -112,6 +111,7 @@ class Coordinator {
 
   nlohmann::json trace_ = nlohmann::json::array();
   double busy_s_ = 0.0, makespan_s_ = 0.0;
+  int64_t h2d_bytes_per_step_ = 0;  // the same every step: a function of the plan
 };
 
 Status Coordinator::Setup() {
@@ -119,6 +119,7 @@ Status Coordinator::Setup() {
   spec_ = core::BuildModelSpec(cfg_.model);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
+  h2d_bytes_per_step_ = StepH2dBytes();
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   data_.emplace(std::move(data));
   RP_RETURN_IF_ERROR(core::PrepareOutputDir(cfg_));
@@ -423,7 +424,7 @@ Status Coordinator::Dispatch(int64_t step) {
   return TryFeed();
 }
 
-int64_t Coordinator::StepH2dBytes(int64_t) const {
+int64_t Coordinator::StepH2dBytes() const {
   // What the workers' executors read from host memory in one step: each job's stage weights
   // once, and per microbatch its inputs (tokens or a hidden state; labels for the tail; the
   // incoming gradient for backward stages).
@@ -460,7 +461,7 @@ Status Coordinator::ReportSteps() {
     m.tokens = cfg_.train.accum_calls * cfg_.train.microbatches * cfg_.TokensPerMicrobatch();
     m.step_time_s = now - last_report_at_;
     m.bubble_ratio = std::max(0.0, 1.0 - st.busy_s / (m.step_time_s * opts_.num_workers));
-    m.h2d_bytes = StepH2dBytes(next_step_to_report_);
+    m.h2d_bytes = h2d_bytes_per_step_;
     busy_s_ += st.busy_s;
     last_report_at_ = now;
     RP_RETURN_IF_ERROR(metrics_->Append(m));

@@ -62,6 +62,15 @@ void AdamWLoop(const float* __restrict grad, float* __restrict master, float* __
   }
 }
 
+// Calls loop(out) with the compute copy typed for its dtype, or with a void* null when the master
+// is its own copy (fp32, aliased): one place that picks the loop instantiation for every optimizer.
+template <typename Loop>
+void WithComputeCopy(void* compute, const float* master, ComputeDtype dtype, Loop&& loop) {
+  if (dtype == ComputeDtype::kFloat32 && compute == master) loop(static_cast<void*>(nullptr));
+  else if (dtype == ComputeDtype::kFloat32) loop(static_cast<float*>(compute));
+  else loop(static_cast<uint16_t*>(compute));
+}
+
 }  // namespace
 
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
@@ -75,16 +84,10 @@ void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float
   const float one_minus_b1 = static_cast<float>(1.0 - h.beta1);
   const float one_minus_b2 = static_cast<float>(1.0 - h.beta2);
   const float eps = static_cast<float>(h.eps);
-  if (compute_dtype == ComputeDtype::kFloat32 && compute == master) {
-    AdamWLoop(grad, master, m, v, static_cast<void*>(nullptr), n, grad_scale, decay, b1, b2,
-              one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
-  } else if (compute_dtype == ComputeDtype::kFloat32) {
-    AdamWLoop(grad, master, m, v, static_cast<float*>(compute), n, grad_scale, decay, b1, b2,
-              one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
-  } else {
-    AdamWLoop(grad, master, m, v, static_cast<uint16_t*>(compute), n, grad_scale, decay, b1, b2,
-              one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps);
-  }
+  WithComputeCopy(compute, master, compute_dtype, [&](auto* out) {
+    AdamWLoop(grad, master, m, v, out, n, grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2,
+              step_size, bc2_sqrt, eps);
+  });
 }
 
 namespace {
@@ -109,12 +112,9 @@ void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* ma
                int64_t n, void* compute, ComputeDtype compute_dtype) {
   const float lr = static_cast<float>(h.lr), mu = static_cast<float>(h.momentum);
   const float wd = static_cast<float>(h.weight_decay);
-  if (compute_dtype == ComputeDtype::kFloat32 && compute == master)
-    SgdLoop(grad, master, buf, static_cast<void*>(nullptr), n, grad_scale, lr, mu, wd);
-  else if (compute_dtype == ComputeDtype::kFloat32)
-    SgdLoop(grad, master, buf, static_cast<float*>(compute), n, grad_scale, lr, mu, wd);
-  else
-    SgdLoop(grad, master, buf, static_cast<uint16_t*>(compute), n, grad_scale, lr, mu, wd);
+  WithComputeCopy(compute, master, compute_dtype, [&](auto* out) {
+    SgdLoop(grad, master, buf, out, n, grad_scale, lr, mu, wd);
+  });
 }
 
 void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn) {

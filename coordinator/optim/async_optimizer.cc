@@ -101,7 +101,6 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
 }
 
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
-  const double t0 = MonoSeconds();
   const Chunk& c = chunks_[chunk];
   const auto& slots = param_slots_[c.param];
   float* g = reinterpret_cast<float*>(base_ + layout_.grad[slots[0]]) + c.begin;
@@ -112,10 +111,6 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   }
   partial_[chunk] = SquaredSum(g, c.end - c.begin);
   if (then_update) UpdateChunk(step, chunk);
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    busy_[step] += MonoSeconds() - t0;
-  }
   if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
 }
 
@@ -131,12 +126,7 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   clip_scale_ = ClipScale(norm, cfg_.train.grad_clip);
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   for (size_t c = 0; c < chunks_.size(); ++c)
-    Submit([this, step, c] {
-      const double t0 = MonoSeconds();
-      UpdateChunk(step, c);
-      std::lock_guard<std::mutex> l(mu_);
-      busy_[step] += MonoSeconds() - t0;
-    });
+    Submit([this, step, c] { UpdateChunk(step, c); });
 }
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
@@ -184,10 +174,5 @@ std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::TakeLayerSpans() {
 
 bool AsyncOptimizer::Updated(int64_t step) const { return updated_through_.load() >= step; }
 
-double AsyncOptimizer::BusySeconds(int64_t step) const {
-  std::lock_guard<std::mutex> l(mu_);
-  auto it = busy_.find(step);
-  return it == busy_.end() ? 0.0 : it->second;
-}
 
 }  // namespace rp::coord

@@ -53,9 +53,6 @@ class AsyncOptimizer {
   // True once every parameter is updated for `step` (all layer versions >= step + 1).
   bool Updated(int64_t step) const;
   double LearningRate(int64_t step) const;
-  // Seconds the pool spent on `step` (sum over tasks, for reporting).
-  double BusySeconds(int64_t step) const;
-
   // When each layer's update ran: from the first update chunk of a parameter it owns starting
   // to its version being published (wall-clock microseconds, for the trace).
   struct LayerSpan {
@@ -98,7 +95,6 @@ class AsyncOptimizer {
 
   mutable std::mutex mu_;
   std::map<int64_t, double> norms_;            // GUARDED_BY(mu_)
-  std::map<int64_t, double> busy_;             // GUARDED_BY(mu_)
   std::atomic<int64_t> updated_through_{-1};
   std::vector<std::atomic<int64_t>> layer_start_us_;  // first update chunk of the current step
   std::vector<LayerSpan> spans_;                     // GUARDED_BY(mu_)
