@@ -17,6 +17,7 @@
 #include "common/logging.h"
 #include "common/session.h"
 #include "common/time_util.h"
+#include "coordinator/grad_arena.h"
 #include "coordinator/optim/async_optimizer.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "core/data.h"
@@ -72,6 +73,7 @@ class Coordinator {
   Status FeedCall(int64_t global_call);
   Status TryCommits(int64_t step);
   StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
+  std::vector<int> StageGradSlots(int stage) const;
   void RecordTrace(const JobState& j);
   Status WriteTrace();
   void ShutdownWorkers(int exit_code);
@@ -81,8 +83,9 @@ class Coordinator {
   core::ModelSpec spec_;
   core::PipelinePlan plan_;
   shm::ArenaLayout layout_;
-  std::optional<shm::Unlinker> unlinker_;  // declared before the segment: unmapped first
-  std::optional<shm::Segment> segment_;
+  std::optional<shm::Unlinker> unlinker_, optim_unlinker_;  // before the segments: unmapped first
+  std::optional<shm::Segment> segment_, optim_segment_;
+  std::unique_ptr<GradArena> grad_arena_;
   std::optional<core::Dataset> data_;
   std::optional<proto::RouterChannel> channel_;
   std::optional<core::MetricsWriter> metrics_;
@@ -118,7 +121,7 @@ Status Coordinator::Setup() {
   RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
   spec_ = core::BuildModelSpec(cfg_.model);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
-  layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
+  RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   h2d_bytes_per_step_ = StepH2dBytes();
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   data_.emplace(std::move(data));
@@ -127,7 +130,10 @@ Status Coordinator::Setup() {
   metrics_.emplace(std::move(mw));
   RP_LOG(INFO) << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
                << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
-               << " workers; segment " << layout_.total_bytes / (1 << 20) << " MiB";
+               << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
+               << layout_.grad_arena_bytes / (1 << 20) << " MiB"
+               << (layout_.grads_streamed ? ", streamed" : ", every gradient") << "), optimizer "
+               << layout_.optim_total_bytes / (1 << 20) << " MiB";
   return Status::Ok();
 }
 
@@ -136,6 +142,12 @@ Status Coordinator::InitState() {
   unlinker_.emplace(name);
   RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Create(name, layout_.total_bytes));
   segment_.emplace(std::move(seg));
+  const std::string optim_name = shm::OptimSegmentName(opts_.session);
+  optim_unlinker_.emplace(optim_name);
+  RP_ASSIGN_OR_RETURN(auto optim_seg, shm::Segment::Create(optim_name, layout_.optim_total_bytes));
+  optim_segment_.emplace(std::move(optim_seg));
+  grad_arena_ = std::make_unique<GradArena>(
+      layout_, segment_->At<std::atomic<uint64_t>>(layout_.grad_table));
   auto* h = segment_->header();
   std::memset(static_cast<void*>(h), 0, sizeof(*h));
   h->magic = shm::kSegmentMagic;
@@ -146,11 +158,11 @@ Status Coordinator::InitState() {
   h->trainable_params = static_cast<uint64_t>(spec_.TrainableParams());
   h->coordinator_pid = ::getpid();
   proto::CopyText(h->session, opts_.session);
-  // Masters from the seeded init; compute copies from the masters. m, v and gradients are zero
-  // because a fresh tmpfs object reads as zeros.
+  // Masters from the seeded init; compute copies from the masters. m and v are zero because a
+  // fresh tmpfs object reads as zeros; gradient slots are written before they are read.
   const bool bf16 = cfg_.train.dtype == "bf16";
   for (size_t p = 0; p < spec_.params.size(); ++p) {
-    float* master = segment_->At<float>(layout_.master[p]);
+    float* master = optim_segment_->At<float>(layout_.master[p]);
     core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
     const int64_t n = spec_.params[p].numel;
     if (bf16) {
@@ -218,7 +230,7 @@ StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* wh
 Status Coordinator::FeedCall(int64_t g) {
   const int64_t K = cfg_.train.accum_calls;
   const int64_t step = g / K, call = g % K;
-  const int parity = static_cast<int>(g % 2);
+  const int parity = static_cast<int>(g % layout_.parities);
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
     data_->Fill(step, call, mb, segment_->At<int64_t>(layout_.TokenSlot(parity, mb)),
                 segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
@@ -230,16 +242,24 @@ Status Coordinator::FeedCall(int64_t g) {
 }
 
 Status Coordinator::TryFeed() {
-  // Global call g uses slot parity g % 2, so it may be fed once call g - 2 is completely done.
+  // Global call g uses slot parity g % P, so it may be fed once call g - P is completely done.
   const int64_t K = cfg_.train.accum_calls;
   for (int64_t g = next_step_to_report_ * K; g < next_step_to_dispatch_ * K; ++g) {
     if (fed_calls_.count(g)) continue;
-    auto prev = call_jobs_done_.find(g - 2);
-    const bool free = g < 2 || (prev != call_jobs_done_.end() && prev->second == static_cast<int>(plan_.stages.size()));
+    auto prev = call_jobs_done_.find(g - layout_.parities);
+    const bool free = g < layout_.parities || (prev != call_jobs_done_.end() && prev->second == static_cast<int>(plan_.stages.size()));
     if (!free) break;  // calls are fed in order
     RP_RETURN_IF_ERROR(FeedCall(g));
   }
   return Status::Ok();
+}
+
+std::vector<int> Coordinator::StageGradSlots(int stage) const {
+  std::vector<int> slots;
+  const auto& st = plan_.stages[stage];
+  for (int l = st.begin; l < st.end; ++l)
+    for (const auto& use : spec_.layer_uses[l]) slots.push_back(use.grad_slot);
+  return slots;
 }
 
 Status Coordinator::TryCommits(int64_t step) {
@@ -259,6 +279,9 @@ Status Coordinator::TryCommits(int64_t step) {
       auto prev = jobs_.find(k - S);
       if (prev != jobs_.end() && !prev->second.done) continue;
     }
+    // The first call's commit places the stage's slots in the gradient arena; with the arena
+    // full it waits for an update to release space (the event loop retries).
+    if (j.call == 0 && !grad_arena_->Place(StageGradSlots(j.stage))) continue;
     j.commit_sent = true;
     RP_RETURN_IF_ERROR(channel_->Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
   }
@@ -415,7 +438,7 @@ Status Coordinator::Dispatch(int64_t step) {
       // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's
       // update overlaps all of step t.
       const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
-      proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % 2),
+      proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
                       static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version};
       RP_RETURN_IF_ERROR(channel_->Send(j.worker, r));
       jobs_.emplace(j.index, j);
@@ -515,7 +538,8 @@ Status Coordinator::Run() {
   Status st = AcceptWorkers();
   const int threads = opts_.optimizer_threads > 0 ? opts_.optimizer_threads
                                                   : static_cast<int>(std::thread::hardware_concurrency());
-  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, segment_->data(), threads);
+  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, segment_->data(),
+                                                optim_segment_->data(), grad_arena_.get(), threads);
   if (st.ok()) st = Loop();
   const double wall = makespan_s_;
   ShutdownWorkers(st.ok() ? 0 : 1);
@@ -525,7 +549,9 @@ Status Coordinator::Run() {
     nlohmann::json summary = {
         {"steps", cfg_.train.steps}, {"num_workers", opts_.num_workers},
         {"plan", plan_.Describe()}, {"trainable_params", spec_.TrainableParams()},
-        {"segment_bytes", layout_.total_bytes}, {"wall_s", wall},
+        {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
+        {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
+        {"grad_arena_peak_bytes", grad_arena_->PeakBytes()}, {"wall_s", wall},
         {"tokens_per_s", static_cast<double>(cfg_.train.steps * cfg_.train.accum_calls *
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_}};

@@ -217,6 +217,11 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "beta2", F(optimizer.beta2), 0.95, 0.0, 0.9999999, "Adam beta2"),
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
+      Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
+          "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0 or "
+          "train.accum_calls > 1 (each must be held until the step's last commit or the global "
+          "norm), else twice the largest stage's gradients, so gradients are streamed: a layer's "
+          "buffer is reused as soon as its update is done. Smaller than the job needs is an error"),
 
       Int("lora", "rank", F(lora.rank), 0, 0, 0,
           "LoRA rank; 0 = full fine-tuning (LoRA is not implemented yet)"),

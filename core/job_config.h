@@ -64,6 +64,7 @@ struct OptimizerConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double momentum = 0.9;         // SGD only
+  int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
 };
 
 struct LoraConfig {

@@ -24,7 +24,7 @@ bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForwar
 
 Status Executor::Validate(const proto::RunJob& job) const {
   if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size()) || job.parity < 0 ||
-      job.parity > 1 || job.num_microbatches != cfg_.train.microbatches)
+      job.parity >= layout_.parities || job.num_microbatches != cfg_.train.microbatches)
     return Status::ProtocolError("RunJob " + std::to_string(job.job_index) +
                                  " has out-of-range stage, parity or microbatch count");
   return Status::Ok();
@@ -213,7 +213,15 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
         if (accumulate) continue;
         g.accum = at::zeros(g.shape, g.options);
       }
-      items.push_back({g.accum, segment_.At<float>(layout_.grad[g.grad_slot])});
+      // Where the coordinator placed the slot for this step (written before it granted this
+      // commit). Checked, so a bad table entry fails the job instead of writing elsewhere.
+      const uint64_t off = segment_.At<std::atomic<uint64_t>>(layout_.grad_table)[g.grad_slot].load(
+          std::memory_order_acquire);
+      if (!layout_.GradSlotInArena(off, layout_.grad_slot_bytes[g.grad_slot]))
+        return Status::ProtocolError("gradient slot " + std::to_string(g.grad_slot) + " of job " +
+                                     std::to_string(job_index) + " is placed at offset " +
+                                     std::to_string(off) + ", outside the gradient arena");
+      items.push_back({g.accum, segment_.At<float>(off)});
     }
     held_.erase(it);
     return device_.StartCommit(std::move(items), accumulate);

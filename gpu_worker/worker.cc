@@ -219,7 +219,7 @@ Status Worker::Run() {
   RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
   spec_ = core::BuildModelSpec(cfg_.model);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
-  layout_ = shm::ComputeLayout(cfg_, spec_, plan_);
+  RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   const int gpus = CudaDeviceCount();
   use_cuda_ = cfg_.job.device == "cuda" || (cfg_.job.device == "auto" && gpus > 0);
   if (use_cuda_ && gpus == 0)

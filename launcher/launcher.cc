@@ -71,6 +71,11 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
     return;
   }
   auto layout = shm::ComputeLayout(cfg, spec, *plan);
+  if (!layout.ok()) {
+    std::fprintf(stderr, "layout: %s\n", layout.status().message().c_str());
+    return;
+  }
+  const double params = static_cast<double>(spec.TrainableParams());
   std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
               static_cast<long long>(spec.TrainableParams()), gpus);
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
@@ -80,9 +85,16 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
                                       static_cast<int>(cfg.train.accum_calls));
   std::printf("predicted bubble ratio (FLOP cost model, one step from idle): %.1f%%\n",
               100.0 * sim.bubble_ratio);
-  std::printf("shared memory: %.1f MiB (%.1f bytes per parameter incl. activation slots)\n",
-              static_cast<double>(layout.total_bytes) / (1 << 20),
-              static_cast<double>(layout.total_bytes) / static_cast<double>(spec.TrainableParams()));
+  const uint64_t acts = layout->total_bytes - layout->tokens;
+  std::printf("shared memory: %.1f MiB = %.2f bytes per parameter (state segment %.1f MiB: "
+              "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
+              static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / (1 << 20),
+              static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / params,
+              static_cast<double>(layout->total_bytes) / (1 << 20),
+              static_cast<double>(layout->grad_arena_bytes) / (1 << 20),
+              layout->grads_streamed ? " streamed" : " holding every gradient",
+              static_cast<double>(acts) / (1 << 20),
+              static_cast<double>(layout->optim_total_bytes) / (1 << 20));
 }
 
 }  // namespace
@@ -95,6 +107,9 @@ int RunLauncher(const LaunchOptions& o) {
   }
   if (auto plan = core::MakePlan(*cfg, o.gpus); !plan.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", plan.status().message().c_str());
+    return kExitBadConfig;
+  } else if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model), *plan); !layout.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
     return kExitBadConfig;
   }
   if (o.dry_run) {
@@ -123,6 +138,7 @@ int RunLauncher(const LaunchOptions& o) {
   RuntimeDir runtime(dir);
   // Backstop: the coordinator unlinks the segment itself, but not if it is SIGKILLed.
   shm::Unlinker segment_name(shm::StateSegmentName(session));
+  shm::Unlinker optim_segment_name(shm::OptimSegmentName(session));
 
   // Signals are taken synchronously (sigtimedwait) so the supervision loop is the only place
   // that reacts to them; children get the default dispositions back via posix_spawn's exec.

@@ -82,7 +82,7 @@ struct RunJob {
   int64_t step;
   int32_t call;           // accumulation call inside the step
   int32_t stage;          // index into PipelinePlan::stages
-  int32_t parity;         // activation slot parity (global call % 2)
+  int32_t parity;         // activation slot set: global call % ArenaLayout::parities
   int32_t num_microbatches;
   double loss_scale;      // 1 / (non-ignored targets in the whole step)
   int64_t weights_version;  // fetch only after every used layer's version reaches this

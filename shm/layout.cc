@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "shm/layout.h"
 
+#include <algorithm>
+
 #include "common/rng.h"
 
 namespace rp::shm {
@@ -19,17 +21,65 @@ uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const {
          ((static_cast<uint64_t>(parity) * microbatches + mb) * num_hidden + idx) * act_slot_bytes;
 }
 uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
-  return input_grad +
-         ((static_cast<uint64_t>(parity) * microbatches + mb) * num_grad + idx) * act_slot_bytes;
+  return input_grad + ((static_cast<uint64_t>(parity) * microbatches + mb) * grad_slots_per_mb +
+                       idx % grad_slots_per_mb) * act_slot_bytes;
 }
 
-ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
-                          const core::PipelinePlan& plan) {
+StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::ModelSpec& spec,
+                                        const core::PipelinePlan& plan) {
+  auto slot_bytes = [&](int slot) {
+    return (static_cast<uint64_t>(spec.params[spec.grad_slots[slot].param].numel) * 4 + 255) / 256 * 256;
+  };
+  GradArenaSizing s;
+  std::vector<int> uses(spec.params.size(), 0);
+  for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
+    s.all_slots += slot_bytes(static_cast<int>(g));
+    uses[spec.grad_slots[g].param]++;
+  }
+  // Slots of parameters used by several layers (tied embeddings) stay until the last use.
+  uint64_t shared_uses = 0, largest_stage = 0;
+  for (size_t g = 0; g < spec.grad_slots.size(); ++g)
+    if (uses[spec.grad_slots[g].param] > 1) shared_uses += slot_bytes(static_cast<int>(g));
+  for (const auto& st : plan.stages) {
+    if (st.kind == core::StageKind::kForward) continue;
+    uint64_t bytes = 0;
+    for (int l = st.begin; l < st.end; ++l)
+      for (const auto& use : spec.layer_uses[l])
+        if (uses[use.param] == 1) bytes += slot_bytes(use.grad_slot);  // shared ones counted above
+    largest_stage = std::max(largest_stage, bytes);
+  }
+  s.must_hold_all = c.train.grad_clip > 0.0 || c.train.accum_calls > 1;
+  s.minimum = s.must_hold_all ? s.all_slots : std::min(s.all_slots, largest_stage + shared_uses);
+  const uint64_t requested = static_cast<uint64_t>(c.optimizer.grad_buffer_mb) << 20;
+  if (requested == 0) {
+    s.chosen = s.must_hold_all ? s.all_slots : std::min(s.all_slots, 2 * largest_stage + shared_uses);
+  } else if (requested < s.minimum) {
+    const std::string why = s.must_hold_all
+        ? std::string(c.train.grad_clip > 0.0 ? "train.grad_clip > 0 (no update may start before "
+                                                "the global gradient norm is known)"
+                                              : "train.accum_calls > 1 (every slot takes a commit per call)") +
+              ", so every gradient is held at once"
+        : "the largest stage's gradients plus the tied parameters' must fit";
+    return Status::InvalidArgument("optimizer.grad_buffer_mb: " + std::to_string(c.optimizer.grad_buffer_mb) +
+                                   " MiB is below the " + std::to_string((s.minimum + (1 << 20) - 1) >> 20) +
+                                   " MiB this job needs: " + why);
+  } else {
+    s.chosen = std::min(requested, s.all_slots);
+  }
+  s.chosen = Align(s.chosen);
+  return s;
+}
+
+StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
+                                    const core::PipelinePlan& plan) {
+  RP_ASSIGN_OR_RETURN(GradArenaSizing sizing, SizeGradArena(c, spec, plan));
   ArenaLayout a;
   a.compute_elem_bytes = c.train.dtype == "bf16" ? 2 : 4;
   uint64_t pos = kHeaderBytes;
   a.layer_versions = pos;
   pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
+  a.grad_table = pos;
+  pos = Align(pos + 8ull * spec.grad_slots.size());
   // Compute copies are packed (256-byte aligned inside the region) so a layer's weights form one
   // run that a worker can fetch with a single copy.
   a.compute_begin = pos;
@@ -41,24 +91,16 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
   a.compute_end = pos;
   a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
-  // SGD keeps one state buffer (momentum, in adam_m); AdamW two.
-  std::vector<std::vector<uint64_t>*> regions = {&a.master, &a.adam_m};
-  if (c.optimizer.name == "adamw") regions.push_back(&a.adam_v);
-  for (auto* region : regions) {
-    for (auto& p : spec.params) {
-      region->push_back(pos);
-      pos += (static_cast<uint64_t>(p.numel) * 4 + 255) / 256 * 256;
-    }
-    pos = Align(pos);
-  }
-  for (auto& g : spec.grad_slots) {
-    a.grad.push_back(pos);
-    pos += (static_cast<uint64_t>(spec.params[g.param].numel) * 4 + 255) / 256 * 256;
-  }
-  pos = Align(pos);
+  for (auto& g : spec.grad_slots)
+    a.grad_slot_bytes.push_back((static_cast<uint64_t>(spec.params[g.param].numel) * 4 + 255) / 256 * 256);
+  a.grad_arena = pos;
+  a.grad_arena_bytes = sizing.chosen;
+  a.grads_streamed = sizing.chosen < sizing.all_slots;
+  pos += a.grad_arena_bytes;
   a.microbatches = static_cast<int>(c.train.microbatches);
   a.tokens_per_mb = static_cast<uint64_t>(c.train.microbatch_size * c.data.seq_len);
-  const uint64_t slots = 2ull * a.microbatches;
+  a.parities = c.optimizer.mode == "exact" && c.train.accum_calls == 1 ? 1 : 2;
+  const uint64_t slots = static_cast<uint64_t>(a.parities) * a.microbatches;
   a.tokens = pos;
   pos += slots * Align(a.tokens_per_mb * 8);
   a.labels = pos;
@@ -70,17 +112,31 @@ ArenaLayout ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
   a.hidden = pos;
   pos += slots * a.num_hidden * a.act_slot_bytes;
   a.input_grad = pos;
-  pos += slots * a.num_grad * a.act_slot_bytes;
+  a.grad_slots_per_mb = std::min(a.num_grad, 2);
+  pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
   a.total_bytes = pos;
+
+  // The optimizer segment. SGD keeps one state buffer (momentum, in adam_m); AdamW two.
+  uint64_t opos = 0;
+  std::vector<std::vector<uint64_t>*> regions = {&a.master, &a.adam_m};
+  if (c.optimizer.name == "adamw") regions.push_back(&a.adam_v);
+  for (auto* region : regions) {
+    for (auto& p : spec.params) {
+      region->push_back(opos);
+      opos += (static_cast<uint64_t>(p.numel) * 4 + 255) / 256 * 256;
+    }
+    opos = Align(opos);
+  }
+  a.optim_total_bytes = opos;
 
   uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
                         static_cast<uint64_t>(a.compute_elem_bytes),
-                        static_cast<uint64_t>(a.compute_buffers)});
+                        static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities)});
   for (auto& p : spec.params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
   }
-  for (auto off : a.grad) h = HashKey({h, off});
+  h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

@@ -1,26 +1,37 @@
 // SPDX-License-Identifier: Apache-2.0
-// The shared-memory state segment: header POD and arena layout.
+// The two shared-memory segments of a run: header POD and arena layouts.
 //
 // Segment "rp-<session>-state" (one per run, created 0600 by the coordinator before any worker
-// attaches, never resized; see docs/shm_layout.md):
+// attaches, never resized; see docs/shm_layout.md). Workers map it and pin it for DMA, so it holds
+// only what workers read or write:
 //
 //   [0, 4096)            SegmentHeader (below)
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
+//   gradient table       std::atomic<uint64_t> per gradient slot (a parameter use by a layer):
+//                        where in the gradient arena the slot lives this step. Written by the
+//                        coordinator before it grants the commit that fills the slot.
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
 //                        mode a second such region follows (double buffer by version parity)
-//   masters              fp32 per parameter                      (coordinator only)
-//   adam m, adam v       fp32 per parameter                      (coordinator only)
-//   gradients            fp32 per gradient slot (a parameter use by a layer); workers add a
-//                        job's gradients here when the coordinator grants the commit
-//   token / label slots  int64 [2 parities][M microbatches][microbatch_size * seq_len]
-//   hidden slots         [2][M][plan.hidden_boundaries][microbatch_size * seq_len * hidden]
-//   input-grad slots     [2][M][plan.grad_boundaries ][microbatch_size * seq_len * hidden]
+//   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
+//                        and released when the parameter's update is done, so only the layers
+//                        in flight hold host memory (gradient streaming; see GradArenaBytes)
+//   token / label slots  int64 [P parities][M microbatches][microbatch_size * seq_len]
+//   hidden slots         [P][M][plan.hidden_boundaries][microbatch_size * seq_len * hidden]
+//   input-grad slots     [P][M][2][microbatch_size * seq_len * hidden]: boundary index i of
+//                        plan.grad_boundaries uses slot i % 2. A microbatch's backward chain is
+//                        sequential and writes descending boundaries, so when a stage writes
+//                        slot i % 2 the gradient that last used it (boundary i + 2) has been read.
 //
-// Every array starts on a kArenaAlign boundary. Accumulation call g uses parity g % 2, so call
-// g+1 can fill its slots while call g drains. The layout is a pure function of the job config;
+// Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
+// nor corrupt it): fp32 masters, then the optimizer state (AdamW m and v; SGD momentum in m).
+//
+// Every array starts on a kArenaAlign boundary. Accumulation call g uses parity g % P, so with
+// P = 2 call g+1 can fill its slots while call g drains. P = 1 in exact mode with one call per
+// step: there the next call's first stage waits for the embedding's update, which follows the
+// last stage of the previous call, so a second set of slots would never be used concurrently. The layout is a pure function of the job config;
 // its hash is stored in the header and every attacher recomputes and compares it, so a worker
 // built or configured differently refuses to attach instead of reading garbage.
 // No interprocess mutexes live here: single-writer fields and control messages only.
@@ -32,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "common/status.h"
 #include "core/job_config.h"
 #include "core/model_spec.h"
 #include "core/plan.h"
@@ -39,7 +51,7 @@
 namespace rp::shm {
 
 inline constexpr uint64_t kSegmentMagic = 0x3174536550695052ull;  // "RPiPeSt1"
-inline constexpr uint32_t kSegmentVersion = 1;
+inline constexpr uint32_t kSegmentVersion = 2;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
 
@@ -66,25 +78,38 @@ static_assert(offsetof(SegmentHeader, session) == 56);
 static_assert(sizeof(SegmentHeader) == 104);
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
 
-// Byte offsets of every array in the segment. Pure function of the config (see above).
+// Byte offsets of every array. Pure function of the config (see above).
 struct ArenaLayout {
-  uint64_t total_bytes = 0;
+  uint64_t total_bytes = 0;        // the state segment
+  uint64_t optim_total_bytes = 0;  // the optimizer segment
   uint64_t hash = 0;
   int compute_elem_bytes = 4;
-  std::vector<uint64_t> compute, master, adam_m, adam_v;  // per parameter; adam_v empty for sgd
-  std::vector<uint64_t> grad;                             // per gradient slot
-  uint64_t compute_begin = 0, compute_end = 0;            // the compute-copy region (buffer 0)
-  int compute_buffers = 1;                                // 2 in stale1 mode: version v in v % 2
-  uint64_t layer_versions = 0;                            // std::atomic<uint64_t>[num layers]
+  std::vector<uint64_t> compute;                  // per parameter, state segment
+  std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment; adam_v empty for sgd
+  std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
+  uint64_t grad_table = 0;                        // std::atomic<uint64_t>[gradient slots]
+  uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
+  bool grads_streamed = false;                    // arena smaller than every slot at once
+  uint64_t compute_begin = 0, compute_end = 0;    // the compute-copy region (buffer 0)
+  int compute_buffers = 1;                        // 2 in stale1 mode: version v in v % 2
+  uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
   uint64_t tokens_per_mb = 0;        // elements per token slot
   uint64_t act_elems = 0;            // elements per hidden / input-grad slot
   uint64_t act_slot_bytes = 0;       // bytes per slot, aligned
   int microbatches = 0, num_hidden = 0, num_grad = 0;
+  int parities = 2;                  // activation slot sets (see above)
+  int grad_slots_per_mb = 0;         // input-gradient slots per microbatch: min(num_grad, 2)
 
   // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
   uint64_t ComputeCopy(int p, int buffer) const {
     return compute[p] + static_cast<uint64_t>(buffer) * (compute_end - compute_begin);
+  }
+  // True if a gradient slot of `bytes` at `offset` lies inside the arena (what a reader of the
+  // gradient table checks before trusting an entry).
+  bool GradSlotInArena(uint64_t offset, uint64_t bytes) const {
+    return offset >= grad_arena && bytes <= grad_arena_bytes &&
+           offset - grad_arena <= grad_arena_bytes - bytes;
   }
   uint64_t TokenSlot(int parity, int mb) const;
   uint64_t LabelSlot(int parity, int mb) const;
@@ -92,12 +117,31 @@ struct ArenaLayout {
   uint64_t InputGradSlot(int parity, int mb, int idx) const;
 };
 
-ArenaLayout ComputeLayout(const core::JobConfig& config, const core::ModelSpec& spec,
-                          const core::PipelinePlan& plan);
+// Gradient arena sizing. A slot is placed when the commit that first writes it in a step is
+// granted and released when its parameter's update is done. The arena must hold every slot at
+// once when a slot stays live across the whole step: with gradient clipping (no update may start
+// before the global norm, i.e. before the last gradient) or with K > 1 accumulation calls (a
+// stage's slots take a commit per call). Otherwise updates follow the backward pass layer by
+// layer and the arena needs only the largest stage's slots plus the slots a tied parameter keeps
+// until its last use (the LM head's gradient waits for the embedding's); `auto` doubles that so
+// one stage can commit while the previous stage's update runs.
+struct GradArenaSizing {
+  uint64_t all_slots = 0;   // every slot at once (no streaming)
+  uint64_t minimum = 0;     // smallest arena that always makes progress
+  uint64_t chosen = 0;      // what the layout uses
+  bool must_hold_all = false;
+};
+StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& config, const core::ModelSpec& spec,
+                                        const core::PipelinePlan& plan);
+
+// Fails only where SizeGradArena does (an explicit optimizer.grad_buffer_mb below the minimum).
+StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& config, const core::ModelSpec& spec,
+                                    const core::PipelinePlan& plan);
 
 static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
               "layer versions must be plain lock-free words to be shared across processes");
 
 inline std::string StateSegmentName(const std::string& session) { return "rp-" + session + "-state"; }
+inline std::string OptimSegmentName(const std::string& session) { return "rp-" + session + "-optim"; }
 
 }  // namespace rp::shm

@@ -10,11 +10,14 @@
 namespace rp::coord {
 
 AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                               const shm::ArenaLayout& layout, uint8_t* base, int threads)
+                               const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim,
+                               GradArena* grads, int threads)
     : cfg_(cfg),
       spec_(spec),
       layout_(layout),
-      base_(base),
+      state_(state),
+      optim_(optim),
+      grads_(grads),
       param_chunks_(spec.params.size()),
       param_slots_(spec.params.size()),
       layer_param_count_(spec.NumLayers(), 0),
@@ -103,10 +106,10 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = chunks_[chunk];
   const auto& slots = param_slots_[c.param];
-  float* g = reinterpret_cast<float*>(base_ + layout_.grad[slots[0]]) + c.begin;
+  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
   // Tied parameters: fold the other uses' gradients into the first slot, in slot order.
   for (size_t s = 1; s < slots.size(); ++s) {
-    const float* o = reinterpret_cast<const float*>(base_ + layout_.grad[slots[s]]) + c.begin;
+    const float* o = reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin;
     for (int64_t i = 0; i < c.end - c.begin; ++i) g[i] += o[i];
   }
   partial_[chunk] = SquaredSum(g, c.end - c.begin);
@@ -135,22 +138,24 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
   layer_start_us_[spec_.params[c.param].owner_layer].compare_exchange_strong(unset, WallMicros());
   const auto& ps = spec_.params[c.param];
   const bool bf16 = cfg_.train.dtype == "bf16";
-  auto f32 = [&](uint64_t off) { return reinterpret_cast<float*>(base_ + off) + c.begin; };
+  auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + c.begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
   UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
-              f32(layout_.grad[param_slots_[c.param][0]]), f32(layout_.master[c.param]),
-              f32(layout_.adam_m[c.param]),
-              layout_.adam_v.empty() ? nullptr : f32(layout_.adam_v[c.param]), c.end - c.begin,
-              base_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
+              f32(state_, grads_->Offset(param_slots_[c.param][0])), f32(optim_, layout_.master[c.param]),
+              f32(optim_, layout_.adam_m[c.param]),
+              layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[c.param]), c.end - c.begin,
+              state_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
                   c.begin * (bf16 ? 2 : 4),
               bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32);
   if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
 }
 
 void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
+  // Before the version is published: the next step's first commit expects the arena free.
+  for (int slot : param_slots_[param]) grads_->Release(slot);
   const int layer = spec_.params[param].owner_layer;
   if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.layer_versions);
+    auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
     versions[layer].store(static_cast<uint64_t>(step + 1), std::memory_order_release);
     std::lock_guard<std::mutex> l(mu_);
     spans_.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});

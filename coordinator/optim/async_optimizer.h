@@ -12,8 +12,9 @@
 //    final, in ascending parameter order (embedding first: what the next step's first forward
 //    stage needs first). Either way the result is exactly the synchronous step's (the norm is
 //    summed in a fixed order, see optimizer_step.h).
-//  * When every parameter a layer owns is updated, its version in shared memory becomes step + 1
-//    (release store). Workers fetch a layer for step t only at version >= t, so no fetch reads a
+//  * When a parameter is updated its gradient slots go back to the arena (gradient streaming: the
+//    next stage's commit may reuse them at once). When every parameter a layer owns is updated,
+//    its version in shared memory becomes step + 1 (release store). Workers fetch a layer for step t only at version >= t, so no fetch reads a
 //    half-written copy, and no commit of step t + 1 can overwrite a gradient the update of step
 //    t still reads (that commit's job fetched the updated weights first).
 //  * Steps are strictly sequential: SlotFinal for step t + 1 only after step t is fully updated,
@@ -33,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "coordinator/grad_arena.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "core/job_config.h"
 #include "core/model_spec.h"
@@ -42,8 +44,11 @@ namespace rp::coord {
 
 class AsyncOptimizer {
  public:
+  // `state` is the mapped state segment (compute copies, layer versions, gradient arena),
+  // `optim` the optimizer segment (masters, moments); `grads` places and releases slots.
   AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                 const shm::ArenaLayout& layout, uint8_t* base, int threads);
+                 const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim, GradArena* grads,
+                 int threads);
   ~AsyncOptimizer();
   AsyncOptimizer(const AsyncOptimizer&) = delete;
   AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
@@ -77,7 +82,9 @@ class AsyncOptimizer {
   const core::JobConfig cfg_;
   const core::ModelSpec& spec_;
   const shm::ArenaLayout& layout_;
-  uint8_t* base_;
+  uint8_t* state_;
+  uint8_t* optim_;
+  GradArena* grads_;
   std::vector<Chunk> chunks_;                  // all chunks, parameter-major
   std::vector<std::vector<size_t>> param_chunks_;
   std::vector<std::vector<int>> param_slots_;  // slots of each parameter, first = primary

@@ -118,6 +118,37 @@ TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
   EXPECT_NE(Losses(exact_out + "/metrics.jsonl")[1], got[1]);
 }
 
+TEST_F(LaunchTest, StreamedGradientsMatchTheReference) {
+  // One call per step and no clipping: each layer's update starts as soon as its backward stage
+  // commits, and the gradient arena holds only the stages in flight, so slots are reused within
+  // the step. The losses must still be the reference's.
+  const std::vector<std::string> sets = {"train.accum_calls=1", "train.microbatches=4",
+                                         "train.grad_clip=0", "schedule.tail_blocks=0",
+                                         "schedule.backward_stages=5"};
+  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/ref-stream"};
+  for (auto& s : sets) {
+    ref_args.push_back("--set");
+    ref_args.push_back(s);
+  }
+  auto ref = testing::RunProcess(ref_args, 240);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const auto expected = Losses(tmp_ + "/ref-stream/metrics.jsonl");
+  for (int n : {1, 3}) {
+    const std::string out = tmp_ + "/stream" + std::to_string(n);
+    auto r = Launch(n, out, sets);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto got = Losses(out + "/metrics.jsonl");
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t s = 0; s < got.size(); ++s)
+      EXPECT_LE(std::abs(got[s] - expected[s]) / expected[s], 1e-5) << "N=" << n << ", step " << s + 1;
+    std::ifstream f(out + "/summary.json");
+    auto summary = nlohmann::json::parse(f);
+    EXPECT_TRUE(summary["grads_streamed"].get<bool>());
+    EXPECT_GT(summary["grad_arena_peak_bytes"].get<int64_t>(), 0);
+    EXPECT_LE(summary["grad_arena_peak_bytes"].get<int64_t>(), summary["grad_arena_bytes"].get<int64_t>());
+  }
+}
+
 TEST_F(LaunchTest, SgdMatchesTheReference) {
   const std::vector<std::string> sgd = {"optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.min_lr=0.005"};
   std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/ref-sgd"};

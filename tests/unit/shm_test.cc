@@ -32,21 +32,24 @@ TEST(Layout, ArraysAreAlignedDisjointAndInside) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  ArenaLayout a = ComputeLayout(cfg, spec, *plan);
+  auto layout = ComputeLayout(cfg, spec, *plan);
+  ASSERT_TRUE(layout.ok()) << layout.status().message();
+  const ArenaLayout& a = *layout;
   struct Range { uint64_t begin, end; std::string what; };
-  std::vector<Range> ranges;
+  std::vector<Range> ranges, optim;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     const uint64_t n = spec.params[p].numel;
     ranges.push_back({a.compute[p], a.compute[p] + n * 2, "compute " + spec.params[p].name});
-    ranges.push_back({a.master[p], a.master[p] + n * 4, "master"});
-    ranges.push_back({a.adam_m[p], a.adam_m[p] + n * 4, "m"});
-    ranges.push_back({a.adam_v[p], a.adam_v[p] + n * 4, "v"});
+    optim.push_back({a.master[p], a.master[p] + n * 4, "master"});
+    optim.push_back({a.adam_m[p], a.adam_m[p] + n * 4, "m"});
+    optim.push_back({a.adam_v[p], a.adam_v[p] + n * 4, "v"});
     EXPECT_EQ(a.compute[p] % 256, 0u);
     EXPECT_EQ(a.master[p] % 256, 0u);
   }
-  for (size_t g = 0; g < spec.grad_slots.size(); ++g)
-    ranges.push_back({a.grad[g], a.grad[g] + spec.params[spec.grad_slots[g].param].numel * 4, "grad"});
-  for (int par = 0; par < 2; ++par)
+  ranges.push_back({a.layer_versions, a.layer_versions + 8 * static_cast<uint64_t>(plan->num_layers), "versions"});
+  ranges.push_back({a.grad_table, a.grad_table + 8 * spec.grad_slots.size(), "grad table"});
+  ranges.push_back({a.grad_arena, a.grad_arena + a.grad_arena_bytes, "grad arena"});
+  for (int par = 0; par < a.parities; ++par)
     for (int mb = 0; mb < a.microbatches; ++mb) {
       ranges.push_back({a.TokenSlot(par, mb), a.TokenSlot(par, mb) + a.tokens_per_mb * 8, "tokens"});
       ranges.push_back({a.LabelSlot(par, mb), a.LabelSlot(par, mb) + a.tokens_per_mb * 8, "labels"});
@@ -54,14 +57,18 @@ TEST(Layout, ArraysAreAlignedDisjointAndInside) {
         EXPECT_EQ(a.HiddenSlot(par, mb, h) % kArenaAlign, 0u);
         ranges.push_back({a.HiddenSlot(par, mb, h), a.HiddenSlot(par, mb, h) + a.act_elems * 2, "hidden"});
       }
-      for (int h = 0; h < a.num_grad; ++h)
+      for (int h = 0; h < a.grad_slots_per_mb; ++h)
         ranges.push_back({a.InputGradSlot(par, mb, h), a.InputGradSlot(par, mb, h) + a.act_elems * 2, "igrad"});
     }
-  std::sort(ranges.begin(), ranges.end(), [](auto& x, auto& y) { return x.begin < y.begin; });
-  EXPECT_GE(ranges.front().begin, kHeaderBytes);
-  for (size_t i = 1; i < ranges.size(); ++i)
-    EXPECT_LE(ranges[i - 1].end, ranges[i].begin) << ranges[i - 1].what << " overlaps " << ranges[i].what;
-  EXPECT_LE(ranges.back().end, a.total_bytes);
+  auto check = [](std::vector<Range> r, uint64_t first, uint64_t total) {
+    std::sort(r.begin(), r.end(), [](auto& x, auto& y) { return x.begin < y.begin; });
+    EXPECT_GE(r.front().begin, first);
+    for (size_t i = 1; i < r.size(); ++i)
+      EXPECT_LE(r[i - 1].end, r[i].begin) << r[i - 1].what << " overlaps " << r[i].what;
+    EXPECT_LE(r.back().end, total);
+  };
+  check(ranges, kHeaderBytes, a.total_bytes);
+  check(optim, 0, a.optim_total_bytes);
   // Tied embeddings: the head's use of the embedding has its own gradient slot.
   EXPECT_EQ(spec.grad_slots.size(), spec.params.size() + 1);
 }
@@ -69,10 +76,44 @@ TEST(Layout, ArraysAreAlignedDisjointAndInside) {
 TEST(Layout, HashChangesWithTheConfig) {
   auto cfg = SmallConfig();
   auto spec = core::BuildModelSpec(cfg.model);
-  auto h1 = ComputeLayout(cfg, spec, *core::MakePlan(cfg)).hash;
+  auto h1 = ComputeLayout(cfg, spec, *core::MakePlan(cfg))->hash;
   cfg.schedule.forward_stages = 1;
-  auto h2 = ComputeLayout(cfg, spec, *core::MakePlan(cfg)).hash;
+  auto h2 = ComputeLayout(cfg, spec, *core::MakePlan(cfg))->hash;
   EXPECT_NE(h1, h2);
+  cfg.train.grad_clip = 0.0;  // a streamed (smaller) gradient arena
+  cfg.train.accum_calls = 1;
+  EXPECT_NE(ComputeLayout(cfg, spec, *core::MakePlan(cfg))->hash, h2);
+}
+
+// Without clipping and with one call per step, only the stages in flight hold gradients.
+TEST(Layout, GradientArenaStreamsOnlyWhenNothingMustBeHeld) {
+  auto cfg = SmallConfig();
+  cfg.model.num_layers = 8;
+  cfg.schedule.backward_stages = 4;
+  cfg.train.accum_calls = 1;
+  cfg.train.grad_clip = 0.0;
+  auto spec = core::BuildModelSpec(cfg.model);
+  auto plan = core::MakePlan(cfg);
+  ASSERT_TRUE(plan.ok());
+  auto sizing = SizeGradArena(cfg, spec, *plan);
+  ASSERT_TRUE(sizing.ok());
+  EXPECT_FALSE(sizing->must_hold_all);
+  EXPECT_LT(sizing->chosen, sizing->all_slots);
+  EXPECT_LE(sizing->minimum, sizing->chosen);
+  EXPECT_TRUE(ComputeLayout(cfg, spec, *plan)->grads_streamed);
+
+  cfg.train.grad_clip = 1.0;  // the global norm needs every gradient before any update
+  sizing = SizeGradArena(cfg, spec, *plan);
+  ASSERT_TRUE(sizing.ok());
+  EXPECT_TRUE(sizing->must_hold_all);
+  EXPECT_GE(sizing->chosen, sizing->all_slots);
+  cfg.optimizer.grad_buffer_mb = 1;
+  auto small = SizeGradArena(cfg, spec, *plan);
+  if (sizing->all_slots > (1u << 20)) {
+    ASSERT_FALSE(small.ok());
+    EXPECT_NE(small.status().message().find("optimizer.grad_buffer_mb"), std::string::npos);
+    EXPECT_NE(small.status().message().find("train.grad_clip"), std::string::npos);
+  }
 }
 
 TEST(Segment, CreateOpenValidateAndUnlink) {
