@@ -59,7 +59,9 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
                                                 "the global gradient norm is known)"
                                               : "train.accum_calls > 1 (every slot takes a commit per call)") +
               ", so every gradient is held at once"
-        : "the largest stage's gradients plus the tied parameters' must fit";
+        : std::string("the largest stage's gradients") +
+              (shared_uses > 0 ? " plus the tied parameters' (held until their last use)" : "") +
+              " must fit";
     return Status::InvalidArgument("optimizer.grad_buffer_mb: " + std::to_string(c.optimizer.grad_buffer_mb) +
                                    " MiB is below the " + std::to_string((s.minimum + (1 << 20) - 1) >> 20) +
                                    " MiB this job needs: " + why);

@@ -3,10 +3,16 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace rp::coord {
 
@@ -37,29 +43,139 @@ inline uint16_t ToBf16Branchless(float f) {
   return static_cast<uint16_t>(is_nan ? nan : rounded);
 }
 
-// One element-wise pass; the compute copy's type is a template parameter so the inner loop has no
-// branch (Out = void: the master is its own compute copy, as in rp-train-ref). The same operation order as torch.optim.AdamW (single-tensor path) so results agree to
-// rounding. target_clones compiles AVX-512, AVX2 and baseline versions and picks one at load
-// time for the CPU at hand (the coordinator host is not known at build time).
+struct AdamWConsts {
+  float grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps;
+};
+
+// The oracle: one element. Same operation order as torch.optim.AdamW's single-tensor path, so
+// results agree with it to rounding. Every SIMD path below performs exactly these operations.
 template <typename Out>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void AdamWLoop(const float* __restrict grad, float* __restrict master, float* __restrict m,
-               float* __restrict v, Out* __restrict out_copy, int64_t n, float grad_scale, float decay,
-               float b1, float b2, float one_minus_b1, float one_minus_b2, float step_size,
-               float bc2_sqrt, float eps) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i] * grad_scale;
-    float p = master[i] * decay;
-    const float mi = m[i] * b1 + g * one_minus_b1;
-    const float vi = v[i] * b2 + g * g * one_minus_b2;
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    p = p - step_size * (mi / denom);
-    master[i] = p;
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (std::is_same_v<Out, float>) out_copy[i] = p;
-    if constexpr (std::is_same_v<Out, uint16_t>) out_copy[i] = ToBf16Branchless(p);
+inline void AdamWElement(const AdamWConsts& k, const float* grad, float* master, float* m, float* v,
+                         Out* out_copy, int64_t i) {
+  const float g = grad[i] * k.grad_scale;
+  float p = master[i] * k.decay;
+  const float mi = m[i] * k.b1 + g * k.one_minus_b1;
+  const float vi = v[i] * k.b2 + g * g * k.one_minus_b2;
+  const float denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
+  p = p - k.step_size * (mi / denom);
+  master[i] = p;
+  m[i] = mi;
+  v[i] = vi;
+  if constexpr (std::is_same_v<Out, float>) out_copy[i] = p;
+  if constexpr (std::is_same_v<Out, uint16_t>) out_copy[i] = ToBf16Branchless(p);
+}
+
+// Out = void: the master is its own compute copy (fp32, as in rp-train-ref).
+// Kept a plain loop (no auto-vectorization) so it really is the one-element-at-a-time reference.
+template <typename Out>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-vectorize")))
+#endif
+void AdamWScalar(const AdamWConsts& k, const float* grad, float* master, float* m, float* v,
+                 Out* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) AdamWElement(k, grad, master, m, v, out, i);
+}
+
+#if defined(__x86_64__)
+template <typename Out>
+__attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float* grad,
+                                                 float* master, float* m, float* v, Out* out,
+                                                 int64_t n) {
+  const __m256 scale = _mm256_set1_ps(k.grad_scale), decay = _mm256_set1_ps(k.decay);
+  const __m256 b1 = _mm256_set1_ps(k.b1), b2 = _mm256_set1_ps(k.b2);
+  const __m256 omb1 = _mm256_set1_ps(k.one_minus_b1), omb2 = _mm256_set1_ps(k.one_minus_b2);
+  const __m256 step = _mm256_set1_ps(k.step_size), bc2 = _mm256_set1_ps(k.bc2_sqrt);
+  const __m256 eps = _mm256_set1_ps(k.eps);
+  const __m256i round_base = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), scale);
+    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(master + i), decay);
+    const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + i), b1), _mm256_mul_ps(g, omb1));
+    const __m256 vi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), b2),
+                                    _mm256_mul_ps(_mm256_mul_ps(g, g), omb2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+    p = _mm256_sub_ps(p, _mm256_mul_ps(step, _mm256_div_ps(mi, denom)));
+    _mm256_storeu_ps(master + i, p);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    if constexpr (std::is_same_v<Out, float>) _mm256_storeu_ps(out + i, p);
+    if constexpr (std::is_same_v<Out, uint16_t>) {
+      // Round to nearest even on the bit pattern; NaN keeps its top bits and is made quiet.
+      const __m256i bits = _mm256_castps_si256(p);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+      const __m256i rounded =
+          _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(round_base, lsb)), 16);
+      const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet);
+      const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, abs_mask), inf);
+      const __m256i h = _mm256_blendv_epi8(rounded, nan, is_nan);
+      // Pack 8 x 32-bit (each < 2^16, so no saturation) into 8 x 16-bit, fixing lane order.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    }
   }
+  for (; i < n; ++i) AdamWElement(k, grad, master, m, v, out, i);
+}
+
+// GCC 12's _mm512_sqrt_ps reads an intentionally undefined pass-through operand and warns.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <typename Out>
+__attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const float* grad,
+                                                     float* master, float* m, float* v, Out* out,
+                                                     int64_t n) {
+  const __m512 scale = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
+  const __m512 b1 = _mm512_set1_ps(k.b1), b2 = _mm512_set1_ps(k.b2);
+  const __m512 omb1 = _mm512_set1_ps(k.one_minus_b1), omb2 = _mm512_set1_ps(k.one_minus_b2);
+  const __m512 step = _mm512_set1_ps(k.step_size), bc2 = _mm512_set1_ps(k.bc2_sqrt);
+  const __m512 eps = _mm512_set1_ps(k.eps);
+  const __m512i round_base = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), scale);
+    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(master + i), decay);
+    const __m512 mi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(m + i), b1), _mm512_mul_ps(g, omb1));
+    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), b2),
+                                    _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    p = _mm512_sub_ps(p, _mm512_mul_ps(step, _mm512_div_ps(mi, denom)));
+    _mm512_storeu_ps(master + i, p);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(out + i, p);
+    if constexpr (std::is_same_v<Out, uint16_t>) {
+      const __m512i bits = _mm512_castps_si512(p);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      const __m512i rounded =
+          _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round_base, lsb)), 16);
+      const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), quiet);
+      const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, abs_mask), inf);
+      const __m512i h = _mm512_mask_blend_epi32(is_nan, rounded, nan);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(h));
+    }
+  }
+  for (; i < n; ++i) AdamWElement(k, grad, master, m, v, out, i);
+}
+#pragma GCC diagnostic pop
+#endif
+
+SimdLevel DetectSimdLevel() {
+  SimdLevel best = SimdLevel::kScalar;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) best = SimdLevel::kAvx2;
+  if (__builtin_cpu_supports("avx512f")) best = SimdLevel::kAvx512;
+#endif
+  if (const char* cap = std::getenv("RP_SIMD")) {
+    const std::string c = cap;
+    const SimdLevel want = c == "scalar" ? SimdLevel::kScalar : c == "avx2" ? SimdLevel::kAvx2 : best;
+    if (static_cast<int>(want) < static_cast<int>(best)) best = want;
+  }
+  return best;
 }
 
 // Calls loop(out) with the compute copy typed for its dtype, or with a void* null when the master
@@ -73,21 +189,53 @@ void WithComputeCopy(void* compute, const float* master, ComputeDtype dtype, Loo
 
 }  // namespace
 
-void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
-                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype) {
+const char* SimdLevelName(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kScalar: return "scalar";
+    case SimdLevel::kAvx2: return "avx2";
+    case SimdLevel::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+SimdLevel BestSimdLevel() {
+  static const SimdLevel level = DetectSimdLevel();
+  return level;
+}
+
+void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, const float* grad,
+                     float* master, float* m, float* v, int64_t n, void* compute,
+                     ComputeDtype compute_dtype) {
+  if (static_cast<int>(level) > static_cast<int>(BestSimdLevel())) level = BestSimdLevel();
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  const float step_size = static_cast<float>(h.lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  const float b1 = static_cast<float>(h.beta1), b2 = static_cast<float>(h.beta2);
-  const float one_minus_b1 = static_cast<float>(1.0 - h.beta1);
-  const float one_minus_b2 = static_cast<float>(1.0 - h.beta2);
-  const float eps = static_cast<float>(h.eps);
+  AdamWConsts k;
+  k.grad_scale = grad_scale;
+  k.step_size = static_cast<float>(h.lr / bc1);
+  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
+  k.b1 = static_cast<float>(h.beta1);
+  k.b2 = static_cast<float>(h.beta2);
+  k.one_minus_b1 = static_cast<float>(1.0 - h.beta1);
+  k.one_minus_b2 = static_cast<float>(1.0 - h.beta2);
+  k.eps = static_cast<float>(h.eps);
   WithComputeCopy(compute, master, compute_dtype, [&](auto* out) {
-    AdamWLoop(grad, master, m, v, out, n, grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2,
-              step_size, bc2_sqrt, eps);
+    switch (level) {
+#if defined(__x86_64__)
+      case SimdLevel::kAvx512: return AdamWAvx512(k, grad, master, m, v, out, n);
+      case SimdLevel::kAvx2: return AdamWAvx2(k, grad, master, m, v, out, n);
+#else
+      case SimdLevel::kAvx512:
+      case SimdLevel::kAvx2:
+#endif
+      case SimdLevel::kScalar: return AdamWScalar(k, grad, master, m, v, out, n);
+    }
   });
+}
+
+void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype) {
+  AdamWUpdateWith(BestSimdLevel(), h, grad_scale, grad, master, m, v, n, compute, compute_dtype);
 }
 
 namespace {

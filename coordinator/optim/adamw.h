@@ -4,7 +4,10 @@
 //
 // Contract: AdamWUpdate() makes one pass over n elements: reads master, m, v and grad (times
 // grad_scale, which carries gradient clipping), writes master, m, v and the compute copy (fp32 or
-// bf16, round-to-nearest-even). The scalar loop here is the oracle that SIMD versions must match.
+// bf16, round-to-nearest-even). Three implementations: the scalar loop (the oracle), AVX2 and
+// AVX-512 intrinsics. They do the same IEEE operations in the same order (no FMA contraction,
+// correctly rounded sqrt and division), so every path gives the scalar loop's bits; the fastest
+// one the CPU supports is picked once at run time (RP_SIMD=scalar|avx2|avx512 caps it).
 // Pure function of its arguments; call it on disjoint ranges from several threads.
 #pragma once
 
@@ -24,8 +27,18 @@ struct AdamWHyper {
 
 enum class ComputeDtype : uint8_t { kFloat32, kBFloat16 };
 
+enum class SimdLevel : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* SimdLevelName(SimdLevel level);
+// What this CPU supports, capped by the RP_SIMD environment variable; computed once.
+SimdLevel BestSimdLevel();
+
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
                  float* v, int64_t n, void* compute, ComputeDtype compute_dtype);
+// The same with an explicit implementation (tests and the benchmark); `level` must not exceed
+// what the CPU supports (checked: falls back to the best supported level).
+void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, const float* grad,
+                     float* master, float* m, float* v, int64_t n, void* compute,
+                     ComputeDtype compute_dtype);
 
 // SGD with momentum, torch.optim.SGD semantics (dampening 0, not Nesterov): d = g + wd * p;
 // buf = momentum * buf + d (buf starts at zero, so the first step's buf is d); p -= lr * buf.
