@@ -3,6 +3,8 @@
 #   bench/gpu_bench.sh BUILD_DIR WORKERS JOB [--set ...]
 # Env: RP_COMMIT (the commit measured), RP_MACHINE (free text). Steady-state figures skip the
 # first two steps (allocator and page warm-up); whole-run figures include them and the drain.
+# host_bytes_per_param counts both segments at their full size plus the coordinator's peak
+# anonymous RSS; host_bytes_per_param_touched counts the peak of /dev/shm pages actually in use.
 set -euo pipefail
 build=$1; n=$2; job=$3; shift 3
 out=$(mktemp -d /tmp/rp-bench-XXXXXX)
@@ -34,7 +36,7 @@ steady = steps[2:] if len(steps) > 3 else steps
 tok = sum(s["tokens"] for s in steady); t = sum(s["step_time_s"] for s in steady)
 params = summ["trainable_params"]
 tps = tok / t
-seg = summ["segment_bytes"]
+seg = summ["segment_bytes"] + summ.get("optim_segment_bytes", 0)
 try:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip().splitlines()[0]
 except Exception:
@@ -49,7 +51,11 @@ print(json.dumps({
   "h2d_gb_per_s_steady": round(sum(s.get("h2d_bytes", 0) for s in steady) / t / 1e9, 2),
   "step_time_s_steady": round(t / len(steady), 3), "trainable_params": params,
   "host_bytes_per_param": round((seg + int(coord_anon_kb) * 1024) / params, 2),
-  "segment_bytes": seg, "coordinator_anon_rss_bytes": int(coord_anon_kb) * 1024,
+  "host_bytes_per_param_touched": round((int(shm_kb) * 1024 + int(coord_anon_kb) * 1024) / params, 2),
+  "segment_bytes": seg, "shm_peak_touched_bytes": int(shm_kb) * 1024,
+  "grad_arena_bytes": summ.get("grad_arena_bytes"), "grads_streamed": summ.get("grads_streamed"),
+  "grad_arena_peak_bytes": summ.get("grad_arena_peak_bytes"),
+  "coordinator_anon_rss_bytes": int(coord_anon_kb) * 1024,
   "worker_rss_bytes_total": int(worker_rss_kb) * 1024,
   "losses": [round(s["loss"], 4) for s in steps],
 }))
