@@ -46,7 +46,7 @@ print(json.dumps({
   "machine": os.environ.get("RP_MACHINE", gpu), "command": cmd, "workload": os.path.basename(job),
   "workers": int(n), "steps": len(steps),
   "tokens_per_s_steady": round(tps, 1), "tokens_per_s_whole_run": round(summ["tokens_per_s"], 1),
-  "mfu_steady": round(6 * params * tps / 790e12, 4),
+  "mfu_steady": round(6 * params * tps / (790e12 * int(n)), 4),  # per GPU
   "bubble_ratio_steady": round(sum(s.get("bubble_ratio", 0) for s in steady) / len(steady), 4),
   "h2d_gb_per_s_steady": round(sum(s.get("h2d_bytes", 0) for s in steady) / t / 1e9, 2),
   "step_time_s_steady": round(t / len(steady), 3), "trainable_params": params,
