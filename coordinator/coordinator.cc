@@ -19,6 +19,7 @@
 #include "common/time_util.h"
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/async_optimizer.h"
+#include "coordinator/training_state.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "core/data.h"
 #include "core/job_config.h"
@@ -65,6 +66,10 @@ class Coordinator {
   Status TryFeed();
   Status Loop();
   Status ReportSteps();
+  // Writes the training state after `t + 1` steps if a checkpoint is due then. Called before the
+  // optimizer sees step t + 1's first gradient, so masters and moments hold exactly t + 1 updates.
+  Status MaybeCheckpoint(int64_t t);
+  std::vector<StateSection> StateSections();
   int64_t StepH2dBytes() const;
   Status Handle(int rank, const Message& m);
   Status OnMicrobatchDone(int rank, const proto::MicrobatchDone& d);
@@ -107,6 +112,11 @@ class Coordinator {
   std::map<int64_t, int> call_jobs_done_;      // by global call index
   std::set<int64_t> fed_calls_;
   int64_t job_counter_ = 0;
+  int64_t first_step_ = 0;    // steps done before this invocation (resume)
+  int64_t stop_step_ = 0;     // this invocation runs steps [first_step_, stop_step_)
+  int64_t checkpointed_ = -1; // steps done in the newest checkpoint written by this invocation
+  std::optional<StateFile> resume_from_;
+  uint64_t state_hash_ = 0;
   int64_t next_step_to_dispatch_ = 0;
   int64_t next_step_to_report_ = 0;
   double run_start_ = 0.0, last_report_at_ = 0.0;
@@ -125,9 +135,25 @@ Status Coordinator::Setup() {
   h2d_bytes_per_step_ = StepH2dBytes();
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   data_.emplace(std::move(data));
-  RP_RETURN_IF_ERROR(core::PrepareOutputDir(cfg_));
-  RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::Open(cfg_.job.output_dir + "/metrics.jsonl"));
-  metrics_.emplace(std::move(mw));
+  state_hash_ = TrainingStateHash(cfg_, spec_, layout_);
+  stop_step_ = cfg_.train.stop_after > 0 ? cfg_.train.stop_after : cfg_.train.steps;
+  if (opts_.resume) {
+    auto found = FindLatestTrainingState(CheckpointDir(cfg_));
+    if (!found.ok()) return Status::InvalidArgument("--resume: " + found.status().message());
+    resume_from_ = *found;
+    first_step_ = checkpointed_ = found->steps_done;
+    if (first_step_ >= cfg_.train.steps)
+      return Status::InvalidArgument("--resume: " + found->path + " already holds all " +
+                                     std::to_string(cfg_.train.steps) + " steps of this job");
+    if (first_step_ >= stop_step_) stop_step_ = cfg_.train.steps;  // the stop that wrote it
+    RP_RETURN_IF_ERROR(core::PrepareOutputDirForResume(cfg_, first_step_));
+    RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::OpenForAppend(cfg_.job.output_dir + "/metrics.jsonl"));
+    metrics_.emplace(std::move(mw));
+  } else {
+    RP_RETURN_IF_ERROR(core::PrepareOutputDir(cfg_));
+    RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::Open(cfg_.job.output_dir + "/metrics.jsonl"));
+    metrics_.emplace(std::move(mw));
+  }
   RP_LOG(INFO) << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
                << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
                << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
@@ -158,18 +184,27 @@ Status Coordinator::InitState() {
   h->trainable_params = static_cast<uint64_t>(spec_.TrainableParams());
   h->coordinator_pid = ::getpid();
   proto::CopyText(h->session, opts_.session);
-  // Masters from the seeded init; compute copies from the masters. m and v are zero because a
-  // fresh tmpfs object reads as zeros; gradient slots are written before they are read.
-  const bool bf16 = cfg_.train.dtype == "bf16";
-  for (size_t p = 0; p < spec_.params.size(); ++p) {
-    float* master = optim_segment_->At<float>(layout_.master[p]);
-    core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
-    const int64_t n = spec_.params[p].numel;
-    if (bf16) {
-      auto* c = segment_->At<uint16_t>(layout_.compute[p]);
-      for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(master[i]);
-    } else {
-      std::memcpy(segment_->At<float>(layout_.compute[p]), master, n * sizeof(float));
+  if (resume_from_) {
+    // Masters, moments and every compute-copy buffer as they were after first_step_ updates.
+    RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from_, state_hash_, StateSections()));
+    auto* versions = segment_->At<std::atomic<uint64_t>>(layout_.layer_versions);
+    for (int l = 0; l < plan_.num_layers; ++l)
+      versions[l].store(static_cast<uint64_t>(first_step_), std::memory_order_relaxed);
+    RP_LOG(INFO) << "resumed from " << resume_from_->path << " after step " << first_step_;
+  } else {
+    // Masters from the seeded init; compute copies from the masters. m and v are zero because a
+    // fresh tmpfs object reads as zeros; gradient slots are written before they are read.
+    const bool bf16 = cfg_.train.dtype == "bf16";
+    for (size_t p = 0; p < spec_.params.size(); ++p) {
+      float* master = optim_segment_->At<float>(layout_.master[p]);
+      core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
+      const int64_t n = spec_.params[p].numel;
+      if (bf16) {
+        auto* c = segment_->At<uint16_t>(layout_.compute[p]);
+        for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(master[i]);
+      } else {
+        std::memcpy(segment_->At<float>(layout_.compute[p]), master, n * sizeof(float));
+      }
     }
   }
   h->ready.store(1, std::memory_order_release);
@@ -247,7 +282,7 @@ Status Coordinator::TryFeed() {
   for (int64_t g = next_step_to_report_ * K; g < next_step_to_dispatch_ * K; ++g) {
     if (fed_calls_.count(g)) continue;
     auto prev = call_jobs_done_.find(g - layout_.parities);
-    const bool free = g < layout_.parities || (prev != call_jobs_done_.end() && prev->second == static_cast<int>(plan_.stages.size()));
+    const bool free = g < first_step_ * K + layout_.parities || (prev != call_jobs_done_.end() && prev->second == static_cast<int>(plan_.stages.size()));
     if (!free) break;  // calls are fed in order
     RP_RETURN_IF_ERROR(FeedCall(g));
   }
@@ -331,9 +366,11 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   const int64_t step = j->step;
   const auto& stage = plan_.stages[j->stage];
   // The last call's commit of a stage makes its layers' gradients final for the step.
-  if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1)
+  if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1) {
+    if (step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
       for (const auto& use : spec_.layer_uses[l]) optimizer_->SlotFinal(step, use.grad_slot);
+  }
   const int64_t g = step * cfg_.train.accum_calls + j->call;
   RP_RETURN_IF_ERROR(TryCommits(step));
   jobs_.erase(d.job_index);
@@ -342,7 +379,7 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   if (++st.jobs_done == static_cast<int>(plan_.stages.size() * cfg_.train.accum_calls)) {
     st.done_at = MonoSeconds();
     // Two steps in flight: the one draining and the next one.
-    if (next_step_to_dispatch_ < cfg_.train.steps) RP_RETURN_IF_ERROR(Dispatch(next_step_to_dispatch_));
+    if (next_step_to_dispatch_ < stop_step_) RP_RETURN_IF_ERROR(Dispatch(next_step_to_dispatch_));
   }
   return TryFeed();
 }
@@ -465,11 +502,34 @@ int64_t Coordinator::StepH2dBytes() const {
   return h2d * cfg_.train.accum_calls;
 }
 
+std::vector<StateSection> Coordinator::StateSections() {
+  return {{"optim", optim_segment_->data(), layout_.optim_total_bytes},
+          {"compute", segment_->data() + layout_.compute_begin,
+           (layout_.compute_end - layout_.compute_begin) * static_cast<uint64_t>(layout_.compute_buffers)}};
+}
+
+Status Coordinator::MaybeCheckpoint(int64_t t) {
+  const int64_t done = t + 1;
+  if (t < first_step_ || done <= checkpointed_) return Status::Ok();
+  const bool periodic = cfg_.checkpoint.every > 0 && done % cfg_.checkpoint.every == 0;
+  const bool last = done == stop_step_ && (cfg_.checkpoint.every > 0 || stop_step_ < cfg_.train.steps);
+  if (!periodic && !last) return Status::Ok();
+  if (!optimizer_->Updated(t))
+    return Status::Internal("checkpoint after step " + std::to_string(done) + " requested before its update finished");
+  const double t0 = MonoSeconds();
+  RP_RETURN_IF_ERROR(WriteTrainingState(CheckpointDir(cfg_), done, state_hash_, StateSections(),
+                                        static_cast<int>(cfg_.checkpoint.keep)));
+  checkpointed_ = done;
+  RP_LOG(INFO) << "checkpoint after step " << done << " written to " << CheckpointDir(cfg_) << " in "
+               << MonoSeconds() - t0 << " s";
+  return Status::Ok();
+}
+
 Status Coordinator::ReportSteps() {
   // A step is reported when its jobs are done and its gradient norm is known. Its time is the
   // interval since the previous step was reported (since the start for the first), so the sum
   // of step times is the run's wall time and overlap between steps is not counted twice.
-  while (next_step_to_report_ < cfg_.train.steps) {
+  while (next_step_to_report_ < stop_step_) {
     auto it = steps_.find(next_step_to_report_);
     if (it == steps_.end() || it->second.done_at < 0) return Status::Ok();
     auto norm = optimizer_->GradNorm(next_step_to_report_);
@@ -492,8 +552,8 @@ Status Coordinator::ReportSteps() {
                  << m.lr << " grad_norm " << m.grad_norm << " "
                  << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s)
                  << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "% ETA "
-                 << static_cast<int64_t>((now - run_start_) / static_cast<double>(m.step) *
-                                         static_cast<double>(cfg_.train.steps - m.step))
+                 << static_cast<int64_t>((now - run_start_) / static_cast<double>(m.step - first_step_) *
+                                         static_cast<double>(stop_step_ - m.step))
                  << " s";
     steps_.erase(it);
     next_step_to_report_++;
@@ -503,10 +563,11 @@ Status Coordinator::ReportSteps() {
 
 Status Coordinator::Loop() {
   run_start_ = last_report_at_ = MonoSeconds();
-  RP_RETURN_IF_ERROR(Dispatch(0));
-  if (cfg_.train.steps > 1) RP_RETURN_IF_ERROR(Dispatch(1));
+  next_step_to_report_ = next_step_to_dispatch_ = first_step_;
+  RP_RETURN_IF_ERROR(Dispatch(first_step_));
+  if (first_step_ + 1 < stop_step_) RP_RETURN_IF_ERROR(Dispatch(first_step_ + 1));
   // Done when every step is reported and the last update is in shared memory (the final drain).
-  while (next_step_to_report_ < cfg_.train.steps || !optimizer_->Updated(cfg_.train.steps - 1)) {
+  while (next_step_to_report_ < stop_step_ || !optimizer_->Updated(stop_step_ - 1)) {
     if (g_stop) return Status::Cancelled("stopped by signal at step " + std::to_string(next_step_to_report_ + 1));
     RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(jobs_.empty() ? 2 : 20));
     if (env) {
@@ -521,7 +582,7 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(ReportSteps());
   }
   makespan_s_ = MonoSeconds() - run_start_;
-  return Status::Ok();
+  return MaybeCheckpoint(stop_step_ - 1);
 }
 
 void Coordinator::ShutdownWorkers(int exit_code) {
@@ -540,6 +601,7 @@ Status Coordinator::Run() {
                                                   : static_cast<int>(std::thread::hardware_concurrency());
   optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, segment_->data(),
                                                 optim_segment_->data(), grad_arena_.get(), threads);
+  optimizer_->StartAfter(first_step_);
   if (st.ok()) st = Loop();
   const double wall = makespan_s_;
   ShutdownWorkers(st.ok() ? 0 : 1);
@@ -547,12 +609,13 @@ Status Coordinator::Run() {
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
   if (st.ok()) {
     nlohmann::json summary = {
-        {"steps", cfg_.train.steps}, {"num_workers", opts_.num_workers},
+        {"steps", cfg_.train.steps}, {"first_step", first_step_ + 1}, {"last_step", stop_step_},
+        {"num_workers", opts_.num_workers},
         {"plan", plan_.Describe()}, {"trainable_params", spec_.TrainableParams()},
         {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
         {"grad_arena_peak_bytes", grad_arena_->PeakBytes()}, {"wall_s", wall},
-        {"tokens_per_s", static_cast<double>(cfg_.train.steps * cfg_.train.accum_calls *
+        {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * cfg_.train.accum_calls *
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_}};
     RP_RETURN_IF_ERROR(core::WriteFileAtomically(cfg_.job.output_dir + "/summary.json",

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();
   app.add_option("--optimizer-threads", o.optimizer_threads, "CPU optimizer threads (0 = all)");
   app.add_option("--hello-timeout-s", o.hello_timeout_s, "how long to wait for every worker to connect");
+  app.add_flag("--resume", o.resume, "continue from the newest training checkpoint");
   app.add_option("-v", verbosity, "verbosity");
   try {
     app.parse(argc, argv);

@@ -200,6 +200,9 @@ const std::vector<KeySpec>& Table() {
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
             "Clip the global gradient L2 norm to this; 0 disables"),
+      Int("train", "stop_after", F(train.stop_after), 0, 0, kMax,
+          "Stop once this many steps are done, after writing a checkpoint (for time-limited "
+          "allocations; rp-launch --resume continues); 0 = run to train.steps"),
 
       Enum("optimizer", "name", F(optimizer.name), "adamw", {"adamw", "sgd"},
            "adamw: decoupled weight decay, bias correction (state m, v); sgd: momentum with "
@@ -250,9 +253,13 @@ const std::vector<KeySpec>& Table() {
            "shared segment (cuda_ipc is refused until it exists)"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
-          "Write a training checkpoint every this many steps; 0 = never"),
+          "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "
+          "every this many steps and after the last; 0 = only when train.stop_after stops the run. "
+          "rp-launch --resume continues from the newest one with identical results"),
       Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
           "Checkpoint directory, relative to job.output_dir"),
+      Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,
+          "Newest training-state checkpoints kept; older ones are deleted after a new one is safely on disk"),
 
       Bool("metrics", "trace", F(metrics.trace), true, "Write trace.json (Chrome/Perfetto format)"),
   };
@@ -340,9 +347,9 @@ Status CrossValidate(const JobConfig& c) {
                                    "schedule.forward_cuts and schedule.backward_cuts");
   RP_RETURN_IF_ERROR(CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
   RP_RETURN_IF_ERROR(CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
-  if (c.checkpoint.every > 0)
-    return Status::InvalidArgument("checkpoint.every: training checkpoints are not implemented yet; "
-                                   "set 0");
+  if (c.train.stop_after > c.train.steps)
+    return Status::InvalidArgument("train.stop_after: " + std::to_string(c.train.stop_after) +
+                                   " is past train.steps (" + std::to_string(c.train.steps) + ")");
   return Status::Ok();
 }
 

@@ -51,6 +51,7 @@ struct TrainConfig {
   int64_t microbatch_size = 2;   // sequences per microbatch
   std::string dtype = "fp32";    // "fp32" | "bf16" (compute copy dtype; masters are fp32)
   double grad_clip = 1.0;        // global L2 norm; 0 disables
+  int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
 };
 
 struct OptimizerConfig {
@@ -83,8 +84,9 @@ struct ScheduleConfig {
 };
 
 struct CheckpointConfig {
-  int64_t every = 0;             // steps between checkpoints; 0 = only none
+  int64_t every = 0;             // steps between checkpoints; 0 = none (but see train.stop_after)
   std::string dir = "checkpoints";
+  int64_t keep = 2;              // newest checkpoints kept
 };
 
 struct MetricsConfig {

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -35,6 +36,36 @@ Status PrepareOutputDir(const JobConfig& c) {
   fs::create_directories(c.job.output_dir, ec);
   if (ec) return Status::IoError("job.output_dir: cannot create " + c.job.output_dir + ": " + ec.message());
   return Status::Ok();
+}
+
+Status PrepareOutputDirForResume(const JobConfig& c, int64_t steps_done) {
+  const fs::path metrics = fs::path(c.job.output_dir) / "metrics.jsonl";
+  std::ifstream in(metrics);
+  if (!in)
+    return Status::InvalidArgument("--resume: " + metrics.string() + " does not exist; resume "
+                                   "needs the output directory of the interrupted run");
+  std::string kept, dropped, line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer()) continue;  // a torn last line
+    (j["step"].get<int64_t>() <= steps_done ? kept : dropped) += line + "\n";
+  }
+  if (!dropped.empty())
+    RP_RETURN_IF_ERROR(WriteFileAtomically(
+        (fs::path(c.job.output_dir) / ("metrics.interrupted-" + std::to_string(steps_done) + ".jsonl")).string(),
+        dropped));
+  return WriteFileAtomically(metrics.string(), kept);
+}
+
+StatusOr<MetricsWriter> MetricsWriter::OpenForAppend(const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno("opening " + path + " to append", errno);
+  std::FILE* f = ::fdopen(fd, "a");
+  if (!f) {
+    ::close(fd);
+    return Status::FromErrno("fdopen " + path, errno);
+  }
+  return MetricsWriter(f);
 }
 
 StatusOr<MetricsWriter> MetricsWriter::Open(const std::string& path) {

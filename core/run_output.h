@@ -18,6 +18,10 @@ namespace rp::core {
 
 Status CheckOutputDir(const JobConfig& config);  // no side effects
 Status PrepareOutputDir(const JobConfig& config);
+// For --resume after `steps_done` steps: the directory must exist; metrics.jsonl keeps the lines
+// of steps <= steps_done (rewritten atomically; the lines of later steps, which the resumed run
+// recomputes, are kept in metrics.interrupted-<steps_done>.jsonl) and is then appended to.
+Status PrepareOutputDirForResume(const JobConfig& config, int64_t steps_done);
 
 struct StepMetrics {
   int64_t step = 0;       // 1-based: the number of optimizer updates applied after this step
@@ -33,6 +37,8 @@ struct StepMetrics {
 class MetricsWriter {
  public:
   static StatusOr<MetricsWriter> Open(const std::string& path);
+  // Appends to an existing file (resume).
+  static StatusOr<MetricsWriter> OpenForAppend(const std::string& path);
   MetricsWriter(MetricsWriter&& o) noexcept : f_(o.f_) { o.f_ = nullptr; }
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

@@ -116,7 +116,7 @@ int RunLauncher(const LaunchOptions& o) {
     PrintDryRun(*cfg, o.gpus);
     return kExitOk;
   }
-  if (Status s = core::CheckOutputDir(*cfg); !s.ok()) {
+  if (Status s = o.resume ? Status::Ok() : core::CheckOutputDir(*cfg); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }
@@ -203,6 +203,7 @@ int RunLauncher(const LaunchOptions& o) {
   {
     std::vector<std::string> argv = {coord_bin};
     argv.insert(argv.end(), common.begin(), common.end());
+    if (o.resume) argv.push_back("--resume");
     auto c = ChildProcess::Spawn("coordinator", argv, env, out_fds[0]);
     if (!c.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());

@@ -20,6 +20,9 @@ int main(int argc, char** argv) {
   app.add_option("--set", o.overrides, "override a job key: section.key=value (repeatable)");
   app.add_option("-v", o.verbosity, "log verbosity (0 = info)");
   app.add_flag("--dry-run", o.dry_run, "validate the job, print the plan and memory, start nothing");
+  app.add_flag("--resume", o.resume,
+               "continue the run in job.output_dir from its newest training checkpoint "
+               "(checkpoint.every, train.stop_after); the results equal an uninterrupted run's");
   app.add_option("--debug-worker", o.debug_worker,
                  "start this worker stopped and print how to attach a debugger to it");
   app.add_option("--worker-wrapper", o.worker_wrapper,

@@ -80,6 +80,11 @@ double AsyncOptimizer::LearningRate(int64_t step) const {
   return core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
 }
 
+void AsyncOptimizer::StartAfter(int64_t steps_done) {
+  step_ = steps_done - 1;
+  updated_through_.store(steps_done - 1);
+}
+
 void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   if (step != step_) {
     RP_CHECK(step == step_ + 1 && updated_through_.load() == step_)

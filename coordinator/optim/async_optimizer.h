@@ -53,6 +53,9 @@ class AsyncOptimizer {
   AsyncOptimizer(const AsyncOptimizer&) = delete;
   AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
 
+  // Resume: the state already holds `steps_done` updates, so the first step seen is steps_done.
+  // Call before the first SlotFinal.
+  void StartAfter(int64_t steps_done);
   void SlotFinal(int64_t step, int slot);
   std::optional<double> GradNorm(int64_t step) const;
   // True once every parameter is updated for `step` (all layer versions >= step + 1).

@@ -149,6 +149,75 @@ TEST_F(LaunchTest, StreamedGradientsMatchTheReference) {
   }
 }
 
+std::string ReadBytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TEST_F(LaunchTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
+  // 10 steps, stop (checkpoint), --resume, 10 more: the same losses and the same final state
+  // bits as 20 steps in one go (fp32, CPU, N = 2). Then stale1 mode, N = 3, stopped after 7.
+  for (const bool stale1 : {false, true}) {
+  SCOPED_TRACE(stale1 ? "stale1" : "exact");
+  const int n = stale1 ? 3 : 2, stop = stale1 ? 7 : 10;
+  const std::string mode = std::string("optimizer.mode=") + (stale1 ? "stale1" : "exact");
+  const std::string a = tmp_ + "/whole-" + mode, b = tmp_ + "/pieces-" + mode;
+  auto whole = Launch(n, a, {"checkpoint.every=20", mode});
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  auto first = Launch(n, b, {"checkpoint.every=20", mode, "train.stop_after=" + std::to_string(stop)});
+  ASSERT_EQ(first.code, 0) << first.output;
+  ASSERT_EQ(Losses(b + "/metrics.jsonl").size(), static_cast<size_t>(stop));
+  char name[64];
+  std::snprintf(name, sizeof(name), "/checkpoints/step-%08d.rpstate", stop);
+  ASSERT_TRUE(fs::exists(b + name));
+  auto args = LaunchArgs(n, b, {"checkpoint.every=20", mode});
+  args.push_back("--resume");
+  auto second = testing::RunProcess(args, 240, Env());
+  ASSERT_EQ(second.code, 0) << second.output;
+  const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(b + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), 20u);
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
+  const std::string sa = ReadBytes(a + "/checkpoints/step-00000020.rpstate");
+  const std::string sb = ReadBytes(b + "/checkpoints/step-00000020.rpstate");
+  ASSERT_GT(sa.size(), 4096u);
+  EXPECT_TRUE(sa == sb) << "final training state differs between the resumed and the whole run";
+  // keep = 2: the stop's checkpoint is still there beside step 20's.
+  EXPECT_TRUE(fs::exists(b + name));
+  for (auto& e : fs::recursive_directory_iterator(b))
+    EXPECT_NE(e.path().extension(), ".safetensors") << "training state must not use the HF extension";
+  }
+}
+
+TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
+  const std::string out = tmp_ + "/damaged";
+  auto args = LaunchArgs(1, out, {"train.steps=6"});
+  args.push_back("--resume");
+  auto none = testing::RunProcess(args, 120, Env());
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.output.find("no training checkpoint"), std::string::npos) << none.output;
+  auto stopped = Launch(1, out, {"train.steps=6", "train.stop_after=3"});
+  ASSERT_EQ(stopped.code, 0) << stopped.output;
+  const std::string ckpt = out + "/checkpoints/step-00000003.rpstate";
+  const std::string bytes = ReadBytes(ckpt);
+  ASSERT_GT(bytes.size(), 8192u);
+  fs::resize_file(ckpt, bytes.size() / 2);
+  auto truncated = testing::RunProcess(args, 120, Env());
+  EXPECT_NE(truncated.code, 0);
+  EXPECT_NE(truncated.output.find(ckpt), std::string::npos) << truncated.output;
+  EXPECT_NE(truncated.output.find("truncated"), std::string::npos) << truncated.output;
+  {
+    std::ofstream f(ckpt, std::ios::binary | std::ios::trunc);
+    f << "not a checkpoint at all";
+  }
+  auto garbage = testing::RunProcess(args, 120, Env());
+  EXPECT_NE(garbage.code, 0);
+  EXPECT_NE(garbage.output.find("RPSTATE1"), std::string::npos) << garbage.output;
+  // The metrics of the first three steps survive every refused attempt.
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 3u);
+}
+
 TEST_F(LaunchTest, SgdMatchesTheReference) {
   const std::vector<std::string> sgd = {"optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.min_lr=0.005"};
   std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/ref-sgd"};

@@ -1,0 +1,236 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "coordinator/training_state.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "common/rng.h"
+
+namespace rp::coord {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr char kMagic[8] = {'R', 'P', 'S', 'T', 'A', 'T', 'E', '1'};
+constexpr int kFormatVersion = 1;
+constexpr uint64_t kAlign = 4096;
+constexpr uint64_t kMaxHeader = 1 << 20;
+
+uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Owns one file descriptor; closes it on every path, never throws.
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+
+ private:
+  int fd_;
+};
+
+Status WriteAll(int fd, const uint8_t* p, uint64_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1 << 30), static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return Status::FromErrno("writing " + path, w < 0 ? errno : EIO);
+    p += w;
+    n -= static_cast<uint64_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return Status::Ok();
+}
+
+Status ReadAll(int fd, uint8_t* p, uint64_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, std::min<uint64_t>(n, 1 << 30), static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return Status::FromErrno("reading " + path, errno);
+    if (r == 0) return Status::InvalidArgument("checkpoint " + path + " is truncated");
+    p += r;
+    n -= static_cast<uint64_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return Status::Ok();
+}
+
+std::string FileName(int64_t steps_done) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "step-%08lld.rpstate", static_cast<long long>(steps_done));
+  return name;
+}
+
+// Parses the header of `path`; InvalidArgument naming the file when it is not a checkpoint.
+StatusOr<nlohmann::json> ReadHeader(int fd, const std::string& path, uint64_t file_bytes) {
+  uint8_t head[16];
+  if (file_bytes < 16) return Status::InvalidArgument("checkpoint " + path + " is truncated (no header)");
+  RP_RETURN_IF_ERROR(ReadAll(fd, head, 16, 0, path));
+  if (std::memcmp(head, kMagic, 8) != 0)
+    return Status::InvalidArgument("checkpoint " + path + " does not start with RPSTATE1");
+  uint64_t len;
+  std::memcpy(&len, head + 8, 8);
+  if (len == 0 || len > kMaxHeader || 16 + len > file_bytes)
+    return Status::InvalidArgument("checkpoint " + path + " has a bad header length " + std::to_string(len));
+  std::string text(len, '\0');
+  RP_RETURN_IF_ERROR(ReadAll(fd, reinterpret_cast<uint8_t*>(text.data()), len, 16, path));
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("steps_done") || !j.contains("sections") ||
+      !j.contains("state_hash") || !j["sections"].is_array())
+    return Status::InvalidArgument("checkpoint " + path + " has a malformed JSON header");
+  if (j.value("version", 0) != kFormatVersion)
+    return Status::InvalidArgument("checkpoint " + path + " has format version " +
+                                   std::to_string(j.value("version", 0)) + ", this build reads " +
+                                   std::to_string(kFormatVersion));
+  return j;
+}
+
+}  // namespace
+
+uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec,
+                           const shm::ArenaLayout& layout) {
+  uint64_t h = HashKey({0x5741u, static_cast<uint64_t>(layout.compute_elem_bytes),
+                        static_cast<uint64_t>(layout.compute_buffers), layout.optim_total_bytes,
+                        layout.compute_end - layout.compute_begin});
+  for (const auto& p : spec.params) {
+    for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+    h = HashKey({h, static_cast<uint64_t>(p.numel)});
+  }
+  for (const std::string* s : {&c.optimizer.name, &c.optimizer.mode})
+    for (char ch : *s) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+  return h;
+}
+
+std::string CheckpointDir(const core::JobConfig& c) {
+  return (fs::path(c.job.output_dir) / c.checkpoint.dir).string();
+}
+
+Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
+                          const std::vector<StateSection>& sections, int keep) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::IoError("checkpoint directory " + dir + ": " + ec.message());
+  nlohmann::json header = {{"version", kFormatVersion}, {"steps_done", steps_done},
+                           {"state_hash", std::to_string(state_hash)}};
+  // Offsets depend on the header's length, which depends on the offsets' digits: reserve room.
+  uint64_t offset = AlignUp(16 + 4096 + 128 * sections.size());
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& s : sections) {
+    list.push_back({{"name", s.name}, {"offset", offset}, {"bytes", s.bytes}});
+    offset = AlignUp(offset + s.bytes);
+  }
+  header["sections"] = list;
+  const std::string text = header.dump();
+  const std::string final_path = (fs::path(dir) / FileName(steps_done)).string();
+  const std::string tmp = final_path + ".tmp." + std::to_string(::getpid());
+  {
+    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (fd.get() < 0) return Status::FromErrno("creating " + tmp, errno);
+    uint8_t head[16];
+    std::memcpy(head, kMagic, 8);
+    const uint64_t len = text.size();
+    std::memcpy(head + 8, &len, 8);
+    Status s = WriteAll(fd.get(), head, 16, 0, tmp);
+    if (s.ok()) s = WriteAll(fd.get(), reinterpret_cast<const uint8_t*>(text.data()), len, 16, tmp);
+    for (size_t i = 0; s.ok() && i < sections.size(); ++i)
+      s = WriteAll(fd.get(), sections[i].data, sections[i].bytes, list[i]["offset"].get<uint64_t>(), tmp);
+    if (s.ok() && ::ftruncate(fd.get(), static_cast<off_t>(offset)) != 0) s = Status::FromErrno("sizing " + tmp, errno);
+    if (s.ok() && ::fsync(fd.get()) != 0) s = Status::FromErrno("fsync " + tmp, errno);
+    if (s.ok() && ::close(fd.release()) != 0) s = Status::FromErrno("closing " + tmp, errno);
+    if (!s.ok()) {
+      ::unlink(tmp.c_str());
+      return s;
+    }
+  }
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    Status s = Status::FromErrno("renaming " + tmp + " to " + final_path, errno);
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.get() >= 0) ::fsync(dfd.get());  // the rename itself survives a crash
+  // Prune: only this writer's step-*.rpstate names, oldest first, never the one just written.
+  std::vector<std::string> names;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() == FileName(0).size() && n.rfind("step-", 0) == 0 && e.path().extension() == ".rpstate")
+      names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < names.size(); ++i)
+    if (names[i] != FileName(steps_done)) fs::remove(fs::path(dir) / names[i], ec);
+  return Status::Ok();
+}
+
+StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::string> names;
+  if (fs::is_directory(dir, ec))
+    for (auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.size() == FileName(0).size() && n.rfind("step-", 0) == 0 && e.path().extension() == ".rpstate")
+        names.push_back(n);
+    }
+  if (names.empty()) return Status::NotFound("no training checkpoint (step-*.rpstate) in " + dir);
+  std::sort(names.begin(), names.end());
+  const std::string path = (fs::path(dir) / names.back()).string();
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Status::FromErrno("opening " + path, errno);
+  const uint64_t size = fs::file_size(path, ec);
+  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), path, size));
+  StateFile f;
+  f.path = path;
+  f.steps_done = header["steps_done"].get<int64_t>();
+  if (f.steps_done <= 0) return Status::InvalidArgument("checkpoint " + path + " records no completed step");
+  return f;
+}
+
+Status ReadTrainingState(const StateFile& file, uint64_t state_hash,
+                         const std::vector<StateSection>& sections) {
+  Fd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Status::FromErrno("opening " + file.path, errno);
+  std::error_code ec;
+  const uint64_t size = fs::file_size(file.path, ec);
+  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), file.path, size));
+  if (header["state_hash"] != std::to_string(state_hash))
+    return Status::InvalidArgument("checkpoint " + file.path + " was written for a different model, "
+                                   "compute dtype, optimizer or optimizer mode than this job's");
+  const auto& list = header["sections"];
+  if (list.size() != sections.size())
+    return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(list.size()) +
+                                   " sections, expected " + std::to_string(sections.size()));
+  for (size_t i = 0; i < sections.size(); ++i) {
+    const auto& e = list[i];
+    if (!e.is_object() || e.value("name", "") != sections[i].name || !e.contains("offset") ||
+        !e["offset"].is_number_unsigned() || !e.contains("bytes") || !e["bytes"].is_number_unsigned())
+      return Status::InvalidArgument("checkpoint " + file.path + ": section " + std::to_string(i) +
+                                     " is not \"" + sections[i].name + "\"");
+    const uint64_t off = e["offset"].get<uint64_t>(), bytes = e["bytes"].get<uint64_t>();
+    if (bytes != sections[i].bytes)
+      return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
+                                     "\" holds " + std::to_string(bytes) + " bytes, this job needs " +
+                                     std::to_string(sections[i].bytes));
+    if (off > size || bytes > size - off)
+      return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
+                                     "\" runs past the end of the file (truncated?)");
+    RP_RETURN_IF_ERROR(ReadAll(fd.get(), sections[i].data, bytes, off, file.path));
+  }
+  return Status::Ok();
+}
+
+}  // namespace rp::coord

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// Training-state checkpoints: what --resume needs to continue a run exactly.
+//
+// File "<output_dir>/<checkpoint.dir>/step-<8 digits>.rpstate" (never *.safetensors: that name is
+// kept for Hugging Face / PEFT exports):
+//   bytes [0, 8)     magic "RPSTATE1"
+//   bytes [8, 16)    little-endian uint64 H: length of the JSON header that follows
+//   bytes [16, 16+H) JSON: {"version", "steps_done", "state_hash", "sections": [{"name", "offset",
+//                    "bytes"}]}; offsets are absolute and 4096-aligned
+//   sections         raw bytes: "optim" (the optimizer segment: masters, moments) and "compute"
+//                    (every compute-copy buffer, so stale1's older weights resume too)
+// Nothing else is needed: the learning rate, the data order and the init are pure functions of
+// the step and the seed (core/lr_schedule.h, core/data.h).
+//
+// Contract:
+//  * Write() is atomic: a temporary name in the same directory, fsync, rename, fsync of the
+//    directory. A crash leaves either the previous set of files or the new one, never a torn
+//    checkpoint under the final name. Afterwards only the newest `keep` checkpoints remain.
+//  * FindLatest() returns the newest checkpoint whose header parses; Read() checks the state hash
+//    (parameter names and sizes, compute dtype, optimizer, mode) and every section's size against
+//    what the caller expects, and names the file and the mismatch when they differ.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "shm/layout.h"
+
+namespace rp::coord {
+
+struct StateSection {
+  std::string name;
+  uint8_t* data;
+  uint64_t bytes;
+};
+
+struct StateFile {
+  std::string path;
+  int64_t steps_done = 0;
+};
+
+// What must match for a checkpoint to be loadable into this job's segments.
+uint64_t TrainingStateHash(const core::JobConfig& config, const core::ModelSpec& spec,
+                           const shm::ArenaLayout& layout);
+std::string CheckpointDir(const core::JobConfig& config);
+
+Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
+                          const std::vector<StateSection>& sections, int keep);
+// NotFound when the directory holds no checkpoint.
+StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
+Status ReadTrainingState(const StateFile& file, uint64_t state_hash,
+                         const std::vector<StateSection>& sections);
+
+}  // namespace rp::coord
