@@ -38,9 +38,21 @@ StatusOr<ChildProcess> ChildProcess::Spawn(const std::string& role,
     posix_spawn_file_actions_adddup2(&actions, output_fd, 1);
     posix_spawn_file_actions_adddup2(&actions, output_fd, 2);
   }
+  // The launcher blocks SIGINT, SIGTERM and SIGCHLD to take them synchronously; a child must not
+  // inherit that mask (it would never see the launcher's SIGTERM or a graceful SIGINT).
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) sigaddset(&defaults, sig);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   pid_t pid = -1;
   // posix_spawnp: a --worker-wrapper names its tool without a path.
-  int rc = ::posix_spawnp(&pid, argv[0].c_str(), &actions, nullptr, args.data(), env.data());
+  int rc = ::posix_spawnp(&pid, argv[0].c_str(), &actions, &attr, args.data(), env.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) return Status::FromErrno("starting " + role + " (" + argv[0] + ")", rc);
   return ChildProcess(role, pid);
