@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/session.h"
 #include "common/time_util.h"
@@ -35,6 +36,7 @@ namespace rp::coord {
 namespace {
 
 std::atomic<bool> g_stop{false};
+std::atomic<bool> g_graceful_stop{false};
 
 using proto::Message;
 
@@ -46,6 +48,10 @@ struct JobState {
   int stage = 0;
   int worker = 0;
   int next_mb = 0;    // microbatches reported done
+  int mb_hw = 0;      // most microbatches ever reported: a replacement re-running the job replays
+                      // [0, mb_hw) without counting or forwarding them again
+  bool slots_placed = false;  // its gradient slots are in the arena (placed once, kept on re-runs)
+  proto::RunJob run{};        // as sent, for re-dispatch
   bool grads_ready = false;
   bool commit_sent = false;
   bool done = false;
@@ -79,6 +85,12 @@ class Coordinator {
   Status TryCommits(int64_t step);
   StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
   std::vector<int> StageGradSlots(int stage) const;
+  // Sends to a worker; with restarts allowed a worker that is gone is not an error (its jobs are
+  // re-sent to its replacement).
+  Status SendTo(int rank, const Message& m);
+  bool RestartsAllowed() const { return cfg_.job.max_worker_restarts > 0; }
+  // A replacement for a dead worker said Hello: map it and re-send the rank's unfinished jobs.
+  Status OnReplacement(int rank, const proto::Hello& hello);
   void RecordTrace(const JobState& j);
   Status WriteTrace();
   void ShutdownWorkers(int exit_code);
@@ -115,6 +127,7 @@ class Coordinator {
   int64_t first_step_ = 0;    // steps done before this invocation (resume)
   int64_t stop_step_ = 0;     // this invocation runs steps [first_step_, stop_step_)
   int64_t checkpointed_ = -1; // steps done in the newest checkpoint written by this invocation
+  bool graceful_ = false;     // a graceful stop moved stop_step_ (SIGINT)
   std::optional<StateFile> resume_from_;
   uint64_t state_hash_ = 0;
   int64_t next_step_to_dispatch_ = 0;
@@ -218,7 +231,7 @@ Status Coordinator::AcceptWorkers() {
   int connected = 0;
   const double deadline = MonoSeconds() + opts_.hello_timeout_s;
   while (connected < opts_.num_workers) {
-    if (g_stop) return Status::Cancelled("stopped by signal while waiting for workers");
+    if (g_stop || g_graceful_stop) return Status::Cancelled("stopped by signal while waiting for workers");
     if (MonoSeconds() > deadline)
       return Status::DeadlineExceeded("only " + std::to_string(connected) + " of " +
                                       std::to_string(opts_.num_workers) + " workers connected within " +
@@ -271,7 +284,7 @@ Status Coordinator::FeedCall(int64_t g) {
                 segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
   const JobState& first = jobs_.at(steps_.at(step).first_job + call * static_cast<int64_t>(plan_.stages.size()));
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
-    RP_RETURN_IF_ERROR(channel_->Send(first.worker, proto::InputReady{first.index, mb, 0}));
+    RP_RETURN_IF_ERROR(SendTo(first.worker, proto::InputReady{first.index, mb, 0}));
   fed_calls_.insert(g);
   return Status::Ok();
 }
@@ -316,9 +329,12 @@ Status Coordinator::TryCommits(int64_t step) {
     }
     // The first call's commit places the stage's slots in the gradient arena; with the arena
     // full it waits for an update to release space (the event loop retries).
-    if (j.call == 0 && !grad_arena_->Place(StageGradSlots(j.stage))) continue;
+    if (j.call == 0 && !j.slots_placed) {
+      if (!grad_arena_->Place(StageGradSlots(j.stage))) continue;
+      j.slots_placed = true;
+    }
     j.commit_sent = true;
-    RP_RETURN_IF_ERROR(channel_->Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
+    RP_RETURN_IF_ERROR(SendTo(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
   }
   return Status::Ok();
 }
@@ -332,6 +348,8 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
                                  std::to_string(j->next_mb));
   j->next_mb++;
   j->mb_times.emplace_back(d.start_us, d.end_us);
+  if (d.microbatch < j->mb_hw) return Status::Ok();  // a replacement's replay: already counted
+  j->mb_hw = j->next_mb;
   StepState& st = steps_.at(j->step);
   st.busy_s += static_cast<double>(d.end_us - d.start_us) * 1e-6;
   if (plan_.stages[j->stage].kind == core::StageKind::kFusedTail) {
@@ -340,7 +358,7 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
   }
   if (static_cast<size_t>(j->stage) + 1 < plan_.stages.size()) {
     const JobState& next = jobs_.at(j->index + 1);
-    RP_RETURN_IF_ERROR(channel_->Send(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
+    RP_RETURN_IF_ERROR(SendTo(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
   }
   return Status::Ok();
 }
@@ -366,7 +384,8 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   const int64_t step = j->step;
   const auto& stage = plan_.stages[j->stage];
   // The last call's commit of a stage makes its layers' gradients final for the step.
-  if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1) {
+  if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1 &&
+      step < stop_step_) {
     if (step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
       for (const auto& use : spec_.layer_uses[l]) optimizer_->SlotFinal(step, use.grad_slot);
@@ -384,6 +403,60 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   return TryFeed();
 }
 
+Status Coordinator::SendTo(int rank, const Message& m) {
+  Status s = channel_->Send(rank, m);
+  if (s.ok() || !RestartsAllowed()) return s;
+  RP_VLOG(1) << "worker " << rank << " unreachable (" << s.message() << "); its replacement gets the job again";
+  return Status::Ok();
+}
+
+Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
+  if (!RestartsAllowed()) {
+    RP_LOG(WARNING) << "worker " << rank << " said Hello again mid-run; ignored (job.max_worker_restarts = 0)";
+    return Status::Ok();
+  }
+  if (hello.rank != rank || hello.layout_hash != layout_.hash)
+    return Status::ProtocolError("replacement worker " + std::to_string(rank) +
+                                 " computed a different shared-memory layout or rank");
+  worker_pids_[rank] = hello.pid;
+  proto::Welcome w{};
+  w.segment_bytes = layout_.total_bytes;
+  w.num_workers = opts_.num_workers;
+  proto::CopyText(w.segment_name, segment_->name());
+  RP_RETURN_IF_ERROR(channel_->Send(rank, w));
+  // The dead worker's unfinished jobs, in their original order (so the new worker's queue has
+  // the same dependency order the round-robin schedule gave the old one), each with the inputs
+  // that are already in their slots. What the old worker wrote is overwritten with the same
+  // values; its gradients reached shared memory only through a commit, which is redone. An
+  // accumulating commit (call > 0) cut short cannot be undone, so that case stops the run.
+  const int64_t K = cfg_.train.accum_calls;
+  const int M = static_cast<int>(cfg_.train.microbatches);
+  int resent = 0;
+  for (auto& [index, j] : jobs_) {
+    if (j.worker != rank || j.done) continue;
+    if (j.commit_sent && j.call > 0)
+      return Status::Unavailable("worker " + std::to_string(rank) + " died while adding job " +
+                                 std::to_string(index) + "'s gradients into the shared slots "
+                                 "(accumulation call > 0); a partial sum cannot be undone");
+    j.next_mb = 0;
+    j.grads_ready = j.commit_sent = false;
+    j.mb_times.clear();
+    RP_RETURN_IF_ERROR(SendTo(rank, j.run));
+    resent++;
+    int ready = 0;
+    if (j.stage == 0) {
+      ready = fed_calls_.count(j.step * K + j.call) ? M : 0;
+    } else {
+      auto prev = jobs_.find(index - 1);
+      ready = prev == jobs_.end() ? M : prev->second.mb_hw;
+    }
+    for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(SendTo(rank, proto::InputReady{index, mb, 0}));
+  }
+  RP_LOG(WARNING) << "worker " << rank << " replaced by pid " << hello.pid << ": re-dispatched "
+                  << resent << " unfinished jobs";
+  return Status::Ok();
+}
+
 Status Coordinator::Handle(int rank, const Message& m) {
   switch (proto::TypeOfMessage(m)) {
     case proto::MsgType::kMicrobatchDone: return OnMicrobatchDone(rank, std::get<proto::MicrobatchDone>(m));
@@ -391,12 +464,16 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kJobDone: return OnJobDone(rank, std::get<proto::JobDone>(m));
     case proto::MsgType::kJobFailed: {
       const auto& f = std::get<proto::JobFailed>(m);
+      // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job.
+      if (RestartsAllowed()) {
+        RP_LOG(WARNING) << "worker " << rank << " failed job " << f.job_index << ": " << f.message
+                        << " (waiting for its replacement)";
+        return Status::Ok();
+      }
       return Status::Unavailable("worker " + std::to_string(rank) + " failed job " +
                                  std::to_string(f.job_index) + ": " + f.message);
     }
-    case proto::MsgType::kHello:
-      RP_LOG(WARNING) << "worker " << rank << " said Hello again mid-run; ignored";
-      return Status::Ok();
+    case proto::MsgType::kHello: return OnReplacement(rank, std::get<proto::Hello>(m));
     case proto::MsgType::kWelcome:
     case proto::MsgType::kRunJob:
     case proto::MsgType::kInputReady:
@@ -477,7 +554,8 @@ Status Coordinator::Dispatch(int64_t step) {
       const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
       proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
                       static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version};
-      RP_RETURN_IF_ERROR(channel_->Send(j.worker, r));
+      j.run = r;
+      RP_RETURN_IF_ERROR(SendTo(j.worker, r));
       jobs_.emplace(j.index, j);
     }
   next_step_to_dispatch_ = step + 1;
@@ -569,6 +647,13 @@ Status Coordinator::Loop() {
   // Done when every step is reported and the last update is in shared memory (the final drain).
   while (next_step_to_report_ < stop_step_ || !optimizer_->Updated(stop_step_ - 1)) {
     if (g_stop) return Status::Cancelled("stopped by signal at step " + std::to_string(next_step_to_report_ + 1));
+    if (g_graceful_stop && !graceful_) {
+      // Finish the step being drained; a step already dispatched behind it is abandoned (its
+      // gradients never reach the optimizer), then the checkpoint below the loop is written.
+      graceful_ = true;
+      stop_step_ = std::min(stop_step_, next_step_to_report_ + 1);
+      RP_LOG(WARNING) << "interrupted: stopping after step " << stop_step_ << " with a checkpoint";
+    }
     RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(jobs_.empty() ? 2 : 20));
     if (env) {
       if (env->rank >= opts_.num_workers) {
@@ -582,7 +667,11 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(ReportSteps());
   }
   makespan_s_ = MonoSeconds() - run_start_;
-  return MaybeCheckpoint(stop_step_ - 1);
+  RP_RETURN_IF_ERROR(MaybeCheckpoint(stop_step_ - 1));
+  if (graceful_ && stop_step_ < cfg_.train.steps)
+    return Status::Cancelled("interrupted after step " + std::to_string(stop_step_) +
+                             "; checkpoint written, rp-launch --resume continues");
+  return Status::Ok();
 }
 
 void Coordinator::ShutdownWorkers(int exit_code) {
@@ -604,7 +693,8 @@ Status Coordinator::Run() {
   optimizer_->StartAfter(first_step_);
   if (st.ok()) st = Loop();
   const double wall = makespan_s_;
-  ShutdownWorkers(st.ok() ? 0 : 1);
+  // Workers exit with the run's code: 3 after a (graceful) interrupt, which the launcher expects.
+  ShutdownWorkers(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
   Status trace = WriteTrace();
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
   if (st.ok()) {
@@ -629,6 +719,7 @@ Status Coordinator::Run() {
 }  // namespace
 
 void RequestStop() { g_stop = true; }
+void RequestGracefulStop() { g_graceful_stop = true; }
 
 Status RunCoordinator(const CoordinatorOptions& options) {
   Coordinator c(options);

@@ -32,7 +32,11 @@ struct CoordinatorOptions {
 // Runs the whole job. Returns OK after the last step's metrics are written.
 Status RunCoordinator(const CoordinatorOptions& options);
 
-// Asks a running coordinator to stop (async-signal-safe; used by the SIGINT/SIGTERM handler).
+// Asks a running coordinator to stop at once (async-signal-safe; the SIGTERM handler).
 void RequestStop();
+// Asks it to stop gracefully (async-signal-safe; the SIGINT handler): the step being drained
+// finishes, a training checkpoint is written, and the run ends with Cancelled (exit code 3), so
+// `rp-launch --resume` continues exactly.
+void RequestGracefulStop();
 
 }  // namespace rp::coord

@@ -10,7 +10,10 @@
 #include "coordinator/coordinator.h"
 
 namespace {
-void OnSignal(int) { rp::coord::RequestStop(); }
+void OnSignal(int sig) {
+  if (sig == SIGINT) rp::coord::RequestGracefulStop();
+  else rp::coord::RequestStop();
+}
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -159,6 +159,10 @@ const std::vector<KeySpec>& Table() {
           "An existing directory is reused, but not one holding a previous run's metrics."),
       Enum("job", "device", F(job.device), "auto", {"auto", "cpu", "cuda"},
            "Worker backend; auto = cuda when the build has CUDA and a GPU is visible"),
+      Int("job", "max_worker_restarts", F(job.max_worker_restarts), 3, 0, 1000000,
+          "Replacement workers the launcher starts, over the whole run, for workers that die; the "
+          "coordinator re-dispatches the dead worker's unfinished jobs to its replacement, so the "
+          "result is unchanged. 0: the first death stops the run (exit code 10)"),
 
       Str("model", "path", F(model.path), "",
           "Hugging Face model directory; its config.json overrides the architecture keys. "

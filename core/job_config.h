@@ -97,6 +97,7 @@ struct JobOptions {
   std::string name = "job";
   std::string output_dir = "output";
   std::string device = "auto";   // "auto" | "cpu" | "cuda"
+  int64_t max_worker_restarts = 3;  // replacements the launcher starts for dead workers
 };
 
 struct JobConfig {

@@ -47,8 +47,10 @@ int main(int argc, char** argv) {
   rp::SetVerbosity(verbosity);
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
-  sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  // Ctrl-C reaches the whole process group; stopping is the launcher's and the coordinator's call
+  // (a graceful stop needs the workers to finish the step), so workers leave on Shutdown or SIGTERM.
+  signal(SIGINT, SIG_IGN);
   rp::Status s = rp::worker::RunWorker(o);
   if (!s.ok()) {
     RP_LOG(ERROR) << s.ToString();

@@ -3,6 +3,7 @@
 
 #include <signal.h>
 #include <sys/stat.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -213,15 +214,18 @@ int RunLauncher(const LaunchOptions& o) {
     }
     children.push_back(std::move(c).value());
   }
-  for (int r = 0; r < o.gpus && exit_code == kExitOk; ++r) {
+  auto spawn_worker = [&](int r, int out_fd, bool debug_pause) {
     std::vector<std::string> argv = wrapper;
     argv.push_back(worker_bin);
     argv.insert(argv.end(), {"--rank", std::to_string(r)});
     argv.insert(argv.end(), common.begin(), common.end());
     auto e = env;
     e.push_back("RP_RANK=" + std::to_string(r));
-    if (r == o.debug_worker) e.push_back("RP_DEBUG_PAUSE=1");
-    auto c = ChildProcess::Spawn("worker " + std::to_string(r), argv, e, out_fds[r + 1]);
+    if (debug_pause) e.push_back("RP_DEBUG_PAUSE=1");
+    return ChildProcess::Spawn("worker " + std::to_string(r), argv, e, out_fd);
+  };
+  for (int r = 0; r < o.gpus && exit_code == kExitOk; ++r) {
+    auto c = spawn_worker(r, out_fds[r + 1], r == o.debug_worker);
     if (!c.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());
       exit_code = kExitError;
@@ -236,17 +240,29 @@ int RunLauncher(const LaunchOptions& o) {
                    r, c->pid(), c->pid(), c->pid(), c->pid());
     children.push_back(std::move(c).value());
   }
+  // Replacement workers write to their rank's log pipe too: keep a copy of each worker's write
+  // end (closed before the pump drains, or it would never see end-of-file).
+  std::vector<int> respawn_fds;
+  for (size_t i = 1; i < out_fds.size(); ++i) respawn_fds.push_back(::fcntl(out_fds[i], F_DUPFD_CLOEXEC, 0));
   for (int f : out_fds) ::close(f);  // the children hold the write ends now
   RP_LOG(INFO) << "session " << session << ": coordinator pid " << children[0].pid() << ", "
                << o.gpus << " workers";
 
-  bool interrupted = false;
+  bool interrupted = false;       // stopped at once (second signal)
+  bool graceful = false;          // first SIGINT/SIGTERM: the coordinator stops with a checkpoint
+  bool graceful_done = false;     // ... and it did (exit code 3)
+  int64_t restarts = 0;           // replacement workers started
   std::string failure, failed_role;
   auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
   while (exit_code == kExitOk && !interrupted) {
     timespec ts{0, 100 * 1000 * 1000};
     int sig = sigtimedwait(&set, nullptr, &ts);
-    if (sig == SIGINT || sig == SIGTERM) {
+    if ((sig == SIGINT || sig == SIGTERM) && !graceful && !children[0].exit_info()) {
+      graceful = true;
+      std::fprintf(stderr, "rp-launch: stopping after the step in flight and writing a checkpoint "
+                           "(interrupt again to stop at once)\n");
+      children[0].Signal(SIGINT);
+    } else if (sig == SIGINT || sig == SIGTERM) {
       interrupted = true;
       for (auto& c : children) c.Signal(SIGTERM);
       break;
@@ -259,14 +275,32 @@ int RunLauncher(const LaunchOptions& o) {
       }
       const ExitInfo& e = *c.exit_info();
       const bool is_coord = &c == &children[0];
-      if (is_coord && !e.signaled && e.code == 0) {
+      const bool graceful_exit = graceful && !e.signaled && e.code == kExitInterrupted;
+      if (is_coord && !e.signaled && (e.code == 0 || graceful_exit)) {
+        graceful_done = graceful_exit;
         if (coordinator_done_at == std::chrono::steady_clock::time_point::max())
           coordinator_done_at = std::chrono::steady_clock::now();
         continue;
       }
       // A worker exits 0 only after the coordinator's Shutdown{0}, i.e. at the end of a good run,
-      // possibly before the launcher has seen the coordinator's own exit.
-      if (!is_coord && !e.signaled && e.code == 0) continue;
+      // possibly before the launcher has seen the coordinator's own exit (3 after a graceful stop).
+      if (!is_coord && !e.signaled && (e.code == 0 || graceful_exit)) continue;
+      // A worker died mid-run: start a replacement with the same rank while restarts remain. The
+      // coordinator re-dispatches the dead worker's unfinished jobs when the replacement says Hello.
+      const int rank = static_cast<int>(&c - &children[0]) - 1;
+      if (!is_coord && !children[0].exit_info() && !graceful && restarts < cfg->job.max_worker_restarts) {
+        restarts++;
+        std::fprintf(stderr, "rp-launch: %s (pid %d) %s; starting a replacement (restart %lld of %lld)\n",
+                     c.role().c_str(), c.pid(), e.Describe().c_str(), static_cast<long long>(restarts),
+                     static_cast<long long>(cfg->job.max_worker_restarts));
+        auto fresh = spawn_worker(rank, respawn_fds[rank], false);
+        if (fresh.ok()) {
+          c = std::move(fresh).value();
+          all_done = false;
+          continue;
+        }
+        std::fprintf(stderr, "rp-launch: %s\n", fresh.status().message().c_str());
+      }
       if (failure.empty()) {
         failed_role = c.role();
         failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
@@ -285,6 +319,8 @@ int RunLauncher(const LaunchOptions& o) {
   for (auto it = children.rbegin(); it != children.rend(); ++it)
     it->Terminate(std::chrono::milliseconds(3000));
   children.clear();
+  for (int f : respawn_fds)
+    if (f >= 0) ::close(f);
   pump.Finish();
   if (!failure.empty()) {
     std::fprintf(stderr, "rp-launch: last lines of %s (all logs in %s):\n%s", failed_role.c_str(),
@@ -293,6 +329,11 @@ int RunLauncher(const LaunchOptions& o) {
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   if (interrupted) {
     std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");
+    return kExitInterrupted;
+  }
+  if (graceful_done && failure.empty()) {
+    std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s/%s, `rp-launch --resume` "
+                         "continues the run\n", cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
     return kExitInterrupted;
   }
   return exit_code;

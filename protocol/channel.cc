@@ -39,6 +39,8 @@ StatusOr<RouterChannel> RouterChannel::Bind(const std::string& endpoint) {
     auto impl = std::make_unique<Impl>();
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 1);
+    // A replacement worker connects with its dead predecessor's routing id and takes it over.
+    impl->sock.set(zmq::sockopt::router_handover, 1);
     impl->sock.bind(endpoint);
     return RouterChannel(std::move(impl));
   } catch (const zmq::error_t& e) {

@@ -4,9 +4,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -342,10 +344,10 @@ bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
 TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
   const std::string out = tmp_ + "/kill";
-  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000"}), Env());
+  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}), Env());
   auto kids = WaitForChildren(launcher.pid(), 3);
   ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
-  // Let the run get into its steps, then kill a worker mid-step.
+  // Let the run get into its steps, then kill a worker mid-step; no restarts allowed.
   for (int i = 0; i < 400 && !fs::exists(out + "/metrics.jsonl"); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   pid_t victim = -1;
@@ -370,6 +372,56 @@ TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
   for (auto& e : fs::recursive_directory_iterator(out + "/logs"))
     logs += e.path().extension() == ".log";
   EXPECT_EQ(logs, 3u);
+}
+
+TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
+  // SIGKILL a random worker at a random moment of a random step, ten times: the launcher starts a
+  // replacement, the coordinator re-dispatches the dead worker's unfinished jobs, and the final
+  // training state equals the fault-free run's bit for bit.
+  const std::vector<std::string> job = {"train.steps=30", "train.accum_calls=1",
+                                        "train.microbatches=4", "checkpoint.every=30"};
+  const std::string ref = tmp_ + "/fault-free";
+  auto clean = Launch(3, ref, job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const std::string ref_state = ReadBytes(ref + "/checkpoints/step-00000030.rpstate");
+  ASSERT_GT(ref_state.size(), 4096u);
+  std::mt19937 rng(2024);
+  for (int seed = 0; seed < 10; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const std::string out = tmp_ + "/fault" + std::to_string(seed);
+    testing::Process launcher(LaunchArgs(3, out, job), Env());
+    auto kids = WaitForChildren(launcher.pid(), 4);
+    ASSERT_EQ(kids.size(), 4u) << launcher.OutputSoFar();
+    std::vector<pid_t> workers;
+    for (pid_t k : kids)
+      if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-worker") != std::string::npos)
+        workers.push_back(k);
+    ASSERT_EQ(workers.size(), 3u);
+    const long after = 1 + static_cast<long>(rng() % 25);
+    for (int i = 0; i < 3000; ++i) {
+      const std::string text = ReadBytes(out + "/metrics.jsonl");
+      if (std::count(text.begin(), text.end(), '\n') >= after) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 30));
+    const pid_t victim = workers[rng() % workers.size()];
+    ASSERT_EQ(::kill(victim, SIGKILL), 0);
+    auto r = launcher.Wait(120);
+    ASSERT_FALSE(r.timed_out) << r.output;
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("(pid " + std::to_string(victim) + ") was killed by signal 9 (SIGKILL); starting a replacement"),
+              std::string::npos) << r.output;
+    const size_t at = r.output.find("re-dispatched ");
+    ASSERT_NE(at, std::string::npos) << r.output;
+    EXPECT_GE(std::stoi(r.output.substr(at + 14)), 1) << "the kill landed while no job was in flight";
+    EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(ref + "/metrics.jsonl"));
+    EXPECT_TRUE(ReadBytes(out + "/checkpoints/step-00000030.rpstate") == ref_state)
+        << "final training state differs from the fault-free run";
+    for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+    const size_t rp = r.output.find("replaced by pid ");
+    ASSERT_NE(rp, std::string::npos);
+    EXPECT_FALSE(Alive(std::stoi(r.output.substr(rp + 16)))) << "the replacement survived";
+  }
 }
 
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
@@ -414,11 +466,52 @@ TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
   ASSERT_EQ(kids.size(), 3u);
   for (int i = 0; i < 400 && !fs::exists(out + "/metrics.jsonl"); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // The first SIGINT asks for a graceful stop; the second, right after, stops everything at once.
+  ::kill(launcher.pid(), SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ::kill(launcher.pid(), SIGINT);
   auto r = launcher.Wait(60);
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.code, kExitInterrupted) << r.output;
+  EXPECT_NE(r.output.find("interrupted; run stopped"), std::string::npos) << r.output;
   for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+}
+
+TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun) {
+  const std::string b = tmp_ + "/sigint", a = tmp_ + "/sigint-whole";
+  testing::Process launcher(LaunchArgs(2, b, {"train.steps=400"}), Env());
+  // Count complete lines only: the run is still appending to the file.
+  auto lines = [&] {
+    const std::string text = ReadBytes(b + "/metrics.jsonl");
+    return std::count(text.begin(), text.end(), '\n');
+  };
+  for (int i = 0; i < 600 && lines() < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(launcher.pid(), SIGINT);
+  auto r = launcher.Wait(120);
+  ASSERT_FALSE(r.timed_out);
+  ASSERT_EQ(r.code, kExitInterrupted) << r.output;
+  EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
+  const size_t n = Losses(b + "/metrics.jsonl").size();
+  ASSERT_GE(n, 3u);
+  ASSERT_LT(n, 400u) << "the run finished before the signal";
+  char name[64];
+  std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n);
+  ASSERT_TRUE(fs::exists(b + name)) << "no checkpoint after the last reported step " << n;
+  // Resume for two more steps, and compare with an uninterrupted run stopped at the same step.
+  const std::string stop = "train.stop_after=" + std::to_string(n + 2);
+  auto args = LaunchArgs(2, b, {"train.steps=400", stop});
+  args.push_back("--resume");
+  auto resumed = testing::RunProcess(args, 240, Env());
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  auto whole = Launch(2, a, {"train.steps=400", stop});
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  const auto got = Losses(b + "/metrics.jsonl"), expected = Losses(a + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), n + 2);
+  ASSERT_EQ(expected.size(), n + 2);
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
+  std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n + 2);
+  EXPECT_TRUE(ReadBytes(a + name) == ReadBytes(b + name)) << "final state differs";
 }
 
 TEST_F(LaunchTest, DemoJobLossFallsByAThird) {
