@@ -424,6 +424,43 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
   }
 }
 
+TEST_F(LaunchTest, KilledCoordinatorIsNamedAndResumeReproducesTheRun) {
+  const std::string out = tmp_ + "/coordkill", whole = tmp_ + "/coordkill-whole";
+  testing::Process launcher(LaunchArgs(2, out, {"train.steps=400", "checkpoint.every=4"}), Env());
+  auto kids = WaitForChildren(launcher.pid(), 3);
+  ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
+  pid_t coordinator = -1;
+  for (pid_t k : kids)
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") != std::string::npos)
+      coordinator = k;
+  ASSERT_GT(coordinator, 0);
+  for (int i = 0; i < 3000 && !fs::exists(out + "/checkpoints/step-00000008.rpstate"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ::kill(coordinator, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = launcher.Wait(60);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_NE(r.code, 0);
+  EXPECT_LT(secs, 5.0);
+  EXPECT_NE(r.output.find("coordinator (pid " + std::to_string(coordinator) + ") was killed by signal 9"),
+            std::string::npos) << r.output;
+  for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+  // Resume from the newest checkpoint and run to step 16; an uninterrupted run to step 16 must
+  // give the same losses and the same state.
+  auto args = LaunchArgs(2, out, {"train.steps=400", "checkpoint.every=4", "train.stop_after=16"});
+  args.push_back("--resume");
+  auto resumed = testing::RunProcess(args, 240, Env());
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  auto clean = Launch(2, whole, {"train.steps=400", "checkpoint.every=4", "train.stop_after=16"});
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const auto got = Losses(out + "/metrics.jsonl"), expected = Losses(whole + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), 16u);
+  EXPECT_EQ(got, expected);
+  EXPECT_TRUE(ReadBytes(out + "/checkpoints/step-00000016.rpstate") ==
+              ReadBytes(whole + "/checkpoints/step-00000016.rpstate"));
+}
+
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
   // `timeout` forks the worker as its own child, so the worker's parent is not the launcher.
   auto args = LaunchArgs(2, tmp_ + "/wrapped", {"train.steps=2"});
