@@ -40,10 +40,25 @@ StatusOr<int> LogPump::Pipe(const std::string& role, const std::string& path) {
   return fds[1];
 }
 
-void LogPump::Start() { thread_ = std::thread([this] { Loop(); }); }
+std::string ProgressLine(const std::string& line) {
+  const size_t at = line.find("] step ");
+  if (at == std::string::npos || line.find("[coordinator]") == std::string::npos ||
+      line.find(" tokens/s") == std::string::npos)
+    return "";
+  std::string text = line.substr(at + 2);
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+  return text;
+}
+
+void LogPump::Start() {
+  console_is_tty_ = ::isatty(2) == 1;
+  thread_ = std::thread([this] { Loop(); });
+}
 
 void LogPump::Finish() {
   if (thread_.joinable()) thread_.join();
+  if (progress_shown_) WriteAll(2, "\n");
+  progress_shown_ = false;
 }
 
 LogPump::~LogPump() {
@@ -55,7 +70,15 @@ LogPump::~LogPump() {
 }
 
 void LogPump::Emit(Source& s, const std::string& line) {
-  WriteAll(2, line);
+  const std::string progress = console_is_tty_ ? ProgressLine(line) : "";
+  if (!progress.empty()) {
+    WriteAll(2, "\r\033[K" + progress);  // rewrite the progress line in place
+    progress_shown_ = true;
+  } else {
+    if (progress_shown_) WriteAll(2, "\n");  // keep the last progress line, continue below it
+    progress_shown_ = false;
+    WriteAll(2, line);
+  }
   WriteAll(s.file_fd, line);
   std::lock_guard<std::mutex> l(mu_);
   s.last.push_back(line);

@@ -6,7 +6,9 @@
 //    caller hands it to the child and closes its copy) and opens the log file `path` (appending).
 //  * A background thread copies every line to the console unchanged (lines already carry the
 //    process's role tag) and to that process's log file, and keeps the process's last lines for
-//    a failure diagnosis (LastLines).
+//    a failure diagnosis (LastLines). When the console (stderr) is a terminal, the coordinator's
+//    per-step lines are shown as one progress line rewritten in place (ProgressLine); the log
+//    file still gets every line, and a console that is not a terminal gets plain lines.
 //  * The destructor waits until every pipe reached end-of-file (all children exited and closed
 //    their ends), then closes the files. It never throws.
 #pragma once
@@ -21,6 +23,10 @@
 #include "common/status.h"
 
 namespace rp::launch {
+
+// The progress-line text for a coordinator log line reporting a step ("step N/M loss ..."), or
+// an empty string for any other line.
+std::string ProgressLine(const std::string& log_line);
 
 class LogPump {
  public:
@@ -43,6 +49,8 @@ class LogPump {
     std::string partial;
     std::deque<std::string> last;  // GUARDED_BY(mu_)
   };
+  bool console_is_tty_ = false;
+  bool progress_shown_ = false;    // pump thread only: the console's cursor sits after a progress line
   void Loop();
   void Emit(Source& s, const std::string& line);
 
