@@ -14,7 +14,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <zmq.hpp>
+
 #include "common/exit_codes.h"
+#include "protocol/messages.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp {
@@ -459,6 +462,56 @@ TEST_F(LaunchTest, KilledCoordinatorIsNamedAndResumeReproducesTheRun) {
   EXPECT_EQ(got, expected);
   EXPECT_TRUE(ReadBytes(out + "/checkpoints/step-00000016.rpstate") ==
               ReadBytes(whole + "/checkpoints/step-00000016.rpstate"));
+}
+
+TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
+  // A stranger connects to the coordinator's control socket and sends random frames, truncated
+  // and oversized ones, and well-formed frames of every type under identities that are not a
+  // worker's. The coordinator drops them; the run's losses are the clean run's.
+  const std::vector<std::string> job = {"train.steps=40"};
+  auto clean = Launch(2, tmp_ + "/fuzz-clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const std::string out = tmp_ + "/fuzz";
+  testing::Process launcher(LaunchArgs(2, out, job), Env());
+  std::string sock;
+  for (int i = 0; i < 600 && sock.empty(); ++i) {
+    for (auto& e : fs::directory_iterator(runtime_))
+      if (fs::exists(e.path() / "control.sock")) sock = (e.path() / "control.sock").string();
+    if (sock.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_FALSE(sock.empty()) << launcher.OutputSoFar();
+  zmq::context_t ctx;
+  std::mt19937 rng(99);
+  int sent = 0;
+  for (int peer = 0; peer < 8; ++peer) {
+    zmq::socket_t s(ctx, zmq::socket_type::dealer);
+    s.set(zmq::sockopt::linger, 0);
+    const std::string ids[] = {"fuzz", "w99", "w", "w-1", "x0", "w0000000", std::string(1, '\0'), "w12345"};
+    s.set(zmq::sockopt::routing_id, ids[peer]);
+    s.connect("ipc://" + sock);
+    for (int f = 0; f < 200; ++f) {
+      std::string frame;
+      if (f % 3 == 0) {
+        // A well-formed header of a random type with a payload of the right size.
+        const uint16_t type = static_cast<uint16_t>(1 + rng() % proto::kMaxMsgType);
+        const size_t sizes[] = {0, 24, 80, 48, 16, 48, 8, 16, 32, 512, 8};
+        proto::FrameHeader h{proto::kFrameMagic, proto::kProtocolVersion, type,
+                             static_cast<uint32_t>(sizes[type]), 0};
+        frame.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+        for (size_t b = 0; b < sizes[type]; ++b) frame.push_back(static_cast<char>(rng()));
+      } else {
+        frame.resize(rng() % (f % 3 == 1 ? 64 : 4096));
+        for (auto& ch : frame) ch = static_cast<char>(rng());
+      }
+      if (s.send(zmq::buffer(frame), zmq::send_flags::dontwait)) sent++;
+    }
+  }
+  auto r = launcher.Wait(240);
+  ASSERT_FALSE(r.timed_out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_GT(sent, 0);
+  EXPECT_NE(r.output.find("dropped"), std::string::npos) << "nothing reached the coordinator";
+  EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/fuzz-clean/metrics.jsonl"));
 }
 
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
