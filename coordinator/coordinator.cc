@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "coordinator/coordinator.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -91,6 +92,9 @@ class Coordinator {
   bool RestartsAllowed() const { return cfg_.job.max_worker_restarts > 0; }
   // A replacement for a dead worker said Hello: map it and re-send the rank's unfinished jobs.
   Status OnReplacement(int rank, const proto::Hello& hello);
+  // Kills workers silent for longer than job.worker_timeout_s (hung); their replacements take
+  // over. Without restarts a hung worker ends the run.
+  Status CheckHeartbeats();
   void RecordTrace(const JobState& j);
   Status WriteTrace();
   void ShutdownWorkers(int exit_code);
@@ -107,6 +111,7 @@ class Coordinator {
   std::optional<proto::RouterChannel> channel_;
   std::optional<core::MetricsWriter> metrics_;
   std::vector<int> worker_pids_;
+  std::vector<double> last_seen_;  // per worker: monotonic seconds of its last message
 
   // In-flight work. Steps overlap: step t + 1 is dispatched while step t drains, and its stages
   // start as soon as their layers' weights reach version t + 1.
@@ -410,6 +415,25 @@ Status Coordinator::SendTo(int rank, const Message& m) {
   return Status::Ok();
 }
 
+Status Coordinator::CheckHeartbeats() {
+  const double timeout = cfg_.job.worker_timeout_s;
+  if (timeout <= 0) return Status::Ok();
+  const double now = MonoSeconds();
+  for (int r = 0; r < opts_.num_workers; ++r) {
+    if (now - last_seen_[r] <= timeout) continue;
+    const std::string who = "worker " + std::to_string(r) + " (pid " + std::to_string(worker_pids_[r]) + ")";
+    if (!RestartsAllowed())
+      return Status::Unavailable(who + " sent nothing for " + std::to_string(static_cast<int>(now - last_seen_[r])) +
+                                 " s (job.worker_timeout_s = " + std::to_string(timeout) + "): hung");
+    RP_LOG(ERROR) << who << " sent nothing for " << now - last_seen_[r] << " s; killing it (hung), "
+                  << "its replacement takes over";
+    if (worker_pids_[r] > 0) ::kill(worker_pids_[r], SIGKILL);
+    // The replacement needs time to start (CUDA init) before its first message.
+    last_seen_[r] = now + opts_.hello_timeout_s;
+  }
+  return Status::Ok();
+}
+
 Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   if (!RestartsAllowed()) {
     RP_LOG(WARNING) << "worker " << rank << " said Hello again mid-run; ignored (job.max_worker_restarts = 0)";
@@ -474,6 +498,7 @@ Status Coordinator::Handle(int rank, const Message& m) {
                                  std::to_string(f.job_index) + ": " + f.message);
     }
     case proto::MsgType::kHello: return OnReplacement(rank, std::get<proto::Hello>(m));
+    case proto::MsgType::kHeartbeat: return Status::Ok();  // Loop noted the sign of life
     case proto::MsgType::kWelcome:
     case proto::MsgType::kRunJob:
     case proto::MsgType::kInputReady:
@@ -641,6 +666,7 @@ Status Coordinator::ReportSteps() {
 
 Status Coordinator::Loop() {
   run_start_ = last_report_at_ = MonoSeconds();
+  last_seen_.assign(opts_.num_workers, MonoSeconds());
   next_step_to_report_ = next_step_to_dispatch_ = first_step_;
   RP_RETURN_IF_ERROR(Dispatch(first_step_));
   if (first_step_ + 1 < stop_step_) RP_RETURN_IF_ERROR(Dispatch(first_step_ + 1));
@@ -660,8 +686,10 @@ Status Coordinator::Loop() {
         RP_LOG(WARNING) << "dropped a message from unknown worker " << env->rank;
         continue;
       }
+      last_seen_[env->rank] = MonoSeconds();
       RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
     }
+    RP_RETURN_IF_ERROR(CheckHeartbeats());
     // A grant may have been waiting for the previous step's update (see TryCommits).
     for (const auto& [step, state] : steps_) RP_RETURN_IF_ERROR(TryCommits(step));
     RP_RETURN_IF_ERROR(ReportSteps());

@@ -163,6 +163,10 @@ const std::vector<KeySpec>& Table() {
           "Replacement workers the launcher starts, over the whole run, for workers that die; the "
           "coordinator re-dispatches the dead worker's unfinished jobs to its replacement, so the "
           "result is unchanged. 0: the first death stops the run (exit code 10)"),
+      Float("job", "worker_timeout_s", F(job.worker_timeout_s), 60.0, 0.0, 1e9,
+            "A worker that sends nothing (not even its once-a-second heartbeat) for this long is "
+            "declared hung: the coordinator kills it and, while restarts remain, its replacement "
+            "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
 
       Str("model", "path", F(model.path), "",
           "Hugging Face model directory; its config.json overrides the architecture keys. "

@@ -98,6 +98,7 @@ struct JobOptions {
   std::string output_dir = "output";
   std::string device = "auto";   // "auto" | "cpu" | "cuda"
   int64_t max_worker_restarts = 3;  // replacements the launcher starts for dead workers
+  double worker_timeout_s = 60.0;   // a worker silent this long is declared hung; 0 = never
 };
 
 struct JobConfig {

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "gpu_worker/worker.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
@@ -28,6 +29,7 @@
 namespace rp::worker {
 namespace {
 
+constexpr double kHeartbeatSeconds = 1.0;
 std::atomic<bool> g_stop{false};
 
 struct ActiveJob {
@@ -47,6 +49,7 @@ class Worker {
   Status Handle(const proto::Message& m);
   // Makes as much progress on the head job as its inputs allow. Returns true if it did work.
   StatusOr<bool> Progress();
+  void MaybeHangForTest();
   Status Fail(int64_t job, const Status& s);
 
   WorkerOptions opts_;
@@ -73,6 +76,8 @@ class Worker {
   std::map<int64_t, bool> commit_granted_;  // job -> accumulate
   bool shutdown_ = false;
   bool waiting_for_weights_ = false;
+  double last_heartbeat_ = 0.0;
+  int jobs_begun_ = 0;
   int shutdown_code_ = 0;
 };
 
@@ -105,6 +110,7 @@ Status Worker::Handle(const proto::Message& m) {
       return Status::Ok();
     case proto::MsgType::kHello:
     case proto::MsgType::kWelcome:
+    case proto::MsgType::kHeartbeat:
     case proto::MsgType::kMicrobatchDone:
     case proto::MsgType::kGradsReady:
     case proto::MsgType::kJobDone:
@@ -124,6 +130,20 @@ Status Worker::Fail(int64_t job, const Status& s) {
   return s;
 }
 
+// Test hook for hang detection: RP_TEST_HANG_ONCE=<path> makes the first worker that creates
+// <path> (O_EXCL, so exactly one process of the run, never its replacement) stop making progress
+// at its third job, as a stuck kernel or a deadlock would: no messages, no exit.
+void Worker::MaybeHangForTest() {
+  if (++jobs_begun_ != 3) return;
+  const char* path = std::getenv("RP_TEST_HANG_ONCE");
+  if (path == nullptr) return;
+  const int fd = ::open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return;
+  ::close(fd);
+  RP_LOG(WARNING) << "RP_TEST_HANG_ONCE: hanging on purpose";
+  while (true) ::pause();
+}
+
 StatusOr<bool> Worker::Progress() {
   if (queue_.empty()) return false;
   ActiveJob& a = queue_.front();
@@ -136,6 +156,7 @@ StatusOr<bool> Worker::Progress() {
       return false;
     }
     waiting_for_weights_ = false;
+    MaybeHangForTest();
     a.start_us = WallMicros();
     Status s = exec_->Begin(a.job);
     if (!s.ok()) return Fail(id, s);
@@ -260,6 +281,11 @@ Status Worker::Run() {
   while (!shutdown_) {
     if (g_stop) return Status::Cancelled("stopped by signal");
     if (LauncherGone()) return Status::Unavailable("launcher is gone");
+    // Sign of life for the coordinator's hang detection (job.worker_timeout_s).
+    if (MonoSeconds() - last_heartbeat_ >= kHeartbeatSeconds) {
+      RP_RETURN_IF_ERROR(channel_->Send(proto::Heartbeat{WallMicros()}));
+      last_heartbeat_ = MonoSeconds();
+    }
     RP_ASSIGN_OR_RETURN(bool worked, Progress());
     RP_ASSIGN_OR_RETURN(bool finished, Finish());
     worked = worked || finished;

@@ -163,6 +163,8 @@ int RunLauncher(const LaunchOptions& o) {
   // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
   if (!std::getenv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=1");
   if (o.debug_worker >= 0) {
+    // A worker stopped in a debugger sends no heartbeats: it is not hung.
+    common.insert(common.end(), {"--set", "job.worker_timeout_s=0"});
     // A paused worker must not make the coordinator give up waiting for it.
     common.push_back("--hello-timeout-s");
     common.push_back("86400");

@@ -17,6 +17,7 @@ const char* MsgTypeName(MsgType t) {
     case MsgType::kJobDone: return "JobDone";
     case MsgType::kJobFailed: return "JobFailed";
     case MsgType::kShutdown: return "Shutdown";
+    case MsgType::kHeartbeat: return "Heartbeat";
   }
   return "?";
 }
@@ -89,6 +90,7 @@ StatusOr<Message> Decode(std::string_view frame) {
     case MsgType::kJobDone: m = DecodeAs<JobDone>(payload); break;
     case MsgType::kJobFailed: m = DecodeAs<JobFailed>(payload); break;
     case MsgType::kShutdown: m = DecodeAs<Shutdown>(payload); break;
+    case MsgType::kHeartbeat: m = DecodeAs<Heartbeat>(payload); break;
   }
   if (!m.ok()) return m;
   if (auto* w = std::get_if<Welcome>(&m.value()); w && !Terminated(w->segment_name))

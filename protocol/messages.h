@@ -22,6 +22,8 @@
 //   coord  -> CommitGrads(job, acc)    (write, or add, them into the shared gradient slots now)
 //   worker -> JobDone(job)             (everything the job writes is in shared memory)
 //   worker -> JobFailed(job, text)     (the job cannot complete; the worker exits after)
+//   worker -> Heartbeat                (at least every second from the worker's event loop; a
+//                                       worker silent for job.worker_timeout_s is declared hung)
 //   coord  -> Shutdown
 #pragma once
 
@@ -33,7 +35,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 3;
+inline constexpr uint16_t kProtocolVersion = 4;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -46,9 +48,10 @@ enum class MsgType : uint16_t {
   kJobDone = 8,
   kJobFailed = 9,
   kShutdown = 10,
+  kHeartbeat = 11,
 };
 inline constexpr uint16_t kMinMsgType = 1;
-inline constexpr uint16_t kMaxMsgType = 10;
+inline constexpr uint16_t kMaxMsgType = 11;
 const char* MsgTypeName(MsgType t);
 
 struct FrameHeader {
@@ -139,8 +142,13 @@ struct Shutdown {
 };
 static_assert(sizeof(Shutdown) == 8);
 
+struct Heartbeat {
+  int64_t sent_us;        // wall clock, microseconds
+};
+static_assert(sizeof(Heartbeat) == 8);
+
 using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone, GradsReady,
-                             CommitGrads, JobDone, JobFailed, Shutdown>;
+                             CommitGrads, JobDone, JobFailed, Shutdown, Heartbeat>;
 
 template <typename T>
 constexpr MsgType TypeOf();
@@ -154,5 +162,6 @@ template <> constexpr MsgType TypeOf<CommitGrads>() { return MsgType::kCommitGra
 template <> constexpr MsgType TypeOf<JobDone>() { return MsgType::kJobDone; }
 template <> constexpr MsgType TypeOf<JobFailed>() { return MsgType::kJobFailed; }
 template <> constexpr MsgType TypeOf<Shutdown>() { return MsgType::kShutdown; }
+template <> constexpr MsgType TypeOf<Heartbeat>() { return MsgType::kHeartbeat; }
 
 }  // namespace rp::proto

@@ -494,7 +494,7 @@ TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
       if (f % 3 == 0) {
         // A well-formed header of a random type with a payload of the right size.
         const uint16_t type = static_cast<uint16_t>(1 + rng() % proto::kMaxMsgType);
-        const size_t sizes[] = {0, 24, 80, 48, 16, 48, 8, 16, 32, 512, 8};
+        const size_t sizes[] = {0, 24, 80, 48, 16, 48, 8, 16, 32, 512, 8, 8};
         proto::FrameHeader h{proto::kFrameMagic, proto::kProtocolVersion, type,
                              static_cast<uint32_t>(sizes[type]), 0};
         frame.assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -512,6 +512,36 @@ TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
   EXPECT_GT(sent, 0);
   EXPECT_NE(r.output.find("dropped"), std::string::npos) << "nothing reached the coordinator";
   EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/fuzz-clean/metrics.jsonl"));
+}
+
+TEST_F(LaunchTest, HungWorkerIsKilledAndReplaced) {
+  // One worker stops making progress without exiting (RP_TEST_HANG_ONCE): its heartbeats stop,
+  // the coordinator kills it after job.worker_timeout_s, a replacement finishes its jobs, and the
+  // result equals the fault-free run's. Without restarts the run stops naming the hung worker.
+  const std::vector<std::string> job = {"train.steps=20", "train.accum_calls=1", "train.microbatches=4",
+                                        "checkpoint.every=20", "job.worker_timeout_s=2"};
+  auto clean = Launch(2, tmp_ + "/hang-clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto env = Env();
+  env.push_back("RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker");
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang", job), 120, env);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("hanging on purpose"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sent nothing for"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("starting a replacement"), std::string::npos) << r.output;
+  EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl"), Losses(tmp_ + "/hang-clean/metrics.jsonl"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/hang/checkpoints/step-00000020.rpstate") ==
+              ReadBytes(tmp_ + "/hang-clean/checkpoints/step-00000020.rpstate"));
+
+  auto no_restart = job;
+  no_restart.push_back("job.max_worker_restarts=0");
+  env.back() = "RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker2";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto stopped = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang-stop", no_restart), 120, env);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(stopped.code, 0);
+  EXPECT_NE(stopped.output.find("sent nothing for"), std::string::npos) << stopped.output;
+  EXPECT_LT(secs, 30.0);
 }
 
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {

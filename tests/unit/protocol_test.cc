@@ -22,7 +22,7 @@ TEST(Codec, RoundTripsEveryMessage) {
                               InputReady{17, 2, 0},
                               MicrobatchDone{17, 2, 0, 1.5, 64, 10, 20},
                               GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
-                              Shutdown{0, 0}};
+                              Shutdown{0, 0}, Heartbeat{123}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
     std::string frame = Encode(m);
