@@ -243,6 +243,8 @@ Status Coordinator::AcceptWorkers() {
                                       std::to_string(opts_.hello_timeout_s) + " s");
     RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(100));
     if (!env) continue;
+    // Workers already welcomed send heartbeats while the others connect.
+    if (std::holds_alternative<proto::Heartbeat>(env->message)) continue;
     const auto* hello = std::get_if<proto::Hello>(&env->message);
     if (!hello || env->rank >= opts_.num_workers || hello->rank != env->rank) {
       RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message))

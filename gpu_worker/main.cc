@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -15,6 +17,18 @@
 
 namespace {
 void OnSignal(int) { rp::worker::RequestStop(); }
+
+volatile sig_atomic_t g_debug_resume = 0;
+void OnDebugResume(int) { g_debug_resume = 1; }
+
+// True when a tracer (gdb, cuda-gdb) is attached: /proc/self/status says TracerPid != 0.
+bool DebuggerAttached() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("TracerPid:", 0) == 0) return std::atoi(line.c_str() + 10) != 0;
+  return false;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -38,11 +52,16 @@ int main(int argc, char** argv) {
   }
   rp::InitLogging(argv[0], "worker " + std::to_string(o.rank));
   if (std::getenv("RP_DEBUG_PAUSE") != nullptr) {
-    // --debug-worker: let any debugger of this user attach (Yama ptrace scope), then wait stopped
-    // until it (or kill -CONT) resumes us; nothing has touched the GPU yet.
+    // --debug-worker: let any debugger of this user attach (Yama ptrace scope) and wait, before
+    // touching the GPU, until one is attached and lets the process run, or until SIGUSR1. Not a
+    // SIGSTOP: a stopped process stays stopped after a debugger detaches, which confuses users.
     prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    struct sigaction resume {};
+    resume.sa_handler = OnDebugResume;
+    sigaction(SIGUSR1, &resume, nullptr);
     RP_LOG(WARNING) << "paused for a debugger (pid " << getpid() << ")";
-    raise(SIGSTOP);
+    while (!g_debug_resume && !DebuggerAttached()) usleep(100 * 1000);
+    RP_LOG(WARNING) << (g_debug_resume ? "resumed by SIGUSR1" : "debugger attached; running");
   }
   rp::SetVerbosity(verbosity);
   struct sigaction sa {};

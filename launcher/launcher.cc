@@ -235,10 +235,10 @@ int RunLauncher(const LaunchOptions& o) {
     }
     if (r == o.debug_worker)
       std::fprintf(stderr,
-                   "rp-launch: worker %d (pid %d) waits stopped before touching the GPU. Attach with\n"
+                   "rp-launch: worker %d (pid %d) waits before touching the GPU. Attach with\n"
                    "    cuda-gdb -p %d      (or: gdb -p %d)\n"
-                   "then `signal SIGCONT` (or `continue`) in the debugger, or resume without one:\n"
-                   "    kill -CONT %d\n",
+                   "set breakpoints, then `continue`: it runs once a debugger lets it. Or resume without one:\n"
+                   "    kill -USR1 %d\n",
                    r, c->pid(), c->pid(), c->pid(), c->pid());
     children.push_back(std::move(c).value());
   }
