@@ -13,9 +13,12 @@
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -120,7 +123,27 @@ class CudaDevice final : public Device {
     }
   }
 
+  // Test hook: RP_TEST_CUDA_FAULT_ONCE=<path> makes the first worker of a run that creates <path>
+  // (O_EXCL: one process, never its replacement) launch a kernel that faults (an out-of-range
+  // gather: a device-side assert, which poisons this process's CUDA context) at its 8th
+  // activation fetch. What follows is the real failure path: the error surfaces at the next
+  // synchronization, the job fails, the worker exits and is replaced.
+  void MaybeInjectFaultForTest() {
+    if (++fetches_ != 8) return;
+    const char* path = std::getenv("RP_TEST_CUDA_FAULT_ONCE");
+    if (path == nullptr) return;
+    const int fd = ::open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    ::close(fd);
+    RP_LOG(WARNING) << "RP_TEST_CUDA_FAULT_ONCE: launching a faulting kernel on purpose";
+    at::Tensor x = at::zeros({4}, at::TensorOptions().device(torch_device()));
+    at::Tensor bad = at::full({4}, int64_t{1} << 40, at::TensorOptions().dtype(at::kLong).device(torch_device()));
+    (void)x.index_select(0, bad);
+  }
+  int64_t fetches_ = 0;
+
   at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
+    MaybeInjectFaultForTest();
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
     StreamWaitsForCompute(acts_);
     ThrowIfError(cudaMemcpyAsync(t.data_ptr(), src, t.nbytes(), cudaMemcpyHostToDevice, acts_),

@@ -35,7 +35,8 @@ class GpuTest : public ::testing::Test {
     std::error_code ec;
     if (!tmp_.empty()) fs::remove_all(tmp_, ec);
   }
-  std::vector<double> Launch(int n, const std::string& name, std::vector<std::string> sets) {
+  std::vector<double> Launch(int n, const std::string& name, std::vector<std::string> sets,
+                             std::vector<std::string> env = {}, std::string* output = nullptr) {
     const std::string out = tmp_ + "/" + name;
     std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", std::to_string(n),
                                   SourceDir() + "/tests/testdata/parity.toml", "--set",
@@ -44,8 +45,9 @@ class GpuTest : public ::testing::Test {
       a.push_back("--set");
       a.push_back(s);
     }
-    auto r = testing::RunProcess(a, 300);
+    auto r = testing::RunProcess(a, 300, env);
     EXPECT_EQ(r.code, 0) << r.output;
+    if (output) *output = r.output;
     return Losses(out + "/metrics.jsonl");
   }
   std::string tmp_;
@@ -78,6 +80,21 @@ TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
     for (size_t s = 0; s < got.size(); ++s)
       EXPECT_LE(std::abs(got[s] - one[s]) / std::abs(one[s]), 1e-5) << "N=" << n << " step " << s + 1;
   }
+}
+
+TEST_F(GpuTest, InjectedCudaFaultIsSurvivedByAReplacementWorker) {
+  // Two workers share the GPU; one launches a faulting kernel (device-side assert) mid-run. Its
+  // job fails, it exits, the launcher starts a replacement, the coordinator re-dispatches, and
+  // the losses are the fault-free run's.
+  const std::vector<std::string> sets = {"job.device=\"cuda\"", "train.accum_calls=1", "train.microbatches=4"};
+  auto clean = Launch(2, "fault-free", sets);
+  std::string output;
+  auto got = Launch(2, "fault", sets, {"RP_TEST_CUDA_FAULT_ONCE=" + tmp_ + "/fault-marker"}, &output);
+  EXPECT_NE(output.find("launching a faulting kernel on purpose"), std::string::npos) << output;
+  EXPECT_NE(output.find("starting a replacement"), std::string::npos) << output;
+  ASSERT_EQ(got.size(), clean.size());
+  for (size_t s = 0; s < got.size(); ++s)
+    EXPECT_NEAR(got[s], clean[s], 1e-6 * std::abs(clean[s])) << "step " << s + 1;
 }
 
 TEST_F(GpuTest, Bf16TrainingLearns) {
