@@ -124,9 +124,8 @@ class CudaDevice final : public Device {
   }
 
   // Test hook: RP_TEST_CUDA_FAULT_ONCE=<path> makes the first worker of a run that creates <path>
-  // (O_EXCL: one process, never its replacement) launch a kernel that faults (an out-of-range
-  // gather: a device-side assert, which poisons this process's CUDA context) at its 8th
-  // activation fetch. What follows is the real failure path: the error surfaces at the next
+  // (O_EXCL: one process, never its replacement) launch a kernel that faults (a write to an
+  // unmapped address, which poisons this process's CUDA context) at its 8th activation fetch. What follows is the real failure path: the error surfaces at the next
   // synchronization, the job fails, the worker exits and is replaced.
   void MaybeInjectFaultForTest() {
     if (++fetches_ != 8) return;
@@ -136,9 +135,10 @@ class CudaDevice final : public Device {
     if (fd < 0) return;
     ::close(fd);
     RP_LOG(WARNING) << "RP_TEST_CUDA_FAULT_ONCE: launching a faulting kernel on purpose";
-    at::Tensor x = at::zeros({4}, at::TensorOptions().device(torch_device()));
-    at::Tensor bad = at::full({4}, int64_t{1} << 40, at::TensorOptions().dtype(at::kLong).device(torch_device()));
-    (void)x.index_select(0, bad);
+    // A fill kernel writing through a pointer that maps nothing: an illegal address.
+    at::Tensor wild = at::from_blob(reinterpret_cast<void*>(uintptr_t{0x1000}), {1 << 20},
+                                    at::TensorOptions().dtype(at::kFloat).device(torch_device()));
+    wild.fill_(1.0f);
   }
   int64_t fetches_ = 0;
 
