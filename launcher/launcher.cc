@@ -325,6 +325,11 @@ int RunLauncher(const LaunchOptions& o) {
     if (f >= 0) ::close(f);
   pump.Finish();
   if (!failure.empty()) {
+    // Where it ran and how far the run got, then its own last words.
+    const std::string device = pump.LastLineWith(failed_role, "joined: device");
+    const std::string step = pump.LastLineWith("coordinator", "] step ");
+    if (!device.empty()) std::fprintf(stderr, "rp-launch: %s had %s", failed_role.c_str(), device.c_str());
+    std::fprintf(stderr, "rp-launch: last step reported: %s", step.empty() ? "none\n" : step.c_str());
     std::fprintf(stderr, "rp-launch: last lines of %s (all logs in %s):\n%s", failed_role.c_str(),
                  log_dir.c_str(), pump.LastLines(failed_role).c_str());
   }

@@ -81,6 +81,8 @@ void LogPump::Emit(Source& s, const std::string& line) {
   }
   WriteAll(s.file_fd, line);
   std::lock_guard<std::mutex> l(mu_);
+  for (const char* needle : {"joined: device", "] step "})
+    if (line.find(needle) != std::string::npos) s.tracked[needle] = line;
   s.last.push_back(line);
   if (s.last.size() > kKeepLines) s.last.pop_front();
 }
@@ -129,6 +131,16 @@ std::string LogPump::LastLines(const std::string& role) const {
       std::string out;
       for (const auto& line : s.last) out += "    " + line;
       return out;
+    }
+  return "";
+}
+
+std::string LogPump::LastLineWith(const std::string& role, const std::string& needle) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& s : sources_)
+    if (s.role == role) {
+      auto it = s.tracked.find(needle);
+      return it == s.tracked.end() ? "" : it->second;
     }
   return "";
 }

@@ -40,6 +40,9 @@ class LogPump {
   // Waits until every pipe reached end-of-file (all children exited).
   void Finish();
   std::string LastLines(const std::string& role) const;
+  // The newest line of `role` containing `needle` (kept even after it scrolled out of LastLines),
+  // or "". Tracked needles: "joined: device" (a worker's device) and "] step " (progress).
+  std::string LastLineWith(const std::string& role, const std::string& needle) const;
 
  private:
   struct Source {
@@ -48,6 +51,7 @@ class LogPump {
     int file_fd = -1;
     std::string partial;
     std::deque<std::string> last;  // GUARDED_BY(mu_)
+    std::map<std::string, std::string> tracked;  // GUARDED_BY(mu_): needle -> newest line
   };
   bool console_is_tty_ = false;
   bool progress_shown_ = false;    // pump thread only: the console's cursor sits after a progress line

@@ -350,9 +350,12 @@ TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
   testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}), Env());
   auto kids = WaitForChildren(launcher.pid(), 3);
   ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
-  // Let the run get into its steps, then kill a worker mid-step; no restarts allowed.
-  for (int i = 0; i < 400 && !fs::exists(out + "/metrics.jsonl"); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Let the run get into its steps (two reported), then kill a worker mid-step; no restarts.
+  for (int i = 0; i < 1000; ++i) {
+    const std::string text = ReadBytes(out + "/metrics.jsonl");
+    if (std::count(text.begin(), text.end(), '\n') >= 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   pid_t victim = -1;
   for (pid_t k : kids) {
     std::string cmd = testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline");
@@ -369,7 +372,11 @@ TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
             std::string::npos) << r.output;
   EXPECT_LT(secs, 10.0);
   for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
-  // The diagnosis ends with the failed worker's last log lines, and every process has a log file.
+  // The diagnosis names the worker's device and the last step, ends with the failed worker's last
+  // log lines, and every process has a log file.
+  EXPECT_NE(r.output.find("had I"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("joined: device cpu"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rp-launch: last step reported: "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rp-launch: last lines of worker"), std::string::npos) << r.output;
   size_t logs = 0;
   for (auto& e : fs::recursive_directory_iterator(out + "/logs"))
