@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "core/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/run_output.h"
+
+namespace rp::core {
+namespace {
+
+Status Bad(const std::string& what, const std::string& problem) {
+  return Status::InvalidArgument(what + ": " + problem);
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do {
+      mant <<= 1;
+      e++;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+int SafetensorsDtypeBytes(const std::string& d) {
+  if (d == "F64" || d == "I64" || d == "U64") return 8;
+  if (d == "F32" || d == "I32" || d == "U32") return 4;
+  if (d == "F16" || d == "BF16" || d == "I16" || d == "U16") return 2;
+  if (d == "I8" || d == "U8" || d == "BOOL") return 1;
+  return 0;
+}
+
+int64_t SafetensorInfo::Numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Status ParseSafetensorsHeader(const std::string& what, const std::string& text, uint64_t data_bytes,
+                              std::vector<SafetensorInfo>* tensors,
+                              std::map<std::string, std::string>* metadata) {
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Bad(what, "the header is not valid JSON");
+  if (!j.is_object()) return Bad(what, "the header is not a JSON object");
+  tensors->clear();
+  metadata->clear();
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) return Bad(what, "__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) return Bad(what, "__metadata__ value of \"" + m.key() + "\" is not a string");
+        (*metadata)[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    const std::string t = "tensor \"" + name + "\"";
+    if (!v.is_object()) return Bad(what, t + " is not an object");
+    if (!v.contains("dtype") || !v["dtype"].is_string()) return Bad(what, t + " has no dtype");
+    if (!v.contains("shape") || !v["shape"].is_array()) return Bad(what, t + " has no shape");
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+      return Bad(what, t + " has no [begin, end] data_offsets");
+    SafetensorInfo info;
+    info.name = name;
+    info.dtype = v["dtype"].get<std::string>();
+    const int elem = SafetensorsDtypeBytes(info.dtype);
+    if (elem == 0) return Bad(what, t + " has unknown dtype \"" + info.dtype + "\"");
+    uint64_t numel = 1;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) return Bad(what, t + " has a negative or non-integer dimension");
+      const uint64_t dim = d.get<uint64_t>();
+      if (dim != 0 && numel > (uint64_t{1} << 62) / dim) return Bad(what, t + " has a shape whose size overflows");
+      numel *= dim;
+      info.shape.push_back(static_cast<int64_t>(dim));
+    }
+    for (const auto& o : v["data_offsets"])
+      if (!o.is_number_unsigned()) return Bad(what, t + " has a negative or non-integer data offset");
+    info.begin = v["data_offsets"][0].get<uint64_t>();
+    info.end = v["data_offsets"][1].get<uint64_t>();
+    if (info.begin > info.end || info.end > data_bytes)
+      return Bad(what, t + " has data_offsets [" + std::to_string(info.begin) + ", " + std::to_string(info.end) +
+                           "] outside the " + std::to_string(data_bytes) + "-byte data region (truncated file?)");
+    if (numel * static_cast<uint64_t>(elem) != info.end - info.begin)
+      return Bad(what, t + " has shape and dtype worth " + std::to_string(numel * static_cast<uint64_t>(elem)) +
+                           " bytes but data_offsets span " + std::to_string(info.end - info.begin));
+    tensors->push_back(std::move(info));
+  }
+  // The ranges must tile the data region: no overlap, no hole, nothing past the end.
+  std::vector<const SafetensorInfo*> by_offset;
+  for (const auto& t : *tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t pos = 0;
+  for (const auto* t : by_offset) {
+    if (t->begin < pos) return Bad(what, "tensor \"" + t->name + "\" overlaps another tensor's data");
+    if (t->begin > pos) return Bad(what, "bytes [" + std::to_string(pos) + ", " + std::to_string(t->begin) +
+                                             ") of the data region belong to no tensor");
+    pos = t->end;
+  }
+  if (pos != data_bytes)
+    return Bad(what, "the data region has " + std::to_string(data_bytes - pos) + " trailing bytes no tensor uses");
+  std::sort(tensors->begin(), tensors->end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  return Status::Ok();
+}
+
+StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno("opening " + path, errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    Status s = Status::FromErrno("stat " + path, errno);
+    ::close(fd);
+    return s;
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    return Bad(path, "shorter than the 8-byte header length (truncated or not safetensors)");
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);  // the mapping keeps the file
+  if (map == MAP_FAILED) return Status::FromErrno("mapping " + path, errno);
+  SafetensorsFile f;
+  f.path_ = path;
+  f.map_ = map;
+  f.map_bytes_ = size;
+  const auto* bytes = static_cast<const uint8_t*>(map);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
+  if (n > kMaxHeaderBytes) return Bad(path, "header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > size - 8)
+    return Bad(path, "header length " + std::to_string(n) + " runs past the end of the " +
+                         std::to_string(size) + "-byte file (truncated?)");
+  const std::string header(reinterpret_cast<const char*>(bytes + 8), n);
+  RP_RETURN_IF_ERROR(ParseSafetensorsHeader(path, header, size - 8 - n, &f.tensors_, &f.metadata_));
+  f.data_ = bytes + 8 + n;
+  return f;
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept { *this = std::move(o); }
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
+  if (this != &o) {
+    if (map_) ::munmap(map_, map_bytes_);
+    path_ = std::move(o.path_);
+    map_ = o.map_;
+    map_bytes_ = o.map_bytes_;
+    data_ = o.data_;
+    tensors_ = std::move(o.tensors_);
+    metadata_ = std::move(o.metadata_);
+    o.map_ = nullptr;
+    o.data_ = nullptr;
+  }
+  return *this;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_) ::munmap(map_, map_bytes_);
+}
+
+const SafetensorInfo* SafetensorsFile::Find(const std::string& name) const {
+  auto it = std::lower_bound(tensors_.begin(), tensors_.end(), name,
+                             [](const SafetensorInfo& t, const std::string& n) { return t.name < n; });
+  return it != tensors_.end() && it->name == name ? &*it : nullptr;
+}
+
+Status SafetensorsFile::ReadAsFloat(const SafetensorInfo& t, float* out) const {
+  const uint8_t* p = Data(t);
+  const int64_t n = t.Numel();
+  if (t.dtype == "F32") {
+    std::memcpy(out, p, static_cast<size_t>(n) * 4);
+  } else if (t.dtype == "BF16") {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(out + i, &bits, 4);
+    }
+  } else if (t.dtype == "F16") {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      out[i] = HalfToFloat(h);
+    }
+  } else {
+    return Bad(path_, "tensor \"" + t.name + "\" has dtype " + t.dtype + ", not a floating type (F32, BF16, F16)");
+  }
+  return Status::Ok();
+}
+
+Status WriteSafetensors(const std::string& path, const std::vector<SafetensorToWrite>& tensors,
+                        const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    const int elem = SafetensorsDtypeBytes(t.dtype);
+    uint64_t numel = 1;
+    for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
+    if (elem == 0 || numel * static_cast<uint64_t>(elem) != t.bytes)
+      return Status::InvalidArgument("writing " + path + ": tensor \"" + t.name + "\" has " +
+                                     std::to_string(t.bytes) + " bytes, not its shape and dtype's");
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes}}};
+    offset += t.bytes;
+  }
+  std::string text = header.dump();
+  text.resize((text.size() + 7) / 8 * 8, ' ');
+  std::string out(8, '\0');
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out += text;
+  out.reserve(out.size() + offset);
+  for (const auto& t : tensors) out.append(static_cast<const char*>(t.data), t.bytes);
+  return WriteFileAtomically(path, out);
+}
+
+}  // namespace rp::core
