@@ -24,6 +24,7 @@
 #include "coordinator/training_state.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "core/data.h"
+#include "core/hf_model.h"
 #include "core/job_config.h"
 #include "core/lr_schedule.h"
 #include "core/model_spec.h"
@@ -210,12 +211,19 @@ Status Coordinator::InitState() {
       versions[l].store(static_cast<uint64_t>(first_step_), std::memory_order_relaxed);
     RP_LOG(INFO) << "resumed from " << resume_from_->path << " after step " << first_step_;
   } else {
-    // Masters from the seeded init; compute copies from the masters. m and v are zero because a
-    // fresh tmpfs object reads as zeros; gradient slots are written before they are read.
+    // Masters from the Hugging Face checkpoint (model.path) or the seeded init; compute copies
+    // from the masters. m and v are zero because a fresh tmpfs object reads as zeros; gradient
+    // slots are written before they are read.
+    std::optional<core::HfWeights> hf;
+    if (!cfg_.model.path.empty()) {
+      RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
+      hf.emplace(std::move(w));
+    }
     const bool bf16 = cfg_.train.dtype == "bf16";
     for (size_t p = 0; p < spec_.params.size(); ++p) {
       float* master = optim_segment_->At<float>(layout_.master[p]);
-      core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
+      if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], master));  // straight into the arena
+      else core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
       const int64_t n = spec_.params[p].numel;
       if (bf16) {
         auto* c = segment_->At<uint16_t>(layout_.compute[p]);
@@ -727,6 +735,13 @@ Status Coordinator::Run() {
   ShutdownWorkers(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
   Status trace = WriteTrace();
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
+  if (st.ok() && !cfg_.checkpoint.export_hf.empty()) {
+    const std::string dir = cfg_.job.output_dir + "/" + cfg_.checkpoint.export_hf;
+    st = core::ExportHf(dir, cfg_.model, spec_, [&](int p) {
+      return optim_segment_->At<const float>(layout_.master[p]);
+    });
+    if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << dir;
+  }
   if (st.ok()) {
     nlohmann::json summary = {
         {"steps", cfg_.train.steps}, {"first_step", first_step_ + 1}, {"last_step", stop_step_},

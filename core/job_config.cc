@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/job_config.h"
 
+#include "core/hf_model.h"
+
 #include <toml++/toml.h>
 
 #include <filesystem>
@@ -169,8 +171,9 @@ const std::vector<KeySpec>& Table() {
             "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
 
       Str("model", "path", F(model.path), "",
-          "Hugging Face model directory; its config.json overrides the architecture keys. "
-          "Not supported yet: must be empty."),
+          "Hugging Face model directory (Llama or Qwen3; relative to the job file): its config.json "
+          "overrides the [model] architecture keys and its safetensors (single or sharded; fp32, "
+          "bf16 or fp16) are the initial weights"),
       Int("model", "vocab_size", F(model.vocab_size), 256, 2, 1 << 24, "Vocabulary size"),
       Int("model", "hidden_size", F(model.hidden_size), 128, 1, 1 << 20, "Model width"),
       Int("model", "intermediate_size", F(model.intermediate_size), 384, 1, 1 << 22,
@@ -264,6 +267,9 @@ const std::vector<KeySpec>& Table() {
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "
           "every this many steps and after the last; 0 = only when train.stop_after stops the run. "
           "rp-launch --resume continues from the newest one with identical results"),
+      Str("checkpoint", "export_hf", F(checkpoint.export_hf), "",
+          "After the last step, write the trained model as a Hugging Face directory (config.json + "
+          "model.safetensors, fp32) here, relative to job.output_dir; empty = no export"),
       Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
           "Checkpoint directory, relative to job.output_dir"),
       Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,
@@ -299,9 +305,6 @@ Status CheckCuts(const std::string& name, const std::vector<int64_t>& cuts, int6
 
 Status CrossValidate(const JobConfig& c) {
   const auto& m = c.model;
-  if (!m.path.empty())
-    return Status::InvalidArgument("model.path: loading Hugging Face model directories is not "
-                                   "implemented yet; remove the key and use the [model] keys");
   if (m.num_heads % m.num_kv_heads != 0)
     return Status::InvalidArgument("model.num_kv_heads: must divide model.num_heads (" +
                                    std::to_string(m.num_heads) + "), got " +
@@ -434,6 +437,11 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   }
   cfg.data.path = Join(base_dir, cfg.data.path);
   cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
+  if (!cfg.model.path.empty()) {
+    // The checkpoint's config.json decides the architecture; every process reads the same file.
+    cfg.model.path = Join(base_dir, cfg.model.path);
+    RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
+  }
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   return cfg;
 }

@@ -21,7 +21,7 @@
 namespace rp::core {
 
 struct ModelConfig {
-  std::string path;  // Hugging Face model directory (not yet supported: must be empty)
+  std::string path;  // Hugging Face model directory; its config.json sets the architecture keys
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;
   int64_t intermediate_size = 384;
@@ -87,6 +87,7 @@ struct CheckpointConfig {
   int64_t every = 0;             // steps between checkpoints; 0 = none (but see train.stop_after)
   std::string dir = "checkpoints";
   int64_t keep = 2;              // newest checkpoints kept
+  std::string export_hf;         // HF directory written after the last step (relative to output_dir)
 };
 
 struct MetricsConfig {

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "common/exit_codes.h"
 #include "common/exit_status.h"
@@ -20,6 +21,7 @@
 #include "core/data.h"
 #include "core/job_config.h"
 #include "core/lr_schedule.h"
+#include "core/hf_model.h"
 #include "core/model_spec.h"
 #include "core/run_output.h"
 #include "model/transformer.h"
@@ -41,10 +43,16 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   // holding t - 1 updates, so `params` trail `masters` by one update.
   const bool stale1 = cfg.optimizer.mode == "stale1";
   std::vector<at::Tensor> params, masters, adam_m, adam_v;
+  std::optional<rp::core::HfWeights> hf;
+  if (!cfg.model.path.empty()) {
+    RP_ASSIGN_OR_RETURN(auto w, rp::core::HfWeights::Open(cfg.model.path));
+    hf.emplace(std::move(w));
+  }
   for (size_t p = 0; p < spec.params.size(); ++p) {
     at::Tensor t = at::empty(spec.params[p].shape, at::kFloat);
-    rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
-                        t.data_ptr<float>());
+    if (hf) RP_RETURN_IF_ERROR(hf->Load(spec.params[p], t.data_ptr<float>()));
+    else rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
+                             t.data_ptr<float>());
     masters.push_back(stale1 ? t.clone() : t);
     params.push_back(t.requires_grad_(true));
     adam_m.push_back(at::zeros_like(t));

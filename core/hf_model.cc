@@ -1,0 +1,137 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "core/hf_model.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/run_output.h"
+
+namespace rp::core {
+namespace {
+
+namespace fs = std::filesystem;
+
+StatusOr<nlohmann::json> ReadJson(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return Status::InvalidArgument("model.path: cannot read " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument("model.path: " + path + " is not a JSON object");
+  return j;
+}
+
+}  // namespace
+
+Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
+  const std::string path = (fs::path(dir) / "config.json").string();
+  RP_ASSIGN_OR_RETURN(auto j, ReadJson(path));
+  const std::string type = j.value("model_type", "");
+  if (type != "llama" && type != "qwen3")
+    return Status::InvalidArgument(path + ": model_type \"" + type + "\" is not supported (llama, qwen3)");
+  auto get_int = [&](const char* key, int64_t* out, bool required) -> Status {
+    if (!j.contains(key) || j[key].is_null()) {
+      return required ? Status::InvalidArgument(path + ": " + key + " is missing") : Status::Ok();
+    }
+    if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
+      return Status::InvalidArgument(path + ": " + key + " must be a positive integer");
+    *out = j[key].get<int64_t>();
+    return Status::Ok();
+  };
+  RP_RETURN_IF_ERROR(get_int("vocab_size", &m->vocab_size, true));
+  RP_RETURN_IF_ERROR(get_int("hidden_size", &m->hidden_size, true));
+  RP_RETURN_IF_ERROR(get_int("intermediate_size", &m->intermediate_size, true));
+  RP_RETURN_IF_ERROR(get_int("num_hidden_layers", &m->num_layers, true));
+  RP_RETURN_IF_ERROR(get_int("num_attention_heads", &m->num_heads, true));
+  m->num_kv_heads = m->num_heads;
+  RP_RETURN_IF_ERROR(get_int("num_key_value_heads", &m->num_kv_heads, false));
+  m->head_dim = m->hidden_size / m->num_heads;
+  RP_RETURN_IF_ERROR(get_int("head_dim", &m->head_dim, false));
+  if (j.contains("rope_theta") && j["rope_theta"].is_number()) m->rope_theta = j["rope_theta"].get<double>();
+  if (j.contains("rms_norm_eps") && j["rms_norm_eps"].is_number()) m->rms_norm_eps = j["rms_norm_eps"].get<double>();
+  m->tie_embeddings = j.value("tie_word_embeddings", false);
+  m->qk_norm = type == "qwen3";
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    return Status::InvalidArgument(path + ": rope_scaling is not supported yet (only plain RoPE)");
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    if (j.value(bias, false)) return Status::InvalidArgument(path + ": " + bias + " = true is not supported");
+  return Status::Ok();
+}
+
+StatusOr<HfWeights> HfWeights::Open(const std::string& dir) {
+  HfWeights w;
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  std::vector<std::string> files;
+  std::error_code ec;
+  if (fs::exists(single, ec)) {
+    files.push_back(single.string());
+  } else if (fs::exists(index, ec)) {
+    RP_ASSIGN_OR_RETURN(auto j, ReadJson(index.string()));
+    if (!j.contains("weight_map") || !j["weight_map"].is_object())
+      return Status::InvalidArgument(index.string() + ": no weight_map object");
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) return Status::InvalidArgument(index.string() + ": weight_map value is not a file name");
+      const std::string f = it.value().get<std::string>();
+      if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
+        return Status::InvalidArgument(index.string() + ": shard name \"" + f + "\" is not a plain file name");
+      if (std::find(files.begin(), files.end(), (fs::path(dir) / f).string()) == files.end())
+        files.push_back((fs::path(dir) / f).string());
+    }
+  } else {
+    return Status::InvalidArgument("model.path: " + dir + " has neither model.safetensors nor model.safetensors.index.json");
+  }
+  for (const auto& f : files) {
+    RP_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(f));
+    w.files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
+    for (const auto& t : w.files_.back()->tensors()) {
+      if (w.where_.count(t.name)) return Status::InvalidArgument(f + ": tensor \"" + t.name + "\" also appears in another shard");
+      w.where_[t.name] = w.files_.back().get();
+    }
+  }
+  return w;
+}
+
+Status HfWeights::Load(const ParamSpec& p, float* out) const {
+  auto it = where_.find(p.name);
+  if (it == where_.end()) return Status::InvalidArgument("model.path: no tensor \"" + p.name + "\" in the checkpoint");
+  const SafetensorInfo* t = it->second->Find(p.name);
+  if (t->shape != p.shape) {
+    std::string got, want;
+    for (auto d : t->shape) got += std::to_string(d) + " ";
+    for (auto d : p.shape) want += std::to_string(d) + " ";
+    return Status::InvalidArgument(it->second->path() + ": tensor \"" + p.name + "\" has shape [ " + got +
+                                   "], the model needs [ " + want + "]");
+  }
+  return it->second->ReadAsFloat(*t, out);
+}
+
+Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& spec,
+                const std::function<const float*(int)>& master) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::IoError("export directory " + dir + ": " + ec.message());
+  nlohmann::ordered_json c = {
+      {"architectures", {m.qk_norm ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", m.qk_norm ? "qwen3" : "llama"},
+      {"vocab_size", m.vocab_size}, {"hidden_size", m.hidden_size},
+      {"intermediate_size", m.intermediate_size}, {"num_hidden_layers", m.num_layers},
+      {"num_attention_heads", m.num_heads}, {"num_key_value_heads", m.num_kv_heads},
+      {"head_dim", m.head_dim}, {"rope_theta", m.rope_theta}, {"rms_norm_eps", m.rms_norm_eps},
+      {"tie_word_embeddings", m.tie_embeddings}, {"hidden_act", "silu"},
+      {"attention_bias", false}, {"torch_dtype", "float32"}, {"max_position_embeddings", 32768}};
+  RP_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(), c.dump(2) + "\n"));
+  std::vector<SafetensorToWrite> tensors;
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    const auto& ps = spec.params[p];
+    tensors.push_back({ps.name, "F32", ps.shape, master(static_cast<int>(p)),
+                       static_cast<uint64_t>(ps.numel) * 4});
+  }
+  return WriteSafetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
+}
+
+}  // namespace rp::core

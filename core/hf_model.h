@@ -1,0 +1,47 @@
+// SPDX-License-Identifier: Apache-2.0
+// Hugging Face model directories: config.json + model.safetensors (or sharded
+// model-0000x-of-0000y.safetensors with model.safetensors.index.json), in and out.
+//
+// Contract:
+//  * ApplyHfConfig() reads <dir>/config.json and sets the architecture keys of `model` from it
+//    (Llama and Qwen3 dense models: model_type "llama" or "qwen3"). What this runtime does not
+//    implement (rope_scaling, attention or MLP biases, another model_type) is refused with the key
+//    named, never silently ignored.
+//  * HfWeights::Open() opens the directory's safetensors file(s) through the validated reader
+//    (core/safetensors.h); Load() converts one parameter (F32, BF16 or F16 on disk) to fp32 into
+//    caller memory, e.g. the master arena, after checking its shape against the model spec. A
+//    missing tensor is an error naming it (a tied LM head may be absent).
+//  * ExportHf() writes a directory that transformers loads: config.json and model.safetensors
+//    with fp32 tensors under the spec's (Hugging Face) names, each file written atomically.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "core/safetensors.h"
+
+namespace rp::core {
+
+Status ApplyHfConfig(const std::string& dir, ModelConfig* model);
+
+class HfWeights {
+ public:
+  static StatusOr<HfWeights> Open(const std::string& dir);
+  Status Load(const ParamSpec& param, float* out) const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const SafetensorsFile*> where_;  // tensor name -> file
+};
+
+// `master(p)` returns parameter p's fp32 values (numel floats).
+Status ExportHf(const std::string& dir, const ModelConfig& model, const ModelSpec& spec,
+                const std::function<const float*(int)>& master);
+
+}  // namespace rp::core
