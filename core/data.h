@@ -1,6 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Dataset: deterministic token batches.
 //
+// Formats (data.format): "bytes" (a text file, one token per byte), "tokens" (a flat file of
+// uint16 or uint32 token ids with a JSON sidecar <path>.json: {"dtype": "uint16"|"uint32",
+// "vocab_size": N}; memory-mapped, every id checked against model.vocab_size when opened),
+// "random" (synthetic). File formats are cut into non-overlapping windows of seq_len + 1 tokens
+// (stride seq_len), visited in a per-epoch order shuffled by the seed.
+//
 // Contract: Fill(step, call, mb) writes microbatch `mb` of accumulation call `call` of optimizer
 // step `step` as int64 token ids and labels ([microbatch_size, seq_len] each, row-major). The
 // result is a pure function of (config, seed, step, call, mb): the pipelined coordinator and
@@ -9,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,9 +38,15 @@ class Dataset {
  private:
   Dataset() = default;
   const std::vector<int64_t>& Permutation(int64_t epoch);
+  Status OpenTokens();
+
+  int64_t TokenAt(int64_t i) const;
 
   JobConfig config_;
   std::vector<uint8_t> bytes_;
+  std::shared_ptr<const void> tokens_map_;  // "tokens": the mapped file (munmap on last release)
+  const uint8_t* tokens_ = nullptr;
+  int token_bytes_ = 0;                      // 2 or 4
   int64_t windows_ = 0;
   int64_t cached_epoch_ = -1;
   std::vector<int64_t> perm_;

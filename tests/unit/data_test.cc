@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "core/data.h"
@@ -50,6 +52,61 @@ TEST(Dataset, EpochVisitsEveryWindowOnce) {
     seen.insert(t);
   }
   EXPECT_EQ(static_cast<int64_t>(seen.size()), d->NumWindows());
+}
+
+// Flat token files: uint16 and uint32 ids with a JSON sidecar, memory-mapped, windows of
+// seq_len + 1 with shifted labels; every malformed input is named.
+TEST(Dataset, TokenFilesWithASidecar) {
+  const std::string dir = testing::MakeTempDir("rp-tokens-");
+  auto write = [&](const std::string& name, const std::string& bytes, const std::string& sidecar) {
+    std::ofstream(dir + "/" + name, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!sidecar.empty()) std::ofstream(dir + "/" + name + ".json") << sidecar;
+    return dir + "/" + name;
+  };
+  auto ids = [](int n, int width, int vocab) {
+    std::string out;
+    for (int i = 0; i < n; ++i) {
+      const uint32_t v = static_cast<uint32_t>(i % vocab);
+      out.append(reinterpret_cast<const char*>(&v), width);  // little-endian host
+    }
+    return out;
+  };
+  JobConfig c;
+  c.model.vocab_size = 300;
+  c.data.format = "tokens";
+  c.data.seq_len = 8;
+  c.train.microbatch_size = 2;
+  for (int width : {2, 4}) {
+    c.data.path = write("t" + std::to_string(width) + ".bin", ids(1000, width, 300),
+                        std::string("{\"dtype\": \"") + (width == 2 ? "uint16" : "uint32") + "\", \"vocab_size\": 300}");
+    auto d = Dataset::Open(c);
+    ASSERT_TRUE(d.ok()) << d.status().message();
+    EXPECT_EQ(d->NumWindows(), (1000 - 1) / 8);
+    std::vector<int64_t> tok(16), lab(16);
+    d->Fill(2, 1, 0, tok.data(), lab.data());
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < 8; ++j) {
+        EXPECT_EQ(lab[r * 8 + j], (tok[r * 8 + j] + 1) % 300);  // the next token in the file
+        if (j > 0) EXPECT_EQ(tok[r * 8 + j], lab[r * 8 + j - 1]);
+      }
+  }
+  struct Bad { std::string file, bytes, sidecar, expect; };
+  const std::vector<Bad> bad = {
+      {"nosidecar.bin", ids(100, 2, 300), "", "sidecar"},
+      {"dtype.bin", ids(100, 2, 300), R"({"dtype": "int8", "vocab_size": 300})", "not uint16 or uint32"},
+      {"odd.bin", ids(100, 2, 300) + "x", R"({"dtype": "uint16", "vocab_size": 300})", "not a whole number"},
+      {"big.bin", ids(100, 2, 300), R"({"dtype": "uint16", "vocab_size": 5000})", "more than model.vocab_size"},
+      {"id.bin", ids(400, 2, 301), R"({"dtype": "uint16", "vocab_size": 300})", "at position 300"},
+      {"short.bin", ids(5, 2, 300), R"({"dtype": "uint16", "vocab_size": 300})", "fewer than seq_len + 1"},
+  };
+  for (const auto& b : bad) {
+    c.data.path = write(b.file, b.bytes, b.sidecar);
+    auto d = Dataset::Open(c);
+    ASSERT_FALSE(d.ok()) << b.file;
+    EXPECT_NE(d.status().message().find(b.expect), std::string::npos) << b.file << ": " << d.status().message();
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
 }
 
 TEST(LearningRate, WarmupThenCosineToMin) {
