@@ -32,6 +32,8 @@ StatusOr<Dataset> Dataset::Open(const JobConfig& c) {
     d.windows_ = (static_cast<int64_t>(d.bytes_.size()) - 1) / S;
   } else if (c.data.format == "tokens") {
     RP_RETURN_IF_ERROR(d.OpenTokens());
+  } else if (c.data.format == "jsonl") {
+    RP_RETURN_IF_ERROR(d.OpenJsonl());
   } else {
     d.windows_ = 0;  // synthetic: unbounded
   }
@@ -85,6 +87,60 @@ Status Dataset::OpenTokens() {
   return Status::Ok();
 }
 
+Status Dataset::OpenJsonl() {
+  const std::string& path = config_.data.path;
+  std::ifstream in(path);
+  if (!in) return Status::InvalidArgument("data.path: cannot read " + path);
+  const int64_t V = config_.model.vocab_size;
+  std::string line;
+  for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string at = "data.path: " + path + ":" + std::to_string(lineno) + ": ";
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument(at + "not a JSON object");
+    if (!j.contains("input_ids") || !j["input_ids"].is_array() || j["input_ids"].empty())
+      return Status::InvalidArgument(at + "no non-empty \"input_ids\" array");
+    const auto& ids = j["input_ids"];
+    const size_t n = ids.size();
+    std::vector<int64_t> target(n);
+    const bool has_labels = j.contains("labels"), has_mask = j.contains("loss_mask");
+    if (has_labels && has_mask) return Status::InvalidArgument(at + "give \"labels\" or \"loss_mask\", not both");
+    if ((has_labels && (!j["labels"].is_array() || j["labels"].size() != n)) ||
+        (has_mask && (!j["loss_mask"].is_array() || j["loss_mask"].size() != n)))
+      return Status::InvalidArgument(at + "\"labels\" / \"loss_mask\" must be arrays as long as \"input_ids\"");
+    for (size_t i = 0; i < n; ++i) {
+      if (!ids[i].is_number_integer() || ids[i].get<int64_t>() < 0 || ids[i].get<int64_t>() >= V)
+        return Status::InvalidArgument(at + "input_ids[" + std::to_string(i) + "] is not a token id below model.vocab_size " + std::to_string(V));
+      if (has_labels) {
+        const auto& l = j["labels"][i];
+        if (!l.is_number_integer() || (l.get<int64_t>() != kIgnoreIndex && (l.get<int64_t>() < 0 || l.get<int64_t>() >= V)))
+          return Status::InvalidArgument(at + "labels[" + std::to_string(i) + "] is neither -100 nor a token id");
+      }
+      if (has_mask) {
+        const auto& mk = j["loss_mask"][i];
+        if (!mk.is_number_integer() || (mk.get<int64_t>() != 0 && mk.get<int64_t>() != 1))
+          return Status::InvalidArgument(at + "loss_mask[" + std::to_string(i) + "] is not 0 or 1");
+      }
+    }
+    // Position i predicts the record's token i + 1 (or its label); the last predicts nothing.
+    for (size_t i = 0; i < n; ++i) {
+      int64_t t = kIgnoreIndex;
+      if (i + 1 < n) {
+        if (has_labels) t = j["labels"][i + 1].get<int64_t>();
+        else if (!has_mask || j["loss_mask"][i + 1].get<int64_t>() == 1) t = ids[i + 1].get<int64_t>();
+      }
+      packed_tokens_.push_back(static_cast<int32_t>(ids[i].get<int64_t>()));
+      packed_targets_.push_back(static_cast<int32_t>(t));
+    }
+  }
+  const int64_t S = config_.data.seq_len;
+  windows_ = static_cast<int64_t>(packed_tokens_.size()) / S;
+  if (windows_ == 0)
+    return Status::InvalidArgument("data.path: " + path + " holds " + std::to_string(packed_tokens_.size()) +
+                                   " tokens, fewer than one sequence of seq_len " + std::to_string(S));
+  return Status::Ok();
+}
+
 int64_t Dataset::TokenAt(int64_t i) const {
   if (token_bytes_ == 2) {
     uint16_t v;
@@ -132,6 +188,13 @@ void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int6
     }
     const int64_t epoch = g / windows_;
     const int64_t w = Permutation(epoch)[g % windows_];
+    if (!packed_tokens_.empty()) {
+      for (int64_t j = 0; j < S; ++j) {
+        tok[j] = packed_tokens_[w * S + j];
+        lab[j] = packed_targets_[w * S + j];
+      }
+      continue;
+    }
     if (tokens_ != nullptr) {
       for (int64_t j = 0; j < S; ++j) {
         tok[j] = TokenAt(w * S + j);

@@ -4,8 +4,12 @@
 // Formats (data.format): "bytes" (a text file, one token per byte), "tokens" (a flat file of
 // uint16 or uint32 token ids with a JSON sidecar <path>.json: {"dtype": "uint16"|"uint32",
 // "vocab_size": N}; memory-mapped, every id checked against model.vocab_size when opened),
-// "random" (synthetic). File formats are cut into non-overlapping windows of seq_len + 1 tokens
-// (stride seq_len), visited in a per-epoch order shuffled by the seed.
+// "jsonl" (one JSON object per line: "input_ids", optional "labels" (same length, -100 = ignore,
+// Hugging Face alignment: the model predicts labels[j + 1] at position j) or "loss_mask" (0/1 per
+// token); records are packed back to back into seq_len windows, and a record's last position
+// predicts nothing, so no target crosses a record boundary), "random" (synthetic). "bytes" and
+// "tokens" are cut into non-overlapping windows of seq_len + 1 tokens (stride seq_len). Windows
+// are visited in a per-epoch order shuffled by the seed.
 //
 // Contract: Fill(step, call, mb) writes microbatch `mb` of accumulation call `call` of optimizer
 // step `step` as int64 token ids and labels ([microbatch_size, seq_len] each, row-major). The
@@ -39,6 +43,7 @@ class Dataset {
   Dataset() = default;
   const std::vector<int64_t>& Permutation(int64_t epoch);
   Status OpenTokens();
+  Status OpenJsonl();
 
   int64_t TokenAt(int64_t i) const;
 
@@ -47,6 +52,7 @@ class Dataset {
   std::shared_ptr<const void> tokens_map_;  // "tokens": the mapped file (munmap on last release)
   const uint8_t* tokens_ = nullptr;
   int token_bytes_ = 0;                      // 2 or 4
+  std::vector<int32_t> packed_tokens_, packed_targets_;  // "jsonl": the packed stream
   int64_t windows_ = 0;
   int64_t cached_epoch_ = -1;
   std::vector<int64_t> perm_;

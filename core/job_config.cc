@@ -191,12 +191,14 @@ const std::vector<KeySpec>& Table() {
       Float("model", "init_std", F(model.init_std), 0.02, 0.0, 10.0,
             "Std of the normal init of matrices (norm weights start at 1)"),
 
-      Enum("data", "format", F(data.format), "bytes", {"bytes", "tokens", "random"},
+      Enum("data", "format", F(data.format), "bytes", {"bytes", "tokens", "jsonl", "random"},
            "bytes: the file at data.path, one token per byte (vocab_size >= 256); "
            "tokens: a flat file of uint16/uint32 token ids with a JSON sidecar <path>.json "
            "{\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}; "
+           "jsonl: one {\"input_ids\": [...]} per line, optional \"labels\" (-100 ignored) or "
+           "\"loss_mask\" (0/1), records packed into seq_len windows, no target across records; "
            "random: uniform synthetic tokens from train.seed (benchmarks)"),
-      Str("data", "path", F(data.path), "", "Corpus for format = bytes or tokens; relative to the job file"),
+      Str("data", "path", F(data.path), "", "Corpus for format = bytes, tokens or jsonl; relative to the job file"),
       Int("data", "seq_len", F(data.seq_len), 64, 2, 1 << 20, "Tokens per sequence"),
       Bool("data", "shuffle", F(data.shuffle), true,
            "Visit the corpus windows in a seeded random order each epoch"),
@@ -314,10 +316,11 @@ Status CrossValidate(const JobConfig& c) {
   if (m.head_dim % 2 != 0)
     return Status::InvalidArgument("model.head_dim: must be even for rotary embeddings, got " +
                                    std::to_string(m.head_dim));
-  if (c.data.format == "tokens") {
+  if (c.data.format == "tokens" || c.data.format == "jsonl") {
     std::error_code ec;
     if (c.data.path.empty() || !fs::is_regular_file(c.data.path, ec))
-      return Status::InvalidArgument("data.path: no such file: \"" + c.data.path + "\" (data.format = \"tokens\")");
+      return Status::InvalidArgument("data.path: no such file: \"" + c.data.path + "\" (data.format = \"" +
+                                     c.data.format + "\")");
   }
   if (c.data.format == "bytes") {
     if (c.data.path.empty())

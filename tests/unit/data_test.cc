@@ -109,6 +109,45 @@ TEST(Dataset, TokenFilesWithASidecar) {
   std::filesystem::remove_all(dir, ec);
 }
 
+// JSONL records: packed back to back, targets are the next token of the same record (or its
+// label / masked), never across a record boundary; malformed lines are named with file:line.
+TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
+  const std::string dir = testing::MakeTempDir("rp-jsonl-");
+  JobConfig c;
+  c.model.vocab_size = 50;
+  c.data.format = "jsonl";
+  c.data.seq_len = 4;
+  c.data.shuffle = false;
+  c.train.microbatch_size = 1;
+  c.data.path = dir + "/d.jsonl";
+  std::ofstream(c.data.path) << R"({"input_ids": [1, 2, 3]})" << "\n"
+                             << R"({"input_ids": [4, 5, 6], "loss_mask": [1, 0, 1]})" << "\n\n"
+                             << R"({"input_ids": [7, 8], "labels": [-100, 9]})" << "\n";
+  auto d = Dataset::Open(c);
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ(d->NumWindows(), 2);  // 8 tokens
+  std::vector<int64_t> tok(4), lab(4);
+  d->Fill(0, 0, 0, tok.data(), lab.data());
+  EXPECT_EQ(tok, (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(lab, (std::vector<int64_t>{2, 3, kIgnoreIndex, kIgnoreIndex}));  // 4 predicts masked 5
+  d->Fill(0, 0, 1, tok.data(), lab.data());
+  EXPECT_EQ(tok, (std::vector<int64_t>{5, 6, 7, 8}));
+  EXPECT_EQ(lab, (std::vector<int64_t>{6, kIgnoreIndex, 9, kIgnoreIndex}));
+  struct Bad { std::string text, expect; };
+  for (const auto& b : std::vector<Bad>{{"[1,2]", ":1: not a JSON object"},
+                                        {R"({"input_ids": [1, 99]})", "input_ids[1]"},
+                                        {R"({"input_ids": [1, 2], "labels": [1]})", "as long as"},
+                                        {R"({"input_ids": [1, 2], "loss_mask": [1, 2]})", "loss_mask[1]"},
+                                        {R"({"ids": [1]})", "no non-empty"}}) {
+    std::ofstream(c.data.path, std::ios::trunc) << b.text << "\n";
+    auto bad = Dataset::Open(c);
+    ASSERT_FALSE(bad.ok()) << b.text;
+    EXPECT_NE(bad.status().message().find(b.expect), std::string::npos) << bad.status().message();
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
 TEST(LearningRate, WarmupThenCosineToMin) {
   OptimizerConfig o;
   o.lr = 1.0;
