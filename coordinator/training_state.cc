@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/rng.h"
+#include "core/run_output.h"
 
 namespace rp::coord {
 namespace {
@@ -25,7 +26,7 @@ constexpr uint64_t kMaxHeader = 1 << 20;
 
 uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// Owns one file descriptor; closes it on every path, never throws.
+// Owns one read-only file descriptor; closes it on every path, never throws.
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
@@ -35,27 +36,10 @@ class Fd {
     if (fd_ >= 0) ::close(fd_);
   }
   int get() const { return fd_; }
-  int release() {
-    int f = fd_;
-    fd_ = -1;
-    return f;
-  }
 
  private:
   int fd_;
 };
-
-Status WriteAll(int fd, const uint8_t* p, uint64_t n, uint64_t offset, const std::string& path) {
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, std::min<uint64_t>(n, 1 << 30), static_cast<off_t>(offset));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return Status::FromErrno("writing " + path, w < 0 ? errno : EIO);
-    p += w;
-    n -= static_cast<uint64_t>(w);
-    offset += static_cast<uint64_t>(w);
-  }
-  return Status::Ok();
-}
 
 Status ReadAll(int fd, uint8_t* p, uint64_t n, uint64_t offset, const std::string& path) {
   while (n > 0) {
@@ -74,6 +58,20 @@ std::string FileName(int64_t steps_done) {
   char name[64];
   std::snprintf(name, sizeof(name), "step-%08lld.rpstate", static_cast<long long>(steps_done));
   return name;
+}
+
+// This writer's checkpoint names in `dir` (step-<8 digits>.rpstate), oldest first.
+std::vector<std::string> ListStateFiles(const std::string& dir) {
+  std::error_code ec;
+  std::vector<std::string> names;
+  if (!fs::is_directory(dir, ec)) return names;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() == FileName(0).size() && n.rfind("step-", 0) == 0 && e.path().extension() == ".rpstate")
+      names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 // Parses the header of `path`; InvalidArgument naming the file when it is not a checkpoint.
@@ -137,60 +135,33 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
   header["sections"] = list;
   const std::string text = header.dump();
   const std::string final_path = (fs::path(dir) / FileName(steps_done)).string();
-  const std::string tmp = final_path + ".tmp." + std::to_string(::getpid());
   {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-    if (fd.get() < 0) return Status::FromErrno("creating " + tmp, errno);
+    RP_ASSIGN_OR_RETURN(core::AtomicFile f, core::AtomicFile::Create(final_path, 0600));
     uint8_t head[16];
     std::memcpy(head, kMagic, 8);
     const uint64_t len = text.size();
     std::memcpy(head + 8, &len, 8);
-    Status s = WriteAll(fd.get(), head, 16, 0, tmp);
-    if (s.ok()) s = WriteAll(fd.get(), reinterpret_cast<const uint8_t*>(text.data()), len, 16, tmp);
-    for (size_t i = 0; s.ok() && i < sections.size(); ++i)
-      s = WriteAll(fd.get(), sections[i].data, sections[i].bytes, list[i]["offset"].get<uint64_t>(), tmp);
-    if (s.ok() && ::ftruncate(fd.get(), static_cast<off_t>(offset)) != 0) s = Status::FromErrno("sizing " + tmp, errno);
-    if (s.ok() && ::fsync(fd.get()) != 0) s = Status::FromErrno("fsync " + tmp, errno);
-    if (s.ok() && ::close(fd.release()) != 0) s = Status::FromErrno("closing " + tmp, errno);
-    if (!s.ok()) {
-      ::unlink(tmp.c_str());
-      return s;
-    }
+    RP_RETURN_IF_ERROR(f.Append(head, 16));
+    RP_RETURN_IF_ERROR(f.Append(text.data(), len));
+    for (size_t i = 0; i < sections.size(); ++i)
+      RP_RETURN_IF_ERROR(f.WriteAt(list[i]["offset"].get<uint64_t>(), sections[i].data, sections[i].bytes));
+    RP_RETURN_IF_ERROR(f.Truncate(offset));
+    RP_RETURN_IF_ERROR(f.Commit());
   }
-  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-    Status s = Status::FromErrno("renaming " + tmp + " to " + final_path, errno);
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dfd.get() >= 0) ::fsync(dfd.get());  // the rename itself survives a crash
   // Prune: only this writer's step-*.rpstate names, oldest first, never the one just written.
-  std::vector<std::string> names;
-  for (auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n.size() == FileName(0).size() && n.rfind("step-", 0) == 0 && e.path().extension() == ".rpstate")
-      names.push_back(n);
-  }
-  std::sort(names.begin(), names.end());
+  const std::vector<std::string> names = ListStateFiles(dir);
   for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < names.size(); ++i)
     if (names[i] != FileName(steps_done)) fs::remove(fs::path(dir) / names[i], ec);
   return Status::Ok();
 }
 
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
-  std::error_code ec;
-  std::vector<std::string> names;
-  if (fs::is_directory(dir, ec))
-    for (auto& e : fs::directory_iterator(dir, ec)) {
-      const std::string n = e.path().filename().string();
-      if (n.size() == FileName(0).size() && n.rfind("step-", 0) == 0 && e.path().extension() == ".rpstate")
-        names.push_back(n);
-    }
+  const std::vector<std::string> names = ListStateFiles(dir);
   if (names.empty()) return Status::NotFound("no training checkpoint (step-*.rpstate) in " + dir);
-  std::sort(names.begin(), names.end());
   const std::string path = (fs::path(dir) / names.back()).string();
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::FromErrno("opening " + path, errno);
+  std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
   RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), path, size));
   StateFile f;

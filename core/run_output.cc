@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
@@ -104,33 +105,69 @@ Status MetricsWriter::Append(const StepMetrics& m) {
   return Status::Ok();
 }
 
-Status WriteFileAtomically(const std::string& path, const std::string& text) {
+StatusOr<AtomicFile> AtomicFile::Create(const std::string& path, int mode) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
   if (fd < 0) return Status::FromErrno("creating " + tmp, errno);
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+  return AtomicFile(path, tmp, fd);
+}
+
+AtomicFile::AtomicFile(AtomicFile&& o) noexcept
+    : path_(std::move(o.path_)), tmp_(std::move(o.tmp_)), fd_(o.fd_), append_at_(o.append_at_) {
+  o.fd_ = -1;
+  o.tmp_.clear();
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+Status AtomicFile::WriteAt(uint64_t offset, const void* data, uint64_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd_, p, std::min<uint64_t>(bytes, 1 << 30), static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      Status s = Status::FromErrno("writing " + tmp, errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return s;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    Status s = Status::FromErrno("fsync " + tmp, errno);
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    Status s = Status::FromErrno("renaming " + tmp + " to " + path, errno);
-    ::unlink(tmp.c_str());
-    return s;
+    if (n <= 0) return Status::FromErrno("writing " + tmp_, n < 0 ? errno : EIO);
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+    offset += static_cast<uint64_t>(n);
   }
   return Status::Ok();
+}
+
+Status AtomicFile::Append(const void* data, uint64_t bytes) {
+  RP_RETURN_IF_ERROR(WriteAt(append_at_, data, bytes));
+  append_at_ += bytes;
+  return Status::Ok();
+}
+
+Status AtomicFile::Truncate(uint64_t bytes) {
+  if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return Status::FromErrno("sizing " + tmp_, errno);
+  return Status::Ok();
+}
+
+Status AtomicFile::Commit() {
+  if (::fsync(fd_) != 0) return Status::FromErrno("fsync " + tmp_, errno);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) return Status::FromErrno("closing " + tmp_, errno);
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) return Status::FromErrno("renaming " + tmp_ + " to " + path_, errno);
+  tmp_.clear();  // nothing left to remove
+  // The rename itself survives a crash only once the directory is synced.
+  const std::string dir = std::filesystem::path(path_).parent_path().string();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return Status::Ok();
+}
+
+Status WriteFileAtomically(const std::string& path, const std::string& text) {
+  RP_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::Create(path));
+  RP_RETURN_IF_ERROR(f.Append(text.data(), text.size()));
+  return f.Commit();
 }
 
 }  // namespace rp::core

@@ -50,7 +50,33 @@ class MetricsWriter {
   std::FILE* f_;
 };
 
-// Writes `json_text` to `path` atomically (temporary name, fsync, rename).
+// A file that appears under its final name only when complete: bytes go to a temporary name
+// in the same directory; Commit() fsyncs, renames over `path` and fsyncs the directory, so a
+// crash leaves the old file or the new one, never a torn one. Destroyed uncommitted (an error
+// path), it removes the temporary file. Never throws; one owner of the descriptor.
+class AtomicFile {
+ public:
+  static StatusOr<AtomicFile> Create(const std::string& path, int mode = 0644);
+  AtomicFile(AtomicFile&& o) noexcept;
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  AtomicFile& operator=(AtomicFile&&) = delete;
+  ~AtomicFile();
+  // Writes at `offset` (sparse files allowed: the gaps read as zeros).
+  Status WriteAt(uint64_t offset, const void* data, uint64_t bytes);
+  // Appends after the last byte written by Append.
+  Status Append(const void* data, uint64_t bytes);
+  Status Truncate(uint64_t bytes);
+  Status Commit();
+
+ private:
+  AtomicFile(std::string path, std::string tmp, int fd) : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
+  std::string path_, tmp_;
+  int fd_ = -1;
+  uint64_t append_at_ = 0;
+};
+
+// Writes `text` to `path` atomically (an AtomicFile).
 Status WriteFileAtomically(const std::string& path, const std::string& text);
 
 }  // namespace rp::core

@@ -230,13 +230,14 @@ Status WriteSafetensors(const std::string& path, const std::vector<SafetensorToW
   }
   std::string text = header.dump();
   text.resize((text.size() + 7) / 8 * 8, ' ');
-  std::string out(8, '\0');
-  uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  out += text;
-  out.reserve(out.size() + offset);
-  for (const auto& t : tensors) out.append(static_cast<const char*>(t.data), t.bytes);
-  return WriteFileAtomically(path, out);
+  uint8_t length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>((text.size() >> (8 * i)) & 0xff);
+  // Streamed tensor by tensor: no second copy of the model in memory.
+  RP_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::Create(path));
+  RP_RETURN_IF_ERROR(f.Append(length, 8));
+  RP_RETURN_IF_ERROR(f.Append(text.data(), text.size()));
+  for (const auto& t : tensors) RP_RETURN_IF_ERROR(f.Append(t.data, t.bytes));
+  return f.Commit();
 }
 
 }  // namespace rp::core
