@@ -93,6 +93,8 @@ class Coordinator {
   bool RestartsAllowed() const { return cfg_.job.max_worker_restarts > 0; }
   // A replacement for a dead worker said Hello: map it and re-send the rank's unfinished jobs.
   Status OnReplacement(int rank, const proto::Hello& hello);
+  // Tells a worker (first start or replacement) which segment to map.
+  Status SendWelcome(int rank);
   // Kills workers silent for longer than job.worker_timeout_s (hung); their replacements take
   // over. Without restarts a hung worker ends the run.
   Status CheckHeartbeats();
@@ -266,11 +268,7 @@ Status Coordinator::AcceptWorkers() {
     }
     if (worker_pids_[env->rank] == 0) connected++;
     worker_pids_[env->rank] = hello->pid;
-    proto::Welcome w{};
-    w.segment_bytes = layout_.total_bytes;
-    w.num_workers = opts_.num_workers;
-    proto::CopyText(w.segment_name, segment_->name());
-    RP_RETURN_IF_ERROR(channel_->Send(env->rank, w));
+    RP_RETURN_IF_ERROR(SendWelcome(env->rank));
     RP_VLOG(1) << "worker " << env->rank << " (pid " << hello->pid << ") connected";
   }
   RP_LOG(INFO) << "all " << opts_.num_workers << " workers connected";
@@ -425,6 +423,14 @@ Status Coordinator::SendTo(int rank, const Message& m) {
   return Status::Ok();
 }
 
+Status Coordinator::SendWelcome(int rank) {
+  proto::Welcome w{};
+  w.segment_bytes = layout_.total_bytes;
+  w.num_workers = opts_.num_workers;
+  proto::CopyText(w.segment_name, segment_->name());
+  return channel_->Send(rank, w);
+}
+
 Status Coordinator::CheckHeartbeats() {
   const double timeout = cfg_.job.worker_timeout_s;
   if (timeout <= 0) return Status::Ok();
@@ -453,11 +459,7 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
     return Status::ProtocolError("replacement worker " + std::to_string(rank) +
                                  " computed a different shared-memory layout or rank");
   worker_pids_[rank] = hello.pid;
-  proto::Welcome w{};
-  w.segment_bytes = layout_.total_bytes;
-  w.num_workers = opts_.num_workers;
-  proto::CopyText(w.segment_name, segment_->name());
-  RP_RETURN_IF_ERROR(channel_->Send(rank, w));
+  RP_RETURN_IF_ERROR(SendWelcome(rank));
   // The dead worker's unfinished jobs, in their original order (so the new worker's queue has
   // the same dependency order the round-robin schedule gave the old one), each with the inputs
   // that are already in their slots. What the old worker wrote is overwritten with the same

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "gpu_worker/worker.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <ATen/Parallel.h>
@@ -14,6 +13,7 @@
 #include <set>
 
 #include "common/logging.h"
+#include "common/test_hooks.h"
 #include "common/session.h"
 #include "common/time_util.h"
 #include "core/job_config.h"
@@ -130,16 +130,11 @@ Status Worker::Fail(int64_t job, const Status& s) {
   return s;
 }
 
-// Test hook for hang detection: RP_TEST_HANG_ONCE=<path> makes the first worker that creates
-// <path> (O_EXCL, so exactly one process of the run, never its replacement) stop making progress
-// at its third job, as a stuck kernel or a deadlock would: no messages, no exit.
+// Test hook for hang detection: with RP_TEST_HANG_ONCE=<marker path>, one worker of the run
+// (common/test_hooks.h) stops making progress at its third job, as a stuck kernel or a deadlock
+// would: no messages, no exit.
 void Worker::MaybeHangForTest() {
-  if (++jobs_begun_ != 3) return;
-  const char* path = std::getenv("RP_TEST_HANG_ONCE");
-  if (path == nullptr) return;
-  const int fd = ::open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return;
-  ::close(fd);
+  if (++jobs_begun_ != 3 || !ClaimTestHookOnce("RP_TEST_HANG_ONCE")) return;
   RP_LOG(WARNING) << "RP_TEST_HANG_ONCE: hanging on purpose";
   while (true) ::pause();
 }

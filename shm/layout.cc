@@ -8,6 +8,10 @@
 namespace rp::shm {
 namespace {
 uint64_t Align(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArenaAlign; }
+// fp32 bytes of gradient slot `slot`, 256-aligned: what the arena places for it.
+uint64_t GradSlotBytes(const core::ModelSpec& spec, int slot) {
+  return (static_cast<uint64_t>(spec.params[spec.grad_slots[slot].param].numel) * 4 + 255) / 256 * 256;
+}
 }  // namespace
 
 uint64_t ArenaLayout::TokenSlot(int parity, int mb) const {
@@ -27,25 +31,22 @@ uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
 
 StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::ModelSpec& spec,
                                         const core::PipelinePlan& plan) {
-  auto slot_bytes = [&](int slot) {
-    return (static_cast<uint64_t>(spec.params[spec.grad_slots[slot].param].numel) * 4 + 255) / 256 * 256;
-  };
   GradArenaSizing s;
   std::vector<int> uses(spec.params.size(), 0);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
-    s.all_slots += slot_bytes(static_cast<int>(g));
+    s.all_slots += GradSlotBytes(spec, static_cast<int>(g));
     uses[spec.grad_slots[g].param]++;
   }
   // Slots of parameters used by several layers (tied embeddings) stay until the last use.
   uint64_t shared_uses = 0, largest_stage = 0;
   for (size_t g = 0; g < spec.grad_slots.size(); ++g)
-    if (uses[spec.grad_slots[g].param] > 1) shared_uses += slot_bytes(static_cast<int>(g));
+    if (uses[spec.grad_slots[g].param] > 1) shared_uses += GradSlotBytes(spec, static_cast<int>(g));
   for (const auto& st : plan.stages) {
     if (st.kind == core::StageKind::kForward) continue;
     uint64_t bytes = 0;
     for (int l = st.begin; l < st.end; ++l)
       for (const auto& use : spec.layer_uses[l])
-        if (uses[use.param] == 1) bytes += slot_bytes(use.grad_slot);  // shared ones counted above
+        if (uses[use.param] == 1) bytes += GradSlotBytes(spec, use.grad_slot);  // shared ones counted above
     largest_stage = std::max(largest_stage, bytes);
   }
   s.must_hold_all = c.train.grad_clip > 0.0 || c.train.accum_calls > 1;
@@ -93,8 +94,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.compute_end = pos;
   a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
-  for (auto& g : spec.grad_slots)
-    a.grad_slot_bytes.push_back((static_cast<uint64_t>(spec.params[g.param].numel) * 4 + 255) / 256 * 256);
+  for (size_t g = 0; g < spec.grad_slots.size(); ++g)
+    a.grad_slot_bytes.push_back(GradSlotBytes(spec, static_cast<int>(g)));
   a.grad_arena = pos;
   a.grad_arena_bytes = sizing.chosen;
   a.grads_streamed = sizing.chosen < sizing.all_slots;

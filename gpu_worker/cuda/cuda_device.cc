@@ -13,12 +13,9 @@
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read.
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -27,6 +24,7 @@
 #include <vector>
 
 #include "common/logging.h"
+#include "common/test_hooks.h"
 #include "gpu_worker/cuda/cuda_check.h"
 #include "gpu_worker/device.h"
 
@@ -123,17 +121,13 @@ class CudaDevice final : public Device {
     }
   }
 
-  // Test hook: RP_TEST_CUDA_FAULT_ONCE=<path> makes the first worker of a run that creates <path>
-  // (O_EXCL: one process, never its replacement) launch a kernel that faults (a write to an
-  // unmapped address, which poisons this process's CUDA context) at its 8th activation fetch. What follows is the real failure path: the error surfaces at the next
-  // synchronization, the job fails, the worker exits and is replaced.
+  // Test hook: with RP_TEST_CUDA_FAULT_ONCE=<marker path>, one worker of the run
+  // (common/test_hooks.h) launches a kernel that faults (a write to an unmapped address, which
+  // poisons its CUDA context) at its 8th activation fetch. What follows is the real failure
+  // path: the error surfaces at the next synchronization, the job fails, the worker exits and
+  // is replaced.
   void MaybeInjectFaultForTest() {
-    if (++fetches_ != 8) return;
-    const char* path = std::getenv("RP_TEST_CUDA_FAULT_ONCE");
-    if (path == nullptr) return;
-    const int fd = ::open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) return;
-    ::close(fd);
+    if (++fetches_ != 8 || !ClaimTestHookOnce("RP_TEST_CUDA_FAULT_ONCE")) return;
     RP_LOG(WARNING) << "RP_TEST_CUDA_FAULT_ONCE: launching a faulting kernel on purpose";
     // A fill kernel writing through a pointer that maps nothing: an illegal address.
     at::Tensor wild = at::from_blob(reinterpret_cast<void*>(uintptr_t{0x1000}), {1 << 20},
