@@ -161,6 +161,17 @@ std::string ReadBytes(const std::string& path) {
   return ss.str();
 }
 
+// Waits (polling) until the run's metrics file holds at least `n` complete lines, i.e. `n` steps
+// reported; complete lines only, since the run is still appending. False on timeout.
+bool WaitForSteps(const std::string& metrics, long n, double timeout_s = 60) {
+  for (int i = 0; i < static_cast<int>(timeout_s * 100); ++i) {
+    const std::string text = ReadBytes(metrics);
+    if (std::count(text.begin(), text.end(), '\n') >= n) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 TEST_F(LaunchTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   // 10 steps, stop (checkpoint), --resume, 10 more: the same losses and the same final state
   // bits as 20 steps in one go (fp32, CPU, N = 2). Then stale1 mode, N = 3, stopped after 7.
@@ -382,11 +393,7 @@ TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
   auto kids = WaitForChildren(launcher.pid(), 3);
   ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
   // Let the run get into its steps (two reported), then kill a worker mid-step; no restarts.
-  for (int i = 0; i < 1000; ++i) {
-    const std::string text = ReadBytes(out + "/metrics.jsonl");
-    if (std::count(text.begin(), text.end(), '\n') >= 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  WaitForSteps(out + "/metrics.jsonl", 2, 20);
   pid_t victim = -1;
   for (pid_t k : kids) {
     std::string cmd = testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline");
@@ -439,11 +446,7 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
         workers.push_back(k);
     ASSERT_EQ(workers.size(), 3u);
     const long after = 1 + static_cast<long>(rng() % 25);
-    for (int i = 0; i < 3000; ++i) {
-      const std::string text = ReadBytes(out + "/metrics.jsonl");
-      if (std::count(text.begin(), text.end(), '\n') >= after) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    WaitForSteps(out + "/metrics.jsonl", after, 30);
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 30));
     const pid_t victim = workers[rng() % workers.size()];
     ASSERT_EQ(::kill(victim, SIGKILL), 0);
@@ -657,13 +660,7 @@ TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
 TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun) {
   const std::string b = tmp_ + "/sigint", a = tmp_ + "/sigint-whole";
   testing::Process launcher(LaunchArgs(2, b, {"train.steps=400"}), Env());
-  // Count complete lines only: the run is still appending to the file.
-  auto lines = [&] {
-    const std::string text = ReadBytes(b + "/metrics.jsonl");
-    return std::count(text.begin(), text.end(), '\n');
-  };
-  for (int i = 0; i < 600 && lines() < 3; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  WaitForSteps(b + "/metrics.jsonl", 3, 12);
   ::kill(launcher.pid(), SIGINT);
   auto r = launcher.Wait(120);
   ASSERT_FALSE(r.timed_out);
