@@ -8,6 +8,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitError = 1;          // unexpected failure; the log names it
 inline constexpr int kExitBadConfig = 2;      // bad job file, flag or --set override
 inline constexpr int kExitInterrupted = 3;    // stopped by SIGINT/SIGTERM
+inline constexpr int kExitReplan = 4;         // coordinator: checkpointed to restart on a new plan
 inline constexpr int kExitPeerLost = 10;      // a worker or the coordinator died
 inline constexpr int kExitCudaError = 11;
 inline constexpr int kExitProtocolError = 12;

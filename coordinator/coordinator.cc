@@ -4,7 +4,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -28,8 +31,11 @@
 #include "core/job_config.h"
 #include "core/lr_schedule.h"
 #include "core/model_spec.h"
+#include "core/partitioner.h"
 #include "core/plan.h"
+#include "core/profile.h"
 #include "core/run_output.h"
+#include "core/simulator.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
 #include "shm/segment.h"
@@ -65,6 +71,8 @@ class Coordinator {
  public:
   explicit Coordinator(CoordinatorOptions o) : opts_(std::move(o)) {}
   Status Run();
+  // The run stopped early (with a checkpoint) to be resumed on a better plan.
+  bool replan_requested() const { return replan_; }
 
  private:
   Status Setup();
@@ -83,6 +91,13 @@ class Coordinator {
   Status OnMicrobatchDone(int rank, const proto::MicrobatchDone& d);
   Status OnGradsReady(int rank, const proto::GradsReady& g);
   Status OnJobDone(int rank, const proto::JobDone& d);
+  Status OnLayerTime(int rank, const proto::LayerTime& t);
+  void OnLinkProbe(int rank, const proto::LinkProbe& p);
+  // Profiling (core/profile.h): the window of timed steps, the profile and prediction written
+  // when it is over, the drift check afterwards, and the re-plan decision.
+  void SetProfileWindow(int64_t begin);
+  Status MaybeFinishProfile();
+  void CheckDrift(int64_t step, double step_time_s);
   Status FeedCall(int64_t global_call);
   Status TryCommits(int64_t step);
   StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
@@ -146,6 +161,20 @@ class Coordinator {
   nlohmann::json trace_ = nlohmann::json::array();
   double busy_s_ = 0.0, makespan_s_ = 0.0;
   int64_t h2d_bytes_per_step_ = 0;  // the same every step: a function of the plan
+
+  // Profiling state.
+  std::optional<core::ProfileBuilder> profile_builder_;
+  std::vector<core::SimStage> sim_stages_;  // per stage: transfer volumes (explains mb intervals)
+  std::vector<double> link_h2d_, link_d2h_;  // per LinkProbe received
+  int64_t profile_begin_ = -1, profile_end_ = -1;  // steps [begin, end) are timed
+  bool profile_pending_ = false;
+  std::map<std::pair<int64_t, int>, double> mb_layer_seconds_;  // (job, mb) -> timed compute
+  std::optional<core::PlanChoice> prediction_;  // the plan in use, from the newest profile
+  int64_t predicted_from_step_ = -1;             // steps from here on are compared with it
+  std::vector<double> measured_step_s_, measured_bubble_;
+  int drift_streak_ = 0;
+  bool replan_ = false;
+  std::string replan_to_;
 };
 
 Status Coordinator::Setup() {
@@ -154,6 +183,9 @@ Status Coordinator::Setup() {
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   h2d_bytes_per_step_ = StepH2dBytes();
+  profile_builder_.emplace(plan_.num_layers);
+  sim_stages_ = core::BuildSimInput(cfg_, spec_, plan_, core::DefaultCostModel(cfg_),
+                                    opts_.num_workers, 1).stages;
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   data_.emplace(std::move(data));
   state_hash_ = TrainingStateHash(cfg_, spec_, layout_);
@@ -255,6 +287,10 @@ Status Coordinator::AcceptWorkers() {
     if (!env) continue;
     // Workers already welcomed send heartbeats while the others connect.
     if (std::holds_alternative<proto::Heartbeat>(env->message)) continue;
+    if (const auto* probe = std::get_if<proto::LinkProbe>(&env->message); probe && env->rank < opts_.num_workers) {
+      OnLinkProbe(env->rank, *probe);
+      continue;
+    }
     const auto* hello = std::get_if<proto::Hello>(&env->message);
     if (!hello || env->rank >= opts_.num_workers || hello->rank != env->rank) {
       RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message))
@@ -363,6 +399,17 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
   j->mb_times.emplace_back(d.start_us, d.end_us);
   if (d.microbatch < j->mb_hw) return Status::Ok();  // a replacement's replay: already counted
   j->mb_hw = j->next_mb;
+  if (j->run.profile) {
+    // What the layer timings and the modelled transfers do not explain is per-microbatch
+    // overhead (synchronization, launch gaps, messages): the simulator adds it to every stage.
+    auto key = std::make_pair(j->index, d.microbatch);
+    const double link_h2d = link_h2d_.empty() ? 0.0 : link_h2d_.front();
+    const double link_d2h = link_d2h_.empty() ? 0.0 : link_d2h_.front();
+    profile_builder_->AddMicrobatch(
+        static_cast<double>(d.end_us - d.start_us) * 1e-6,
+        mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[j->stage], link_h2d, link_d2h));
+    mb_layer_seconds_.erase(key);
+  }
   StepState& st = steps_.at(j->step);
   st.busy_s += static_cast<double>(d.end_us - d.start_us) * 1e-6;
   if (plan_.stages[j->stage].kind == core::StageKind::kFusedTail) {
@@ -374,6 +421,112 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
     RP_RETURN_IF_ERROR(SendTo(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
   }
   return Status::Ok();
+}
+
+Status Coordinator::OnLayerTime(int rank, const proto::LayerTime& t) {
+  RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, t.job_index, "LayerTime"));
+  const core::Stage& stage = plan_.stages[j->stage];
+  if (!j->run.profile || t.layer < stage.begin || t.layer >= stage.end || t.microbatch < 0 ||
+      t.microbatch >= cfg_.train.microbatches || !(t.seconds >= 0))
+    return Status::ProtocolError("LayerTime for job " + std::to_string(t.job_index) + " layer " +
+                                 std::to_string(t.layer) + " microbatch " + std::to_string(t.microbatch) +
+                                 " does not fit the job (not profiled, or out of range)");
+  profile_builder_->AddLayer(t.layer, t.phase, t.seconds, static_cast<double>(t.saved_bytes));
+  mb_layer_seconds_[{t.job_index, t.microbatch}] += t.seconds;
+  return Status::Ok();
+}
+
+void Coordinator::OnLinkProbe(int rank, const proto::LinkProbe& p) {
+  if (!(p.h2d_bytes_per_s >= 0) || !(p.d2h_bytes_per_s >= 0)) {
+    RP_LOG(WARNING) << "dropped a LinkProbe with negative rates from worker " << rank;
+    return;
+  }
+  link_h2d_.push_back(p.h2d_bytes_per_s);
+  link_d2h_.push_back(p.d2h_bytes_per_s);
+  profile_builder_->AddLink(p.h2d_bytes_per_s, p.d2h_bytes_per_s);
+  RP_LOG(INFO) << "worker " << rank << " host link: " << p.h2d_bytes_per_s / 1e9 << " GB/s in, "
+               << p.d2h_bytes_per_s / 1e9 << " GB/s out (" << (p.probe_bytes >> 20) << " MiB probe)";
+}
+
+void Coordinator::SetProfileWindow(int64_t begin) {
+  profile_begin_ = begin;
+  profile_end_ = std::min(begin + cfg_.schedule.profile_steps, stop_step_);
+  profile_pending_ = profile_end_ > profile_begin_;
+  if (profile_pending_)
+    RP_LOG(INFO) << "profiling steps " << profile_begin_ + 1 << "-" << profile_end_
+                 << " (per-layer times for " << cfg_.job.output_dir << "/profile.json)";
+}
+
+Status Coordinator::MaybeFinishProfile() {
+  if (!profile_pending_ || next_step_to_report_ < profile_end_ || !optimizer_->Updated(profile_end_ - 1))
+    return Status::Ok();
+  profile_pending_ = false;
+  // The optimizer's rate: parameters updated over the time the pool was busy with them (the
+  // union of the per-layer spans; layers of one step may overlap).
+  for (int64_t t = profile_begin_; t < profile_end_; ++t) {
+    auto spans = optimizer_->SpansOfStep(t);
+    std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    double busy = 0.0, params = 0.0;
+    int64_t covered = std::numeric_limits<int64_t>::min();
+    for (const auto& sp : spans) {
+      const int64_t from = std::max(sp.start_us, covered);
+      if (sp.end_us > from) busy += static_cast<double>(sp.end_us - from) * 1e-6;
+      covered = std::max(covered, sp.end_us);
+      for (const auto& p : spec_.params)
+        if (p.owner_layer == sp.layer) params += static_cast<double>(p.numel);
+    }
+    profile_builder_->AddOptimizer(params, busy);
+    profile_builder_->AddStep();
+  }
+  auto profile = profile_builder_->Build(cfg_);
+  if (!profile.ok()) {
+    RP_LOG(WARNING) << "no profile written: " << profile.status().message();
+    return Status::Ok();
+  }
+  const std::string path = cfg_.job.output_dir + "/profile.json";
+  RP_RETURN_IF_ERROR(core::SaveProfile(path, *profile));
+  prediction_ = core::PredictPlan(cfg_, plan_, *profile, opts_.num_workers);
+  predicted_from_step_ = profile_end_;
+  measured_step_s_.clear();
+  measured_bubble_.clear();
+  drift_streak_ = 0;
+  RP_LOG(INFO) << "profile of steps " << profile_begin_ + 1 << "-" << profile_end_ << " written to "
+               << path << "; prediction for " << plan_.Describe() << ": step "
+               << prediction_->step_seconds << " s, bubble " << 100.0 * prediction_->bubble_ratio
+               << "%, peak memory per worker " << prediction_->peak_memory_bytes / 1e9 << " GB";
+  if (cfg_.schedule.partition != "auto" || cfg_.schedule.replan_gain <= 0) return Status::Ok();
+  auto best = core::ChoosePlan(cfg_, opts_.num_workers, *profile);
+  if (!best.ok() || best->plan.Describe() == plan_.Describe() ||
+      best->step_seconds >= prediction_->step_seconds * (1.0 - cfg_.schedule.replan_gain))
+    return Status::Ok();
+  // Restarting costs a checkpoint and a start-up: only worth it with steps left to gain on.
+  const int64_t stop_after = next_step_to_report_ + 1;
+  if (stop_step_ - stop_after < 3) {
+    RP_LOG(INFO) << "the profile favours " << best->plan.Describe() << " (predicted step "
+                 << best->step_seconds << " s); too few steps remain to re-plan this run";
+    return Status::Ok();
+  }
+  replan_ = true;
+  replan_to_ = best->plan.Describe();
+  stop_step_ = std::min(stop_step_, stop_after);
+  RP_LOG(WARNING) << "re-planning: " << best->plan.Describe() << " predicts " << best->step_seconds
+                  << " s per step against " << prediction_->step_seconds << " s for "
+                  << plan_.Describe() << "; stopping after step " << stop_step_
+                  << " with a checkpoint to resume on it";
+  return Status::Ok();
+}
+
+void Coordinator::CheckDrift(int64_t step, double step_time_s) {
+  if (!prediction_ || step < predicted_from_step_ || profile_pending_) return;
+  measured_step_s_.push_back(step_time_s);
+  if (cfg_.schedule.drift <= 0 || cfg_.schedule.profile_steps <= 0) return;
+  const double off = std::abs(step_time_s / prediction_->step_seconds - 1.0);
+  drift_streak_ = off > cfg_.schedule.drift ? drift_streak_ + 1 : 0;
+  if (drift_streak_ < 3) return;
+  RP_LOG(WARNING) << "step times drifted from the prediction (" << step_time_s << " s measured, "
+                  << prediction_->step_seconds << " s predicted, 3 steps in a row): profiling again";
+  profile_builder_->Clear();
+  SetProfileWindow(next_step_to_dispatch_);
 }
 
 Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
@@ -511,6 +664,10 @@ Status Coordinator::Handle(int rank, const Message& m) {
     }
     case proto::MsgType::kHello: return OnReplacement(rank, std::get<proto::Hello>(m));
     case proto::MsgType::kHeartbeat: return Status::Ok();  // Loop noted the sign of life
+    case proto::MsgType::kLayerTime: return OnLayerTime(rank, std::get<proto::LayerTime>(m));
+    case proto::MsgType::kLinkProbe:
+      OnLinkProbe(rank, std::get<proto::LinkProbe>(m));
+      return Status::Ok();
     case proto::MsgType::kWelcome:
     case proto::MsgType::kRunJob:
     case proto::MsgType::kInputReady:
@@ -590,7 +747,8 @@ Status Coordinator::Dispatch(int64_t step) {
       // update overlaps all of step t.
       const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
       proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
-                      static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version};
+                      static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version,
+                      step >= profile_begin_ && step < profile_end_ ? 1 : 0, 0};
       j.run = r;
       RP_RETURN_IF_ERROR(SendTo(j.worker, r));
       jobs_.emplace(j.index, j);
@@ -663,6 +821,8 @@ Status Coordinator::ReportSteps() {
     busy_s_ += st.busy_s;
     last_report_at_ = now;
     RP_RETURN_IF_ERROR(metrics_->Append(m));
+    if (prediction_ && next_step_to_report_ >= predicted_from_step_) measured_bubble_.push_back(m.bubble_ratio);
+    CheckDrift(next_step_to_report_, m.step_time_s);
     RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr "
                  << m.lr << " grad_norm " << m.grad_norm << " "
                  << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s)
@@ -680,6 +840,10 @@ Status Coordinator::Loop() {
   run_start_ = last_report_at_ = MonoSeconds();
   last_seen_.assign(opts_.num_workers, MonoSeconds());
   next_step_to_report_ = next_step_to_dispatch_ = first_step_;
+  // The first step of a start is warm-up (allocator, kernel selection, page faults): timed only
+  // when it is the only one.
+  if (cfg_.schedule.profile_steps > 0)
+    SetProfileWindow(stop_step_ - first_step_ >= 2 ? first_step_ + 1 : first_step_);
   RP_RETURN_IF_ERROR(Dispatch(first_step_));
   if (first_step_ + 1 < stop_step_) RP_RETURN_IF_ERROR(Dispatch(first_step_ + 1));
   // Done when every step is reported and the last update is in shared memory (the final drain).
@@ -705,9 +869,11 @@ Status Coordinator::Loop() {
     // A grant may have been waiting for the previous step's update (see TryCommits).
     for (const auto& [step, state] : steps_) RP_RETURN_IF_ERROR(TryCommits(step));
     RP_RETURN_IF_ERROR(ReportSteps());
+    RP_RETURN_IF_ERROR(MaybeFinishProfile());
   }
   makespan_s_ = MonoSeconds() - run_start_;
   RP_RETURN_IF_ERROR(MaybeCheckpoint(stop_step_ - 1));
+  if (replan_) return Status::Ok();  // resumed by rp-launch on the new plan
   if (graceful_ && stop_step_ < cfg_.train.steps)
     return Status::Cancelled("interrupted after step " + std::to_string(stop_step_) +
                              "; checkpoint written, rp-launch --resume continues");
@@ -755,6 +921,29 @@ Status Coordinator::Run() {
         {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * cfg_.train.accum_calls *
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_}};
+    if (prediction_) {
+      auto median = [](std::vector<double> v) {
+        if (v.empty()) return -1.0;
+        std::sort(v.begin(), v.end());
+        return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+      };
+      const double measured = median(measured_step_s_);
+      summary["prediction"] = {
+          {"plan", prediction_->plan.Describe()}, {"costs", prediction_->cost_source},
+          {"profiled_steps", {profile_begin_ + 1, profile_end_}},
+          {"predicted_step_s", prediction_->step_seconds},
+          {"predicted_bubble_ratio", prediction_->bubble_ratio},
+          {"predicted_peak_memory_bytes", prediction_->peak_memory_bytes},
+          {"measured_steps", measured_step_s_.size()},
+          {"measured_median_step_s", measured},
+          {"measured_median_bubble_ratio", median(measured_bubble_)},
+          {"measured_over_predicted", measured > 0 ? measured / prediction_->step_seconds : -1.0}};
+      if (measured > 0)
+        RP_LOG(INFO) << "step time: measured " << measured << " s (median of " << measured_step_s_.size()
+                     << " steps), predicted " << prediction_->step_seconds << " s ("
+                     << 100.0 * (measured / prediction_->step_seconds - 1.0) << "%)";
+    }
+    if (replan_) summary["replan_to"] = replan_to_;
     RP_RETURN_IF_ERROR(core::WriteFileAtomically(cfg_.job.output_dir + "/summary.json",
                                                  summary.dump(2) + "\n"));
   }
@@ -768,9 +957,11 @@ Status Coordinator::Run() {
 void RequestStop() { g_stop = true; }
 void RequestGracefulStop() { g_graceful_stop = true; }
 
-Status RunCoordinator(const CoordinatorOptions& options) {
+Status RunCoordinator(const CoordinatorOptions& options, bool* replan) {
   Coordinator c(options);
-  return c.Run();
+  Status s = c.Run();
+  if (replan) *replan = s.ok() && c.replan_requested();
+  return s;
 }
 
 }  // namespace rp::coord

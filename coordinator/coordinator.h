@@ -29,8 +29,11 @@ struct CoordinatorOptions {
   bool resume = false;            // continue from the newest training-state checkpoint
 };
 
-// Runs the whole job. Returns OK after the last step's metrics are written.
-Status RunCoordinator(const CoordinatorOptions& options);
+// Runs the whole job. Returns OK after the last step's metrics are written. With
+// schedule.partition = "auto", a fresh profile may show that another plan is clearly faster
+// (schedule.replan_gain): the run then stops after a checkpoint, returns OK with *replan set,
+// and rp-launch resumes it on the plan made from <output_dir>/profile.json.
+Status RunCoordinator(const CoordinatorOptions& options, bool* replan = nullptr);
 
 // Asks a running coordinator to stop at once (async-signal-safe; the SIGTERM handler).
 void RequestStop();

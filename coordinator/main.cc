@@ -42,10 +42,15 @@ int main(int argc, char** argv) {
   sa.sa_handler = OnSignal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
-  rp::Status s = rp::coord::RunCoordinator(o);
+  bool replan = false;
+  rp::Status s = rp::coord::RunCoordinator(o, &replan);
   if (!s.ok()) {
     RP_LOG(ERROR) << s.ToString();
     return rp::ExitCodeFor(s);
+  }
+  if (replan) {
+    RP_LOG(INFO) << "stopped to re-plan; rp-launch resumes the run";
+    return rp::kExitReplan;
   }
   RP_LOG(INFO) << "done";
   return 0;

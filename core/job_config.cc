@@ -258,8 +258,22 @@ const std::vector<KeySpec>& Table() {
                "(ascending)"),
       Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
-           "tail size and both partitions minimizing the simulated step time (FLOP cost model; "
-           "rp-plan shows its choice)"),
+           "tail size and both partitions minimizing the simulated step time (from the measured "
+           "profile when there is one, else a FLOP cost model; rp-plan shows its choice)"),
+      Str("schedule", "profile", F(schedule.profile), "",
+          "Measured profile (profile.json) the auto planner uses; empty: rp-launch uses "
+          "<output_dir>/profile.json when it exists and matches the workload, else the FLOP "
+          "cost model"),
+      Int("schedule", "profile_steps", F(schedule.profile_steps), 2, 0, kMax,
+          "Steps whose layers are timed (after one warm-up step) to write <output_dir>/profile.json "
+          "and the step-time prediction; 0 = no profiling"),
+      Float("schedule", "replan_gain", F(schedule.replan_gain), 0.05, 0.0, 1.0,
+            "With partition = auto: when a fresh profile makes the planner predict a step this "
+            "much faster (fraction) with another plan, the run checkpoints and rp-launch restarts "
+            "it on the new plan (resume is exact); 0 = never re-plan"),
+      Float("schedule", "drift", F(schedule.drift), 0.2, 0.0, 100.0,
+            "After profiling, measured step times off the prediction by more than this fraction "
+            "for 3 steps in a row trigger a new profile (and a re-plan check); 0 = never"),
       Float("schedule", "gpu_memory_gb", F(schedule.gpu_memory_gb), 0.0, 0.0, 1e6,
             "Per-worker memory limit the auto planner respects (estimate); 0 = unlimited"),
       Enum("schedule", "activation_transport", F(schedule.activation_transport), "auto",

@@ -81,6 +81,10 @@ struct ScheduleConfig {
   std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"
   std::string partition = "equal";  // "equal": stage counts or explicit cuts; "auto": planner
   double gpu_memory_gb = 0.0;       // per-worker memory limit for "auto"; 0 = unlimited
+  std::string profile;              // measured profile for "auto" (core/profile.h); "" = cost model
+  int64_t profile_steps = 2;        // steps timed per layer after a warm-up step; 0 = none
+  double replan_gain = 0.05;        // predicted speed-up that justifies restarting on a new plan
+  double drift = 0.2;               // measured/predicted step mismatch that triggers re-profiling
 };
 
 struct CheckpointConfig {

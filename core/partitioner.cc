@@ -8,6 +8,13 @@
 #include "core/simulator.h"
 
 namespace rp::core {
+namespace {
+// Steps simulated to predict the steady-state step (the first carries the pipeline fill).
+constexpr int kPlanningSteps = 3;
+}  // namespace
+}  // namespace rp::core
+
+namespace rp::core {
 
 std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
   const int n = static_cast<int>(costs.size());
@@ -35,7 +42,7 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
   return starts;
 }
 
-double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan) {
+double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Profile* profile) {
   const ModelSpec spec = BuildModelSpec(c.model);
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
@@ -52,6 +59,15 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan) {
     const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
     const double per_block = tokens * (10.0 * H + 3.0 * I) * elem;
     double acts = grads ? blocks * per_block : per_block;
+    if (grads && profile) {  // measured: what each layer's autograd forward kept
+      double measured = 0.0;
+      bool all = true;
+      for (int l = std::max(st.begin, 1); l < std::min(st.end, plan.num_layers - 1); ++l) {
+        all = all && profile->layers[l].saved_bytes >= 0;
+        measured += profile->layers[l].saved_bytes;
+      }
+      if (all) acts = measured;
+    }
     if (st.end == plan.num_layers)  // the head: one chunk of fp32 logits and its gradient
       acts += 2.0 * std::min(4096.0, tokens) * static_cast<double>(c.model.vocab_size) * 4.0;
     const double stage = params * elem + (grads ? params * (4.0 + elem) : 0.0) + acts;
@@ -61,12 +77,42 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan) {
   return worst_stage + worst_weights;  // the running stage plus the next one's prefetched weights
 }
 
+StatusOr<Profile> PlanningProfile(const JobConfig& c) {
+  if (c.schedule.profile.empty()) return DefaultCostModel(c);
+  return LoadProfile(c.schedule.profile, c);
+}
+
+PlanChoice PredictPlan(const JobConfig& c, const PipelinePlan& plan, const Profile& profile,
+                       int workers) {
+  const ModelSpec spec = BuildModelSpec(c.model);
+  PlanChoice out;
+  out.plan = plan;
+  out.cost_source = profile.source;
+  auto steady = Simulate(BuildSimInput(c, spec, plan, profile, workers, kPlanningSteps));
+  auto first = Simulate(BuildSimInput(c, spec, plan, profile, workers, 1));
+  out.step_seconds = steady.steady_step_s;
+  out.bubble_ratio = steady.steady_bubble_ratio;
+  out.first_step_seconds = first.makespan;
+  out.fill_ratio = first.fill_ratio;
+  out.drain_ratio = first.drain_ratio;
+  out.imbalance_ratio = first.imbalance_ratio;
+  out.peak_memory_bytes = EstimatePeakMemory(c, plan, &profile);
+  return out;
+}
+
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
-  const double rate = c.job.device == "cpu" ? 2e10 : 790e12 * 0.5;
+  RP_ASSIGN_OR_RETURN(Profile profile, PlanningProfile(c));
+  return ChoosePlan(c, workers, profile);
+}
+
+StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& profile) {
+  const ModelSpec spec = BuildModelSpec(c.model);
   const int L = static_cast<int>(c.model.num_layers);
   const double limit = c.schedule.gpu_memory_gb * 1e9;
-  PlanChoice best;
-  best.step_seconds = std::numeric_limits<double>::infinity();
+  const std::vector<double> fwd_cost = profile.ForwardCosts();
+  const std::vector<double> bwd_cost = profile.BackwardCosts();
+  double best_step = std::numeric_limits<double>::infinity();
+  PipelinePlan best_plan;
   int best_jobs = std::numeric_limits<int>::max();
   int candidates = 0;
   double smallest_memory = std::numeric_limits<double>::infinity();
@@ -75,19 +121,12 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
   for (int tail = 0; tail <= std::min(L, 3); ++tail) {
     const int t = L + 1 - tail;  // layers before the tail
     probe.schedule.tail_blocks = tail;
-    probe.schedule.forward_cuts.clear();
-    probe.schedule.backward_cuts.clear();
-    // Per-layer forward costs of [0, t) from a one-stage-per-layer plan.
-    probe.schedule.forward_stages = t;
-    probe.schedule.backward_stages = 1;
-    auto per_layer = BuildPlan(probe);
-    if (!per_layer.ok()) continue;
-    std::vector<double> layer_cost = StageFlops(probe, *per_layer);
-    layer_cost.resize(t);  // the forward stages come first: one per layer here
+    const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
+    const std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
     for (int f = 1; f <= std::min(t, 2 * workers + 2); ++f)
       for (int b = 1; b <= std::min(t, 3 * workers + 3); ++b) {
-        std::vector<std::vector<int>> fwd = {EqualCuts(t, f), MinMaxPartition(layer_cost, f)};
-        std::vector<std::vector<int>> bwd = {EqualCuts(t, b), MinMaxPartition(layer_cost, b)};
+        std::vector<std::vector<int>> fwd = {EqualCuts(t, f), MinMaxPartition(f_layers, f)};
+        std::vector<std::vector<int>> bwd = {EqualCuts(t, b), MinMaxPartition(b_layers, b)};
         for (const auto& fc : fwd)
           for (const auto& bc : bwd) {
             // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
@@ -98,32 +137,27 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
             auto plan = BuildPlan(probe);
             if (!plan.ok()) continue;
             candidates++;
-            const double mem = EstimatePeakMemory(probe, *plan);
+            const double mem = EstimatePeakMemory(probe, *plan, &profile);
             smallest_memory = std::min(smallest_memory, mem);
             if (limit > 0 && mem > limit) continue;
-            std::vector<double> secs = StageFlops(probe, *plan);
-            for (double& s : secs) s /= rate;
-            auto sim = SimulateRoundRobin(secs, workers, static_cast<int>(c.train.microbatches),
-                                          static_cast<int>(c.train.accum_calls));
+            auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
             const int jobs = static_cast<int>(plan->stages.size());
             // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
-            if (sim.makespan < best.step_seconds * (1.0 - 1e-6) ||
-                (sim.makespan <= best.step_seconds * (1.0 + 1e-6) && jobs < best_jobs)) {
-              best.plan = *plan;
-              best.step_seconds = sim.makespan;
-              best.bubble_ratio = sim.bubble_ratio;
-              best.peak_memory_bytes = mem;
+            if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
+                (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs)) {
+              best_plan = *plan;
+              best_step = sim.steady_step_s;
               best_jobs = jobs;
             }
           }
       }
   }
-  best.candidates = candidates;
-  best.flops_per_second = rate;
   if (best_jobs == std::numeric_limits<int>::max())
     return Status::InvalidArgument(
         "schedule.gpu_memory_gb: no plan fits in " + std::to_string(c.schedule.gpu_memory_gb) +
         " GB per worker; the smallest estimate is " + std::to_string(smallest_memory / 1e9) + " GB");
+  PlanChoice best = PredictPlan(c, best_plan, profile, workers);
+  best.candidates = candidates;
   return best;
 }
 

@@ -4,27 +4,43 @@
 // It searches the fused tail's size and the number of forward and backward stages; for each it
 // tries the equal-layer split and the exact min-max split (dynamic programming over contiguous
 // cuts, minimizing the slowest stage), simulates the round-robin schedule (core/simulator.h) with
-// per-layer costs from a FLOP model, drops plans whose estimated per-worker memory exceeds
-// schedule.gpu_memory_gb, and keeps the fastest (fewer stages on ties). Deterministic: every
-// process of a run gets the same plan. Not yet: measured per-layer profiles and transfer times.
+// per-layer costs, drops plans whose estimated per-worker memory exceeds schedule.gpu_memory_gb,
+// and keeps the one with the shortest steady-state step (fewer stages on ties). Forward cuts are
+// split on forward costs, backward cuts on recompute + backward costs.
+//
+// Costs come from the measured profile named by schedule.profile (core/profile.h; the launcher
+// points it at a copy of <output_dir>/profile.json so every process of a run reads the same
+// numbers), else from the FLOP cost model. Deterministic: every process gets the same plan.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "core/job_config.h"
 #include "core/plan.h"
+#include "core/profile.h"
 
 namespace rp::core {
 
 struct PlanChoice {
   PipelinePlan plan;
-  double step_seconds = 0.0;       // predicted, one step from idle, cost model
-  double bubble_ratio = 0.0;       // predicted
+  double step_seconds = 0.0;       // predicted steady-state step time (simulated over 3 steps)
+  double bubble_ratio = 0.0;       // predicted, steady state
+  double first_step_seconds = 0.0; // predicted, one step from idle
+  double fill_ratio = 0.0, drain_ratio = 0.0, imbalance_ratio = 0.0;  // one step from idle
   double peak_memory_bytes = 0.0;  // estimated, per worker
-  double flops_per_second = 0.0;   // the rate the cost model assumed per worker
+  std::string cost_source;         // "measured" (profile file) or "cost-model"
   int candidates = 0;              // plans evaluated
 };
+
+// The simulator's predictions for running `plan` with `profile` (fills everything but
+// `candidates`).
+PlanChoice PredictPlan(const JobConfig& config, const PipelinePlan& plan, const Profile& profile,
+                       int workers);
+// The profile the planner uses for `config`: schedule.profile if set, else the cost model.
+StatusOr<Profile> PlanningProfile(const JobConfig& config);
+StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers, const Profile& profile);
 
 // Contiguous split of costs[0..n) into `parts` non-empty ranges minimizing the largest range
 // sum; returns the start index of each range (first is 0). Exact.
@@ -33,7 +49,9 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts);
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers);
 
 // Estimated peak bytes on one worker for a plan: two stages' weights (current + prefetch), fp32
-// gradient accumulators, and the activations a stage keeps for its backward.
-double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan);
+// gradient accumulators, and the activations a stage keeps for its backward (measured saved
+// bytes per layer when the profile has them, else an estimate).
+double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan,
+                          const Profile* profile = nullptr);
 
 }  // namespace rp::core

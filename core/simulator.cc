@@ -2,36 +2,191 @@
 #include "core/simulator.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace rp::core {
 
+double TransferSeconds(const SimStage& st, double h2d, double d2h) {
+  return (h2d > 0 ? st.in_bytes / h2d : 0.0) + (d2h > 0 ? st.out_bytes / d2h : 0.0);
+}
+
+SimResult Simulate(const SimInput& in) {
+  const int S = static_cast<int>(in.stages.size());
+  const int N = in.workers, M = in.microbatches, K = in.calls, T = in.steps;
+  const int jobs_per_step = S * K;
+  SimResult r;
+  r.busy.assign(N, 0.0);
+  r.step_done.assign(T, 0.0);
+  int owners = 0;
+  for (const auto& st : in.stages)
+    for (int o : st.owners) owners = std::max(owners, o + 1);
+  owners = std::max(owners, static_cast<int>(in.update_s.size()));
+  // final_at[t][o]: layer o's gradient of step t is final; updated[t][o]: its update is published.
+  std::vector<std::vector<double>> final_at(T, std::vector<double>(owners, 0.0));
+  std::vector<std::vector<double>> updated(T, std::vector<double>(owners, 0.0));
+  std::vector<std::vector<bool>> has_grad(T, std::vector<bool>(owners, false));
+  double optimizer_free = 0.0;
+  auto run_updates = [&](int t) {
+    std::vector<int> order;
+    for (int o = 0; o < owners; ++o)
+      if (has_grad[t][o]) order.push_back(o);
+    double all_final = 0.0;
+    for (int o : order) all_final = std::max(all_final, final_at[t][o]);
+    if (!in.updates_wait_for_norm)
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return final_at[t][a] < final_at[t][b]; });
+    for (int o : order) {
+      const double ready = in.updates_wait_for_norm ? all_final : final_at[t][o];
+      const double cost = o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0;
+      const double start = std::max(optimizer_free, ready);
+      updated[t][o] = start + cost;
+      optimizer_free = updated[t][o];
+    }
+  };
+
+  std::vector<double> compute_free(N, 0.0), began(N, 0.0), weights_free(N, 0.0), grads_free(N, 0.0);
+  std::vector<double> first_start(N, -1.0), last_end(N, 0.0);
+  std::vector<double> prev_chain(M, 0.0), cur_chain(M, 0.0);
+  int updates_done_for = -1;
+  for (int t = 0; t < T; ++t) {
+    const int need = t - in.version_lag;  // the step whose updates this step's weights include
+    if (need >= 0)
+      while (updates_done_for < need) run_updates(++updates_done_for);
+    for (int c = 0; c < K; ++c)
+      for (int s = 0; s < S; ++s) {
+        const int64_t k = static_cast<int64_t>(t) * jobs_per_step + c * S + s;
+        const int w = static_cast<int>(k % N);
+        const SimStage& st = in.stages[s];
+        double version_ready = 0.0;
+        if (need >= 0)
+          for (int o : st.owners) version_ready = std::max(version_ready, updated[need][o]);
+        const double fetch_start = std::max({version_ready, weights_free[w], began[w]});
+        const double fetch_end =
+            fetch_start + (in.h2d_bytes_per_s > 0 ? st.weight_bytes / in.h2d_bytes_per_s : 0.0);
+        weights_free[w] = fetch_end;
+        double now = std::max(compute_free[w], fetch_end);
+        began[w] = now;
+        const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+        for (int m = 0; m < M; ++m) {
+          if (s > 0) now = std::max(now, prev_chain[m]);
+          if (first_start[w] < 0) first_start[w] = now;
+          now += per_mb;
+          cur_chain[m] = now;
+          r.busy[w] += per_mb;
+        }
+        compute_free[w] = last_end[w] = now;
+        double done = now;
+        if (st.grad_bytes > 0) {
+          const double start = std::max(now, grads_free[w]);
+          grads_free[w] = start + (in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0);
+          done = grads_free[w];
+          for (int o : st.owners) {
+            final_at[t][o] = std::max(final_at[t][o], done);
+            has_grad[t][o] = true;
+          }
+        }
+        r.step_done[t] = std::max(r.step_done[t], done);
+        std::swap(prev_chain, cur_chain);
+      }
+  }
+  while (updates_done_for < T - 1) run_updates(++updates_done_for);
+  r.makespan = 0.0;
+  for (int t = 0; t < T; ++t) {
+    r.makespan = std::max(r.makespan, r.step_done[t]);
+    for (int o = 0; o < owners; ++o) r.makespan = std::max(r.makespan, updated[t][o]);
+  }
+  double busy = 0.0, fill = 0.0, drain = 0.0;
+  for (int w = 0; w < N; ++w) {
+    busy += r.busy[w];
+    if (first_start[w] < 0) {  // a worker that never ran anything is idle throughout: count as fill
+      fill += r.makespan;
+      continue;
+    }
+    fill += first_start[w];
+    drain += r.makespan - last_end[w];
+  }
+  const double total = r.makespan * N;
+  if (total > 0) {
+    r.bubble_ratio = std::max(0.0, 1.0 - busy / total);
+    r.fill_ratio = fill / total;
+    r.drain_ratio = drain / total;
+    r.imbalance_ratio = std::max(0.0, r.bubble_ratio - r.fill_ratio - r.drain_ratio);
+  }
+  r.steady_step_s = T > 1 ? (r.step_done[T - 1] - r.step_done[0]) / (T - 1) : r.makespan;
+  r.steady_bubble_ratio =
+      r.steady_step_s > 0 ? std::max(0.0, 1.0 - busy / T / (N * r.steady_step_s)) : 0.0;
+  return r;
+}
+
 SimResult SimulateRoundRobin(const std::vector<double>& stage_time, int workers, int microbatches,
                              int calls) {
-  const int S = static_cast<int>(stage_time.size());
-  const int jobs = S * calls;
-  SimResult r;
-  r.busy.assign(workers, 0.0);
-  // end[k][m]: finish time of microbatch m of job k. Jobs are processed in index order, which is
-  // a valid topological order: every dependency points to a smaller index.
-  std::vector<std::vector<double>> end(jobs, std::vector<double>(microbatches, 0.0));
-  std::vector<double> worker_free(workers, 0.0);
-  for (int k = 0; k < jobs; ++k) {
-    const int w = k % workers, stage = k % S;
-    const bool chained = stage > 0;  // the first stage of a call waits only for data
-    double t = worker_free[w];
-    for (int m = 0; m < microbatches; ++m) {
-      if (chained) t = std::max(t, end[k - 1][m]);
-      t += stage_time[stage];
-      end[k][m] = t;
-      r.busy[w] += stage_time[stage];
-    }
-    worker_free[w] = t;
-    r.makespan = std::max(r.makespan, t);
+  SimInput in;
+  for (double t : stage_time) {
+    SimStage st;
+    st.compute_s = t;
+    in.stages.push_back(st);
   }
-  double busy = 0.0;
-  for (double b : r.busy) busy += b;
-  r.bubble_ratio = r.makespan > 0 ? 1.0 - busy / (r.makespan * workers) : 0.0;
-  return r;
+  in.workers = workers;
+  in.microbatches = microbatches;
+  in.calls = calls;
+  return Simulate(in);
+}
+
+SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
+                       const Profile& profile, int workers, int steps) {
+  SimInput in;
+  in.workers = workers;
+  in.microbatches = static_cast<int>(c.train.microbatches);
+  in.calls = static_cast<int>(c.train.accum_calls);
+  in.steps = steps;
+  in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
+  in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
+  in.version_lag = c.optimizer.mode == "stale1" ? 2 : 1;
+  in.updates_wait_for_norm = c.train.grad_clip > 0;
+  const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
+  const double tokens = static_cast<double>(c.TokensPerMicrobatch());
+  const double act = tokens * static_cast<double>(c.model.hidden_size) * elem;
+  const double ids = tokens * 8.0;  // int64 token ids or labels
+  for (const auto& s : plan.stages) {
+    SimStage st;
+    const bool grads = s.kind != StageKind::kForward;
+    std::vector<bool> owner(plan.num_layers, false);
+    for (int l = s.begin; l < s.end; ++l) {
+      const LayerCost& lc = profile.layers[l];
+      st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : lc.recompute_s + lc.backward_s;
+      for (const auto& use : spec.layer_uses[l]) {
+        const double n = static_cast<double>(spec.params[use.param].numel);
+        st.weight_bytes += n * elem;
+        if (grads) st.grad_bytes += n * 4.0;
+        owner[spec.params[use.param].owner_layer] = true;
+      }
+    }
+    for (int l = 0; l < plan.num_layers; ++l)
+      if (owner[l]) st.owners.push_back(l);
+    st.compute_s += profile.microbatch_overhead_s;
+    switch (s.kind) {
+      case StageKind::kForward:
+        st.in_bytes = s.begin == 0 ? ids : act;
+        for (int l = s.begin; l < s.end; ++l)
+          if (plan.HiddenSlot(l + 1) >= 0) st.out_bytes += act;
+        break;
+      case StageKind::kFusedTail:
+        st.in_bytes = act + ids;
+        st.out_bytes = act;
+        break;
+      case StageKind::kBackward:
+        st.in_bytes = (s.begin == 0 ? ids : act) + act;
+        st.out_bytes = s.begin > 0 ? act : 0.0;
+        break;
+    }
+    in.stages.push_back(std::move(st));
+  }
+  if (profile.optimizer_params_per_s > 0) {
+    in.update_s.assign(plan.num_layers, 0.0);
+    for (const auto& p : spec.params)
+      in.update_s[p.owner_layer] += static_cast<double>(p.numel) / profile.optimizer_params_per_s;
+  }
+  return in;
 }
 
 std::vector<double> StageFlops(const JobConfig& c, const PipelinePlan& plan) {

@@ -1,35 +1,86 @@
 // SPDX-License-Identifier: Apache-2.0
-// Simulator of the round-robin schedule: predicts makespan and bubble ratio of a step.
+// Event-driven simulator of the round-robin schedule: predicts step time, bubble ratio (split
+// into fill, drain and imbalance) for a plan from per-stage costs.
 //
-// Model (the runtime's rules, in pure form): a step is K calls of the stage chain; job k (counted
-// over calls) runs on worker k mod N; each job processes microbatches 0..M-1 in order; microbatch
-// m of job k starts when (a) microbatch m of the previous job in its call's chain is done, (b) the
-// job's own microbatch m-1 is done, and (c) for m = 0, the worker's previous job is done. Calls
-// depend on each other only through the workers (the optimizer, transfers and slot reuse are not
-// modelled). Pure and deterministic.
+// Model (the runtime's rules, in pure form):
+//  * A step is K calls of the stage chain; job k (counted over steps and calls) runs on worker
+//    k mod N; each job processes microbatches 0..M-1 in order.
+//  * Microbatch m of chain position k starts when (a) microbatch m of the previous position in
+//    its call is done (its output is in host memory), (b) the job's own microbatch m-1 is done,
+//    and (c) for m = 0, the worker's previous job is done and the job's weights are resident.
+//    A microbatch costs its input's H2D copy + compute + its outputs' D2H copy, in series (the
+//    CUDA backend's activation copies wait for compute and compute waits for them).
+//  * Weights: per worker one copy stream; a job's fetch starts when the weights it reads hold
+//    the version it needs and the worker's previous job has begun (two jobs' weights at most).
+//  * Gradients: after a job's last microbatch they are written back on the worker's gradient
+//    stream, overlapping the next job; a layer's gradient is final when the last job of the
+//    step that writes it has finished that copy.
+//  * Optimizer: one server (the coordinator's pool) updating one owner layer at a time: without
+//    clipping each layer as soon as final, with clipping (the global norm is needed) all layers
+//    after the step's last final gradient, ascending. Step t reads weights updated through step
+//    t - lag (lag 1 = exact, 2 = stale1).
+//  * Not modelled: activation slot reuse across calls, gradient arena capacity, several workers
+//    sharing one GPU's link or compute, message latency (folded into a measured overhead).
+// Pure and deterministic.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "core/job_config.h"
+#include "core/model_spec.h"
 #include "core/plan.h"
+#include "core/profile.h"
 
 namespace rp::core {
 
-struct SimResult {
-  double makespan = 0.0;
-  std::vector<double> busy;  // per worker
-  double bubble_ratio = 0.0; // idle / (N x makespan)
+struct SimStage {
+  double compute_s = 0.0;     // per microbatch
+  double in_bytes = 0.0;      // per microbatch, host -> device before compute
+  double out_bytes = 0.0;     // per microbatch, device -> host after compute
+  double weight_bytes = 0.0;  // per job
+  double grad_bytes = 0.0;    // per job, written back after the last microbatch (0: none)
+  std::vector<int> owners;    // owner layers whose weights it reads (and gradients it writes)
 };
 
-// stage_time[s]: seconds per microbatch of chain stage s.
+struct SimInput {
+  std::vector<SimStage> stages;  // chain order
+  int workers = 1, microbatches = 1, calls = 1, steps = 1;
+  double h2d_bytes_per_s = 0.0;  // 0: transfers are free
+  double d2h_bytes_per_s = 0.0;
+  std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
+  int version_lag = 1;
+  bool updates_wait_for_norm = false;
+};
+
+struct SimResult {
+  double makespan = 0.0;      // until the last job, commit and update
+  std::vector<double> busy;   // per worker: microbatch time (transfers + compute)
+  double bubble_ratio = 0.0;  // idle / (N x makespan) = fill + drain + imbalance
+  double fill_ratio = 0.0;    // idle before a worker's first microbatch
+  double drain_ratio = 0.0;   // idle after a worker's last microbatch
+  double imbalance_ratio = 0.0;
+  std::vector<double> step_done;  // per step: its last microbatch or gradient copy finished
+  double steady_step_s = 0.0;     // (step_done[last] - step_done[0]) / (steps - 1); 1 step: makespan
+  double steady_bubble_ratio = 0.0;  // 1 - busy per step / (N x steady_step_s)
+};
+
+SimResult Simulate(const SimInput& in);
+
+// The compute-only special case: stage_time[s] seconds per microbatch, one step, no transfers,
+// no optimizer.
 SimResult SimulateRoundRobin(const std::vector<double>& stage_time, int workers, int microbatches,
                              int calls);
 
+// The simulator's input for running `plan` on `workers` workers with the costs in `profile`.
+SimInput BuildSimInput(const JobConfig& cfg, const ModelSpec& spec, const PipelinePlan& plan,
+                       const Profile& profile, int workers, int steps);
+
+// Seconds of modelled activation transfer for one microbatch of `stage`.
+double TransferSeconds(const SimStage& stage, double h2d_bytes_per_s, double d2h_bytes_per_s);
+
 // Relative per-microbatch cost of each stage of `plan` from FLOPs (forward 1x, recompute + backward
-// 3x, the fused tail's forward + backward 3x; attention counted): a cost model for planning
-// without a profile.
+// 3x, the fused tail's forward + backward 3x; attention counted).
 std::vector<double> StageFlops(const JobConfig& cfg, const PipelinePlan& plan);
 
 }  // namespace rp::core

@@ -3,6 +3,11 @@
 #include "rp_config.h"
 #include "gpu_worker/device.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
 namespace rp::worker {
 namespace {
 
@@ -39,8 +44,34 @@ class CpuDevice final : public Device {
   }
   bool CommitDone(uint64_t) override { return true; }
 
+  int Mark() override {
+    marks_.push_back(std::chrono::steady_clock::now());
+    return static_cast<int>(marks_.size()) - 1;
+  }
+  double MarkSeconds(int a, int b) override {
+    return std::chrono::duration<double>(marks_.at(b) - marks_.at(a)).count();
+  }
+  void ClearMarks() override { marks_.clear(); }
+
+  // A CPU worker's "transfers" are the copies FetchWeights/FetchActivation/Store make.
+  StatusOr<LinkRates> ProbeLink(const void* src, uint64_t bytes) override {
+    std::vector<char> a(bytes), b(bytes);
+    LinkRates r;
+    for (int rep = 0; rep < 3; ++rep) {  // the best of three: the first touches fresh pages
+      auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(a.data(), src, bytes);
+      auto t1 = std::chrono::steady_clock::now();
+      std::memcpy(b.data(), a.data(), bytes);
+      auto t2 = std::chrono::steady_clock::now();
+      r.h2d_bytes_per_s = std::max(r.h2d_bytes_per_s, bytes / std::chrono::duration<double>(t1 - t0).count());
+      r.d2h_bytes_per_s = std::max(r.d2h_bytes_per_s, bytes / std::chrono::duration<double>(t2 - t1).count());
+    }
+    return r;
+  }
+
  private:
   uint64_t tickets_ = 0;
+  std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 
 }  // namespace

@@ -56,6 +56,22 @@ class Device {
   };
   virtual uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) = 0;
   virtual bool CommitDone(uint64_t ticket) = 0;
+
+  // Profiling (core/profile.h). Mark() records how far the compute stream has got and returns
+  // the mark's index; MarkSeconds(a, b) is the device time between two marks (it waits for mark
+  // b). ClearMarks() forgets every mark. Marks cost no synchronization while recording.
+  virtual int Mark() = 0;
+  virtual double MarkSeconds(int a, int b) = 0;
+  virtual void ClearMarks() = 0;
+  // Bytes of device memory held by live tensors now, or -1 where not tracked (CPU).
+  virtual int64_t AllocatedBytes() { return -1; }
+  // Host-link bandwidth in bytes per second each way, measured by copying `bytes` of `src`
+  // (inside the shared segment, only read) to the device and back into private host memory.
+  struct LinkRates {
+    double h2d_bytes_per_s = 0.0;
+    double d2h_bytes_per_s = 0.0;
+  };
+  virtual StatusOr<LinkRates> ProbeLink(const void* src, uint64_t bytes) = 0;
 };
 
 std::unique_ptr<Device> MakeCpuDevice();

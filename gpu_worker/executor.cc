@@ -134,39 +134,77 @@ void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
                 act_dtype_);
 }
 
+int Executor::MarkIfProfiling() { return job_.profile ? device_.Mark() : -1; }
+
+void Executor::Timed(int layer, proto::LayerPhase phase, int a, int b, int64_t saved_bytes) {
+  if (job_.profile) pending_times_.push_back({layer, phase, a, b, saved_bytes});
+}
+
 MicrobatchResult Executor::RunForward(int mb) {
   c10::NoGradGuard no_grad;
   at::Tensor x = stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin);
   for (int l = stage_.begin; l < stage_.end; ++l) {
+    const int a = MarkIfProfiling();
     x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+    Timed(l, proto::LayerPhase::kForward, a, MarkIfProfiling(), -1);
     // The stage output and every checkpoint a backward stage will recompute from.
     if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
   }
   return {};
 }
 
+// Autograd forward of layers [stage begin, end) from `x`, one graph segment per layer: each
+// layer's input is a fresh leaf, so the backward can run (and be timed) layer by layer. The
+// gradients are the same as through one graph: each segment computes the same operations.
+void Executor::SegmentedForward(const at::Tensor& x, int end, Segments* seg) {
+  for (int l = stage_.begin; l < end; ++l) {
+    at::Tensor in = l == stage_.begin ? x : seg->outputs.back().detach().requires_grad_(true);
+    const int64_t before = job_.profile ? device_.AllocatedBytes() : -1;
+    const int a = MarkIfProfiling();
+    at::Tensor y = math_.Layer(l, current_.layers[l - stage_.begin], in);
+    const int b = MarkIfProfiling();
+    const int64_t after = job_.profile ? device_.AllocatedBytes() : -1;
+    Timed(l, proto::LayerPhase::kRecompute, a, b, before >= 0 && after >= 0 ? after - before : -1);
+    seg->inputs.push_back(in);
+    seg->outputs.push_back(y);
+  }
+}
+
+// Backpropagates `grad` (the gradient of the last segment's output) down to the first segment;
+// returns the gradient of the first input (undefined for token ids).
+at::Tensor Executor::SegmentedBackward(Segments* seg, at::Tensor grad) {
+  for (size_t i = seg->outputs.size(); i-- > 0;) {
+    const int a = MarkIfProfiling();
+    seg->outputs[i].backward(grad);
+    Timed(stage_.begin + static_cast<int>(i), proto::LayerPhase::kBackward, a, MarkIfProfiling(), -1);
+    seg->outputs[i] = at::Tensor();
+    grad = seg->inputs[i].requires_grad() ? seg->inputs[i].grad() : at::Tensor();
+  }
+  return grad;
+}
+
 MicrobatchResult Executor::RunTail(int mb) {
   at::Tensor x = Hidden(mb, stage_.begin).requires_grad_(true);
-  at::Tensor y = x;
   const int head = plan_.num_layers - 1;
-  for (int l = stage_.begin; l < head; ++l) y = math_.Layer(l, current_.layers[l - stage_.begin], y);
+  Segments seg;
+  SegmentedForward(x, head, &seg);
+  at::Tensor head_in = seg.outputs.empty() ? x : seg.outputs.back().detach().requires_grad_(true);
   at::Tensor labels = Tokens(mb, true);
-  auto r = math_.HeadForwardBackward(current_.layers.back(), y, labels, job_.loss_scale, /*backward=*/true);
-  StoreInputGrad(mb, stage_.begin, x.grad());
+  const int a = MarkIfProfiling();
+  auto r = math_.HeadForwardBackward(current_.layers.back(), head_in, labels, job_.loss_scale,
+                                     /*backward=*/true);
+  Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);
+  at::Tensor g = seg.outputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());
+  StoreInputGrad(mb, stage_.begin, g);
   return {r.loss_sum, r.targets};
 }
 
 MicrobatchResult Executor::RunBackward(int mb) {
-  at::Tensor x;
-  if (stage_.begin == 0) {
-    x = Tokens(mb, false);
-  } else {
-    x = Hidden(mb, stage_.begin).requires_grad_(true);
-  }
-  at::Tensor y = x;
-  for (int l = stage_.begin; l < stage_.end; ++l) y = math_.Layer(l, current_.layers[l - stage_.begin], y);
-  y.backward(InputGrad(mb, stage_.end));
-  if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, x.grad());
+  at::Tensor x = stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin).requires_grad_(true);
+  Segments seg;
+  SegmentedForward(x, stage_.end, &seg);
+  at::Tensor g = SegmentedBackward(&seg, InputGrad(mb, stage_.end));
+  if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, g);
   return {};
 }
 
@@ -175,6 +213,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
     return Status::ProtocolError("microbatch " + std::to_string(mb) + " out of range");
   try {
     MicrobatchResult r;
+    pending_times_.clear();
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;
       case core::StageKind::kFusedTail: r = RunTail(mb); break;
@@ -182,6 +221,17 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
     }
     if (HasGrads()) AccumulateGrads();
     device_.Synchronize();
+    for (const auto& t : pending_times_) {
+      proto::LayerTime lt{};
+      lt.job_index = job_.job_index;
+      lt.microbatch = mb;
+      lt.layer = t.layer;
+      lt.phase = static_cast<int32_t>(t.phase);
+      lt.seconds = device_.MarkSeconds(t.mark_a, t.mark_b);
+      lt.saved_bytes = t.saved_bytes;
+      r.layer_times.push_back(lt);
+    }
+    if (job_.profile) device_.ClearMarks();
     return r;
   } catch (const c10::Error& e) {
     return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +

@@ -36,6 +36,7 @@ namespace rp::worker {
 struct MicrobatchResult {
   double loss_sum = 0.0;
   int64_t targets = 0;
+  std::vector<proto::LayerTime> layer_times;  // jobs with RunJob.profile set: one per layer phase
 };
 
 class Executor {
@@ -68,6 +69,22 @@ class Executor {
   MicrobatchResult RunForward(int mb);
   MicrobatchResult RunTail(int mb);
   MicrobatchResult RunBackward(int mb);
+  struct Segments {
+    std::vector<at::Tensor> inputs, outputs;  // per layer of the stage, in layer order
+  };
+  void SegmentedForward(const at::Tensor& x, int end, Segments* seg);
+  at::Tensor SegmentedBackward(Segments* seg, at::Tensor grad);
+  // Profiling (RunJob.profile): device marks around each layer phase, read after the
+  // microbatch's synchronization.
+  int MarkIfProfiling();
+  void Timed(int layer, proto::LayerPhase phase, int mark_a, int mark_b, int64_t saved_bytes);
+  struct PendingTime {
+    int layer;
+    proto::LayerPhase phase;
+    int mark_a, mark_b;
+    int64_t saved_bytes;
+  };
+  std::vector<PendingTime> pending_times_;
   Status Validate(const proto::RunJob& job) const;
   struct GradUse {
     at::Tensor weight;

@@ -30,6 +30,7 @@ namespace rp::worker {
 namespace {
 
 constexpr double kHeartbeatSeconds = 1.0;
+constexpr uint64_t kLinkProbeBytes = 64ull << 20;  // long enough to reach the link's plateau
 std::atomic<bool> g_stop{false};
 
 struct ActiveJob {
@@ -115,6 +116,8 @@ Status Worker::Handle(const proto::Message& m) {
     case proto::MsgType::kGradsReady:
     case proto::MsgType::kJobDone:
     case proto::MsgType::kJobFailed:
+    case proto::MsgType::kLinkProbe:
+    case proto::MsgType::kLayerTime:
       RP_LOG(WARNING) << "dropped unexpected " << proto::MsgTypeName(proto::TypeOfMessage(m));
       return Status::Ok();
   }
@@ -179,6 +182,7 @@ StatusOr<bool> Worker::Progress() {
     d.targets = r->targets;
     it->second.erase(a.next_mb);
     a.next_mb++;
+    for (const auto& t : r->layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
     RP_RETURN_IF_ERROR(channel_->Send(d));
     return true;
   }
@@ -272,6 +276,12 @@ Status Worker::Run() {
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
+  // One measurement of the host link for the planner's profile (core/profile.h): reads the
+  // start of the shared segment, writes only private memory.
+  const uint64_t probe_bytes = std::min<uint64_t>(kLinkProbeBytes, segment_->size());
+  RP_ASSIGN_OR_RETURN(auto link, device_->ProbeLink(segment_->data(), probe_bytes));
+  RP_RETURN_IF_ERROR(channel_->Send(proto::LinkProbe{link.h2d_bytes_per_s, link.d2h_bytes_per_s,
+                                                     static_cast<int64_t>(probe_bytes)}));
 
   while (!shutdown_) {
     if (g_stop) return Status::Cancelled("stopped by signal");

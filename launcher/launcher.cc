@@ -17,7 +17,9 @@
 #include "common/logging.h"
 #include "core/job_config.h"
 #include "core/model_spec.h"
+#include "core/partitioner.h"
 #include "core/plan.h"
+#include "core/profile.h"
 #include "core/run_output.h"
 #include "core/simulator.h"
 #include "launcher/child_process.h"
@@ -80,12 +82,11 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
   std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
               static_cast<long long>(spec.TrainableParams()), gpus);
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
-  // Prediction from FLOPs alone (transfers and the optimizer are not modelled).
-  auto flops = core::StageFlops(cfg, *plan);
-  auto sim = core::SimulateRoundRobin(flops, gpus, static_cast<int>(cfg.train.microbatches),
-                                      static_cast<int>(cfg.train.accum_calls));
-  std::printf("predicted bubble ratio (FLOP cost model, one step from idle): %.1f%%\n",
-              100.0 * sim.bubble_ratio);
+  if (auto costs = core::PlanningProfile(cfg); costs.ok()) {
+    auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
+    std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
+                p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
+  }
   const uint64_t acts = layout->total_bytes - layout->tokens;
   std::printf("shared memory: %.1f MiB = %.2f bytes per parameter (state segment %.1f MiB: "
               "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
@@ -98,9 +99,10 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
               static_cast<double>(layout->optim_total_bytes) / (1 << 20));
 }
 
-}  // namespace
 
-int RunLauncher(const LaunchOptions& o) {
+// One launch: a coordinator and its workers until the coordinator ends the run (or asks to be
+// resumed on a new plan: kExitReplan).
+int RunSession(const LaunchOptions& o) {
   auto cfg = core::LoadJobConfig(o.job_path, o.overrides);
   if (!cfg.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", cfg.status().message().c_str());
@@ -253,6 +255,7 @@ int RunLauncher(const LaunchOptions& o) {
   bool interrupted = false;       // stopped at once (second signal)
   bool graceful = false;          // first SIGINT/SIGTERM: the coordinator stops with a checkpoint
   bool graceful_done = false;     // ... and it did (exit code 3)
+  bool replan = false;            // the coordinator checkpointed to be resumed on a new plan
   int64_t restarts = 0;           // replacement workers started
   std::string failure, failed_role;
   auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
@@ -278,8 +281,9 @@ int RunLauncher(const LaunchOptions& o) {
       const ExitInfo& e = *c.exit_info();
       const bool is_coord = &c == &children[0];
       const bool graceful_exit = graceful && !e.signaled && e.code == kExitInterrupted;
-      if (is_coord && !e.signaled && (e.code == 0 || graceful_exit)) {
+      if (is_coord && !e.signaled && (e.code == 0 || graceful_exit || (e.code == kExitReplan && !graceful))) {
         graceful_done = graceful_exit;
+        replan = e.code == kExitReplan;
         if (coordinator_done_at == std::chrono::steady_clock::time_point::max())
           coordinator_done_at = std::chrono::steady_clock::now();
         continue;
@@ -343,7 +347,60 @@ int RunLauncher(const LaunchOptions& o) {
                          "continues the run\n", cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
     return kExitInterrupted;
   }
+  if (replan && exit_code == kExitOk) return kExitReplan;
   return exit_code;
+}
+
+// With schedule.partition = "auto" and no schedule.profile, the plan comes from the run's
+// stored profile when it exists and fits the workload. Every process must plan from the same
+// numbers while the coordinator may rewrite profile.json mid-run, so the launcher freezes a copy
+// (<output_dir>/plan-profile.json) and points schedule.profile at it. After a re-plan the fresh
+// profile wins over a schedule.profile the user gave: it is what the coordinator planned with.
+Status FreezeProfile(const LaunchOptions& o, bool after_replan, std::vector<std::string>* overrides) {
+  auto loaded = core::LoadJobConfig(o.job_path, o.overrides);
+  if (!loaded.ok()) return Status::Ok();  // RunSession reports it, with its exit code
+  const core::JobConfig& cfg = *loaded;
+  if (cfg.schedule.partition != "auto" || (!cfg.schedule.profile.empty() && !after_replan))
+    return Status::Ok();
+  const std::string stored = cfg.job.output_dir + "/profile.json";
+  std::error_code ec;
+  if (!fs::exists(stored, ec)) return Status::Ok();
+  auto profile = core::LoadProfile(stored, cfg);
+  if (!profile.ok()) {
+    std::fprintf(stderr, "rp-launch: not planning from %s: %s\n", stored.c_str(),
+                 profile.status().message().c_str());
+    return Status::Ok();
+  }
+  // A dry run writes nothing: it reads the stored profile itself.
+  const std::string frozen = o.dry_run ? stored : cfg.job.output_dir + "/plan-profile.json";
+  if (!o.dry_run) RP_RETURN_IF_ERROR(core::SaveProfile(frozen, *profile));
+  overrides->push_back("schedule.profile=" + frozen);
+  std::fprintf(stderr, "rp-launch: planning from the measured profile %s\n", stored.c_str());
+  return Status::Ok();
+}
+
+}  // namespace
+
+int RunLauncher(const LaunchOptions& options) {
+  // A run re-plans at most twice: each restart costs a checkpoint and a start-up.
+  constexpr int kMaxReplans = 2;
+  LaunchOptions o = options;
+  for (int replans = 0;; ++replans) {
+    LaunchOptions run = o;
+    if (Status s = FreezeProfile(o, replans > 0, &run.overrides); !s.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
+      return kExitError;
+    }
+    const int rc = RunSession(run);
+    if (rc != kExitReplan) return rc;
+    if (replans == kMaxReplans) {
+      std::fprintf(stderr, "rp-launch: the coordinator asked to re-plan a third time; giving up "
+                           "(the checkpoint is kept: --resume continues)\n");
+      return kExitError;
+    }
+    std::fprintf(stderr, "rp-launch: resuming the run on the plan made from its new profile\n");
+    o.resume = true;
+  }
 }
 
 }  // namespace rp::launch

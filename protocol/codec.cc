@@ -18,8 +18,29 @@ const char* MsgTypeName(MsgType t) {
     case MsgType::kJobFailed: return "JobFailed";
     case MsgType::kShutdown: return "Shutdown";
     case MsgType::kHeartbeat: return "Heartbeat";
+    case MsgType::kLinkProbe: return "LinkProbe";
+    case MsgType::kLayerTime: return "LayerTime";
   }
   return "?";
+}
+
+size_t PayloadBytes(MsgType t) {
+  switch (t) {
+    case MsgType::kHello: return sizeof(Hello);
+    case MsgType::kWelcome: return sizeof(Welcome);
+    case MsgType::kRunJob: return sizeof(RunJob);
+    case MsgType::kInputReady: return sizeof(InputReady);
+    case MsgType::kMicrobatchDone: return sizeof(MicrobatchDone);
+    case MsgType::kGradsReady: return sizeof(GradsReady);
+    case MsgType::kCommitGrads: return sizeof(CommitGrads);
+    case MsgType::kJobDone: return sizeof(JobDone);
+    case MsgType::kJobFailed: return sizeof(JobFailed);
+    case MsgType::kShutdown: return sizeof(Shutdown);
+    case MsgType::kHeartbeat: return sizeof(Heartbeat);
+    case MsgType::kLinkProbe: return sizeof(LinkProbe);
+    case MsgType::kLayerTime: return sizeof(LayerTime);
+  }
+  return 0;
 }
 
 MsgType TypeOfMessage(const Message& m) {
@@ -91,12 +112,16 @@ StatusOr<Message> Decode(std::string_view frame) {
     case MsgType::kJobFailed: m = DecodeAs<JobFailed>(payload); break;
     case MsgType::kShutdown: m = DecodeAs<Shutdown>(payload); break;
     case MsgType::kHeartbeat: m = DecodeAs<Heartbeat>(payload); break;
+    case MsgType::kLinkProbe: m = DecodeAs<LinkProbe>(payload); break;
+    case MsgType::kLayerTime: m = DecodeAs<LayerTime>(payload); break;
   }
   if (!m.ok()) return m;
   if (auto* w = std::get_if<Welcome>(&m.value()); w && !Terminated(w->segment_name))
     return Status::ProtocolError("Welcome: segment_name is not NUL-terminated");
   if (auto* f = std::get_if<JobFailed>(&m.value()); f && !Terminated(f->message))
     return Status::ProtocolError("JobFailed: message is not NUL-terminated");
+  if (auto* t = std::get_if<LayerTime>(&m.value()); t && (t->phase < 0 || t->phase > kMaxLayerPhase))
+    return Status::ProtocolError("LayerTime: phase " + std::to_string(t->phase) + " is out of range");
   return m;
 }
 

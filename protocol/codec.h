@@ -17,6 +17,8 @@ namespace rp::proto {
 std::string Encode(const Message& m);
 StatusOr<Message> Decode(std::string_view frame);
 MsgType TypeOfMessage(const Message& m);
+// The fixed payload size of a message type (what Decode() requires of a frame of that type).
+size_t PayloadBytes(MsgType t);
 
 // Copies `text` into a fixed char field, truncating and always NUL-terminating.
 template <size_t N>

@@ -24,6 +24,9 @@
 //   worker -> JobFailed(job, text)     (the job cannot complete; the worker exits after)
 //   worker -> Heartbeat                (at least every second from the worker's event loop; a
 //                                       worker silent for job.worker_timeout_s is declared hung)
+//   worker -> LinkProbe                (once, after joining: measured host-link bandwidth)
+//   worker -> LayerTime ...            (jobs with RunJob.profile set: per layer and microbatch,
+//                                       sent before that microbatch's MicrobatchDone)
 //   coord  -> Shutdown
 #pragma once
 
@@ -35,7 +38,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 4;
+inline constexpr uint16_t kProtocolVersion = 5;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -49,9 +52,11 @@ enum class MsgType : uint16_t {
   kJobFailed = 9,
   kShutdown = 10,
   kHeartbeat = 11,
+  kLinkProbe = 12,
+  kLayerTime = 13,
 };
 inline constexpr uint16_t kMinMsgType = 1;
-inline constexpr uint16_t kMaxMsgType = 11;
+inline constexpr uint16_t kMaxMsgType = 13;
 const char* MsgTypeName(MsgType t);
 
 struct FrameHeader {
@@ -89,8 +94,10 @@ struct RunJob {
   int32_t num_microbatches;
   double loss_scale;      // 1 / (non-ignored targets in the whole step)
   int64_t weights_version;  // fetch only after every used layer's version reaches this
+  int32_t profile;        // 1: time every layer of every microbatch and send LayerTime
+  uint32_t reserved;
 };
-static_assert(sizeof(RunJob) == 48);
+static_assert(sizeof(RunJob) == 56);
 
 struct InputReady {
   int64_t job_index;
@@ -147,8 +154,38 @@ struct Heartbeat {
 };
 static_assert(sizeof(Heartbeat) == 8);
 
+// Host-link bandwidth the worker measured once between the shared segment and its device (for
+// a CPU worker: host memory copies). Bytes per second; 0 if not measured.
+struct LinkProbe {
+  double h2d_bytes_per_s;
+  double d2h_bytes_per_s;
+  int64_t probe_bytes;
+};
+static_assert(sizeof(LinkProbe) == 24);
+
+enum class LayerPhase : int32_t {
+  kForward = 0,    // forward without autograd (forward stages)
+  kRecompute = 1,  // forward with autograd (backward stages and the fused tail; for the head
+                   // layer: its chunked forward, loss and backward together)
+  kBackward = 2,   // backward through the layer (not the head: counted in kRecompute)
+};
+inline constexpr int32_t kMaxLayerPhase = 2;
+
+struct LayerTime {
+  int64_t job_index;
+  int32_t microbatch;
+  int32_t layer;          // pipeline layer (0 = embedding, L + 1 = head)
+  int32_t phase;          // LayerPhase
+  uint32_t reserved;
+  double seconds;         // device time (CUDA events on the compute stream; CPU: wall clock)
+  int64_t saved_bytes;    // device memory the layer's autograd forward left allocated (its
+                          // saved activations and output); -1 where not measured (CPU)
+};
+static_assert(sizeof(LayerTime) == 40);
+
 using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone, GradsReady,
-                             CommitGrads, JobDone, JobFailed, Shutdown, Heartbeat>;
+                             CommitGrads, JobDone, JobFailed, Shutdown, Heartbeat, LinkProbe,
+                             LayerTime>;
 
 template <typename T>
 constexpr MsgType TypeOf();
@@ -163,5 +200,7 @@ template <> constexpr MsgType TypeOf<JobDone>() { return MsgType::kJobDone; }
 template <> constexpr MsgType TypeOf<JobFailed>() { return MsgType::kJobFailed; }
 template <> constexpr MsgType TypeOf<Shutdown>() { return MsgType::kShutdown; }
 template <> constexpr MsgType TypeOf<Heartbeat>() { return MsgType::kHeartbeat; }
+template <> constexpr MsgType TypeOf<LinkProbe>() { return MsgType::kLinkProbe; }
+template <> constexpr MsgType TypeOf<LayerTime>() { return MsgType::kLayerTime; }
 
 }  // namespace rp::proto

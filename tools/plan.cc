@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// rp-plan job.toml --gpus N [--set section.key=value ...] [--json]
-// Prints the plan schedule.partition = "auto" would run, with the planner's predictions (FLOP
-// cost model; no measured profile yet). --json prints one JSON object and nothing else.
+// rp-plan job.toml --gpus N [--profile out/profile.json] [--set section.key=value ...] [--json]
+// Prints the plan schedule.partition = "auto" would run, with the simulator's predictions from
+// a measured profile (--profile, or schedule.profile) or the FLOP cost model. With
+// partition = "equal" in the job it also shows the job's own plan under the same costs.
+// --json prints one JSON object and nothing else.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +24,8 @@ int main(int argc, char** argv) {
   app.add_option("job", job, "job file (TOML)")->required();
   app.add_option("--gpus", gpus, "workers")->check(CLI::Range(1, 4096));
   app.add_option("--set", overrides, "override a job key: section.key=value (repeatable)");
+  std::string profile;
+  app.add_option("--profile", profile, "measured profile.json to plan with (else the FLOP cost model)");
   app.add_flag("--json", json, "print JSON only");
   CLI11_PARSE(app, argc, argv);
   auto cfg = rp::core::LoadJobConfig(job, overrides);
@@ -28,30 +33,62 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", cfg.status().message().c_str());
     return rp::kExitBadConfig;
   }
-  auto choice = rp::core::ChoosePlan(*cfg, gpus);
+  if (!profile.empty()) cfg->schedule.profile = profile;
+  auto costs = rp::core::PlanningProfile(*cfg);
+  if (!costs.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
+    return rp::kExitBadConfig;
+  }
+  auto choice = rp::core::ChoosePlan(*cfg, gpus, *costs);
   if (!choice.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", choice.status().message().c_str());
     return rp::kExitBadConfig;
   }
-  const auto& p = choice->plan;
-  nlohmann::json stages = nlohmann::json::array();
-  for (const auto& s : p.stages)
-    stages.push_back({{"kind", rp::core::StageKindName(s.kind)}, {"layers", {s.begin, s.end}}});
+  // The job's own plan under the same costs, when it is not "auto" (what the run would do).
+  std::optional<rp::core::PlanChoice> own;
+  if (cfg->schedule.partition != "auto") {
+    auto plan = rp::core::BuildPlan(*cfg);
+    if (!plan.ok()) {
+      std::fprintf(stderr, "rp-plan: %s\n", plan.status().message().c_str());
+      return rp::kExitBadConfig;
+    }
+    own = rp::core::PredictPlan(*cfg, *plan, *costs, gpus);
+  }
+  auto to_json = [&](const rp::core::PlanChoice& c) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (const auto& s : c.plan.stages)
+      stages.push_back({{"kind", rp::core::StageKindName(s.kind)}, {"layers", {s.begin, s.end}}});
+    return nlohmann::json{{"plan", c.plan.Describe()}, {"stages", stages},
+                          {"predicted_step_s", c.step_seconds},
+                          {"predicted_bubble_ratio", c.bubble_ratio},
+                          {"predicted_first_step_s", c.first_step_seconds},
+                          {"first_step_fill_ratio", c.fill_ratio},
+                          {"first_step_drain_ratio", c.drain_ratio},
+                          {"first_step_imbalance_ratio", c.imbalance_ratio},
+                          {"peak_memory_bytes_per_worker", c.peak_memory_bytes}};
+  };
   if (json) {
-    nlohmann::json out = {{"plan", p.Describe()}, {"stages", stages}, {"workers", gpus},
-                          {"predicted_step_s", choice->step_seconds},
-                          {"predicted_bubble_ratio", choice->bubble_ratio},
-                          {"peak_memory_bytes_per_worker", choice->peak_memory_bytes},
-                          {"assumed_flops_per_s_per_worker", choice->flops_per_second},
-                          {"candidates", choice->candidates}, {"cost_model", "flops"}};
+    nlohmann::json out = to_json(*choice);
+    out["workers"] = gpus;
+    out["candidates"] = choice->candidates;
+    out["costs"] = choice->cost_source;
+    if (own) out["job_plan"] = to_json(*own);
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
-  std::printf("plan for %d workers: %s\n", gpus, p.Describe().c_str());
-  std::printf("predicted step (one step from idle, FLOP cost model at %.3g FLOP/s per worker): %.3f s\n",
-              choice->flops_per_second, choice->step_seconds);
-  std::printf("predicted bubble ratio: %.1f%%\n", 100.0 * choice->bubble_ratio);
-  std::printf("estimated peak memory per worker: %.2f GB\n", choice->peak_memory_bytes / 1e9);
+  auto print = [](const char* title, const rp::core::PlanChoice& c) {
+    std::printf("%s: %s\n", title, c.plan.Describe().c_str());
+    std::printf("  predicted step (steady state): %.4f s, bubble ratio %.1f%%\n", c.step_seconds,
+                100.0 * c.bubble_ratio);
+    std::printf("  first step from idle: %.4f s; idle: fill %.1f%%, drain %.1f%%, imbalance %.1f%%\n",
+                c.first_step_seconds, 100.0 * c.fill_ratio, 100.0 * c.drain_ratio,
+                100.0 * c.imbalance_ratio);
+    std::printf("  estimated peak memory per worker: %.2f GB\n", c.peak_memory_bytes / 1e9);
+  };
+  std::printf("costs: %s%s%s\n", choice->cost_source.c_str(),
+              cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());
+  print(("auto plan for " + std::to_string(gpus) + " workers").c_str(), *choice);
+  if (own) print("the job's own plan", *own);
   std::printf("(%d candidate plans evaluated; use with [schedule] partition = \"auto\")\n",
               choice->candidates);
   return 0;

@@ -182,6 +182,14 @@ std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::TakeLayerSpans() {
   return out;
 }
 
+std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::SpansOfStep(int64_t step) const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<LayerSpan> out;
+  for (const auto& s : spans_)
+    if (s.step == step) out.push_back(s);
+  return out;
+}
+
 bool AsyncOptimizer::Updated(int64_t step) const { return updated_through_.load() >= step; }
 
 

@@ -69,6 +69,8 @@ class AsyncOptimizer {
     int64_t start_us, end_us;
   };
   std::vector<LayerSpan> TakeLayerSpans();
+  // A copy of the spans recorded for `step` so far (for the profile's optimizer rate).
+  std::vector<LayerSpan> SpansOfStep(int64_t step) const;
 
  private:
   struct Chunk {

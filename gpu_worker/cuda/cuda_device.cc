@@ -12,8 +12,10 @@
 // Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -87,6 +89,8 @@ class CudaDevice final : public Device {
     for (auto& [t, c] : inflight_) LogIfError(cudaEventDestroy(c->event), "cudaEventDestroy");
     for (auto& f : fences_) LogIfError(cudaEventDestroy(f.event), "cudaEventDestroy");
     for (cudaEvent_t e : free_events_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
+    ClearMarks();
+    for (cudaEvent_t e : timing_free_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
     for (cudaStream_t s : {weights_, acts_, d2h_, grads_})
       if (s) LogIfError(cudaStreamDestroy(s), "cudaStreamDestroy");
   }
@@ -194,6 +198,75 @@ class CudaDevice final : public Device {
     return c->ticket;
   }
 
+  int Mark() override {
+    cudaEvent_t e;
+    if (!timing_free_.empty()) {
+      e = timing_free_.back();
+      timing_free_.pop_back();
+    } else {
+      ThrowIfError(cudaEventCreate(&e), "cudaEventCreate(timing)");
+    }
+    ThrowIfError(cudaEventRecord(e, kComputeStream), "cudaEventRecord(mark)");
+    marks_.push_back(e);
+    return static_cast<int>(marks_.size()) - 1;
+  }
+
+  double MarkSeconds(int a, int b) override {
+    ThrowIfError(cudaEventSynchronize(marks_.at(b)), "cudaEventSynchronize(mark)");
+    float ms = 0.0f;
+    ThrowIfError(cudaEventElapsedTime(&ms, marks_.at(a), marks_.at(b)), "cudaEventElapsedTime");
+    return ms * 1e-3;
+  }
+
+  void ClearMarks() override {
+    timing_free_.insert(timing_free_.end(), marks_.begin(), marks_.end());
+    marks_.clear();
+  }
+
+  int64_t AllocatedBytes() override {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
+    return stats.allocated_bytes[0].current;  // index 0: all pools together
+  }
+
+  // Copies the probe through the same paths the worker uses: registered segment -> device on a
+  // copy stream, device -> a pinned private buffer. Best of three repetitions.
+  StatusOr<LinkRates> ProbeLink(const void* src, uint64_t bytes) override {
+    void* dev = nullptr;
+    void* host = nullptr;
+    RP_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, bytes));
+    cudaError_t e = cudaMallocHost(&host, bytes);
+    if (e != cudaSuccess) {
+      LogIfError(cudaFree(dev), "cudaFree(probe)");
+      return CudaStatus(e, "cudaMallocHost(probe)");
+    }
+    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+    LinkRates r;
+    Status status = Status::Ok();
+    for (auto& x : ev)
+      if (status.ok()) status = CudaStatus(cudaEventCreate(&x), "cudaEventCreate(probe)");
+    for (int rep = 0; rep < 3 && status.ok(); ++rep) {
+      cudaEventRecord(ev[0], weights_);
+      cudaMemcpyAsync(dev, src, bytes, cudaMemcpyHostToDevice, weights_);
+      cudaEventRecord(ev[1], weights_);
+      cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, weights_);
+      cudaEventRecord(ev[2], weights_);
+      status = CudaStatus(cudaEventSynchronize(ev[2]), "cudaEventSynchronize(probe)");
+      float h2d_ms = 0.0f, d2h_ms = 0.0f;
+      if (status.ok()) status = CudaStatus(cudaEventElapsedTime(&h2d_ms, ev[0], ev[1]), "cudaEventElapsedTime(probe)");
+      if (status.ok()) status = CudaStatus(cudaEventElapsedTime(&d2h_ms, ev[1], ev[2]), "cudaEventElapsedTime(probe)");
+      if (status.ok() && h2d_ms > 0 && d2h_ms > 0) {
+        r.h2d_bytes_per_s = std::max(r.h2d_bytes_per_s, bytes / (h2d_ms * 1e-3));
+        r.d2h_bytes_per_s = std::max(r.d2h_bytes_per_s, bytes / (d2h_ms * 1e-3));
+      }
+    }
+    for (auto& x : ev)
+      if (x) LogIfError(cudaEventDestroy(x), "cudaEventDestroy(probe)");
+    LogIfError(cudaFreeHost(host), "cudaFreeHost(probe)");
+    LogIfError(cudaFree(dev), "cudaFree(probe)");
+    if (!status.ok()) return status;
+    return r;
+  }
+
   bool CommitDone(uint64_t ticket) override {
     std::shared_ptr<Commit> c;
     {
@@ -277,6 +350,7 @@ class CudaDevice final : public Device {
   cudaStream_t weights_ = nullptr, acts_ = nullptr, d2h_ = nullptr, grads_ = nullptr;
   std::deque<Fence> fences_;
   std::vector<cudaEvent_t> free_events_;
+  std::vector<cudaEvent_t> marks_, timing_free_;  // profiling marks (timing enabled)
   uint64_t fence_counter_ = 0;
   std::vector<at::Tensor> keep_alive_;  // sources of in-flight activation D2H copies
   uint64_t commit_counter_ = 0;

@@ -17,6 +17,9 @@
 #include <zmq.hpp>
 
 #include "common/exit_codes.h"
+#include "core/job_config.h"
+#include "core/profile.h"
+#include "protocol/codec.h"
 #include "protocol/messages.h"
 #include "tests/testing/process_harness.h"
 
@@ -365,6 +368,73 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
 }
 
+TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
+  // The steps after a warm-up step are timed layer by layer; profile.json holds every layer and
+  // the host link; summary.json sets the prediction made from it against the measured steps;
+  // rp-plan plans from the stored profile.
+  const std::string out = tmp_ + "/prof";
+  auto r = Launch(2, out, {"train.steps=8"});
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("profiling steps 2-3"), std::string::npos) << r.output;
+  auto cfg = core::LoadJobConfig(Job(), {"job.output_dir=" + out});
+  ASSERT_TRUE(cfg.ok());
+  auto profile = core::LoadProfile(out + "/profile.json", *cfg);
+  ASSERT_TRUE(profile.ok()) << profile.status().ToString();
+  EXPECT_EQ(profile->profiled_steps, 2);
+  ASSERT_EQ(profile->layers.size(), 6u);
+  for (const auto& l : profile->layers) {
+    EXPECT_GT(l.samples, 0);
+    EXPECT_GT(l.recompute_s + l.forward_s, 0.0);
+  }
+  EXPECT_GT(profile->h2d_bytes_per_s, 0.0);
+  EXPECT_GT(profile->optimizer_params_per_s, 0.0);
+  auto summary = nlohmann::json::parse(testing::ReadFile(out + "/summary.json"));
+  ASSERT_TRUE(summary.contains("prediction")) << summary.dump();
+  const auto& pred = summary["prediction"];
+  EXPECT_EQ(pred["costs"], "measured");
+  EXPECT_GT(pred["predicted_step_s"].get<double>(), 0.0);
+  EXPECT_EQ(pred["measured_steps"].get<int>(), 5);  // steps 4..8
+  // How close the prediction is, is a benchmark's business (bench/results.jsonl); here only
+  // that it is the same order of magnitude.
+  const double ratio = pred["measured_over_predicted"].get<double>();
+  EXPECT_GT(ratio, 0.2);
+  EXPECT_LT(ratio, 5.0);
+  auto plan = testing::RunProcess({BinDir() + "/rp-plan", Job(), "--gpus", "2", "--profile",
+                                   out + "/profile.json", "--json"}, 30, Env());
+  ASSERT_EQ(plan.code, 0) << plan.output;
+  auto j = nlohmann::json::parse(plan.output);
+  EXPECT_EQ(j["costs"], "measured");
+  EXPECT_GT(j["job_plan"]["predicted_step_s"].get<double>(), 0.0);
+}
+
+TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
+  // The run starts from a profile that is wrong on purpose (per-microbatch overhead dwarfing
+  // the layers, so the planner picks as few stages as possible); the profile measured in steps
+  // 2-3 favours another plan, so the coordinator checkpoints and rp-launch resumes the run on
+  // it. Same losses as a plain run: in fp32 the plan does not change the arithmetic.
+  const std::vector<std::string> job = {"train.steps=14"};
+  auto clean = Launch(2, tmp_ + "/replan-clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto cfg = core::LoadJobConfig(Job(), {});
+  ASSERT_TRUE(cfg.ok());
+  core::Profile wrong = core::CostModelProfile(*cfg, 1e12, 0.0, 0.0);
+  wrong.microbatch_overhead_s = 10.0;
+  const std::string wrong_path = tmp_ + "/wrong-profile.json";
+  ASSERT_TRUE(core::SaveProfile(wrong_path, wrong).ok());
+  auto sets = job;
+  sets.insert(sets.end(), {"schedule.partition=auto", "schedule.forward_stages=1",
+                           "schedule.backward_stages=1", "schedule.tail_blocks=0",
+                           "schedule.profile=" + wrong_path, "schedule.replan_gain=0.01"});
+  const std::string out = tmp_ + "/replan";
+  auto r = Launch(2, out, sets);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("re-planning:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resuming the run on the plan made from its new profile"), std::string::npos);
+  EXPECT_TRUE(fs::exists(out + "/plan-profile.json"));
+  std::vector<double> got = Losses(out + "/metrics.jsonl");
+  EXPECT_EQ(got, Losses(tmp_ + "/replan-clean/metrics.jsonl"));
+}
+
 TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
   const std::string out = tmp_ + "/prev";
   fs::create_directories(out);
@@ -535,11 +605,11 @@ TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
       if (f % 3 == 0) {
         // A well-formed header of a random type with a payload of the right size.
         const uint16_t type = static_cast<uint16_t>(1 + rng() % proto::kMaxMsgType);
-        const size_t sizes[] = {0, 24, 80, 48, 16, 48, 8, 16, 32, 512, 8, 8};
+        const size_t size = proto::PayloadBytes(static_cast<proto::MsgType>(type));
         proto::FrameHeader h{proto::kFrameMagic, proto::kProtocolVersion, type,
-                             static_cast<uint32_t>(sizes[type]), 0};
+                             static_cast<uint32_t>(size), 0};
         frame.assign(reinterpret_cast<const char*>(&h), sizeof(h));
-        for (size_t b = 0; b < sizes[type]; ++b) frame.push_back(static_cast<char>(rng()));
+        for (size_t b = 0; b < size; ++b) frame.push_back(static_cast<char>(rng()));
       } else {
         frame.resize(rng() % (f % 3 == 1 ? 64 : 4096));
         for (auto& ch : frame) ch = static_cast<char>(rng());

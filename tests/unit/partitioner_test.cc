@@ -60,6 +60,25 @@ JobConfig Small(int layers) {
   return c;
 }
 
+// Every equal-layer plan the planner also considers must predict no faster than its choice.
+void ExpectNoEqualPlanIsFaster(const JobConfig& c, int workers, const Profile& costs,
+                               const PlanChoice& choice) {
+  const int layers = static_cast<int>(c.model.num_layers);
+  JobConfig eq = c;
+  eq.schedule.partition = "equal";
+  for (int tail = 0; tail <= std::min(layers, 3); ++tail)
+    for (int f = 1; f <= layers + 1 - tail && f <= 2 * workers + 2; ++f)
+      for (int b = 1; b <= layers + 1 - tail && b <= 3 * workers + 3; ++b) {
+        eq.schedule.tail_blocks = tail;
+        eq.schedule.forward_stages = f;
+        eq.schedule.backward_stages = b;
+        auto plan = BuildPlan(eq);
+        ASSERT_TRUE(plan.ok());
+        auto pred = PredictPlan(eq, *plan, costs, workers);
+        EXPECT_LE(choice.step_seconds, pred.step_seconds * (1 + 1e-9)) << plan->Describe();
+      }
+}
+
 TEST(Partitioner, AutoIsNoSlowerThanEqualSplitsAndCoversEveryLayer) {
   for (int layers : {2, 4, 6})
     for (int workers : {1, 2, 3}) {
@@ -69,22 +88,29 @@ TEST(Partitioner, AutoIsNoSlowerThanEqualSplitsAndCoversEveryLayer) {
       auto via_make = MakePlan(c, workers);  // MakePlan verifies single coverage of every layer
       ASSERT_TRUE(via_make.ok()) << via_make.status().ToString();
       EXPECT_EQ(via_make->Describe(), choice->plan.Describe());
-      JobConfig eq = c;
-      eq.schedule.partition = "equal";
-      for (int tail = 0; tail <= std::min(layers, 3); ++tail)
-        for (int f = 1; f <= layers + 1 - tail && f <= 2 * workers + 2; ++f)
-          for (int b = 1; b <= layers + 1 - tail && b <= 3 * workers + 3; ++b) {
-            eq.schedule.tail_blocks = tail;
-            eq.schedule.forward_stages = f;
-            eq.schedule.backward_stages = b;
-            auto plan = BuildPlan(eq);
-            ASSERT_TRUE(plan.ok());
-            auto secs = StageFlops(eq, *plan);
-            for (auto& s : secs) s /= choice->flops_per_second;
-            auto sim = SimulateRoundRobin(secs, workers, static_cast<int>(c.train.microbatches),
-                                          static_cast<int>(c.train.accum_calls));
-            EXPECT_LE(choice->step_seconds, sim.makespan * (1 + 1e-9)) << plan->Describe();
-          }
+      ExpectNoEqualPlanIsFaster(c, workers, DefaultCostModel(c), *choice);
+    }
+}
+
+TEST(Partitioner, AutoWithAMeasuredProfileIsNoSlowerThanEqualSplits) {
+  // Random per-layer costs (a measured profile can be anything), with transfers and an
+  // optimizer in the simulation.
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(0.1, 3.0);
+  for (int layers : {3, 5})
+    for (int workers : {1, 2, 3}) {
+      JobConfig c = Small(layers);
+      Profile p = DefaultCostModel(c);
+      for (auto& l : p.layers) {
+        l.forward_s = u(rng);
+        l.recompute_s = l.forward_s * 1.05;
+        l.backward_s = 2 * u(rng);
+      }
+      p.h2d_bytes_per_s = p.d2h_bytes_per_s = 1e8;
+      p.optimizer_params_per_s = 1e7;
+      auto choice = ChoosePlan(c, workers, p);
+      ASSERT_TRUE(choice.ok()) << choice.status().ToString();
+      ExpectNoEqualPlanIsFaster(c, workers, p, *choice);
     }
 }
 

@@ -18,17 +18,20 @@ TEST(Codec, RoundTripsEveryMessage) {
   f.job_index = 9;
   CopyText(f.message, "boom");
   std::vector<Message> all = {Hello{2, 1000, 0xabcdef, -1, 0}, w,
-                              RunJob{17, 3, 1, 4, 1, 5, 0.25, 3},
+                              RunJob{17, 3, 1, 4, 1, 5, 0.25, 3, 1, 0},
                               InputReady{17, 2, 0},
                               MicrobatchDone{17, 2, 0, 1.5, 64, 10, 20},
                               GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
-                              Shutdown{0, 0}, Heartbeat{123}};
+                              Shutdown{0, 0}, Heartbeat{123},
+                              LinkProbe{5e10, 4e10, 1 << 20},
+                              LayerTime{17, 2, 5, 2, 0, 0.001, 4096}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
     std::string frame = Encode(m);
     auto d = Decode(frame);
     ASSERT_TRUE(d.ok()) << d.status().ToString();
     EXPECT_EQ(TypeOfMessage(*d), TypeOfMessage(m));
+    EXPECT_EQ(frame.size(), sizeof(FrameHeader) + PayloadBytes(TypeOfMessage(m)));
     EXPECT_EQ(Encode(*d), frame);
   }
   auto r = std::get<RunJob>(*Decode(Encode(all[2])));
@@ -65,12 +68,13 @@ TEST(Codec, RejectsMalformedFrames) {
   Welcome w{};
   std::memset(w.segment_name, 'a', sizeof(w.segment_name));
   expect_bad(Encode(w), "NUL");
+  expect_bad(Encode(LayerTime{1, 0, 3, 7, 0, 0.5, -1}), "phase 7");
 }
 
 TEST(Codec, RandomBytesNeverCrash) {
   std::mt19937 rng(7);
   for (int i = 0; i < 20000; ++i) {
-    std::string frame = Encode(RunJob{1, 2, 3, 4, 0, 5, 1.0, 2});
+    std::string frame = Encode(RunJob{1, 2, 3, 4, 0, 5, 1.0, 2, 0, 0});
     if (i % 2) frame.resize(rng() % 80);
     for (int k = 0; k < 3; ++k)
       if (!frame.empty()) frame[rng() % frame.size()] = static_cast<char>(rng());

@@ -52,3 +52,92 @@ TEST(Simulator, StageFlopsWeighBackwardThreeTimes) {
 
 }  // namespace
 }  // namespace rp::core
+
+namespace rp::core {
+namespace {
+
+TEST(Simulator, IsolatedRoundIdleIsFillAndDrainOnly) {
+  // S = v*N equal stages, M >= N: worker w starts at w*t and ends (N-1-w)*t before the end, so
+  // the bubble is all fill and drain, N(N-1)/2 * t each.
+  const int n = 3, v = 2, m = 4;
+  const double t = 1.0;
+  auto r = SimulateRoundRobin(std::vector<double>(v * n, t), n, m, 1);
+  const double total = r.makespan * n;
+  EXPECT_NEAR(r.fill_ratio, n * (n - 1) / 2.0 * t / total, 1e-12);
+  EXPECT_NEAR(r.drain_ratio, n * (n - 1) / 2.0 * t / total, 1e-12);
+  EXPECT_NEAR(r.imbalance_ratio, 0.0, 1e-12);
+  EXPECT_NEAR(r.fill_ratio + r.drain_ratio + r.imbalance_ratio, r.bubble_ratio, 1e-12);
+}
+
+TEST(Simulator, TransfersAndPrefetchByHand) {
+  // One worker, two stages. Link 10 B/s each way. Stage 0: 20 B of weights, 1 s compute, 10 B
+  // in and 10 B out per microbatch. Stage 1: 40 B of weights, 2 s compute, 30 B of gradients.
+  SimInput in;
+  in.h2d_bytes_per_s = in.d2h_bytes_per_s = 10.0;
+  in.microbatches = 2;
+  SimStage a, b;
+  a.compute_s = 1.0;
+  a.in_bytes = a.out_bytes = 10.0;
+  a.weight_bytes = 20.0;
+  a.owners = {0};
+  b.compute_s = 2.0;
+  b.weight_bytes = 40.0;
+  b.grad_bytes = 30.0;
+  b.owners = {1};
+  in.stages = {a, b};
+  auto r = Simulate(in);
+  // Job 0: fetch [0, 2); microbatches of 1 + 1 + 1 s: [2, 5), [5, 8).
+  // Job 1: prefetch starts when job 0 began (2) and the weights stream is free (2): [2, 6);
+  // microbatches [8, 10), [10, 12); gradients [12, 15).
+  EXPECT_DOUBLE_EQ(r.step_done[0], 15.0);
+  EXPECT_DOUBLE_EQ(r.makespan, 15.0);
+  EXPECT_DOUBLE_EQ(r.busy[0], 10.0);
+  EXPECT_DOUBLE_EQ(r.fill_ratio, 2.0 / 15.0);
+  EXPECT_DOUBLE_EQ(r.drain_ratio, 3.0 / 15.0);
+}
+
+TEST(Simulator, ExactWaitsForTheUpdateAndStaleOneDoesNot) {
+  // One worker, one stage holding layer 0 with gradients, 1 s per microbatch, M = 1; the update
+  // takes 0.5 s. exact: step 2 starts after step 1's update (1.5), so steps finish at 1 and 2.5.
+  // stale1: step 2 reads weights one update older and starts at once: 1 and 2.
+  SimInput in;
+  SimStage s;
+  s.compute_s = 1.0;
+  s.grad_bytes = 1.0;  // free link: marks the stage as producing gradients
+  s.owners = {0};
+  in.stages = {s};
+  in.steps = 3;
+  in.update_s = {0.5};
+  in.version_lag = 1;
+  auto exact = Simulate(in);
+  EXPECT_DOUBLE_EQ(exact.step_done[0], 1.0);
+  EXPECT_DOUBLE_EQ(exact.step_done[1], 2.5);
+  EXPECT_DOUBLE_EQ(exact.steady_step_s, 1.5);
+  EXPECT_DOUBLE_EQ(exact.makespan, 4.5);  // the last update drains after the last step
+  in.version_lag = 2;
+  auto stale = Simulate(in);
+  EXPECT_DOUBLE_EQ(stale.step_done[1], 2.0);
+  EXPECT_DOUBLE_EQ(stale.steady_step_s, 1.0);
+}
+
+TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
+  // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
+  // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
+  // with clipping both wait for the norm: [2, 3) and [3, 4).
+  SimInput in;
+  SimStage top, bottom;
+  top.compute_s = bottom.compute_s = 1.0;
+  top.grad_bytes = bottom.grad_bytes = 1.0;
+  top.owners = {1};
+  bottom.owners = {0};
+  in.stages = {top, bottom};
+  in.update_s = {1.0, 1.0};
+  auto free_run = Simulate(in);
+  EXPECT_DOUBLE_EQ(free_run.makespan, 3.0);
+  in.updates_wait_for_norm = true;
+  auto clipped = Simulate(in);
+  EXPECT_DOUBLE_EQ(clipped.makespan, 4.0);
+}
+
+}  // namespace
+}  // namespace rp::core

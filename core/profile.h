@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+// Profile: what one job's layers and links cost, measured at the job's real microbatch shape.
+//
+// Contract:
+//  * Workers time every layer of every microbatch of the jobs the coordinator marks for
+//    profiling (RunJob.profile: the schedule.profile_steps steps after a warm-up step) and send
+//    LayerTime messages; each worker also measures its host link once (LinkProbe). The
+//    coordinator feeds everything to a ProfileBuilder, whose Build() takes medians (robust to a
+//    stray slow microbatch) and writes <output_dir>/profile.json.
+//  * A profile is tied to its workload (WorkloadKey: model shape, microbatch shape, compute
+//    dtype, device kind). LoadProfile refuses another workload's profile by name instead of
+//    planning with wrong numbers.
+//  * Per-layer phases: forward (no autograd, forward stages), recompute (autograd forward in
+//    backward stages and the tail) and backward. The head layer's chunked forward + loss +
+//    backward cannot be separated, so its whole cost is in recompute_s and backward_s is 0.
+//    A phase a layer never ran in (the tail's blocks are never in a forward stage) is filled
+//    from the other layers' measured ratios and marked in `filled`.
+//  * CostModelProfile() states the FLOP cost model in the same form, so the planner and the
+//    simulator have one input type whether or not a measurement exists.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "core/job_config.h"
+#include "core/model_spec.h"
+#include "core/plan.h"
+
+namespace rp::core {
+
+inline constexpr int kProfileFormatVersion = 1;
+
+struct LayerCost {
+  double forward_s = 0.0;     // per microbatch
+  double recompute_s = 0.0;   // per microbatch
+  double backward_s = 0.0;    // per microbatch
+  double saved_bytes = -1.0;  // device bytes the autograd forward keeps per microbatch; -1 unknown
+  int samples = 0;            // measurements behind the medians (0: cost model)
+  bool filled = false;        // some phase was derived from other layers, not measured
+};
+
+struct Profile {
+  std::string source;    // "measured" or "cost-model"
+  std::string workload;  // WorkloadKey() of the job measured
+  std::vector<LayerCost> layers;  // one per pipeline layer (L + 2)
+  double h2d_bytes_per_s = 0.0;   // host -> device, per worker; 0: free
+  double d2h_bytes_per_s = 0.0;
+  double optimizer_params_per_s = 0.0;  // coordinator update rate (AdamW over all threads)
+  // Per microbatch: measured interval minus layer compute minus the modelled activation
+  // transfers (kernel launch gaps, synchronization, messages). Median over the profile.
+  double microbatch_overhead_s = 0.0;
+  int profiled_steps = 0;
+
+  // Per-layer costs the partitioner splits: forward stages and the backward chain.
+  std::vector<double> ForwardCosts() const;
+  std::vector<double> BackwardCosts() const;  // recompute + backward
+};
+
+std::string WorkloadKey(const JobConfig& config);
+
+// The FLOP cost model as a profile: a forward at `flops_per_s`, backward twice the forward,
+// host links at the given rates, the optimizer at `optimizer_params_per_s`.
+Profile CostModelProfile(const JobConfig& config, double flops_per_s, double link_bytes_per_s,
+                         double optimizer_params_per_s);
+// The default cost model for the config's device kind (used without a measured profile).
+Profile DefaultCostModel(const JobConfig& config);
+
+// Reads and validates a profile: format version, workload key (must equal the config's), one
+// entry per pipeline layer, finite non-negative numbers. Errors name the file and the field.
+StatusOr<Profile> LoadProfile(const std::string& path, const JobConfig& config);
+Status SaveProfile(const std::string& path, const Profile& profile);
+std::string ProfileToJson(const Profile& profile);
+
+// Collects measurements during the profile steps.
+class ProfileBuilder {
+ public:
+  explicit ProfileBuilder(int num_layers) : samples_(num_layers) {}
+  // phase: 0 forward, 1 recompute, 2 backward (proto::LayerPhase); bytes < 0: not measured.
+  void AddLayer(int layer, int phase, double seconds, double saved_bytes);
+  void AddLink(double h2d_bytes_per_s, double d2h_bytes_per_s);
+  // One microbatch's measured interval and the part the model explains (compute + transfers).
+  void AddMicrobatch(double interval_s, double explained_s);
+  void AddOptimizer(double params, double busy_s);
+  void AddStep() { steps_++; }
+  // Medians; missing phases filled (see the header comment). Fails if a layer was never timed.
+  StatusOr<Profile> Build(const JobConfig& config) const;
+  void Clear();
+
+ private:
+  struct LayerSamples {
+    std::vector<double> phase[3];
+    std::vector<double> bytes;
+  };
+  std::vector<LayerSamples> samples_;
+  std::vector<double> h2d_, d2h_, overhead_;
+  double opt_params_ = 0.0, opt_busy_s_ = 0.0;
+  int steps_ = 0;
+};
+
+}  // namespace rp::core
