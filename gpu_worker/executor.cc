@@ -196,7 +196,7 @@ MicrobatchResult Executor::RunTail(int mb) {
   Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);
   at::Tensor g = seg.outputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());
   StoreInputGrad(mb, stage_.begin, g);
-  return {r.loss_sum, r.targets};
+  return {r.loss_sum, r.targets, {}};
 }
 
 MicrobatchResult Executor::RunBackward(int mb) {

@@ -12,7 +12,14 @@
 // Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read.
+// The allocator's statistics need the CUDA LibTorch's generated headers; a CPU LibTorch that
+// only compile-checks this backend lacks them (AllocatedBytes() then reports "not tracked").
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#define RP_HAVE_CUDA_ALLOCATOR_STATS 1
+#else
+#define RP_HAVE_CUDA_ALLOCATOR_STATS 0
+#endif
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -224,8 +231,12 @@ class CudaDevice final : public Device {
   }
 
   int64_t AllocatedBytes() override {
+#if RP_HAVE_CUDA_ALLOCATOR_STATS
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
     return stats.allocated_bytes[0].current;  // index 0: all pools together
+#else
+    return -1;
+#endif
   }
 
   // Copies the probe through the same paths the worker uses: registered segment -> device on a
