@@ -11,7 +11,7 @@ out=$(mktemp -d /tmp/rp-bench-XXXXXX)
 cmd="$build/bin/rp-launch --gpus $n $job --set job.output_dir=$out/run $*"
 $cmd > "$out/log" 2>&1 &
 launcher=$!
-peak_coord_anon=0; peak_worker_rss=0; peak_shm=0
+peak_coord_anon=0; peak_worker_rss=0; peak_shm=0; peak_gpu_mib=0
 while kill -0 $launcher 2>/dev/null; do
   c=$(pgrep -P $launcher -f rp-coordinator || true)
   if [ -n "$c" ]; then
@@ -24,12 +24,15 @@ while kill -0 $launcher 2>/dev/null; do
   done
   [ "$w" -gt "$peak_worker_rss" ] && peak_worker_rss=$w
   s=$(du -sk /dev/shm 2>/dev/null | cut -f1); [ "${s:-0}" -gt "$peak_shm" ] && peak_shm=$s
+  # Device memory per process as the driver sees it (the caching allocator's reserve included).
+  g=$(nvidia-smi --query-compute-apps=used_memory --format=csv,noheader,nounits 2>/dev/null | sort -n | tail -1 || true)
+  [ -n "$g" ] && [ "$g" -gt "$peak_gpu_mib" ] 2>/dev/null && peak_gpu_mib=$g
   sleep 1
 done
 wait $launcher || { echo "bench: run failed" >&2; tail -30 "$out/log" >&2; exit 1; }
-python3 - "$out" "$n" "$job" "$cmd" "$peak_coord_anon" "$peak_worker_rss" "$peak_shm" <<'PY'
+python3 - "$out" "$n" "$job" "$cmd" "$peak_coord_anon" "$peak_worker_rss" "$peak_shm" "$peak_gpu_mib" <<'PY'
 import json, sys, datetime, os, subprocess
-out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb = sys.argv[1:]
+out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb, gpu_mib = sys.argv[1:]
 steps = [json.loads(l) for l in open(out + "/run/metrics.jsonl")]
 summ = json.load(open(out + "/run/summary.json"))
 steady = steps[2:] if len(steps) > 3 else steps
@@ -57,6 +60,8 @@ print(json.dumps({
   "grad_arena_peak_bytes": summ.get("grad_arena_peak_bytes"),
   "coordinator_anon_rss_bytes": int(coord_anon_kb) * 1024,
   "worker_rss_bytes_total": int(worker_rss_kb) * 1024,
+  "peak_gpu_memory_bytes_per_worker": int(gpu_mib) * 1024 * 1024,
+  "plan": summ.get("plan"), "prediction": summ.get("prediction"),
   "losses": [round(s["loss"], 4) for s in steps],
 }))
 PY
