@@ -211,6 +211,9 @@ const std::vector<KeySpec>& Table() {
           "K: accumulation calls per optimizer step"),
       Int("train", "microbatch_size", F(train.microbatch_size), 2, 1, 1 << 20,
           "Sequences per microbatch"),
+      Int("train", "loss_chunk_tokens", F(train.loss_chunk_tokens), 4096, 1, 1 << 30,
+          "Tokens per LM-head + cross-entropy chunk: the head's fp32 logits exist for this many "
+          "tokens at a time (device memory ~ 14 bytes x chunk x vocabulary)"),
       Enum("train", "dtype", F(train.dtype), "fp32", {"fp32", "bf16"},
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,

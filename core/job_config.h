@@ -51,6 +51,7 @@ struct TrainConfig {
   int64_t microbatch_size = 2;   // sequences per microbatch
   std::string dtype = "fp32";    // "fp32" | "bf16" (compute copy dtype; masters are fp32)
   double grad_clip = 1.0;        // global L2 norm; 0 disables
+  int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
   int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
 };
 

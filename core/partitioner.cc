@@ -68,8 +68,10 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
       }
       if (all) acts = measured;
     }
-    if (st.end == plan.num_layers)  // the head: one chunk of fp32 logits and its gradient
-      acts += 2.0 * std::min(4096.0, tokens) * static_cast<double>(c.model.vocab_size) * 4.0;
+    // The head: one chunk's logits in the compute dtype, fp32 logits, their softmax and gradient.
+    if (st.end == plan.num_layers)
+      acts += (elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
+              static_cast<double>(c.model.vocab_size);
     const double stage = params * elem + (grads ? params * (4.0 + elem) : 0.0) + acts;
     worst_weights = std::max(worst_weights, params * elem);
     worst_stage = std::max(worst_stage, stage);

@@ -236,7 +236,11 @@ StatusOr<Profile> ProfileBuilder::Build(const JobConfig& c) const {
   p.h2d_bytes_per_s = h2d_.empty() ? 0.0 : Median(h2d_);
   p.d2h_bytes_per_s = d2h_.empty() ? 0.0 : Median(d2h_);
   p.optimizer_params_per_s = opt_busy_s_ > 0 ? opt_params_ / opt_busy_s_ : 0.0;
-  p.microbatch_overhead_s = overhead_.empty() ? 0.0 : Median(overhead_);
+  // The mean, not the median: the occasional long interval (a microbatch that waited for its
+  // weights, or for the CPU) is a real cost of every step.
+  double overhead_sum = 0.0;
+  for (double o : overhead_) overhead_sum += o;
+  p.microbatch_overhead_s = overhead_.empty() ? 0.0 : overhead_sum / static_cast<double>(overhead_.size());
   return p;
 }
 

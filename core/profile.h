@@ -49,7 +49,7 @@ struct Profile {
   double d2h_bytes_per_s = 0.0;
   double optimizer_params_per_s = 0.0;  // coordinator update rate (AdamW over all threads)
   // Per microbatch: measured interval minus layer compute minus the modelled activation
-  // transfers (kernel launch gaps, synchronization, messages). Median over the profile.
+  // transfers (kernel launch gaps, synchronization, messages). Mean over the profile.
   double microbatch_overhead_s = 0.0;
   int profiled_steps = 0;
 

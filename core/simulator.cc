@@ -78,7 +78,9 @@ SimResult Simulate(const SimInput& in) {
         double done = now;
         if (st.grad_bytes > 0) {
           const double start = std::max(now, grads_free[w]);
-          grads_free[w] = start + (in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0);
+          double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
+          if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
+          grads_free[w] = start + copy;
           done = grads_free[w];
           for (int o : st.owners) {
             final_at[t][o] = std::max(final_at[t][o], done);

@@ -13,8 +13,9 @@
 //  * Weights: per worker one copy stream; a job's fetch starts when the weights it reads hold
 //    the version it needs and the worker's previous job has begun (two jobs' weights at most).
 //  * Gradients: after a job's last microbatch they are written back on the worker's gradient
-//    stream, overlapping the next job; a layer's gradient is final when the last job of the
-//    step that writes it has finished that copy.
+//    stream, overlapping the next job (calls after the first of a step also read the slot's
+//    current value first, to add on the device); a layer's gradient is final when the last job
+//    of the step that writes it has finished that copy.
 //  * Optimizer: one server (the coordinator's pool) updating one owner layer at a time: without
 //    clipping each layer as soon as final, with clipping (the global norm is needed) all layers
 //    after the step's last final gradient, ascending. Step t reads weights updated through step

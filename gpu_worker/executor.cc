@@ -17,7 +17,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       layout_(layout),
       segment_(segment),
       device_(device),
-      math_(cfg.model),
+      math_(cfg.model, cfg.train.loss_chunk_tokens),
       act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat) {}
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }

@@ -304,6 +304,7 @@ Status Worker::Run() {
       RP_ASSIGN_OR_RETURN(m, channel_->Receive(0));
     }
   }
+  if (const std::string mem = device_->MemoryReport(); !mem.empty()) RP_LOG(INFO) << mem;
   if (shutdown_code_ != 0) return Status::Cancelled("coordinator ended the run with an error");
   return Status::Ok();
 }

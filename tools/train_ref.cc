@@ -36,7 +36,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   RP_RETURN_IF_ERROR(rp::core::PrepareOutputDir(cfg));
   RP_ASSIGN_OR_RETURN(auto metrics, rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
   const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model);
-  rp::model::Transformer math(cfg.model);
+  rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens);
 
   // `params` are what the model computes with; `masters` are what the optimizer updates. In
   // exact mode they are the same tensors. In stale1 mode step t computes with the weights

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -236,6 +237,19 @@ class CudaDevice final : public Device {
     return stats.allocated_bytes[0].current;  // index 0: all pools together
 #else
     return -1;
+#endif
+  }
+
+  std::string MemoryReport() override {
+#if RP_HAVE_CUDA_ALLOCATOR_STATS
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "device memory peak: %.2f GiB allocated by tensors, %.2f GiB reserved",
+                  static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30),
+                  static_cast<double>(stats.reserved_bytes[0].peak) / (1 << 30));
+    return buf;
+#else
+    return "";
 #endif
   }
 
