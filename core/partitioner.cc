@@ -11,6 +11,7 @@ namespace rp::core {
 namespace {
 // Steps simulated to predict the steady-state step (the first carries the pipeline fill).
 constexpr int kPlanningSteps = 3;
+double MaxOf(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
 }  // namespace
 }  // namespace rp::core
 
@@ -98,7 +99,7 @@ PlanChoice PredictPlan(const JobConfig& c, const PipelinePlan& plan, const Profi
   out.fill_ratio = first.fill_ratio;
   out.drain_ratio = first.drain_ratio;
   out.imbalance_ratio = first.imbalance_ratio;
-  out.peak_memory_bytes = EstimatePeakMemory(c, plan, &profile);
+  out.peak_memory_bytes = EstimatePeakMemory(c, plan, &profile) + MaxOf(steady.peak_held_grad_bytes);
   return out;
 }
 
@@ -140,9 +141,14 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
             if (!plan.ok()) continue;
             candidates++;
             const double mem = EstimatePeakMemory(probe, *plan, &profile);
-            smallest_memory = std::min(smallest_memory, mem);
-            if (limit > 0 && mem > limit) continue;
+            if (limit > 0 && mem > limit) {  // over before any gradient waits: skip the simulation
+              smallest_memory = std::min(smallest_memory, mem);
+              continue;
+            }
             auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
+            const double total_mem = mem + MaxOf(sim.peak_held_grad_bytes);
+            smallest_memory = std::min(smallest_memory, total_mem);
+            if (limit > 0 && total_mem > limit) continue;
             const int jobs = static_cast<int>(plan->stages.size());
             // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
             if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||

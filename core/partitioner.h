@@ -29,7 +29,8 @@ struct PlanChoice {
   double bubble_ratio = 0.0;       // predicted, steady state
   double first_step_seconds = 0.0; // predicted, one step from idle
   double fill_ratio = 0.0, drain_ratio = 0.0, imbalance_ratio = 0.0;  // one step from idle
-  double peak_memory_bytes = 0.0;  // estimated, per worker
+  double peak_memory_bytes = 0.0;  // estimated, per worker: EstimatePeakMemory + the simulated
+                                   // peak of finished jobs' gradients waiting for write-back
   std::string cost_source;         // "measured" (profile file) or "cost-model"
   int candidates = 0;              // plans evaluated
 };

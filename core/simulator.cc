@@ -47,11 +47,16 @@ SimResult Simulate(const SimInput& in) {
   std::vector<double> compute_free(N, 0.0), began(N, 0.0), weights_free(N, 0.0), grads_free(N, 0.0);
   std::vector<double> first_start(N, -1.0), last_end(N, 0.0);
   std::vector<double> prev_chain(M, 0.0), cur_chain(M, 0.0);
+  struct Held {
+    double from, to, bytes;
+  };
+  std::vector<std::vector<Held>> held(N);
   int updates_done_for = -1;
   for (int t = 0; t < T; ++t) {
     const int need = t - in.version_lag;  // the step whose updates this step's weights include
-    if (need >= 0)
-      while (updates_done_for < need) run_updates(++updates_done_for);
+    // Every earlier step's gradients are final by now (its jobs come first), so its updates
+    // are known: step t's weights wait for step `need`'s, its commits for step t - 1's.
+    while (updates_done_for < t - 1) run_updates(++updates_done_for);
     for (int c = 0; c < K; ++c)
       for (int s = 0; s < S; ++s) {
         const int64_t k = static_cast<int64_t>(t) * jobs_per_step + c * S + s;
@@ -77,11 +82,18 @@ SimResult Simulate(const SimInput& in) {
         compute_free[w] = last_end[w] = now;
         double done = now;
         if (st.grad_bytes > 0) {
-          const double start = std::max(now, grads_free[w]);
+          // A gradient slot of step t is free once step t - 1's update of its layer has read it
+          // (exact mode: always by now; stale1: the update runs during this step).
+          double slot_free = 0.0;
+          if (t > 0)
+            for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
+          const double start = std::max({now, grads_free[w], slot_free});
           double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
           if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
           grads_free[w] = start + copy;
           done = grads_free[w];
+          // The job's fp32 gradients stay on the device from its end until the copy is done.
+          held[w].push_back({now, done, st.grad_bytes});
           for (int o : st.owners) {
             final_at[t][o] = std::max(final_at[t][o], done);
             has_grad[t][o] = true;
@@ -113,6 +125,20 @@ SimResult Simulate(const SimInput& in) {
     r.fill_ratio = fill / total;
     r.drain_ratio = drain / total;
     r.imbalance_ratio = std::max(0.0, r.bubble_ratio - r.fill_ratio - r.drain_ratio);
+  }
+  r.peak_held_grad_bytes.assign(N, 0.0);
+  for (int w = 0; w < N; ++w) {
+    std::vector<std::pair<double, double>> events;  // (time, +/- bytes); releases sort first
+    for (const auto& h : held[w]) {
+      events.push_back({h.from, h.bytes});
+      events.push_back({h.to, -h.bytes});
+    }
+    std::sort(events.begin(), events.end());
+    double cur = 0.0;
+    for (const auto& [time, delta] : events) {
+      cur += delta;
+      r.peak_held_grad_bytes[w] = std::max(r.peak_held_grad_bytes[w], cur);
+    }
   }
   r.steady_step_s = T > 1 ? (r.step_done[T - 1] - r.step_done[0]) / (T - 1) : r.makespan;
   r.steady_bubble_ratio =

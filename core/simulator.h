@@ -14,13 +14,15 @@
 //    the version it needs and the worker's previous job has begun (two jobs' weights at most).
 //  * Gradients: after a job's last microbatch they are written back on the worker's gradient
 //    stream, overlapping the next job (calls after the first of a step also read the slot's
-//    current value first, to add on the device); a layer's gradient is final when the last job
-//    of the step that writes it has finished that copy.
+//    current value first, to add on the device), once the slot is free: step t - 1's update of
+//    the layer has read it. Until then the gradients wait on the device. A layer's gradient is
+//    final when the last job of the step that writes it has finished that copy.
 //  * Optimizer: one server (the coordinator's pool) updating one owner layer at a time: without
 //    clipping each layer as soon as final, with clipping (the global norm is needed) all layers
 //    after the step's last final gradient, ascending. Step t reads weights updated through step
 //    t - lag (lag 1 = exact, 2 = stale1).
-//  * Not modelled: activation slot reuse across calls, gradient arena capacity, several workers
+//  * Not modelled: activation slot reuse across calls, a streamed gradient arena's capacity
+//    (slots wait only for the previous step's update, as when the arena holds every gradient), several workers
 //    sharing one GPU's link or compute, message latency (folded into a measured overhead).
 // Pure and deterministic.
 #pragma once
@@ -64,6 +66,9 @@ struct SimResult {
   std::vector<double> step_done;  // per step: its last microbatch or gradient copy finished
   double steady_step_s = 0.0;     // (step_done[last] - step_done[0]) / (steps - 1); 1 step: makespan
   double steady_bubble_ratio = 0.0;  // 1 - busy per step / (N x steady_step_s)
+  // Per worker: the most fp32 gradient bytes of finished jobs waiting on the device for their
+  // write-back at one time (device memory on top of the running job's).
+  std::vector<double> peak_held_grad_bytes;
 };
 
 SimResult Simulate(const SimInput& in);

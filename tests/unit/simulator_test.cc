@@ -120,6 +120,34 @@ TEST(Simulator, ExactWaitsForTheUpdateAndStaleOneDoesNot) {
   EXPECT_DOUBLE_EQ(stale.steady_step_s, 1.0);
 }
 
+TEST(Simulator, StaleOneCommitsWaitForTheSlotsAndHoldTheirGradients) {
+  // One worker, one stage: 1 s of compute, 10 B of gradients over a 10 B/s link, a 5 s update.
+  // stale1: step 1 computes in [1, 2) at once, but its slot is read by step 0's update until 7,
+  // so its gradients wait on the device from 2 and are copied in [7, 8).
+  SimInput in;
+  SimStage s;
+  s.compute_s = 1.0;
+  s.grad_bytes = 10.0;
+  s.owners = {0};
+  in.stages = {s};
+  in.steps = 2;
+  in.d2h_bytes_per_s = 10.0;
+  in.update_s = {5.0};
+  in.version_lag = 2;
+  auto r = Simulate(in);
+  EXPECT_DOUBLE_EQ(r.step_done[0], 2.0);
+  EXPECT_DOUBLE_EQ(r.step_done[1], 8.0);
+  ASSERT_EQ(r.peak_held_grad_bytes.size(), 1u);
+  EXPECT_DOUBLE_EQ(r.peak_held_grad_bytes[0], 10.0);  // step 0's leave as step 1's arrive
+  // Two stages whose gradients both wait: they add up.
+  SimStage s2 = s;
+  s2.owners = {1};
+  in.stages = {s, s2};
+  in.update_s = {5.0, 5.0};
+  auto two = Simulate(in);
+  EXPECT_DOUBLE_EQ(two.peak_held_grad_bytes[0], 20.0);
+}
+
 TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
   // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
