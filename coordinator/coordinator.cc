@@ -907,7 +907,7 @@ Status Coordinator::Run() {
     const std::string dir = cfg_.job.output_dir + "/" + cfg_.checkpoint.export_hf;
     st = core::ExportHf(dir, cfg_.model, spec_, [&](int p) {
       return optim_segment_->At<const float>(layout_.master[p]);
-    });
+    }, static_cast<uint64_t>(cfg_.checkpoint.export_shard_mb) << 20);
     if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << dir;
   }
   if (st.ok()) {

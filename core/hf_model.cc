@@ -2,6 +2,7 @@
 #include "core/hf_model.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -111,7 +112,7 @@ Status HfWeights::Load(const ParamSpec& p, float* out) const {
 }
 
 Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& spec,
-                const std::function<const float*(int)>& master) {
+                const std::function<const float*(int)>& master, uint64_t shard_bytes) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("export directory " + dir + ": " + ec.message());
@@ -125,13 +126,52 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
       {"tie_word_embeddings", m.tie_embeddings}, {"hidden_act", "silu"},
       {"attention_bias", false}, {"torch_dtype", "float32"}, {"max_position_embeddings", 32768}};
   RP_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(), c.dump(2) + "\n"));
-  std::vector<SafetensorToWrite> tensors;
+  // Shards: consecutive tensors while they fit the limit.
+  std::vector<std::vector<SafetensorToWrite>> shards(1);
+  uint64_t in_shard = 0, total = 0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     const auto& ps = spec.params[p];
-    tensors.push_back({ps.name, "F32", ps.shape, master(static_cast<int>(p)),
-                       static_cast<uint64_t>(ps.numel) * 4});
+    const uint64_t bytes = static_cast<uint64_t>(ps.numel) * 4;
+    if (shard_bytes > 0 && in_shard > 0 && in_shard + bytes > shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back({ps.name, "F32", ps.shape, master(static_cast<int>(p)), bytes});
+    in_shard += bytes;
+    total += bytes;
   }
-  return WriteSafetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  const fs::path single = fs::path(dir) / "model.safetensors";
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  auto is_shard = [](const fs::path& f) {
+    const std::string n = f.filename().string();
+    return n.rfind("model-", 0) == 0 && n.find("-of-") != std::string::npos &&
+           n.size() > 12 && n.substr(n.size() - 12) == ".safetensors";
+  };
+  std::vector<fs::path> written;
+  if (shards.size() == 1) {
+    RP_RETURN_IF_ERROR(WriteSafetensors(single.string(), shards[0], {{"format", "pt"}}));
+    written.push_back(single);
+  } else {
+    nlohmann::ordered_json map = nlohmann::ordered_json::object();
+    char name[64];
+    for (size_t i = 0; i < shards.size(); ++i) {
+      std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+      RP_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / name).string(), shards[i], {{"format", "pt"}}));
+      written.push_back(fs::path(dir) / name);
+      for (const auto& t : shards[i]) map[t.name] = name;
+    }
+    nlohmann::ordered_json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+    RP_RETURN_IF_ERROR(WriteFileAtomically(index.string(), idx.dump(2) + "\n"));
+    written.push_back(index);
+  }
+  // Only now, with the new export complete: drop an earlier export's files of the other layout
+  // (or a shard count that no longer applies).
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const fs::path f = e.path();
+    const bool ours = f == single || f == index || is_shard(f);
+    if (ours && std::find(written.begin(), written.end(), f) == written.end()) fs::remove(f, ec);
+  }
+  return Status::Ok();
 }
 
 }  // namespace rp::core

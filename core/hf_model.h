@@ -11,8 +11,13 @@
 //    (core/safetensors.h); Load() converts one parameter (F32, BF16 or F16 on disk) to fp32 into
 //    caller memory, e.g. the master arena, after checking its shape against the model spec. A
 //    missing tensor is an error naming it (a tied LM head may be absent).
-//  * ExportHf() writes a directory that transformers loads: config.json and model.safetensors
-//    with fp32 tensors under the spec's (Hugging Face) names, each file written atomically.
+//  * ExportHf() writes a directory that transformers loads: config.json and fp32 tensors under
+//    the spec's (Hugging Face) names, each file written atomically. Up to `shard_bytes` of tensors
+//    (0: no limit) it is one model.safetensors; beyond, shards model-0000i-of-0000N.safetensors
+//    (tensors in spec order, a tensor larger than the limit alone in its shard) and
+//    model.safetensors.index.json, the layout save_pretrained uses. The other layout's files
+//    left by an earlier export into the same directory are removed after the new one is written,
+//    so a loader never sees both.
 #pragma once
 
 #include <functional>
@@ -42,6 +47,6 @@ class HfWeights {
 
 // `master(p)` returns parameter p's fp32 values (numel floats).
 Status ExportHf(const std::string& dir, const ModelConfig& model, const ModelSpec& spec,
-                const std::function<const float*(int)>& master);
+                const std::function<const float*(int)>& master, uint64_t shard_bytes = 0);
 
 }  // namespace rp::core

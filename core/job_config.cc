@@ -291,6 +291,9 @@ const std::vector<KeySpec>& Table() {
       Str("checkpoint", "export_hf", F(checkpoint.export_hf), "",
           "After the last step, write the trained model as a Hugging Face directory (config.json + "
           "model.safetensors, fp32) here, relative to job.output_dir; empty = no export"),
+      Int("checkpoint", "export_shard_mb", F(checkpoint.export_shard_mb), 5000, 0, 1 << 30,
+          "Largest safetensors file of export_hf in MiB: a bigger model is written as shards "
+          "model-0000i-of-0000N.safetensors with model.safetensors.index.json; 0 = one file"),
       Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
           "Checkpoint directory, relative to job.output_dir"),
       Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,

@@ -93,6 +93,7 @@ struct CheckpointConfig {
   std::string dir = "checkpoints";
   int64_t keep = 2;              // newest checkpoints kept
   std::string export_hf;         // HF directory written after the last step (relative to output_dir)
+  int64_t export_shard_mb = 5000;  // export_hf shards above this size; 0 = one file
 };
 
 struct MetricsConfig {

@@ -87,7 +87,9 @@ TEST(Dataset, TokenFilesWithASidecar) {
     for (int r = 0; r < 2; ++r)
       for (int j = 0; j < 8; ++j) {
         EXPECT_EQ(lab[r * 8 + j], (tok[r * 8 + j] + 1) % 300);  // the next token in the file
-        if (j > 0) EXPECT_EQ(tok[r * 8 + j], lab[r * 8 + j - 1]);
+        if (j > 0) {
+          EXPECT_EQ(tok[r * 8 + j], lab[r * 8 + j - 1]);
+        }
       }
   }
   struct Bad { std::string file, bytes, sidecar, expect; };

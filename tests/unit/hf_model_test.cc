@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -79,6 +80,53 @@ TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
 }
 INSTANTIATE_TEST_SUITE_P(LlamaQwen3TiedUntied, HfModelTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+
+TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
+  const std::string dir = testing::MakeTempDir("rp-hf-export-shards-");
+  const ModelConfig m = Small(true, true);
+  const ModelSpec spec = BuildModelSpec(m);
+  std::mt19937 rng(9);
+  std::vector<std::vector<float>> masters;
+  uint64_t largest = 0;
+  for (const auto& p : spec.params) {
+    masters.emplace_back(p.numel);
+    for (auto& x : masters.back()) x = std::normal_distribution<float>()(rng);
+    largest = std::max<uint64_t>(largest, static_cast<uint64_t>(p.numel) * 4);
+  }
+  auto master = [&](int p) { return masters[p].data(); };
+  // First a single-file export, then a sharded one into the same directory.
+  ASSERT_TRUE(ExportHf(dir, m, spec, master).ok());
+  ASSERT_TRUE(ExportHf(dir, m, spec, master, largest).ok());
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors")) << "the old layout is gone";
+  auto index = nlohmann::json::parse(testing::ReadFile(dir + "/model.safetensors.index.json"));
+  std::set<std::string> files;
+  uint64_t total = 0;
+  for (const auto& p : spec.params) {
+    ASSERT_TRUE(index["weight_map"].contains(p.name)) << p.name;
+    files.insert(index["weight_map"][p.name].get<std::string>());
+    total += static_cast<uint64_t>(p.numel) * 4;
+  }
+  EXPECT_GT(files.size(), 2u);
+  EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), total);
+  for (const auto& f : files) {
+    EXPECT_TRUE(fs::exists(fs::path(dir) / f)) << f;
+    EXPECT_NE(f.find("-of-" + std::string(5 - std::to_string(files.size()).size(), '0') +
+                     std::to_string(files.size()) + ".safetensors"), std::string::npos) << f;
+  }
+  auto w = HfWeights::Open(dir);
+  ASSERT_TRUE(w.ok()) << w.status().message();
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    std::vector<float> got(spec.params[p].numel);
+    ASSERT_TRUE(w->Load(spec.params[p], got.data()).ok()) << spec.params[p].name;
+    EXPECT_EQ(std::memcmp(got.data(), masters[p].data(), got.size() * 4), 0) << spec.params[p].name;
+  }
+  // And back to one file: shards and index are removed.
+  ASSERT_TRUE(ExportHf(dir, m, spec, master).ok());
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors.index.json"));
+  for (const auto& f : files) EXPECT_FALSE(fs::exists(fs::path(dir) / f)) << f;
+  fs::remove_all(dir);
+}
 
 TEST(HfModel, ShardedCheckpointWithIndexLoads) {
   const std::string dir = testing::MakeTempDir("rp-hf-shards-");
