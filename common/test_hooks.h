@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 
 namespace rp {
@@ -21,6 +22,19 @@ inline bool ClaimTestHookOnce(const char* env_var) {
   if (fd < 0) return false;
   ::close(fd);
   return true;
+}
+
+// RP_TEST_SLOW_FROM_STEP="<step>:<ms>": every microbatch of step >= <step> (0-based) takes <ms>
+// milliseconds longer, in every worker: a machine that slowed down mid-run (the drift test).
+// Returns the extra seconds for a microbatch of `step`; 0 when the variable is unset.
+inline double TestSlowdownSeconds(int64_t step) {
+  const char* v = std::getenv("RP_TEST_SLOW_FROM_STEP");
+  if (v == nullptr) return 0.0;
+  char* end = nullptr;
+  const long long from = std::strtoll(v, &end, 10);
+  if (end == nullptr || *end != ':') return 0.0;
+  const double ms = std::strtod(end + 1, nullptr);
+  return step >= from && ms > 0 ? ms * 1e-3 : 0.0;
 }
 
 }  // namespace rp

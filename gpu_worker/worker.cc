@@ -11,6 +11,8 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <thread>
+#include <chrono>
 
 #include "common/logging.h"
 #include "common/test_hooks.h"
@@ -177,6 +179,8 @@ StatusOr<bool> Worker::Progress() {
     d.start_us = WallMicros();
     auto r = exec_->Microbatch(a.next_mb);
     if (!r.ok()) return Fail(id, r.status());
+    if (const double slow = TestSlowdownSeconds(a.job.step); slow > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(slow));
     d.end_us = WallMicros();
     d.loss_sum = r->loss_sum;
     d.targets = r->targets;

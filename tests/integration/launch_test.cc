@@ -407,6 +407,28 @@ TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   EXPECT_GT(j["job_plan"]["predicted_step_s"].get<double>(), 0.0);
 }
 
+TEST_F(LaunchTest, StepsThatDriftFromThePredictionTriggerANewProfile) {
+  // From step 8 on every microbatch takes 40 ms longer (a machine that slowed down): after three
+  // steps off the prediction by more than schedule.drift the coordinator profiles again and
+  // writes a new profile whose prediction covers the slowdown.
+  const std::string out = tmp_ + "/drift";
+  auto env = Env();
+  env.push_back("RP_TEST_SLOW_FROM_STEP=7:40");
+  auto r = testing::RunProcess(LaunchArgs(2, out, {"train.steps=20", "schedule.drift=0.3"}), 240, env);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("drifted from the prediction"), std::string::npos) << r.output;
+  const size_t first = r.output.find("profile of steps 2-3 written");
+  ASSERT_NE(first, std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("profile of steps", first + 1), std::string::npos) << "a second profile";
+  auto summary = nlohmann::json::parse(testing::ReadFile(out + "/summary.json"));
+  const auto& pred = summary["prediction"];
+  // The newest prediction includes the slowdown: measured steps after it agree with it.
+  EXPECT_NE(pred["profiled_steps"][0].get<int>(), 2) << pred.dump();
+  const double ratio = pred["measured_over_predicted"].get<double>();
+  EXPECT_GT(ratio, 0.6) << pred.dump();
+  EXPECT_LT(ratio, 1.5) << pred.dump();
+}
+
 TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
   // The run starts from a profile that is wrong on purpose (per-microbatch overhead dwarfing
   // the layers, so the planner picks as few stages as possible); the profile measured in steps
