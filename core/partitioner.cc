@@ -11,6 +11,30 @@ namespace rp::core {
 namespace {
 // Steps simulated to predict the steady-state step (the first carries the pipeline fill).
 constexpr int kPlanningSteps = 3;
+// Up to this many layers before the tail the search is exhaustive over contiguous splits.
+constexpr int kExhaustiveLayers = 6;
+
+// Candidate stage starts for one side over costs.size() layers: every contiguous split when the
+// layers are few (the search is then exact), else the equal and the min-max split for each stage
+// count up to max_parts.
+std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, int max_parts) {
+  const int t = static_cast<int>(costs.size());
+  std::vector<std::vector<int>> out;
+  if (t <= kExhaustiveLayers) {
+    for (uint32_t mask = 0; mask < (1u << (t - 1)); ++mask) {
+      std::vector<int> starts = {0};
+      for (int i = 1; i < t; ++i)
+        if (mask & (1u << (i - 1))) starts.push_back(i);
+      out.push_back(std::move(starts));
+    }
+    return out;
+  }
+  for (int p = 1; p <= std::min(t, max_parts); ++p) {
+    out.push_back(EqualCuts(t, p));
+    out.push_back(MinMaxPartition(costs, p));
+  }
+  return out;
+}
 double MaxOf(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
 }  // namespace
 }  // namespace rp::core
@@ -126,38 +150,33 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
     probe.schedule.tail_blocks = tail;
     const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
     const std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
-    for (int f = 1; f <= std::min(t, 2 * workers + 2); ++f)
-      for (int b = 1; b <= std::min(t, 3 * workers + 3); ++b) {
-        std::vector<std::vector<int>> fwd = {EqualCuts(t, f), MinMaxPartition(f_layers, f)};
-        std::vector<std::vector<int>> bwd = {EqualCuts(t, b), MinMaxPartition(b_layers, b)};
-        for (const auto& fc : fwd)
-          for (const auto& bc : bwd) {
-            // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
-            probe.schedule.forward_stages = f;
-            probe.schedule.backward_stages = b;
-            probe.schedule.forward_cuts.assign(fc.begin() + 1, fc.end());
-            probe.schedule.backward_cuts.assign(bc.begin() + 1, bc.end());
-            auto plan = BuildPlan(probe);
-            if (!plan.ok()) continue;
-            candidates++;
-            const double mem = EstimatePeakMemory(probe, *plan, &profile);
-            if (limit > 0 && mem > limit) {  // over before any gradient waits: skip the simulation
-              smallest_memory = std::min(smallest_memory, mem);
-              continue;
-            }
-            auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
-            const double total_mem = mem + MaxOf(sim.peak_held_grad_bytes);
-            smallest_memory = std::min(smallest_memory, total_mem);
-            if (limit > 0 && total_mem > limit) continue;
-            const int jobs = static_cast<int>(plan->stages.size());
-            // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
-            if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
-                (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs)) {
-              best_plan = *plan;
-              best_step = sim.steady_step_s;
-              best_jobs = jobs;
-            }
-          }
+    for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2))
+      for (const auto& bc : SideCandidates(b_layers, 3 * workers + 3)) {
+        // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
+        probe.schedule.forward_stages = static_cast<int>(fc.size());
+        probe.schedule.backward_stages = static_cast<int>(bc.size());
+        probe.schedule.forward_cuts.assign(fc.begin() + 1, fc.end());
+        probe.schedule.backward_cuts.assign(bc.begin() + 1, bc.end());
+        auto plan = BuildPlan(probe);
+        if (!plan.ok()) continue;
+        candidates++;
+        const double mem = EstimatePeakMemory(probe, *plan, &profile);
+        if (limit > 0 && mem > limit) {  // over before any gradient waits: skip the simulation
+          smallest_memory = std::min(smallest_memory, mem);
+          continue;
+        }
+        auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
+        const double total_mem = mem + MaxOf(sim.peak_held_grad_bytes);
+        smallest_memory = std::min(smallest_memory, total_mem);
+        if (limit > 0 && total_mem > limit) continue;
+        const int jobs = static_cast<int>(plan->stages.size());
+        // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
+        if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
+            (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs)) {
+          best_plan = *plan;
+          best_step = sim.steady_step_s;
+          best_jobs = jobs;
+        }
       }
   }
   if (best_jobs == std::numeric_limits<int>::max())

@@ -3,7 +3,8 @@
 //
 // It searches the fused tail's size and the number of forward and backward stages; for each it
 // tries the equal-layer split and the exact min-max split (dynamic programming over contiguous
-// cuts, minimizing the slowest stage), simulates the round-robin schedule (core/simulator.h) with
+// cuts, minimizing the slowest stage), or every contiguous split when at most six layers precede
+// the tail (the search is then exact), simulates the round-robin schedule (core/simulator.h) with
 // per-layer costs, drops plans whose estimated per-worker memory exceeds schedule.gpu_memory_gb,
 // and keeps the one with the shortest steady-state step (fewer stages on ties). Forward cuts are
 // split on forward costs, backward cuts on recompute + backward costs.

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
 #include <random>
 
 #include "core/partitioner.h"
@@ -111,6 +112,48 @@ TEST(Partitioner, AutoWithAMeasuredProfileIsNoSlowerThanEqualSplits) {
       auto choice = ChoosePlan(c, workers, p);
       ASSERT_TRUE(choice.ok()) << choice.status().ToString();
       ExpectNoEqualPlanIsFaster(c, workers, p, *choice);
+    }
+}
+
+TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
+  // Brute force, independent of the planner's enumeration: every tail size and every pair of
+  // contiguous forward / backward splits, each predicted; the planner's choice is the minimum.
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<double> u(0.1, 3.0);
+  for (int layers : {2, 3, 5})
+    for (int workers : {1, 2, 3}) {
+      JobConfig c = Small(layers);
+      Profile p = DefaultCostModel(c);
+      for (auto& l : p.layers) {
+        l.forward_s = u(rng);
+        l.recompute_s = u(rng);
+        l.backward_s = u(rng);
+      }
+      p.optimizer_params_per_s = 1e6 * u(rng);
+      auto choice = ChoosePlan(c, workers, p);
+      ASSERT_TRUE(choice.ok());
+      double best = std::numeric_limits<double>::infinity();
+      JobConfig eq = c;
+      eq.schedule.partition = "equal";
+      for (int tail = 0; tail <= std::min(layers, 3); ++tail) {
+        const int t = layers + 1 - tail;
+        eq.schedule.tail_blocks = tail;
+        for (uint32_t fm = 0; fm < (1u << (t - 1)); ++fm)
+          for (uint32_t bm = 0; bm < (1u << (t - 1)); ++bm) {
+            eq.schedule.forward_cuts.clear();
+            eq.schedule.backward_cuts.clear();
+            for (int i = 1; i < t; ++i) {
+              if (fm & (1u << (i - 1))) eq.schedule.forward_cuts.push_back(i);
+              if (bm & (1u << (i - 1))) eq.schedule.backward_cuts.push_back(i);
+            }
+            eq.schedule.forward_stages = static_cast<int64_t>(eq.schedule.forward_cuts.size()) + 1;
+            eq.schedule.backward_stages = static_cast<int64_t>(eq.schedule.backward_cuts.size()) + 1;
+            auto plan = BuildPlan(eq);
+            ASSERT_TRUE(plan.ok());
+            best = std::min(best, PredictPlan(eq, *plan, p, workers).step_seconds);
+          }
+      }
+      EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best) << layers << " layers, " << workers << " workers";
     }
 }
 
