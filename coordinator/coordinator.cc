@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "coordinator/coordinator.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -888,12 +889,26 @@ void Coordinator::ShutdownWorkers(int exit_code) {
   }
 }
 
+// The optimizer's pool size: --optimizer-threads, else optimizer.threads, else the cores this
+// process may run on minus one per GPU worker. A worker whose launch thread waits for a core
+// leaves its GPU idle, which costs more than one optimizer thread gains; CPU workers compute on
+// their own threads and the optimizer runs mostly between their bursts, so they reserve nothing.
+int OptimizerThreads(const CoordinatorOptions& o, const core::JobConfig& cfg) {
+  if (o.optimizer_threads > 0) return o.optimizer_threads;
+  if (cfg.optimizer.threads > 0) return static_cast<int>(cfg.optimizer.threads);
+  cpu_set_t set;
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+  const int reserved = cfg.job.device == "cpu" ? 0 : o.num_workers;
+  return std::max(1, cores - reserved);
+}
+
 Status Coordinator::Run() {
   RP_RETURN_IF_ERROR(Setup());
   RP_RETURN_IF_ERROR(InitState());
   Status st = AcceptWorkers();
-  const int threads = opts_.optimizer_threads > 0 ? opts_.optimizer_threads
-                                                  : static_cast<int>(std::thread::hardware_concurrency());
+  const int threads = OptimizerThreads(opts_, cfg_);
+  RP_LOG(INFO) << "optimizer: " << threads << " threads";
   optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, segment_->data(),
                                                 optim_segment_->data(), grad_arena_.get(), threads);
   optimizer_->StartAfter(first_step_);
