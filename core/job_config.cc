@@ -239,9 +239,8 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
       Int("optimizer", "threads", F(optimizer.threads), 0, 0, 4096,
-          "Coordinator threads for the optimizer; 0 = the cores this process may use minus one "
-          "per GPU worker (each worker needs a core to keep its GPU fed), at least 1; the result "
-          "does not depend on the count"),
+          "Coordinator threads for the optimizer; 0 = every core this process may use. The "
+          "result does not depend on the count"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0 or "
           "train.accum_calls > 1 (each must be held until the step's last commit or the global "

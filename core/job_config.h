@@ -67,7 +67,7 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double momentum = 0.9;         // SGD only
   int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
-  int64_t threads = 0;           // optimizer pool; 0 = cores - GPU workers (>= 1)
+  int64_t threads = 0;           // optimizer pool; 0 = every usable core
 };
 
 struct LoraConfig {
