@@ -4,7 +4,8 @@
 // The oracle: the same training as rp-launch in one process, with no pipeline, no shared memory
 // and no recompute. It uses the same model math (model/), data order (core/data), init
 // (core/model_spec) and optimizer (coordinator/optim), and writes the same metrics.jsonl, so a
-// pipelined fp32 CPU run must match it step for step.
+// pipelined fp32 CPU run must match it step for step. It loads (model.path) and exports
+// (checkpoint.export_hf) Hugging Face directories like rp-launch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -112,6 +113,13 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     m.step_time_s = secs;
     RP_RETURN_IF_ERROR(metrics.Append(m));
     RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm;
+  }
+  if (!cfg.checkpoint.export_hf.empty()) {  // the same export as the coordinator's
+    const std::string dir = cfg.job.output_dir + "/" + cfg.checkpoint.export_hf;
+    RP_RETURN_IF_ERROR(rp::core::ExportHf(dir, cfg.model, spec,
+                                          [&](int p) { return masters[p].data_ptr<float>(); },
+                                          static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20));
+    RP_LOG(INFO) << "exported the trained model to " << dir;
   }
   return rp::Status::Ok();
 }

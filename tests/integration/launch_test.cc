@@ -239,8 +239,8 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
 
 TEST_F(LaunchTest, HuggingFaceExportLoadsBackIntoThePipelineAndTheReference) {
   // Train 5 steps and export an HF directory; start new runs from it (model.path). With lr = 0
-  // the weights must come back out bit for bit, and the pipeline's and rp-train-ref's first-step
-  // losses on the loaded model must agree.
+  // the weights must come back out bit for bit (from the pipeline and from rp-train-ref), and
+  // the pipeline's and rp-train-ref's first-step losses on the loaded model must agree.
   const std::string a = tmp_ + "/hf-train";
   auto train = Launch(2, a, {"train.steps=5", "checkpoint.export_hf=hf"});
   ASSERT_EQ(train.code, 0) << train.output;
@@ -254,12 +254,15 @@ TEST_F(LaunchTest, HuggingFaceExportLoadsBackIntoThePipelineAndTheReference) {
   EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") == ReadBytes(b + "/hf/model.safetensors"))
       << "the weights changed on the way through load and export";
   std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/hf-ref"};
-  for (size_t i = 0; i + 1 < frozen.size(); ++i) {
+  for (const auto& f : frozen) {
     ref_args.push_back("--set");
-    ref_args.push_back(frozen[i]);
+    ref_args.push_back(f);
   }
   auto ref = testing::RunProcess(ref_args, 240);
   ASSERT_EQ(ref.code, 0) << ref.output;
+  // rp-train-ref saves the same format: its export of the unchanged weights is the same file.
+  EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") == ReadBytes(tmp_ + "/hf-ref/hf/model.safetensors"));
+  EXPECT_EQ(testing::ReadFile(a + "/hf/config.json"), testing::ReadFile(tmp_ + "/hf-ref/hf/config.json"));
   const auto got = Losses(b + "/metrics.jsonl"), expected = Losses(tmp_ + "/hf-ref/metrics.jsonl");
   ASSERT_EQ(got.size(), 1u);
   ASSERT_EQ(expected.size(), 1u);
