@@ -621,10 +621,13 @@ TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
   int sent = 0;
   for (int peer = 0; peer < 8; ++peer) {
     zmq::socket_t s(ctx, zmq::socket_type::dealer);
-    s.set(zmq::sockopt::linger, 0);
+    // Queued frames must reach the coordinator before the socket closes (LINGER 0 would drop
+    // whatever the connection had not flushed yet, and with it the test's point).
+    s.set(zmq::sockopt::linger, 2000);
     const std::string ids[] = {"fuzz", "w99", "w", "w-1", "x0", "w0000000", std::string(1, '\0'), "w12345"};
     s.set(zmq::sockopt::routing_id, ids[peer]);
     s.connect("ipc://" + sock);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the connection complete
     for (int f = 0; f < 200; ++f) {
       std::string frame;
       if (f % 3 == 0) {
