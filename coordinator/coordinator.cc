@@ -166,7 +166,6 @@ class Coordinator {
   // Profiling state.
   std::optional<core::ProfileBuilder> profile_builder_;
   std::vector<core::SimStage> sim_stages_;  // per stage: transfer volumes (explains mb intervals)
-  std::vector<double> link_h2d_, link_d2h_;  // per LinkProbe received
   int64_t profile_begin_ = -1, profile_end_ = -1;  // steps [begin, end) are timed
   bool profile_pending_ = false;
   std::map<std::pair<int64_t, int>, double> mb_layer_seconds_;  // (job, mb) -> timed compute
@@ -404,11 +403,11 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
     // What the layer timings and the modelled transfers do not explain is per-microbatch
     // overhead (synchronization, launch gaps, messages): the simulator adds it to every stage.
     auto key = std::make_pair(j->index, d.microbatch);
-    const double link_h2d = link_h2d_.empty() ? 0.0 : link_h2d_.front();
-    const double link_d2h = link_d2h_.empty() ? 0.0 : link_d2h_.front();
     profile_builder_->AddMicrobatch(
         static_cast<double>(d.end_us - d.start_us) * 1e-6,
-        mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[j->stage], link_h2d, link_d2h));
+        mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[j->stage],
+                                                       profile_builder_->H2dBytesPerS(),
+                                                       profile_builder_->D2hBytesPerS()));
     mb_layer_seconds_.erase(key);
   }
   StepState& st = steps_.at(j->step);
@@ -442,8 +441,6 @@ void Coordinator::OnLinkProbe(int rank, const proto::LinkProbe& p) {
     RP_LOG(WARNING) << "dropped a LinkProbe with negative rates from worker " << rank;
     return;
   }
-  link_h2d_.push_back(p.h2d_bytes_per_s);
-  link_d2h_.push_back(p.d2h_bytes_per_s);
   profile_builder_->AddLink(p.h2d_bytes_per_s, p.d2h_bytes_per_s);
   RP_LOG(INFO) << "worker " << rank << " host link: " << p.h2d_bytes_per_s / 1e9 << " GB/s in, "
                << p.d2h_bytes_per_s / 1e9 << " GB/s out (" << (p.probe_bytes >> 20) << " MiB probe)";
@@ -464,6 +461,8 @@ Status Coordinator::MaybeFinishProfile() {
   profile_pending_ = false;
   // The optimizer's rate: parameters updated over the time the pool was busy with them (the
   // union of the per-layer spans; layers of one step may overlap).
+  std::vector<double> owned(plan_.num_layers, 0.0);
+  for (const auto& p : spec_.params) owned[p.owner_layer] += static_cast<double>(p.numel);
   for (int64_t t = profile_begin_; t < profile_end_; ++t) {
     auto spans = optimizer_->SpansOfStep(t);
     std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
@@ -473,8 +472,7 @@ Status Coordinator::MaybeFinishProfile() {
       const int64_t from = std::max(sp.start_us, covered);
       if (sp.end_us > from) busy += static_cast<double>(sp.end_us - from) * 1e-6;
       covered = std::max(covered, sp.end_us);
-      for (const auto& p : spec_.params)
-        if (p.owner_layer == sp.layer) params += static_cast<double>(p.numel);
+      params += owned[sp.layer];
     }
     profile_builder_->AddOptimizer(params, busy);
     profile_builder_->AddStep();
@@ -936,12 +934,7 @@ Status Coordinator::Run() {
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_}};
     if (prediction_) {
-      auto median = [](std::vector<double> v) {
-        if (v.empty()) return -1.0;
-        std::sort(v.begin(), v.end());
-        return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-      };
-      const double measured = median(measured_step_s_);
+      const double measured = core::Median(measured_step_s_);
       summary["prediction"] = {
           {"plan", prediction_->plan.Describe()}, {"costs", prediction_->cost_source},
           {"profiled_steps", {profile_begin_ + 1, profile_end_}},
@@ -950,7 +943,7 @@ Status Coordinator::Run() {
           {"predicted_peak_memory_bytes", prediction_->peak_memory_bytes},
           {"measured_steps", measured_step_s_.size()},
           {"measured_median_step_s", measured},
-          {"measured_median_bubble_ratio", median(measured_bubble_)},
+          {"measured_median_bubble_ratio", core::Median(measured_bubble_)},
           {"measured_over_predicted", measured > 0 ? measured / prediction_->step_seconds : -1.0}};
       if (measured > 0)
         RP_LOG(INFO) << "step time: measured " << measured << " s (median of " << measured_step_s_.size()

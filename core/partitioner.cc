@@ -37,9 +37,6 @@ std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, i
 }
 double MaxOf(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
 }  // namespace
-}  // namespace rp::core
-
-namespace rp::core {
 
 std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
   const int n = static_cast<int>(costs.size());

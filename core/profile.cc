@@ -11,14 +11,14 @@
 #include "core/run_output.h"
 
 namespace rp::core {
-namespace {
-
 double Median(std::vector<double> v) {
   if (v.empty()) return -1.0;
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
+
+namespace {
 
 // Forward FLOPs of one microbatch through pipeline layer l (embedding: none worth counting).
 double LayerFlops(const JobConfig& c, int l) {
@@ -178,6 +178,9 @@ void ProfileBuilder::AddLink(double h2d, double d2h) {
   if (d2h > 0) d2h_.push_back(d2h);
 }
 
+double ProfileBuilder::H2dBytesPerS() const { return h2d_.empty() ? 0.0 : Median(h2d_); }
+double ProfileBuilder::D2hBytesPerS() const { return d2h_.empty() ? 0.0 : Median(d2h_); }
+
 void ProfileBuilder::AddMicrobatch(double interval_s, double explained_s) {
   overhead_.push_back(std::max(0.0, interval_s - explained_s));
 }
@@ -234,8 +237,8 @@ StatusOr<Profile> ProfileBuilder::Build(const JobConfig& c) const {
       lc.filled = true;
     }
   }
-  p.h2d_bytes_per_s = h2d_.empty() ? 0.0 : Median(h2d_);
-  p.d2h_bytes_per_s = d2h_.empty() ? 0.0 : Median(d2h_);
+  p.h2d_bytes_per_s = H2dBytesPerS();
+  p.d2h_bytes_per_s = D2hBytesPerS();
   p.optimizer_params_per_s = opt_busy_s_ > 0 ? opt_params_ / opt_busy_s_ : 0.0;
   // The mean, not the median: the occasional long interval (a microbatch that waited for its
   // weights, or for the CPU) is a real cost of every step.

@@ -60,6 +60,9 @@ struct Profile {
 
 std::string WorkloadKey(const JobConfig& config);
 
+// Median of `v` (mean of the middle two for an even count); -1 for an empty vector.
+double Median(std::vector<double> v);
+
 // The FLOP cost model as a profile: a forward at `flops_per_s`, backward twice the forward,
 // host links at the given rates, the optimizer at `optimizer_params_per_s`.
 Profile CostModelProfile(const JobConfig& config, double flops_per_s, double link_bytes_per_s,
@@ -80,6 +83,9 @@ class ProfileBuilder {
   // phase: 0 forward, 1 recompute, 2 backward (proto::LayerPhase); bytes < 0: not measured.
   void AddLayer(int layer, int phase, double seconds, double saved_bytes);
   void AddLink(double h2d_bytes_per_s, double d2h_bytes_per_s);
+  // The medians of the links reported so far (0 before any); kept across Clear().
+  double H2dBytesPerS() const;
+  double D2hBytesPerS() const;
   // One microbatch's measured interval and the part the model explains (compute + transfers).
   void AddMicrobatch(double interval_s, double explained_s);
   void AddOptimizer(double params, double busy_s);

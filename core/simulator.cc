@@ -217,25 +217,4 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   return in;
 }
 
-std::vector<double> StageFlops(const JobConfig& c, const PipelinePlan& plan) {
-  const auto& m = c.model;
-  const double tokens = static_cast<double>(c.TokensPerMicrobatch());
-  const double seq = static_cast<double>(c.data.seq_len);
-  const double block_params = static_cast<double>(
-      m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim +
-      m.num_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size);
-  // Causal attention: QK^T and PV, half the square.
-  const double attention = 2.0 * tokens * seq * static_cast<double>(m.num_heads * m.head_dim);
-  const double block_fwd = 2.0 * block_params * tokens + attention;
-  const double head_fwd = 2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens;
-  auto layer_fwd = [&](int l) { return l == 0 ? 0.0 : l == plan.num_layers - 1 ? head_fwd : block_fwd; };
-  std::vector<double> out;
-  for (const auto& s : plan.stages) {
-    double f = 0.0;
-    for (int l = s.begin; l < s.end; ++l) f += layer_fwd(l);
-    out.push_back(s.kind == StageKind::kForward ? f : 3.0 * f);
-  }
-  return out;
-}
-
 }  // namespace rp::core

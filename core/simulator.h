@@ -85,8 +85,5 @@ SimInput BuildSimInput(const JobConfig& cfg, const ModelSpec& spec, const Pipeli
 // Seconds of modelled activation transfer for one microbatch of `stage`.
 double TransferSeconds(const SimStage& stage, double h2d_bytes_per_s, double d2h_bytes_per_s);
 
-// Relative per-microbatch cost of each stage of `plan` from FLOPs (forward 1x, recompute + backward
-// 3x, the fused tail's forward + backward 3x; attention counted).
-std::vector<double> StageFlops(const JobConfig& cfg, const PipelinePlan& plan);
 
 }  // namespace rp::core

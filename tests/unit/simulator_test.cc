@@ -36,7 +36,7 @@ TEST(Simulator, ManyCallsAmortizeFill) {
   EXPECT_NEAR(many.makespan, 8 * 6 * 4 / 3.0 + 2.0, 1e-9);  // busy/N + one fill
 }
 
-TEST(Simulator, StageFlopsWeighBackwardThreeTimes) {
+TEST(Simulator, CostModelWeighsBackwardThreeTimes) {
   JobConfig c;
   c.model.num_layers = 4;
   c.schedule.forward_stages = 1;
@@ -44,7 +44,10 @@ TEST(Simulator, StageFlopsWeighBackwardThreeTimes) {
   c.schedule.tail_blocks = 0;
   auto plan = MakePlan(c);
   ASSERT_TRUE(plan.ok());
-  auto f = StageFlops(c, *plan);
+  // At 1 FLOP/s with free links the stages' compute seconds are their FLOPs.
+  auto in = BuildSimInput(c, BuildModelSpec(c.model), *plan, CostModelProfile(c, 1.0, 0.0, 0.0), 1, 1);
+  std::vector<double> f;
+  for (const auto& st : in.stages) f.push_back(st.compute_s);
   ASSERT_EQ(f.size(), 3u);  // F[0,5) T[5,6) B[0,5)
   EXPECT_NEAR(f[2], 3.0 * f[0], 1e-6 * f[2]);
   EXPECT_GT(f[1], 0.0);
