@@ -38,6 +38,7 @@ summ = json.load(open(out + "/run/summary.json"))
 steady = steps[2:] if len(steps) > 3 else steps
 tok = sum(s["tokens"] for s in steady); t = sum(s["step_time_s"] for s in steady)
 params = summ["trainable_params"]
+total = params + summ.get("frozen_params", 0)  # LoRA: the frozen base computes too
 tps = tok / t
 seg = summ["segment_bytes"] + summ.get("optim_segment_bytes", 0)
 try:
@@ -49,11 +50,12 @@ print(json.dumps({
   "machine": os.environ.get("RP_MACHINE", gpu), "command": cmd, "workload": os.path.basename(job),
   "workers": int(n), "steps": len(steps),
   "tokens_per_s_steady": round(tps, 1), "tokens_per_s_whole_run": round(summ["tokens_per_s"], 1),
-  "mfu_steady": round(6 * params * tps / (790e12 * int(n)), 4),  # per GPU
+  "mfu_steady": round(6 * total * tps / (790e12 * int(n)), 4),  # per GPU, all model parameters
   "bubble_ratio_steady": round(sum(s.get("bubble_ratio", 0) for s in steady) / len(steady), 4),
   "h2d_gb_per_s_steady": round(sum(s.get("h2d_bytes", 0) for s in steady) / t / 1e9, 2),
-  "step_time_s_steady": round(t / len(steady), 3), "trainable_params": params,
+  "step_time_s_steady": round(t / len(steady), 3), "trainable_params": params, "model_params": total,
   "host_bytes_per_param": round((seg + int(coord_anon_kb) * 1024) / params, 2),
+  "host_bytes_per_model_param": round((seg + int(coord_anon_kb) * 1024) / total, 2),
   "host_bytes_per_param_touched": round((int(shm_kb) * 1024 + int(coord_anon_kb) * 1024) / params, 2),
   "segment_bytes": seg, "shm_peak_touched_bytes": int(shm_kb) * 1024,
   "grad_arena_bytes": summ.get("grad_arena_bytes"), "grads_streamed": summ.get("grads_streamed"),

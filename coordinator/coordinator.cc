@@ -29,6 +29,7 @@
 #include "coordinator/optim/optimizer_step.h"
 #include "core/data.h"
 #include "core/hf_model.h"
+#include "core/peft.h"
 #include "core/job_config.h"
 #include "core/lr_schedule.h"
 #include "core/model_spec.h"
@@ -78,6 +79,8 @@ class Coordinator {
  private:
   Status Setup();
   Status InitState();
+  // Frozen parameter f (LoRA base) as fp32, from its compute copy.
+  void ReadFrozen(int f, float* out) const;
   Status AcceptWorkers();
   Status Dispatch(int64_t step);
   Status TryFeed();
@@ -179,7 +182,7 @@ class Coordinator {
 
 Status Coordinator::Setup() {
   RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
-  spec_ = core::BuildModelSpec(cfg_.model);
+  spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   h2d_bytes_per_step_ = StepH2dBytes();
@@ -237,6 +240,27 @@ Status Coordinator::InitState() {
   h->trainable_params = static_cast<uint64_t>(spec_.TrainableParams());
   h->coordinator_pid = ::getpid();
   proto::CopyText(h->session, opts_.session);
+  std::optional<core::HfWeights> hf;
+  if (!cfg_.model.path.empty()) {
+    RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
+    hf.emplace(std::move(w));
+  }
+  const bool bf16 = cfg_.train.dtype == "bf16";
+  // LoRA's frozen base, on resume too (checkpoints leave it out): the checkpoint (model.path)
+  // or the seeded init, straight into its compute copy.
+  std::vector<float> staging;
+  for (size_t f = 0; f < spec_.frozen.size(); ++f) {
+    const auto& ps = spec_.frozen[f];
+    float* dst = bf16 ? (staging.resize(static_cast<size_t>(ps.numel)), staging.data())
+                      : segment_->At<float>(layout_.frozen[f]);
+    if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, dst));
+    else core::InitParam(ps, spec_.config, static_cast<uint64_t>(cfg_.train.seed), dst);
+    if (bf16) {
+      auto* c = segment_->At<uint16_t>(layout_.frozen[f]);
+      for (int64_t i = 0; i < ps.numel; ++i) c[i] = FloatToBFloat16(dst[i]);
+    }
+  }
+  std::vector<float>().swap(staging);
   if (resume_from_) {
     // Masters, moments and every compute-copy buffer as they were after first_step_ updates.
     RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from_, state_hash_, StateSections()));
@@ -245,18 +269,21 @@ Status Coordinator::InitState() {
       versions[l].store(static_cast<uint64_t>(first_step_), std::memory_order_relaxed);
     RP_LOG(INFO) << "resumed from " << resume_from_->path << " after step " << first_step_;
   } else {
-    // Masters from the Hugging Face checkpoint (model.path) or the seeded init; compute copies
-    // from the masters. m and v are zero because a fresh tmpfs object reads as zeros; gradient
-    // slots are written before they are read.
-    std::optional<core::HfWeights> hf;
-    if (!cfg_.model.path.empty()) {
-      RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
-      hf.emplace(std::move(w));
+    // Masters from the Hugging Face checkpoint (model.path; under LoRA the adapter directory
+    // lora.init_from) or the seeded init; compute copies from the masters. m and v are zero
+    // because a fresh tmpfs object reads as zeros; gradient slots are written before they are read.
+    std::optional<core::PeftAdapter> adapter;
+    if (spec_.lora.enabled()) {
+      hf.reset();  // the checkpoint holds the base, not the adapters
+      if (!cfg_.lora.init_from.empty()) {
+        RP_ASSIGN_OR_RETURN(auto a, core::PeftAdapter::Open(cfg_.lora.init_from, spec_));
+        adapter.emplace(std::move(a));
+      }
     }
-    const bool bf16 = cfg_.train.dtype == "bf16";
     for (size_t p = 0; p < spec_.params.size(); ++p) {
       float* master = optim_segment_->At<float>(layout_.master[p]);
-      if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], master));  // straight into the arena
+      if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec_.params[p], master));
+      else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], master));  // straight into the arena
       else core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
       const int64_t n = spec_.params[p].numel;
       if (bf16) {
@@ -269,6 +296,16 @@ Status Coordinator::InitState() {
   }
   h->ready.store(1, std::memory_order_release);
   return Status::Ok();
+}
+
+void Coordinator::ReadFrozen(int f, float* out) const {
+  const int64_t n = spec_.frozen[f].numel;
+  if (cfg_.train.dtype == "bf16") {
+    const auto* c = segment_->At<const uint16_t>(layout_.frozen[f]);
+    for (int64_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(c[i]);
+  } else {
+    std::memcpy(out, segment_->At<const float>(layout_.frozen[f]), n * sizeof(float));
+  }
 }
 
 Status Coordinator::AcceptWorkers() {
@@ -764,8 +801,7 @@ int64_t Coordinator::StepH2dBytes() const {
   const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
   for (const auto& st : plan_.stages) {
-    for (int l = st.begin; l < st.end; ++l)
-      for (auto& use : spec_.layer_uses[l]) h2d += spec_.params[use.param].numel * layout_.compute_elem_bytes;
+    for (int l = st.begin; l < st.end; ++l) h2d += spec_.LayerWeightElems(l) * layout_.compute_elem_bytes;
     int64_t per_mb = st.begin == 0 ? tok : act;
     if (st.kind == core::StageKind::kFusedTail) per_mb += tok;
     if (st.kind == core::StageKind::kBackward) per_mb += act;
@@ -915,18 +951,18 @@ Status Coordinator::Run() {
   ShutdownWorkers(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
   Status trace = WriteTrace();
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
-  if (st.ok() && !cfg_.checkpoint.export_hf.empty()) {
-    const std::string dir = cfg_.job.output_dir + "/" + cfg_.checkpoint.export_hf;
-    st = core::ExportHf(dir, cfg_.model, spec_, [&](int p) {
-      return optim_segment_->At<const float>(layout_.master[p]);
-    }, static_cast<uint64_t>(cfg_.checkpoint.export_shard_mb) << 20);
-    if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << dir;
+  if (st.ok() && (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
+    st = core::ExportTrainedModel(
+        cfg_, spec_, [&](int p) { return optim_segment_->At<const float>(layout_.master[p]); },
+        [&](int f, float* out) { ReadFrozen(f, out); });
+    if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << cfg_.job.output_dir;
   }
   if (st.ok()) {
     nlohmann::json summary = {
         {"steps", cfg_.train.steps}, {"first_step", first_step_ + 1}, {"last_step", stop_step_},
         {"num_workers", opts_.num_workers},
         {"plan", plan_.Describe()}, {"trainable_params", spec_.TrainableParams()},
+        {"frozen_params", spec_.FrozenParams()},
         {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
         {"grad_arena_peak_bytes", grad_arena_->PeakBytes()}, {"wall_s", wall},

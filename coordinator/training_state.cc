@@ -111,6 +111,16 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
   }
   for (const std::string* s : {&c.optimizer.name, &c.optimizer.mode})
     for (char ch : *s) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+  if (!spec.frozen.empty()) {
+    // LoRA: the checkpoint leaves the base out; resuming reloads it from the same source, so the
+    // source (checkpoint path, or the seed of a random base) must be the same.
+    for (const auto& p : spec.frozen) {
+      for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+      h = HashKey({h, 0xF0u, static_cast<uint64_t>(p.numel)});
+    }
+    for (char ch : c.model.path) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+    if (c.model.path.empty()) h = HashKey({h, static_cast<uint64_t>(c.train.seed)});
+  }
   return h;
 }
 

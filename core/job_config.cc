@@ -5,6 +5,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -150,6 +151,26 @@ KeySpec IntArray(std::string section, std::string key, Field field, std::string 
   return s;
 }
 
+template <typename Field>
+KeySpec StrArray(std::string section, std::string key, Field field, std::string def,
+                 std::string meaning) {
+  KeySpec s;
+  s.doc = {section, key, "string array", def, meaning};
+  s.set = [field](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
+    const toml::array* arr = n.as_array();
+    if (!arr) return WrongType(name, "an array of strings", n);
+    std::vector<std::string> out;
+    for (size_t i = 0; i < arr->size(); ++i) {
+      auto v = (*arr)[i].value_exact<std::string>();
+      if (!v) return WrongType(name + "[" + std::to_string(i) + "]", "a string", (*arr)[i]);
+      out.push_back(*v);
+    }
+    field(c) = out;
+    return Status::Ok();
+  };
+  return s;
+}
+
 #define F(member) [](JobConfig& c) -> auto& { return c.member; }
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 
@@ -247,8 +268,25 @@ const std::vector<KeySpec>& Table() {
           "norm), else twice the largest stage's gradients, so gradients are streamed: a layer's "
           "buffer is reused as soon as its update is done. Smaller than the job needs is an error"),
 
-      Int("lora", "rank", F(lora.rank), 0, 0, 0,
-          "LoRA rank; 0 = full fine-tuning (LoRA is not implemented yet)"),
+      Int("lora", "rank", F(lora.rank), 0, 0, 65536,
+          "LoRA rank r; 0 = full fine-tuning. With r > 0 only the adapters train (masters, moments, "
+          "gradients); the base weights stay frozen as the compute copy alone"),
+      Float("lora", "alpha", F(lora.alpha), 8.0, 0.0, 1e9,
+            "LoRA alpha: the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)"),
+      Float("lora", "dropout", F(lora.dropout), 0.0, 0.0, 0.99,
+            "Dropout on the adapter's input (PEFT's lora_dropout); the mask is a pure function of "
+            "(seed, step, call, microbatch, layer, module), so recompute and rp-train-ref see the same one"),
+      StrArray("lora", "target_modules", F(lora.target_modules), "[\"q_proj\", \"v_proj\"]",
+               "Projections that get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj, "
+               "gate_proj, up_proj, down_proj"),
+      Str("lora", "init_from", F(lora.init_from), "",
+          "PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from, "
+          "relative to the job file; its rank and targets must equal this job's; empty = A "
+          "uniform(+-1/sqrt(in)), B zero (PEFT's init)"),
+      Str("lora", "export", F(lora.export_dir), "adapter",
+          "After the last step, write the adapters in PEFT's layout (adapter_config.json + "
+          "adapter_model.safetensors) here, relative to job.output_dir; empty = no export. "
+          "checkpoint.export_hf then writes the merged model (W + alpha/rank * B A)"),
 
       Int("schedule", "forward_stages", F(schedule.forward_stages), 2, 1, 4096,
           "Forward stages, equal layer counts (ignored when forward_cuts is set)"),
@@ -359,6 +397,30 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
                                      std::to_string(c.data.seq_len + 1) + " bytes");
   }
+  if (c.lora.enabled()) {
+    if (c.lora.target_modules.empty())
+      return Status::InvalidArgument("lora.target_modules: empty; name at least one of q_proj, "
+                                     "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj");
+    std::vector<std::string> seen;
+    for (const auto& t : c.lora.target_modules) {
+      const auto& ok = LoraTargetableModules();
+      if (std::find(ok.begin(), ok.end(), t) == ok.end())
+        return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is not a projection this "
+                                       "runtime adapts (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                                       "up_proj, down_proj)");
+      if (std::find(seen.begin(), seen.end(), t) != seen.end())
+        return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is listed twice");
+      seen.push_back(t);
+    }
+    if (!c.lora.init_from.empty()) {
+      std::error_code ec;
+      if (!fs::is_directory(c.lora.init_from, ec))
+        return Status::InvalidArgument("lora.init_from: no such directory: " + c.lora.init_from);
+    }
+  } else if (!c.lora.init_from.empty()) {
+    return Status::InvalidArgument("lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
+                                   "set lora.rank to the adapter's rank");
+  }
   if (c.schedule.activation_transport == "cuda_ipc")
     return Status::InvalidArgument("schedule.activation_transport: \"cuda_ipc\" is not implemented "
                                    "yet; activations move through host-staged slots (\"host\")");
@@ -437,6 +499,12 @@ Status ApplyOverride(toml::table& root, const std::string& assignment) {
 
 }  // namespace
 
+const std::vector<std::string>& LoraTargetableModules() {
+  static const std::vector<std::string> modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"};
+  return modules;
+}
+
 std::vector<KeyDoc> DocumentedKeys() {
   std::vector<KeyDoc> out;
   for (auto& s : Table()) out.push_back(s.doc);
@@ -470,6 +538,7 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   }
   cfg.data.path = Join(base_dir, cfg.data.path);
   cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
+  cfg.lora.init_from = Join(base_dir, cfg.lora.init_from);
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     cfg.model.path = Join(base_dir, cfg.model.path);

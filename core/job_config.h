@@ -70,9 +70,23 @@ struct OptimizerConfig {
   int64_t threads = 0;           // optimizer pool; 0 = every usable core
 };
 
+// LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets
+// trainable A [rank, in] and B [out, rank]; the layer computes x W^T + scale * drop(x) A^T B^T
+// with scale = alpha / rank. Everything else is frozen (kept only as the compute copy).
 struct LoraConfig {
   int64_t rank = 0;              // 0: full fine-tuning
+  double alpha = 8.0;
+  double dropout = 0.0;          // on the adapter's input, as PEFT's lora_dropout
+  std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  std::string init_from;         // PEFT adapter directory to start from; "" = A random, B zero
+  std::string export_dir = "adapter";  // PEFT directory written after the last step (in output_dir)
+
+  bool enabled() const { return rank > 0; }
+  double scale() const { return alpha / static_cast<double>(rank); }
 };
+
+// The projections LoRA can target, in the order a block applies them.
+const std::vector<std::string>& LoraTargetableModules();
 
 struct ScheduleConfig {
   int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/model_spec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <thread>
 
 #include "common/rng.h"
@@ -13,13 +15,30 @@ int64_t ModelSpec::TrainableParams() const {
   return n;
 }
 
-ModelSpec BuildModelSpec(const ModelConfig& c) {
+int64_t ModelSpec::FrozenParams() const {
+  int64_t n = 0;
+  for (auto& p : frozen) n += p.numel;
+  return n;
+}
+
+int64_t ModelSpec::LayerWeightElems(int l) const {
+  int64_t n = 0;
+  for (const auto& use : layer_uses[l]) n += params[use.param].numel;
+  for (const auto& use : layer_frozen[l]) n += frozen[use.param].numel;
+  return n;
+}
+
+ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
   ModelSpec s;
   s.config = c;
+  s.lora = lora;
+  const bool adapters = lora.enabled();
   const int L = static_cast<int>(c.num_layers);
   s.layer_uses.resize(L + 2);
-  auto add = [&](int layer, const std::string& name, std::vector<int64_t> shape,
-                 const std::string& role, InitKind init) {
+  s.layer_frozen.resize(L + 2);
+  uint64_t next_key = 0;  // the full model's parameter index
+  auto make = [&](int layer, const std::string& name, std::vector<int64_t> shape, InitKind init,
+                  uint64_t key) {
     ParamSpec p;
     p.name = name;
     p.shape = std::move(shape);
@@ -27,12 +46,41 @@ ModelSpec BuildModelSpec(const ModelConfig& c) {
     for (auto d : p.shape) p.numel *= d;
     p.owner_layer = layer;
     p.init = init;
-    p.weight_decay = init == InitKind::kNormal;
-    s.params.push_back(p);
+    p.weight_decay = init != InitKind::kOnes;
+    p.init_key = key;
+    return p;
+  };
+  auto add_trainable = [&](ParamSpec p, const std::string& role) {
+    const int layer = p.owner_layer;
+    s.params.push_back(std::move(p));
     int idx = static_cast<int>(s.params.size()) - 1;
     s.grad_slots.push_back({idx, layer});
     s.layer_uses[layer].push_back({idx, static_cast<int>(s.grad_slots.size()) - 1, role});
     return idx;
+  };
+  // A base weight: trainable in a full fine-tune, frozen under LoRA (adapters added separately).
+  auto add = [&](int layer, const std::string& name, std::vector<int64_t> shape,
+                 const std::string& role, InitKind init) {
+    ParamSpec p = make(layer, name, std::move(shape), init, next_key++);
+    if (!adapters) return add_trainable(std::move(p), role);
+    s.frozen.push_back(std::move(p));
+    int idx = static_cast<int>(s.frozen.size()) - 1;
+    s.layer_frozen[layer].push_back({idx, role});
+    return idx;
+  };
+  // Adapter init keys live above every base key, one pair per (layer, module).
+  constexpr uint64_t kAdapterKeyBase = uint64_t{1} << 40;
+  auto add_projection = [&](int layer, const std::string& name, int64_t out, int64_t in,
+                            const std::string& role) {
+    add(layer, name + ".weight", {out, in}, role, InitKind::kNormal);
+    if (!adapters) return;
+    const auto& t = lora.target_modules;
+    if (std::find(t.begin(), t.end(), role) == t.end()) return;
+    const uint64_t key = kAdapterKeyBase + 2 * (next_key - 1);
+    add_trainable(make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, key),
+                  role + ".lora_A");
+    add_trainable(make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, key + 1),
+                  role + ".lora_B");
   };
   const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
   const int64_t QH = c.num_heads * D, KVH = c.num_kv_heads * D;
@@ -41,45 +89,56 @@ ModelSpec BuildModelSpec(const ModelConfig& c) {
     const int layer = i + 1;
     const std::string pre = "model.layers." + std::to_string(i) + ".";
     add(layer, pre + "input_layernorm.weight", {H}, "input_norm", InitKind::kOnes);
-    add(layer, pre + "self_attn.q_proj.weight", {QH, H}, "q_proj", InitKind::kNormal);
-    add(layer, pre + "self_attn.k_proj.weight", {KVH, H}, "k_proj", InitKind::kNormal);
-    add(layer, pre + "self_attn.v_proj.weight", {KVH, H}, "v_proj", InitKind::kNormal);
-    add(layer, pre + "self_attn.o_proj.weight", {H, QH}, "o_proj", InitKind::kNormal);
+    add_projection(layer, pre + "self_attn.q_proj", QH, H, "q_proj");
+    add_projection(layer, pre + "self_attn.k_proj", KVH, H, "k_proj");
+    add_projection(layer, pre + "self_attn.v_proj", KVH, H, "v_proj");
+    add_projection(layer, pre + "self_attn.o_proj", H, QH, "o_proj");
     if (c.qk_norm) {
       add(layer, pre + "self_attn.q_norm.weight", {D}, "q_norm", InitKind::kOnes);
       add(layer, pre + "self_attn.k_norm.weight", {D}, "k_norm", InitKind::kOnes);
     }
     add(layer, pre + "post_attention_layernorm.weight", {H}, "post_norm", InitKind::kOnes);
-    add(layer, pre + "mlp.gate_proj.weight", {I, H}, "gate_proj", InitKind::kNormal);
-    add(layer, pre + "mlp.up_proj.weight", {I, H}, "up_proj", InitKind::kNormal);
-    add(layer, pre + "mlp.down_proj.weight", {H, I}, "down_proj", InitKind::kNormal);
+    add_projection(layer, pre + "mlp.gate_proj", I, H, "gate_proj");
+    add_projection(layer, pre + "mlp.up_proj", I, H, "up_proj");
+    add_projection(layer, pre + "mlp.down_proj", H, I, "down_proj");
   }
   add(L + 1, "model.norm.weight", {H}, "final_norm", InitKind::kOnes);
   if (c.tie_embeddings) {
-    s.grad_slots.push_back({embed, L + 1});
-    s.layer_uses[L + 1].push_back({embed, static_cast<int>(s.grad_slots.size()) - 1, "lm_head"});
+    if (adapters) {
+      s.layer_frozen[L + 1].push_back({embed, "lm_head"});
+    } else {
+      s.grad_slots.push_back({embed, L + 1});
+      s.layer_uses[L + 1].push_back({embed, static_cast<int>(s.grad_slots.size()) - 1, "lm_head"});
+    }
   } else {
     add(L + 1, "lm_head.weight", {V, H}, "lm_head", InitKind::kNormal);
   }
   return s;
 }
 
-void InitParam(const ModelSpec& spec, int p, uint64_t seed, float* out) {
-  const ParamSpec& ps = spec.params[p];
-  if (ps.init == InitKind::kOnes) {
-    for (int64_t i = 0; i < ps.numel; ++i) out[i] = 1.0f;
+void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, float* out) {
+  if (ps.init == InitKind::kOnes || ps.init == InitKind::kZeros) {
+    const float v = ps.init == InitKind::kOnes ? 1.0f : 0.0f;
+    for (int64_t i = 0; i < ps.numel; ++i) out[i] = v;
     return;
   }
   // Chunks of 64K elements each get their own counter key, so large matrices can be filled by
   // several threads and still produce the same values as one thread.
   constexpr int64_t kChunk = 1 << 16;
   const int64_t chunks = (ps.numel + kChunk - 1) / kChunk;
-  const float std = static_cast<float>(spec.config.init_std);
+  const bool uniform = ps.init == InitKind::kUniformFanIn;
+  const double bound = uniform ? 1.0 / std::sqrt(static_cast<double>(ps.shape.at(1))) : 0.0;
+  const float std = static_cast<float>(config.init_std);
   auto fill = [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      CounterRng rng(HashKey({seed, 0x1417u, static_cast<uint64_t>(p), static_cast<uint64_t>(c)}));
+      CounterRng rng(HashKey({seed, 0x1417u, ps.init_key, static_cast<uint64_t>(c)}));
       const int64_t end = std::min(ps.numel, (c + 1) * kChunk);
-      for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>(rng.NextNormal()) * std;
+      if (uniform) {
+        for (int64_t i = c * kChunk; i < end; ++i)
+          out[i] = static_cast<float>((2.0 * rng.NextUniform() - 1.0) * bound);
+      } else {
+        for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>(rng.NextNormal()) * std;
+      }
     }
   };
   const int64_t threads = std::min<int64_t>(chunks, std::max(1u, std::thread::hardware_concurrency()));

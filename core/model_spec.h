@@ -18,7 +18,9 @@
 
 namespace rp::core {
 
-enum class InitKind : uint8_t { kNormal, kOnes };
+// kUniformFanIn: uniform in +-1/sqrt(shape[1]) (a LoRA A matrix, as PEFT's kaiming init);
+// kZeros: a LoRA B matrix, so a fresh adapter leaves the model unchanged.
+enum class InitKind : uint8_t { kNormal, kOnes, kUniformFanIn, kZeros };
 
 struct ParamSpec {
   std::string name;
@@ -27,6 +29,15 @@ struct ParamSpec {
   int owner_layer = 0;
   InitKind init = InitKind::kNormal;
   bool weight_decay = true;  // norms are not decayed
+  // Key of the parameter's init stream: its index in the full model's parameter list, so a
+  // frozen base under LoRA starts exactly as the full model with the same seed would.
+  uint64_t init_key = 0;
+};
+
+// A frozen parameter's use by a layer (LoRA's base weights): fetched, never updated, no gradient.
+struct FrozenUse {
+  int param = 0;       // index into ModelSpec::frozen
+  std::string role;
 };
 
 // One use of a parameter by a layer, with the gradient slot it accumulates into.
@@ -41,20 +52,33 @@ struct GradSlot {
   int layer = 0;
 };
 
+// `params` are the trainable parameters (masters, moments, gradient slots); everything the
+// optimizer, the gradient arena and training-state checkpoints touch is indexed by them. Under
+// LoRA they are the adapters (role "<module>.lora_A" / ".lora_B", names as the base weight's with
+// ".lora_A.weight"), and the base model is `frozen`: compute copies only.
 struct ModelSpec {
   ModelConfig config;
+  LoraConfig lora;
   std::vector<ParamSpec> params;
   std::vector<GradSlot> grad_slots;
   std::vector<std::vector<ParamUse>> layer_uses;  // per pipeline layer, in a fixed order
+  std::vector<ParamSpec> frozen;                  // empty unless LoRA
+  std::vector<std::vector<FrozenUse>> layer_frozen;  // per pipeline layer
 
   int NumLayers() const { return static_cast<int>(layer_uses.size()); }
   int64_t TrainableParams() const;
+  int64_t FrozenParams() const;
+  // Elements of every weight layer `l` reads (trainable and frozen): what a stage fetches.
+  int64_t LayerWeightElems(int l) const;
 };
 
-ModelSpec BuildModelSpec(const ModelConfig& config);
+ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = LoraConfig{});
 
-// Initial value of element `i` of parameter `p`: a pure function of (seed, parameter index, i),
+// Initial value of element `i` of parameter `ps`: a pure function of (seed, ps.init_key, i),
 // shared by the coordinator and rp-train-ref so both start bit-identical.
-void InitParam(const ModelSpec& spec, int p, uint64_t seed, float* out);
+void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, float* out);
+inline void InitParam(const ModelSpec& spec, int p, uint64_t seed, float* out) {
+  InitParam(spec.params[p], spec.config, seed, out);
+}
 
 }  // namespace rp::core

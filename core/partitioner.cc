@@ -65,7 +65,7 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
 }
 
 double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Profile* profile) {
-  const ModelSpec spec = BuildModelSpec(c.model);
+  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
@@ -74,7 +74,7 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
   for (const auto& st : plan.stages) {
     double params = 0.0;
     for (int l = st.begin; l < st.end; ++l)
-      for (const auto& use : spec.layer_uses[l]) params += static_cast<double>(spec.params[use.param].numel);
+      params += static_cast<double>(spec.LayerWeightElems(l));
     const bool grads = st.kind != StageKind::kForward;
     // Activations kept for backward per block: roughly ten hidden-sized and three
     // intermediate-sized tensors per token; forward stages keep about one block's worth.
@@ -108,7 +108,7 @@ StatusOr<Profile> PlanningProfile(const JobConfig& c) {
 
 PlanChoice PredictPlan(const JobConfig& c, const PipelinePlan& plan, const Profile& profile,
                        int workers) {
-  const ModelSpec spec = BuildModelSpec(c.model);
+  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
   PlanChoice out;
   out.plan = plan;
   out.cost_source = profile.source;
@@ -130,7 +130,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
 }
 
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& profile) {
-  const ModelSpec spec = BuildModelSpec(c.model);
+  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
   const int L = static_cast<int>(c.model.num_layers);
   const double limit = c.schedule.gpu_memory_gb * 1e9;
   const std::vector<double> fwd_cost = profile.ForwardCosts();

@@ -188,6 +188,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
         if (grads) st.grad_bytes += n * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
       }
+      for (const auto& use : spec.layer_frozen[l])
+        st.weight_bytes += static_cast<double>(spec.frozen[use.param].numel) * elem;
     }
     for (int l = 0; l < plan.num_layers; ++l)
       if (owner[l]) st.owners.push_back(l);

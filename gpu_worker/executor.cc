@@ -17,7 +17,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       layout_(layout),
       segment_(segment),
       device_(device),
-      math_(cfg.model, cfg.train.loss_chunk_tokens),
+      math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
       act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat) {}
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
@@ -61,6 +61,9 @@ Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {
       }
       lw.emplace(use.role, t);
     }
+    for (const auto& use : spec_.layer_frozen[l])  // LoRA's base: one buffer, never a gradient
+      lw.emplace(use.role, device_.FetchWeights(segment_.data() + layout_.frozen[use.param],
+                                                spec_.frozen[use.param].shape, act_dtype_));
     w.layers.push_back(std::move(lw));
   }
   w.fence = device_.WeightsFence();
@@ -175,7 +178,8 @@ void Executor::SegmentedForward(const at::Tensor& x, int end, Segments* seg) {
 at::Tensor Executor::SegmentedBackward(Segments* seg, at::Tensor grad) {
   for (size_t i = seg->outputs.size(); i-- > 0;) {
     const int a = MarkIfProfiling();
-    seg->outputs[i].backward(grad);
+    // A frozen embedding (LoRA) from token ids has no graph: nothing to propagate.
+    if (seg->outputs[i].requires_grad()) seg->outputs[i].backward(grad);
     Timed(stage_.begin + static_cast<int>(i), proto::LayerPhase::kBackward, a, MarkIfProfiling(), -1);
     seg->outputs[i] = at::Tensor();
     grad = seg->inputs[i].requires_grad() ? seg->inputs[i].grad() : at::Tensor();
@@ -214,6 +218,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
   try {
     MicrobatchResult r;
     pending_times_.clear();
+    math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call, mb));
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;
       case core::StageKind::kFusedTail: r = RunTail(mb); break;

@@ -241,7 +241,7 @@ StatusOr<bool> Worker::Finish() {
 
 Status Worker::Run() {
   RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
-  spec_ = core::BuildModelSpec(cfg_.model);
+  spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   const int gpus = CudaDeviceCount();

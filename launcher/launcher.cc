@@ -67,7 +67,7 @@ class RuntimeDir {
 };
 
 void PrintDryRun(const core::JobConfig& cfg, int gpus) {
-  auto spec = core::BuildModelSpec(cfg.model);
+  auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
   auto plan = core::MakePlan(cfg, gpus);
   if (!plan.ok()) {
     std::fprintf(stderr, "plan: %s\n", plan.status().message().c_str());
@@ -111,7 +111,7 @@ int RunSession(const LaunchOptions& o) {
   if (auto plan = core::MakePlan(*cfg, o.gpus); !plan.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", plan.status().message().c_str());
     return kExitBadConfig;
-  } else if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model), *plan); !layout.ok()) {
+  } else if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model, cfg->lora), *plan); !layout.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
     return kExitBadConfig;
   }

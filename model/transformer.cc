@@ -8,6 +8,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "common/rng.h"
+
 namespace rp::model {
 
 const at::Tensor& Get(const LayerWeights& w, const std::string& role) {
@@ -16,8 +18,51 @@ const at::Tensor& Get(const LayerWeights& w, const std::string& role) {
   return it->second;
 }
 
-Transformer::Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens)
-    : config_(config), loss_chunk_tokens_(loss_chunk_tokens) {}
+uint64_t DropoutKey(int64_t seed, int64_t step, int64_t call, int64_t microbatch) {
+  return HashKey({static_cast<uint64_t>(seed), 0xD20u, static_cast<uint64_t>(step),
+                  static_cast<uint64_t>(call), static_cast<uint64_t>(microbatch)});
+}
+
+Transformer::Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens,
+                         const core::LoraConfig& lora)
+    : config_(config),
+      lora_scale_(lora.enabled() ? lora.scale() : 0.0),
+      lora_dropout_(lora.enabled() ? lora.dropout : 0.0),
+      loss_chunk_tokens_(loss_chunk_tokens) {}
+
+namespace {
+// Logical right shift of int64 lanes (the tensor op is arithmetic: clear the sign copies).
+at::Tensor ShiftRight(const at::Tensor& x, int s) {
+  return x.__rshift__(s).bitwise_and_((int64_t{1} << (64 - s)) - 1);
+}
+// SplitMix64's finalizer on every lane; int64 multiplication wraps like uint64's.
+at::Tensor Mix64(at::Tensor x) {
+  x = x.bitwise_xor(ShiftRight(x, 30)).mul_(static_cast<int64_t>(0xBF58476D1CE4E5B9ull));
+  x = x.bitwise_xor(ShiftRight(x, 27)).mul_(static_cast<int64_t>(0x94D049BB133111EBull));
+  return x.bitwise_xor(ShiftRight(x, 31));
+}
+}  // namespace
+
+at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module) const {
+  c10::NoGradGuard no_grad;  // the mask is a constant of the graph
+  const uint64_t key = HashKey({dropout_key_, static_cast<uint64_t>(layer), static_cast<uint64_t>(module)});
+  at::Tensor bits = Mix64(at::arange(h.numel(), h.options().dtype(at::kLong))
+                              .add_(static_cast<int64_t>(key)));
+  // The top 24 bits as a uniform integer; keep with probability 1 - p (exact in double).
+  const int64_t keep_below = static_cast<int64_t>(std::llround((1.0 - lora_dropout_) * 16777216.0));
+  at::Tensor mask = ShiftRight(bits, 40).lt(keep_below).to(h.scalar_type()).mul_(1.0 / (1.0 - lora_dropout_));
+  return mask.view(h.sizes());
+}
+
+at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h,
+                             int layer, int module) const {
+  at::Tensor y = at::linear(h, Get(w, role));
+  auto a = w.find(role + ".lora_A");
+  if (a == w.end()) return y;
+  const at::Tensor& b = Get(w, role + ".lora_B");
+  at::Tensor in = lora_dropout_ > 0.0 ? h * LoraDropout(h, layer, module) : h;
+  return y + at::linear(at::linear(in, a->second), b) * lora_scale_;
+}
 
 at::Tensor Transformer::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
 #if TORCH_VERSION_MAJOR >= 2
@@ -80,13 +125,14 @@ at::Tensor Transformer::Embed(const LayerWeights& w, const at::Tensor& tokens) c
   return at::embedding(Get(w, "embed"), tokens);
 }
 
-at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x) {
+at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int layer) {
   const int64_t B = x.size(0), S = x.size(1);
   const int64_t nh = config_.num_heads, nkv = config_.num_kv_heads, D = config_.head_dim;
+  // Module numbers key the dropout masks: the order of core::LoraTargetableModules().
   at::Tensor h = RmsNorm(x, Get(w, "input_norm"));
-  at::Tensor q = at::linear(h, Get(w, "q_proj")).view({B, S, nh, D});
-  at::Tensor k = at::linear(h, Get(w, "k_proj")).view({B, S, nkv, D});
-  at::Tensor v = at::linear(h, Get(w, "v_proj")).view({B, S, nkv, D});
+  at::Tensor q = Proj(w, "q_proj", h, layer, 0).view({B, S, nh, D});
+  at::Tensor k = Proj(w, "k_proj", h, layer, 1).view({B, S, nkv, D});
+  at::Tensor v = Proj(w, "v_proj", h, layer, 2).view({B, S, nkv, D});
   if (config_.qk_norm) {
     q = RmsNorm(q, Get(w, "q_norm"));
     k = RmsNorm(k, Get(w, "k_norm"));
@@ -99,11 +145,11 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x) {
   q = Rope(q, cos, sin);
   k = Rope(k, cos, sin);
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
-  at::Tensor x1 = x + at::linear(attn, Get(w, "o_proj"));
+  at::Tensor x1 = x + Proj(w, "o_proj", attn, layer, 3);
   at::Tensor h2 = RmsNorm(x1, Get(w, "post_norm"));
-  at::Tensor mlp = at::linear(at::silu(at::linear(h2, Get(w, "gate_proj"))) *
-                                  at::linear(h2, Get(w, "up_proj")),
-                              Get(w, "down_proj"));
+  at::Tensor mlp = Proj(w, "down_proj",
+                        at::silu(Proj(w, "gate_proj", h2, layer, 4)) * Proj(w, "up_proj", h2, layer, 5),
+                        layer, 6);
   return x1 + mlp;
 }
 

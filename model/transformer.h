@@ -9,6 +9,11 @@
 //    [batch, seq, hidden] in the compute dtype; normalization and softmax run in fp32.
 //  * HeadForwardBackward runs final norm + LM head + cross-entropy in chunks of tokens and, when
 //    asked, backpropagates each chunk at once, so full [tokens, vocab] logits never exist.
+//  * LoRA: a projection whose weights include "<role>.lora_A" and "<role>.lora_B" computes
+//    x W^T + scale * drop(x) A^T B^T (PEFT's order of operations). The dropout mask comes from a
+//    counter-based hash of (SetDropoutKey's key, layer, module, element), computed with integer
+//    tensor ops on the tensor's own device: the forward stage, the recompute and rp-train-ref
+//    draw the same mask without sharing a generator.
 //  * Not thread-safe (a small RoPE table cache); one instance per thread.
 #pragma once
 
@@ -30,15 +35,19 @@ struct HeadResult {
 
 class Transformer {
  public:
-  explicit Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens = 4096);
+  explicit Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens = 4096,
+                       const core::LoraConfig& lora = core::LoraConfig{});
+
+  // The key of the next microbatch's LoRA dropout masks (see DropoutKey); unused without dropout.
+  void SetDropoutKey(uint64_t key) { dropout_key_ = key; }
 
   // Layer 0: tokens [B, S] int64 -> hidden [B, S, H].
   at::Tensor Embed(const LayerWeights& w, const at::Tensor& tokens) const;
-  // Layers 1..L.
-  at::Tensor Block(const LayerWeights& w, const at::Tensor& x);
+  // Layers 1..L (`layer` keys the LoRA dropout masks).
+  at::Tensor Block(const LayerWeights& w, const at::Tensor& x, int layer);
   // Layer 0 (Embed) or 1..L (Block), by pipeline layer index.
   at::Tensor Layer(int layer, const LayerWeights& w, const at::Tensor& x) {
-    return layer == 0 ? Embed(w, x) : Block(w, x);
+    return layer == 0 ? Embed(w, x) : Block(w, x, layer);
   }
   // Layer L+1. With `backward`, each chunk's loss * loss_scale is backpropagated into the
   // weights' .grad and, through the final norm, into x's graph (x.grad if x is a leaf).
@@ -52,12 +61,21 @@ class Transformer {
   at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
   void RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin);
+  // at::linear(h, W) plus the LoRA adapter of `role` when the weights have one.
+  at::Tensor Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h, int layer,
+                  int module) const;
+  at::Tensor LoraDropout(const at::Tensor& h, int layer, int module) const;
 
   core::ModelConfig config_;
+  double lora_scale_ = 0.0, lora_dropout_ = 0.0;
+  uint64_t dropout_key_ = 0;
   int64_t loss_chunk_tokens_;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype)
 };
 
 const at::Tensor& Get(const LayerWeights& w, const std::string& role);
+
+// Key of one microbatch's LoRA dropout masks: a pure function of where it is in training.
+uint64_t DropoutKey(int64_t seed, int64_t step, int64_t call, int64_t microbatch);
 
 }  // namespace rp::model

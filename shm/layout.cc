@@ -94,6 +94,15 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.compute_end = pos;
   a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
+  // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
+  // frozen base out: it is reloaded from its source on resume.
+  a.frozen_begin = pos;
+  for (auto& p : spec.frozen) {
+    a.frozen.push_back(pos);
+    pos += (static_cast<uint64_t>(p.numel) * a.compute_elem_bytes + 255) / 256 * 256;
+  }
+  pos = Align(pos);
+  a.frozen_end = pos;
   for (size_t g = 0; g < spec.grad_slots.size(); ++g)
     a.grad_slot_bytes.push_back(GradSlotBytes(spec, static_cast<int>(g)));
   a.grad_arena = pos;
@@ -138,6 +147,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   for (auto& p : spec.params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
+  }
+  for (auto& p : spec.frozen) {
+    for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+    h = HashKey({h, 0xF0u, static_cast<uint64_t>(p.numel)});
   }
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin});
   // The plan is part of the contract too: RunJob names stages by index.

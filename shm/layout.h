@@ -15,6 +15,8 @@
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
 //                        mode a second such region follows (double buffer by version parity)
+//   frozen weights       LoRA only: the base model's compute copies (dtype = train.dtype), one
+//                        buffer, written once at start and never updated (no version, no master)
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
 //                        and released when the parameter's update is done, so only the layers
 //                        in flight hold host memory (gradient streaming; see GradArenaBytes)
@@ -92,6 +94,8 @@ struct ArenaLayout {
   bool grads_streamed = false;                    // arena smaller than every slot at once
   uint64_t compute_begin = 0, compute_end = 0;    // the compute-copy region (buffer 0)
   int compute_buffers = 1;                        // 2 in stale1 mode: version v in v % 2
+  std::vector<uint64_t> frozen;                   // per frozen parameter (LoRA base), state segment
+  uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
   uint64_t tokens_per_mb = 0;        // elements per token slot

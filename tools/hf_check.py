@@ -47,32 +47,46 @@ path = "{tokens}"
 seq_len = {seq}
 shuffle = false
 [train]
-steps = 1
+steps = {steps}
 seed = 7
 microbatches = {mb}
 accum_calls = 1
 microbatch_size = {mbs}
 dtype = "{dtype}"
 [optimizer]
-lr = 1e-2
+lr = {lr}
+min_lr = 0.0
 [schedule]
 forward_stages = 1
 backward_stages = 1
 tail_blocks = 1
 [checkpoint]
 export_hf = "{export}"
+{extra}
 """
 
 
-def write_job(work, name, device, dtype, export="", model_path=""):
+def write_job(work, name, device, dtype, export="", model_path="", steps=1, lr=1e-2, extra=""):
+    """Writes WORK/NAME.toml (the check's model on WORK/tokens.bin); `extra` is appended TOML."""
     path = f'path = "{model_path}"' if model_path else ""
     text = JOB.format(out=os.path.join(work, name), device=device, vocab=VOCAB, path=path,
                       tokens=os.path.join(work, "tokens.bin"), seq=SEQ, mb=MB, mbs=MBS,
-                      dtype=dtype, export=export)
+                      dtype=dtype, export=export, steps=steps, lr=lr, extra=extra)
     job = os.path.join(work, name + ".toml")
     with open(job, "w") as f:
         f.write(text)
     return job
+
+
+def write_tokens(work):
+    """The fixed batch: step 1 reads the first MB * MBS windows (no shuffling)."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(VOCAB) for _ in range(MB * MBS * SEQ * 4 + 1)]
+    with open(os.path.join(work, "tokens.bin"), "wb") as f:
+        array("H", tokens).tofile(f)  # uint16, native (little-endian) order like the reader
+    with open(os.path.join(work, "tokens.bin.json"), "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": VOCAB}, f)
+    return tokens
 
 
 def run(cmd):
@@ -86,10 +100,9 @@ def first_loss(out_dir):
         return json.loads(f.readline())["loss"]
 
 
-def hf_loss(model_dir, tokens, device, dtype):
+def loss_of(model, tokens, device):
+    """Mean token cross-entropy of a transformers (or peft) model on the fixed batch."""
     import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval()
     n = MB * MBS
     ids = torch.tensor(tokens[: n * SEQ], dtype=torch.long, device=device).reshape(n, SEQ)
     labels = torch.tensor(tokens[1 : n * SEQ + 1], dtype=torch.long, device=device).reshape(n, SEQ)
@@ -100,6 +113,12 @@ def hf_loss(model_dir, tokens, device, dtype):
     return ce.item() / labels.numel()
 
 
+def hf_loss(model_dir, tokens, device, dtype):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device).eval()
+    return loss_of(model, tokens, device)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("build_dir")
@@ -108,12 +127,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.work_dir, exist_ok=True)
     work = os.path.abspath(a.work_dir)
-    rng = random.Random(3)
-    tokens = [rng.randrange(VOCAB) for _ in range(MB * MBS * SEQ * 4 + 1)]
-    with open(os.path.join(work, "tokens.bin"), "wb") as f:
-        array("H", tokens).tofile(f)  # uint16, native (little-endian) order like the reader
-    with open(os.path.join(work, "tokens.bin.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": VOCAB}, f)
+    tokens = write_tokens(work)
     bins = os.path.abspath(os.path.join(a.build_dir, "bin"))
 
     train = write_job(work, "train", "cpu", "fp32", export="hf")

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 
 #include "common/exit_codes.h"
@@ -24,6 +25,7 @@
 #include "core/lr_schedule.h"
 #include "core/hf_model.h"
 #include "core/model_spec.h"
+#include "core/peft.h"
 #include "core/run_output.h"
 #include "model/transformer.h"
 
@@ -36,8 +38,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   RP_ASSIGN_OR_RETURN(rp::core::Dataset data, rp::core::Dataset::Open(cfg));
   RP_RETURN_IF_ERROR(rp::core::PrepareOutputDir(cfg));
   RP_ASSIGN_OR_RETURN(auto metrics, rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
-  const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model);
-  rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens);
+  const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model, cfg.lora);
+  rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora);
 
   // `params` are what the model computes with; `masters` are what the optimizer updates. In
   // exact mode they are the same tensors. In stale1 mode step t computes with the weights
@@ -49,9 +51,27 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     RP_ASSIGN_OR_RETURN(auto w, rp::core::HfWeights::Open(cfg.model.path));
     hf.emplace(std::move(w));
   }
+  // LoRA: the base is frozen (no gradient), from the checkpoint or the seeded init; the adapters
+  // start from lora.init_from or their own init.
+  std::vector<at::Tensor> frozen;
+  for (const auto& ps : spec.frozen) {
+    at::Tensor t = at::empty(ps.shape, at::kFloat);
+    if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, t.data_ptr<float>()));
+    else rp::core::InitParam(ps, spec.config, static_cast<uint64_t>(cfg.train.seed), t.data_ptr<float>());
+    frozen.push_back(t);
+  }
+  std::optional<rp::core::PeftAdapter> adapter;
+  if (spec.lora.enabled()) {
+    hf.reset();
+    if (!cfg.lora.init_from.empty()) {
+      RP_ASSIGN_OR_RETURN(auto a, rp::core::PeftAdapter::Open(cfg.lora.init_from, spec));
+      adapter.emplace(std::move(a));
+    }
+  }
   for (size_t p = 0; p < spec.params.size(); ++p) {
     at::Tensor t = at::empty(spec.params[p].shape, at::kFloat);
-    if (hf) RP_RETURN_IF_ERROR(hf->Load(spec.params[p], t.data_ptr<float>()));
+    if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec.params[p], t.data_ptr<float>()));
+    else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec.params[p], t.data_ptr<float>()));
     else rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
                              t.data_ptr<float>());
     masters.push_back(stale1 ? t.clone() : t);
@@ -60,8 +80,10 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     adam_v.push_back(at::zeros_like(t));
   }
   std::vector<rp::model::LayerWeights> layers(spec.NumLayers());
-  for (int l = 0; l < spec.NumLayers(); ++l)
+  for (int l = 0; l < spec.NumLayers(); ++l) {
     for (auto& use : spec.layer_uses[l]) layers[l].emplace(use.role, params[use.param]);
+    for (auto& use : spec.layer_frozen[l]) layers[l].emplace(use.role, frozen[use.param]);
+  }
 
   const int64_t B = cfg.train.microbatch_size, S = cfg.data.seq_len;
   at::Tensor tokens = at::empty({B, S}, at::kLong), labels = at::empty({B, S}, at::kLong);
@@ -74,8 +96,9 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     for (int64_t c = 0; c < cfg.train.accum_calls; ++c)
       for (int64_t mb = 0; mb < cfg.train.microbatches; ++mb) {
         data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
+        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c, mb));
         at::Tensor x = math.Embed(layers[0], tokens);
-        for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x);
+        for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
         auto r = math.HeadForwardBackward(layers[L + 1], x, labels, scale, /*backward=*/true);
         loss_sum += r.loss_sum;
         targets += r.targets;
@@ -114,13 +137,10 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     RP_RETURN_IF_ERROR(metrics.Append(m));
     RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm;
   }
-  if (!cfg.checkpoint.export_hf.empty()) {  // the same export as the coordinator's
-    const std::string dir = cfg.job.output_dir + "/" + cfg.checkpoint.export_hf;
-    RP_RETURN_IF_ERROR(rp::core::ExportHf(dir, cfg.model, spec,
-                                          [&](int p) { return masters[p].data_ptr<float>(); },
-                                          static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20));
-    RP_LOG(INFO) << "exported the trained model to " << dir;
-  }
+  // The same exports as the coordinator's.
+  RP_RETURN_IF_ERROR(rp::core::ExportTrainedModel(
+      cfg, spec, [&](int p) { return masters[p].data_ptr<float>(); },
+      [&](int f, float* out) { std::memcpy(out, frozen[f].data_ptr<float>(), frozen[f].numel() * sizeof(float)); }));
   return rp::Status::Ok();
 }
 

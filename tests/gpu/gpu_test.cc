@@ -53,6 +53,18 @@ class GpuTest : public ::testing::Test {
   std::string tmp_;
 };
 
+// Expects every step's loss within 1e-4 relative of the CPU reference; returns the worst.
+double WorstRelative(const std::vector<double>& got, const std::vector<double>& expected) {
+  EXPECT_EQ(got.size(), expected.size());
+  double worst = 0;
+  for (size_t s = 0; s < std::min(got.size(), expected.size()); ++s) {
+    const double rel = std::abs(got[s] - expected[s]) / std::abs(expected[s]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, 1e-4) << "step " << s + 1 << ": cuda " << got[s] << " vs cpu " << expected[s];
+  }
+  return worst;
+}
+
 TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
   const std::string ref_out = tmp_ + "/ref";
   auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
@@ -60,14 +72,24 @@ TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
   ASSERT_EQ(ref.code, 0) << ref.output;
   auto expected = Losses(ref_out + "/metrics.jsonl");
   auto got = Launch(1, "cuda", {"job.device=\"cuda\""});
-  ASSERT_EQ(got.size(), expected.size());
-  double worst = 0;
-  for (size_t s = 0; s < got.size(); ++s) {
-    const double rel = std::abs(got[s] - expected[s]) / std::abs(expected[s]);
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, 1e-4) << "step " << s + 1 << ": cuda " << got[s] << " vs cpu " << expected[s];
-  }
-  std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", worst);
+  std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
+}
+
+TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
+  // The dropout mask is integer hashing on the worker's device: CUDA must draw the CPU's mask.
+  const std::vector<std::string> lora = {"lora.rank=4", "lora.dropout=0.2",
+                                         "lora.target_modules=[\"q_proj\",\"v_proj\",\"down_proj\"]"};
+  std::vector<std::string> args = {BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
+                                   "--set", "job.output_dir=" + tmp_ + "/lora-ref"};
+  for (const auto& s : lora) args.insert(args.end(), {"--set", s});
+  auto ref = testing::RunProcess(args, 300);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto expected = Losses(tmp_ + "/lora-ref/metrics.jsonl");
+  std::vector<std::string> sets = lora;
+  sets.push_back("job.device=\"cuda\"");
+  auto got = Launch(2, "lora-cuda", sets);
+  EXPECT_LT(expected.back(), expected.front());
+  std::printf("cuda fp32 LoRA vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
 }
 
 TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {

@@ -21,6 +21,7 @@
 #include "core/profile.h"
 #include "protocol/codec.h"
 #include "protocol/messages.h"
+#include "tests/integration/launch_fixture.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp {
@@ -32,45 +33,6 @@ using testing::SourceDir;
 
 using testing::Losses;
 
-class LaunchTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    tmp_ = testing::MakeTempDir("rp-it-");
-    runtime_ = tmp_ + "/xdg";
-    fs::create_directories(runtime_);
-    fs::permissions(runtime_, fs::perms::owner_all);
-    before_ = testing::LeftoverSegments();
-  }
-  void TearDown() override {
-    // Nothing of ours may outlive a test, whether it passed or not.
-    EXPECT_EQ(testing::LeftoverSegments(), before_) << "shared-memory segments left behind";
-    std::vector<std::string> left;
-    for (auto& e : fs::directory_iterator(runtime_)) left.push_back(e.path().string());
-    EXPECT_TRUE(left.empty()) << "runtime directory left behind: " << (left.empty() ? "" : left[0]);
-    std::error_code ec;
-    fs::remove_all(tmp_, ec);
-  }
-  std::vector<std::string> Env() const { return {"XDG_RUNTIME_DIR=" + runtime_}; }
-  std::string Job() const { return SourceDir() + "/tests/testdata/parity.toml"; }
-
-  std::vector<std::string> LaunchArgs(int n, const std::string& out, std::vector<std::string> sets = {}) {
-    std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", std::to_string(n), Job(),
-                                  "--set", "job.output_dir=" + out};
-    for (auto& s : sets) {
-      a.push_back("--set");
-      a.push_back(s);
-    }
-    return a;
-  }
-
-  testing::ProcessResult Launch(int n, const std::string& out, std::vector<std::string> sets = {},
-                                double timeout = 240) {
-    return testing::RunProcess(LaunchArgs(n, out, sets), timeout, Env());
-  }
-
-  std::string tmp_, runtime_;
-  std::vector<std::string> before_;
-};
 
 
 TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
@@ -157,12 +119,6 @@ TEST_F(LaunchTest, StreamedGradientsMatchTheReference) {
   }
 }
 
-std::string ReadBytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Waits (polling) until the run's metrics file holds at least `n` complete lines, i.e. `n` steps
 // reported; complete lines only, since the run is still appending. False on timeout.

@@ -74,6 +74,21 @@ TEST(JobConfig, CrossFieldChecks) {
   ExpectError(std::string(kValid) + "[model]\npath = \"/models/qwen\"\n", "model.path");
 }
 
+TEST(JobConfig, LoraKeysAreChecked) {
+  const std::string lora = std::string(kValid) + "[lora]\nrank = 4\n";
+  ExpectError(lora + "target_modules = [\"qproj\"]\n", "lora.target_modules: \"qproj\"");
+  ExpectError(lora + "target_modules = [\"q_proj\", \"q_proj\"]\n", "lora.target_modules: \"q_proj\" is listed twice");
+  ExpectError(lora + "target_modules = []\n", "lora.target_modules: empty");
+  ExpectError(lora + "target_modules = [\"q_proj\", 3]\n", "lora.target_modules[1]");
+  ExpectError(lora + "init_from = \"no/such/adapter\"\n", "lora.init_from: no such directory");
+  ExpectError(std::string(kValid) + "[lora]\ninit_from = \".\"\n", "lora.init_from: set, but lora.rank = 0");
+  ExpectError(lora + "dropout = 1.0\n", "lora.dropout");
+  auto c = Parse(lora + "alpha = 16\ntarget_modules = [\"down_proj\"]\n");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_DOUBLE_EQ(c->lora.scale(), 4.0);
+  EXPECT_EQ(c->lora.target_modules, std::vector<std::string>{"down_proj"});
+}
+
 TEST(JobConfig, MissingFiles) {
   ExpectError("[data]\npath = \"no_such_file.txt\"\n", "data.path: no such file");
   auto c = LoadJobConfig("/nonexistent/job.toml", {});

@@ -51,7 +51,7 @@ TEST(Transformer, ChunkedHeadEqualsFullCrossEntropy) {
     auto forward = [&](int64_t chunk, double* loss) {
       Transformer t(f.cfg, chunk);
       at::Tensor x = t.Embed(f.layers[0], tokens);
-      for (int l = 1; l <= 2; ++l) x = t.Block(f.layers[l], x);
+      for (int l = 1; l <= 2; ++l) x = t.Block(f.layers[l], x, l);
       auto r = t.HeadForwardBackward(f.layers[3], x, labels, 0.5, true);
       *loss = r.loss_sum;
       EXPECT_EQ(r.targets, 23);
@@ -70,7 +70,7 @@ TEST(Transformer, ChunkedHeadEqualsFullCrossEntropy) {
     Transformer t(f.cfg);
     c10::NoGradGuard ng;
     at::Tensor x = t.Embed(f.layers[0], tokens);
-    for (int l = 1; l <= 2; ++l) x = t.Block(f.layers[l], x);
+    for (int l = 1; l <= 2; ++l) x = t.Block(f.layers[l], x, l);
     const auto& head = f.layers[3];
     at::Tensor h = x * at::rsqrt(x.pow(2).mean(-1, true) + f.cfg.rms_norm_eps) * head.at("final_norm");
     at::Tensor logits = at::linear(h, head.at("lm_head")).reshape({-1, 50});
@@ -87,9 +87,9 @@ TEST(Transformer, RecomputeIsBitIdentical) {
   at::Tensor a, b;
   {
     c10::NoGradGuard ng;
-    a = t.Block(f.layers[1], x);
+    a = t.Block(f.layers[1], x, 1);
   }
-  b = t.Block(f.layers[1], x.clone().requires_grad_(true));
+  b = t.Block(f.layers[1], x.clone().requires_grad_(true), 1);
   EXPECT_TRUE(at::equal(a, b.detach()));
 }
 
@@ -101,7 +101,7 @@ TEST(Transformer, CausalAttentionIgnoresTheFuture) {
   at::Tensor x = at::randn({1, 10, 32});
   at::Tensor y = x.clone();
   y.narrow(1, 6, 4).normal_();
-  at::Tensor a = t.Block(f.layers[1], x), b = t.Block(f.layers[1], y);
+  at::Tensor a = t.Block(f.layers[1], x, 1), b = t.Block(f.layers[1], y, 1);
   EXPECT_TRUE(at::allclose(a.narrow(1, 0, 6), b.narrow(1, 0, 6)));
   EXPECT_FALSE(at::allclose(a.narrow(1, 6, 4), b.narrow(1, 6, 4)));
 }

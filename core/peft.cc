@@ -1,0 +1,194 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "core/peft.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/hf_model.h"
+#include "core/run_output.h"
+
+namespace rp::core {
+namespace {
+namespace fs = std::filesystem;
+
+constexpr char kConfigFile[] = "adapter_config.json";
+constexpr char kWeightsFile[] = "adapter_model.safetensors";
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Checks adapter_config.json against the job's [lora] section.
+Status CheckConfig(const std::string& path, const LoraConfig& lora) {
+  std::ifstream in(path);
+  if (!in) return Status::InvalidArgument(path + ": cannot read (lora.init_from needs PEFT's adapter_config.json)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json c;
+  try {
+    c = nlohmann::json::parse(ss.str());
+  } catch (const nlohmann::json::exception& e) {
+    return Status::InvalidArgument(path + ": not valid JSON: " + e.what());
+  }
+  if (!c.is_object()) return Status::InvalidArgument(path + ": expected a JSON object");
+  auto fail = [&](const std::string& key, const std::string& why) {
+    return Status::InvalidArgument(path + ": \"" + key + "\" " + why);
+  };
+  if (c.value("peft_type", std::string()) != "LORA")
+    return fail("peft_type", "must be \"LORA\", got " + (c.contains("peft_type") ? c["peft_type"].dump() : "nothing"));
+  if (!c.contains("r") || !c["r"].is_number_integer() || c["r"].get<int64_t>() != lora.rank)
+    return fail("r", (c.contains("r") ? "is " + c["r"].dump() : "is missing") + "; lora.rank is " +
+                         std::to_string(lora.rank));
+  if (!c.contains("lora_alpha") || !c["lora_alpha"].is_number() ||
+      c["lora_alpha"].get<double>() != lora.alpha) {
+    std::ostringstream m;
+    m << (c.contains("lora_alpha") ? "is " + c["lora_alpha"].dump() : "is missing") << "; lora.alpha is " << lora.alpha;
+    return fail("lora_alpha", m.str());
+  }
+  if (!c.contains("target_modules") || !c["target_modules"].is_array())
+    return fail("target_modules", "must be a list of module names (a regular expression is not supported)");
+  std::set<std::string> theirs, ours(lora.target_modules.begin(), lora.target_modules.end());
+  for (const auto& t : c["target_modules"]) {
+    if (!t.is_string()) return fail("target_modules", "holds a non-string " + t.dump());
+    theirs.insert(t.get<std::string>());
+  }
+  if (theirs != ours) {
+    std::string a, b;
+    for (const auto& t : theirs) a += (a.empty() ? "" : ", ") + t;
+    for (const auto& t : ours) b += (b.empty() ? "" : ", ") + t;
+    return fail("target_modules", "is [" + a + "]; lora.target_modules is [" + b + "]");
+  }
+  for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out"})
+    if (c.contains(key) && c[key].is_boolean() && c[key].get<bool>())
+      return fail(key, "is true; this runtime computes plain LoRA only");
+  if (c.contains("bias") && c["bias"].is_string() && c["bias"].get<std::string>() != "none")
+    return fail("bias", "is " + c["bias"].dump() + "; only \"none\" is supported");
+  for (const char* key : {"layers_to_transform", "modules_to_save"})
+    if (c.contains(key) && !c[key].is_null() && !(c[key].is_array() && c[key].empty()))
+      return fail(key, "is set; this runtime adapts every layer and saves no extra modules");
+  for (const char* key : {"rank_pattern", "alpha_pattern"})
+    if (c.contains(key) && c[key].is_object() && !c[key].empty())
+      return fail(key, "is set; per-module ranks or alphas are not supported");
+  return Status::Ok();
+}
+}  // namespace
+
+std::string PeftTensorName(const std::string& spec_name) { return "base_model.model." + spec_name; }
+
+StatusOr<PeftAdapter> PeftAdapter::Open(const std::string& dir, const ModelSpec& spec) {
+  RP_RETURN_IF_ERROR(CheckConfig((fs::path(dir) / kConfigFile).string(), spec.lora));
+  const std::string path = (fs::path(dir) / kWeightsFile).string();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec))
+    return Status::InvalidArgument(path + ": no such file (a PEFT adapter directory holds " +
+                                   std::string(kWeightsFile) + ")");
+  RP_ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(path));
+  PeftAdapter a;
+  a.file_ = std::make_unique<SafetensorsFile>(std::move(f));
+  std::set<std::string> expected;
+  for (const auto& p : spec.params) {
+    const std::string name = PeftTensorName(p.name);
+    expected.insert(name);
+    const SafetensorInfo* t = a.file_->Find(name);
+    if (!t) return Status::InvalidArgument(path + ": no tensor \"" + name + "\"");
+    if (t->shape != p.shape)
+      return Status::InvalidArgument(path + ": tensor \"" + name + "\" has shape " + ShapeText(t->shape) +
+                                     ", this job's adapter needs " + ShapeText(p.shape));
+  }
+  for (const auto& t : a.file_->tensors())
+    if (!expected.count(t.name))
+      return Status::InvalidArgument(path + ": tensor \"" + t.name +
+                                     "\" is not an adapter of this model and target_modules");
+  return a;
+}
+
+Status PeftAdapter::Load(const ParamSpec& p, float* out) const {
+  const SafetensorInfo* t = file_->Find(PeftTensorName(p.name));
+  if (!t) return Status::InvalidArgument(file_->path() + ": no tensor \"" + PeftTensorName(p.name) + "\"");
+  return file_->ReadAsFloat(*t, out);
+}
+
+Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::string& base_model,
+                  const std::function<const float*(int)>& master) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::IoError("adapter export directory " + dir + ": " + ec.message());
+  std::vector<SafetensorToWrite> tensors;
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    const auto& ps = spec.params[p];
+    tensors.push_back({PeftTensorName(ps.name), "F32", ps.shape, master(static_cast<int>(p)),
+                       static_cast<uint64_t>(ps.numel) * 4});
+  }
+  RP_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / kWeightsFile).string(), tensors, {{"format", "pt"}}));
+  const LoraConfig& l = spec.lora;
+  nlohmann::ordered_json c = {
+      {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", base_model},
+      {"r", l.rank}, {"lora_alpha", l.alpha}, {"lora_dropout", l.dropout},
+      {"target_modules", l.target_modules}, {"bias", "none"}, {"fan_in_fan_out", false},
+      {"inference_mode", true}, {"init_lora_weights", true}, {"use_rslora", false},
+      {"use_dora", false}, {"modules_to_save", nullptr}, {"layers_to_transform", nullptr},
+      {"rank_pattern", nlohmann::ordered_json::object()}, {"alpha_pattern", nlohmann::ordered_json::object()}};
+  return WriteFileAtomically((fs::path(dir) / kConfigFile).string(), c.dump(2) + "\n");
+}
+
+Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
+                          const std::function<const float*(int)>& master,
+                          const std::function<void(int, float*)>& frozen) {
+  const uint64_t shard_bytes = static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20;
+  const std::string hf_dir =
+      cfg.checkpoint.export_hf.empty() ? "" : (fs::path(cfg.job.output_dir) / cfg.checkpoint.export_hf).string();
+  if (!spec.lora.enabled()) {
+    if (hf_dir.empty()) return Status::Ok();
+    return ExportHf(hf_dir, cfg.model, spec, master, shard_bytes);
+  }
+  if (!cfg.lora.export_dir.empty())
+    RP_RETURN_IF_ERROR(ExportPeft((fs::path(cfg.job.output_dir) / cfg.lora.export_dir).string(), spec,
+                                  cfg.model.path, master));
+  if (hf_dir.empty()) return Status::Ok();
+  // The full model's spec lists the base weights in the order and under the names of `frozen`.
+  const ModelSpec full = BuildModelSpec(spec.config);
+  if (full.params.size() != spec.frozen.size())
+    return Status::Internal("merged export: the base has " + std::to_string(spec.frozen.size()) +
+                            " tensors, the full model " + std::to_string(full.params.size()));
+  std::map<std::string, int> frozen_index;
+  for (size_t f = 0; f < spec.frozen.size(); ++f) frozen_index[spec.frozen[f].name] = static_cast<int>(f);
+  std::vector<std::vector<float>> merged(spec.frozen.size());
+  for (size_t f = 0; f < spec.frozen.size(); ++f) {
+    merged[f].resize(static_cast<size_t>(spec.frozen[f].numel));
+    frozen(static_cast<int>(f), merged[f].data());
+  }
+  // W += scale * B A, per adapted projection (A: [r, in], B: [out, r]).
+  const float scale = static_cast<float>(spec.lora.scale());
+  for (size_t p = 0; p + 1 < spec.params.size(); ++p) {
+    const auto& a = spec.params[p];
+    const std::string suffix = ".lora_A.weight";
+    if (a.name.size() < suffix.size() || a.name.compare(a.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string base = a.name.substr(0, a.name.size() - suffix.size()) + ".weight";
+    auto it = frozen_index.find(base);
+    if (it == frozen_index.end()) return Status::Internal("merged export: no base weight " + base);
+    const float* A = master(static_cast<int>(p));
+    const float* B = master(static_cast<int>(p + 1));  // lora_B follows its lora_A (model_spec)
+    const int64_t r = a.shape[0], in = a.shape[1], out = spec.params[p + 1].shape[0];
+    float* W = merged[it->second].data();
+    for (int64_t i = 0; i < out; ++i)
+      for (int64_t k = 0; k < r; ++k) {
+        const float b = scale * B[i * r + k];
+        const float* arow = A + k * in;
+        float* wrow = W + i * in;
+        for (int64_t j = 0; j < in; ++j) wrow[j] += b * arow[j];
+      }
+  }
+  return ExportHf(hf_dir, cfg.model, full, [&](int f) -> const float* { return merged[f].data(); },
+                  shard_bytes);
+}
+
+}  // namespace rp::core

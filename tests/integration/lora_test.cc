@@ -1,0 +1,159 @@
+// SPDX-License-Identifier: Apache-2.0
+// LoRA through real processes: the pipeline against rp-train-ref, resume, and the PEFT and
+// merged exports loading back.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/integration/launch_fixture.h"
+#include "tests/testing/process_harness.h"
+
+namespace rp {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::BinDir;
+using testing::Losses;
+
+// Five of the seven projections, dropout on: every code path of the adapter math.
+const std::vector<std::string> kLora = {
+    "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1",
+    "lora.target_modules=[\"q_proj\",\"k_proj\",\"o_proj\",\"up_proj\",\"down_proj\"]"};
+
+std::vector<std::string> With(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class LoraTest : public LaunchTest {
+ protected:
+  testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets) {
+    std::vector<std::string> args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + out};
+    for (const auto& s : sets) {
+      args.push_back("--set");
+      args.push_back(s);
+    }
+    return testing::RunProcess(args, 240, Env());
+  }
+};
+
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& expected, const std::string& what) {
+  ASSERT_EQ(got.size(), expected.size()) << what;
+  for (size_t s = 0; s < got.size(); ++s)
+    EXPECT_LE(std::abs(got[s] - expected[s]) / std::abs(expected[s]), 1e-5)
+        << what << ", step " << s + 1 << ": " << got[s] << " vs reference " << expected[s];
+}
+
+TEST_F(LoraTest, PipelineMatchesTheReferenceInBothModes) {
+  auto ref = Ref(tmp_ + "/ref", kLora);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const auto expected = Losses(tmp_ + "/ref/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 20u);
+  EXPECT_LT(expected.back(), expected.front());
+  // B starts at zero, so the first step computes exactly the full model's loss.
+  auto full = Ref(tmp_ + "/full", {"train.steps=1"});
+  ASSERT_EQ(full.code, 0) << full.output;
+  EXPECT_EQ(Losses(tmp_ + "/full/metrics.jsonl")[0], expected[0]);
+  for (int n = 1; n <= 3; ++n) {
+    const std::string out = tmp_ + "/n" + std::to_string(n);
+    auto r = Launch(n, out, kLora);
+    ASSERT_EQ(r.code, 0) << r.output;
+    ExpectClose(Losses(out + "/metrics.jsonl"), expected, "exact, N=" + std::to_string(n));
+  }
+  auto ref1 = Ref(tmp_ + "/ref-stale1", With(kLora, {"optimizer.mode=stale1"}));
+  ASSERT_EQ(ref1.code, 0) << ref1.output;
+  auto r = Launch(2, tmp_ + "/stale1", With(kLora, {"optimizer.mode=stale1"}));
+  ASSERT_EQ(r.code, 0) << r.output;
+  ExpectClose(Losses(tmp_ + "/stale1/metrics.jsonl"), Losses(tmp_ + "/ref-stale1/metrics.jsonl"), "stale1, N=2");
+}
+
+TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
+  const std::string a = tmp_ + "/whole", b = tmp_ + "/pieces";
+  auto whole = Launch(2, a, With(kLora, {"checkpoint.every=20"}));
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  auto first = Launch(2, b, With(kLora, {"checkpoint.every=20", "train.stop_after=10"}));
+  ASSERT_EQ(first.code, 0) << first.output;
+  ASSERT_EQ(Losses(b + "/metrics.jsonl").size(), 10u);
+  auto args = LaunchArgs(2, b, With(kLora, {"checkpoint.every=20"}));
+  args.push_back("--resume");
+  auto second = testing::RunProcess(args, 240, Env());
+  ASSERT_EQ(second.code, 0) << second.output;
+  const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(b + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), 20u);
+  for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
+  EXPECT_TRUE(ReadBytes(a + "/checkpoints/step-00000020.rpstate") ==
+              ReadBytes(b + "/checkpoints/step-00000020.rpstate"));
+  EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
+              ReadBytes(b + "/adapter/adapter_model.safetensors"));
+  // The checkpoint holds the adapters' state only: far smaller than a full fine-tune's.
+  auto full = Launch(2, tmp_ + "/full", {"checkpoint.every=20", "train.steps=2", "train.stop_after=2"});
+  ASSERT_EQ(full.code, 0) << full.output;
+  EXPECT_LT(fs::file_size(a + "/checkpoints/step-00000020.rpstate") * 4,
+            fs::file_size(tmp_ + "/full/checkpoints/step-00000002.rpstate"));
+  // A different base (another seed) must not resume these adapters.
+  auto other = LaunchArgs(2, b, With(kLora, {"checkpoint.every=20", "train.seed=5", "train.steps=30"}));
+  other.push_back("--resume");
+  auto refused = testing::RunProcess(other, 240, Env());
+  EXPECT_NE(refused.code, 0);
+  EXPECT_NE(refused.output.find("step-00000020.rpstate"), std::string::npos) << refused.output;
+}
+
+TEST_F(LoraTest, AdapterAndMergedExportsLoadBack) {
+  // Train 5 steps, export the adapter (PEFT layout) and the merged model. Start again from the
+  // adapter with lr = 0: the adapter comes back out bit for bit, the pipeline's and the
+  // reference's losses agree, and the merged model (a full fine-tune from model.path) computes
+  // the same loss as base + adapter.
+  const std::vector<std::string> lora = {"lora.rank=4", "lora.alpha=16",
+                                         "lora.target_modules=[\"q_proj\",\"v_proj\",\"gate_proj\",\"down_proj\"]"};
+  const std::string a = tmp_ + "/train";
+  auto train = Launch(2, a, With(lora, {"train.steps=5", "checkpoint.export_hf=merged"}));
+  ASSERT_EQ(train.code, 0) << train.output;
+  ASSERT_TRUE(fs::exists(a + "/adapter/adapter_config.json"));
+  ASSERT_TRUE(fs::exists(a + "/merged/model.safetensors"));
+  const std::vector<std::string> frozen = {"train.steps=1", "optimizer.lr=0", "optimizer.min_lr=0"};
+  const auto again = With(With(lora, frozen), {"lora.init_from=" + a + "/adapter"});
+  auto load = Launch(2, tmp_ + "/load", again);
+  ASSERT_EQ(load.code, 0) << load.output;
+  EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
+              ReadBytes(tmp_ + "/load/adapter/adapter_model.safetensors"))
+      << "the adapter changed on the way through load and export";
+  auto ref = Ref(tmp_ + "/ref", again);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const double loaded = Losses(tmp_ + "/load/metrics.jsonl").at(0);
+  EXPECT_LE(std::abs(loaded - Losses(tmp_ + "/ref/metrics.jsonl").at(0)) / loaded, 1e-5);
+  EXPECT_LT(loaded, Losses(a + "/metrics.jsonl").at(0));  // trained adapters, not fresh ones
+  auto merged = Launch(2, tmp_ + "/merged", With(frozen, {"model.path=" + a + "/merged"}));
+  ASSERT_EQ(merged.code, 0) << merged.output;
+  EXPECT_LE(std::abs(Losses(tmp_ + "/merged/metrics.jsonl").at(0) - loaded) / loaded, 1e-5);
+}
+
+TEST_F(LoraTest, MismatchedOrDamagedAdaptersAreRefusedNamingTheProblem) {
+  const std::string a = tmp_ + "/train";
+  auto train = Launch(1, a, With(kLora, {"train.steps=2"}));
+  ASSERT_EQ(train.code, 0) << train.output;
+  const std::string dir = a + "/adapter";
+  auto wrong_rank = Launch(1, tmp_ + "/r8", With(kLora, {"lora.rank=8", "lora.init_from=" + dir}));
+  EXPECT_NE(wrong_rank.code, 0);
+  EXPECT_NE(wrong_rank.output.find("adapter_config.json: \"r\" is 4; lora.rank is 8"), std::string::npos)
+      << wrong_rank.output;
+  auto wrong_targets = Launch(1, tmp_ + "/targets",
+                              With(kLora, {"lora.target_modules=[\"q_proj\"]", "lora.init_from=" + dir}));
+  EXPECT_NE(wrong_targets.code, 0);
+  EXPECT_NE(wrong_targets.output.find("\"target_modules\" is ["), std::string::npos) << wrong_targets.output;
+  const std::string weights = dir + "/adapter_model.safetensors";
+  fs::resize_file(weights, fs::file_size(weights) - 100);
+  auto truncated = Launch(1, tmp_ + "/trunc", With(kLora, {"lora.init_from=" + dir}));
+  EXPECT_NE(truncated.code, 0);
+  EXPECT_NE(truncated.output.find(weights), std::string::npos) << truncated.output;
+  auto bad_target = Launch(1, tmp_ + "/bad", With(kLora, {"lora.target_modules=[\"qproj\"]"}));
+  EXPECT_NE(bad_target.code, 0);
+  EXPECT_NE(bad_target.output.find("lora.target_modules: \"qproj\""), std::string::npos) << bad_target.output;
+}
+
+}  // namespace
+}  // namespace rp
