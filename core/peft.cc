@@ -66,12 +66,14 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
     for (const auto& t : ours) b += (b.empty() ? "" : ", ") + t;
     return fail("target_modules", "is [" + a + "]; lora.target_modules is [" + b + "]");
   }
-  for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out"})
+  // Variants that change the math: refused by name rather than silently computed as plain LoRA.
+  for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "use_qalora"})
     if (c.contains(key) && c[key].is_boolean() && c[key].get<bool>())
       return fail(key, "is true; this runtime computes plain LoRA only");
   if (c.contains("bias") && c["bias"].is_string() && c["bias"].get<std::string>() != "none")
     return fail("bias", "is " + c["bias"].dump() + "; only \"none\" is supported");
-  for (const char* key : {"layers_to_transform", "modules_to_save"})
+  for (const char* key : {"layers_to_transform", "modules_to_save", "layer_replication", "exclude_modules",
+                          "target_parameters", "trainable_token_indices", "alora_invocation_tokens"})
     if (c.contains(key) && !c[key].is_null() && !(c[key].is_array() && c[key].empty()))
       return fail(key, "is set; this runtime adapts every layer and saves no extra modules");
   for (const char* key : {"rank_pattern", "alpha_pattern"})

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -153,6 +154,32 @@ TEST_F(LoraTest, MismatchedOrDamagedAdaptersAreRefusedNamingTheProblem) {
   auto bad_target = Launch(1, tmp_ + "/bad", With(kLora, {"lora.target_modules=[\"qproj\"]"}));
   EXPECT_NE(bad_target.code, 0);
   EXPECT_NE(bad_target.output.find("lora.target_modules: \"qproj\""), std::string::npos) << bad_target.output;
+}
+
+TEST_F(LoraTest, AnAdapterSavedByPeftComputesPeftsLoss) {
+  // tests/testdata/peft_fixture: peft's save_pretrained output for the fixture job's seeded base
+  // and the loss transformers + peft computed on step 1's batch (tools/peft_check.py --fixture).
+  const std::string dir = testing::SourceDir() + "/tests/testdata/peft_fixture";
+  std::ifstream f(dir + "/expected.json");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto at = text.find("\"loss\":");
+  ASSERT_NE(at, std::string::npos) << text;
+  const double expected = std::stod(text.substr(at + 7));
+  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
+                                  "job.output_dir=" + tmp_ + "/ref"}, 240, Env());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto pipe = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", dir + "/job.toml", "--set",
+                                   "job.output_dir=" + tmp_ + "/pipe"}, 240, Env());
+  ASSERT_EQ(pipe.code, 0) << pipe.output;
+  for (const std::string out : {"/ref", "/pipe"}) {
+    const double got = Losses(tmp_ + out + "/metrics.jsonl").at(0);
+    EXPECT_LE(std::abs(got - expected) / expected, 1e-5) << out << ": " << got << " vs peft's " << expected;
+  }
+  // Without the adapter the same batch scores differently: the adapter was applied.
+  auto bare = testing::RunProcess({BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
+                                   "job.output_dir=" + tmp_ + "/bare", "--set", "lora.init_from=\"\""}, 240, Env());
+  ASSERT_EQ(bare.code, 0) << bare.output;
+  EXPECT_GT(std::abs(Losses(tmp_ + "/bare/metrics.jsonl").at(0) - expected) / expected, 1e-3);
 }
 
 }  // namespace
