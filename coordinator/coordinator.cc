@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -96,6 +97,17 @@ class Coordinator {
   Status OnGradsReady(int rank, const proto::GradsReady& g);
   Status OnJobDone(int rank, const proto::JobDone& d);
   Status OnLayerTime(int rank, const proto::LayerTime& t);
+  // Evaluation (train.eval_every). The eval after step s reads the weights holding s + 1
+  // updates. Its jobs are dispatched when step s is done, before step s + 2's jobs, so in every
+  // worker's queue they precede every job that could wait on them. Until they are done the
+  // update that would overwrite the compute buffer they read (step s + compute_buffers') is held
+  // back: its gradient slots are final but the optimizer hears of it later, in order.
+  bool EvalDue(int64_t step) const;
+  Status DispatchEval(int64_t step);
+  Status OnEvalDone(int rank, const proto::EvalDone& d);
+  void FinalizeSlot(int64_t step, int slot);
+  bool UpdateHeld(int64_t step) const;
+  void ReleaseHeldUpdates();
   void OnLinkProbe(int rank, const proto::LinkProbe& p);
   // Profiling (core/profile.h): the window of timed steps, the profile and prediction written
   // when it is over, the drift check afterwards, and the re-plan decision.
@@ -146,6 +158,22 @@ class Coordinator {
     double busy_s = 0.0;
     double done_at = -1.0;  // all jobs done (monotonic seconds)
   };
+  struct EvalJob {
+    proto::RunEval run{};
+    int worker = 0;
+    bool done = false;
+    double loss_sum = 0.0;
+    int64_t targets = 0;
+  };
+  struct EvalState {
+    std::map<int64_t, EvalJob> jobs;  // by job index
+    int left = 0;
+    double loss = -1.0;               // set when every job is done
+    int64_t targets = 0;
+  };
+  std::map<int64_t, EvalState> evals_;                   // by step
+  std::deque<std::pair<int64_t, int>> held_finals_;      // (step, slot) SlotFinal calls held back
+  std::optional<core::Dataset> eval_data_;
   std::map<int64_t, StepState> steps_;
   std::map<int64_t, JobState> jobs_;           // by global job index
   std::map<int64_t, int> call_jobs_done_;      // by global call index
@@ -191,6 +219,10 @@ Status Coordinator::Setup() {
                                     opts_.num_workers, 1).stages;
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   data_.emplace(std::move(data));
+  if (cfg_.train.eval_every > 0) {
+    RP_ASSIGN_OR_RETURN(auto eval, core::Dataset::OpenEval(cfg_));
+    eval_data_.emplace(std::move(eval));
+  }
   state_hash_ = TrainingStateHash(cfg_, spec_, layout_);
   stop_step_ = cfg_.train.stop_after > 0 ? cfg_.train.stop_after : cfg_.train.steps;
   if (opts_.resume) {
@@ -294,6 +326,10 @@ Status Coordinator::InitState() {
       }
     }
   }
+  // The eval set: the same microbatches at every evaluation, written once.
+  for (int k = 0; k < layout_.eval_slots; ++k)
+    eval_data_->FillEval(k, segment_->At<int64_t>(layout_.EvalTokenSlot(k)),
+                         segment_->At<int64_t>(layout_.EvalLabelSlot(k)));
   h->ready.store(1, std::memory_order_release);
   return Status::Ok();
 }
@@ -590,7 +626,7 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
       step < stop_step_) {
     if (step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
-      for (const auto& use : spec_.layer_uses[l]) optimizer_->SlotFinal(step, use.grad_slot);
+      for (const auto& use : spec_.layer_uses[l]) FinalizeSlot(step, use.grad_slot);
   }
   const int64_t g = step * cfg_.train.accum_calls + j->call;
   RP_RETURN_IF_ERROR(TryCommits(step));
@@ -599,6 +635,7 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   StepState& st = steps_.at(step);
   if (++st.jobs_done == static_cast<int>(plan_.stages.size() * cfg_.train.accum_calls)) {
     st.done_at = MonoSeconds();
+    if (EvalDue(step)) RP_RETURN_IF_ERROR(DispatchEval(step));
     // Two steps in flight: the one draining and the next one.
     if (next_step_to_dispatch_ < stop_step_) RP_RETURN_IF_ERROR(Dispatch(next_step_to_dispatch_));
   }
@@ -657,8 +694,22 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   const int64_t K = cfg_.train.accum_calls;
   const int M = static_cast<int>(cfg_.train.microbatches);
   int resent = 0;
+  // Eval jobs interleave with stage jobs by index; the replacement's queue must keep that order.
+  std::map<int64_t, const proto::RunEval*> evals;
+  for (const auto& [step, e] : evals_)
+    for (const auto& [index, ej] : e.jobs)
+      if (ej.worker == rank && !ej.done) evals.emplace(index, &ej.run);
+  auto send_evals_before = [&](int64_t index) -> Status {
+    while (!evals.empty() && evals.begin()->first < index) {
+      RP_RETURN_IF_ERROR(SendTo(rank, *evals.begin()->second));
+      evals.erase(evals.begin());
+      resent++;
+    }
+    return Status::Ok();
+  };
   for (auto& [index, j] : jobs_) {
     if (j.worker != rank || j.done) continue;
+    RP_RETURN_IF_ERROR(send_evals_before(index));
     if (j.commit_sent && j.call > 0)
       return Status::Unavailable("worker " + std::to_string(rank) + " died while adding job " +
                                  std::to_string(index) + "'s gradients into the shared slots "
@@ -677,6 +728,7 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
     }
     for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(SendTo(rank, proto::InputReady{index, mb, 0}));
   }
+  RP_RETURN_IF_ERROR(send_evals_before(std::numeric_limits<int64_t>::max()));
   RP_LOG(WARNING) << "worker " << rank << " replaced by pid " << hello.pid << ": re-dispatched "
                   << resent << " unfinished jobs";
   return Status::Ok();
@@ -701,6 +753,7 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kHello: return OnReplacement(rank, std::get<proto::Hello>(m));
     case proto::MsgType::kHeartbeat: return Status::Ok();  // Loop noted the sign of life
     case proto::MsgType::kLayerTime: return OnLayerTime(rank, std::get<proto::LayerTime>(m));
+    case proto::MsgType::kEvalDone: return OnEvalDone(rank, std::get<proto::EvalDone>(m));
     case proto::MsgType::kLinkProbe:
       OnLinkProbe(rank, std::get<proto::LinkProbe>(m));
       return Status::Ok();
@@ -709,6 +762,7 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kInputReady:
     case proto::MsgType::kCommitGrads:
     case proto::MsgType::kShutdown:
+    case proto::MsgType::kRunEval:
       RP_LOG(WARNING) << "dropped coordinator-bound " << proto::MsgTypeName(proto::TypeOfMessage(m))
                       << " from worker " << rank;
       return Status::Ok();
@@ -760,6 +814,74 @@ Status Coordinator::WriteTrace() {
                                        {"cursor0", 0},
                                        {"plan", plan_.Describe()}}}};
   return core::WriteFileAtomically(cfg_.job.output_dir + "/trace.json", doc.dump());
+}
+
+bool Coordinator::EvalDue(int64_t step) const {
+  const int64_t every = cfg_.train.eval_every;
+  return every > 0 && step < stop_step_ && ((step + 1) % every == 0 || step + 1 == cfg_.train.steps);
+}
+
+Status Coordinator::DispatchEval(int64_t step) {
+  EvalState& e = evals_[step];
+  for (int k = 0; k < layout_.eval_slots; ++k) {
+    EvalJob j;
+    j.run = proto::RunEval{job_counter_++, step, step + 1, k, 0};
+    j.worker = core::WorkerForJob(j.run.job_index, 0, opts_.num_workers);
+    RP_RETURN_IF_ERROR(SendTo(j.worker, j.run));
+    e.jobs.emplace(j.run.job_index, j);
+  }
+  e.left = layout_.eval_slots;
+  return Status::Ok();
+}
+
+Status Coordinator::OnEvalDone(int rank, const proto::EvalDone& d) {
+  for (auto& [step, e] : evals_) {
+    auto it = e.jobs.find(d.job_index);
+    if (it == e.jobs.end()) continue;
+    EvalJob& j = it->second;
+    if (j.worker != rank || j.done)
+      return Status::ProtocolError("EvalDone for eval job " + std::to_string(d.job_index) + " from worker " +
+                                   std::to_string(rank) + (j.done ? ", which is already done" : ", which does not run it"));
+    j.done = true;
+    j.loss_sum = d.loss_sum;
+    j.targets = d.targets;
+    if (--e.left > 0) return Status::Ok();
+    // Summed in slot order, as rp-train-ref does, so the figure does not depend on timing.
+    double sum = 0.0;
+    for (const auto& [index, job] : e.jobs) {
+      sum += job.loss_sum;
+      e.targets += job.targets;
+    }
+    if (e.targets == 0)
+      return Status::InvalidArgument("data: the eval set has no target tokens");
+    e.loss = sum / static_cast<double>(e.targets);
+    ReleaseHeldUpdates();
+    return Status::Ok();
+  }
+  return Status::ProtocolError("EvalDone for unknown eval job " + std::to_string(d.job_index));
+}
+
+bool Coordinator::UpdateHeld(int64_t step) const {
+  // Step u's update writes compute buffer (u + 1) % B; an eval after step s reads (s + 1) % B.
+  for (const auto& [s, e] : evals_)
+    if (e.loss < 0 && step >= s + layout_.compute_buffers) return true;
+  return false;
+}
+
+void Coordinator::FinalizeSlot(int64_t step, int slot) {
+  // Once one is held, later ones queue behind it: the optimizer takes steps in order.
+  if (!held_finals_.empty() || UpdateHeld(step)) {
+    held_finals_.emplace_back(step, slot);
+    return;
+  }
+  optimizer_->SlotFinal(step, slot);
+}
+
+void Coordinator::ReleaseHeldUpdates() {
+  while (!held_finals_.empty() && !UpdateHeld(held_finals_.front().first)) {
+    optimizer_->SlotFinal(held_finals_.front().first, held_finals_.front().second);
+    held_finals_.pop_front();
+  }
 }
 
 Status Coordinator::Dispatch(int64_t step) {
@@ -842,6 +964,8 @@ Status Coordinator::ReportSteps() {
     if (it == steps_.end() || it->second.done_at < 0) return Status::Ok();
     auto norm = optimizer_->GradNorm(next_step_to_report_);
     if (!norm) return Status::Ok();
+    auto eval = evals_.find(next_step_to_report_);
+    if (EvalDue(next_step_to_report_) && (eval == evals_.end() || eval->second.loss < 0)) return Status::Ok();
     StepState& st = it->second;
     const double now = MonoSeconds();
     core::StepMetrics m;
@@ -853,13 +977,19 @@ Status Coordinator::ReportSteps() {
     m.step_time_s = now - last_report_at_;
     m.bubble_ratio = std::max(0.0, 1.0 - st.busy_s / (m.step_time_s * opts_.num_workers));
     m.h2d_bytes = h2d_bytes_per_step_;
+    if (eval != evals_.end()) {
+      m.eval_loss = eval->second.loss;
+      m.eval_tokens = eval->second.targets;
+      evals_.erase(eval);
+    }
     busy_s_ += st.busy_s;
     last_report_at_ = now;
     RP_RETURN_IF_ERROR(metrics_->Append(m));
     if (prediction_ && next_step_to_report_ >= predicted_from_step_) measured_bubble_.push_back(m.bubble_ratio);
     CheckDrift(next_step_to_report_, m.step_time_s);
     RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr "
-                 << m.lr << " grad_norm " << m.grad_norm << " "
+                 << m.lr << " grad_norm " << m.grad_norm
+                 << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string()) << " "
                  << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s)
                  << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "% ETA "
                  << static_cast<int64_t>((now - run_start_) / static_cast<double>(m.step - first_step_) *

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -18,16 +19,17 @@
 
 namespace rp::core {
 
-StatusOr<Dataset> Dataset::Open(const JobConfig& c) {
+StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) {
   Dataset d;
   d.config_ = c;
+  d.key_ = key;
   if (c.data.format == "bytes") {
     std::ifstream in(c.data.path, std::ios::binary);
-    if (!in) return Status::InvalidArgument("data.path: cannot read " + c.data.path);
+    if (!in) return Status::InvalidArgument(d.key_ + ": cannot read " + c.data.path);
     d.bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     const int64_t S = c.data.seq_len;
     if (static_cast<int64_t>(d.bytes_.size()) < S + 1)
-      return Status::InvalidArgument("data.path: " + c.data.path + " is shorter than seq_len + 1");
+      return Status::InvalidArgument(d.key_ + ": " + c.data.path + " is shorter than seq_len + 1");
     // Non-overlapping windows of S + 1 bytes (inputs and shifted labels), stride S.
     d.windows_ = (static_cast<int64_t>(d.bytes_.size()) - 1) / S;
   } else if (c.data.format == "tokens") {
@@ -40,47 +42,85 @@ StatusOr<Dataset> Dataset::Open(const JobConfig& c) {
   return d;
 }
 
+namespace {
+// Windows held out of data.path by data.eval_fraction (the last ones in file order).
+StatusOr<int64_t> HeldOutWindows(const JobConfig& c, int64_t windows) {
+  if (c.data.eval_fraction <= 0.0 || c.data.format == "random" || !c.data.eval_path.empty()) return 0;
+  const int64_t held = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(windows) * c.data.eval_fraction));
+  if (held >= windows)
+    return Status::InvalidArgument("data.eval_fraction: holding out " + std::to_string(held) + " of the " +
+                                   std::to_string(windows) + " windows of " + c.data.path +
+                                   " leaves none to train on");
+  return held;
+}
+}  // namespace
+
+StatusOr<Dataset> Dataset::Open(const JobConfig& c) {
+  RP_ASSIGN_OR_RETURN(Dataset d, OpenFile(c, "data.path"));
+  RP_ASSIGN_OR_RETURN(int64_t held, HeldOutWindows(c, d.windows_));
+  d.windows_ -= held;
+  return d;
+}
+
+StatusOr<Dataset> Dataset::OpenEval(const JobConfig& c) {
+  if (c.data.format == "random") {
+    RP_ASSIGN_OR_RETURN(Dataset d, OpenFile(c, "data.path"));
+    return d;
+  }
+  if (!c.data.eval_path.empty()) {
+    JobConfig e = c;
+    e.data.path = c.data.eval_path;
+    return OpenFile(e, "data.eval_path");
+  }
+  RP_ASSIGN_OR_RETURN(Dataset d, OpenFile(c, "data.path"));
+  RP_ASSIGN_OR_RETURN(int64_t held, HeldOutWindows(c, d.windows_));
+  if (held == 0) return Status::InvalidArgument("train.eval_every: no eval set (data.eval_path or data.eval_fraction)");
+  d.first_window_ = d.windows_ - held;
+  d.windows_ = held;
+  return d;
+}
+
 Status Dataset::OpenTokens() {
   const std::string& path = config_.data.path;
   const std::string sidecar = path + ".json";
   std::ifstream side(sidecar);
-  if (!side) return Status::InvalidArgument("data.path: " + sidecar + " (the dtype/vocab_size sidecar of " + path + ") is missing");
+  if (!side) return Status::InvalidArgument(key_ + ": " + sidecar + " (the dtype/vocab_size sidecar of " + path + ") is missing");
   std::stringstream ss;
   ss << side.rdbuf();
   auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object() || !j.contains("dtype") || !j["dtype"].is_string() ||
       !j.contains("vocab_size") || !j["vocab_size"].is_number_integer())
-    return Status::InvalidArgument("data.path: " + sidecar + " must be {\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}");
+    return Status::InvalidArgument(key_ + ": " + sidecar + " must be {\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}");
   const std::string dtype = j["dtype"].get<std::string>();
   token_bytes_ = dtype == "uint16" ? 2 : dtype == "uint32" ? 4 : 0;
-  if (token_bytes_ == 0) return Status::InvalidArgument("data.path: " + sidecar + ": dtype \"" + dtype + "\" is not uint16 or uint32");
+  if (token_bytes_ == 0) return Status::InvalidArgument(key_ + ": " + sidecar + ": dtype \"" + dtype + "\" is not uint16 or uint32");
   const int64_t vocab = j["vocab_size"].get<int64_t>();
   if (vocab > config_.model.vocab_size)
-    return Status::InvalidArgument("data.path: " + sidecar + " says vocab_size " + std::to_string(vocab) +
+    return Status::InvalidArgument(key_ + ": " + sidecar + " says vocab_size " + std::to_string(vocab) +
                                    ", more than model.vocab_size " + std::to_string(config_.model.vocab_size));
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::FromErrno("data.path: opening " + path, errno);
+  if (fd < 0) return Status::FromErrno(key_ + ": opening " + path, errno);
   struct stat st {};
   ::fstat(fd, &st);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size % static_cast<uint64_t>(token_bytes_) != 0 || size == 0) {
     ::close(fd);
-    return Status::InvalidArgument("data.path: " + path + " holds " + std::to_string(size) +
+    return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(size) +
                                    " bytes, not a whole number of " + dtype + " tokens");
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (map == MAP_FAILED) return Status::FromErrno("data.path: mapping " + path, errno);
+  if (map == MAP_FAILED) return Status::FromErrno(key_ + ": mapping " + path, errno);
   tokens_map_ = std::shared_ptr<const void>(map, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
   tokens_ = static_cast<const uint8_t*>(map);
   const int64_t n = static_cast<int64_t>(size) / token_bytes_;
   const int64_t S = config_.data.seq_len;
   if (n < S + 1)
-    return Status::InvalidArgument("data.path: " + path + " holds " + std::to_string(n) +
+    return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(n) +
                                    " tokens, fewer than seq_len + 1 = " + std::to_string(S + 1));
   for (int64_t i = 0; i < n; ++i)
     if (TokenAt(i) >= config_.model.vocab_size)
-      return Status::InvalidArgument("data.path: " + path + ": token " + std::to_string(TokenAt(i)) +
+      return Status::InvalidArgument(key_ + ": " + path + ": token " + std::to_string(TokenAt(i)) +
                                      " at position " + std::to_string(i) + " is not below model.vocab_size " +
                                      std::to_string(config_.model.vocab_size));
   windows_ = (n - 1) / S;
@@ -90,12 +130,12 @@ Status Dataset::OpenTokens() {
 Status Dataset::OpenJsonl() {
   const std::string& path = config_.data.path;
   std::ifstream in(path);
-  if (!in) return Status::InvalidArgument("data.path: cannot read " + path);
+  if (!in) return Status::InvalidArgument(key_ + ": cannot read " + path);
   const int64_t V = config_.model.vocab_size;
   std::string line;
   for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string at = "data.path: " + path + ":" + std::to_string(lineno) + ": ";
+    const std::string at = key_ + ": " + path + ":" + std::to_string(lineno) + ": ";
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument(at + "not a JSON object");
     if (!j.contains("input_ids") || !j["input_ids"].is_array() || j["input_ids"].empty())
@@ -136,7 +176,7 @@ Status Dataset::OpenJsonl() {
   const int64_t S = config_.data.seq_len;
   windows_ = static_cast<int64_t>(packed_tokens_.size()) / S;
   if (windows_ == 0)
-    return Status::InvalidArgument("data.path: " + path + " holds " + std::to_string(packed_tokens_.size()) +
+    return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(packed_tokens_.size()) +
                                    " tokens, fewer than one sequence of seq_len " + std::to_string(S));
   return Status::Ok();
 }
@@ -171,37 +211,56 @@ void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int6
   const int64_t S = config_.data.seq_len;
   for (int64_t i = 0; i < t.microbatch_size; ++i) {
     const int64_t g = ((step * t.accum_calls + call) * t.microbatches + mb) * t.microbatch_size + i;
-    int64_t* tok = tokens + i * S;
-    int64_t* lab = labels + i * S;
     if (config_.data.format == "random") {
-      CounterRng rng(HashKey({static_cast<uint64_t>(config_.train.seed), 0x5EEDu,
-                              static_cast<uint64_t>(g)}));
-      const uint64_t V = static_cast<uint64_t>(config_.model.vocab_size);
-      int64_t prev = static_cast<int64_t>(rng.NextBelow(V));
-      for (int64_t j = 0; j < S; ++j) {
-        int64_t next = static_cast<int64_t>(rng.NextBelow(V));
-        tok[j] = prev;
-        lab[j] = next;
-        prev = next;
-      }
+      FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0x5EEDu, static_cast<uint64_t>(g)}),
+                 tokens + i * S, labels + i * S);
       continue;
     }
     const int64_t epoch = g / windows_;
-    const int64_t w = Permutation(epoch)[g % windows_];
-    if (!packed_tokens_.empty()) {
-      for (int64_t j = 0; j < S; ++j) {
-        tok[j] = packed_tokens_[w * S + j];
-        lab[j] = packed_targets_[w * S + j];
-      }
+    FillWindow(Permutation(epoch)[g % windows_], tokens + i * S, labels + i * S);
+  }
+}
+
+void Dataset::FillEval(int64_t index, int64_t* tokens, int64_t* labels) {
+  const auto& t = config_.train;
+  const int64_t S = config_.data.seq_len;
+  for (int64_t i = 0; i < t.microbatch_size; ++i) {
+    const int64_t g = index * t.microbatch_size + i;
+    if (config_.data.format == "random") {
+      // A stream of its own: no training draw (salt 0x5EED) repeats it.
+      FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0xE7A1u, static_cast<uint64_t>(g)}),
+                 tokens + i * S, labels + i * S);
       continue;
     }
-    if (tokens_ != nullptr) {
-      for (int64_t j = 0; j < S; ++j) {
-        tok[j] = TokenAt(w * S + j);
-        lab[j] = TokenAt(w * S + j + 1);
-      }
-      continue;
+    FillWindow(first_window_ + g % windows_, tokens + i * S, labels + i * S);
+  }
+}
+
+void Dataset::FillRandom(uint64_t key, int64_t* tok, int64_t* lab) const {
+  CounterRng rng(key);
+  const uint64_t V = static_cast<uint64_t>(config_.model.vocab_size);
+  int64_t prev = static_cast<int64_t>(rng.NextBelow(V));
+  for (int64_t j = 0; j < config_.data.seq_len; ++j) {
+    int64_t next = static_cast<int64_t>(rng.NextBelow(V));
+    tok[j] = prev;
+    lab[j] = next;
+    prev = next;
+  }
+}
+
+void Dataset::FillWindow(int64_t w, int64_t* tok, int64_t* lab) const {
+  const int64_t S = config_.data.seq_len;
+  if (!packed_tokens_.empty()) {
+    for (int64_t j = 0; j < S; ++j) {
+      tok[j] = packed_tokens_[w * S + j];
+      lab[j] = packed_targets_[w * S + j];
     }
+  } else if (tokens_ != nullptr) {
+    for (int64_t j = 0; j < S; ++j) {
+      tok[j] = TokenAt(w * S + j);
+      lab[j] = TokenAt(w * S + j + 1);
+    }
+  } else {
     const uint8_t* src = bytes_.data() + w * S;
     for (int64_t j = 0; j < S; ++j) {
       tok[j] = src[j];

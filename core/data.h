@@ -11,6 +11,11 @@
 // "tokens" are cut into non-overlapping windows of seq_len + 1 tokens (stride seq_len). Windows
 // are visited in a per-epoch order shuffled by the seed.
 //
+// Eval set (train.eval_every): data.eval_path (a file in data.format), or the last
+// data.eval_fraction of data.path's windows, which the training view then never visits; for
+// "random", a synthetic stream of its own. FillEval(i) writes eval microbatch i from the eval
+// windows in file order (no shuffling), so every evaluation sees the same set.
+//
 // Contract: Fill(step, call, mb) writes microbatch `mb` of accumulation call `call` of optimizer
 // step `step` as int64 token ids and labels ([microbatch_size, seq_len] each, row-major). The
 // result is a pure function of (config, seed, step, call, mb): the pipelined coordinator and
@@ -32,15 +37,23 @@ inline constexpr int64_t kIgnoreIndex = -100;
 
 class Dataset {
  public:
+  // The training view (without the held-out eval windows).
   static StatusOr<Dataset> Open(const JobConfig& config);
+  // The eval view (see above).
+  static StatusOr<Dataset> OpenEval(const JobConfig& config);
 
   void Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels);
+  void FillEval(int64_t index, int64_t* tokens, int64_t* labels);
   // Number of labels != kIgnoreIndex in one optimizer step (loss normalizer).
   int64_t CountStepTargets(int64_t step);
   int64_t NumWindows() const { return windows_; }
 
  private:
   Dataset() = default;
+  // Opens data.path of `config`; `key` names the file's key in errors.
+  static StatusOr<Dataset> OpenFile(const JobConfig& config, const std::string& key);
+  void FillWindow(int64_t w, int64_t* tokens, int64_t* labels) const;
+  void FillRandom(uint64_t key, int64_t* tokens, int64_t* labels) const;
   const std::vector<int64_t>& Permutation(int64_t epoch);
   Status OpenTokens();
   Status OpenJsonl();
@@ -53,7 +66,9 @@ class Dataset {
   const uint8_t* tokens_ = nullptr;
   int token_bytes_ = 0;                      // 2 or 4
   std::vector<int32_t> packed_tokens_, packed_targets_;  // "jsonl": the packed stream
-  int64_t windows_ = 0;
+  int64_t windows_ = 0;       // windows this view visits, from first_window_
+  int64_t first_window_ = 0;
+  std::string key_ = "data.path";
   int64_t cached_epoch_ = -1;
   std::vector<int64_t> perm_;
 };

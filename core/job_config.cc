@@ -223,6 +223,12 @@ const std::vector<KeySpec>& Table() {
       Int("data", "seq_len", F(data.seq_len), 64, 2, 1 << 20, "Tokens per sequence"),
       Bool("data", "shuffle", F(data.shuffle), true,
            "Visit the corpus windows in a seeded random order each epoch"),
+      Str("data", "eval_path", F(data.eval_path), "",
+          "Held-out corpus in data.format (relative to the job file) for train.eval_every; "
+          "empty = none"),
+      Float("data", "eval_fraction", F(data.eval_fraction), 0.0, 0.0, 0.5,
+            "Instead of eval_path: hold out this fraction of data.path's windows (the last ones "
+            "in file order, at least one), which training then never reads"),
 
       Int("train", "steps", F(train.steps), 20, 1, kMax, "Optimizer steps"),
       Int("train", "seed", F(train.seed), 1234, 0, kMax, "Seed of init and data order"),
@@ -239,6 +245,14 @@ const std::vector<KeySpec>& Table() {
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
             "Clip the global gradient L2 norm to this; 0 disables"),
+      Int("train", "eval_every", F(train.eval_every), 0, 0, kMax,
+          "Compute the eval loss (metrics.jsonl: eval_loss, eval_tokens) after every this many "
+          "steps and after the last, with the weights after that step's update; needs "
+          "data.eval_path or data.eval_fraction (data.format = \"random\": a held-out synthetic "
+          "stream); 0 = never"),
+      Int("train", "eval_microbatches", F(train.eval_microbatches), 4, 1, 1 << 20,
+          "Size of the eval set in microbatches of train.microbatch_size sequences: the first "
+          "windows of the eval data in file order, the same set at every evaluation"),
       Int("train", "stop_after", F(train.stop_after), 0, 0, kMax,
           "Stop once this many steps are done, after writing a checkpoint (for time-limited "
           "allocations; rp-launch --resume continues); 0 = run to train.steps"),
@@ -397,6 +411,23 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
                                      std::to_string(c.data.seq_len + 1) + " bytes");
   }
+  if (!c.data.eval_path.empty() && c.data.eval_fraction > 0.0)
+    return Status::InvalidArgument("data.eval_fraction: set together with data.eval_path; choose one");
+  if (c.data.eval_fraction > 0.0 && c.data.format == "random")
+    return Status::InvalidArgument("data.eval_fraction: data.format = \"random\" evaluates on its own "
+                                   "held-out synthetic stream; remove data.eval_fraction");
+  if (!c.data.eval_path.empty()) {
+    std::error_code ec;
+    if (!fs::is_regular_file(c.data.eval_path, ec))
+      return Status::InvalidArgument("data.eval_path: no such file: " + c.data.eval_path);
+    if (c.data.format == "random")
+      return Status::InvalidArgument("data.eval_path: data.format = \"random\" evaluates on its own "
+                                     "held-out synthetic stream; remove data.eval_path");
+  }
+  if (c.train.eval_every > 0 && c.data.format != "random" && c.data.eval_path.empty() &&
+      c.data.eval_fraction <= 0.0)
+    return Status::InvalidArgument("train.eval_every: needs an eval set: set data.eval_path or "
+                                   "data.eval_fraction");
   if (c.lora.enabled()) {
     if (c.lora.target_modules.empty())
       return Status::InvalidArgument("lora.target_modules: empty; name at least one of q_proj, "
@@ -539,6 +570,7 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   cfg.data.path = Join(base_dir, cfg.data.path);
   cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
   cfg.lora.init_from = Join(base_dir, cfg.lora.init_from);
+  cfg.data.eval_path = Join(base_dir, cfg.data.eval_path);
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     cfg.model.path = Join(base_dir, cfg.model.path);

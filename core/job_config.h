@@ -41,6 +41,8 @@ struct DataConfig {
   std::string path;              // resolved to an absolute path
   int64_t seq_len = 64;
   bool shuffle = true;
+  std::string eval_path;         // held-out corpus in data.format; "" = none
+  double eval_fraction = 0.0;    // or: the last fraction of data.path's windows, never trained on
 };
 
 struct TrainConfig {
@@ -53,6 +55,8 @@ struct TrainConfig {
   double grad_clip = 1.0;        // global L2 norm; 0 disables
   int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
   int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
+  int64_t eval_every = 0;        // eval loss after every this many steps and after the last; 0 = never
+  int64_t eval_microbatches = 4; // the eval set: this many microbatches of microbatch_size sequences
 };
 
 struct OptimizerConfig {

@@ -95,6 +95,10 @@ Status MetricsWriter::Append(const StepMetrics& m) {
   j["step_time_s"] = m.step_time_s;
   j["tokens_per_s"] = m.step_time_s > 0 ? static_cast<double>(m.tokens) / m.step_time_s : 0.0;
   if (m.bubble_ratio >= 0) j["bubble_ratio"] = m.bubble_ratio;
+  if (m.eval_loss >= 0) {
+    j["eval_loss"] = m.eval_loss;
+    j["eval_tokens"] = m.eval_tokens;
+  }
   if (m.h2d_bytes >= 0) {
     j["h2d_bytes"] = m.h2d_bytes;
     if (m.step_time_s > 0) j["h2d_gb_per_s"] = static_cast<double>(m.h2d_bytes) / m.step_time_s / 1e9;

@@ -32,6 +32,10 @@ struct StepMetrics {
   double step_time_s = 0.0;
   double bubble_ratio = -1.0;  // omitted when < 0
   int64_t h2d_bytes = -1;      // host-to-device bytes the step's jobs read; omitted when < 0
+  // Mean token cross-entropy of the eval set after this step's update (train.eval_every);
+  // omitted when < 0.
+  double eval_loss = -1.0;
+  int64_t eval_tokens = 0;
 };
 
 class MetricsWriter {

@@ -43,31 +43,75 @@ bool Executor::WeightsReady(const proto::RunJob& job) const {
   return true;
 }
 
+model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool grads, StageWeights* into) {
+  model::LayerWeights lw;
+  const int buffer = static_cast<int>(weights_version % layout_.compute_buffers);
+  for (const auto& use : spec_.layer_uses[l]) {
+    const auto& p = spec_.params[use.param];
+    at::Tensor t = device_.FetchWeights(segment_.data() + layout_.ComputeCopy(use.param, buffer),
+                                        p.shape, act_dtype_);
+    if (grads) {
+      t.requires_grad_(true);
+      into->grads.push_back({t, use.grad_slot, at::Tensor()});
+    }
+    lw.emplace(use.role, t);
+  }
+  for (const auto& use : spec_.layer_frozen[l])  // LoRA's base: one buffer, never a gradient
+    lw.emplace(use.role, device_.FetchWeights(segment_.data() + layout_.frozen[use.param],
+                                              spec_.frozen[use.param].shape, act_dtype_));
+  return lw;
+}
+
 Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {
   StageWeights w;
   w.job_index = job.job_index;
   const core::Stage& st = plan_.stages[job.stage];
   const bool grads = st.kind != core::StageKind::kForward;
-  for (int l = st.begin; l < st.end; ++l) {
-    model::LayerWeights lw;
-    for (const auto& use : spec_.layer_uses[l]) {
-      const auto& p = spec_.params[use.param];
-      const int buffer = static_cast<int>(job.weights_version % layout_.compute_buffers);
-      at::Tensor t = device_.FetchWeights(segment_.data() + layout_.ComputeCopy(use.param, buffer),
-                                          p.shape, act_dtype_);
-      if (grads) {
-        t.requires_grad_(true);
-        w.grads.push_back({t, use.grad_slot, at::Tensor()});
-      }
-      lw.emplace(use.role, t);
-    }
-    for (const auto& use : spec_.layer_frozen[l])  // LoRA's base: one buffer, never a gradient
-      lw.emplace(use.role, device_.FetchWeights(segment_.data() + layout_.frozen[use.param],
-                                                spec_.frozen[use.param].shape, act_dtype_));
-    w.layers.push_back(std::move(lw));
-  }
+  for (int l = st.begin; l < st.end; ++l) w.layers.push_back(FetchLayer(l, job.weights_version, grads, &w));
   w.fence = device_.WeightsFence();
   return w;
+}
+
+bool Executor::WeightsReady(const proto::RunEval& job) const {
+  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
+  for (const auto& p : spec_.params)
+    if (versions[p.owner_layer].load(std::memory_order_acquire) < static_cast<uint64_t>(job.weights_version))
+      return false;
+  return true;
+}
+
+StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job) {
+  if (job.slot < 0 || job.slot >= layout_.eval_slots || job.weights_version < 0)
+    return Status::ProtocolError("RunEval " + std::to_string(job.job_index) + " has slot " +
+                                 std::to_string(job.slot) + " (this job has " +
+                                 std::to_string(layout_.eval_slots) + " eval slots)");
+  try {
+    c10::NoGradGuard no_grad;
+    math_.SetTraining(false);
+    const std::vector<int64_t> shape = {cfg_.train.microbatch_size, cfg_.data.seq_len};
+    at::Tensor x = device_.FetchActivation(segment_.data() + layout_.EvalTokenSlot(job.slot), shape, at::kLong);
+    at::Tensor labels = device_.FetchActivation(segment_.data() + layout_.EvalLabelSlot(job.slot), shape, at::kLong);
+    MicrobatchResult r;
+    for (int l = 0; l < plan_.num_layers; ++l) {
+      // One layer resident at a time: evaluation needs no more device memory than a stage.
+      StageWeights w;
+      model::LayerWeights lw = FetchLayer(l, job.weights_version, /*grads=*/false, &w);
+      device_.WaitWeights(device_.WeightsFence());
+      if (l + 1 < plan_.num_layers) {
+        x = math_.Layer(l, lw, x);
+      } else {
+        auto h = math_.HeadForwardBackward(lw, x, labels, 1.0, /*backward=*/false);
+        r.loss_sum = h.loss_sum;
+        r.targets = h.targets;
+      }
+    }
+    device_.Synchronize();
+    math_.SetTraining(true);
+    return r;
+  } catch (const std::exception& e) {
+    math_.SetTraining(true);
+    return Status::Internal("eval job " + std::to_string(job.job_index) + ": " + e.what());
+  }
 }
 
 Status Executor::Prefetch(const proto::RunJob& job) {

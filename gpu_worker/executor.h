@@ -47,6 +47,11 @@ class Executor {
   // True once the optimizer has written every weight the job reads at the version it needs
   // (exact mode: step t reads weights holding t updates). Never blocks.
   bool WeightsReady(const proto::RunJob& job) const;
+  // RunEval: true once every layer holds `job.weights_version` updates. Evaluate() runs the eval
+  // microbatch in its slot through every layer (fetching one layer's weights at a time, no
+  // autograd, no dropout) and returns its summed loss; it leaves a prefetched job alone.
+  bool WeightsReady(const proto::RunEval& job) const;
+  StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job);
   Status Prefetch(const proto::RunJob& job);
   Status Begin(const proto::RunJob& job);
   StatusOr<MicrobatchResult> Microbatch(int mb);
@@ -98,6 +103,7 @@ class Executor {
     std::vector<GradUse> grads;
   };
   StageWeights FetchStage(const proto::RunJob& job);
+  model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into);
   void AccumulateGrads();
 
   const core::JobConfig& cfg_;

@@ -36,7 +36,9 @@ constexpr uint64_t kLinkProbeBytes = 64ull << 20;  // long enough to reach the l
 std::atomic<bool> g_stop{false};
 
 struct ActiveJob {
-  proto::RunJob job;
+  proto::RunJob job;       // job.job_index orders the queue for eval jobs too
+  bool eval = false;       // a RunEval (fields in `run_eval`), not a stage job
+  proto::RunEval run_eval{};
   int next_mb = 0;
   bool begun = false;
   bool prefetched = false;
@@ -52,6 +54,8 @@ class Worker {
   Status Handle(const proto::Message& m);
   // Makes as much progress on the head job as its inputs allow. Returns true if it did work.
   StatusOr<bool> Progress();
+  // The head of the queue is an eval job: runs it once its weights are published.
+  StatusOr<bool> RunEval(ActiveJob& a);
   void MaybeHangForTest();
   Status Fail(int64_t job, const Status& s);
 
@@ -93,6 +97,17 @@ Status Worker::Handle(const proto::Message& m) {
       queue_.push_back(ActiveJob{r});
       return Status::Ok();
     }
+    case proto::MsgType::kRunEval: {
+      const auto& r = std::get<proto::RunEval>(m);
+      if (!queue_.empty() && r.job_index <= queue_.back().job.job_index)
+        return Status::ProtocolError("RunEval " + std::to_string(r.job_index) + " arrived out of order");
+      ActiveJob a{};
+      a.job.job_index = r.job_index;
+      a.eval = true;
+      a.run_eval = r;
+      queue_.push_back(a);
+      return Status::Ok();
+    }
     case proto::MsgType::kInputReady: {
       const auto& r = std::get<proto::InputReady>(m);
       if (r.microbatch < 0 || r.microbatch >= cfg_.train.microbatches) {
@@ -120,6 +135,7 @@ Status Worker::Handle(const proto::Message& m) {
     case proto::MsgType::kJobFailed:
     case proto::MsgType::kLinkProbe:
     case proto::MsgType::kLayerTime:
+    case proto::MsgType::kEvalDone:
       RP_LOG(WARNING) << "dropped unexpected " << proto::MsgTypeName(proto::TypeOfMessage(m));
       return Status::Ok();
   }
@@ -148,6 +164,7 @@ StatusOr<bool> Worker::Progress() {
   if (queue_.empty()) return false;
   ActiveJob& a = queue_.front();
   const int64_t id = a.job.job_index;
+  if (a.eval) return RunEval(a);
   if (!a.begun) {
     // The optimizer may still be writing this step's weights (per layer, as gradients become
     // final); wait for the versions without blocking the message loop.
@@ -165,7 +182,7 @@ StatusOr<bool> Worker::Progress() {
   }
   // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
   // runs on the low-priority stream while this job computes.
-  if (queue_.size() > 1 && !queue_[1].prefetched && exec_->WeightsReady(queue_[1].job)) {
+  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched && exec_->WeightsReady(queue_[1].job)) {
     Status s = exec_->Prefetch(queue_[1].job);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);
     queue_[1].prefetched = true;
@@ -202,6 +219,28 @@ StatusOr<bool> Worker::Progress() {
   }
   ready_.erase(id);
   queue_.pop_front();
+  return true;
+}
+
+StatusOr<bool> Worker::RunEval(ActiveJob& a) {
+  if (!exec_->WeightsReady(a.run_eval)) {
+    waiting_for_weights_ = true;
+    return false;
+  }
+  waiting_for_weights_ = false;
+  proto::EvalDone d{};
+  d.job_index = a.run_eval.job_index;
+  // Test hook: one worker of the run fails its first eval job (the replacement must re-run it).
+  if (ClaimTestHookOnce("RP_TEST_FAIL_EVAL_ONCE"))
+    return Fail(d.job_index, Status::Internal("RP_TEST_FAIL_EVAL_ONCE: failing an eval job on purpose"));
+  d.start_us = WallMicros();
+  auto r = exec_->Evaluate(a.run_eval);
+  if (!r.ok()) return Fail(d.job_index, r.status());
+  d.end_us = WallMicros();
+  d.loss_sum = r->loss_sum;
+  d.targets = r->targets;
+  queue_.pop_front();
+  RP_RETURN_IF_ERROR(channel_->Send(d));
   return true;
 }
 

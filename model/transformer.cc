@@ -60,7 +60,7 @@ at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, con
   auto a = w.find(role + ".lora_A");
   if (a == w.end()) return y;
   const at::Tensor& b = Get(w, role + ".lora_B");
-  at::Tensor in = lora_dropout_ > 0.0 ? h * LoraDropout(h, layer, module) : h;
+  at::Tensor in = training_ && lora_dropout_ > 0.0 ? h * LoraDropout(h, layer, module) : h;
   return y + at::linear(at::linear(in, a->second), b) * lora_scale_;
 }
 

@@ -40,6 +40,8 @@ class Transformer {
 
   // The key of the next microbatch's LoRA dropout masks (see DropoutKey); unused without dropout.
   void SetDropoutKey(uint64_t key) { dropout_key_ = key; }
+  // Off for evaluation: no dropout (as a model in eval mode).
+  void SetTraining(bool training) { training_ = training; }
 
   // Layer 0: tokens [B, S] int64 -> hidden [B, S, H].
   at::Tensor Embed(const LayerWeights& w, const at::Tensor& tokens) const;
@@ -69,6 +71,7 @@ class Transformer {
   core::ModelConfig config_;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
   uint64_t dropout_key_ = 0;
+  bool training_ = true;
   int64_t loss_chunk_tokens_;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype)
 };

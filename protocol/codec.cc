@@ -20,6 +20,8 @@ const char* MsgTypeName(MsgType t) {
     case MsgType::kHeartbeat: return "Heartbeat";
     case MsgType::kLinkProbe: return "LinkProbe";
     case MsgType::kLayerTime: return "LayerTime";
+    case MsgType::kRunEval: return "RunEval";
+    case MsgType::kEvalDone: return "EvalDone";
   }
   return "?";
 }
@@ -39,6 +41,8 @@ size_t PayloadBytes(MsgType t) {
     case MsgType::kHeartbeat: return sizeof(Heartbeat);
     case MsgType::kLinkProbe: return sizeof(LinkProbe);
     case MsgType::kLayerTime: return sizeof(LayerTime);
+    case MsgType::kRunEval: return sizeof(RunEval);
+    case MsgType::kEvalDone: return sizeof(EvalDone);
   }
   return 0;
 }
@@ -114,6 +118,8 @@ StatusOr<Message> Decode(std::string_view frame) {
     case MsgType::kHeartbeat: m = DecodeAs<Heartbeat>(payload); break;
     case MsgType::kLinkProbe: m = DecodeAs<LinkProbe>(payload); break;
     case MsgType::kLayerTime: m = DecodeAs<LayerTime>(payload); break;
+    case MsgType::kRunEval: m = DecodeAs<RunEval>(payload); break;
+    case MsgType::kEvalDone: m = DecodeAs<EvalDone>(payload); break;
   }
   if (!m.ok()) return m;
   if (auto* w = std::get_if<Welcome>(&m.value()); w && !Terminated(w->segment_name))

@@ -27,6 +27,10 @@
 //   worker -> LinkProbe                (once, after joining: measured host-link bandwidth)
 //   worker -> LayerTime ...            (jobs with RunJob.profile set: per layer and microbatch,
 //                                       sent before that microbatch's MicrobatchDone)
+//   coord  -> RunEval ...              (train.eval_every: one eval microbatch through every layer,
+//                                       queued in job order like RunJob; its tokens are in eval
+//                                       slot `slot`)
+//   worker -> EvalDone(job, loss)      (summed cross-entropy and target count of that microbatch)
 //   coord  -> Shutdown
 #pragma once
 
@@ -38,7 +42,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 5;
+inline constexpr uint16_t kProtocolVersion = 6;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -54,9 +58,11 @@ enum class MsgType : uint16_t {
   kHeartbeat = 11,
   kLinkProbe = 12,
   kLayerTime = 13,
+  kRunEval = 14,
+  kEvalDone = 15,
 };
 inline constexpr uint16_t kMinMsgType = 1;
-inline constexpr uint16_t kMaxMsgType = 13;
+inline constexpr uint16_t kMaxMsgType = 15;
 const char* MsgTypeName(MsgType t);
 
 struct FrameHeader {
@@ -183,9 +189,29 @@ struct LayerTime {
 };
 static_assert(sizeof(LayerTime) == 40);
 
+// Evaluation of one eval microbatch with the weights holding `weights_version` updates: every
+// layer forward (no autograd, no dropout) and the head's loss. It shares the job_index sequence
+// with RunJob, so a worker's queue keeps one order.
+struct RunEval {
+  int64_t job_index;
+  int64_t step;             // 0-based step after whose update the eval runs
+  int64_t weights_version;  // = step + 1
+  int32_t slot;             // eval token/label slot (shm/layout.h)
+  uint32_t reserved;
+};
+static_assert(sizeof(RunEval) == 32);
+
+struct EvalDone {
+  int64_t job_index;
+  double loss_sum;          // summed token cross-entropy
+  int64_t targets;          // labels != -100
+  int64_t start_us, end_us;
+};
+static_assert(sizeof(EvalDone) == 40);
+
 using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone, GradsReady,
                              CommitGrads, JobDone, JobFailed, Shutdown, Heartbeat, LinkProbe,
-                             LayerTime>;
+                             LayerTime, RunEval, EvalDone>;
 
 template <typename T>
 constexpr MsgType TypeOf();
@@ -202,5 +228,7 @@ template <> constexpr MsgType TypeOf<Shutdown>() { return MsgType::kShutdown; }
 template <> constexpr MsgType TypeOf<Heartbeat>() { return MsgType::kHeartbeat; }
 template <> constexpr MsgType TypeOf<LinkProbe>() { return MsgType::kLinkProbe; }
 template <> constexpr MsgType TypeOf<LayerTime>() { return MsgType::kLayerTime; }
+template <> constexpr MsgType TypeOf<RunEval>() { return MsgType::kRunEval; }
+template <> constexpr MsgType TypeOf<EvalDone>() { return MsgType::kEvalDone; }
 
 }  // namespace rp::proto

@@ -20,6 +20,12 @@ uint64_t ArenaLayout::TokenSlot(int parity, int mb) const {
 uint64_t ArenaLayout::LabelSlot(int parity, int mb) const {
   return labels + (static_cast<uint64_t>(parity) * microbatches + mb) * Align(tokens_per_mb * 8);
 }
+uint64_t ArenaLayout::EvalTokenSlot(int slot) const {
+  return eval_tokens + static_cast<uint64_t>(slot) * Align(tokens_per_mb * 8);
+}
+uint64_t ArenaLayout::EvalLabelSlot(int slot) const {
+  return eval_labels + static_cast<uint64_t>(slot) * Align(tokens_per_mb * 8);
+}
 uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const {
   return hidden +
          ((static_cast<uint64_t>(parity) * microbatches + mb) * num_hidden + idx) * act_slot_bytes;
@@ -117,6 +123,11 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos += slots * Align(a.tokens_per_mb * 8);
   a.labels = pos;
   pos += slots * Align(a.tokens_per_mb * 8);
+  a.eval_slots = c.train.eval_every > 0 ? static_cast<int>(c.train.eval_microbatches) : 0;
+  a.eval_tokens = pos;
+  pos += static_cast<uint64_t>(a.eval_slots) * Align(a.tokens_per_mb * 8);
+  a.eval_labels = pos;
+  pos += static_cast<uint64_t>(a.eval_slots) * Align(a.tokens_per_mb * 8);
   a.act_elems = a.tokens_per_mb * static_cast<uint64_t>(c.model.hidden_size);
   a.act_slot_bytes = Align(a.act_elems * a.compute_elem_bytes);
   a.num_hidden = static_cast<int>(plan.hidden_boundaries.size());
@@ -152,7 +163,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, 0xF0u, static_cast<uint64_t>(p.numel)});
   }
-  h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin});
+  h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
+               static_cast<uint64_t>(a.eval_slots)});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

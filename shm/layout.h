@@ -21,6 +21,8 @@
 //                        and released when the parameter's update is done, so only the layers
 //                        in flight hold host memory (gradient streaming; see GradArenaBytes)
 //   token / label slots  int64 [P parities][M microbatches][microbatch_size * seq_len]
+//   eval slots           int64 tokens, then labels [train.eval_microbatches][microbatch_size *
+//                        seq_len] when train.eval_every > 0 (RunEval jobs)
 //   hidden slots         [P][M][plan.hidden_boundaries][microbatch_size * seq_len * hidden]
 //   input-grad slots     [P][M][2][microbatch_size * seq_len * hidden]: boundary index i of
 //                        plan.grad_boundaries uses slot i % 2. A microbatch's backward chain is
@@ -98,6 +100,8 @@ struct ArenaLayout {
   uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
+  uint64_t eval_tokens = 0, eval_labels = 0;
+  int eval_slots = 0;
   uint64_t tokens_per_mb = 0;        // elements per token slot
   uint64_t act_elems = 0;            // elements per hidden / input-grad slot
   uint64_t act_slot_bytes = 0;       // bytes per slot, aligned
@@ -119,6 +123,8 @@ struct ArenaLayout {
   uint64_t LabelSlot(int parity, int mb) const;
   uint64_t HiddenSlot(int parity, int mb, int idx) const;
   uint64_t InputGradSlot(int parity, int mb, int idx) const;
+  uint64_t EvalTokenSlot(int slot) const;
+  uint64_t EvalLabelSlot(int slot) const;
 };
 
 // Gradient arena sizing. A slot is placed when the commit that first writes it in a step is

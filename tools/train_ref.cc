@@ -36,6 +36,11 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   if (cfg.train.dtype != "fp32")
     return rp::Status::InvalidArgument("train.dtype: rp-train-ref runs fp32 only");
   RP_ASSIGN_OR_RETURN(rp::core::Dataset data, rp::core::Dataset::Open(cfg));
+  std::optional<rp::core::Dataset> eval_data;
+  if (cfg.train.eval_every > 0) {
+    RP_ASSIGN_OR_RETURN(auto e, rp::core::Dataset::OpenEval(cfg));
+    eval_data.emplace(std::move(e));
+  }
   RP_RETURN_IF_ERROR(rp::core::PrepareOutputDir(cfg));
   RP_ASSIGN_OR_RETURN(auto metrics, rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
   const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model, cfg.lora);
@@ -126,6 +131,29 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     auto res = rp::coord::OptimizerStep(arrays, cfg.optimizer, lr, step + 1, cfg.train.grad_clip,
                                         rp::coord::ComputeDtype::kFloat32, 1);
     for (auto& p : params) p.mutable_grad().zero_();
+    // Eval after this step's update, with the weights holding step + 1 updates (the masters).
+    const int64_t every = cfg.train.eval_every;
+    double eval_sum = 0.0;
+    int64_t eval_targets = 0;
+    if (every > 0 && ((step + 1) % every == 0 || step + 1 == cfg.train.steps)) {
+      c10::NoGradGuard no_grad;
+      math.SetTraining(false);
+      std::vector<rp::model::LayerWeights> current(spec.NumLayers());
+      for (int l = 0; l < spec.NumLayers(); ++l) {
+        for (auto& use : spec.layer_uses[l]) current[l].emplace(use.role, masters[use.param]);
+        for (auto& use : spec.layer_frozen[l]) current[l].emplace(use.role, frozen[use.param]);
+      }
+      for (int64_t k = 0; k < cfg.train.eval_microbatches; ++k) {
+        eval_data->FillEval(k, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
+        at::Tensor x = math.Embed(current[0], tokens);
+        for (int l = 1; l <= L; ++l) x = math.Block(current[l], x, l);
+        auto r = math.HeadForwardBackward(current[L + 1], x, labels, 1.0, /*backward=*/false);
+        eval_sum += r.loss_sum;
+        eval_targets += r.targets;
+      }
+      math.SetTraining(true);
+      if (eval_targets == 0) return rp::Status::InvalidArgument("data: the eval set has no target tokens");
+    }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rp::core::StepMetrics m;
     m.step = step + 1;
@@ -134,8 +162,13 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     m.grad_norm = res.grad_norm;
     m.tokens = cfg.train.accum_calls * cfg.train.microbatches * B * S;
     m.step_time_s = secs;
+    if (eval_targets > 0) {
+      m.eval_loss = eval_sum / static_cast<double>(eval_targets);
+      m.eval_tokens = eval_targets;
+    }
     RP_RETURN_IF_ERROR(metrics.Append(m));
-    RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm;
+    RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm
+                 << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string());
   }
   // The same exports as the coordinator's.
   RP_RETURN_IF_ERROR(rp::core::ExportTrainedModel(

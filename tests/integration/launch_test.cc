@@ -477,8 +477,11 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
   // SIGKILL a random worker at a random moment of a random step, ten times: the launcher starts a
   // replacement, the coordinator re-dispatches the dead worker's unfinished jobs, and the final
   // training state equals the fault-free run's bit for bit.
+  // Evaluations every other step: a kill may also land on an eval job, which must be re-run too.
   const std::vector<std::string> job = {"train.steps=30", "train.accum_calls=1",
-                                        "train.microbatches=4", "checkpoint.every=30"};
+                                        "train.microbatches=4", "checkpoint.every=30",
+                                        "train.eval_every=2", "data.eval_fraction=0.1",
+                                        "train.eval_microbatches=3"};
   const std::string ref = tmp_ + "/fault-free";
   auto clean = Launch(3, ref, job);
   ASSERT_EQ(clean.code, 0) << clean.output;
@@ -510,6 +513,7 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
     ASSERT_NE(at, std::string::npos) << r.output;
     EXPECT_GE(std::stoi(r.output.substr(at + 14)), 1) << "the kill landed while no job was in flight";
     EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(ref + "/metrics.jsonl"));
+    EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"), Losses(ref + "/metrics.jsonl", "eval_loss"));
     EXPECT_TRUE(ReadBytes(out + "/checkpoints/step-00000030.rpstate") == ref_state)
         << "final training state differs from the fault-free run";
     for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";

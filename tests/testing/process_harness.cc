@@ -47,11 +47,14 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-std::vector<double> Losses(const std::string& metrics_path) {
+std::vector<double> Losses(const std::string& metrics_path, const std::string& field) {
   std::vector<double> out;
   std::ifstream in(metrics_path);
   std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    out.push_back(j.contains(field) ? j.at(field).get<double>() : -1.0);
+  }
   return out;
 }
 

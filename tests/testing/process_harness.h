@@ -48,6 +48,8 @@ std::vector<std::string> LeftoverSegments();
 std::vector<pid_t> ChildrenOf(pid_t pid);
 std::string ReadFile(const std::string& path);
 // The "loss" of every line of a metrics.jsonl file, in order.
-std::vector<double> Losses(const std::string& metrics_path);
+// One value of `field` per line of metrics.jsonl (-1 where a line lacks it, e.g. eval_loss on
+// steps without an evaluation).
+std::vector<double> Losses(const std::string& metrics_path, const std::string& field = "loss");
 
 }  // namespace rp::testing

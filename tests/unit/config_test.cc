@@ -89,6 +89,17 @@ TEST(JobConfig, LoraKeysAreChecked) {
   EXPECT_EQ(c->lora.target_modules, std::vector<std::string>{"down_proj"});
 }
 
+TEST(JobConfig, EvalKeysAreChecked) {
+  ExpectError(kValid, "train.eval_every: needs an eval set", {"train.eval_every=5"});
+  ExpectError(kValid, "data.eval_path: no such file", {"data.eval_path=nope.txt"});
+  ExpectError(kValid, "data.eval_fraction", {"data.eval_fraction=0.6"});
+  ExpectError(kValid, "data.eval_fraction: set together with data.eval_path",
+              {"data.eval_fraction=0.1", "data.eval_path=tiny_corpus.txt"});
+  auto c = Parse(kValid, {"train.eval_every=5", "data.eval_fraction=0.1"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->train.eval_every, 5);
+}
+
 TEST(JobConfig, MissingFiles) {
   ExpectError("[data]\npath = \"no_such_file.txt\"\n", "data.path: no such file");
   auto c = LoadJobConfig("/nonexistent/job.toml", {});

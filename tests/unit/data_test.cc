@@ -38,11 +38,17 @@ TEST(Dataset, DeterministicShiftedAndCoordinateKeyed) {
   EXPECT_EQ(d1->CountStepTargets(0), c.train.accum_calls * c.train.microbatches * 64);
 }
 
-TEST(Dataset, EpochVisitsEveryWindowOnce) {
+// One window per step: step s reads the s-th window of the epoch's order.
+JobConfig OneWindowPerStep() {
   auto c = BytesConfig();
   c.train.microbatch_size = 1;
   c.train.microbatches = 1;
   c.train.accum_calls = 1;
+  return c;
+}
+
+TEST(Dataset, EpochVisitsEveryWindowOnce) {
+  auto c = OneWindowPerStep();
   auto d = Dataset::Open(c);
   ASSERT_TRUE(d.ok());
   std::set<std::vector<int64_t>> seen;
@@ -52,6 +58,61 @@ TEST(Dataset, EpochVisitsEveryWindowOnce) {
     seen.insert(t);
   }
   EXPECT_EQ(static_cast<int64_t>(seen.size()), d->NumWindows());
+}
+
+TEST(Dataset, HeldOutEvalWindowsAreNeverTrainedOn) {
+  auto c = OneWindowPerStep();
+  auto all = Dataset::Open(c);
+  ASSERT_TRUE(all.ok());
+  c.data.eval_fraction = 0.2;
+  c.train.eval_every = 1;
+  auto train = Dataset::Open(c);
+  auto eval = Dataset::OpenEval(c);
+  ASSERT_TRUE(train.ok() && eval.ok()) << eval.status().ToString();
+  const int64_t held = all->NumWindows() / 5;
+  EXPECT_EQ(train->NumWindows(), all->NumWindows() - held);
+  EXPECT_EQ(eval->NumWindows(), held);
+  std::vector<int64_t> t(32), l(32);
+  std::set<std::vector<int64_t>> trained, evaluated;
+  for (int64_t s = 0; s < 3 * train->NumWindows(); ++s) {  // three epochs
+    train->Fill(s, 0, 0, t.data(), l.data());
+    trained.insert(t);
+  }
+  // The eval set is the last windows in file order, the same at every call, and disjoint.
+  for (int64_t k = 0; k < held; ++k) {
+    eval->FillEval(k, t.data(), l.data());
+    evaluated.insert(t);
+    EXPECT_EQ(trained.count(t), 0u) << "eval window " << k << " was trained on";
+    EXPECT_EQ(t[0], static_cast<unsigned char>(testing::ReadFile(c.data.path)[(all->NumWindows() - held + k) * 32]));
+  }
+  EXPECT_EQ(static_cast<int64_t>(evaluated.size()), held);
+  std::vector<int64_t> again(32), again_l(32);
+  eval->FillEval(held, again.data(), again_l.data());  // wraps around to the first eval window
+  eval->FillEval(0, t.data(), l.data());
+  EXPECT_EQ(again, t);
+  // Too large a fraction of too small a file is named.
+  c.data.eval_fraction = 0.5;
+  c.data.seq_len = static_cast<int64_t>(testing::ReadFile(c.data.path).size()) - 1;  // one window
+  auto none = Dataset::Open(c);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("data.eval_fraction"), std::string::npos) << none.status().message();
+}
+
+TEST(Dataset, RandomFormatEvaluatesOnItsOwnStream) {
+  JobConfig c;
+  c.data.format = "random";
+  c.train.eval_every = 1;
+  auto train = Dataset::Open(c);
+  auto eval = Dataset::OpenEval(c);
+  ASSERT_TRUE(train.ok() && eval.ok());
+  const int64_t n = c.train.microbatch_size * c.data.seq_len;
+  std::vector<int64_t> t(n), l(n), e(n), el(n);
+  eval->FillEval(0, e.data(), el.data());
+  for (int64_t s = 0; s < 4; ++s)
+    for (int64_t mb = 0; mb < c.train.microbatches; ++mb) {
+      train->Fill(s, 0, mb, t.data(), l.data());
+      EXPECT_NE(t, e);
+    }
 }
 
 // Flat token files: uint16 and uint32 ids with a JSON sidecar, memory-mapped, windows of

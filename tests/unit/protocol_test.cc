@@ -24,7 +24,8 @@ TEST(Codec, RoundTripsEveryMessage) {
                               GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
                               Shutdown{0, 0}, Heartbeat{123},
                               LinkProbe{5e10, 4e10, 1 << 20},
-                              LayerTime{17, 2, 5, 2, 0, 0.001, 4096}};
+                              LayerTime{17, 2, 5, 2, 0, 0.001, 4096},
+                              RunEval{40, 9, 10, 2, 0}, EvalDone{40, 123.5, 256, 5, 9}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
     std::string frame = Encode(m);
