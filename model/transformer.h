@@ -73,7 +73,7 @@ class Transformer {
   uint64_t dropout_key_ = 0;
   bool training_ = true;
   int64_t loss_chunk_tokens_;
-  at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype)
+  at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
 };
 
 const at::Tensor& Get(const LayerWeights& w, const std::string& role);
