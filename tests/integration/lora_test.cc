@@ -108,29 +108,38 @@ TEST_F(LoraTest, AdapterAndMergedExportsLoadBack) {
   // Train 5 steps, export the adapter (PEFT layout) and the merged model. Start again from the
   // adapter with lr = 0: the adapter comes back out bit for bit, the pipeline's and the
   // reference's losses agree, and the merged model (a full fine-tune from model.path) computes
-  // the same loss as base + adapter.
-  const std::vector<std::string> lora = {"lora.rank=4", "lora.alpha=16",
-                                         "lora.target_modules=[\"q_proj\",\"v_proj\",\"gate_proj\",\"down_proj\"]"};
-  const std::string a = tmp_ + "/train";
+  // the same loss as base + adapter. Qwen3-style with tied embeddings (the job's model), then
+  // Llama-style (no q/k norm) with an untied LM head.
+  for (const bool llama : {false, true}) {
+  SCOPED_TRACE(llama ? "llama, untied" : "qwen3, tied");
+  const std::string tag = llama ? "/llama" : "/qwen3";
+  std::vector<std::string> lora = {"lora.rank=4", "lora.alpha=16",
+                                   "lora.target_modules=[\"q_proj\",\"v_proj\",\"gate_proj\",\"down_proj\"]"};
+  if (llama) lora = With(lora, {"model.qk_norm=false", "model.tie_embeddings=false"});
+  const std::string a = tmp_ + tag + "-train";
   auto train = Launch(2, a, With(lora, {"train.steps=5", "checkpoint.export_hf=merged"}));
   ASSERT_EQ(train.code, 0) << train.output;
   ASSERT_TRUE(fs::exists(a + "/adapter/adapter_config.json"));
   ASSERT_TRUE(fs::exists(a + "/merged/model.safetensors"));
   const std::vector<std::string> frozen = {"train.steps=1", "optimizer.lr=0", "optimizer.min_lr=0"};
   const auto again = With(With(lora, frozen), {"lora.init_from=" + a + "/adapter"});
-  auto load = Launch(2, tmp_ + "/load", again);
+  auto load = Launch(2, tmp_ + tag + "-load", again);
   ASSERT_EQ(load.code, 0) << load.output;
   EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
-              ReadBytes(tmp_ + "/load/adapter/adapter_model.safetensors"))
+              ReadBytes(tmp_ + tag + "-load/adapter/adapter_model.safetensors"))
       << "the adapter changed on the way through load and export";
-  auto ref = Ref(tmp_ + "/ref", again);
+  auto ref = Ref(tmp_ + tag + "-ref", again);
   ASSERT_EQ(ref.code, 0) << ref.output;
-  const double loaded = Losses(tmp_ + "/load/metrics.jsonl").at(0);
-  EXPECT_LE(std::abs(loaded - Losses(tmp_ + "/ref/metrics.jsonl").at(0)) / loaded, 1e-5);
+  const double loaded = Losses(tmp_ + tag + "-load/metrics.jsonl").at(0);
+  EXPECT_LE(std::abs(loaded - Losses(tmp_ + tag + "-ref/metrics.jsonl").at(0)) / loaded, 1e-5);
   EXPECT_LT(loaded, Losses(a + "/metrics.jsonl").at(0));  // trained adapters, not fresh ones
-  auto merged = Launch(2, tmp_ + "/merged", With(frozen, {"model.path=" + a + "/merged"}));
+  // The merged directory's config.json carries the architecture (llama / qwen3, tied or not).
+  auto merged = Launch(2, tmp_ + tag + "-merged", With(frozen, {"model.path=" + a + "/merged"}));
   ASSERT_EQ(merged.code, 0) << merged.output;
-  EXPECT_LE(std::abs(Losses(tmp_ + "/merged/metrics.jsonl").at(0) - loaded) / loaded, 1e-5);
+  EXPECT_LE(std::abs(Losses(tmp_ + tag + "-merged/metrics.jsonl").at(0) - loaded) / loaded, 1e-5);
+  EXPECT_NE(testing::ReadFile(a + "/merged/config.json").find(llama ? "\"llama\"" : "\"qwen3\""),
+            std::string::npos);
+  }
 }
 
 TEST_F(LoraTest, MismatchedOrDamagedAdaptersAreRefusedNamingTheProblem) {
