@@ -121,25 +121,39 @@ int main(int argc, char** argv) {
   }
 
   std::vector<double> losses;
+  std::vector<std::pair<size_t, double>> evals;  // (step index, eval loss)
   if (ReadText(dir + "/metrics.jsonl", &text)) {
     std::istringstream lines(text);
     for (std::string line; std::getline(lines, line);) {
       auto j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_discarded() && j.contains("loss")) losses.push_back(j["loss"].get<double>());
+      if (j.is_discarded() || !j.contains("loss")) continue;
+      if (j.contains("eval_loss")) evals.emplace_back(losses.size(), j["eval_loss"].get<double>());
+      losses.push_back(j["loss"].get<double>());
     }
   }
   if (!losses.empty()) {
-    const double lo = *std::min_element(losses.begin(), losses.end());
-    const double hi = std::max(*std::max_element(losses.begin(), losses.end()), lo + 1e-9);
+    double lo = *std::min_element(losses.begin(), losses.end());
+    double hi = *std::max_element(losses.begin(), losses.end());
+    for (const auto& e : evals) lo = std::min(lo, e.second), hi = std::max(hi, e.second);
+    hi = std::max(hi, lo + 1e-9);
+    auto x = [&](size_t i) { return 60 + 560.0 * static_cast<double>(i) / std::max<size_t>(1, losses.size() - 1); };
+    auto y = [&](double v) { return 330 - 290 * (v - lo) / (hi - lo); };
     std::ostringstream plot;
     plot << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"640\" height=\"360\" "
             "font-family=\"sans-serif\" font-size=\"12\">\n<text x=\"60\" y=\"18\">loss per step ("
-         << losses.size() << " steps): " << losses.front() << " -> " << losses.back()
-         << "</text>\n<polyline fill=\"none\" stroke=\"#3b6fb6\" stroke-width=\"2\" points=\"";
-    for (size_t i = 0; i < losses.size(); ++i)
-      plot << 60 + 560.0 * static_cast<double>(i) / std::max<size_t>(1, losses.size() - 1) << ","
-           << 330 - 290 * (losses[i] - lo) / (hi - lo) << " ";
-    plot << "\"/>\n<text x=\"4\" y=\"44\">" << hi << "</text><text x=\"4\" y=\"330\">" << lo
+         << losses.size() << " steps): " << losses.front() << " -> " << losses.back();
+    if (!evals.empty()) plot << "; eval loss (orange): " << evals.front().second << " -> " << evals.back().second;
+    plot << "</text>\n<polyline fill=\"none\" stroke=\"#3b6fb6\" stroke-width=\"2\" points=\"";
+    for (size_t i = 0; i < losses.size(); ++i) plot << x(i) << "," << y(losses[i]) << " ";
+    plot << "\"/>\n";
+    if (!evals.empty()) {
+      plot << "<polyline fill=\"none\" stroke=\"#e07b24\" stroke-width=\"2\" points=\"";
+      for (const auto& e : evals) plot << x(e.first) << "," << y(e.second) << " ";
+      plot << "\"/>\n";
+      for (const auto& e : evals)
+        plot << "<circle cx=\"" << x(e.first) << "\" cy=\"" << y(e.second) << "\" r=\"3\" fill=\"#e07b24\"/>\n";
+    }
+    plot << "<text x=\"4\" y=\"44\">" << hi << "</text><text x=\"4\" y=\"330\">" << lo
          << "</text>\n</svg>\n";
     if (auto s = rp::core::WriteFileAtomically(dir + "/loss.svg", plot.str()); !s.ok()) {
       std::fprintf(stderr, "rp-report: %s\n", s.message().c_str());

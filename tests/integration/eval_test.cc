@@ -61,6 +61,14 @@ TEST_F(EvalTest, HeldOutFractionExactMode) {
               {4, 8, 12, 16, 20});
   const auto eval = Losses(tmp_ + "/fraction/metrics.jsonl", "eval_loss");
   EXPECT_LT(eval[19], eval[3]);  // the model generalizes to text it never trained on
+  // rp-report draws the eval losses over the training curve, one marker per evaluation.
+  auto report = testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/fraction"}, 60);
+  ASSERT_EQ(report.code, 0) << report.output;
+  const std::string svg = testing::ReadFile(tmp_ + "/fraction/loss.svg");
+  EXPECT_NE(svg.find("eval loss"), std::string::npos);
+  size_t markers = 0;
+  for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++markers;
+  EXPECT_EQ(markers, 5u);
 }
 
 TEST_F(EvalTest, SeparateFileStale1ModeThreeWorkers) {

@@ -74,19 +74,23 @@ TEST_F(LoraTest, PipelineMatchesTheReferenceInBothModes) {
 }
 
 TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
+  // With evaluations every 3 steps: the resumed run evaluates at the same steps, bit for bit.
+  const auto job = With(kLora, {"checkpoint.every=20", "train.eval_every=3", "data.eval_fraction=0.1"});
   const std::string a = tmp_ + "/whole", b = tmp_ + "/pieces";
-  auto whole = Launch(2, a, With(kLora, {"checkpoint.every=20"}));
+  auto whole = Launch(2, a, job);
   ASSERT_EQ(whole.code, 0) << whole.output;
-  auto first = Launch(2, b, With(kLora, {"checkpoint.every=20", "train.stop_after=10"}));
+  auto first = Launch(2, b, With(job, {"train.stop_after=10"}));
   ASSERT_EQ(first.code, 0) << first.output;
   ASSERT_EQ(Losses(b + "/metrics.jsonl").size(), 10u);
-  auto args = LaunchArgs(2, b, With(kLora, {"checkpoint.every=20"}));
+  auto args = LaunchArgs(2, b, job);
   args.push_back("--resume");
   auto second = testing::RunProcess(args, 240, Env());
   ASSERT_EQ(second.code, 0) << second.output;
   const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(b + "/metrics.jsonl");
   ASSERT_EQ(got.size(), 20u);
   for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
+  EXPECT_EQ(Losses(b + "/metrics.jsonl", "eval_loss"), Losses(a + "/metrics.jsonl", "eval_loss"));
+  EXPECT_GT(Losses(a + "/metrics.jsonl", "eval_loss")[2], 0);  // step 3 was evaluated
   EXPECT_TRUE(ReadBytes(a + "/checkpoints/step-00000020.rpstate") ==
               ReadBytes(b + "/checkpoints/step-00000020.rpstate"));
   EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
@@ -97,7 +101,7 @@ TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   EXPECT_LT(fs::file_size(a + "/checkpoints/step-00000020.rpstate") * 4,
             fs::file_size(tmp_ + "/full/checkpoints/step-00000002.rpstate"));
   // A different base (another seed) must not resume these adapters.
-  auto other = LaunchArgs(2, b, With(kLora, {"checkpoint.every=20", "train.seed=5", "train.steps=30"}));
+  auto other = LaunchArgs(2, b, With(job, {"train.seed=5", "train.steps=30"}));
   other.push_back("--resume");
   auto refused = testing::RunProcess(other, 240, Env());
   EXPECT_NE(refused.code, 0);
