@@ -81,6 +81,12 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
   const double params = static_cast<double>(spec.TrainableParams());
   std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
               static_cast<long long>(spec.TrainableParams()), gpus);
+  if (spec.lora.enabled())
+    std::printf("LoRA rank %lld on %zu projection kinds: %lld frozen base parameters kept once as "
+                "the compute copy (%.1f MiB, no master, moments or gradients)\n",
+                static_cast<long long>(spec.lora.rank), spec.lora.target_modules.size(),
+                static_cast<long long>(spec.FrozenParams()),
+                static_cast<double>(layout->frozen_end - layout->frozen_begin) / (1 << 20));
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
   if (auto costs = core::PlanningProfile(cfg); costs.ok()) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
@@ -88,7 +94,7 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
                 p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
   }
   const uint64_t acts = layout->total_bytes - layout->tokens;
-  std::printf("shared memory: %.1f MiB = %.2f bytes per parameter (state segment %.1f MiB: "
+  std::printf("shared memory: %.1f MiB = %.2f bytes per trainable parameter (state segment %.1f MiB: "
               "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
               static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / (1 << 20),
               static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / params,
