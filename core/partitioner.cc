@@ -158,10 +158,9 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
         if (!plan.ok()) continue;
         candidates++;
         const double mem = EstimatePeakMemory(probe, *plan, &profile);
-        if (limit > 0 && mem > limit) {  // over before any gradient waits: skip the simulation
-          smallest_memory = std::min(smallest_memory, mem);
-          continue;
-        }
+        // Over before any gradient waits: skip the simulation unless nothing has fit so far (the
+        // error then names the smallest complete estimate, not a partial one).
+        if (limit > 0 && mem > limit && mem >= smallest_memory) continue;
         auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
         const double total_mem = mem + MaxOf(sim.peak_held_grad_bytes);
         smallest_memory = std::min(smallest_memory, total_mem);
