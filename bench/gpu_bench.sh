@@ -31,7 +31,7 @@ while kill -0 $launcher 2>/dev/null; do
 done
 wait $launcher || { echo "bench: run failed" >&2; tail -30 "$out/log" >&2; exit 1; }
 python3 - "$out" "$n" "$job" "$cmd" "$peak_coord_anon" "$peak_worker_rss" "$peak_shm" "$peak_gpu_mib" <<'PY'
-import json, sys, datetime, os, subprocess
+import json, sys, datetime, os, re, subprocess
 out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb, gpu_mib = sys.argv[1:]
 steps = [json.loads(l) for l in open(out + "/run/metrics.jsonl")]
 summ = json.load(open(out + "/run/summary.json"))
@@ -63,6 +63,9 @@ print(json.dumps({
   "coordinator_anon_rss_bytes": int(coord_anon_kb) * 1024,
   "worker_rss_bytes_total": int(worker_rss_kb) * 1024,
   "peak_gpu_memory_bytes_per_worker": int(gpu_mib) * 1024 * 1024,
+  # The workers' own figures at exit (caching allocator: allocated peak, reserved peak), GiB.
+  "worker_device_memory_peaks_gib": [[float(x) for x in re.findall(r"device memory peak: ([0-9.]+) GiB allocated by tensors, ([0-9.]+) GiB reserved", l)[0]]
+                                     for l in open(out + "/log") if "device memory peak" in l],
   "plan": summ.get("plan"), "prediction": summ.get("prediction"),
   "losses": [round(s["loss"], 4) for s in steps],
 }))

@@ -9,6 +9,7 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <torch/version.h>
 
 #include "common/exit_status.h"
 #include "common/logging.h"
@@ -33,6 +34,13 @@ bool DebuggerAttached() {
 
 int main(int argc, char** argv) {
   rp::BindLifetimeToLauncher();
+#if TORCH_VERSION_MAJOR >= 2
+  // Stage jobs allocate weights of different sizes job after job; with fixed-size segments the
+  // caching allocator's reserve grows far past what is allocated (21 GiB reserved for a 4B plan
+  // that allocates 15 GiB). Growable segments keep the reserve near the allocation. Set before
+  // the first CUDA allocation; a user's own setting wins.
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
+#endif
   rp::worker::WorkerOptions o;
   int verbosity = 0;
   CLI::App app{"RoundPipe worker (started by rp-launch)"};
