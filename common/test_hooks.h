@@ -37,4 +37,13 @@ inline double TestSlowdownSeconds(int64_t step) {
   return step >= from && ms > 0 ? ms * 1e-3 : 0.0;
 }
 
+// RP_TEST_SLOW_EVAL_MS="<ms>": every eval job takes <ms> milliseconds longer (widens the window
+// in which later steps' gradients complete while an evaluation is pending). 0 when unset.
+inline double TestEvalDelaySeconds() {
+  const char* v = std::getenv("RP_TEST_SLOW_EVAL_MS");
+  if (v == nullptr) return 0.0;
+  const double ms = std::strtod(v, nullptr);
+  return ms > 0 ? ms * 1e-3 : 0.0;
+}
+
 }  // namespace rp

@@ -108,6 +108,8 @@ class Coordinator {
   void FinalizeSlot(int64_t step, int slot);
   bool UpdateHeld(int64_t step) const;
   void ReleaseHeldUpdates();
+  // The first step a stop requested now can end after (graceful stop, re-plan).
+  int64_t EarliestStop() const;
   void OnLinkProbe(int rank, const proto::LinkProbe& p);
   // Profiling (core/profile.h): the window of timed steps, the profile and prediction written
   // when it is over, the drift check afterwards, and the re-plan decision.
@@ -173,6 +175,7 @@ class Coordinator {
   };
   std::map<int64_t, EvalState> evals_;                   // by step
   std::deque<std::pair<int64_t, int>> held_finals_;      // (step, slot) SlotFinal calls held back
+  int64_t last_final_step_ = -1;  // the newest step the optimizer has been given a final slot of
   std::optional<core::Dataset> eval_data_;
   std::map<int64_t, StepState> steps_;
   std::map<int64_t, JobState> jobs_;           // by global job index
@@ -273,7 +276,8 @@ Status Coordinator::InitState() {
   h->coordinator_pid = ::getpid();
   proto::CopyText(h->session, opts_.session);
   std::optional<core::HfWeights> hf;
-  if (!cfg_.model.path.empty()) {
+  // Needed for the frozen base (always) and for the masters of a fresh start.
+  if (!cfg_.model.path.empty() && (!spec_.frozen.empty() || !resume_from_)) {
     RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
     hf.emplace(std::move(w));
   }
@@ -327,9 +331,16 @@ Status Coordinator::InitState() {
     }
   }
   // The eval set: the same microbatches at every evaluation, written once.
-  for (int k = 0; k < layout_.eval_slots; ++k)
-    eval_data_->FillEval(k, segment_->At<int64_t>(layout_.EvalTokenSlot(k)),
-                         segment_->At<int64_t>(layout_.EvalLabelSlot(k)));
+  int64_t eval_targets = 0;
+  for (int k = 0; k < layout_.eval_slots; ++k) {
+    int64_t* labels = segment_->At<int64_t>(layout_.EvalLabelSlot(k));
+    eval_data_->FillEval(k, segment_->At<int64_t>(layout_.EvalTokenSlot(k)), labels);
+    for (uint64_t i = 0; i < layout_.tokens_per_mb; ++i) eval_targets += labels[i] != core::kIgnoreIndex;
+  }
+  if (layout_.eval_slots > 0 && eval_targets == 0)
+    return Status::InvalidArgument(std::string(cfg_.data.eval_path.empty() ? "data.eval_fraction" : "data.eval_path") +
+                                   ": the eval set (" + std::to_string(layout_.eval_slots) +
+                                   " microbatches) has no target tokens");
   h->ready.store(1, std::memory_order_release);
   return Status::Ok();
 }
@@ -572,7 +583,7 @@ Status Coordinator::MaybeFinishProfile() {
       best->step_seconds >= prediction_->step_seconds * (1.0 - cfg_.schedule.replan_gain))
     return Status::Ok();
   // Restarting costs a checkpoint and a start-up: only worth it with steps left to gain on.
-  const int64_t stop_after = next_step_to_report_ + 1;
+  const int64_t stop_after = EarliestStop();
   if (stop_step_ - stop_after < 3) {
     RP_LOG(INFO) << "the profile favours " << best->plan.Describe() << " (predicted step "
                  << best->step_seconds << " s); too few steps remain to re-plan this run";
@@ -875,13 +886,25 @@ void Coordinator::FinalizeSlot(int64_t step, int slot) {
     return;
   }
   optimizer_->SlotFinal(step, slot);
+  last_final_step_ = std::max(last_final_step_, step);
 }
 
 void Coordinator::ReleaseHeldUpdates() {
   while (!held_finals_.empty() && !UpdateHeld(held_finals_.front().first)) {
-    optimizer_->SlotFinal(held_finals_.front().first, held_finals_.front().second);
+    const auto [step, slot] = held_finals_.front();
     held_finals_.pop_front();
+    // A stop (signal, re-plan) moved stop_step_ below it: that step is abandoned, and its update
+    // must not reach the checkpoint written at the stop.
+    if (step >= stop_step_) continue;
+    optimizer_->SlotFinal(step, slot);
+    last_final_step_ = std::max(last_final_step_, step);
   }
+}
+
+int64_t Coordinator::EarliestStop() const {
+  // Steps whose gradients already reached the optimizer must finish: their updates cannot be
+  // taken back, and the checkpoint at the stop must hold whole steps.
+  return std::max(next_step_to_report_, last_final_step_) + 1;
 }
 
 Status Coordinator::Dispatch(int64_t step) {
@@ -911,6 +934,9 @@ Status Coordinator::Dispatch(int64_t step) {
       RP_RETURN_IF_ERROR(SendTo(j.worker, r));
       jobs_.emplace(j.index, j);
     }
+  // The eval after this step holds back a later update from now on (see UpdateHeld), even if
+  // a later step's gradients were to become final before this step is done.
+  if (EvalDue(step)) evals_[step];
   next_step_to_dispatch_ = step + 1;
   return TryFeed();
 }
@@ -946,6 +972,9 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   if (!periodic && !last) return Status::Ok();
   if (!optimizer_->Updated(t))
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested before its update finished");
+  if (last_final_step_ > t)
+    return Status::Internal("checkpoint after step " + std::to_string(done) + " requested after step " +
+                            std::to_string(last_final_step_ + 1) + "'s gradients reached the optimizer");
   const double t0 = MonoSeconds();
   RP_RETURN_IF_ERROR(WriteTrainingState(CheckpointDir(cfg_), done, state_hash_, StateSections(),
                                         static_cast<int>(cfg_.checkpoint.keep)));
@@ -986,7 +1015,9 @@ Status Coordinator::ReportSteps() {
     last_report_at_ = now;
     RP_RETURN_IF_ERROR(metrics_->Append(m));
     if (prediction_ && next_step_to_report_ >= predicted_from_step_) measured_bubble_.push_back(m.bubble_ratio);
-    CheckDrift(next_step_to_report_, m.step_time_s);
+    // An evaluation's time lands in its step and the next one: not a drift of the plan.
+    if (!EvalDue(next_step_to_report_) && !(next_step_to_report_ > 0 && EvalDue(next_step_to_report_ - 1)))
+      CheckDrift(next_step_to_report_, m.step_time_s);
     RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr "
                  << m.lr << " grad_norm " << m.grad_norm
                  << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string()) << " "
@@ -1018,7 +1049,7 @@ Status Coordinator::Loop() {
       // Finish the step being drained; a step already dispatched behind it is abandoned (its
       // gradients never reach the optimizer), then the checkpoint below the loop is written.
       graceful_ = true;
-      stop_step_ = std::min(stop_step_, next_step_to_report_ + 1);
+      stop_step_ = std::min(stop_step_, EarliestStop());
       RP_LOG(WARNING) << "interrupted: stopping after step " << stop_step_ << " with a checkpoint";
     }
     RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(jobs_.empty() ? 2 : 20));

@@ -119,6 +119,9 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
       h = HashKey({h, 0xF0u, static_cast<uint64_t>(p.numel)});
     }
     for (char ch : c.model.path) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+    uint64_t alpha_bits = 0;  // a different alpha is a different model for the same adapters
+    std::memcpy(&alpha_bits, &c.lora.alpha, sizeof(alpha_bits));
+    h = HashKey({h, alpha_bits});
     if (c.model.path.empty()) h = HashKey({h, static_cast<uint64_t>(c.train.seed)});
   }
   return h;

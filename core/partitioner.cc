@@ -72,9 +72,11 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
   const double I = static_cast<double>(c.model.intermediate_size);
   double worst_weights = 0.0, worst_stage = 0.0;
   for (const auto& st : plan.stages) {
-    double params = 0.0;
-    for (int l = st.begin; l < st.end; ++l)
+    double params = 0.0, trainable = 0.0;  // weights fetched; of those, the ones with gradients
+    for (int l = st.begin; l < st.end; ++l) {
       params += static_cast<double>(spec.LayerWeightElems(l));
+      for (const auto& use : spec.layer_uses[l]) trainable += static_cast<double>(spec.params[use.param].numel);
+    }
     const bool grads = st.kind != StageKind::kForward;
     // Activations kept for backward per block: roughly ten hidden-sized and three
     // intermediate-sized tensors per token; forward stages keep about one block's worth.
@@ -94,7 +96,7 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     if (st.end == plan.num_layers)
       acts += (elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
               static_cast<double>(c.model.vocab_size);
-    const double stage = params * elem + (grads ? params * (4.0 + elem) : 0.0) + acts;
+    const double stage = params * elem + (grads ? trainable * (4.0 + elem) : 0.0) + acts;
     worst_weights = std::max(worst_weights, params * elem);
     worst_stage = std::max(worst_stage, stage);
   }

@@ -42,7 +42,7 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
   auto fail = [&](const std::string& key, const std::string& why) {
     return Status::InvalidArgument(path + ": \"" + key + "\" " + why);
   };
-  if (c.value("peft_type", std::string()) != "LORA")
+  if (!c.contains("peft_type") || !c["peft_type"].is_string() || c["peft_type"].get<std::string>() != "LORA")
     return fail("peft_type", "must be \"LORA\", got " + (c.contains("peft_type") ? c["peft_type"].dump() : "nothing"));
   if (!c.contains("r") || !c["r"].is_number_integer() || c["r"].get<int64_t>() != lora.rank)
     return fail("r", (c.contains("r") ? "is " + c["r"].dump() : "is missing") + "; lora.rank is " +

@@ -80,11 +80,16 @@ bool Executor::WeightsReady(const proto::RunEval& job) const {
   return true;
 }
 
-StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job) {
-  if (job.slot < 0 || job.slot >= layout_.eval_slots || job.weights_version < 0)
+StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
+                                              const std::function<void()>& between_layers) {
+  if (job.slot < 0 || job.slot >= layout_.eval_slots)
     return Status::ProtocolError("RunEval " + std::to_string(job.job_index) + " has slot " +
                                  std::to_string(job.slot) + " (this job has " +
                                  std::to_string(layout_.eval_slots) + " eval slots)");
+  if (job.weights_version < 0)
+    return Status::ProtocolError("RunEval " + std::to_string(job.job_index) + " asks for weights version " +
+                                 std::to_string(job.weights_version));
+  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
   try {
     c10::NoGradGuard no_grad;
     math_.SetTraining(false);
@@ -94,6 +99,15 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job) {
     MicrobatchResult r;
     for (int l = 0; l < plan_.num_layers; ++l) {
       // One layer resident at a time: evaluation needs no more device memory than a stage.
+      // The coordinator holds back the update that would overwrite this buffer until the eval is
+      // done; a newer version here means that contract broke, and the loss would be wrong.
+      for (const auto& use : spec_.layer_uses[l]) {
+        const uint64_t v = versions[spec_.params[use.param].owner_layer].load(std::memory_order_acquire);
+        if (v >= static_cast<uint64_t>(job.weights_version + layout_.compute_buffers))
+          return Status::Internal("eval job " + std::to_string(job.job_index) + ": layer " + std::to_string(l) +
+                                  " is at weights version " + std::to_string(v) + ", past the version " +
+                                  std::to_string(job.weights_version) + " it evaluates");
+      }
       StageWeights w;
       model::LayerWeights lw = FetchLayer(l, job.weights_version, /*grads=*/false, &w);
       device_.WaitWeights(device_.WeightsFence());
@@ -104,6 +118,7 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job) {
         r.loss_sum = h.loss_sum;
         r.targets = h.targets;
       }
+      if (between_layers) between_layers();
     }
     device_.Synchronize();
     math_.SetTraining(true);

@@ -17,6 +17,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -51,7 +52,9 @@ class Executor {
   // microbatch in its slot through every layer (fetching one layer's weights at a time, no
   // autograd, no dropout) and returns its summed loss; it leaves a prefetched job alone.
   bool WeightsReady(const proto::RunEval& job) const;
-  StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job);
+  // `between_layers` runs after each layer (the worker's heartbeat: an eval of a large model on
+  // a slow device can take longer than the hang timeout).
+  StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
   Status Prefetch(const proto::RunJob& job);
   Status Begin(const proto::RunJob& job);
   StatusOr<MicrobatchResult> Microbatch(int mb);

@@ -234,8 +234,15 @@ StatusOr<bool> Worker::RunEval(ActiveJob& a) {
   if (ClaimTestHookOnce("RP_TEST_FAIL_EVAL_ONCE"))
     return Fail(d.job_index, Status::Internal("RP_TEST_FAIL_EVAL_ONCE: failing an eval job on purpose"));
   d.start_us = WallMicros();
-  auto r = exec_->Evaluate(a.run_eval);
+  auto r = exec_->Evaluate(a.run_eval, [this] {
+    if (MonoSeconds() - last_heartbeat_ < kHeartbeatSeconds) return;
+    if (Status s = channel_->Send(proto::Heartbeat{WallMicros()}); !s.ok())
+      RP_LOG(WARNING) << "heartbeat during an eval job: " << s.message();
+    last_heartbeat_ = MonoSeconds();
+  });
   if (!r.ok()) return Fail(d.job_index, r.status());
+  if (const double slow = TestEvalDelaySeconds(); slow > 0)
+    std::this_thread::sleep_for(std::chrono::duration<double>(slow));
   d.end_us = WallMicros();
   d.loss_sum = r->loss_sum;
   d.targets = r->targets;

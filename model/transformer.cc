@@ -50,8 +50,7 @@ at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module) 
                               .add_(static_cast<int64_t>(key)));
   // The top 24 bits as a uniform integer; keep with probability 1 - p (exact in double).
   const int64_t keep_below = static_cast<int64_t>(std::llround((1.0 - lora_dropout_) * 16777216.0));
-  at::Tensor mask = ShiftRight(bits, 40).lt(keep_below).to(h.scalar_type()).mul_(1.0 / (1.0 - lora_dropout_));
-  return mask.view(h.sizes());
+  return ShiftRight(bits, 40).lt(keep_below).to(h.scalar_type()).view(h.sizes());
 }
 
 at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h,
@@ -60,7 +59,11 @@ at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, con
   auto a = w.find(role + ".lora_A");
   if (a == w.end()) return y;
   const at::Tensor& b = Get(w, role + ".lora_B");
-  at::Tensor in = training_ && lora_dropout_ > 0.0 ? h * LoraDropout(h, layer, module) : h;
+  // Kept elements scaled by 1 / (1 - p) in one rounding (the 0/1 mask product is exact), as
+  // torch's dropout does; a bf16 mask holding the scale would round it first.
+  at::Tensor in = training_ && lora_dropout_ > 0.0
+                      ? (h * LoraDropout(h, layer, module)).mul_(1.0 / (1.0 - lora_dropout_))
+                      : h;
   return y + at::linear(at::linear(in, a->second), b) * lora_scale_;
 }
 

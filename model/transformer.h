@@ -66,6 +66,7 @@ class Transformer {
   // at::linear(h, W) plus the LoRA adapter of `role` when the weights have one.
   at::Tensor Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h, int layer,
                   int module) const;
+  // The 0/1 keep mask of h's shape and dtype for (dropout key, layer, module).
   at::Tensor LoraDropout(const at::Tensor& h, int layer, int module) const;
 
   core::ModelConfig config_;

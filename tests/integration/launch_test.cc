@@ -716,8 +716,25 @@ TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
 }
 
 TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun) {
-  const std::string b = tmp_ + "/sigint", a = tmp_ + "/sigint-whole";
-  testing::Process launcher(LaunchArgs(2, b, {"train.steps=400"}), Env());
+  // Second variant: stale1 with an evaluation after every step, where a later step's gradients
+  // can reach the optimizer while the step being reported still waits for its eval; the
+  // checkpoint at the stop must still hold whole steps.
+  for (const bool evals : {false, true}) {
+  SCOPED_TRACE(evals ? "stale1 with evals" : "exact");
+  const std::vector<std::string> job =
+      evals ? std::vector<std::string>{"train.steps=400", "optimizer.mode=stale1", "train.eval_every=1",
+                                       "data.eval_fraction=0.1", "train.eval_microbatches=2"}
+            : std::vector<std::string>{"train.steps=400"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), job.begin(), job.end());
+    return more;
+  };
+  const std::string tag = evals ? "-evals" : "";
+  const std::string b = tmp_ + "/sigint" + tag, a = tmp_ + "/sigint-whole" + tag;
+  // Slow evaluations make the window wide: the next step's backward finishes during the eval.
+  std::vector<std::string> env = Env();
+  if (evals) env.push_back("RP_TEST_SLOW_EVAL_MS=150");
+  testing::Process launcher(LaunchArgs(2, b, job), env);
   WaitForSteps(b + "/metrics.jsonl", 3, 12);
   ::kill(launcher.pid(), SIGINT);
   auto r = launcher.Wait(120);
@@ -732,11 +749,11 @@ TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun
   ASSERT_TRUE(fs::exists(b + name)) << "no checkpoint after the last reported step " << n;
   // Resume for two more steps, and compare with an uninterrupted run stopped at the same step.
   const std::string stop = "train.stop_after=" + std::to_string(n + 2);
-  auto args = LaunchArgs(2, b, {"train.steps=400", stop});
+  auto args = LaunchArgs(2, b, with({stop}));
   args.push_back("--resume");
   auto resumed = testing::RunProcess(args, 240, Env());
   ASSERT_EQ(resumed.code, 0) << resumed.output;
-  auto whole = Launch(2, a, {"train.steps=400", stop});
+  auto whole = Launch(2, a, with({stop}));
   ASSERT_EQ(whole.code, 0) << whole.output;
   const auto got = Losses(b + "/metrics.jsonl"), expected = Losses(a + "/metrics.jsonl");
   ASSERT_EQ(got.size(), n + 2);
@@ -744,6 +761,8 @@ TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun
   for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
   std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n + 2);
   EXPECT_TRUE(ReadBytes(a + name) == ReadBytes(b + name)) << "final state differs";
+  EXPECT_EQ(Losses(b + "/metrics.jsonl", "eval_loss"), Losses(a + "/metrics.jsonl", "eval_loss"));
+  }
 }
 
 TEST_F(LaunchTest, DemoJobLossFallsByAThird) {

@@ -144,6 +144,8 @@ TEST_F(PeftTest, ConfigMismatchesAreRefused) {
   ExpectRefused("a regular expression is not supported");
   with("peft_type", "IA3");
   ExpectRefused("\"peft_type\" must be \"LORA\"");
+  with("peft_type", 3);  // not even a string: still a message, not an exception
+  ExpectRefused("\"peft_type\" must be \"LORA\"");
   with("use_dora", true);
   ExpectRefused("\"use_dora\" is true");
   with("bias", "all");
