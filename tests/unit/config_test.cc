@@ -6,6 +6,9 @@
 #include <set>
 
 #include "core/job_config.h"
+#include "core/model_spec.h"
+#include "core/plan.h"
+#include "shm/layout.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {
@@ -139,10 +142,21 @@ TEST(JobConfig, ReadmeDocumentsEveryKey) {
 }
 
 TEST(JobConfig, ShippedConfigsAreValid) {
-  for (const char* f : {"configs/tiny.toml"}) {
-    auto c = LoadJobConfig(testing::SourceDir() + "/" + f, {});
-    EXPECT_TRUE(c.ok()) << f << ": " << c.status().ToString();
+  // Every shipped job parses, gets a plan for one worker (the auto planner included) and a
+  // shared-memory layout: what rp-launch does before it starts anything.
+  int checked = 0;
+  for (const auto& e : std::filesystem::directory_iterator(testing::SourceDir() + "/configs")) {
+    if (e.path().extension() != ".toml") continue;
+    const std::string f = e.path().string();
+    auto c = LoadJobConfig(f, {});
+    ASSERT_TRUE(c.ok()) << f << ": " << c.status().ToString();
+    auto plan = MakePlan(*c, 1);
+    ASSERT_TRUE(plan.ok()) << f << ": " << plan.status().ToString();
+    auto layout = shm::ComputeLayout(*c, BuildModelSpec(c->model, c->lora), *plan);
+    EXPECT_TRUE(layout.ok()) << f << ": " << layout.status().ToString();
+    ++checked;
   }
+  EXPECT_GE(checked, 5);
 }
 
 }  // namespace
