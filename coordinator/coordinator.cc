@@ -181,7 +181,9 @@ class Coordinator {
   std::map<int64_t, JobState> jobs_;           // by global job index
   std::map<int64_t, int> call_jobs_done_;      // by global call index
   std::set<int64_t> fed_calls_;
-  int64_t job_counter_ = 0;
+  int64_t job_counter_ = 0;          // every job's index (stage and eval jobs share it: one queue order)
+  int64_t stage_jobs_dispatched_ = 0;  // stage job k runs on worker k mod N (core/plan.h)
+  int64_t eval_jobs_dispatched_ = 0;
   int64_t first_step_ = 0;    // steps done before this invocation (resume)
   int64_t stop_step_ = 0;     // this invocation runs steps [first_step_, stop_step_)
   int64_t checkpointed_ = -1; // steps done in the newest checkpoint written by this invocation
@@ -837,7 +839,8 @@ Status Coordinator::DispatchEval(int64_t step) {
   for (int k = 0; k < layout_.eval_slots; ++k) {
     EvalJob j;
     j.run = proto::RunEval{job_counter_++, step, step + 1, k, 0};
-    j.worker = core::WorkerForJob(j.run.job_index, 0, opts_.num_workers);
+    // Eval jobs take turns among themselves, so stage jobs keep the phase the planner assumed.
+    j.worker = core::WorkerForJob(eval_jobs_dispatched_++, 0, opts_.num_workers);
     RP_RETURN_IF_ERROR(SendTo(j.worker, j.run));
     e.jobs.emplace(j.run.job_index, j);
   }
@@ -923,7 +926,7 @@ Status Coordinator::Dispatch(int64_t step) {
       j.step = step;
       j.call = c;
       j.stage = s;
-      j.worker = core::WorkerForJob(j.index, 0, opts_.num_workers);
+      j.worker = core::WorkerForJob(stage_jobs_dispatched_++, 0, opts_.num_workers);
       // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's
       // update overlaps all of step t.
       const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
