@@ -105,10 +105,9 @@ class Coordinator {
   bool EvalDue(int64_t step) const;
   Status DispatchEval(int64_t step);
   Status OnEvalDone(int rank, const proto::EvalDone& d);
-  Status FinalizeSlot(int64_t step, int slot);
-  Status GiveToOptimizer(int64_t step, int slot);
+  void FinalizeSlot(int64_t step, int slot);
   bool UpdateHeld(int64_t step) const;
-  Status ReleaseHeldUpdates();
+  void ReleaseHeldUpdates();
   // The first step a stop requested now can end after (graceful stop, re-plan).
   int64_t EarliestStop() const;
   void OnLinkProbe(int rank, const proto::LinkProbe& p);
@@ -120,8 +119,7 @@ class Coordinator {
   Status FeedCall(int64_t global_call);
   Status TryCommits(int64_t step);
   StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
-  // Gradient-table indices (slot set of `step`) of the slots a stage's job fills.
-  std::vector<int> StageGradSlots(int stage, int64_t step) const;
+  std::vector<int> StageGradSlots(int stage) const;
   // Sends to a worker; with restarts allowed a worker that is gone is not an error (its jobs are
   // re-sent to its replacement).
   Status SendTo(int rank, const Message& m);
@@ -439,11 +437,11 @@ Status Coordinator::TryFeed() {
   return Status::Ok();
 }
 
-std::vector<int> Coordinator::StageGradSlots(int stage, int64_t step) const {
+std::vector<int> Coordinator::StageGradSlots(int stage) const {
   std::vector<int> slots;
   const auto& st = plan_.stages[stage];
   for (int l = st.begin; l < st.end; ++l)
-    for (const auto& use : spec_.layer_uses[l]) slots.push_back(layout_.GradTableIndex(use.grad_slot, step));
+    for (const auto& use : spec_.layer_uses[l]) slots.push_back(use.grad_slot);
   return slots;
 }
 
@@ -457,11 +455,9 @@ Status Coordinator::TryCommits(int64_t step) {
     if (it == jobs_.end()) continue;
     JobState& j = it->second;
     if (!j.grads_ready || j.commit_sent) continue;
-    // The first commit of a step overwrites its slot set: the update of the step that used the
-    // set before must have consumed it (the previous step with one set, implied in exact mode
-    // by the weight versions; in stale1 mode, with two sets, the step before that).
-    const int64_t sets = layout_.grad_sets;
-    if (j.call == 0 && step >= sets && !optimizer_->Updated(step - sets)) continue;
+    // The first commit of a step overwrites the slots: the previous step's update must have
+    // consumed them (implied in exact mode by the weight versions, not in stale1 mode).
+    if (j.call == 0 && step > 0 && !optimizer_->Updated(step - 1)) continue;
     if (j.call > 0) {
       auto prev = jobs_.find(k - S);
       if (prev != jobs_.end() && !prev->second.done) continue;
@@ -469,7 +465,7 @@ Status Coordinator::TryCommits(int64_t step) {
     // The first call's commit places the stage's slots in the gradient arena; with the arena
     // full it waits for an update to release space (the event loop retries).
     if (j.call == 0 && !j.slots_placed) {
-      if (!grad_arena_->Place(StageGradSlots(j.stage, step))) continue;
+      if (!grad_arena_->Place(StageGradSlots(j.stage))) continue;
       j.slots_placed = true;
     }
     j.commit_sent = true;
@@ -641,8 +637,9 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   // The last call's commit of a stage makes its layers' gradients final for the step.
   if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1 &&
       step < stop_step_) {
+    if (step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
-      for (const auto& use : spec_.layer_uses[l]) RP_RETURN_IF_ERROR(FinalizeSlot(step, use.grad_slot));
+      for (const auto& use : spec_.layer_uses[l]) FinalizeSlot(step, use.grad_slot);
   }
   const int64_t g = step * cfg_.train.accum_calls + j->call;
   RP_RETURN_IF_ERROR(TryCommits(step));
@@ -872,49 +869,39 @@ Status Coordinator::OnEvalDone(int rank, const proto::EvalDone& d) {
     if (e.targets == 0)
       return Status::InvalidArgument("data: the eval set has no target tokens");
     e.loss = sum / static_cast<double>(e.targets);
-    return ReleaseHeldUpdates();
+    ReleaseHeldUpdates();
+    return Status::Ok();
   }
   return Status::ProtocolError("EvalDone for unknown eval job " + std::to_string(d.job_index));
 }
 
 bool Coordinator::UpdateHeld(int64_t step) const {
-  // The optimizer takes steps in order: with two gradient slot sets (stale1) a step's gradients
-  // can be final before the previous step's update is done.
-  if (!optimizer_->Updated(step - 1)) return true;
   // Step u's update writes compute buffer (u + 1) % B; an eval after step s reads (s + 1) % B.
   for (const auto& [s, e] : evals_)
     if (e.loss < 0 && step >= s + layout_.compute_buffers) return true;
   return false;
 }
 
-Status Coordinator::FinalizeSlot(int64_t step, int slot) {
+void Coordinator::FinalizeSlot(int64_t step, int slot) {
   // Once one is held, later ones queue behind it: the optimizer takes steps in order.
   if (!held_finals_.empty() || UpdateHeld(step)) {
     held_finals_.emplace_back(step, slot);
-    return Status::Ok();
+    return;
   }
-  return GiveToOptimizer(step, slot);
-}
-
-Status Coordinator::GiveToOptimizer(int64_t step, int slot) {
-  // The step's first final gradient: the masters hold exactly `step` updates now (the previous
-  // step's update is done, this one's has not begun), the moment for a checkpoint after it.
-  if (step > last_final_step_ && step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
   optimizer_->SlotFinal(step, slot);
   last_final_step_ = std::max(last_final_step_, step);
-  return Status::Ok();
 }
 
-Status Coordinator::ReleaseHeldUpdates() {
+void Coordinator::ReleaseHeldUpdates() {
   while (!held_finals_.empty() && !UpdateHeld(held_finals_.front().first)) {
     const auto [step, slot] = held_finals_.front();
     held_finals_.pop_front();
     // A stop (signal, re-plan) moved stop_step_ below it: that step is abandoned, and its update
     // must not reach the checkpoint written at the stop.
     if (step >= stop_step_) continue;
-    RP_RETURN_IF_ERROR(GiveToOptimizer(step, slot));
+    optimizer_->SlotFinal(step, slot);
+    last_final_step_ = std::max(last_final_step_, step);
   }
-  return Status::Ok();
 }
 
 int64_t Coordinator::EarliestStop() const {
@@ -1078,9 +1065,7 @@ Status Coordinator::Loop() {
       RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
     }
     RP_RETURN_IF_ERROR(CheckHeartbeats());
-    // A grant may have been waiting for the previous step's update (see TryCommits), and so may
-    // a held SlotFinal (see UpdateHeld).
-    RP_RETURN_IF_ERROR(ReleaseHeldUpdates());
+    // A grant may have been waiting for the previous step's update (see TryCommits).
     for (const auto& [step, state] : steps_) RP_RETURN_IF_ERROR(TryCommits(step));
     RP_RETURN_IF_ERROR(ReportSteps());
     RP_RETURN_IF_ERROR(MaybeFinishProfile());

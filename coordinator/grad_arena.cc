@@ -9,15 +9,13 @@
 namespace rp::coord {
 
 GradArena::GradArena(const shm::ArenaLayout& layout, std::atomic<uint64_t>* table)
-    : layout_(layout),
-      table_(table),
-      placed_(layout.grad_slot_bytes.size() * static_cast<size_t>(layout.grad_sets), 0) {
+    : layout_(layout), table_(table), placed_(layout.grad_slot_bytes.size(), 0) {
   // Offset 0 is the segment header, never a slot, so it can mean "not placed".
   if (layout.grad_arena_bytes > 0) free_[layout.grad_arena] = layout.grad_arena_bytes;
 }
 
 bool GradArena::PlaceOneLocked(int slot) {
-  const uint64_t need = layout_.grad_slot_bytes[slot % layout_.grad_slot_bytes.size()];
+  const uint64_t need = layout_.grad_slot_bytes[slot];
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < need) continue;
     const uint64_t off = it->first, left = it->second - need;
@@ -33,7 +31,7 @@ bool GradArena::PlaceOneLocked(int slot) {
 }
 
 void GradArena::ReleaseLocked(int slot) {
-  const uint64_t off = placed_[slot], bytes = layout_.grad_slot_bytes[slot % layout_.grad_slot_bytes.size()];
+  const uint64_t off = placed_[slot], bytes = layout_.grad_slot_bytes[slot];
   RP_CHECK(off != 0) << "gradient slot " << slot << " released but not placed";
   placed_[slot] = 0;
   used_ -= bytes;

@@ -10,8 +10,6 @@
 //    update has released space). First fit, so the step's first commit (the fused tail, with
 //    the largest slot) lands at the arena's start and later holes coalesce behind it.
 //  * Release(slot) returns a placed slot's range; releasing an unplaced slot is a bug (checked).
-//  * A "slot" here is a gradient-table index (ArenaLayout::GradTableIndex): a gradient slot in
-//    one slot set, so stale1's two steps in flight each place their own.
 //  * Thread-safe: the coordinator's event loop places, optimizer threads release.
 #pragma once
 

@@ -82,12 +82,11 @@ SimResult Simulate(const SimInput& in) {
         compute_free[w] = last_end[w] = now;
         double done = now;
         if (st.grad_bytes > 0) {
-          // A gradient slot of step t is free once the update of the step that last used its slot
-          // set (t - grad_sets) has read it (exact mode: always by now; stale1 with one set: the
-          // update runs during this step).
+          // A gradient slot of step t is free once step t - 1's update of its layer has read it
+          // (exact mode: always by now; stale1: the update runs during this step).
           double slot_free = 0.0;
-          if (t >= in.grad_sets)
-            for (int o : st.owners) slot_free = std::max(slot_free, updated[t - in.grad_sets][o]);
+          if (t > 0)
+            for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
           const double start = std::max({now, grads_free[w], slot_free});
           double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
           if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
@@ -171,7 +170,6 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
   in.version_lag = c.optimizer.mode == "stale1" ? 2 : 1;
-  in.grad_sets = c.optimizer.mode == "stale1" ? 2 : 1;  // as shm::ComputeLayout
   in.updates_wait_for_norm = c.train.grad_clip > 0;
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());

@@ -53,7 +53,6 @@ struct SimInput {
   double d2h_bytes_per_s = 0.0;
   std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
   int version_lag = 1;
-  int grad_sets = 1;             // gradient slot sets: step t's commit waits for step t - sets' update
   bool updates_wait_for_norm = false;
 };
 

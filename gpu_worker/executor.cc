@@ -310,7 +310,7 @@ void Executor::Detach() {
   std::vector<HeldGrad> held;
   for (auto& g : current_.grads)
     held.push_back({g.accum, g.grad_slot, g.weight.sizes().vec(), g.weight.options().dtype(at::kFloat)});
-  held_[job_.job_index] = HeldJob{job_.step, std::move(held)};
+  held_[job_.job_index] = std::move(held);
   End();
 }
 
@@ -321,8 +321,7 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
                                  ", which holds no gradients here");
   try {
     std::vector<Device::CommitItem> items;
-    const int64_t step = it->second.step;
-    for (auto& g : it->second.grads) {
+    for (auto& g : it->second) {
       if (!g.accum.defined()) {
         // A parameter this stage did not reach: its slot must still read zero, not last step.
         if (accumulate) continue;
@@ -330,8 +329,8 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
       }
       // Where the coordinator placed the slot for this step (written before it granted this
       // commit). Checked, so a bad table entry fails the job instead of writing elsewhere.
-      const uint64_t off = segment_.At<std::atomic<uint64_t>>(layout_.grad_table)[layout_.GradTableIndex(g.grad_slot, step)]
-                               .load(std::memory_order_acquire);
+      const uint64_t off = segment_.At<std::atomic<uint64_t>>(layout_.grad_table)[g.grad_slot].load(
+          std::memory_order_acquire);
       if (!layout_.GradSlotInArena(off, layout_.grad_slot_bytes[g.grad_slot]))
         return Status::ProtocolError("gradient slot " + std::to_string(g.grad_slot) + " of job " +
                                      std::to_string(job_index) + " is placed at offset " +

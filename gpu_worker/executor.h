@@ -127,11 +127,7 @@ class Executor {
     std::vector<int64_t> shape;
     at::TensorOptions options;
   };
-  struct HeldJob {
-    int64_t step = 0;  // picks the gradient slot set (ArenaLayout::GradTableIndex)
-    std::vector<HeldGrad> grads;
-  };
-  std::map<int64_t, HeldJob> held_;  // by job index
+  std::map<int64_t, std::vector<HeldGrad>> held_;  // by job index
 };
 
 }  // namespace rp::worker

@@ -57,13 +57,9 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
   }
   s.must_hold_all = c.train.grad_clip > 0.0 || c.train.accum_calls > 1;
   s.minimum = s.must_hold_all ? s.all_slots : std::min(s.all_slots, largest_stage + shared_uses);
-  // stale1: step t + 1 places its slots while step t's update still holds step t's, so a full
-  // set per step in flight (see ArenaLayout::grad_sets).
-  const uint64_t sets = c.optimizer.mode == "stale1" ? 2 : 1;
   const uint64_t requested = static_cast<uint64_t>(c.optimizer.grad_buffer_mb) << 20;
   if (requested == 0) {
-    s.chosen = s.must_hold_all ? sets * s.all_slots
-                               : std::min(sets * s.all_slots, 2 * largest_stage + shared_uses);
+    s.chosen = s.must_hold_all ? s.all_slots : std::min(s.all_slots, 2 * largest_stage + shared_uses);
   } else if (requested < s.minimum) {
     const std::string why = s.must_hold_all
         ? std::string(c.train.grad_clip > 0.0 ? "train.grad_clip > 0 (no update may start before "
@@ -77,10 +73,9 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
                                    " MiB is below the " + std::to_string((s.minimum + (1 << 20) - 1) >> 20) +
                                    " MiB this job needs: " + why);
   } else {
-    s.chosen = std::min(requested, sets * s.all_slots);
+    s.chosen = std::min(requested, s.all_slots);
   }
   s.chosen = Align(s.chosen);
-  s.all_slots *= sets;
   return s;
 }
 
@@ -92,9 +87,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   uint64_t pos = kHeaderBytes;
   a.layer_versions = pos;
   pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
-  a.grad_sets = c.optimizer.mode == "stale1" ? 2 : 1;
   a.grad_table = pos;
-  pos = Align(pos + 8ull * spec.grad_slots.size() * static_cast<uint64_t>(a.grad_sets));
+  pos = Align(pos + 8ull * spec.grad_slots.size());
   // Compute copies are packed (256-byte aligned inside the region) so a layer's weights form one
   // run that a worker can fetch with a single copy.
   a.compute_begin = pos;
@@ -170,7 +164,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     h = HashKey({h, 0xF0u, static_cast<uint64_t>(p.numel)});
   }
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
-               static_cast<uint64_t>(a.eval_slots), static_cast<uint64_t>(a.grad_sets)});
+               static_cast<uint64_t>(a.eval_slots)});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

@@ -9,12 +9,9 @@
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
-//   gradient table       std::atomic<uint64_t> per gradient slot (a parameter use by a layer)
-//                        and slot set: where in the gradient arena the slot lives for a step.
-//                        Written by the coordinator before it grants the commit that fills it.
-//                        stale1 mode has two sets (step t uses set t % 2): step t + 1's
-//                        gradients can leave the device while step t's update still reads
-//                        step t's (GradTableIndex).
+//   gradient table       std::atomic<uint64_t> per gradient slot (a parameter use by a layer):
+//                        where in the gradient arena the slot lives this step. Written by the
+//                        coordinator before it grants the commit that fills the slot.
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
 //                        mode a second such region follows (double buffer by version parity)
@@ -94,8 +91,7 @@ struct ArenaLayout {
   std::vector<uint64_t> compute;                  // per parameter, state segment
   std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment; adam_v empty for sgd
   std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
-  uint64_t grad_table = 0;                        // std::atomic<uint64_t>[grad_sets][gradient slots]
-  int grad_sets = 1;                              // 2 in stale1 mode
+  uint64_t grad_table = 0;                        // std::atomic<uint64_t>[gradient slots]
   uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
   bool grads_streamed = false;                    // arena smaller than every slot at once
   uint64_t compute_begin = 0, compute_end = 0;    // the compute-copy region (buffer 0)
@@ -123,11 +119,6 @@ struct ArenaLayout {
     return offset >= grad_arena && bytes <= grad_arena_bytes &&
            offset - grad_arena <= grad_arena_bytes - bytes;
   }
-  // Index of gradient slot `slot` of step `step` in the gradient table (and the arena's
-  // bookkeeping): one entry per slot and slot set.
-  int GradTableIndex(int slot, int64_t step) const {
-    return slot + static_cast<int>(step % grad_sets) * static_cast<int>(grad_slot_bytes.size());
-  }
   uint64_t TokenSlot(int parity, int mb) const;
   uint64_t LabelSlot(int parity, int mb) const;
   uint64_t HiddenSlot(int parity, int mb, int idx) const;
@@ -145,7 +136,7 @@ struct ArenaLayout {
 // until its last use (the LM head's gradient waits for the embedding's); `auto` doubles that so
 // one stage can commit while the previous stage's update runs.
 struct GradArenaSizing {
-  uint64_t all_slots = 0;   // every slot of every set (ArenaLayout::grad_sets) at once (no streaming)
+  uint64_t all_slots = 0;   // every slot at once (no streaming)
   uint64_t minimum = 0;     // smallest arena that always makes progress
   uint64_t chosen = 0;      // what the layout uses
   bool must_hold_all = false;

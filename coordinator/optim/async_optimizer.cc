@@ -111,11 +111,10 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = chunks_[chunk];
   const auto& slots = param_slots_[c.param];
-  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(layout_.GradTableIndex(slots[0], step))) + c.begin;
+  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
   // Tied parameters: fold the other uses' gradients into the first slot, in slot order.
   for (size_t s = 1; s < slots.size(); ++s) {
-    const float* o =
-        reinterpret_cast<const float*>(state_ + grads_->Offset(layout_.GradTableIndex(slots[s], step))) + c.begin;
+    const float* o = reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin;
     for (int64_t i = 0; i < c.end - c.begin; ++i) g[i] += o[i];
   }
   partial_[chunk] = SquaredSum(g, c.end - c.begin);
@@ -147,8 +146,7 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
   auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + c.begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
   UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
-              f32(state_, grads_->Offset(layout_.GradTableIndex(param_slots_[c.param][0], step))),
-              f32(optim_, layout_.master[c.param]),
+              f32(state_, grads_->Offset(param_slots_[c.param][0])), f32(optim_, layout_.master[c.param]),
               f32(optim_, layout_.adam_m[c.param]),
               layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[c.param]), c.end - c.begin,
               state_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
@@ -159,7 +157,7 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
 
 void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
   // Before the version is published: the next step's first commit expects the arena free.
-  for (int slot : param_slots_[param]) grads_->Release(layout_.GradTableIndex(slot, step));
+  for (int slot : param_slots_[param]) grads_->Release(slot);
   const int layer = spec_.params[param].owner_layer;
   if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);

@@ -17,10 +17,8 @@
 //    its version in shared memory becomes step + 1 (release store). Workers fetch a layer for step t only at version >= t, so no fetch reads a
 //    half-written copy, and no commit of step t + 1 can overwrite a gradient the update of step
 //    t still reads (that commit's job fetched the updated weights first).
-//  * Steps are strictly sequential: SlotFinal for step t + 1 only after step t is fully updated.
-//    With one gradient slot set the version protocol guarantees it; with two (stale1) the
-//    coordinator holds step t + 1's SlotFinal calls until Updated(t). Gradient slots of step t
-//    are read and released at ArenaLayout::GradTableIndex(slot, t).
+//  * Steps are strictly sequential: SlotFinal for step t + 1 only after step t is fully updated,
+//    which the version protocol guarantees.
 //  * Thread-safety: SlotFinal, GradNorm and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 #pragma once

@@ -153,29 +153,5 @@ TEST(Segment, CreateOpenValidateAndUnlink) {
   EXPECT_FALSE(Segment::Open(name, 42).ok());
 }
 
-TEST(ArenaLayout, Stale1HasASecondGradientSlotSet) {
-  // stale1: step t + 1's gradients leave the device while step t's update still reads step t's,
-  // so every slot has an entry per set in the table and, when every gradient is held (clipping),
-  // the arena holds both sets.
-  auto cfg = SmallConfig();
-  auto spec = core::BuildModelSpec(cfg.model);
-  auto plan = core::MakePlan(cfg);
-  ASSERT_TRUE(plan.ok());
-  auto exact = ComputeLayout(cfg, spec, *plan);
-  cfg.optimizer.mode = "stale1";
-  auto stale1 = ComputeLayout(cfg, spec, *plan);
-  ASSERT_TRUE(exact.ok() && stale1.ok());
-  EXPECT_EQ(exact->grad_sets, 1);
-  EXPECT_EQ(stale1->grad_sets, 2);
-  EXPECT_GE(stale1->grad_arena_bytes + kArenaAlign, 2 * exact->grad_arena_bytes);  // (each aligned once)
-  EXPECT_LE(stale1->grad_arena_bytes, 2 * exact->grad_arena_bytes);
-  EXPECT_FALSE(stale1->grads_streamed);
-  const int n = static_cast<int>(spec.grad_slots.size());
-  EXPECT_EQ(stale1->GradTableIndex(3, 10), 3);
-  EXPECT_EQ(stale1->GradTableIndex(3, 11), 3 + n);
-  EXPECT_EQ(exact->GradTableIndex(3, 11), 3);
-  EXPECT_NE(stale1->hash, exact->hash);
-}
-
 }  // namespace
 }  // namespace rp::shm
