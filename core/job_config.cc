@@ -280,10 +280,7 @@ const std::vector<KeySpec>& Table() {
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0 or "
           "train.accum_calls > 1 (each must be held until the step's last commit or the global "
           "norm), else twice the largest stage's gradients, so gradients are streamed: a layer's "
-          "buffer is reused as soon as its update is done; in stale1 mode twice that (a second "
-          "set of slots lets a step's gradients leave the device while the previous step's update "
-          "runs; a smaller arena makes them wait for space, on the device). Smaller than the job "
-          "needs is an error"),
+          "buffer is reused as soon as its update is done. Smaller than the job needs is an error"),
 
       Int("lora", "rank", F(lora.rank), 0, 0, 65536,
           "LoRA rank r; 0 = full fine-tuning. With r > 0 only the adapters train (masters, moments, "
