@@ -106,6 +106,7 @@ class Coordinator {
   Status DispatchEval(int64_t step);
   Status OnEvalDone(int rank, const proto::EvalDone& d);
   void FinalizeSlot(int64_t step, int slot);
+  void GiveToOptimizer(int64_t step, int slot);
   bool UpdateHeld(int64_t step) const;
   void ReleaseHeldUpdates();
   // The first step a stop requested now can end after (graceful stop, re-plan).
@@ -860,14 +861,13 @@ Status Coordinator::OnEvalDone(int rank, const proto::EvalDone& d) {
     j.loss_sum = d.loss_sum;
     j.targets = d.targets;
     if (--e.left > 0) return Status::Ok();
-    // Summed in slot order, as rp-train-ref does, so the figure does not depend on timing.
+    // Summed in slot order, as rp-train-ref does, so the figure does not depend on timing. The
+    // set has targets: InitState checked it, and it is the same at every evaluation.
     double sum = 0.0;
     for (const auto& [index, job] : e.jobs) {
       sum += job.loss_sum;
       e.targets += job.targets;
     }
-    if (e.targets == 0)
-      return Status::InvalidArgument("data: the eval set has no target tokens");
     e.loss = sum / static_cast<double>(e.targets);
     ReleaseHeldUpdates();
     return Status::Ok();
@@ -888,6 +888,10 @@ void Coordinator::FinalizeSlot(int64_t step, int slot) {
     held_finals_.emplace_back(step, slot);
     return;
   }
+  GiveToOptimizer(step, slot);
+}
+
+void Coordinator::GiveToOptimizer(int64_t step, int slot) {
   optimizer_->SlotFinal(step, slot);
   last_final_step_ = std::max(last_final_step_, step);
 }
@@ -899,8 +903,7 @@ void Coordinator::ReleaseHeldUpdates() {
     // A stop (signal, re-plan) moved stop_step_ below it: that step is abandoned, and its update
     // must not reach the checkpoint written at the stop.
     if (step >= stop_step_) continue;
-    optimizer_->SlotFinal(step, slot);
-    last_final_step_ = std::max(last_final_step_, step);
+    GiveToOptimizer(step, slot);
   }
 }
 

@@ -108,8 +108,7 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
                                   " is at weights version " + std::to_string(v) + ", past the version " +
                                   std::to_string(job.weights_version) + " it evaluates");
       }
-      StageWeights w;
-      model::LayerWeights lw = FetchLayer(l, job.weights_version, /*grads=*/false, &w);
+      model::LayerWeights lw = FetchLayer(l, job.weights_version, /*grads=*/false, nullptr);
       device_.WaitWeights(device_.WeightsFence());
       if (l + 1 < plan_.num_layers) {
         x = math_.Layer(l, lw, x);

@@ -106,6 +106,8 @@ class Executor {
     std::vector<GradUse> grads;
   };
   StageWeights FetchStage(const proto::RunJob& job);
+  // Layer `layer`'s weights at `weights_version`; with `grads`, trainable ones require gradients
+  // and are recorded in `into` (which may be null without `grads`).
   model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into);
   void AccumulateGrads();
 

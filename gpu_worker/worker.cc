@@ -58,6 +58,8 @@ class Worker {
   StatusOr<bool> RunEval(ActiveJob& a);
   void MaybeHangForTest();
   Status Fail(int64_t job, const Status& s);
+  // Stage and eval jobs share one index sequence; the queue runs them in it.
+  Status CheckQueueOrder(const char* what, int64_t job_index) const;
 
   WorkerOptions opts_;
   core::JobConfig cfg_;
@@ -92,15 +94,13 @@ Status Worker::Handle(const proto::Message& m) {
   switch (proto::TypeOfMessage(m)) {
     case proto::MsgType::kRunJob: {
       const auto& r = std::get<proto::RunJob>(m);
-      if (!queue_.empty() && r.job_index <= queue_.back().job.job_index)
-        return Status::ProtocolError("RunJob " + std::to_string(r.job_index) + " arrived out of order");
+      RP_RETURN_IF_ERROR(CheckQueueOrder("RunJob", r.job_index));
       queue_.push_back(ActiveJob{r});
       return Status::Ok();
     }
     case proto::MsgType::kRunEval: {
       const auto& r = std::get<proto::RunEval>(m);
-      if (!queue_.empty() && r.job_index <= queue_.back().job.job_index)
-        return Status::ProtocolError("RunEval " + std::to_string(r.job_index) + " arrived out of order");
+      RP_RETURN_IF_ERROR(CheckQueueOrder("RunEval", r.job_index));
       ActiveJob a{};
       a.job.job_index = r.job_index;
       a.eval = true;
@@ -139,6 +139,12 @@ Status Worker::Handle(const proto::Message& m) {
       RP_LOG(WARNING) << "dropped unexpected " << proto::MsgTypeName(proto::TypeOfMessage(m));
       return Status::Ok();
   }
+  return Status::Ok();
+}
+
+Status Worker::CheckQueueOrder(const char* what, int64_t job_index) const {
+  if (!queue_.empty() && job_index <= queue_.back().job.job_index)
+    return Status::ProtocolError(std::string(what) + " " + std::to_string(job_index) + " arrived out of order");
   return Status::Ok();
 }
 

@@ -12,6 +12,24 @@ uint64_t Align(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArena
 uint64_t GradSlotBytes(const core::ModelSpec& spec, int slot) {
   return (static_cast<uint64_t>(spec.params[spec.grad_slots[slot].param].numel) * 4 + 255) / 256 * 256;
 }
+// Packs one region of weight copies from `pos` (256-byte aligned inside, so a layer's weights
+// form one run a worker can fetch with a single copy); returns the 4 KiB-aligned end.
+uint64_t PackWeights(const std::vector<core::ParamSpec>& params, int elem_bytes, uint64_t pos,
+                     std::vector<uint64_t>* offsets) {
+  for (const auto& p : params) {
+    offsets->push_back(pos);
+    pos += (static_cast<uint64_t>(p.numel) * static_cast<uint64_t>(elem_bytes) + 255) / 256 * 256;
+  }
+  return Align(pos);
+}
+// Folds names and sizes into the layout hash; `salt` tells the parameter lists apart.
+uint64_t HashParams(uint64_t h, const std::vector<core::ParamSpec>& params, uint64_t salt) {
+  for (const auto& p : params) {
+    for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+    h = salt == 0 ? HashKey({h, static_cast<uint64_t>(p.numel)}) : HashKey({h, salt, static_cast<uint64_t>(p.numel)});
+  }
+  return h;
+}
 }  // namespace
 
 uint64_t ArenaLayout::TokenSlot(int parity, int mb) const {
@@ -89,26 +107,15 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
   a.grad_table = pos;
   pos = Align(pos + 8ull * spec.grad_slots.size());
-  // Compute copies are packed (256-byte aligned inside the region) so a layer's weights form one
-  // run that a worker can fetch with a single copy.
   a.compute_begin = pos;
-  for (auto& p : spec.params) {
-    a.compute.push_back(pos);
-    pos += (static_cast<uint64_t>(p.numel) * a.compute_elem_bytes + 255) / 256 * 256;
-  }
-  pos = Align(pos);
+  pos = PackWeights(spec.params, a.compute_elem_bytes, pos, &a.compute);
   a.compute_end = pos;
   a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
   // frozen base out: it is reloaded from its source on resume.
   a.frozen_begin = pos;
-  for (auto& p : spec.frozen) {
-    a.frozen.push_back(pos);
-    pos += (static_cast<uint64_t>(p.numel) * a.compute_elem_bytes + 255) / 256 * 256;
-  }
-  pos = Align(pos);
-  a.frozen_end = pos;
+  pos = a.frozen_end = PackWeights(spec.frozen, a.compute_elem_bytes, pos, &a.frozen);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g)
     a.grad_slot_bytes.push_back(GradSlotBytes(spec, static_cast<int>(g)));
   a.grad_arena = pos;
@@ -155,14 +162,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
                         static_cast<uint64_t>(a.compute_elem_bytes),
                         static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities)});
-  for (auto& p : spec.params) {
-    for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
-    h = HashKey({h, static_cast<uint64_t>(p.numel)});
-  }
-  for (auto& p : spec.frozen) {
-    for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
-    h = HashKey({h, 0xF0u, static_cast<uint64_t>(p.numel)});
-  }
+  h = HashParams(h, spec.params, 0);
+  h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
                static_cast<uint64_t>(a.eval_slots)});
   // The plan is part of the contract too: RunJob names stages by index.

@@ -50,6 +50,15 @@ class GpuTest : public ::testing::Test {
     if (output) *output = r.output;
     return Losses(out + "/metrics.jsonl");
   }
+  // rp-train-ref (CPU, the oracle) on the parity job with `sets`; its metrics file.
+  std::string RefMetrics(const std::string& name, const std::vector<std::string>& sets = {}) {
+    std::vector<std::string> args = {BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
+                                     "--set", "job.output_dir=" + tmp_ + "/" + name};
+    for (const auto& s : sets) args.insert(args.end(), {"--set", s});
+    auto ref = testing::RunProcess(args, 300);
+    EXPECT_EQ(ref.code, 0) << ref.output;
+    return tmp_ + "/" + name + "/metrics.jsonl";
+  }
   std::string tmp_;
 };
 
@@ -70,11 +79,7 @@ double WorstRelative(const std::vector<double>& got, const std::vector<double>& 
 }
 
 TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
-  const std::string ref_out = tmp_ + "/ref";
-  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
-                                  "--set", "job.output_dir=" + ref_out}, 300);
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  auto expected = Losses(ref_out + "/metrics.jsonl");
+  auto expected = Losses(RefMetrics("ref"));
   auto got = Launch(1, "cuda", {"job.device=\"cuda\""});
   std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
 }
@@ -83,12 +88,7 @@ TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
   // The dropout mask is integer hashing on the worker's device: CUDA must draw the CPU's mask.
   const std::vector<std::string> lora = {"lora.rank=4", "lora.dropout=0.2",
                                          "lora.target_modules=[\"q_proj\",\"v_proj\",\"down_proj\"]"};
-  std::vector<std::string> args = {BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
-                                   "--set", "job.output_dir=" + tmp_ + "/lora-ref"};
-  for (const auto& s : lora) args.insert(args.end(), {"--set", s});
-  auto ref = testing::RunProcess(args, 300);
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  auto expected = Losses(tmp_ + "/lora-ref/metrics.jsonl");
+  auto expected = Losses(RefMetrics("lora-ref", lora));
   std::vector<std::string> sets = lora;
   sets.push_back("job.device=\"cuda\"");
   auto got = Launch(2, "lora-cuda", sets);
@@ -99,16 +99,12 @@ TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
 TEST_F(GpuTest, CudaEvalLossMatchesCpuReference) {
   const std::vector<std::string> eval = {"train.eval_every=5", "data.eval_fraction=0.1",
                                          "train.eval_microbatches=3"};
-  std::vector<std::string> args = {BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
-                                   "--set", "job.output_dir=" + tmp_ + "/eval-ref"};
-  for (const auto& s : eval) args.insert(args.end(), {"--set", s});
-  auto ref = testing::RunProcess(args, 300);
-  ASSERT_EQ(ref.code, 0) << ref.output;
+  const std::string ref = RefMetrics("eval-ref", eval);
   std::vector<std::string> sets = eval;
   sets.push_back("job.device=\"cuda\"");
   Launch(2, "eval-cuda", sets);
   const double worst = WorstRelative(Losses(tmp_ + "/eval-cuda/metrics.jsonl", "eval_loss"),
-                                     Losses(tmp_ + "/eval-ref/metrics.jsonl", "eval_loss"));
+                                     Losses(ref, "eval_loss"));
   std::printf("cuda fp32 eval loss vs cpu reference: max relative difference %.3g\n", worst);
 }
 

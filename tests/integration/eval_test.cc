@@ -16,11 +16,6 @@ namespace {
 using testing::BinDir;
 using testing::Losses;
 
-std::vector<std::string> With(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 class EvalTest : public LaunchTest {
  protected:
   // Runs rp-train-ref and rp-launch (N workers) with `sets`; expects both eval_loss series (and
@@ -28,10 +23,7 @@ class EvalTest : public LaunchTest {
   void ExpectMatch(int n, const std::string& name, const std::vector<std::string>& sets,
                    const std::vector<int>& eval_steps) {
     SCOPED_TRACE(name);
-    std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set",
-                                         "job.output_dir=" + tmp_ + "/ref-" + name};
-    for (const auto& s : sets) ref_args.insert(ref_args.end(), {"--set", s});
-    auto ref = testing::RunProcess(ref_args, 240, Env());
+    auto ref = Ref(tmp_ + "/ref-" + name, sets);
     ASSERT_EQ(ref.code, 0) << ref.output;
     auto run = Launch(n, tmp_ + "/" + name, sets);
     ASSERT_EQ(run.code, 0) << run.output;

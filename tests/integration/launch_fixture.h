@@ -22,6 +22,12 @@ inline std::string ReadBytes(const std::string& path) {
   return ss.str();
 }
 
+// `a` followed by `b` (job overrides, environment entries).
+inline std::vector<std::string> With(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 class LaunchTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -56,6 +62,13 @@ class LaunchTest : public ::testing::Test {
   testing::ProcessResult Launch(int n, const std::string& out, std::vector<std::string> sets = {},
                                 double timeout = 240) {
     return testing::RunProcess(LaunchArgs(n, out, sets), timeout, Env());
+  }
+
+  // rp-train-ref, the oracle, on the same job with the same overrides.
+  testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets = {}) {
+    std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + out};
+    for (const auto& s : sets) args.insert(args.end(), {"--set", s});
+    return testing::RunProcess(args, 240, Env());
   }
 
   std::string tmp_, runtime_;

@@ -26,22 +26,7 @@ const std::vector<std::string> kLora = {
     "lora.rank=4", "lora.alpha=8", "lora.dropout=0.1",
     "lora.target_modules=[\"q_proj\",\"k_proj\",\"o_proj\",\"up_proj\",\"down_proj\"]"};
 
-std::vector<std::string> With(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-class LoraTest : public LaunchTest {
- protected:
-  testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets) {
-    std::vector<std::string> args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + out};
-    for (const auto& s : sets) {
-      args.push_back("--set");
-      args.push_back(s);
-    }
-    return testing::RunProcess(args, 240, Env());
-  }
-};
+using LoraTest = LaunchTest;
 
 void ExpectClose(const std::vector<double>& got, const std::vector<double>& expected, const std::string& what) {
   ASSERT_EQ(got.size(), expected.size()) << what;
