@@ -239,8 +239,12 @@ const std::vector<KeySpec>& Table() {
       Int("train", "microbatch_size", F(train.microbatch_size), 2, 1, 1 << 20,
           "Sequences per microbatch"),
       Int("train", "loss_chunk_tokens", F(train.loss_chunk_tokens), 4096, 1, 1 << 30,
-          "Tokens per LM-head + cross-entropy chunk: the head's fp32 logits exist for this many "
-          "tokens at a time (device memory ~ 14 bytes x chunk x vocabulary)"),
+          "Tokens per LM-head + cross-entropy chunk: the head's logits exist for this many "
+          "tokens at a time (device memory ~ 2 bytes x chunk x vocabulary in bf16 with the fused "
+          "kernels, ~ 14 without)"),
+      Bool("train", "fused_kernels", F(train.fused_kernels), true,
+           "GPU workers compute the loss and RoPE with the project's fused CUDA kernels; false = "
+           "LibTorch's composite ops only, as CPU workers and rp-train-ref always do (to compare)"),
       Enum("train", "dtype", F(train.dtype), "fp32", {"fp32", "bf16"},
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "model/fused_kernels.h"
 
 namespace rp::worker {
 
@@ -35,6 +36,9 @@ class Device {
   virtual ~Device() = default;
   virtual std::string Describe() const = 0;
   virtual at::Device torch_device() const = 0;
+  // The backend's fused kernels for the model's hot spots, or null (CPU: the composite ops are
+  // the oracle). Lives as long as the process.
+  virtual const model::FusedKernels* fused_kernels() const { return nullptr; }
 
   virtual at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType dtype) = 0;
   virtual uint64_t WeightsFence() = 0;

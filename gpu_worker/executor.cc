@@ -18,7 +18,9 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       segment_(segment),
       device_(device),
       math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
-      act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat) {}
+      act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat) {
+  if (cfg.train.fused_kernels) math_.UseFusedKernels(device.fused_kernels());
+}
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
 

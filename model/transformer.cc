@@ -3,6 +3,7 @@
 
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
 #include <cmath>
@@ -105,6 +106,27 @@ at::Tensor Transformer::Rope(const at::Tensor& x, const at::Tensor& cos, const a
   return at::addcmul(x * cos, at::roll(x, x.size(-1) / 2, -1), sin);
 }
 
+namespace {
+// RoPE through the fused kernel with its own backward: the rotation is linear, so the backward
+// is the same kernel with the transposed rotation, and nothing but the tables is saved.
+struct FusedRopeFn : public torch::autograd::Function<FusedRopeFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& cos, const at::Tensor& sin, const FusedKernels* k) {
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
+    return k->Rope(x.contiguous(), cos, sin, /*backward=*/false);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
+    at::Tensor dx = k->Rope(grads[0].contiguous(), ctx->saved_data["cos"].toTensor(),
+                            ctx->saved_data["sin"].toTensor(), /*backward=*/true);
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
 at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D]. Expand kv heads for grouped-query attention.
   const int64_t groups = config_.num_heads / config_.num_kv_heads;
@@ -145,13 +167,18 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
     q = RmsNorm(q, Get(w, "q_norm"));
     k = RmsNorm(k, Get(w, "k_norm"));
   }
-  q = q.transpose(1, 2);
-  k = k.transpose(1, 2);
-  v = v.transpose(1, 2);
   at::Tensor cos, sin;
   RopeTables(S, q, &cos, &sin);
-  q = Rope(q, cos, sin);
-  k = Rope(k, cos, sin);
+  if (Fused(q)) {
+    // In [B, S, heads, D] order, where the projections left them contiguous; the attention
+    // takes the transposed views as they are.
+    q = FusedRopeFn::apply(q, cos, sin, fused_).transpose(1, 2);
+    k = FusedRopeFn::apply(k, cos, sin, fused_).transpose(1, 2);
+  } else {
+    q = Rope(q.transpose(1, 2), cos, sin);
+    k = Rope(k.transpose(1, 2), cos, sin);
+  }
+  v = v.transpose(1, 2);
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
   at::Tensor x1 = x + Proj(w, "o_proj", attn, layer, 3);
   at::Tensor h2 = RmsNorm(x1, Get(w, "post_norm"));
@@ -172,6 +199,11 @@ HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Ten
   at::Tensor h_leaf = h.detach().requires_grad_(backward);
   at::Tensor flat = h_leaf.reshape({-1, h.size(-1)});
   at::Tensor flat_labels = labels.reshape({-1});
+  if (Fused(flat)) {
+    HeadResult fused = FusedHead(flat, flat_labels, lm_head, loss_scale, backward);
+    if (backward) h.backward(h_leaf.grad());
+    return fused;
+  }
   const int64_t n = flat.size(0);
   for (int64_t c0 = 0; c0 < n; c0 += loss_chunk_tokens_) {
     const int64_t len = std::min(loss_chunk_tokens_, n - c0);
@@ -183,6 +215,30 @@ HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Ten
     if (backward) (ce * loss_scale).backward();
   }
   if (backward) h.backward(h_leaf.grad());
+  return r;
+}
+
+// The fused loss: per chunk, the logits in the compute dtype are overwritten by their gradient
+// (no fp32 copy, no softmax tensors) and handed to the projection's backward; losses stay on the
+// device until one synchronization at the end instead of two per chunk.
+HeadResult Transformer::FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
+                                  const at::Tensor& lm_head, double loss_scale, bool backward) const {
+  const int64_t n = flat.size(0);
+  std::vector<at::Tensor> chunk_sums;
+  for (int64_t c0 = 0; c0 < n; c0 += loss_chunk_tokens_) {
+    const int64_t len = std::min(loss_chunk_tokens_, n - c0);
+    at::Tensor lab = flat_labels.narrow(0, c0, len).contiguous();
+    at::Tensor logits = at::linear(flat.narrow(0, c0, len), lm_head);
+    // The projection's backward reads its input and weight, never its output, so the output's
+    // storage can carry the gradient.
+    at::Tensor buffer = logits.detach();
+    at::Tensor row_loss = fused_->CrossEntropyInPlace(buffer, lab, loss_scale, backward);
+    chunk_sums.push_back(row_loss.to(at::kDouble).sum());
+    if (backward) logits.backward(buffer);
+  }
+  HeadResult r;
+  r.loss_sum = at::stack(chunk_sums).sum().item<double>();
+  r.targets = flat_labels.ne(-100).sum().item<int64_t>();
   return r;
 }
 

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "core/job_config.h"
+#include "model/fused_kernels.h"
 
 namespace rp::model {
 
@@ -42,6 +43,9 @@ class Transformer {
   void SetDropoutKey(uint64_t key) { dropout_key_ = key; }
   // Off for evaluation: no dropout (as a model in eval mode).
   void SetTraining(bool training) { training_ = training; }
+  // Fast paths for tensors on the kernels' device (model/fused_kernels.h); null = composites
+  // only. Not owned; must outlive this object's use.
+  void UseFusedKernels(const FusedKernels* kernels) { fused_ = kernels; }
 
   // Layer 0: tokens [B, S] int64 -> hidden [B, S, H].
   at::Tensor Embed(const LayerWeights& w, const at::Tensor& tokens) const;
@@ -69,7 +73,12 @@ class Transformer {
   // The 0/1 keep mask of h's shape and dtype for (dropout key, layer, module).
   at::Tensor LoraDropout(const at::Tensor& h, int layer, int module) const;
 
+  bool Fused(const at::Tensor& t) const { return fused_ != nullptr && t.is_cuda(); }
+  HeadResult FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
+                       const at::Tensor& lm_head, double loss_scale, bool backward) const;
+
   core::ModelConfig config_;
+  const FusedKernels* fused_ = nullptr;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
   uint64_t dropout_key_ = 0;
   bool training_ = true;

@@ -36,6 +36,7 @@
 #include "common/logging.h"
 #include "common/test_hooks.h"
 #include "gpu_worker/cuda/cuda_check.h"
+#include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/device.h"
 
 namespace rp::worker {
@@ -109,6 +110,7 @@ class CudaDevice final : public Device {
     return "cuda:" + std::to_string(index_) + " (" + p.name + ")";
   }
   at::Device torch_device() const override { return at::Device(at::kCUDA, index_); }
+  const model::FusedKernels* fused_kernels() const override { return &CudaKernels(); }
 
   at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));

@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: Apache-2.0
+// Launchers of the project's own CUDA kernels (kernels.cu). Plain pointers and the CUDA runtime
+// only: the .cu file is compiled by nvcc without LibTorch's headers, and the tensor-level checks
+// (device, dtype, contiguity, shapes) are the caller's (fused_kernels.cc).
+//
+// Contract, common to every launcher: pointers are device memory on the current device, arrays
+// are contiguous, `dtype` names the element type of every floating-point array of the call, and
+// the work is enqueued on `stream` (nothing synchronizes). Returns the launch's error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace rp::worker::kernels {
+
+enum class Dtype { kFloat32, kBFloat16 };
+
+// Cross-entropy of `rows` rows of `vocab` logits against int64 labels (-100 = ignored row).
+// row_loss[r] (fp32) = logsumexp(logits[r]) - logits[r][label], 0 for an ignored row, NaN for a
+// label outside [0, vocab). With write_grad, logits[r] is overwritten by its gradient
+// scale * (softmax(logits[r]) - onehot(label)) (zeros for an ignored row), rounded once to dtype.
+// Statistics are fp32: a row max, then a sum of exponentials relative to it (one read of the
+// row), then one more read and one write for the gradient.
+cudaError_t CrossEntropyRows(Dtype dtype, void* logits, const int64_t* labels, int64_t rows,
+                             int64_t vocab, float scale, bool write_grad, float* row_loss,
+                             cudaStream_t stream);
+
+// Rotary embedding in the rotate-half convention on x of shape [rows / (seq * heads)..., seq,
+// heads, dim] (dim even), with tables cos, sin_signed of shape [seq, dim], where sin_signed is
+// sin with its first half negated (model/transformer.cc):
+//   forward:  y[i] = x[i] cos[i] + x[(i + dim/2) % dim] sin_signed[i]
+//   backward: y[i] = x[i] cos[i] + x[(i + dim/2) % dim] sin_signed[(i + dim/2) % dim]
+// (the backward maps dL/dy to dL/dx; the rotation's transpose is itself shifted by dim/2).
+// `rows` = number of dim-vectors; computed in fp32 and rounded once.
+cudaError_t Rope(Dtype dtype, const void* x, const void* cos, const void* sin_signed, void* y,
+                 int64_t rows, int64_t seq, int64_t heads, int64_t dim, bool backward,
+                 cudaStream_t stream);
+
+}  // namespace rp::worker::kernels

@@ -1,0 +1,38 @@
+// SPDX-License-Identifier: Apache-2.0
+// FusedKernels: the Transformer's optional fast paths for a device that has them.
+//
+// Contract:
+//  * Each method computes exactly what the Transformer's LibTorch composite computes for the
+//    same inputs (up to rounding: fp32 statistics, one rounding to the tensor's dtype), on the
+//    tensors' device, enqueued on LibTorch's current stream, without synchronizing.
+//  * The CPU path never uses them: the composite ops stay the oracle, and the GPU tests compare
+//    a worker using these kernels with it. A backend provides them through its Device (the CUDA
+//    worker's come from gpu_worker/cuda; model/ itself never includes CUDA headers).
+//  * Inputs are float32 or bfloat16; anything else (or a tensor on another device) throws
+//    std::invalid_argument naming the argument.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace rp::model {
+
+class FusedKernels {
+ public:
+  virtual ~FusedKernels() = default;
+
+  // logits [n, vocab] contiguous, labels [n] int64 (-100 = ignored). Returns each row's
+  // cross-entropy as fp32 [n] (0 for an ignored row, NaN for a label outside [0, vocab)). With
+  // write_grad, overwrites `logits` with scale * (softmax - onehot(label)), the gradient of
+  // scale * sum(row losses), zeros for ignored rows. No fp32 copy of the logits is made.
+  virtual at::Tensor CrossEntropyInPlace(at::Tensor logits, const at::Tensor& labels, double scale,
+                                         bool write_grad) const = 0;
+
+  // Rotary embedding of x [batch, seq, heads, dim] (contiguous) with tables cos and sin_signed
+  // [seq, dim] (sin with its first half negated): x * cos + roll(x, dim/2) * sin_signed, as
+  // Transformer::Rope computes on the transposed view. `backward` applies the transpose (maps
+  // dL/dy to dL/dx).
+  virtual at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                          bool backward) const = 0;
+};
+
+}  // namespace rp::model

@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA backend's fused kernels against LibTorch's composite ops on the same device (label
+// gpu; built only with CUDA, skipped without a device): values and gradients, both dtypes,
+// packed and unpacked rows, ignored and out-of-range labels.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Reduction.h>
+#include <torch/torch.h>
+
+#include "gpu_worker/cuda/fused_kernels.h"
+
+namespace rp {
+namespace {
+
+bool HaveCuda() { return at::hasCUDA() && torch::cuda::device_count() > 0; }
+
+double MaxAbs(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+class FusedCrossEntropy : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t>> {};
+
+TEST_P(FusedCrossEntropy, MatchesCompositeLossAndGradient) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto [dtype, vocab] = GetParam();
+  const int64_t rows = 37;
+  const double scale = 0.37;
+  at::manual_seed(7);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor logits = (at::randn({rows, vocab}, dev) * 4.0).to(dtype);
+  at::Tensor labels = at::randint(0, vocab, {rows}, dev.dtype(at::kLong));
+  labels.index_put_({at::arange(0, rows, 5, dev.dtype(at::kLong))}, -100);  // ignored rows
+
+  // Reference: what the composite path computes (fp32 logits, cross-entropy, autograd).
+  at::Tensor lf = logits.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor ref_rows = at::cross_entropy_loss(lf, labels, {}, at::Reduction::None, -100);
+  (ref_rows.sum() * scale).backward();
+  at::Tensor ref_grad = lf.grad();
+
+  at::Tensor buf = logits.clone();
+  at::Tensor got_rows = rp::worker::CudaKernels().CrossEntropyInPlace(buf, labels, scale, true);
+  const double loss_tol = dtype == at::kFloat ? 1e-5 : 1e-4;
+  EXPECT_LE(MaxAbs(got_rows, ref_rows), loss_tol * ref_rows.abs().max().item<double>());
+  // fp32: the two paths round exp() of differently rounded arguments (measured 3.3e-7 on gradients
+  // up to `scale` = 0.37, about ten ulps of the largest); bf16: one rounding of the fp32 value.
+  const double grad_tol = dtype == at::kFloat ? 1e-6 : scale * std::pow(2.0, -8);
+  EXPECT_LE(MaxAbs(buf, ref_grad), grad_tol);
+  // Ignored rows: zero loss and zero gradient.
+  EXPECT_EQ(got_rows.index({0}).item<float>(), 0.0f);
+  EXPECT_EQ(buf.index({0}).abs().sum().item<double>(), 0.0);
+
+  // Without write_grad the logits are left alone.
+  at::Tensor keep = logits.clone();
+  at::Tensor again = rp::worker::CudaKernels().CrossEntropyInPlace(keep, labels, scale, false);
+  EXPECT_TRUE(at::equal(keep, logits));
+  EXPECT_TRUE(at::allclose(again, got_rows));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndVocabularies, FusedCrossEntropy,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Values<int64_t>(4096, 4099, 151936)));
+
+TEST(FusedCrossEntropyLabels, OutOfRangeLabelGivesNaN) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor logits = at::randn({2, 64}, dev);
+  at::Tensor labels = at::tensor({int64_t{3}, int64_t{64}}, dev.dtype(at::kLong));
+  at::Tensor rows = rp::worker::CudaKernels().CrossEntropyInPlace(logits, labels, 1.0, false);
+  EXPECT_FALSE(std::isnan(rows.index({0}).item<float>()));
+  EXPECT_TRUE(std::isnan(rows.index({1}).item<float>()));
+}
+
+TEST(FusedCrossEntropyLabels, RejectsWrongDtypeNamingIt) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor logits = at::randn({2, 8}, dev.dtype(at::kHalf));
+  at::Tensor labels = at::zeros({2}, dev.dtype(at::kLong));
+  try {
+    rp::worker::CudaKernels().CrossEntropyInPlace(logits, labels, 1.0, false);
+    FAIL() << "half logits accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("logits has dtype"), std::string::npos) << e.what();
+  }
+}
+
+class FusedRope : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(FusedRope, MatchesCompositeForwardAndBackward) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const at::ScalarType dtype = GetParam();
+  const int64_t B = 2, S = 33, H = 3, D = 64;
+  at::manual_seed(11);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor x = at::randn({B, S, H, D}, dev).to(dtype);
+  at::Tensor ang = at::rand({S, D / 2}, dev) * 6.0;
+  at::Tensor cos = at::cat({ang.cos(), ang.cos()}, -1).to(dtype);
+  at::Tensor sin = at::cat({-ang.sin(), ang.sin()}, -1).to(dtype);
+
+  // Composite, in fp32 from the same rounded inputs: x * cos + roll(x, D/2) * sin.
+  at::Tensor xf = x.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor c4 = cos.to(at::kFloat).view({1, S, 1, D}), s4 = sin.to(at::kFloat).view({1, S, 1, D});
+  at::Tensor ref = xf * c4 + at::roll(xf, D / 2, -1) * s4;
+  at::Tensor dy = at::randn({B, S, H, D}, dev).to(dtype);
+  ref.backward(dy.to(at::kFloat));
+
+  const auto& k = rp::worker::CudaKernels();
+  at::Tensor y = k.Rope(x, cos, sin, /*backward=*/false);
+  at::Tensor dx = k.Rope(dy, cos, sin, /*backward=*/true);
+  const double tol = dtype == at::kFloat ? 1e-6 : 2.0 * std::pow(2.0, -8) * 4.0;
+  EXPECT_LE(MaxAbs(y, ref), tol);
+  EXPECT_LE(MaxAbs(dx, xf.grad()), tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, FusedRope, ::testing::Values(at::kFloat, at::kBFloat16));
+
+}  // namespace
+}  // namespace rp
