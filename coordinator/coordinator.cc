@@ -84,6 +84,10 @@ class Coordinator {
   void ReadFrozen(int f, float* out) const;
   Status AcceptWorkers();
   Status Dispatch(int64_t step);
+  // Step `step`'s job for (call, stage); indices follow dispatch order (core::StepJobOrder).
+  int64_t JobIndex(int64_t step, int call, int stage) const {
+    return steps_.at(step).job_at[static_cast<size_t>(call) * plan_.stages.size() + stage];
+  }
   Status TryFeed();
   Status Loop();
   Status ReportSteps();
@@ -153,7 +157,7 @@ class Coordinator {
   // In-flight work. Steps overlap: step t + 1 is dispatched while step t drains, and its stages
   // start as soon as their layers' weights reach version t + 1.
   struct StepState {
-    int64_t first_job = 0;
+    std::vector<int64_t> job_at;  // [call * stages + stage] -> job index (core::StepJobOrder)
     double loss_scale = 0.0;
     double loss_sum = 0.0;
     int64_t targets = 0;
@@ -418,7 +422,7 @@ Status Coordinator::FeedCall(int64_t g) {
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
     data_->Fill(step, call, mb, segment_->At<int64_t>(layout_.TokenSlot(parity, mb)),
                 segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
-  const JobState& first = jobs_.at(steps_.at(step).first_job + call * static_cast<int64_t>(plan_.stages.size()));
+  const JobState& first = jobs_.at(JobIndex(step, static_cast<int>(call), 0));
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
     RP_RETURN_IF_ERROR(SendTo(first.worker, proto::InputReady{first.index, mb, 0}));
   fed_calls_.insert(g);
@@ -449,10 +453,9 @@ std::vector<int> Coordinator::StageGradSlots(int stage) const {
 Status Coordinator::TryCommits(int64_t step) {
   // Gradients of one stage are written in call order (the first overwrites, later ones add), so
   // the float sums do not depend on which worker finishes first.
-  const int64_t S = static_cast<int64_t>(plan_.stages.size());
-  const int64_t first = steps_.at(step).first_job;
-  for (int64_t k = first; k < first + S * cfg_.train.accum_calls; ++k) {
-    auto it = jobs_.find(k);
+  const int S = static_cast<int>(plan_.stages.size());
+  for (int pos = 0; pos < S * static_cast<int>(cfg_.train.accum_calls); ++pos) {
+    auto it = jobs_.find(steps_.at(step).job_at[pos]);
     if (it == jobs_.end()) continue;
     JobState& j = it->second;
     if (!j.grads_ready || j.commit_sent) continue;
@@ -460,7 +463,7 @@ Status Coordinator::TryCommits(int64_t step) {
     // consumed them (implied in exact mode by the weight versions, not in stale1 mode).
     if (j.call == 0 && step > 0 && !optimizer_->Updated(step - 1)) continue;
     if (j.call > 0) {
-      auto prev = jobs_.find(k - S);
+      auto prev = jobs_.find(JobIndex(step, j.call - 1, j.stage));
       if (prev != jobs_.end() && !prev->second.done) continue;
     }
     // The first call's commit places the stage's slots in the gradient arena; with the arena
@@ -504,7 +507,7 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
     st.targets += d.targets;
   }
   if (static_cast<size_t>(j->stage) + 1 < plan_.stages.size()) {
-    const JobState& next = jobs_.at(j->index + 1);
+    const JobState& next = jobs_.at(JobIndex(j->step, j->call, j->stage + 1));
     RP_RETURN_IF_ERROR(SendTo(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
   }
   return Status::Ok();
@@ -737,7 +740,7 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
     if (j.stage == 0) {
       ready = fed_calls_.count(j.step * K + j.call) ? M : 0;
     } else {
-      auto prev = jobs_.find(index - 1);
+      auto prev = jobs_.find(JobIndex(j.step, j.call, j.stage - 1));
       ready = prev == jobs_.end() ? M : prev->second.mb_hw;
     }
     for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(SendTo(rank, proto::InputReady{index, mb, 0}));
@@ -919,27 +922,27 @@ Status Coordinator::Dispatch(int64_t step) {
     return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
   StepState& st = steps_[step];
   st.loss_scale = 1.0 / static_cast<double>(targets);
-  st.first_job = job_counter_;
   const int K = static_cast<int>(cfg_.train.accum_calls);
   const int S = static_cast<int>(plan_.stages.size());
-  for (int c = 0; c < K; ++c)
-    for (int s = 0; s < S; ++s) {
-      JobState j;
-      j.index = job_counter_++;
-      j.step = step;
-      j.call = c;
-      j.stage = s;
-      j.worker = core::WorkerForJob(stage_jobs_dispatched_++, 0, opts_.num_workers);
-      // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's
-      // update overlaps all of step t.
-      const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
-      proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
-                      static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version,
-                      step >= profile_begin_ && step < profile_end_ ? 1 : 0, 0};
-      j.run = r;
-      RP_RETURN_IF_ERROR(SendTo(j.worker, r));
-      jobs_.emplace(j.index, j);
-    }
+  st.job_at.assign(static_cast<size_t>(K) * S, -1);
+  for (const auto [c, s] : core::StepJobOrder(plan_, K, cfg_.schedule.interleave_calls)) {
+    JobState j;
+    j.index = job_counter_++;
+    j.step = step;
+    j.call = c;
+    j.stage = s;
+    j.worker = core::WorkerForJob(stage_jobs_dispatched_++, 0, opts_.num_workers);
+    // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's
+    // update overlaps all of step t.
+    const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
+    proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
+                    static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version,
+                    step >= profile_begin_ && step < profile_end_ ? 1 : 0, 0};
+    j.run = r;
+    st.job_at[static_cast<size_t>(c) * S + s] = j.index;
+    RP_RETURN_IF_ERROR(SendTo(j.worker, r));
+    jobs_.emplace(j.index, j);
+  }
   // The eval after this step holds back a later update from now on (see UpdateHeld), even if
   // a later step's gradients were to become final before this step is done.
   if (EvalDue(step)) evals_[step];

@@ -312,6 +312,10 @@ const std::vector<KeySpec>& Table() {
           "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is set)"),
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
+      Bool("schedule", "interleave_calls", F(schedule.interleave_calls), true,
+           "Queue the forward stages of accumulation calls 2i and 2i+1 stage by stage before their "
+           "tails and backward stages, so a worker waiting for the optimizer to publish a stage's "
+           "weights finds two calls' work on them (the same arithmetic in another order)"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

@@ -28,6 +28,21 @@ std::vector<int> EqualCuts(int n, int parts) {
   return starts;
 }
 
+std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool interleave) {
+  const int S = static_cast<int>(plan.stages.size());
+  const int F = plan.NumForward();
+  std::vector<JobSlot> order;
+  order.reserve(static_cast<size_t>(S) * calls);
+  for (int c = 0; c < calls; c += interleave ? 2 : 1) {
+    const int group = interleave ? std::min(2, calls - c) : 1;
+    for (int s = 0; s < F; ++s)
+      for (int g = 0; g < group; ++g) order.push_back({c + g, s});
+    for (int g = 0; g < group; ++g)
+      for (int s = F; s < S; ++s) order.push_back({c + g, s});
+  }
+  return order;
+}
+
 int PipelinePlan::NumForward() const {
   int n = 0;
   for (auto& s : stages) n += s.kind == StageKind::kForward;

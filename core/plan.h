@@ -61,6 +61,22 @@ StatusOr<PipelinePlan> BuildPlan(const JobConfig& config);
 // Splits [0, n) into `parts` contiguous ranges whose sizes differ by at most one (larger first).
 std::vector<int> EqualCuts(int n, int parts);
 
+// One step's stage jobs in dispatch order (so in each worker's queue order): (call, stage).
+// Sequential: call by call, each call's chain in order. Interleaved (K >= 2): calls in pairs
+// (2i, 2i+1); the pair's forward stages alternate stage by stage (F_0 of 2i, F_0 of 2i+1, F_1 of
+// 2i, ...), then call 2i's tail and backward stages, then call 2i+1's. In exact mode the
+// optimizer publishes a step's weights layer by layer after the last gradient (with clipping),
+// and the forward of one call over a stage is shorter than the stage's update: with two calls
+// queued per forward stage the worker keeps up with the optimizer instead of waiting for it.
+// Every job still follows the jobs it depends on (its call's previous stage, the same stage of
+// the previous call for accumulation, the call two earlier for its activation slots), so no
+// order of workers can deadlock; only two calls are in flight, as with two slot parities.
+struct JobSlot {
+  int call;
+  int stage;
+};
+std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool interleave);
+
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {
   return static_cast<int>((cursor0 + job_index) % num_workers);
 }

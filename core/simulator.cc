@@ -46,7 +46,12 @@ SimResult Simulate(const SimInput& in) {
 
   std::vector<double> compute_free(N, 0.0), began(N, 0.0), weights_free(N, 0.0), grads_free(N, 0.0);
   std::vector<double> first_start(N, -1.0), last_end(N, 0.0);
-  std::vector<double> prev_chain(M, 0.0), cur_chain(M, 0.0);
+  // chain[c][m]: when microbatch m of call c finished its call's latest dispatched stage.
+  std::vector<std::vector<double>> chain(K, std::vector<double>(M, 0.0));
+  std::vector<JobSlot> order = in.order;
+  if (order.empty())
+    for (int c = 0; c < K; ++c)
+      for (int s = 0; s < S; ++s) order.push_back({c, s});
   struct Held {
     double from, to, bytes;
   };
@@ -57,51 +62,50 @@ SimResult Simulate(const SimInput& in) {
     // Every earlier step's gradients are final by now (its jobs come first), so its updates
     // are known: step t's weights wait for step `need`'s, its commits for step t - 1's.
     while (updates_done_for < t - 1) run_updates(++updates_done_for);
-    for (int c = 0; c < K; ++c)
-      for (int s = 0; s < S; ++s) {
-        const int64_t k = static_cast<int64_t>(t) * jobs_per_step + c * S + s;
-        const int w = static_cast<int>(k % N);
-        const SimStage& st = in.stages[s];
-        double version_ready = 0.0;
-        if (need >= 0)
-          for (int o : st.owners) version_ready = std::max(version_ready, updated[need][o]);
-        const double fetch_start = std::max({version_ready, weights_free[w], began[w]});
-        const double fetch_end =
-            fetch_start + (in.h2d_bytes_per_s > 0 ? st.weight_bytes / in.h2d_bytes_per_s : 0.0);
-        weights_free[w] = fetch_end;
-        double now = std::max(compute_free[w], fetch_end);
-        began[w] = now;
-        const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
-        for (int m = 0; m < M; ++m) {
-          if (s > 0) now = std::max(now, prev_chain[m]);
-          if (first_start[w] < 0) first_start[w] = now;
-          now += per_mb;
-          cur_chain[m] = now;
-          r.busy[w] += per_mb;
-        }
-        compute_free[w] = last_end[w] = now;
-        double done = now;
-        if (st.grad_bytes > 0) {
-          // A gradient slot of step t is free once step t - 1's update of its layer has read it
-          // (exact mode: always by now; stale1: the update runs during this step).
-          double slot_free = 0.0;
-          if (t > 0)
-            for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
-          const double start = std::max({now, grads_free[w], slot_free});
-          double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
-          if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
-          grads_free[w] = start + copy;
-          done = grads_free[w];
-          // The job's fp32 gradients stay on the device from its end until the copy is done.
-          held[w].push_back({now, done, st.grad_bytes});
-          for (int o : st.owners) {
-            final_at[t][o] = std::max(final_at[t][o], done);
-            has_grad[t][o] = true;
-          }
-        }
-        r.step_done[t] = std::max(r.step_done[t], done);
-        std::swap(prev_chain, cur_chain);
+    for (int pos = 0; pos < jobs_per_step; ++pos) {
+      const int c = order[pos].call, s = order[pos].stage;
+      const int64_t k = static_cast<int64_t>(t) * jobs_per_step + pos;
+      const int w = static_cast<int>(k % N);
+      const SimStage& st = in.stages[s];
+      double version_ready = 0.0;
+      if (need >= 0)
+        for (int o : st.owners) version_ready = std::max(version_ready, updated[need][o]);
+      const double fetch_start = std::max({version_ready, weights_free[w], began[w]});
+      const double fetch_end =
+          fetch_start + (in.h2d_bytes_per_s > 0 ? st.weight_bytes / in.h2d_bytes_per_s : 0.0);
+      weights_free[w] = fetch_end;
+      double now = std::max(compute_free[w], fetch_end);
+      began[w] = now;
+      const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+      for (int m = 0; m < M; ++m) {
+        if (s > 0) now = std::max(now, chain[c][m]);
+        if (first_start[w] < 0) first_start[w] = now;
+        now += per_mb;
+        chain[c][m] = now;
+        r.busy[w] += per_mb;
       }
+      compute_free[w] = last_end[w] = now;
+      double done = now;
+      if (st.grad_bytes > 0) {
+        // A gradient slot of step t is free once step t - 1's update of its layer has read it
+        // (exact mode: always by now; stale1: the update runs during this step).
+        double slot_free = 0.0;
+        if (t > 0)
+          for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
+        const double start = std::max({now, grads_free[w], slot_free});
+        double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
+        if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
+        grads_free[w] = start + copy;
+        done = grads_free[w];
+        // The job's fp32 gradients stay on the device from its end until the copy is done.
+        held[w].push_back({now, done, st.grad_bytes});
+        for (int o : st.owners) {
+          final_at[t][o] = std::max(final_at[t][o], done);
+          has_grad[t][o] = true;
+        }
+      }
+      r.step_done[t] = std::max(r.step_done[t], done);
+    }
   }
   while (updates_done_for < T - 1) run_updates(++updates_done_for);
   r.makespan = 0.0;
@@ -171,6 +175,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
   in.version_lag = c.optimizer.mode == "stale1" ? 2 : 1;
   in.updates_wait_for_norm = c.train.grad_clip > 0;
+  in.order = StepJobOrder(plan, in.calls, c.schedule.interleave_calls);
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double act = tokens * static_cast<double>(c.model.hidden_size) * elem;

@@ -3,8 +3,9 @@
 // into fill, drain and imbalance) for a plan from per-stage costs.
 //
 // Model (the runtime's rules, in pure form):
-//  * A step is K calls of the stage chain; job k (counted over steps and calls) runs on worker
-//    k mod N; each job processes microbatches 0..M-1 in order.
+//  * A step is K calls of the stage chain, dispatched in `order` (core::StepJobOrder); job k
+//    (counted over steps in that order) runs on worker k mod N; each job processes
+//    microbatches 0..M-1 in order.
 //  * Microbatch m of chain position k starts when (a) microbatch m of the previous position in
 //    its call is done (its output is in host memory), (b) the job's own microbatch m-1 is done,
 //    and (c) for m = 0, the worker's previous job is done and the job's weights are resident.
@@ -54,6 +55,7 @@ struct SimInput {
   std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
   int version_lag = 1;
   bool updates_wait_for_norm = false;
+  std::vector<JobSlot> order;  // one step's jobs in dispatch order; empty: call by call
 };
 
 struct SimResult {

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "core/plan.h"
 #include "tests/testing/process_harness.h"
 
@@ -78,6 +80,44 @@ TEST(Plan, RoundRobinDispatch) {
   for (int n = 1; n <= 5; ++n)
     for (int64_t k = 0; k < 40; ++k) EXPECT_EQ(WorkerForJob(k, 0, n), k % n);
   EXPECT_EQ(WorkerForJob(3, 2, 4), 1);
+}
+
+TEST(Plan, StepJobOrderRunsEveryJobOnceAfterWhatItNeeds) {
+  PipelinePlan plan;
+  plan.stages = {{StageKind::kForward, 0, 2}, {StageKind::kForward, 2, 4}, {StageKind::kFusedTail, 4, 6},
+                 {StageKind::kBackward, 2, 4}, {StageKind::kBackward, 0, 2}};
+  const int S = static_cast<int>(plan.stages.size());
+  for (bool interleave : {false, true})
+    for (int K : {1, 2, 3, 4, 5}) {
+      auto order = StepJobOrder(plan, K, interleave);
+      ASSERT_EQ(order.size(), static_cast<size_t>(K * S));
+      std::map<std::pair<int, int>, int> pos;
+      for (int i = 0; i < static_cast<int>(order.size()); ++i)
+        EXPECT_TRUE(pos.emplace(std::make_pair(order[i].call, order[i].stage), i).second) << "duplicate";
+      for (int c = 0; c < K; ++c)
+        for (int s = 0; s < S; ++s) {
+          const int at = pos.at({c, s});
+          if (s > 0) {
+            EXPECT_LT(pos.at({c, s - 1}), at) << "chain order, call " << c;
+          }
+          if (c > 0) {
+            EXPECT_LT(pos.at({c - 1, s}), at) << "accumulation order, stage " << s;
+          }
+          // Two slot parities: call c's first stage is fed once call c - 2 is done.
+          if (c > 1) {
+            EXPECT_LT(pos.at({c - 2, S - 1}), pos.at({c, 0})) << "slot reuse, call " << c;
+          }
+        }
+      if (!interleave || K == 1) {
+        for (int i = 0; i < K * S; ++i) EXPECT_EQ(order[i].call * S + order[i].stage, i);
+      } else {
+        // Forward stages of calls 0 and 1 alternate before call 0's tail.
+        EXPECT_EQ(order[1].call, 1);
+        EXPECT_EQ(order[1].stage, 0);
+        EXPECT_EQ(order[4].call, 0);
+        EXPECT_EQ(order[4].stage, 2);
+      }
+    }
 }
 
 }  // namespace

@@ -170,5 +170,36 @@ TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   EXPECT_DOUBLE_EQ(clipped.makespan, 4.0);
 }
 
+TEST(Simulator, InterleavedCallsKeepUpWithTheOptimizer) {
+  // One worker, exact mode with clipping, K = 2 calls of F_a F_b B_b B_a (1 s per microbatch,
+  // M = 1), layers 0 and 1 updated in 2 s each after the step's last gradient.
+  // Step 0 (no waits) ends at 8 either way; the updates run [8, 10) and [10, 12).
+  // Call by call, step 1: F_a 10-11, F_b waits for layer 1: 12-13, B_b, B_a, then call 1's four
+  // jobs: 19. Interleaved: F_a of both calls 10-12, F_b of both 12-14, then the four backward
+  // jobs: 18.
+  PipelinePlan plan;
+  plan.stages = {{StageKind::kForward, 0, 1}, {StageKind::kForward, 1, 2},
+                 {StageKind::kBackward, 1, 2}, {StageKind::kBackward, 0, 1}};
+  SimInput in;
+  SimStage fa, fb, bb, ba;
+  fa.compute_s = fb.compute_s = bb.compute_s = ba.compute_s = 1.0;
+  fa.owners = ba.owners = {0};
+  fb.owners = bb.owners = {1};
+  bb.grad_bytes = ba.grad_bytes = 1.0;
+  in.stages = {fa, fb, bb, ba};
+  in.calls = 2;
+  in.steps = 2;
+  in.update_s = {2.0, 2.0};
+  in.updates_wait_for_norm = true;
+  in.order = StepJobOrder(plan, 2, /*interleave=*/false);
+  auto sequential = Simulate(in);
+  EXPECT_DOUBLE_EQ(sequential.step_done[0], 8.0);
+  EXPECT_DOUBLE_EQ(sequential.step_done[1], 19.0);
+  in.order = StepJobOrder(plan, 2, /*interleave=*/true);
+  auto interleaved = Simulate(in);
+  EXPECT_DOUBLE_EQ(interleaved.step_done[0], 8.0);
+  EXPECT_DOUBLE_EQ(interleaved.step_done[1], 18.0);
+}
+
 }  // namespace
 }  // namespace rp::core
