@@ -223,6 +223,10 @@ Status Coordinator::Setup() {
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
+  if (layout_.activations_in_worker && opts_.num_workers != 1)
+    return Status::InvalidArgument("schedule.activations = \"worker\" keeps activations in the one worker's "
+                                   "memory and needs --gpus 1 (this run has " +
+                                   std::to_string(opts_.num_workers) + " workers); use \"host\"");
   h2d_bytes_per_step_ = StepH2dBytes();
   profile_builder_.emplace(plan_.num_layers);
   sim_stages_ = core::BuildSimInput(cfg_, spec_, plan_, core::DefaultCostModel(cfg_),
@@ -257,7 +261,10 @@ Status Coordinator::Setup() {
                << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
                << layout_.grad_arena_bytes / (1 << 20) << " MiB"
                << (layout_.grads_streamed ? ", streamed" : ", every gradient") << "), optimizer "
-               << layout_.optim_total_bytes / (1 << 20) << " MiB";
+               << layout_.optim_total_bytes / (1 << 20) << " MiB; activations "
+               << (layout_.activations_in_worker ? "kept in the worker's memory"
+                                                 : "in shared-memory slots (" +
+                                                       std::to_string((layout_.total_bytes - layout_.hidden) >> 10) + " KiB)");
   return Status::Ok();
 }
 
@@ -701,6 +708,12 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   if (hello.rank != rank || hello.layout_hash != layout_.hash)
     return Status::ProtocolError("replacement worker " + std::to_string(rank) +
                                  " computed a different shared-memory layout or rank");
+  if (layout_.activations_in_worker)
+    return Status::Unavailable("worker " + std::to_string(rank) + " was replaced, but with schedule.activations = "
+                               "\"worker\" the step's hidden states and input gradients lived in the dead "
+                               "worker's memory, so its jobs cannot be re-run; resume from the last checkpoint "
+                               "(rp-launch --resume), or use schedule.activations = \"host\" to survive worker "
+                               "faults");
   worker_pids_[rank] = hello.pid;
   RP_RETURN_IF_ERROR(SendWelcome(rank));
   // The dead worker's unfinished jobs, in their original order (so the new worker's queue has
@@ -959,9 +972,11 @@ int64_t Coordinator::StepH2dBytes() const {
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
   for (const auto& st : plan_.stages) {
     for (int l = st.begin; l < st.end; ++l) h2d += spec_.LayerWeightElems(l) * layout_.compute_elem_bytes;
-    int64_t per_mb = st.begin == 0 ? tok : act;
+    // Activations kept in the worker (schedule.activations) never cross the host link.
+    const int64_t hidden = layout_.activations_in_worker ? 0 : act;
+    int64_t per_mb = st.begin == 0 ? tok : hidden;
     if (st.kind == core::StageKind::kFusedTail) per_mb += tok;
-    if (st.kind == core::StageKind::kBackward) per_mb += act;
+    if (st.kind == core::StageKind::kBackward) per_mb += hidden;
     h2d += per_mb * cfg_.train.microbatches;
   }
   return h2d * cfg_.train.accum_calls;

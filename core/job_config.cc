@@ -322,6 +322,12 @@ const std::vector<KeySpec>& Table() {
       IntArray("schedule", "backward_cuts", F(schedule.backward_cuts),
                "Explicit first layers of the non-tail backward stages except the one at 0 "
                "(ascending)"),
+      Enum("schedule", "activations", F(schedule.activations), "host", {"host", "worker"},
+           "Where hidden states (stage outputs, recompute checkpoints) and input gradients live "
+           "between stages. host: shared-memory slots (any number of workers; a replaced worker "
+           "re-runs its jobs from them). worker: in the worker's own (device) memory, with no "
+           "copies to or from the host and no host memory for them; needs --gpus 1, and a "
+           "worker that dies stops the run (resume from the last checkpoint)"),
       Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
            "tail size and both partitions minimizing the simulated step time (from the measured "

@@ -98,6 +98,7 @@ struct ScheduleConfig {
   int64_t backward_stages = 2;   // equal split of the non-tail backward layers
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
   bool interleave_calls = true;   // core::StepJobOrder
+  std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
   std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"

@@ -101,7 +101,16 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     worst_weights = std::max(worst_weights, params * elem);
     worst_stage = std::max(worst_stage, stage);
   }
-  return worst_stage + worst_weights;  // the running stage plus the next one's prefetched weights
+  // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
+  // device (as the shared-memory layout would hold them: parities x microbatches x slots).
+  double resident = 0.0;
+  if (c.schedule.activations == "worker") {
+    const double parities = ActivationParities(c);
+    const double slots = static_cast<double>(plan.hidden_boundaries.size()) +
+                         std::min<double>(2.0, static_cast<double>(plan.grad_boundaries.size()));
+    resident = parities * static_cast<double>(c.train.microbatches) * slots * tokens * H * elem;
+  }
+  return worst_stage + worst_weights + resident;  // the running stage plus the next one's prefetched weights
 }
 
 StatusOr<Profile> PlanningProfile(const JobConfig& c) {

@@ -77,6 +77,12 @@ struct JobSlot {
 };
 std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool interleave);
 
+// Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains,
+// except exact mode with one call per step, where no two calls' activations are ever in flight.
+inline int ActivationParities(const JobConfig& c) {
+  return c.optimizer.mode == "exact" && c.train.accum_calls == 1 ? 1 : 2;
+}
+
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {
   return static_cast<int>((cursor0 + job_index) % num_workers);
 }

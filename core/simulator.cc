@@ -178,7 +178,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.order = StepJobOrder(plan, in.calls, c.schedule.interleave_calls);
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
-  const double act = tokens * static_cast<double>(c.model.hidden_size) * elem;
+  // Activations kept in the worker (schedule.activations = "worker") cost no transfers.
+  const double act = c.schedule.activations == "worker" ? 0.0 : tokens * static_cast<double>(c.model.hidden_size) * elem;
   const double ids = tokens * 8.0;  // int64 token ids or labels
   for (const auto& s : plan.stages) {
     SimStage st;

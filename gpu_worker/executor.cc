@@ -4,6 +4,8 @@
 #include <c10/core/GradMode.h>
 
 #include <atomic>
+#include <stdexcept>
+#include <string>
 #include <c10/util/Exception.h>
 
 namespace rp::worker {
@@ -173,8 +175,20 @@ at::Tensor Executor::Tokens(int mb, bool labels) {
   return device_.FetchActivation(segment_.data() + off, {cfg_.train.microbatch_size, cfg_.data.seq_len}, at::kLong);
 }
 
+at::Tensor Executor::Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key,
+                              const char* what) const {
+  auto it = slots.find(key);
+  if (it == slots.end())
+    throw std::runtime_error(std::string(what) + " slot " + std::to_string(std::get<2>(key)) + " of microbatch " +
+                             std::to_string(std::get<1>(key)) + " (parity " + std::to_string(std::get<0>(key)) +
+                             ") was never written in this worker (schedule.activations = \"worker\")");
+  // A new handle on the same storage: the reader may make it a leaf that requires grad.
+  return it->second.detach();
+}
+
 at::Tensor Executor::Hidden(int mb, int boundary) {
   const int slot = plan_.HiddenSlot(boundary);
+  if (layout_.activations_in_worker) return Resident(resident_hidden_, {job_.parity, mb, slot}, "hidden-state");
   return device_.FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot),
                        {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
                        act_dtype_);
@@ -182,17 +196,28 @@ at::Tensor Executor::Hidden(int mb, int boundary) {
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
   const int slot = plan_.GradSlot(boundary);
+  if (layout_.activations_in_worker)
+    return Resident(resident_grads_, {job_.parity, mb, slot % layout_.grad_slots_per_mb}, "input-gradient");
   return device_.FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot),
                        {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
                        act_dtype_);
 }
 
 void Executor::StoreHidden(int mb, int boundary, const at::Tensor& t) {
+  if (layout_.activations_in_worker) {
+    resident_hidden_[{job_.parity, mb, plan_.HiddenSlot(boundary)}] = t.detach().to(act_dtype_);
+    return;
+  }
   device_.Store(t, segment_.data() + layout_.HiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)),
                 act_dtype_);
 }
 
 void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
+  if (layout_.activations_in_worker) {
+    resident_grads_[{job_.parity, mb, plan_.GradSlot(boundary) % layout_.grad_slots_per_mb}] =
+        t.detach().to(act_dtype_);
+    return;
+  }
   device_.Store(t, segment_.data() + layout_.InputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)),
                 act_dtype_);
 }

@@ -11,6 +11,8 @@
 //    backward stages write input gradients; their parameter gradients accumulate on the device
 //    in fp32 over the job's microbatches (bf16 weights produce bf16 gradients per microbatch) and
 //    reach shared memory only through StartCommit(), so a job that dies mid-way commits nothing.
+//  * Activations between stages go through the shared-memory slots, or with
+//    schedule.activations = "worker" stay in this process's device memory (one worker only).
 //  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
 //  * Single-threaded.
 #pragma once
@@ -20,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "common/status.h"
@@ -130,6 +133,12 @@ class Executor {
     at::TensorOptions options;
   };
   std::map<int64_t, std::vector<HeldGrad>> held_;  // by job index
+  // schedule.activations = "worker": what the hidden-state and input-gradient slots hold, as
+  // tensors on the device, keyed like the shared-memory slots (parity, microbatch, slot index),
+  // so the coordinator's slot-reuse rules apply unchanged. Stored by reference, never copied.
+  using SlotKey = std::tuple<int, int, int>;
+  std::map<SlotKey, at::Tensor> resident_hidden_, resident_grads_;
+  at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 
 }  // namespace rp::worker

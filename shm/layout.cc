@@ -124,7 +124,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos += a.grad_arena_bytes;
   a.microbatches = static_cast<int>(c.train.microbatches);
   a.tokens_per_mb = static_cast<uint64_t>(c.train.microbatch_size * c.data.seq_len);
-  a.parities = c.optimizer.mode == "exact" && c.train.accum_calls == 1 ? 1 : 2;
+  a.parities = core::ActivationParities(c);
   const uint64_t slots = static_cast<uint64_t>(a.parities) * a.microbatches;
   a.tokens = pos;
   pos += slots * Align(a.tokens_per_mb * 8);
@@ -139,11 +139,12 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.act_slot_bytes = Align(a.act_elems * a.compute_elem_bytes);
   a.num_hidden = static_cast<int>(plan.hidden_boundaries.size());
   a.num_grad = static_cast<int>(plan.grad_boundaries.size());
-  a.hidden = pos;
-  pos += slots * a.num_hidden * a.act_slot_bytes;
-  a.input_grad = pos;
   a.grad_slots_per_mb = std::min(a.num_grad, 2);
-  pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
+  a.activations_in_worker = c.schedule.activations == "worker";
+  a.hidden = pos;
+  if (!a.activations_in_worker) pos += slots * a.num_hidden * a.act_slot_bytes;
+  a.input_grad = pos;
+  if (!a.activations_in_worker) pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
   a.total_bytes = pos;
 
   // The optimizer segment. SGD keeps one state buffer (momentum, in adam_m); AdamW two.
@@ -165,7 +166,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   h = HashParams(h, spec.params, 0);
   h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
-               static_cast<uint64_t>(a.eval_slots)});
+               static_cast<uint64_t>(a.eval_slots), static_cast<uint64_t>(a.activations_in_worker)});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

@@ -25,6 +25,8 @@
 //                        seq_len] when train.eval_every > 0 (RunEval jobs)
 //   hidden slots         [P][M][plan.hidden_boundaries][microbatch_size * seq_len * hidden]
 //   input-grad slots     [P][M][2][microbatch_size * seq_len * hidden]: boundary index i of
+//                        (hidden and input-grad slots: none here with schedule.activations =
+//                        "worker", which keeps them, indexed alike, in the one worker's memory)
 //                        plan.grad_boundaries uses slot i % 2. A microbatch's backward chain is
 //                        sequential and writes descending boundaries, so when a stage writes
 //                        slot i % 2 the gradient that last used it (boundary i + 2) has been read.
@@ -108,6 +110,9 @@ struct ArenaLayout {
   int microbatches = 0, num_hidden = 0, num_grad = 0;
   int parities = 2;                  // activation slot sets (see above)
   int grad_slots_per_mb = 0;         // input-gradient slots per microbatch: min(num_grad, 2)
+  // schedule.activations = "worker": the hidden and input-gradient slots exist only in the
+  // worker's memory (same indexing); the segment has no bytes for them.
+  bool activations_in_worker = false;
 
   // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
   uint64_t ComputeCopy(int p, int buffer) const {

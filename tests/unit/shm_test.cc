@@ -116,6 +116,24 @@ TEST(Layout, GradientArenaStreamsOnlyWhenNothingMustBeHeld) {
   }
 }
 
+TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
+  auto cfg = SmallConfig();
+  auto spec = core::BuildModelSpec(cfg.model);
+  auto plan = core::MakePlan(cfg);
+  ASSERT_TRUE(plan.ok());
+  auto host = ComputeLayout(cfg, spec, *plan);
+  cfg.schedule.activations = "worker";
+  auto worker = ComputeLayout(cfg, spec, *plan);
+  ASSERT_TRUE(host.ok() && worker.ok());
+  EXPECT_FALSE(host->activations_in_worker);
+  EXPECT_TRUE(worker->activations_in_worker);
+  const uint64_t slots = static_cast<uint64_t>(host->parities) * host->microbatches *
+                         (host->num_hidden + host->grad_slots_per_mb) * host->act_slot_bytes;
+  ASSERT_GT(slots, 0u);
+  EXPECT_EQ(worker->total_bytes + slots, host->total_bytes);
+  EXPECT_NE(worker->hash, host->hash);  // a worker configured otherwise refuses to attach
+}
+
 TEST(Segment, CreateOpenValidateAndUnlink) {
   const std::string name = TempShmName();
   {
