@@ -771,7 +771,13 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kJobDone: return OnJobDone(rank, std::get<proto::JobDone>(m));
     case proto::MsgType::kJobFailed: {
       const auto& f = std::get<proto::JobFailed>(m);
-      // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job.
+      // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job,
+      // unless the step's activations lived in it (schedule.activations = "worker").
+      if (layout_.activations_in_worker)
+        return Status::Unavailable("worker " + std::to_string(rank) + " failed job " + std::to_string(f.job_index) +
+                                   ": " + f.message + "; with schedule.activations = \"worker\" the step's "
+                                   "activations lived in it, so its jobs cannot be re-run: resume from the last "
+                                   "checkpoint (rp-launch --resume)");
       if (RestartsAllowed()) {
         RP_LOG(WARNING) << "worker " << rank << " failed job " << f.job_index << ": " << f.message
                         << " (waiting for its replacement)";
@@ -938,7 +944,7 @@ Status Coordinator::Dispatch(int64_t step) {
   const int K = static_cast<int>(cfg_.train.accum_calls);
   const int S = static_cast<int>(plan_.stages.size());
   st.job_at.assign(static_cast<size_t>(K) * S, -1);
-  for (const auto [c, s] : core::StepJobOrder(plan_, K, cfg_.schedule.interleave_calls)) {
+  for (const auto [c, s] : core::StepJobOrder(plan_, K, core::InterleaveCalls(cfg_))) {
     JobState j;
     j.index = job_counter_++;
     j.step = step;

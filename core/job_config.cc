@@ -313,9 +313,11 @@ const std::vector<KeySpec>& Table() {
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
       Bool("schedule", "interleave_calls", F(schedule.interleave_calls), true,
-           "Queue the forward stages of accumulation calls 2i and 2i+1 stage by stage before their "
-           "tails and backward stages, so a worker waiting for the optimizer to publish a stage's "
-           "weights finds two calls' work on them (the same arithmetic in another order)"),
+           "Exact mode: queue the forward stages of accumulation calls 2i and 2i+1 stage by stage "
+           "before their tails and backward stages, so while the optimizer publishes the next "
+           "step's weights stage by stage there is more forward work queued on them (with one "
+           "worker, both calls' work on each stage). The same arithmetic in another order; "
+           "stale1 keeps calls in sequence"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

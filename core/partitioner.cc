@@ -95,7 +95,7 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     // The head: one chunk's logits in the compute dtype; the composite loss adds fp32 logits,
     // their softmax and gradient (the fused kernel writes the gradient over the logits).
     if (st.end == plan.num_layers)
-      acts += (c.train.fused_kernels ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
+      acts += (c.train.fused_kernels && c.job.device != "cpu" ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
               static_cast<double>(c.model.vocab_size);
     const double stage = params * elem + (grads ? trainable * (4.0 + elem) : 0.0) + acts;
     worst_weights = std::max(worst_weights, params * elem);

@@ -66,8 +66,9 @@ std::vector<int> EqualCuts(int n, int parts);
 // (2i, 2i+1); the pair's forward stages alternate stage by stage (F_0 of 2i, F_0 of 2i+1, F_1 of
 // 2i, ...), then call 2i's tail and backward stages, then call 2i+1's. In exact mode the
 // optimizer publishes a step's weights layer by layer after the last gradient (with clipping),
-// and the forward of one call over a stage is shorter than the stage's update: with two calls
-// queued per forward stage the worker keeps up with the optimizer instead of waiting for it.
+// and the forward of one call over a stage is shorter than the stage's update: with two calls'
+// forward work queued per stage (on one worker: back to back) the workers keep up with the
+// optimizer instead of waiting for it.
 // Every job still follows the jobs it depends on (its call's previous stage, the same stage of
 // the previous call for accumulation, the call two earlier for its activation slots), so no
 // order of workers can deadlock; only two calls are in flight, as with two slot parities.
@@ -76,6 +77,12 @@ struct JobSlot {
   int stage;
 };
 std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool interleave);
+// Whether a job interleaves calls: schedule.interleave_calls, in exact mode only (stale1 has no
+// step-boundary wait to hide, and with several workers the simulator predicts the interleaved
+// order ~1% slower there).
+inline bool InterleaveCalls(const JobConfig& c) {
+  return c.schedule.interleave_calls && c.optimizer.mode == "exact";
+}
 
 // Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains,
 // except exact mode with one call per step, where no two calls' activations are ever in flight.

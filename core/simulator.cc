@@ -49,6 +49,9 @@ SimResult Simulate(const SimInput& in) {
   // chain[c][m]: when microbatch m of call c finished its call's latest dispatched stage.
   std::vector<std::vector<double>> chain(K, std::vector<double>(M, 0.0));
   std::vector<JobSlot> order = in.order;
+  bool valid = order.size() == static_cast<size_t>(jobs_per_step);
+  for (const auto& j : order) valid = valid && j.call >= 0 && j.call < K && j.stage >= 0 && j.stage < S;
+  if (!valid) order.clear();  // not one step's jobs: call by call (the contract's default)
   if (order.empty())
     for (int c = 0; c < K; ++c)
       for (int s = 0; s < S; ++s) order.push_back({c, s});
@@ -175,7 +178,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
   in.version_lag = c.optimizer.mode == "stale1" ? 2 : 1;
   in.updates_wait_for_norm = c.train.grad_clip > 0;
-  in.order = StepJobOrder(plan, in.calls, c.schedule.interleave_calls);
+  in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   // Activations kept in the worker (schedule.activations = "worker") cost no transfers.

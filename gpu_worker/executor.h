@@ -135,7 +135,8 @@ class Executor {
   std::map<int64_t, std::vector<HeldGrad>> held_;  // by job index
   // schedule.activations = "worker": what the hidden-state and input-gradient slots hold, as
   // tensors on the device, keyed like the shared-memory slots (parity, microbatch, slot index),
-  // so the coordinator's slot-reuse rules apply unchanged. Stored by reference, never copied.
+  // so the coordinator's slot-reuse rules apply unchanged. A stored tensor aliases the computed
+  // one (it is already in the compute dtype), so nothing may modify either in place.
   using SlotKey = std::tuple<int, int, int>;
   std::map<SlotKey, at::Tensor> resident_hidden_, resident_grads_;
   at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;

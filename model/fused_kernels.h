@@ -2,9 +2,12 @@
 // FusedKernels: the Transformer's optional fast paths for a device that has them.
 //
 // Contract:
-//  * Each method computes exactly what the Transformer's LibTorch composite computes for the
-//    same inputs (up to rounding: fp32 statistics, one rounding to the tensor's dtype), on the
-//    tensors' device, enqueued on LibTorch's current stream, without synchronizing.
+//  * Each method computes what the Transformer's LibTorch composite computes for the same inputs
+//    (up to rounding: fp32 statistics, one rounding to the tensor's dtype), on the tensors'
+//    device, enqueued on the worker's compute stream (LibTorch's default stream, which the
+//    worker never changes), without synchronizing. One difference: a label outside the
+//    vocabulary gives a NaN row loss (and a zero gradient row) where the composite throws; the
+//    data loader has already refused such tokens, and a NaN loss is visible in the metrics.
 //  * The CPU path never uses them: the composite ops stay the oracle, and the GPU tests compare
 //    a worker using these kernels with it. A backend provides them through its Device (the CUDA
 //    worker's come from gpu_worker/cuda; model/ itself never includes CUDA headers).

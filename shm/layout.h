@@ -25,11 +25,11 @@
 //                        seq_len] when train.eval_every > 0 (RunEval jobs)
 //   hidden slots         [P][M][plan.hidden_boundaries][microbatch_size * seq_len * hidden]
 //   input-grad slots     [P][M][2][microbatch_size * seq_len * hidden]: boundary index i of
-//                        (hidden and input-grad slots: none here with schedule.activations =
-//                        "worker", which keeps them, indexed alike, in the one worker's memory)
 //                        plan.grad_boundaries uses slot i % 2. A microbatch's backward chain is
 //                        sequential and writes descending boundaries, so when a stage writes
 //                        slot i % 2 the gradient that last used it (boundary i + 2) has been read.
+//                        (Hidden and input-grad slots: none here with schedule.activations =
+//                        "worker", which keeps them, indexed alike, in the one worker's memory.)
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters, then the optimizer state (AdamW m and v; SGD momentum in m).

@@ -35,7 +35,7 @@ class CudaFusedKernels final : public model::FusedKernels {
                                  bool write_grad) const override {
     const kernels::Dtype dt = DtypeOf(logits, "logits");
     if (logits.dim() != 2) throw std::invalid_argument("logits must be [rows, vocab]");
-    if (!labels.is_cuda() || labels.scalar_type() != at::kLong || labels.dim() != 1 ||
+    if (labels.device() != logits.device() || labels.scalar_type() != at::kLong || labels.dim() != 1 ||
         labels.size(0) != logits.size(0) || !labels.is_contiguous())
       throw std::invalid_argument("labels must be a contiguous int64 [rows] tensor on the logits' device");
     at::Tensor row_loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));

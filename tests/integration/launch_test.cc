@@ -393,7 +393,10 @@ TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
   // the layers, so the planner picks as few stages as possible); the profile measured in steps
   // 2-3 favours another plan, so the coordinator checkpoints and rp-launch resumes the run on
   // it. Same losses as a plain run: in fp32 the plan does not change the arithmetic.
-  const std::vector<std::string> job = {"train.steps=14"};
+  // Calls go one after the other here: with interleaved calls the two-stage chain on two workers
+  // is nearly balanced already, so whether a fresh profile beats it by the margin would be down
+  // to timing noise on a busy machine; this test is about the re-plan mechanics.
+  const std::vector<std::string> job = {"train.steps=14", "schedule.interleave_calls=false"};
   auto clean = Launch(2, tmp_ + "/replan-clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
   auto cfg = core::LoadJobConfig(Job(), {});
