@@ -220,7 +220,7 @@ HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Ten
 
 // The fused loss: per chunk, the logits in the compute dtype are overwritten by their gradient
 // (no fp32 copy, no softmax tensors) and handed to the projection's backward; losses stay on the
-// device until one synchronization at the end instead of two per chunk.
+// device until the end of the head (two synchronizations per head instead of two per chunk).
 HeadResult Transformer::FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
                                   const at::Tensor& lm_head, double loss_scale, bool backward) const {
   const int64_t n = flat.size(0);
@@ -236,11 +236,9 @@ HeadResult Transformer::FusedHead(const at::Tensor& flat, const at::Tensor& flat
     chunk_sums.push_back(row_loss.to(at::kDouble).sum());
     if (backward) logits.backward(buffer);
   }
-  // Both results in one copy to the host (the count is exact in double below 2^53).
-  at::Tensor both = at::stack({at::stack(chunk_sums).sum(), flat_labels.ne(-100).sum().to(at::kDouble)}).cpu();
   HeadResult r;
-  r.loss_sum = both[0].item<double>();
-  r.targets = static_cast<int64_t>(both[1].item<double>());
+  r.loss_sum = at::stack(chunk_sums).sum().item<double>();
+  r.targets = flat_labels.ne(-100).sum().item<int64_t>();
   return r;
 }
 
