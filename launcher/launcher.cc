@@ -388,7 +388,10 @@ Status FreezeProfile(const LaunchOptions& o, bool after_replan, std::vector<std:
 }  // namespace
 
 int RunLauncher(const LaunchOptions& options) {
-  // A run re-plans at most twice: each restart costs a checkpoint and a start-up.
+  // A run re-plans at most twice: each restart costs a checkpoint and a start-up. A third request
+  // means each fresh profile favours yet another plan (noisy timings, e.g. CPU workers sharing
+  // cores with the optimizer): the run then finishes on the latest plan without re-planning,
+  // instead of failing a healthy run.
   constexpr int kMaxReplans = 2;
   LaunchOptions o = options;
   for (int replans = 0;; ++replans) {
@@ -399,12 +402,18 @@ int RunLauncher(const LaunchOptions& options) {
     }
     const int rc = RunSession(run);
     if (rc != kExitReplan) return rc;
-    if (replans == kMaxReplans) {
-      std::fprintf(stderr, "rp-launch: the coordinator asked to re-plan a third time; giving up "
+    if (replans > kMaxReplans) {  // re-planning was off: the coordinator broke its contract
+      std::fprintf(stderr, "rp-launch: the coordinator asked to re-plan with re-planning off; stopping "
                            "(the checkpoint is kept: --resume continues)\n");
       return kExitError;
     }
-    std::fprintf(stderr, "rp-launch: resuming the run on the plan made from its new profile\n");
+    if (replans == kMaxReplans) {
+      std::fprintf(stderr, "rp-launch: a third re-plan was asked for (each new profile favours another "
+                           "plan); finishing the run on the latest plan without re-planning\n");
+      o.overrides.push_back("schedule.replan_gain=0");
+    } else {
+      std::fprintf(stderr, "rp-launch: resuming the run on the plan made from its new profile\n");
+    }
     o.resume = true;
   }
 }

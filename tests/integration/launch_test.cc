@@ -66,6 +66,28 @@ TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
   EXPECT_LT(expected.back(), expected.front());
 }
 
+TEST_F(LaunchTest, InterleavedCallsGiveTheSequentialOrdersResultsBitForBit) {
+  // Odd and even K with several workers: the interleaved dispatch order (calls in pairs, a
+  // single call last for odd K) changes which worker runs what and when, never the arithmetic.
+  for (int k : {3, 4})
+    for (int n : {2, 3}) {
+      std::vector<std::string> job = {"train.steps=5", "checkpoint.every=5"};
+      job.push_back("train.accum_calls=" + std::to_string(k));
+      std::string tag = "k";
+      tag += std::to_string(k);
+      tag += "n";
+      tag += std::to_string(n);
+      auto seq = Launch(n, tmp_ + "/seq-" + tag, With(job, {"schedule.interleave_calls=false"}));
+      ASSERT_EQ(seq.code, 0) << seq.output;
+      auto inter = Launch(n, tmp_ + "/int-" + tag, job);
+      ASSERT_EQ(inter.code, 0) << inter.output;
+      EXPECT_EQ(Losses(tmp_ + "/int-" + tag + "/metrics.jsonl"), Losses(tmp_ + "/seq-" + tag + "/metrics.jsonl")) << tag;
+      const std::string state = "/checkpoints/step-00000005.rpstate";
+      ASSERT_TRUE(fs::exists(tmp_ + "/seq-" + tag + state)) << tag;
+      EXPECT_EQ(ReadBytes(tmp_ + "/int-" + tag + state), ReadBytes(tmp_ + "/seq-" + tag + state)) << tag;
+    }
+}
+
 TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
   // stale1: step t computes with the weights before step t - 1's update; the reference does the
   // same with a second weight set. The two must agree, and differ from exact mode.
@@ -417,6 +439,20 @@ TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
   EXPECT_TRUE(fs::exists(out + "/plan-profile.json"));
   std::vector<double> got = Losses(out + "/metrics.jsonl");
   EXPECT_EQ(got, Losses(tmp_ + "/replan-clean/metrics.jsonl"));
+}
+
+TEST_F(LaunchTest, PlansThatKeepChangingFinishOnTheLatestWithoutReplanning) {
+  // Every profile asks for a re-plan (RP_TEST_ALWAYS_REPLAN): after two re-plans the third
+  // request resumes the run with re-planning off, and it ends normally with the same losses.
+  const std::vector<std::string> job = {"train.steps=20", "schedule.interleave_calls=false"};
+  auto clean = Launch(2, tmp_ + "/clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/noisy", With(job, {"schedule.partition=auto"})), 240,
+                               With(Env(), {"RP_TEST_ALWAYS_REPLAN=1"}));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("finishing the run on the latest plan without re-planning"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(Losses(tmp_ + "/noisy/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
 }
 
 TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
