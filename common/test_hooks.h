@@ -24,6 +24,10 @@ inline bool ClaimTestHookOnce(const char* env_var) {
   return true;
 }
 
+// RP_TEST_ALWAYS_REPLAN (any value): every profile of an auto-partitioned run asks for a re-plan,
+// as profiles too noisy to agree would (the launcher's limit on re-plans).
+inline bool TestAlwaysReplan() { return std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr; }
+
 // RP_TEST_SLOW_FROM_STEP="<step>:<ms>": every microbatch of step >= <step> (0-based) takes <ms>
 // milliseconds longer, in every worker: a machine that slowed down mid-run (the drift test).
 // Returns the extra seconds for a microbatch of `step`; 0 when the variable is unset.

@@ -23,6 +23,7 @@
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/session.h"
+#include "common/test_hooks.h"
 #include "common/time_util.h"
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/async_optimizer.h"
@@ -131,6 +132,13 @@ class Coordinator {
   bool RestartsAllowed() const { return cfg_.job.max_worker_restarts > 0; }
   // A replacement for a dead worker said Hello: map it and re-send the rank's unfinished jobs.
   Status OnReplacement(int rank, const proto::Hello& hello);
+  // schedule.activations = "worker" and the worker is gone (`what` happened): the run stops.
+  static Status ActivationsLost(const std::string& what) {
+    return Status::Unavailable(what + "; with schedule.activations = \"worker\" the step's hidden states and "
+                               "input gradients lived in that worker's memory, so its jobs cannot be re-run: resume "
+                               "from the last checkpoint (rp-launch --resume), or use schedule.activations = "
+                               "\"host\" to survive worker faults");
+  }
   // Tells a worker (first start or replacement) which segment to map.
   Status SendWelcome(int rank);
   // Kills workers silent for longer than job.worker_timeout_s (hung); their replacements take
@@ -592,8 +600,7 @@ Status Coordinator::MaybeFinishProfile() {
                << "%, peak memory per worker " << prediction_->peak_memory_bytes / 1e9 << " GB";
   if (cfg_.schedule.partition != "auto" || cfg_.schedule.replan_gain <= 0) return Status::Ok();
   auto best = core::ChoosePlan(cfg_, opts_.num_workers, *profile);
-  // Test hook: profiles so noisy that every one asks for a re-plan (the launcher's limit).
-  const bool always = std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr;
+  const bool always = TestAlwaysReplan();
   if (!best.ok() || (!always && (best->plan.Describe() == plan_.Describe() ||
                                  best->step_seconds >= prediction_->step_seconds * (1.0 - cfg_.schedule.replan_gain))))
     return Status::Ok();
@@ -710,12 +717,7 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   if (hello.rank != rank || hello.layout_hash != layout_.hash)
     return Status::ProtocolError("replacement worker " + std::to_string(rank) +
                                  " computed a different shared-memory layout or rank");
-  if (layout_.activations_in_worker)
-    return Status::Unavailable("worker " + std::to_string(rank) + " was replaced, but with schedule.activations = "
-                               "\"worker\" the step's hidden states and input gradients lived in the dead "
-                               "worker's memory, so its jobs cannot be re-run; resume from the last checkpoint "
-                               "(rp-launch --resume), or use schedule.activations = \"host\" to survive worker "
-                               "faults");
+  if (layout_.activations_in_worker) return ActivationsLost("worker " + std::to_string(rank) + " was replaced");
   worker_pids_[rank] = hello.pid;
   RP_RETURN_IF_ERROR(SendWelcome(rank));
   // The dead worker's unfinished jobs, in their original order (so the new worker's queue has
@@ -776,10 +778,8 @@ Status Coordinator::Handle(int rank, const Message& m) {
       // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job,
       // unless the step's activations lived in it (schedule.activations = "worker").
       if (layout_.activations_in_worker)
-        return Status::Unavailable("worker " + std::to_string(rank) + " failed job " + std::to_string(f.job_index) +
-                                   ": " + f.message + "; with schedule.activations = \"worker\" the step's "
-                                   "activations lived in it, so its jobs cannot be re-run: resume from the last "
-                                   "checkpoint (rp-launch --resume)");
+        return ActivationsLost("worker " + std::to_string(rank) + " failed job " + std::to_string(f.job_index) +
+                               ": " + f.message);
       if (RestartsAllowed()) {
         RP_LOG(WARNING) << "worker " << rank << " failed job " << f.job_index << ": " << f.message
                         << " (waiting for its replacement)";

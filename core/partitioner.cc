@@ -105,10 +105,8 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
   // device (as the shared-memory layout would hold them: parities x microbatches x slots).
   double resident = 0.0;
   if (c.schedule.activations == "worker") {
-    const double parities = ActivationParities(c);
-    const double slots = static_cast<double>(plan.hidden_boundaries.size()) +
-                         std::min<double>(2.0, static_cast<double>(plan.grad_boundaries.size()));
-    resident = parities * static_cast<double>(c.train.microbatches) * slots * tokens * H * elem;
+    resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(c.train.microbatches) *
+               plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
   }
   return worst_stage + worst_weights + resident;  // the running stage plus the next one's prefetched weights
 }

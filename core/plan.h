@@ -41,6 +41,13 @@ struct PipelinePlan {
   std::vector<int> grad_boundaries;      // boundaries whose input-gradient crosses stages
 
   int NumForward() const;
+  // Activation slots one microbatch needs (shm/layout.h): every hidden boundary, plus input-
+  // gradient slots used alternately (boundary index i in slot i % 2; a chain writes descending
+  // boundaries, so two suffice).
+  int InputGradSlotsPerMicrobatch() const { return grad_boundaries.size() < 2 ? static_cast<int>(grad_boundaries.size()) : 2; }
+  int ActivationSlotsPerMicrobatch() const {
+    return static_cast<int>(hidden_boundaries.size()) + InputGradSlotsPerMicrobatch();
+  }
   // Slot index of boundary b in hidden_boundaries / grad_boundaries, or -1.
   int HiddenSlot(int b) const;
   int GradSlot(int b) const;

@@ -139,7 +139,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.act_slot_bytes = Align(a.act_elems * a.compute_elem_bytes);
   a.num_hidden = static_cast<int>(plan.hidden_boundaries.size());
   a.num_grad = static_cast<int>(plan.grad_boundaries.size());
-  a.grad_slots_per_mb = std::min(a.num_grad, 2);
+  a.grad_slots_per_mb = plan.InputGradSlotsPerMicrobatch();
   a.activations_in_worker = c.schedule.activations == "worker";
   a.hidden = pos;
   if (!a.activations_in_worker) pos += slots * a.num_hidden * a.act_slot_bytes;
