@@ -83,6 +83,11 @@ class Coordinator {
   Status InitState();
   // Frozen parameter f (LoRA base) as fp32, from its compute copy.
   void ReadFrozen(int f, float* out) const;
+  // Parameter p's fp32 master: in the optimizer segment, or in the state segment when workers
+  // fetch the masters (shm::ArenaLayout::masters_in_state).
+  float* Master(int p) const {
+    return (layout_.masters_in_state ? *segment_ : *optim_segment_).At<float>(layout_.master[p]);
+  }
   Status AcceptWorkers();
   Status Dispatch(int64_t step);
   // Step `step`'s job for (call, stage); indices follow dispatch order (core::StepJobOrder).
@@ -269,7 +274,9 @@ Status Coordinator::Setup() {
                << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
                << layout_.grad_arena_bytes / (1 << 20) << " MiB"
                << (layout_.grads_streamed ? ", streamed" : ", every gradient") << "), optimizer "
-               << layout_.optim_total_bytes / (1 << 20) << " MiB; activations "
+               << layout_.optim_total_bytes / (1 << 20) << " MiB; workers fetch "
+               << (layout_.masters_in_state ? "the fp32 masters (no compute copy)" : "a compute copy")
+               << "; activations "
                << (layout_.activations_in_worker ? "kept in the worker's memory"
                                                  : "in shared-memory slots (" +
                                                        std::to_string((layout_.total_bytes - layout_.hidden) >> 10) + " KiB)");
@@ -339,12 +346,14 @@ Status Coordinator::InitState() {
       }
     }
     for (size_t p = 0; p < spec_.params.size(); ++p) {
-      float* master = optim_segment_->At<float>(layout_.master[p]);
+      float* master = Master(static_cast<int>(p));
       if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec_.params[p], master));
       else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], master));  // straight into the arena
       else core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
       const int64_t n = spec_.params[p].numel;
-      if (bf16) {
+      if (layout_.masters_in_state) {
+        // Workers fetch the master itself: there is no compute copy to fill.
+      } else if (bf16) {
         auto* c = segment_->At<uint16_t>(layout_.compute[p]);
         for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(master[i]);
       } else {
@@ -979,7 +988,10 @@ int64_t Coordinator::StepH2dBytes() const {
   const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
   for (const auto& st : plan_.stages) {
-    for (int l = st.begin; l < st.end; ++l) h2d += spec_.LayerWeightElems(l) * layout_.compute_elem_bytes;
+    for (int l = st.begin; l < st.end; ++l) {
+      for (const auto& use : spec_.layer_uses[l]) h2d += spec_.params[use.param].numel * layout_.weights_elem_bytes;
+      for (const auto& use : spec_.layer_frozen[l]) h2d += spec_.frozen[use.param].numel * layout_.compute_elem_bytes;
+    }
     // Activations kept in the worker (schedule.activations) never cross the host link.
     const int64_t hidden = layout_.activations_in_worker ? 0 : act;
     int64_t per_mb = st.begin == 0 ? tok : hidden;
@@ -1146,7 +1158,7 @@ Status Coordinator::Run() {
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
   if (st.ok() && (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
     st = core::ExportTrainedModel(
-        cfg_, spec_, [&](int p) { return optim_segment_->At<const float>(layout_.master[p]); },
+        cfg_, spec_, [&](int p) { return static_cast<const float*>(Master(p)); },
         [&](int f, float* out) { ReadFrozen(f, out); });
     if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << cfg_.job.output_dir;
   }

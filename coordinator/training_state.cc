@@ -104,7 +104,8 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
                            const shm::ArenaLayout& layout) {
   uint64_t h = HashKey({0x5741u, static_cast<uint64_t>(layout.compute_elem_bytes),
                         static_cast<uint64_t>(layout.compute_buffers), layout.optim_total_bytes,
-                        layout.compute_end - layout.compute_begin});
+                        layout.compute_end - layout.compute_begin,
+                        static_cast<uint64_t>(layout.masters_in_state)});
   for (const auto& p : spec.params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
@@ -193,7 +194,8 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash,
   RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), file.path, size));
   if (header["state_hash"] != std::to_string(state_hash))
     return Status::InvalidArgument("checkpoint " + file.path + " was written for a different model, "
-                                   "compute dtype, optimizer or optimizer mode than this job's");
+                                   "compute dtype, optimizer, optimizer mode or "
+                                   "schedule.weights_source than this job's");
   const auto& list = header["sections"];
   if (list.size() != sections.size())
     return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(list.size()) +

@@ -330,6 +330,14 @@ const std::vector<KeySpec>& Table() {
            "re-runs its jobs from them). worker: in the worker's own (device) memory, with no "
            "copies to or from the host and no host memory for them; needs --gpus 1, and a "
            "worker that dies stops the run (resume from the last checkpoint)"),
+      Enum("schedule", "weights_source", F(schedule.weights_source), "auto",
+           {"auto", "master", "compute_copy"},
+           "What workers fetch a layer's weights from. master: the fp32 masters themselves, "
+           "rounded to train.dtype on the worker (no host compute copy: 2 bytes per parameter "
+           "less host memory in bf16, 4 in fp32, and no copy for the optimizer to write; twice "
+           "the weight bytes over the host link in bf16). compute_copy: a separate copy in "
+           "train.dtype that the optimizer writes. auto: master in exact mode, compute_copy in "
+           "stale1 (which must keep the previous version readable while the masters change)"),
       Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
            "tail size and both partitions minimizing the simulated step time (from the measured "
@@ -471,6 +479,10 @@ Status CrossValidate(const JobConfig& c) {
   if (c.schedule.activation_transport == "cuda_ipc")
     return Status::InvalidArgument("schedule.activation_transport: \"cuda_ipc\" is not implemented "
                                    "yet; activations move through host-staged slots (\"host\")");
+  if (c.schedule.weights_source == "master" && c.optimizer.mode == "stale1")
+    return Status::InvalidArgument("schedule.weights_source: \"master\" cannot serve optimizer.mode = "
+                                   "\"stale1\", whose next step reads the weights before the update "
+                                   "that is rewriting the masters; use \"compute_copy\" or \"auto\"");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
   if (c.train.dtype == "bf16" && c.job.device == "cpu")

@@ -99,6 +99,7 @@ struct ScheduleConfig {
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
   bool interleave_calls = true;   // core::StepJobOrder
   std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
+  std::string weights_source = "auto";  // "auto" | "master" | "compute_copy" (WorkersFetchMasters)
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
   std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"
@@ -164,5 +165,14 @@ struct KeyDoc {
   std::string meaning;
 };
 std::vector<KeyDoc> DocumentedKeys();
+
+// schedule.weights_source resolved: true when workers fetch the fp32 masters (shm/layout.h puts
+// them in the shared state segment and there is no compute copy). Exact mode can: a layer's
+// masters change only after every job of the step that reads them has run. stale1 cannot: the
+// next step reads version t while the optimizer writes version t + 1.
+inline bool WorkersFetchMasters(const JobConfig& c) {
+  return c.schedule.weights_source == "master" ||
+         (c.schedule.weights_source == "auto" && c.optimizer.mode == "exact");
+}
 
 }  // namespace rp::core

@@ -108,7 +108,9 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(c.train.microbatches) *
                plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
   }
-  return worst_stage + worst_weights + resident;  // the running stage plus the next one's prefetched weights
+  // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
+  const double staging = WorkersFetchMasters(c) && elem == 2.0 && c.job.device != "cpu" ? 64.0 * (1 << 20) : 0.0;
+  return worst_stage + worst_weights + resident + staging;  // the running stage plus the next one's prefetched weights
 }
 
 StatusOr<Profile> PlanningProfile(const JobConfig& c) {

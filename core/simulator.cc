@@ -180,6 +180,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.updates_wait_for_norm = c.train.grad_clip > 0;
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
+  // Trainable weights cross the link as fp32 when workers fetch the masters.
+  const double weight_elem = WorkersFetchMasters(c) ? 4.0 : elem;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   // Activations kept in the worker (schedule.activations = "worker") cost no transfers.
   const double act = c.schedule.activations == "worker" ? 0.0 : tokens * static_cast<double>(c.model.hidden_size) * elem;
@@ -193,7 +195,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : lc.recompute_s + lc.backward_s;
       for (const auto& use : spec.layer_uses[l]) {
         const double n = static_cast<double>(spec.params[use.param].numel);
-        st.weight_bytes += n * elem;
+        st.weight_bytes += n * weight_elem;
         if (grads) st.grad_bytes += n * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
       }

@@ -40,7 +40,12 @@ class Device {
   // the oracle). Lives as long as the process.
   virtual const model::FusedKernels* fused_kernels() const { return nullptr; }
 
-  virtual at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  // `src` holds `stored` elements; the tensor returned holds them in `dtype`. The two differ only
+  // when workers fetch the fp32 masters (shm::ArenaLayout::masters_in_state) for bf16 compute:
+  // the rounding is round-to-nearest-even, bit for bit what the optimizer writes into a compute
+  // copy (so both sources give the same weights).
+  virtual at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored,
+                                  at::ScalarType dtype) = 0;
   virtual uint64_t WeightsFence() = 0;
   virtual void WaitWeights(uint64_t fence) = 0;
 

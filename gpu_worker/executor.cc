@@ -20,7 +20,8 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       segment_(segment),
       device_(device),
       math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
-      act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat) {
+      act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat),
+      weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : at::kBFloat16) {
   if (cfg.train.fused_kernels) math_.UseFusedKernels(device.fused_kernels());
 }
 
@@ -53,7 +54,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
   for (const auto& use : spec_.layer_uses[l]) {
     const auto& p = spec_.params[use.param];
     at::Tensor t = device_.FetchWeights(segment_.data() + layout_.ComputeCopy(use.param, buffer),
-                                        p.shape, act_dtype_);
+                                        p.shape, weights_dtype_, act_dtype_);
     if (grads) {
       t.requires_grad_(true);
       into->grads.push_back({t, use.grad_slot, at::Tensor()});
@@ -62,7 +63,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
   }
   for (const auto& use : spec_.layer_frozen[l])  // LoRA's base: one buffer, never a gradient
     lw.emplace(use.role, device_.FetchWeights(segment_.data() + layout_.frozen[use.param],
-                                              spec_.frozen[use.param].shape, act_dtype_));
+                                              spec_.frozen[use.param].shape, act_dtype_, act_dtype_));
   return lw;
 }
 

@@ -122,6 +122,7 @@ class Executor {
   Device& device_;
   model::Transformer math_;
   at::ScalarType act_dtype_;
+  at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
 
   proto::RunJob job_{};
   core::Stage stage_{};

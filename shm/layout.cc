@@ -107,9 +107,12 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
   a.grad_table = pos;
   pos = Align(pos + 8ull * spec.grad_slots.size());
+  a.masters_in_state = core::WorkersFetchMasters(c);
+  a.weights_elem_bytes = a.masters_in_state ? 4 : a.compute_elem_bytes;
   a.compute_begin = pos;
-  pos = PackWeights(spec.params, a.compute_elem_bytes, pos, &a.compute);
+  pos = PackWeights(spec.params, a.weights_elem_bytes, pos, &a.compute);
   a.compute_end = pos;
+  if (a.masters_in_state) a.master = a.compute;
   a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
@@ -149,7 +152,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
 
   // The optimizer segment. SGD keeps one state buffer (momentum, in adam_m); AdamW two.
   uint64_t opos = 0;
-  std::vector<std::vector<uint64_t>*> regions = {&a.master, &a.adam_m};
+  std::vector<std::vector<uint64_t>*> regions = {&a.adam_m};
+  if (!a.masters_in_state) regions.insert(regions.begin(), &a.master);
   if (c.optimizer.name == "adamw") regions.push_back(&a.adam_v);
   for (auto* region : regions) {
     for (auto& p : spec.params) {
@@ -162,7 +166,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
 
   uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
                         static_cast<uint64_t>(a.compute_elem_bytes),
-                        static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities)});
+                        static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities),
+                        static_cast<uint64_t>(a.masters_in_state)});
   h = HashParams(h, spec.params, 0);
   h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,

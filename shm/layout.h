@@ -14,7 +14,9 @@
 //                        coordinator before it grants the commit that fills the slot.
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
-//                        mode a second such region follows (double buffer by version parity)
+//                        mode a second such region follows (double buffer by version parity).
+//                        When workers fetch the masters (core::WorkersFetchMasters) this region
+//                        holds the fp32 masters instead, and there is no compute copy anywhere
 //   frozen weights       LoRA only: the base model's compute copies (dtype = train.dtype), one
 //                        buffer, written once at start and never updated (no version, no master)
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
@@ -32,7 +34,8 @@
 //                        "worker", which keeps them, indexed alike, in the one worker's memory.)
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
-// nor corrupt it): fp32 masters, then the optimizer state (AdamW m and v; SGD momentum in m).
+// nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
+// (AdamW m and v; SGD momentum in m).
 //
 // Every array starts on a kArenaAlign boundary. Accumulation call g uses parity g % P, so with
 // P = 2 call g+1 can fill its slots while call g drains. P = 1 in exact mode with one call per
@@ -89,9 +92,14 @@ struct ArenaLayout {
   uint64_t total_bytes = 0;        // the state segment
   uint64_t optim_total_bytes = 0;  // the optimizer segment
   uint64_t hash = 0;
-  int compute_elem_bytes = 4;
+  int compute_elem_bytes = 4;                     // train.dtype: activations, frozen weights
+  // Workers fetch the fp32 masters (core::WorkersFetchMasters): `compute` and `master` are then the
+  // same state-segment offsets, weights_elem_bytes is 4 and the worker rounds to train.dtype.
+  bool masters_in_state = false;
+  int weights_elem_bytes = 4;                     // what `compute` holds per element
   std::vector<uint64_t> compute;                  // per parameter, state segment
-  std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment; adam_v empty for sgd
+  std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment (master: state
+                                                  // segment if masters_in_state); adam_v empty for sgd
   std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
   uint64_t grad_table = 0;                        // std::atomic<uint64_t>[gradient slots]
   uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)

@@ -145,13 +145,21 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
   const bool bf16 = cfg_.train.dtype == "bf16";
   auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + c.begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
+  float* master = f32(layout_.masters_in_state ? state_ : optim_, layout_.master[c.param]);
+  // Workers that fetch the masters need no compute copy: passing the master as its own fp32
+  // copy makes the update skip the write.
+  void* compute = master;
+  ComputeDtype compute_dtype = ComputeDtype::kFloat32;
+  if (!layout_.masters_in_state) {
+    compute = state_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
+              c.begin * (bf16 ? 2 : 4);
+    compute_dtype = bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32;
+  }
   UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
-              f32(state_, grads_->Offset(param_slots_[c.param][0])), f32(optim_, layout_.master[c.param]),
+              f32(state_, grads_->Offset(param_slots_[c.param][0])), master,
               f32(optim_, layout_.adam_m[c.param]),
               layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[c.param]), c.end - c.begin,
-              state_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
-                  c.begin * (bf16 ? 2 : 4),
-              bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32);
+              compute, compute_dtype);
   if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
 }
 

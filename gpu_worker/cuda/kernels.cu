@@ -170,7 +170,50 @@ cudaError_t LaunchRope(const void* x, const void* cos, const void* sin, void* y,
   return cudaGetLastError();
 }
 
+// The bit-pattern rounding of the coordinator's FloatToBFloat16 (coordinator/optim/adamw.cc),
+// not the hardware conversion: the two sources of bf16 weights (a compute copy the optimizer
+// wrote, or a master rounded here) must agree bit for bit, NaN payloads included.
+__device__ __forceinline__ uint32_t RoundBits(uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bits >> 16) | 0x40u;  // NaN, made quiet
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// Four values per thread and step: one 16-byte load, one 8-byte store.
+__global__ void RoundToBFloat16Kernel(const float4* src, uint2* dst, int64_t quads) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = src[i];
+    uint2 out;
+    out.x = RoundBits(__float_as_uint(v.x)) | (RoundBits(__float_as_uint(v.y)) << 16);
+    out.y = RoundBits(__float_as_uint(v.z)) | (RoundBits(__float_as_uint(v.w)) << 16);
+    dst[i] = out;
+  }
+}
+
+__global__ void RoundToBFloat16TailKernel(const float* src, uint16_t* dst, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) dst[i] = static_cast<uint16_t>(RoundBits(__float_as_uint(src[i])));
+}
+
 }  // namespace
+
+cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0;
+  const int64_t quads = aligned ? n / 4 : 0;
+  if (quads > 0) {
+    const int64_t blocks = std::min<int64_t>((quads + kThreads - 1) / kThreads, 132 * 32);
+    RoundToBFloat16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        reinterpret_cast<const float4*>(src), reinterpret_cast<uint2*>(dst), quads);
+  }
+  const int64_t rest = n - quads * 4;
+  if (rest > 0) {
+    RoundToBFloat16TailKernel<<<static_cast<unsigned>((rest + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        src + quads * 4, dst + quads * 4, rest);
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t CrossEntropyRows(Dtype dtype, void* logits, const int64_t* labels, int64_t rows,
                              int64_t vocab, float scale, bool write_grad, float* row_loss,

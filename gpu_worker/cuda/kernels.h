@@ -37,4 +37,9 @@ cudaError_t Rope(Dtype dtype, const void* x, const void* cos, const void* sin_si
                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, bool backward,
                  cudaStream_t stream);
 
+// Rounds n fp32 values to bf16 (round to nearest even on the bit pattern; a NaN stays NaN, made
+// quiet), bit for bit as the coordinator's FloatToBFloat16: what a worker fetching the fp32
+// masters does to each chunk of weights. `dst` holds the raw bf16 bits.
+cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream);
+
 }  // namespace rp::worker::kernels

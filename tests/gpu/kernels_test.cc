@@ -8,7 +8,11 @@
 #include <ATen/core/Reduction.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <cstring>
+
 #include "gpu_worker/cuda/fused_kernels.h"
+#include "gpu_worker/device.h"
 
 namespace rp {
 namespace {
@@ -113,6 +117,35 @@ TEST_P(FusedRope, MatchesCompositeForwardAndBackward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedRope, ::testing::Values(at::kFloat, at::kBFloat16));
+
+// A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "master") must see
+// exactly the weights a compute copy would hold: round-to-nearest-even, bit for bit. Through the
+// real fetch path: pinned host memory, 64 MiB staging chunks (this tensor takes two and a
+// tail), the rounding kernel on the weights stream.
+TEST(MasterFetch, RoundsLikeTheComputeCopyBitForBit) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const int64_t n = (80ll << 20) / 4 + 7;  // odd: the kernel's scalar tail runs too
+  at::manual_seed(5);
+  at::Tensor host = at::randn({n}) * 3.0;
+  // Bit patterns the rounding must get right: ties to even both ways, subnormals, the largest
+  // finite value (rounds to infinity), infinities, signed zero.
+  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x00000001u, 0x80008000u, 0x007fffffu,
+                              0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x80000000u, 0x3f807fffu};
+  auto* h = host.data_ptr<float>();
+  for (size_t i = 0; i < sizeof(special) / sizeof(special[0]); ++i) std::memcpy(&h[n - 1 - i], &special[i], 4);
+  auto dev = rp::worker::MakeCudaDevice(0, host.data_ptr(), static_cast<uint64_t>(host.nbytes()));
+  ASSERT_TRUE(dev.ok()) << dev.status().message();
+  at::Tensor got = (*dev)->FetchWeights(host.data_ptr(), {n}, at::kFloat, at::kBFloat16);
+  (*dev)->WaitWeights((*dev)->WeightsFence());
+  ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+  at::Tensor want = host.to(at::kBFloat16);  // LibTorch's CPU rounding: nearest even
+  EXPECT_TRUE(at::equal(got.cpu().view(at::kShort), want.view(at::kShort)));
+  // And a NaN stays a NaN.
+  host.index_put_({0}, std::nanf(""));
+  at::Tensor nan = (*dev)->FetchWeights(host.data_ptr(), {4}, at::kFloat, at::kBFloat16);
+  (*dev)->WaitWeights((*dev)->WeightsFence());
+  EXPECT_TRUE(std::isnan(nan.cpu().to(at::kFloat).index({0}).item<float>()));
+}
 
 }  // namespace
 }  // namespace rp

@@ -75,6 +75,17 @@ TEST(JobConfig, CrossFieldChecks) {
   ExpectError(std::string(kValid) + "[schedule]\nforward_stages = 50\n", "schedule.forward_stages");
   ExpectError(std::string(kValid) + "[schedule]\ntail_blocks = 9\n", "schedule.tail_blocks");
   ExpectError(std::string(kValid) + "[model]\npath = \"/models/qwen\"\n", "model.path");
+  // stale1 reads last step's weights while the masters are rewritten: it needs a compute copy.
+  ExpectError(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n[schedule]\nweights_source = \"master\"\n",
+              "schedule.weights_source");
+  auto stale = Parse(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n");
+  ASSERT_TRUE(stale.ok()) << stale.status().ToString();
+  EXPECT_FALSE(WorkersFetchMasters(*stale));
+  auto exact = Parse(kValid);
+  ASSERT_TRUE(exact.ok());
+  EXPECT_TRUE(WorkersFetchMasters(*exact));  // auto, exact mode
+  exact->schedule.weights_source = "compute_copy";
+  EXPECT_FALSE(WorkersFetchMasters(*exact));
 }
 
 TEST(JobConfig, LoraKeysAreChecked) {

@@ -27,20 +27,29 @@ core::JobConfig SmallConfig() {
   return c;
 }
 
-TEST(Layout, ArraysAreAlignedDisjointAndInside) {
+class LayoutBySource : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
   auto cfg = SmallConfig();
+  cfg.schedule.weights_source = GetParam();
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
   auto layout = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(layout.ok()) << layout.status().message();
   const ArenaLayout& a = *layout;
+  EXPECT_EQ(a.masters_in_state, GetParam() == "master");
   struct Range { uint64_t begin, end; std::string what; };
   std::vector<Range> ranges, optim;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     const uint64_t n = spec.params[p].numel;
-    ranges.push_back({a.compute[p], a.compute[p] + n * 2, "compute " + spec.params[p].name});
-    optim.push_back({a.master[p], a.master[p] + n * 4, "master"});
+    if (a.masters_in_state) {  // the masters are what workers fetch: no compute copy
+      EXPECT_EQ(a.master[p], a.compute[p]);
+      ranges.push_back({a.compute[p], a.compute[p] + n * 4, "master " + spec.params[p].name});
+    } else {
+      ranges.push_back({a.compute[p], a.compute[p] + n * 2, "compute " + spec.params[p].name});
+      optim.push_back({a.master[p], a.master[p] + n * 4, "master"});
+    }
     optim.push_back({a.adam_m[p], a.adam_m[p] + n * 4, "m"});
     optim.push_back({a.adam_v[p], a.adam_v[p] + n * 4, "v"});
     EXPECT_EQ(a.compute[p] % 256, 0u);
@@ -71,6 +80,43 @@ TEST(Layout, ArraysAreAlignedDisjointAndInside) {
   check(optim, 0, a.optim_total_bytes);
   // Tied embeddings: the head's use of the embedding has its own gradient slot.
   EXPECT_EQ(spec.grad_slots.size(), spec.params.size() + 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sources, LayoutBySource, ::testing::Values("compute_copy", "master"));
+
+// Workers fetching the fp32 masters: the bf16 compute copy (2 bytes per parameter) is gone from
+// host memory, the masters moved from the optimizer segment into the one workers map. stale1
+// keeps its two compute buffers.
+TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
+  auto cfg = SmallConfig();
+  cfg.model.hidden_size = 256;
+  cfg.model.intermediate_size = 512;
+  cfg.model.vocab_size = 4096;
+  auto spec = core::BuildModelSpec(cfg.model);
+  auto plan = core::MakePlan(cfg);
+  ASSERT_TRUE(plan.ok());
+  cfg.schedule.weights_source = "compute_copy";
+  auto copy = ComputeLayout(cfg, spec, *plan);
+  cfg.schedule.weights_source = "auto";  // exact mode: the masters
+  auto masters = ComputeLayout(cfg, spec, *plan);
+  ASSERT_TRUE(copy.ok() && masters.ok());
+  EXPECT_FALSE(copy->masters_in_state);
+  EXPECT_TRUE(masters->masters_in_state);
+  EXPECT_EQ(masters->weights_elem_bytes, 4);
+  EXPECT_EQ(copy->weights_elem_bytes, 2);
+  EXPECT_NE(copy->hash, masters->hash);
+  const double params = static_cast<double>(spec.TrainableParams());
+  const double saved = static_cast<double>(copy->total_bytes + copy->optim_total_bytes) -
+                       static_cast<double>(masters->total_bytes + masters->optim_total_bytes);
+  EXPECT_NEAR(saved / params, 2.0, 0.1);  // the bf16 copy, give or take alignment
+  EXPECT_GE(masters->compute_end - masters->compute_begin, 4 * static_cast<uint64_t>(spec.TrainableParams()));
+  EXPECT_LT(masters->compute_end - masters->compute_begin, 2 * (copy->compute_end - copy->compute_begin));
+
+  cfg.optimizer.mode = "stale1";
+  auto stale = ComputeLayout(cfg, spec, *core::MakePlan(cfg));
+  ASSERT_TRUE(stale.ok());
+  EXPECT_FALSE(stale->masters_in_state);
+  EXPECT_EQ(stale->compute_buffers, 2);
 }
 
 TEST(Layout, HashChangesWithTheConfig) {
