@@ -70,12 +70,19 @@ SimResult Simulate(const SimInput& in) {
       const int64_t k = static_cast<int64_t>(t) * jobs_per_step + pos;
       const int w = static_cast<int>(k % N);
       const SimStage& st = in.stages[s];
-      double version_ready = 0.0;
-      if (need >= 0)
-        for (int o : st.owners) version_ready = std::max(version_ready, updated[need][o]);
-      const double fetch_start = std::max({version_ready, weights_free[w], began[w]});
-      const double fetch_end =
-          fetch_start + (in.h2d_bytes_per_s > 0 ? st.weight_bytes / in.h2d_bytes_per_s : 0.0);
+      auto copy_s = [&](double bytes) { return in.h2d_bytes_per_s > 0 ? bytes / in.h2d_bytes_per_s : 0.0; };
+      auto ready_at = [&](const std::vector<int>& owners) {
+        double ready = 0.0;
+        if (need >= 0)
+          for (int o : owners) ready = std::max(ready, updated[need][o]);
+        return ready;
+      };
+      double fetch_end = std::max(weights_free[w], began[w]);
+      if (st.fetches.empty()) {  // one copy after the last owner's update
+        fetch_end = std::max(fetch_end, ready_at(st.owners)) + copy_s(st.weight_bytes);
+      } else {  // layer by layer, each as soon as it is published
+        for (const SimFetch& f : st.fetches) fetch_end = std::max(fetch_end, ready_at(f.owners)) + copy_s(f.bytes);
+      }
       weights_free[w] = fetch_end;
       double now = std::max(compute_free[w], fetch_end);
       began[w] = now;
@@ -193,14 +200,18 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     for (int l = s.begin; l < s.end; ++l) {
       const LayerCost& lc = profile.layers[l];
       st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : lc.recompute_s + lc.backward_s;
+      SimFetch f;  // the worker copies each layer as soon as its weights are published
       for (const auto& use : spec.layer_uses[l]) {
         const double n = static_cast<double>(spec.params[use.param].numel);
-        st.weight_bytes += n * weight_elem;
+        f.bytes += n * weight_elem;
         if (grads) st.grad_bytes += n * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
+        f.owners.push_back(spec.params[use.param].owner_layer);
       }
       for (const auto& use : spec.layer_frozen[l])
-        st.weight_bytes += static_cast<double>(spec.frozen[use.param].numel) * elem;
+        f.bytes += static_cast<double>(spec.frozen[use.param].numel) * elem;
+      st.weight_bytes += f.bytes;
+      st.fetches.push_back(std::move(f));
     }
     for (int l = 0; l < plan.num_layers; ++l)
       if (owner[l]) st.owners.push_back(l);

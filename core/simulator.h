@@ -38,6 +38,12 @@
 
 namespace rp::core {
 
+// One layer's weight copy: it may start once every owner layer's update is published.
+struct SimFetch {
+  std::vector<int> owners;
+  double bytes = 0.0;
+};
+
 struct SimStage {
   double compute_s = 0.0;     // per microbatch
   double in_bytes = 0.0;      // per microbatch, host -> device before compute
@@ -45,6 +51,9 @@ struct SimStage {
   double weight_bytes = 0.0;  // per job
   double grad_bytes = 0.0;    // per job, written back after the last microbatch (0: none)
   std::vector<int> owners;    // owner layers whose weights it reads (and gradients it writes)
+  // Per layer in copy order (the worker's Executor::FetchReady); empty: weight_bytes in one copy
+  // after every owner's update.
+  std::vector<SimFetch> fetches;
 };
 
 struct SimInput {

@@ -35,17 +35,39 @@ Status Executor::Validate(const proto::RunJob& job) const {
   return Status::Ok();
 }
 
-bool Executor::WeightsReady(const proto::RunJob& job) const {
-  if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size())) return true;  // Begin rejects it
-  const core::Stage& st = plan_.stages[job.stage];
+bool Executor::LayerReady(int l, int64_t version) const {
   const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
-  for (int l = st.begin; l < st.end; ++l)
-    for (const auto& use : spec_.layer_uses[l]) {
-      const int owner = spec_.params[use.param].owner_layer;
-      if (versions[owner].load(std::memory_order_acquire) < static_cast<uint64_t>(job.weights_version))
-        return false;
-    }
+  for (const auto& use : spec_.layer_uses[l]) {
+    const int owner = spec_.params[use.param].owner_layer;
+    if (versions[owner].load(std::memory_order_acquire) < static_cast<uint64_t>(version)) return false;
+  }
   return true;
+}
+
+Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
+  *complete = false;
+  RP_RETURN_IF_ERROR(Validate(job));
+  if (next_.job_index != job.job_index) {
+    next_ = StageWeights();
+    next_.job_index = job.job_index;
+  }
+  if (!next_.complete) {
+    const core::Stage& st = plan_.stages[job.stage];
+    const bool grads = st.kind != core::StageKind::kForward;
+    try {
+      for (int l = st.begin + static_cast<int>(next_.layers.size()); l < st.end; ++l) {
+        if (!LayerReady(l, job.weights_version)) return Status::Ok();
+        next_.layers.push_back(FetchLayer(l, job.weights_version, grads, &next_));
+      }
+      next_.fence = device_.WeightsFence();
+    } catch (const std::exception& e) {
+      next_ = StageWeights();
+      return Status::Internal(std::string("fetching weights: ") + e.what());
+    }
+    next_.complete = true;
+  }
+  *complete = true;
+  return Status::Ok();
 }
 
 model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool grads, StageWeights* into) {
@@ -74,6 +96,7 @@ Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {
   const bool grads = st.kind != core::StageKind::kForward;
   for (int l = st.begin; l < st.end; ++l) w.layers.push_back(FetchLayer(l, job.weights_version, grads, &w));
   w.fence = device_.WeightsFence();
+  w.complete = true;
   return w;
 }
 
@@ -133,22 +156,12 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
   }
 }
 
-Status Executor::Prefetch(const proto::RunJob& job) {
-  RP_RETURN_IF_ERROR(Validate(job));
-  try {
-    next_ = FetchStage(job);
-  } catch (const std::exception& e) {
-    return Status::Internal(std::string("prefetching weights: ") + e.what());
-  }
-  return Status::Ok();
-}
-
 Status Executor::Begin(const proto::RunJob& job) {
   RP_RETURN_IF_ERROR(Validate(job));
   job_ = job;
   stage_ = plan_.stages[job.stage];
   try {
-    if (next_.job_index == job.job_index) {
+    if (next_.job_index == job.job_index && next_.complete) {
       current_ = std::move(next_);
       next_ = StageWeights();
     } else {

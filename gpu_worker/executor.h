@@ -2,9 +2,10 @@
 // Executor: runs one stage job's microbatches against the shared segment.
 //
 // Contract:
-//  * Prefetch(job) starts copying a later job's weights (the next one in the worker's queue) so
+//  * FetchReady(job) copies a job's weights as the optimizer publishes them, layer by layer: the
+//    front job's, then the next one's in the worker's queue while the current job computes, so
 //    they are resident when Begin(job) makes the compute stream wait for them.
-//  * Begin(job) fetches the stage's weights (or adopts the prefetched ones); Microbatch(m) computes microbatch m (its input must
+//  * Begin(job) adopts the fetched weights (or fetches them all); Microbatch(m) computes microbatch m (its input must
 //    be in its slot: the coordinator said InputReady); CommitGrads() adds the job's gradients
 //    into the shared gradient slots; End() drops the weights.
 //  * Forward stages write hidden states (stage output and checkpoints). The fused tail and
@@ -48,9 +49,12 @@ class Executor {
   Executor(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
            const shm::ArenaLayout& layout, const shm::Segment& segment, Device& device);
 
-  // True once the optimizer has written every weight the job reads at the version it needs
-  // (exact mode: step t reads weights holding t updates). Never blocks.
-  bool WeightsReady(const proto::RunJob& job) const;
+  // Starts copying the job's stage weights, layer by layer as the optimizer finishes each layer
+  // at the version the job needs (exact mode: step t reads weights holding t updates), so the
+  // copies of a stage's first layers overlap the updates of its later ones instead of waiting
+  // for the last. Call again until *complete; Begin(job) then adopts the weights. One job's
+  // fetch is kept at a time (a call for another job drops a partial one). Never blocks.
+  Status FetchReady(const proto::RunJob& job, bool* complete);
   // RunEval: true once every layer holds `job.weights_version` updates. Evaluate() runs the eval
   // microbatch in its slot through every layer (fetching one layer's weights at a time, no
   // autograd, no dropout) and returns its summed loss; it leaves a prefetched job alone.
@@ -58,7 +62,6 @@ class Executor {
   // `between_layers` runs after each layer (the worker's heartbeat: an eval of a large model on
   // a slow device can take longer than the hang timeout).
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
-  Status Prefetch(const proto::RunJob& job);
   Status Begin(const proto::RunJob& job);
   StatusOr<MicrobatchResult> Microbatch(int mb);
   // Starts writing (accumulate = false) or adding the job's gradients into the shared slots and
@@ -104,11 +107,14 @@ class Executor {
   };
   struct StageWeights {
     int64_t job_index = -1;
+    bool complete = false;  // every layer's copy is enqueued and `fence` follows them
     uint64_t fence = 0;
     std::vector<model::LayerWeights> layers;  // per layer of the stage
     std::vector<GradUse> grads;
   };
   StageWeights FetchStage(const proto::RunJob& job);
+  // Whether every weight layer `l` reads holds `version` updates.
+  bool LayerReady(int l, int64_t version) const;
   // Layer `layer`'s weights at `weights_version`; with `grads`, trainable ones require gradients
   // and are recorded in `into` (which may be null without `grads`).
   model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into);

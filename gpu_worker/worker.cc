@@ -173,8 +173,11 @@ StatusOr<bool> Worker::Progress() {
   if (a.eval) return RunEval(a);
   if (!a.begun) {
     // The optimizer may still be writing this step's weights (per layer, as gradients become
-    // final); wait for the versions without blocking the message loop.
-    if (!exec_->WeightsReady(a.job)) {
+    // final); copy each layer as it is published and wait for the rest without blocking the
+    // message loop.
+    bool fetched = false;
+    if (Status f = exec_->FetchReady(a.job, &fetched); !f.ok()) return Fail(id, f);
+    if (!fetched) {
       waiting_for_weights_ = true;
       return false;
     }
@@ -188,10 +191,11 @@ StatusOr<bool> Worker::Progress() {
   }
   // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
   // runs on the low-priority stream while this job computes.
-  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched && exec_->WeightsReady(queue_[1].job)) {
-    Status s = exec_->Prefetch(queue_[1].job);
+  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched) {
+    bool fetched = false;
+    Status s = exec_->FetchReady(queue_[1].job, &fetched);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);
-    queue_[1].prefetched = true;
+    queue_[1].prefetched = fetched;
   }
   if (a.next_mb < a.job.num_microbatches) {
     auto it = ready_.find(id);

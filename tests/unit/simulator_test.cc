@@ -151,6 +151,30 @@ TEST(Simulator, StaleOneCommitsWaitForTheSlotsAndHoldTheirGradients) {
   EXPECT_DOUBLE_EQ(two.peak_held_grad_bytes[0], 20.0);
 }
 
+TEST(Simulator, LayerByLayerFetchesOverlapTheStagesLaterUpdates) {
+  // One worker, one stage of two layers (owners 0 and 1), 10 B each over a 10 B/s link, 1 s of
+  // compute, 1 s updates, exact mode. Step 0: copies [0, 2), compute [2, 3), updates [3, 4) and
+  // [4, 5). Step 1 copies layer 0 in [4, 5) while layer 1 updates, layer 1 in [5, 6), computes
+  // [6, 7). One copy after both updates would take [5, 7) and end step 1 at 8.
+  SimInput in;
+  SimStage s;
+  s.compute_s = 1.0;
+  s.grad_bytes = 1.0;
+  s.owners = {0, 1};
+  s.weight_bytes = 20.0;
+  s.fetches = {{{0}, 10.0}, {{1}, 10.0}};
+  in.stages = {s};
+  in.steps = 2;
+  in.h2d_bytes_per_s = 10.0;
+  in.update_s = {1.0, 1.0};
+  auto layered = Simulate(in);
+  EXPECT_DOUBLE_EQ(layered.step_done[0], 3.0);
+  EXPECT_DOUBLE_EQ(layered.step_done[1], 7.0);
+  in.stages[0].fetches.clear();
+  auto whole = Simulate(in);
+  EXPECT_DOUBLE_EQ(whole.step_done[1], 8.0);
+}
+
 TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
   // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
