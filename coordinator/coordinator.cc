@@ -284,6 +284,8 @@ Status Coordinator::Setup() {
 }
 
 Status Coordinator::InitState() {
+  RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(layout_.total_bytes + layout_.optim_total_bytes,
+                                                "this job (state and optimizer segments)"));
   const std::string name = shm::StateSegmentName(opts_.session);
   unlinker_.emplace(name);
   RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Create(name, layout_.total_bytes));

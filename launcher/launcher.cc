@@ -103,8 +103,33 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
               layout->grads_streamed ? " streamed" : " holding every gradient",
               static_cast<double>(acts) / (1 << 20),
               static_cast<double>(layout->optim_total_bytes) / (1 << 20));
+  if (Status room = shm::CheckSharedMemoryRoom(layout->total_bytes + layout->optim_total_bytes, "this job");
+      !room.ok())
+    std::printf("will not start here: %s\n", room.message().c_str());
 }
 
+
+uint64_t SharedMemoryBytes(const core::JobConfig& cfg, int gpus) {
+  auto plan = core::MakePlan(cfg, gpus);
+  if (!plan.ok()) return 0;
+  auto layout = shm::ComputeLayout(cfg, core::BuildModelSpec(cfg.model, cfg.lora), *plan);
+  return layout.ok() ? layout->total_bytes + layout->optim_total_bytes : 0;
+}
+
+// Before any process starts: the segments must fit /dev/shm (a hard limit: tmpfs would SIGBUS
+// mid-run), and should fit the available host memory (a warning: swap may still hold them, but
+// CUDA workers pin the state segment and pinned pages cannot be swapped).
+Status CheckHostMemory(const core::JobConfig& cfg, int gpus) {
+  const uint64_t bytes = SharedMemoryBytes(cfg, gpus);
+  RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name));
+  const uint64_t avail = shm::AvailableHostMemory();
+  if (avail > 0 && bytes > avail)
+    std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host reports "
+                 "%.1f GiB available; expect swapping, or the kernel's OOM killer\n",
+                 cfg.job.name.c_str(), static_cast<double>(bytes) / (1ull << 30),
+                 static_cast<double>(avail) / (1ull << 30));
+  return Status::Ok();
+}
 
 // One launch: a coordinator and its workers until the coordinator ends the run (or asks to be
 // resumed on a new plan: kExitReplan).
@@ -126,6 +151,10 @@ int RunSession(const LaunchOptions& o) {
     return kExitOk;
   }
   if (Status s = o.resume ? Status::Ok() : core::CheckOutputDir(*cfg); !s.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
+    return kExitBadConfig;
+  }
+  if (Status s = CheckHostMemory(*cfg, o.gpus); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }

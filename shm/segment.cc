@@ -4,11 +4,46 @@
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 
+#include <sys/statvfs.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+
 #include "common/logging.h"
 
 namespace rp::shm {
 
 namespace bip = boost::interprocess;
+
+namespace {
+constexpr const char* kShmDir = "/dev/shm";
+std::string GiB(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f GiB", static_cast<double>(bytes) / (1ull << 30));
+  return buf;
+}
+}  // namespace
+
+Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what) {
+  struct statvfs fs {};
+  if (::statvfs(kShmDir, &fs) != 0) return Status::FromErrno(std::string("statvfs ") + kShmDir, errno);
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (bytes <= free_bytes) return Status::Ok();
+  return Status::InvalidArgument(
+      what + " needs " + GiB(bytes) + " of shared memory, but " + kShmDir + " has " + GiB(free_bytes) +
+      " free: free space there, enlarge it (Docker: --shm-size; otherwise mount -o remount,size=... " +
+      kShmDir + "), or shrink the job (rp-launch --dry-run shows where the bytes go)");
+}
+
+uint64_t AvailableHostMemory() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  unsigned long long kib = 0;
+  while (std::getline(in, line))
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return static_cast<uint64_t>(kib) * 1024;
+  return 0;
+}
 
 struct Segment::Impl {
   bip::shared_memory_object object;

@@ -21,6 +21,14 @@
 
 namespace rp::shm {
 
+// Refuses a request for `bytes` of new shared memory that /dev/shm (the tmpfs behind POSIX shared
+// memory) has no room for. tmpfs accepts any size at creation and fails only when a page is first
+// touched, with SIGBUS in whichever process touches it, possibly hours into a run; this turns
+// that into an error up front. `what` names the request in the message.
+Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what);
+// Bytes of host memory the kernel reports available (MemAvailable), or 0 where unknown.
+uint64_t AvailableHostMemory();
+
 class Segment {
  public:
   static StatusOr<Segment> Create(const std::string& name, uint64_t bytes);

@@ -213,6 +213,24 @@ TEST_F(LaunchTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   }
 }
 
+TEST_F(LaunchTest, AJobLargerThanSharedMemoryIsRefusedBeforeAnythingStarts) {
+  // About 21 TB of segments: no machine's /dev/shm holds that. tmpfs would accept the size and
+  // SIGBUS at the first untouched page; the launcher refuses up front, naming the fix.
+  const std::vector<std::string> huge = {"model.vocab_size=16777216", "model.hidden_size=65536",
+                                         "model.num_heads=512", "model.num_kv_heads=8",
+                                         "model.head_dim=128", "model.intermediate_size=4096"};
+  const std::string out = tmp_ + "/huge";
+  auto r = Launch(1, out, huge);
+  EXPECT_EQ(r.code, kExitBadConfig) << r.output;
+  EXPECT_NE(r.output.find("of shared memory, but /dev/shm has"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--shm-size"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("coordinator"), std::string::npos) << "nothing should have started: " << r.output;
+  EXPECT_FALSE(fs::exists(out + "/metrics.jsonl"));
+  auto dry = testing::RunProcess(With(LaunchArgs(1, out, huge), {"--dry-run"}), 60, Env());
+  EXPECT_EQ(dry.code, 0) << dry.output;
+  EXPECT_NE(dry.output.find("will not start here"), std::string::npos) << dry.output;
+}
+
 TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
   const std::string out = tmp_ + "/damaged";
   auto args = LaunchArgs(1, out, {"train.steps=6"});

@@ -119,6 +119,16 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   EXPECT_EQ(stale->compute_buffers, 2);
 }
 
+TEST(SharedMemoryRoom, ARequestLargerThanDevShmIsRefusedNamingTheFix) {
+  EXPECT_TRUE(CheckSharedMemoryRoom(4096, "a page").ok());
+  Status s = CheckSharedMemoryRoom(1ull << 62, "a 4 EiB job");
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  for (const char* part : {"a 4 EiB job", "/dev/shm", "GiB free", "--shm-size"})
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << ": " << s.message();
+  EXPECT_GT(AvailableHostMemory(), 0u);  // Linux reports MemAvailable
+}
+
 TEST(Layout, HashChangesWithTheConfig) {
   auto cfg = SmallConfig();
   auto spec = core::BuildModelSpec(cfg.model);
