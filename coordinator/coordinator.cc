@@ -330,7 +330,7 @@ Status Coordinator::InitState() {
   std::vector<float>().swap(staging);
   if (resume_from_) {
     // Masters, moments and every compute-copy buffer as they were after first_step_ updates.
-    RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from_, state_hash_, StateSections()));
+    RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from_, state_hash_, layout_.masters_in_state, StateSections()));
     auto* versions = segment_->At<std::atomic<uint64_t>>(layout_.layer_versions);
     for (int l = 0; l < plan_.num_layers; ++l)
       versions[l].store(static_cast<uint64_t>(first_step_), std::memory_order_relaxed);
@@ -1022,7 +1022,7 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested after step " +
                             std::to_string(last_final_step_ + 1) + "'s gradients reached the optimizer");
   const double t0 = MonoSeconds();
-  RP_RETURN_IF_ERROR(WriteTrainingState(CheckpointDir(cfg_), done, state_hash_, StateSections(),
+  RP_RETURN_IF_ERROR(WriteTrainingState(CheckpointDir(cfg_), done, state_hash_, layout_.masters_in_state, StateSections(),
                                         static_cast<int>(cfg_.checkpoint.keep)));
   checkpointed_ = done;
   RP_LOG(INFO) << "checkpoint after step " << done << " written to " << CheckpointDir(cfg_) << " in "

@@ -104,8 +104,10 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
                            const shm::ArenaLayout& layout) {
   uint64_t h = HashKey({0x5741u, static_cast<uint64_t>(layout.compute_elem_bytes),
                         static_cast<uint64_t>(layout.compute_buffers), layout.optim_total_bytes,
-                        layout.compute_end - layout.compute_begin,
-                        static_cast<uint64_t>(layout.masters_in_state)});
+                        layout.compute_end - layout.compute_begin});
+  // Mixed in only when set, so checkpoints written before the choice existed (compute copies)
+  // keep their hash; ReadTrainingState names this mismatch on its own.
+  if (layout.masters_in_state) h = HashKey({h, 0x4d41u});
   for (const auto& p : spec.params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
@@ -133,12 +135,13 @@ std::string CheckpointDir(const core::JobConfig& c) {
 }
 
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          const std::vector<StateSection>& sections, int keep) {
+                          bool masters_in_state, const std::vector<StateSection>& sections, int keep) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("checkpoint directory " + dir + ": " + ec.message());
   nlohmann::json header = {{"version", kFormatVersion}, {"steps_done", steps_done},
-                           {"state_hash", std::to_string(state_hash)}};
+                           {"state_hash", std::to_string(state_hash)},
+                           {"masters_in_state", masters_in_state}};
   // Offsets depend on the header's length, which depends on the offsets' digits: reserve room.
   uint64_t offset = AlignUp(16 + 4096 + 128 * sections.size());
   nlohmann::json list = nlohmann::json::array();
@@ -185,17 +188,28 @@ StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
   return f;
 }
 
-Status ReadTrainingState(const StateFile& file, uint64_t state_hash,
+Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections) {
   Fd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::FromErrno("opening " + file.path, errno);
   std::error_code ec;
   const uint64_t size = fs::file_size(file.path, ec);
   RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), file.path, size));
+  const auto& written = header.contains("masters_in_state") ? header["masters_in_state"] : nlohmann::json(false);
+  if (!written.is_boolean())
+    return Status::InvalidArgument("checkpoint " + file.path + " has a malformed JSON header (masters_in_state)");
+  if (written.get<bool>() != masters_in_state) {
+    auto where = [](bool in_state) {
+      return std::string(in_state ? "the fp32 masters workers fetch (schedule.weights_source = \"master\")"
+                                  : "a compute copy beside the masters (schedule.weights_source = \"compute_copy\")");
+    };
+    return Status::InvalidArgument("checkpoint " + file.path + " holds " + where(written.get<bool>()) +
+                                   ", this job keeps " + where(masters_in_state) +
+                                   "; resume it with the checkpoint's setting");
+  }
   if (header["state_hash"] != std::to_string(state_hash))
     return Status::InvalidArgument("checkpoint " + file.path + " was written for a different model, "
-                                   "compute dtype, optimizer, optimizer mode or "
-                                   "schedule.weights_source than this job's");
+                                   "compute dtype, optimizer or optimizer mode than this job's");
   const auto& list = header["sections"];
   if (list.size() != sections.size())
     return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(list.size()) +

@@ -5,10 +5,12 @@
 // kept for Hugging Face / PEFT exports):
 //   bytes [0, 8)     magic "RPSTATE1"
 //   bytes [8, 16)    little-endian uint64 H: length of the JSON header that follows
-//   bytes [16, 16+H) JSON: {"version", "steps_done", "state_hash", "sections": [{"name", "offset",
-//                    "bytes"}]}; offsets are absolute and 4096-aligned
-//   sections         raw bytes: "optim" (the optimizer segment: masters, moments) and "compute"
-//                    (every compute-copy buffer, so stale1's older weights resume too)
+//   bytes [16, 16+H) JSON: {"version", "steps_done", "state_hash", "masters_in_state",
+//                    "sections": [{"name", "offset", "bytes"}]}; offsets are absolute and
+//                    4096-aligned; "masters_in_state" is absent (false) in older files
+//   sections         raw bytes: "optim" (the optimizer segment: moments, and the masters unless
+//                    workers fetch them) and "compute" (every compute-copy buffer, so stale1's
+//                    older weights resume too; the fp32 masters when workers fetch them)
 // Nothing else is needed: the learning rate, the data order and the init are pure functions of
 // the step and the seed (core/lr_schedule.h, core/data.h).
 //
@@ -16,9 +18,10 @@
 //  * Write() is atomic: a temporary name in the same directory, fsync, rename, fsync of the
 //    directory. A crash leaves either the previous set of files or the new one, never a torn
 //    checkpoint under the final name. Afterwards only the newest `keep` checkpoints remain.
-//  * FindLatest() returns the newest checkpoint whose header parses; Read() checks the state hash
-//    (parameter names and sizes, compute dtype, optimizer, mode) and every section's size against
-//    what the caller expects, and names the file and the mismatch when they differ.
+//  * FindLatest() returns the newest checkpoint whose header parses; Read() checks where the
+//    masters live (schedule.weights_source, named in its own message), the state hash (parameter
+//    names and sizes, compute dtype, optimizer, mode) and every section's size against what the
+//    caller expects, and names the file and the mismatch when they differ.
 #pragma once
 
 #include <cstdint>
@@ -48,11 +51,12 @@ uint64_t TrainingStateHash(const core::JobConfig& config, const core::ModelSpec&
                            const shm::ArenaLayout& layout);
 std::string CheckpointDir(const core::JobConfig& config);
 
+// `masters_in_state`: shm::ArenaLayout::masters_in_state of the writing (reading) job.
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          const std::vector<StateSection>& sections, int keep);
+                          bool masters_in_state, const std::vector<StateSection>& sections, int keep);
 // NotFound when the directory holds no checkpoint.
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
-Status ReadTrainingState(const StateFile& file, uint64_t state_hash,
+Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections);
 
 }  // namespace rp::coord

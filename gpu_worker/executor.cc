@@ -44,11 +44,18 @@ bool Executor::LayerReady(int l, int64_t version) const {
   return true;
 }
 
+void Executor::DropNext() {
+  // Its tensors were allocated on the compute stream but may still be written by copies on the
+  // weights stream: the compute stream waits for those before the allocator may reuse the memory.
+  if (!next_.layers.empty()) device_.WaitWeights(device_.WeightsFence());
+  next_ = StageWeights();
+}
+
 Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
   *complete = false;
   RP_RETURN_IF_ERROR(Validate(job));
   if (next_.job_index != job.job_index) {
-    next_ = StageWeights();
+    DropNext();
     next_.job_index = job.job_index;
   }
   if (!next_.complete) {
@@ -61,7 +68,7 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
       }
       next_.fence = device_.WeightsFence();
     } catch (const std::exception& e) {
-      next_ = StageWeights();
+      DropNext();
       return Status::Internal(std::string("fetching weights: ") + e.what());
     }
     next_.complete = true;

@@ -113,6 +113,8 @@ class Executor {
     std::vector<GradUse> grads;
   };
   StageWeights FetchStage(const proto::RunJob& job);
+  // Forgets next_ (another job's fetch, partial or unused) safely for the device allocator.
+  void DropNext();
   // Whether every weight layer `l` reads holds `version` updates.
   bool LayerReady(int l, int64_t version) const;
   // Layer `layer`'s weights at `weights_version`; with `grads`, trainable ones require gradients

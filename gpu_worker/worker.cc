@@ -354,9 +354,11 @@ Status Worker::Run() {
     RP_ASSIGN_OR_RETURN(bool worked, Progress());
     RP_ASSIGN_OR_RETURN(bool finished, Finish());
     worked = worked || finished;
-    // Poll while a gradient copy is in flight; it completes without a message.
-    const bool polling = waiting_for_weights_ || std::any_of(finishing_.begin(), finishing_.end(),
-                                                             [](const Finishing& f) { return f.committing; });
+    // Poll while a gradient copy is in flight (it completes without a message) and while the next
+    // job's weights are still being published layer by layer (so each is copied when it appears).
+    const bool prefetching = queue_.size() > 1 && queue_.front().begun && !queue_[1].eval && !queue_[1].prefetched;
+    const bool polling = waiting_for_weights_ || prefetching ||
+                         std::any_of(finishing_.begin(), finishing_.end(), [](const Finishing& f) { return f.committing; });
     // Block only when nothing can move; otherwise just drain what has arrived.
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));
     while (m) {

@@ -44,8 +44,9 @@ namespace rp::coord {
 
 class AsyncOptimizer {
  public:
-  // `state` is the mapped state segment (compute copies, layer versions, gradient arena),
-  // `optim` the optimizer segment (masters, moments); `grads` places and releases slots.
+  // `state` is the mapped state segment (compute copies, or the masters when workers fetch
+  // them; layer versions, gradient arena), `optim` the optimizer segment (moments, and the
+  // masters otherwise: layout.masters_in_state says which); `grads` places and releases slots.
   AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
                  const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim, GradArena* grads,
                  int threads);
