@@ -124,7 +124,7 @@ Status CheckHostMemory(const core::JobConfig& cfg, int gpus) {
   RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name));
   const uint64_t avail = shm::AvailableHostMemory();
   if (avail > 0 && bytes > avail)
-    std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host reports "
+    std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host (or its memory cgroup) has "
                  "%.1f GiB available; expect swapping, or the kernel's OOM killer\n",
                  cfg.job.name.c_str(), static_cast<double>(bytes) / (1ull << 30),
                  static_cast<double>(avail) / (1ull << 30));

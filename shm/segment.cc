@@ -41,13 +41,56 @@ Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what) {
       kShmDir + "), or shrink the job (rp-launch --dry-run shows where the bytes go)");
 }
 
+namespace {
+// The first unsigned number in `path`, or 0 (missing file, "max").
+uint64_t ReadNumber(const std::string& path) {
+  std::ifstream in(path);
+  unsigned long long v = 0;
+  return (in >> v) ? static_cast<uint64_t>(v) : 0;
+}
+
+// Room left under this process's memory cgroup limit (shared-memory pages are charged to it, so
+// in a container with -m the OOM killer strikes before MemAvailable runs out), or 0 when there is
+// no limit or it cannot be read. cgroup v2 ("0::<path>") and v1 ("<n>:...memory...:<path>").
+uint64_t CgroupMemoryRoom() {
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    std::string limit, usage;
+    if (line.compare(0, a, "0") == 0 && controllers.empty()) {
+      limit = "/sys/fs/cgroup" + path + "/memory.max";
+      usage = "/sys/fs/cgroup" + path + "/memory.current";
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      limit = "/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes";
+      usage = "/sys/fs/cgroup/memory" + path + "/memory.usage_in_bytes";
+    } else {
+      continue;
+    }
+    const uint64_t max = ReadNumber(limit), used = ReadNumber(usage);
+    // v1 reports "no limit" as a huge page-rounded number.
+    if (max == 0 || max >= (1ull << 60)) return 0;
+    return max > used ? max - used : 1;
+  }
+  return 0;
+}
+}  // namespace
+
 uint64_t AvailableHostMemory() {
   std::ifstream in("/proc/meminfo");
   std::string line;
   unsigned long long kib = 0;
+  uint64_t avail = 0;
   while (std::getline(in, line))
-    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return static_cast<uint64_t>(kib) * 1024;
-  return 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) {
+      avail = static_cast<uint64_t>(kib) * 1024;
+      break;
+    }
+  const uint64_t room = CgroupMemoryRoom();
+  if (room > 0 && (avail == 0 || room < avail)) return room;
+  return avail;
 }
 
 struct Segment::Impl {

@@ -26,7 +26,8 @@ namespace rp::shm {
 // touched, with SIGBUS in whichever process touches it, possibly hours into a run; this turns
 // that into an error up front. `what` names the request in the message.
 Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what);
-// Bytes of host memory the kernel reports available (MemAvailable), or 0 where unknown.
+// Bytes of host memory the kernel reports available (MemAvailable), or less when this process's
+// memory cgroup (a container's -m) leaves less room; 0 where unknown.
 uint64_t AvailableHostMemory();
 
 class Segment {
