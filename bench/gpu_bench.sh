@@ -2,7 +2,8 @@
 # Runs one benchmark job and prints one JSON line (append it to bench/results.jsonl).
 #   bench/gpu_bench.sh BUILD_DIR WORKERS JOB [--set ...]
 # Env: RP_COMMIT (the commit measured), RP_MACHINE (free text). Steady-state figures skip the
-# first two steps (allocator and page warm-up); whole-run figures include them and the drain.
+# first two steps (allocator and page warm-up; runs of 2-3 steps skip only the first); whole-run
+# figures include them and the drain.
 # host_bytes_per_param counts both segments at their full size plus the coordinator's peak
 # anonymous RSS; host_bytes_per_param_touched counts the peak of /dev/shm pages actually in use.
 set -euo pipefail
@@ -35,7 +36,9 @@ import json, sys, datetime, os, re, subprocess
 out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb, gpu_mib = sys.argv[1:]
 steps = [json.loads(l) for l in open(out + "/run/metrics.jsonl")]
 summ = json.load(open(out + "/run/summary.json"))
-steady = steps[2:] if len(steps) > 3 else steps
+# Short runs (2-3 steps, e.g. the 8B) still drop the first step, whose start-up would otherwise
+# dominate; one-step runs keep it (and say so through "steps").
+steady = steps[2:] if len(steps) > 3 else steps[1:] if len(steps) > 1 else steps
 tok = sum(s["tokens"] for s in steady); t = sum(s["step_time_s"] for s in steady)
 params = summ["trainable_params"]
 total = params + summ.get("frozen_params", 0)  # LoRA: the frozen base computes too
