@@ -92,7 +92,15 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
                 p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
+    if (cfg.job.device != "cpu")
+      std::printf("estimated device memory per worker: %.1f GiB (the planner's estimate; "
+                  "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
+                  p.peak_memory_bytes / (1ull << 30));
   }
+  std::printf("workers fetch %s\n",
+              !layout->masters_in_state         ? "a compute copy the optimizer writes"
+              : layout->compute_elem_bytes == 2 ? "the fp32 masters and round them to bf16 (no compute copy)"
+                                                : "the fp32 masters (no compute copy)");
   const uint64_t acts = layout->total_bytes - layout->tokens;
   std::printf("shared memory: %.1f MiB = %.2f bytes per trainable parameter (state segment %.1f MiB: "
               "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
