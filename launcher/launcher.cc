@@ -129,7 +129,8 @@ uint64_t SharedMemoryBytes(const core::JobConfig& cfg, int gpus) {
 // CUDA workers pin the state segment and pinned pages cannot be swapped).
 Status CheckHostMemory(const core::JobConfig& cfg, int gpus) {
   const uint64_t bytes = SharedMemoryBytes(cfg, gpus);
-  RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name));
+  if (Status room = shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name); !room.ok())
+    return Status::InvalidArgument(room.message() + " (rp-launch --dry-run shows where the bytes go)");
   const uint64_t avail = shm::AvailableHostMemory();
   if (avail > 0 && bytes > avail)
     std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host (or its memory cgroup) has "

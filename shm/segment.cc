@@ -38,7 +38,7 @@ Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what) {
   return Status::InvalidArgument(
       what + " needs " + GiB(bytes) + " of shared memory, but " + kShmDir + " has " + GiB(free_bytes) +
       " free: free space there, enlarge it (Docker: --shm-size; otherwise mount -o remount,size=... " +
-      kShmDir + "), or shrink the job (rp-launch --dry-run shows where the bytes go)");
+      kShmDir + "), or shrink the job");
 }
 
 namespace {
