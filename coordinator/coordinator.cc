@@ -990,10 +990,8 @@ int64_t Coordinator::StepH2dBytes() const {
   const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
   for (const auto& st : plan_.stages) {
-    for (int l = st.begin; l < st.end; ++l) {
-      for (const auto& use : spec_.layer_uses[l]) h2d += spec_.params[use.param].numel * layout_.weights_elem_bytes;
-      for (const auto& use : spec_.layer_frozen[l]) h2d += spec_.frozen[use.param].numel * layout_.compute_elem_bytes;
-    }
+    for (int l = st.begin; l < st.end; ++l)
+      h2d += spec_.LayerWeightBytes(l, layout_.weights_elem_bytes, layout_.compute_elem_bytes);
     // Activations kept in the worker (schedule.activations) never cross the host link.
     const int64_t hidden = layout_.activations_in_worker ? 0 : act;
     int64_t per_mb = st.begin == 0 ? tok : hidden;

@@ -28,6 +28,13 @@ int64_t ModelSpec::LayerWeightElems(int l) const {
   return n;
 }
 
+int64_t ModelSpec::LayerWeightBytes(int l, int trainable_elem_bytes, int frozen_elem_bytes) const {
+  int64_t n = 0;
+  for (const auto& use : layer_uses[l]) n += params[use.param].numel * trainable_elem_bytes;
+  for (const auto& use : layer_frozen[l]) n += frozen[use.param].numel * frozen_elem_bytes;
+  return n;
+}
+
 ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
   ModelSpec s;
   s.config = c;

@@ -70,6 +70,9 @@ struct ModelSpec {
   int64_t FrozenParams() const;
   // Elements of every weight layer `l` reads (trainable and frozen): what a stage fetches.
   int64_t LayerWeightElems(int l) const;
+  // Bytes a worker copies for layer `l`: trainable weights at `trainable_elem_bytes` (4 when it
+  // fetches the fp32 masters), frozen ones at `frozen_elem_bytes` (the compute dtype).
+  int64_t LayerWeightBytes(int l, int trainable_elem_bytes, int frozen_elem_bytes) const;
 };
 
 ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = LoraConfig{});

@@ -71,10 +71,10 @@ SimResult Simulate(const SimInput& in) {
       const int w = static_cast<int>(k % N);
       const SimStage& st = in.stages[s];
       auto copy_s = [&](double bytes) { return in.h2d_bytes_per_s > 0 ? bytes / in.h2d_bytes_per_s : 0.0; };
-      auto ready_at = [&](const std::vector<int>& owners) {
+      auto ready_at = [&](const std::vector<int>& owner_layers) {
         double ready = 0.0;
         if (need >= 0)
-          for (int o : owners) ready = std::max(ready, updated[need][o]);
+          for (int o : owner_layers) ready = std::max(ready, updated[need][o]);
         return ready;
       };
       double fetch_end = std::max(weights_free[w], began[w]);
@@ -188,7 +188,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   // Trainable weights cross the link as fp32 when workers fetch the masters.
-  const double weight_elem = WorkersFetchMasters(c) ? 4.0 : elem;
+  const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   // Activations kept in the worker (schedule.activations = "worker") cost no transfers.
   const double act = c.schedule.activations == "worker" ? 0.0 : tokens * static_cast<double>(c.model.hidden_size) * elem;
@@ -201,15 +201,12 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       const LayerCost& lc = profile.layers[l];
       st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : lc.recompute_s + lc.backward_s;
       SimFetch f;  // the worker copies each layer as soon as its weights are published
+      f.bytes = static_cast<double>(spec.LayerWeightBytes(l, weight_elem, static_cast<int>(elem)));
       for (const auto& use : spec.layer_uses[l]) {
-        const double n = static_cast<double>(spec.params[use.param].numel);
-        f.bytes += n * weight_elem;
-        if (grads) st.grad_bytes += n * 4.0;
+        if (grads) st.grad_bytes += static_cast<double>(spec.params[use.param].numel) * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
         f.owners.push_back(spec.params[use.param].owner_layer);
       }
-      for (const auto& use : spec.layer_frozen[l])
-        f.bytes += static_cast<double>(spec.frozen[use.param].numel) * elem;
       st.weight_bytes += f.bytes;
       st.fetches.push_back(std::move(f));
     }

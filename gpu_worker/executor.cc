@@ -96,16 +96,6 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
   return lw;
 }
 
-Executor::StageWeights Executor::FetchStage(const proto::RunJob& job) {
-  StageWeights w;
-  w.job_index = job.job_index;
-  const core::Stage& st = plan_.stages[job.stage];
-  const bool grads = st.kind != core::StageKind::kForward;
-  for (int l = st.begin; l < st.end; ++l) w.layers.push_back(FetchLayer(l, job.weights_version, grads, &w));
-  w.fence = device_.WeightsFence();
-  w.complete = true;
-  return w;
-}
 
 bool Executor::WeightsReady(const proto::RunEval& job) const {
   const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
@@ -167,16 +157,15 @@ Status Executor::Begin(const proto::RunJob& job) {
   RP_RETURN_IF_ERROR(Validate(job));
   job_ = job;
   stage_ = plan_.stages[job.stage];
+  // FetchReady is the one path that copies a stage's weights; Begin only adopts them.
+  if (next_.job_index != job.job_index || !next_.complete)
+    return Status::Internal("job " + std::to_string(job.job_index) + " began before FetchReady had copied its weights");
+  current_ = std::move(next_);
+  next_ = StageWeights();
   try {
-    if (next_.job_index == job.job_index && next_.complete) {
-      current_ = std::move(next_);
-      next_ = StageWeights();
-    } else {
-      current_ = FetchStage(job);
-    }
     device_.WaitWeights(current_.fence);
   } catch (const std::exception& e) {
-    return Status::Internal(std::string("fetching weights: ") + e.what());
+    return Status::Internal(std::string("waiting for weights: ") + e.what());
   }
   return Status::Ok();
 }

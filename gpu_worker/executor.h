@@ -5,7 +5,7 @@
 //  * FetchReady(job) copies a job's weights as the optimizer publishes them, layer by layer: the
 //    front job's, then the next one's in the worker's queue while the current job computes, so
 //    they are resident when Begin(job) makes the compute stream wait for them.
-//  * Begin(job) adopts the fetched weights (or fetches them all); Microbatch(m) computes microbatch m (its input must
+//  * Begin(job) adopts the weights FetchReady(job) copied (it must have said complete); Microbatch(m) computes microbatch m (its input must
 //    be in its slot: the coordinator said InputReady); CommitGrads() adds the job's gradients
 //    into the shared gradient slots; End() drops the weights.
 //  * Forward stages write hidden states (stage output and checkpoints). The fused tail and
@@ -112,7 +112,6 @@ class Executor {
     std::vector<model::LayerWeights> layers;  // per layer of the stage
     std::vector<GradUse> grads;
   };
-  StageWeights FetchStage(const proto::RunJob& job);
   // Forgets next_ (another job's fetch, partial or unused) safely for the device allocator.
   void DropNext();
   // Whether every weight layer `l` reads holds `version` updates.

@@ -117,18 +117,10 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
 }
 
 
-uint64_t SharedMemoryBytes(const core::JobConfig& cfg, int gpus) {
-  auto plan = core::MakePlan(cfg, gpus);
-  if (!plan.ok()) return 0;
-  auto layout = shm::ComputeLayout(cfg, core::BuildModelSpec(cfg.model, cfg.lora), *plan);
-  return layout.ok() ? layout->total_bytes + layout->optim_total_bytes : 0;
-}
-
-// Before any process starts: the segments must fit /dev/shm (a hard limit: tmpfs would SIGBUS
-// mid-run), and should fit the available host memory (a warning: swap may still hold them, but
-// CUDA workers pin the state segment and pinned pages cannot be swapped).
-Status CheckHostMemory(const core::JobConfig& cfg, int gpus) {
-  const uint64_t bytes = SharedMemoryBytes(cfg, gpus);
+// Before any process starts: the segments (`bytes`) must fit /dev/shm (a hard limit: tmpfs would
+// SIGBUS mid-run), and should fit the available host memory (a warning: swap may still hold them,
+// but CUDA workers pin the state segment and pinned pages cannot be swapped).
+Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes) {
   if (Status room = shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name); !room.ok())
     return Status::InvalidArgument(room.message() + " (rp-launch --dry-run shows where the bytes go)");
   const uint64_t avail = shm::AvailableHostMemory();
@@ -148,12 +140,15 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: %s\n", cfg.status().message().c_str());
     return kExitBadConfig;
   }
+  uint64_t shared_bytes = 0;
   if (auto plan = core::MakePlan(*cfg, o.gpus); !plan.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", plan.status().message().c_str());
     return kExitBadConfig;
   } else if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model, cfg->lora), *plan); !layout.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
     return kExitBadConfig;
+  } else {
+    shared_bytes = layout->total_bytes + layout->optim_total_bytes;
   }
   if (o.dry_run) {
     PrintDryRun(*cfg, o.gpus);
@@ -163,7 +158,7 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }
-  if (Status s = CheckHostMemory(*cfg, o.gpus); !s.ok()) {
+  if (Status s = CheckHostMemory(*cfg, shared_bytes); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }

@@ -24,24 +24,7 @@ std::string GiB(uint64_t bytes) {
   std::snprintf(buf, sizeof(buf), "%.1f GiB", static_cast<double>(bytes) / (1ull << 30));
   return buf;
 }
-}  // namespace
 
-Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what) {
-  struct statvfs fs {};
-  if (::statvfs(kShmDir, &fs) != 0) {  // cannot tell: let creation decide, as before this check
-    RP_LOG(WARNING) << "statvfs " << kShmDir << ": " << std::strerror(errno) << "; not checking its free space";
-    return Status::Ok();
-  }
-  if (fs.f_blocks == 0) return Status::Ok();  // tmpfs mounted with size=0: no limit
-  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-  if (bytes <= free_bytes) return Status::Ok();
-  return Status::InvalidArgument(
-      what + " needs " + GiB(bytes) + " of shared memory, but " + kShmDir + " has " + GiB(free_bytes) +
-      " free: free space there, enlarge it (Docker: --shm-size; otherwise mount -o remount,size=... " +
-      kShmDir + "), or shrink the job");
-}
-
-namespace {
 // The first unsigned number in `path`, or 0 (missing file, "max").
 uint64_t ReadNumber(const std::string& path) {
   std::ifstream in(path);
@@ -77,6 +60,21 @@ uint64_t CgroupMemoryRoom() {
   return 0;
 }
 }  // namespace
+
+Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what) {
+  struct statvfs fs {};
+  if (::statvfs(kShmDir, &fs) != 0) {  // cannot tell: let creation decide, as before this check
+    RP_LOG(WARNING) << "statvfs " << kShmDir << ": " << std::strerror(errno) << "; not checking its free space";
+    return Status::Ok();
+  }
+  if (fs.f_blocks == 0) return Status::Ok();  // tmpfs mounted with size=0: no limit
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (bytes <= free_bytes) return Status::Ok();
+  return Status::InvalidArgument(
+      what + " needs " + GiB(bytes) + " of shared memory, but " + kShmDir + " has " + GiB(free_bytes) +
+      " free: free space there, enlarge it (Docker: --shm-size; otherwise mount -o remount,size=... " +
+      kShmDir + "), or shrink the job");
+}
 
 uint64_t AvailableHostMemory() {
   std::ifstream in("/proc/meminfo");
