@@ -27,6 +27,10 @@ inline bool ClaimTestHookOnce(const char* env_var) {
 // RP_TEST_ALWAYS_REPLAN (any value): every profile of an auto-partitioned run asks for a re-plan,
 // as profiles too noisy to agree would (the launcher's limit on re-plans).
 inline bool TestAlwaysReplan() { return std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr; }
+// RP_TEST_REPLAN_ONCE=<marker path>: the run's first profile asks for a re-plan whatever it
+// predicts (ClaimTestHookOnce), so a test of the re-plan mechanics does not depend on which plan
+// a noisy profile favours; later profiles decide as usual.
+inline bool TestReplanOnce() { return ClaimTestHookOnce("RP_TEST_REPLAN_ONCE"); }
 
 // RP_TEST_SLOW_FROM_STEP="<step>:<ms>": every microbatch of step >= <step> (0-based) takes <ms>
 // milliseconds longer, in every worker: a machine that slowed down mid-run (the drift test).

@@ -611,7 +611,7 @@ Status Coordinator::MaybeFinishProfile() {
                << "%, peak memory per worker " << prediction_->peak_memory_bytes / 1e9 << " GB";
   if (cfg_.schedule.partition != "auto" || cfg_.schedule.replan_gain <= 0) return Status::Ok();
   auto best = core::ChoosePlan(cfg_, opts_.num_workers, *profile);
-  const bool always = TestAlwaysReplan();
+  const bool always = TestAlwaysReplan() || TestReplanOnce();
   if (!best.ok() || (!always && (best->plan.Describe() == plan_.Describe() ||
                                  best->step_seconds >= prediction_->step_seconds * (1.0 - cfg_.schedule.replan_gain))))
     return Status::Ok();
