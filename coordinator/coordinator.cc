@@ -137,13 +137,27 @@ class Coordinator {
   bool RestartsAllowed() const { return cfg_.job.max_worker_restarts > 0; }
   // A replacement for a dead worker said Hello: map it and re-send the rank's unfinished jobs.
   Status OnReplacement(int rank, const proto::Hello& hello);
-  // schedule.activations = "worker" and the worker is gone (`what` happened): the run stops.
-  static Status ActivationsLost(const std::string& what) {
-    return Status::Unavailable(what + "; with schedule.activations = \"worker\" the step's hidden states and "
-                               "input gradients lived in that worker's memory, so its jobs cannot be re-run: resume "
-                               "from the last checkpoint (rp-launch --resume), or use schedule.activations = "
-                               "\"host\" to survive worker faults");
+  // Activations live in workers (schedule.activations = "worker", or activation pools) and a
+  // worker is gone (`what` happened): the run stops.
+  bool ActivationsInWorkers() const { return layout_.activations_in_worker || layout_.activations_in_pools; }
+  Status ActivationsLost(const std::string& what) const {
+    const char* setting = layout_.activations_in_worker ? "schedule.activations = \"worker\""
+                                                        : "schedule.activation_transport = \"cuda_ipc\"";
+    const char* fix = layout_.activations_in_worker ? "schedule.activations = \"host\""
+                                                    : "schedule.activation_transport = \"host\"";
+    return Status::Unavailable(what + "; with " + setting + " the step's hidden states and input gradients "
+                               "lived in that worker's memory, so its jobs cannot be re-run: resume from the "
+                               "last checkpoint (rp-launch --resume), or use " + fix + " to survive worker faults");
   }
+  // Activation pools: which worker's pool holds each slot's current contents (-1: none yet), so
+  // an InputReady can name the pool a consumer copies from. Indexed like the pool's slots.
+  std::vector<int> hidden_owner_, grad_owner_;
+  void RecordPoolWrites(const JobState& j, int mb, int rank);
+  proto::InputReady InputFor(const JobState& j, int mb) const;
+  // Registration with activation pools: every worker's handle, relayed to the others once all
+  // have arrived (before any RunJob, so a worker opens its peers' pools before it needs them).
+  std::vector<std::optional<proto::ActivationPool>> pools_;
+  Status OnActivationPool(int rank, const proto::ActivationPool& p);
   // Tells a worker (first start or replacement) which segment to map.
   Status SendWelcome(int rank);
   // Kills workers silent for longer than job.worker_timeout_s (hung); their replacements take
@@ -278,8 +292,17 @@ Status Coordinator::Setup() {
                << (layout_.masters_in_state ? "the fp32 masters (no compute copy)" : "a compute copy")
                << "; activations "
                << (layout_.activations_in_worker ? "kept in the worker's memory"
-                                                 : "in shared-memory slots (" +
-                                                       std::to_string((layout_.total_bytes - layout_.hidden) >> 10) + " KiB)");
+                   : layout_.activations_in_pools
+                       ? "in each worker's activation pool (" + std::to_string(layout_.pool_bytes >> 10) +
+                             " KiB per worker, activation_transport = cuda_ipc)"
+                       : "in shared-memory slots (" + std::to_string((layout_.total_bytes - layout_.hidden) >> 10) +
+                             " KiB)");
+  if (layout_.activations_in_pools) {
+    pools_.assign(opts_.num_workers, std::nullopt);
+    const size_t per_parity = static_cast<size_t>(layout_.parities) * cfg_.train.microbatches;
+    hidden_owner_.assign(per_parity * layout_.num_hidden, -1);
+    grad_owner_.assign(per_parity * layout_.grad_slots_per_mb, -1);
+  }
   return Status::Ok();
 }
 
@@ -408,6 +431,10 @@ Status Coordinator::AcceptWorkers() {
       OnLinkProbe(env->rank, *probe);
       continue;
     }
+    if (const auto* pool = std::get_if<proto::ActivationPool>(&env->message); pool && env->rank < opts_.num_workers) {
+      RP_RETURN_IF_ERROR(OnActivationPool(env->rank, *pool));
+      continue;
+    }
     const auto* hello = std::get_if<proto::Hello>(&env->message);
     if (!hello || env->rank >= opts_.num_workers || hello->rank != env->rank) {
       RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message))
@@ -425,7 +452,67 @@ Status Coordinator::AcceptWorkers() {
     RP_VLOG(1) << "worker " << env->rank << " (pid " << hello->pid << ") connected";
   }
   RP_LOG(INFO) << "all " << opts_.num_workers << " workers connected";
+  if (!layout_.activations_in_pools) return Status::Ok();
+  // Each worker sends its pool's handle after mapping the segment and creating the pool.
+  while (std::any_of(pools_.begin(), pools_.end(), [](const auto& p) { return !p.has_value(); })) {
+    if (g_stop || g_graceful_stop) return Status::Cancelled("stopped by signal while waiting for activation pools");
+    if (MonoSeconds() > deadline)
+      return Status::DeadlineExceeded("not every worker announced its activation pool within " +
+                                      std::to_string(opts_.hello_timeout_s) + " s");
+    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(100));
+    if (!env || env->rank >= opts_.num_workers) continue;
+    if (const auto* pool = std::get_if<proto::ActivationPool>(&env->message)) {
+      RP_RETURN_IF_ERROR(OnActivationPool(env->rank, *pool));
+    } else if (const auto* probe = std::get_if<proto::LinkProbe>(&env->message)) {
+      OnLinkProbe(env->rank, *probe);
+    } else if (const auto* failed = std::get_if<proto::JobFailed>(&env->message)) {
+      return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
+                                 failed->message);
+    }
+  }
+  for (int to = 0; to < opts_.num_workers; ++to)
+    for (int owner = 0; owner < opts_.num_workers; ++owner)
+      if (owner != to) RP_RETURN_IF_ERROR(channel_->Send(to, *pools_[owner]));
+  RP_LOG(INFO) << "activation pools: " << opts_.num_workers << " x " << (layout_.pool_bytes >> 20)
+               << " MiB, handles relayed";
   return Status::Ok();
+}
+
+Status Coordinator::OnActivationPool(int rank, const proto::ActivationPool& p) {
+  if (!layout_.activations_in_pools || p.rank != rank || p.bytes != layout_.pool_bytes)
+    return Status::ProtocolError("worker " + std::to_string(rank) + " announced an activation pool (rank " +
+                                 std::to_string(p.rank) + ", " + std::to_string(p.bytes) + " bytes) that this run " +
+                                 (layout_.activations_in_pools ? "does not expect (" + std::to_string(layout_.pool_bytes) +
+                                                                     " bytes per worker)"
+                                                               : std::string("does not use")));
+  if (pools_[rank])
+    return Status::ProtocolError("worker " + std::to_string(rank) + " announced its activation pool twice");
+  pools_[rank] = p;
+  return Status::Ok();
+}
+
+void Coordinator::RecordPoolWrites(const JobState& j, int mb, int rank) {
+  if (!layout_.activations_in_pools) return;
+  const core::Stage& st = plan_.stages[j.stage];
+  const size_t base = static_cast<size_t>(j.run.parity) * cfg_.train.microbatches + mb;
+  if (st.kind == core::StageKind::kForward) {
+    for (int l = st.begin; l < st.end; ++l)
+      if (const int slot = plan_.HiddenSlot(l + 1); slot >= 0)
+        hidden_owner_[base * layout_.num_hidden + slot] = rank;
+  } else if (st.begin > 0) {  // the tail and backward stages above the embedding
+    grad_owner_[base * layout_.grad_slots_per_mb + plan_.GradSlot(st.begin) % layout_.grad_slots_per_mb] = rank;
+  }
+}
+
+proto::InputReady Coordinator::InputFor(const JobState& j, int mb) const {
+  proto::InputReady r{j.index, mb, proto::kFromHostSlot, proto::kFromHostSlot, 0};
+  if (!layout_.activations_in_pools) return r;
+  const core::Stage& st = plan_.stages[j.stage];
+  const size_t base = static_cast<size_t>(j.run.parity) * cfg_.train.microbatches + mb;
+  if (st.begin > 0) r.hidden_rank = hidden_owner_[base * layout_.num_hidden + plan_.HiddenSlot(st.begin)];
+  if (st.kind == core::StageKind::kBackward)
+    r.grad_rank = grad_owner_[base * layout_.grad_slots_per_mb + plan_.GradSlot(st.end) % layout_.grad_slots_per_mb];
+  return r;
 }
 
 StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* what) {
@@ -450,7 +537,7 @@ Status Coordinator::FeedCall(int64_t g) {
                 segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
   const JobState& first = jobs_.at(JobIndex(step, static_cast<int>(call), 0));
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
-    RP_RETURN_IF_ERROR(SendTo(first.worker, proto::InputReady{first.index, mb, 0}));
+    RP_RETURN_IF_ERROR(SendTo(first.worker, InputFor(first, mb)));
   fed_calls_.insert(g);
   return Status::Ok();
 }
@@ -532,9 +619,10 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
     st.loss_sum += d.loss_sum;
     st.targets += d.targets;
   }
+  RecordPoolWrites(*j, d.microbatch, rank);
   if (static_cast<size_t>(j->stage) + 1 < plan_.stages.size()) {
     const JobState& next = jobs_.at(JobIndex(j->step, j->call, j->stage + 1));
-    RP_RETURN_IF_ERROR(SendTo(next.worker, proto::InputReady{next.index, d.microbatch, 0}));
+    RP_RETURN_IF_ERROR(SendTo(next.worker, InputFor(next, d.microbatch)));
   }
   return Status::Ok();
 }
@@ -728,7 +816,7 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   if (hello.rank != rank || hello.layout_hash != layout_.hash)
     return Status::ProtocolError("replacement worker " + std::to_string(rank) +
                                  " computed a different shared-memory layout or rank");
-  if (layout_.activations_in_worker) return ActivationsLost("worker " + std::to_string(rank) + " was replaced");
+  if (ActivationsInWorkers()) return ActivationsLost("worker " + std::to_string(rank) + " was replaced");
   worker_pids_[rank] = hello.pid;
   RP_RETURN_IF_ERROR(SendWelcome(rank));
   // The dead worker's unfinished jobs, in their original order (so the new worker's queue has
@@ -771,7 +859,7 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
       auto prev = jobs_.find(JobIndex(j.step, j.call, j.stage - 1));
       ready = prev == jobs_.end() ? M : prev->second.mb_hw;
     }
-    for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(SendTo(rank, proto::InputReady{index, mb, 0}));
+    for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(SendTo(rank, InputFor(j, mb)));
   }
   RP_RETURN_IF_ERROR(send_evals_before(std::numeric_limits<int64_t>::max()));
   RP_LOG(WARNING) << "worker " << rank << " replaced by pid " << hello.pid << ": re-dispatched "
@@ -788,7 +876,7 @@ Status Coordinator::Handle(int rank, const Message& m) {
       const auto& f = std::get<proto::JobFailed>(m);
       // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job,
       // unless the step's activations lived in it (schedule.activations = "worker").
-      if (layout_.activations_in_worker)
+      if (ActivationsInWorkers())
         return ActivationsLost("worker " + std::to_string(rank) + " failed job " + std::to_string(f.job_index) +
                                ": " + f.message);
       if (RestartsAllowed()) {
@@ -812,6 +900,7 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kCommitGrads:
     case proto::MsgType::kShutdown:
     case proto::MsgType::kRunEval:
+    case proto::MsgType::kActivationPool:  // only during registration
       RP_LOG(WARNING) << "dropped coordinator-bound " << proto::MsgTypeName(proto::TypeOfMessage(m))
                       << " from worker " << rank;
       return Status::Ok();
@@ -992,8 +1081,9 @@ int64_t Coordinator::StepH2dBytes() const {
   for (const auto& st : plan_.stages) {
     for (int l = st.begin; l < st.end; ++l)
       h2d += spec_.LayerWeightBytes(l, layout_.weights_elem_bytes, layout_.compute_elem_bytes);
-    // Activations kept in the worker (schedule.activations) never cross the host link.
-    const int64_t hidden = layout_.activations_in_worker ? 0 : act;
+    // Activations kept in the worker (schedule.activations) or moved between activation pools
+    // never cross the host link.
+    const int64_t hidden = ActivationsInWorkers() ? 0 : act;
     int64_t per_mb = st.begin == 0 ? tok : hidden;
     if (st.kind == core::StageKind::kFusedTail) per_mb += tok;
     if (st.kind == core::StageKind::kBackward) per_mb += hidden;

@@ -360,8 +360,15 @@ const std::vector<KeySpec>& Table() {
             "Per-worker memory limit the auto planner respects (estimate); 0 = unlimited"),
       Enum("schedule", "activation_transport", F(schedule.activation_transport), "auto",
            {"auto", "host", "cuda_ipc"},
-           "How activations move between workers; today always through host-staged slots in the "
-           "shared segment (cuda_ipc is refused until it exists)"),
+           "How hidden states and input gradients move from the worker that computes them to the "
+           "worker that reads them. host: through slots in the shared state segment (a copy to "
+           "host memory and one back; a replaced worker re-runs its jobs from them). cuda_ipc: "
+           "each worker keeps what it produces in one device-memory pool exported once through "
+           "CUDA IPC, and the consumer copies it device to device (same GPU, or peer to peer "
+           "between GPUs that can map each other's memory); no host memory for activations, one "
+           "pool of the slots' size per worker in device memory, and a worker that dies stops "
+           "the run (resume from the last checkpoint). CPU workers stand in with a named "
+           "shared-memory pool per worker (the same protocol, what CI tests). auto: host"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "
@@ -476,9 +483,11 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
                                    "set lora.rank to the adapter's rank");
   }
-  if (c.schedule.activation_transport == "cuda_ipc")
-    return Status::InvalidArgument("schedule.activation_transport: \"cuda_ipc\" is not implemented "
-                                   "yet; activations move through host-staged slots (\"host\")");
+  if (c.schedule.activation_transport == "cuda_ipc" && c.schedule.activations == "worker")
+    return Status::InvalidArgument("schedule.activation_transport: \"cuda_ipc\" moves activations "
+                                   "between workers' pools, but schedule.activations = \"worker\" keeps "
+                                   "them in the one worker; choose one (activations = \"host\" with "
+                                   "cuda_ipc for several workers)");
   if (c.schedule.weights_source == "master" && c.optimizer.mode == "stale1")
     return Status::InvalidArgument("schedule.weights_source: \"master\" cannot serve optimizer.mode = "
                                    "\"stale1\", whose next step reads the weights before the update "

@@ -175,4 +175,12 @@ inline bool WorkersFetchMasters(const JobConfig& c) {
          (c.schedule.weights_source == "auto" && c.optimizer.mode == "exact");
 }
 
+// schedule.activation_transport resolved: true when every worker keeps the hidden states and
+// input gradients it produces in its own activation pool (device memory for CUDA workers,
+// exported once through CUDA IPC; a named shared-memory object for CPU workers) and consumers
+// copy them from the producer's pool, instead of staging them in the state segment's slots.
+// "auto" stays with the host slots: a pool per worker costs device memory the slots do not, and
+// a worker that dies takes its pool with it (the run stops instead of re-running its jobs).
+inline bool ActivationsInPools(const JobConfig& c) { return c.schedule.activation_transport == "cuda_ipc"; }
+
 }  // namespace rp::core

@@ -102,9 +102,10 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     worst_stage = std::max(worst_stage, stage);
   }
   // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
-  // device (as the shared-memory layout would hold them: parities x microbatches x slots).
+  // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
+  // activation pool (activation_transport = "cuda_ipc") holds the same in every worker.
   double resident = 0.0;
-  if (c.schedule.activations == "worker") {
+  if (c.schedule.activations == "worker" || ActivationsInPools(c)) {
     resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(c.train.microbatches) *
                plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
   }

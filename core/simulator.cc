@@ -190,8 +190,12 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   // Trainable weights cross the link as fp32 when workers fetch the masters.
   const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
-  // Activations kept in the worker (schedule.activations = "worker") cost no transfers.
-  const double act = c.schedule.activations == "worker" ? 0.0 : tokens * static_cast<double>(c.model.hidden_size) * elem;
+  // Activations kept in the worker (schedule.activations = "worker") cost no host transfers, and
+  // neither do activation pools: their device-to-device copies (tens of microseconds per slot on
+  // one GPU, a few hundred over NVLink) are left out.
+  const double act = c.schedule.activations == "worker" || ActivationsInPools(c)
+                         ? 0.0
+                         : tokens * static_cast<double>(c.model.hidden_size) * elem;
   const double ids = tokens * 8.0;  // int64 token ids or labels
   for (const auto& s : plan.stages) {
     SimStage st;

@@ -6,7 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <optional>
+#include <stdexcept>
 #include <vector>
+
+#include "shm/segment.h"
 
 namespace rp::worker {
 namespace {
@@ -36,6 +41,44 @@ class CpuDevice final : public Device {
     View(dst, t.sizes(), dtype).copy_(t.detach());
   }
   void Synchronize() override {}
+
+  // The pool is a named shared-memory object: the CPU's stand-in for exported device memory, so
+  // CI runs the same protocol the CUDA backend does. This worker unlinks its own on exit (the
+  // launcher is the backstop); peers' mappings stay valid until they unmap.
+  StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t layout_hash,
+                                  const std::string& name) override {
+    PoolHandle h{};
+    if (name.size() >= h.size()) return Status::InvalidArgument("activation pool name too long: " + name);
+    if (pools_.count(rank)) return Status::Internal("activation pool of rank " + std::to_string(rank) + " exists");
+    RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(shm::kHeaderBytes + bytes, "worker " + std::to_string(rank) +
+                                                                             "'s activation pool"));
+    own_unlinker_.emplace(name);
+    RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::CreateStamped(name, shm::kHeaderBytes + bytes, layout_hash));
+    pools_.emplace(rank, Pool{std::move(seg), bytes});
+    own_rank_ = rank;
+    std::memcpy(h.data(), name.c_str(), name.size() + 1);
+    return h;
+  }
+  Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes, uint64_t layout_hash) override {
+    if (std::memchr(handle.data(), '\0', handle.size()) == nullptr)
+      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + ": the handle is not a name");
+    if (pools_.count(rank)) return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + " announced twice");
+    RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Open(handle.data(), layout_hash));
+    if (seg.size() != shm::kHeaderBytes + bytes)
+      return Status::ProtocolError("activation pool " + seg.name() + " holds " + std::to_string(seg.size()) +
+                                   " bytes, expected " + std::to_string(shm::kHeaderBytes + bytes));
+    pools_.emplace(rank, Pool{std::move(seg), bytes});
+    return Status::Ok();
+  }
+  at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
+    uint64_t bytes = c10::elementSize(dtype);
+    for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
+    return View(PoolBytes(rank, offset, bytes), shape, dtype).clone();
+  }
+  void StoreToPool(const at::Tensor& t, uint64_t offset, at::ScalarType dtype) override {
+    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * c10::elementSize(dtype);
+    View(PoolBytes(own_rank_, offset, bytes), t.sizes(), dtype).copy_(t.detach());
+  }
   uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) override {
     for (auto& it : items) {
       at::Tensor out = View(it.dst, it.grad.sizes(), at::kFloat);
@@ -72,6 +115,23 @@ class CpuDevice final : public Device {
   }
 
  private:
+  struct Pool {
+    shm::Segment segment;
+    uint64_t bytes;
+  };
+  uint8_t* PoolBytes(int rank, uint64_t offset, uint64_t bytes) {
+    auto it = pools_.find(rank);
+    if (it == pools_.end())
+      throw std::runtime_error("no activation pool of worker " + std::to_string(rank) + " is open here");
+    if (bytes > it->second.bytes || offset > it->second.bytes - bytes)
+      throw std::runtime_error("activation pool of worker " + std::to_string(rank) + ": " + std::to_string(bytes) +
+                               " bytes at offset " + std::to_string(offset) + " do not fit its " +
+                               std::to_string(it->second.bytes));
+    return it->second.segment.data() + shm::kHeaderBytes + offset;
+  }
+  std::optional<shm::Unlinker> own_unlinker_;  // before pools_: the name goes after the mapping
+  std::map<int, Pool> pools_;
+  int own_rank_ = -1;
   uint64_t tickets_ = 0;
   std::vector<std::chrono::steady_clock::time_point> marks_;
 };

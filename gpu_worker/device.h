@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -54,6 +55,23 @@ class Device {
   virtual void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) = 0;
   // Blocks until every Store() issued so far is in shared memory.
   virtual void Synchronize() = 0;
+
+  // Activation pools (schedule.activation_transport = "cuda_ipc", shm::ArenaLayout::pool_bytes):
+  // a worker creates its own pool once and announces the returned handle; it opens each peer's
+  // pool once from the handle the coordinator relays. Offsets are from a pool's base
+  // (ArenaLayout::PoolHiddenSlot). StoreToPool() writes into this worker's pool and is complete
+  // once Synchronize() returns, like Store(); FetchFromPool() copies out of any opened pool (this
+  // worker's own included) into a new tensor the compute stream may use at once, like
+  // FetchActivation(). CUDA: device memory exported with cudaIpcGetMemHandle, opened by peers on
+  // the same GPU or on GPUs with peer access. CPU: a named shared-memory object (`name`) whose
+  // header carries `layout_hash`, so a peer from another run or build is refused. Pools live as
+  // long as the device; an offset or rank outside them throws.
+  using PoolHandle = std::array<char, 64>;
+  virtual StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t layout_hash,
+                                          const std::string& name) = 0;
+  virtual Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes, uint64_t layout_hash) = 0;
+  virtual at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  virtual void StoreToPool(const at::Tensor& t, uint64_t offset, at::ScalarType dtype) = 0;
 
   // Gradient write-back, asynchronous so the next job can compute meanwhile: writes each fp32
   // tensor to its destination (accumulate = false) or adds it there (accumulate = true). The

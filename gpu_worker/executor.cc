@@ -196,9 +196,22 @@ at::Tensor Executor::Resident(const std::map<SlotKey, at::Tensor>& slots, const 
   return it->second.detach();
 }
 
+// A pool-held input must come with the rank holding it (InputReady); a missing one is the
+// coordinator's protocol error, reported as such rather than read from the wrong pool.
+static int PoolRank(int rank, const char* what, int64_t job, int mb) {
+  if (rank < 0)
+    throw std::runtime_error(std::string("InputReady for job ") + std::to_string(job) + " microbatch " +
+                             std::to_string(mb) + " names no pool holding its " + what);
+  return rank;
+}
+
 at::Tensor Executor::Hidden(int mb, int boundary) {
   const int slot = plan_.HiddenSlot(boundary);
   if (layout_.activations_in_worker) return Resident(resident_hidden_, {job_.parity, mb, slot}, "hidden-state");
+  if (layout_.activations_in_pools)
+    return device_.FetchFromPool(PoolRank(from_.hidden_rank, "hidden state", job_.job_index, mb),
+                                 layout_.PoolHiddenSlot(job_.parity, mb, slot),
+                                 {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size}, act_dtype_);
   return device_.FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot),
                        {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
                        act_dtype_);
@@ -208,6 +221,10 @@ at::Tensor Executor::InputGrad(int mb, int boundary) {
   const int slot = plan_.GradSlot(boundary);
   if (layout_.activations_in_worker)
     return Resident(resident_grads_, {job_.parity, mb, slot % layout_.grad_slots_per_mb}, "input-gradient");
+  if (layout_.activations_in_pools)
+    return device_.FetchFromPool(PoolRank(from_.grad_rank, "input gradient", job_.job_index, mb),
+                                 layout_.PoolInputGradSlot(job_.parity, mb, slot),
+                                 {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size}, act_dtype_);
   return device_.FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot),
                        {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
                        act_dtype_);
@@ -218,6 +235,10 @@ void Executor::StoreHidden(int mb, int boundary, const at::Tensor& t) {
     resident_hidden_[{job_.parity, mb, plan_.HiddenSlot(boundary)}] = t.detach().to(act_dtype_);
     return;
   }
+  if (layout_.activations_in_pools) {
+    device_.StoreToPool(t, layout_.PoolHiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)), act_dtype_);
+    return;
+  }
   device_.Store(t, segment_.data() + layout_.HiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)),
                 act_dtype_);
 }
@@ -226,6 +247,10 @@ void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
   if (layout_.activations_in_worker) {
     resident_grads_[{job_.parity, mb, plan_.GradSlot(boundary) % layout_.grad_slots_per_mb}] =
         t.detach().to(act_dtype_);
+    return;
+  }
+  if (layout_.activations_in_pools) {
+    device_.StoreToPool(t, layout_.PoolInputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)), act_dtype_);
     return;
   }
   device_.Store(t, segment_.data() + layout_.InputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)),
@@ -307,9 +332,10 @@ MicrobatchResult Executor::RunBackward(int mb) {
   return {};
 }
 
-StatusOr<MicrobatchResult> Executor::Microbatch(int mb) {
+StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   if (mb < 0 || mb >= cfg_.train.microbatches)
     return Status::ProtocolError("microbatch " + std::to_string(mb) + " out of range");
+  from_ = from;
   try {
     MicrobatchResult r;
     pending_times_.clear();

@@ -13,7 +13,10 @@
 //    in fp32 over the job's microbatches (bf16 weights produce bf16 gradients per microbatch) and
 //    reach shared memory only through StartCommit(), so a job that dies mid-way commits nothing.
 //  * Activations between stages go through the shared-memory slots, or with
-//    schedule.activations = "worker" stay in this process's device memory (one worker only).
+//    schedule.activations = "worker" stay in this process's device memory (one worker only), or
+//    with activation pools (schedule.activation_transport = "cuda_ipc") are written to this
+//    worker's pool and read from the pool of the worker that produced them, which the
+//    coordinator names per microbatch (InputSources, from InputReady).
 //  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
 //  * Single-threaded.
 #pragma once
@@ -44,6 +47,13 @@ struct MicrobatchResult {
   std::vector<proto::LayerTime> layer_times;  // jobs with RunJob.profile set: one per layer phase
 };
 
+// Where a microbatch's inputs are with activation pools: the ranks whose pools hold its hidden
+// state and its incoming gradient (proto::kFromHostSlot where the input is not in a pool).
+struct InputSources {
+  int hidden_rank = proto::kFromHostSlot;
+  int grad_rank = proto::kFromHostSlot;
+};
+
 class Executor {
  public:
   Executor(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
@@ -63,7 +73,7 @@ class Executor {
   // a slow device can take longer than the hang timeout).
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
   Status Begin(const proto::RunJob& job);
-  StatusOr<MicrobatchResult> Microbatch(int mb);
+  StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
   // Starts writing (accumulate = false) or adding the job's gradients into the shared slots and
   // releases the job's weights; the next job may Begin at once. Done when
   // device.CommitDone(ticket) is true.
@@ -133,6 +143,7 @@ class Executor {
 
   proto::RunJob job_{};
   core::Stage stage_{};
+  InputSources from_{};  // the microbatch being computed's
   StageWeights current_, next_;
   struct HeldGrad {
     at::Tensor accum;  // undefined if the stage never produced this gradient

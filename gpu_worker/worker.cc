@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 #include <chrono>
+#include <cstring>
 
 #include "common/logging.h"
 #include "common/test_hooks.h"
@@ -81,7 +82,8 @@ class Worker {
   };
   std::deque<Finishing> finishing_;
   StatusOr<bool> Finish();
-  std::map<int64_t, std::set<int>> ready_;  // job -> microbatches whose input is ready
+  // job -> microbatches whose input is ready, with the pools holding it (activation pools)
+  std::map<int64_t, std::map<int, InputSources>> ready_;
   std::map<int64_t, bool> commit_granted_;  // job -> accumulate
   bool shutdown_ = false;
   bool waiting_for_weights_ = false;
@@ -114,8 +116,18 @@ Status Worker::Handle(const proto::Message& m) {
         RP_LOG(WARNING) << "dropped InputReady with microbatch " << r.microbatch;
         return Status::Ok();
       }
-      ready_[r.job_index].insert(r.microbatch);
+      ready_[r.job_index][r.microbatch] = InputSources{r.hidden_rank, r.grad_rank};
       return Status::Ok();
+    }
+    case proto::MsgType::kActivationPool: {
+      const auto& p = std::get<proto::ActivationPool>(m);
+      if (!layout_.activations_in_pools || p.rank < 0 || p.rank >= opts_.num_workers || p.rank == opts_.rank)
+        return Status::ProtocolError("ActivationPool for worker " + std::to_string(p.rank) +
+                                     " does not fit this run (worker " + std::to_string(opts_.rank) + " of " +
+                                     std::to_string(opts_.num_workers) + ")");
+      Device::PoolHandle h;
+      std::memcpy(h.data(), p.handle, h.size());
+      return device_->OpenPeerPool(p.rank, h, p.bytes, layout_.hash);
     }
     case proto::MsgType::kCommitGrads: {
       const auto& c = std::get<proto::CommitGrads>(m);
@@ -199,19 +211,21 @@ StatusOr<bool> Worker::Progress() {
   }
   if (a.next_mb < a.job.num_microbatches) {
     auto it = ready_.find(id);
-    if (it == ready_.end() || !it->second.count(a.next_mb)) return false;
+    if (it == ready_.end()) return false;
+    auto input = it->second.find(a.next_mb);
+    if (input == it->second.end()) return false;
     proto::MicrobatchDone d{};
     d.job_index = id;
     d.microbatch = a.next_mb;
     d.start_us = WallMicros();
-    auto r = exec_->Microbatch(a.next_mb);
+    auto r = exec_->Microbatch(a.next_mb, input->second);
     if (!r.ok()) return Fail(id, r.status());
     if (const double slow = TestSlowdownSeconds(a.job.step); slow > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(slow));
     d.end_us = WallMicros();
     d.loss_sum = r->loss_sum;
     d.targets = r->targets;
-    it->second.erase(a.next_mb);
+    it->second.erase(input);
     a.next_mb++;
     for (const auto& t : r->layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
     RP_RETURN_IF_ERROR(channel_->Send(d));
@@ -336,6 +350,17 @@ Status Worker::Run() {
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
+  if (layout_.activations_in_pools) {
+    // Announced once; the coordinator relays every peer's handle before the first RunJob.
+    RP_ASSIGN_OR_RETURN(auto handle, device_->CreatePool(opts_.rank, layout_.pool_bytes, layout_.hash,
+                                                         shm::PoolSegmentName(opts_.session, opts_.rank)));
+    proto::ActivationPool p{};
+    p.rank = opts_.rank;
+    p.device_index = use_cuda_ ? opts_.rank % gpus : -1;
+    p.bytes = layout_.pool_bytes;
+    std::memcpy(p.handle, handle.data(), sizeof(p.handle));
+    RP_RETURN_IF_ERROR(channel_->Send(p));
+  }
   // One measurement of the host link for the planner's profile (core/profile.h): reads the
   // start of the shared segment, writes only private memory.
   const uint64_t probe_bytes = std::min<uint64_t>(kLinkProbeBytes, segment_->size());

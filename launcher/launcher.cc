@@ -101,6 +101,11 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
               !layout->masters_in_state         ? "a compute copy the optimizer writes"
               : layout->compute_elem_bytes == 2 ? "the fp32 masters and round them to bf16 (no compute copy)"
                                                 : "the fp32 masters (no compute copy)");
+  if (layout->activations_in_pools)
+    std::printf("activations: in each worker's activation pool, %.1f MiB per worker (%s), copied device to "
+                "device by the consumer (activation_transport = \"cuda_ipc\")\n",
+                static_cast<double>(layout->pool_bytes) / (1 << 20),
+                cfg.job.device == "cpu" ? "a shared-memory object per CPU worker" : "device memory");
   const uint64_t acts = layout->total_bytes - layout->tokens;
   std::printf("shared memory: %.1f MiB = %.2f bytes per trainable parameter (state segment %.1f MiB: "
               "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
@@ -181,6 +186,10 @@ int RunSession(const LaunchOptions& o) {
   // Backstop: the coordinator unlinks the segment itself, but not if it is SIGKILLed.
   shm::Unlinker segment_name(shm::StateSegmentName(session));
   shm::Unlinker optim_segment_name(shm::OptimSegmentName(session));
+  // CPU workers' activation pools (schedule.activation_transport = "cuda_ipc"): each worker
+  // unlinks its own, but not if it is SIGKILLed. Removing a name that was never made is harmless.
+  std::vector<shm::Unlinker> pool_names;
+  for (int r = 0; r < o.gpus; ++r) pool_names.emplace_back(shm::PoolSegmentName(session, r));
 
   // Signals are taken synchronously (sigtimedwait) so the supervision loop is the only place
   // that reacts to them; children get the default dispositions back via posix_spawn's exec.

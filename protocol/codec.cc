@@ -22,6 +22,7 @@ const char* MsgTypeName(MsgType t) {
     case MsgType::kLayerTime: return "LayerTime";
     case MsgType::kRunEval: return "RunEval";
     case MsgType::kEvalDone: return "EvalDone";
+    case MsgType::kActivationPool: return "ActivationPool";
   }
   return "?";
 }
@@ -43,6 +44,7 @@ size_t PayloadBytes(MsgType t) {
     case MsgType::kLayerTime: return sizeof(LayerTime);
     case MsgType::kRunEval: return sizeof(RunEval);
     case MsgType::kEvalDone: return sizeof(EvalDone);
+    case MsgType::kActivationPool: return sizeof(ActivationPool);
   }
   return 0;
 }
@@ -120,6 +122,7 @@ StatusOr<Message> Decode(std::string_view frame) {
     case MsgType::kLayerTime: m = DecodeAs<LayerTime>(payload); break;
     case MsgType::kRunEval: m = DecodeAs<RunEval>(payload); break;
     case MsgType::kEvalDone: m = DecodeAs<EvalDone>(payload); break;
+    case MsgType::kActivationPool: m = DecodeAs<ActivationPool>(payload); break;
   }
   if (!m.ok()) return m;
   if (auto* w = std::get_if<Welcome>(&m.value()); w && !Terminated(w->segment_name))

@@ -16,7 +16,12 @@
 //   worker -> Hello                    (after connecting)
 //   coord  -> Welcome                  (segment to map) | Shutdown (refused)
 //   coord  -> RunJob ...               (queued by the worker in arrival order = job order)
-//   coord  -> InputReady(job, mb)      (the job's input for microbatch mb is in its slot)
+//   worker -> ActivationPool           (schedule.activation_transport = "cuda_ipc": after Welcome,
+//                                       the handle of the pool this worker's outputs go to)
+//   coord  -> ActivationPool ...       (once every worker has sent its own: each peer's handle,
+//                                       before the first RunJob)
+//   coord  -> InputReady(job, mb)      (the job's input for microbatch mb is in its slot; with
+//                                       activation pools, which workers' pools hold it)
 //   worker -> MicrobatchDone(job, mb)  (outputs written; loss for the fused tail)
 //   worker -> GradsReady(job)          (a tail/backward job holds its gradients)
 //   coord  -> CommitGrads(job, acc)    (write, or add, them into the shared gradient slots now)
@@ -42,7 +47,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 6;
+inline constexpr uint16_t kProtocolVersion = 7;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -60,9 +65,10 @@ enum class MsgType : uint16_t {
   kLayerTime = 13,
   kRunEval = 14,
   kEvalDone = 15,
+  kActivationPool = 16,
 };
 inline constexpr uint16_t kMinMsgType = 1;
-inline constexpr uint16_t kMaxMsgType = 15;
+inline constexpr uint16_t kMaxMsgType = 16;
 const char* MsgTypeName(MsgType t);
 
 struct FrameHeader {
@@ -105,12 +111,20 @@ struct RunJob {
 };
 static_assert(sizeof(RunJob) == 56);
 
+// InputReady's source fields when the input is in the shared segment (host slots, token slots).
+inline constexpr int32_t kFromHostSlot = -1;
+
 struct InputReady {
   int64_t job_index;
   int32_t microbatch;
+  // With activation pools (shm::ArenaLayout::activations_in_pools): the rank whose pool holds
+  // the hidden state the job starts from, and the one whose pool holds the incoming input
+  // gradient (backward stages). kFromHostSlot where the input is not in a pool.
+  int32_t hidden_rank;
+  int32_t grad_rank;
   uint32_t reserved;
 };
-static_assert(sizeof(InputReady) == 16);
+static_assert(sizeof(InputReady) == 24);
 
 struct MicrobatchDone {
   int64_t job_index;
@@ -209,9 +223,21 @@ struct EvalDone {
 };
 static_assert(sizeof(EvalDone) == 40);
 
+// One worker's activation pool (schedule.activation_transport = "cuda_ipc"): sent by the worker
+// that owns it, then by the coordinator to every other worker. `handle` is opaque to everyone but
+// the workers' device backend: a cudaIpcMemHandle_t for CUDA workers (64 bytes), a
+// NUL-terminated shared-memory name for CPU workers.
+struct ActivationPool {
+  int32_t rank;             // owner
+  int32_t device_index;     // owner's CUDA device, -1 for CPU
+  uint64_t bytes;           // must equal the layout's pool_bytes
+  char handle[64];
+};
+static_assert(sizeof(ActivationPool) == 80);
+
 using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone, GradsReady,
                              CommitGrads, JobDone, JobFailed, Shutdown, Heartbeat, LinkProbe,
-                             LayerTime, RunEval, EvalDone>;
+                             LayerTime, RunEval, EvalDone, ActivationPool>;
 
 template <typename T>
 constexpr MsgType TypeOf();
@@ -230,5 +256,6 @@ template <> constexpr MsgType TypeOf<LinkProbe>() { return MsgType::kLinkProbe; 
 template <> constexpr MsgType TypeOf<LayerTime>() { return MsgType::kLayerTime; }
 template <> constexpr MsgType TypeOf<RunEval>() { return MsgType::kRunEval; }
 template <> constexpr MsgType TypeOf<EvalDone>() { return MsgType::kEvalDone; }
+template <> constexpr MsgType TypeOf<ActivationPool>() { return MsgType::kActivationPool; }
 
 }  // namespace rp::proto

@@ -52,6 +52,15 @@ uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
   return input_grad + ((static_cast<uint64_t>(parity) * microbatches + mb) * grad_slots_per_mb +
                        idx % grad_slots_per_mb) * act_slot_bytes;
 }
+// A pool holds the hidden slots, then the input-gradient slots, as the segment would.
+uint64_t ArenaLayout::PoolHiddenSlot(int parity, int mb, int idx) const {
+  return ((static_cast<uint64_t>(parity) * microbatches + mb) * num_hidden + idx) * act_slot_bytes;
+}
+uint64_t ArenaLayout::PoolInputGradSlot(int parity, int mb, int idx) const {
+  const uint64_t hidden_bytes = static_cast<uint64_t>(parities) * microbatches * num_hidden * act_slot_bytes;
+  return hidden_bytes + ((static_cast<uint64_t>(parity) * microbatches + mb) * grad_slots_per_mb +
+                         idx % grad_slots_per_mb) * act_slot_bytes;
+}
 
 StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::ModelSpec& spec,
                                         const core::PipelinePlan& plan) {
@@ -144,10 +153,13 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.num_grad = static_cast<int>(plan.grad_boundaries.size());
   a.grad_slots_per_mb = plan.InputGradSlotsPerMicrobatch();
   a.activations_in_worker = c.schedule.activations == "worker";
+  a.activations_in_pools = core::ActivationsInPools(c);
+  const bool in_segment = !a.activations_in_worker && !a.activations_in_pools;
   a.hidden = pos;
-  if (!a.activations_in_worker) pos += slots * a.num_hidden * a.act_slot_bytes;
+  if (in_segment) pos += slots * a.num_hidden * a.act_slot_bytes;
   a.input_grad = pos;
-  if (!a.activations_in_worker) pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
+  if (in_segment) pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
+  if (a.activations_in_pools) a.pool_bytes = slots * (a.num_hidden + a.grad_slots_per_mb) * a.act_slot_bytes;
   a.total_bytes = pos;
 
   // The optimizer segment. SGD keeps one state buffer (momentum, in adam_m); AdamW two.
@@ -172,6 +184,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
                static_cast<uint64_t>(a.eval_slots), static_cast<uint64_t>(a.activations_in_worker)});
+  if (a.activations_in_pools) h = HashKey({h, 0x900Lu, a.pool_bytes});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

@@ -121,6 +121,11 @@ struct ArenaLayout {
   // schedule.activations = "worker": the hidden and input-gradient slots exist only in the
   // worker's memory (same indexing); the segment has no bytes for them.
   bool activations_in_worker = false;
+  // schedule.activation_transport = "cuda_ipc" (core::ActivationsInPools): the slots live in each
+  // worker's activation pool instead, `pool_bytes` per worker, indexed by PoolHiddenSlot and
+  // PoolInputGradSlot (offsets from the pool's base); the segment has no bytes for them.
+  bool activations_in_pools = false;
+  uint64_t pool_bytes = 0;
 
   // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
   uint64_t ComputeCopy(int p, int buffer) const {
@@ -136,6 +141,8 @@ struct ArenaLayout {
   uint64_t LabelSlot(int parity, int mb) const;
   uint64_t HiddenSlot(int parity, int mb, int idx) const;
   uint64_t InputGradSlot(int parity, int mb, int idx) const;
+  uint64_t PoolHiddenSlot(int parity, int mb, int idx) const;
+  uint64_t PoolInputGradSlot(int parity, int mb, int idx) const;
   uint64_t EvalTokenSlot(int slot) const;
   uint64_t EvalLabelSlot(int slot) const;
 };
@@ -166,5 +173,10 @@ static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_al
 
 inline std::string StateSegmentName(const std::string& session) { return "rp-" + session + "-state"; }
 inline std::string OptimSegmentName(const std::string& session) { return "rp-" + session + "-optim"; }
+// A CPU worker's activation pool (ArenaLayout::activations_in_pools): created by worker `rank`,
+// mapped by its peers; a kHeaderBytes header (the run's layout hash) precedes the slots.
+inline std::string PoolSegmentName(const std::string& session, int rank) {
+  return "rp-" + session + "-pool" + std::to_string(rank);
+}
 
 }  // namespace rp::shm

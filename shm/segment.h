@@ -33,6 +33,9 @@ uint64_t AvailableHostMemory();
 class Segment {
  public:
   static StatusOr<Segment> Create(const std::string& name, uint64_t bytes);
+  // Create() plus a header (magic, version, `layout_hash`, size, ready) that Open() accepts: for
+  // segments a worker makes for its peers (a CPU worker's activation pool).
+  static StatusOr<Segment> CreateStamped(const std::string& name, uint64_t bytes, uint64_t layout_hash);
   // Opens and checks magic, version, size and layout hash.
   static StatusOr<Segment> Open(const std::string& name, uint64_t expected_layout_hash);
 

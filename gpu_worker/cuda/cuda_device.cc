@@ -69,6 +69,48 @@ class HostRegistration {
   void* base_;
 };
 
+// Device memory from cudaMalloc (not the caching allocator: CUDA IPC exports whole
+// allocations); freed on destruction, never throws.
+class DeviceAllocation {
+ public:
+  DeviceAllocation() = default;
+  explicit DeviceAllocation(void* p) : p_(p) {}
+  DeviceAllocation(DeviceAllocation&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
+  DeviceAllocation& operator=(DeviceAllocation&& o) noexcept {
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  DeviceAllocation(const DeviceAllocation&) = delete;
+  DeviceAllocation& operator=(const DeviceAllocation&) = delete;
+  ~DeviceAllocation() {
+    if (p_) LogIfError(cudaFree(p_), "cudaFree(activation pool)");
+  }
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// A peer's exported memory mapped into this process; unmapped on destruction, never throws.
+class IpcMapping {
+ public:
+  explicit IpcMapping(void* p) : p_(p) {}
+  IpcMapping(IpcMapping&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+  IpcMapping& operator=(IpcMapping&&) = delete;
+  ~IpcMapping() {
+    if (p_) LogIfError(cudaIpcCloseMemHandle(p_), "cudaIpcCloseMemHandle(peer activation pool)");
+  }
+  void* get() const { return p_; }
+
+ private:
+  void* p_;
+};
+
+static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(Device::PoolHandle),
+              "a CUDA IPC handle travels in ActivationPool::handle");
+
 void ThrowIfError(cudaError_t e, const char* call) {
   if (e != cudaSuccess) throw std::runtime_error(CudaStatus(e, call).message());
 }
@@ -197,6 +239,70 @@ class CudaDevice final : public Device {
   void Synchronize() override {
     ThrowIfError(cudaStreamSynchronize(d2h_), "cudaStreamSynchronize(d2h)");
     keep_alive_.clear();
+    // Pool stores run on the compute stream: a peer may read them once this returns (the
+    // coordinator relays MicrobatchDone only after it).
+    if (pool_stores_pending_) ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
+    pool_stores_pending_ = false;
+  }
+
+  StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t, const std::string&) override {
+    if (own_pool_.get()) return Status::Internal("this worker's activation pool exists already");
+    void* p = nullptr;
+    if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+      cudaGetLastError();
+      return Status::Unavailable(
+          "allocating worker " + std::to_string(rank) + "'s activation pool (" + std::to_string(bytes >> 20) +
+          " MiB of device memory, schedule.activation_transport = \"cuda_ipc\"): " + cudaGetErrorString(e) +
+          "; use activation_transport = \"host\", or fewer/smaller microbatches");
+    }
+    own_pool_ = DeviceAllocation(p);
+    cudaIpcMemHandle_t h;
+    RP_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&h, p));
+    PoolHandle out{};
+    std::memcpy(out.data(), &h, sizeof(h));
+    own_rank_ = rank;
+    pool_bytes_ = bytes;
+    return out;
+  }
+
+  Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes, uint64_t) override {
+    if (bytes != pool_bytes_)
+      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + " has " +
+                                   std::to_string(bytes) + " bytes, this worker's has " + std::to_string(pool_bytes_));
+    if (rank == own_rank_ || peers_.count(rank))
+      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + " announced twice");
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* p = nullptr;
+    if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+      cudaGetLastError();
+      return Status::Unavailable("opening worker " + std::to_string(rank) + "'s activation pool on cuda:" +
+                                 std::to_string(index_) + " (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
+                                 "): CUDA IPC needs both workers on one GPU or on GPUs with peer access; use "
+                                 "schedule.activation_transport = \"host\"");
+    }
+    peers_.emplace(rank, IpcMapping(p));
+    return Status::Ok();
+  }
+
+  at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
+    const char* src = PoolBytes(rank, offset, t.nbytes());
+    // On the compute stream: a device-to-device copy of one slot takes microseconds (same GPU) to
+    // a few hundred (NVLink), and the layer that reads it would wait for it anyway.
+    ThrowIfError(cudaMemcpyAsync(t.data_ptr(), src, t.nbytes(), cudaMemcpyDefault, kComputeStream),
+                 "cudaMemcpyAsync(activation pool -> device)");
+    return t;
+  }
+
+  void StoreToPool(const at::Tensor& t, uint64_t offset, at::ScalarType dtype) override {
+    // The converted temporary is freed right after; the allocator reuses it only in compute
+    // stream order, after this copy.
+    at::Tensor src = t.detach().to(dtype).contiguous();
+    char* dst = const_cast<char*>(PoolBytes(own_rank_, offset, src.nbytes()));
+    ThrowIfError(cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, kComputeStream),
+                 "cudaMemcpyAsync(device -> activation pool)");
+    pool_stores_pending_ = true;
   }
 
   uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) override {
@@ -336,6 +442,21 @@ class CudaDevice final : public Device {
   }
 
  private:
+  const char* PoolBytes(int rank, uint64_t offset, uint64_t bytes) const {
+    const void* base = nullptr;
+    if (rank == own_rank_) {
+      base = own_pool_.get();
+    } else if (auto it = peers_.find(rank); it != peers_.end()) {
+      base = it->second.get();
+    }
+    if (!base) throw std::runtime_error("no activation pool of worker " + std::to_string(rank) + " is open here");
+    if (bytes > pool_bytes_ || offset > pool_bytes_ - bytes)
+      throw std::runtime_error("activation pool of worker " + std::to_string(rank) + ": " + std::to_string(bytes) +
+                               " bytes at offset " + std::to_string(offset) + " do not fit its " +
+                               std::to_string(pool_bytes_));
+    return static_cast<const char*>(base) + offset;
+  }
+
   struct Fence {
     uint64_t id;
     cudaEvent_t event;
@@ -408,6 +529,11 @@ class CudaDevice final : public Device {
   std::vector<at::Tensor> keep_alive_;  // sources of in-flight activation D2H copies
   at::Tensor staging_;  // fp32 chunk of masters being rounded to bf16 (weights stream only)
   uint64_t commit_counter_ = 0;
+  DeviceAllocation own_pool_;            // this worker's activation pool (exported)
+  std::map<int, IpcMapping> peers_;      // peers' pools, mapped; destroyed before own_pool_
+  int own_rank_ = -1;
+  uint64_t pool_bytes_ = 0;
+  bool pool_stores_pending_ = false;     // a StoreToPool since the last Synchronize
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;                                     // GUARDED_BY(mu_)

@@ -120,6 +120,29 @@ TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
   }
 }
 
+// activation_transport = "cuda_ipc": workers sharing the GPU pass activations through each
+// other's device pools (CUDA IPC) instead of host slots. The same values are copied, so the losses
+// are the host slots' up to the GPU kernels' run-to-run noise (the bound of the test above).
+TEST_F(GpuTest, CudaIpcPoolsMatchHostSlots) {
+  for (int n : {2, 3}) {
+    const std::string suffix = std::to_string(n);
+    auto host = Launch(n, "host" + suffix, {"job.device=\"cuda\""});
+    std::string output;
+    auto ipc = Launch(n, "ipc" + suffix, {"job.device=\"cuda\"", "schedule.activation_transport=\"cuda_ipc\""}, {},
+                      &output);
+    EXPECT_NE(output.find("activation pools: " + suffix + " x "), std::string::npos) << output;
+    ASSERT_EQ(ipc.size(), host.size());
+    ASSERT_FALSE(ipc.empty());
+    double worst = 0;
+    for (size_t s = 0; s < ipc.size(); ++s) {
+      const double rel = std::abs(ipc[s] - host[s]) / std::abs(host[s]);
+      worst = std::max(worst, rel);
+      EXPECT_LE(rel, 1e-5) << "N=" << n << " step " << s + 1;
+    }
+    std::printf("cuda_ipc vs host slots, %d workers on one GPU: max relative loss difference %.3g\n", n, worst);
+  }
+}
+
 TEST_F(GpuTest, InjectedCudaFaultIsSurvivedByAReplacementWorker) {
   // Two workers share the GPU; one launches a faulting kernel (device-side assert) mid-run. Its
   // job fails, it exits, the launcher starts a replacement, the coordinator re-dispatches, and

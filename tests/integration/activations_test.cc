@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// schedule.activations = "worker": hidden states and input gradients stay in the worker's memory.
+// schedule.activations = "worker": hidden states and input gradients stay in the worker's memory;
+// activation_transport = "cuda_ipc": they stay in the producing worker's pool.
 // Same arithmetic as the shared-memory slots (bit-identical losses and state), no host bytes for
 // them, and the two limits stated where the key is documented: one worker only, and a worker
 // that dies stops the run instead of being replaced.
@@ -60,6 +61,42 @@ TEST_F(ActivationsTest, AWorkerThatDiesStopsTheRunSayingHowToGoOn) {
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("cannot be re-run"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
+}
+
+// activation_transport = "cuda_ipc" with CPU workers: each worker's pool is a named shared-memory
+// object (the CUDA backend's stand-in), so this runs the protocol the GPU runs: pools announced
+// and relayed at registration, InputReady naming the producer's pool (for checkpoints written
+// several stages earlier by another worker too), consumers copying from it. Bit-identical to the
+// host slots, for several worker counts (so producer and consumer differ) and both modes.
+TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
+  for (const std::string mode : {"exact", "stale1"}) {
+    const std::vector<std::string> job = {"train.steps=4", "optimizer.mode=" + mode, "train.eval_every=2",
+                                          "data.eval_fraction=0.1", "checkpoint.every=4"};
+    auto host = Launch(2, tmp_ + "/host-" + mode, job);
+    ASSERT_EQ(host.code, 0) << host.output;
+    const auto expected = Losses(tmp_ + "/host-" + mode + "/metrics.jsonl");
+    ASSERT_EQ(expected.size(), 4u);
+    for (int n : {2, 3}) {
+      const std::string out = tmp_ + "/pools-" + mode + "-" + std::to_string(n);
+      auto pools = Launch(n, out, With(job, {"schedule.activation_transport=cuda_ipc"}));
+      ASSERT_EQ(pools.code, 0) << pools.output;
+      EXPECT_NE(pools.output.find("activation pools: " + std::to_string(n) + " x "), std::string::npos) << pools.output;
+      EXPECT_EQ(Losses(out + "/metrics.jsonl"), expected) << mode << ", " << n << " workers";
+      EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"), Losses(tmp_ + "/host-" + mode + "/metrics.jsonl", "eval_loss"));
+      const std::string state = "/checkpoints/step-00000004.rpstate";
+      EXPECT_EQ(ReadBytes(out + state), ReadBytes(tmp_ + "/host-" + mode + state)) << mode << ", " << n << " workers";
+    }
+  }
+}
+
+TEST_F(ActivationsTest, AWorkerThatDiesWithPoolsStopsTheRunNamingTheSetting) {
+  const std::vector<std::string> job = {"train.steps=6", "train.eval_every=2", "data.eval_fraction=0.1",
+                                        "schedule.activation_transport=cuda_ipc", "job.max_worker_restarts=2"};
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/faulty", job), 240,
+                               With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("activation_transport = \"cuda_ipc\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("cannot be re-run"), std::string::npos) << r.output;
 }
 
 }  // namespace

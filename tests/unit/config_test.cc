@@ -78,6 +78,12 @@ TEST(JobConfig, CrossFieldChecks) {
   // stale1 reads last step's weights while the masters are rewritten: it needs a compute copy.
   ExpectError(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n[schedule]\nweights_source = \"master\"\n",
               "schedule.weights_source");
+  // Pools move activations between workers; "worker" keeps them in the only one.
+  ExpectError(std::string(kValid) + "[schedule]\nactivations = \"worker\"\nactivation_transport = \"cuda_ipc\"\n",
+              "schedule.activation_transport");
+  auto ipc = Parse(std::string(kValid) + "[schedule]\nactivation_transport = \"cuda_ipc\"\n");
+  ASSERT_TRUE(ipc.ok()) << ipc.status().ToString();
+  EXPECT_TRUE(ActivationsInPools(*ipc));
   auto stale = Parse(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n");
   ASSERT_TRUE(stale.ok()) << stale.status().ToString();
   EXPECT_FALSE(WorkersFetchMasters(*stale));

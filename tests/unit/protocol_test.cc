@@ -19,13 +19,14 @@ TEST(Codec, RoundTripsEveryMessage) {
   CopyText(f.message, "boom");
   std::vector<Message> all = {Hello{2, 1000, 0xabcdef, -1, 0}, w,
                               RunJob{17, 3, 1, 4, 1, 5, 0.25, 3, 1, 0},
-                              InputReady{17, 2, 0},
+                              InputReady{17, 2, 1, kFromHostSlot, 0},
                               MicrobatchDone{17, 2, 0, 1.5, 64, 10, 20},
                               GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
                               Shutdown{0, 0}, Heartbeat{123},
                               LinkProbe{5e10, 4e10, 1 << 20},
                               LayerTime{17, 2, 5, 2, 0, 0.001, 4096},
-                              RunEval{40, 9, 10, 2, 0}, EvalDone{40, 123.5, 256, 5, 9}};
+                              RunEval{40, 9, 10, 2, 0}, EvalDone{40, 123.5, 256, 5, 9},
+                              ActivationPool{1, 0, 1 << 30, {}}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
     std::string frame = Encode(m);
@@ -56,14 +57,14 @@ TEST(Codec, RejectsMalformedFrames) {
   bad_magic[0] ^= 1;
   expect_bad(bad_magic, "magic");
   std::string bad_version = good;
-  bad_version[4] = 7;
+  bad_version[4] = static_cast<char>(kProtocolVersion + 1);
   expect_bad(bad_version, "version");
   expect_bad(good + "x", "payload bytes");
   std::string bad_type = good;
   bad_type[6] = 99;
   expect_bad(bad_type, "unknown message type");
   // A payload of the wrong size for its type, with a consistent header.
-  std::string wrong_size = Encode(InputReady{1, 2, 0});
+  std::string wrong_size = Encode(InputReady{1, 2, kFromHostSlot, kFromHostSlot, 0});
   wrong_size[6] = static_cast<char>(MsgType::kJobDone);
   expect_bad(wrong_size, "expected 32");
   Welcome w{};

@@ -190,6 +190,56 @@ TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
   EXPECT_NE(worker->hash, host->hash);  // a worker configured otherwise refuses to attach
 }
 
+// activation_transport = "cuda_ipc": the slots move out of the segment into one pool per worker,
+// laid out like the segment's slots (hidden slots, then input-gradient slots), each slot inside
+// the pool and no two overlapping.
+TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
+  auto cfg = SmallConfig();
+  auto spec = core::BuildModelSpec(cfg.model);
+  auto plan = core::MakePlan(cfg);
+  ASSERT_TRUE(plan.ok());
+  auto host = ComputeLayout(cfg, spec, *plan);
+  cfg.schedule.activation_transport = "cuda_ipc";
+  auto pools = ComputeLayout(cfg, spec, *plan);
+  ASSERT_TRUE(host.ok() && pools.ok());
+  EXPECT_FALSE(host->activations_in_pools);
+  EXPECT_EQ(host->pool_bytes, 0u);
+  ASSERT_TRUE(pools->activations_in_pools);
+  const uint64_t slots = static_cast<uint64_t>(host->parities) * host->microbatches *
+                         (host->num_hidden + host->grad_slots_per_mb) * host->act_slot_bytes;
+  ASSERT_GT(slots, 0u);
+  EXPECT_EQ(pools->total_bytes + slots, host->total_bytes);
+  EXPECT_EQ(pools->pool_bytes, slots);
+  EXPECT_NE(pools->hash, host->hash);
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (int p = 0; p < pools->parities; ++p)
+    for (int m = 0; m < pools->microbatches; ++m) {
+      for (int i = 0; i < pools->num_hidden; ++i) ranges.emplace_back(pools->PoolHiddenSlot(p, m, i), pools->act_slot_bytes);
+      for (int i = 0; i < pools->grad_slots_per_mb; ++i)
+        ranges.emplace_back(pools->PoolInputGradSlot(p, m, i), pools->act_slot_bytes);
+    }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    EXPECT_LE(ranges[k].first + ranges[k].second, pools->pool_bytes) << k;
+    if (k > 0) EXPECT_GE(ranges[k].first, ranges[k - 1].first + ranges[k - 1].second) << k;
+  }
+  EXPECT_EQ(ranges.size() * pools->act_slot_bytes, pools->pool_bytes);  // and nothing between them
+}
+
+TEST(Segment, CreateStampedIsWhatOpenAccepts) {
+  const std::string name = TempShmName();
+  Unlinker unlink(name);
+  auto seg = Segment::CreateStamped(name, kHeaderBytes + 4096, 77);
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  auto same = Segment::Open(name, 77);
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_EQ(same->size(), kHeaderBytes + 4096);
+  auto other_run = Segment::Open(name, 78);
+  ASSERT_FALSE(other_run.ok());
+  EXPECT_NE(other_run.status().message().find("layout hash"), std::string::npos);
+  EXPECT_FALSE(Segment::CreateStamped(TempShmName(), 16, 77).ok());  // no room for the header
+}
+
 TEST(Segment, CreateOpenValidateAndUnlink) {
   const std::string name = TempShmName();
   {
