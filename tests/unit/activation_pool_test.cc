@@ -4,6 +4,9 @@
 // the bytes, stores its answer into its own pool; the producer opens that one and checks the
 // answer. The processes are this test binary started again in a child role (a process that has
 // used CUDA cannot fork, so they are spawned, not forked).
+// No std::filesystem here (nor the test harness, which uses it): the GPU host's LibTorch carries
+// its own copy of those libstdc++ symbols, and a binary linking it crashed in directory
+// iteration. Plain POSIX calls instead.
 //
 // Built twice: rp_pool_tests (label unit) runs the CPU backend, whose pools are named
 // shared-memory objects; rp_gpu_pool_tests (label gpu, RP_POOL_TEST_CUDA) the CUDA backend,
@@ -12,27 +15,112 @@
 
 #include <ATen/ATen.h>
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
+#include <algorithm>
 #include <fstream>
+#include <sstream>
 #include <thread>
+#include <vector>
 
 #include "gpu_worker/device.h"
 #include "shm/layout.h"
-#include "tests/testing/process_harness.h"
+
+extern char** environ;
 
 #ifndef RP_POOL_TEST_CUDA
 #define RP_POOL_TEST_CUDA 0
 #endif
+// Distinct test names per build: CTest applies properties (labels) by name across binaries.
+#if RP_POOL_TEST_CUDA
+#define RP_POOL_CHILD CudaPoolChild
+#define RP_POOL_SUITE CudaActivationPool
+#else
+#define RP_POOL_CHILD CpuPoolChild
+#define RP_POOL_SUITE CpuActivationPool
+#endif
+#define RP_STR2(x) #x
+#define RP_STR(x) RP_STR2(x)
 
 namespace rp {
 namespace {
 
-namespace fs = std::filesystem;
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// Names in /dev/shm that look like ours.
+std::vector<std::string> OurSegments() {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (std::strncmp(e->d_name, "rp-", 3) == 0) out.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// One child process: this binary with `args`, extra environment `env`, output to `log`.
+struct Child {
+  pid_t pid = -1;
+  std::string log;
+  int code = -1;  // exit status, 128 + signal, or -1 when killed at the deadline
+};
+
+Child Spawn(const std::vector<std::string>& args, const std::vector<std::string>& env, const std::string& log) {
+  Child c;
+  c.log = log;
+  std::vector<std::string> env_store;
+  for (char** e = environ; *e; ++e) env_store.emplace_back(*e);
+  env_store.insert(env_store.end(), env.begin(), env.end());
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  for (auto& e : env_store) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  if (::posix_spawn(&c.pid, args[0].c_str(), &fa, nullptr, argv.data(), envp.data()) != 0) c.pid = -1;
+  posix_spawn_file_actions_destroy(&fa);
+  return c;
+}
+
+void Reap(Child* c, double seconds) {
+  if (c->pid <= 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  int st = 0;
+  while (::waitpid(c->pid, &st, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(c->pid, SIGKILL);
+      ::waitpid(c->pid, &st, 0);
+      c->code = -1;
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  c->code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 constexpr uint64_t kPoolBytes = 8ull << 20;
 constexpr uint64_t kLayoutHash = 0x5eed;
@@ -41,7 +129,10 @@ constexpr uint64_t kProducerOffset = 4096;  // not the pool's start
 constexpr uint64_t kAnswerOffset = 3ull << 20;
 
 const char* Role() { return std::getenv("RP_POOL_TEST_ROLE"); }
-std::string Dir() { return std::getenv("RP_POOL_TEST_DIR"); }
+std::string Dir() {
+  const char* d = std::getenv("RP_POOL_TEST_DIR");
+  return d ? d : "/nonexistent";
+}
 
 // The pattern the producer stores: distinct, exactly representable values in fp32 and bf16.
 at::Tensor Pattern(const at::TensorOptions& o) {
@@ -50,7 +141,7 @@ at::Tensor Pattern(const at::TensorOptions& o) {
 
 bool WaitForFile(const std::string& path, double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (!fs::exists(path)) {
+  while (!Exists(path)) {
     if (std::chrono::steady_clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -63,7 +154,7 @@ void WriteHandle(const std::string& path, const worker::Device::PoolHandle& h) {
     std::ofstream out(path + ".tmp", std::ios::binary);
     out.write(h.data(), static_cast<std::streamsize>(h.size()));
   }
-  fs::rename(path + ".tmp", path);
+  std::rename((path + ".tmp").c_str(), path.c_str());
 }
 
 worker::Device::PoolHandle ReadHandle(const std::string& path) {
@@ -95,7 +186,7 @@ Backend MakeBackend() {
 std::string PoolName(int rank) { return shm::PoolSegmentName("pooltest" + std::to_string(::getppid()), rank); }
 
 // Child roles: run only when the parent test starts this binary with RP_POOL_TEST_ROLE.
-TEST(PoolChild, Producer) {
+TEST(RP_POOL_CHILD, Producer) {
   if (!Role() || std::string(Role()) != "producer") GTEST_SKIP() << "child role only";
   Backend b = MakeBackend();
   ASSERT_TRUE(b.device);
@@ -114,7 +205,7 @@ TEST(PoolChild, Producer) {
   std::ofstream(Dir() + "/done") << "ok";
 }
 
-TEST(PoolChild, Consumer) {
+TEST(RP_POOL_CHILD, Consumer) {
   if (!Role() || std::string(Role()) != "consumer") GTEST_SKIP() << "child role only";
   Backend b = MakeBackend();
   ASSERT_TRUE(b.device);
@@ -140,33 +231,39 @@ TEST(PoolChild, Consumer) {
   ASSERT_TRUE(WaitForFile(Dir() + "/done", 60)) << "the producer never finished";
 }
 
-TEST(ActivationPool, RoundTripBetweenTwoWorkerProcesses) {
+TEST(RP_POOL_SUITE, RoundTripBetweenTwoWorkerProcesses) {
   if (Role()) GTEST_SKIP() << "parent only";
-  if (RP_POOL_TEST_CUDA && !fs::exists("/dev/nvidiactl") && !fs::exists("/dev/nvidia0"))
-    GTEST_SKIP() << "no NVIDIA device";
-  const auto before = testing::LeftoverSegments();
-  const std::string dir = testing::MakeTempDir("rp-pool-");
-  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  if (RP_POOL_TEST_CUDA && !Exists("/dev/nvidiactl") && !Exists("/dev/nvidia0")) GTEST_SKIP() << "no NVIDIA device";
+  const auto before = OurSegments();
+  char tmpl[] = "/tmp/rp-pool-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(n, 0);
+  self[n] = '\0';
   auto child = [&](const char* role, const char* test) {
-    return testing::Process({self, std::string("--gtest_filter=PoolChild.") + test},
-                            {std::string("RP_POOL_TEST_ROLE=") + role, "RP_POOL_TEST_DIR=" + dir});
+    return Spawn({self, std::string("--gtest_filter=" RP_STR(RP_POOL_CHILD) ".") + test},
+                 {std::string("RP_POOL_TEST_ROLE=") + role, "RP_POOL_TEST_DIR=" + dir}, dir + "/" + role + ".log");
   };
-  testing::Process producer = child("producer", "Producer");
-  testing::Process consumer = child("consumer", "Consumer");
-  auto c = consumer.Wait(120);
-  auto p = producer.Wait(120);
-  EXPECT_FALSE(c.timed_out || c.signaled) << c.output;
-  EXPECT_FALSE(p.timed_out || p.signaled) << p.output;
-  EXPECT_EQ(c.code, 0) << c.output;
-  EXPECT_EQ(p.code, 0) << p.output;
-  EXPECT_NE(c.output.find("[  PASSED  ] 1 test"), std::string::npos) << c.output;  // ran, not skipped
-  EXPECT_NE(p.output.find("[  PASSED  ] 1 test"), std::string::npos) << p.output;
-  EXPECT_EQ(p.output.find("SKIPPED"), std::string::npos) << p.output;
-  EXPECT_TRUE(fs::exists(dir + "/done"));
+  Child producer = child("producer", "Producer");
+  Child consumer = child("consumer", "Consumer");
+  ASSERT_GT(producer.pid, 0);
+  ASSERT_GT(consumer.pid, 0);
+  Reap(&consumer, 120);
+  Reap(&producer, 120);
+  const std::string c = Slurp(consumer.log), p = Slurp(producer.log);
+  EXPECT_EQ(consumer.code, 0) << c;
+  EXPECT_EQ(producer.code, 0) << p;
+  EXPECT_NE(c.find("[  PASSED  ] 1 test"), std::string::npos) << c;  // ran, not skipped
+  EXPECT_NE(p.find("[  PASSED  ] 1 test"), std::string::npos) << p;
+  EXPECT_EQ(p.find("SKIPPED"), std::string::npos) << p;
+  EXPECT_TRUE(Exists(dir + "/done"));
   // Each process unlinked its CPU pool on exit.
-  EXPECT_EQ(testing::LeftoverSegments(), before);
-  std::error_code ec;
-  fs::remove_all(dir, ec);
+  EXPECT_EQ(OurSegments(), before);
+  for (const char* f : {"/producer.log", "/consumer.log", "/producer.handle", "/consumer.handle", "/done"})
+    ::unlink((dir + f).c_str());
+  ::rmdir(dir.c_str());
 }
 
 }  // namespace
