@@ -4,9 +4,9 @@
 // the bytes, stores its answer into its own pool; the producer opens that one and checks the
 // answer. The processes are this test binary started again in a child role (a process that has
 // used CUDA cannot fork, so they are spawned, not forked).
-// No std::filesystem here (nor the test harness, which uses it): the GPU host's LibTorch carries
-// its own copy of those libstdc++ symbols, and a binary linking it crashed in directory
-// iteration. Plain POSIX calls instead.
+// No std::filesystem here (nor the test harness, which uses it): the GPU host's LibTorch exports
+// its own copy of libstdc++'s std::filesystem (142 symbols in libtorch_cpu.so), and with it this
+// binary's parent crashed (SIGSEGV) before any child ran. Plain POSIX calls instead.
 //
 // Built twice: rp_pool_tests (label unit) runs the CPU backend, whose pools are named
 // shared-memory objects; rp_gpu_pool_tests (label gpu, RP_POOL_TEST_CUDA) the CUDA backend,
