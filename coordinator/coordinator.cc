@@ -307,7 +307,7 @@ Status Coordinator::Setup() {
 }
 
 Status Coordinator::InitState() {
-  RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(layout_.total_bytes + layout_.optim_total_bytes,
+  RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(shm::SharedMemoryBytes(layout_, cfg_, opts_.num_workers),
                                                 "this job (state and optimizer segments)"));
   const std::string name = shm::StateSegmentName(opts_.session);
   unlinker_.emplace(name);
@@ -435,6 +435,10 @@ Status Coordinator::AcceptWorkers() {
       RP_RETURN_IF_ERROR(OnActivationPool(env->rank, *pool));
       continue;
     }
+    // A welcomed worker whose pool setup failed (job -1) while others still connect.
+    if (const auto* failed = std::get_if<proto::JobFailed>(&env->message); failed && failed->job_index < 0)
+      return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
+                                 failed->message);
     const auto* hello = std::get_if<proto::Hello>(&env->message);
     if (!hello || env->rank >= opts_.num_workers || hello->rank != env->rank) {
       RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message))
@@ -453,10 +457,12 @@ Status Coordinator::AcceptWorkers() {
   }
   RP_LOG(INFO) << "all " << opts_.num_workers << " workers connected";
   if (!layout_.activations_in_pools) return Status::Ok();
-  // Each worker sends its pool's handle after mapping the segment and creating the pool.
+  // Each worker sends its pool's handle after mapping the segment, starting its device and
+  // creating the pool (its own deadline: CUDA start-up of the last worker to connect).
+  const double pool_deadline = MonoSeconds() + opts_.hello_timeout_s;
   while (std::any_of(pools_.begin(), pools_.end(), [](const auto& p) { return !p.has_value(); })) {
     if (g_stop || g_graceful_stop) return Status::Cancelled("stopped by signal while waiting for activation pools");
-    if (MonoSeconds() > deadline)
+    if (MonoSeconds() > pool_deadline)
       return Status::DeadlineExceeded("not every worker announced its activation pool within " +
                                       std::to_string(opts_.hello_timeout_s) + " s");
     RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(100));
@@ -468,6 +474,10 @@ Status Coordinator::AcceptWorkers() {
     } else if (const auto* failed = std::get_if<proto::JobFailed>(&env->message)) {
       return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
                                  failed->message);
+    } else if (std::holds_alternative<proto::Hello>(env->message)) {
+      // A replacement would announce a new pool the others have not opened; nothing to re-run.
+      return Status::Unavailable("worker " + std::to_string(env->rank) + " restarted while the activation pools "
+                                 "were being set up (its log says why)");
     }
   }
   for (int to = 0; to < opts_.num_workers; ++to)
@@ -874,6 +884,9 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kJobDone: return OnJobDone(rank, std::get<proto::JobDone>(m));
     case proto::MsgType::kJobFailed: {
       const auto& f = std::get<proto::JobFailed>(m);
+      // Job -1: the worker's setup failed (its activation pools); a replacement would fail alike.
+      if (f.job_index < 0)
+        return Status::Unavailable("worker " + std::to_string(rank) + " failed to set up: " + f.message);
       // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job,
       // unless the step's activations lived in it (schedule.activations = "worker").
       if (ActivationsInWorkers())

@@ -52,8 +52,9 @@ class CpuDevice final : public Device {
     if (pools_.count(rank)) return Status::Internal("activation pool of rank " + std::to_string(rank) + " exists");
     RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(shm::kHeaderBytes + bytes, "worker " + std::to_string(rank) +
                                                                              "'s activation pool"));
-    own_unlinker_.emplace(name);
+    // The name is ours to remove only once we made it (create fails on an existing name).
     RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::CreateStamped(name, shm::kHeaderBytes + bytes, layout_hash));
+    own_unlinker_.emplace(name);
     pools_.emplace(rank, Pool{std::move(seg), bytes});
     own_rank_ = rank;
     std::memcpy(h.data(), name.c_str(), name.size() + 1);

@@ -62,7 +62,7 @@ class Device {
   // (ArenaLayout::PoolHiddenSlot). StoreToPool() writes into this worker's pool and is complete
   // once Synchronize() returns, like Store(); FetchFromPool() copies out of any opened pool (this
   // worker's own included) into a new tensor the compute stream may use at once, like
-  // FetchActivation(). CUDA: device memory exported with cudaIpcGetMemHandle, opened by peers on
+  // FetchActivation(), and has finished reading the pool once Synchronize() returns. CUDA: device memory exported with cudaIpcGetMemHandle, opened by peers on
   // the same GPU or on GPUs with peer access. CPU: a named shared-memory object (`name`) whose
   // header carries `layout_hash`, so a peer from another run or build is refused. Pools live as
   // long as the device; an offset or rank outside them throws.

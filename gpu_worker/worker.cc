@@ -127,7 +127,9 @@ Status Worker::Handle(const proto::Message& m) {
                                      std::to_string(opts_.num_workers) + ")");
       Device::PoolHandle h;
       std::memcpy(h.data(), p.handle, h.size());
-      return device_->OpenPeerPool(p.rank, h, p.bytes, layout_.hash);
+      // Reported as a setup failure (job -1), so the coordinator ends the run with the reason.
+      if (Status s = device_->OpenPeerPool(p.rank, h, p.bytes, layout_.hash); !s.ok()) return Fail(-1, s);
+      return Status::Ok();
     }
     case proto::MsgType::kCommitGrads: {
       const auto& c = std::get<proto::CommitGrads>(m);
@@ -351,14 +353,18 @@ Status Worker::Run() {
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
   if (layout_.activations_in_pools) {
-    // Announced once; the coordinator relays every peer's handle before the first RunJob.
-    RP_ASSIGN_OR_RETURN(auto handle, device_->CreatePool(opts_.rank, layout_.pool_bytes, layout_.hash,
-                                                         shm::PoolSegmentName(opts_.session, opts_.rank)));
+    // Announced once; the coordinator relays every peer's handle before the first RunJob. A
+    // failure is reported (job -1) so the coordinator ends the run with the reason.
+    if (ClaimTestHookOnce("RP_TEST_FAIL_POOL_ONCE"))
+      return Fail(-1, Status::Internal("RP_TEST_FAIL_POOL_ONCE: failing the activation pool's setup on purpose"));
+    auto handle = device_->CreatePool(opts_.rank, layout_.pool_bytes, layout_.hash,
+                                      shm::PoolSegmentName(opts_.session, opts_.rank));
+    if (!handle.ok()) return Fail(-1, handle.status());
     proto::ActivationPool p{};
     p.rank = opts_.rank;
     p.device_index = use_cuda_ ? opts_.rank % gpus : -1;
     p.bytes = layout_.pool_bytes;
-    std::memcpy(p.handle, handle.data(), sizeof(p.handle));
+    std::memcpy(p.handle, handle->data(), sizeof(p.handle));
     RP_RETURN_IF_ERROR(channel_->Send(p));
   }
   // One measurement of the host link for the planner's profile (core/profile.h): reads the

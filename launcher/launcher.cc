@@ -116,7 +116,7 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
               layout->grads_streamed ? " streamed" : " holding every gradient",
               static_cast<double>(acts) / (1 << 20),
               static_cast<double>(layout->optim_total_bytes) / (1 << 20));
-  if (Status room = shm::CheckSharedMemoryRoom(layout->total_bytes + layout->optim_total_bytes, "this job");
+  if (Status room = shm::CheckSharedMemoryRoom(shm::SharedMemoryBytes(*layout, cfg, gpus), "this job");
       !room.ok())
     std::printf("will not start here: %s\n", room.message().c_str());
 }
@@ -153,7 +153,7 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
     return kExitBadConfig;
   } else {
-    shared_bytes = layout->total_bytes + layout->optim_total_bytes;
+    shared_bytes = shm::SharedMemoryBytes(*layout, *cfg, o.gpus);
   }
   if (o.dry_run) {
     PrintDryRun(*cfg, o.gpus);

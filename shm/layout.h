@@ -178,5 +178,12 @@ inline std::string OptimSegmentName(const std::string& session) { return "rp-" +
 inline std::string PoolSegmentName(const std::string& session, int rank) {
   return "rp-" + session + "-pool" + std::to_string(rank);
 }
+// Bytes of /dev/shm a run takes: both segments, plus every CPU worker's activation pool (CUDA
+// workers' pools are device memory).
+inline uint64_t SharedMemoryBytes(const ArenaLayout& a, const core::JobConfig& c, int workers) {
+  const bool cpu_pools = a.activations_in_pools && c.job.device == "cpu";
+  return a.total_bytes + a.optim_total_bytes +
+         (cpu_pools ? static_cast<uint64_t>(workers) * (kHeaderBytes + a.pool_bytes) : 0);
+}
 
 }  // namespace rp::shm

@@ -239,10 +239,12 @@ class CudaDevice final : public Device {
   void Synchronize() override {
     ThrowIfError(cudaStreamSynchronize(d2h_), "cudaStreamSynchronize(d2h)");
     keep_alive_.clear();
-    // Pool stores run on the compute stream: a peer may read them once this returns (the
-    // coordinator relays MicrobatchDone only after it).
-    if (pool_stores_pending_) ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
-    pool_stores_pending_ = false;
+    // Pool copies run on the compute stream. A store must be complete before a peer may read it
+    // (the coordinator relays MicrobatchDone only after this returns); a read from a peer's pool
+    // before the owner may overwrite that slot (the owner rewrites it only after this worker's
+    // MicrobatchDone or JobDone).
+    if (pool_copies_pending_) ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
+    pool_copies_pending_ = false;
   }
 
   StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t, const std::string&) override {
@@ -292,6 +294,7 @@ class CudaDevice final : public Device {
     // a few hundred (NVLink), and the layer that reads it would wait for it anyway.
     ThrowIfError(cudaMemcpyAsync(t.data_ptr(), src, t.nbytes(), cudaMemcpyDefault, kComputeStream),
                  "cudaMemcpyAsync(activation pool -> device)");
+    pool_copies_pending_ = true;
     return t;
   }
 
@@ -302,7 +305,7 @@ class CudaDevice final : public Device {
     char* dst = const_cast<char*>(PoolBytes(own_rank_, offset, src.nbytes()));
     ThrowIfError(cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, kComputeStream),
                  "cudaMemcpyAsync(device -> activation pool)");
-    pool_stores_pending_ = true;
+    pool_copies_pending_ = true;
   }
 
   uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) override {
@@ -533,7 +536,7 @@ class CudaDevice final : public Device {
   std::map<int, IpcMapping> peers_;      // peers' pools, mapped; destroyed before own_pool_
   int own_rank_ = -1;
   uint64_t pool_bytes_ = 0;
-  bool pool_stores_pending_ = false;     // a StoreToPool since the last Synchronize
+  bool pool_copies_pending_ = false;     // a pool store or read since the last Synchronize
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;                                     // GUARDED_BY(mu_)

@@ -6,6 +6,7 @@
 // that dies stops the run instead of being replaced.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 
 #include "tests/integration/launch_fixture.h"
@@ -69,24 +70,43 @@ TEST_F(ActivationsTest, AWorkerThatDiesStopsTheRunSayingHowToGoOn) {
 // several stages earlier by another worker too), consumers copying from it. Bit-identical to the
 // host slots, for several worker counts (so producer and consumer differ) and both modes.
 TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
-  for (const std::string mode : {"exact", "stale1"}) {
-    const std::vector<std::string> job = {"train.steps=4", "optimizer.mode=" + mode, "train.eval_every=2",
-                                          "data.eval_fraction=0.1", "checkpoint.every=4"};
-    auto host = Launch(2, tmp_ + "/host-" + mode, job);
+  // Both modes with two slot parities (K = 2), and exact mode with one parity (K = 1) and three
+  // backward stages, so the two alternating input-gradient slots are rewritten within a chain.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"exact", {"optimizer.mode=exact"}},
+      {"stale1", {"optimizer.mode=stale1"}},
+      {"exact-k1", {"optimizer.mode=exact", "train.accum_calls=1", "schedule.backward_stages=3"}}};
+  for (const auto& [name, mode] : cases) {
+    const std::vector<std::string> job = With(mode, {"train.steps=4", "train.eval_every=2", "data.eval_fraction=0.1",
+                                                     "checkpoint.every=4"});
+    auto host = Launch(2, tmp_ + "/host-" + name, job);
     ASSERT_EQ(host.code, 0) << host.output;
-    const auto expected = Losses(tmp_ + "/host-" + mode + "/metrics.jsonl");
+    const auto expected = Losses(tmp_ + "/host-" + name + "/metrics.jsonl");
     ASSERT_EQ(expected.size(), 4u);
     for (int n : {2, 3}) {
-      const std::string out = tmp_ + "/pools-" + mode + "-" + std::to_string(n);
+      const std::string out = tmp_ + "/pools-" + name + "-" + std::to_string(n);
       auto pools = Launch(n, out, With(job, {"schedule.activation_transport=cuda_ipc"}));
       ASSERT_EQ(pools.code, 0) << pools.output;
       EXPECT_NE(pools.output.find("activation pools: " + std::to_string(n) + " x "), std::string::npos) << pools.output;
-      EXPECT_EQ(Losses(out + "/metrics.jsonl"), expected) << mode << ", " << n << " workers";
-      EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"), Losses(tmp_ + "/host-" + mode + "/metrics.jsonl", "eval_loss"));
+      EXPECT_EQ(Losses(out + "/metrics.jsonl"), expected) << name << ", " << n << " workers";
+      EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"), Losses(tmp_ + "/host-" + name + "/metrics.jsonl", "eval_loss"));
       const std::string state = "/checkpoints/step-00000004.rpstate";
-      EXPECT_EQ(ReadBytes(out + state), ReadBytes(tmp_ + "/host-" + mode + state)) << mode << ", " << n << " workers";
+      EXPECT_EQ(ReadBytes(out + state), ReadBytes(tmp_ + "/host-" + name + state)) << name << ", " << n << " workers";
     }
   }
+}
+
+// A worker that cannot set up its pool (here a test hook; on a GPU, device memory or peer
+// access) ends the run at once with its reason, instead of being replaced over and over or
+// leaving the coordinator waiting.
+TEST_F(ActivationsTest, APoolThatCannotBeSetUpStopsTheRunWithItsReason) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/nopool", {"train.steps=2", "schedule.activation_transport=cuda_ipc"}),
+                               120, With(Env(), {"RP_TEST_FAIL_POOL_ONCE=" + tmp_ + "/pool-fault-marker"}));
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("could not set up its activation pool"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("failing the activation pool's setup on purpose"), std::string::npos) << r.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
 }
 
 TEST_F(ActivationsTest, AWorkerThatDiesWithPoolsStopsTheRunNamingTheSetting) {
