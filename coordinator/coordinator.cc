@@ -431,12 +431,14 @@ Status Coordinator::AcceptWorkers() {
       OnLinkProbe(env->rank, *probe);
       continue;
     }
-    if (const auto* pool = std::get_if<proto::ActivationPool>(&env->message); pool && env->rank < opts_.num_workers) {
+    // With activation pools a welcomed worker announces its pool (or its failure to make one,
+    // job -1) while others still connect. Anything else is left to the checks below.
+    const bool welcomed = layout_.activations_in_pools && env->rank < opts_.num_workers && worker_pids_[env->rank] != 0;
+    if (const auto* pool = std::get_if<proto::ActivationPool>(&env->message); pool && welcomed) {
       RP_RETURN_IF_ERROR(OnActivationPool(env->rank, *pool));
       continue;
     }
-    // A welcomed worker whose pool setup failed (job -1) while others still connect.
-    if (const auto* failed = std::get_if<proto::JobFailed>(&env->message); failed && failed->job_index < 0)
+    if (const auto* failed = std::get_if<proto::JobFailed>(&env->message); failed && welcomed && failed->job_index < 0)
       return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
                                  failed->message);
     const auto* hello = std::get_if<proto::Hello>(&env->message);
