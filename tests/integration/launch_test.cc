@@ -648,14 +648,27 @@ TEST_F(LaunchTest, KilledCoordinatorIsNamedAndResumeReproducesTheRun) {
               ReadBytes(whole + "/checkpoints/step-00000016.rpstate"));
 }
 
-TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
+class LaunchFuzzTest : public LaunchTest {
+ protected:
+  // One clean run of `job` and one with a stranger fuzzing the control socket; compares them.
+  void FuzzOneRun(const std::vector<std::string>& job, const std::string& name);
+};
+
+TEST_F(LaunchFuzzTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
   // A stranger connects to the coordinator's control socket and sends random frames, truncated
   // and oversized ones, and well-formed frames of every type under identities that are not a
-  // worker's. The coordinator drops them; the run's losses are the clean run's.
-  const std::vector<std::string> job = {"train.steps=40"};
-  auto clean = Launch(2, tmp_ + "/fuzz-clean", job);
+  // worker's. The coordinator drops them; the run's losses are the clean run's. Also with
+  // activation pools, whose registration takes two more kinds of message from workers.
+  for (const std::string transport : {"host", "cuda_ipc"}) {
+    SCOPED_TRACE(transport);
+    FuzzOneRun({"train.steps=40", "schedule.activation_transport=" + transport}, transport);
+  }
+}
+
+void LaunchFuzzTest::FuzzOneRun(const std::vector<std::string>& job, const std::string& name) {
+  auto clean = Launch(2, tmp_ + "/fuzz-clean-" + name, job);
   ASSERT_EQ(clean.code, 0) << clean.output;
-  const std::string out = tmp_ + "/fuzz";
+  const std::string out = tmp_ + "/fuzz-" + name;
   testing::Process launcher(LaunchArgs(2, out, job), Env());
   std::string sock;
   for (int i = 0; i < 600 && sock.empty(); ++i) {
@@ -698,7 +711,7 @@ TEST_F(LaunchTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_GT(sent, 0);
   EXPECT_NE(r.output.find("dropped"), std::string::npos) << "nothing reached the coordinator";
-  EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/fuzz-clean/metrics.jsonl"));
+  EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/fuzz-clean-" + name + "/metrics.jsonl"));
 }
 
 TEST_F(LaunchTest, HungWorkerIsKilledAndReplaced) {
