@@ -416,13 +416,22 @@ Status Coordinator::AcceptWorkers() {
   channel_.emplace(std::move(ch));
   worker_pids_.assign(opts_.num_workers, 0);
   int connected = 0;
-  const double deadline = MonoSeconds() + opts_.hello_timeout_s;
-  while (connected < opts_.num_workers) {
+  // With activation pools registration also waits for every worker's pool handle, sent after it
+  // maps the segment, starts its device and creates the pool.
+  auto pools_missing = [&] {
+    return layout_.activations_in_pools &&
+           std::any_of(pools_.begin(), pools_.end(), [](const auto& p) { return !p.has_value(); });
+  };
+  double deadline = MonoSeconds() + opts_.hello_timeout_s;
+  while (connected < opts_.num_workers || pools_missing()) {
     if (g_stop || g_graceful_stop) return Status::Cancelled("stopped by signal while waiting for workers");
     if (MonoSeconds() > deadline)
-      return Status::DeadlineExceeded("only " + std::to_string(connected) + " of " +
-                                      std::to_string(opts_.num_workers) + " workers connected within " +
-                                      std::to_string(opts_.hello_timeout_s) + " s");
+      return Status::DeadlineExceeded(connected < opts_.num_workers
+                                          ? "only " + std::to_string(connected) + " of " +
+                                                std::to_string(opts_.num_workers) + " workers connected within " +
+                                                std::to_string(opts_.hello_timeout_s) + " s"
+                                          : "not every worker announced its activation pool within " +
+                                                std::to_string(opts_.hello_timeout_s) + " s of the last connecting");
     RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(100));
     if (!env) continue;
     // Workers already welcomed send heartbeats while the others connect.
@@ -431,14 +440,14 @@ Status Coordinator::AcceptWorkers() {
       OnLinkProbe(env->rank, *probe);
       continue;
     }
-    // With activation pools a welcomed worker announces its pool (or its failure to make one,
-    // job -1) while others still connect. Anything else is left to the checks below.
+    // With activation pools a welcomed worker announces its pool, or reports that it could not
+    // make one (a welcomed worker has no job yet to fail). Strangers fall to the checks below.
     const bool welcomed = layout_.activations_in_pools && env->rank < opts_.num_workers && worker_pids_[env->rank] != 0;
     if (const auto* pool = std::get_if<proto::ActivationPool>(&env->message); pool && welcomed) {
       RP_RETURN_IF_ERROR(OnActivationPool(env->rank, *pool));
       continue;
     }
-    if (const auto* failed = std::get_if<proto::JobFailed>(&env->message); failed && welcomed && failed->job_index < 0)
+    if (const auto* failed = std::get_if<proto::JobFailed>(&env->message); failed && welcomed)
       return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
                                  failed->message);
     const auto* hello = std::get_if<proto::Hello>(&env->message);
@@ -452,36 +461,19 @@ Status Coordinator::AcceptWorkers() {
                                    " computed a different shared-memory layout (different job file, "
                                    "overrides or build)");
     }
-    if (worker_pids_[env->rank] == 0) connected++;
+    // A replacement would announce a new pool the others have not opened; nothing to re-run yet.
+    if (welcomed)
+      return Status::Unavailable("worker " + std::to_string(env->rank) + " restarted while the activation pools "
+                                 "were being set up (its log says why)");
+    if (worker_pids_[env->rank] == 0 && ++connected == opts_.num_workers) {
+      RP_LOG(INFO) << "all " << opts_.num_workers << " workers connected";
+      deadline = MonoSeconds() + opts_.hello_timeout_s;  // the pools': CUDA start-up of the last one
+    }
     worker_pids_[env->rank] = hello->pid;
     RP_RETURN_IF_ERROR(SendWelcome(env->rank));
     RP_VLOG(1) << "worker " << env->rank << " (pid " << hello->pid << ") connected";
   }
-  RP_LOG(INFO) << "all " << opts_.num_workers << " workers connected";
   if (!layout_.activations_in_pools) return Status::Ok();
-  // Each worker sends its pool's handle after mapping the segment, starting its device and
-  // creating the pool (its own deadline: CUDA start-up of the last worker to connect).
-  const double pool_deadline = MonoSeconds() + opts_.hello_timeout_s;
-  while (std::any_of(pools_.begin(), pools_.end(), [](const auto& p) { return !p.has_value(); })) {
-    if (g_stop || g_graceful_stop) return Status::Cancelled("stopped by signal while waiting for activation pools");
-    if (MonoSeconds() > pool_deadline)
-      return Status::DeadlineExceeded("not every worker announced its activation pool within " +
-                                      std::to_string(opts_.hello_timeout_s) + " s");
-    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(100));
-    if (!env || env->rank >= opts_.num_workers) continue;
-    if (const auto* pool = std::get_if<proto::ActivationPool>(&env->message)) {
-      RP_RETURN_IF_ERROR(OnActivationPool(env->rank, *pool));
-    } else if (const auto* probe = std::get_if<proto::LinkProbe>(&env->message)) {
-      OnLinkProbe(env->rank, *probe);
-    } else if (const auto* failed = std::get_if<proto::JobFailed>(&env->message)) {
-      return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
-                                 failed->message);
-    } else if (std::holds_alternative<proto::Hello>(env->message)) {
-      // A replacement would announce a new pool the others have not opened; nothing to re-run.
-      return Status::Unavailable("worker " + std::to_string(env->rank) + " restarted while the activation pools "
-                                 "were being set up (its log says why)");
-    }
-  }
   for (int to = 0; to < opts_.num_workers; ++to)
     for (int owner = 0; owner < opts_.num_workers; ++owner)
       if (owner != to) RP_RETURN_IF_ERROR(channel_->Send(to, *pools_[owner]));

@@ -210,11 +210,9 @@ at::Tensor Executor::Hidden(int mb, int boundary) {
   if (layout_.activations_in_worker) return Resident(resident_hidden_, {job_.parity, mb, slot}, "hidden-state");
   if (layout_.activations_in_pools)
     return device_.FetchFromPool(PoolRank(from_.hidden_rank, "hidden state", job_.job_index, mb),
-                                 layout_.PoolHiddenSlot(job_.parity, mb, slot),
-                                 {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size}, act_dtype_);
-  return device_.FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot),
-                       {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
-                       act_dtype_);
+                                 layout_.PoolHiddenSlot(job_.parity, mb, slot), ActivationShape(), act_dtype_);
+  return device_.FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot), ActivationShape(),
+                                 act_dtype_);
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
@@ -223,11 +221,9 @@ at::Tensor Executor::InputGrad(int mb, int boundary) {
     return Resident(resident_grads_, {job_.parity, mb, slot % layout_.grad_slots_per_mb}, "input-gradient");
   if (layout_.activations_in_pools)
     return device_.FetchFromPool(PoolRank(from_.grad_rank, "input gradient", job_.job_index, mb),
-                                 layout_.PoolInputGradSlot(job_.parity, mb, slot),
-                                 {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size}, act_dtype_);
-  return device_.FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot),
-                       {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size},
-                       act_dtype_);
+                                 layout_.PoolInputGradSlot(job_.parity, mb, slot), ActivationShape(), act_dtype_);
+  return device_.FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot), ActivationShape(),
+                                 act_dtype_);
 }
 
 void Executor::StoreHidden(int mb, int boundary, const at::Tensor& t) {

@@ -86,6 +86,10 @@ class Executor {
 
  private:
   at::Tensor Tokens(int mb, bool labels);
+  // [microbatch_size, seq_len, hidden]: every hidden-state and input-gradient slot.
+  std::vector<int64_t> ActivationShape() const {
+    return {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size};
+  }
   at::Tensor Hidden(int mb, int boundary);
   at::Tensor InputGrad(int mb, int boundary);
   void StoreHidden(int mb, int boundary, const at::Tensor& t);

@@ -10,7 +10,6 @@
 #include <deque>
 #include <map>
 #include <optional>
-#include <set>
 #include <thread>
 #include <chrono>
 #include <cstring>

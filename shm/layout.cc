@@ -44,22 +44,23 @@ uint64_t ArenaLayout::EvalTokenSlot(int slot) const {
 uint64_t ArenaLayout::EvalLabelSlot(int slot) const {
   return eval_labels + static_cast<uint64_t>(slot) * Align(tokens_per_mb * 8);
 }
-uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const {
-  return hidden +
-         ((static_cast<uint64_t>(parity) * microbatches + mb) * num_hidden + idx) * act_slot_bytes;
+// Offset of input-gradient slot (parity, mb, idx) from the start of the input-gradient region.
+static uint64_t GradInRegion(const ArenaLayout& a, int parity, int mb, int idx) {
+  return ((static_cast<uint64_t>(parity) * a.microbatches + mb) * a.grad_slots_per_mb + idx % a.grad_slots_per_mb) *
+         a.act_slot_bytes;
 }
-uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
-  return input_grad + ((static_cast<uint64_t>(parity) * microbatches + mb) * grad_slots_per_mb +
-                       idx % grad_slots_per_mb) * act_slot_bytes;
-}
-// A pool holds the hidden slots, then the input-gradient slots, as the segment would.
+// A pool holds the hidden slots, then the input-gradient slots, at the offsets the segment's
+// regions use.
 uint64_t ArenaLayout::PoolHiddenSlot(int parity, int mb, int idx) const {
   return ((static_cast<uint64_t>(parity) * microbatches + mb) * num_hidden + idx) * act_slot_bytes;
 }
 uint64_t ArenaLayout::PoolInputGradSlot(int parity, int mb, int idx) const {
   const uint64_t hidden_bytes = static_cast<uint64_t>(parities) * microbatches * num_hidden * act_slot_bytes;
-  return hidden_bytes + ((static_cast<uint64_t>(parity) * microbatches + mb) * grad_slots_per_mb +
-                         idx % grad_slots_per_mb) * act_slot_bytes;
+  return hidden_bytes + GradInRegion(*this, parity, mb, idx);
+}
+uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const { return hidden + PoolHiddenSlot(parity, mb, idx); }
+uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
+  return input_grad + GradInRegion(*this, parity, mb, idx);
 }
 
 StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::ModelSpec& spec,
