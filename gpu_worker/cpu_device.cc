@@ -41,6 +41,9 @@ class CpuDevice final : public Device {
     View(dst, t.sizes(), dtype).copy_(t.detach());
   }
   void Synchronize() override {}
+  // Every CPU operation is complete when it returns.
+  uint64_t CompletionFence() override { return ++completions_; }
+  bool Completed(uint64_t) override { return true; }
 
   // The pool is a named shared-memory object: the CPU's stand-in for exported device memory, so
   // CI runs the same protocol the CUDA backend does. This worker unlinks its own on exit (the
@@ -134,6 +137,7 @@ class CpuDevice final : public Device {
   std::map<int, Pool> pools_;
   int own_rank_ = -1;
   uint64_t tickets_ = 0;
+  uint64_t completions_ = 0;
   std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 

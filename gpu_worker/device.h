@@ -55,6 +55,12 @@ class Device {
   virtual void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) = 0;
   // Blocks until every Store() issued so far is in shared memory.
   virtual void Synchronize() = 0;
+  // Non-blocking completion of everything enqueued so far (compute, Store(), pool copies): the
+  // worker enqueues the next microbatch at once and reports this one done when Completed(ticket)
+  // says so, so the device never idles between microbatches waiting for the host. Tickets
+  // complete in order; Completed() throws on a device error.
+  virtual uint64_t CompletionFence() = 0;
+  virtual bool Completed(uint64_t ticket) = 0;
 
   // Activation pools (schedule.activation_transport = "cuda_ipc", shm::ArenaLayout::pool_bytes):
   // a worker creates its own pool once and announces the returned handle; it opens each peer's

@@ -312,11 +312,19 @@ MicrobatchResult Executor::RunTail(int mb) {
   at::Tensor labels = Tokens(mb, true);
   const int a = MarkIfProfiling();
   auto r = math_.HeadForwardBackward(current_.layers.back(), head_in, labels, job_.loss_scale,
-                                     /*backward=*/true);
+                                     /*backward=*/true, /*defer_read=*/true);
   Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);
   at::Tensor g = seg.outputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());
   StoreInputGrad(mb, stage_.begin, g);
-  return {r.loss_sum, r.targets, {}};
+  MicrobatchResult out;
+  out.loss_sum = r.loss_sum;
+  out.targets = r.targets;
+  if (r.pending.defined()) {
+    // Reading the sums now would wait for this microbatch; the copy lands when it is done.
+    out.pending_loss = at::empty({2}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+    out.pending_loss.copy_(r.pending, /*non_blocking=*/true);
+  }
+  return out;
 }
 
 MicrobatchResult Executor::RunBackward(int mb) {
@@ -342,7 +350,9 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
       case core::StageKind::kBackward: r = RunBackward(mb); break;
     }
     if (HasGrads()) AccumulateGrads();
-    device_.Synchronize();
+    // Profiling reads device marks, which waits; otherwise nothing here waits for the device.
+    if (job_.profile) device_.Synchronize();
+    r.fence = device_.CompletionFence();
     for (const auto& t : pending_times_) {
       proto::LayerTime lt{};
       lt.job_index = job_.job_index;
@@ -362,6 +372,14 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
     return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +
                             std::to_string(mb) + ": " + e.what());
   }
+}
+
+void MicrobatchResult::ReadLoss() {
+  if (!pending_loss.defined()) return;
+  const double* sums = pending_loss.data_ptr<double>();
+  loss_sum = sums[0];
+  targets = static_cast<int64_t>(sums[1]);
+  pending_loss = at::Tensor();
 }
 
 void Executor::Detach() {

@@ -45,6 +45,13 @@ struct MicrobatchResult {
   double loss_sum = 0.0;
   int64_t targets = 0;
   std::vector<proto::LayerTime> layer_times;  // jobs with RunJob.profile set: one per layer phase
+  // Microbatch(): the microbatch's work is enqueued, not done. It is done (stores in shared
+  // memory or the pool, inputs read) once device.Completed(fence); then ReadLoss() fills
+  // loss_sum and targets from `pending_loss` (a fused head's sums, copied to pinned host memory
+  // by the same stream), if any.
+  uint64_t fence = 0;
+  at::Tensor pending_loss;
+  void ReadLoss();
 };
 
 // Where a microbatch's inputs are with activation pools: the ranks whose pools hold its hidden
@@ -73,6 +80,8 @@ class Executor {
   // a slow device can take longer than the hang timeout).
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
   Status Begin(const proto::RunJob& job);
+  // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
+  // the next microbatch, or the next job's, may be enqueued at once. Profiled jobs wait.
   StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
   // Starts writing (accumulate = false) or adding the job's gradients into the shared slots and
   // releases the job's weights; the next job may Begin at once. Done when

@@ -73,13 +73,31 @@ class Worker {
   std::unique_ptr<Executor> exec_;
 
   std::deque<ActiveJob> queue_;
-  // Jobs whose microbatches are done, waiting for their commit grant or their commit's copy.
+  // Microbatches enqueued on the device and not yet reported: MicrobatchDone goes out once the
+  // device has completed one (its stores are then in shared memory or the pool), in order.
+  // Bounded so the host runs at most this many microbatches ahead of the device.
+  static constexpr size_t kMicrobatchesInFlight = 2;
+  struct InFlight {
+    proto::MicrobatchDone done;
+    MicrobatchResult result;
+  };
+  std::deque<InFlight> in_flight_;
+  bool InFlightFor(int64_t job) const {
+    return std::any_of(in_flight_.begin(), in_flight_.end(),
+                       [job](const InFlight& f) { return f.done.job_index == job; });
+  }
+  // Jobs whose microbatches are all enqueued: each announces itself (GradsReady, or JobDone for
+  // a forward stage) once its last microbatch is reported; a gradient job then waits for its
+  // commit grant and its commit's copy.
   struct Finishing {
     ActiveJob job;
+    bool has_grads = false;
+    bool announced = false;
     bool committing = false;
     uint64_t ticket = 0;
   };
   std::deque<Finishing> finishing_;
+  // Reports completed microbatches, announces drained jobs, starts and finishes commits.
   StatusOr<bool> Finish();
   // job -> microbatches whose input is ready, with the pools holding it (activation pools)
   std::map<int64_t, std::map<int, InputSources>> ready_;
@@ -215,6 +233,7 @@ StatusOr<bool> Worker::Progress() {
     if (it == ready_.end()) return false;
     auto input = it->second.find(a.next_mb);
     if (input == it->second.end()) return false;
+    if (in_flight_.size() >= kMicrobatchesInFlight) return false;
     proto::MicrobatchDone d{};
     d.job_index = id;
     d.microbatch = a.next_mb;
@@ -223,31 +242,25 @@ StatusOr<bool> Worker::Progress() {
     if (!r.ok()) return Fail(id, r.status());
     if (const double slow = TestSlowdownSeconds(a.job.step); slow > 0)
       std::this_thread::sleep_for(std::chrono::duration<double>(slow));
-    d.end_us = WallMicros();
-    d.loss_sum = r->loss_sum;
-    d.targets = r->targets;
     it->second.erase(input);
     a.next_mb++;
-    for (const auto& t : r->layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
-    RP_RETURN_IF_ERROR(channel_->Send(d));
+    in_flight_.push_back({d, std::move(*r)});
     return true;
   }
-  if (exec_->HasGrads()) {
-    // Hand the job to the finishing list: its gradients wait there (on the device) for the
-    // commit grant, while the next job in the queue starts computing.
-    RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
-    finishing_.push_back({a, false, 0});
-    exec_->Detach();
-  } else {
-    exec_->End();
-    RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, a.start_us, a.fetch_end_us, WallMicros()}));
-  }
+  // Every microbatch is enqueued: the next job may begin while these finish on the device.
+  // A gradient job's gradients wait (on the device) for the commit grant in the finishing list.
+  const bool grads = exec_->HasGrads();
+  if (grads) exec_->Detach();
+  else exec_->End();
+  finishing_.push_back({a, grads});
   ready_.erase(id);
   queue_.pop_front();
   return true;
 }
 
 StatusOr<bool> Worker::RunEval(ActiveJob& a) {
+  // Earlier jobs report their microbatches first (an eval blocks until it is done).
+  if (!in_flight_.empty()) return false;
   if (!exec_->WeightsReady(a.run_eval)) {
     waiting_for_weights_ = true;
     return false;
@@ -278,8 +291,41 @@ StatusOr<bool> Worker::RunEval(ActiveJob& a) {
 
 StatusOr<bool> Worker::Finish() {
   bool worked = false;
+  while (!in_flight_.empty()) {
+    InFlight& f = in_flight_.front();
+    bool done = false;
+    try {
+      done = device_->Completed(f.result.fence);
+    } catch (const std::exception& e) {
+      return Fail(f.done.job_index, Status::Internal(std::string("microbatch ") + std::to_string(f.done.microbatch) +
+                                                     ": " + e.what()));
+    }
+    if (!done) break;
+    f.result.ReadLoss();
+    f.done.end_us = WallMicros();
+    f.done.loss_sum = f.result.loss_sum;
+    f.done.targets = f.result.targets;
+    for (const auto& t : f.result.layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
+    RP_RETURN_IF_ERROR(channel_->Send(f.done));
+    in_flight_.pop_front();
+    worked = true;
+  }
   for (auto it = finishing_.begin(); it != finishing_.end();) {
     const int64_t id = it->job.job.job_index;
+    if (!it->announced) {
+      if (InFlightFor(id)) {
+        ++it;
+        continue;
+      }
+      it->announced = true;
+      worked = true;
+      if (!it->has_grads) {
+        RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, it->job.start_us, it->job.fetch_end_us, WallMicros()}));
+        it = finishing_.erase(it);
+        continue;
+      }
+      RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
+    }
     if (!it->committing) {
       auto grant = commit_granted_.find(id);
       if (grant == commit_granted_.end()) {
@@ -387,7 +433,7 @@ Status Worker::Run() {
     // Poll while a gradient copy is in flight (it completes without a message) and while the next
     // job's weights are still being published layer by layer (so each is copied when it appears).
     const bool prefetching = queue_.size() > 1 && queue_.front().begun && !queue_[1].eval && !queue_[1].prefetched;
-    const bool polling = waiting_for_weights_ || prefetching ||
+    const bool polling = waiting_for_weights_ || prefetching || !in_flight_.empty() ||
                          std::any_of(finishing_.begin(), finishing_.end(), [](const Finishing& f) { return f.committing; });
     // Block only when nothing can move; otherwise just drain what has arrived.
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));

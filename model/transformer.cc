@@ -190,7 +190,7 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
 
 HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Tensor& x,
                                             const at::Tensor& labels, double loss_scale,
-                                            bool backward) {
+                                            bool backward, bool defer_read) {
   HeadResult r;
   const at::Tensor& lm_head = Get(w, "lm_head");
   at::Tensor h = RmsNorm(x, Get(w, "final_norm"));
@@ -200,7 +200,7 @@ HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Ten
   at::Tensor flat = h_leaf.reshape({-1, h.size(-1)});
   at::Tensor flat_labels = labels.reshape({-1});
   if (Fused(flat)) {
-    HeadResult fused = FusedHead(flat, flat_labels, lm_head, loss_scale, backward);
+    HeadResult fused = FusedHead(flat, flat_labels, lm_head, loss_scale, backward, defer_read);
     if (backward) h.backward(h_leaf.grad());
     return fused;
   }
@@ -220,9 +220,10 @@ HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Ten
 
 // The fused loss: per chunk, the logits in the compute dtype are overwritten by their gradient
 // (no fp32 copy, no softmax tensors) and handed to the projection's backward; losses stay on the
-// device until the end of the head (two synchronizations per head instead of two per chunk).
+// device until the end of the head (read once per head, or, deferred, once the microbatch is done).
 HeadResult Transformer::FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
-                                  const at::Tensor& lm_head, double loss_scale, bool backward) const {
+                                  const at::Tensor& lm_head, double loss_scale, bool backward,
+                                  bool defer_read) const {
   const int64_t n = flat.size(0);
   std::vector<at::Tensor> chunk_sums;
   for (int64_t c0 = 0; c0 < n; c0 += loss_chunk_tokens_) {
@@ -237,8 +238,14 @@ HeadResult Transformer::FusedHead(const at::Tensor& flat, const at::Tensor& flat
     if (backward) logits.backward(buffer);
   }
   HeadResult r;
-  r.loss_sum = at::stack(chunk_sums).sum().item<double>();
-  r.targets = flat_labels.ne(-100).sum().item<int64_t>();
+  at::Tensor loss_sum = at::stack(chunk_sums).sum();
+  at::Tensor targets = flat_labels.ne(-100).sum();
+  if (defer_read) {
+    r.pending = at::stack({loss_sum, targets.to(at::kDouble)});  // exact: counts < 2^53
+    return r;
+  }
+  r.loss_sum = loss_sum.item<double>();
+  r.targets = targets.item<int64_t>();
   return r;
 }
 

@@ -32,6 +32,9 @@ using LayerWeights = std::map<std::string, at::Tensor>;
 struct HeadResult {
   double loss_sum = 0.0;  // summed token cross-entropy (unscaled)
   int64_t targets = 0;    // labels != -100
+  // With a deferred read on the fused path: (loss_sum, targets) as a float64 [2] tensor on the
+  // device, not yet read (loss_sum and targets above are then 0); undefined otherwise.
+  at::Tensor pending;
 };
 
 class Transformer {
@@ -57,8 +60,11 @@ class Transformer {
   }
   // Layer L+1. With `backward`, each chunk's loss * loss_scale is backpropagated into the
   // weights' .grad and, through the final norm, into x's graph (x.grad if x is a leaf).
+  // `defer_read`: on the fused path, leave the sums on the device (HeadResult::pending) instead
+  // of waiting for the device to read them; the caller then reads them once the work is done.
   HeadResult HeadForwardBackward(const LayerWeights& w, const at::Tensor& x,
-                                 const at::Tensor& labels, double loss_scale, bool backward);
+                                 const at::Tensor& labels, double loss_scale, bool backward,
+                                 bool defer_read = false);
 
   const core::ModelConfig& config() const { return config_; }
 
@@ -75,7 +81,7 @@ class Transformer {
 
   bool Fused(const at::Tensor& t) const { return fused_ != nullptr && t.is_cuda(); }
   HeadResult FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
-                       const at::Tensor& lm_head, double loss_scale, bool backward) const;
+                       const at::Tensor& lm_head, double loss_scale, bool backward, bool defer_read) const;
 
   core::ModelConfig config_;
   const FusedKernels* fused_ = nullptr;

@@ -11,11 +11,14 @@
 // slot. A committer thread waits for each gradient copy so the compute thread never blocks.
 // Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
-// caching allocator may hand out memory that queued kernels still read.
+// caching allocator may hand out memory that queued kernels still read; except an activation
+// fetch, whose tensor comes from the activations stream's own pool (and is marked as used by the
+// compute stream), so the next microbatch's input arrives while this one computes.
 // The allocator's statistics need the CUDA LibTorch's generated headers; a CPU LibTorch that
 // only compile-checks this backend lacks them (AllocatedBytes() then reports "not tracked").
 #if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #define RP_HAVE_CUDA_ALLOCATOR_STATS 1
 #else
 #define RP_HAVE_CUDA_ALLOCATOR_STATS 0
@@ -140,6 +143,8 @@ class CudaDevice final : public Device {
     LogIfError(cudaDeviceSynchronize(), "cudaDeviceSynchronize at worker exit");
     for (auto& [t, c] : inflight_) LogIfError(cudaEventDestroy(c->event), "cudaEventDestroy");
     for (auto& f : fences_) LogIfError(cudaEventDestroy(f.event), "cudaEventDestroy");
+    for (auto& c : completions_)
+      for (cudaEvent_t e : {c.compute, c.d2h}) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
     for (cudaEvent_t e : free_events_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
     ClearMarks();
     for (cudaEvent_t e : timing_free_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
@@ -220,8 +225,21 @@ class CudaDevice final : public Device {
 
   at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
     MaybeInjectFaultForTest();
+#if RP_HAVE_CUDA_ALLOCATOR_STATS
+    at::Tensor t;
+    {
+      // Memory from the activations stream's pool is never in use by queued compute kernels, so
+      // the copy need not wait for them; recordStream keeps it from reuse until the compute
+      // stream's reads (enqueued after this) are done.
+      c10::cuda::CUDAStreamGuard on_acts(c10::cuda::getStreamFromExternal(acts_, static_cast<c10::DeviceIndex>(index_)));
+      t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
+    }
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                  c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index_)));
+#else
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
     StreamWaitsForCompute(acts_);
+#endif
     ThrowIfError(cudaMemcpyAsync(t.data_ptr(), src, t.nbytes(), cudaMemcpyHostToDevice, acts_),
                  "cudaMemcpyAsync(activation H2D)");
     ComputeWaitsFor(acts_);
@@ -245,6 +263,34 @@ class CudaDevice final : public Device {
     // MicrobatchDone or JobDone).
     if (pool_copies_pending_) ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
     pool_copies_pending_ = false;
+  }
+
+  uint64_t CompletionFence() override {
+    Completion c;
+    c.id = ++completion_counter_;
+    // Pool copies run on the compute stream, activation stores on d2h_: one event on each.
+    c.compute = TakeEvent();
+    ThrowIfError(cudaEventRecord(c.compute, kComputeStream), "cudaEventRecord(completion, compute)");
+    c.d2h = TakeEvent();
+    ThrowIfError(cudaEventRecord(c.d2h, d2h_), "cudaEventRecord(completion, d2h)");
+    c.keep_alive = std::move(keep_alive_);
+    keep_alive_.clear();
+    pool_copies_pending_ = false;
+    completions_.push_back(std::move(c));
+    return completion_counter_;
+  }
+
+  bool Completed(uint64_t ticket) override {
+    while (!completions_.empty() && completions_.front().id <= ticket) {
+      Completion& c = completions_.front();
+      if (!EventDone(c.compute, "cudaEventQuery(completion, compute)") ||
+          !EventDone(c.d2h, "cudaEventQuery(completion, d2h)"))
+        return false;
+      free_events_.push_back(c.compute);
+      free_events_.push_back(c.d2h);
+      completions_.pop_front();
+    }
+    return true;
   }
 
   StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t, const std::string&) override {
@@ -500,6 +546,17 @@ class CudaDevice final : public Device {
     return e;
   }
 
+  static bool EventDone(cudaEvent_t e, const char* what) {
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaSuccess) return true;
+    if (q == cudaErrorNotReady) {
+      cudaGetLastError();  // "not ready" is an answer, not an error LibTorch's next check may see
+      return false;
+    }
+    ThrowIfError(q, what);
+    return false;
+  }
+
   void StreamWaitsForCompute(cudaStream_t s) {
     cudaEvent_t e = TakeEvent();
     ThrowIfError(cudaEventRecord(e, kComputeStream), "cudaEventRecord(compute)");
@@ -529,7 +586,14 @@ class CudaDevice final : public Device {
   std::vector<cudaEvent_t> free_events_;
   std::vector<cudaEvent_t> marks_, timing_free_;  // profiling marks (timing enabled)
   uint64_t fence_counter_ = 0;
-  std::vector<at::Tensor> keep_alive_;  // sources of in-flight activation D2H copies
+  std::vector<at::Tensor> keep_alive_;  // sources of activation D2H copies since the last fence
+  struct Completion {
+    uint64_t id = 0;
+    cudaEvent_t compute = nullptr, d2h = nullptr;
+    std::vector<at::Tensor> keep_alive;  // stores' sources, freed once the copies are done
+  };
+  std::deque<Completion> completions_;
+  uint64_t completion_counter_ = 0;
   at::Tensor staging_;  // fp32 chunk of masters being rounded to bf16 (weights stream only)
   uint64_t commit_counter_ = 0;
   DeviceAllocation own_pool_;            // this worker's activation pool (exported)
