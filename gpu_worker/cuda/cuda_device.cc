@@ -18,6 +18,7 @@
 // only compile-checks this backend lacks them (AllocatedBytes() then reports "not tracked").
 #if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #define RP_HAVE_CUDA_ALLOCATOR_STATS 1
 #else
