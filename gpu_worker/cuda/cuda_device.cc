@@ -6,9 +6,9 @@
 //   activations  high priority: H2D of the current microbatch's inputs
 //   d2h          D2H of outputs and checkpoints (what the next stage waits for)
 //   grads        low priority: D2H of a finished job's gradients, overlapping the next job
-// An accumulating commit (a later call of the step) first brings the slot's current value in on
-// the activations stream and adds on the GPU: PCIe both ways costs less than a CPU pass over the
-// slot. A committer thread waits for each gradient copy so the compute thread never blocks.
+// An accumulating commit (a later call of the step) first brings the slot's current value in and
+// adds on the GPU, all on the grads stream: PCIe both ways costs less than a CPU pass over the
+// slot, and the compute stream never waits for it. A committer thread waits for each gradient copy so the compute thread never blocks.
 // Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
 // a freshly allocated tensor first waits for the compute stream's progress so far, because the
 // caching allocator may hand out memory that queued kernels still read; except an activation
@@ -362,6 +362,23 @@ class CudaDevice final : public Device {
     if (accumulate) {
       // The slot holds the earlier calls' sum; the coordinator granted this commit only after
       // that sum was complete in shared memory.
+#if RP_HAVE_CUDA_ALLOCATOR_STATS
+      // All on the gradients stream: bringing the slot in (up to the whole model's fp32
+      // gradients per call) must not stall the compute stream, which has the next job queued.
+      // The sums live in `items` until the commit is done; the temporaries come from this
+      // stream's pool, so their reuse is ordered after the adds.
+      StreamWaitsForCompute(grads_);
+      {
+        c10::cuda::CUDAStreamGuard on_grads(
+            c10::cuda::getStreamFromExternal(grads_, static_cast<c10::DeviceIndex>(index_)));
+        for (auto& it : items) {
+          at::Tensor current = at::empty_like(it.grad);
+          ThrowIfError(cudaMemcpyAsync(current.data_ptr(), it.dst, current.nbytes(), cudaMemcpyHostToDevice, grads_),
+                       "cudaMemcpyAsync(gradient slot H2D)");
+          it.grad.add_(current);
+        }
+      }
+#else
       std::vector<at::Tensor> current;
       StreamWaitsForCompute(acts_);
       for (auto& it : items) {
@@ -372,6 +389,7 @@ class CudaDevice final : public Device {
       }
       ComputeWaitsFor(acts_);
       for (size_t i = 0; i < items.size(); ++i) items[i].grad.add_(current[i]);
+#endif
     }
     StreamWaitsForCompute(grads_);
     for (auto& it : items)
