@@ -23,6 +23,7 @@
 #include "core/plan.h"
 #include "gpu_worker/device.h"
 #include "gpu_worker/executor.h"
+#include "gpu_worker/kernel_trace.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
 #include "shm/layout.h"
@@ -71,6 +72,7 @@ class Worker {
   bool use_cuda_ = false;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Executor> exec_;
+  std::optional<KernelTrace> trace_;  // RP_TRACE_KERNELS (kernel_trace.h); destroyed before the device
 
   std::deque<ActiveJob> queue_;
   // Microbatches enqueued on the device and not yet reported: MicrobatchDone goes out once the
@@ -215,6 +217,7 @@ StatusOr<bool> Worker::Progress() {
     }
     waiting_for_weights_ = false;
     MaybeHangForTest();
+    if (trace_) trace_->OnJobBegin(a.job.step);
     a.start_us = WallMicros();
     Status s = exec_->Begin(a.job);
     if (!s.ok()) return Fail(id, s);
@@ -402,6 +405,7 @@ Status Worker::Run() {
     device_ = MakeCpuDevice();
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
+  trace_.emplace(opts_.rank);
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
   if (layout_.activations_in_pools) {
     // Announced once; the coordinator relays every peer's handle before the first RunJob. A

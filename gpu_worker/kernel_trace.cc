@@ -1,0 +1,61 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "gpu_worker/kernel_trace.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <cstdlib>
+#include <exception>
+#include <set>
+
+#include "common/logging.h"
+
+namespace rp::worker {
+
+namespace prof = torch::autograd::profiler;
+using torch::profiler::impl::ActivityType;
+
+KernelTrace::KernelTrace(int rank) {
+  const char* prefix = std::getenv("RP_TRACE_KERNELS");
+  if (prefix == nullptr || *prefix == '\0') return;
+  path_ = std::string(prefix) + ".w" + std::to_string(rank) + ".json";
+  if (const char* s = std::getenv("RP_TRACE_KERNELS_STEP")) step_ = std::atoll(s);
+}
+
+KernelTrace::~KernelTrace() { Stop(); }
+
+void KernelTrace::OnJobBegin(int64_t step) {
+  if (path_.empty() || done_) return;
+  if (active_ && step > step_) {
+    Stop();
+    return;
+  }
+  if (active_ || step != step_) return;
+  try {
+    torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (at::hasCUDA()) activities.insert(ActivityType::CUDA);
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    active_ = true;
+    RP_LOG(INFO) << "tracing step " << step_ << " into " << path_;
+  } catch (const std::exception& e) {
+    RP_LOG(WARNING) << "RP_TRACE_KERNELS: cannot start LibTorch's profiler: " << e.what();
+    done_ = true;
+  }
+}
+
+void KernelTrace::Stop() {
+  if (!active_) return;
+  active_ = false;
+  done_ = true;
+  try {
+    auto result = prof::disableProfiler();
+    if (result) result->save(path_);
+    RP_LOG(INFO) << "wrote the trace of step " << step_ << " to " << path_;
+  } catch (const std::exception& e) {
+    RP_LOG(WARNING) << "RP_TRACE_KERNELS: writing " << path_ << ": " << e.what();
+  }
+}
+
+}  // namespace rp::worker
