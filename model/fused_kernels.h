@@ -17,6 +17,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 namespace rp::model {
 
 class FusedKernels {
@@ -36,6 +38,24 @@ class FusedKernels {
   // dL/dy to dL/dx).
   virtual at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
                           bool backward) const = 0;
+
+  // Qwen3's per-head q/k RMSNorm (weight w [dim], epsilon eps) followed by RoPE, in one pass:
+  // Rope(RmsNorm(x)) for x [batch, seq, heads, dim] contiguous, with one rounding instead of two.
+  // HeadNormRopeSupports(dim) says whether `dim` is one the kernel takes (64, 128, 256).
+  virtual bool HeadNormRopeSupports(int64_t dim) const = 0;
+  virtual at::Tensor HeadNormRope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
+                                  const at::Tensor& sin_signed, double eps) const = 0;
+  // From dL/dy (x's shape): {dL/dx, dL/dw} (dL/dw in w's dtype, summed in fp32).
+  virtual std::pair<at::Tensor, at::Tensor> HeadNormRopeBackward(const at::Tensor& x, const at::Tensor& w,
+                                                                 const at::Tensor& cos, const at::Tensor& sin_signed,
+                                                                 double eps, const at::Tensor& dy) const = 0;
+
+  // silu(gate) * up for gate, up [..., cols] with contiguous last dims and equal shapes (views
+  // into one [..., 2 * cols] tensor are fine); the result is contiguous.
+  virtual at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) const = 0;
+  // From dL/dy: {dL/dgate, dL/dup}, contiguous.
+  virtual std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& gate, const at::Tensor& up,
+                                                           const at::Tensor& dy) const = 0;
 };
 
 }  // namespace rp::model

@@ -125,6 +125,48 @@ struct FusedRopeFn : public torch::autograd::Function<FusedRopeFn> {
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+// Qwen3's per-head q/k norm and RoPE in one kernel each way; the backward recomputes the norm's
+// statistics from the saved input, so nothing but the input (which the composite keeps too) is
+// saved.
+struct HeadNormRopeFn : public torch::autograd::Function<HeadNormRopeFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& cos, const at::Tensor& sin, const FusedKernels* k, double eps) {
+    at::Tensor xc = x.contiguous();
+    ctx->save_for_backward({xc, w});
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
+    ctx->saved_data["eps"] = eps;
+    return k->HeadNormRope(xc, w, cos, sin, eps);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, dw] = k->HeadNormRopeBackward(saved[0], saved[1], ctx->saved_data["cos"].toTensor(),
+                                            ctx->saved_data["sin"].toTensor(), ctx->saved_data["eps"].toDouble(),
+                                            grads[0].contiguous());
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// silu(gate) * up in one pass each way; saves the two inputs (the composite saves those and
+// silu(gate) as well).
+struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            const FusedKernels* k) {
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
+    return k->SwiGlu(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    auto [dg, du] = k->SwiGluBackward(saved[0], saved[1], grads[0].contiguous());
+    return {dg, du, at::Tensor()};
+  }
+};
 }  // namespace
 
 at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
@@ -163,15 +205,20 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   at::Tensor q = Proj(w, "q_proj", h, layer, 0).view({B, S, nh, D});
   at::Tensor k = Proj(w, "k_proj", h, layer, 1).view({B, S, nkv, D});
   at::Tensor v = Proj(w, "v_proj", h, layer, 2).view({B, S, nkv, D});
-  if (config_.qk_norm) {
+  at::Tensor cos, sin;
+  RopeTables(S, q, &cos, &sin);
+  // Qwen3's per-head norm and the rotation in one kernel where the head size allows.
+  const bool norm_in_rope = config_.qk_norm && Fused(q) && fused_->HeadNormRopeSupports(D);
+  if (config_.qk_norm && !norm_in_rope) {
     q = RmsNorm(q, Get(w, "q_norm"));
     k = RmsNorm(k, Get(w, "k_norm"));
   }
-  at::Tensor cos, sin;
-  RopeTables(S, q, &cos, &sin);
-  if (Fused(q)) {
+  if (norm_in_rope) {
     // In [B, S, heads, D] order, where the projections left them contiguous; the attention
     // takes the transposed views as they are.
+    q = HeadNormRopeFn::apply(q, Get(w, "q_norm"), cos, sin, fused_, config_.rms_norm_eps).transpose(1, 2);
+    k = HeadNormRopeFn::apply(k, Get(w, "k_norm"), cos, sin, fused_, config_.rms_norm_eps).transpose(1, 2);
+  } else if (Fused(q)) {
     q = FusedRopeFn::apply(q, cos, sin, fused_).transpose(1, 2);
     k = FusedRopeFn::apply(k, cos, sin, fused_).transpose(1, 2);
   } else {
@@ -182,9 +229,10 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
   at::Tensor x1 = x + Proj(w, "o_proj", attn, layer, 3);
   at::Tensor h2 = RmsNorm(x1, Get(w, "post_norm"));
-  at::Tensor mlp = Proj(w, "down_proj",
-                        at::silu(Proj(w, "gate_proj", h2, layer, 4)) * Proj(w, "up_proj", h2, layer, 5),
-                        layer, 6);
+  at::Tensor gate = Proj(w, "gate_proj", h2, layer, 4);
+  at::Tensor up = Proj(w, "up_proj", h2, layer, 5);
+  at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
+  at::Tensor mlp = Proj(w, "down_proj", act, layer, 6);
   return x1 + mlp;
 }
 

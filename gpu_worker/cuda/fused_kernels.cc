@@ -60,6 +60,95 @@ class CudaFusedKernels final : public model::FusedKernels {
           "rope kernel launch");
     return y;
   }
+
+  bool HeadNormRopeSupports(int64_t dim) const override { return dim == 64 || dim == 128 || dim == 256; }
+
+  at::Tensor HeadNormRope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
+                          const at::Tensor& sin_signed, double eps) const override {
+    const kernels::Dtype dt = CheckHeadNormRope(x, w, cos, sin_signed);
+    at::Tensor y = at::empty_like(x);
+    Check(kernels::HeadNormRope(dt, x.data_ptr(), w.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), y.data_ptr(),
+                                x.numel() / x.size(3), x.size(1), x.size(2), x.size(3), static_cast<float>(eps),
+                                kComputeStream),
+          "head norm + rope kernel launch");
+    return y;
+  }
+
+  std::pair<at::Tensor, at::Tensor> HeadNormRopeBackward(const at::Tensor& x, const at::Tensor& w,
+                                                         const at::Tensor& cos, const at::Tensor& sin_signed,
+                                                         double eps, const at::Tensor& dy) const override {
+    const kernels::Dtype dt = CheckHeadNormRope(x, w, cos, sin_signed);
+    if (DtypeOf(dy, "head norm + rope gradient") != dt || !dy.sizes().equals(x.sizes()))
+      throw std::invalid_argument("head norm + rope gradient must have the input's shape and dtype");
+    at::Tensor dx = at::empty_like(x);
+    at::Tensor dw = at::zeros({x.size(3)}, x.options().dtype(at::kFloat));
+    Check(kernels::HeadNormRopeBackward(dt, x.data_ptr(), w.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+                                        dy.data_ptr(), dx.data_ptr(), dw.data_ptr<float>(), x.numel() / x.size(3),
+                                        x.size(1), x.size(2), x.size(3), static_cast<float>(eps), kComputeStream),
+          "head norm + rope backward kernel launch");
+    return {dx, dw.to(w.scalar_type())};
+  }
+
+  at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) const override {
+    const kernels::Dtype dt = CheckSwiGlu(gate, up);
+    at::Tensor y = at::empty(gate.sizes(), gate.options());
+    const int64_t cols = gate.size(-1);
+    Check(kernels::SwiGlu(dt, gate.data_ptr(), up.data_ptr(), gate.stride(-2), y.data_ptr(), gate.numel() / cols,
+                          cols, kComputeStream),
+          "swiglu kernel launch");
+    return y;
+  }
+
+  std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& gate, const at::Tensor& up,
+                                                   const at::Tensor& dy) const override {
+    const kernels::Dtype dt = CheckSwiGlu(gate, up);
+    if (DtypeOf(dy, "swiglu gradient") != dt || !dy.sizes().equals(gate.sizes()))
+      throw std::invalid_argument("swiglu gradient must have the inputs' shape and dtype");
+    at::Tensor dg = at::empty(gate.sizes(), gate.options()), du = at::empty(gate.sizes(), gate.options());
+    const int64_t cols = gate.size(-1);
+    Check(kernels::SwiGluBackward(dt, gate.data_ptr(), up.data_ptr(), gate.stride(-2), dy.data_ptr(), dg.data_ptr(),
+                                  du.data_ptr(), gate.numel() / cols, cols, kComputeStream),
+          "swiglu backward kernel launch");
+    return {dg, du};
+  }
+
+ private:
+  static kernels::Dtype CheckHeadNormRope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
+                                          const at::Tensor& sin_signed) {
+    const kernels::Dtype dt = DtypeOf(x, "head norm + rope input");
+    if (DtypeOf(w, "head norm weight") != dt || DtypeOf(cos, "rope cos table") != dt ||
+        DtypeOf(sin_signed, "rope sin table") != dt)
+      throw std::invalid_argument("head norm weight and rope tables must have the input's dtype");
+    if (x.dim() != 4 || w.dim() != 1 || w.size(0) != x.size(3) || cos.dim() != 2 ||
+        !cos.sizes().equals(sin_signed.sizes()) || cos.size(0) != x.size(1) || cos.size(1) != x.size(3))
+      throw std::invalid_argument("head norm + rope expects x [batch, seq, heads, dim], w [dim], tables [seq, dim]");
+    return dt;
+  }
+
+  // gate and up: equal shapes, unit stride in the last dim, rows at one common stride (a
+  // contiguous tensor, or the two halves of one).
+  static kernels::Dtype CheckSwiGlu(const at::Tensor& gate, const at::Tensor& up) {
+    if (!gate.is_cuda() || !up.is_cuda() || gate.device() != up.device())
+      throw std::invalid_argument("swiglu inputs must be on one CUDA device");
+    if (gate.scalar_type() != up.scalar_type() || !gate.sizes().equals(up.sizes()) || gate.dim() < 2)
+      throw std::invalid_argument("swiglu gate and up must have one shape and dtype");
+    const int64_t cols = gate.size(-1);
+    auto rows_at_stride = [cols](const at::Tensor& t, int64_t ld) {
+      if (t.stride(-1) != 1) return false;
+      int64_t expect = ld;
+      for (int64_t d = t.dim() - 2; d >= 0; --d) {
+        if (t.size(d) != 1 && t.stride(d) != expect) return false;
+        expect *= t.size(d);
+      }
+      return ld >= cols;
+    };
+    const int64_t ld = gate.stride(-2);
+    if (!rows_at_stride(gate, ld) || !rows_at_stride(up, ld))
+      throw std::invalid_argument("swiglu gate and up must be row-major with one row stride");
+    if (gate.scalar_type() == at::kFloat) return kernels::Dtype::kFloat32;
+    if (gate.scalar_type() == at::kBFloat16) return kernels::Dtype::kBFloat16;
+    throw std::invalid_argument("swiglu inputs must be float32 or bfloat16");
+  }
 };
 
 }  // namespace

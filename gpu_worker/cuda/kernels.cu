@@ -170,6 +170,206 @@ cudaError_t LaunchRope(const void* x, const void* cos, const void* sin, void* y,
   return cudaGetLastError();
 }
 
+// ---- Per-head RMSNorm + RoPE. One warp per dim-vector; lane l holds elements
+// [l*kPer, (l+1)*kPer). Element i pairs with (i + dim/2) % dim, which sits at the same offset in
+// lane l ^ 16 (dim = 32 * kPer), so the rotation is one shuffle.
+constexpr int kNormWarps = 8;  // vectors per block and step
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T, int kPer>
+__global__ void __launch_bounds__(kNormWarps * 32)
+HeadNormRopeKernel(const T* x, const T* w, const T* cos, const T* sin, T* y, int64_t rows, int64_t seq,
+                   int64_t heads, float eps) {
+  constexpr int kDim = 32 * kPer;
+  const int lane = threadIdx.x % 32;
+  const int c = lane * kPer;
+  float wv[kPer];
+  for (int j = 0; j < kPer; ++j) wv[j] = ToFloat(w[c + j]);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kNormWarps) + threadIdx.x / 32; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kNormWarps) {
+    const T* xr = x + r * kDim;
+    const int64_t pos = (r / heads) % seq;
+    float v[kPer];
+    float ss = 0.0f;
+    for (int j = 0; j < kPer; ++j) {
+      v[j] = ToFloat(xr[c + j]);
+      ss += v[j] * v[j];
+    }
+    const float rstd = rsqrtf(WarpSum(ss) / kDim + eps);
+    T* yr = y + r * kDim;
+    for (int j = 0; j < kPer; ++j) {
+      const float n = v[j] * rstd * wv[j];
+      const float partner = __shfl_xor_sync(0xffffffffu, n, 16);
+      yr[c + j] = FromFloat<T>(n * ToFloat(cos[pos * kDim + c + j]) + partner * ToFloat(sin[pos * kDim + c + j]));
+    }
+  }
+}
+
+template <typename T, int kPer>
+__global__ void __launch_bounds__(kNormWarps * 32)
+HeadNormRopeBackwardKernel(const T* x, const T* w, const T* cos, const T* sin, const T* dy, T* dx,
+                           float* dw, int64_t rows, int64_t seq, int64_t heads, float eps) {
+  constexpr int kDim = 32 * kPer;
+  constexpr int kHalf = kDim / 2;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int c = lane * kPer;
+  float wv[kPer], dw_acc[kPer];
+  for (int j = 0; j < kPer; ++j) {
+    wv[j] = ToFloat(w[c + j]);
+    dw_acc[j] = 0.0f;
+  }
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kNormWarps) + warp; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kNormWarps) {
+    const T* xr = x + r * kDim;
+    const T* dyr = dy + r * kDim;
+    const int64_t pos = (r / heads) % seq;
+    float v[kPer], g[kPer];
+    float ss = 0.0f;
+    for (int j = 0; j < kPer; ++j) {
+      v[j] = ToFloat(xr[c + j]);
+      ss += v[j] * v[j];
+    }
+    const float rstd = rsqrtf(WarpSum(ss) / kDim + eps);
+    float dot = 0.0f;
+    for (int j = 0; j < kPer; ++j) {
+      // The rotation's transpose: the partner's gradient times the sine at the partner's index.
+      const int i = c + j;
+      const float d = ToFloat(dyr[i]);
+      const float partner = __shfl_xor_sync(0xffffffffu, d, 16);
+      g[j] = d * ToFloat(cos[pos * kDim + i]) + partner * ToFloat(sin[pos * kDim + (i + kHalf) % kDim]);
+      const float n = v[j] * rstd;
+      dw_acc[j] += g[j] * n;
+      g[j] *= wv[j];  // dL/d(normalized)
+      dot += g[j] * n;
+    }
+    dot = WarpSum(dot) / kDim;
+    T* dxr = dx + r * kDim;
+    for (int j = 0; j < kPer; ++j) dxr[c + j] = FromFloat<T>(rstd * (g[j] - v[j] * rstd * dot));
+  }
+  // Weight gradient: the block's warps meet in shared memory, then one atomic add per column.
+  __shared__ float part[kNormWarps][kDim];
+  for (int j = 0; j < kPer; ++j) part[warp][c + j] = dw_acc[j];
+  __syncthreads();
+  for (int col = threadIdx.x; col < kDim; col += blockDim.x) {
+    float sum = 0.0f;
+    for (int k = 0; k < kNormWarps; ++k) sum += part[k][col];
+    atomicAdd(dw + col, sum);
+  }
+}
+
+template <typename T, int kPer>
+cudaError_t LaunchHeadNormRope(const void* x, const void* w, const void* cos, const void* sin, void* y,
+                               const void* dy, void* dx, float* dw, int64_t rows, int64_t seq,
+                               int64_t heads, float eps, bool backward, cudaStream_t stream) {
+  const int64_t blocks = std::min<int64_t>((rows + kNormWarps - 1) / kNormWarps, 132 * 16);
+  if (backward)
+    HeadNormRopeBackwardKernel<T, kPer><<<static_cast<unsigned>(blocks), kNormWarps * 32, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(cos),
+        static_cast<const T*>(sin), static_cast<const T*>(dy), static_cast<T*>(dx), dw, rows, seq, heads, eps);
+  else
+    HeadNormRopeKernel<T, kPer><<<static_cast<unsigned>(blocks), kNormWarps * 32, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(cos),
+        static_cast<const T*>(sin), static_cast<T*>(y), rows, seq, heads, eps);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t DispatchHeadNormRope(const void* x, const void* w, const void* cos, const void* sin, void* y,
+                                 const void* dy, void* dx, float* dw, int64_t rows, int64_t seq,
+                                 int64_t heads, int64_t dim, float eps, bool backward, cudaStream_t stream) {
+  if (seq <= 0 || heads <= 0) return cudaErrorInvalidValue;
+  if (rows <= 0) return cudaSuccess;
+  switch (dim) {
+    case 64: return LaunchHeadNormRope<T, 2>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps, backward, stream);
+    case 128: return LaunchHeadNormRope<T, 4>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps, backward, stream);
+    case 256: return LaunchHeadNormRope<T, 8>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps, backward, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ---- SwiGLU, elementwise: index e = row * cols + col; gate/up rows at stride ld.
+__device__ __forceinline__ float Sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+template <typename T>
+__global__ void SwiGluKernel(const T* gate, const T* up, int64_t ld, const T* dy, T* y_or_dgate, T* dup,
+                             int64_t rows, int64_t cols, bool backward) {
+  const int64_t n = rows * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / cols, col = e % cols;
+    const float g = ToFloat(gate[row * ld + col]), u = ToFloat(up[row * ld + col]);
+    const float s = Sigmoid(g);
+    if (!backward) {
+      y_or_dgate[e] = FromFloat<T>(g * s * u);
+    } else {
+      const float d = ToFloat(dy[e]);
+      y_or_dgate[e] = FromFloat<T>(d * u * s * (1.0f + g * (1.0f - s)));
+      dup[e] = FromFloat<T>(d * g * s);
+    }
+  }
+}
+
+// Eight bf16 (or four fp32) per thread and step, when every row start is 16-byte aligned.
+template <typename T>
+__global__ void SwiGluPackedKernel(const T* gate, const T* up, int64_t ld, const T* dy, T* y_or_dgate, T* dup,
+                                   int64_t rows, int64_t cols, bool backward) {
+  using P = Pack<T>;
+  constexpr int kW = P::kWidth;
+  const int64_t packs_per_row = cols / kW, n = rows * packs_per_row;
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = p / packs_per_row, col = (p % packs_per_row) * kW;
+    const P gp = *reinterpret_cast<const P*>(gate + row * ld + col);
+    const P upk = *reinterpret_cast<const P*>(up + row * ld + col);
+    P out, out2;
+    if (!backward) {
+      for (int k = 0; k < kW; ++k) {
+        const float g = ToFloat(gp.v[k]);
+        out.v[k] = FromFloat<T>(g * Sigmoid(g) * ToFloat(upk.v[k]));
+      }
+      *reinterpret_cast<P*>(y_or_dgate + row * cols + col) = out;
+    } else {
+      const P dp = *reinterpret_cast<const P*>(dy + row * cols + col);
+      for (int k = 0; k < kW; ++k) {
+        const float g = ToFloat(gp.v[k]), u = ToFloat(upk.v[k]), d = ToFloat(dp.v[k]);
+        const float s = Sigmoid(g);
+        out.v[k] = FromFloat<T>(d * u * s * (1.0f + g * (1.0f - s)));
+        out2.v[k] = FromFloat<T>(d * g * s);
+      }
+      *reinterpret_cast<P*>(y_or_dgate + row * cols + col) = out;
+      *reinterpret_cast<P*>(dup + row * cols + col) = out2;
+    }
+  }
+}
+
+template <typename T>
+cudaError_t LaunchSwiGlu(const void* gate, const void* up, int64_t ld, const void* dy, void* a, void* b,
+                         int64_t rows, int64_t cols, bool backward, cudaStream_t stream) {
+  if (cols <= 0 || ld < cols) return cudaErrorInvalidValue;
+  if (rows <= 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  constexpr int kW = Pack<T>::kWidth;
+  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool packed = cols % kW == 0 && ld % kW == 0 && aligned(gate) && aligned(up) && aligned(dy) &&
+                      aligned(a) && aligned(b);
+  const int64_t work = packed ? rows * (cols / kW) : rows * cols;
+  const int64_t blocks = std::min<int64_t>((work + kThreads - 1) / kThreads, 132 * 32);
+  auto* g = static_cast<const T*>(gate);
+  auto* u = static_cast<const T*>(up);
+  auto* d = static_cast<const T*>(dy);
+  if (packed)
+    SwiGluPackedKernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        g, u, ld, d, static_cast<T*>(a), static_cast<T*>(b), rows, cols, backward);
+  else
+    SwiGluKernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        g, u, ld, d, static_cast<T*>(a), static_cast<T*>(b), rows, cols, backward);
+  return cudaGetLastError();
+}
+
 // The bit-pattern rounding of the coordinator's FloatToBFloat16 (coordinator/optim/adamw.cc),
 // not the hardware conversion: the two sources of bf16 weights (a compute copy the optimizer
 // wrote, or a master rounded here) must agree bit for bit, NaN payloads included.
@@ -221,6 +421,41 @@ cudaError_t CrossEntropyRows(Dtype dtype, void* logits, const int64_t* labels, i
   if (dtype == Dtype::kBFloat16)
     return LaunchCrossEntropy<__nv_bfloat16>(logits, labels, rows, vocab, scale, write_grad, row_loss, stream);
   return LaunchCrossEntropy<float>(logits, labels, rows, vocab, scale, write_grad, row_loss, stream);
+}
+
+cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* cos, const void* sin_signed,
+                         void* y, int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
+                         cudaStream_t stream) {
+  if (dtype == Dtype::kBFloat16)
+    return DispatchHeadNormRope<__nv_bfloat16>(x, w, cos, sin_signed, y, nullptr, nullptr, nullptr, rows, seq,
+                                               heads, dim, eps, false, stream);
+  return DispatchHeadNormRope<float>(x, w, cos, sin_signed, y, nullptr, nullptr, nullptr, rows, seq, heads, dim,
+                                     eps, false, stream);
+}
+
+cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, const void* cos,
+                                 const void* sin_signed, const void* dy, void* dx, float* dw_f32,
+                                 int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
+                                 cudaStream_t stream) {
+  if (dtype == Dtype::kBFloat16)
+    return DispatchHeadNormRope<__nv_bfloat16>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows, seq, heads,
+                                               dim, eps, true, stream);
+  return DispatchHeadNormRope<float>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows, seq, heads, dim, eps,
+                                     true, stream);
+}
+
+cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, void* y, int64_t rows,
+                   int64_t cols, cudaStream_t stream) {
+  if (dtype == Dtype::kBFloat16)
+    return LaunchSwiGlu<__nv_bfloat16>(gate, up, ld, nullptr, y, nullptr, rows, cols, false, stream);
+  return LaunchSwiGlu<float>(gate, up, ld, nullptr, y, nullptr, rows, cols, false, stream);
+}
+
+cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld, const void* dy,
+                           void* d_gate, void* d_up, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (dtype == Dtype::kBFloat16)
+    return LaunchSwiGlu<__nv_bfloat16>(gate, up, ld, dy, d_gate, d_up, rows, cols, true, stream);
+  return LaunchSwiGlu<float>(gate, up, ld, dy, d_gate, d_up, rows, cols, true, stream);
 }
 
 cudaError_t Rope(Dtype dtype, const void* x, const void* cos, const void* sin_signed, void* y,

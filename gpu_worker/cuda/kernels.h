@@ -37,6 +37,29 @@ cudaError_t Rope(Dtype dtype, const void* x, const void* cos, const void* sin_si
                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, bool backward,
                  cudaStream_t stream);
 
+// RMSNorm of each dim-vector followed by RoPE, fused (Qwen3's per-head q/k norm), on x of shape
+// [..., seq, heads, dim] (`rows` dim-vectors), weight w [dim], tables as Rope():
+//   n = x / sqrt(mean(x^2) + eps) * w;   y = rope(n)   (fp32 inside, one rounding).
+// dim must be 64, 128 or 256 (one warp per vector); anything else returns cudaErrorInvalidValue.
+cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* cos, const void* sin_signed,
+                         void* y, int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
+                         cudaStream_t stream);
+// Its backward from dL/dy: writes dL/dx (dtype) and adds dL/dw into dw_f32 [dim] (fp32, which
+// the caller zeroes). Recomputes the statistics from x (nothing saved but x).
+cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, const void* cos,
+                                 const void* sin_signed, const void* dy, void* dx, float* dw_f32,
+                                 int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
+                                 cudaStream_t stream);
+
+// SwiGLU: y = silu(gate) * up over `rows` rows of `cols`; gate and up rows start every `ld`
+// elements (ld = cols for separate tensors), y is contiguous [rows, cols]. fp32 inside.
+cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, void* y, int64_t rows,
+                   int64_t cols, cudaStream_t stream);
+// Its backward: d_gate = dy * up * silu'(gate), d_up = dy * silu(gate), both contiguous
+// [rows, cols] (dy too).
+cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld, const void* dy,
+                           void* d_gate, void* d_up, int64_t rows, int64_t cols, cudaStream_t stream);
+
 // Rounds n fp32 values to bf16 (round to nearest even on the bit pattern; a NaN stays NaN, made
 // quiet), bit for bit as the coordinator's FloatToBFloat16: what a worker fetching the fp32
 // masters does to each chunk of weights. `dst` holds the raw bf16 bits.

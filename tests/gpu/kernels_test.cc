@@ -118,6 +118,92 @@ TEST_P(FusedRope, MatchesCompositeForwardAndBackward) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedRope, ::testing::Values(at::kFloat, at::kBFloat16));
 
+// Per-head RMSNorm + RoPE against the composite (norm then rotation, in fp32 from the same
+// rounded inputs): values and both gradients, each head size the kernel takes, both dtypes.
+class FusedHeadNormRope : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t>> {};
+
+TEST_P(FusedHeadNormRope, MatchesCompositeForwardAndBackward) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto [dtype, D] = GetParam();
+  const int64_t B = 2, S = 37, H = 3;
+  const double eps = 1e-6;
+  at::manual_seed(13);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor x = (at::randn({B, S, H, D}, dev) * 2.0).to(dtype);
+  at::Tensor w = (at::rand({D}, dev) + 0.5).to(dtype);
+  at::Tensor ang = at::rand({S, D / 2}, dev) * 6.0;
+  at::Tensor cos = at::cat({ang.cos(), ang.cos()}, -1).to(dtype);
+  at::Tensor sin = at::cat({-ang.sin(), ang.sin()}, -1).to(dtype);
+
+  at::Tensor xf = x.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor wf = w.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor n = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps) * wf;
+  at::Tensor c4 = cos.to(at::kFloat).view({1, S, 1, D}), s4 = sin.to(at::kFloat).view({1, S, 1, D});
+  at::Tensor ref = n * c4 + at::roll(n, D / 2, -1) * s4;
+  at::Tensor dy = at::randn({B, S, H, D}, dev).to(dtype);
+  ref.backward(dy.to(at::kFloat));
+
+  const auto& k = rp::worker::CudaKernels();
+  ASSERT_TRUE(k.HeadNormRopeSupports(D));
+  at::Tensor y = k.HeadNormRope(x, w, cos, sin, eps);
+  auto [dx, dw] = k.HeadNormRopeBackward(x, w, cos, sin, eps, dy);
+  EXPECT_EQ(dw.scalar_type(), dtype);
+  // fp32: rounding order only. bf16: one rounding of values of magnitude up to ~8 (|n| <= 1.5
+  // sqrt(D)-scaled entries times |cos| + |sin|), and dw sums B*S*H = 222 products before its one
+  // rounding.
+  const bool f32 = dtype == at::kFloat;
+  EXPECT_LE(MaxAbs(y, ref), f32 ? 1e-5 : 8.0 * std::pow(2.0, -8));
+  EXPECT_LE(MaxAbs(dx, xf.grad()), f32 ? 1e-4 : 0.05 * xf.grad().abs().max().item<double>());
+  EXPECT_LE(MaxAbs(dw, wf.grad()), f32 ? 1e-3 : std::pow(2.0, -7) * wf.grad().abs().max().item<double>());
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndHeadSizes, FusedHeadNormRope,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Values(int64_t{64}, int64_t{128}, int64_t{256})));
+
+TEST(FusedHeadNormRopeShapes, RefusesAHeadSizeItDoesNotTake) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto& k = rp::worker::CudaKernels();
+  EXPECT_FALSE(k.HeadNormRopeSupports(96));
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor x = at::randn({1, 4, 2, 96}, dev), w = at::ones({96}, dev), t = at::ones({4, 96}, dev);
+  EXPECT_THROW(k.HeadNormRope(x, w, t, t, 1e-6), std::runtime_error);
+}
+
+// SwiGLU against silu(gate) * up and its autograd gradients: separate tensors (packed rows),
+// the two halves of one [rows, 2 * cols] tensor (strided rows), and an odd width (scalar path).
+class FusedSwiGlu : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t, bool>> {};
+
+TEST_P(FusedSwiGlu, MatchesCompositeForwardAndBackward) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto [dtype, cols, halves] = GetParam();
+  const int64_t rows = 53;
+  at::manual_seed(17);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor both = (at::randn({2, rows, 2 * cols}, dev) * 3.0).to(dtype);
+  at::Tensor gate = halves ? both.narrow(-1, 0, cols) : both.narrow(-1, 0, cols).contiguous();
+  at::Tensor up = halves ? both.narrow(-1, cols, cols) : both.narrow(-1, cols, cols).contiguous();
+  at::Tensor gf = gate.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor uf = up.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor ref = at::silu(gf) * uf;
+  at::Tensor dy = at::randn({2, rows, cols}, dev).to(dtype);
+  ref.backward(dy.to(at::kFloat));
+
+  const auto& k = rp::worker::CudaKernels();
+  at::Tensor y = k.SwiGlu(gate, up);
+  auto [dg, du] = k.SwiGluBackward(gate, up, dy);
+  const bool f32 = dtype == at::kFloat;
+  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -8)) * std::max(1.0, r.abs().max().item<double>()); };
+  EXPECT_LE(MaxAbs(y, ref), tol(ref));
+  EXPECT_LE(MaxAbs(dg, gf.grad()), tol(gf.grad()));
+  EXPECT_LE(MaxAbs(du, uf.grad()), tol(uf.grad()));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndLayouts, FusedSwiGlu,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Values(int64_t{64}, int64_t{37}),
+                                            ::testing::Bool()));
+
 // A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "master") must see
 // exactly the weights a compute copy would hold: round-to-nearest-even, bit for bit. Through the
 // real fetch path: pinned host memory, 64 MiB staging chunks (this tensor takes two and a
