@@ -24,6 +24,14 @@ inline bool ClaimTestHookOnce(const char* env_var) {
   return true;
 }
 
+// RP_TEST_LATE_COMPLETION_MS=<ms>: a CPU worker's device reports each microbatch complete only
+// that long after it was enqueued, as a GPU would while the host runs ahead, so the worker's
+// bookkeeping of microbatches in flight runs in CI. 0 when unset.
+inline double TestLateCompletionSeconds() {
+  const char* v = std::getenv("RP_TEST_LATE_COMPLETION_MS");
+  return v == nullptr ? 0.0 : std::strtod(v, nullptr) * 1e-3;
+}
+
 // RP_TEST_ALWAYS_REPLAN (any value): every profile of an auto-partitioned run asks for a re-plan,
 // as profiles too noisy to agree would (the launcher's limit on re-plans).
 inline bool TestAlwaysReplan() { return std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr; }

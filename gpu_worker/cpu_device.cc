@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU backend: host copies stand in for DMA, so the worker runs the same code path as on a GPU.
 #include "rp_config.h"
+#include "common/test_hooks.h"
 #include "gpu_worker/device.h"
 
 #include <algorithm>
@@ -41,9 +42,16 @@ class CpuDevice final : public Device {
     View(dst, t.sizes(), dtype).copy_(t.detach());
   }
   void Synchronize() override {}
-  // Every CPU operation is complete when it returns.
-  uint64_t CompletionFence() override { return ++completions_; }
-  bool Completed(uint64_t) override { return true; }
+  // Every CPU operation is complete when it returns; a test hook may report it later.
+  uint64_t CompletionFence() override {
+    if (late_s_ > 0.0) fenced_at_.push_back(std::chrono::steady_clock::now());
+    return ++completions_;
+  }
+  bool Completed(uint64_t ticket) override {
+    if (late_s_ <= 0.0) return true;
+    const auto at = fenced_at_.at(ticket - 1);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - at).count() >= late_s_;
+  }
 
   // The pool is a named shared-memory object: the CPU's stand-in for exported device memory, so
   // CI runs the same protocol the CUDA backend does. This worker unlinks its own on exit (the
@@ -138,6 +146,8 @@ class CpuDevice final : public Device {
   int own_rank_ = -1;
   uint64_t tickets_ = 0;
   uint64_t completions_ = 0;
+  const double late_s_ = TestLateCompletionSeconds();
+  std::vector<std::chrono::steady_clock::time_point> fenced_at_;  // per ticket, with the hook only
   std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 
