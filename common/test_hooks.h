@@ -32,6 +32,11 @@ inline double TestLateCompletionSeconds() {
   return v == nullptr ? 0.0 : std::strtod(v, nullptr) * 1e-3;
 }
 
+// RP_TEST_DEVICE_HANG_ONCE=<marker path>: in one worker of the run, a CPU device stops
+// completing work at its 20th microbatch, as a stuck kernel would (the process stays alive and
+// its loop keeps running).
+inline bool TestDeviceHangOnce() { return ClaimTestHookOnce("RP_TEST_DEVICE_HANG_ONCE"); }
+
 // RP_TEST_ALWAYS_REPLAN (any value): every profile of an auto-partitioned run asks for a re-plan,
 // as profiles too noisy to agree would (the launcher's limit on re-plans).
 inline bool TestAlwaysReplan() { return std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr; }

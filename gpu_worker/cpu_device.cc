@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // CPU backend: host copies stand in for DMA, so the worker runs the same code path as on a GPU.
 #include "rp_config.h"
+#include "common/logging.h"
 #include "common/test_hooks.h"
 #include "gpu_worker/device.h"
 
@@ -45,9 +46,14 @@ class CpuDevice final : public Device {
   // Every CPU operation is complete when it returns; a test hook may report it later.
   uint64_t CompletionFence() override {
     if (late_s_ > 0.0) fenced_at_.push_back(std::chrono::steady_clock::now());
-    return ++completions_;
+    if (++completions_ == 20 && TestDeviceHangOnce()) {
+      RP_LOG(WARNING) << "RP_TEST_DEVICE_HANG_ONCE: the device stops completing work on purpose";
+      hang_from_ = completions_;
+    }
+    return completions_;
   }
   bool Completed(uint64_t ticket) override {
+    if (hang_from_ > 0 && ticket >= hang_from_) return false;
     if (late_s_ <= 0.0) return true;
     const auto at = fenced_at_.at(ticket - 1);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - at).count() >= late_s_;
@@ -147,6 +153,7 @@ class CpuDevice final : public Device {
   uint64_t tickets_ = 0;
   uint64_t completions_ = 0;
   const double late_s_ = TestLateCompletionSeconds();
+  uint64_t hang_from_ = 0;  // RP_TEST_DEVICE_HANG_ONCE: no ticket from this one on completes
   std::vector<std::chrono::steady_clock::time_point> fenced_at_;  // per ticket, with the hook only
   std::vector<std::chrono::steady_clock::time_point> marks_;
 };

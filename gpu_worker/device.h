@@ -11,7 +11,8 @@
 //    may still be copying when it returns: the compute stream waits for it only when the fence
 //    returned by WeightsFence() is passed to WaitWeights(), so prefetching the next job's
 //    weights never delays the current job's kernels.
-//  * Store() is asynchronous: its bytes are in shared memory once Synchronize() returns.
+//  * Store() is asynchronous: its bytes are in shared memory once Synchronize() returns, or once
+//    Completed() is true for a CompletionFence() taken after it.
 //    Gradient commits run on their own path (StartCommit / CommitDone) so that a job's
 //    gradient write-back overlaps the next job's compute instead of stalling it.
 //  * The CPU backend is first-class: it is what CI runs, and the oracle the CUDA backend is
@@ -66,9 +67,10 @@ class Device {
   // a worker creates its own pool once and announces the returned handle; it opens each peer's
   // pool once from the handle the coordinator relays. Offsets are from a pool's base
   // (ArenaLayout::PoolHiddenSlot). StoreToPool() writes into this worker's pool and is complete
-  // once Synchronize() returns, like Store(); FetchFromPool() copies out of any opened pool (this
+  // once Synchronize() returns (or a later fence completes), like Store(); FetchFromPool() copies out of any opened pool (this
   // worker's own included) into a new tensor the compute stream may use at once, like
-  // FetchActivation(), and has finished reading the pool once Synchronize() returns. CUDA: device memory exported with cudaIpcGetMemHandle, opened by peers on
+  // FetchActivation(), and has finished reading the pool once Synchronize() returns (or a later
+  // fence completes). CUDA: device memory exported with cudaIpcGetMemHandle, opened by peers on
   // the same GPU or on GPUs with peer access. CPU: a named shared-memory object (`name`) whose
   // header carries `layout_hash`, so a peer from another run or build is refused. Pools live as
   // long as the device; an offset or rank outside them throws.

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <exception>
 #include <set>
+#include <utility>
 
 #include "common/logging.h"
 
@@ -15,7 +16,7 @@ namespace rp::worker {
 namespace prof = torch::autograd::profiler;
 using torch::profiler::impl::ActivityType;
 
-KernelTrace::KernelTrace(int rank) {
+KernelTrace::KernelTrace(int rank, std::function<void()> drain) : drain_(std::move(drain)) {
   const char* prefix = std::getenv("RP_TRACE_KERNELS");
   if (prefix == nullptr || *prefix == '\0') return;
   path_ = std::string(prefix) + ".w" + std::to_string(rank) + ".json";
@@ -50,6 +51,7 @@ void KernelTrace::Stop() {
   active_ = false;
   done_ = true;
   try {
+    if (drain_) drain_();
     auto result = prof::disableProfiler();
     if (result) result->save(path_);
     RP_LOG(INFO) << "wrote the trace of step " << step_ << " to " << path_;

@@ -15,13 +15,16 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace rp::worker {
 
 class KernelTrace {
  public:
-  explicit KernelTrace(int rank);
+  // `drain` waits until the device has run everything enqueued so far (called before the trace
+  // is written).
+  KernelTrace(int rank, std::function<void()> drain);
   ~KernelTrace();
   KernelTrace(const KernelTrace&) = delete;
   KernelTrace& operator=(const KernelTrace&) = delete;
@@ -32,6 +35,7 @@ class KernelTrace {
  private:
   void Stop();
 
+  std::function<void()> drain_;
   std::string path_;   // empty: off
   int64_t step_ = 3;
   bool active_ = false;

@@ -82,9 +82,20 @@ class Worker {
   struct InFlight {
     proto::MicrobatchDone done;
     MicrobatchResult result;
+    double enqueued_s = 0.0;  // MonoSeconds()
   };
   std::deque<InFlight> in_flight_;
   int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
+  double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
+  // A device that stops completing work (a stuck kernel) would otherwise leave this loop
+  // spinning and heartbeating forever: once the oldest microbatch in flight has made no progress
+  // for job.worker_timeout_s, heartbeats stop and the coordinator replaces this worker, as for
+  // a hung process.
+  bool DeviceStalled() const {
+    if (in_flight_.empty() || cfg_.job.worker_timeout_s <= 0) return false;
+    const double since = std::max(in_flight_.front().enqueued_s, last_completion_s_);
+    return MonoSeconds() - since > cfg_.job.worker_timeout_s;
+  }
   bool InFlightFor(int64_t job) const {
     return std::any_of(in_flight_.begin(), in_flight_.end(),
                        [job](const InFlight& f) { return f.done.job_index == job; });
@@ -248,7 +259,7 @@ StatusOr<bool> Worker::Progress() {
       std::this_thread::sleep_for(std::chrono::duration<double>(slow));
     it->second.erase(input);
     a.next_mb++;
-    in_flight_.push_back({d, std::move(*r)});
+    in_flight_.push_back({d, std::move(*r), MonoSeconds()});
     return true;
   }
   // Every microbatch is enqueued: the next job may begin while these finish on the device.
@@ -305,6 +316,7 @@ StatusOr<bool> Worker::Finish() {
                                                      ": " + e.what()));
     }
     if (!done) break;
+    last_completion_s_ = MonoSeconds();
     f.result.ReadLoss();
     // The device runs microbatches back to back: this one started when it was enqueued or when
     // the one before it ended, whichever was later. The intervals then tile the device's busy
@@ -405,7 +417,12 @@ Status Worker::Run() {
     device_ = MakeCpuDevice();
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
-  trace_.emplace(opts_.rank);
+  // The trace stops at a job of a later step: first everything enqueued must have run, or the
+  // traced step's last kernels would be missing.
+  trace_.emplace(opts_.rank, [this] {
+    const uint64_t t = device_->CompletionFence();
+    while (!device_->Completed(t)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
   if (layout_.activations_in_pools) {
     // Announced once; the coordinator relays every peer's handle before the first RunJob. A
@@ -432,13 +449,15 @@ Status Worker::Run() {
   while (!shutdown_) {
     if (g_stop) return Status::Cancelled("stopped by signal");
     if (LauncherGone()) return Status::Unavailable("launcher is gone");
-    // Sign of life for the coordinator's hang detection (job.worker_timeout_s).
-    if (MonoSeconds() - last_heartbeat_ >= kHeartbeatSeconds) {
+    // Sign of life for the coordinator's hang detection (job.worker_timeout_s); withheld while
+    // the device is stalled.
+    if (MonoSeconds() - last_heartbeat_ >= kHeartbeatSeconds && !DeviceStalled()) {
       RP_RETURN_IF_ERROR(channel_->Send(proto::Heartbeat{WallMicros()}));
       last_heartbeat_ = MonoSeconds();
     }
-    RP_ASSIGN_OR_RETURN(bool worked, Progress());
+    // Completions first: a microbatch's reported end is then not delayed by the next one's launch.
     RP_ASSIGN_OR_RETURN(bool finished, Finish());
+    RP_ASSIGN_OR_RETURN(bool worked, Progress());
     worked = worked || finished;
     // Poll while a gradient copy is in flight (it completes without a message) and while the next
     // job's weights are still being published layer by layer (so each is copied when it appears).

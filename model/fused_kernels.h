@@ -4,8 +4,9 @@
 // Contract:
 //  * Each method computes what the Transformer's LibTorch composite computes for the same inputs
 //    (up to rounding: fp32 statistics, one rounding to the tensor's dtype), on the tensors'
-//    device, enqueued on the worker's compute stream (LibTorch's default stream, which the
-//    worker never changes), without synchronizing. One difference: a label outside the
+//    device, enqueued on the worker's compute stream (LibTorch's default stream; the CUDA
+//    backend switches the current stream only inside its own copy paths, never around model
+//    math), without synchronizing. One difference: a label outside the
 //    vocabulary gives a NaN row loss (and a zero gradient row) where the composite throws; the
 //    data loader has already refused such tokens, and a NaN loss is visible in the metrics.
 //  * The CPU path never uses them: the composite ops stay the oracle, and the GPU tests compare
@@ -45,10 +46,12 @@ class FusedKernels {
   virtual bool HeadNormRopeSupports(int64_t dim) const = 0;
   virtual at::Tensor HeadNormRope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
                                   const at::Tensor& sin_signed, double eps) const = 0;
-  // From dL/dy (x's shape): {dL/dx, dL/dw} (dL/dw in w's dtype, summed in fp32).
+  // From dL/dy (x's shape): {dL/dx, dL/dw} (dL/dw in w's dtype, summed in fp32; undefined
+  // without `weight_grad`).
   virtual std::pair<at::Tensor, at::Tensor> HeadNormRopeBackward(const at::Tensor& x, const at::Tensor& w,
                                                                  const at::Tensor& cos, const at::Tensor& sin_signed,
-                                                                 double eps, const at::Tensor& dy) const = 0;
+                                                                 double eps, const at::Tensor& dy,
+                                                                 bool weight_grad) const = 0;
 
   // silu(gate) * up for gate, up [..., cols] with contiguous last dims and equal shapes (views
   // into one [..., 2 * cols] tensor are fine); the result is contiguous.

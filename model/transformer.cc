@@ -143,9 +143,10 @@ struct HeadNormRopeFn : public torch::autograd::Function<HeadNormRopeFn> {
                                                  torch::autograd::variable_list grads) {
     const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
     const auto saved = ctx->get_saved_variables();
+    // A frozen norm weight (LoRA) needs no gradient: the kernel then skips its reduction.
     auto [dx, dw] = k->HeadNormRopeBackward(saved[0], saved[1], ctx->saved_data["cos"].toTensor(),
                                             ctx->saved_data["sin"].toTensor(), ctx->saved_data["eps"].toDouble(),
-                                            grads[0].contiguous());
+                                            grads[0].contiguous(), ctx->needs_input_grad(1));
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -258,10 +258,10 @@ class CudaDevice final : public Device {
   void Synchronize() override {
     ThrowIfError(cudaStreamSynchronize(d2h_), "cudaStreamSynchronize(d2h)");
     keep_alive_.clear();
-    // Pool copies run on the compute stream. A store must be complete before a peer may read it
-    // (the coordinator relays MicrobatchDone only after this returns); a read from a peer's pool
-    // before the owner may overwrite that slot (the owner rewrites it only after this worker's
-    // MicrobatchDone or JobDone).
+    // Pool copies run on the compute stream. A store must be complete before a peer may read it;
+    // a read from a peer's pool before the owner may overwrite that slot (the owner rewrites it
+    // only after this worker's MicrobatchDone or JobDone). The worker's microbatches rely on
+    // CompletionFence() for the same; this is the blocking form (evaluation, tests).
     if (pool_copies_pending_) ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
     pool_copies_pending_ = false;
   }
@@ -619,7 +619,7 @@ class CudaDevice final : public Device {
   std::map<int, IpcMapping> peers_;      // peers' pools, mapped; destroyed before own_pool_
   int own_rank_ = -1;
   uint64_t pool_bytes_ = 0;
-  bool pool_copies_pending_ = false;     // a pool store or read since the last Synchronize
+  bool pool_copies_pending_ = false;     // a pool store or read since the last Synchronize or fence
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;                                     // GUARDED_BY(mu_)

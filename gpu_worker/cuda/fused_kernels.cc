@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA worker's model::FusedKernels: tensor checks, then the launchers of kernels.cu on
-// LibTorch's current stream of the device, which is the default stream everywhere in the worker
-// (cuda_device.cc: kComputeStream).
+// the compute stream, LibTorch's default stream (cuda_device.cc: kComputeStream; its stream
+// guards cover only its own copies and gradient adds, never model math).
 #include <cuda_runtime_api.h>
 
 #include <stdexcept>
@@ -76,17 +76,19 @@ class CudaFusedKernels final : public model::FusedKernels {
 
   std::pair<at::Tensor, at::Tensor> HeadNormRopeBackward(const at::Tensor& x, const at::Tensor& w,
                                                          const at::Tensor& cos, const at::Tensor& sin_signed,
-                                                         double eps, const at::Tensor& dy) const override {
+                                                         double eps, const at::Tensor& dy,
+                                                         bool weight_grad) const override {
     const kernels::Dtype dt = CheckHeadNormRope(x, w, cos, sin_signed);
     if (DtypeOf(dy, "head norm + rope gradient") != dt || !dy.sizes().equals(x.sizes()))
       throw std::invalid_argument("head norm + rope gradient must have the input's shape and dtype");
     at::Tensor dx = at::empty_like(x);
-    at::Tensor dw = at::zeros({x.size(3)}, x.options().dtype(at::kFloat));
+    at::Tensor dw = weight_grad ? at::zeros({x.size(3)}, x.options().dtype(at::kFloat)) : at::Tensor();
     Check(kernels::HeadNormRopeBackward(dt, x.data_ptr(), w.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
-                                        dy.data_ptr(), dx.data_ptr(), dw.data_ptr<float>(), x.numel() / x.size(3),
+                                        dy.data_ptr(), dx.data_ptr(), weight_grad ? dw.data_ptr<float>() : nullptr,
+                                        x.numel() / x.size(3),
                                         x.size(1), x.size(2), x.size(3), static_cast<float>(eps), kComputeStream),
           "head norm + rope backward kernel launch");
-    return {dx, dw.to(w.scalar_type())};
+    return {dx, weight_grad ? dw.to(w.scalar_type()) : at::Tensor()};
   }
 
   at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) const override {

@@ -251,6 +251,7 @@ HeadNormRopeBackwardKernel(const T* x, const T* w, const T* cos, const T* sin, c
     for (int j = 0; j < kPer; ++j) dxr[c + j] = FromFloat<T>(rstd * (g[j] - v[j] * rstd * dot));
   }
   // Weight gradient: the block's warps meet in shared memory, then one atomic add per column.
+  if (dw == nullptr) return;  // block-uniform: no thread reaches the barrier below
   __shared__ float part[kNormWarps][kDim];
   for (int j = 0; j < kPer; ++j) part[warp][c + j] = dw_acc[j];
   __syncthreads();

@@ -45,7 +45,7 @@ cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* 
                          void* y, int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
                          cudaStream_t stream);
 // Its backward from dL/dy: writes dL/dx (dtype) and adds dL/dw into dw_f32 [dim] (fp32, which
-// the caller zeroes). Recomputes the statistics from x (nothing saved but x).
+// the caller zeroes; null: no weight gradient). Recomputes the statistics from x (nothing saved but x).
 cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, const void* cos,
                                  const void* sin_signed, const void* dy, void* dx, float* dw_f32,
                                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,

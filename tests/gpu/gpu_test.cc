@@ -84,6 +84,18 @@ TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
   std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
 }
 
+TEST_F(GpuTest, CudaFusedHeadNormRopeMatchesCpuReference) {
+  // The parity job's head size (16) keeps the composite q/k norm; 64 takes the fused per-head
+  // norm + RoPE kernels inside a whole run (and SwiGLU's, as every CUDA run does).
+  const std::vector<std::string> d64 = {"model.head_dim=64"};
+  auto expected = Losses(RefMetrics("d64-ref", d64));
+  std::vector<std::string> sets = d64;
+  sets.push_back("job.device=\"cuda\"");
+  auto got = Launch(2, "d64-cuda", sets);
+  std::printf("cuda fp32, head_dim 64, vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(got, expected));
+}
+
 TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
   // The dropout mask is integer hashing on the worker's device: CUDA must draw the CPU's mask.
   const std::vector<std::string> lora = {"lora.rank=4", "lora.dropout=0.2",

@@ -146,7 +146,10 @@ TEST_P(FusedHeadNormRope, MatchesCompositeForwardAndBackward) {
   const auto& k = rp::worker::CudaKernels();
   ASSERT_TRUE(k.HeadNormRopeSupports(D));
   at::Tensor y = k.HeadNormRope(x, w, cos, sin, eps);
-  auto [dx, dw] = k.HeadNormRopeBackward(x, w, cos, sin, eps, dy);
+  auto [dx, dw] = k.HeadNormRopeBackward(x, w, cos, sin, eps, dy, /*weight_grad=*/true);
+  auto [dx_only, no_dw] = k.HeadNormRopeBackward(x, w, cos, sin, eps, dy, /*weight_grad=*/false);
+  EXPECT_FALSE(no_dw.defined());
+  EXPECT_TRUE(at::equal(dx_only, dx));
   EXPECT_EQ(dw.scalar_type(), dtype);
   // fp32: rounding order only. bf16: one rounding of values of magnitude up to ~8 (|n| <= 1.5
   // sqrt(D)-scaled entries times |cos| + |sin|), and dw sums B*S*H = 222 products before its one

@@ -90,9 +90,10 @@ TEST_F(LaunchTest, InterleavedCallsGiveTheSequentialOrdersResultsBitForBit) {
 
 TEST_F(LaunchTest, MicrobatchesReportedLateGiveTheSameResultsBitForBit) {
   // Workers enqueue the next microbatch before the last one is reported complete (two in
-  // flight). With every completion reported 15 ms late, jobs are announced, commits granted and
-  // evals run while microbatches are still in flight: the arithmetic and the checkpoint must not
-  // change, for one and for several workers and with K > 1.
+  // flight). With every completion reported 15 ms late (CPU work is done at once, so this checks
+  // the worker's bookkeeping, not device ordering), jobs begin before the previous job's
+  // microbatches are reported, announce themselves later, and evals wait for them: the
+  // arithmetic and the checkpoint must not change, for one and for several workers, with K > 1.
   for (int n : {1, 3}) {
     const std::vector<std::string> job = {"train.steps=4", "checkpoint.every=4", "train.accum_calls=2",
                                           "train.eval_every=2", "data.eval_fraction=0.1"};
@@ -766,6 +767,27 @@ TEST_F(LaunchTest, HungWorkerIsKilledAndReplaced) {
   EXPECT_NE(stopped.code, 0);
   EXPECT_NE(stopped.output.find("sent nothing for"), std::string::npos) << stopped.output;
   EXPECT_LT(secs, 30.0);
+}
+
+TEST_F(LaunchTest, AStalledDeviceIsTreatedAsAHungWorker) {
+  // A worker's loop never blocks on its device. When the device stops completing work
+  // (RP_TEST_DEVICE_HANG_ONCE: a stuck kernel) the loop keeps running, but its heartbeats stop
+  // after job.worker_timeout_s without progress: the coordinator replaces it, and the result
+  // equals the fault-free run's.
+  const std::vector<std::string> job = {"train.steps=12", "train.accum_calls=1", "train.microbatches=4",
+                                        "checkpoint.every=12", "job.worker_timeout_s=2"};
+  auto clean = Launch(2, tmp_ + "/stall-clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto env = Env();
+  env.push_back("RP_TEST_DEVICE_HANG_ONCE=" + tmp_ + "/stall-marker");
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/stall", job), 120, env);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("stops completing work on purpose"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sent nothing for"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("starting a replacement"), std::string::npos) << r.output;
+  EXPECT_EQ(Losses(tmp_ + "/stall/metrics.jsonl"), Losses(tmp_ + "/stall-clean/metrics.jsonl"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/stall/checkpoints/step-00000012.rpstate") ==
+              ReadBytes(tmp_ + "/stall-clean/checkpoints/step-00000012.rpstate"));
 }
 
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
