@@ -86,16 +86,33 @@ SimResult Simulate(const SimInput& in) {
       weights_free[w] = fetch_end;
       double now = std::max(compute_free[w], fetch_end);
       began[w] = now;
-      const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
-      for (int m = 0; m < M; ++m) {
-        if (s > 0) now = std::max(now, chain[c][m]);
-        if (first_start[w] < 0) first_start[w] = now;
-        now += per_mb;
-        chain[c][m] = now;
-        r.busy[w] += per_mb;
+      double outputs_done = now;  // the job's last output copy (copies_overlap)
+      if (in.copies_overlap) {
+        const double in_copy = in.h2d_bytes_per_s > 0 ? st.in_bytes / in.h2d_bytes_per_s : 0.0;
+        const double out_copy = in.d2h_bytes_per_s > 0 ? st.out_bytes / in.d2h_bytes_per_s : 0.0;
+        double copy_free = now;  // the activations stream, from the job's start
+        for (int m = 0; m < M; ++m) {
+          copy_free = std::max(copy_free, s > 0 ? chain[c][m] : 0.0) + in_copy;
+          now = std::max(now, copy_free);
+          if (first_start[w] < 0) first_start[w] = now;
+          now += st.compute_s;
+          chain[c][m] = now + out_copy;
+          outputs_done = chain[c][m];
+          r.busy[w] += st.compute_s;
+        }
+      } else {
+        const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+        for (int m = 0; m < M; ++m) {
+          if (s > 0) now = std::max(now, chain[c][m]);
+          if (first_start[w] < 0) first_start[w] = now;
+          now += per_mb;
+          chain[c][m] = now;
+          r.busy[w] += per_mb;
+        }
+        outputs_done = now;
       }
       compute_free[w] = last_end[w] = now;
-      double done = now;
+      double done = std::max(now, outputs_done);
       if (st.grad_bytes > 0) {
         // A gradient slot of step t is free once step t - 1's update of its layer has read it
         // (exact mode: always by now; stale1: the update runs during this step).
@@ -185,6 +202,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
   in.version_lag = c.optimizer.mode == "stale1" ? 2 : 1;
   in.updates_wait_for_norm = c.train.grad_clip > 0;
+  in.copies_overlap = c.job.device != "cpu";  // as WorkloadKey() tells the two kinds apart
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   // Trainable weights cross the link as fp32 when workers fetch the masters.

@@ -64,12 +64,17 @@ struct SimInput {
   std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
   int version_lag = 1;
   bool updates_wait_for_norm = false;
+  // CUDA workers: activation copies run on their own streams and the worker does not wait
+  // between microbatches, so a microbatch's input copy overlaps the previous one's compute
+  // (only the first of a job is exposed) and its output copy the next one's (a consumer waits
+  // for it). Otherwise input copy, compute and output copy run in series (CPU workers).
+  bool copies_overlap = false;
   std::vector<JobSlot> order;  // one step's jobs in dispatch order; empty: call by call
 };
 
 struct SimResult {
   double makespan = 0.0;      // until the last job, commit and update
-  std::vector<double> busy;   // per worker: microbatch time (transfers + compute)
+  std::vector<double> busy;   // per worker: microbatch time (compute, plus transfers in series)
   double bubble_ratio = 0.0;  // idle / (N x makespan) = fill + drain + imbalance
   double fill_ratio = 0.0;    // idle before a worker's first microbatch
   double drain_ratio = 0.0;   // idle after a worker's last microbatch

@@ -350,8 +350,8 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
       case core::StageKind::kBackward: r = RunBackward(mb); break;
     }
     if (HasGrads()) AccumulateGrads();
-    // Profiling reads device marks, which waits; otherwise nothing here waits for the device.
-    if (job_.profile) device_.Synchronize();
+    // Nothing here waits for the device, profiled or not: the marks are read once the fence
+    // has passed (MicrobatchResult::Resolve).
     r.fence = device_.CompletionFence();
     for (const auto& t : pending_times_) {
       proto::LayerTime lt{};
@@ -359,11 +359,9 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
       lt.microbatch = mb;
       lt.layer = t.layer;
       lt.phase = static_cast<int32_t>(t.phase);
-      lt.seconds = device_.MarkSeconds(t.mark_a, t.mark_b);
       lt.saved_bytes = t.saved_bytes;
-      r.layer_times.push_back(lt);
+      r.pending_marks.push_back({lt, t.mark_a, t.mark_b});
     }
-    if (job_.profile) device_.ClearMarks();
     return r;
   } catch (const c10::Error& e) {
     return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +
@@ -374,7 +372,12 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   }
 }
 
-void MicrobatchResult::ReadLoss() {
+void MicrobatchResult::Resolve(Device& device) {
+  for (auto& p : pending_marks) {
+    p.time.seconds = device.MarkSeconds(p.mark_a, p.mark_b);
+    layer_times.push_back(p.time);
+  }
+  pending_marks.clear();
   if (!pending_loss.defined()) return;
   const double* sums = pending_loss.data_ptr<double>();
   loss_sum = sums[0];

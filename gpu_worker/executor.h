@@ -46,12 +46,19 @@ struct MicrobatchResult {
   int64_t targets = 0;
   std::vector<proto::LayerTime> layer_times;  // jobs with RunJob.profile set: one per layer phase
   // Microbatch(): the microbatch's work is enqueued, not done. It is done (stores in shared
-  // memory or the pool, inputs read) once device.Completed(fence); then ReadLoss() fills
+  // memory or the pool, inputs read) once device.Completed(fence); then Resolve() fills
   // loss_sum and targets from `pending_loss` (a fused head's sums, copied to pinned host memory
-  // by the same stream), if any.
+  // by the same stream), if any, and layer_times from the device marks of a profiled job (read
+  // only now, so profiling waits for nothing either). The caller clears the device's marks once
+  // no result in flight has any pending.
   uint64_t fence = 0;
   at::Tensor pending_loss;
-  void ReadLoss();
+  struct PendingMarks {
+    proto::LayerTime time;  // all but `seconds`
+    int mark_a, mark_b;
+  };
+  std::vector<PendingMarks> pending_marks;
+  void Resolve(Device& device);
 };
 
 // Where a microbatch's inputs are with activation pools: the ranks whose pools hold its hidden
@@ -111,8 +118,8 @@ class Executor {
   };
   void SegmentedForward(const at::Tensor& x, int end, Segments* seg);
   at::Tensor SegmentedBackward(Segments* seg, at::Tensor grad);
-  // Profiling (RunJob.profile): device marks around each layer phase, read after the
-  // microbatch's synchronization.
+  // Profiling (RunJob.profile): device marks around each layer phase, read once the
+  // microbatch's completion fence has passed (MicrobatchResult::Resolve).
   int MarkIfProfiling();
   void Timed(int layer, proto::LayerPhase phase, int mark_a, int mark_b, int64_t saved_bytes);
   struct PendingTime {

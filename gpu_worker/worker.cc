@@ -317,7 +317,12 @@ StatusOr<bool> Worker::Finish() {
     }
     if (!done) break;
     last_completion_s_ = MonoSeconds();
-    f.result.ReadLoss();
+    try {
+      f.result.Resolve(*device_);
+    } catch (const std::exception& e) {
+      return Fail(f.done.job_index, Status::Internal(std::string("reading microbatch ") +
+                                                     std::to_string(f.done.microbatch) + "'s timings: " + e.what()));
+    }
     // The device runs microbatches back to back: this one started when it was enqueued or when
     // the one before it ended, whichever was later. The intervals then tile the device's busy
     // time (to within this loop's 1 ms poll) and the coordinator's bubble ratio stays true.
@@ -328,7 +333,12 @@ StatusOr<bool> Worker::Finish() {
     f.done.targets = f.result.targets;
     for (const auto& t : f.result.layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
     RP_RETURN_IF_ERROR(channel_->Send(f.done));
+    const bool had_marks = !f.result.layer_times.empty();
     in_flight_.pop_front();
+    // Profiling marks are numbered per device: forget them once no microbatch in flight has any.
+    if (had_marks && std::none_of(in_flight_.begin(), in_flight_.end(),
+                                  [](const InFlight& g) { return !g.result.pending_marks.empty(); }))
+      device_->ClearMarks();
     worked = true;
   }
   for (auto it = finishing_.begin(); it != finishing_.end();) {

@@ -99,6 +99,34 @@ TEST(Simulator, TransfersAndPrefetchByHand) {
   EXPECT_DOUBLE_EQ(r.drain_ratio, 3.0 / 15.0);
 }
 
+TEST(Simulator, OverlappedCopiesExposeOnlyEachJobsFirstInputByHand) {
+  // The same two stages as above with copies_overlap (CUDA workers). Stage 0, microbatch 0: input
+  // [2, 3), compute [3, 4), output [4, 5); microbatch 1: input [3, 4), compute [4, 5), output
+  // [5, 6). Stage 1 (weights prefetched [2, 6)): microbatch 0 from 6 (weights) to 8, microbatch 1
+  // [8, 10) (its input, stage 0's output, was there at 6); gradients [10, 13).
+  SimInput in;
+  in.h2d_bytes_per_s = in.d2h_bytes_per_s = 10.0;
+  in.microbatches = 2;
+  in.copies_overlap = true;
+  SimStage a, b;
+  a.compute_s = 1.0;
+  a.in_bytes = a.out_bytes = 10.0;
+  a.weight_bytes = 20.0;
+  a.owners = {0};
+  b.compute_s = 2.0;
+  b.weight_bytes = 40.0;
+  b.grad_bytes = 30.0;
+  b.owners = {1};
+  in.stages = {a, b};
+  auto r = Simulate(in);
+  EXPECT_DOUBLE_EQ(r.step_done[0], 13.0);
+  EXPECT_DOUBLE_EQ(r.busy[0], 6.0);  // compute only: the copies ran beside it
+  EXPECT_DOUBLE_EQ(r.fill_ratio, 3.0 / 13.0);
+
+  in.copies_overlap = false;  // in series, as before: 15 s
+  EXPECT_DOUBLE_EQ(Simulate(in).step_done[0], 15.0);
+}
+
 TEST(Simulator, ExactWaitsForTheUpdateAndStaleOneDoesNot) {
   // One worker, one stage holding layer 0 with gradients, 1 s per microbatch, M = 1; the update
   // takes 0.5 s. exact: step 2 starts after step 1's update (1.5), so steps finish at 1 and 2.5.
