@@ -11,7 +11,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/version.h>
 
 #include <CLI/CLI.hpp>
@@ -27,9 +26,11 @@
 #include <string>
 #include <vector>
 
+#include "common/exit_codes.h"
 #include "core/job_config.h"
 #include "core/model_spec.h"
 #include "gpu_worker/device.h"
+#include "gpu_worker/kernel_trace.h"
 #include "model/transformer.h"
 
 namespace {
@@ -62,18 +63,12 @@ struct KernelTime {
 // Kineto (the profiler throws).
 std::map<std::string, KernelTime> ProfileKernels(const std::function<void()>& f, bool cuda,
                                                  rp::worker::Device& device) {
-  namespace prof = torch::autograd::profiler;
-  using torch::profiler::impl::ActivityType;
   std::map<std::string, KernelTime> out;
   try {
-    torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
-    std::set<ActivityType> activities{ActivityType::CPU};
-    if (cuda) activities.insert(ActivityType::CUDA);
-    prof::prepareProfiler(config, activities);
-    prof::enableProfiler(config, activities);
+    rp::worker::StartKineto();
     f();
     device.MarkSeconds(device.Mark(), device.Mark());  // waits for the device
-    auto result = prof::disableProfiler();
+    auto result = rp::worker::StopKineto();
     for (const auto& e : result->events()) {
       if (cuda && e.deviceType() != c10::DeviceType::CUDA) continue;
 #if TORCH_VERSION_MAJOR >= 2
@@ -143,7 +138,7 @@ int main(int argc, char** argv) {
   auto cfg_or = rp::core::LoadJobConfig(job_path, overrides);
   if (!cfg_or.ok()) {
     std::fprintf(stderr, "rp-block-bench: %s\n", cfg_or.status().message().c_str());
-    return 2;
+    return rp::kExitBadConfig;
   }
   const rp::core::JobConfig cfg = *cfg_or;
   const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model, cfg.lora);
@@ -156,7 +151,7 @@ int main(int argc, char** argv) {
     auto d = rp::worker::MakeCudaDevice(0, unused.data(), unused.size());
     if (!d.ok()) {
       std::fprintf(stderr, "rp-block-bench: %s\n", d.status().message().c_str());
-      return 2;
+      return rp::kExitCudaError;
     }
     device = std::move(*d);
   } else {

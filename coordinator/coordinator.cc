@@ -321,11 +321,7 @@ Status Coordinator::InitState() {
       layout_, segment_->At<std::atomic<uint64_t>>(layout_.grad_table));
   auto* h = segment_->header();
   std::memset(static_cast<void*>(h), 0, sizeof(*h));
-  h->magic = shm::kSegmentMagic;
-  h->version = shm::kSegmentVersion;
-  h->header_bytes = shm::kHeaderBytes;
-  h->layout_hash = layout_.hash;
-  h->total_bytes = layout_.total_bytes;
+  segment_->StampHeader(layout_.hash);
   h->trainable_params = static_cast<uint64_t>(spec_.TrainableParams());
   h->coordinator_pid = ::getpid();
   proto::CopyText(h->session, opts_.session);

@@ -256,7 +256,13 @@ void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
 int Executor::MarkIfProfiling() { return job_.profile ? device_.Mark() : -1; }
 
 void Executor::Timed(int layer, proto::LayerPhase phase, int a, int b, int64_t saved_bytes) {
-  if (job_.profile) pending_times_.push_back({layer, phase, a, b, saved_bytes});
+  if (!job_.profile) return;
+  proto::LayerTime lt{};
+  lt.job_index = job_.job_index;
+  lt.layer = layer;
+  lt.phase = static_cast<int32_t>(phase);
+  lt.saved_bytes = saved_bytes;
+  pending_marks_.push_back({lt, a, b});
 }
 
 MicrobatchResult Executor::RunForward(int mb) {
@@ -342,7 +348,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   from_ = from;
   try {
     MicrobatchResult r;
-    pending_times_.clear();
+    pending_marks_.clear();
     math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call, mb));
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;
@@ -353,15 +359,9 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
     // Nothing here waits for the device, profiled or not: the marks are read once the fence
     // has passed (MicrobatchResult::Resolve).
     r.fence = device_.CompletionFence();
-    for (const auto& t : pending_times_) {
-      proto::LayerTime lt{};
-      lt.job_index = job_.job_index;
-      lt.microbatch = mb;
-      lt.layer = t.layer;
-      lt.phase = static_cast<int32_t>(t.phase);
-      lt.saved_bytes = t.saved_bytes;
-      r.pending_marks.push_back({lt, t.mark_a, t.mark_b});
-    }
+    for (auto& p : pending_marks_) p.time.microbatch = mb;
+    r.pending_marks = std::move(pending_marks_);
+    pending_marks_.clear();
     return r;
   } catch (const c10::Error& e) {
     return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +

@@ -88,7 +88,7 @@ class Executor {
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
   Status Begin(const proto::RunJob& job);
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
-  // the next microbatch, or the next job's, may be enqueued at once. Profiled jobs wait.
+  // the next microbatch, or the next job's, may be enqueued at once.
   StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
   // Starts writing (accumulate = false) or adding the job's gradients into the shared slots and
   // releases the job's weights; the next job may Begin at once. Done when
@@ -122,13 +122,7 @@ class Executor {
   // microbatch's completion fence has passed (MicrobatchResult::Resolve).
   int MarkIfProfiling();
   void Timed(int layer, proto::LayerPhase phase, int mark_a, int mark_b, int64_t saved_bytes);
-  struct PendingTime {
-    int layer;
-    proto::LayerPhase phase;
-    int mark_a, mark_b;
-    int64_t saved_bytes;
-  };
-  std::vector<PendingTime> pending_times_;
+  std::vector<MicrobatchResult::PendingMarks> pending_marks_;  // this microbatch's, so far
   Status Validate(const proto::RunJob& job) const;
   struct GradUse {
     at::Tensor weight;

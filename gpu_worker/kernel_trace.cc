@@ -16,6 +16,16 @@ namespace rp::worker {
 namespace prof = torch::autograd::profiler;
 using torch::profiler::impl::ActivityType;
 
+void StartKineto() {
+  torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+  std::set<ActivityType> activities{ActivityType::CPU};
+  if (at::hasCUDA()) activities.insert(ActivityType::CUDA);
+  prof::prepareProfiler(config, activities);
+  prof::enableProfiler(config, activities);
+}
+
+std::unique_ptr<prof::ProfilerResult> StopKineto() { return prof::disableProfiler(); }
+
 KernelTrace::KernelTrace(int rank, std::function<void()> drain) : drain_(std::move(drain)) {
   const char* prefix = std::getenv("RP_TRACE_KERNELS");
   if (prefix == nullptr || *prefix == '\0') return;
@@ -33,11 +43,7 @@ void KernelTrace::OnJobBegin(int64_t step) {
   }
   if (active_ || step != step_) return;
   try {
-    torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
-    std::set<ActivityType> activities{ActivityType::CPU};
-    if (at::hasCUDA()) activities.insert(ActivityType::CUDA);
-    prof::prepareProfiler(config, activities);
-    prof::enableProfiler(config, activities);
+    StartKineto();
     active_ = true;
     RP_LOG(INFO) << "tracing step " << step_ << " into " << path_;
   } catch (const std::exception& e) {
@@ -52,7 +58,7 @@ void KernelTrace::Stop() {
   done_ = true;
   try {
     if (drain_) drain_();
-    auto result = prof::disableProfiler();
+    auto result = StopKineto();
     if (result) result->save(path_);
     RP_LOG(INFO) << "wrote the trace of step " << step_ << " to " << path_;
   } catch (const std::exception& e) {

@@ -14,11 +14,20 @@
 //  * Single-threaded (the worker's loop).
 #pragma once
 
+#include <torch/csrc/autograd/profiler_kineto.h>
+
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 namespace rp::worker {
+
+// LibTorch's Kineto profiler for this thread: host-side ATen ops and, where LibTorch has CUDA,
+// every kernel and copy. StartKineto() throws where this LibTorch was built without Kineto;
+// StopKineto() returns what was recorded (events, and save() as a Chrome trace).
+void StartKineto();
+std::unique_ptr<torch::autograd::profiler::ProfilerResult> StopKineto();
 
 class KernelTrace {
  public:

@@ -124,14 +124,18 @@ StatusOr<Segment> Segment::CreateStamped(const std::string& name, uint64_t bytes
   if (bytes < kHeaderBytes)
     return Status::InvalidArgument("segment " + name + ": " + std::to_string(bytes) + " bytes cannot hold its header");
   RP_ASSIGN_OR_RETURN(auto seg, Create(name, bytes));
-  SegmentHeader* h = seg.header();
+  seg.StampHeader(layout_hash);
+  seg.header()->ready.store(1, std::memory_order_release);
+  return seg;
+}
+
+void Segment::StampHeader(uint64_t layout_hash) const {
+  SegmentHeader* h = header();
   h->magic = kSegmentMagic;
   h->version = kSegmentVersion;
   h->header_bytes = kHeaderBytes;
   h->layout_hash = layout_hash;
-  h->total_bytes = bytes;
-  h->ready.store(1, std::memory_order_release);
-  return seg;
+  h->total_bytes = size();
 }
 
 StatusOr<Segment> Segment::Open(const std::string& name, uint64_t expected_layout_hash) {

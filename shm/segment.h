@@ -49,6 +49,9 @@ class Segment {
   uint64_t size() const;
   const std::string& name() const { return name_; }
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(data()); }
+  // Writes what Open() checks (magic, version, header size, `layout_hash`, total size); leaves
+  // `ready` and the other fields alone.
+  void StampHeader(uint64_t layout_hash) const;
   template <typename T>
   T* At(uint64_t offset) const {
     return reinterpret_cast<T*>(data() + offset);

@@ -14,15 +14,16 @@
 // caching allocator may hand out memory that queued kernels still read; except an activation
 // fetch, whose tensor comes from the activations stream's own pool (and is marked as used by the
 // compute stream), so the next microbatch's input arrives while this one computes.
-// The allocator's statistics need the CUDA LibTorch's generated headers; a CPU LibTorch that
-// only compile-checks this backend lacks them (AllocatedBytes() then reports "not tracked").
+// The caching allocator's statistics and stream pools need the CUDA LibTorch's generated
+// headers. A CPU LibTorch lacks them; such a build only compile-checks this backend
+// (AllocatedBytes() then reports "not tracked", and OnStream does nothing).
 #if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#define RP_HAVE_CUDA_ALLOCATOR_STATS 1
+#define RP_HAVE_CUDA_LIBTORCH 1
 #else
-#define RP_HAVE_CUDA_ALLOCATOR_STATS 0
+#define RP_HAVE_CUDA_LIBTORCH 0
 #endif
 #include <cuda_runtime_api.h>
 
@@ -110,6 +111,28 @@ class IpcMapping {
 
  private:
   void* p_;
+};
+
+// While alive, LibTorch's current stream on the device is `s`: allocations come from that
+// stream's pool and LibTorch ops run on it. UsedByCurrent() (called outside any OnStream) marks a
+// tensor so the allocator does not hand its memory out again before the current (compute)
+// stream's work queued so far is done.
+class OnStream {
+ public:
+#if RP_HAVE_CUDA_LIBTORCH
+  OnStream(cudaStream_t s, int index)
+      : guard_(c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(index))) {}
+  static void UsedByCurrent(const at::Tensor& t, int index) {
+    c10::cuda::CUDACachingAllocator::recordStream(
+        t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)));
+  }
+
+ private:
+  c10::cuda::CUDAStreamGuard guard_;
+#else
+  OnStream(cudaStream_t, int) {}
+  static void UsedByCurrent(const at::Tensor&, int) {}
+#endif
 };
 
 static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(Device::PoolHandle),
@@ -226,21 +249,15 @@ class CudaDevice final : public Device {
 
   at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
     MaybeInjectFaultForTest();
-#if RP_HAVE_CUDA_ALLOCATOR_STATS
     at::Tensor t;
     {
       // Memory from the activations stream's pool is never in use by queued compute kernels, so
-      // the copy need not wait for them; recordStream keeps it from reuse until the compute
+      // the copy need not wait for them; UsedByCurrent keeps it from reuse until the compute
       // stream's reads (enqueued after this) are done.
-      c10::cuda::CUDAStreamGuard on_acts(c10::cuda::getStreamFromExternal(acts_, static_cast<c10::DeviceIndex>(index_)));
+      OnStream on_acts(acts_, index_);
       t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
     }
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
-                                                  c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index_)));
-#else
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
-    StreamWaitsForCompute(acts_);
-#endif
+    OnStream::UsedByCurrent(t, index_);
     ThrowIfError(cudaMemcpyAsync(t.data_ptr(), src, t.nbytes(), cudaMemcpyHostToDevice, acts_),
                  "cudaMemcpyAsync(activation H2D)");
     ComputeWaitsFor(acts_);
@@ -362,34 +379,18 @@ class CudaDevice final : public Device {
     if (accumulate) {
       // The slot holds the earlier calls' sum; the coordinator granted this commit only after
       // that sum was complete in shared memory.
-#if RP_HAVE_CUDA_ALLOCATOR_STATS
       // All on the gradients stream: bringing the slot in (up to the whole model's fp32
       // gradients per call) must not stall the compute stream, which has the next job queued.
       // The sums live in `items` until the commit is done; the temporaries come from this
       // stream's pool, so their reuse is ordered after the adds.
       StreamWaitsForCompute(grads_);
-      {
-        c10::cuda::CUDAStreamGuard on_grads(
-            c10::cuda::getStreamFromExternal(grads_, static_cast<c10::DeviceIndex>(index_)));
-        for (auto& it : items) {
-          at::Tensor current = at::empty_like(it.grad);
-          ThrowIfError(cudaMemcpyAsync(current.data_ptr(), it.dst, current.nbytes(), cudaMemcpyHostToDevice, grads_),
-                       "cudaMemcpyAsync(gradient slot H2D)");
-          it.grad.add_(current);
-        }
-      }
-#else
-      std::vector<at::Tensor> current;
-      StreamWaitsForCompute(acts_);
+      OnStream on_grads(grads_, index_);
       for (auto& it : items) {
-        at::Tensor t = at::empty_like(it.grad);
-        ThrowIfError(cudaMemcpyAsync(t.data_ptr(), it.dst, t.nbytes(), cudaMemcpyHostToDevice, acts_),
+        at::Tensor current = at::empty_like(it.grad);
+        ThrowIfError(cudaMemcpyAsync(current.data_ptr(), it.dst, current.nbytes(), cudaMemcpyHostToDevice, grads_),
                      "cudaMemcpyAsync(gradient slot H2D)");
-        current.push_back(t);
+        it.grad.add_(current);
       }
-      ComputeWaitsFor(acts_);
-      for (size_t i = 0; i < items.size(); ++i) items[i].grad.add_(current[i]);
-#endif
     }
     StreamWaitsForCompute(grads_);
     for (auto& it : items)
@@ -434,7 +435,7 @@ class CudaDevice final : public Device {
   }
 
   int64_t AllocatedBytes() override {
-#if RP_HAVE_CUDA_ALLOCATOR_STATS
+#if RP_HAVE_CUDA_LIBTORCH
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
     return stats.allocated_bytes[0].current;  // index 0: all pools together
 #else
@@ -443,7 +444,7 @@ class CudaDevice final : public Device {
   }
 
   std::string MemoryReport() override {
-#if RP_HAVE_CUDA_ALLOCATOR_STATS
+#if RP_HAVE_CUDA_LIBTORCH
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
     char buf[160];
     std::snprintf(buf, sizeof(buf), "device memory peak: %.2f GiB allocated by tensors, %.2f GiB reserved",

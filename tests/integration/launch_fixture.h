@@ -71,6 +71,31 @@ class LaunchTest : public ::testing::Test {
     return testing::RunProcess(args, 240, Env());
   }
 
+  // A two-worker run of `steps` steps (a checkpoint at the end, hang timeout 2 s), fault-free and
+  // with the test hook `hook` (an environment variable naming a marker file) armed in one worker:
+  // the armed run must say `fired`, lose that worker to hang detection, replace it, and end with
+  // the fault-free run's losses and checkpoint. Returns the job's overrides.
+  std::vector<std::string> ExpectHungWorkerReplaced(const std::string& tag, int steps, const std::string& hook,
+                                                    const std::string& fired) {
+    const std::string n = std::to_string(steps);
+    const std::vector<std::string> job = {"train.steps=" + n, "train.accum_calls=1", "train.microbatches=4",
+                                          "checkpoint.every=" + n, "job.worker_timeout_s=2"};
+    auto clean = Launch(2, tmp_ + "/" + tag + "-clean", job);
+    EXPECT_EQ(clean.code, 0) << clean.output;
+    auto env = Env();
+    env.push_back(hook + "=" + tmp_ + "/" + tag + "-marker");
+    auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/" + tag, job), 120, env);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(fired), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("sent nothing for"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("starting a replacement"), std::string::npos) << r.output;
+    EXPECT_EQ(testing::Losses(tmp_ + "/" + tag + "/metrics.jsonl"),
+              testing::Losses(tmp_ + "/" + tag + "-clean/metrics.jsonl"));
+    const std::string state = "/checkpoints/step-" + std::string(8 - n.size(), '0') + n + ".rpstate";
+    EXPECT_TRUE(ReadBytes(tmp_ + "/" + tag + state) == ReadBytes(tmp_ + "/" + tag + "-clean" + state)) << tag;
+    return job;
+  }
+
   std::string tmp_, runtime_;
   std::vector<std::string> before_;
 };

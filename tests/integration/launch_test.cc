@@ -743,24 +743,11 @@ TEST_F(LaunchTest, HungWorkerIsKilledAndReplaced) {
   // One worker stops making progress without exiting (RP_TEST_HANG_ONCE): its heartbeats stop,
   // the coordinator kills it after job.worker_timeout_s, a replacement finishes its jobs, and the
   // result equals the fault-free run's. Without restarts the run stops naming the hung worker.
-  const std::vector<std::string> job = {"train.steps=20", "train.accum_calls=1", "train.microbatches=4",
-                                        "checkpoint.every=20", "job.worker_timeout_s=2"};
-  auto clean = Launch(2, tmp_ + "/hang-clean", job);
-  ASSERT_EQ(clean.code, 0) << clean.output;
-  auto env = Env();
-  env.push_back("RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker");
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang", job), 120, env);
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("hanging on purpose"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("sent nothing for"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("starting a replacement"), std::string::npos) << r.output;
-  EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl"), Losses(tmp_ + "/hang-clean/metrics.jsonl"));
-  EXPECT_TRUE(ReadBytes(tmp_ + "/hang/checkpoints/step-00000020.rpstate") ==
-              ReadBytes(tmp_ + "/hang-clean/checkpoints/step-00000020.rpstate"));
-
+  const auto job = ExpectHungWorkerReplaced("hang", 20, "RP_TEST_HANG_ONCE", "hanging on purpose");
   auto no_restart = job;
   no_restart.push_back("job.max_worker_restarts=0");
-  env.back() = "RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker2";
+  auto env = Env();
+  env.push_back("RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker2");
   const auto t0 = std::chrono::steady_clock::now();
   auto stopped = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang-stop", no_restart), 120, env);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -774,20 +761,7 @@ TEST_F(LaunchTest, AStalledDeviceIsTreatedAsAHungWorker) {
   // (RP_TEST_DEVICE_HANG_ONCE: a stuck kernel) the loop keeps running, but its heartbeats stop
   // after job.worker_timeout_s without progress: the coordinator replaces it, and the result
   // equals the fault-free run's.
-  const std::vector<std::string> job = {"train.steps=12", "train.accum_calls=1", "train.microbatches=4",
-                                        "checkpoint.every=12", "job.worker_timeout_s=2"};
-  auto clean = Launch(2, tmp_ + "/stall-clean", job);
-  ASSERT_EQ(clean.code, 0) << clean.output;
-  auto env = Env();
-  env.push_back("RP_TEST_DEVICE_HANG_ONCE=" + tmp_ + "/stall-marker");
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/stall", job), 120, env);
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("stops completing work on purpose"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("sent nothing for"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("starting a replacement"), std::string::npos) << r.output;
-  EXPECT_EQ(Losses(tmp_ + "/stall/metrics.jsonl"), Losses(tmp_ + "/stall-clean/metrics.jsonl"));
-  EXPECT_TRUE(ReadBytes(tmp_ + "/stall/checkpoints/step-00000012.rpstate") ==
-              ReadBytes(tmp_ + "/stall-clean/checkpoints/step-00000012.rpstate"));
+  ExpectHungWorkerReplaced("stall", 12, "RP_TEST_DEVICE_HANG_ONCE", "stops completing work on purpose");
 }
 
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {

@@ -172,6 +172,12 @@ TEST(Layout, GradientArenaStreamsOnlyWhenNothingMustBeHeld) {
   }
 }
 
+// Every hidden-state and input-gradient slot of a layout with host activation slots.
+uint64_t ActivationSlotBytes(const ArenaLayout& l) {
+  return static_cast<uint64_t>(l.parities) * l.microbatches * (l.num_hidden + l.grad_slots_per_mb) *
+         l.act_slot_bytes;
+}
+
 TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
   auto cfg = SmallConfig();
   auto spec = core::BuildModelSpec(cfg.model);
@@ -183,8 +189,7 @@ TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
   ASSERT_TRUE(host.ok() && worker.ok());
   EXPECT_FALSE(host->activations_in_worker);
   EXPECT_TRUE(worker->activations_in_worker);
-  const uint64_t slots = static_cast<uint64_t>(host->parities) * host->microbatches *
-                         (host->num_hidden + host->grad_slots_per_mb) * host->act_slot_bytes;
+  const uint64_t slots = ActivationSlotBytes(*host);
   ASSERT_GT(slots, 0u);
   EXPECT_EQ(worker->total_bytes + slots, host->total_bytes);
   EXPECT_NE(worker->hash, host->hash);  // a worker configured otherwise refuses to attach
@@ -205,8 +210,7 @@ TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
   EXPECT_FALSE(host->activations_in_pools);
   EXPECT_EQ(host->pool_bytes, 0u);
   ASSERT_TRUE(pools->activations_in_pools);
-  const uint64_t slots = static_cast<uint64_t>(host->parities) * host->microbatches *
-                         (host->num_hidden + host->grad_slots_per_mb) * host->act_slot_bytes;
+  const uint64_t slots = ActivationSlotBytes(*host);
   ASSERT_GT(slots, 0u);
   EXPECT_EQ(pools->total_bytes + slots, host->total_bytes);
   EXPECT_EQ(pools->pool_bytes, slots);
@@ -221,7 +225,9 @@ TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
   std::sort(ranges.begin(), ranges.end());
   for (size_t k = 0; k < ranges.size(); ++k) {
     EXPECT_LE(ranges[k].first + ranges[k].second, pools->pool_bytes) << k;
-    if (k > 0) EXPECT_GE(ranges[k].first, ranges[k - 1].first + ranges[k - 1].second) << k;
+    if (k > 0) {
+      EXPECT_GE(ranges[k].first, ranges[k - 1].first + ranges[k - 1].second) << k;
+    }
   }
   EXPECT_EQ(ranges.size() * pools->act_slot_bytes, pools->pool_bytes);  // and nothing between them
 }

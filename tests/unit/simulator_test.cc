@@ -72,9 +72,10 @@ TEST(Simulator, IsolatedRoundIdleIsFillAndDrainOnly) {
   EXPECT_NEAR(r.fill_ratio + r.drain_ratio + r.imbalance_ratio, r.bubble_ratio, 1e-12);
 }
 
-TEST(Simulator, TransfersAndPrefetchByHand) {
-  // One worker, two stages. Link 10 B/s each way. Stage 0: 20 B of weights, 1 s compute, 10 B
-  // in and 10 B out per microbatch. Stage 1: 40 B of weights, 2 s compute, 30 B of gradients.
+// One worker, two stages, two microbatches. Link 10 B/s each way. Stage 0: 20 B of weights, 1 s
+// compute, 10 B in and 10 B out per microbatch. Stage 1: 40 B of weights, 2 s compute, 30 B of
+// gradients.
+SimInput TwoStagesByHand() {
   SimInput in;
   in.h2d_bytes_per_s = in.d2h_bytes_per_s = 10.0;
   in.microbatches = 2;
@@ -88,6 +89,11 @@ TEST(Simulator, TransfersAndPrefetchByHand) {
   b.grad_bytes = 30.0;
   b.owners = {1};
   in.stages = {a, b};
+  return in;
+}
+
+TEST(Simulator, TransfersAndPrefetchByHand) {
+  SimInput in = TwoStagesByHand();
   auto r = Simulate(in);
   // Job 0: fetch [0, 2); microbatches of 1 + 1 + 1 s: [2, 5), [5, 8).
   // Job 1: prefetch starts when job 0 began (2) and the weights stream is free (2): [2, 6);
@@ -104,20 +110,8 @@ TEST(Simulator, OverlappedCopiesExposeOnlyEachJobsFirstInputByHand) {
   // [2, 3), compute [3, 4), output [4, 5); microbatch 1: input [3, 4), compute [4, 5), output
   // [5, 6). Stage 1 (weights prefetched [2, 6)): microbatch 0 from 6 (weights) to 8, microbatch 1
   // [8, 10) (its input, stage 0's output, was there at 6); gradients [10, 13).
-  SimInput in;
-  in.h2d_bytes_per_s = in.d2h_bytes_per_s = 10.0;
-  in.microbatches = 2;
+  SimInput in = TwoStagesByHand();
   in.copies_overlap = true;
-  SimStage a, b;
-  a.compute_s = 1.0;
-  a.in_bytes = a.out_bytes = 10.0;
-  a.weight_bytes = 20.0;
-  a.owners = {0};
-  b.compute_s = 2.0;
-  b.weight_bytes = 40.0;
-  b.grad_bytes = 30.0;
-  b.owners = {1};
-  in.stages = {a, b};
   auto r = Simulate(in);
   EXPECT_DOUBLE_EQ(r.step_done[0], 13.0);
   EXPECT_DOUBLE_EQ(r.busy[0], 6.0);  // compute only: the copies ran beside it
