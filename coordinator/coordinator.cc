@@ -100,6 +100,8 @@ class Coordinator {
   // Writes the training state after `t + 1` steps if a checkpoint is due then. Called before the
   // optimizer sees step t + 1's first gradient, so masters and moments hold exactly t + 1 updates.
   Status MaybeCheckpoint(int64_t t);
+  bool PeriodicCheckpointAfter(int64_t t) const;
+  bool FirstCommitMayGo(int64_t step, int stage) const;
   std::vector<StateSection> StateSections();
   int64_t StepH2dBytes() const;
   Status Handle(int rank, const Message& m);
@@ -563,6 +565,22 @@ std::vector<int> Coordinator::StageGradSlots(int stage) const {
   return slots;
 }
 
+bool Coordinator::FirstCommitMayGo(int64_t step, int stage) const {
+  // The first commit of a step places the stage's slots: the previous step's update must have
+  // given them back. In exact mode that is all it needs (the optimizer's second passes run while
+  // this step computes, and each slot comes back when its parameter's update is complete). In
+  // stale1 mode, and before a checkpoint (which must hold step - 1 whole and nothing of this
+  // step), the whole previous update must be complete.
+  if (cfg_.optimizer.mode != "exact" || PeriodicCheckpointAfter(step - 1)) return optimizer_->Updated(step - 1);
+  for (int slot : StageGradSlots(stage))
+    if (grad_arena_->IsPlaced(slot)) return false;
+  return true;
+}
+
+bool Coordinator::PeriodicCheckpointAfter(int64_t t) const {
+  return cfg_.checkpoint.every > 0 && (t + 1) % cfg_.checkpoint.every == 0;
+}
+
 Status Coordinator::TryCommits(int64_t step) {
   // Gradients of one stage are written in call order (the first overwrites, later ones add), so
   // the float sums do not depend on which worker finishes first.
@@ -572,9 +590,8 @@ Status Coordinator::TryCommits(int64_t step) {
     if (it == jobs_.end()) continue;
     JobState& j = it->second;
     if (!j.grads_ready || j.commit_sent) continue;
-    // The first commit of a step overwrites the slots: the previous step's update must have
-    // consumed them (implied in exact mode by the weight versions, not in stale1 mode).
-    if (j.call == 0 && step > 0 && !optimizer_->Updated(step - 1)) continue;
+    // (A job re-dispatched after a worker died may have placed its slots already.)
+    if (j.call == 0 && !j.slots_placed && step > 0 && !FirstCommitMayGo(step, j.stage)) continue;
     if (j.call > 0) {
       auto prev = jobs_.find(JobIndex(step, j.call - 1, j.stage));
       if (prev != jobs_.end() && !prev->second.done) continue;
@@ -1104,7 +1121,7 @@ std::vector<StateSection> Coordinator::StateSections() {
 Status Coordinator::MaybeCheckpoint(int64_t t) {
   const int64_t done = t + 1;
   if (t < first_step_ || done <= checkpointed_) return Status::Ok();
-  const bool periodic = cfg_.checkpoint.every > 0 && done % cfg_.checkpoint.every == 0;
+  const bool periodic = PeriodicCheckpointAfter(t);
   const bool last = done == stop_step_ && (cfg_.checkpoint.every > 0 || stop_step_ < cfg_.train.steps);
   if (!periodic && !last) return Status::Ok();
   if (!optimizer_->Updated(t))

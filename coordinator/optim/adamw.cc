@@ -49,7 +49,9 @@ struct AdamWConsts {
 
 // The oracle: one element. Same operation order as torch.optim.AdamW's single-tensor path, so
 // results agree with it to rounding. Every SIMD path below performs exactly these operations.
-template <typename Out>
+// kMaster/kMoments say whether the master and the moments are written (UpdateWrites); values
+// never written are still computed the same way, and the compiler drops what nothing uses.
+template <typename Out, bool kMaster, bool kMoments>
 inline void AdamWElement(const AdamWConsts& k, const float* grad, float* master, float* m, float* v,
                          Out* out_copy, int64_t i) {
   const float g = grad[i] * k.grad_scale;
@@ -58,26 +60,28 @@ inline void AdamWElement(const AdamWConsts& k, const float* grad, float* master,
   const float vi = v[i] * k.b2 + g * g * k.one_minus_b2;
   const float denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
   p = p - k.step_size * (mi / denom);
-  master[i] = p;
-  m[i] = mi;
-  v[i] = vi;
+  if constexpr (kMaster) master[i] = p;
+  if constexpr (kMoments) {
+    m[i] = mi;
+    v[i] = vi;
+  }
   if constexpr (std::is_same_v<Out, float>) out_copy[i] = p;
   if constexpr (std::is_same_v<Out, uint16_t>) out_copy[i] = ToBf16Branchless(p);
 }
 
 // Out = void: the master is its own compute copy (fp32, as in rp-train-ref).
 // Kept a plain loop (no auto-vectorization) so it really is the one-element-at-a-time reference.
-template <typename Out>
+template <typename Out, bool kMaster, bool kMoments>
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-tree-vectorize")))
 #endif
 void AdamWScalar(const AdamWConsts& k, const float* grad, float* master, float* m, float* v,
                  Out* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) AdamWElement(k, grad, master, m, v, out, i);
+  for (int64_t i = 0; i < n; ++i) AdamWElement<Out, kMaster, kMoments>(k, grad, master, m, v, out, i);
 }
 
 #if defined(__x86_64__)
-template <typename Out>
+template <typename Out, bool kMaster, bool kMoments>
 __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float* grad,
                                                  float* master, float* m, float* v, Out* out,
                                                  int64_t n) {
@@ -98,9 +102,11 @@ __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float
                                     _mm256_mul_ps(_mm256_mul_ps(g, g), omb2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
     p = _mm256_sub_ps(p, _mm256_mul_ps(step, _mm256_div_ps(mi, denom)));
-    _mm256_storeu_ps(master + i, p);
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
+    if constexpr (kMaster) _mm256_storeu_ps(master + i, p);
+    if constexpr (kMoments) {
+      _mm256_storeu_ps(m + i, mi);
+      _mm256_storeu_ps(v + i, vi);
+    }
     if constexpr (std::is_same_v<Out, float>) _mm256_storeu_ps(out + i, p);
     if constexpr (std::is_same_v<Out, uint16_t>) {
       // Round to nearest even on the bit pattern; NaN keeps its top bits and is made quiet.
@@ -116,13 +122,13 @@ __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
     }
   }
-  for (; i < n; ++i) AdamWElement(k, grad, master, m, v, out, i);
+  for (; i < n; ++i) AdamWElement<Out, kMaster, kMoments>(k, grad, master, m, v, out, i);
 }
 
 // GCC 12's _mm512_sqrt_ps reads an intentionally undefined pass-through operand and warns.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-template <typename Out>
+template <typename Out, bool kMaster, bool kMoments>
 __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const float* grad,
                                                      float* master, float* m, float* v, Out* out,
                                                      int64_t n) {
@@ -143,9 +149,11 @@ __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const 
                                     _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
     p = _mm512_sub_ps(p, _mm512_mul_ps(step, _mm512_div_ps(mi, denom)));
-    _mm512_storeu_ps(master + i, p);
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
+    if constexpr (kMaster) _mm512_storeu_ps(master + i, p);
+    if constexpr (kMoments) {
+      _mm512_storeu_ps(m + i, mi);
+      _mm512_storeu_ps(v + i, vi);
+    }
     if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(out + i, p);
     if constexpr (std::is_same_v<Out, uint16_t>) {
       const __m512i bits = _mm512_castps_si512(p);
@@ -158,7 +166,7 @@ __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(h));
     }
   }
-  for (; i < n; ++i) AdamWElement(k, grad, master, m, v, out, i);
+  for (; i < n; ++i) AdamWElement<Out, kMaster, kMoments>(k, grad, master, m, v, out, i);
 }
 #pragma GCC diagnostic pop
 #endif
@@ -178,13 +186,31 @@ SimdLevel DetectSimdLevel() {
   return best;
 }
 
-// Calls loop(out) with the compute copy typed for its dtype, or with a void* null when the master
-// is its own copy (fp32, aliased): one place that picks the loop instantiation for every optimizer.
+// Calls loop(out, write_master, write_moments) with the compute copy typed for its dtype (a void*
+// null when the master is its own copy: fp32, aliased, or a pass that writes no copy) and the two
+// write flags as std::bool_constant: the one place that maps (copy, UpdateWrites) to a loop
+// instantiation, for every optimizer.
 template <typename Loop>
-void WithComputeCopy(void* compute, const float* master, ComputeDtype dtype, Loop&& loop) {
-  if (dtype == ComputeDtype::kFloat32 && compute == master) loop(static_cast<void*>(nullptr));
-  else if (dtype == ComputeDtype::kFloat32) loop(static_cast<float*>(compute));
-  else loop(static_cast<uint16_t*>(compute));
+void WithWrites(void* compute, const float* master, ComputeDtype dtype, UpdateWrites writes, Loop&& loop) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  void* const none = nullptr;
+  if (dtype == ComputeDtype::kFloat32 && compute == master) {
+    // The master is what workers fetch: kFetched writes it, kRest the moments.
+    switch (writes) {
+      case UpdateWrites::kAll: return loop(none, Yes{}, Yes{});
+      case UpdateWrites::kFetched: return loop(none, Yes{}, No{});
+      case UpdateWrites::kRest: return loop(none, No{}, Yes{});
+    }
+    return;
+  }
+  if (writes == UpdateWrites::kRest) return loop(none, Yes{}, Yes{});
+  auto typed = [&](auto* out) {
+    if (writes == UpdateWrites::kAll) loop(out, Yes{}, Yes{});
+    else loop(out, No{}, No{});
+  };
+  if (dtype == ComputeDtype::kFloat32) typed(static_cast<float*>(compute));
+  else typed(static_cast<uint16_t*>(compute));
 }
 
 }  // namespace
@@ -205,7 +231,7 @@ SimdLevel BestSimdLevel() {
 
 void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, const float* grad,
                      float* master, float* m, float* v, int64_t n, void* compute,
-                     ComputeDtype compute_dtype) {
+                     ComputeDtype compute_dtype, UpdateWrites writes) {
   if (static_cast<int>(level) > static_cast<int>(BestSimdLevel())) level = BestSimdLevel();
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
@@ -219,27 +245,29 @@ void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, con
   k.one_minus_b1 = static_cast<float>(1.0 - h.beta1);
   k.one_minus_b2 = static_cast<float>(1.0 - h.beta2);
   k.eps = static_cast<float>(h.eps);
-  WithComputeCopy(compute, master, compute_dtype, [&](auto* out) {
+  WithWrites(compute, master, compute_dtype, writes, [&](auto* out, auto wm, auto wmo) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    constexpr bool kM = decltype(wm)::value, kMo = decltype(wmo)::value;
     switch (level) {
 #if defined(__x86_64__)
-      case SimdLevel::kAvx512: return AdamWAvx512(k, grad, master, m, v, out, n);
-      case SimdLevel::kAvx2: return AdamWAvx2(k, grad, master, m, v, out, n);
+      case SimdLevel::kAvx512: return AdamWAvx512<Out, kM, kMo>(k, grad, master, m, v, out, n);
+      case SimdLevel::kAvx2: return AdamWAvx2<Out, kM, kMo>(k, grad, master, m, v, out, n);
 #else
       case SimdLevel::kAvx512:
       case SimdLevel::kAvx2:
 #endif
-      case SimdLevel::kScalar: return AdamWScalar(k, grad, master, m, v, out, n);
+      case SimdLevel::kScalar: return AdamWScalar<Out, kM, kMo>(k, grad, master, m, v, out, n);
     }
   });
 }
 
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
-                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype) {
-  AdamWUpdateWith(BestSimdLevel(), h, grad_scale, grad, master, m, v, n, compute, compute_dtype);
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype, UpdateWrites writes) {
+  AdamWUpdateWith(BestSimdLevel(), h, grad_scale, grad, master, m, v, n, compute, compute_dtype, writes);
 }
 
 namespace {
-template <typename Out>
+template <typename Out, bool kMaster, bool kMoments>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void SgdLoop(const float* __restrict grad, float* __restrict master, float* __restrict buf,
              Out* __restrict out_copy, int64_t n, float grad_scale, float lr, float mu, float wd) {
@@ -248,8 +276,8 @@ void SgdLoop(const float* __restrict grad, float* __restrict master, float* __re
     const float d = grad[i] * grad_scale + wd * p;
     const float b = buf[i] * mu + d;
     const float np = p - lr * b;
-    buf[i] = b;
-    master[i] = np;
+    if constexpr (kMoments) buf[i] = b;
+    if constexpr (kMaster) master[i] = np;
     if constexpr (std::is_same_v<Out, float>) out_copy[i] = np;
     if constexpr (std::is_same_v<Out, uint16_t>) out_copy[i] = ToBf16Branchless(np);
   }
@@ -257,11 +285,18 @@ void SgdLoop(const float* __restrict grad, float* __restrict master, float* __re
 }  // namespace
 
 void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* master, float* buf,
-               int64_t n, void* compute, ComputeDtype compute_dtype) {
+               int64_t n, void* compute, ComputeDtype compute_dtype, UpdateWrites writes) {
   const float lr = static_cast<float>(h.lr), mu = static_cast<float>(h.momentum);
   const float wd = static_cast<float>(h.weight_decay);
-  WithComputeCopy(compute, master, compute_dtype, [&](auto* out) {
-    SgdLoop(grad, master, buf, out, n, grad_scale, lr, mu, wd);
+  if (compute_dtype == ComputeDtype::kFloat32 && compute == master && writes != UpdateWrites::kAll) {
+    // The momentum reads the old master (weight decay enters through the gradient), so with the
+    // master as its own copy nothing can be deferred: the first pass does all of it.
+    if (writes == UpdateWrites::kRest) return;
+    writes = UpdateWrites::kAll;
+  }
+  WithWrites(compute, master, compute_dtype, writes, [&](auto* out, auto wm, auto wmo) {
+    SgdLoop<std::remove_pointer_t<decltype(out)>, decltype(wm)::value, decltype(wmo)::value>(
+        grad, master, buf, out, n, grad_scale, lr, mu, wd);
   });
 }
 

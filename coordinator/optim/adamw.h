@@ -27,18 +27,29 @@ struct AdamWHyper {
 
 enum class ComputeDtype : uint8_t { kFloat32, kBFloat16 };
 
+// Which of an update's outputs one pass writes. An update can run as two passes over the same
+// inputs: kFetched writes only what workers fetch (the compute copy, or the master when the master
+// is its own copy) and kRest writes everything else (the moments, and the master when a separate
+// copy exists). Both passes recompute the same values with the same operations, so kFetched then
+// kRest leaves exactly the bits kAll leaves. Why split: in exact mode the next step's forward
+// waits only for the fetched array, and a pass that skips writing the moments moves 20-28% fewer
+// bytes (see AsyncOptimizer). SGD with the master as its own copy cannot defer anything (its
+// momentum reads the old master): there kFetched does everything and kRest nothing.
+enum class UpdateWrites : uint8_t { kAll, kFetched, kRest };
+
 enum class SimdLevel : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 const char* SimdLevelName(SimdLevel level);
 // What this CPU supports, capped by the RP_SIMD environment variable; computed once.
 SimdLevel BestSimdLevel();
 
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
-                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype);
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype,
+                 UpdateWrites writes = UpdateWrites::kAll);
 // The same with an explicit implementation (tests and the benchmark); `level` must not exceed
 // what the CPU supports (checked: falls back to the best supported level).
 void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, const float* grad,
                      float* master, float* m, float* v, int64_t n, void* compute,
-                     ComputeDtype compute_dtype);
+                     ComputeDtype compute_dtype, UpdateWrites writes = UpdateWrites::kAll);
 
 // SGD with momentum, torch.optim.SGD semantics (dampening 0, not Nesterov): d = g + wd * p;
 // buf = momentum * buf + d (buf starts at zero, so the first step's buf is d); p -= lr * buf.
@@ -48,7 +59,8 @@ struct SgdHyper {
   double weight_decay = 0.0;
 };
 void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* master, float* buf,
-               int64_t n, void* compute, ComputeDtype compute_dtype);
+               int64_t n, void* compute, ComputeDtype compute_dtype,
+               UpdateWrites writes = UpdateWrites::kAll);
 
 uint16_t FloatToBFloat16(float f);
 float BFloat16ToFloat(uint16_t b);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "coordinator/optim/async_optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/logging.h"
@@ -21,9 +22,11 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       param_chunks_(spec.params.size()),
       param_slots_(spec.params.size()),
       layer_param_count_(spec.NumLayers(), 0),
+      two_passes_(cfg.optimizer.mode == "exact"),
       slots_left_(spec.params.size(), 0),
       param_chunks_left_(spec.params.size()),
       layer_params_left_(spec.NumLayers()),
+      param_rest_chunks_left_(spec.params.size()),
       layer_start_us_(spec.NumLayers()) {
   for (size_t p = 0; p < spec.params.size(); ++p) {
     for (int64_t b = 0; b < spec.params[p].numel; b += kOptimizerChunk) {
@@ -35,6 +38,15 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   for (size_t s = 0; s < spec.grad_slots.size(); ++s)
     param_slots_[spec.grad_slots[s].param].push_back(static_cast<int>(s));
   partial_.assign(chunks_.size(), 0.0);
+  std::vector<int> last_use(spec.params.size(), -1);
+  for (int l = 0; l < spec.NumLayers(); ++l)
+    for (const auto& use : spec.layer_uses[l]) {
+      const int p = spec.grad_slots[use.grad_slot].param;
+      last_use[p] = std::max(last_use[p], l);
+    }
+  for (size_t p = 0; p < spec.params.size(); ++p) rest_order_.push_back(static_cast<int>(p));
+  std::stable_sort(rest_order_.begin(), rest_order_.end(),
+                   [&](int a, int b) { return last_use[a] > last_use[b]; });
   for (int t = 0; t < std::max(1, threads); ++t) threads_.emplace_back([this] { WorkerLoop(); });
 }
 
@@ -82,13 +94,14 @@ double AsyncOptimizer::LearningRate(int64_t step) const {
 
 void AsyncOptimizer::StartAfter(int64_t steps_done) {
   step_ = steps_done - 1;
+  published_through_.store(steps_done - 1);
   updated_through_.store(steps_done - 1);
 }
 
 void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   if (step != step_) {
-    RP_CHECK(step == step_ + 1 && updated_through_.load() == step_)
-        << "optimizer step " << step << " began before step " << step_ << " was updated";
+    RP_CHECK(step == step_ + 1 && published_through_.load() == step_)
+        << "optimizer step " << step << " began before step " << step_ << " was published";
     step_ = step;
     for (size_t p = 0; p < spec_.params.size(); ++p) {
       slots_left_[p] = static_cast<int>(param_slots_[p].size());
@@ -100,6 +113,8 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     }
     chunks_norm_left_.store(static_cast<int64_t>(chunks_.size()));
     params_left_.store(static_cast<int>(spec_.params.size()));
+    // Step - 1's second passes may still run, on the other parity's counter.
+    params_rest_left_[step & 1].store(static_cast<int>(spec_.params.size()));
   }
   const int p = spec_.grad_slots[slot].param;
   RP_CHECK(slots_left_[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
@@ -118,7 +133,7 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
     for (int64_t i = 0; i < c.end - c.begin; ++i) g[i] += o[i];
   }
   partial_[chunk] = SquaredSum(g, c.end - c.begin);
-  if (then_update) UpdateChunk(step, chunk);
+  if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
   if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
 }
 
@@ -133,14 +148,16 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   if (cfg_.train.grad_clip <= 0.0) return;  // already updated chunk by chunk
   clip_scale_ = ClipScale(norm, cfg_.train.grad_clip);
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
+  const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
   for (size_t c = 0; c < chunks_.size(); ++c)
-    Submit([this, step, c] { UpdateChunk(step, c); });
+    Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
 }
 
-void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
+void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
   const Chunk& c = chunks_[chunk];
   int64_t unset = 0;
-  layer_start_us_[spec_.params[c.param].owner_layer].compare_exchange_strong(unset, WallMicros());
+  if (writes != UpdateWrites::kRest)
+    layer_start_us_[spec_.params[c.param].owner_layer].compare_exchange_strong(unset, WallMicros());
   const auto& ps = spec_.params[c.param];
   const bool bf16 = cfg_.train.dtype == "bf16";
   auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + c.begin; };
@@ -159,13 +176,19 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk) {
               f32(state_, grads_->Offset(param_slots_[c.param][0])), master,
               f32(optim_, layout_.adam_m[c.param]),
               layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[c.param]), c.end - c.begin,
-              compute, compute_dtype);
-  if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
+              compute, compute_dtype, writes);
+  if (writes == UpdateWrites::kRest) {
+    if (param_rest_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
+  } else if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    OnParamPublished(step, c.param);
+  }
 }
 
-void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
-  // Before the version is published: the next step's first commit expects the arena free.
-  for (int slot : param_slots_[param]) grads_->Release(slot);
+void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
+  // One pass: the update is complete. Its slots go back before the version is published, so the
+  // next step's first commit finds them free.
+  if (!two_passes_)
+    for (int slot : param_slots_[param]) grads_->Release(slot);
   const int layer = spec_.params[param].owner_layer;
   if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
@@ -173,7 +196,29 @@ void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
     std::lock_guard<std::mutex> l(mu_);
     spans_.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
   }
-  if (params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) updated_through_.store(step);
+  // Without clipping parameters are updated as their gradients become final (backward order,
+  // already the order the next step needs them back); with clipping every first pass comes
+  // before any second pass, and those go in rest_order_.
+  if (two_passes_ && cfg_.train.grad_clip <= 0.0) SubmitRest(step, param);
+  const bool last = params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1;
+  if (last) published_through_.store(step);
+  if (!two_passes_) CountUpdated(step);
+  if (last && two_passes_ && cfg_.train.grad_clip > 0.0)
+    for (int p : rest_order_) SubmitRest(step, p);
+}
+
+void AsyncOptimizer::SubmitRest(int64_t step, int param) {
+  param_rest_chunks_left_[param].store(static_cast<int64_t>(param_chunks_[param].size()));
+  for (size_t c : param_chunks_[param]) Submit([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); });
+}
+
+void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
+  for (int slot : param_slots_[param]) grads_->Release(slot);
+  CountUpdated(step);
+}
+
+void AsyncOptimizer::CountUpdated(int64_t step) {
+  if (params_rest_left_[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1) updated_through_.store(step);
 }
 
 std::optional<double> AsyncOptimizer::GradNorm(int64_t step) const {
@@ -198,7 +243,12 @@ std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::SpansOfStep(int64_t step)
   return out;
 }
 
-bool AsyncOptimizer::Updated(int64_t step) const { return updated_through_.load() >= step; }
+bool AsyncOptimizer::Updated(int64_t step) const {
+  // Both: without clipping a step's last second pass can end before its last first pass counts.
+  return updated_through_.load() >= step && published_through_.load() >= step;
+}
+
+bool AsyncOptimizer::Published(int64_t step) const { return published_through_.load() >= step; }
 
 
 }  // namespace rp::coord

@@ -17,14 +17,14 @@ double ClipScale(double norm, double clip) {
 
 void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_based, bool decay,
                  float grad_scale, const float* grad, float* master, float* m, float* v, int64_t n,
-                 void* compute, ComputeDtype dtype) {
+                 void* compute, ComputeDtype dtype, UpdateWrites writes) {
   const double wd = decay ? opt.weight_decay : 0.0;
   if (opt.name == "sgd") {
-    SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype);
+    SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype, writes);
     return;
   }
   AdamWUpdate(AdamWHyper{lr, opt.beta1, opt.beta2, opt.eps, wd, step_one_based}, grad_scale, grad,
-              master, m, v, n, compute, dtype);
+              master, m, v, n, compute, dtype, writes);
 }
 
 OptimizerStepResult OptimizerStep(const std::vector<ParamArrays>& params,

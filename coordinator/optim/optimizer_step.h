@@ -34,11 +34,11 @@ double SquaredSum(const float* g, int64_t n);
 double ClipScale(double norm, double clip);
 
 // Updates elements [0, n) of one parameter with the configured optimizer (adamw or sgd); `v` is
-// unused (may be null) for sgd. The one place both the synchronous step and the asynchronous
-// per-layer optimizer go through.
+// unused (may be null) for sgd. `writes` picks the pass (adamw.h: UpdateWrites). The one place
+// both the synchronous step and the asynchronous per-layer optimizer go through.
 void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_based, bool decay,
                  float grad_scale, const float* grad, float* master, float* m, float* v, int64_t n,
-                 void* compute, ComputeDtype dtype);
+                 void* compute, ComputeDtype dtype, UpdateWrites writes = UpdateWrites::kAll);
 
 struct OptimizerStepResult {
   double grad_norm = 0.0;   // before clipping

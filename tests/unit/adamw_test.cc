@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "coordinator/optim/adamw.h"
 #include "coordinator/optim/optimizer_step.h"
@@ -132,6 +133,88 @@ TEST(AdamW, SimdPathsMatchTheScalarOracle) {
   }
   std::printf("SIMD paths checked against the scalar oracle: %d (best here: %s)\n", tested,
               SimdLevelName(BestSimdLevel()));
+}
+
+// The exact-mode optimizer updates in two passes (kFetched, then kRest; adamw.h). For every SIMD
+// path, every compute-copy layout (master aliased as its own fp32 copy, a separate fp32 copy, a
+// bf16 copy) and both optimizers: the two passes leave exactly the bits of one kAll pass, and
+// after the first pass alone only the fetched array has changed.
+TEST(AdamW, TwoPassesLeaveTheBitsOfOne) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal;
+  enum class Copy { kAliased, kFloat32, kBFloat16 };
+  for (SimdLevel level : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512}) {
+    if (static_cast<int>(level) > static_cast<int>(BestSimdLevel())) continue;
+    for (bool sgd : {false, true}) {
+      for (Copy copy : {Copy::kAliased, Copy::kFloat32, Copy::kBFloat16}) {
+        const int64_t n = 1043;  // a loop tail for every vector width
+        struct Arrays {
+          std::vector<float> master, m, v, out32;
+          std::vector<uint16_t> out16;
+        };
+        Arrays one, two;
+        std::vector<float> g(n);
+        for (int64_t i = 0; i < n; ++i) g[i] = normal(rng) * 1e-2f;
+        one.master.resize(n);
+        one.m.resize(n);
+        one.v.resize(n);
+        for (int64_t i = 0; i < n; ++i) {
+          one.master[i] = normal(rng);
+          one.m[i] = normal(rng) * 1e-3f;
+          one.v[i] = std::abs(normal(rng)) * 1e-6f;
+        }
+        one.out32.assign(n, 0.0f);
+        one.out16.assign(n, 0);
+        two = one;
+        auto target = [&](Arrays& a, ComputeDtype* dtype) -> void* {
+          *dtype = copy == Copy::kBFloat16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32;
+          if (copy == Copy::kAliased) return a.master.data();
+          if (copy == Copy::kFloat32) return a.out32.data();
+          return a.out16.data();
+        };
+        auto update = [&](Arrays& a, UpdateWrites writes) {
+          ComputeDtype dtype;
+          void* out = target(a, &dtype);
+          if (sgd)
+            SgdUpdate(SgdHyper{0.05, 0.9, 0.01}, 0.5f, g.data(), a.master.data(), a.m.data(), n, out, dtype, writes);
+          else
+            AdamWUpdateWith(level, AdamWHyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 2}, 0.5f, g.data(), a.master.data(),
+                            a.m.data(), a.v.data(), n, out, dtype, writes);
+        };
+        const std::string what = std::string(SimdLevelName(level)) + (sgd ? " sgd" : " adamw") + " copy " +
+                                 std::to_string(static_cast<int>(copy));
+        const Arrays before = one;
+        update(one, UpdateWrites::kAll);
+        update(two, UpdateWrites::kFetched);
+        if (sgd && copy == Copy::kAliased) {
+          // Nothing can be deferred there (adamw.h): the first pass is the whole update.
+          EXPECT_EQ(two.master, one.master) << what;
+          EXPECT_EQ(two.m, one.m) << what;
+          update(two, UpdateWrites::kRest);
+          EXPECT_EQ(two.master, one.master) << what;
+          EXPECT_EQ(two.m, one.m) << what;
+          continue;
+        }
+        // Only the fetched array changed.
+        EXPECT_EQ(two.m, before.m) << what;
+        EXPECT_EQ(two.v, before.v) << what;
+        if (copy == Copy::kAliased) {
+          EXPECT_EQ(two.master, one.master) << what;
+        } else {
+          EXPECT_EQ(two.master, before.master) << what;
+          EXPECT_EQ(two.out32, one.out32) << what;
+          EXPECT_EQ(two.out16, one.out16) << what;
+        }
+        update(two, UpdateWrites::kRest);
+        EXPECT_EQ(std::memcmp(one.master.data(), two.master.data(), n * 4), 0) << what;
+        EXPECT_EQ(std::memcmp(one.m.data(), two.m.data(), n * 4), 0) << what;
+        EXPECT_EQ(std::memcmp(one.v.data(), two.v.data(), n * 4), 0) << what;
+        EXPECT_EQ(two.out32, one.out32) << what;
+        EXPECT_EQ(two.out16, one.out16) << what;
+        EXPECT_NE(one.m, before.m) << what;
+      }
+    }
+  }
 }
 
 TEST(AdamW, BFloat16ConversionMatchesATen) {
