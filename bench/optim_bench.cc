@@ -3,7 +3,8 @@
 // same thread count and against torch::optim::AdamW on the same tensors, measured in one run.
 //   rp-optim-bench [--params N] [--threads T] [--reps R]
 // Prints one JSON line. Bytes per parameter and update: master, m, v, gradient read (16);
-// master, m, v and the bf16 compute copy written (14) = 30.
+// master, m, v and the bf16 compute copy written (14) = 30. Also exact mode's two passes over
+// the masters (seconds per 10^9 parameters) at a few software prefetch distances.
 #include <torch/optim/adamw.h>
 
 #include <ATen/ATen.h>
@@ -69,6 +70,29 @@ int main(int argc, char** argv) {
   }
   const double adamw_s = time_path(rp::coord::BestSimdLevel());
 
+  // Exact mode's layout (workers fetch the fp32 master, no copy) and its two passes
+  // (UpdateWrites): seconds per 10^9 parameters for one whole update and for each pass, at
+  // several software prefetch distances (elements).
+  std::string passes;
+  for (int64_t pf : {0, 512, 2048}) {
+    rp::coord::SetAdamWPrefetchDistance(pf);
+    std::string row;
+    for (auto [name, writes] : {std::pair{"all", rp::coord::UpdateWrites::kAll},
+                                std::pair{"fetched", rp::coord::UpdateWrites::kFetched},
+                                std::pair{"rest", rp::coord::UpdateWrites::kRest}}) {
+      const double s = Seconds([&] {
+        rp::coord::ParallelFor(chunks, threads, [&](int64_t c) {
+          const int64_t b = c * rp::coord::kOptimizerChunk, e = std::min(n, b + rp::coord::kOptimizerChunk);
+          rp::coord::AdamWUpdate(h, 1.0f, grad.data() + b, master.data() + b, m.data() + b, v.data() + b, e - b,
+                                 master.data() + b, rp::coord::ComputeDtype::kFloat32, writes);
+        });
+      }, reps);
+      row += std::string(row.empty() ? "" : ", ") + "\"" + name + "\": " + std::to_string(s * 1e9 / static_cast<double>(n));
+    }
+    passes += std::string(passes.empty() ? "" : ", ") + "\"" + std::to_string(pf) + "\": {" + row + "}";
+  }
+  rp::coord::SetAdamWPrefetchDistance(0);
+
   // Baseline: the same 30 bytes per parameter moved by memcpy (15 read + 15 written), same threads.
   const int64_t copy_bytes = n * 15;
   std::vector<char> src(copy_bytes, 1), dst(copy_bytes, 0);
@@ -91,10 +115,10 @@ int main(int argc, char** argv) {
       "{\"params\": %lld, \"threads\": %d, \"adamw_s\": %.4f, \"adamw_gb_per_s\": %.2f, "
       "\"memcpy_gb_per_s\": %.2f, \"adamw_vs_memcpy\": %.3f, \"torch_adamw_s\": %.4f, "
       "\"adamw_speedup_vs_torch\": %.2f, \"torch_version\": \"%d.%d\", \"simd\": \"%s\", "
-      "\"adamw_gb_per_s_by_path\": {%s}}\n",
+      "\"adamw_gb_per_s_by_path\": {%s}, \"master_layout_s_per_1e9_params_by_prefetch\": {%s}}\n",
       static_cast<long long>(n), threads, adamw_s, bytes / adamw_s / 1e9,
       2.0 * static_cast<double>(copy_bytes) / copy_s / 1e9, copy_s / adamw_s, torch_s,
       torch_s / adamw_s, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR,
-      rp::coord::SimdLevelName(rp::coord::BestSimdLevel()), by_path.c_str());
+      rp::coord::SimdLevelName(rp::coord::BestSimdLevel()), by_path.c_str(), passes.c_str());
   return 0;
 }

@@ -51,6 +51,11 @@ void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, con
                      float* master, float* m, float* v, int64_t n, void* compute,
                      ComputeDtype compute_dtype, UpdateWrites writes = UpdateWrites::kAll);
 
+// Software prefetch distance of the AVX-512 AdamW loop in elements, 0 for none (default 512, or
+// the RP_OPTIM_PREFETCH environment variable). For rp-optim-bench, which compares distances in
+// one run; it changes speed only, never results.
+void SetAdamWPrefetchDistance(int64_t elements);
+
 // SGD with momentum, torch.optim.SGD semantics (dampening 0, not Nesterov): d = g + wd * p;
 // buf = momentum * buf + d (buf starts at zero, so the first step's buf is d); p -= lr * buf.
 struct SgdHyper {
