@@ -127,12 +127,15 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = chunks_[chunk];
   const auto& slots = param_slots_[c.param];
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
-  // Tied parameters: fold the other uses' gradients into the first slot, in slot order.
-  for (size_t s = 1; s < slots.size(); ++s) {
-    const float* o = reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin;
-    for (int64_t i = 0; i < c.end - c.begin; ++i) g[i] += o[i];
+  // Tied parameters: fold the other uses' gradients into the first slot, in slot order; the
+  // last fold and the squared sum share one pass.
+  const int64_t n = c.end - c.begin;
+  auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin; };
+  for (size_t s = 1; s + 1 < slots.size(); ++s) {
+    const float* o = other(s);
+    for (int64_t i = 0; i < n; ++i) g[i] += o[i];
   }
-  partial_[chunk] = SquaredSum(g, c.end - c.begin);
+  partial_[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
   if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
   if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
 }

@@ -29,7 +29,14 @@ struct ParamArrays {
 // per-(parameter, chunk) partial sums taken in (parameter, chunk) order, so the synchronous step
 // below and the coordinator's asynchronous per-layer optimizer get bit-identical norms.
 inline constexpr int64_t kOptimizerChunk = 1 << 20;
+// Squared sum of n floats in double: eight interleaved partial sums combined in a fixed order
+// (optimizer_step.cc says why), so the same input gives the same bits everywhere.
 double SquaredSum(const float* g, int64_t n);
+// Adds `other` into g (g[i] += other[i], fp32) and returns the squared sum of the result, summed
+// exactly as SquaredSum sums it: the tied parameters' fold and their norm in one pass over memory
+// (the fold is on the exact-mode boundary's critical path: the embedding's last gradient comes
+// last).
+double AddAndSquaredSum(float* g, const float* other, int64_t n);
 // Multiplier for gradients with global norm `norm` under clipping threshold `clip` (0 = off).
 double ClipScale(double norm, double clip);
 

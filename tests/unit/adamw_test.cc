@@ -217,6 +217,31 @@ TEST(AdamW, TwoPassesLeaveTheBitsOfOne) {
   }
 }
 
+// The gradient norm's squared sum: eight interleaved partial sums in element order, combined
+// pairwise (optimizer_step.h), whatever instruction set runs it; the fused fold gives the bits of
+// the add followed by the sum.
+TEST(OptimizerStep, SquaredSumIsTheDefinedLaneSum) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal;
+  for (int64_t n : {0, 1, 7, 8, 9, 1000, 4099}) {
+    std::vector<float> g(n), o(n);
+    for (int64_t i = 0; i < n; ++i) {
+      g[i] = normal(rng) * std::pow(10.0f, static_cast<float>(i % 5) - 2.0f);
+      o[i] = normal(rng);
+    }
+    double lane[8] = {};
+    for (int64_t i = 0; i < n; ++i) lane[i % 8] += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+    const double want = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    EXPECT_EQ(SquaredSum(g.data(), n), want) << n;
+    std::vector<float> folded = g;
+    for (int64_t i = 0; i < n; ++i) folded[i] += o[i];
+    std::vector<float> fused = g;
+    const double s = AddAndSquaredSum(fused.data(), o.data(), n);
+    EXPECT_EQ(fused, folded) << n;
+    EXPECT_EQ(s, SquaredSum(folded.data(), n)) << n;
+  }
+}
+
 TEST(AdamW, BFloat16ConversionMatchesATen) {
   at::manual_seed(4);
   at::Tensor x = at::cat({at::randn({10000}) * 100, at::tensor({0.f, -0.f, 1e-40f, 65504.f, 3.0e38f})});
