@@ -13,11 +13,14 @@ namespace {
 constexpr int kPlanningSteps = 3;
 // Up to this many layers before the tail the search is exhaustive over contiguous splits.
 constexpr int kExhaustiveLayers = 6;
+// Forward side beyond that: first stages of up to this many layers are tried on their own.
+constexpr int kFrontStageLayers = 6;
 
 // Candidate stage starts for one side over costs.size() layers: every contiguous split when the
 // layers are few (the search is then exact), else the equal and the min-max split for each stage
-// count up to max_parts.
-std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, int max_parts) {
+// count up to max_parts (and with `front_loaded`, the same after each short first stage).
+std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, int max_parts,
+                                             bool front_loaded = false) {
   const int t = static_cast<int>(costs.size());
   std::vector<std::vector<int>> out;
   if (t <= kExhaustiveLayers) {
@@ -33,6 +36,22 @@ std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, i
     out.push_back(EqualCuts(t, p));
     out.push_back(MinMaxPartition(costs, p));
   }
+  if (!front_loaded) return out;
+  // A short first stage, then the equal and min-max splits of the rest: in exact mode the next
+  // step's first stage waits for the update of all its layers after the step's last gradient,
+  // while later stages find theirs done (the optimizer runs ahead of the forward), so a short
+  // first stage starts the step sooner.
+  for (int first = 1; first <= std::min(kFrontStageLayers, t - 1); ++first) {
+    const std::vector<double> rest(costs.begin() + first, costs.end());
+    for (int p = 1; p <= std::min(t - first, max_parts); ++p)
+      for (const auto& cuts : {EqualCuts(t - first, p), MinMaxPartition(rest, p)}) {
+        std::vector<int> starts = {0};
+        for (int c : cuts) starts.push_back(first + c);
+        out.push_back(std::move(starts));
+      }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 double MaxOf(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
@@ -160,7 +179,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
     probe.schedule.tail_blocks = tail;
     const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
     const std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
-    for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2))
+    for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true))
       for (const auto& bc : SideCandidates(b_layers, 3 * workers + 3)) {
         // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
         probe.schedule.forward_stages = static_cast<int>(fc.size());
