@@ -47,7 +47,9 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   for (size_t p = 0; p < spec.params.size(); ++p) rest_order_.push_back(static_cast<int>(p));
   std::stable_sort(rest_order_.begin(), rest_order_.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
-  for (int t = 0; t < std::max(1, threads); ++t) threads_.emplace_back([this] { WorkerLoop(); });
+  const int pool = std::max(1, threads);
+  rest_threads_ = cfg.optimizer.rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.optimizer.rest_threads)) : pool;
+  for (int t = 0; t < pool; ++t) threads_.emplace_back([this, t] { WorkerLoop(t); });
 }
 
 AsyncOptimizer::~AsyncOptimizer() {
@@ -60,24 +62,28 @@ AsyncOptimizer::~AsyncOptimizer() {
   for (auto& t : threads_) t.join();
 }
 
-void AsyncOptimizer::Submit(std::function<void()> task) {
+void AsyncOptimizer::Submit(std::function<void()> task, bool rest) {
   {
     std::lock_guard<std::mutex> l(queue_mu_);
-    queue_.push_back(std::move(task));
+    (rest ? rest_queue_ : queue_).push_back(std::move(task));
     pending_++;
   }
-  queue_cv_.notify_one();
+  // Only some threads take second passes: wake all so one of those sees it.
+  if (rest) queue_cv_.notify_all();
+  else queue_cv_.notify_one();
 }
 
-void AsyncOptimizer::WorkerLoop() {
+void AsyncOptimizer::WorkerLoop(int index) {
+  const bool takes_rest = index < rest_threads_;
   while (true) {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> l(queue_mu_);
-      queue_cv_.wait(l, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      queue_cv_.wait(l, [&] { return stopping_ || !queue_.empty() || (takes_rest && !rest_queue_.empty()); });
+      auto& from = !queue_.empty() ? queue_ : rest_queue_;
+      if (from.empty() || (&from == &rest_queue_ && !takes_rest)) return;  // stopping, nothing left for it
+      task = std::move(from.front());
+      from.pop_front();
     }
     task();
     {
@@ -212,7 +218,7 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
 
 void AsyncOptimizer::SubmitRest(int64_t step, int param) {
   param_rest_chunks_left_[param].store(static_cast<int64_t>(param_chunks_[param].size()));
-  for (size_t c : param_chunks_[param]) Submit([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); });
+  for (size_t c : param_chunks_[param]) Submit([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); }, true);
 }
 
 void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {

@@ -90,8 +90,10 @@ class AsyncOptimizer {
     int param;
     int64_t begin, end;
   };
-  void Submit(std::function<void()> task);
-  void WorkerLoop();
+  // Second passes go to their own queue, which only the first rest_threads_ pool threads take
+  // from, and only when the main queue is empty.
+  void Submit(std::function<void()> task, bool rest = false);
+  void WorkerLoop(int index);
   void NormChunk(int64_t step, size_t chunk, bool then_update);
   void UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes);
   void OnNormsDone(int64_t step);
@@ -136,6 +138,8 @@ class AsyncOptimizer {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<std::function<void()>> queue_;    // GUARDED_BY(queue_mu_)
+  std::deque<std::function<void()>> rest_queue_;  // GUARDED_BY(queue_mu_)
+  int rest_threads_ = 1;
   bool stopping_ = false;                      // GUARDED_BY(queue_mu_)
   int pending_ = 0;                            // GUARDED_BY(queue_mu_)
   std::condition_variable idle_cv_;
