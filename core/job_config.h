@@ -73,7 +73,7 @@ struct OptimizerConfig {
   double momentum = 0.9;         // SGD only
   int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
   int64_t threads = 0;           // optimizer pool; 0 = every usable core
-  int64_t rest_threads = 0;      // of those, how many run exact mode's second passes; 0 = all
+  int64_t rest_threads = 0;      // of those, how many run exact mode's second passes; 0 = a quarter
 };
 
 // LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets

@@ -48,7 +48,8 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   std::stable_sort(rest_order_.begin(), rest_order_.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
   const int pool = std::max(1, threads);
-  rest_threads_ = cfg.optimizer.rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.optimizer.rest_threads)) : pool;
+  rest_threads_ = cfg.optimizer.rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.optimizer.rest_threads))
+                                                 : std::max(1, pool / 4);
   for (int t = 0; t < pool; ++t) threads_.emplace_back([this, t] { WorkerLoop(t); });
 }
 
