@@ -571,7 +571,9 @@ bool Coordinator::FirstCommitMayGo(int64_t step, int stage) const {
   // this step computes, and each slot comes back when its parameter's update is complete). In
   // stale1 mode, and before a checkpoint (which must hold step - 1 whole and nothing of this
   // step), the whole previous update must be complete.
-  if (cfg_.optimizer.mode != "exact" || PeriodicCheckpointAfter(step - 1)) return optimizer_->Updated(step - 1);
+  if ((cfg_.optimizer.mode != "exact" || PeriodicCheckpointAfter(step - 1)) && !optimizer_->Updated(step - 1))
+    return false;
+  // Also when Updated: the optimizer counts a parameter just before it gives its slots back.
   for (int slot : StageGradSlots(stage))
     if (grad_arena_->IsPlaced(slot)) return false;
   return true;

@@ -12,10 +12,26 @@ GradArena::GradArena(const shm::ArenaLayout& layout, std::atomic<uint64_t>* tabl
     : layout_(layout), table_(table), placed_(layout.grad_slot_bytes.size(), 0) {
   // Offset 0 is the segment header, never a slot, so it can mean "not placed".
   if (layout.grad_arena_bytes > 0) free_[layout.grad_arena] = layout.grad_arena_bytes;
+  uint64_t all = 0;
+  for (uint64_t b : layout.grad_slot_bytes) all += b;
+  if (all > 0 && all <= layout.grad_arena_bytes) {
+    uint64_t off = layout.grad_arena;
+    for (uint64_t b : layout.grad_slot_bytes) {
+      fixed_.push_back(off);
+      off += b;
+    }
+  }
 }
 
 bool GradArena::PlaceOneLocked(int slot) {
   const uint64_t need = layout_.grad_slot_bytes[slot];
+  if (!fixed_.empty()) {
+    placed_[slot] = fixed_[slot];
+    used_ += need;
+    peak_ = std::max(peak_, used_);
+    table_[slot].store(fixed_[slot], std::memory_order_release);
+    return true;
+  }
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < need) continue;
     const uint64_t off = it->first, left = it->second - need;
@@ -35,6 +51,7 @@ void GradArena::ReleaseLocked(int slot) {
   RP_CHECK(off != 0) << "gradient slot " << slot << " released but not placed";
   placed_[slot] = 0;
   used_ -= bytes;
+  if (!fixed_.empty()) return;
   auto next = free_.lower_bound(off);
   uint64_t begin = off, size = bytes;
   if (next != free_.begin()) {

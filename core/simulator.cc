@@ -115,7 +115,10 @@ SimResult Simulate(const SimInput& in) {
       double done = std::max(now, outputs_done);
       if (st.grad_bytes > 0) {
         // A gradient slot of step t is free once step t - 1's update of its layer has read it
-        // (exact mode: always by now; stale1: the update runs during this step).
+        // (stale1: the update runs during this step). Exact mode's second passes, which hold the
+        // slots after the layer is published, are not modelled: the profile's rate is the first
+        // pass's, and the second passes run well ahead of the next step's commits on the H200
+        // (a slot that waited would show as a later commit and more gradients held on device).
         double slot_free = 0.0;
         if (t > 0)
           for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);

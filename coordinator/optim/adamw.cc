@@ -155,10 +155,15 @@ __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const 
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     if (pf > 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(grad + i + pf), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + i + pf), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v + i + pf), _MM_HINT_T0);
-      if constexpr (kReadsMaster) _mm_prefetch(reinterpret_cast<const char*>(master + i + pf), _MM_HINT_T0);
+      // Addresses past the arrays' ends are formed as integers (pointer arithmetic there would be
+      // undefined); a prefetch never faults.
+      auto ahead = [&](const float* p) {
+        return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + i) + static_cast<uintptr_t>(pf) * 4);
+      };
+      _mm_prefetch(ahead(grad), _MM_HINT_T0);
+      _mm_prefetch(ahead(m), _MM_HINT_T0);
+      _mm_prefetch(ahead(v), _MM_HINT_T0);
+      if constexpr (kReadsMaster) _mm_prefetch(ahead(master), _MM_HINT_T0);
     }
     const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), scale);
     __m512 p = _mm512_mul_ps(_mm512_loadu_ps(master + i), decay);

@@ -63,15 +63,28 @@ AsyncOptimizer::~AsyncOptimizer() {
   for (auto& t : threads_) t.join();
 }
 
-void AsyncOptimizer::Submit(std::function<void()> task, bool rest) {
+void AsyncOptimizer::Submit(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> l(queue_mu_);
-    (rest ? rest_queue_ : queue_).push_back(std::move(task));
+    queue_.push_back(std::move(task));
     pending_++;
   }
-  // Only some threads take second passes: wake all so one of those sees it.
-  if (rest) queue_cv_.notify_all();
-  else queue_cv_.notify_one();
+  queue_cv_.notify_one();
+}
+
+void AsyncOptimizer::SubmitRest(int64_t step, const std::vector<int>& params) {
+  {
+    std::lock_guard<std::mutex> l(queue_mu_);
+    for (int param : params) {
+      param_rest_chunks_left_[param].store(static_cast<int64_t>(param_chunks_[param].size()));
+      for (size_t c : param_chunks_[param]) {
+        rest_queue_.push_back([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); });
+        pending_++;
+      }
+    }
+  }
+  // Only some threads take second passes: wake all (once per batch) so those see them.
+  queue_cv_.notify_all();
 }
 
 void AsyncOptimizer::WorkerLoop(int index) {
@@ -120,7 +133,10 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     }
     chunks_norm_left_.store(static_cast<int64_t>(chunks_.size()));
     params_left_.store(static_cast<int>(spec_.params.size()));
-    // Step - 1's second passes may still run, on the other parity's counter.
+    // Step - 1's second passes may still run, on the other parity's counter; step - 2's are all
+    // counted (their slots came back before this step's were final).
+    RP_CHECK(params_rest_left_[step & 1].load() == 0)
+        << "optimizer step " << step << " began before step " << step - 2 << " was fully updated";
     params_rest_left_[step & 1].store(static_cast<int>(spec_.params.size()));
   }
   const int p = spec_.grad_slots[slot].param;
@@ -199,6 +215,10 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
   // next step's first commit finds them free.
   if (!two_passes_)
     for (int slot : param_slots_[param]) grads_->Release(slot);
+  // Counted before the layer's version is stored: a worker that sees the version may bring the
+  // next step's first SlotFinal, which checks this.
+  const bool last = params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1;
+  if (last) StoreMax(published_through_, step);
   const int layer = spec_.params[param].owner_layer;
   if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
@@ -206,29 +226,33 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
     std::lock_guard<std::mutex> l(mu_);
     spans_.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
   }
-  // Without clipping parameters are updated as their gradients become final (backward order,
-  // already the order the next step needs them back); with clipping every first pass comes
-  // before any second pass, and those go in rest_order_.
-  if (two_passes_ && cfg_.train.grad_clip <= 0.0) SubmitRest(step, param);
-  const bool last = params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1;
-  if (last) published_through_.store(step);
-  if (!two_passes_) CountUpdated(step);
-  if (last && two_passes_ && cfg_.train.grad_clip > 0.0)
-    for (int p : rest_order_) SubmitRest(step, p);
-}
-
-void AsyncOptimizer::SubmitRest(int64_t step, int param) {
-  param_rest_chunks_left_[param].store(static_cast<int64_t>(param_chunks_[param].size()));
-  for (size_t c : param_chunks_[param]) Submit([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); }, true);
+  if (!two_passes_) {
+    CountUpdated(step);
+  } else if (cfg_.train.grad_clip <= 0.0) {
+    // Without clipping parameters are updated as their gradients become final (backward order,
+    // already the order the next step needs them back).
+    SubmitRest(step, {param});
+  } else if (last) {
+    // With clipping every first pass comes before any second pass, and those go in rest_order_.
+    SubmitRest(step, rest_order_);
+  }
 }
 
 void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
-  for (int slot : param_slots_[param]) grads_->Release(slot);
+  // Counted before the slots go back: once they are free the next step may place them, and two
+  // steps on reset this parity's counter (checked in SlotFinal).
   CountUpdated(step);
+  for (int slot : param_slots_[param]) grads_->Release(slot);
 }
 
 void AsyncOptimizer::CountUpdated(int64_t step) {
-  if (params_rest_left_[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1) updated_through_.store(step);
+  if (params_rest_left_[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1) StoreMax(updated_through_, step);
+}
+
+void AsyncOptimizer::StoreMax(std::atomic<int64_t>& through, int64_t step) {
+  int64_t seen = through.load();
+  while (seen < step && !through.compare_exchange_weak(seen, step)) {
+  }
 }
 
 std::optional<double> AsyncOptimizer::GradNorm(int64_t step) const {

@@ -16,18 +16,22 @@
 //    what workers fetch; when every parameter a layer owns has had it, the layer's version in
 //    shared memory becomes step + 1 (release store). Workers fetch a layer for step t only at
 //    version >= t, so no fetch reads a half-written array. The second pass writes the moments
-//    (and the master when workers fetch a separate copy) once every first pass is done, in the
-//    order the next step's commits need the slots back: parameters by the last layer that uses
-//    them, descending. Why: the next step's forward waits for the first pass only, which moves
-//    20-28% fewer bytes than a whole update, and the second runs while the workers compute.
-//    stale1 mode runs one whole pass (nothing waits for it).
+//    (and the master when workers fetch a separate copy) on the first rest_threads pool threads.
+//    With clipping the second passes start once every first pass is done, in the order the next
+//    step's commits need the slots back (parameters by the last layer that uses them,
+//    descending); without clipping each parameter's second pass is queued right after its first.
+//    Why: the next step's forward waits for the first pass only, which moves 20-28% fewer bytes
+//    than a whole update, and the second runs while the workers compute. stale1 mode runs one
+//    whole pass (nothing waits for it).
 //  * A parameter's gradient slots go back to the arena when its update is complete (gradient
 //    streaming: the next stage's commit may reuse the space at once). The next step's commit of a
 //    slot must wait until then; the coordinator checks GradArena::IsPlaced for that.
 //  * Steps are sequential: SlotFinal for step t + 1 only once every parameter of step t has had
-//    its first pass (Published), which exact mode's versions guarantee (the next step's forward
-//    went through every layer); step t's second passes may still run. A step's first passes start
-//    only after every slot of the step is final, hence after the previous step's second passes.
+//    its first pass (Published). In exact mode the versions guarantee it (the next step's forward
+//    went through every layer); in stale1 the coordinator holds the next step's first commit
+//    until Updated. Step t's second passes may still run then. A parameter's first pass of step
+//    t + 1 needs its slots final for t + 1, so placed again, so released by its second pass of
+//    step t (with clipping every parameter's, since the norm needs every slot).
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 #pragma once
@@ -90,17 +94,18 @@ class AsyncOptimizer {
     int param;
     int64_t begin, end;
   };
-  // Second passes go to their own queue, which only the first rest_threads_ pool threads take
-  // from, and only when the main queue is empty.
-  void Submit(std::function<void()> task, bool rest = false);
+  void Submit(std::function<void()> task);
+  // Second passes of `params` go to their own queue, which only the first rest_threads_ pool
+  // threads take from, and only when the main queue is empty.
+  void SubmitRest(int64_t step, const std::vector<int>& params);
   void WorkerLoop(int index);
   void NormChunk(int64_t step, size_t chunk, bool then_update);
   void UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes);
   void OnNormsDone(int64_t step);
   void OnParamPublished(int64_t step, int param);
-  void SubmitRest(int64_t step, int param);
-  void OnParamUpdated(int64_t step, int param);  // second pass done: slots back, counted
+  void OnParamUpdated(int64_t step, int param);  // second pass done: counted, slots back
   void CountUpdated(int64_t step);
+  static void StoreMax(std::atomic<int64_t>& through, int64_t step);
 
   const core::JobConfig cfg_;
   const core::ModelSpec& spec_;

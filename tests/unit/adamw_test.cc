@@ -136,8 +136,8 @@ TEST(AdamW, SimdPathsMatchTheScalarOracle) {
 }
 
 // The exact-mode optimizer updates in two passes (kFetched, then kRest; adamw.h). For every SIMD
-// path, every compute-copy layout (master aliased as its own fp32 copy, a separate fp32 copy, a
-// bf16 copy) and both optimizers: the two passes leave exactly the bits of one kAll pass, and
+// path of AdamW (SGD runs the loader's pick each time), every compute-copy layout (master aliased
+// as its own fp32 copy, a separate fp32 copy, a bf16 copy) and both optimizers: the two passes leave exactly the bits of one kAll pass, and
 // after the first pass alone only the fetched array has changed.
 TEST(AdamW, TwoPassesLeaveTheBitsOfOne) {
   std::mt19937 rng(12);

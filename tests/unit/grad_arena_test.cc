@@ -43,6 +43,37 @@ TEST(GradArena, FailedPlacementLeavesNothingBehind) {
   ASSERT_TRUE(arena.Place({2}));
 }
 
+// An arena that holds every slot at once gives each slot one fixed range: any order of places
+// and releases succeeds (a slot not placed can always be placed), and a slot always lands where
+// it did the first time.
+TEST(GradArena, RoomForEverySlotMeansFixedRangesInAnyOrder) {
+  std::mt19937_64 rng(9);
+  std::vector<uint64_t> sizes;
+  for (int s = 0; s < 10; ++s) sizes.push_back(256 * (1 + rng() % 16));
+  uint64_t all = 0;
+  for (uint64_t b : sizes) all += b;
+  auto a = ArenaOf(sizes, all);
+  std::vector<std::atomic<uint64_t>> table(sizes.size());
+  GradArena arena(a, table.data());
+  uint64_t expect = a.grad_arena;
+  std::vector<uint64_t> fixed;
+  for (uint64_t b : sizes) {
+    fixed.push_back(expect);
+    expect += b;
+  }
+  for (int op = 0; op < 500; ++op) {
+    const int slot = static_cast<int>(rng() % sizes.size());
+    if (arena.IsPlaced(slot)) {
+      arena.Release(slot);
+    } else {
+      ASSERT_TRUE(arena.Place({slot})) << op;
+      EXPECT_EQ(table[slot].load(), fixed[slot]);
+      EXPECT_EQ(arena.Offset(slot), fixed[slot]);
+    }
+  }
+  EXPECT_LE(arena.PeakBytes(), all);
+}
+
 // Random place/release sequences: placed ranges never overlap, stay inside the arena, and once
 // everything is released the whole arena is one free range again.
 TEST(GradArena, RandomSequencesNeverOverlap) {
