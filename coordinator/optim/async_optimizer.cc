@@ -10,6 +10,17 @@
 
 namespace rp::coord {
 
+namespace {
+// Two passes hold a parameter's slots until its second pass. That was measured (exact mode with
+// clipping, where the arena holds every slot); with streamed gradients (no clipping, one call:
+// the arena holds about two stages) it would keep the next stages' commits waiting for space.
+bool HoldsEverySlot(const shm::ArenaLayout& layout) {
+  uint64_t all = 0;
+  for (uint64_t b : layout.grad_slot_bytes) all += b;
+  return all <= layout.grad_arena_bytes;
+}
+}  // namespace
+
 AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
                                const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim,
                                GradArena* grads, int threads)
@@ -22,7 +33,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       param_chunks_(spec.params.size()),
       param_slots_(spec.params.size()),
       layer_param_count_(spec.NumLayers(), 0),
-      two_passes_(cfg.optimizer.mode == "exact"),
+      two_passes_(cfg.optimizer.mode == "exact" && HoldsEverySlot(layout)),
       slots_left_(spec.params.size(), 0),
       param_chunks_left_(spec.params.size()),
       layer_params_left_(spec.NumLayers()),

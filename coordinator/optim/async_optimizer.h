@@ -22,7 +22,8 @@
 //    descending); without clipping each parameter's second pass is queued right after its first.
 //    Why: the next step's forward waits for the first pass only, which moves 20-28% fewer bytes
 //    than a whole update, and the second runs while the workers compute. stale1 mode runs one
-//    whole pass (nothing waits for it).
+//    whole pass (nothing waits for it), and so does exact mode when gradients are streamed
+//    through an arena smaller than every slot (holding slots longer would stall commits there).
 //  * A parameter's gradient slots go back to the arena when its update is complete (gradient
 //    streaming: the next stage's commit may reuse the space at once). The next step's commit of a
 //    slot must wait until then; the coordinator checks GradArena::IsPlaced for that.
@@ -117,7 +118,7 @@ class AsyncOptimizer {
   std::vector<std::vector<size_t>> param_chunks_;
   std::vector<std::vector<int>> param_slots_;  // slots of each parameter, first = primary
   std::vector<int> layer_param_count_;
-  const bool two_passes_;                      // exact mode
+  const bool two_passes_;                      // exact mode, arena holds every slot
   std::vector<int> rest_order_;                // second passes: last using layer, descending
 
   // Current step's state.
