@@ -210,6 +210,7 @@ class Coordinator {
   std::map<int64_t, EvalState> evals_;                   // by step
   std::deque<std::pair<int64_t, int>> held_finals_;      // (step, slot) SlotFinal calls held back
   int64_t last_final_step_ = -1;  // the newest step the optimizer has been given a final slot of
+  bool commit_waits_for_optimizer_ = false;  // the last TryCommits pass held a first commit back
   std::optional<core::Dataset> eval_data_;
   std::map<int64_t, StepState> steps_;
   std::map<int64_t, JobState> jobs_;           // by global job index
@@ -593,7 +594,10 @@ Status Coordinator::TryCommits(int64_t step) {
     JobState& j = it->second;
     if (!j.grads_ready || j.commit_sent) continue;
     // (A job re-dispatched after a worker died may have placed its slots already.)
-    if (j.call == 0 && !j.slots_placed && step > 0 && !FirstCommitMayGo(step, j.stage)) continue;
+    if (j.call == 0 && !j.slots_placed && step > 0 && !FirstCommitMayGo(step, j.stage)) {
+      commit_waits_for_optimizer_ = true;
+      continue;
+    }
     if (j.call > 0) {
       auto prev = jobs_.find(JobIndex(step, j.call - 1, j.stage));
       if (prev != jobs_.end() && !prev->second.done) continue;
@@ -1208,7 +1212,9 @@ Status Coordinator::Loop() {
       stop_step_ = std::min(stop_step_, EarliestStop());
       RP_LOG(WARNING) << "interrupted: stopping after step " << stop_step_ << " with a checkpoint";
     }
-    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(jobs_.empty() ? 2 : 20));
+    // Short waits while a commit waits for the optimizer to give slots back: nothing wakes this
+    // loop when it does, and the worker holds those gradients on its device meanwhile.
+    RP_ASSIGN_OR_RETURN(auto env, channel_->Receive(jobs_.empty() || commit_waits_for_optimizer_ ? 2 : 20));
     if (env) {
       if (env->rank >= opts_.num_workers) {
         RP_LOG(WARNING) << "dropped a message from unknown worker " << env->rank;
@@ -1219,6 +1225,7 @@ Status Coordinator::Loop() {
     }
     RP_RETURN_IF_ERROR(CheckHeartbeats());
     // A grant may have been waiting for the previous step's update (see TryCommits).
+    commit_waits_for_optimizer_ = false;
     for (const auto& [step, state] : steps_) RP_RETURN_IF_ERROR(TryCommits(step));
     RP_RETURN_IF_ERROR(ReportSteps());
     RP_RETURN_IF_ERROR(MaybeFinishProfile());
