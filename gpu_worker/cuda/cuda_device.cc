@@ -376,6 +376,8 @@ class CudaDevice final : public Device {
     auto c = std::make_shared<Commit>();
     c->ticket = ++commit_counter_;
     for (auto& it : items) it.grad = it.grad.detach().to(at::kFloat).contiguous();
+    // Everything below reads the gradients the compute stream produced so far.
+    StreamWaitsForCompute(grads_);
     if (accumulate) {
       // The slot holds the earlier calls' sum; the coordinator granted this commit only after
       // that sum was complete in shared memory.
@@ -383,7 +385,6 @@ class CudaDevice final : public Device {
       // gradients per call) must not stall the compute stream, which has the next job queued.
       // The sums live in `items` until the commit is done; the temporaries come from this
       // stream's pool, so their reuse is ordered after the adds.
-      StreamWaitsForCompute(grads_);
       OnStream on_grads(grads_, index_);
       for (auto& it : items) {
         at::Tensor current = at::empty_like(it.grad);
@@ -392,7 +393,6 @@ class CudaDevice final : public Device {
         it.grad.add_(current);
       }
     }
-    StreamWaitsForCompute(grads_);
     for (auto& it : items)
       ThrowIfError(cudaMemcpyAsync(it.dst, it.grad.data_ptr(), it.grad.nbytes(),
                                    cudaMemcpyDeviceToHost, grads_),
