@@ -63,6 +63,7 @@ print(json.dumps({
   "segment_bytes": seg, "shm_peak_touched_bytes": int(shm_kb) * 1024,
   "grad_arena_bytes": summ.get("grad_arena_bytes"), "grads_streamed": summ.get("grads_streamed"),
   "grad_arena_peak_bytes": summ.get("grad_arena_peak_bytes"),
+  "merged_calls": summ.get("merged_calls", 1),
   "coordinator_anon_rss_bytes": int(coord_anon_kb) * 1024,
   "worker_rss_bytes_total": int(worker_rss_kb) * 1024,
   "peak_gpu_memory_bytes_per_worker": int(gpu_mib) * 1024 * 1024,

@@ -1292,7 +1292,9 @@ Status Coordinator::Run() {
         {"grad_arena_peak_bytes", grad_arena_->PeakBytes()}, {"wall_s", wall},
         {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * cfg_.train.accum_calls *
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
-        {"busy_s", busy_s_}};
+        {"busy_s", busy_s_},
+        // schedule.merge_calls: the job file's calls that ran as this one round (1 = as written).
+        {"merged_calls", cfg_.train.merged_calls}};
     if (prediction_) {
       const double measured = core::Median(measured_step_s_);
       summary["prediction"] = {

@@ -325,6 +325,14 @@ const std::vector<KeySpec>& Table() {
            "step's weights stage by stage there is more forward work queued on them (with one "
            "worker, both calls' work on each stage). The same arithmetic in another order; "
            "stale1 keeps calls in sequence"),
+      Enum("schedule", "merge_calls", F(schedule.merge_calls), "auto", {"auto", "always", "never"},
+           "Run a step's train.accum_calls calls as one round of accum_calls x microbatches "
+           "microbatches: the same sequences, loss scale and gradient (summed in another order, "
+           "so fp32 sums differ in the last bits), with each stage's weights fetched and its "
+           "gradients committed once per step instead of once per call (H200, Qwen3-1.7B job: "
+           "+6.3% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
+           "memory than two calls in flight; always: also with more calls or in stale1 (activation "
+           "slots for all the step's microbatches); never: the calls run one after another"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),
@@ -621,6 +629,11 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
   }
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
+  if (MergeCalls(cfg)) {
+    cfg.train.merged_calls = cfg.train.accum_calls;
+    cfg.train.microbatches *= cfg.train.accum_calls;
+    cfg.train.accum_calls = 1;
+  }
   return cfg;
 }
 

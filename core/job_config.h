@@ -49,7 +49,10 @@ struct TrainConfig {
   int64_t steps = 20;
   int64_t seed = 1234;
   int64_t microbatches = 3;      // M per accumulation call
-  int64_t accum_calls = 2;       // K calls per optimizer step
+  int64_t accum_calls = 2;       // K calls per optimizer step (1 after schedule.merge_calls)
+  // Derived, not a key: how many of the job file's calls ParseJobConfig merged into this one
+  // round (schedule.merge_calls); 1 when the calls run as written.
+  int64_t merged_calls = 1;
   int64_t microbatch_size = 2;   // sequences per microbatch
   std::string dtype = "fp32";    // "fp32" | "bf16" (compute copy dtype; masters are fp32)
   double grad_clip = 1.0;        // global L2 norm; 0 disables
@@ -99,6 +102,7 @@ struct ScheduleConfig {
   int64_t backward_stages = 2;   // equal split of the non-tail backward layers
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
   bool interleave_calls = true;   // core::StepJobOrder
+  std::string merge_calls = "auto";  // "auto" | "always" | "never" (MergeCalls below)
   std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
   std::string weights_source = "auto";  // "auto" | "master" | "compute_copy" (WorkersFetchMasters)
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
@@ -174,6 +178,23 @@ std::vector<KeyDoc> DocumentedKeys();
 inline bool WorkersFetchMasters(const JobConfig& c) {
   return c.schedule.weights_source == "master" ||
          (c.schedule.weights_source == "auto" && c.optimizer.mode == "exact");
+}
+
+// schedule.merge_calls resolved on the job file's values: whether the K accumulation calls of a
+// step run as one round of K x M microbatches. The math is the same (the step's loss scale is one
+// over the step's targets either way, the data index of microbatch m of call c is c x M + m in
+// both, and gradients are summed over every microbatch in fp32; only the order of that sum
+// differs), but each stage's weights are fetched once per step instead of K times, and each
+// stage's gradients are committed once instead of K times (no accumulating commit reading the
+// previous call's sums back). "auto" merges in exact mode with two calls: there one round of 2M
+// microbatches needs exactly the activation slots that two calls in flight need (exact mode
+// with one call has one slot parity), so merging costs no memory. More calls, or stale1 (two
+// parities either way), would need K/2 times the activation memory: "always" accepts that.
+// ParseJobConfig applies it (accum_calls becomes 1, microbatches K x M, merged_calls K), so
+// every process, the layout and the planner see the merged round.
+inline bool MergeCalls(const JobConfig& c) {
+  if (c.train.accum_calls < 2 || c.schedule.merge_calls == "never") return false;
+  return c.schedule.merge_calls == "always" || (c.optimizer.mode == "exact" && c.train.accum_calls == 2);
 }
 
 // schedule.activation_transport resolved: true when every worker keeps the hidden states and

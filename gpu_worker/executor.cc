@@ -349,7 +349,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   try {
     MicrobatchResult r;
     pending_marks_.clear();
-    math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call, mb));
+    math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;
       case core::StageKind::kFusedTail: r = RunTail(mb); break;

@@ -19,9 +19,9 @@ const at::Tensor& Get(const LayerWeights& w, const std::string& role) {
   return it->second;
 }
 
-uint64_t DropoutKey(int64_t seed, int64_t step, int64_t call, int64_t microbatch) {
+uint64_t DropoutKey(int64_t seed, int64_t step, int64_t step_microbatch) {
   return HashKey({static_cast<uint64_t>(seed), 0xD20u, static_cast<uint64_t>(step),
-                  static_cast<uint64_t>(call), static_cast<uint64_t>(microbatch)});
+                  static_cast<uint64_t>(step_microbatch)});
 }
 
 Transformer::Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens,

@@ -95,6 +95,9 @@ class Transformer {
 const at::Tensor& Get(const LayerWeights& w, const std::string& role);
 
 // Key of one microbatch's LoRA dropout masks: a pure function of where it is in training.
-uint64_t DropoutKey(int64_t seed, int64_t step, int64_t call, int64_t microbatch);
+// `step_microbatch` counts the step's microbatches across its calls (call x M + microbatch), so
+// a step's calls merged into one round (schedule.merge_calls) draw the same masks as the calls
+// run one after another.
+uint64_t DropoutKey(int64_t seed, int64_t step, int64_t step_microbatch);
 
 }  // namespace rp::model

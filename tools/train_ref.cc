@@ -101,7 +101,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     for (int64_t c = 0; c < cfg.train.accum_calls; ++c)
       for (int64_t mb = 0; mb < cfg.train.microbatches; ++mb) {
         data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
-        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c, mb));
+        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * cfg.train.microbatches + mb));
         at::Tensor x = math.Embed(layers[0], tokens);
         for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
         auto r = math.HeadForwardBackward(layers[L + 1], x, labels, scale, /*backward=*/true);

@@ -45,6 +45,9 @@ TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
       {},  // F[0,2) F[2,4) T[4,6) B[2,4) B[0,2): the job's equal split with one tail block
       {"schedule.tail_blocks=0", "schedule.forward_cuts=[3]", "schedule.backward_cuts=[1,2,4]"},
       {"schedule.partition=auto"},  // whatever the planner picks for N workers
+      // The job's two calls run one after another (merged into one round of six microbatches
+      // by default): accumulating commits and interleaved calls.
+      {"schedule.merge_calls=never"},
   };
   for (size_t p = 0; p < partitions.size(); ++p)
     for (int n = 1; n <= 3; ++n) {
@@ -369,8 +372,9 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
     }
     pid_of_rank[rank] = pid;
   }
-  // 3 steps x K=2 calls x 5 stages.
-  ASSERT_EQ(jobs.size(), 30u);
+  // 3 steps x 5 stages: the job's K=2 calls of 3 microbatches run as one round of 6
+  // (schedule.merge_calls).
+  ASSERT_EQ(jobs.size(), 15u);
   // The coordinator's optimizer work: one update span per layer and step (6 layers, 3 steps).
   size_t updates = 0;
   for (auto& e : trace["traceEvents"])
@@ -390,7 +394,7 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
   for (size_t p = svg.find("data-worker="); p != std::string::npos; p = svg.find("data-worker=", p + 1)) rows++;
   for (size_t p = svg.find("class=\"mb\""); p != std::string::npos; p = svg.find("class=\"mb\"", p + 1)) mbs++;
   EXPECT_EQ(rows, 3u);
-  EXPECT_EQ(mbs, 30u * 3u);
+  EXPECT_EQ(mbs, 15u * 6u);
   EXPECT_TRUE(fs::exists(out + "/loss.svg"));
   EXPECT_EQ(testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/nothing-here"}, 60).code, kExitBadConfig);
   // The coordinator cannot run layer compute: it does not even link LibTorch.

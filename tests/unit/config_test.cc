@@ -147,6 +147,34 @@ TEST(JobConfig, Overrides) {
   ExpectError(kValid, "train.steps: expected an integer", {"train.steps=three"});
 }
 
+TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
+  // auto: exact mode with two calls merges (the same activation slots as two calls in flight).
+  auto a = Parse(kValid, {"train.accum_calls=2", "train.microbatches=3"});
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->train.accum_calls, 1);
+  EXPECT_EQ(a->train.microbatches, 6);
+  EXPECT_EQ(a->train.merged_calls, 2);
+  // The merged round keeps one activation parity, as the two calls' two parities of M did.
+  EXPECT_EQ(ActivationParities(*a), 1);
+  // auto leaves more calls, stale1 and one call alone; never keeps the calls; always merges.
+  for (auto sets : std::vector<std::vector<std::string>>{
+           {"train.accum_calls=3"}, {"train.accum_calls=2", "optimizer.mode=stale1"},
+           {"train.accum_calls=1"}, {"train.accum_calls=2", "schedule.merge_calls=never"}}) {
+    sets.push_back("train.microbatches=3");
+    auto c = Parse(kValid, sets);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->train.microbatches, 3) << sets[0];
+    EXPECT_EQ(c->train.merged_calls, 1) << sets[0];
+  }
+  auto s = Parse(kValid, {"train.accum_calls=3", "train.microbatches=2", "optimizer.mode=stale1",
+                          "schedule.merge_calls=always"});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->train.accum_calls, 1);
+  EXPECT_EQ(s->train.microbatches, 6);
+  EXPECT_EQ(s->train.merged_calls, 3);
+  ExpectError(kValid, "schedule.merge_calls", {"schedule.merge_calls=sometimes"});
+}
+
 TEST(JobConfig, ReadmeDocumentsEveryKey) {
   const std::string readme = testing::ReadFile(testing::SourceDir() + "/configs/README.md");
   ASSERT_FALSE(readme.empty());
