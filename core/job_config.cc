@@ -333,12 +333,6 @@ const std::vector<KeySpec>& Table() {
            "+6.3% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
            "memory than two calls in flight; always: also with more calls or in stale1 (activation "
            "slots for all the step's microbatches); never: the calls run one after another"),
-      Bool("schedule", "layer_major_first_stage", F(schedule.layer_major_first_stage), true,
-           "Run the step's first forward stage layer by layer over all its microbatches instead "
-           "of microbatch by microbatch, so in exact mode each of its layers computes as soon as "
-           "the optimizer publishes it rather than once the stage's last layer is published. The "
-           "same results bit for bit; costs device memory for every microbatch's hidden state at "
-           "once (profiled jobs keep the microbatch order)"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

@@ -8,8 +8,6 @@
 #include <string>
 #include <c10/util/Exception.h>
 
-#include "common/time_util.h"
-
 namespace rp::worker {
 
 Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
@@ -155,83 +153,21 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
   }
 }
 
-bool Executor::LayerMajor(const proto::RunJob& job) const {
-  if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size())) return false;
-  const core::Stage& st = plan_.stages[job.stage];
-  return cfg_.schedule.layer_major_first_stage && st.kind == core::StageKind::kForward && st.begin == 0 &&
-         st.end - st.begin > 1 && job.num_microbatches > 1 && !job.profile;
-}
-
-bool Executor::Startable(const proto::RunJob& job) const {
-  if (next_.job_index != job.job_index) return false;
-  return next_.complete || (LayerMajor(job) && !next_.layers.empty());
-}
-
 Status Executor::Begin(const proto::RunJob& job) {
   RP_RETURN_IF_ERROR(Validate(job));
-  // FetchReady is the one path that copies a stage's weights; Begin only adopts them.
-  if (!Startable(job))
-    return Status::Internal("job " + std::to_string(job.job_index) + " began before FetchReady had copied its weights");
   job_ = job;
   stage_ = plan_.stages[job.stage];
+  // FetchReady is the one path that copies a stage's weights; Begin only adopts them.
+  if (next_.job_index != job.job_index || !next_.complete)
+    return Status::Internal("job " + std::to_string(job.job_index) + " began before FetchReady had copied its weights");
   current_ = std::move(next_);
   next_ = StageWeights();
-  lm_next_layer_ = stage_.begin;
-  lm_hidden_.assign(LayerMajor(job) ? job.num_microbatches : 0, at::Tensor());
-  lm_stalled_ = false;
-  lm_stall_end_us_ = WallMicros();
   try {
-    // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
-    device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
+    device_.WaitWeights(current_.fence);
   } catch (const std::exception& e) {
     return Status::Internal(std::string("waiting for weights: ") + e.what());
   }
   return Status::Ok();
-}
-
-StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(bool* done) {
-  *done = false;
-  const int M = job_.num_microbatches;
-  if (static_cast<int>(lm_hidden_.size()) != M)
-    return Status::Internal("job " + std::to_string(job_.job_index) + " is not a begun layer-major job");
-  try {
-    c10::NoGradGuard no_grad;
-    bool fetched = false;
-    for (int l = stage_.begin + static_cast<int>(current_.layers.size()); l < stage_.end; ++l) {
-      if (!LayerReady(l, job_.weights_version)) break;
-      current_.layers.push_back(FetchLayer(l, job_.weights_version, /*grads=*/false, nullptr));
-      fetched = true;
-    }
-    if (fetched) {
-      device_.WaitWeights(device_.WeightsFence());
-      if (lm_stalled_) lm_stall_end_us_ = WallMicros();
-    }
-    const int copied_end = stage_.begin + static_cast<int>(current_.layers.size());
-    lm_stalled_ = copied_end < stage_.end;
-    for (; lm_next_layer_ < copied_end; ++lm_next_layer_) {
-      const int l = lm_next_layer_;
-      for (int mb = 0; mb < M; ++mb) {
-        math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
-        at::Tensor x = l == 0 ? Tokens(mb, false) : lm_hidden_[mb];
-        x = math_.Layer(l, current_.layers[l - stage_.begin], x);
-        if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
-        lm_hidden_[mb] = l + 1 < stage_.end ? x : at::Tensor();
-      }
-    }
-    if (lm_next_layer_ < stage_.end) return std::vector<MicrobatchResult>();
-    *done = true;
-    std::vector<MicrobatchResult> results(M);
-    const uint64_t fence = device_.CompletionFence();
-    for (auto& r : results) r.fence = fence;
-    lm_hidden_.clear();
-    return results;
-  } catch (const c10::Error& e) {
-    return Status::Internal("job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_) +
-                            ": " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return Status::Internal("job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_) +
-                            ": " + e.what());
-  }
 }
 
 void Executor::AccumulateGrads() {
@@ -487,9 +423,6 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
   }
 }
 
-void Executor::End() {
-  current_ = StageWeights();
-  lm_hidden_.clear();
-}
+void Executor::End() { current_ = StageWeights(); }
 
 }  // namespace rp::worker

@@ -86,29 +86,7 @@ class Executor {
   // `between_layers` runs after each layer (the worker's heartbeat: an eval of a large model on
   // a slow device can take longer than the hang timeout).
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
-  // Whether Begin(job) may adopt the weights FetchReady(job) has copied so far: all of them, or
-  // for a layer-major job (LayerMajor) at least its first layer.
-  bool Startable(const proto::RunJob& job) const;
   Status Begin(const proto::RunJob& job);
-  // Layer-major jobs (schedule.layer_major_first_stage): the step's first forward stage (it
-  // begins at the embedding), unprofiled, with several layers and microbatches. In exact mode its layers come out of the optimizer one
-  // by one at the step boundary, each after the one before. Run microbatch by microbatch, the
-  // job could only start once its last layer was published; run layer by layer over every
-  // microbatch (ForwardLayers), each layer computes as soon as it is copied, while the
-  // optimizer updates the next. The same operations on the same inputs: the results are the
-  // microbatch-major order's bit for bit. Costs device memory for every microbatch's hidden
-  // state at once (M x microbatch_size x seq_len x hidden in train.dtype). Profiled jobs keep
-  // the microbatch order, whose per-microbatch times the profile's overhead term is built from.
-  bool LayerMajor(const proto::RunJob& job) const;
-  // A begun layer-major job: copies the layers published since the last call, enqueues each
-  // copied layer for every microbatch (inputs: the token slots, all written before the first
-  // InputReady), and once the stage's last layer is enqueued sets *done and returns one result
-  // per microbatch, all with the same fence. Never blocks. StallEndUs(): WallMicros() when the
-  // job last found its next layer published after waiting for it (else when it began): the
-  // worker reports its microbatches as starting then, so time spent computing earlier layers
-  // while waiting counts as idle in the bubble ratio (understating the gain, never inventing it).
-  StatusOr<std::vector<MicrobatchResult>> ForwardLayers(bool* done);
-  int64_t StallEndUs() const { return lm_stall_end_us_; }
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
   // the next microbatch, or the next job's, may be enqueued at once.
   StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
@@ -194,13 +172,6 @@ class Executor {
   // one (it is already in the compute dtype), so nothing may modify either in place.
   using SlotKey = std::tuple<int, int, int>;
   std::map<SlotKey, at::Tensor> resident_hidden_, resident_grads_;
-  // The begun layer-major job's state (ForwardLayers): the next layer to enqueue, every
-  // microbatch's hidden state after the layers enqueued so far, whether the last call found a
-  // layer unpublished, and when waiting last ended.
-  int lm_next_layer_ = 0;
-  std::vector<at::Tensor> lm_hidden_;
-  bool lm_stalled_ = false;
-  int64_t lm_stall_end_us_ = 0;
   at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 

@@ -85,7 +85,6 @@ class Worker {
     double enqueued_s = 0.0;  // MonoSeconds()
   };
   std::deque<InFlight> in_flight_;
-  bool layer_major_logged_ = false;  // the first layer-major job is logged once
   int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
   double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
   // A device that stops completing work (a stuck kernel) would otherwise leave this loop
@@ -223,7 +222,7 @@ StatusOr<bool> Worker::Progress() {
     // message loop.
     bool fetched = false;
     if (Status f = exec_->FetchReady(a.job, &fetched); !f.ok()) return Fail(id, f);
-    if (!exec_->Startable(a.job)) {
+    if (!fetched) {
       waiting_for_weights_ = true;
       return false;
     }
@@ -243,34 +242,6 @@ StatusOr<bool> Worker::Progress() {
     Status s = exec_->FetchReady(queue_[1].job, &fetched);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);
     queue_[1].prefetched = fetched;
-  }
-  if (a.next_mb == 0 && exec_->LayerMajor(a.job)) {
-    auto it = ready_.find(id);
-    // Every microbatch's input (the first stage's are token slots, all written before the
-    // coordinator's first InputReady for the round; the messages come together).
-    if (it == ready_.end() || static_cast<int>(it->second.size()) < a.job.num_microbatches) return false;
-    if (!layer_major_logged_) {
-      RP_LOG(INFO) << "job " << id << " (the step's first forward stage) runs layer by layer over its "
-                   << a.job.num_microbatches << " microbatches, each layer as soon as it is published";
-      layer_major_logged_ = true;
-    }
-    bool done = false;
-    auto r = exec_->ForwardLayers(&done);
-    if (!r.ok()) return Fail(id, r.status());
-    waiting_for_weights_ = !done;
-    if (!done) return false;
-    if (const double slow = TestSlowdownSeconds(a.job.step); slow > 0)
-      std::this_thread::sleep_for(std::chrono::duration<double>(slow * a.job.num_microbatches));
-    for (int mb = 0; mb < a.job.num_microbatches; ++mb) {
-      proto::MicrobatchDone d{};
-      d.job_index = id;
-      d.microbatch = mb;
-      d.start_us = exec_->StallEndUs();
-      in_flight_.push_back({d, std::move((*r)[mb]), MonoSeconds()});
-    }
-    it->second.clear();
-    a.next_mb = a.job.num_microbatches;
-    return true;
   }
   if (a.next_mb < a.job.num_microbatches) {
     auto it = ready_.find(id);
