@@ -39,15 +39,37 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       layer_params_left_(spec.NumLayers()),
       param_rest_chunks_left_(spec.params.size()),
       layer_start_us_(spec.NumLayers()) {
+  row_elems_.assign(spec.params.size(), 0);
+  lookup_slot_.assign(spec.params.size(), -1);
+  row_sq_base_.assign(spec.params.size(), 0);
+  early_.assign(spec.params.size(), 0);
+  int64_t rows = 0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    for (int64_t b = 0; b < spec.params[p].numel; b += kOptimizerChunk) {
+    row_elems_[p] = RowElems(spec, static_cast<int>(p));
+    if (row_elems_[p] > 0) {
+      row_sq_base_[p] = rows;
+      rows += spec.params[p].numel / row_elems_[p];
+    }
+    const int64_t chunk = ChunkElems(row_elems_[p]);
+    for (int64_t b = 0; b < spec.params[p].numel; b += chunk) {
       param_chunks_[p].push_back(chunks_.size());
-      chunks_.push_back({static_cast<int>(p), b, std::min(spec.params[p].numel, b + kOptimizerChunk)});
+      chunks_.push_back({static_cast<int>(p), b, std::min(spec.params[p].numel, b + chunk)});
     }
     layer_param_count_[spec.params[p].owner_layer]++;
   }
+  row_sq_.assign(rows, 0.0);
+  chunk_gate_ = std::vector<std::atomic<int>>(chunks_.size());
   for (size_t s = 0; s < spec.grad_slots.size(); ++s)
     param_slots_[spec.grad_slots[s].param].push_back(static_cast<int>(s));
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    auto& slots = param_slots_[p];
+    if (row_elems_[p] == 0 || slots.size() != 2) continue;
+    // The lookup's slot goes second, so the fold adds it into the head's (a + b == b + a: the
+    // same bits as the other order).
+    for (size_t i = 0; i < 2; ++i)
+      if (spec.grad_slots[slots[i]].layer == spec.params[p].owner_layer) lookup_slot_[p] = slots[i];
+    if (lookup_slot_[p] == slots[0]) std::swap(slots[0], slots[1]);
+  }
   partial_.assign(chunks_.size(), 0.0);
   std::vector<int> last_use(spec.params.size(), -1);
   for (int l = 0; l < spec.NumLayers(); ++l)
@@ -129,6 +151,12 @@ void AsyncOptimizer::StartAfter(int64_t steps_done) {
   updated_through_.store(steps_done - 1);
 }
 
+void AsyncOptimizer::SetTouchedRows(int64_t step, std::vector<int64_t> rows) {
+  auto shared = std::make_shared<const std::vector<int64_t>>(std::move(rows));
+  std::lock_guard<std::mutex> l(mu_);
+  touched_[step] = std::move(shared);
+}
+
 void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   if (step != step_) {
     RP_CHECK(step == step_ + 1 && published_through_.load() == step_)
@@ -149,27 +177,88 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     RP_CHECK(params_rest_left_[step & 1].load() == 0)
         << "optimizer step " << step << " began before step " << step - 2 << " was fully updated";
     params_rest_left_[step & 1].store(static_cast<int>(spec_.params.size()));
+    std::fill(early_.begin(), early_.end(), 0);
+    for (auto& g : chunk_gate_) g.store(2);
+    std::lock_guard<std::mutex> l(mu_);
+    touched_.erase(touched_.begin(), touched_.lower_bound(step));
   }
   const int p = spec_.grad_slots[slot].param;
   RP_CHECK(slots_left_[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
-  if (--slots_left_[p] > 0) return;
   const bool update_now = cfg_.train.grad_clip <= 0.0;
-  for (size_t c : param_chunks_[p]) Submit([this, step, c, update_now] { NormChunk(step, c, update_now); });
+  if (--slots_left_[p] > 0) {
+    // The head's slot of a row-summed parameter is final and the lookup's is not: square the
+    // head's rows now, while the backward runs.
+    if (lookup_slot_[p] >= 0 && slot != lookup_slot_[p]) {
+      early_[p] = 1;
+      for (size_t c : param_chunks_[p]) Submit([this, step, c, update_now] { RowSquares(step, c, update_now); });
+    }
+    return;
+  }
+  for (size_t c : param_chunks_[p]) {
+    if (early_[p] && chunk_gate_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+    Submit([this, step, c, update_now] { NormChunk(step, c, update_now); });
+  }
+}
+
+void AsyncOptimizer::RowSquares(int64_t step, size_t chunk, bool then_update) {
+  const Chunk& c = chunks_[chunk];
+  const int64_t cols = row_elems_[c.param];
+  const float* g = reinterpret_cast<const float*>(state_ + grads_->Offset(param_slots_[c.param][0]));
+  double* sq = row_sq_.data() + row_sq_base_[c.param];
+  for (int64_t r = c.begin / cols; r < c.end / cols; ++r) sq[r] = SquaredSum(g + r * cols, cols);
+  if (chunk_gate_[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) NormChunk(step, chunk, then_update);
+}
+
+double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
+  const auto& slots = param_slots_[c.param];
+  const int64_t cols = row_elems_[c.param];
+  const int64_t r0 = c.begin / cols, r1 = c.end / cols;
+  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0]));
+  auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])); };
+  double* sq = row_sq_.data() + row_sq_base_[c.param];
+  std::shared_ptr<const std::vector<int64_t>> touched;
+  if (early_[c.param]) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = touched_.find(step);
+    if (it != touched_.end()) touched = it->second;
+  }
+  if (touched) {
+    // The other rows of the lookup's slot are zero: their fold changes nothing and their
+    // squares were taken early (a -0.0 of the head's stays -0.0 instead of becoming +0.0, which
+    // no square, moment or update tells apart).
+    const float* o = other(1);
+    for (auto it = std::lower_bound(touched->begin(), touched->end(), r0); it != touched->end() && *it < r1; ++it)
+      sq[*it] = AddAndSquaredSum(g + *it * cols, o + *it * cols, cols);
+  } else {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = g + r * cols;
+      for (size_t s = 1; s + 1 < slots.size(); ++s)
+        for (int64_t i = 0; i < cols; ++i) row[i] += other(s)[r * cols + i];
+      sq[r] = AddAndSquaredSum(row, other(slots.size() - 1) + r * cols, cols);
+    }
+  }
+  double total = 0.0;
+  for (int64_t r = r0; r < r1; ++r) total += sq[r];  // RowwiseSquaredSum's order
+  return total;
 }
 
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = chunks_[chunk];
-  const auto& slots = param_slots_[c.param];
-  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
-  // Tied parameters: fold the other uses' gradients into the first slot, in slot order; the
-  // last fold and the squared sum share one pass.
-  const int64_t n = c.end - c.begin;
-  auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin; };
-  for (size_t s = 1; s + 1 < slots.size(); ++s) {
-    const float* o = other(s);
-    for (int64_t i = 0; i < n; ++i) g[i] += o[i];
+  if (row_elems_[c.param] > 0) {
+    partial_[chunk] = RowSummedChunk(step, c);
+  } else {
+    const auto& slots = param_slots_[c.param];
+    float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
+    // Several uses: fold the others into the first slot, in slot order; the last fold and the
+    // squared sum share one pass.
+    const int64_t n = c.end - c.begin;
+    auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin; };
+    for (size_t s = 1; s + 1 < slots.size(); ++s) {
+      const float* o = other(s);
+      for (int64_t i = 0; i < n; ++i) g[i] += o[i];
+    }
+    partial_[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
   }
-  partial_[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
   if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
   if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
 }

@@ -6,7 +6,10 @@
 //  * SlotFinal(step, slot) says that gradient slot `slot` holds its final value for `step` (its
 //    last commit of the step is in shared memory). When every slot of a parameter is final, the
 //    parameter's extra slots (tied embeddings) are folded into its first slot and its squared
-//    norm is taken, in chunks of kOptimizerChunk.
+//    norm is taken, in chunks of kOptimizerChunk (whole rows for a row-summed parameter, see
+//    optimizer_step.h). A tied embedding's head slot is usually final long before its lookup
+//    slot: its rows are squared then, and once the lookup slot is final only the rows of the
+//    step's tokens (SetTouchedRows) are folded and squared again.
 //  * Without clipping (train.grad_clip = 0) each parameter is updated right after that. With
 //    clipping the update needs the global norm, so updates start when the last parameter is
 //    final, in ascending parameter order (embedding first: what the next step's first forward
@@ -43,6 +46,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -71,6 +75,13 @@ class AsyncOptimizer {
   // Resume: the state already holds `steps_done` updates, so the first step seen is steps_done.
   // Call before the first SlotFinal.
   void StartAfter(int64_t steps_done);
+  // The rows of `step`'s input tokens, ascending, without repeats: outside them the tied
+  // embedding's lookup gradient slot is zero (the embedding's backward scatters into those rows
+  // only). With them, and the head's slot final before the lookup's, the head's rows are squared
+  // while the backward runs and the step boundary folds and squares only these rows; without
+  // them it does every row (the same bits either way). Call before the step's lookup slot is
+  // final; any thread.
+  void SetTouchedRows(int64_t step, std::vector<int64_t> rows);
   void SlotFinal(int64_t step, int slot);
   std::optional<double> GradNorm(int64_t step) const;
   // True once every parameter is updated for `step`: both passes, so masters and moments hold
@@ -101,6 +112,11 @@ class AsyncOptimizer {
   void SubmitRest(int64_t step, const std::vector<int>& params);
   void WorkerLoop(int index);
   void NormChunk(int64_t step, size_t chunk, bool then_update);
+  // Row-summed parameters: squares each row of chunk `chunk` of the first (dense) slot, then
+  // opens the chunk's gate (chunk_gate_).
+  void RowSquares(int64_t step, size_t chunk, bool then_update);
+  // The chunk's folded squared sum by rows (optimizer_step.h: RowwiseSquaredSum).
+  double RowSummedChunk(int64_t step, const Chunk& c);
   void UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes);
   void OnNormsDone(int64_t step);
   void OnParamPublished(int64_t step, int param);
@@ -117,6 +133,13 @@ class AsyncOptimizer {
   std::vector<Chunk> chunks_;                  // all chunks, parameter-major
   std::vector<std::vector<size_t>> param_chunks_;
   std::vector<std::vector<int>> param_slots_;  // slots of each parameter, first = primary
+  // Row-summed parameters (optimizer_step.h: RowElems; the tied embedding): row length, the slot
+  // of the owner layer's use (the input lookup, zero outside the step's token rows; -1 when
+  // none), where its rows' squared sums start in row_sq_. Their first slot is the other use's.
+  std::vector<int64_t> row_elems_;
+  std::vector<int> lookup_slot_;
+  std::vector<int64_t> row_sq_base_;
+  std::vector<double> row_sq_;                 // per row of the row-summed parameters
   std::vector<int> layer_param_count_;
   const bool two_passes_;                      // exact mode, arena holds every slot
   std::vector<int> rest_order_;                // second passes: last using layer, descending
@@ -125,6 +148,11 @@ class AsyncOptimizer {
   int64_t step_ = -1;
   std::vector<int> slots_left_;                // per parameter
   std::vector<double> partial_;                // per chunk
+  // Row-summed parameters whose dense slot was final first this step: their row squares run
+  // early; a chunk's norm task starts when both its rows are squared and the last slot is
+  // final (the gate counts those two down from 2).
+  std::vector<char> early_;                    // per parameter
+  std::vector<std::atomic<int>> chunk_gate_;   // per chunk
   std::atomic<int64_t> chunks_norm_left_{0};
   std::vector<std::atomic<int64_t>> param_chunks_left_;
   std::vector<std::atomic<int>> layer_params_left_;
@@ -136,6 +164,7 @@ class AsyncOptimizer {
 
   mutable std::mutex mu_;
   std::map<int64_t, double> norms_;            // GUARDED_BY(mu_)
+  std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> touched_;  // GUARDED_BY(mu_)
   std::atomic<int64_t> published_through_{-1};
   std::atomic<int64_t> updated_through_{-1};
   std::vector<std::atomic<int64_t>> layer_start_us_;  // first update chunk of the current step

@@ -48,6 +48,19 @@ double AddAndSquaredSum(float* g, const float* other, int64_t n) {
   return Combine(lane);
 }
 
+double RowwiseSquaredSum(const float* g, int64_t rows, int64_t cols) {
+  double total = 0.0;
+  for (int64_t r = 0; r < rows; ++r) total += SquaredSum(g + r * cols, cols);
+  return total;
+}
+
+int64_t RowElems(const core::ModelSpec& spec, int p) {
+  int uses = 0;
+  for (const auto& slot : spec.grad_slots) uses += slot.param == p ? 1 : 0;
+  const auto& shape = spec.params[p].shape;
+  return uses > 1 && shape.size() == 2 ? shape[1] : 0;
+}
+
 double ClipScale(double norm, double clip) {
   return clip > 0.0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
 }
@@ -70,12 +83,16 @@ OptimizerStepResult OptimizerStep(const std::vector<ParamArrays>& params,
                                   int threads) {
   struct Task { size_t param; int64_t begin, end; };
   std::vector<Task> tasks;
-  for (size_t i = 0; i < params.size(); ++i)
-    for (int64_t b = 0; b < params[i].numel; b += kOptimizerChunk)
-      tasks.push_back({i, b, std::min(params[i].numel, b + kOptimizerChunk)});
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t chunk = ChunkElems(params[i].row_elems);
+    for (int64_t b = 0; b < params[i].numel; b += chunk) tasks.push_back({i, b, std::min(params[i].numel, b + chunk)});
+  }
   std::vector<double> partial(tasks.size(), 0.0);
   ParallelFor(static_cast<int64_t>(tasks.size()), threads, [&](int64_t t) {
-    partial[t] = SquaredSum(params[tasks[t].param].grad + tasks[t].begin, tasks[t].end - tasks[t].begin);
+    const ParamArrays& p = params[tasks[t].param];
+    const float* g = p.grad + tasks[t].begin;
+    const int64_t n = tasks[t].end - tasks[t].begin;
+    partial[t] = p.row_elems > 0 ? RowwiseSquaredSum(g, n / p.row_elems, p.row_elems) : SquaredSum(g, n);
   });
   double total = 0.0;
   for (double s : partial) total += s;

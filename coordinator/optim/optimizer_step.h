@@ -7,11 +7,13 @@
 // does not depend on the thread count.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "coordinator/optim/adamw.h"
 #include "core/job_config.h"
+#include "core/model_spec.h"
 
 namespace rp::coord {
 
@@ -23,12 +25,20 @@ struct ParamArrays {
   void* compute = nullptr;  // may alias master when the compute dtype is fp32
   int64_t numel = 0;
   bool decay = true;
+  // > 0: the parameter is row-summed (RowSummed below): its chunks are whole rows of this many
+  // elements and its squared sum is RowwiseSquaredSum's.
+  int64_t row_elems = 0;
 };
 
 // Parameters are processed in chunks of this many elements; the global norm is the sum of
 // per-(parameter, chunk) partial sums taken in (parameter, chunk) order, so the synchronous step
 // below and the coordinator's asynchronous per-layer optimizer get bit-identical norms.
 inline constexpr int64_t kOptimizerChunk = 1 << 20;
+// Elements per chunk of a parameter: kOptimizerChunk, or for a row-summed parameter the most
+// whole rows of `row_elems` that fit (at least one).
+inline int64_t ChunkElems(int64_t row_elems) {
+  return row_elems > 0 ? std::max<int64_t>(1, kOptimizerChunk / row_elems) * row_elems : kOptimizerChunk;
+}
 // Squared sum of n floats in double: eight interleaved partial sums combined in a fixed order
 // (optimizer_step.cc says why), so the same input gives the same bits everywhere.
 double SquaredSum(const float* g, int64_t n);
@@ -37,6 +47,17 @@ double SquaredSum(const float* g, int64_t n);
 // (the fold is on the exact-mode boundary's critical path: the embedding's last gradient comes
 // last).
 double AddAndSquaredSum(float* g, const float* other, int64_t n);
+// The squared sum of a row-summed chunk: SquaredSum of each row of `cols` elements, added in row
+// order. Why rows: the tied embedding's gradient is the head's (dense, final early in the
+// backward) plus the input lookup's, which is zero outside the rows of the step's tokens and
+// comes last. Summed by rows, the head's rows are squared while the backward runs and only the
+// looked-up rows are folded and squared again at the step boundary (AsyncOptimizer), with the
+// same bits as summing every row there.
+double RowwiseSquaredSum(const float* g, int64_t rows, int64_t cols);
+// ParamArrays::row_elems for trainable parameter `p`: its row length when several layers use it
+// (a tied embedding: a matrix), else 0. The synchronous step and the asynchronous optimizer both
+// take it from here, so their norms keep the same bits.
+int64_t RowElems(const core::ModelSpec& spec, int p);
 // Multiplier for gradients with global norm `norm` under clipping threshold `clip` (0 = off).
 double ClipScale(double norm, double clip);
 
