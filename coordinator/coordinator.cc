@@ -217,7 +217,7 @@ class Coordinator {
   std::map<int64_t, int> call_jobs_done_;      // by global call index
   std::set<int64_t> fed_calls_;
   // The current step's input token rows over the calls fed so far (AsyncOptimizer::SetTouchedRows).
-  std::vector<char> step_rows_;
+  std::set<int64_t> step_rows_;
   int64_t job_counter_ = 0;          // every job's index (stage and eval jobs share it: one queue order)
   int64_t stage_jobs_dispatched_ = 0;  // stage job k runs on worker k mod N (core/plan.h)
   int64_t eval_jobs_dispatched_ = 0;
@@ -537,19 +537,22 @@ Status Coordinator::FeedCall(int64_t g) {
   const int64_t K = cfg_.train.accum_calls;
   const int64_t step = g / K, call = g % K;
   const int parity = static_cast<int>(g % layout_.parities);
-  if (call == 0) step_rows_.assign(static_cast<size_t>(cfg_.model.vocab_size), 0);
+  std::vector<const int64_t*> call_tokens;
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb) {
     int64_t* tokens = segment_->At<int64_t>(layout_.TokenSlot(parity, mb));
     data_->Fill(step, call, mb, tokens, segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
-    for (int64_t i = 0; i < cfg_.TokensPerMicrobatch(); ++i)
-      if (tokens[i] >= 0 && tokens[i] < cfg_.model.vocab_size) step_rows_[static_cast<size_t>(tokens[i])] = 1;
+    call_tokens.push_back(tokens);
   }
-  if (call == K - 1) {
-    // Every row the embedding's lookup gradient can touch this step, before any of its jobs run.
-    std::vector<int64_t> rows;
-    for (size_t r = 0; r < step_rows_.size(); ++r)
-      if (step_rows_[r]) rows.push_back(static_cast<int64_t>(r));
-    optimizer_->SetTouchedRows(step, std::move(rows));
+  // Every row the embedding's lookup gradient can touch this step, given before any of its jobs
+  // run. Collected call by call: with three calls or more a call's token slots are refilled (by
+  // call + 2) before the step's last call is fed.
+  if (call == 0) step_rows_.clear();
+  const auto rows = core::SortedTokenRows(call_tokens, cfg_.TokensPerMicrobatch(), cfg_.model.vocab_size);
+  if (K == 1) {
+    optimizer_->SetTouchedRows(step, rows);
+  } else {
+    step_rows_.insert(rows.begin(), rows.end());
+    if (call == K - 1) optimizer_->SetTouchedRows(step, std::vector<int64_t>(step_rows_.begin(), step_rows_.end()));
   }
   const JobState& first = jobs_.at(JobIndex(step, static_cast<int>(call), 0));
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)

@@ -282,4 +282,15 @@ int64_t Dataset::CountStepTargets(int64_t step) {
   return count;
 }
 
+std::vector<int64_t> SortedTokenRows(const std::vector<const int64_t*>& slots, int64_t per_slot, int64_t vocab) {
+  std::vector<char> seen(static_cast<size_t>(std::max<int64_t>(vocab, 0)), 0);
+  for (const int64_t* ids : slots)
+    for (int64_t i = 0; i < per_slot; ++i)
+      if (ids[i] >= 0 && ids[i] < vocab) seen[static_cast<size_t>(ids[i])] = 1;
+  std::vector<int64_t> rows;
+  for (size_t r = 0; r < seen.size(); ++r)
+    if (seen[r]) rows.push_back(static_cast<int64_t>(r));
+  return rows;
+}
+
 }  // namespace rp::core

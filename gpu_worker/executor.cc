@@ -8,6 +8,8 @@
 #include <string>
 #include <c10/util/Exception.h>
 
+#include "core/data.h"
+
 namespace rp::worker {
 
 Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
@@ -387,8 +389,32 @@ void MicrobatchResult::Resolve(Device& device) {
 
 void Executor::Detach() {
   std::vector<HeldGrad> held;
-  for (auto& g : current_.grads)
+  for (auto& g : current_.grads) {
+    if (g.grad_slot == layout_.compact_lookup_slot) {
+      // The job's input-token rows only, ascending (shm::CompactLookupRows): the lookup's
+      // gradient is zero elsewhere. The token slots hold this step's tokens until the step is
+      // done, which needs this job's commit.
+      std::vector<const int64_t*> slots;
+      for (int mb = 0; mb < job_.num_microbatches; ++mb)
+        slots.push_back(segment_.At<int64_t>(layout_.TokenSlot(job_.parity, mb)));
+      std::vector<int64_t> rows = core::SortedTokenRows(slots, cfg_.TokensPerMicrobatch(), cfg_.model.vocab_size);
+      const int64_t n = static_cast<int64_t>(rows.size()), cols = g.weight.size(1);
+      const auto options = g.weight.options().dtype(at::kFloat);
+      at::Tensor compact;
+      if (!g.accum.defined() || n == 0) {
+        compact = at::zeros({n, cols}, options);
+      } else {
+        // Pinned and asynchronous to a device: a copy from pageable memory would first wait for
+        // the compute stream (this job's microbatches).
+        at::Tensor index = at::from_blob(rows.data(), {n}, at::kLong);
+        index = g.accum.is_cpu() ? index.clone() : index.pin_memory().to(g.accum.device(), /*non_blocking=*/true);
+        compact = g.accum.index_select(0, index);
+      }
+      held.push_back({compact, g.grad_slot, {n, cols}, options});
+      continue;
+    }
     held.push_back({g.accum, g.grad_slot, g.weight.sizes().vec(), g.weight.options().dtype(at::kFloat)});
+  }
   held_[job_.job_index] = std::move(held);
   End();
 }

@@ -6,11 +6,27 @@
 #include "common/rng.h"
 
 namespace rp::shm {
+
+int64_t CompactLookupRows(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
+  const core::GradSlot& g = spec.grad_slots[slot];
+  const core::ParamSpec& p = spec.params[g.param];
+  if (c.train.accum_calls != 1 || p.shape.size() != 2 || g.layer != p.owner_layer || g.layer != 0) return 0;
+  int uses = 0;
+  for (const auto& other : spec.grad_slots) uses += other.param == g.param ? 1 : 0;
+  if (uses != 2) return 0;
+  const int64_t tokens = c.train.microbatches * c.train.microbatch_size * c.data.seq_len;
+  return std::min(p.shape[0], tokens);
+}
+
 namespace {
 uint64_t Align(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArenaAlign; }
-// fp32 bytes of gradient slot `slot`, 256-aligned: what the arena places for it.
-uint64_t GradSlotBytes(const core::ModelSpec& spec, int slot) {
-  return (static_cast<uint64_t>(spec.params[spec.grad_slots[slot].param].numel) * 4 + 255) / 256 * 256;
+// fp32 bytes of gradient slot `slot`, 256-aligned: what the arena places for it (a compact
+// lookup slot holds only its rows, CompactLookupRows).
+uint64_t GradSlotBytes(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
+  const auto& p = spec.params[spec.grad_slots[slot].param];
+  const int64_t rows = CompactLookupRows(c, spec, slot);
+  const int64_t numel = rows > 0 ? rows * p.shape[1] : p.numel;
+  return (static_cast<uint64_t>(numel) * 4 + 255) / 256 * 256;
 }
 // Packs one region of weight copies from `pos` (256-byte aligned inside, so a layer's weights
 // form one run a worker can fetch with a single copy); returns the 4 KiB-aligned end.
@@ -68,19 +84,19 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
   GradArenaSizing s;
   std::vector<int> uses(spec.params.size(), 0);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
-    s.all_slots += GradSlotBytes(spec, static_cast<int>(g));
+    s.all_slots += GradSlotBytes(c, spec, static_cast<int>(g));
     uses[spec.grad_slots[g].param]++;
   }
   // Slots of parameters used by several layers (tied embeddings) stay until the last use.
   uint64_t shared_uses = 0, largest_stage = 0;
   for (size_t g = 0; g < spec.grad_slots.size(); ++g)
-    if (uses[spec.grad_slots[g].param] > 1) shared_uses += GradSlotBytes(spec, static_cast<int>(g));
+    if (uses[spec.grad_slots[g].param] > 1) shared_uses += GradSlotBytes(c, spec, static_cast<int>(g));
   for (const auto& st : plan.stages) {
     if (st.kind == core::StageKind::kForward) continue;
     uint64_t bytes = 0;
     for (int l = st.begin; l < st.end; ++l)
       for (const auto& use : spec.layer_uses[l])
-        if (uses[use.param] == 1) bytes += GradSlotBytes(spec, use.grad_slot);  // shared ones counted above
+        if (uses[use.param] == 1) bytes += GradSlotBytes(c, spec, use.grad_slot);  // shared ones counted above
     largest_stage = std::max(largest_stage, bytes);
   }
   s.must_hold_all = c.train.grad_clip > 0.0 || c.train.accum_calls > 1;
@@ -129,8 +145,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   // frozen base out: it is reloaded from its source on resume.
   a.frozen_begin = pos;
   pos = a.frozen_end = PackWeights(spec.frozen, a.compute_elem_bytes, pos, &a.frozen);
-  for (size_t g = 0; g < spec.grad_slots.size(); ++g)
-    a.grad_slot_bytes.push_back(GradSlotBytes(spec, static_cast<int>(g)));
+  for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
+    a.grad_slot_bytes.push_back(GradSlotBytes(c, spec, static_cast<int>(g)));
+    if (CompactLookupRows(c, spec, static_cast<int>(g)) > 0) a.compact_lookup_slot = static_cast<int>(g);
+  }
   a.grad_arena = pos;
   a.grad_arena_bytes = sizing.chosen;
   a.grads_streamed = sizing.chosen < sizing.all_slots;

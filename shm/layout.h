@@ -101,6 +101,9 @@ struct ArenaLayout {
   std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment (master: state
                                                   // segment if masters_in_state); adam_v empty for sgd
   std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
+  // The tied embedding's input-lookup slot when it is compact (CompactLookupRows), else -1: it
+  // holds the rows of the step's input tokens only, ascending (core::SortedTokenRows), packed.
+  int compact_lookup_slot = -1;
   uint64_t grad_table = 0;                        // std::atomic<uint64_t>[gradient slots]
   uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
   bool grads_streamed = false;                    // arena smaller than every slot at once
@@ -185,5 +188,14 @@ inline uint64_t SharedMemoryBytes(const ArenaLayout& a, const core::JobConfig& c
   return a.total_bytes + a.optim_total_bytes +
          (cpu_pools ? static_cast<uint64_t>(workers) * (kHeaderBytes + a.pool_bytes) : 0);
 }
+
+// Rows the gradient slot `slot` holds when it is the tied embedding's input-lookup slot with
+// one call per step (after schedule.merge_calls): at most one row per input token of the step,
+// min(vocab, tokens per step), instead of the whole matrix. Why: the lookup's gradient is zero
+// outside the step's token rows, so the worker commits those rows only (less host memory and
+// device-to-host copy at the end of the step's last backward stage) and the optimizer folds
+// them into the head's slot by row (AsyncOptimizer). With several calls each call's rows would
+// differ, so the slot stays whole; 0 for every other slot.
+int64_t CompactLookupRows(const core::JobConfig& c, const core::ModelSpec& spec, int slot);
 
 }  // namespace rp::shm

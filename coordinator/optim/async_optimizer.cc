@@ -216,19 +216,26 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0]));
   auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])); };
   double* sq = row_sq_.data() + row_sq_base_[c.param];
+  // A compact lookup slot (shm::CompactLookupRows) holds the touched rows only, packed in order.
+  const bool compact = lookup_slot_[c.param] >= 0 && lookup_slot_[c.param] == layout_.compact_lookup_slot;
   std::shared_ptr<const std::vector<int64_t>> touched;
-  if (early_[c.param]) {
+  if (early_[c.param] || compact) {
     std::lock_guard<std::mutex> l(mu_);
     auto it = touched_.find(step);
     if (it != touched_.end()) touched = it->second;
   }
+  RP_CHECK(touched || !compact) << "step " << step << ": the compact lookup slot came without its rows (SetTouchedRows)";
   if (touched) {
-    // The other rows of the lookup's slot are zero: their fold changes nothing and their
-    // squares were taken early (a -0.0 of the head's stays -0.0 instead of becoming +0.0, which
-    // no square, moment or update tells apart).
+    // The other rows of the lookup's slot are zero (or absent): their fold changes nothing and
+    // their squares are the head's alone, taken early (a -0.0 of the head's stays -0.0 instead
+    // of becoming +0.0, which no square, moment or update tells apart).
+    if (!early_[c.param])
+      for (int64_t r = r0; r < r1; ++r) sq[r] = SquaredSum(g + r * cols, cols);
     const float* o = other(1);
-    for (auto it = std::lower_bound(touched->begin(), touched->end(), r0); it != touched->end() && *it < r1; ++it)
-      sq[*it] = AddAndSquaredSum(g + *it * cols, o + *it * cols, cols);
+    for (auto it = std::lower_bound(touched->begin(), touched->end(), r0); it != touched->end() && *it < r1; ++it) {
+      const int64_t from = compact ? (it - touched->begin()) : *it;
+      sq[*it] = AddAndSquaredSum(g + *it * cols, o + from * cols, cols);
+    }
   } else {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = g + r * cols;
