@@ -630,6 +630,11 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   }
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {
+    if (cfg.train.microbatches * cfg.train.accum_calls > 4096)
+      return Status::InvalidArgument("schedule.merge_calls: train.accum_calls x train.microbatches = " +
+                                     std::to_string(cfg.train.microbatches * cfg.train.accum_calls) +
+                                     " microbatches in one round, above train.microbatches' limit of 4096 "
+                                     "(merge_calls = \"never\" keeps the calls)");
     cfg.train.merged_calls = cfg.train.accum_calls;
     cfg.train.microbatches *= cfg.train.accum_calls;
     cfg.train.accum_calls = 1;

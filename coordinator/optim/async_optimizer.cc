@@ -11,6 +11,15 @@
 namespace rp::coord {
 
 namespace {
+// Adds +0.0 to each element of a row (what folding a zero row of the lookup's gradient does: a
+// -0.0 becomes +0.0, as in rp-train-ref's dense sum) and returns its squared sum, exactly as
+// AddAndSquaredSum would with a zero row.
+double FoldZeroRow(float* row, int64_t cols) {
+  thread_local std::vector<float> zeros;
+  if (static_cast<int64_t>(zeros.size()) < cols) zeros.assign(static_cast<size_t>(cols), 0.0f);
+  return AddAndSquaredSum(row, zeros.data(), cols);
+}
+
 // Two passes hold a parameter's slots until its second pass. That was measured (exact mode with
 // clipping, where the arena holds every slot); with streamed gradients (no clipping, one call:
 // the arena holds about two stages) it would keep the next stages' commits waiting for space.
@@ -161,6 +170,8 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   if (step != step_) {
     RP_CHECK(step == step_ + 1 && published_through_.load() == step_)
         << "optimizer step " << step << " began before step " << step_ << " was published";
+    RP_CHECK(chunks_norm_left_.load() == 0) << "optimizer step " << step << " began before step " << step_
+                                            << "'s norm was complete";
     step_ = step;
     for (size_t p = 0; p < spec_.params.size(); ++p) {
       slots_left_[p] = static_cast<int>(param_slots_[p].size());
@@ -203,9 +214,9 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
 void AsyncOptimizer::RowSquares(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = chunks_[chunk];
   const int64_t cols = row_elems_[c.param];
-  const float* g = reinterpret_cast<const float*>(state_ + grads_->Offset(param_slots_[c.param][0]));
+  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(param_slots_[c.param][0]));
   double* sq = row_sq_.data() + row_sq_base_[c.param];
-  for (int64_t r = c.begin / cols; r < c.end / cols; ++r) sq[r] = SquaredSum(g + r * cols, cols);
+  for (int64_t r = c.begin / cols; r < c.end / cols; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
   if (chunk_gate_[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) NormChunk(step, chunk, then_update);
 }
 
@@ -226,11 +237,10 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   }
   RP_CHECK(touched || !compact) << "step " << step << ": the compact lookup slot came without its rows (SetTouchedRows)";
   if (touched) {
-    // The other rows of the lookup's slot are zero (or absent): their fold changes nothing and
-    // their squares are the head's alone, taken early (a -0.0 of the head's stays -0.0 instead
-    // of becoming +0.0, which no square, moment or update tells apart).
+    // The other rows of the lookup's slot are zero (or absent): their fold adds +0.0, done
+    // early (FoldZeroRow) with their squares.
     if (!early_[c.param])
-      for (int64_t r = r0; r < r1; ++r) sq[r] = SquaredSum(g + r * cols, cols);
+      for (int64_t r = r0; r < r1; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
     const float* o = other(1);
     for (auto it = std::lower_bound(touched->begin(), touched->end(), r0); it != touched->end() && *it < r1; ++it) {
       const int64_t from = compact ? (it - touched->begin()) : *it;
@@ -266,8 +276,10 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
     }
     partial_[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
   }
-  if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
+  // Counted before the update: without clipping the update may publish the step's last layer,
+  // after which the next step may begin and reset the counter.
   if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
+  if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
 }
 
 void AsyncOptimizer::OnNormsDone(int64_t step) {

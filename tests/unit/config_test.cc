@@ -173,6 +173,8 @@ TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
   EXPECT_EQ(s->train.microbatches, 6);
   EXPECT_EQ(s->train.merged_calls, 3);
   ExpectError(kValid, "schedule.merge_calls", {"schedule.merge_calls=sometimes"});
+  ExpectError(kValid, "schedule.merge_calls: train.accum_calls x train.microbatches = 8192",
+              {"train.accum_calls=2", "train.microbatches=4096"});
 }
 
 TEST(JobConfig, ReadmeDocumentsEveryKey) {
