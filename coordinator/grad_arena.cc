@@ -12,9 +12,7 @@ GradArena::GradArena(const shm::ArenaLayout& layout, std::atomic<uint64_t>* tabl
     : layout_(layout), table_(table), placed_(layout.grad_slot_bytes.size(), 0) {
   // Offset 0 is the segment header, never a slot, so it can mean "not placed".
   if (layout.grad_arena_bytes > 0) free_[layout.grad_arena] = layout.grad_arena_bytes;
-  uint64_t all = 0;
-  for (uint64_t b : layout.grad_slot_bytes) all += b;
-  if (all > 0 && all <= layout.grad_arena_bytes) {
+  if (!layout.grads_streamed) {
     uint64_t off = layout.grad_arena;
     for (uint64_t b : layout.grad_slot_bytes) {
       fixed_.push_back(off);

@@ -9,9 +9,9 @@
 //    (layout.grad_slot_bytes) or none does and false is returned (the caller retries once an
 //    update has released space). First fit, so the step's first commit (the fused tail, with
 //    the largest slot) lands at the arena's start and later holes coalesce behind it.
-//  * When the arena can hold every slot at once (exact clipping or K > 1 size it so), each slot
-//    has a fixed range instead (the slots' sizes summed in slot order) and Place only fails for a
-//    slot already placed (checked). Why: exact mode places the next step's slots while the
+//  * When the arena can hold every slot at once (!layout.grads_streamed: exact clipping or K > 1
+//    size it so), each slot has a fixed range instead (the slots' sizes summed in slot order)
+//    and Place only fails for a slot already placed (checked). Why: exact mode places the next step's slots while the
 //    previous step's second optimizer passes still release theirs, in an order that first fit
 //    could fragment into holes too small for a large slot, with nothing left to release.
 //  * Release(slot) returns a placed slot's range; releasing an unplaced slot is a bug (checked).

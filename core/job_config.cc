@@ -329,8 +329,8 @@ const std::vector<KeySpec>& Table() {
            "Run a step's train.accum_calls calls as one round of accum_calls x microbatches "
            "microbatches: the same sequences, loss scale and gradient (summed in another order, "
            "so fp32 sums differ in the last bits), with each stage's weights fetched and its "
-           "gradients committed once per step instead of once per call (H200, Qwen3-1.7B job: "
-           "+6.3% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
+           "gradients committed once per step instead of once per call (H200, Qwen3-1.7B job, one "
+           "call: +3.8% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
            "memory than two calls in flight; always: also with more calls or in stale1 (activation "
            "slots for all the step's microbatches); never: the calls run one after another"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),

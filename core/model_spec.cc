@@ -35,6 +35,12 @@ int64_t ModelSpec::LayerWeightBytes(int l, int trainable_elem_bytes, int frozen_
   return n;
 }
 
+int64_t ModelSpec::TiedRowElems(int p) const {
+  int uses = 0;
+  for (const auto& slot : grad_slots) uses += slot.param == p ? 1 : 0;
+  return uses == 2 && params[p].shape.size() == 2 ? params[p].shape[1] : 0;
+}
+
 ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
   ModelSpec s;
   s.config = c;

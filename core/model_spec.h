@@ -73,6 +73,11 @@ struct ModelSpec {
   // Bytes a worker copies for layer `l`: trainable weights at `trainable_elem_bytes` (4 when it
   // fetches the fp32 masters), frozen ones at `frozen_elem_bytes` (the compute dtype).
   int64_t LayerWeightBytes(int l, int trainable_elem_bytes, int frozen_elem_bytes) const;
+  // Row length of trainable parameter `p` when it is a tied matrix (exactly two gradient slots:
+  // the tied embedding's input lookup and head), else 0. The optimizer sums its norm by rows and
+  // the layout may keep its lookup slot compact (coordinator/optim/optimizer_step.h,
+  // shm::CompactLookupRows).
+  int64_t TiedRowElems(int p) const;
 };
 
 ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = LoraConfig{});

@@ -10,10 +10,7 @@ namespace rp::shm {
 int64_t CompactLookupRows(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
   const core::GradSlot& g = spec.grad_slots[slot];
   const core::ParamSpec& p = spec.params[g.param];
-  if (c.train.accum_calls != 1 || p.shape.size() != 2 || g.layer != p.owner_layer || g.layer != 0) return 0;
-  int uses = 0;
-  for (const auto& other : spec.grad_slots) uses += other.param == g.param ? 1 : 0;
-  if (uses != 2) return 0;
+  if (c.train.accum_calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer || g.layer != 0) return 0;
   const int64_t tokens = c.train.microbatches * c.train.microbatch_size * c.data.seq_len;
   return std::min(p.shape[0], tokens);
 }

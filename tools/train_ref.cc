@@ -125,7 +125,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
       a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
       a.numel = spec.params[p].numel;
       a.decay = spec.params[p].weight_decay;
-      a.row_elems = rp::coord::RowElems(spec, static_cast<int>(p));
+      a.row_elems = spec.TiedRowElems(static_cast<int>(p));
       arrays.push_back(a);
     }
     const double lr = rp::core::LearningRate(cfg.optimizer, step, cfg.train.steps);

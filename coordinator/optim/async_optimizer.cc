@@ -20,14 +20,6 @@ double FoldZeroRow(float* row, int64_t cols) {
   return AddAndSquaredSum(row, zeros.data(), cols);
 }
 
-// Two passes hold a parameter's slots until its second pass. That was measured (exact mode with
-// clipping, where the arena holds every slot); with streamed gradients (no clipping, one call:
-// the arena holds about two stages) it would keep the next stages' commits waiting for space.
-bool HoldsEverySlot(const shm::ArenaLayout& layout) {
-  uint64_t all = 0;
-  for (uint64_t b : layout.grad_slot_bytes) all += b;
-  return all <= layout.grad_arena_bytes;
-}
 }  // namespace
 
 AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
@@ -42,7 +34,10 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       param_chunks_(spec.params.size()),
       param_slots_(spec.params.size()),
       layer_param_count_(spec.NumLayers(), 0),
-      two_passes_(cfg.optimizer.mode == "exact" && HoldsEverySlot(layout)),
+      // Two passes hold a parameter's slots until its second pass. That was measured where the
+      // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
+      // call: about two stages' slots) it would keep the next stages' commits waiting for space.
+      two_passes_(cfg.optimizer.mode == "exact" && !layout.grads_streamed),
       slots_left_(spec.params.size(), 0),
       param_chunks_left_(spec.params.size()),
       layer_params_left_(spec.NumLayers()),
@@ -54,7 +49,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   early_.assign(spec.params.size(), 0);
   int64_t rows = 0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    row_elems_[p] = RowElems(spec, static_cast<int>(p));
+    row_elems_[p] = spec.TiedRowElems(static_cast<int>(p));
     if (row_elems_[p] > 0) {
       row_sq_base_[p] = rows;
       rows += spec.params[p].numel / row_elems_[p];
@@ -72,7 +67,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     param_slots_[spec.grad_slots[s].param].push_back(static_cast<int>(s));
   for (size_t p = 0; p < spec.params.size(); ++p) {
     auto& slots = param_slots_[p];
-    if (row_elems_[p] == 0 || slots.size() != 2) continue;
+    if (row_elems_[p] == 0) continue;  // else exactly two slots
     // The lookup's slot goes second, so the fold adds it into the head's (a + b == b + a: the
     // same bits as the other order).
     for (size_t i = 0; i < 2; ++i)
@@ -247,12 +242,7 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
       sq[*it] = AddAndSquaredSum(g + *it * cols, o + from * cols, cols);
     }
   } else {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = g + r * cols;
-      for (size_t s = 1; s + 1 < slots.size(); ++s)
-        for (int64_t i = 0; i < cols; ++i) row[i] += other(s)[r * cols + i];
-      sq[r] = AddAndSquaredSum(row, other(slots.size() - 1) + r * cols, cols);
-    }
+    for (int64_t r = r0; r < r1; ++r) sq[r] = AddAndSquaredSum(g + r * cols, other(1) + r * cols, cols);
   }
   double total = 0.0;
   for (int64_t r = r0; r < r1; ++r) total += sq[r];  // RowwiseSquaredSum's order

@@ -54,13 +54,6 @@ double RowwiseSquaredSum(const float* g, int64_t rows, int64_t cols) {
   return total;
 }
 
-int64_t RowElems(const core::ModelSpec& spec, int p) {
-  int uses = 0;
-  for (const auto& slot : spec.grad_slots) uses += slot.param == p ? 1 : 0;
-  const auto& shape = spec.params[p].shape;
-  return uses > 1 && shape.size() == 2 ? shape[1] : 0;
-}
-
 double ClipScale(double norm, double clip) {
   return clip > 0.0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
 }

@@ -13,7 +13,6 @@
 
 #include "coordinator/optim/adamw.h"
 #include "core/job_config.h"
-#include "core/model_spec.h"
 
 namespace rp::coord {
 
@@ -25,8 +24,9 @@ struct ParamArrays {
   void* compute = nullptr;  // may alias master when the compute dtype is fp32
   int64_t numel = 0;
   bool decay = true;
-  // > 0: the parameter is row-summed (RowSummed below): its chunks are whole rows of this many
-  // elements and its squared sum is RowwiseSquaredSum's.
+  // > 0: the parameter is row-summed (core::ModelSpec::TiedRowElems, which the synchronous step
+  // and the asynchronous optimizer both take it from, so their norms keep the same bits): its
+  // chunks are whole rows of this many elements and its squared sum is RowwiseSquaredSum's.
   int64_t row_elems = 0;
 };
 
@@ -54,10 +54,6 @@ double AddAndSquaredSum(float* g, const float* other, int64_t n);
 // looked-up rows are folded and squared again at the step boundary (AsyncOptimizer), with the
 // same bits as summing every row there.
 double RowwiseSquaredSum(const float* g, int64_t rows, int64_t cols);
-// ParamArrays::row_elems for trainable parameter `p`: its row length when several layers use it
-// (a tied embedding: a matrix), else 0. The synchronous step and the asynchronous optimizer both
-// take it from here, so their norms keep the same bits.
-int64_t RowElems(const core::ModelSpec& spec, int p);
 // Multiplier for gradients with global norm `norm` under clipping threshold `clip` (0 = off).
 double ClipScale(double norm, double clip);
 

@@ -101,7 +101,7 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
       // outside the rows given to SetTouchedRows, as the embedding's backward leaves it, so the
       // boundary folds those rows only, and at step 1 it is dense with no rows given: every row
       // is folded.
-      const int64_t cols = RowElems(spec, p);
+      const int64_t cols = spec.TiedRowElems(p);
       const bool lookup = cols > 0 && spec.grad_slots[s].layer == spec.params[p].owner_layer;
       if (s == a.compact_lookup_slot) {
         ASSERT_TRUE(lookup);
@@ -140,7 +140,7 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
       arrays[p].compute = ref_master[p].data();
       arrays[p].numel = spec.params[p].numel;
       arrays[p].decay = spec.params[p].weight_decay;
-      arrays[p].row_elems = RowElems(spec, static_cast<int>(p));
+      arrays[p].row_elems = spec.TiedRowElems(static_cast<int>(p));
     }
     const auto r = OptimizerStep(arrays, cfg.optimizer, core::LearningRate(cfg.optimizer, step, cfg.train.steps),
                                  step + 1, clip, ComputeDtype::kFloat32, 2);

@@ -13,6 +13,9 @@ shm::ArenaLayout ArenaOf(std::vector<uint64_t> slot_bytes, uint64_t arena_bytes)
   a.grad_slot_bytes = std::move(slot_bytes);
   a.grad_arena = 1 << 20;
   a.grad_arena_bytes = arena_bytes;
+  uint64_t all = 0;
+  for (uint64_t b : a.grad_slot_bytes) all += b;
+  a.grads_streamed = arena_bytes < all;  // as shm::ComputeLayout sets it
   return a;
 }
 
