@@ -132,6 +132,9 @@ int main(int argc, char** argv) {
   app.add_option("--set", overrides, "override section.key=value");
   app.add_option("--reps", reps, "timed repetitions per phase")->check(CLI::Range(1, 10000));
   app.add_flag("--profile", profile, "list the kernels that took the most device time per phase");
+  bool no_sinks = false;
+  app.add_flag("--no-weight-grad-sinks", no_sinks,
+               "fold bf16 weight gradients as the worker did before its sinks (for a same-run comparison)");
   app.add_option("--attention", attention, "comma-separated attention backends to try");
   CLI11_PARSE(app, argc, argv);
 
@@ -174,6 +177,19 @@ int main(int argc, char** argv) {
       at::randint(cfg.model.vocab_size, {B, S}, at::TensorOptions().device(device->torch_device()).dtype(at::kLong));
   std::map<std::string, at::Tensor> accum;
   for (const auto& [role, t] : block) accum[role] = at::zeros(t.sizes(), t.options().dtype(at::kFloat));
+  // As the worker does (executor.cc): with the device's fused kernels the projections and the
+  // LM head add their gradients into fp32 sums inside the backward GEMM; the fold below then
+  // covers only the other weights (the norms).
+  const bool sinks = !no_sinks && cfg.train.fused_kernels && device->fused_kernels() != nullptr;
+  if (sinks) {
+    rp::model::Transformer::WeightGradSinks s;
+    for (const auto& [role, t] : block)
+      if (rp::model::Transformer::SinkableRole(role)) s.emplace(t.unsafeGetTensorImpl(), accum[role]);
+    for (const auto& [role, t] : head)
+      if (rp::model::Transformer::SinkableRole(role))
+        s.emplace(t.unsafeGetTensorImpl(), at::zeros(t.sizes(), t.options().dtype(at::kFloat)));
+    math.SetWeightGradSinks(std::move(s));
+  }
 
   // FLOPs per microbatch (multiply-add = 2): the block's projections, and causal attention's two
   // products over half the score matrix; backward is twice the forward.
@@ -205,7 +221,8 @@ int main(int argc, char** argv) {
       {"block_grad_accumulate", 0.0,
        [&] {
          // The executor's per-microbatch fold of bf16 gradients into fp32 accumulators.
-         for (auto& [role, a] : accum) a.add_(block.at(role).detach());
+         for (auto& [role, a] : accum)
+           if (!sinks || !rp::model::Transformer::SinkableRole(role)) a.add_(block.at(role).detach());
        }},
       {"head_forward_backward", head_fb,
        [&] {
@@ -227,7 +244,8 @@ int main(int argc, char** argv) {
     nlohmann::json line = {{"tool", "rp-block-bench"}, {"job", job_path}, {"overrides", overrides},
                            {"device", device->Describe()}, {"dtype", cfg.train.dtype},
                            {"microbatch", {B, S}}, {"fused_kernels", cfg.train.fused_kernels},
-                           {"attention", backend}, {"torch", TORCH_VERSION}, {"reps", reps}};
+                           {"attention", backend}, {"torch", TORCH_VERSION}, {"reps", reps},
+                           {"weight_grad_sinks", sinks}};
     if (!SelectAttention(backend)) {
       line["error"] = "this LibTorch cannot select that attention backend";
       std::printf("%s\n", line.dump().c_str());

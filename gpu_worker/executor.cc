@@ -24,7 +24,10 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
       act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : at::kBFloat16) {
-  if (cfg.train.fused_kernels) math_.UseFusedKernels(device.fused_kernels());
+  if (cfg.train.fused_kernels) {
+    math_.UseFusedKernels(device.fused_kernels());
+    weight_grad_sinks_ = device.fused_kernels() != nullptr;
+  }
 }
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
@@ -88,7 +91,8 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
                                         p.shape, weights_dtype_, act_dtype_);
     if (grads) {
       t.requires_grad_(true);
-      into->grads.push_back({t, use.grad_slot, at::Tensor()});
+      into->grads.push_back({t, use.grad_slot, at::Tensor(),
+                             weight_grad_sinks_ && model::Transformer::SinkableRole(use.role)});
     }
     lw.emplace(use.role, t);
   }
@@ -166,6 +170,15 @@ Status Executor::Begin(const proto::RunJob& job) {
   next_ = StageWeights();
   try {
     device_.WaitWeights(current_.fence);
+    // The projections' fp32 sums start at zero and their GEMMs add into them (sinks); made here,
+    // not at the fetch, so a prefetched job holds no gradient memory while the current one runs.
+    model::Transformer::WeightGradSinks sinks;
+    for (auto& g : current_.grads)
+      if (g.sink) {
+        g.accum = at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
+        sinks.emplace(g.weight.unsafeGetTensorImpl(), g.accum);
+      }
+    math_.SetWeightGradSinks(std::move(sinks));
   } catch (const std::exception& e) {
     return Status::Internal(std::string("waiting for weights: ") + e.what());
   }
@@ -449,6 +462,9 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
   }
 }
 
-void Executor::End() { current_ = StageWeights(); }
+void Executor::End() {
+  math_.SetWeightGradSinks({});
+  current_ = StageWeights();
+}
 
 }  // namespace rp::worker

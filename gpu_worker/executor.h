@@ -128,6 +128,9 @@ class Executor {
     at::Tensor weight;
     int grad_slot;
     at::Tensor accum;  // fp32 sum over the job's microbatches
+    // Summed by the GEMM itself (model::Transformer::SetWeightGradSinks): accum is made at Begin
+    // and weight.grad stays undefined.
+    bool sink = false;
   };
   struct StageWeights {
     int64_t job_index = -1;
@@ -153,7 +156,8 @@ class Executor {
   Device& device_;
   model::Transformer math_;
   at::ScalarType act_dtype_;
-  at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
+  at::ScalarType weights_dtype_;
+  bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients  // what the segment holds for trainable weights (fp32 masters or train.dtype)
 
   proto::RunJob job_{};
   core::Stage stage_{};

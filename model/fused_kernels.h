@@ -59,6 +59,12 @@ class FusedKernels {
   // From dL/dy: {dL/dgate, dL/dup}, contiguous.
   virtual std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& gate, const at::Tensor& up,
                                                            const at::Tensor& dy) const = 0;
+
+  // sink += dy^T x for dy [rows, out] and x [rows, in], both contiguous and of one dtype, into a
+  // contiguous float32 sink [out, in]: one matrix product whose products are summed in fp32 and
+  // added to the sink in fp32 (no rounding to the inputs' dtype). What at::linear's backward
+  // computes for its weight, without rounding it before the sum (Transformer::SetWeightGradSinks).
+  virtual void AddWeightGrad(const at::Tensor& sink, const at::Tensor& dy, const at::Tensor& x) const = 0;
 };
 
 }  // namespace rp::model

@@ -56,7 +56,7 @@ at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module) 
 
 at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h,
                              int layer, int module) const {
-  at::Tensor y = at::linear(h, Get(w, role));
+  at::Tensor y = Linear(h, Get(w, role));
   auto a = w.find(role + ".lora_A");
   if (a == w.end()) return y;
   const at::Tensor& b = Get(w, role + ".lora_B");
@@ -168,7 +168,48 @@ struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
     return {dg, du, at::Tensor()};
   }
 };
+
+// x W^T whose weight gradient goes into `sink` (fp32, W's shape) instead of W.grad: the kernel
+// adds dy^T x, accumulated in fp32, to the sink in the GEMM's own epilogue. The input gradient
+// is autograd's (dy W).
+struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& sink, const FusedKernels* k) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["sink"] = sink;
+    ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
+    return at::linear(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor dy = grads[0].contiguous();
+    at::Tensor dx = ctx->needs_input_grad(0) ? at::matmul(dy, w) : at::Tensor();
+    k->AddWeightGrad(ctx->saved_data["sink"].toTensor(), dy.reshape({-1, dy.size(-1)}),
+                     x.reshape({-1, x.size(-1)}).contiguous());
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
 }  // namespace
+
+bool Transformer::SinkableRole(const std::string& role) {
+  static const char* const kRoles[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                       "up_proj", "down_proj", "lm_head"};
+  for (const char* r : kRoles)
+    if (role == r) return true;
+  return false;
+}
+
+at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight) const {
+  if (!sinks_.empty() && Fused(x)) {
+    auto it = sinks_.find(weight.unsafeGetTensorImpl());
+    if (it != sinks_.end()) return LinearSinkFn::apply(x, weight, it->second, fused_);
+  }
+  return at::linear(x, weight);
+}
 
 at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D]. Expand kv heads for grouped-query attention.
@@ -278,7 +319,7 @@ HeadResult Transformer::FusedHead(const at::Tensor& flat, const at::Tensor& flat
   for (int64_t c0 = 0; c0 < n; c0 += loss_chunk_tokens_) {
     const int64_t len = std::min(loss_chunk_tokens_, n - c0);
     at::Tensor lab = flat_labels.narrow(0, c0, len).contiguous();
-    at::Tensor logits = at::linear(flat.narrow(0, c0, len), lm_head);
+    at::Tensor logits = Linear(flat.narrow(0, c0, len), lm_head);
     // The projection's backward reads its input and weight, never its output, so the output's
     // storage can carry the gradient.
     at::Tensor buffer = logits.detach();

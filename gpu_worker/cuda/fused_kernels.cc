@@ -2,6 +2,8 @@
 // The CUDA worker's model::FusedKernels: tensor checks, then the launchers of kernels.cu on
 // the compute stream, LibTorch's default stream (cuda_device.cc: kComputeStream; its stream
 // guards cover only its own copies and gradient adds, never model math).
+#include <ATen/cuda/CUDAContext.h>
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <stdexcept>
@@ -112,6 +114,39 @@ class CudaFusedKernels final : public model::FusedKernels {
                                   du.data_ptr(), gate.numel() / cols, cols, kComputeStream),
           "swiglu backward kernel launch");
     return {dg, du};
+  }
+
+  void AddWeightGrad(const at::Tensor& sink, const at::Tensor& dy, const at::Tensor& x) const override {
+    const kernels::Dtype dt = DtypeOf(dy, "weight gradient's output gradient");
+    if (DtypeOf(x, "weight gradient's input") != dt)
+      throw std::invalid_argument("weight gradient: output gradient and input must have one dtype");
+    if (DtypeOf(sink, "weight gradient sink") != kernels::Dtype::kFloat32)
+      throw std::invalid_argument("weight gradient sink must be float32");
+    if (dy.dim() != 2 || x.dim() != 2 || sink.dim() != 2 || dy.size(0) != x.size(0) ||
+        sink.size(0) != dy.size(1) || sink.size(1) != x.size(1))
+      throw std::invalid_argument("weight gradient expects dy [rows, out], x [rows, in], sink [out, in]");
+    if (dy.device() != sink.device() || x.device() != sink.device())
+      throw std::invalid_argument("weight gradient tensors must be on one device");
+    const int64_t rows = x.size(0), in = x.size(1), out = dy.size(1);
+    if (rows == 0 || in == 0 || out == 0) return;
+    if (rows > INT32_MAX || in > INT32_MAX || out > INT32_MAX)
+      throw std::invalid_argument("weight gradient dimensions exceed cuBLAS's int range");
+    // Row-major sink [out, in] is column-major sink^T [in, out] = x^T dy, with x and dy read as
+    // the column-major [in, rows] and [out, rows] they are in memory. LibTorch's handle for the
+    // current device, bound to the current (compute) stream; fp32 products without TF32, as
+    // LibTorch's own fp32 matmul by default.
+    cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+    const cudaDataType_t in_type = dt == kernels::Dtype::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+    const float alpha = 1.0f, beta = 1.0f;
+    const cublasStatus_t st =
+        cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(in), static_cast<int>(out),
+                     static_cast<int>(rows), &alpha, x.data_ptr(), in_type, static_cast<int>(in), dy.data_ptr(),
+                     in_type, static_cast<int>(out), &beta, sink.data_ptr(), CUDA_R_32F, static_cast<int>(in),
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error(std::string("weight gradient GEMM (cublasGemmEx ") + std::to_string(out) + "x" +
+                               std::to_string(in) + ", " + std::to_string(rows) + " rows): " +
+                               cublasGetStatusString(st));
   }
 
  private:

@@ -11,8 +11,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/job_config.h"
+#include "core/model_spec.h"
 #include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/device.h"
+#include "model/transformer.h"
 
 namespace rp {
 namespace {
@@ -206,6 +209,107 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndLayouts, FusedSwiGlu,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
                                             ::testing::Values(int64_t{64}, int64_t{37}),
                                             ::testing::Bool()));
+
+// The weight-gradient GEMM adds dy^T x into an fp32 sink: against the float64 product of the
+// same inputs, twice into a sink that starts non-zero, for both input dtypes. bf16 products are
+// exact in fp32, so both dtypes are held to fp32 summation error (rows = 300 terms).
+class FusedWeightGrad : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(FusedWeightGrad, AddsTheProductIntoAnFp32Sink) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const at::ScalarType dtype = GetParam();
+  const int64_t rows = 300, out = 48, in = 72;
+  at::manual_seed(23);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor dy = at::randn({rows, out}, dev).to(dtype), x = at::randn({rows, in}, dev).to(dtype);
+  at::Tensor sink = at::randn({out, in}, dev);
+  at::Tensor want = sink.to(at::kDouble) + 2.0 * at::mm(dy.to(at::kDouble).t(), x.to(at::kDouble));
+  const auto& k = rp::worker::CudaKernels();
+  k.AddWeightGrad(sink, dy, x);
+  k.AddWeightGrad(sink, dy, x);
+  const double scale = at::mm(dy.to(at::kDouble).abs().t(), x.to(at::kDouble).abs()).max().item<double>();
+  EXPECT_LE(MaxAbs(sink, want), 2e-6 * scale);
+  // The product alone, without the sink's add, would be far off: the add really happened.
+  EXPECT_GT(MaxAbs(sink, want - sink.to(at::kDouble)), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, FusedWeightGrad, ::testing::Values(at::kFloat, at::kBFloat16));
+
+TEST(FusedWeightGradArgs, RefusesABf16SinkNamingIt) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  at::Tensor dy = at::randn({8, 4}, dev), x = at::randn({8, 6}, dev), sink = at::zeros({4, 6}, dev);
+  try {
+    rp::worker::CudaKernels().AddWeightGrad(sink, dy, x);
+    FAIL() << "a bf16 sink was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("sink"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(rp::worker::CudaKernels().AddWeightGrad(at::zeros({6, 4}, dev.dtype(at::kFloat)), dy, x),
+               std::invalid_argument);
+}
+
+// A decoder block whose projections have sinks gives the same input gradient and, in the
+// sinks, the weight gradients autograd gives without them (fp32: to summation order; bf16:
+// autograd's are rounded to bf16, the sinks are not), and leaves those weights' .grad undefined.
+class BlockWeightGradSinks : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(BlockWeightGradSinks, MatchAutogradsWeightGradients) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const at::ScalarType dtype = GetParam();
+  const core::ModelConfig mc;  // the defaults: a small Qwen3-style block with q/k norm
+  const core::ModelSpec spec = core::BuildModelSpec(mc);
+  at::manual_seed(29);
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+  const int64_t H = mc.hidden_size;
+  model::LayerWeights w;
+  for (const auto& use : spec.layer_uses[1]) {
+    at::Tensor t = at::empty(spec.params[use.param].shape, at::kFloat);
+    core::InitParam(spec, use.param, 11, t.data_ptr<float>());
+    // Norm weights near 1 (InitParam gives ones): perturbed, so their gradients are not special.
+    if (t.dim() == 1) t.add_(0.1 * at::randn(t.sizes()));
+    w[use.role] = t.to(dev).requires_grad_(true);
+  }
+  at::Tensor x = at::randn({2, 16, H}, dev), dy = at::randn({2, 16, H}, dev);
+
+  model::Transformer plain(mc);
+  plain.UseFusedKernels(&rp::worker::CudaKernels());
+  at::Tensor x1 = x.detach().requires_grad_(true);
+  plain.Block(w, x1, 1).backward(dy);
+  std::map<std::string, at::Tensor> want;
+  for (auto& [role, t] : w) {
+    want[role] = t.grad().to(at::kFloat).clone();
+    t.mutable_grad().reset();
+  }
+
+  model::Transformer sunk(mc);
+  sunk.UseFusedKernels(&rp::worker::CudaKernels());
+  model::Transformer::WeightGradSinks sinks;
+  std::map<std::string, at::Tensor> sink_of;
+  for (auto& [role, t] : w)
+    if (model::Transformer::SinkableRole(role)) {
+      sink_of[role] = at::zeros(t.sizes(), dev.dtype(at::kFloat));
+      sinks.emplace(t.unsafeGetTensorImpl(), sink_of[role]);
+    }
+  ASSERT_EQ(sink_of.size(), 7u);
+  sunk.SetWeightGradSinks(sinks);
+  at::Tensor x2 = x.detach().requires_grad_(true);
+  sunk.Block(w, x2, 1).backward(dy);
+  const bool f32 = dtype == at::kFloat;
+  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -7)) * r.abs().max().item<double>(); };
+  EXPECT_LE(MaxAbs(x2.grad(), x1.grad()), tol(x1.grad()));
+  for (auto& [role, t] : w) {
+    if (sink_of.count(role)) {
+      EXPECT_FALSE(t.grad().defined()) << role;
+      EXPECT_LE(MaxAbs(sink_of[role], want[role]), tol(want[role])) << role;
+    } else {
+      ASSERT_TRUE(t.grad().defined()) << role;
+      EXPECT_LE(MaxAbs(t.grad(), want[role]), tol(want[role])) << role;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, BlockWeightGradSinks, ::testing::Values(at::kFloat, at::kBFloat16));
 
 // A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "master") must see
 // exactly the weights a compute copy would hold: round-to-nearest-even, bit for bit. Through the
