@@ -333,6 +333,16 @@ const std::vector<KeySpec>& Table() {
            "call: +3.8% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
            "memory than two calls in flight; always: also with more calls or in stale1 (activation "
            "slots for all the step's microbatches); never: the calls run one after another"),
+      Enum("schedule", "layer_major_forward", F(schedule.layer_major_forward), "auto",
+           {"auto", "always", "never"},
+           "Run a forward stage layer by layer over all its microbatches, each layer as soon as "
+           "its weights are copied, instead of microbatch by microbatch once all are. In exact "
+           "mode the optimizer publishes the next step's layers one by one at the step boundary, "
+           "so a stage run microbatch by microbatch starts only once its last layer is published. "
+           "auto: when the stage's weights are still being published as it could begin and every "
+           "microbatch's input is there; always: whenever every input is there (the same bits, "
+           "for tests); never. Costs device memory for every microbatch's hidden state at once; "
+           "profiled jobs keep the microbatch order"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

@@ -8,6 +8,7 @@
 #include <string>
 #include <c10/util/Exception.h>
 
+#include "common/time_util.h"
 #include "core/data.h"
 
 namespace rp::worker {
@@ -159,17 +160,39 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
   }
 }
 
-Status Executor::Begin(const proto::RunJob& job) {
+bool Executor::LayerMajorEligible(const proto::RunJob& job) const {
+  if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size())) return false;
+  const core::Stage& st = plan_.stages[job.stage];
+  return cfg_.schedule.layer_major_forward != "never" && st.kind == core::StageKind::kForward &&
+         st.end - st.begin > 1 && job.num_microbatches > 1 && !job.profile;
+}
+
+bool Executor::Startable(const proto::RunJob& job, bool all_inputs_ready) const {
+  if (next_.job_index != job.job_index) return false;
+  const bool eligible = LayerMajorEligible(job);
+  // "always" (tests): every eligible job runs layer-major, so it waits for all its inputs.
+  if (eligible && cfg_.schedule.layer_major_forward == "always") return all_inputs_ready && !next_.layers.empty();
+  return next_.complete || (eligible && all_inputs_ready && !next_.layers.empty());
+}
+
+Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   RP_RETURN_IF_ERROR(Validate(job));
+  // FetchReady is the one path that copies a stage's weights; Begin only adopts them.
+  if (!Startable(job, all_inputs_ready))
+    return Status::Internal("job " + std::to_string(job.job_index) + " began before FetchReady had copied its weights");
   job_ = job;
   stage_ = plan_.stages[job.stage];
-  // FetchReady is the one path that copies a stage's weights; Begin only adopts them.
-  if (next_.job_index != job.job_index || !next_.complete)
-    return Status::Internal("job " + std::to_string(job.job_index) + " began before FetchReady had copied its weights");
   current_ = std::move(next_);
   next_ = StageWeights();
+  lm_job_ = LayerMajorEligible(job) && all_inputs_ready &&
+            (!current_.complete || cfg_.schedule.layer_major_forward == "always");
+  lm_next_layer_ = stage_.begin;
+  lm_hidden_.assign(lm_job_ ? job.num_microbatches : 0, at::Tensor());
+  lm_stalled_ = false;
+  lm_stall_end_us_ = WallMicros();
   try {
-    device_.WaitWeights(current_.fence);
+    // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
+    device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
     // The projections' fp32 sums start at zero and their GEMMs add into them (sinks); made here,
     // not at the fetch, so a prefetched job holds no gradient memory while the current one runs.
     model::Transformer::WeightGradSinks sinks;
@@ -183,6 +206,65 @@ Status Executor::Begin(const proto::RunJob& job) {
     return Status::Internal(std::string("waiting for weights: ") + e.what());
   }
   return Status::Ok();
+}
+
+StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<int, InputSources>& inputs,
+                                                                 bool* done) {
+  *done = false;
+  const int M = job_.num_microbatches;
+  if (!lm_job_ || static_cast<int>(lm_hidden_.size()) != M)
+    return Status::Internal("job " + std::to_string(job_.job_index) + " is not a begun layer-major job");
+  try {
+    c10::NoGradGuard no_grad;
+    bool fetched = false;
+    for (int l = stage_.begin + static_cast<int>(current_.layers.size()); l < stage_.end; ++l) {
+      if (!LayerReady(l, job_.weights_version)) break;
+      current_.layers.push_back(FetchLayer(l, job_.weights_version, /*grads=*/false, nullptr));
+      fetched = true;
+    }
+    if (fetched) {
+      device_.WaitWeights(device_.WeightsFence());
+      if (lm_stalled_) lm_stall_end_us_ = WallMicros();
+    }
+    const int copied_end = stage_.begin + static_cast<int>(current_.layers.size());
+    lm_stalled_ = copied_end < stage_.end;
+    for (; lm_next_layer_ < copied_end; ++lm_next_layer_) {
+      const int l = lm_next_layer_;
+      for (int mb = 0; mb < M; ++mb) {
+        math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
+        at::Tensor x;
+        if (l > stage_.begin) {
+          x = lm_hidden_[mb];
+        } else if (l == 0) {
+          x = Tokens(mb, false);
+        } else {
+          auto in = inputs.find(mb);
+          if (in == inputs.end())
+            return Status::Internal("job " + std::to_string(job_.job_index) + ": microbatch " + std::to_string(mb) +
+                                    "'s input is not ready for a layer-major stage");
+          from_ = in->second;
+          x = Hidden(mb, l);
+        }
+        x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+        if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
+        lm_hidden_[mb] = l + 1 < stage_.end ? x : at::Tensor();
+      }
+    }
+    if (lm_next_layer_ < stage_.end) return std::vector<MicrobatchResult>();
+    *done = true;
+    std::vector<MicrobatchResult> results(M);
+    const uint64_t fence = device_.CompletionFence();
+    for (auto& r : results) r.fence = fence;
+    lm_hidden_.clear();
+    lm_job_ = false;
+    return results;
+  } catch (const c10::Error& e) {
+    return Status::Internal("job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_) +
+                            ": " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Status::Internal("job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_) +
+                            ": " + e.what());
+  }
 }
 
 void Executor::AccumulateGrads() {
@@ -465,6 +547,8 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
 void Executor::End() {
   math_.SetWeightGradSinks({});
   current_ = StageWeights();
+  lm_hidden_.clear();
+  lm_job_ = false;
 }
 
 }  // namespace rp::worker

@@ -86,7 +86,39 @@ class Executor {
   // `between_layers` runs after each layer (the worker's heartbeat: an eval of a large model on
   // a slow device can take longer than the hang timeout).
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
-  Status Begin(const proto::RunJob& job);
+  // Whether Begin(job, all_inputs_ready) may adopt the weights FetchReady(job) has copied so
+  // far: all of them, or for a job that may run layer-major (LayerMajorEligible) with every
+  // microbatch's input ready, at least its first layer.
+  bool Startable(const proto::RunJob& job, bool all_inputs_ready) const;
+  // Begins `job`; layer-major (LayerMajorBegun) when it is eligible, every input is ready and
+  // its weights are still incomplete (schedule.layer_major_forward = "auto"), or always
+  // ("always").
+  Status Begin(const proto::RunJob& job, bool all_inputs_ready);
+  // Layer-major jobs (schedule.layer_major_forward): unprofiled forward stages with several
+  // layers and microbatches. In exact mode the optimizer publishes the next step's layers one
+  // by one at the step boundary, slower than a bandwidth-bound first pass over a large model lets
+  // the forward compute them. Run microbatch by microbatch, a stage could only start once its
+  // last layer was published; run layer by layer over every microbatch (ForwardLayers), each
+  // layer computes as soon as it is copied, while the optimizer updates the next, and the
+  // forward ends one layer after the optimizer's last instead of one stage after. The same
+  // operations on the same inputs: the microbatch order's results bit for bit. Costs device
+  // memory for every microbatch's hidden state at once (M x microbatch_size x seq_len x hidden
+  // in train.dtype), and waits for every microbatch's input (with several workers a stage may
+  // then start later than its first microbatch could: auto runs layer-major only while weights
+  // are still being published, when the stage could not start anyway). Profiled jobs keep the
+  // microbatch order, whose per-microbatch times the profile's overhead term is built from.
+  bool LayerMajorEligible(const proto::RunJob& job) const;
+  bool LayerMajorBegun() const { return lm_job_; }
+  // A begun layer-major job: copies the layers published since the last call, enqueues each
+  // copied layer for every microbatch (the first layer's inputs: token slots, or each
+  // microbatch's hidden state from `inputs`), and once the stage's last layer is enqueued sets
+  // *done and returns one result per microbatch, all with the same fence. Never blocks.
+  // StallEndUs(): WallMicros() when the job last found its next layer published after waiting
+  // for it (else when it began): the worker reports its microbatches as starting then, so time
+  // spent computing earlier layers while waiting counts as idle in the bubble ratio
+  // (understating the gain, never inventing it).
+  StatusOr<std::vector<MicrobatchResult>> ForwardLayers(const std::map<int, InputSources>& inputs, bool* done);
+  int64_t StallEndUs() const { return lm_stall_end_us_; }
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
   // the next microbatch, or the next job's, may be enqueued at once.
   StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
@@ -176,6 +208,14 @@ class Executor {
   // one (it is already in the compute dtype), so nothing may modify either in place.
   using SlotKey = std::tuple<int, int, int>;
   std::map<SlotKey, at::Tensor> resident_hidden_, resident_grads_;
+  // The begun layer-major job's state (ForwardLayers): the next layer to enqueue, every
+  // microbatch's hidden state after the layers enqueued so far, whether the last call found a
+  // layer unpublished, and when waiting last ended.
+  bool lm_job_ = false;
+  int lm_next_layer_ = 0;
+  std::vector<at::Tensor> lm_hidden_;
+  bool lm_stalled_ = false;
+  int64_t lm_stall_end_us_ = 0;
   at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 

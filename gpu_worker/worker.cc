@@ -85,6 +85,7 @@ class Worker {
     double enqueued_s = 0.0;  // MonoSeconds()
   };
   std::deque<InFlight> in_flight_;
+  bool layer_major_logged_ = false;  // the first layer-major job is logged once
   int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
   double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
   // A device that stops completing work (a stuck kernel) would otherwise leave this loop
@@ -222,7 +223,10 @@ StatusOr<bool> Worker::Progress() {
     // message loop.
     bool fetched = false;
     if (Status f = exec_->FetchReady(a.job, &fetched); !f.ok()) return Fail(id, f);
-    if (!fetched) {
+    // A forward stage may begin layer-major once every microbatch's input is here.
+    auto inputs = ready_.find(id);
+    const bool all_inputs = inputs != ready_.end() && static_cast<int>(inputs->second.size()) >= a.job.num_microbatches;
+    if (!exec_->Startable(a.job, all_inputs)) {
       waiting_for_weights_ = true;
       return false;
     }
@@ -230,7 +234,7 @@ StatusOr<bool> Worker::Progress() {
     MaybeHangForTest();
     if (trace_) trace_->OnJobBegin(a.job.step);
     a.start_us = WallMicros();
-    Status s = exec_->Begin(a.job);
+    Status s = exec_->Begin(a.job, all_inputs);
     if (!s.ok()) return Fail(id, s);
     a.fetch_end_us = WallMicros();
     a.begun = true;
@@ -242,6 +246,32 @@ StatusOr<bool> Worker::Progress() {
     Status s = exec_->FetchReady(queue_[1].job, &fetched);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);
     queue_[1].prefetched = fetched;
+  }
+  if (a.next_mb == 0 && exec_->LayerMajorBegun()) {
+    auto it = ready_.find(id);
+    if (it == ready_.end()) return Fail(id, Status::Internal("a layer-major job began without its inputs"));
+    if (!layer_major_logged_) {
+      RP_LOG(INFO) << "job " << id << " (a forward stage) runs layer by layer over its " << a.job.num_microbatches
+                   << " microbatches, each layer as soon as it is published";
+      layer_major_logged_ = true;
+    }
+    bool done = false;
+    auto r = exec_->ForwardLayers(it->second, &done);
+    if (!r.ok()) return Fail(id, r.status());
+    waiting_for_weights_ = !done;
+    if (!done) return false;
+    if (const double slow = TestSlowdownSeconds(a.job.step); slow > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(slow * a.job.num_microbatches));
+    for (int mb = 0; mb < a.job.num_microbatches; ++mb) {
+      proto::MicrobatchDone d{};
+      d.job_index = id;
+      d.microbatch = mb;
+      d.start_us = exec_->StallEndUs();
+      in_flight_.push_back({d, std::move((*r)[mb]), MonoSeconds()});
+    }
+    it->second.clear();
+    a.next_mb = a.job.num_microbatches;
+    return true;
   }
   if (a.next_mb < a.job.num_microbatches) {
     auto it = ready_.find(id);
