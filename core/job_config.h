@@ -103,7 +103,7 @@ struct ScheduleConfig {
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
   bool interleave_calls = true;   // core::StepJobOrder
   std::string merge_calls = "auto";  // "auto" | "always" | "never" (MergeCalls below)
-  std::string layer_major_forward = "auto";  // "auto" | "always" | "never" (worker::Executor)
+  std::string layer_major_forward = "never";  // "auto" | "always" | "never" (worker::Executor)
   std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
   std::string weights_source = "auto";  // "auto" | "master" | "compute_copy" (WorkersFetchMasters)
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
