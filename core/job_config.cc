@@ -342,8 +342,8 @@ const std::vector<KeySpec>& Table() {
            "auto: when the stage's weights are still being published as it could begin and every "
            "microbatch's input is there; always: whenever every input is there (the same bits, "
            "for tests); never. Off by default: on the H200 host auto measured -3.0% tokens/s for "
-           "the Qwen3-1.7B job and +1.1% for the 4B (the boundary is bound by host memory "
-           "bandwidth, which computing earlier does not add). Costs device memory for every "
+           "the Qwen3-1.7B job and +1.1% for the 4B (docs/architecture.md, Workers: probably its "
+           "weight copies waiting for its compute). Costs device memory for every "
            "microbatch's hidden state at once; profiled jobs keep the microbatch order"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "

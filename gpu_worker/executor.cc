@@ -177,7 +177,8 @@ bool Executor::Startable(const proto::RunJob& job, bool all_inputs_ready) const 
 
 Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   RP_RETURN_IF_ERROR(Validate(job));
-  // FetchReady is the one path that copies a stage's weights; Begin only adopts them.
+  // FetchReady copies a stage's weights (and ForwardLayers, for a layer-major job, the layers
+  // published after it began); Begin only adopts them.
   if (!Startable(job, all_inputs_ready))
     return Status::Internal("job " + std::to_string(job.job_index) + " began before FetchReady had copied its weights");
   job_ = job;
@@ -193,17 +194,24 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   try {
     // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
     device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
-    // The projections' fp32 sums start at zero and their GEMMs add into them (sinks); made here,
-    // not at the fetch, so a prefetched job holds no gradient memory while the current one runs.
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("waiting for weights: ") + e.what());
+  }
+  // The projections' fp32 sums start at zero and their GEMMs add into them (sinks); made here,
+  // not at the fetch, so a prefetched job holds no gradient memory while the current one runs.
+  int64_t sink_bytes = 0;
+  try {
     model::Transformer::WeightGradSinks sinks;
     for (auto& g : current_.grads)
       if (g.sink) {
+        sink_bytes += g.weight.numel() * static_cast<int64_t>(sizeof(float));
         g.accum = at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
         sinks.emplace(g.weight.unsafeGetTensorImpl(), g.accum);
       }
     math_.SetWeightGradSinks(std::move(sinks));
   } catch (const std::exception& e) {
-    return Status::Internal(std::string("waiting for weights: ") + e.what());
+    return Status::Internal("job " + std::to_string(job.job_index) + ": allocating its fp32 weight-gradient sums (" +
+                            std::to_string(sink_bytes) + " bytes so far): " + e.what());
   }
   return Status::Ok();
 }

@@ -5,13 +5,16 @@
 //  * FetchReady(job) copies a job's weights as the optimizer publishes them, layer by layer: the
 //    front job's, then the next one's in the worker's queue while the current job computes, so
 //    they are resident when Begin(job) makes the compute stream wait for them.
-//  * Begin(job) adopts the weights FetchReady(job) copied (it must have said complete); Microbatch(m) computes microbatch m (its input must
-//    be in its slot: the coordinator said InputReady); CommitGrads() adds the job's gradients
-//    into the shared gradient slots; End() drops the weights.
+//  * Begin(job) adopts the weights FetchReady(job) copied (all of them, or for a layer-major job
+//    the first layers, see Startable); Microbatch(m) computes microbatch m (its input must be in
+//    its slot: the coordinator said InputReady); StartCommit() writes the job's gradients into
+//    the shared gradient slots; End() drops the weights.
 //  * Forward stages write hidden states (stage output and checkpoints). The fused tail and
 //    backward stages write input gradients; their parameter gradients accumulate on the device
-//    in fp32 over the job's microbatches (bf16 weights produce bf16 gradients per microbatch) and
-//    reach shared memory only through StartCommit(), so a job that dies mid-way commits nothing.
+//    in fp32 over the job's microbatches (with the device's fused kernels the projections' GEMMs
+//    add into the fp32 sums directly; otherwise bf16 weights produce bf16 gradients per
+//    microbatch, folded in) and reach shared memory only through StartCommit(), so a job that
+//    dies mid-way commits nothing.
 //  * Activations between stages go through the shared-memory slots, or with
 //    schedule.activations = "worker" stay in this process's device memory (one worker only), or
 //    with activation pools (schedule.activation_transport = "cuda_ipc") are written to this
@@ -88,7 +91,8 @@ class Executor {
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
   // Whether Begin(job, all_inputs_ready) may adopt the weights FetchReady(job) has copied so
   // far: all of them, or for a job that may run layer-major (LayerMajorEligible) with every
-  // microbatch's input ready, at least its first layer.
+  // microbatch's input ready, at least its first layer. With layer_major_forward = "always" an
+  // eligible job also needs every input, complete weights or not.
   bool Startable(const proto::RunJob& job, bool all_inputs_ready) const;
   // Begins `job`; layer-major (LayerMajorBegun) when it is eligible, every input is ready and
   // its weights are still incomplete (schedule.layer_major_forward = "auto"), or always
@@ -188,15 +192,15 @@ class Executor {
   Device& device_;
   model::Transformer math_;
   at::ScalarType act_dtype_;
-  at::ScalarType weights_dtype_;
-  bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients  // what the segment holds for trainable weights (fp32 masters or train.dtype)
+  at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
+  bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
 
   proto::RunJob job_{};
   core::Stage stage_{};
   InputSources from_{};  // the microbatch being computed's
   StageWeights current_, next_;
   struct HeldGrad {
-    at::Tensor accum;  // undefined if the stage never produced this gradient
+    at::Tensor accum;  // undefined if the stage never produced this gradient (a sink is always defined)
     int grad_slot;
     std::vector<int64_t> shape;
     at::TensorOptions options;

@@ -188,8 +188,9 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
     const at::Tensor& w = saved[1];
     const at::Tensor dy = grads[0].contiguous();
     at::Tensor dx = ctx->needs_input_grad(0) ? at::matmul(dy, w) : at::Tensor();
-    k->AddWeightGrad(ctx->saved_data["sink"].toTensor(), dy.reshape({-1, dy.size(-1)}),
-                     x.reshape({-1, x.size(-1)}).contiguous());
+    if (ctx->needs_input_grad(1))  // a frozen weight's sum stays as it is
+      k->AddWeightGrad(ctx->saved_data["sink"].toTensor(), dy.reshape({-1, dy.size(-1)}),
+                       x.reshape({-1, x.size(-1)}).contiguous());
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -124,7 +124,9 @@ class CudaFusedKernels final : public model::FusedKernels {
       throw std::invalid_argument("weight gradient sink must be float32");
     if (dy.dim() != 2 || x.dim() != 2 || sink.dim() != 2 || dy.size(0) != x.size(0) ||
         sink.size(0) != dy.size(1) || sink.size(1) != x.size(1))
-      throw std::invalid_argument("weight gradient expects dy [rows, out], x [rows, in], sink [out, in]");
+      throw std::invalid_argument("weight gradient expects dy [rows, out], x [rows, in], sink [out, in]; got dy " +
+                                  c10::str(dy.sizes()) + ", x " + c10::str(x.sizes()) + ", sink " +
+                                  c10::str(sink.sizes()));
     if (dy.device() != sink.device() || x.device() != sink.device())
       throw std::invalid_argument("weight gradient tensors must be on one device");
     const int64_t rows = x.size(0), in = x.size(1), out = dy.size(1);

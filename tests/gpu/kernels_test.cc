@@ -223,14 +223,15 @@ TEST_P(FusedWeightGrad, AddsTheProductIntoAnFp32Sink) {
   auto dev = at::TensorOptions().device(at::kCUDA);
   at::Tensor dy = at::randn({rows, out}, dev).to(dtype), x = at::randn({rows, in}, dev).to(dtype);
   at::Tensor sink = at::randn({out, in}, dev);
-  at::Tensor want = sink.to(at::kDouble) + 2.0 * at::mm(dy.to(at::kDouble).t(), x.to(at::kDouble));
+  const at::Tensor before = sink.to(at::kDouble);
+  at::Tensor want = before + 2.0 * at::mm(dy.to(at::kDouble).t(), x.to(at::kDouble));
   const auto& k = rp::worker::CudaKernels();
   k.AddWeightGrad(sink, dy, x);
   k.AddWeightGrad(sink, dy, x);
   const double scale = at::mm(dy.to(at::kDouble).abs().t(), x.to(at::kDouble).abs()).max().item<double>();
   EXPECT_LE(MaxAbs(sink, want), 2e-6 * scale);
-  // The product alone, without the sink's add, would be far off: the add really happened.
-  EXPECT_GT(MaxAbs(sink, want - sink.to(at::kDouble)), 1e-3);
+  // Overwriting the sink (beta = 0) would lose its starting values: far from `want`.
+  EXPECT_GT(MaxAbs(want - before, want), 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedWeightGrad, ::testing::Values(at::kFloat, at::kBFloat16));
