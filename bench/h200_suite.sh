@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The issue-3 benchmark set in one command, for one call on the GPU host. Every figure goes to ONE
+# file of JSON lines, because the device returns few files. Each line carries the commit passed
+# in, because the device's git reports the last landed commit, not the working tree.
+#   bench/h200_suite.sh BUILD_DIR COMMIT OUT_FILE [quick]
+# For each job (RP_SUITE_JOBS, default the Qwen3-1.7B and 4B jobs):
+#  * rp-block-bench with and without the weight-gradient sinks;
+#  * exact mode at the defaults (10 steps, steps 3-10 steady) and stale1 (6 steps), each run's
+#    line with its boundary profile (bench/boundary_profile.py) under "boundary".
+# `quick`: exact mode only, 6 steps. Append OUT_FILE's lines to bench/results.jsonl, with a
+# "note", once they are back. Progress and a summary go to stderr.
+set -uo pipefail
+if [ $# -lt 3 ]; then
+  sed -n '2,12p' "$0" >&2
+  exit 2
+fi
+build=$1; commit=$2; out=$3; quick=${4:-}
+here=$(cd "$(dirname "$0")" && pwd)
+jobs=${RP_SUITE_JOBS:-"configs/qwen3-1.7b.toml configs/qwen3-4b.toml"}
+export RP_COMMIT=$commit
+keep=$(mktemp -d /tmp/rp-suite-XXXXXX)
+trap 'rm -rf "$keep"' EXIT
+t0=$(date +%s)
+say() { echo "[$(( $(date +%s) - t0 )) s] $*" >&2; }
+failed=0
+
+# Adds the date, commit and command to a JSON line on stdin (rp-block-bench prints neither).
+stamp() {
+  python3 -c '
+import datetime, json, sys
+d = json.loads(sys.stdin.read())
+d.update({"date": datetime.date.today().isoformat(), "commit": sys.argv[1], "command": sys.argv[2]})
+print(json.dumps(d))' "$commit" "$1"
+}
+
+for job in $jobs; do
+  for flag in "" --no-weight-grad-sinks; do
+    cmd="$build/bin/rp-block-bench $job --reps 10 $flag"
+    if line=$($cmd 2>>"$keep/stderr") && [ -n "$line" ]; then
+      echo "$line" | stamp "$cmd" >> "$out"
+      say "block bench $job $flag"
+    else
+      say "block bench $job $flag FAILED"; failed=1
+    fi
+  done
+done
+
+n=0
+run() {  # steps job [--set ...]
+  local steps=$1; shift
+  n=$((n + 1))
+  local dir="$keep/run$n"
+  if ! line=$(RP_BENCH_KEEP="$dir" "$here/gpu_bench.sh" "$build" 1 "$@" --set train.steps="$steps" 2>>"$keep/stderr"); then
+    say "run $* FAILED (last lines of its errors follow)"; tail -20 "$keep/stderr" >&2; failed=1; return
+  fi
+  local boundary
+  boundary=$(python3 "$here/boundary_profile.py" "$dir" 2>/dev/null || echo null)
+  python3 -c '
+import json, sys
+d = json.loads(sys.argv[1]); d["boundary"] = json.loads(sys.argv[2]); print(json.dumps(d))' "$line" "$boundary" >> "$out"
+  say "run $* done"
+}
+for job in $jobs; do
+  if [ "$quick" = quick ]; then
+    run 6 "$job"
+  else
+    run 10 "$job"
+    run 6 "$job" --set optimizer.mode=stale1
+  fi
+done
+
+python3 - "$out" "$commit" <<'PY' >&2
+import json, sys
+for l in open(sys.argv[1]):
+    d = json.loads(l)
+    if d.get("commit") != sys.argv[2] or "tokens_per_s_steady" not in d:
+        continue
+    mode = "stale1" if "optimizer.mode=stale1" in d["command"] else "exact"
+    print(f'{d["workload"]:18} {mode:6} {d["tokens_per_s_steady"]:9.1f} tokens/s  bubble {d["bubble_ratio_steady"]:.3f}  '
+          f'{d["peak_gpu_memory_bytes_per_worker"] / 2**30:5.1f} GiB  {d["host_bytes_per_param"]:5.2f} host B/param  '
+          f'measured/predicted {(d.get("prediction") or {}).get("measured_over_predicted", float("nan")):.3f}')
+PY
+exit $failed
