@@ -239,19 +239,17 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
     for (; lm_next_layer_ < copied_end; ++lm_next_layer_) {
       const int l = lm_next_layer_;
       for (int mb = 0; mb < M; ++mb) {
-        math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
+        SetDropoutKeyFor(mb);
         at::Tensor x;
         if (l > stage_.begin) {
           x = lm_hidden_[mb];
-        } else if (l == 0) {
-          x = Tokens(mb, false);
         } else {
           auto in = inputs.find(mb);
           if (in == inputs.end())
             return Status::Internal("job " + std::to_string(job_.job_index) + ": microbatch " + std::to_string(mb) +
                                     "'s input is not ready for a layer-major stage");
           from_ = in->second;
-          x = Hidden(mb, l);
+          x = StageInput(mb);
         }
         x = math_.Layer(l, current_.layers[l - stage_.begin], x);
         if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
@@ -320,6 +318,14 @@ at::Tensor Executor::Hidden(int mb, int boundary) {
                                  act_dtype_);
 }
 
+at::Tensor Executor::StageInput(int mb) {
+  return stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin);
+}
+
+void Executor::SetDropoutKeyFor(int mb) {
+  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
+}
+
 at::Tensor Executor::InputGrad(int mb, int boundary) {
   const int slot = plan_.GradSlot(boundary);
   if (layout_.activations_in_worker)
@@ -372,7 +378,7 @@ void Executor::Timed(int layer, proto::LayerPhase phase, int a, int b, int64_t s
 
 MicrobatchResult Executor::RunForward(int mb) {
   c10::NoGradGuard no_grad;
-  at::Tensor x = stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin);
+  at::Tensor x = StageInput(mb);
   for (int l = stage_.begin; l < stage_.end; ++l) {
     const int a = MarkIfProfiling();
     x = math_.Layer(l, current_.layers[l - stage_.begin], x);
@@ -439,7 +445,8 @@ MicrobatchResult Executor::RunTail(int mb) {
 }
 
 MicrobatchResult Executor::RunBackward(int mb) {
-  at::Tensor x = stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin).requires_grad_(true);
+  at::Tensor x = StageInput(mb);
+  if (stage_.begin > 0) x.requires_grad_(true);
   Segments seg;
   SegmentedForward(x, stage_.end, &seg);
   at::Tensor g = SegmentedBackward(&seg, InputGrad(mb, stage_.end));
@@ -454,7 +461,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   try {
     MicrobatchResult r;
     pending_marks_.clear();
-    math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
+    SetDropoutKeyFor(mb);
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;
       case core::StageKind::kFusedTail: r = RunTail(mb); break;

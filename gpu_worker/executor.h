@@ -143,6 +143,11 @@ class Executor {
     return {cfg_.train.microbatch_size, cfg_.data.seq_len, cfg_.model.hidden_size};
   }
   at::Tensor Hidden(int mb, int boundary);
+  // The stage's input for microbatch `mb`: its token slot (a stage from the embedding) or the
+  // hidden state at the stage's first layer (from from_'s producer).
+  at::Tensor StageInput(int mb);
+  // LoRA dropout masks for microbatch `mb` of the current job (model::DropoutKey).
+  void SetDropoutKeyFor(int mb);
   at::Tensor InputGrad(int mb, int boundary);
   void StoreHidden(int mb, int boundary, const at::Tensor& t);
   void StoreInputGrad(int mb, int boundary, const at::Tensor& t);
