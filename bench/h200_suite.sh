@@ -7,8 +7,10 @@
 #  * rp-block-bench with and without the weight-gradient sinks;
 #  * exact mode at the defaults (10 steps, steps 3-10 steady) and stale1 (6 steps), each run's
 #    line with its boundary profile (bench/boundary_profile.py) under "boundary".
-# `quick`: exact mode only, 6 steps. Append OUT_FILE's lines to bench/results.jsonl, with a
-# "note", once they are back. Progress and a summary go to stderr.
+# `quick`: exact mode only, 6 steps. `ab`: exact mode, 8 steps, at the defaults and then with the
+# --set arguments in RP_SUITE_AB (one A/B pair per job, in the same call). RP_SUITE_BLOCK=0 skips
+# the block bench. Append OUT_FILE's lines to bench/results.jsonl, with a "note", once they are
+# back. Progress and a summary go to stderr.
 set -uo pipefail
 if [ $# -lt 3 ]; then
   sed -n '2,12p' "$0" >&2
@@ -34,6 +36,7 @@ print(json.dumps(d))' "$commit" "$1"
 }
 
 for job in $jobs; do
+  [ "${RP_SUITE_BLOCK:-1}" = 0 ] && break
   for flag in "" --no-weight-grad-sinks; do
     cmd="$build/bin/rp-block-bench $job --reps 10 $flag"
     if line=$($cmd 2>>"$keep/stderr") && [ -n "$line" ]; then
@@ -63,6 +66,10 @@ d = json.loads(sys.argv[1]); d["boundary"] = json.loads(sys.argv[2]); print(json
 for job in $jobs; do
   if [ "$quick" = quick ]; then
     run 6 "$job"
+  elif [ "$quick" = ab ]; then
+    run 8 "$job"
+    # shellcheck disable=SC2086  # RP_SUITE_AB is a list of arguments
+    run 8 "$job" ${RP_SUITE_AB:-}
   else
     run 10 "$job"
     run 6 "$job" --set optimizer.mode=stale1
@@ -75,8 +82,9 @@ for l in open(sys.argv[1]):
     d = json.loads(l)
     if d.get("commit") != sys.argv[2] or "tokens_per_s_steady" not in d:
         continue
-    mode = "stale1" if "optimizer.mode=stale1" in d["command"] else "exact"
-    print(f'{d["workload"]:18} {mode:6} {d["tokens_per_s_steady"]:9.1f} tokens/s  bubble {d["bubble_ratio_steady"]:.3f}  '
+    sets = [a for a in d["command"].split("--set ")[1:] if not a.startswith(("job.output_dir", "train.steps"))]
+    mode = " ".join(a.strip() for a in sets) or "defaults"
+    print(f'{d["workload"]:18} {mode:24} {d["tokens_per_s_steady"]:9.1f} tokens/s  bubble {d["bubble_ratio_steady"]:.3f}  '
           f'{d["peak_gpu_memory_bytes_per_worker"] / 2**30:5.1f} GiB  {d["host_bytes_per_param"]:5.2f} host B/param  '
           f'measured/predicted {(d.get("prediction") or {}).get("measured_over_predicted", float("nan")):.3f}')
 PY

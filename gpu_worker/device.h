@@ -10,7 +10,9 @@
 //    FetchActivation() returns a tensor the compute stream may use at once. FetchWeights()
 //    may still be copying when it returns: the compute stream waits for it only when the fence
 //    returned by WeightsFence() is passed to WaitWeights(), so prefetching the next job's
-//    weights never delays the current job's kernels.
+//    weights never delays the current job's kernels. Nor does the copy wait for queued kernels:
+//    its memory is never memory they still read, and dropping the tensor while the copy runs
+//    is safe (the memory is reused only after the copy).
 //  * Store() is asynchronous: its bytes are in shared memory once Synchronize() returns, or once
 //    Completed() is true for a CompletionFence() taken after it.
 //    Gradient commits run on their own path (StartCommit / CommitDone) so that a job's

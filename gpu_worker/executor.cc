@@ -51,9 +51,8 @@ bool Executor::LayerReady(int l, int64_t version) const {
 }
 
 void Executor::DropNext() {
-  // Its tensors were allocated on the compute stream but may still be written by copies on the
-  // weights stream: the compute stream waits for those before the allocator may reuse the memory.
-  if (!next_.layers.empty()) device_.WaitWeights(device_.WeightsFence());
+  // Copies on the weights stream may still be writing its tensors; the device allocates them
+  // from that stream's pool (Device::FetchWeights), so the memory is reused only after them.
   next_ = StageWeights();
 }
 

@@ -113,6 +113,11 @@ class Executor {
   // microbatch order, whose per-microbatch times the profile's overhead term is built from.
   bool LayerMajorEligible(const proto::RunJob& job) const;
   bool LayerMajorBegun() const { return lm_job_; }
+  // A begun layer-major job with layers still to copy: the next job's prefetch waits, so that a
+  // layer published now goes first on the weights stream (its copy is what the job waits for).
+  bool LayerMajorCopying() const {
+    return lm_job_ && stage_.begin + static_cast<int>(current_.layers.size()) < stage_.end;
+  }
   // A begun layer-major job: copies the layers published since the last call, enqueues each
   // copied layer for every microbatch (the first layer's inputs: token slots, or each
   // microbatch's hidden state from `inputs`), and once the stage's last layer is enqueued sets

@@ -241,7 +241,7 @@ StatusOr<bool> Worker::Progress() {
   }
   // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
   // runs on the low-priority stream while this job computes.
-  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched) {
+  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched && !exec_->LayerMajorCopying()) {
     bool fetched = false;
     Status s = exec_->FetchReady(queue_[1].job, &fetched);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);

@@ -186,8 +186,18 @@ class CudaDevice final : public Device {
 
   at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored,
                           at::ScalarType dtype) override {
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
-    StreamWaitsForCompute(weights_);
+    // From the weights stream's own pool, as for activation fetches: memory from the compute
+    // stream's pool may still be read by queued kernels, so a copy into it had to wait for all
+    // queued compute first. That serialized a layer-major stage (each layer's copy waited for the
+    // previous layer's compute over every microbatch) and delayed prefetches by the queued
+    // microbatches. UsedByCurrent keeps the memory from reuse until the compute stream's reads,
+    // enqueued after this, are done.
+    at::Tensor t;
+    {
+      OnStream on_weights(weights_, index_);
+      t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
+    }
+    OnStream::UsedByCurrent(t, index_);
     if (stored == dtype) {
       CopyChunked(t.data_ptr(), src, t.nbytes(), cudaMemcpyHostToDevice, weights_);
       return t;
@@ -201,8 +211,10 @@ class CudaDevice final : public Device {
     // compute stream's), so one buffer is enough and nothing syncs the host. Measured: no
     // slowdown against fetching a bf16 copy (bench/results.jsonl, 544a817).
     constexpr int64_t kChunkElems = static_cast<int64_t>(kChunkBytes / sizeof(float));
-    if (!staging_.defined())
+    if (!staging_.defined()) {
+      OnStream on_weights(weights_, index_);  // only the weights stream ever touches it
       staging_ = at::empty({kChunkElems}, at::TensorOptions().dtype(at::kFloat).device(torch_device()));
+    }
     const auto* in = static_cast<const float*>(src);
     auto* out = static_cast<uint16_t*>(t.data_ptr());
     for (int64_t off = 0; off < t.numel(); off += kChunkElems) {
