@@ -8,8 +8,9 @@
 #  * exact mode at the defaults (10 steps, steps 3-10 steady) and stale1 (6 steps), each run's
 #    line with its boundary profile (bench/boundary_profile.py) under "boundary".
 # `quick`: exact mode only, 6 steps. `ab`: exact mode, 8 steps, at the defaults and then with the
-# --set arguments in RP_SUITE_AB (one A/B pair per job, in the same call). RP_SUITE_BLOCK=0 skips
-# the block bench. Append OUT_FILE's lines to bench/results.jsonl, with a "note", once they are
+# --set arguments in RP_SUITE_AB (one A/B pair per job, in the same call). `list`: one 8-step
+# run per line of RP_SUITE_RUNS ("job.toml [--set key=value ...]"), in order, instead of the
+# jobs. RP_SUITE_BLOCK=0 skips the block bench. Append OUT_FILE's lines to bench/results.jsonl, with a "note", once they are
 # back. Progress and a summary go to stderr.
 set -uo pipefail
 if [ $# -lt 3 ]; then
@@ -63,6 +64,13 @@ import json, sys
 d = json.loads(sys.argv[1]); d["boundary"] = json.loads(sys.argv[2]); print(json.dumps(d))' "$line" "$boundary" >> "$out"
   say "run $* done"
 }
+if [ "$quick" = list ]; then
+  jobs=""
+  while read -r spec; do
+    # shellcheck disable=SC2086  # a job file and its --set arguments
+    [ -n "$spec" ] && run 8 $spec
+  done <<< "${RP_SUITE_RUNS:-}"
+fi
 for job in $jobs; do
   if [ "$quick" = quick ]; then
     run 6 "$job"

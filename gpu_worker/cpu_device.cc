@@ -29,10 +29,12 @@ class CpuDevice final : public Device {
 
   // Copies, not views: a job's weights must not change under it if the optimizer rewrites the
   // compute copy, and a consumer's input must not change if its slot is refilled.
-  at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored,
-                          at::ScalarType dtype) override {
-    if (stored == dtype) return View(src, shape, dtype).clone();
-    return View(src, shape, stored).to(dtype);  // a new tensor: the conversion copies
+  at::Tensor EmptyWeights(at::IntArrayRef shape, at::ScalarType dtype) override {
+    return at::empty(shape, at::TensorOptions().dtype(dtype));
+  }
+  void CopyWeights(const at::Tensor& dst, const void* src, at::ScalarType stored) override {
+    at::Tensor d = dst;
+    d.copy_(View(src, dst.sizes(), stored));  // converts when the dtypes differ
   }
   uint64_t WeightsFence() override { return 0; }
   void WaitWeights(uint64_t) override {}

@@ -10,9 +10,8 @@
 //    FetchActivation() returns a tensor the compute stream may use at once. FetchWeights()
 //    may still be copying when it returns: the compute stream waits for it only when the fence
 //    returned by WeightsFence() is passed to WaitWeights(), so prefetching the next job's
-//    weights never delays the current job's kernels. Nor does the copy wait for queued kernels:
-//    its memory is never memory they still read, and dropping the tensor while the copy runs
-//    is safe (the memory is reused only after the copy).
+//    weights never delays the current job's kernels. A tensor dropped while its copy may still
+//    run must be waited for first (WaitWeights), or the compute stream may reuse its memory.
 //  * Store() is asynchronous: its bytes are in shared memory once Synchronize() returns, or once
 //    Completed() is true for a CompletionFence() taken after it.
 //    Gradient commits run on their own path (StartCommit / CommitDone) so that a job's
@@ -48,8 +47,19 @@ class Device {
   // when workers fetch the fp32 masters (shm::ArenaLayout::masters_in_state) for bf16 compute:
   // the rounding is round-to-nearest-even, bit for bit what the optimizer writes into a compute
   // copy (so both sources give the same weights).
-  virtual at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored,
-                                  at::ScalarType dtype) = 0;
+  at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored, at::ScalarType dtype) {
+    at::Tensor t = EmptyWeights(shape, dtype);
+    CopyWeights(t, src, stored);
+    return t;
+  }
+  // FetchWeights in two parts. EmptyWeights() makes the destination. The CUDA backend takes it
+  // from the compute stream's pool (a pool of its own for weights held 3 GiB more device memory
+  // on the Qwen3-4B job: neither pool reuses the other's free memory) and so, at this call,
+  // makes the weights stream wait for the compute work queued so far, which may still read the
+  // memory. Make a stage's destinations before its compute is queued, and their copies never
+  // wait for it. CopyWeights() enqueues the copy (with the conversion above) into `dst`.
+  virtual at::Tensor EmptyWeights(at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  virtual void CopyWeights(const at::Tensor& dst, const void* src, at::ScalarType stored) = 0;
   virtual uint64_t WeightsFence() = 0;
   virtual void WaitWeights(uint64_t fence) = 0;
 

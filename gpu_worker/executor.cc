@@ -51,8 +51,9 @@ bool Executor::LayerReady(int l, int64_t version) const {
 }
 
 void Executor::DropNext() {
-  // Copies on the weights stream may still be writing its tensors; the device allocates them
-  // from that stream's pool (Device::FetchWeights), so the memory is reused only after them.
+  // Its tensors come from the compute stream's pool but copies on the weights stream may still
+  // write them: the compute stream waits for those before the allocator may reuse the memory.
+  if (!next_.layers.empty() || !next_.empty.empty()) device_.WaitWeights(device_.WeightsFence());
   next_ = StageWeights();
 }
 
@@ -65,12 +66,9 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
   }
   if (!next_.complete) {
     const core::Stage& st = plan_.stages[job.stage];
-    const bool grads = st.kind != core::StageKind::kForward;
     try {
-      for (int l = st.begin + static_cast<int>(next_.layers.size()); l < st.end; ++l) {
-        if (!LayerReady(l, job.weights_version)) return Status::Ok();
-        next_.layers.push_back(FetchLayer(l, job.weights_version, grads, &next_));
-      }
+      CopyReadyLayers(st, job.weights_version, st.kind != core::StageKind::kForward, &next_);
+      if (st.begin + static_cast<int>(next_.layers.size()) < st.end) return Status::Ok();
       next_.fence = device_.WeightsFence();
     } catch (const std::exception& e) {
       DropNext();
@@ -82,13 +80,41 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
   return Status::Ok();
 }
 
-model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool grads, StageWeights* into) {
+bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w) {
+  bool copied = false;
+  for (int l = st.begin + static_cast<int>(w->layers.size()); l < st.end; ++l) {
+    if (!LayerReady(l, weights_version)) break;
+    if (w->empty.empty()) {
+      // Every destination of the stage at once, while the compute stream has queued only what
+      // comes before this stage (Device::EmptyWeights): made layer by layer, each copy of a
+      // layer-major stage would wait for the stage's previous layer over every microbatch.
+      w->empty.resize(st.end - st.begin);
+      for (int k = l; k < st.end; ++k) w->empty[k - st.begin] = EmptyLayer(k);
+    }
+    w->layers.push_back(FetchLayer(l, weights_version, grads, w, std::move(w->empty[l - st.begin])));
+    copied = true;
+  }
+  return copied;
+}
+
+std::vector<at::Tensor> Executor::EmptyLayer(int l) {
+  std::vector<at::Tensor> out;
+  for (const auto& use : spec_.layer_uses[l])
+    out.push_back(device_.EmptyWeights(spec_.params[use.param].shape, act_dtype_));
+  for (const auto& use : spec_.layer_frozen[l])
+    out.push_back(device_.EmptyWeights(spec_.frozen[use.param].shape, act_dtype_));
+  return out;
+}
+
+model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool grads, StageWeights* into,
+                                         std::vector<at::Tensor> dst) {
+  if (dst.empty()) dst = EmptyLayer(l);
+  size_t next_dst = 0;
   model::LayerWeights lw;
   const int buffer = static_cast<int>(weights_version % layout_.compute_buffers);
   for (const auto& use : spec_.layer_uses[l]) {
-    const auto& p = spec_.params[use.param];
-    at::Tensor t = device_.FetchWeights(segment_.data() + layout_.ComputeCopy(use.param, buffer),
-                                        p.shape, weights_dtype_, act_dtype_);
+    at::Tensor t = dst.at(next_dst++);
+    device_.CopyWeights(t, segment_.data() + layout_.ComputeCopy(use.param, buffer), weights_dtype_);
     if (grads) {
       t.requires_grad_(true);
       into->grads.push_back({t, use.grad_slot, at::Tensor(),
@@ -96,9 +122,11 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
     }
     lw.emplace(use.role, t);
   }
-  for (const auto& use : spec_.layer_frozen[l])  // LoRA's base: one buffer, never a gradient
-    lw.emplace(use.role, device_.FetchWeights(segment_.data() + layout_.frozen[use.param],
-                                              spec_.frozen[use.param].shape, act_dtype_, act_dtype_));
+  for (const auto& use : spec_.layer_frozen[l]) {  // LoRA's base: one buffer, never a gradient
+    at::Tensor t = dst.at(next_dst++);
+    device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], act_dtype_);
+    lw.emplace(use.role, t);
+  }
   return lw;
 }
 
@@ -223,13 +251,7 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
     return Status::Internal("job " + std::to_string(job_.job_index) + " is not a begun layer-major job");
   try {
     c10::NoGradGuard no_grad;
-    bool fetched = false;
-    for (int l = stage_.begin + static_cast<int>(current_.layers.size()); l < stage_.end; ++l) {
-      if (!LayerReady(l, job_.weights_version)) break;
-      current_.layers.push_back(FetchLayer(l, job_.weights_version, /*grads=*/false, nullptr));
-      fetched = true;
-    }
-    if (fetched) {
+    if (CopyReadyLayers(stage_, job_.weights_version, /*grads=*/false, &current_)) {
       device_.WaitWeights(device_.WeightsFence());
       if (lm_stalled_) lm_stall_end_us_ = WallMicros();
     }

@@ -182,16 +182,26 @@ class Executor {
     int64_t job_index = -1;
     bool complete = false;  // every layer's copy is enqueued and `fence` follows them
     uint64_t fence = 0;
-    std::vector<model::LayerWeights> layers;  // per layer of the stage
+    std::vector<model::LayerWeights> layers;  // per layer of the stage, copied so far
+    // Destinations (EmptyLayer) of the stage's layers, made together at its first ready layer;
+    // an entry is moved out when its layer is copied.
+    std::vector<std::vector<at::Tensor>> empty;
     std::vector<GradUse> grads;
   };
   // Forgets next_ (another job's fetch, partial or unused) safely for the device allocator.
   void DropNext();
   // Whether every weight layer `l` reads holds `version` updates.
   bool LayerReady(int l, int64_t version) const;
-  // Layer `layer`'s weights at `weights_version`; with `grads`, trainable ones require gradients
-  // and are recorded in `into` (which may be null without `grads`).
-  model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into);
+  // Layer `layer`'s weights at `weights_version`, copied into `dst` (EmptyLayer's tensors; made
+  // here if empty); with `grads`, trainable ones require gradients and are recorded in `into`
+  // (which may be null without `grads`).
+  model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into,
+                                 std::vector<at::Tensor> dst = {});
+  // Uninitialized device tensors for layer `layer`'s weights, in FetchLayer's order.
+  std::vector<at::Tensor> EmptyLayer(int layer);
+  // Copies stage `st`'s layers after those in `w` while they are published at `weights_version`
+  // (the stage's destinations all made at the first); whether it copied any.
+  bool CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w);
   void AccumulateGrads();
 
   const core::JobConfig& cfg_;

@@ -184,26 +184,20 @@ class CudaDevice final : public Device {
   at::Device torch_device() const override { return at::Device(at::kCUDA, index_); }
   const model::FusedKernels* fused_kernels() const override { return &CudaKernels(); }
 
-  at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored,
-                          at::ScalarType dtype) override {
-    // From the weights stream's own pool, as for activation fetches: memory from the compute
-    // stream's pool may still be read by queued kernels, so a copy into it had to wait for all
-    // queued compute first. That serialized a layer-major stage (each layer's copy waited for the
-    // previous layer's compute over every microbatch) and delayed prefetches by the queued
-    // microbatches. UsedByCurrent keeps the memory from reuse until the compute stream's reads,
-    // enqueued after this, are done.
-    at::Tensor t;
-    {
-      OnStream on_weights(weights_, index_);
-      t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
-    }
-    OnStream::UsedByCurrent(t, index_);
+  at::Tensor EmptyWeights(at::IntArrayRef shape, at::ScalarType dtype) override {
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
+    StreamWaitsForCompute(weights_);
+    return t;
+  }
+
+  void CopyWeights(const at::Tensor& t, const void* src, at::ScalarType stored) override {
+    const at::ScalarType dtype = t.scalar_type();
     if (stored == dtype) {
       CopyChunked(t.data_ptr(), src, t.nbytes(), cudaMemcpyHostToDevice, weights_);
-      return t;
+      return;
     }
     if (stored != at::kFloat || dtype != at::kBFloat16)
-      throw std::runtime_error(std::string("FetchWeights: no conversion from ") + c10::toString(stored) +
+      throw std::runtime_error(std::string("CopyWeights: no conversion from ") + c10::toString(stored) +
                                " to " + c10::toString(dtype));
     // fp32 masters for bf16 compute: each chunk lands in one staging buffer and is rounded into
     // t, both on the weights stream. The next chunk's copy waits for the rounding (about 30 us of
@@ -225,7 +219,6 @@ class CudaDevice final : public Device {
       ThrowIfError(kernels::RoundToBFloat16(staging_.data_ptr<float>(), out + off, n, weights_),
                    "RoundToBFloat16(master weights)");
     }
-    return t;
   }
 
   uint64_t WeightsFence() override {
