@@ -80,6 +80,22 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
   return Status::Ok();
 }
 
+Status Executor::Reserve(const proto::RunJob& job) {
+  RP_RETURN_IF_ERROR(Validate(job));
+  if (next_.job_index == job.job_index && !next_.empty.empty()) return Status::Ok();
+  DropNext();
+  next_.job_index = job.job_index;
+  const core::Stage& st = plan_.stages[job.stage];
+  try {
+    next_.empty.resize(st.end - st.begin);
+    for (int l = st.begin; l < st.end; ++l) next_.empty[l - st.begin] = EmptyLayer(l);
+  } catch (const std::exception& e) {
+    DropNext();
+    return Status::Internal("job " + std::to_string(job.job_index) + ": making its weights' device memory: " + e.what());
+  }
+  return Status::Ok();
+}
+
 bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w) {
   bool copied = false;
   for (int l = st.begin + static_cast<int>(w->layers.size()); l < st.end; ++l) {

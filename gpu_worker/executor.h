@@ -112,6 +112,12 @@ class Executor {
   // are still being published, when the stage could not start anyway). Profiled jobs keep the
   // microbatch order, whose per-microbatch times the profile's overhead term is built from.
   bool LayerMajorEligible(const proto::RunJob& job) const;
+  // Makes `job`'s weight destinations now (Device::EmptyWeights), for FetchReady(job) to copy
+  // into later. Called for the next job when a layer-major job begins: made later, while that
+  // job's layers are queued, their copies would wait for all of its compute (on the Qwen3-1.7B
+  // job that cost the gain of running layer-major). It holds them longer than the prefetch
+  // would, but only in the forward, where the device holds the least.
+  Status Reserve(const proto::RunJob& job);
   bool LayerMajorBegun() const { return lm_job_; }
   // A begun layer-major job with layers still to copy: the next job's prefetch waits, so that a
   // layer published now goes first on the weights stream (its copy is what the job waits for).

@@ -236,6 +236,8 @@ StatusOr<bool> Worker::Progress() {
     a.start_us = WallMicros();
     Status s = exec_->Begin(a.job, all_inputs);
     if (!s.ok()) return Fail(id, s);
+    if (exec_->LayerMajorBegun() && queue_.size() > 1 && !queue_[1].eval)
+      if (Status r = exec_->Reserve(queue_[1].job); !r.ok()) return Fail(queue_[1].job.job_index, r);
     a.fetch_end_us = WallMicros();
     a.begun = true;
   }
