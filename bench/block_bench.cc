@@ -167,6 +167,7 @@ int main(int argc, char** argv) {
 
   rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora);
   if (cfg.train.fused_kernels) math.UseFusedKernels(device->fused_kernels());
+  math.UseFusedNorms(cfg.train.fused_norms);
   const int head_layer = spec.NumLayers() - 1;
   LayerWeights block = MakeWeights(spec, 1, opts);
   LayerWeights head = MakeWeights(spec, head_layer, opts);
@@ -243,7 +244,7 @@ int main(int argc, char** argv) {
   for (const auto& backend : backends) {
     nlohmann::json line = {{"tool", "rp-block-bench"}, {"job", job_path}, {"overrides", overrides},
                            {"device", device->Describe()}, {"dtype", cfg.train.dtype},
-                           {"microbatch", {B, S}}, {"fused_kernels", cfg.train.fused_kernels},
+                           {"microbatch", {B, S}}, {"fused_kernels", cfg.train.fused_kernels}, {"fused_norms", cfg.train.fused_norms},
                            {"attention", backend}, {"torch", TORCH_VERSION}, {"reps", reps},
                            {"weight_grad_sinks", sinks}};
     if (!SelectAttention(backend)) {

@@ -245,6 +245,11 @@ const std::vector<KeySpec>& Table() {
       Bool("train", "fused_kernels", F(train.fused_kernels), true,
            "GPU workers compute the loss and RoPE with the project's fused CUDA kernels; false = "
            "LibTorch's composite ops only, as CPU workers and rp-train-ref always do (to compare)"),
+      Bool("train", "fused_norms", F(train.fused_norms), true,
+           "With train.fused_kernels: RMSNorm, and the residual add before the post-attention norm, "
+           "in the project's kernel (one pass each way; the backward recomputes the statistics and "
+           "sums the weight gradient per block); false = LibTorch's fused rms_norm and a separate "
+           "add (to compare)"),
       Enum("train", "dtype", F(train.dtype), "fp32", {"fp32", "bf16"},
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
@@ -333,7 +338,7 @@ const std::vector<KeySpec>& Table() {
            "call: +3.8% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
            "memory than two calls in flight; always: also with more calls or in stale1 (activation "
            "slots for all the step's microbatches); never: the calls run one after another"),
-      Enum("schedule", "layer_major_forward", F(schedule.layer_major_forward), "never",
+      Enum("schedule", "layer_major_forward", F(schedule.layer_major_forward), "auto",
            {"auto", "always", "never"},
            "Run a forward stage layer by layer over all its microbatches, each layer as soon as "
            "its weights are copied, instead of microbatch by microbatch once all are. In exact "
@@ -341,9 +346,8 @@ const std::vector<KeySpec>& Table() {
            "so a stage run microbatch by microbatch starts only once its last layer is published. "
            "auto: when the stage's weights are still being published as it could begin and every "
            "microbatch's input is there; always: whenever every input is there (the same bits, "
-           "for tests); never. Off by default: on the H200 host auto measured -3.0% tokens/s for "
-           "the Qwen3-1.7B job and +1.1% for the 4B (docs/architecture.md, Workers: probably its "
-           "weight copies waiting for its compute). Costs device memory for every "
+           "for tests); never. On the H200 host auto against never, same call: Qwen3-1.7B job "
+           "+0.6% and +1.7%, 4B +3.5% tokens/s (docs/architecture.md, Workers). Costs device memory for every "
            "microbatch's hidden state at once; profiled jobs keep the microbatch order"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "

@@ -58,6 +58,7 @@ struct TrainConfig {
   double grad_clip = 1.0;        // global L2 norm; 0 disables
   int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
   bool fused_kernels = true;     // GPU workers use the project's kernels (model/fused_kernels.h)
+  bool fused_norms = true;       // ... including its RMSNorm (+ residual add) kernel
   int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
   int64_t eval_every = 0;        // eval loss after every this many steps and after the last; 0 = never
   int64_t eval_microbatches = 4; // the eval set: this many microbatches of microbatch_size sequences
@@ -103,7 +104,7 @@ struct ScheduleConfig {
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
   bool interleave_calls = true;   // core::StepJobOrder
   std::string merge_calls = "auto";  // "auto" | "always" | "never" (MergeCalls below)
-  std::string layer_major_forward = "never";  // "auto" | "always" | "never" (worker::Executor)
+  std::string layer_major_forward = "auto";  // "auto" | "always" | "never" (worker::Executor)
   std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
   std::string weights_source = "auto";  // "auto" | "master" | "compute_copy" (WorkersFetchMasters)
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)

@@ -27,6 +27,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : at::kBFloat16) {
   if (cfg.train.fused_kernels) {
     math_.UseFusedKernels(device.fused_kernels());
+    math_.UseFusedNorms(cfg.train.fused_norms);
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
   }
 }

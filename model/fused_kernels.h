@@ -53,6 +53,20 @@ class FusedKernels {
                                                                  double eps, const at::Tensor& dy,
                                                                  bool weight_grad) const = 0;
 
+  // RMSNorm of x [..., dim] (contiguous) with weight w [dim]: x / sqrt(mean(x^2) + eps) * w, fp32
+  // statistics, one rounding. With `res` defined (x's shape and dtype) it normalizes the residual
+  // add s = x + res instead, rounded to the dtype as a separate add would be, and returns
+  // {s, y}; else {undefined, y}. RmsNormSupports(dim) says whether the kernel takes `dim`.
+  virtual bool RmsNormSupports(int64_t dim) const = 0;
+  virtual std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& res,
+                                                       const at::Tensor& w, double eps) const = 0;
+  // From dL/dy and s (what was normalized): {dL/ds + ds_other (ds_other: the gradient reaching s
+  // from its other uses, or undefined), dL/dw in w's dtype, summed in fp32 (undefined without
+  // `weight_grad`)}.
+  virtual std::pair<at::Tensor, at::Tensor> RmsNormBackward(const at::Tensor& s, const at::Tensor& w, double eps,
+                                                            const at::Tensor& dy, const at::Tensor& ds_other,
+                                                            bool weight_grad) const = 0;
+
   // silu(gate) * up for gate, up [..., cols] with contiguous last dims and equal shapes (views
   // into one [..., 2 * cols] tensor are fine); the result is contiguous.
   virtual at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) const = 0;

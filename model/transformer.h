@@ -49,6 +49,10 @@ class Transformer {
   // Fast paths for tensors on the kernels' device (model/fused_kernels.h); null = composites
   // only. Not owned; must outlive this object's use.
   void UseFusedKernels(const FusedKernels* kernels) { fused_ = kernels; }
+  // With fused kernels: whether the RMSNorms (and the residual add before the post-attention
+  // norm) use them (FusedKernels::AddRmsNorm) or LibTorch's fused rms_norm; for A/B runs
+  // (train.fused_norms).
+  void UseFusedNorms(bool on) { fused_norms_ = on; }
   // Weight-gradient sinks, for the fused path only (FusedKernels::AddWeightGrad): a projection or
   // LM head whose weight has a sink here adds its weight gradient, summed over the tokens in
   // fp32, straight into the sink (fp32, the weight's shape) during the backward, and leaves
@@ -82,6 +86,12 @@ class Transformer {
 
  private:
   at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight) const;
+  // {x + res, RmsNorm(x + res)}: one kernel each way where the fused norm applies.
+  std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& res,
+                                               const at::Tensor& weight) const;
+  bool FusedNorm(const at::Tensor& x) const {
+    return fused_norms_ && Fused(x) && fused_->RmsNormSupports(x.size(-1)) && x.is_contiguous();
+  }
   at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
   void RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin);
@@ -100,6 +110,7 @@ class Transformer {
   core::ModelConfig config_;
   const FusedKernels* fused_ = nullptr;
   WeightGradSinks sinks_;
+  bool fused_norms_ = true;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
   uint64_t dropout_key_ = 0;
   bool training_ = true;

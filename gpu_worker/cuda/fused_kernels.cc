@@ -93,6 +93,36 @@ class CudaFusedKernels final : public model::FusedKernels {
     return {dx, weight_grad ? dw.to(w.scalar_type()) : at::Tensor()};
   }
 
+  bool RmsNormSupports(int64_t dim) const override { return kernels::RmsNormSupports(dim); }
+
+  std::pair<at::Tensor, at::Tensor> AddRmsNorm(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w,
+                                               double eps) const override {
+    const kernels::Dtype dt = CheckRmsNorm(x, w, res, "residual");
+    at::Tensor sum = res.defined() ? at::empty_like(x) : at::Tensor();
+    at::Tensor y = at::empty_like(x);
+    Check(kernels::AddRmsNorm(dt, x.data_ptr(), res.defined() ? res.data_ptr() : nullptr, w.data_ptr(),
+                              res.defined() ? sum.data_ptr() : nullptr, y.data_ptr(), x.numel() / x.size(-1),
+                              x.size(-1), static_cast<float>(eps), kComputeStream),
+          "rmsnorm kernel launch");
+    return {sum, y};
+  }
+
+  std::pair<at::Tensor, at::Tensor> RmsNormBackward(const at::Tensor& s, const at::Tensor& w, double eps,
+                                                    const at::Tensor& dy, const at::Tensor& ds_other,
+                                                    bool weight_grad) const override {
+    const kernels::Dtype dt = CheckRmsNorm(s, w, ds_other, "other gradient");
+    if (DtypeOf(dy, "rmsnorm gradient") != dt || !dy.sizes().equals(s.sizes()) || !dy.is_contiguous())
+      throw std::invalid_argument("rmsnorm gradient must be contiguous with the input's shape and dtype");
+    at::Tensor ds = at::empty_like(s);
+    at::Tensor dw = weight_grad ? at::zeros({s.size(-1)}, s.options().dtype(at::kFloat)) : at::Tensor();
+    Check(kernels::RmsNormBackward(dt, s.data_ptr(), w.data_ptr(), dy.data_ptr(),
+                                   ds_other.defined() ? ds_other.data_ptr() : nullptr, ds.data_ptr(),
+                                   weight_grad ? dw.data_ptr<float>() : nullptr, s.numel() / s.size(-1), s.size(-1),
+                                   static_cast<float>(eps), kComputeStream),
+          "rmsnorm backward kernel launch");
+    return {ds, weight_grad ? dw.to(w.scalar_type()) : at::Tensor()};
+  }
+
   at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) const override {
     const kernels::Dtype dt = CheckSwiGlu(gate, up);
     at::Tensor y = at::empty(gate.sizes(), gate.options());
@@ -161,6 +191,21 @@ class CudaFusedKernels final : public model::FusedKernels {
     if (x.dim() != 4 || w.dim() != 1 || w.size(0) != x.size(3) || cos.dim() != 2 ||
         !cos.sizes().equals(sin_signed.sizes()) || cos.size(0) != x.size(1) || cos.size(1) != x.size(3))
       throw std::invalid_argument("head norm + rope expects x [batch, seq, heads, dim], w [dim], tables [seq, dim]");
+    return dt;
+  }
+
+  // x (and `other`, when defined) contiguous of one shape and dtype; w [x's last dim], x's dtype.
+  static kernels::Dtype CheckRmsNorm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& other,
+                                     const char* other_name) {
+    const kernels::Dtype dt = DtypeOf(x, "rmsnorm input");
+    if (x.dim() < 1 || !x.is_contiguous() || !kernels::RmsNormSupports(x.size(-1)))
+      throw std::invalid_argument("rmsnorm input must be contiguous with a supported last dim (got " +
+                                  std::to_string(x.dim() ? x.size(-1) : 0) + ")");
+    if (DtypeOf(w, "rmsnorm weight") != dt || w.dim() != 1 || w.size(0) != x.size(-1))
+      throw std::invalid_argument("rmsnorm weight must be [dim] in the input's dtype");
+    if (other.defined() && (DtypeOf(other, other_name) != dt || !other.sizes().equals(x.sizes()) ||
+                            !other.is_contiguous()))
+      throw std::invalid_argument(std::string("rmsnorm ") + other_name + " must be contiguous with the input's shape and dtype");
     return dt;
   }
 

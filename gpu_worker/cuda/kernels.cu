@@ -292,6 +292,125 @@ cudaError_t DispatchHeadNormRope(const void* x, const void* w, const void* cos, 
   }
 }
 
+// ---- RMSNorm over the hidden size, with the residual add before it. A block of kRowThreads
+// threads takes a row at a time; thread t holds elements j * kRowThreads + t (j < kPer), so each
+// load instruction of a warp reads consecutive elements.
+constexpr int kRowThreads = 256;
+
+// The block's sum of v, the same in every thread (a fixed order: deterministic). `scratch` holds
+// a float per warp.
+__device__ __forceinline__ float BlockSum(float v, float* scratch) {
+  v = WarpSum(v);
+  __syncthreads();  // the previous row's readers are done with scratch
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int k = 0; k < kRowThreads / 32; ++k) total += scratch[k];
+  return total;
+}
+
+template <typename T, int kPer>
+__global__ void __launch_bounds__(kRowThreads)
+AddRmsNormKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64_t rows, float eps) {
+  constexpr int kDim = kRowThreads * kPer;
+  __shared__ float scratch[kRowThreads / 32];
+  float wv[kPer];
+  for (int j = 0; j < kPer; ++j) wv[j] = ToFloat(w[j * kRowThreads + threadIdx.x]);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t base = r * kDim + threadIdx.x;
+    float v[kPer];
+    float ss = 0.0f;
+    for (int j = 0; j < kPer; ++j) {
+      const int64_t i = base + j * kRowThreads;
+      float a = ToFloat(x[i]);
+      if (res != nullptr) {
+        // Rounded as the separate add would leave it: the residual stream and the norm's input.
+        const T rounded = FromFloat<T>(a + ToFloat(res[i]));
+        sum[i] = rounded;
+        a = ToFloat(rounded);
+      }
+      v[j] = a;
+      ss += a * a;
+    }
+    const float rstd = rsqrtf(BlockSum(ss, scratch) / kDim + eps);
+    for (int j = 0; j < kPer; ++j) y[base + j * kRowThreads] = FromFloat<T>(v[j] * rstd * wv[j]);
+  }
+}
+
+template <typename T, int kPer>
+__global__ void __launch_bounds__(kRowThreads)
+RmsNormBackwardKernel(const T* s, const T* w, const T* dy, const T* ds_other, T* ds, float* dw, int64_t rows,
+                      float eps) {
+  constexpr int kDim = kRowThreads * kPer;
+  __shared__ float scratch[kRowThreads / 32];
+  float wv[kPer], dw_acc[kPer];
+  for (int j = 0; j < kPer; ++j) {
+    wv[j] = ToFloat(w[j * kRowThreads + threadIdx.x]);
+    dw_acc[j] = 0.0f;
+  }
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t base = r * kDim + threadIdx.x;
+    float v[kPer], g[kPer];
+    float ss = 0.0f;
+    for (int j = 0; j < kPer; ++j) {
+      v[j] = ToFloat(s[base + j * kRowThreads]);
+      ss += v[j] * v[j];
+    }
+    const float rstd = rsqrtf(BlockSum(ss, scratch) / kDim + eps);
+    float dot = 0.0f;
+    for (int j = 0; j < kPer; ++j) {
+      const float d = ToFloat(dy[base + j * kRowThreads]);
+      const float n = v[j] * rstd;
+      dw_acc[j] += d * n;
+      g[j] = d * wv[j];  // dL/d(normalized)
+      dot += g[j] * n;
+    }
+    dot = BlockSum(dot, scratch) / kDim;
+    for (int j = 0; j < kPer; ++j) {
+      const int64_t i = base + j * kRowThreads;
+      float out = rstd * (g[j] - v[j] * rstd * dot);
+      if (ds_other != nullptr) out += ToFloat(ds_other[i]);
+      ds[i] = FromFloat<T>(out);
+    }
+  }
+  if (dw == nullptr) return;
+  // One atomic add per column and block: the grid is a few blocks per SM, each over many rows.
+  for (int j = 0; j < kPer; ++j) atomicAdd(dw + j * kRowThreads + threadIdx.x, dw_acc[j]);
+}
+
+template <typename T, int kPer>
+cudaError_t LaunchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y, const void* dy,
+                          void* ds, float* dw, int64_t rows, float eps, bool backward, cudaStream_t stream) {
+  // Four blocks per SM (1,024 threads) keep enough loads in flight; more would multiply the
+  // backward's weight-gradient atomics.
+  const int64_t blocks = std::min<int64_t>(rows, 132 * 4);
+  if (backward)
+    RmsNormBackwardKernel<T, kPer><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(dy), static_cast<const T*>(res),
+        static_cast<T*>(ds), dw, rows, eps);
+  else
+    AddRmsNormKernel<T, kPer><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w), static_cast<T*>(sum),
+        static_cast<T*>(y), rows, eps);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t DispatchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y, const void* dy,
+                            void* ds, float* dw, int64_t rows, int64_t dim, float eps, bool backward,
+                            cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  switch (dim) {
+    case kRowThreads * 4: return LaunchRmsNorm<T, 4>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 8: return LaunchRmsNorm<T, 8>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 10: return LaunchRmsNorm<T, 10>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 12: return LaunchRmsNorm<T, 12>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 16: return LaunchRmsNorm<T, 16>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 20: return LaunchRmsNorm<T, 20>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 // ---- SwiGLU, elementwise: index e = row * cols + col; gate/up rows at stride ld.
 __device__ __forceinline__ float Sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
@@ -443,6 +562,29 @@ cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, cons
                                                dim, eps, true, stream);
   return DispatchHeadNormRope<float>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows, seq, heads, dim, eps,
                                      true, stream);
+}
+
+bool RmsNormSupports(int64_t dim) {
+  if (dim % kRowThreads != 0) return false;
+  switch (dim / kRowThreads) {
+    case 4: case 8: case 10: case 12: case 16: case 20: return true;
+    default: return false;
+  }
+}
+
+cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum, void* y,
+                       int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+  if (dtype == Dtype::kBFloat16)
+    return DispatchRmsNorm<__nv_bfloat16>(x, res, w, sum, y, nullptr, nullptr, nullptr, rows, dim, eps, false, stream);
+  return DispatchRmsNorm<float>(x, res, w, sum, y, nullptr, nullptr, nullptr, rows, dim, eps, false, stream);
+}
+
+cudaError_t RmsNormBackward(Dtype dtype, const void* s, const void* w, const void* dy, const void* ds_other,
+                            void* ds, float* dw_f32, int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+  if (dtype == Dtype::kBFloat16)
+    return DispatchRmsNorm<__nv_bfloat16>(s, ds_other, w, nullptr, nullptr, dy, ds, dw_f32, rows, dim, eps, true,
+                                          stream);
+  return DispatchRmsNorm<float>(s, ds_other, w, nullptr, nullptr, dy, ds, dw_f32, rows, dim, eps, true, stream);
 }
 
 cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, void* y, int64_t rows,

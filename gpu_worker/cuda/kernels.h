@@ -51,6 +51,20 @@ cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, cons
                                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
                                  cudaStream_t stream);
 
+// RMSNorm over rows of `dim` (the model's hidden size), optionally after the residual add that
+// precedes it: with `res` non-null, s = x + res is rounded to the dtype and written to `sum`
+// (the residual stream), and s is normalized; else s = x.
+//   y = s / sqrt(mean(s^2) + eps) * w   (fp32 inside, one rounding).
+// One block per row at a time; RmsNormSupports(dim) says which sizes (256 x 4, 8, 10, 12, 16, 20).
+bool RmsNormSupports(int64_t dim);
+cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum, void* y,
+                       int64_t rows, int64_t dim, float eps, cudaStream_t stream);
+// Its backward from dL/dy, given s: writes dL/ds (plus `ds_other`, the gradient reaching s from
+// its other uses, when non-null: the residual's) to `ds`, and adds dL/dw into dw_f32 [dim]
+// (fp32, zeroed by the caller; null: no weight gradient).
+cudaError_t RmsNormBackward(Dtype dtype, const void* s, const void* w, const void* dy, const void* ds_other,
+                            void* ds, float* dw_f32, int64_t rows, int64_t dim, float eps, cudaStream_t stream);
+
 // SwiGLU: y = silu(gate) * up over `rows` rows of `cols`; gate and up rows start every `ld`
 // elements (ld = cols for separate tensors), y is contiguous [rows, cols]. fp32 inside.
 cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, void* y, int64_t rows,

@@ -22,6 +22,19 @@ namespace {
 
 bool HaveCuda() { return at::hasCUDA() && torch::cuda::device_count() > 0; }
 
+// Block 1's weights as the job initializes them, on the device in `dev`'s dtype, requiring
+// gradients; norm weights (InitParam gives ones) perturbed, so their gradients are not special.
+model::LayerWeights BlockWeights(const core::ModelSpec& spec, const at::TensorOptions& dev) {
+  model::LayerWeights w;
+  for (const auto& use : spec.layer_uses[1]) {
+    at::Tensor t = at::empty(spec.params[use.param].shape, at::kFloat);
+    core::InitParam(spec, use.param, 11, t.data_ptr<float>());
+    if (t.dim() == 1) t.add_(0.1 * at::randn(t.sizes()));
+    w[use.role] = t.to(dev).requires_grad_(true);
+  }
+  return w;
+}
+
 double MaxAbs(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
@@ -176,6 +189,109 @@ TEST(FusedHeadNormRopeShapes, RefusesAHeadSizeItDoesNotTake) {
   EXPECT_THROW(k.HeadNormRope(x, w, t, t, 1e-6), std::runtime_error);
 }
 
+// RMSNorm, alone and after the residual add, against the fp32 formula and its autograd
+// gradients; the add's sum bit for bit against LibTorch's add. 2,100 rows: more than the grid's
+// blocks, so blocks take several rows and add their weight-gradient partial sums once.
+class FusedRmsNorm : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t, bool>> {};
+
+TEST_P(FusedRmsNorm, MatchesCompositeForwardAndBackward) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto [dtype, D, residual] = GetParam();
+  const int64_t rows = 2100;
+  const double eps = 1e-6;
+  at::manual_seed(19);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor x = (at::randn({3, rows / 3, D}, dev) * 2.0).to(dtype);
+  at::Tensor res = residual ? (at::randn({3, rows / 3, D}, dev)).to(dtype) : at::Tensor();
+  at::Tensor w = (at::rand({D}, dev) + 0.5).to(dtype);
+  at::Tensor dy = at::randn({3, rows / 3, D}, dev).to(dtype);
+  at::Tensor ds_other = residual ? at::randn({3, rows / 3, D}, dev).to(dtype) : at::Tensor();
+
+  const auto& k = rp::worker::CudaKernels();
+  ASSERT_TRUE(k.RmsNormSupports(D));
+  auto [sum, y] = k.AddRmsNorm(x, res, w, eps);
+  const at::Tensor s = residual ? x + res : x;
+  EXPECT_EQ(sum.defined(), residual);
+  if (residual) EXPECT_TRUE(at::equal(sum, s));
+
+  at::Tensor sf = s.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor wf = w.to(at::kFloat).detach().requires_grad_(true);
+  at::Tensor ref = sf * at::rsqrt(sf.pow(2).mean(-1, true) + eps) * wf;
+  ref.backward(dy.to(at::kFloat));
+  at::Tensor want_ds = residual ? sf.grad() + ds_other.to(at::kFloat) : sf.grad();
+
+  auto [ds, dw] = k.RmsNormBackward(s, w, eps, dy, ds_other, /*weight_grad=*/true);
+  auto [ds_only, no_dw] = k.RmsNormBackward(s, w, eps, dy, ds_other, /*weight_grad=*/false);
+  EXPECT_FALSE(no_dw.defined());
+  EXPECT_TRUE(at::equal(ds_only, ds));
+  EXPECT_EQ(dw.scalar_type(), dtype);
+  // fp32: summation order only. bf16: one rounding of each output; dw sums 2,100 products in
+  // fp32 before its one rounding.
+  const bool f32 = dtype == at::kFloat;
+  auto rel = [](const at::Tensor& r, double f) { return f * r.abs().max().item<double>(); };
+  EXPECT_LE(MaxAbs(y, ref), f32 ? rel(ref, 1e-6) : rel(ref, std::pow(2.0, -8)));
+  EXPECT_LE(MaxAbs(ds, want_ds), f32 ? rel(want_ds, 1e-5) : rel(want_ds, std::pow(2.0, -7)));
+  EXPECT_LE(MaxAbs(dw, wf.grad()), f32 ? rel(wf.grad(), 1e-5) : rel(wf.grad(), std::pow(2.0, -7)));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesSizesAndResidual, FusedRmsNorm,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Values(int64_t{1024}, int64_t{2560}),
+                                            ::testing::Bool()));
+
+TEST(FusedRmsNormShapes, RefusesASizeItDoesNotTake) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto& k = rp::worker::CudaKernels();
+  EXPECT_FALSE(k.RmsNormSupports(96));
+  EXPECT_FALSE(k.RmsNormSupports(1280));
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor x = at::randn({4, 96}, dev), w = at::ones({96}, dev);
+  EXPECT_THROW(k.AddRmsNorm(x, at::Tensor(), w, 1e-6), std::invalid_argument);
+}
+
+// Through the model: a decoder block (hidden 1024, so the fused norm applies) with the fused
+// norms against the same block with LibTorch's rms_norm and add: output, input gradient and
+// every weight gradient (the fused add's backward hands one gradient to both of its inputs).
+class BlockFusedNorms : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(BlockFusedNorms, MatchLibTorchsNormsThroughAutograd) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const at::ScalarType dtype = GetParam();
+  core::ModelConfig mc;
+  mc.hidden_size = 1024;
+  mc.intermediate_size = 512;
+  const core::ModelSpec spec = core::BuildModelSpec(mc);
+  at::manual_seed(31);
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+  model::LayerWeights w = BlockWeights(spec, dev);
+  at::Tensor x = at::randn({2, 16, mc.hidden_size}, dev), dy = at::randn({2, 16, mc.hidden_size}, dev);
+  auto run = [&](bool fused_norms, std::map<std::string, at::Tensor>* grads, at::Tensor* dx) {
+    model::Transformer m(mc);
+    m.UseFusedKernels(&rp::worker::CudaKernels());
+    m.UseFusedNorms(fused_norms);
+    at::Tensor xi = x.detach().requires_grad_(true);
+    at::Tensor out = m.Block(w, xi, 1);
+    out.backward(dy);
+    *dx = xi.grad();
+    for (auto& [role, t] : w) {
+      (*grads)[role] = t.grad().to(at::kFloat).clone();
+      t.mutable_grad().reset();
+    }
+    return out.detach();
+  };
+  std::map<std::string, at::Tensor> want, got;
+  at::Tensor want_dx, got_dx;
+  const at::Tensor want_out = run(false, &want, &want_dx);
+  const at::Tensor got_out = run(true, &got, &got_dx);
+  const bool f32 = dtype == at::kFloat;
+  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -6)) * r.abs().max().item<double>(); };
+  EXPECT_LE(MaxAbs(got_out, want_out), tol(want_out));
+  EXPECT_LE(MaxAbs(got_dx, want_dx), tol(want_dx));
+  for (auto& [role, g] : want) EXPECT_LE(MaxAbs(got[role], g), tol(g)) << role;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, BlockFusedNorms, ::testing::Values(at::kFloat, at::kBFloat16));
+
 // SwiGLU against silu(gate) * up and its autograd gradients: separate tensors (packed rows),
 // the two halves of one [rows, 2 * cols] tensor (strided rows), and an odd width (scalar path).
 class FusedSwiGlu : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t, bool>> {};
@@ -263,14 +379,7 @@ TEST_P(BlockWeightGradSinks, MatchAutogradsWeightGradients) {
   at::manual_seed(29);
   auto dev = at::TensorOptions().device(at::kCUDA).dtype(dtype);
   const int64_t H = mc.hidden_size;
-  model::LayerWeights w;
-  for (const auto& use : spec.layer_uses[1]) {
-    at::Tensor t = at::empty(spec.params[use.param].shape, at::kFloat);
-    core::InitParam(spec, use.param, 11, t.data_ptr<float>());
-    // Norm weights near 1 (InitParam gives ones): perturbed, so their gradients are not special.
-    if (t.dim() == 1) t.add_(0.1 * at::randn(t.sizes()));
-    w[use.role] = t.to(dev).requires_grad_(true);
-  }
+  model::LayerWeights w = BlockWeights(spec, dev);
   at::Tensor x = at::randn({2, 16, H}, dev), dy = at::randn({2, 16, H}, dev);
 
   model::Transformer plain(mc);
