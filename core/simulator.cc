@@ -78,16 +78,47 @@ SimResult Simulate(const SimInput& in) {
         return ready;
       };
       double fetch_end = std::max(weights_free[w], began[w]);
+      std::vector<double> layer_copied;  // per fetch: when its copy ends
       if (st.fetches.empty()) {  // one copy after the last owner's update
         fetch_end = std::max(fetch_end, ready_at(st.owners)) + copy_s(st.weight_bytes);
       } else {  // layer by layer, each as soon as it is published
-        for (const SimFetch& f : st.fetches) fetch_end = std::max(fetch_end, ready_at(f.owners)) + copy_s(f.bytes);
+        for (const SimFetch& f : st.fetches) {
+          fetch_end = std::max(fetch_end, ready_at(f.owners)) + copy_s(f.bytes);
+          layer_copied.push_back(fetch_end);
+        }
       }
       weights_free[w] = fetch_end;
       double now = std::max(compute_free[w], fetch_end);
-      began[w] = now;
       double outputs_done = now;  // the job's last output copy (copies_overlap)
-      if (in.copies_overlap) {
+      const size_t L = st.layer_compute_s.size();
+      double lm_begin = 0.0;
+      bool layer_major = false;
+      if (in.layer_major != SimInput::LayerMajor::kNever && L > 1 && L == layer_copied.size() && M > 1) {
+        lm_begin = std::max(compute_free[w], layer_copied[0]);
+        for (int m = 0; m < M && s > 0; ++m) lm_begin = std::max(lm_begin, chain[c][m]);
+        layer_major = in.layer_major == SimInput::LayerMajor::kAlways || lm_begin < fetch_end;
+      }
+      if (layer_major) {
+        now = lm_begin;
+        began[w] = now;
+        double overhead = st.compute_s;
+        for (double x : st.layer_compute_s) overhead -= x;
+        // The inputs' copies (all M, on the activations stream) come first; then each layer over
+        // every microbatch once it is copied.
+        const double in_copy = in.h2d_bytes_per_s > 0 ? st.in_bytes / in.h2d_bytes_per_s : 0.0;
+        const double out_copy = in.d2h_bytes_per_s > 0 ? st.out_bytes / in.d2h_bytes_per_s : 0.0;
+        if (in.copies_overlap) now += in_copy;  // the others' copies overlap the first's compute
+        if (first_start[w] < 0) first_start[w] = now;
+        if (!in.copies_overlap) now += M * in_copy;  // in series, and busy, as microbatch order has them
+        now += M * std::max(0.0, overhead);
+        for (size_t i = 0; i < L; ++i) now = std::max(now, layer_copied[i]) + M * st.layer_compute_s[i];
+        if (!in.copies_overlap) now += M * out_copy;
+        for (int m = 0; m < M; ++m) chain[c][m] = now + (in.copies_overlap ? out_copy : 0.0);
+        outputs_done = chain[c][M - 1];
+        r.busy[w] += M * (st.compute_s + (in.copies_overlap ? 0.0 : TransferSeconds(st, in.h2d_bytes_per_s,
+                                                                                     in.d2h_bytes_per_s)));
+      } else if (in.copies_overlap) {
+        began[w] = now;
         const double in_copy = in.h2d_bytes_per_s > 0 ? st.in_bytes / in.h2d_bytes_per_s : 0.0;
         const double out_copy = in.d2h_bytes_per_s > 0 ? st.out_bytes / in.d2h_bytes_per_s : 0.0;
         double copy_free = now;  // the activations stream, from the job's start
@@ -101,6 +132,7 @@ SimResult Simulate(const SimInput& in) {
           r.busy[w] += st.compute_s;
         }
       } else {
+        began[w] = now;
         const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
         for (int m = 0; m < M; ++m) {
           if (s > 0) now = std::max(now, chain[c][m]);
@@ -207,6 +239,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.updates_wait_for_norm = c.train.grad_clip > 0;
   in.copies_overlap = c.job.device != "cpu";  // as WorkloadKey() tells the two kinds apart
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
+  in.layer_major = c.schedule.layer_major_forward == "never"    ? SimInput::LayerMajor::kNever
+                   : c.schedule.layer_major_forward == "always" ? SimInput::LayerMajor::kAlways
+                                                                : SimInput::LayerMajor::kAuto;
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   // Trainable weights cross the link as fp32 when workers fetch the masters.
   const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
@@ -225,6 +260,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     for (int l = s.begin; l < s.end; ++l) {
       const LayerCost& lc = profile.layers[l];
       st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : lc.recompute_s + lc.backward_s;
+      if (s.kind == StageKind::kForward) st.layer_compute_s.push_back(lc.forward_s);
       SimFetch f;  // the worker copies each layer as soon as its weights are published
       f.bytes = static_cast<double>(spec.LayerWeightBytes(l, weight_elem, static_cast<int>(elem)));
       for (const auto& use : spec.layer_uses[l]) {

@@ -22,6 +22,7 @@
 //    clipping each layer as soon as final, with clipping (the global norm is needed) all layers
 //    after the step's last final gradient, ascending. Step t reads weights updated through step
 //    t - lag (lag 1 = exact, 2 = stale1).
+//  * Layer-major forward stages: see SimInput::layer_major.
 //  * Not modelled: activation slot reuse across calls, a streamed gradient arena's capacity
 //    (slots wait only for the previous step's update, as when the arena holds every gradient), several workers
 //    sharing one GPU's link or compute, message latency (folded into a measured overhead).
@@ -54,6 +55,10 @@ struct SimStage {
   // Per layer in copy order (the worker's Executor::FetchReady); empty: weight_bytes in one copy
   // after every owner's update.
   std::vector<SimFetch> fetches;
+  // A forward stage that may run layer-major (SimInput::layer_major): per layer (fetches[i]'s),
+  // its compute per microbatch; compute_s minus their sum is a per-microbatch overhead. Empty:
+  // never layer-major.
+  std::vector<double> layer_compute_s;
 };
 
 struct SimInput {
@@ -70,6 +75,13 @@ struct SimInput {
   // for it). Otherwise input copy, compute and output copy run in series (CPU workers).
   bool copies_overlap = false;
   std::vector<JobSlot> order;  // one step's jobs in dispatch order; empty: call by call
+  // schedule.layer_major_forward (worker::Executor::ForwardLayers): a stage with
+  // layer_compute_s, several layers and microbatches runs layer by layer over all its
+  // microbatches, each layer once copied, when it could begin (the worker free, its first layer
+  // copied, every microbatch's input there) before its last layer is copied (kAuto), or always
+  // (kAlways). Its outputs are all there when its last layer ends.
+  enum class LayerMajor { kNever, kAuto, kAlways };
+  LayerMajor layer_major = LayerMajor::kNever;
 };
 
 struct SimResult {

@@ -197,6 +197,47 @@ TEST(Simulator, LayerByLayerFetchesOverlapTheStagesLaterUpdates) {
   EXPECT_DOUBLE_EQ(whole.step_done[1], 8.0);
 }
 
+TEST(Simulator, LayerMajorStagesChaseTheUpdatesByHand) {
+  // One worker, one stage of two layers (owners 0 and 1) over 2 microbatches, 0.5 s per layer
+  // and microbatch, 10 B per layer over a 10 B/s link, 1 s updates, exact mode, no clipping.
+  // Layer-major (auto): step 0 begins once layer 0 is copied (1), layer 0 over both microbatches
+  // [1, 2), layer 1 (copied at 2) [2, 3); updates [3, 4) and [4, 5); step 1 copies layer 0 in
+  // [4, 5) and layer 1 in [5, 6), computes layer 0 in [5, 6) and layer 1 in [6, 7). Microbatch
+  // order: step 0 computes [2, 4), updates [4, 6), step 1 copies [5, 7) and computes [7, 9).
+  SimInput in;
+  SimStage s;
+  s.compute_s = 1.0;
+  s.layer_compute_s = {0.5, 0.5};
+  s.grad_bytes = 1.0;
+  s.owners = {0, 1};
+  s.weight_bytes = 20.0;
+  s.fetches = {{{0}, 10.0}, {{1}, 10.0}};
+  in.stages = {s};
+  in.microbatches = 2;
+  in.steps = 2;
+  in.h2d_bytes_per_s = 10.0;
+  in.update_s = {1.0, 1.0};
+  in.layer_major = SimInput::LayerMajor::kAuto;
+  auto lm = Simulate(in);
+  EXPECT_DOUBLE_EQ(lm.step_done[0], 3.0);
+  EXPECT_DOUBLE_EQ(lm.step_done[1], 7.0);
+  EXPECT_DOUBLE_EQ(lm.busy[0], 4.0);
+  in.layer_major = SimInput::LayerMajor::kNever;
+  auto mb = Simulate(in);
+  EXPECT_DOUBLE_EQ(mb.step_done[0], 4.0);
+  EXPECT_DOUBLE_EQ(mb.step_done[1], 9.0);
+  EXPECT_DOUBLE_EQ(mb.busy[0], 4.0);
+  // Weights already there when the stage could begin (free copies, instant updates): auto keeps
+  // the microbatch order, and so the same schedule as never.
+  in.h2d_bytes_per_s = 0.0;
+  in.update_s.clear();
+  auto never_free = Simulate(in);
+  in.layer_major = SimInput::LayerMajor::kAuto;
+  auto auto_free = Simulate(in);
+  EXPECT_DOUBLE_EQ(auto_free.step_done[1], never_free.step_done[1]);
+  EXPECT_DOUBLE_EQ(auto_free.step_done[1], 4.0);
+}
+
 TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
   // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
