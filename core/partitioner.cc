@@ -102,6 +102,10 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
     const double per_block = tokens * (10.0 * H + 3.0 * I) * elem;
     double acts = grads ? blocks * per_block : per_block;
+    // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
+    // hidden state at once.
+    if (!grads && c.schedule.layer_major_forward != "never" && st.end - st.begin > 1 && c.train.microbatches > 1)
+      acts += static_cast<double>(c.train.microbatches - 1) * tokens * H * elem;
     if (grads && profile) {  // measured: what each layer's autograd forward kept
       double measured = 0.0;
       bool all = true;

@@ -236,7 +236,8 @@ TEST_P(FusedRmsNorm, MatchesCompositeForwardAndBackward) {
 
 INSTANTIATE_TEST_SUITE_P(DtypesSizesAndResidual, FusedRmsNorm,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
-                                            ::testing::Values(int64_t{1024}, int64_t{2560}),
+                                            ::testing::Values(int64_t{1024}, int64_t{2048}, int64_t{2560},
+                                                              int64_t{4096}),
                                             ::testing::Bool()));
 
 TEST(FusedRmsNormShapes, RefusesASizeItDoesNotTake) {

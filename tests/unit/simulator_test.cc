@@ -204,6 +204,8 @@ TEST(Simulator, LayerMajorStagesChaseTheUpdatesByHand) {
   // [1, 2), layer 1 (copied at 2) [2, 3); updates [3, 4) and [4, 5); step 1 copies layer 0 in
   // [4, 5) and layer 1 in [5, 6), computes layer 0 in [5, 6) and layer 1 in [6, 7). Microbatch
   // order: step 0 computes [2, 4), updates [4, 6), step 1 copies [5, 7) and computes [7, 9).
+  // (The stage's gradients only make the updates happen: the worker runs forward stages, which
+  // have none, layer-major; the simulator does not ask.)
   SimInput in;
   SimStage s;
   s.compute_s = 1.0;
