@@ -235,6 +235,7 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   lm_hidden_.assign(lm_job_ ? job.num_microbatches : 0, at::Tensor());
   lm_stalled_ = false;
   lm_stall_end_us_ = WallMicros();
+  lm_busy_marks_.clear();
   try {
     // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
     device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
@@ -274,6 +275,9 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
     }
     const int copied_end = stage_.begin + static_cast<int>(current_.layers.size());
     lm_stalled_ = copied_end < stage_.end;
+    // Device marks around each batch of layers: the device's busy time, without the waits for
+    // unpublished layers between batches (MicrobatchResult::busy_s).
+    const int mark_a = lm_next_layer_ < copied_end ? device_.Mark() : -1;
     for (; lm_next_layer_ < copied_end; ++lm_next_layer_) {
       const int l = lm_next_layer_;
       for (int mb = 0; mb < M; ++mb) {
@@ -294,11 +298,14 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
         lm_hidden_[mb] = l + 1 < stage_.end ? x : at::Tensor();
       }
     }
+    if (mark_a >= 0) lm_busy_marks_.push_back({mark_a, device_.Mark()});
     if (lm_next_layer_ < stage_.end) return std::vector<MicrobatchResult>();
     *done = true;
     std::vector<MicrobatchResult> results(M);
     const uint64_t fence = device_.CompletionFence();
     for (auto& r : results) r.fence = fence;
+    results[0].busy_marks = std::move(lm_busy_marks_);
+    lm_busy_marks_.clear();
     lm_hidden_.clear();
     lm_job_ = false;
     return results;
@@ -523,6 +530,11 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
 }
 
 void MicrobatchResult::Resolve(Device& device) {
+  if (!busy_marks.empty()) {
+    busy_s = 0.0;
+    for (const auto& [a, b] : busy_marks) busy_s += device.MarkSeconds(a, b);
+    busy_marks.clear();
+  }
   for (auto& p : pending_marks) {
     p.time.seconds = device.MarkSeconds(p.mark_a, p.mark_b);
     layer_times.push_back(p.time);

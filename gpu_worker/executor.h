@@ -61,6 +61,11 @@ struct MicrobatchResult {
     int mark_a, mark_b;
   };
   std::vector<PendingMarks> pending_marks;
+  // A layer-major job's first result: device marks around each batch of layers it enqueued;
+  // Resolve() sums them into busy_s (the seconds the device computed the job; -1: not known).
+  std::vector<std::pair<int, int>> busy_marks;
+  double busy_s = -1.0;
+  bool HasPendingMarks() const { return !pending_marks.empty() || !busy_marks.empty(); }
   void Resolve(Device& device);
 };
 
@@ -128,12 +133,17 @@ class Executor {
   // copied layer for every microbatch (the first layer's inputs: token slots, or each
   // microbatch's hidden state from `inputs`), and once the stage's last layer is enqueued sets
   // *done and returns one result per microbatch, all with the same fence. Never blocks.
+  // The first result's busy_marks bracket the device's work for the job (its busy_s once
+  // resolved): the worker reports the job's microbatches as one interval of that length ending
+  // when they complete, so the bubble ratio counts the waits for unpublished layers as idle and
+  // the computing between them as busy. Without the marks' figure the interval starts at
   // StallEndUs(): WallMicros() when the job last found its next layer published after waiting
-  // for it (else when it began): the worker reports its microbatches as starting then, so time
-  // spent computing earlier layers while waiting counts as idle in the bubble ratio
-  // (understating the gain, never inventing it).
+  // for it (else when it began), which counts earlier layers' computing as idle too.
   StatusOr<std::vector<MicrobatchResult>> ForwardLayers(const std::map<int, InputSources>& inputs, bool* done);
   int64_t StallEndUs() const { return lm_stall_end_us_; }
+  // Device marks the begun layer-major job has made and not yet handed to a result: the
+  // device's marks must not be cleared meanwhile.
+  bool HoldsMarks() const { return !lm_busy_marks_.empty(); }
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
   // the next microbatch, or the next job's, may be enqueued at once.
   StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
@@ -246,6 +256,7 @@ class Executor {
   std::vector<at::Tensor> lm_hidden_;
   bool lm_stalled_ = false;
   int64_t lm_stall_end_us_ = 0;
+  std::vector<std::pair<int, int>> lm_busy_marks_;
   at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 

@@ -358,18 +358,23 @@ StatusOr<bool> Worker::Finish() {
     // The device runs microbatches back to back: this one started when it was enqueued or when
     // the one before it ended, whichever was later. The intervals then tile the device's busy
     // time (to within this loop's 1 ms poll) and the coordinator's bubble ratio stays true.
+    const int64_t now_us = WallMicros();
+    // A layer-major job's: the device computed it for busy_s, ending about now.
+    if (f.result.busy_s >= 0) f.done.start_us = now_us - static_cast<int64_t>(f.result.busy_s * 1e6);
     f.done.start_us = std::max(f.done.start_us, last_done_end_us_);
-    f.done.end_us = std::max(WallMicros(), f.done.start_us);
+    f.done.end_us = std::max(now_us, f.done.start_us);
     last_done_end_us_ = f.done.end_us;
     f.done.loss_sum = f.result.loss_sum;
     f.done.targets = f.result.targets;
     for (const auto& t : f.result.layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
     RP_RETURN_IF_ERROR(channel_->Send(f.done));
-    const bool had_marks = !f.result.layer_times.empty();
+    const bool had_marks = !f.result.layer_times.empty() || f.result.busy_s >= 0;
     in_flight_.pop_front();
-    // Profiling marks are numbered per device: forget them once no microbatch in flight has any.
-    if (had_marks && std::none_of(in_flight_.begin(), in_flight_.end(),
-                                  [](const InFlight& g) { return !g.result.pending_marks.empty(); }))
+    // Marks are numbered per device: forget them once no microbatch in flight has any pending,
+    // nor a begun layer-major job.
+    if (had_marks && !exec_->HoldsMarks() &&
+        std::none_of(in_flight_.begin(), in_flight_.end(),
+                     [](const InFlight& g) { return g.result.HasPendingMarks(); }))
       device_->ClearMarks();
     worked = true;
   }
