@@ -98,15 +98,15 @@ SimResult Simulate(const SimInput& in) {
         for (int m = 0; m < M && s > 0; ++m) lm_begin = std::max(lm_begin, chain[c][m]);
         layer_major = in.layer_major == SimInput::LayerMajor::kAlways || lm_begin < fetch_end;
       }
+      if (layer_major) now = lm_begin;
+      began[w] = now;
+      const double in_copy = in.h2d_bytes_per_s > 0 ? st.in_bytes / in.h2d_bytes_per_s : 0.0;
+      const double out_copy = in.d2h_bytes_per_s > 0 ? st.out_bytes / in.d2h_bytes_per_s : 0.0;
       if (layer_major) {
-        now = lm_begin;
-        began[w] = now;
         double overhead = st.compute_s;
         for (double x : st.layer_compute_s) overhead -= x;
         // The inputs' copies (all M, on the activations stream) come first; then each layer over
         // every microbatch once it is copied.
-        const double in_copy = in.h2d_bytes_per_s > 0 ? st.in_bytes / in.h2d_bytes_per_s : 0.0;
-        const double out_copy = in.d2h_bytes_per_s > 0 ? st.out_bytes / in.d2h_bytes_per_s : 0.0;
         if (in.copies_overlap) now += in_copy;  // the others' copies overlap the first's compute
         if (first_start[w] < 0) first_start[w] = now;
         if (!in.copies_overlap) now += M * in_copy;  // in series, and busy, as microbatch order has them
@@ -115,12 +115,8 @@ SimResult Simulate(const SimInput& in) {
         if (!in.copies_overlap) now += M * out_copy;
         for (int m = 0; m < M; ++m) chain[c][m] = now + (in.copies_overlap ? out_copy : 0.0);
         outputs_done = chain[c][M - 1];
-        r.busy[w] += M * (st.compute_s + (in.copies_overlap ? 0.0 : TransferSeconds(st, in.h2d_bytes_per_s,
-                                                                                     in.d2h_bytes_per_s)));
+        r.busy[w] += M * (st.compute_s + (in.copies_overlap ? 0.0 : in_copy + out_copy));
       } else if (in.copies_overlap) {
-        began[w] = now;
-        const double in_copy = in.h2d_bytes_per_s > 0 ? st.in_bytes / in.h2d_bytes_per_s : 0.0;
-        const double out_copy = in.d2h_bytes_per_s > 0 ? st.out_bytes / in.d2h_bytes_per_s : 0.0;
         double copy_free = now;  // the activations stream, from the job's start
         for (int m = 0; m < M; ++m) {
           copy_free = std::max(copy_free, s > 0 ? chain[c][m] : 0.0) + in_copy;
@@ -132,8 +128,7 @@ SimResult Simulate(const SimInput& in) {
           r.busy[w] += st.compute_s;
         }
       } else {
-        began[w] = now;
-        const double per_mb = st.compute_s + TransferSeconds(st, in.h2d_bytes_per_s, in.d2h_bytes_per_s);
+        const double per_mb = st.compute_s + in_copy + out_copy;
         for (int m = 0; m < M; ++m) {
           if (s > 0) now = std::max(now, chain[c][m]);
           if (first_start[w] < 0) first_start[w] = now;

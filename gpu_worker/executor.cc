@@ -86,10 +86,8 @@ Status Executor::Reserve(const proto::RunJob& job) {
   if (next_.job_index == job.job_index && !next_.empty.empty()) return Status::Ok();
   DropNext();
   next_.job_index = job.job_index;
-  const core::Stage& st = plan_.stages[job.stage];
   try {
-    next_.empty.resize(st.end - st.begin);
-    for (int l = st.begin; l < st.end; ++l) next_.empty[l - st.begin] = EmptyLayer(l);
+    MakeDestinations(plan_.stages[job.stage], plan_.stages[job.stage].begin, &next_);
   } catch (const std::exception& e) {
     DropNext();
     return Status::Internal("job " + std::to_string(job.job_index) + ": making its weights' device memory: " + e.what());
@@ -101,17 +99,19 @@ bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, b
   bool copied = false;
   for (int l = st.begin + static_cast<int>(w->layers.size()); l < st.end; ++l) {
     if (!LayerReady(l, weights_version)) break;
-    if (w->empty.empty()) {
-      // Every destination of the stage at once, while the compute stream has queued only what
-      // comes before this stage (Device::EmptyWeights): made layer by layer, each copy of a
-      // layer-major stage would wait for the stage's previous layer over every microbatch.
-      w->empty.resize(st.end - st.begin);
-      for (int k = l; k < st.end; ++k) w->empty[k - st.begin] = EmptyLayer(k);
-    }
+    // Every destination of the stage at once, while the compute stream has queued only what
+    // comes before this stage (Device::EmptyWeights): made layer by layer, each copy of a
+    // layer-major stage would wait for the stage's previous layer over every microbatch.
+    if (w->empty.empty()) MakeDestinations(st, l, w);
     w->layers.push_back(FetchLayer(l, weights_version, grads, w, std::move(w->empty[l - st.begin])));
     copied = true;
   }
   return copied;
+}
+
+void Executor::MakeDestinations(const core::Stage& st, int from, StageWeights* w) {
+  w->empty.resize(st.end - st.begin);
+  for (int l = from; l < st.end; ++l) w->empty[l - st.begin] = EmptyLayer(l);
 }
 
 std::vector<at::Tensor> Executor::EmptyLayer(int l) {

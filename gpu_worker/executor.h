@@ -215,6 +215,8 @@ class Executor {
                                  std::vector<at::Tensor> dst = {});
   // Uninitialized device tensors for layer `layer`'s weights, in FetchLayer's order.
   std::vector<at::Tensor> EmptyLayer(int layer);
+  // w->empty for stage `st`: EmptyLayer of each layer from `from` to the stage's end.
+  void MakeDestinations(const core::Stage& st, int from, StageWeights* w);
   // Copies stage `st`'s layers after those in `w` while they are published at `weights_version`
   // (the stage's destinations all made at the first); whether it copied any.
   bool CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w);

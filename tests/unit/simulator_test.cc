@@ -173,11 +173,10 @@ TEST(Simulator, StaleOneCommitsWaitForTheSlotsAndHoldTheirGradients) {
   EXPECT_DOUBLE_EQ(two.peak_held_grad_bytes[0], 20.0);
 }
 
-TEST(Simulator, LayerByLayerFetchesOverlapTheStagesLaterUpdates) {
-  // One worker, one stage of two layers (owners 0 and 1), 10 B each over a 10 B/s link, 1 s of
-  // compute, 1 s updates, exact mode. Step 0: copies [0, 2), compute [2, 3), updates [3, 4) and
-  // [4, 5). Step 1 copies layer 0 in [4, 5) while layer 1 updates, layer 1 in [5, 6), computes
-  // [6, 7). One copy after both updates would take [5, 7) and end step 1 at 8.
+// One worker, exact mode, two steps of one stage over two layers (owners 0 and 1): 1 s of
+// compute per microbatch, 10 B per layer over a 10 B/s link, 1 s per layer's update; the stage
+// writes gradients, so the updates happen.
+SimInput TwoLayersTwoSteps() {
   SimInput in;
   SimStage s;
   s.compute_s = 1.0;
@@ -189,6 +188,15 @@ TEST(Simulator, LayerByLayerFetchesOverlapTheStagesLaterUpdates) {
   in.steps = 2;
   in.h2d_bytes_per_s = 10.0;
   in.update_s = {1.0, 1.0};
+  return in;
+}
+
+TEST(Simulator, LayerByLayerFetchesOverlapTheStagesLaterUpdates) {
+  // One worker, one stage of two layers (owners 0 and 1), 10 B each over a 10 B/s link, 1 s of
+  // compute, 1 s updates, exact mode. Step 0: copies [0, 2), compute [2, 3), updates [3, 4) and
+  // [4, 5). Step 1 copies layer 0 in [4, 5) while layer 1 updates, layer 1 in [5, 6), computes
+  // [6, 7). One copy after both updates would take [5, 7) and end step 1 at 8.
+  SimInput in = TwoLayersTwoSteps();
   auto layered = Simulate(in);
   EXPECT_DOUBLE_EQ(layered.step_done[0], 3.0);
   EXPECT_DOUBLE_EQ(layered.step_done[1], 7.0);
@@ -206,19 +214,9 @@ TEST(Simulator, LayerMajorStagesChaseTheUpdatesByHand) {
   // order: step 0 computes [2, 4), updates [4, 6), step 1 copies [5, 7) and computes [7, 9).
   // (The stage's gradients only make the updates happen: the worker runs forward stages, which
   // have none, layer-major; the simulator does not ask.)
-  SimInput in;
-  SimStage s;
-  s.compute_s = 1.0;
-  s.layer_compute_s = {0.5, 0.5};
-  s.grad_bytes = 1.0;
-  s.owners = {0, 1};
-  s.weight_bytes = 20.0;
-  s.fetches = {{{0}, 10.0}, {{1}, 10.0}};
-  in.stages = {s};
+  SimInput in = TwoLayersTwoSteps();
+  in.stages[0].layer_compute_s = {0.5, 0.5};
   in.microbatches = 2;
-  in.steps = 2;
-  in.h2d_bytes_per_s = 10.0;
-  in.update_s = {1.0, 1.0};
   in.layer_major = SimInput::LayerMajor::kAuto;
   auto lm = Simulate(in);
   EXPECT_DOUBLE_EQ(lm.step_done[0], 3.0);
