@@ -130,6 +130,8 @@ class Coordinator {
   Status MaybeFinishProfile();
   void CheckDrift(int64_t step, double step_time_s);
   Status FeedCall(int64_t global_call);
+  // The rows of `step`'s input tokens over all its calls, ascending (core::SortedTokenRows).
+  std::vector<int64_t> StepRows(int64_t step);
   Status TryCommits(int64_t step);
   StatusOr<JobState*> FindJob(int rank, int64_t index, const char* what);
   std::vector<int> StageGradSlots(int stage) const;
@@ -358,6 +360,8 @@ Status Coordinator::InitState() {
     auto* versions = segment_->At<std::atomic<uint64_t>>(layout_.layer_versions);
     for (int l = 0; l < plan_.num_layers; ++l)
       versions[l].store(static_cast<uint64_t>(first_step_), std::memory_order_relaxed);
+    segment_->At<std::atomic<uint64_t>>(layout_.lookup_version)->store(static_cast<uint64_t>(first_step_),
+                                                                        std::memory_order_relaxed);
     RP_LOG(INFO) << "resumed from " << resume_from_->path << " after step " << first_step_;
   } else {
     // Masters from the Hugging Face checkpoint (model.path; under LoRA the adapter directory
@@ -554,11 +558,28 @@ Status Coordinator::FeedCall(int64_t g) {
     step_rows_.insert(rows.begin(), rows.end());
     if (call == K - 1) optimizer_->SetTouchedRows(step, std::vector<int64_t>(step_rows_.begin(), step_rows_.end()));
   }
+  // Rows first (AsyncOptimizer): the next step's rows, known before this step's norm is.
+  if (layout_.lookup_from_host && call == K - 1 && step + 1 < stop_step_)
+    optimizer_->SetTouchedRows(step + 1, StepRows(step + 1));
   const JobState& first = jobs_.at(JobIndex(step, static_cast<int>(call), 0));
   for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
     RP_RETURN_IF_ERROR(SendTo(first.worker, InputFor(first, mb)));
   fed_calls_.insert(g);
   return Status::Ok();
+}
+
+std::vector<int64_t> Coordinator::StepRows(int64_t step) {
+  // Dataset::Fill is a pure function of (step, call, microbatch): drawing ahead changes nothing.
+  const int64_t per_mb = cfg_.TokensPerMicrobatch();
+  const int64_t count = cfg_.train.accum_calls * cfg_.train.microbatches;
+  std::vector<int64_t> tokens(static_cast<size_t>(count * per_mb)), labels(static_cast<size_t>(per_mb));
+  std::vector<const int64_t*> slots;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t* t = tokens.data() + i * per_mb;
+    data_->Fill(step, i / cfg_.train.microbatches, i % cfg_.train.microbatches, t, labels.data());
+    slots.push_back(t);
+  }
+  return core::SortedTokenRows(slots, per_mb, cfg_.model.vocab_size);
 }
 
 Status Coordinator::TryFeed() {

@@ -369,6 +369,15 @@ const std::vector<KeySpec>& Table() {
            "the weight bytes over the host link in bf16). compute_copy: a separate copy in "
            "train.dtype that the optimizer writes. auto: master in exact mode, compute_copy in "
            "stale1 (which must keep the previous version readable while the masters change)"),
+      Enum("schedule", "embedding_lookup", F(schedule.embedding_lookup), "auto",
+           {"auto", "copy", "host"},
+           "How a stage with the embedding gets the rows it looks up. host: its lookup reads the "
+           "rows of its tokens straight from the fp32 masters in host memory (mapped, no copy of "
+           "the whole table), and in exact mode with clipping the optimizer updates the rows of "
+           "the next step's tokens first, so the next step's first stage starts before the rest "
+           "of the table is updated (the same bits: each row's update is the same). copy: the "
+           "whole table is copied to the device once its update is complete. auto: host where "
+           "workers fetch the masters (schedule.weights_source) and the embedding is trained"),
       Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
            "tail size and both partitions minimizing the simulated step time (from the measured "
@@ -523,6 +532,11 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("schedule.weights_source: \"master\" cannot serve optimizer.mode = "
                                    "\"stale1\", whose next step reads the weights before the update "
                                    "that is rewriting the masters; use \"compute_copy\" or \"auto\"");
+  if (c.schedule.embedding_lookup == "host" && !LookupFromHost(c))
+    return Status::InvalidArgument("schedule.embedding_lookup: \"host\" reads the fp32 masters, so it needs "
+                                   "workers that fetch them (optimizer.mode = \"exact\" with "
+                                   "schedule.weights_source = \"auto\" or \"master\") and a trained "
+                                   "embedding (no LoRA); use \"auto\" or \"copy\"");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
   if (c.train.dtype == "bf16" && c.job.device == "cpu")

@@ -107,6 +107,7 @@ struct ScheduleConfig {
   std::string layer_major_forward = "auto";  // "auto" | "always" | "never" (worker::Executor)
   std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
   std::string weights_source = "auto";  // "auto" | "master" | "compute_copy" (WorkersFetchMasters)
+  std::string embedding_lookup = "auto";  // "auto" | "copy" | "host" (LookupFromHost)
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
   std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"
@@ -180,6 +181,16 @@ std::vector<KeyDoc> DocumentedKeys();
 inline bool WorkersFetchMasters(const JobConfig& c) {
   return c.schedule.weights_source == "master" ||
          (c.schedule.weights_source == "auto" && c.optimizer.mode == "exact");
+}
+
+// schedule.embedding_lookup resolved: true when the embedding's lookup reads the rows it needs
+// straight from the fp32 masters in the shared segment instead of copying the whole table to the
+// device first, and the exact-mode optimizer updates the next step's token rows first. It needs
+// the masters as the workers' source (WorkersFetchMasters): there a row the next step reads keeps
+// its value from its update until the next step's own update, which waits for every job of that
+// step. A LoRA job's embedding is a frozen copy: nothing to gain there.
+inline bool LookupFromHost(const JobConfig& c) {
+  return c.schedule.embedding_lookup != "copy" && WorkersFetchMasters(c) && !c.lora.enabled();
 }
 
 // schedule.merge_calls resolved on the job file's values: whether the K accumulation calls of a

@@ -36,6 +36,9 @@ class CpuDevice final : public Device {
     at::Tensor d = dst;
     d.copy_(View(src, dst.sizes(), stored));  // converts when the dtypes differ
   }
+  at::Tensor MapWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored) override {
+    return View(src, shape, stored);
+  }
   uint64_t WeightsFence() override { return 0; }
   void WaitWeights(uint64_t) override {}
   at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {

@@ -60,6 +60,11 @@ class Device {
   // wait for it. CopyWeights() enqueues the copy (with the conversion above) into `dst`.
   virtual at::Tensor EmptyWeights(at::IntArrayRef shape, at::ScalarType dtype) = 0;
   virtual void CopyWeights(const at::Tensor& dst, const void* src, at::ScalarType stored) = 0;
+  // A tensor on this device over `src` in place (no copy): `shape` elements of `stored`, read
+  // by kernels straight from the shared segment (CUDA: through the host link, as mapped pinned
+  // memory). For a table of which a kernel reads a small part (an embedding's looked-up rows).
+  // The caller guarantees those bytes do not change while the tensor is used.
+  virtual at::Tensor MapWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored) = 0;
   virtual uint64_t WeightsFence() = 0;
   virtual void WaitWeights(uint64_t fence) = 0;
 

@@ -30,6 +30,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
     math_.UseFusedNorms(cfg.train.fused_norms);
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
   }
+  math_.SetEmbedDtype(act_dtype_);
 }
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
@@ -43,6 +44,9 @@ Status Executor::Validate(const proto::RunJob& job) const {
 }
 
 bool Executor::LayerReady(int l, int64_t version) const {
+  if (MapsLookup(l))
+    return segment_.At<std::atomic<uint64_t>>(layout_.lookup_version)->load(std::memory_order_acquire) >=
+           static_cast<uint64_t>(version);
   const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
   for (const auto& use : spec_.layer_uses[l]) {
     const int owner = spec_.params[use.param].owner_layer;
@@ -103,7 +107,8 @@ bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, b
     // comes before this stage (Device::EmptyWeights): made layer by layer, each copy of a
     // layer-major stage would wait for the stage's previous layer over every microbatch.
     if (w->empty.empty()) MakeDestinations(st, l, w);
-    w->layers.push_back(FetchLayer(l, weights_version, grads, w, std::move(w->empty[l - st.begin])));
+    w->layers.push_back(FetchLayer(l, weights_version, grads, w, std::move(w->empty[l - st.begin]),
+                                   /*map_lookup=*/true));
     copied = true;
   }
   return copied;
@@ -111,7 +116,8 @@ bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, b
 
 void Executor::MakeDestinations(const core::Stage& st, int from, StageWeights* w) {
   w->empty.resize(st.end - st.begin);
-  for (int l = from; l < st.end; ++l) w->empty[l - st.begin] = EmptyLayer(l);
+  for (int l = from; l < st.end; ++l)
+    if (!MapsLookup(l)) w->empty[l - st.begin] = EmptyLayer(l);
 }
 
 std::vector<at::Tensor> Executor::EmptyLayer(int l) {
@@ -124,14 +130,22 @@ std::vector<at::Tensor> Executor::EmptyLayer(int l) {
 }
 
 model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool grads, StageWeights* into,
-                                         std::vector<at::Tensor> dst) {
-  if (dst.empty()) dst = EmptyLayer(l);
+                                         std::vector<at::Tensor> dst, bool map_lookup) {
+  const bool mapped = map_lookup && MapsLookup(l);
+  if (dst.empty() && !mapped) dst = EmptyLayer(l);
   size_t next_dst = 0;
   model::LayerWeights lw;
   const int buffer = static_cast<int>(weights_version % layout_.compute_buffers);
   for (const auto& use : spec_.layer_uses[l]) {
-    at::Tensor t = dst.at(next_dst++);
-    device_.CopyWeights(t, segment_.data() + layout_.ComputeCopy(use.param, buffer), weights_dtype_);
+    const uint8_t* src = segment_.data() + layout_.ComputeCopy(use.param, buffer);
+    at::Tensor t;
+    if (mapped) {
+      // The lookup reads its rows from the masters in place (core::LookupFromHost).
+      t = device_.MapWeights(src, spec_.params[use.param].shape, weights_dtype_);
+    } else {
+      t = dst.at(next_dst++);
+      device_.CopyWeights(t, src, weights_dtype_);
+    }
     if (grads) {
       t.requires_grad_(true);
       into->grads.push_back({t, use.grad_slot, at::Tensor(),
@@ -323,7 +337,9 @@ void Executor::AccumulateGrads() {
     const at::Tensor& grad = g.weight.grad();
     if (!grad.defined()) continue;
     if (g.accum.defined()) g.accum.add_(grad);
-    else g.accum = grad.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    // The leaf's .grad is its own tensor (autograd clones what it cannot steal): an fp32 one
+    // (a mapped fp32 embedding's) becomes the sum as it is, without a second copy of it.
+    else g.accum = grad.scalar_type() == at::kFloat ? grad : grad.to(at::kFloat);
     g.weight.mutable_grad().reset();
   }
 }

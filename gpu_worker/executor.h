@@ -211,8 +211,13 @@ class Executor {
   // Layer `layer`'s weights at `weights_version`, copied into `dst` (EmptyLayer's tensors; made
   // here if empty); with `grads`, trainable ones require gradients and are recorded in `into`
   // (which may be null without `grads`).
+  // `map_lookup`: a stage job's; the embedding layer is then mapped (MapsLookup), not copied.
   model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into,
-                                 std::vector<at::Tensor> dst = {});
+                                 std::vector<at::Tensor> dst = {}, bool map_lookup = false);
+  // Whether a stage job reads layer `l`'s weights in place instead of copying them: the
+  // embedding's table under core::LookupFromHost (Device::MapWeights). Its readiness is then the
+  // lookup version (shm/layout.h), and it has no destination.
+  bool MapsLookup(int l) const { return l == 0 && layout_.lookup_from_host && spec_.layer_uses[0].size() == 1; }
   // Uninitialized device tensors for layer `layer`'s weights, in FetchLayer's order.
   std::vector<at::Tensor> EmptyLayer(int layer);
   // w->empty for stage `st`: EmptyLayer of each layer from `from` to the stage's end.

@@ -295,7 +295,8 @@ at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, cons
 }
 
 at::Tensor Transformer::Embed(const LayerWeights& w, const at::Tensor& tokens) const {
-  return at::embedding(Get(w, "embed"), tokens);
+  at::Tensor h = at::embedding(Get(w, "embed"), tokens);
+  return embed_dtype_ && h.scalar_type() != *embed_dtype_ ? h.to(*embed_dtype_) : h;
 }
 
 at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int layer) {

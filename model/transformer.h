@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include "core/job_config.h"
@@ -53,6 +54,10 @@ class Transformer {
   // norm) use them (FusedKernels::AddRmsNorm) or LibTorch's fused rms_norm; for A/B runs
   // (train.fused_norms).
   void UseFusedNorms(bool on) { fused_norms_ = on; }
+  // Embed's output dtype when its table is stored wider (an fp32 master read in place,
+  // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the
+  // table first. Unset: the table's dtype.
+  void SetEmbedDtype(at::ScalarType dtype) { embed_dtype_ = dtype; }
   // Weight-gradient sinks, for the fused path only (FusedKernels::AddWeightGrad): a projection or
   // LM head whose weight has a sink here adds its weight gradient, summed over the tokens in
   // fp32, straight into the sink (fp32, the weight's shape) during the backward, and leaves
@@ -111,6 +116,7 @@ class Transformer {
   const FusedKernels* fused_ = nullptr;
   WeightGradSinks sinks_;
   bool fused_norms_ = true;
+  std::optional<at::ScalarType> embed_dtype_;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
   uint64_t dropout_key_ = 0;
   bool training_ = true;

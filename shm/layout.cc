@@ -127,7 +127,9 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.compute_elem_bytes = c.train.dtype == "bf16" ? 2 : 4;
   uint64_t pos = kHeaderBytes;
   a.layer_versions = pos;
-  pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
+  a.lookup_version = pos + 8ull * static_cast<uint64_t>(plan.num_layers);
+  pos = Align(a.lookup_version + 8);
+  a.lookup_from_host = core::LookupFromHost(c);
   a.grad_table = pos;
   pos = Align(pos + 8ull * spec.grad_slots.size());
   a.masters_in_state = core::WorkersFetchMasters(c);
@@ -195,7 +197,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
                         static_cast<uint64_t>(a.compute_elem_bytes),
                         static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities),
-                        static_cast<uint64_t>(a.masters_in_state)});
+                        static_cast<uint64_t>(a.masters_in_state), static_cast<uint64_t>(a.lookup_from_host)});
   h = HashParams(h, spec.params, 0);
   h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,

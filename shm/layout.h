@@ -9,6 +9,11 @@
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
+//   lookup version       std::atomic<uint64_t>, one word after them: the number of updates the
+//                        embedding's rows of the next step's tokens hold (>= the embedding
+//                        layer's version; ahead of it while the optimizer updates those rows
+//                        first, core::LookupFromHost). What a stage that looks up from host
+//                        memory waits for instead of the embedding layer's version.
 //   gradient table       std::atomic<uint64_t> per gradient slot (a parameter use by a layer):
 //                        where in the gradient arena the slot lives this step. Written by the
 //                        coordinator before it grants the commit that fills the slot.
@@ -60,7 +65,7 @@
 namespace rp::shm {
 
 inline constexpr uint64_t kSegmentMagic = 0x3174536550695052ull;  // "RPiPeSt1"
-inline constexpr uint32_t kSegmentVersion = 2;
+inline constexpr uint32_t kSegmentVersion = 3;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
 
@@ -112,6 +117,8 @@ struct ArenaLayout {
   std::vector<uint64_t> frozen;                   // per frozen parameter (LoRA base), state segment
   uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
+  uint64_t lookup_version = 0;                    // std::atomic<uint64_t> (see above)
+  bool lookup_from_host = false;                  // core::LookupFromHost
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
   uint64_t eval_tokens = 0, eval_labels = 0;
   int eval_slots = 0;

@@ -84,6 +84,13 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   for (size_t p = 0; p < spec.params.size(); ++p) rest_order_.push_back(static_cast<int>(p));
   std::stable_sort(rest_order_.begin(), rest_order_.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
+  if (layout.lookup_from_host && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1) {
+    const int p = spec.layer_uses[0][0].param;
+    if (spec.params[p].shape.size() == 2) {
+      lookup_param_ = p;
+      lookup_cols_ = spec.params[p].shape[1];
+    }
+  }
   const int pool = std::max(1, threads);
   rest_threads_ = cfg.optimizer.rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.optimizer.rest_threads))
                                                  : std::max(1, pool / 4);
@@ -284,34 +291,102 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   clip_scale_ = ClipScale(norm, cfg_.train.grad_clip);
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
+  if (SubmitRowsFirst(step, writes)) return;
   for (size_t c = 0; c < chunks_.size(); ++c)
     Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
 }
 
-void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
-  const Chunk& c = chunks_[chunk];
+bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
+  // Two passes only: in one pass the moments would be written too, and nothing is gained (stale1
+  // fetches the previous version; streamed gradients have no clipping).
+  if (lookup_param_ < 0 || !two_passes_) return false;
+  std::shared_ptr<const std::vector<int64_t>> next;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = touched_.find(step + 1);
+    if (it != touched_.end()) next = it->second;
+  }
+  if (!next) return false;
+  // Runs of consecutive rows as element ranges, the next step's rows and the others, grouped
+  // into tasks of about one chunk's elements each.
+  const int64_t cols = lookup_cols_, rows = spec_.params[lookup_param_].numel / cols;
+  const int64_t task_elems = ChunkElems(cols);
+  std::vector<Ranges> first, rest;
+  auto add = [&](std::vector<Ranges>& tasks, int64_t& filled, int64_t r0, int64_t r1) {
+    while (r0 < r1) {
+      if (tasks.empty() || filled >= task_elems) {
+        tasks.emplace_back();
+        filled = 0;
+      }
+      const int64_t take = std::min(r1 - r0, std::max<int64_t>(1, (task_elems - filled) / cols));
+      tasks.back().push_back({r0 * cols, (r0 + take) * cols});
+      filled += take * cols;
+      r0 += take;
+    }
+  };
+  int64_t first_filled = 0, rest_filled = 0, r = 0;
+  for (size_t i = 0; i < next->size();) {
+    const int64_t begin = (*next)[i];
+    int64_t end = begin + 1;
+    while (++i < next->size() && (*next)[i] == end) ++end;
+    add(rest, rest_filled, r, begin);
+    add(first, first_filled, begin, end);
+    r = end;
+  }
+  add(rest, rest_filled, r, rows);
+  // No task of this parameter has started (the norm was the last thing before the updates).
+  param_chunks_left_[lookup_param_].store(static_cast<int64_t>(first.size() + rest.size()));
+  lookup_rows_left_.store(static_cast<int64_t>(first.size()));
+  if (first.empty()) StoreLookupVersion(step);
+  for (auto& t : first)
+    Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, true, writes); });
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (chunks_[c].param != lookup_param_) Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+  for (auto& t : rest)
+    Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, false, writes); });
+  return true;
+}
+
+void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows, UpdateWrites writes) {
+  for (const auto& [begin, end] : ranges) UpdateElems(step, lookup_param_, begin, end, writes);
+  if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) StoreLookupVersion(step);
+  if (param_chunks_left_[lookup_param_].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    OnParamPublished(step, lookup_param_);
+}
+
+void AsyncOptimizer::StoreLookupVersion(int64_t step) {
+  // Release: the rows' writes by every pool thread that counted down before this one.
+  auto* version = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.lookup_version);
+  version->store(static_cast<uint64_t>(step + 1), std::memory_order_release);
+}
+
+void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes) {
   int64_t unset = 0;
   if (writes != UpdateWrites::kRest)
-    layer_start_us_[spec_.params[c.param].owner_layer].compare_exchange_strong(unset, WallMicros());
-  const auto& ps = spec_.params[c.param];
+    layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, WallMicros());
+  const auto& ps = spec_.params[param];
   const bool bf16 = cfg_.train.dtype == "bf16";
-  auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + c.begin; };
+  auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
-  float* master = f32(layout_.masters_in_state ? state_ : optim_, layout_.master[c.param]);
+  float* master = f32(layout_.masters_in_state ? state_ : optim_, layout_.master[param]);
   // Workers that fetch the masters need no compute copy: passing the master as its own fp32
   // copy makes the update skip the write.
   void* compute = master;
   ComputeDtype compute_dtype = ComputeDtype::kFloat32;
   if (!layout_.masters_in_state) {
-    compute = state_ + layout_.ComputeCopy(c.param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
-              c.begin * (bf16 ? 2 : 4);
+    compute = state_ + layout_.ComputeCopy(param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
+              begin * (bf16 ? 2 : 4);
     compute_dtype = bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32;
   }
   UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
-              f32(state_, grads_->Offset(param_slots_[c.param][0])), master,
-              f32(optim_, layout_.adam_m[c.param]),
-              layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[c.param]), c.end - c.begin,
-              compute, compute_dtype, writes);
+              f32(state_, grads_->Offset(param_slots_[param][0])), master, f32(optim_, layout_.adam_m[param]),
+              layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[param]), end - begin, compute,
+              compute_dtype, writes);
+}
+
+void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
+  const Chunk& c = chunks_[chunk];
+  UpdateElems(step, c.param, c.begin, c.end, writes);
   if (writes == UpdateWrites::kRest) {
     if (param_rest_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
   } else if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -332,6 +407,7 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
   if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
     versions[layer].store(static_cast<uint64_t>(step + 1), std::memory_order_release);
+    if (layer == 0) StoreLookupVersion(step);  // no earlier when the rows did not go first
     std::lock_guard<std::mutex> l(mu_);
     spans_.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
   }

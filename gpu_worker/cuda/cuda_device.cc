@@ -59,7 +59,8 @@ void LogIfError(cudaError_t e, const char* what) {
 class HostRegistration {
  public:
   static StatusOr<HostRegistration> Create(void* base, uint64_t bytes) {
-    RP_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable));
+    // Mapped too: Device::MapWeights hands kernels pointers into it.
+    RP_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
     return HostRegistration(base);
   }
   HostRegistration(HostRegistration&& o) noexcept : base_(o.base_) { o.base_ = nullptr; }
@@ -188,6 +189,20 @@ class CudaDevice final : public Device {
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
     StreamWaitsForCompute(weights_);
     return t;
+  }
+
+  at::Tensor MapWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored) override {
+    void* on_device = nullptr;
+    const cudaError_t e = cudaHostGetDevicePointer(&on_device, const_cast<void*>(src), 0);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("MapWeights: no device address for the shared segment: ") +
+                               cudaGetErrorString(e));
+    // target_device: LibTorch would otherwise ask the pointer which device it lives on, and
+    // host memory has none.
+    return at::for_blob(on_device, shape)
+        .options(at::TensorOptions().dtype(stored).device(torch_device()))
+        .target_device(torch_device())
+        .make_tensor();
   }
 
   void CopyWeights(const at::Tensor& t, const void* src, at::ScalarType stored) override {

@@ -451,5 +451,46 @@ TEST(MasterFetch, RoundsLikeTheComputeCopyBitForBit) {
   EXPECT_TRUE(std::isnan(nan.cpu().to(at::kFloat).index({0}).item<float>()));
 }
 
+// schedule.embedding_lookup = "host": the lookup reads the fp32 masters in place through the
+// mapped segment (Device::MapWeights) and rounds the rows it read. Its output and the table's
+// gradient must be bit for bit those of the copy path (the table rounded to bf16 on the device,
+// then looked up), with the gradient summed in fp32 instead of bf16, so compared in fp32 against
+// the fp32 sum of the copy path's per-token gradients.
+TEST(MappedLookup, MatchesTheCopiedTableBitForBit) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const int64_t vocab = 5000, hidden = 2048;
+  at::manual_seed(6);
+  at::Tensor host = at::randn({vocab, hidden});
+  auto dev = rp::worker::MakeCudaDevice(0, host.data_ptr(), static_cast<uint64_t>(host.nbytes()));
+  ASSERT_TRUE(dev.ok()) << dev.status().message();
+  at::Tensor tokens = at::randint(vocab, {2, 300}, at::TensorOptions().dtype(at::kLong)).cuda();
+  core::ModelConfig mc;
+  mc.vocab_size = vocab;
+  mc.hidden_size = hidden;
+  model::Transformer math(mc);
+  math.SetEmbedDtype(at::kBFloat16);
+
+  at::Tensor mapped = (*dev)->MapWeights(host.data_ptr(), {vocab, hidden}, at::kFloat);
+  ASSERT_TRUE(mapped.is_cuda());
+  mapped.requires_grad_(true);
+  at::Tensor got = math.Embed({{"embed", mapped}}, tokens);
+  ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+
+  at::Tensor copied = (*dev)->FetchWeights(host.data_ptr(), {vocab, hidden}, at::kFloat, at::kBFloat16);
+  (*dev)->WaitWeights((*dev)->WeightsFence());
+  copied.requires_grad_(true);
+  at::Tensor want = math.Embed({{"embed", copied}}, tokens);
+  EXPECT_TRUE(at::equal(got.view(at::kShort), want.view(at::kShort)));
+
+  at::Tensor dy = at::randn(got.sizes(), got.options());
+  got.backward(dy);
+  ASSERT_EQ(mapped.grad().scalar_type(), at::kFloat);
+  at::Tensor ref = at::zeros({vocab, hidden}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+  ref.index_add_(0, tokens.reshape(-1), dy.reshape({-1, hidden}).to(at::kFloat));
+  EXPECT_TRUE(at::allclose(mapped.grad(), ref, 1e-6, 1e-6));
+  // The table in host memory is only read.
+  EXPECT_FALSE(host.requires_grad());
+}
+
 }  // namespace
 }  // namespace rp

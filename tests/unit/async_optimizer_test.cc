@@ -3,7 +3,8 @@
 // by slot, the second step's slots placed again as soon as the first step's update gives them
 // back (in exact mode that is while its second passes still run, on one rest thread of three).
 // The masters and moments must end as the synchronous OptimizerStep (rp-train-ref's) leaves them,
-// bit for bit, in exact mode with and without clipping and in stale1.
+// bit for bit, in exact mode with and without clipping and in stale1, and with the next step's
+// rows given ahead (the embedding's rows first, AsyncOptimizer's contract).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -34,17 +35,19 @@ bool WaitFor(Done done) {
   return false;
 }
 
-// (optimizer.mode, train.grad_clip, train.accum_calls): K = 2 makes the arena hold every slot
-// without clipping, so exact mode runs two passes there too.
-class AsyncOptimizerTest : public ::testing::TestWithParam<std::tuple<std::string, double, int>> {};
+// (optimizer.mode, train.grad_clip, train.accum_calls, next step's rows given ahead): K = 2 makes
+// the arena hold every slot without clipping, so exact mode runs two passes there too.
+class AsyncOptimizerTest : public ::testing::TestWithParam<std::tuple<std::string, double, int, bool>> {};
 
 TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   const std::string mode = std::get<0>(GetParam());
   const double clip = std::get<1>(GetParam());
   const int accum_calls = std::get<2>(GetParam());
+  const bool rows_ahead = std::get<3>(GetParam());
   core::JobConfig cfg;
   cfg.model.num_layers = 3;
-  cfg.model.vocab_size = 300;
+  // Rows ahead: a larger table, so the embedding's update splits into several tasks of row runs.
+  cfg.model.vocab_size = rows_ahead ? 20000 : 300;
   cfg.train.dtype = "fp32";
   cfg.train.grad_clip = clip;
   cfg.train.accum_calls = accum_calls;
@@ -79,8 +82,11 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   }
 
   std::vector<int64_t> touched;  // the steps' input-token rows
-  for (int64_t r = 1; r < cfg.model.vocab_size; r += 3) touched.push_back(r);
+  auto is_touched = [](int64_t row) { return row < 300 && row % 3 == 1; };
+  for (int64_t r = 0; r < cfg.model.vocab_size; ++r)
+    if (is_touched(r)) touched.push_back(r);
   EXPECT_EQ(a.compact_lookup_slot >= 0, accum_calls == 1);
+  EXPECT_EQ(a.lookup_from_host, mode == "exact");
   GradArena arena(a, reinterpret_cast<std::atomic<uint64_t>*>(state + a.grad_table));
   AsyncOptimizer opt(cfg, spec, a, state, optim, &arena, /*threads=*/3);
   opt.StartAfter(0);
@@ -114,13 +120,16 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
         continue;
       }
       for (int64_t i = 0; i < spec.params[p].numel; ++i) {
-        g[i] = step == 0 && lookup && (i / cols) % 3 != 1 ? 0.0f : normal(rng) * 0.5f;
+        g[i] = (step == 0 || rows_ahead) && lookup && !is_touched(i / cols) ? 0.0f : normal(rng) * 0.5f;
         ref_grad[p][i] += g[i];  // tied uses fold in slot order: first slot first, here two at most
       }
     }
     // The fold adds later slots into the first; with two uses a + b == b + a, so the reference's
     // sum above (accumulated in reverse slot order) has the same bits.
     if (step == 0 || a.compact_lookup_slot >= 0) opt.SetTouchedRows(step, touched);
+    // As the coordinator does with the embedding looked up from host memory: every step reads
+    // the same rows here, so the rows given ahead are also the next step's touched rows.
+    if (rows_ahead) opt.SetTouchedRows(step + 1, touched);
     for (int s = static_cast<int>(spec.grad_slots.size()) - 1; s >= 0; --s) opt.SlotFinal(step, s);
     // What a worker waits for: every layer's version at step + 1.
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state + a.layer_versions);
@@ -130,6 +139,10 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
       return true;
     })) << "step " << step;
     EXPECT_TRUE(opt.Published(step));
+    if (a.lookup_from_host) {
+      EXPECT_EQ(reinterpret_cast<std::atomic<uint64_t>*>(state + a.lookup_version)->load(),
+                static_cast<uint64_t>(step + 1));
+    }
 
     std::vector<ParamArrays> arrays(P);
     for (size_t p = 0; p < P; ++p) {
@@ -160,9 +173,11 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, AsyncOptimizerTest,
-                         ::testing::Values(std::make_tuple(std::string("exact"), 1.0, 1),
-                                           std::make_tuple(std::string("exact"), 0.0, 2),
-                                           std::make_tuple(std::string("stale1"), 1.0, 1)));
+                         ::testing::Values(std::make_tuple(std::string("exact"), 1.0, 1, false),
+                                           std::make_tuple(std::string("exact"), 0.0, 2, false),
+                                           std::make_tuple(std::string("stale1"), 1.0, 1, false),
+                                           std::make_tuple(std::string("exact"), 1.0, 1, true),
+                                           std::make_tuple(std::string("exact"), 1.0, 2, true)));
 
 }  // namespace
 }  // namespace rp::coord

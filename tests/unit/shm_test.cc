@@ -56,6 +56,7 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
     EXPECT_EQ(a.master[p] % 256, 0u);
   }
   ranges.push_back({a.layer_versions, a.layer_versions + 8 * static_cast<uint64_t>(plan->num_layers), "versions"});
+  ranges.push_back({a.lookup_version, a.lookup_version + 8, "lookup version"});
   ranges.push_back({a.grad_table, a.grad_table + 8 * spec.grad_slots.size(), "grad table"});
   ranges.push_back({a.grad_arena, a.grad_arena + a.grad_arena_bytes, "grad arena"});
   for (int par = 0; par < a.parities; ++par)
