@@ -250,6 +250,34 @@ TEST(FusedRmsNormShapes, RefusesASizeItDoesNotTake) {
   EXPECT_THROW(k.AddRmsNorm(x, at::Tensor(), w, 1e-6), std::invalid_argument);
 }
 
+// Rows the kernels cannot take 16 bytes at a time (an input 2 bytes into its allocation) go to
+// the element-by-element kernels, which agree with the packed ones: the sum bit for bit, the rest
+// up to the order of the row sums.
+TEST(FusedRmsNormShapes, UnalignedRowsTakeTheScalarKernels) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto& k = rp::worker::CudaKernels();
+  const int64_t rows = 700, D = 2560;
+  const double eps = 1e-6;
+  at::manual_seed(23);
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  at::Tensor x = at::randn({rows, D}, dev), res = at::randn({rows, D}, dev), dy = at::randn({rows, D}, dev);
+  at::Tensor w = at::rand({D}, dev) + 0.5;
+  auto shifted = [&](const at::Tensor& t) {
+    return at::empty({rows * D + 1}, dev).narrow(0, 1, rows * D).view({rows, D}).copy_(t);
+  };
+  const at::Tensor xu = shifted(x);
+  ASSERT_NE(reinterpret_cast<uintptr_t>(xu.data_ptr()) % 16, 0u);
+  auto [sum, y] = k.AddRmsNorm(x, res, w, eps);
+  auto [sum_u, y_u] = k.AddRmsNorm(xu, res, w, eps);
+  EXPECT_TRUE(at::equal(sum_u, sum));
+  auto rel = [](const at::Tensor& r, double f) { return f * r.abs().max().item<double>(); };
+  EXPECT_LE(MaxAbs(y_u, y), rel(y, std::pow(2.0, -7)));  // one rounding step at most
+  auto [ds, dw] = k.RmsNormBackward(sum, w, eps, dy, res, /*weight_grad=*/true);
+  auto [ds_u, dw_u] = k.RmsNormBackward(shifted(sum), w, eps, dy, res, /*weight_grad=*/true);
+  EXPECT_LE(MaxAbs(ds_u, ds), rel(ds, std::pow(2.0, -7)));
+  EXPECT_LE(MaxAbs(dw_u, dw), rel(dw, std::pow(2.0, -7)));
+}
+
 // Through the model: a decoder block (hidden 1024, so the fused norm applies) with the fused
 // norms against the same block with LibTorch's rms_norm and add: output, input gradient and
 // every weight gradient (the fused add's backward hands one gradient to both of its inputs).
