@@ -383,21 +383,20 @@ RmsNormBackwardKernel(const T* s, const T* w, const T* dy, const T* ds_other, T*
   for (int j = 0; j < kPer; ++j) atomicAdd(dw + j * kRowThreads + threadIdx.x, dw_acc[j]);
 }
 
-// The packed layout: a block of kThreads = dim / 8 threads per row (1024 -> 128, 2048 -> 256,
+// The forward's packed layout: a block of kThreads = dim / 8 threads per row (1024 -> 128, 2048 -> 256,
 // 2560 -> 320, 4096 -> 512, 5120 -> 640), and thread t holds the 16-byte packs j * kThreads + t of
 // the row (j < kVecs: one pack of 8 bf16, or two of 4 fp32). Each load or store instruction of a
 // warp moves 512 contiguous bytes, eight times the scalar layout's 64 in bf16, so a row takes an
-// eighth of the memory instructions. The arithmetic is the scalar kernels', element for element;
-// only the order of the sums of squares (and of the backward's dot products) differs, still fixed.
+// eighth of the memory instructions. The arithmetic is the scalar kernel's, element for element;
+// only the order of the sum of squares differs, still fixed.
 constexpr int kPackedRowElems = 8;  // elements per thread and row, either dtype
 
 // Blocks per SM of the grid, which the launch bounds keep within the registers (so the whole
 // grid is resident at once: a second wave of blocks would take its rows after the first's). The
 // forward fills an SM in bf16 (2,048 threads): a block waiting at a row's barrier leaves the
-// SM's other blocks with their loads in flight. The backward stays near the scalar kernel's 1,024
-// threads: more blocks would multiply its weight-gradient atomics. fp32 threads hold two packs per
-// operand, and half as many of them per SM keep as many bytes in flight without spilling.
-constexpr int kForwardThreadsPerSm = 2048, kBackwardThreadsPerSm = 1024;
+// SM's other blocks with their loads in flight. fp32 threads hold two packs per operand, and half
+// as many of them per SM keep as many bytes in flight without spilling.
+constexpr int kForwardThreadsPerSm = 2048;
 template <typename T>
 constexpr int BlocksPerSm(int bf16_threads_per_sm, int threads) {
   const int blocks = bf16_threads_per_sm / (static_cast<int>(sizeof(T)) / 2) / threads;
@@ -458,106 +457,29 @@ AddRmsNormPackedKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64
 }
 
 template <typename T, int kThreads>
-__global__ void __launch_bounds__(kThreads, BlocksPerSm<T>(kBackwardThreadsPerSm, kThreads))
-RmsNormBackwardPackedKernel(const T* s, const T* w, const T* dy, const T* ds_other, T* ds, float* dw,
-                            int64_t rows, float eps) {
-  using P = Pack<T>;
-  constexpr int kW = P::kWidth, kVecs = kPackedRowElems / kW;
-  constexpr int kDim = kThreads * kPackedRowElems, kRowPacks = kDim / kW;
-  __shared__ float scratch[kThreads / 32];
-  float wv[kVecs][kW], dw_acc[kVecs][kW];
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j)
-#pragma unroll
-    for (int k = 0; k < kW; ++k) {
-      wv[j][k] = ToFloat(w[(j * kThreads + threadIdx.x) * kW + k]);
-      dw_acc[j][k] = 0.0f;
-    }
-  const P* sp = reinterpret_cast<const P*>(s);
-  const P* dyp = reinterpret_cast<const P*>(dy);
-  const P* op = reinterpret_cast<const P*>(ds_other);
-  P* dsp = reinterpret_cast<P*>(ds);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t base = r * kRowPacks + threadIdx.x;
-    // All three inputs are loaded before the two block sums, whose barriers they then overlap.
-    P v[kVecs], d[kVecs], other[kVecs];
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      v[j] = sp[base + j * kThreads];
-      d[j] = dyp[base + j * kThreads];
-      if (ds_other != nullptr) other[j] = op[base + j * kThreads];
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j)
-#pragma unroll
-      for (int k = 0; k < kW; ++k) {
-        const float a = ToFloat(v[j].v[k]);
-        ss += a * a;
-      }
-    const float rstd = rsqrtf(BlockSum<kThreads>(ss, scratch) / kDim + eps);
-    float g[kVecs][kW];
-    float dot = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j)
-#pragma unroll
-      for (int k = 0; k < kW; ++k) {
-        const float dd = ToFloat(d[j].v[k]);
-        const float n = ToFloat(v[j].v[k]) * rstd;
-        dw_acc[j][k] += dd * n;
-        g[j][k] = dd * wv[j][k];  // dL/d(normalized)
-        dot += g[j][k] * n;
-      }
-    dot = BlockSum<kThreads>(dot, scratch) / kDim;
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      P out;
-#pragma unroll
-      for (int k = 0; k < kW; ++k) {
-        float o = rstd * (g[j][k] - ToFloat(v[j].v[k]) * rstd * dot);
-        if (ds_other != nullptr) o += ToFloat(other[j].v[k]);
-        out.v[k] = FromFloat<T>(o);
-      }
-      dsp[base + j * kThreads] = out;
-    }
-  }
-  if (dw == nullptr) return;
-  // One atomic add per column and block, as the scalar kernel.
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j)
-#pragma unroll
-    for (int k = 0; k < kW; ++k) atomicAdd(dw + (j * kThreads + threadIdx.x) * kW + k, dw_acc[j][k]);
-}
-
-template <typename T, int kThreads>
-cudaError_t LaunchRmsNormPacked(const void* x, const void* res, const void* w, void* sum, void* y, const void* dy,
-                                void* ds, float* dw, int64_t rows, float eps, bool backward, cudaStream_t stream) {
+cudaError_t LaunchAddRmsNormPacked(const void* x, const void* res, const void* w, void* sum, void* y, int64_t rows,
+                                   float eps, cudaStream_t stream) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps of one block");
-  if (backward) {
-    const int64_t blocks = std::min<int64_t>(rows, 132 * BlocksPerSm<T>(kBackwardThreadsPerSm, kThreads));
-    RmsNormBackwardPackedKernel<T, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(dy), static_cast<const T*>(res),
-        static_cast<T*>(ds), dw, rows, eps);
-  } else {
-    const int64_t blocks = std::min<int64_t>(rows, 132 * BlocksPerSm<T>(kForwardThreadsPerSm, kThreads));
-    AddRmsNormPackedKernel<T, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w), static_cast<T*>(sum),
-        static_cast<T*>(y), rows, eps);
-  }
+  const int64_t blocks = std::min<int64_t>(rows, 132 * BlocksPerSm<T>(kForwardThreadsPerSm, kThreads));
+  AddRmsNormPackedKernel<T, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w), static_cast<T*>(sum),
+      static_cast<T*>(y), rows, eps);
   return cudaGetLastError();
 }
 
 template <typename T, int kPer>
 cudaError_t LaunchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y, const void* dy,
                           void* ds, float* dw, int64_t rows, float eps, bool backward, cudaStream_t stream) {
-  // The packed layout whenever the row arrays (not the weight: read by element) allow 16-byte
-  // accesses; rows then start aligned too, every size being a multiple of 256 elements. A null
-  // pointer is an unused one.
+  // The forward takes the packed layout whenever the row arrays (not the weight: read by
+  // element) allow 16-byte accesses; rows then start aligned too, every size being a multiple of
+  // 256 elements. A null pointer is an unused one. The backward keeps the scalar layout: a packed
+  // one measured slower on the H200 (rp-block-bench, Qwen3-4B block: 9.134 ms of recompute and
+  // backward against LibTorch's 8.983, where the scalar kernel was level with it; the 1.7B's
+  // level), its per-column weight-gradient sums taking more registers per thread.
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   static_assert(kRowThreads * kPer % kPackedRowElems == 0, "whole packs per thread");
-  if (aligned(x) && aligned(res) && aligned(sum) && aligned(y) && aligned(dy) && aligned(ds))
-    return LaunchRmsNormPacked<T, kRowThreads * kPer / kPackedRowElems>(x, res, w, sum, y, dy, ds, dw, rows, eps,
-                                                                       backward, stream);
+  if (!backward && aligned(x) && aligned(res) && aligned(sum) && aligned(y))
+    return LaunchAddRmsNormPacked<T, kRowThreads * kPer / kPackedRowElems>(x, res, w, sum, y, rows, eps, stream);
   // Four blocks per SM (1,024 threads) keep enough loads in flight; more would multiply the
   // backward's weight-gradient atomics.
   const int64_t blocks = std::min<int64_t>(rows, 132 * 4);

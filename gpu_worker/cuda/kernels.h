@@ -55,8 +55,8 @@ cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, cons
 // precedes it: with `res` non-null, s = x + res is rounded to the dtype and written to `sum`
 // (the residual stream), and s is normalized; else s = x.
 //   y = s / sqrt(mean(s^2) + eps) * w   (fp32 inside, one rounding).
-// One block per row at a time, each thread with 16-byte accesses when the row arrays are 16-byte
-// aligned (else element by element; `w` may have any alignment). RmsNormSupports(dim) says which
+// One block per row at a time; the forward's threads make 16-byte accesses when the row arrays
+// are 16-byte aligned (else element by element, as the backward's; `w` may have any alignment). RmsNormSupports(dim) says which
 // sizes, the same for both dtypes: 1024, 2048, 2560, 3072, 4096 and 5120.
 bool RmsNormSupports(int64_t dim);
 cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum, void* y,

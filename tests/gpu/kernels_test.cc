@@ -250,9 +250,9 @@ TEST(FusedRmsNormShapes, RefusesASizeItDoesNotTake) {
   EXPECT_THROW(k.AddRmsNorm(x, at::Tensor(), w, 1e-6), std::invalid_argument);
 }
 
-// Rows the kernels cannot take 16 bytes at a time (an input 2 bytes into its allocation) go to
-// the element-by-element kernels, which agree with the packed ones: the sum bit for bit, the rest
-// up to the order of the row sums.
+// Rows the forward cannot take 16 bytes at a time (an input 2 bytes into its allocation) go to
+// the element-by-element kernel, which agrees with the packed one: the sum bit for bit, the rest
+// up to the order of the row sums. (The backward is element by element either way.)
 TEST(FusedRmsNormShapes, UnalignedRowsTakeTheScalarKernels) {
   if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
   const auto& k = rp::worker::CudaKernels();
