@@ -2,6 +2,7 @@
 #include "core/simulator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace rp::core {
@@ -21,6 +22,7 @@ SimResult Simulate(const SimInput& in) {
   for (const auto& st : in.stages)
     for (int o : st.owners) owners = std::max(owners, o + 1);
   owners = std::max(owners, static_cast<int>(in.update_s.size()));
+  owners = std::max(owners, in.lookup_owner + 1);
   // final_at[t][o]: layer o's gradient of step t is final; updated[t][o]: its update is published.
   std::vector<std::vector<double>> final_at(T, std::vector<double>(owners, 0.0));
   std::vector<std::vector<double>> updated(T, std::vector<double>(owners, 0.0));
@@ -35,13 +37,23 @@ SimResult Simulate(const SimInput& in) {
     if (!in.updates_wait_for_norm)
       std::stable_sort(order.begin(), order.end(),
                        [&](int a, int b) { return final_at[t][a] < final_at[t][b]; });
+    auto cost_of = [&](int o) { return o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0; };
+    const bool rows_first = in.lookup_owner > 0 && in.updates_wait_for_norm && !order.empty() && order[0] == 0;
+    if (rows_first) {
+      // The next step's rows of owner 0, then the others, then owner 0's other rows.
+      updated[t][in.lookup_owner] = std::max(optimizer_free, all_final) + in.lookup_fraction * cost_of(0);
+      optimizer_free = updated[t][in.lookup_owner];
+      order.erase(order.begin());
+      order.push_back(0);
+    }
     for (int o : order) {
       const double ready = in.updates_wait_for_norm ? all_final : final_at[t][o];
-      const double cost = o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0;
+      const double cost = rows_first && o == 0 ? (1.0 - in.lookup_fraction) * cost_of(0) : cost_of(o);
       const double start = std::max(optimizer_free, ready);
       updated[t][o] = start + cost;
       optimizer_free = updated[t][o];
     }
+    if (in.lookup_owner > 0 && !rows_first) updated[t][in.lookup_owner] = updated[t][0];
   };
 
   std::vector<double> compute_free(N, 0.0), began(N, 0.0), weights_free(N, 0.0), grads_free(N, 0.0);
@@ -248,6 +260,15 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
                          ? 0.0
                          : tokens * static_cast<double>(c.model.hidden_size) * elem;
   const double ids = tokens * 8.0;  // int64 token ids or labels
+  // The embedding looked up from host memory: its stages copy nothing for it and wait for the
+  // next step's rows (SimInput::lookup_owner), about this fraction of the table for tokens drawn
+  // uniformly (real text repeats more, so fewer rows).
+  const bool mapped = LookupFromHost(c) && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1;
+  if (mapped) {
+    in.lookup_owner = plan.num_layers;
+    const double step_tokens = tokens * static_cast<double>(c.train.microbatches * c.train.accum_calls);
+    in.lookup_fraction = -std::expm1(step_tokens * std::log1p(-1.0 / static_cast<double>(c.model.vocab_size)));
+  }
   for (const auto& s : plan.stages) {
     SimStage st;
     const bool grads = s.kind != StageKind::kForward;
@@ -262,6 +283,10 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
         if (grads) st.grad_bytes += static_cast<double>(spec.params[use.param].numel) * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
         f.owners.push_back(spec.params[use.param].owner_layer);
+      }
+      if (mapped && l == 0) {
+        f.bytes = 0.0;
+        f.owners = {in.lookup_owner};
       }
       st.weight_bytes += f.bytes;
       st.fetches.push_back(std::move(f));

@@ -67,6 +67,13 @@ struct SimInput {
   double h2d_bytes_per_s = 0.0;  // 0: transfers are free
   double d2h_bytes_per_s = 0.0;
   std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
+  // Rows first (core::LookupFromHost, coordinator::AsyncOptimizer): fetches that name
+  // `lookup_owner` (a pseudo owner past the layers; -1: none) wait for the part of owner 0's
+  // update over the next step's rows, `lookup_fraction` of its cost, which runs before every other
+  // update; the rest of owner 0's update runs after them. Needs updates_wait_for_norm; without
+  // it the pseudo owner is published with owner 0.
+  int lookup_owner = -1;
+  double lookup_fraction = 1.0;
   int version_lag = 1;
   bool updates_wait_for_norm = false;
   // CUDA workers: activation copies run on their own streams and the worker does not wait

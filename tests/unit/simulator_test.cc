@@ -238,6 +238,31 @@ TEST(Simulator, LayerMajorStagesChaseTheUpdatesByHand) {
   EXPECT_DOUBLE_EQ(auto_free.step_done[1], 4.0);
 }
 
+TEST(Simulator, RowsFirstPublishesTheLookupBeforeTheOtherLayersByHand) {
+  // TwoLayersTwoSteps with clipping and layer 0 looked up in place: its fetch copies nothing and
+  // waits for the pseudo owner 2, a quarter of layer 0's update. Step 0: layer 1 copied [0, 1),
+  // compute [1, 2). Updates: the next step's rows [2, 2.25), layer 1 [2.25, 3.25), layer 0's
+  // other rows [3.25, 4). Step 1: layer 1 copied [3.25, 4.25), compute [4.25, 5.25); its
+  // updates end at 7.25.
+  SimInput in = TwoLayersTwoSteps();
+  in.updates_wait_for_norm = true;
+  in.stages[0].fetches[0] = {{2}, 0.0};
+  in.lookup_owner = 2;
+  in.lookup_fraction = 0.25;
+  auto r = Simulate(in);
+  EXPECT_DOUBLE_EQ(r.step_done[0], 2.0);
+  EXPECT_DOUBLE_EQ(r.step_done[1], 5.25);
+  EXPECT_DOUBLE_EQ(r.makespan, 7.25);
+  // Every row first (fraction 1): layer 1's update starts only at 3, its copy ends at 5.
+  in.lookup_fraction = 1.0;
+  EXPECT_DOUBLE_EQ(Simulate(in).step_done[1], 6.0);
+  // Without clipping nothing goes first: the lookup is published with layer 0, after it.
+  in.updates_wait_for_norm = false;
+  in.lookup_fraction = 0.25;
+  auto unclipped = Simulate(in);
+  EXPECT_DOUBLE_EQ(unclipped.step_done[1], 6.0);
+}
+
 TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
   // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
