@@ -10,7 +10,8 @@
 # `quick`: exact mode only, 6 steps. `ab`: exact mode, 8 steps, at the defaults and then with the
 # --set arguments in RP_SUITE_AB (one A/B pair per job, in the same call). `list`: one 8-step
 # run per line of RP_SUITE_RUNS ("job.toml [--set key=value ...]"), in order, instead of the
-# jobs. RP_SUITE_BLOCK=0 skips the block bench. Append OUT_FILE's lines to bench/results.jsonl, with a "note", once they are
+# jobs. RP_SUITE_BLOCK=0 skips the block bench; RP_SUITE_TRACES=DIR keeps each run's trace.json
+# there as trace-runN.json (N counts runs from 1). Append OUT_FILE's lines to bench/results.jsonl, with a "note", once they are
 # back. Progress and a summary go to stderr.
 set -uo pipefail
 if [ $# -lt 3 ]; then
@@ -59,6 +60,7 @@ run() {  # steps job [--set ...]
   fi
   local boundary
   boundary=$(python3 "$here/boundary_profile.py" "$dir" 2>/dev/null || echo null)
+  [ -n "${RP_SUITE_TRACES:-}" ] && cp "$dir/trace.json" "$RP_SUITE_TRACES/trace-run$n.json"
   python3 -c '
 import json, sys
 d = json.loads(sys.argv[1]); d["boundary"] = json.loads(sys.argv[2]); print(json.dumps(d))' "$line" "$boundary" >> "$out"
