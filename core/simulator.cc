@@ -32,11 +32,19 @@ SimResult Simulate(const SimInput& in) {
     std::vector<int> order;
     for (int o = 0; o < owners; ++o)
       if (has_grad[t][o]) order.push_back(o);
+    // Norms in the order the gradients became final, one after another on the optimizer's
+    // threads (they share its memory bandwidth); a gradient's update waits for its norm.
+    std::vector<int> by_final = order;
+    std::stable_sort(by_final.begin(), by_final.end(), [&](int a, int b) { return final_at[t][a] < final_at[t][b]; });
+    std::vector<double> normed(owners, 0.0);
+    double norm_free = 0.0;
+    for (int o : by_final) {
+      norm_free = std::max(norm_free, final_at[t][o]) + (o < static_cast<int>(in.norm_s.size()) ? in.norm_s[o] : 0.0);
+      normed[o] = norm_free;
+    }
     double all_final = 0.0;
-    for (int o : order) all_final = std::max(all_final, final_at[t][o]);
-    if (!in.updates_wait_for_norm)
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int a, int b) { return final_at[t][a] < final_at[t][b]; });
+    for (int o : order) all_final = std::max(all_final, normed[o]);
+    if (!in.updates_wait_for_norm) order = by_final;
     auto cost_of = [&](int o) { return o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0; };
     const bool rows_first = in.lookup_owner > 0 && in.updates_wait_for_norm && !order.empty() && order[0] == 0;
     if (rows_first) {
@@ -47,7 +55,7 @@ SimResult Simulate(const SimInput& in) {
       order.push_back(0);
     }
     for (int o : order) {
-      const double ready = in.updates_wait_for_norm ? all_final : final_at[t][o];
+      const double ready = in.updates_wait_for_norm ? all_final : normed[o];
       const double cost = rows_first && o == 0 ? (1.0 - in.lookup_fraction) * cost_of(0) : cost_of(o);
       const double start = std::max(optimizer_free, ready);
       updated[t][o] = start + cost;
@@ -264,10 +272,13 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   // next step's rows (SimInput::lookup_owner), about this fraction of the table for tokens drawn
   // uniformly (real text repeats more, so fewer rows).
   const bool mapped = LookupFromHost(c) && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1;
+  // Distinct rows of a step's tokens, expected for tokens drawn uniformly.
+  const double vocab = static_cast<double>(c.model.vocab_size);
+  const double step_tokens = tokens * static_cast<double>(c.train.microbatches * c.train.accum_calls);
+  const double touched_rows = -vocab * std::expm1(step_tokens * std::log1p(-1.0 / vocab));
   if (mapped) {
     in.lookup_owner = plan.num_layers;
-    const double step_tokens = tokens * static_cast<double>(c.train.microbatches * c.train.accum_calls);
-    in.lookup_fraction = -std::expm1(step_tokens * std::log1p(-1.0 / static_cast<double>(c.model.vocab_size)));
+    in.lookup_fraction = touched_rows / vocab;
   }
   for (const auto& s : plan.stages) {
     SimStage st;
@@ -280,7 +291,11 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       SimFetch f;  // the worker copies each layer as soon as its weights are published
       f.bytes = static_cast<double>(spec.LayerWeightBytes(l, weight_elem, static_cast<int>(elem)));
       for (const auto& use : spec.layer_uses[l]) {
-        if (grads) st.grad_bytes += static_cast<double>(spec.params[use.param].numel) * 4.0;
+        // A compact lookup slot (one call per step, shm::CompactLookupRows) commits the rows
+        // of the step's tokens only.
+        const ParamSpec& ps = spec.params[use.param];
+        const bool compact = c.train.accum_calls == 1 && spec.TiedRowElems(use.param) > 0 && l == 0 && ps.owner_layer == 0;
+        if (grads) st.grad_bytes += (compact ? touched_rows * static_cast<double>(ps.shape[1]) : static_cast<double>(ps.numel)) * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
         f.owners.push_back(spec.params[use.param].owner_layer);
       }
@@ -313,8 +328,25 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   }
   if (profile.optimizer_params_per_s > 0) {
     in.update_s.assign(plan.num_layers, 0.0);
-    for (const auto& p : spec.params)
-      in.update_s[p.owner_layer] += static_cast<double>(p.numel) / profile.optimizer_params_per_s;
+    in.norm_s.assign(plan.num_layers, 0.0);
+    // The norm moves host memory at the first pass's rate: that pass reads the master, both
+    // moments and the gradient and writes the fetched copy (the fp32 master, or a compute copy;
+    // stale1's one pass writes all of them).
+    const double pass_bytes = c.optimizer.mode == "stale1" ? 16.0 + 12.0 + elem
+                                                           : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
+    const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;
+    for (size_t p = 0; p < spec.params.size(); ++p) {
+      const ParamSpec& ps = spec.params[p];
+      in.update_s[ps.owner_layer] += static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
+      int slots = 0;
+      for (const auto& g : spec.grad_slots) slots += g.param == static_cast<int>(p);
+      // A tied embedding squares its head slot's rows before its lookup slot is final; at the
+      // end it folds (reads both, writes one) and squares the rows of the step's tokens only.
+      const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0
+                               ? touched_rows * static_cast<double>(ps.shape[1]) * 12.0
+                               : static_cast<double>(ps.numel) * 4.0 * slots;
+      in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
+    }
   }
   return in;
 }

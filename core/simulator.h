@@ -74,6 +74,10 @@ struct SimInput {
   // it the pseudo owner is published with owner 0.
   int lookup_owner = -1;
   double lookup_fraction = 1.0;
+  // Per owner layer: the coordinator's norm work once its gradients are final (folding a tied
+  // parameter's slots, squaring), on the optimizer's threads before its update; with clipping
+  // every update waits for every norm. Empty: free.
+  std::vector<double> norm_s;
   int version_lag = 1;
   bool updates_wait_for_norm = false;
   // CUDA workers: activation copies run on their own streams and the worker does not wait

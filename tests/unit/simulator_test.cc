@@ -263,10 +263,9 @@ TEST(Simulator, RowsFirstPublishesTheLookupBeforeTheOtherLayersByHand) {
   EXPECT_DOUBLE_EQ(unclipped.step_done[1], 6.0);
 }
 
-TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
-  // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
-  // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
-  // with clipping both wait for the norm: [2, 3) and [3, 4).
+// Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2;
+// updates of 1 s each.
+SimInput TwoStagesBackwardOrder() {
   SimInput in;
   SimStage top, bottom;
   top.compute_s = bottom.compute_s = 1.0;
@@ -275,11 +274,31 @@ TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   bottom.owners = {0};
   in.stages = {top, bottom};
   in.update_s = {1.0, 1.0};
+  return in;
+}
+
+TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
+  // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
+  // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
+  // with clipping both wait for the norm: [2, 3) and [3, 4).
+  SimInput in = TwoStagesBackwardOrder();
   auto free_run = Simulate(in);
   EXPECT_DOUBLE_EQ(free_run.makespan, 3.0);
   in.updates_wait_for_norm = true;
   auto clipped = Simulate(in);
   EXPECT_DOUBLE_EQ(clipped.makespan, 4.0);
+}
+
+TEST(Simulator, NormsRunBeforeTheUpdatesByHand) {
+  // The two stages above, with norms of 0.25 s (layer 1) and 0.5 s (layer 0) once each gradient
+  // is final: layer 1's in [1, 1.25), layer 0's in [2, 2.5). Without clipping layer 1 updates in
+  // [1.25, 2.25) and layer 0 in [2.5, 3.5); with clipping both wait for the last norm: [2.5, 3.5)
+  // and [3.5, 4.5).
+  SimInput in = TwoStagesBackwardOrder();
+  in.norm_s = {0.5, 0.25};
+  EXPECT_DOUBLE_EQ(Simulate(in).makespan, 3.5);
+  in.updates_wait_for_norm = true;
+  EXPECT_DOUBLE_EQ(Simulate(in).makespan, 4.5);
 }
 
 TEST(Simulator, InterleavedCallsKeepUpWithTheOptimizer) {
