@@ -375,7 +375,9 @@ const std::vector<KeySpec>& Table() {
            "rows of its tokens straight from the fp32 masters in host memory (mapped, no copy of "
            "the whole table), and in exact mode with clipping the optimizer updates the rows of "
            "the next step's tokens first, so the next step's first stage starts before the rest "
-           "of the table is updated (the same bits: each row's update is the same). copy: the "
+           "of the table is updated (each row's update is the same computation; in bf16 the lookup's "
+           "weight gradient is summed in fp32 instead of bf16, so bf16 runs differ from copy in the "
+           "last bits, fp32 runs not at all). copy: the "
            "whole table is copied to the device once its update is complete. auto: host where "
            "workers fetch the masters (schedule.weights_source) and the embedding is trained"),
       Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},

@@ -90,9 +90,17 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
   const double H = static_cast<double>(c.model.hidden_size);
   const double I = static_cast<double>(c.model.intermediate_size);
   double worst_weights = 0.0, worst_stage = 0.0;
+  // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
+  // a microbatch's beside the job's sum.
+  const bool mapped_lookup = LookupFromHost(c) && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1;
   for (const auto& st : plan.stages) {
     double params = 0.0, trainable = 0.0;  // weights fetched; of those, the ones with gradients
+    double mapped = 0.0;                   // elements of the mapped embedding, when the stage has it
     for (int l = st.begin; l < st.end; ++l) {
+      if (mapped_lookup && l == 0) {
+        mapped = static_cast<double>(spec.params[spec.layer_uses[0][0].param].numel);
+        continue;
+      }
       params += static_cast<double>(spec.LayerWeightElems(l));
       for (const auto& use : spec.layer_uses[l]) trainable += static_cast<double>(spec.params[use.param].numel);
     }
@@ -120,7 +128,7 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
     if (st.end == plan.num_layers)
       acts += (c.train.fused_kernels && c.job.device != "cpu" ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
               static_cast<double>(c.model.vocab_size);
-    const double stage = params * elem + (grads ? trainable * (4.0 + elem) : 0.0) + acts;
+    const double stage = params * elem + (grads ? trainable * (4.0 + elem) + mapped * 8.0 : 0.0) + acts;
     worst_weights = std::max(worst_weights, params * elem);
     worst_stage = std::max(worst_stage, stage);
   }

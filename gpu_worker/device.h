@@ -63,7 +63,9 @@ class Device {
   // A tensor on this device over `src` in place (no copy): `shape` elements of `stored`, read
   // by kernels straight from the shared segment (CUDA: through the host link, as mapped pinned
   // memory). For a table of which a kernel reads a small part (an embedding's looked-up rows).
-  // The caller guarantees those bytes do not change while the tensor is used.
+  // Only the parts the caller knows to be stable may be read through it (the rows of the job's
+  // tokens: the optimizer may be writing the table's other rows meanwhile); an operation over
+  // the whole tensor would race with those writes.
   virtual at::Tensor MapWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored) = 0;
   virtual uint64_t WeightsFence() = 0;
   virtual void WaitWeights(uint64_t fence) = 0;

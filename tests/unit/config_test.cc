@@ -90,8 +90,14 @@ TEST(JobConfig, CrossFieldChecks) {
   auto exact = Parse(kValid);
   ASSERT_TRUE(exact.ok());
   EXPECT_TRUE(WorkersFetchMasters(*exact));  // auto, exact mode
+  EXPECT_TRUE(LookupFromHost(*exact));  // auto, with the masters as the source
   exact->schedule.weights_source = "compute_copy";
   EXPECT_FALSE(WorkersFetchMasters(*exact));
+  EXPECT_FALSE(LookupFromHost(*exact));
+  // The lookup from host memory reads the masters: stale1 (and a compute copy) cannot serve it.
+  ExpectError(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n[schedule]\nembedding_lookup = \"host\"\n",
+              "schedule.embedding_lookup");
+  EXPECT_FALSE(LookupFromHost(*stale));
 }
 
 TEST(JobConfig, LoraKeysAreChecked) {
