@@ -210,8 +210,8 @@ class Executor {
   bool LayerReady(int l, int64_t version) const;
   // Layer `layer`'s weights at `weights_version`, copied into `dst` (EmptyLayer's tensors; made
   // here if empty); with `grads`, trainable ones require gradients and are recorded in `into`
-  // (which may be null without `grads`).
-  // `map_lookup`: a stage job's; the embedding layer is then mapped (MapsLookup), not copied.
+  // (which may be null without `grads`). With `map_lookup` (a stage job's fetch) the embedding
+  // layer is mapped (MapsLookup), not copied.
   model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into,
                                  std::vector<at::Tensor> dst = {}, bool map_lookup = false);
   // Whether a stage job reads layer `l`'s weights in place instead of copying them: the

@@ -85,12 +85,12 @@ class AsyncOptimizer {
   // Call before the first SlotFinal.
   void StartAfter(int64_t steps_done);
   // The rows of `step`'s input tokens, ascending, without repeats. Rows first (above): given
-  // for step t + 1 before step t's norm is complete, they are updated first. Also: outside them the tied
-  // embedding's lookup gradient slot is zero (the embedding's backward scatters into those rows
-  // only). With them, and the head's slot final before the lookup's, the head's rows are squared
-  // while the backward runs and the step boundary folds and squares only these rows; without
-  // them it does every row (the same bits either way). Call before the step's lookup slot is
-  // final; any thread.
+  // for step t + 1 before step t's norm is complete, they are updated first. And outside them
+  // the tied embedding's lookup gradient slot is zero (the embedding's backward scatters into
+  // those rows only). With them, and the head's slot final before the lookup's, the head's rows
+  // are squared while the backward runs and the step boundary folds and squares only these
+  // rows; without them it does every row (the same bits either way). Call before the step's
+  // lookup slot is final; any thread.
   void SetTouchedRows(int64_t step, std::vector<int64_t> rows);
   void SlotFinal(int64_t step, int slot);
   std::optional<double> GradNorm(int64_t step) const;
