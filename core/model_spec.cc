@@ -41,6 +41,14 @@ int64_t ModelSpec::TiedRowElems(int p) const {
   return uses == 2 && params[p].shape.size() == 2 ? params[p].shape[1] : 0;
 }
 
+int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec) {
+  if (!LookupFromHost(c) || spec.layer_uses.empty() || spec.layer_uses[0].size() != 1 ||
+      (!spec.layer_frozen.empty() && !spec.layer_frozen[0].empty()))
+    return -1;
+  const int p = spec.layer_uses[0][0].param;
+  return spec.params[p].shape.size() == 2 ? p : -1;
+}
+
 ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
   ModelSpec s;
   s.config = c;

@@ -82,6 +82,11 @@ struct ModelSpec {
 
 ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = LoraConfig{});
 
+// The trainable table the embedding layer looks up in place (LookupFromHost, with layer 0 one
+// trainable 2-D parameter and nothing frozen), else -1. The one place that decides it: the
+// layout's flag, the optimizer's rows first, the worker's mapping and the planner all follow it.
+int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec);
+
 // Initial value of element `i` of parameter `ps`: a pure function of (seed, ps.init_key, i),
 // shared by the coordinator and rp-train-ref so both start bit-identical.
 void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, float* out);

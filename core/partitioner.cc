@@ -92,13 +92,13 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, const Pr
   double worst_weights = 0.0, worst_stage = 0.0;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
-  const bool mapped_lookup = LookupFromHost(c) && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1;
+  const int mapped_param = LookupInPlaceParam(c, spec);
   for (const auto& st : plan.stages) {
     double params = 0.0, trainable = 0.0;  // weights fetched; of those, the ones with gradients
     double mapped = 0.0;                   // elements of the mapped embedding, when the stage has it
     for (int l = st.begin; l < st.end; ++l) {
-      if (mapped_lookup && l == 0) {
-        mapped = static_cast<double>(spec.params[spec.layer_uses[0][0].param].numel);
+      if (mapped_param >= 0 && l == 0) {
+        mapped = static_cast<double>(spec.params[mapped_param].numel);
         continue;
       }
       params += static_cast<double>(spec.LayerWeightElems(l));

@@ -271,7 +271,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   // The embedding looked up from host memory: its stages copy nothing for it and wait for the
   // next step's rows (SimInput::lookup_owner), about this fraction of the table for tokens drawn
   // uniformly (real text repeats more, so fewer rows).
-  const bool mapped = LookupFromHost(c) && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1;
+  const bool mapped = LookupInPlaceParam(c, spec) >= 0;
   // Distinct rows of a step's tokens, expected for tokens drawn uniformly.
   const double vocab = static_cast<double>(c.model.vocab_size);
   const double step_tokens = tokens * static_cast<double>(c.train.microbatches * c.train.accum_calls);
@@ -335,16 +335,16 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     const double pass_bytes = c.optimizer.mode == "stale1" ? 16.0 + 12.0 + elem
                                                            : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
     const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;
+    std::vector<int> slots(spec.params.size(), 0);
+    for (const auto& g : spec.grad_slots) slots[g.param]++;
     for (size_t p = 0; p < spec.params.size(); ++p) {
       const ParamSpec& ps = spec.params[p];
       in.update_s[ps.owner_layer] += static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
-      int slots = 0;
-      for (const auto& g : spec.grad_slots) slots += g.param == static_cast<int>(p);
       // A tied embedding squares its head slot's rows before its lookup slot is final; at the
       // end it folds (reads both, writes one) and squares the rows of the step's tokens only.
       const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0
                                ? touched_rows * static_cast<double>(ps.shape[1]) * 12.0
-                               : static_cast<double>(ps.numel) * 4.0 * slots;
+                               : static_cast<double>(ps.numel) * 4.0 * slots[p];
       in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
     }
   }

@@ -217,7 +217,7 @@ class Executor {
   // Whether a stage job reads layer `l`'s weights in place instead of copying them: the
   // embedding's table under core::LookupFromHost (Device::MapWeights). Its readiness is then the
   // lookup version (shm/layout.h), and it has no destination.
-  bool MapsLookup(int l) const { return l == 0 && layout_.lookup_from_host && spec_.layer_uses[0].size() == 1; }
+  bool MapsLookup(int l) const { return l == 0 && layout_.lookup_from_host; }
   // Uninitialized device tensors for layer `layer`'s weights, in FetchLayer's order.
   std::vector<at::Tensor> EmptyLayer(int layer);
   // w->empty for stage `st`: EmptyLayer of each layer from `from` to the stage's end.

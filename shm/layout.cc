@@ -129,7 +129,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.layer_versions = pos;
   a.lookup_version = pos + 8ull * static_cast<uint64_t>(plan.num_layers);
   pos = Align(a.lookup_version + 8);
-  a.lookup_from_host = core::LookupFromHost(c);
+  a.lookup_from_host = core::LookupInPlaceParam(c, spec) >= 0;
   a.grad_table = pos;
   pos = Align(pos + 8ull * spec.grad_slots.size());
   a.masters_in_state = core::WorkersFetchMasters(c);

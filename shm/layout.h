@@ -118,7 +118,7 @@ struct ArenaLayout {
   uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
   uint64_t lookup_version = 0;                    // std::atomic<uint64_t> (see above)
-  bool lookup_from_host = false;                  // core::LookupFromHost
+  bool lookup_from_host = false;                  // core::LookupInPlaceParam >= 0
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
   uint64_t eval_tokens = 0, eval_labels = 0;
   int eval_slots = 0;

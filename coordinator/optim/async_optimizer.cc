@@ -84,12 +84,9 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   for (size_t p = 0; p < spec.params.size(); ++p) rest_order_.push_back(static_cast<int>(p));
   std::stable_sort(rest_order_.begin(), rest_order_.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
-  if (layout.lookup_from_host && !spec.layer_uses.empty() && spec.layer_uses[0].size() == 1) {
-    const int p = spec.layer_uses[0][0].param;
-    if (spec.params[p].shape.size() == 2) {
-      lookup_param_ = p;
-      lookup_cols_ = spec.params[p].shape[1];
-    }
+  if (layout.lookup_from_host) {
+    lookup_param_ = core::LookupInPlaceParam(cfg, spec);
+    lookup_cols_ = spec.params[lookup_param_].shape[1];
   }
   const int pool = std::max(1, threads);
   rest_threads_ = cfg.optimizer.rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.optimizer.rest_threads))
