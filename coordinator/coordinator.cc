@@ -665,12 +665,14 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
   if (j->run.profile) {
     // What the layer timings and the modelled transfers do not explain is per-microbatch
     // overhead (synchronization, launch gaps, messages): the simulator adds it to every stage.
+    // A layer-major job's microbatches have no intervals of their own to take it from.
     auto key = std::make_pair(j->index, d.microbatch);
-    profile_builder_->AddMicrobatch(
-        static_cast<double>(d.end_us - d.start_us) * 1e-6,
-        mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[j->stage],
-                                                       profile_builder_->H2dBytesPerS(),
-                                                       profile_builder_->D2hBytesPerS()));
+    if ((d.flags & proto::kMicrobatchLayerMajor) == 0) {
+      profile_builder_->AddMicrobatch(
+          static_cast<double>(d.end_us - d.start_us) * 1e-6,
+          mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[j->stage], profile_builder_->H2dBytesPerS(),
+                                                         profile_builder_->D2hBytesPerS()));
+    }
     mb_layer_seconds_.erase(key);
   }
   StepState& st = steps_.at(j->step);

@@ -348,7 +348,8 @@ const std::vector<KeySpec>& Table() {
            "microbatch's input is there; always: whenever every input is there (the same bits, "
            "for tests); never. On the H200 host auto against never, same call: Qwen3-1.7B job "
            "+0.6% and +1.7%, 4B +3.5% tokens/s (docs/architecture.md, Workers). Costs device memory for every "
-           "microbatch's hidden state at once; profiled jobs keep the microbatch order"),
+           "microbatch's hidden state at once; profiled steps run the same way, each layer of "
+           "each microbatch timed"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

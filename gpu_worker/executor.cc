@@ -222,7 +222,7 @@ bool Executor::LayerMajorEligible(const proto::RunJob& job) const {
   if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size())) return false;
   const core::Stage& st = plan_.stages[job.stage];
   return cfg_.schedule.layer_major_forward != "never" && st.kind == core::StageKind::kForward &&
-         st.end - st.begin > 1 && job.num_microbatches > 1 && !job.profile;
+         st.end - st.begin > 1 && job.num_microbatches > 1;
 }
 
 bool Executor::Startable(const proto::RunJob& job, bool all_inputs_ready) const {
@@ -250,6 +250,7 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   lm_stalled_ = false;
   lm_stall_end_us_ = WallMicros();
   lm_busy_marks_.clear();
+  lm_layer_marks_.assign(lm_job_ && job.profile ? job.num_microbatches : 0, {});
   try {
     // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
     device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
@@ -307,7 +308,9 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
           from_ = in->second;
           x = StageInput(mb);
         }
+        const int a = MarkIfProfiling();
         x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+        if (a >= 0) lm_layer_marks_[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
         if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
         lm_hidden_[mb] = l + 1 < stage_.end ? x : at::Tensor();
       }
@@ -317,9 +320,14 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
     *done = true;
     std::vector<MicrobatchResult> results(M);
     const uint64_t fence = device_.CompletionFence();
-    for (auto& r : results) r.fence = fence;
+    for (int mb = 0; mb < M; ++mb) {
+      results[mb].fence = fence;
+      results[mb].layer_major = true;
+      if (!lm_layer_marks_.empty()) results[mb].pending_marks = std::move(lm_layer_marks_[mb]);
+    }
     results[0].busy_marks = std::move(lm_busy_marks_);
     lm_busy_marks_.clear();
+    lm_layer_marks_.clear();
     lm_hidden_.clear();
     lm_job_ = false;
     return results;
@@ -427,14 +435,19 @@ void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
 
 int Executor::MarkIfProfiling() { return job_.profile ? device_.Mark() : -1; }
 
-void Executor::Timed(int layer, proto::LayerPhase phase, int a, int b, int64_t saved_bytes) {
-  if (!job_.profile) return;
+MicrobatchResult::PendingMarks Executor::LayerMarks(int layer, proto::LayerPhase phase, int a, int b,
+                                                    int64_t saved_bytes, int mb) const {
   proto::LayerTime lt{};
   lt.job_index = job_.job_index;
+  lt.microbatch = mb;
   lt.layer = layer;
   lt.phase = static_cast<int32_t>(phase);
   lt.saved_bytes = saved_bytes;
-  pending_marks_.push_back({lt, a, b});
+  return {lt, a, b};
+}
+
+void Executor::Timed(int layer, proto::LayerPhase phase, int a, int b, int64_t saved_bytes) {
+  if (job_.profile) pending_marks_.push_back(LayerMarks(layer, phase, a, b, saved_bytes, -1));
 }
 
 MicrobatchResult Executor::RunForward(int mb) {
@@ -629,6 +642,7 @@ void Executor::End() {
   math_.SetWeightGradSinks({});
   current_ = StageWeights();
   lm_hidden_.clear();
+  lm_layer_marks_.clear();
   lm_job_ = false;
 }
 

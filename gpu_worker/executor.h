@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
@@ -65,6 +66,9 @@ struct MicrobatchResult {
   // Resolve() sums them into busy_s (the seconds the device computed the job; -1: not known).
   std::vector<std::pair<int, int>> busy_marks;
   double busy_s = -1.0;
+  // Every result of a layer-major job: its microbatches were not computed one after another, so
+  // none has an interval of its own (the worker flags its MicrobatchDone).
+  bool layer_major = false;
   bool HasPendingMarks() const { return !pending_marks.empty() || !busy_marks.empty(); }
   void Resolve(Device& device);
 };
@@ -103,7 +107,7 @@ class Executor {
   // its weights are still incomplete (schedule.layer_major_forward = "auto"), or always
   // ("always").
   Status Begin(const proto::RunJob& job, bool all_inputs_ready);
-  // Layer-major jobs (schedule.layer_major_forward): unprofiled forward stages with several
+  // Layer-major jobs (schedule.layer_major_forward): forward stages with several
   // layers and microbatches. In exact mode the optimizer publishes the next step's layers one
   // by one at the step boundary, slower than a bandwidth-bound first pass over a large model lets
   // the forward compute them. Run microbatch by microbatch, a stage could only start once its
@@ -114,8 +118,10 @@ class Executor {
   // memory for every microbatch's hidden state at once (M x microbatch_size x seq_len x hidden
   // in train.dtype), and waits for every microbatch's input (with several workers a stage may
   // then start later than its first microbatch could: auto runs layer-major only while weights
-  // are still being published, when the stage could not start anyway). Profiled jobs keep the
-  // microbatch order, whose per-microbatch times the profile's overhead term is built from.
+  // are still being published, when the stage could not start anyway). Profiled jobs run
+  // layer-major too, each layer of each microbatch timed on its own: kept in the microbatch
+  // order, a profiled step made such a stage wait for its last layer, so every profile (and
+  // every re-profile after drift) cost the plans that rely on it a slower step.
   bool LayerMajorEligible(const proto::RunJob& job) const;
   // Makes `job`'s weight destinations now (Device::EmptyWeights), for FetchReady(job) to copy
   // into later. Called for the next job when a layer-major job begins: made later, while that
@@ -143,7 +149,10 @@ class Executor {
   int64_t StallEndUs() const { return lm_stall_end_us_; }
   // Device marks the begun layer-major job has made and not yet handed to a result: the
   // device's marks must not be cleared meanwhile.
-  bool HoldsMarks() const { return !lm_busy_marks_.empty(); }
+  bool HoldsMarks() const {
+    return !lm_busy_marks_.empty() ||
+           std::any_of(lm_layer_marks_.begin(), lm_layer_marks_.end(), [](const auto& m) { return !m.empty(); });
+  }
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
   // the next microbatch, or the next job's, may be enqueued at once.
   StatusOr<MicrobatchResult> Microbatch(int mb, InputSources from = {});
@@ -183,6 +192,9 @@ class Executor {
   // Profiling (RunJob.profile): device marks around each layer phase, read once the
   // microbatch's completion fence has passed (MicrobatchResult::Resolve).
   int MarkIfProfiling();
+  MicrobatchResult::PendingMarks LayerMarks(int layer, proto::LayerPhase phase, int mark_a, int mark_b,
+                                            int64_t saved_bytes, int mb) const;
+  // Adds the marks to pending_marks_ (the microbatch is filled in by Microbatch()).
   void Timed(int layer, proto::LayerPhase phase, int mark_a, int mark_b, int64_t saved_bytes);
   std::vector<MicrobatchResult::PendingMarks> pending_marks_;  // this microbatch's, so far
   Status Validate(const proto::RunJob& job) const;
@@ -264,6 +276,7 @@ class Executor {
   bool lm_stalled_ = false;
   int64_t lm_stall_end_us_ = 0;
   std::vector<std::pair<int, int>> lm_busy_marks_;
+  std::vector<std::vector<MicrobatchResult::PendingMarks>> lm_layer_marks_;  // profiled: per microbatch
   at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 

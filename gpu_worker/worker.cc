@@ -366,6 +366,7 @@ StatusOr<bool> Worker::Finish() {
     last_done_end_us_ = f.done.end_us;
     f.done.loss_sum = f.result.loss_sum;
     f.done.targets = f.result.targets;
+    if (f.result.layer_major) f.done.flags |= proto::kMicrobatchLayerMajor;
     for (const auto& t : f.result.layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
     RP_RETURN_IF_ERROR(channel_->Send(f.done));
     const bool had_marks = !f.result.layer_times.empty() || f.result.busy_s >= 0;

@@ -47,7 +47,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 7;
+inline constexpr uint16_t kProtocolVersion = 8;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -126,10 +126,16 @@ struct InputReady {
 };
 static_assert(sizeof(InputReady) == 24);
 
+// MicrobatchDone.flags
+inline constexpr uint32_t kMicrobatchLayerMajor = 1u;  // its job ran layer by layer over every
+                                                       // microbatch: microbatch 0's interval is
+                                                       // the whole job's, the others' are empty
+inline constexpr uint32_t kKnownMicrobatchFlags = kMicrobatchLayerMajor;
+
 struct MicrobatchDone {
   int64_t job_index;
   int32_t microbatch;
-  uint32_t reserved;
+  uint32_t flags;         // kMicrobatchLayerMajor
   double loss_sum;        // fused tail only: summed token cross-entropy (unscaled)
   int64_t targets;        // fused tail only: non-ignored labels in this microbatch
   int64_t start_us;       // wall clock, microseconds

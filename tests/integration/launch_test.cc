@@ -94,15 +94,22 @@ TEST_F(LaunchTest, InterleavedCallsGiveTheSequentialOrdersResultsBitForBit) {
 TEST_F(LaunchTest, LayerMajorForwardStagesGiveTheMicrobatchOrdersResultsBitForBit) {
   // Forward stages run layer by layer over their microbatches whenever every input is there
   // ("always"; auto does so only while the weights are still being published, which timing
-  // decides; profiling is off here). The microbatch order must give the same losses and
-  // checkpoint bits, for one and for several workers.
+  // decides), profiled steps (2-3) included. The microbatch order must give the same losses and
+  // checkpoint bits, for one and for several workers, and the profile taken layer by layer
+  // must time every forward layer.
   for (int n : {1, 2}) {
-    const std::vector<std::string> job = {"train.steps=5", "checkpoint.every=5", "schedule.profile_steps=0",
+    const std::vector<std::string> job = {"train.steps=5", "checkpoint.every=5",
                                           "schedule.layer_major_forward=always"};
     const std::string tag = std::to_string(n);
     auto layers = Launch(n, tmp_ + "/layers-" + tag, job);
     ASSERT_EQ(layers.code, 0) << layers.output;
     EXPECT_NE(layers.output.find("runs layer by layer over its 6 microbatches"), std::string::npos) << layers.output;
+    auto cfg = core::LoadJobConfig(Job(), {"job.output_dir=" + tmp_ + "/layers-" + tag});
+    ASSERT_TRUE(cfg.ok());
+    auto profile = core::LoadProfile(tmp_ + "/layers-" + tag + "/profile.json", *cfg);
+    ASSERT_TRUE(profile.ok()) << profile.status().ToString();
+    ASSERT_EQ(profile->layers.size(), 6u);
+    for (int l = 0; l < 4; ++l) EXPECT_GT(profile->layers[l].forward_s, 0.0) << "layer " << l << ", " << n;
     auto mbs = Launch(n, tmp_ + "/mbs-" + tag, With(job, {"schedule.layer_major_forward=never"}));
     ASSERT_EQ(mbs.code, 0) << mbs.output;
     EXPECT_EQ(mbs.output.find("runs layer by layer"), std::string::npos) << mbs.output;

@@ -20,7 +20,7 @@ TEST(Codec, RoundTripsEveryMessage) {
   std::vector<Message> all = {Hello{2, 1000, 0xabcdef, -1, 0}, w,
                               RunJob{17, 3, 1, 4, 1, 5, 0.25, 3, 1, 0},
                               InputReady{17, 2, 1, kFromHostSlot, 0},
-                              MicrobatchDone{17, 2, 0, 1.5, 64, 10, 20},
+                              MicrobatchDone{17, 2, kMicrobatchLayerMajor, 1.5, 64, 10, 20},
                               GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3}, f,
                               Shutdown{0, 0}, Heartbeat{123},
                               LinkProbe{5e10, 4e10, 1 << 20},
@@ -71,6 +71,7 @@ TEST(Codec, RejectsMalformedFrames) {
   std::memset(w.segment_name, 'a', sizeof(w.segment_name));
   expect_bad(Encode(w), "NUL");
   expect_bad(Encode(LayerTime{1, 0, 3, 7, 0, 0.5, -1}), "phase 7");
+  expect_bad(Encode(MicrobatchDone{1, 0, kMicrobatchLayerMajor | 4u, 0.0, 0, 0, 0}), "unknown flags 5");
 }
 
 TEST(Codec, RandomBytesNeverCrash) {
