@@ -83,11 +83,17 @@ Profile CostModelProfile(const JobConfig& c, double flops_per_s, double link_byt
 }
 
 Profile DefaultCostModel(const JobConfig& c) {
-  // CPU workers: a few tens of GFLOP/s each, copies at memory speed. GPU: half the H200's bf16
-  // peak (what the kernels reach at these shapes), pinned host links at their measured 55 GB/s,
-  // the coordinator's AdamW at the 4.5e9 parameters/s measured on the H200 host (16 cores).
+  // CPU workers: a few tens of GFLOP/s each, copies at memory speed. GPU: 70% of the H200's
+  // peak for the dtype, the share its kernels reached per layer at the Qwen3-1.7B job's shapes
+  // (bench/profiles/qwen3-1.7b-h200-mb4-host-lookup.json: forward 0.78, recompute 0.73,
+  // backward 0.70, head 0.80 of 790 TFLOP/s in bf16; fp32, which runs without tensor cores, is
+  // assumed to reach the same share of its 67 TFLOP/s, unmeasured), pinned host links at their
+  // measured 55 GB/s, the coordinator's AdamW at the 6.7e9 parameters/s of that profile (16
+  // cores). Until 0.5 of the bf16 peak and 4.5e9: the 1.7B job's step was predicted 2.378 s
+  // against 1.77 measured.
   if (c.job.device == "cpu") return CostModelProfile(c, 2e10, 0.0, 0.0);
-  return CostModelProfile(c, 790e12 * 0.5, 55e9, 4.5e9);
+  const double peak = c.train.dtype == "bf16" ? 790e12 : 67e12;
+  return CostModelProfile(c, 0.7 * peak, 55e9, 6.7e9);
 }
 
 std::string ProfileToJson(const Profile& p) {
