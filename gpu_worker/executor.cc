@@ -310,7 +310,8 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
         }
         const int a = MarkIfProfiling();
         x = math_.Layer(l, current_.layers[l - stage_.begin], x);
-        if (a >= 0) lm_layer_marks_[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
+        if (a >= 0)
+          lm_layer_marks_[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
         if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
         lm_hidden_[mb] = l + 1 < stage_.end ? x : at::Tensor();
       }
