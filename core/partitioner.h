@@ -50,10 +50,11 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts);
 
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers);
 
-// Estimated peak bytes on one worker for a plan: two stages' weights (current + prefetch), fp32
-// gradient accumulators, and the activations a stage keeps for its backward (measured saved
-// bytes per layer when the profile has them, else an estimate).
-double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan,
+// Estimated peak bytes on one of `workers` workers for a plan: the worst stage's weights, fp32
+// gradient accumulators and the activations it keeps for its backward (measured saved bytes per
+// layer when the profile has them, else an estimate), plus the weights of the job that worker
+// runs next (prefetched: stage (i + workers) mod S).
+double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                           const Profile* profile = nullptr);
 
 }  // namespace rp::core
