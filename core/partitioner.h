@@ -53,7 +53,8 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers);
 // Estimated peak bytes on one of `workers` workers for a plan: the worst stage's weights, fp32
 // gradient accumulators and the activations it keeps for its backward (measured saved bytes per
 // layer when the profile has them, else an estimate), plus the weights of the job that worker
-// runs next (prefetched: stage (i + workers) mod S).
+// runs next (prefetched: stage (i + workers) mod S), unless that job is in the next step and
+// waits for this step's update (exact mode with clipping).
 double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                           const Profile* profile = nullptr);
 

@@ -157,6 +157,37 @@ TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
     }
 }
 
+TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) {
+  // F[0,6) T[6,8) B[0,6), one call per step, one worker: while B runs, its worker's next job is
+  // the next step's F. In exact mode with clipping F's weights wait for this step's update, which
+  // needs B's gradients committed, so they are not on the device while B computes; without
+  // clipping they may be. B (with the embedding's gradient) is the worst stage here.
+  JobConfig c = Small(6);
+  c.schedule.partition = "equal";
+  c.schedule.tail_blocks = 1;
+  c.schedule.forward_stages = 1;
+  c.schedule.backward_stages = 1;
+  c.train.accum_calls = 1;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->Describe(), "F[0,6) T[6,8) B[0,6)");
+  ASSERT_EQ(c.optimizer.mode, "exact");
+  ASSERT_GT(c.train.grad_clip, 0.0);
+  JobConfig unclipped = c;
+  unclipped.train.grad_clip = 0.0;
+  const double clipped = EstimatePeakMemory(c, *plan, 1);
+  EXPECT_LT(clipped, EstimatePeakMemory(unclipped, *plan, 1));
+  // With two calls per step B's next job is the second call's F, with the same weights, which
+  // may be prefetched: paired again.
+  JobConfig two_calls = c;
+  two_calls.train.accum_calls = 2;
+  EXPECT_GT(EstimatePeakMemory(two_calls, *plan, 1), clipped);
+  // Three workers: every job's next job on its worker is the same stage of the next step, so
+  // with clipping nothing is paired and the estimate is the worst stage alone.
+  EXPECT_LE(EstimatePeakMemory(c, *plan, 3), clipped);
+  EXPECT_LT(EstimatePeakMemory(c, *plan, 3), EstimatePeakMemory(unclipped, *plan, 3));
+}
+
 TEST(Partitioner, RespectsTheMemoryLimit) {
   JobConfig c = Small(6);
   c.train.microbatch_size = 8;
