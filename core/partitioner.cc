@@ -83,13 +83,14 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
   return starts;
 }
 
-double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
+MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
   const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
   const double I = static_cast<double>(c.model.intermediate_size);
-  std::vector<double> stage_bytes, weight_bytes;  // per stage: while it runs; its weights alone
+  // Per stage: its weights, gradients and activations while it runs.
+  std::vector<double> weight_bytes, grad_bytes, act_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
@@ -128,9 +129,9 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int work
     if (st.end == plan.num_layers)
       acts += (c.train.fused_kernels && c.job.device != "cpu" ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
               static_cast<double>(c.model.vocab_size);
-    const double stage = params * elem + (grads ? trainable * (4.0 + elem) + mapped * 8.0 : 0.0) + acts;
-    stage_bytes.push_back(stage);
     weight_bytes.push_back(params * elem);
+    grad_bytes.push_back(grads ? trainable * (4.0 + elem) + mapped * 8.0 : 0.0);
+    act_bytes.push_back(acts);
   }
   // While a job runs, its worker holds the weights of its next job, prefetched (or reserved by a
   // layer-major job): round-robin makes that job g + workers, stage (g + workers) mod S. Pairing
@@ -141,15 +142,25 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int work
   // forward stage: 21.2 GB estimated with the old pairing, 18.8 with prefetch alone, 14.1 now;
   // 13.2 GB allocated at the peak in call 4 of the fourteenth session. The 1.7B job's auto plan:
   // 11.1 -> 9.0 GB, 6.5 allocated).
-  const int64_t S = static_cast<int64_t>(stage_bytes.size());
+  const int64_t S = static_cast<int64_t>(weight_bytes.size());
   const int64_t jobs_per_step = S * std::max<int64_t>(1, c.train.accum_calls);
   const int64_t ahead = std::max(1, workers);
   const bool next_step_waits = c.optimizer.mode == "exact" && c.train.grad_clip > 0;
-  double worst = 0.0;
+  MemoryEstimate out;
+  double worst = -1.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const bool next_in_next_step = g + ahead >= jobs_per_step;
     const double next = next_in_next_step && next_step_waits ? 0.0 : weight_bytes[(g + ahead) % S];
-    worst = std::max(worst, stage_bytes[g % S] + next);
+    const int64_t i = g % S;
+    const double job = weight_bytes[i] + grad_bytes[i] + act_bytes[i] + next;
+    if (job > worst) {
+      worst = job;
+      out.stage = static_cast<int>(i);
+      out.weights = weight_bytes[i];
+      out.next_weights = next;
+      out.gradients = grad_bytes[i];
+      out.activations = act_bytes[i];
+    }
   }
   // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
   // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
@@ -161,7 +172,14 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int work
   }
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
   const double staging = WorkersFetchMasters(c) && elem == 2.0 && c.job.device != "cpu" ? 64.0 * (1 << 20) : 0.0;
-  return worst + resident + staging;
+  out.resident = resident;
+  out.staging = staging;
+  out.total = worst + resident + staging;
+  return out;
+}
+
+double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
+  return EstimateMemory(c, plan, workers, profile).total;
 }
 
 StatusOr<Profile> PlanningProfile(const JobConfig& c) {
@@ -183,7 +201,9 @@ PlanChoice PredictPlan(const JobConfig& c, const PipelinePlan& plan, const Profi
   out.fill_ratio = first.fill_ratio;
   out.drain_ratio = first.drain_ratio;
   out.imbalance_ratio = first.imbalance_ratio;
-  out.peak_memory_bytes = EstimatePeakMemory(c, plan, workers, &profile) + MaxOf(steady.peak_held_grad_bytes);
+  out.memory = EstimateMemory(c, plan, workers, &profile);
+  out.held_grad_bytes = MaxOf(steady.peak_held_grad_bytes);
+  out.peak_memory_bytes = out.memory.total + out.held_grad_bytes;
   return out;
 }
 

@@ -24,14 +24,28 @@
 
 namespace rp::core {
 
+// What the memory estimate is made of, for the job on which it peaks (bytes per worker).
+struct MemoryEstimate {
+  double total = 0.0;         // the sum of the parts below
+  int stage = -1;             // the stage of that job
+  double weights = 0.0;       // its weights on the device, in the compute dtype
+  double next_weights = 0.0;  // its worker's next job's, prefetched meanwhile
+  double gradients = 0.0;     // weight gradients and their fp32 sums
+  double activations = 0.0;   // kept for the backward, held hidden states, the head's loss chunk
+  double resident = 0.0;      // activation slots on the device (activations = worker, pools)
+  double staging = 0.0;       // the chunk fp32 masters are rounded through
+};
+
 struct PlanChoice {
   PipelinePlan plan;
   double step_seconds = 0.0;       // predicted steady-state step time (simulated over 3 steps)
   double bubble_ratio = 0.0;       // predicted, steady state
   double first_step_seconds = 0.0; // predicted, one step from idle
   double fill_ratio = 0.0, drain_ratio = 0.0, imbalance_ratio = 0.0;  // one step from idle
-  double peak_memory_bytes = 0.0;  // estimated, per worker: EstimatePeakMemory + the simulated
-                                   // peak of finished jobs' gradients waiting for write-back
+  double peak_memory_bytes = 0.0;  // estimated, per worker: memory.total + held_grad_bytes
+  MemoryEstimate memory;           // EstimateMemory's parts
+  double held_grad_bytes = 0.0;    // the simulated peak of finished jobs' gradients waiting for
+                                   // write-back
   std::string cost_source;         // "measured" (profile file) or "cost-model"
   int candidates = 0;              // plans evaluated
 };
@@ -55,6 +69,9 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers);
 // layer when the profile has them, else an estimate), plus the weights of the job that worker
 // runs next (prefetched: stage (i + workers) mod S), unless that job is in the next step and
 // waits for this step's update (exact mode with clipping).
+MemoryEstimate EstimateMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
+                              const Profile* profile = nullptr);
+// EstimateMemory(...).total.
 double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                           const Profile* profile = nullptr);
 

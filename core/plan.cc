@@ -66,14 +66,17 @@ bool PipelinePlan::IsCheckpoint(int b) const {
   return false;
 }
 
-std::string PipelinePlan::Describe() const {
+std::string Stage::Describe() const {
   std::ostringstream o;
-  for (size_t i = 0; i < stages.size(); ++i) {
-    auto& s = stages[i];
-    o << (i ? " " : "") << (s.kind == StageKind::kForward ? "F" : s.kind == StageKind::kBackward ? "B" : "T")
-      << "[" << s.begin << "," << s.end << ")";
-  }
+  o << (kind == StageKind::kForward ? "F" : kind == StageKind::kBackward ? "B" : "T") << "[" << begin << "," << end
+    << ")";
   return o.str();
+}
+
+std::string PipelinePlan::Describe() const {
+  std::string out;
+  for (size_t i = 0; i < stages.size(); ++i) out += (i ? " " : "") + stages[i].Describe();
+  return out;
 }
 
 StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {

@@ -31,6 +31,7 @@ struct Stage {
   StageKind kind;
   int begin;  // first layer
   int end;    // one past the last layer
+  std::string Describe() const;  // "F[0,7)", "T[28,30)", "B[0,4)"
 };
 
 struct PipelinePlan {

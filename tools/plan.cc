@@ -65,7 +65,16 @@ int main(int argc, char** argv) {
                           {"first_step_fill_ratio", c.fill_ratio},
                           {"first_step_drain_ratio", c.drain_ratio},
                           {"first_step_imbalance_ratio", c.imbalance_ratio},
-                          {"peak_memory_bytes_per_worker", c.peak_memory_bytes}};
+                          {"peak_memory_bytes_per_worker", c.peak_memory_bytes},
+                          {"peak_memory_parts",
+                           {{"stage", c.plan.stages.at(c.memory.stage).Describe()},
+                            {"weights", c.memory.weights},
+                            {"next_job_weights", c.memory.next_weights},
+                            {"gradients", c.memory.gradients},
+                            {"activations", c.memory.activations},
+                            {"resident_activation_slots", c.memory.resident},
+                            {"staging", c.memory.staging},
+                            {"gradients_waiting_for_slots", c.held_grad_bytes}}}};
   };
   if (json) {
     nlohmann::json out = to_json(*choice);
@@ -84,6 +93,12 @@ int main(int argc, char** argv) {
                 c.first_step_seconds, 100.0 * c.fill_ratio, 100.0 * c.drain_ratio,
                 100.0 * c.imbalance_ratio);
     std::printf("  estimated peak memory per worker: %.2f GB\n", c.peak_memory_bytes / 1e9);
+    const auto& m = c.memory;
+    std::printf("    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
+                "gradients waiting for slots %.2f, resident activation slots %.2f, staging %.2f GB\n",
+                c.plan.stages.at(m.stage).Describe().c_str(), m.weights / 1e9, m.next_weights / 1e9,
+                m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9, m.resident / 1e9,
+                m.staging / 1e9);
   };
   std::printf("costs: %s%s%s\n", choice->cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());

@@ -493,6 +493,14 @@ TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   auto j = nlohmann::json::parse(plan.output);
   EXPECT_EQ(j["costs"], "measured");
   EXPECT_GT(j["job_plan"]["predicted_step_s"].get<double>(), 0.0);
+  // The memory estimate's parts name a stage of the plan and add up to it.
+  const auto& parts = j["peak_memory_parts"];
+  double sum = 0.0;
+  for (const char* k : {"weights", "next_job_weights", "gradients", "activations", "resident_activation_slots",
+                        "staging", "gradients_waiting_for_slots"})
+    sum += parts[k].get<double>();
+  EXPECT_NEAR(sum, j["peak_memory_bytes_per_worker"].get<double>(), 1.0) << parts.dump();
+  EXPECT_NE(j["plan"].get<std::string>().find(parts["stage"].get<std::string>()), std::string::npos) << parts.dump();
 }
 
 TEST_F(LaunchTest, StepsThatDriftFromThePredictionTriggerANewProfile) {

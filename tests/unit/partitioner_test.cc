@@ -177,6 +177,17 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   unclipped.train.grad_clip = 0.0;
   const double clipped = EstimatePeakMemory(c, *plan, 1);
   EXPECT_LT(clipped, EstimatePeakMemory(unclipped, *plan, 1));
+  // The parts rp-plan prints: the peak is B's job, with nothing prefetched in exact mode and F's
+  // weights without clipping; they add up to the total.
+  const MemoryEstimate m = EstimateMemory(c, *plan, 1), u = EstimateMemory(unclipped, *plan, 1);
+  ASSERT_GE(m.stage, 0);
+  EXPECT_EQ(plan->stages[m.stage].Describe(), "B[0,6)");
+  EXPECT_EQ(m.next_weights, 0.0);
+  EXPECT_NEAR(m.weights + m.next_weights + m.gradients + m.activations + m.resident + m.staging, clipped,
+              1e-9 * clipped);
+  EXPECT_EQ(plan->stages[u.stage].Describe(), "B[0,6)");
+  EXPECT_GT(u.next_weights, 0.0);
+  EXPECT_DOUBLE_EQ(u.total - m.total, u.next_weights);
   // With two calls per step B's next job is the second call's F, with the same weights, which
   // may be prefetched: paired again.
   JobConfig two_calls = c;
