@@ -673,7 +673,9 @@ Status Coordinator::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
   if (j->run.profile) {
     // What the layer timings and the modelled transfers do not explain is per-microbatch
     // overhead (synchronization, launch gaps, messages): the simulator adds it to every stage.
-    // A layer-major job's microbatches have no intervals of their own to take it from.
+    // A layer-major job's microbatches have no intervals of their own to take it from; the term
+    // then comes from the other stages' microbatches (with auto's plans on the H200 profiles:
+    // tail and backward stages only) and is applied to every stage.
     auto key = std::make_pair(j->index, d.microbatch);
     if ((d.flags & proto::kMicrobatchLayerMajor) == 0) {
       profile_builder_->AddMicrobatch(
@@ -780,7 +782,12 @@ Status Coordinator::MaybeReplan() {
   if (!replan_search_.valid() ||
       replan_search_.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
     return Status::Ok();
-  auto best = replan_search_.get();
+  StatusOr<core::PlanChoice> best = Status::Internal("no result");
+  try {
+    best = replan_search_.get();
+  } catch (const std::exception& e) {
+    best = Status::Internal(std::string("the planner's search threw: ") + e.what());
+  }
   if (!best.ok()) {
     RP_LOG(WARNING) << "no re-plan check for the new profile: " << best.status().message();
     return Status::Ok();
@@ -1294,13 +1301,13 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(MaybeFinishProfile());
     RP_RETURN_IF_ERROR(MaybeReplan());
   }
+  makespan_s_ = MonoSeconds() - run_start_;
   // A search still running when the last step is done has no steps left to gain on; its verdict
-  // is only logged.
+  // is only logged (after the makespan, which it is no part of).
   if (replan_search_.valid()) {
     replan_search_.wait();
     RP_RETURN_IF_ERROR(MaybeReplan());
   }
-  makespan_s_ = MonoSeconds() - run_start_;
   RP_RETURN_IF_ERROR(MaybeCheckpoint(stop_step_ - 1));
   if (replan_) return Status::Ok();  // resumed by rp-launch on the new plan
   if (graceful_ && stop_step_ < cfg_.train.steps)

@@ -94,6 +94,11 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
+  // worker::Executor::LayerMajorEligible, but for the job's inputs and weights being ready.
+  auto may_run_layer_major = [&c](const Stage& st) {
+    return st.kind == StageKind::kForward && c.schedule.layer_major_forward != "never" && st.end - st.begin > 1 &&
+           c.train.microbatches > 1;
+  };
   for (const auto& st : plan.stages) {
     double params = 0.0, trainable = 0.0;  // weights fetched; of those, the ones with gradients
     double mapped = 0.0;                   // elements of the mapped embedding, when the stage has it
@@ -113,7 +118,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     double acts = grads ? blocks * per_block : per_block;
     // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
     // hidden state at once.
-    if (!grads && c.schedule.layer_major_forward != "never" && st.end - st.begin > 1 && c.train.microbatches > 1)
+    if (may_run_layer_major(st))
       acts += static_cast<double>(c.train.microbatches - 1) * tokens * H * elem;
     if (grads && profile) {  // measured: what each layer's autograd forward kept
       double measured = 0.0;
@@ -133,29 +138,34 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     grad_bytes.push_back(grads ? trainable * (4.0 + elem) + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
   }
-  // While a job runs, its worker holds the weights of its next job, prefetched (or reserved by a
-  // layer-major job): round-robin makes that job g + workers, stage (g + workers) mod S. Pairing
-  // the worst stage with the largest weights of any stage, as before, overstated plans with one
-  // long stage. A next job in the next step waits for this step's update in exact mode with
-  // clipping, which needs this job's gradients committed: nothing of it is on the device while
-  // this job computes (the 4B job's auto plan, whose last backward stage precedes a 36-layer
-  // forward stage: 21.2 GB estimated with the old pairing, 18.8 with prefetch alone, 14.1 now;
-  // 13.2 GB allocated at the peak in call 4 of the fourteenth session. The 1.7B job's auto plan:
+  // While a job runs, its worker holds the weights of its next job: prefetched, or reserved
+  // (allocated, copied into as published) when the running job is a layer-major forward job.
+  // Jobs go to workers round-robin in the step's order (StepJobOrder: with interleaved calls
+  // F c0, F c1, T c0, B c0, T c1, B c1), so the next job of the job at position g is the one at
+  // g + workers, of this step or the next. Pairing the worst stage with the largest weights of
+  // any stage, as before, overstated plans with one long stage. A next job in the next step
+  // waits for this step's update in exact mode with clipping, which needs this job's gradients
+  // committed: unless this job reserves it, nothing of it is on the device while this job
+  // computes (the 4B job's auto plan, whose last backward stage precedes a 36-layer forward
+  // stage: 21.2 GB estimated with the old pairing, 18.8 with prefetch alone, 14.1 now; 13.2 GB
+  // allocated at the peak in call 4 of the fourteenth session. The 1.7B job's auto plan:
   // 11.1 -> 9.0 GB, 6.5 allocated).
-  const int64_t S = static_cast<int64_t>(weight_bytes.size());
-  const int64_t jobs_per_step = S * std::max<int64_t>(1, c.train.accum_calls);
+  MemoryEstimate out;
+  const int calls = static_cast<int>(std::max<int64_t>(1, c.train.accum_calls));
+  const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
+  const int64_t jobs_per_step = static_cast<int64_t>(order.size());
   const int64_t ahead = std::max(1, workers);
   const bool next_step_waits = c.optimizer.mode == "exact" && c.train.grad_clip > 0;
-  MemoryEstimate out;
-  double worst = -1.0;
+  double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
-    const bool next_in_next_step = g + ahead >= jobs_per_step;
-    const double next = next_in_next_step && next_step_waits ? 0.0 : weight_bytes[(g + ahead) % S];
-    const int64_t i = g % S;
+    const int i = order[g].stage;
+    const int n = order[(g + ahead) % jobs_per_step].stage;
+    const bool waits = g + ahead >= jobs_per_step && next_step_waits && !may_run_layer_major(plan.stages[i]);
+    const double next = waits ? 0.0 : weight_bytes[n];
     const double job = weight_bytes[i] + grad_bytes[i] + act_bytes[i] + next;
-    if (job > worst) {
+    if (out.stage < 0 || job > worst) {
       worst = job;
-      out.stage = static_cast<int>(i);
+      out.stage = i;
       out.weights = weight_bytes[i];
       out.next_weights = next;
       out.gradients = grad_bytes[i];

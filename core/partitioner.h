@@ -27,7 +27,7 @@ namespace rp::core {
 // What the memory estimate is made of, for the job on which it peaks (bytes per worker).
 struct MemoryEstimate {
   double total = 0.0;         // the sum of the parts below
-  int stage = -1;             // the stage of that job
+  int stage = -1;             // the stage of that job (-1 only for a plan without stages)
   double weights = 0.0;       // its weights on the device, in the compute dtype
   double next_weights = 0.0;  // its worker's next job's, prefetched meanwhile
   double gradients = 0.0;     // weight gradients and their fp32 sums
@@ -67,8 +67,9 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers);
 // Estimated peak bytes on one of `workers` workers for a plan: the worst stage's weights, fp32
 // gradient accumulators and the activations it keeps for its backward (measured saved bytes per
 // layer when the profile has them, else an estimate), plus the weights of the job that worker
-// runs next (prefetched: stage (i + workers) mod S), unless that job is in the next step and
-// waits for this step's update (exact mode with clipping).
+// runs next (the job `workers` places later in StepJobOrder, prefetched), unless that job is in
+// the next step, waits for this step's update (exact mode with clipping) and the running job is
+// no layer-major forward job (which reserves it).
 MemoryEstimate EstimateMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                               const Profile* profile = nullptr);
 // EstimateMemory(...).total.

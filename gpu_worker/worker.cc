@@ -86,6 +86,7 @@ class Worker {
   };
   std::deque<InFlight> in_flight_;
   bool layer_major_logged_ = false;  // the first layer-major job is logged once
+  bool layer_major_profiled_logged_ = false;  // and the first profiled one
   int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
   double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
   // A device that stops completing work (a stuck kernel) would otherwise leave this loop
@@ -256,6 +257,10 @@ StatusOr<bool> Worker::Progress() {
       RP_LOG(INFO) << "job " << id << " (a forward stage) runs layer by layer over its " << a.job.num_microbatches
                    << " microbatches, each layer as soon as it is published";
       layer_major_logged_ = true;
+    }
+    if (a.job.profile && !layer_major_profiled_logged_) {
+      RP_LOG(INFO) << "job " << id << " (profiled) runs layer by layer, each layer of each microbatch timed";
+      layer_major_profiled_logged_ = true;
     }
     bool done = false;
     auto r = exec_->ForwardLayers(it->second, &done);

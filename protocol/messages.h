@@ -129,7 +129,7 @@ static_assert(sizeof(InputReady) == 24);
 // MicrobatchDone.flags
 inline constexpr uint32_t kMicrobatchLayerMajor = 1u;  // its job ran layer by layer over every
                                                        // microbatch: microbatch 0's interval is
-                                                       // the whole job's, the others' are empty
+                                                       // the whole job's, the others' near-empty
 inline constexpr uint32_t kKnownMicrobatchFlags = kMicrobatchLayerMajor;
 
 struct MicrobatchDone {

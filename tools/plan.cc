@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
                           {"first_step_imbalance_ratio", c.imbalance_ratio},
                           {"peak_memory_bytes_per_worker", c.peak_memory_bytes},
                           {"peak_memory_parts",
-                           {{"stage", c.plan.stages.at(c.memory.stage).Describe()},
+                           {{"stage", c.memory.stage >= 0 ? c.plan.stages[c.memory.stage].Describe() : "-"},
                             {"weights", c.memory.weights},
                             {"next_job_weights", c.memory.next_weights},
                             {"gradients", c.memory.gradients},
@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     const auto& m = c.memory;
     std::printf("    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
                 "gradients waiting for slots %.2f, resident activation slots %.2f, staging %.2f GB\n",
-                c.plan.stages.at(m.stage).Describe().c_str(), m.weights / 1e9, m.next_weights / 1e9,
+                m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9, m.next_weights / 1e9,
                 m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9, m.resident / 1e9,
                 m.staging / 1e9);
   };

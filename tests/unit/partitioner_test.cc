@@ -188,15 +188,25 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   EXPECT_EQ(plan->stages[u.stage].Describe(), "B[0,6)");
   EXPECT_GT(u.next_weights, 0.0);
   EXPECT_DOUBLE_EQ(u.total - m.total, u.next_weights);
-  // With two calls per step B's next job is the second call's F, with the same weights, which
-  // may be prefetched: paired again.
+  // Two calls per step, interleaved (exact mode's order: F c0, F c1, T c0, B c0, T c1, B c1):
+  // the first call's B is followed by the second call's T, same step, so paired with T's
+  // weights; in the plain order (F c0, T c0, B c0, F c1, ...) with the second call's F, whose
+  // weights are those the one-call run pairs without clipping.
   JobConfig two_calls = c;
   two_calls.train.accum_calls = 2;
-  EXPECT_GT(EstimatePeakMemory(two_calls, *plan, 1), clipped);
+  const MemoryEstimate interleaved = EstimateMemory(two_calls, *plan, 1);
+  EXPECT_EQ(plan->stages[interleaved.stage].Describe(), "B[0,6)");
+  EXPECT_GT(interleaved.next_weights, 0.0);
+  EXPECT_NE(interleaved.next_weights, u.next_weights);
+  two_calls.schedule.interleave_calls = false;
+  EXPECT_DOUBLE_EQ(EstimateMemory(two_calls, *plan, 1).next_weights, u.next_weights);
   // Three workers: every job's next job on its worker is the same stage of the next step, so
-  // with clipping nothing is paired and the estimate is the worst stage alone.
-  EXPECT_LE(EstimatePeakMemory(c, *plan, 3), clipped);
-  EXPECT_LT(EstimatePeakMemory(c, *plan, 3), EstimatePeakMemory(unclipped, *plan, 3));
+  // with clipping only F, which may run layer-major and then reserves its next job's weights,
+  // is paired; B, the worst, is not.
+  const MemoryEstimate three = EstimateMemory(c, *plan, 3);
+  EXPECT_EQ(plan->stages[three.stage].Describe(), "B[0,6)");
+  EXPECT_EQ(three.next_weights, 0.0);
+  EXPECT_LT(three.total, EstimatePeakMemory(unclipped, *plan, 3));
 }
 
 TEST(Partitioner, RespectsTheMemoryLimit) {
