@@ -41,6 +41,14 @@ int64_t ModelSpec::TiedRowElems(int p) const {
   return uses == 2 && params[p].shape.size() == 2 ? params[p].shape[1] : 0;
 }
 
+bool SinkableRole(const std::string& role) {
+  static const char* const kRoles[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                       "up_proj", "down_proj", "lm_head"};
+  for (const char* r : kRoles)
+    if (role == r) return true;
+  return false;
+}
+
 int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec) {
   if (!LookupFromHost(c) || spec.layer_uses.empty() || spec.layer_uses[0].size() != 1 ||
       (!spec.layer_frozen.empty() && !spec.layer_frozen[0].empty()))

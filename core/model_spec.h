@@ -87,6 +87,12 @@ ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = Lor
 // layout's flag, the optimizer's rows first, the worker's mapping and the planner all follow it.
 int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec);
 
+// Whether a use with this role may sum its weight gradient straight into an fp32 sink
+// (model::Transformer::SetWeightGradSinks; CUDA workers with train.fused_kernels): the
+// projections and the LM head, every use of which goes through a GEMM the fused path owns. The
+// planner's memory estimate follows it (no per-microbatch gradient in the compute dtype).
+bool SinkableRole(const std::string& role);
+
 // Initial value of element `i` of parameter `ps`: a pure function of (seed, ps.init_key, i),
 // shared by the coordinator and rp-train-ref so both start bit-identical.
 void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, float* out);

@@ -90,17 +90,22 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const double H = static_cast<double>(c.model.hidden_size);
   const double I = static_cast<double>(c.model.intermediate_size);
   // Per stage: its weights, gradients and activations while it runs.
-  std::vector<double> weight_bytes, grad_bytes, act_bytes;
+  std::vector<double> weight_bytes, grad_bytes_of, act_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
+  // CUDA workers with the fused kernels sum projection and head gradients into fp32 sinks
+  // (worker::Executor, SinkableRole).
+  const bool sinks = c.train.fused_kernels && c.job.device != "cpu";
   // worker::Executor::LayerMajorEligible, but for the job's inputs and weights being ready.
   auto may_run_layer_major = [&c](const Stage& st) {
     return st.kind == StageKind::kForward && c.schedule.layer_major_forward != "never" && st.end - st.begin > 1 &&
            c.train.microbatches > 1;
   };
   for (const auto& st : plan.stages) {
-    double params = 0.0, trainable = 0.0;  // weights fetched; of those, the ones with gradients
+    double params = 0.0;    // weights fetched
+    double grad_bytes = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
+                              // gradient in the compute dtype unless summed into a sink
     double mapped = 0.0;                   // elements of the mapped embedding, when the stage has it
     for (int l = st.begin; l < st.end; ++l) {
       if (mapped_param >= 0 && l == 0) {
@@ -108,7 +113,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
         continue;
       }
       params += static_cast<double>(spec.LayerWeightElems(l));
-      for (const auto& use : spec.layer_uses[l]) trainable += static_cast<double>(spec.params[use.param].numel);
+      for (const auto& use : spec.layer_uses[l])
+        grad_bytes += static_cast<double>(spec.params[use.param].numel) * (sinks && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
     }
     const bool grads = st.kind != StageKind::kForward;
     // Activations kept for backward per block: roughly ten hidden-sized and three
@@ -135,7 +141,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       acts += (c.train.fused_kernels && c.job.device != "cpu" ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
               static_cast<double>(c.model.vocab_size);
     weight_bytes.push_back(params * elem);
-    grad_bytes.push_back(grads ? trainable * (4.0 + elem) + mapped * 8.0 : 0.0);
+    grad_bytes_of.push_back(grads ? grad_bytes + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
   }
   // While a job runs, its worker holds the weights of its next job: prefetched, or reserved
@@ -148,8 +154,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // committed: unless this job reserves it, nothing of it is on the device while this job
   // computes (the 4B job's auto plan, whose last backward stage precedes a 36-layer forward
   // stage: 21.2 GB estimated with the old pairing, 18.8 with prefetch alone, 14.1 now; 13.2 GB
-  // allocated at the peak in call 4 of the fourteenth session. The 1.7B job's auto plan:
-  // 11.1 -> 9.0 GB, 6.5 allocated).
+  // allocated at the peak in call 4 of the fourteenth session; 13.1 GB with the sinks counted.
+  // The 1.7B job's auto plan: 11.1 -> 9.0 -> 8.1 GB, 6.5 allocated).
   MemoryEstimate out;
   const int calls = static_cast<int>(std::max<int64_t>(1, c.train.accum_calls));
   const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
@@ -162,13 +168,13 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     const int n = order[(g + ahead) % jobs_per_step].stage;
     const bool waits = g + ahead >= jobs_per_step && next_step_waits && !may_run_layer_major(plan.stages[i]);
     const double next = waits ? 0.0 : weight_bytes[n];
-    const double job = weight_bytes[i] + grad_bytes[i] + act_bytes[i] + next;
+    const double job = weight_bytes[i] + grad_bytes_of[i] + act_bytes[i] + next;
     if (out.stage < 0 || job > worst) {
       worst = job;
       out.stage = i;
       out.weights = weight_bytes[i];
       out.next_weights = next;
-      out.gradients = grad_bytes[i];
+      out.gradients = grad_bytes_of[i];
       out.activations = act_bytes[i];
     }
   }

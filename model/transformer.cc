@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "common/rng.h"
+#include "core/model_spec.h"
 
 namespace rp::model {
 
@@ -254,13 +255,7 @@ std::pair<at::Tensor, at::Tensor> Transformer::AddRmsNorm(const at::Tensor& x, c
   return {s, RmsNorm(s, weight)};
 }
 
-bool Transformer::SinkableRole(const std::string& role) {
-  static const char* const kRoles[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                       "up_proj", "down_proj", "lm_head"};
-  for (const char* r : kRoles)
-    if (role == r) return true;
-  return false;
-}
+bool Transformer::SinkableRole(const std::string& role) { return core::SinkableRole(role); }
 
 at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight) const {
   if (!sinks_.empty() && Fused(x)) {

@@ -200,6 +200,22 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   EXPECT_NE(interleaved.next_weights, u.next_weights);
   two_calls.schedule.interleave_calls = false;
   EXPECT_DOUBLE_EQ(EstimateMemory(two_calls, *plan, 1).next_weights, u.next_weights);
+  // CUDA workers with the fused kernels sum the projections' weight gradients into fp32 sinks:
+  // no per-microbatch gradient in the compute dtype for those.
+  JobConfig cuda = c;
+  cuda.job.device = "cuda";
+  JobConfig unfused = cuda;
+  unfused.train.fused_kernels = false;
+  const ModelSpec spec = BuildModelSpec(c.model);
+  double sinkable = 0.0;
+  for (int l = 0; l < 6; ++l)
+    for (const auto& use : spec.layer_uses[l])
+      if (SinkableRole(use.role)) sinkable += static_cast<double>(spec.params[use.param].numel);
+  const MemoryEstimate fused = EstimateMemory(cuda, *plan, 1), plain = EstimateMemory(unfused, *plan, 1);
+  ASSERT_EQ(plan->stages[fused.stage].Describe(), "B[0,6)");
+  ASSERT_EQ(plan->stages[plain.stage].Describe(), "B[0,6)");
+  EXPECT_GT(sinkable, 0.0);
+  EXPECT_DOUBLE_EQ(plain.gradients - fused.gradients, sinkable * (c.train.dtype == "bf16" ? 2.0 : 4.0));
   // Three workers: every job's next job on its worker is the same stage of the next step, so
   // with clipping only F, which may run layer-major and then reserves its next job's weights,
   // is paired; B, the worst, is not.
