@@ -90,7 +90,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const double H = static_cast<double>(c.model.hidden_size);
   const double I = static_cast<double>(c.model.intermediate_size);
   // Per stage: its weights, gradients and activations while it runs.
-  std::vector<double> weight_bytes, grad_bytes_of, act_bytes;
+  std::vector<double> weight_bytes, gradient_bytes, act_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
@@ -103,18 +103,20 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
            c.train.microbatches > 1;
   };
   for (const auto& st : plan.stages) {
-    double params = 0.0;    // weights fetched
-    double grad_bytes = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
-                              // gradient in the compute dtype unless summed into a sink
-    double mapped = 0.0;                   // elements of the mapped embedding, when the stage has it
+    double params = 0.0;  // weights fetched
+    double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
+                                 // gradient in the compute dtype unless summed into a sink
+    double mapped = 0.0;  // elements of the mapped embedding, when the stage has it
     for (int l = st.begin; l < st.end; ++l) {
       if (mapped_param >= 0 && l == 0) {
         mapped = static_cast<double>(spec.params[mapped_param].numel);
         continue;
       }
       params += static_cast<double>(spec.LayerWeightElems(l));
-      for (const auto& use : spec.layer_uses[l])
-        grad_bytes += static_cast<double>(spec.params[use.param].numel) * (sinks && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
+      for (const auto& use : spec.layer_uses[l]) {
+        const double per_elem = sinks && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
+        grads_of_uses += static_cast<double>(spec.params[use.param].numel) * per_elem;
+      }
     }
     const bool grads = st.kind != StageKind::kForward;
     // Activations kept for backward per block: roughly ten hidden-sized and three
@@ -141,7 +143,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       acts += (c.train.fused_kernels && c.job.device != "cpu" ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
               static_cast<double>(c.model.vocab_size);
     weight_bytes.push_back(params * elem);
-    grad_bytes_of.push_back(grads ? grad_bytes + mapped * 8.0 : 0.0);
+    gradient_bytes.push_back(grads ? grads_of_uses + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
   }
   // While a job runs, its worker holds the weights of its next job: prefetched, or reserved
@@ -168,13 +170,13 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     const int n = order[(g + ahead) % jobs_per_step].stage;
     const bool waits = g + ahead >= jobs_per_step && next_step_waits && !may_run_layer_major(plan.stages[i]);
     const double next = waits ? 0.0 : weight_bytes[n];
-    const double job = weight_bytes[i] + grad_bytes_of[i] + act_bytes[i] + next;
+    const double job = weight_bytes[i] + gradient_bytes[i] + act_bytes[i] + next;
     if (out.stage < 0 || job > worst) {
       worst = job;
       out.stage = i;
       out.weights = weight_bytes[i];
       out.next_weights = next;
-      out.gradients = grad_bytes_of[i];
+      out.gradients = gradient_bytes[i];
       out.activations = act_bytes[i];
     }
   }
