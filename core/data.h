@@ -75,7 +75,7 @@ class Dataset {
 
 // The rows of an embedding of `vocab` rows that the tokens of `slots` (each `per_slot` ids)
 // look up: ascending, each once; ids outside [0, vocab) are not rows. The coordinator
-// (AsyncOptimizer::SetTouchedRows) and the worker (a compact lookup slot, shm::CompactLookupRows)
+// (AsyncOptimizer::SetTouchedRows) and the worker (a compact lookup slot, core::CompactLookupRows)
 // both take the step's rows from here, so they agree on which row is where.
 std::vector<int64_t> SortedTokenRows(const std::vector<const int64_t*>& slots, int64_t per_slot, int64_t vocab);
 

@@ -41,6 +41,14 @@ int64_t ModelSpec::TiedRowElems(int p) const {
   return uses == 2 && params[p].shape.size() == 2 ? params[p].shape[1] : 0;
 }
 
+int64_t CompactLookupRows(const JobConfig& c, const ModelSpec& spec, int slot) {
+  const GradSlot& g = spec.grad_slots[slot];
+  const ParamSpec& p = spec.params[g.param];
+  if (c.train.accum_calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer || g.layer != 0) return 0;
+  const int64_t tokens = c.train.microbatches * c.train.microbatch_size * c.data.seq_len;
+  return std::min(p.shape[0], tokens);
+}
+
 bool SinkableRole(const std::string& role) {
   static const char* const kRoles[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                        "up_proj", "down_proj", "lm_head"};

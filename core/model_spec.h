@@ -76,7 +76,7 @@ struct ModelSpec {
   // Row length of trainable parameter `p` when it is a tied matrix (exactly two gradient slots:
   // the tied embedding's input lookup and head), else 0. The optimizer sums its norm by rows and
   // the layout may keep its lookup slot compact (coordinator/optim/optimizer_step.h,
-  // shm::CompactLookupRows).
+  // core::CompactLookupRows).
   int64_t TiedRowElems(int p) const;
 };
 
@@ -86,6 +86,15 @@ ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = Lor
 // trainable 2-D parameter and nothing frozen), else -1. The one place that decides it: the
 // layout's flag, the optimizer's rows first, the worker's mapping and the planner all follow it.
 int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec);
+
+// Rows the gradient slot `slot` holds when it is the tied embedding's input-lookup slot with
+// one call per step (after schedule.merge_calls): at most one row per input token of the step,
+// min(vocab, tokens per step), instead of the whole matrix. Why: the lookup's gradient is zero
+// outside the step's token rows, so the worker commits those rows only (less host memory and
+// device-to-host copy at the end of the step's last backward stage) and the optimizer folds
+// them into the head's slot by row (AsyncOptimizer). With several calls each call's rows would
+// differ, so the slot stays whole; 0 for every other slot.
+int64_t CompactLookupRows(const JobConfig& c, const ModelSpec& spec, int slot);
 
 // Whether a use with this role may sum its weight gradient straight into an fp32 sink
 // (model::Transformer::SetWeightGradSinks; CUDA workers with train.fused_kernels): the

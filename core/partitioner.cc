@@ -94,14 +94,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
-  // CUDA workers with the fused kernels sum projection and head gradients into fp32 sinks
-  // (worker::Executor, SinkableRole).
-  const bool sinks = c.train.fused_kernels && c.job.device != "cpu";
-  // worker::Executor::LayerMajorEligible, but for the job's inputs and weights being ready.
-  auto may_run_layer_major = [&c](const Stage& st) {
-    return st.kind == StageKind::kForward && c.schedule.layer_major_forward != "never" && st.end - st.begin > 1 &&
-           c.train.microbatches > 1;
-  };
+  // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
+  // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
+  const bool fused_cuda = c.train.fused_kernels && c.job.device != "cpu";
   for (const auto& st : plan.stages) {
     double params = 0.0;  // weights fetched
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
@@ -114,7 +109,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       }
       params += static_cast<double>(spec.LayerWeightElems(l));
       for (const auto& use : spec.layer_uses[l]) {
-        const double per_elem = sinks && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
+        const double per_elem = fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
         grads_of_uses += static_cast<double>(spec.params[use.param].numel) * per_elem;
       }
     }
@@ -126,7 +121,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     double acts = grads ? blocks * per_block : per_block;
     // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
     // hidden state at once.
-    if (may_run_layer_major(st))
+    if (MayRunLayerMajor(c, st, c.train.microbatches))
       acts += static_cast<double>(c.train.microbatches - 1) * tokens * H * elem;
     if (grads && profile) {  // measured: what each layer's autograd forward kept
       double measured = 0.0;
@@ -140,8 +135,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // The head: one chunk's logits in the compute dtype; the composite loss adds fp32 logits,
     // their softmax and gradient (the fused kernel writes the gradient over the logits).
     if (st.end == plan.num_layers)
-      acts += (c.train.fused_kernels && c.job.device != "cpu" ? elem : elem + 3.0 * 4.0) * std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
-              static_cast<double>(c.model.vocab_size);
+      acts += (fused_cuda ? elem : elem + 3.0 * 4.0) *
+              std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) * static_cast<double>(c.model.vocab_size);
     weight_bytes.push_back(params * elem);
     gradient_bytes.push_back(grads ? grads_of_uses + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
@@ -168,7 +163,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
     const int n = order[(g + ahead) % jobs_per_step].stage;
-    const bool waits = g + ahead >= jobs_per_step && next_step_waits && !may_run_layer_major(plan.stages[i]);
+    const bool reserves = MayRunLayerMajor(c, plan.stages[i], c.train.microbatches);
+    const bool waits = g + ahead >= jobs_per_step && next_step_waits && !reserves;
     const double next = waits ? 0.0 : weight_bytes[n];
     const double job = weight_bytes[i] + gradient_bytes[i] + act_bytes[i] + next;
     if (out.stage < 0 || job > worst) {

@@ -92,6 +92,15 @@ inline bool InterleaveCalls(const JobConfig& c) {
   return c.schedule.interleave_calls && c.optimizer.mode == "exact";
 }
 
+// Whether a job of `stage` over `microbatches` may run layer-major (schedule.layer_major_forward,
+// worker::Executor::ForwardLayers): a forward stage of several layers and microbatches. The
+// worker decides per job from what is ready; the planner's memory estimate counts it wherever
+// it may.
+inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t microbatches) {
+  return c.schedule.layer_major_forward != "never" && stage.kind == StageKind::kForward &&
+         stage.end - stage.begin > 1 && microbatches > 1;
+}
+
 // Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains,
 // except exact mode with one call per step, where no two calls' activations are ever in flight.
 inline int ActivationParities(const JobConfig& c) {

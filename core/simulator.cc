@@ -291,11 +291,11 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       SimFetch f;  // the worker copies each layer as soon as its weights are published
       f.bytes = static_cast<double>(spec.LayerWeightBytes(l, weight_elem, static_cast<int>(elem)));
       for (const auto& use : spec.layer_uses[l]) {
-        // A compact lookup slot (one call per step, shm::CompactLookupRows) commits the rows
-        // of the step's tokens only.
+        // A compact lookup slot (CompactLookupRows) commits the rows of the step's tokens only.
         const ParamSpec& ps = spec.params[use.param];
-        const bool compact = c.train.accum_calls == 1 && spec.TiedRowElems(use.param) > 0 && l == 0 && ps.owner_layer == 0;
-        if (grads) st.grad_bytes += (compact ? touched_rows * static_cast<double>(ps.shape[1]) : static_cast<double>(ps.numel)) * 4.0;
+        const bool compact = CompactLookupRows(c, spec, use.grad_slot) > 0;
+        const double elems = compact ? touched_rows * static_cast<double>(ps.shape[1]) : static_cast<double>(ps.numel);
+        if (grads) st.grad_bytes += elems * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
         f.owners.push_back(spec.params[use.param].owner_layer);
       }

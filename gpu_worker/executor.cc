@@ -220,9 +220,7 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
 
 bool Executor::LayerMajorEligible(const proto::RunJob& job) const {
   if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size())) return false;
-  const core::Stage& st = plan_.stages[job.stage];
-  return cfg_.schedule.layer_major_forward != "never" && st.kind == core::StageKind::kForward &&
-         st.end - st.begin > 1 && job.num_microbatches > 1;
+  return core::MayRunLayerMajor(cfg_, plan_.stages[job.stage], job.num_microbatches);
 }
 
 bool Executor::Startable(const proto::RunJob& job, bool all_inputs_ready) const {
@@ -581,7 +579,7 @@ void Executor::Detach() {
   std::vector<HeldGrad> held;
   for (auto& g : current_.grads) {
     if (g.grad_slot == layout_.compact_lookup_slot) {
-      // The job's input-token rows only, ascending (shm::CompactLookupRows): the lookup's
+      // The job's input-token rows only, ascending (core::CompactLookupRows): the lookup's
       // gradient is zero elsewhere. The token slots hold this step's tokens until the step is
       // done, which needs this job's commit.
       std::vector<const int64_t*> slots;

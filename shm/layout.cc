@@ -7,21 +7,13 @@
 
 namespace rp::shm {
 
-int64_t CompactLookupRows(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
-  const core::GradSlot& g = spec.grad_slots[slot];
-  const core::ParamSpec& p = spec.params[g.param];
-  if (c.train.accum_calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer || g.layer != 0) return 0;
-  const int64_t tokens = c.train.microbatches * c.train.microbatch_size * c.data.seq_len;
-  return std::min(p.shape[0], tokens);
-}
-
 namespace {
 uint64_t Align(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArenaAlign; }
 // fp32 bytes of gradient slot `slot`, 256-aligned: what the arena places for it (a compact
 // lookup slot holds only its rows, CompactLookupRows).
 uint64_t GradSlotBytes(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
   const auto& p = spec.params[spec.grad_slots[slot].param];
-  const int64_t rows = CompactLookupRows(c, spec, slot);
+  const int64_t rows = core::CompactLookupRows(c, spec, slot);
   const int64_t numel = rows > 0 ? rows * p.shape[1] : p.numel;
   return (static_cast<uint64_t>(numel) * 4 + 255) / 256 * 256;
 }
@@ -146,7 +138,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = a.frozen_end = PackWeights(spec.frozen, a.compute_elem_bytes, pos, &a.frozen);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
     a.grad_slot_bytes.push_back(GradSlotBytes(c, spec, static_cast<int>(g)));
-    if (CompactLookupRows(c, spec, static_cast<int>(g)) > 0) a.compact_lookup_slot = static_cast<int>(g);
+    if (core::CompactLookupRows(c, spec, static_cast<int>(g)) > 0) a.compact_lookup_slot = static_cast<int>(g);
   }
   a.grad_arena = pos;
   a.grad_arena_bytes = sizing.chosen;

@@ -196,13 +196,4 @@ inline uint64_t SharedMemoryBytes(const ArenaLayout& a, const core::JobConfig& c
          (cpu_pools ? static_cast<uint64_t>(workers) * (kHeaderBytes + a.pool_bytes) : 0);
 }
 
-// Rows the gradient slot `slot` holds when it is the tied embedding's input-lookup slot with
-// one call per step (after schedule.merge_calls): at most one row per input token of the step,
-// min(vocab, tokens per step), instead of the whole matrix. Why: the lookup's gradient is zero
-// outside the step's token rows, so the worker commits those rows only (less host memory and
-// device-to-host copy at the end of the step's last backward stage) and the optimizer folds
-// them into the head's slot by row (AsyncOptimizer). With several calls each call's rows would
-// differ, so the slot stays whole; 0 for every other slot.
-int64_t CompactLookupRows(const core::JobConfig& c, const core::ModelSpec& spec, int slot);
-
 }  // namespace rp::shm

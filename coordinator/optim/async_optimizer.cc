@@ -226,7 +226,7 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0]));
   auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])); };
   double* sq = row_sq_.data() + row_sq_base_[c.param];
-  // A compact lookup slot (shm::CompactLookupRows) holds the touched rows only, packed in order.
+  // A compact lookup slot (core::CompactLookupRows) holds the touched rows only, packed in order.
   const bool compact = lookup_slot_[c.param] >= 0 && lookup_slot_[c.param] == layout_.compact_lookup_slot;
   std::shared_ptr<const std::vector<int64_t>> touched;
   if (early_[c.param] || compact) {

@@ -103,7 +103,7 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
       const int p = spec.grad_slots[s].param;
       float* g = f32(state, arena.Offset(s));
       // The tied embedding's lookup slot (its owner layer's use): with one call per step it is
-      // compact (shm::CompactLookupRows), the touched rows packed; else at step 0 it is zero
+      // compact (core::CompactLookupRows), the touched rows packed; else at step 0 it is zero
       // outside the rows given to SetTouchedRows, as the embedding's backward leaves it, so the
       // boundary folds those rows only, and at step 1 it is dense with no rows given: every row
       // is folded.
