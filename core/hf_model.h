@@ -3,10 +3,16 @@
 // model-0000x-of-0000y.safetensors with model.safetensors.index.json), in and out.
 //
 // Contract:
-//  * ApplyHfConfig() reads <dir>/config.json and sets the architecture keys of `model` from it
-//    (Llama and Qwen3 dense models: model_type "llama" or "qwen3"). What this runtime does not
-//    implement (rope_scaling, attention or MLP biases, another model_type) is refused with the key
-//    named, never silently ignored.
+//  * ApplyHfConfig() reads <dir>/config.json and replaces every architecture value of `model`
+//    with it (model_type "llama", "qwen2", "qwen3" or "mistral"), from wherever transformers 4.x
+//    and 5.x put a value (RoPE base at the top level or inside rope_parameters / rope_scaling),
+//    and with transformers' per-family default where a key is absent. Every value read is
+//    type- and range-checked. A key whose value changes the math and that this runtime does not
+//    implement (another rope_type, a partial rotary factor, attention dropout, another
+//    activation, a quantized checkpoint, per-layer RoPE) is refused naming the file and the key;
+//    keys that do not change the math are ignored. docs/model-config.md lists every key.
+//  * HfConfigJson() is the config.json the export writes: it loads in transformers 5 as the same
+//    model, with the RoPE base both in rope_parameters and at the top level for older readers.
 //  * HfWeights::Open() opens the directory's safetensors file(s) through the validated reader
 //    (core/safetensors.h); Load() converts one parameter (F32, BF16 or F16 on disk) to fp32 into
 //    caller memory, e.g. the master arena, after checking its shape against the model spec. A
@@ -26,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/status.h"
 #include "core/job_config.h"
 #include "core/model_spec.h"
@@ -34,6 +42,7 @@
 namespace rp::core {
 
 Status ApplyHfConfig(const std::string& dir, ModelConfig* model);
+StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& model);
 
 class HfWeights {
  public:

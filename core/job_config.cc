@@ -204,7 +204,7 @@ const std::vector<KeySpec>& Table() {
       Int("model", "num_kv_heads", F(model.num_kv_heads), 2, 1, 4096,
           "Key/value heads (GQA); must divide num_heads"),
       Int("model", "head_dim", F(model.head_dim), 32, 2, 4096, "Per-head width; must be even (RoPE)"),
-      Float("model", "rope_theta", F(model.rope_theta), 10000.0, 1.0, 1e12, "RoPE base"),
+      Float("model", "rope_theta", F(model.rope.theta), 10000.0, 1.0, 1e12, "RoPE base"),
       Float("model", "rms_norm_eps", F(model.rms_norm_eps), 1e-6, 0.0, 1.0, "RMSNorm epsilon"),
       Bool("model", "qk_norm", F(model.qk_norm), true, "Per-head RMSNorm on q and k (Qwen3)"),
       Bool("model", "tie_embeddings", F(model.tie_embeddings), true,
@@ -468,6 +468,11 @@ Status CrossValidate(const JobConfig& c) {
   if (m.head_dim % 2 != 0)
     return Status::InvalidArgument("model.head_dim: must be even for rotary embeddings, got " +
                                    std::to_string(m.head_dim));
+  if (m.sliding_window > 0 && c.data.seq_len > m.sliding_window)
+    return Status::InvalidArgument("data.seq_len: " + std::to_string(c.data.seq_len) + " is longer than the model's " +
+                                   "sliding attention window (" + std::to_string(m.sliding_window) + " tokens, " +
+                                   m.path + "/config.json: sliding_window), which is not implemented; sequences "
+                                   "up to the window are exact");
   if (c.data.format == "tokens" || c.data.format == "jsonl") {
     std::error_code ec;
     if (c.data.path.empty() || !fs::is_regular_file(c.data.path, ec))
@@ -663,6 +668,9 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     cfg.model.path = Join(base_dir, cfg.model.path);
     RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
+  } else {
+    // A model from job keys is written out as the family its q/k norm names.
+    cfg.model.model_type = cfg.model.qk_norm ? "qwen3" : "llama";
   }
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {

@@ -20,8 +20,29 @@
 
 namespace rp::core {
 
+// Rotary position embedding of the query and key heads. Every variant only changes the
+// per-frequency rates and one factor on cos/sin (core/rope.h computes both), so one table builder
+// serves the CPU composite, the fused CUDA kernels and rp-train-ref alike.
+struct RopeConfig {
+  enum class Type : uint8_t { kDefault, kLinear, kLlama3, kYarn };
+  Type type = Type::kDefault;
+  double theta = 10000.0;
+  double factor = 1.0;                     // linear, llama3, yarn
+  double low_freq_factor = 1.0;            // llama3
+  double high_freq_factor = 4.0;           // llama3
+  int64_t original_max_position = 0;       // llama3, yarn: the pretraining context
+  double attention_factor = 1.0;           // yarn: cos and sin are multiplied by it (resolved)
+  double beta_fast = 32.0, beta_slow = 1.0;  // yarn: the ramp's rotation bounds
+  bool truncate = true;                    // yarn: round the ramp's bounds to whole dimensions
+};
+const char* RopeTypeName(RopeConfig::Type t);
+
 struct ModelConfig {
   std::string path;  // Hugging Face model directory; its config.json sets the architecture keys
+  // The transformers model_type the weights follow: "llama", "qwen2", "qwen3" or "mistral".
+  // Decided once (config.json, or from qk_norm for a job without model.path) and used by the
+  // export; the math itself reads the flags below, never this name.
+  std::string model_type;
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;
   int64_t intermediate_size = 384;
@@ -29,10 +50,17 @@ struct ModelConfig {
   int64_t num_heads = 4;
   int64_t num_kv_heads = 2;      // grouped-query attention when < num_heads
   int64_t head_dim = 32;
-  double rope_theta = 10000.0;
+  RopeConfig rope;               // model.rope_theta is rope.theta; config.json sets all of it
   double rms_norm_eps = 1e-6;
   bool qk_norm = true;           // Qwen3's per-head RMSNorm on q and k
+  bool qkv_bias = false;         // biases on q/k/v_proj (Qwen2; Llama's attention_bias)
+  bool o_bias = false;           // bias on o_proj (Llama's attention_bias)
+  bool mlp_bias = false;         // biases on gate/up/down_proj (Llama's mlp_bias)
   bool tie_embeddings = true;
+  // Attention window in tokens (0: none). Sequences no longer than it see plain causal
+  // attention, so a job whose data.seq_len fits is exact; a longer one is refused.
+  int64_t sliding_window = 0;
+  int64_t max_position_embeddings = 32768;  // written back on export; YaRN's default factor
   double init_std = 0.02;
 };
 

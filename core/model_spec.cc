@@ -107,16 +107,29 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
   };
   // Adapter init keys live above every base key, one pair per (layer, module).
   constexpr uint64_t kAdapterKeyBase = uint64_t{1} << 40;
+  // A projection's weight, its adapters under LoRA, then its bias (frozen under LoRA, as PEFT's
+  // default bias = "none"; starts at zero and is not decayed, like torch's Linear bias in the
+  // usual "matrices only" parameter groups).
   auto add_projection = [&](int layer, const std::string& name, int64_t out, int64_t in,
-                            const std::string& role) {
+                            const std::string& role, bool bias) {
     add(layer, name + ".weight", {out, in}, role, InitKind::kNormal);
+    const uint64_t adapter_key = kAdapterKeyBase + 2 * (next_key - 1);
+    if (bias) {
+      ParamSpec b = make(layer, name + ".bias", {out}, InitKind::kZeros, next_key++);
+      b.weight_decay = false;
+      if (!adapters) {
+        add_trainable(std::move(b), role + ".bias");
+      } else {
+        s.frozen.push_back(std::move(b));
+        s.layer_frozen[layer].push_back({static_cast<int>(s.frozen.size()) - 1, role + ".bias"});
+      }
+    }
     if (!adapters) return;
     const auto& t = lora.target_modules;
     if (std::find(t.begin(), t.end(), role) == t.end()) return;
-    const uint64_t key = kAdapterKeyBase + 2 * (next_key - 1);
-    add_trainable(make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, key),
+    add_trainable(make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, adapter_key),
                   role + ".lora_A");
-    add_trainable(make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, key + 1),
+    add_trainable(make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, adapter_key + 1),
                   role + ".lora_B");
   };
   const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
@@ -126,18 +139,18 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
     const int layer = i + 1;
     const std::string pre = "model.layers." + std::to_string(i) + ".";
     add(layer, pre + "input_layernorm.weight", {H}, "input_norm", InitKind::kOnes);
-    add_projection(layer, pre + "self_attn.q_proj", QH, H, "q_proj");
-    add_projection(layer, pre + "self_attn.k_proj", KVH, H, "k_proj");
-    add_projection(layer, pre + "self_attn.v_proj", KVH, H, "v_proj");
-    add_projection(layer, pre + "self_attn.o_proj", H, QH, "o_proj");
+    add_projection(layer, pre + "self_attn.q_proj", QH, H, "q_proj", c.qkv_bias);
+    add_projection(layer, pre + "self_attn.k_proj", KVH, H, "k_proj", c.qkv_bias);
+    add_projection(layer, pre + "self_attn.v_proj", KVH, H, "v_proj", c.qkv_bias);
+    add_projection(layer, pre + "self_attn.o_proj", H, QH, "o_proj", c.o_bias);
     if (c.qk_norm) {
       add(layer, pre + "self_attn.q_norm.weight", {D}, "q_norm", InitKind::kOnes);
       add(layer, pre + "self_attn.k_norm.weight", {D}, "k_norm", InitKind::kOnes);
     }
     add(layer, pre + "post_attention_layernorm.weight", {H}, "post_norm", InitKind::kOnes);
-    add_projection(layer, pre + "mlp.gate_proj", I, H, "gate_proj");
-    add_projection(layer, pre + "mlp.up_proj", I, H, "up_proj");
-    add_projection(layer, pre + "mlp.down_proj", H, I, "down_proj");
+    add_projection(layer, pre + "mlp.gate_proj", I, H, "gate_proj", c.mlp_bias);
+    add_projection(layer, pre + "mlp.up_proj", I, H, "up_proj", c.mlp_bias);
+    add_projection(layer, pre + "mlp.down_proj", H, I, "down_proj", c.mlp_bias);
   }
   add(L + 1, "model.norm.weight", {H}, "final_norm", InitKind::kOnes);
   if (c.tie_embeddings) {

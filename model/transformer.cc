@@ -11,6 +11,7 @@
 
 #include "common/rng.h"
 #include "core/model_spec.h"
+#include "core/rope.h"
 
 namespace rp::model {
 
@@ -57,7 +58,8 @@ at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module) 
 
 at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h,
                              int layer, int module) const {
-  at::Tensor y = Linear(h, Get(w, role));
+  auto bias = w.find(role + ".bias");
+  at::Tensor y = Linear(h, Get(w, role), bias == w.end() ? at::Tensor() : bias->second);
   auto a = w.find(role + ".lora_A");
   if (a == w.end()) return y;
   const at::Tensor& b = Get(w, role + ".lora_B");
@@ -73,16 +75,18 @@ void Transformer::RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* co
   if (!cos_.defined() || cos_.size(0) != seq || cos_.device() != like.device() ||
       cos_.scalar_type() != like.scalar_type()) {
     c10::NoGradGuard no_grad;
-    const int64_t D = config_.head_dim;
     auto opts = at::TensorOptions().dtype(at::kDouble);
-    at::Tensor inv_freq =
-        1.0 / at::pow(config_.rope_theta, at::arange(0, D, 2, opts) / static_cast<double>(D));
+    const std::vector<double> rates = core::RopeInvFreq(config_.rope, config_.head_dim);
+    at::Tensor inv_freq = at::tensor(at::ArrayRef<double>(rates), opts);
     at::Tensor pos = at::arange(seq, opts);
     at::Tensor freqs = at::outer(pos, inv_freq);
     at::Tensor emb = at::cat({freqs, freqs}, -1);
-    cos_ = emb.cos().to(like.device(), like.scalar_type());
+    // YaRN scales both tables (transformers' attention_scaling); 1 for every other variant.
+    const double scale = core::RopeAttentionFactor(config_.rope);
+    cos_ = (emb.cos() * scale).to(like.device(), like.scalar_type());
     // sin with the first half negated: rotate_half(x) * sin == roll(x, D/2) * this table.
-    sin_ = at::cat({-freqs.sin(), freqs.sin()}, -1).to(like.device(), like.scalar_type());
+    at::Tensor s = freqs.sin() * scale;
+    sin_ = at::cat({-s, s}, -1).to(like.device(), like.scalar_type());
   }
   *cos = cos_;
   *sin = sin_;
@@ -257,12 +261,15 @@ std::pair<at::Tensor, at::Tensor> Transformer::AddRmsNorm(const at::Tensor& x, c
 
 bool Transformer::SinkableRole(const std::string& role) { return core::SinkableRole(role); }
 
-at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight) const {
+at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
   if (!sinks_.empty() && Fused(x)) {
     auto it = sinks_.find(weight.unsafeGetTensorImpl());
-    if (it != sinks_.end()) return LinearSinkFn::apply(x, weight, it->second, fused_);
+    if (it != sinks_.end()) {
+      at::Tensor y = LinearSinkFn::apply(x, weight, it->second, fused_);
+      return bias.defined() ? y + bias : y;
+    }
   }
-  return at::linear(x, weight);
+  return at::linear(x, weight, bias);
 }
 
 at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Transformer math for one pipeline layer at a time (Llama / Qwen3 decoder family).
+// Transformer math for one pipeline layer at a time (Llama, Qwen2, Qwen3 and Mistral decoders).
 //
 // Contract:
 //  * Stateless with respect to weights: every call receives the layer's weights (LayerWeights,
@@ -9,8 +9,10 @@
 //    [batch, seq, hidden] in the compute dtype; normalization and softmax run in fp32.
 //  * HeadForwardBackward runs final norm + LM head + cross-entropy in chunks of tokens and, when
 //    asked, backpropagates each chunk at once, so full [tokens, vocab] logits never exist.
+//  * A projection whose weights include "<role>.bias" adds it (x W^T + b: Qwen2's q/k/v, Llama's
+//    attention_bias and mlp_bias).
 //  * LoRA: a projection whose weights include "<role>.lora_A" and "<role>.lora_B" computes
-//    x W^T + scale * drop(x) A^T B^T (PEFT's order of operations). The dropout mask comes from a
+//    x W^T (+ b) + scale * drop(x) A^T B^T (PEFT's order of operations). The dropout mask comes from a
 //    counter-based hash of (SetDropoutKey's key, layer, module, element), computed with integer
 //    tensor ops on the tensor's own device: the forward stage, the recompute and rp-train-ref
 //    draw the same mask without sharing a generator.
@@ -107,8 +109,9 @@ class Transformer {
   at::Tensor LoraDropout(const at::Tensor& h, int layer, int module) const;
 
   bool Fused(const at::Tensor& t) const { return fused_ != nullptr && t.is_cuda(); }
-  // at::linear(x, weight), through the weight's sink when it has one (SetWeightGradSinks).
-  at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight) const;
+  // at::linear(x, weight, bias), the weight's gradient through its sink when it has one
+  // (SetWeightGradSinks); the bias (undefined: none) keeps autograd's gradient.
+  at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) const;
   HeadResult FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
                        const at::Tensor& lm_head, double loss_scale, bool backward, bool defer_read) const;
 

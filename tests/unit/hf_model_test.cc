@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/rope.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {
@@ -18,7 +19,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class HfModelTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {
+class HfModelTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
   void SetUp() override { dir_ = testing::MakeTempDir("rp-hf-"); }
   void TearDown() override {
@@ -28,8 +29,11 @@ class HfModelTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {
   std::string dir_;
 };
 
-ModelConfig Small(bool qwen3, bool tied) {
+// A small model of `type` with what that family can carry: Qwen3's q/k norm, Qwen2's q/k/v
+// biases, Llama's attention and MLP biases with llama3 RoPE, Mistral plain.
+ModelConfig Small(const std::string& type, bool tied) {
   ModelConfig m;
+  m.model_type = type;
   m.vocab_size = 300;
   m.hidden_size = 64;
   m.intermediate_size = 96;
@@ -37,18 +41,65 @@ ModelConfig Small(bool qwen3, bool tied) {
   m.num_heads = 4;
   m.num_kv_heads = 2;
   m.head_dim = 16;
-  m.rope_theta = 500000.0;
+  m.rope.theta = 500000.0;
   m.rms_norm_eps = 1e-5;
-  m.qk_norm = qwen3;
+  m.qk_norm = type == "qwen3";
+  m.qkv_bias = type == "qwen2" || type == "llama";
+  m.o_bias = m.mlp_bias = type == "llama";
   m.tie_embeddings = tied;
+  if (type == "llama") {
+    m.rope.type = RopeConfig::Type::kLlama3;
+    m.rope.factor = 8.0;
+    m.rope.low_freq_factor = 1.0;
+    m.rope.high_freq_factor = 4.0;
+    m.rope.original_max_position = 8192;
+  }
+  if (type == "qwen3") {
+    m.rope.type = RopeConfig::Type::kYarn;
+    m.rope.factor = 4.0;
+    m.rope.original_max_position = 32768;
+    m.rope.attention_factor = 1.25;
+    m.rope.beta_fast = 16.0;
+    m.rope.truncate = false;
+  }
   return m;
 }
+ModelConfig Small(bool qwen3, bool tied) { return Small(std::string(qwen3 ? "qwen3" : "llama"), tied); }
 
-// Llama-style and Qwen3-style, tied and untied: export, then read the directory back as a model
-// would be loaded (config.json -> architecture, safetensors -> every parameter, bit for bit).
+void ExpectSameArchitecture(const ModelConfig& a, const ModelConfig& b) {
+  EXPECT_EQ(a.model_type, b.model_type);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.num_layers, b.num_layers);
+  EXPECT_EQ(a.num_heads, b.num_heads);
+  EXPECT_EQ(a.num_kv_heads, b.num_kv_heads);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.qk_norm, b.qk_norm);
+  EXPECT_EQ(a.qkv_bias, b.qkv_bias);
+  EXPECT_EQ(a.o_bias, b.o_bias);
+  EXPECT_EQ(a.mlp_bias, b.mlp_bias);
+  EXPECT_EQ(a.tie_embeddings, b.tie_embeddings);
+  EXPECT_EQ(a.sliding_window, b.sliding_window);
+  EXPECT_EQ(a.rope.type, b.rope.type);
+  EXPECT_EQ(a.rope.theta, b.rope.theta);
+  EXPECT_EQ(a.rope.factor, b.rope.factor);
+  EXPECT_EQ(a.rope.low_freq_factor, b.rope.low_freq_factor);
+  EXPECT_EQ(a.rope.high_freq_factor, b.rope.high_freq_factor);
+  EXPECT_EQ(a.rope.original_max_position, b.rope.original_max_position);
+  EXPECT_EQ(a.rope.attention_factor, b.rope.attention_factor);
+  EXPECT_EQ(a.rope.beta_fast, b.rope.beta_fast);
+  EXPECT_EQ(a.rope.beta_slow, b.rope.beta_slow);
+  EXPECT_EQ(a.rope.truncate, b.rope.truncate);
+  EXPECT_EQ(RopeInvFreq(a.rope, a.head_dim), RopeInvFreq(b.rope, b.head_dim));
+}
+
+// Every family, tied and untied: export, then read the directory back as a model would be
+// loaded (config.json -> architecture, safetensors -> every parameter, bit for bit).
 TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
-  const auto [qwen3, tied] = GetParam();
-  const ModelConfig m = Small(qwen3, tied);
+  const auto [type, tied] = GetParam();
+  const ModelConfig m = Small(type, tied);
   const ModelSpec spec = BuildModelSpec(m);
   std::mt19937 rng(3);
   std::vector<std::vector<float>> masters;
@@ -57,17 +108,16 @@ TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
     for (auto& x : masters.back()) x = std::normal_distribution<float>()(rng);
   }
   ASSERT_TRUE(ExportHf(dir_, m, spec, [&](int p) { return masters[p].data(); }).ok());
+  // The base is written twice: in rope_parameters for transformers 5, at the top for older readers.
+  auto json = nlohmann::json::parse(testing::ReadFile(dir_ + "/config.json"));
+  EXPECT_EQ(json["rope_theta"].get<double>(), m.rope.theta);
+  EXPECT_EQ(json["rope_parameters"]["rope_theta"].get<double>(), m.rope.theta);
+  EXPECT_EQ(json["model_type"].get<std::string>(), type);
   ModelConfig back;
-  ASSERT_TRUE(ApplyHfConfig(dir_, &back).ok());
-  EXPECT_EQ(back.vocab_size, m.vocab_size);
-  EXPECT_EQ(back.hidden_size, m.hidden_size);
-  EXPECT_EQ(back.intermediate_size, m.intermediate_size);
-  EXPECT_EQ(back.num_layers, m.num_layers);
-  EXPECT_EQ(back.num_kv_heads, m.num_kv_heads);
-  EXPECT_EQ(back.head_dim, m.head_dim);
-  EXPECT_EQ(back.rope_theta, m.rope_theta);
-  EXPECT_EQ(back.qk_norm, qwen3);
-  EXPECT_EQ(back.tie_embeddings, tied);
+  back.rope.theta = 7.0;  // nothing of what was there before may survive
+  auto applied = ApplyHfConfig(dir_, &back);
+  ASSERT_TRUE(applied.ok()) << applied.message();
+  ExpectSameArchitecture(back, m);
   auto w = HfWeights::Open(dir_);
   ASSERT_TRUE(w.ok()) << w.status().message();
   const ModelSpec spec2 = BuildModelSpec(back);
@@ -78,8 +128,9 @@ TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
     EXPECT_EQ(std::memcmp(got.data(), masters[p].data(), got.size() * 4), 0) << spec2.params[p].name;
   }
 }
-INSTANTIATE_TEST_SUITE_P(LlamaQwen3TiedUntied, HfModelTest,
-                         ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(Families, HfModelTest,
+                         ::testing::Combine(::testing::Values("llama", "qwen2", "qwen3", "mistral"),
+                                            ::testing::Bool()));
 
 TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
   const std::string dir = testing::MakeTempDir("rp-hf-export-shards-");
@@ -172,18 +223,119 @@ TEST(HfModel, ShardedCheckpointWithIndexLoads) {
   fs::remove_all(dir, ec);
 }
 
-TEST(HfModel, UnsupportedConfigsAreRefusedByKey) {
+// Applies `text` as config.json; returns the status message ("" when accepted).
+std::string Apply(const std::string& dir, const std::string& text, ModelConfig* m) {
+  std::ofstream(dir + "/config.json") << text;
+  return ApplyHfConfig(dir, m).message();
+}
+
+const char* kLlamaShape =
+    R"("model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2)";
+
+std::string Llama(const std::string& extra) { return std::string("{") + kLlamaShape + extra + "}"; }
+
+// transformers 5 writes the base inside rope_parameters only; transformers 4 at the top level
+// (with rope_scaling for scaled RoPE). Both spellings are one model.
+TEST(HfModel, RopeBaseIsReadFromEveryPlaceTransformersPutsIt) {
+  const std::string dir = testing::MakeTempDir("rp-hf-rope-");
+  ModelConfig v5, v4, none;
+  v5.rope.theta = v4.rope.theta = none.rope.theta = 123.0;  // a job key's value must not leak in
+  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"})"), &v5), "");
+  EXPECT_EQ(v5.rope.theta, 1000000.0);
+  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":1000000.0)"), &v4), "");
+  ExpectSameArchitecture(v5, v4);
+  // Neither: transformers' default base, never the job's.
+  EXPECT_EQ(Apply(dir, Llama(""), &none), "");
+  EXPECT_EQ(none.rope.theta, 10000.0);
+  // The dictionary's base wins over the top level's, as transformers 5 standardizes them.
+  ModelConfig both;
+  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":5.0,"rope_parameters":{"rope_theta":77.0})"), &both), "");
+  EXPECT_EQ(both.rope.theta, 77.0);
+  // Llama 3.1 as transformers 4 wrote it: rope_scaling with rope_type llama3, base at the top.
+  ModelConfig l31;
+  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":500000.0,"rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192,"rope_type":"llama3"})"), &l31), "");
+  EXPECT_EQ(l31.rope.type, RopeConfig::Type::kLlama3);
+  EXPECT_EQ(l31.rope.theta, 500000.0);
+  EXPECT_EQ(l31.rope.original_max_position, 8192);
+  // transformers 4's "type" spelling, and YaRN's default attention factor 0.1 ln(factor) + 1.
+  ModelConfig yarn;
+  EXPECT_EQ(Apply(dir, Llama(R"(,"max_position_embeddings":131072,"rope_scaling":{"type":"yarn","factor":4.0,"original_max_position_embeddings":32768})"), &yarn), "");
+  EXPECT_EQ(yarn.rope.type, RopeConfig::Type::kYarn);
+  EXPECT_DOUBLE_EQ(yarn.rope.attention_factor, 0.1 * std::log(4.0) + 1.0);
+  // Without a factor YaRN takes max_position_embeddings / original_max_position_embeddings.
+  ModelConfig implied;
+  EXPECT_EQ(Apply(dir, Llama(R"(,"max_position_embeddings":65536,"rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":8192})"), &implied), "");
+  EXPECT_EQ(implied.rope.factor, 8.0);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+TEST(HfModel, FamilyDefaultsFollowTransformers) {
+  const std::string dir = testing::MakeTempDir("rp-hf-defaults-");
+  const std::string shape =
+      R"("vocab_size":10,"hidden_size":64,"intermediate_size":8,"num_hidden_layers":30,"num_attention_heads":4)";
+  ModelConfig q3, q2, mi, mi_null;
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen3\"," + shape + "}", &q3), "");
+  EXPECT_EQ(q3.head_dim, 128);  // Qwen3's config class default, not hidden / heads
+  EXPECT_TRUE(q3.qk_norm);
+  EXPECT_FALSE(q3.qkv_bias);
+  EXPECT_EQ(q3.sliding_window, 0);
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + ",\"attention_bias\":false}", &q2), "");
+  EXPECT_EQ(q2.head_dim, 16);
+  EXPECT_TRUE(q2.qkv_bias);  // Qwen2's attention always has them
+  EXPECT_FALSE(q2.o_bias);
+  EXPECT_FALSE(q2.qk_norm);
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"mistral\"," + shape + "}", &mi), "");
+  EXPECT_EQ(mi.sliding_window, 4096);  // MistralConfig's default window
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"mistral\"," + shape + ",\"sliding_window\":null}", &mi_null), "");
+  EXPECT_EQ(mi_null.sliding_window, 0);
+  ModelConfig q2w;
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + R"(,"use_sliding_window":true,"sliding_window":512,"max_window_layers":28})", &q2w), "");
+  EXPECT_EQ(q2w.sliding_window, 512);
+  ModelConfig q2n;
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + R"(,"use_sliding_window":true,"sliding_window":512,"max_window_layers":30})", &q2n), "");
+  EXPECT_EQ(q2n.sliding_window, 0);  // every layer below max_window_layers: full attention
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+TEST(HfModel, UnsupportedOrMalformedConfigsAreRefusedByKey) {
   const std::string dir = testing::MakeTempDir("rp-hf-cfg-");
-  auto write = [&](const std::string& text) { std::ofstream(dir + "/config.json") << text; };
   ModelConfig m;
-  write(R"({"model_type":"mistral","vocab_size":10})");
-  EXPECT_NE(ApplyHfConfig(dir, &m).message().find("model_type"), std::string::npos);
-  write(R"({"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"rope_scaling":{"type":"llama3"}})");
-  EXPECT_NE(ApplyHfConfig(dir, &m).message().find("rope_scaling"), std::string::npos);
-  write(R"({"model_type":"llama","vocab_size":10,"hidden_size":8})");
-  EXPECT_NE(ApplyHfConfig(dir, &m).message().find("intermediate_size is missing"), std::string::npos);
-  write("not json");
+  auto refused = [&](const std::string& text, const std::string& key) {
+    const std::string msg = Apply(dir, text, &m);
+    EXPECT_NE(msg.find(key), std::string::npos) << text << " -> " << msg;
+    EXPECT_NE(msg.find("config.json"), std::string::npos) << msg;
+  };
+  refused(R"({"model_type":"gemma","vocab_size":10})", "model_type");
+  refused(Llama(R"(,"rope_scaling":{"type":"llama3"})"), "rope_scaling.factor");
+  refused(Llama(R"(,"rope_parameters":{"rope_type":"dynamic","factor":2.0})"), "rope_parameters.rope_type");
+  refused(Llama(R"(,"rope_parameters":{"rope_type":"longrope"})"), "rope_parameters.rope_type");
+  refused(Llama(R"(,"rope_parameters":{"rope_type":"default","partial_rotary_factor":0.5})"),
+          "rope_parameters.partial_rotary_factor");
+  refused(Llama(R"(,"rope_parameters":{"full_attention":{"rope_type":"default"}})"), "rope_parameters.full_attention");
+  refused(Llama(R"(,"rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1})"),
+          "high_freq_factor");
+  refused(Llama(R"(,"hidden_act":"gelu")"), "hidden_act");
+  refused(Llama(R"(,"attention_dropout":0.1)"), "attention_dropout");
+  refused(Llama(R"(,"quantization_config":{"quant_method":"gptq"})"), "quantization_config");
+  refused(Llama(R"(,"architectures":["LlamaForSequenceClassification"])"), "architectures");
+  // Wrong JSON types name the key, never throw.
+  refused(Llama(R"(,"rope_theta":"1e6")"), "rope_theta");
+  refused(Llama(R"(,"rope_parameters":{"rope_theta":[1]})"), "rope_parameters.rope_theta");
+  refused(Llama(R"(,"rope_parameters":"default")"), "rope_parameters");
+  refused(Llama(R"(,"tie_word_embeddings":"yes")"), "tie_word_embeddings");
+  refused(Llama(R"(,"rms_norm_eps":-1)"), "rms_norm_eps");
+  refused(Llama(R"(,"num_key_value_heads":1.5)"), "num_key_value_heads");
+  refused(Llama(R"(,"head_dim":0)"), "head_dim");
+  refused(R"({"model_type":"qwen2","vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"use_sliding_window":true,"layer_types":["chunked_attention"]})",
+          "layer_types");
+  refused(R"({"model_type":"llama","vocab_size":10,"hidden_size":8})", "intermediate_size");
   EXPECT_FALSE(ApplyHfConfig(dir, &m).ok());
+  std::ofstream(dir + "/config.json") << "not json";
+  EXPECT_FALSE(ApplyHfConfig(dir, &m).ok());
+  // Keys that do not change the math are ignored.
+  EXPECT_EQ(Apply(dir, Llama(R"(,"bos_token_id":1,"use_cache":true,"pretraining_tp":1,"dtype":"bfloat16","some_future_key":[1,2])"), &m), "");
   std::error_code ec;
   fs::remove_all(dir, ec);
 }
