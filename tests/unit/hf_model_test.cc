@@ -223,6 +223,49 @@ TEST(HfModel, ShardedCheckpointWithIndexLoads) {
   fs::remove_all(dir, ec);
 }
 
+// The config.json files publishers ship (tests/testdata/publisher_configs): each resolves to the
+// architecture its model card describes, down to the parameter count the publisher states.
+TEST(HfModel, PublisherConfigsResolveToTheirArchitectures) {
+  struct Want {
+    const char* name;
+    const char* type;
+    int64_t params;
+    int64_t head_dim;
+    RopeConfig::Type rope;
+    double theta;
+    bool tied, qkv_bias, qk_norm;
+  };
+  const Want wants[] = {
+      {"Llama-3.1-8B", "llama", 8030261248, 128, RopeConfig::Type::kLlama3, 500000.0, false, false, false},
+      {"Llama-3.2-1B", "llama", 1235814400, 64, RopeConfig::Type::kLlama3, 500000.0, true, false, false},
+      {"Qwen2.5-7B", "qwen2", 7615616512, 128, RopeConfig::Type::kDefault, 1000000.0, false, true, false},
+      {"Qwen3-8B", "qwen3", 8190735360, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, true},
+      {"Qwen3-4B-Instruct-2507", "qwen3", 4022468096, 128, RopeConfig::Type::kDefault, 5000000.0, true, false, true},
+      {"Mistral-7B-v0.3", "mistral", 7248023552, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, false},
+  };
+  for (const Want& w : wants) {
+    SCOPED_TRACE(w.name);
+    ModelConfig m;
+    auto s = ApplyHfConfig(testing::SourceDir() + "/tests/testdata/publisher_configs/" + w.name, &m);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(m.model_type, w.type);
+    EXPECT_EQ(BuildModelSpec(m).TrainableParams(), w.params);
+    EXPECT_EQ(m.head_dim, w.head_dim);
+    EXPECT_EQ(m.rope.type, w.rope);
+    EXPECT_EQ(m.rope.theta, w.theta);
+    EXPECT_EQ(m.tie_embeddings, w.tied);
+    EXPECT_EQ(m.qkv_bias, w.qkv_bias);
+    EXPECT_FALSE(m.o_bias);
+    EXPECT_FALSE(m.mlp_bias);
+    EXPECT_EQ(m.qk_norm, w.qk_norm);
+    EXPECT_EQ(m.sliding_window, 0);  // none of them attends through a window
+    if (w.rope == RopeConfig::Type::kLlama3) {
+      EXPECT_EQ(m.rope.original_max_position, 8192);
+      EXPECT_EQ(m.rope.factor, std::string(w.name) == "Llama-3.2-1B" ? 32.0 : 8.0);
+    }
+  }
+}
+
 // Applies `text` as config.json; returns the status message ("" when accepted).
 std::string Apply(const std::string& dir, const std::string& text, ModelConfig* m) {
   std::ofstream(dir + "/config.json") << text;
