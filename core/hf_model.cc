@@ -50,12 +50,13 @@ class ConfigReader {
     *out = v.get<int64_t>();
     return Status::Ok();
   }
-  // A finite number in (lo, hi]; `*out` keeps its value when absent.
+  // A number in (lo, hi]; `*out` keeps its value when absent.
   Status Number(const char* key, double* out, double lo, double hi) const {
     if (!Has(key)) return Status::Ok();
     const auto& v = j_[key];
-    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() <= lo || v.get<double>() > hi)
-      return Error(key, "must be a number in (" + Fmt(lo) + ", " + Fmt(hi) + "], got " + v.dump());
+    if (!v.is_number()) return Error(key, "must be a number, got " + v.dump());
+    if (!std::isfinite(v.get<double>()) || v.get<double>() <= lo || v.get<double>() > hi)
+      return Error(key, "must be in (" + Fmt(lo) + ", " + Fmt(hi) + "], got " + v.dump());
     *out = v.get<double>();
     return Status::Ok();
   }
@@ -88,7 +89,7 @@ class ConfigReader {
 Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::string& path,
                 int64_t max_position, RopeConfig* rope) {
   *rope = RopeConfig{};
-  RP_RETURN_IF_ERROR(top.Number("rope_theta", &rope->theta, 1.0, 1e12));
+  RP_RETURN_IF_ERROR(top.Number("rope_theta", &rope->theta, -1e300, 1e300));
   const char* key = nullptr;
   for (const char* k : {"rope_scaling", "rope_parameters"}) {
     if (!j.contains(k) || j[k].is_null()) continue;
@@ -107,7 +108,7 @@ Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::str
   for (auto it = r.begin(); it != r.end(); ++it)
     if (it.value().is_object())
       return in.Error(it.key(), "per-layer-type RoPE parameters are not supported (one RoPE for every layer)");
-  RP_RETURN_IF_ERROR(in.Number("rope_theta", &rope->theta, 1.0, 1e12));
+  RP_RETURN_IF_ERROR(in.Number("rope_theta", &rope->theta, -1e300, 1e300));
   double partial = 1.0;
   RP_RETURN_IF_ERROR(in.Number("partial_rotary_factor", &partial, 0.0, 1.0));
   if (partial != 1.0) return in.Error("partial_rotary_factor", "rotating part of each head is not supported (only 1.0)");
@@ -215,13 +216,25 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   // Qwen3's config class defaults head_dim to 128; the others derive it.
   c.head_dim = type == "qwen3" && !j.contains("head_dim") ? 128 : c.hidden_size / c.num_heads;
   RP_RETURN_IF_ERROR(top.PositiveInt("head_dim", &c.head_dim, false));
+  // The same ranges as the job's [model] keys.
+  const std::pair<const char*, int64_t*> sizes[] = {
+      {"vocab_size", &c.vocab_size}, {"hidden_size", &c.hidden_size}, {"intermediate_size", &c.intermediate_size},
+      {"num_layers", &c.num_layers}, {"num_heads", &c.num_heads}, {"num_kv_heads", &c.num_kv_heads},
+      {"head_dim", &c.head_dim}};
+  const char* const hf_names[] = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads", "num_key_value_heads", "head_dim"};
+  for (size_t i = 0; i < std::size(sizes); ++i)
+    RP_RETURN_IF_ERROR(CheckModelValue(sizes[i].first, static_cast<double>(*sizes[i].second),
+                                       path + ": " + hf_names[i]));
   RP_RETURN_IF_ERROR(top.PositiveInt("max_position_embeddings", &c.max_position_embeddings, false));
   RP_RETURN_IF_ERROR(ReadRope(j, top, path, c.max_position_embeddings, &c.rope));
+  RP_RETURN_IF_ERROR(CheckModelValue("rope_theta", c.rope.theta, path + ": RoPE base (rope_theta)"));
   double partial = 1.0;
   RP_RETURN_IF_ERROR(top.Number("partial_rotary_factor", &partial, 0.0, 1.0));
   if (partial != 1.0) return top.Error("partial_rotary_factor", "rotating part of each head is not supported (only 1.0)");
   c.rms_norm_eps = 1e-6;
-  RP_RETURN_IF_ERROR(top.Number("rms_norm_eps", &c.rms_norm_eps, 0.0, 1.0));
+  RP_RETURN_IF_ERROR(top.Number("rms_norm_eps", &c.rms_norm_eps, -1e300, 1e300));
+  RP_RETURN_IF_ERROR(CheckModelValue("rms_norm_eps", c.rms_norm_eps, path + ": rms_norm_eps"));
   c.tie_embeddings = false;
   RP_RETURN_IF_ERROR(top.Bool("tie_word_embeddings", &c.tie_embeddings));
   c.qk_norm = type == "qwen3";
@@ -253,7 +266,10 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
     RP_ASSIGN_OR_RETURN(windowed, QwenUsesWindow(j, top, c.num_layers));
     if (windowed) c.sliding_window = 4096;
   }
-  if (windowed) RP_RETURN_IF_ERROR(top.PositiveInt("sliding_window", &c.sliding_window, false));
+  // The value is checked wherever the family has the key, used only where a window applies.
+  int64_t window = c.sliding_window;
+  if (type != "llama") RP_RETURN_IF_ERROR(top.PositiveInt("sliding_window", &window, false));
+  if (windowed) c.sliding_window = window;
   *m = c;
   return Status::Ok();
 }

@@ -192,9 +192,9 @@ const std::vector<KeySpec>& Table() {
             "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
 
       Str("model", "path", F(model.path), "",
-          "Hugging Face model directory (Llama or Qwen3; relative to the job file): its config.json "
-          "overrides the [model] architecture keys and its safetensors (single or sharded; fp32, "
-          "bf16 or fp16) are the initial weights"),
+          "Hugging Face model directory (Llama, Qwen2, Qwen3 or Mistral; relative to the job file): its "
+          "config.json (docs/model-config.md) replaces the [model] architecture keys and its "
+          "safetensors (single or sharded; fp32, bf16 or fp16) are the initial weights"),
       Int("model", "vocab_size", F(model.vocab_size), 256, 2, 1 << 24, "Vocabulary size"),
       Int("model", "hidden_size", F(model.hidden_size), 128, 1, 1 << 20, "Model width"),
       Int("model", "intermediate_size", F(model.intermediate_size), 384, 1, 1 << 22,
@@ -633,6 +633,16 @@ std::vector<KeyDoc> DocumentedKeys() {
   std::vector<KeyDoc> out;
   for (auto& s : Table()) out.push_back(s.doc);
   return out;
+}
+
+Status CheckModelValue(const std::string& key, double value, const std::string& name) {
+  for (const auto& s : Table()) {
+    if (s.doc.section != "model" || s.doc.key != key) continue;
+    JobConfig scratch;
+    if (s.doc.type == "int") return s.set(toml::value<int64_t>(static_cast<int64_t>(value)), scratch, name);
+    return s.set(toml::value<double>(value), scratch, name);
+  }
+  return Status::Internal("CheckModelValue: model." + key + " is not a numeric job key");
 }
 
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,

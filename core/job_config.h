@@ -202,6 +202,11 @@ struct KeyDoc {
 };
 std::vector<KeyDoc> DocumentedKeys();
 
+// Checks `value` against the range of the numeric job key model.<key>, with that key's message
+// under `name` ("<dir>/config.json: num_hidden_layers: must be in [1, 4096], got 100000"): values
+// from a checkpoint's config.json get the job keys' validation.
+Status CheckModelValue(const std::string& key, double value, const std::string& name);
+
 // schedule.weights_source resolved: true when workers fetch the fp32 masters (shm/layout.h puts
 // them in the shared state segment and there is no compute copy). Exact mode can: a layer's
 // masters change only after every job of the step that reads them has run. stale1 cannot: the

@@ -377,8 +377,56 @@ TEST(HfModel, UnsupportedOrMalformedConfigsAreRefusedByKey) {
   EXPECT_FALSE(ApplyHfConfig(dir, &m).ok());
   std::ofstream(dir + "/config.json") << "not json";
   EXPECT_FALSE(ApplyHfConfig(dir, &m).ok());
+  // Out of the job keys' ranges, with their messages.
+  refused(Llama(R"(,"num_hidden_layers":100000)"), "num_hidden_layers: must be in [1, 4096]");
+  refused(Llama(R"(,"rope_theta":-5)"), "rope_theta");
+  refused(Llama(R"(,"rope_parameters":{"rope_theta":0.5})"), "rope_theta");
+  refused(Llama(R"(,"rms_norm_eps":2)"), "rms_norm_eps: must be in [0, 1]");
   // Keys that do not change the math are ignored.
   EXPECT_EQ(Apply(dir, Llama(R"(,"bos_token_id":1,"use_cache":true,"pretraining_tp":1,"dtype":"bfloat16","some_future_key":[1,2])"), &m), "");
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// Every key the reader takes, given a value of the wrong JSON type, is refused naming the key,
+// in every family that reads it.
+TEST(HfModel, EveryReadKeyWithAWrongTypeIsRefusedByName) {
+  const std::string dir = testing::MakeTempDir("rp-hf-types-");
+  const char* const numeric[] = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                                 "attention_dropout", "partial_rotary_factor"};
+  const char* const flags[] = {"tie_word_embeddings", "attention_bias", "mlp_bias"};
+  const std::string shape =
+      R"("vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2)";
+  for (const std::string type : {"llama", "qwen2", "qwen3", "mistral"}) {
+    auto config = [&](const std::string& key, const std::string& value) {
+      nlohmann::json j = nlohmann::json::parse("{" + shape + "}");
+      j["model_type"] = type;
+      j[key] = nlohmann::json::parse(value);
+      return j.dump();
+    };
+    std::vector<std::pair<std::string, std::string>> cases;
+    for (const char* k : numeric) cases.push_back({k, R"("12")"});
+    for (const char* k : flags) cases.push_back({k, "1"});
+    cases.insert(cases.end(), {{"model_type", "3"}, {"hidden_act", "[1]"}, {"architectures", R"("LlamaForCausalLM")"},
+                               {"rope_parameters", "[]"}, {"rope_scaling", "2.0"}});
+    if (type == "qwen2" || type == "qwen3")
+      cases.insert(cases.end(), {{"use_sliding_window", R"("no")"}});
+    for (const auto& [key, value] : cases) {
+      ModelConfig m;
+      const std::string msg = Apply(dir, config(key, value), &m);
+      EXPECT_NE(msg.find(key), std::string::npos) << type << " " << key << "=" << value << " -> " << msg;
+    }
+    // sliding_window is read where the family attends through one: always for Mistral, with
+    // use_sliding_window for Qwen2/Qwen3 (Llama has none).
+    if (type == "llama") continue;
+    nlohmann::json j = nlohmann::json::parse(config("sliding_window", R"("4096")"));
+    if (type != "mistral") j["use_sliding_window"] = true;
+    ModelConfig m;
+    const std::string msg = Apply(dir, j.dump(), &m);
+    EXPECT_NE(msg.find("sliding_window"), std::string::npos) << type << " -> " << msg;
+  }
   std::error_code ec;
   fs::remove_all(dir, ec);
 }
