@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The issue-3 benchmark set in one command, for one call on the GPU host. Every figure goes to ONE
-# file of JSON lines, because the device returns few files. Each line carries the commit passed
-# in, because the device's git reports the last landed commit, not the working tree.
+# The H200 benchmark set in one command, for one run on a GPU host. Every figure goes to ONE
+# file of JSON lines, easy to copy back from a remote host. Each line carries the commit passed
+# in, because the tree being measured need not be a clean checkout of any commit.
 #   bench/h200_suite.sh BUILD_DIR COMMIT OUT_FILE [quick]
 # For each job (RP_SUITE_JOBS, default the Qwen3-1.7B and 4B jobs):
 #  * rp-block-bench with and without the weight-gradient sinks;
 #  * exact mode at the defaults (10 steps, steps 3-10 steady) and stale1 (6 steps), each run's
 #    line with its boundary profile (bench/boundary_profile.py) under "boundary".
 # `quick`: exact mode only, 6 steps. `ab`: exact mode, 8 steps, at the defaults and then with the
-# --set arguments in RP_SUITE_AB (one A/B pair per job, in the same call). `list`: one 8-step
+# --set arguments in RP_SUITE_AB (one A/B pair per job, on the same host). `list`: one 8-step
 # run per line of RP_SUITE_RUNS ("job.toml [--set key=value ...]"), in order, instead of the
 # jobs. RP_SUITE_BLOCK=0 skips the block bench; RP_SUITE_TRACES=DIR keeps each run's trace.json
 # there as trace-runN.json (N counts runs from 1). Append OUT_FILE's lines to bench/results.jsonl, with a "note", once they are

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Predicted against measured step time for a job's plan and for the auto plan (issue 5's
+# Predicted against measured step time for a job's plan and for the auto plan (the planner
 # benchmark). No sampling of the processes while they run (on a small CPU machine the sampling
 # itself would slow the workers down); prints one JSON line per run for bench/results.jsonl.
 #   bench/plan_bench.sh BUILD_DIR WORKERS JOB [--set ...]

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Every find_package of the project, in one place. Configuring never downloads anything.
 find_package(Threads REQUIRED)
-# glog must precede LibTorch on the link line (see shared/gpu-host/README.md: c10 logging clash).
+# glog must precede LibTorch on the link line: a LibTorch built without glog (the torch wheel's)
+# defines logging symbols of the same names in libc10 (FLAGS_logtostderr and others), and which
+# definition a reference binds to depends on link order (see common/logging.h and common/logging.cc).
 find_package(glog REQUIRED)
 find_package(Boost 1.74 REQUIRED)
 find_package(cppzmq REQUIRED)

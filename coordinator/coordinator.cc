@@ -1327,7 +1327,7 @@ void Coordinator::ShutdownWorkers(int exit_code) {
 // The optimizer's pool size: --optimizer-threads, else optimizer.threads, else every core this
 // process may run on. Leaving a core to each GPU worker's launch thread was measured on the H200
 // host and made no difference (21,886 and 22,172 tokens/s against 21,857 and 22,112 with all 16
-// cores, alternated in one session), so the pool takes them all.
+// cores, alternated on one host), so the pool takes them all.
 int OptimizerThreads(const CoordinatorOptions& o, const core::JobConfig& cfg) {
   if (o.optimizer_threads > 0) return o.optimizer_threads;
   if (cfg.optimizer.threads > 0) return static_cast<int>(cfg.optimizer.threads);

@@ -1,10 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/data.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -98,21 +94,13 @@ Status Dataset::OpenTokens() {
   if (vocab > config_.model.vocab_size)
     return Status::InvalidArgument(key_ + ": " + sidecar + " says vocab_size " + std::to_string(vocab) +
                                    ", more than model.vocab_size " + std::to_string(config_.model.vocab_size));
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::FromErrno(key_ + ": opening " + path, errno);
-  struct stat st {};
-  ::fstat(fd, &st);
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size % static_cast<uint64_t>(token_bytes_) != 0 || size == 0) {
-    ::close(fd);
+  RP_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path, key_));
+  const uint64_t size = file.size();
+  if (size % static_cast<uint64_t>(token_bytes_) != 0 || size == 0)
     return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(size) +
                                    " bytes, not a whole number of " + dtype + " tokens");
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) return Status::FromErrno(key_ + ": mapping " + path, errno);
-  tokens_map_ = std::shared_ptr<const void>(map, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
-  tokens_ = static_cast<const uint8_t*>(map);
+  tokens_map_ = std::make_shared<const MappedFile>(std::move(file));
+  tokens_ = tokens_map_->data();
   const int64_t n = static_cast<int64_t>(size) / token_bytes_;
   const int64_t S = config_.data.seq_len;
   if (n < S + 1)

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mapped_file.h"
 #include "common/status.h"
 #include "core/job_config.h"
 
@@ -62,7 +63,7 @@ class Dataset {
 
   JobConfig config_;
   std::vector<uint8_t> bytes_;
-  std::shared_ptr<const void> tokens_map_;  // "tokens": the mapped file (munmap on last release)
+  std::shared_ptr<const MappedFile> tokens_map_;  // "tokens": the mapped file, shared by copies
   const uint8_t* tokens_ = nullptr;
   int token_bytes_ = 0;                      // 2 or 4
   std::vector<int32_t> packed_tokens_, packed_targets_;  // "jsonl": the packed stream

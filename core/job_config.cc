@@ -334,8 +334,8 @@ const std::vector<KeySpec>& Table() {
            "Run a step's train.accum_calls calls as one round of accum_calls x microbatches "
            "microbatches: the same sequences, loss scale and gradient (summed in another order, "
            "so fp32 sums differ in the last bits), with each stage's weights fetched and its "
-           "gradients committed once per step instead of once per call (H200, Qwen3-1.7B job, one "
-           "call: +3.8% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
+           "gradients committed once per step instead of once per call (H200, Qwen3-1.7B job, alternated "
+           "on one host: +3.8% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
            "memory than two calls in flight; always: also with more calls or in stale1 (activation "
            "slots for all the step's microbatches); never: the calls run one after another"),
       Enum("schedule", "layer_major_forward", F(schedule.layer_major_forward), "auto",
@@ -346,7 +346,7 @@ const std::vector<KeySpec>& Table() {
            "so a stage run microbatch by microbatch starts only once its last layer is published. "
            "auto: when the stage's weights are still being published as it could begin and every "
            "microbatch's input is there; always: whenever every input is there (the same bits, "
-           "for tests); never. On the H200 host auto against never, same call: Qwen3-1.7B job "
+           "for tests); never. On the H200 host auto against never, alternated on one host: Qwen3-1.7B job "
            "+0.6% and +1.7%, 4B +3.5% tokens/s (docs/architecture.md, Workers). Costs device memory for every "
            "microbatch's hidden state at once; profiled steps run the same way, each layer of "
            "each microbatch timed"),

@@ -151,7 +151,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // committed: unless this job reserves it, nothing of it is on the device while this job
   // computes (the 4B job's auto plan, whose last backward stage precedes a 36-layer forward
   // stage: 21.2 GB estimated with the old pairing, 18.8 with prefetch alone, 14.1 now; 13.2 GB
-  // allocated at the peak in call 4 of the fourteenth session; 13.1 GB with the sinks counted.
+  // allocated at the peak, measured on the H200; 13.1 GB with the sinks counted.
   // The 1.7B job's auto plan: 11.1 -> 9.0 -> 8.1 GB, 6.5 allocated).
   MemoryEstimate out;
   const int calls = static_cast<int>(std::max<int64_t>(1, c.train.accum_calls));

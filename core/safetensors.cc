@@ -1,10 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "core/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -129,27 +125,13 @@ Status ParseSafetensorsHeader(const std::string& what, const std::string& text, 
 }
 
 StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::FromErrno("opening " + path, errno);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    Status s = Status::FromErrno("stat " + path, errno);
-    ::close(fd);
-    return s;
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    return Bad(path, "shorter than the 8-byte header length (truncated or not safetensors)");
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);  // the mapping keeps the file
-  if (map == MAP_FAILED) return Status::FromErrno("mapping " + path, errno);
+  RP_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path, "safetensors"));
+  const uint64_t size = file.size();
+  if (size < 8) return Bad(path, "shorter than the 8-byte header length (truncated or not safetensors)");
   SafetensorsFile f;
   f.path_ = path;
-  f.map_ = map;
-  f.map_bytes_ = size;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  f.file_ = std::move(file);
+  const uint8_t* bytes = f.file_.data();
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
   if (n > kMaxHeaderBytes) return Bad(path, "header length " + std::to_string(n) + " exceeds the 100 MiB limit");
@@ -160,27 +142,6 @@ StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   RP_RETURN_IF_ERROR(ParseSafetensorsHeader(path, header, size - 8 - n, &f.tensors_, &f.metadata_));
   f.data_ = bytes + 8 + n;
   return f;
-}
-
-SafetensorsFile::SafetensorsFile(SafetensorsFile&& o) noexcept { *this = std::move(o); }
-
-SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
-  if (this != &o) {
-    if (map_) ::munmap(map_, map_bytes_);
-    path_ = std::move(o.path_);
-    map_ = o.map_;
-    map_bytes_ = o.map_bytes_;
-    data_ = o.data_;
-    tensors_ = std::move(o.tensors_);
-    metadata_ = std::move(o.metadata_);
-    o.map_ = nullptr;
-    o.data_ = nullptr;
-  }
-  return *this;
-}
-
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(map_, map_bytes_);
 }
 
 const SafetensorInfo* SafetensorsFile::Find(const std::string& name) const {

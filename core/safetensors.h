@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mapped_file.h"
 #include "common/status.h"
 
 namespace rp::core {
@@ -45,11 +46,8 @@ int SafetensorsDtypeBytes(const std::string& dtype);
 class SafetensorsFile {
  public:
   static StatusOr<SafetensorsFile> Open(const std::string& path);
-  SafetensorsFile(SafetensorsFile&&) noexcept;
-  SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
-  SafetensorsFile(const SafetensorsFile&) = delete;
-  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
-  ~SafetensorsFile();
+  SafetensorsFile(SafetensorsFile&&) noexcept = default;
+  SafetensorsFile& operator=(SafetensorsFile&&) noexcept = default;
 
   const std::string& path() const { return path_; }
   const std::vector<SafetensorInfo>& tensors() const { return tensors_; }  // by name
@@ -62,9 +60,8 @@ class SafetensorsFile {
  private:
   SafetensorsFile() = default;
   std::string path_;
-  void* map_ = nullptr;
-  uint64_t map_bytes_ = 0;
-  const uint8_t* data_ = nullptr;
+  MappedFile file_;
+  const uint8_t* data_ = nullptr;  // inside file_'s mapping, which a move keeps in place
   std::vector<SafetensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };

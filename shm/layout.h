@@ -2,7 +2,7 @@
 // The two shared-memory segments of a run: header POD and arena layouts.
 //
 // Segment "rp-<session>-state" (one per run, created 0600 by the coordinator before any worker
-// attaches, never resized; see docs/shm_layout.md). Workers map it and pin it for DMA, so it holds
+// attaches, never resized; see docs/architecture.md, "The shared-memory segments"). Workers map it and pin it for DMA, so it holds
 // only what workers read or write:
 //
 //   [0, 4096)            SegmentHeader (below)

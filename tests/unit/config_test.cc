@@ -3,7 +3,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
+#include <sstream>
 
 #include "core/job_config.h"
 #include "core/model_spec.h"
@@ -183,15 +185,42 @@ TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
               {"train.accum_calls=2", "train.microbatches=4096"});
 }
 
-TEST(JobConfig, ReadmeDocumentsEveryKey) {
+// configs/README.md's key table and the parser's table (what --print-keys prints) agree on every
+// key's name, type and default, in both directions.
+TEST(JobConfig, ReadmeDocumentsEveryKeyWithItsTypeAndDefault) {
   const std::string readme = testing::ReadFile(testing::SourceDir() + "/configs/README.md");
   ASSERT_FALSE(readme.empty());
+  // Rows "| `section.key` | type | default | meaning |".
+  std::map<std::string, std::pair<std::string, std::string>> rows;
+  std::istringstream in(readme);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("| `", 0) != 0) continue;
+    std::vector<std::string> cells;
+    for (size_t a = 1, b; (b = line.find(" | ", a)) != std::string::npos || a < line.size(); a = b + 3) {
+      if (b == std::string::npos) b = line.size();
+      std::string c = line.substr(a, b - a);
+      while (!c.empty() && (c.front() == ' ' || c.front() == '|')) c.erase(0, 1);
+      while (!c.empty() && (c.back() == ' ' || c.back() == '|')) c.pop_back();
+      cells.push_back(c);
+      if (cells.size() == 3) break;
+    }
+    if (cells.size() < 3 || cells[0].size() < 3 || cells[0].find('.') == std::string::npos) continue;
+    rows[cells[0].substr(1, cells[0].size() - 2)] = {cells[1], cells[2]};
+  }
   std::set<std::string> seen;
   for (const auto& k : DocumentedKeys()) {
-    const std::string name = "`" + k.section + "." + k.key + "`";
-    EXPECT_NE(readme.find(name), std::string::npos) << name << " is not documented in configs/README.md";
-    EXPECT_TRUE(seen.insert(k.section + "." + k.key).second) << "declared twice: " << name;
+    const std::string name = k.section + "." + k.key;
+    EXPECT_TRUE(seen.insert(name).second) << "declared twice: " << name;
+    auto row = rows.find(name);
+    if (row == rows.end()) {
+      ADD_FAILURE() << name << " is not documented in configs/README.md";
+      continue;
+    }
+    EXPECT_EQ(row->second.first, k.type) << name << ": type in configs/README.md";
+    EXPECT_EQ(row->second.second, "`" + k.default_value + "`") << name << ": default in configs/README.md";
   }
+  for (const auto& [name, row] : rows)
+    EXPECT_TRUE(seen.count(name)) << "configs/README.md documents " << name << ", which is not a key";
 }
 
 TEST(JobConfig, ShippedConfigsAreValid) {

@@ -2,6 +2,7 @@
 #include "core/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
@@ -9,6 +10,7 @@
 #include <random>
 #include <sstream>
 
+#include "common/mapped_file.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {
@@ -187,6 +189,34 @@ TEST_F(SafetensorsTest, FuzzedFilesAreRejectedOrReadSafely) {
   }
   std::printf("fuzz: 3000 mutated files, %d accepted (valid after mutation), checksum %llu\n",
               accepted, static_cast<unsigned long long>(checksum));
+}
+
+
+// The mapping underneath every reader: a regular file maps whole (an empty one to nothing); a FIFO
+// or a directory in a file's place is refused at once instead of blocking or failing later, and a
+// missing file is named.
+TEST(MappedFile, MapsRegularFilesAndRefusesEverythingElse) {
+  const std::string dir = testing::MakeTempDir("rp-map-");
+  std::ofstream(dir + "/bytes") << "abcdef";
+  std::ofstream(dir + "/empty");
+  auto f = MappedFile::Open(dir + "/bytes", "probe");
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  ASSERT_EQ(f->size(), 6u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(f->data()), 6), "abcdef");
+  MappedFile moved = std::move(*f);  // the bytes stay where they were mapped
+  EXPECT_EQ(moved.data()[5], 'f');
+  auto empty = MappedFile::Open(dir + "/empty", "probe");
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->size(), 0u);
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  auto fifo = MappedFile::Open(dir + "/fifo", "probe");
+  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos) << fifo.status().message();
+  auto st = SafetensorsFile::Open(dir + "/fifo");
+  EXPECT_NE(st.status().message().find("fifo"), std::string::npos);
+  EXPECT_FALSE(MappedFile::Open(dir, "probe").ok());
+  auto missing = MappedFile::Open(dir + "/nothing", "probe");
+  EXPECT_NE(missing.status().message().find(dir + "/nothing"), std::string::npos);
+  fs::remove_all(dir);
 }
 
 }  // namespace
