@@ -149,7 +149,7 @@ int main(int argc, char** argv) {
   // The CUDA backend pins a host region; this tool moves nothing through it.
   std::vector<char> unused(1 << 20);
   std::unique_ptr<rp::worker::Device> device;
-  const bool want_cuda = cfg.job.device == "cuda" || (cfg.job.device == "auto" && rp::worker::CudaDeviceCount() > 0);
+  const bool want_cuda = cfg.job.device == rp::core::DeviceKind::kCuda || (cfg.job.device == rp::core::DeviceKind::kAuto && rp::worker::CudaDeviceCount() > 0);
   if (want_cuda) {
     auto d = rp::worker::MakeCudaDevice(0, unused.data(), unused.size());
     if (!d.ok()) {
@@ -161,13 +161,13 @@ int main(int argc, char** argv) {
     device = rp::worker::MakeCpuDevice();
   }
   const bool cuda = device->torch_device().is_cuda();
-  const at::ScalarType dtype = cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType dtype = cfg.train.dtype == rp::core::TrainDtype::kBf16 ? at::kBFloat16 : at::kFloat;
   const auto opts = at::TensorOptions().device(device->torch_device()).dtype(dtype);
   at::manual_seed(1);
 
   rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora);
-  if (cfg.train.fused_kernels) math.UseFusedKernels(device->fused_kernels());
-  math.UseFusedNorms(cfg.train.fused_norms);
+  if (cfg.bench.fused_kernels) math.UseFusedKernels(device->fused_kernels());
+  math.UseFusedNorms(cfg.bench.fused_norms);
   const int head_layer = spec.NumLayers() - 1;
   LayerWeights block = MakeWeights(spec, 1, opts);
   LayerWeights head = MakeWeights(spec, head_layer, opts);
@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   // As the worker does (executor.cc): with the device's fused kernels the projections and the
   // LM head add their gradients into fp32 sums inside the backward GEMM; the fold below then
   // covers only the other weights (the norms).
-  const bool sinks = !no_sinks && cfg.train.fused_kernels && device->fused_kernels() != nullptr;
+  const bool sinks = !no_sinks && cfg.bench.fused_kernels && device->fused_kernels() != nullptr;
   if (sinks) {
     rp::model::Transformer::WeightGradSinks s;
     for (const auto& [role, t] : block)
@@ -243,8 +243,8 @@ int main(int argc, char** argv) {
   int failures = 0;
   for (const auto& backend : backends) {
     nlohmann::json line = {{"tool", "rp-block-bench"}, {"job", job_path}, {"overrides", overrides},
-                           {"device", device->Describe()}, {"dtype", cfg.train.dtype},
-                           {"microbatch", {B, S}}, {"fused_kernels", cfg.train.fused_kernels}, {"fused_norms", cfg.train.fused_norms},
+                           {"device", device->Describe()}, {"dtype", rp::core::EnumName(cfg.train.dtype)},
+                           {"microbatch", {B, S}}, {"fused_kernels", cfg.bench.fused_kernels}, {"fused_norms", cfg.bench.fused_norms},
                            {"attention", backend}, {"torch", TORCH_VERSION}, {"reps", reps},
                            {"weight_grad_sinks", sinks}};
     if (!SelectAttention(backend)) {

@@ -149,12 +149,11 @@ class Coordinator {
   bool ActivationsInWorkers() const { return layout_.activations_in_worker || layout_.activations_in_pools; }
   Status ActivationsLost(const std::string& what) const {
     const char* setting = layout_.activations_in_worker ? "schedule.activations = \"worker\""
-                                                        : "schedule.activation_transport = \"cuda_ipc\"";
-    const char* fix = layout_.activations_in_worker ? "schedule.activations = \"host\""
-                                                    : "schedule.activation_transport = \"host\"";
+                                                        : "schedule.activations = \"cuda_ipc\"";
     return Status::Unavailable(what + "; with " + setting + " the step's hidden states and input gradients "
                                "lived in that worker's memory, so its jobs cannot be re-run: resume from the "
-                               "last checkpoint (rp-launch --resume), or use " + fix + " to survive worker faults");
+                               "last checkpoint (rp-launch --resume), or use schedule.activations = \"host\" "
+                               "to survive worker faults");
   }
   // Activation pools: which worker's pool holds each slot's current contents (-1: none yet), so
   // an InputReady can name the pool a consumer copies from. Indexed like the pool's slots.
@@ -309,7 +308,7 @@ Status Coordinator::Setup() {
                << (layout_.activations_in_worker ? "kept in the worker's memory"
                    : layout_.activations_in_pools
                        ? "in each worker's activation pool (" + std::to_string(layout_.pool_bytes >> 10) +
-                             " KiB per worker, activation_transport = cuda_ipc)"
+                             " KiB per worker, activations = cuda_ipc)"
                        : "in shared-memory slots (" + std::to_string((layout_.total_bytes - layout_.hidden) >> 10) +
                              " KiB)");
   if (layout_.activations_in_pools) {
@@ -346,7 +345,7 @@ Status Coordinator::InitState() {
     RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
     hf.emplace(std::move(w));
   }
-  const bool bf16 = cfg_.train.dtype == "bf16";
+  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
   // LoRA's frozen base, on resume too (checkpoints leave it out): the checkpoint (model.path)
   // or the seeded init, straight into its compute copy.
   std::vector<float> staging;
@@ -416,7 +415,7 @@ Status Coordinator::InitState() {
 
 void Coordinator::ReadFrozen(int f, float* out) const {
   const int64_t n = spec_.frozen[f].numel;
-  if (cfg_.train.dtype == "bf16") {
+  if (cfg_.train.dtype == core::TrainDtype::kBf16) {
     const auto* c = segment_->At<const uint16_t>(layout_.frozen[f]);
     for (int64_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(c[i]);
   } else {
@@ -617,7 +616,7 @@ bool Coordinator::FirstCommitMayGo(int64_t step, int stage) const {
   // this step computes, and each slot comes back when its parameter's update is complete). In
   // stale1 mode, and before a checkpoint (which must hold step - 1 whole and nothing of this
   // step), the whole previous update must be complete.
-  if ((cfg_.optimizer.mode != "exact" || PeriodicCheckpointAfter(step - 1)) && !optimizer_->Updated(step - 1))
+  if ((cfg_.optimizer.mode != core::OptimizerMode::kExact || PeriodicCheckpointAfter(step - 1)) && !optimizer_->Updated(step - 1))
     return false;
   // Also when Updated: the optimizer counts a parameter just before it gives its slots back.
   for (int slot : StageGradSlots(stage))
@@ -769,7 +768,7 @@ Status Coordinator::MaybeFinishProfile() {
                << path << "; prediction for " << plan_.Describe() << ": step "
                << prediction_->step_seconds << " s, bubble " << 100.0 * prediction_->bubble_ratio
                << "%, peak memory per worker " << prediction_->peak_memory_bytes / 1e9 << " GB";
-  if (cfg_.schedule.partition != "auto" || cfg_.schedule.replan_gain <= 0) return Status::Ok();
+  if (cfg_.schedule.partition != core::Partition::kAuto || cfg_.schedule.replan_gain <= 0) return Status::Ok();
   // A search for an older profile (drift) is waited for and dropped: the new one supersedes it.
   if (replan_search_.valid()) replan_search_.wait();
   replan_search_ = std::async(std::launch::async, [cfg = cfg_, workers = opts_.num_workers, p = *profile] {
@@ -1151,7 +1150,7 @@ Status Coordinator::Dispatch(int64_t step) {
     j.worker = core::WorkerForJob(stage_jobs_dispatched_++, 0, opts_.num_workers);
     // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's
     // update overlaps all of step t.
-    const int64_t version = cfg_.optimizer.mode == "stale1" ? std::max<int64_t>(0, step - 1) : step;
+    const int64_t version = cfg_.optimizer.mode == core::OptimizerMode::kStale1 ? std::max<int64_t>(0, step - 1) : step;
     proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
                     static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version,
                     step >= profile_begin_ && step < profile_end_ ? 1 : 0, 0};
@@ -1324,13 +1323,13 @@ void Coordinator::ShutdownWorkers(int exit_code) {
   }
 }
 
-// The optimizer's pool size: --optimizer-threads, else optimizer.threads, else every core this
+// The optimizer's pool size: --optimizer-threads, else bench.optimizer_threads, else every core this
 // process may run on. Leaving a core to each GPU worker's launch thread was measured on the H200
 // host and made no difference (21,886 and 22,172 tokens/s against 21,857 and 22,112 with all 16
 // cores, alternated on one host), so the pool takes them all.
 int OptimizerThreads(const CoordinatorOptions& o, const core::JobConfig& cfg) {
   if (o.optimizer_threads > 0) return o.optimizer_threads;
-  if (cfg.optimizer.threads > 0) return static_cast<int>(cfg.optimizer.threads);
+  if (cfg.bench.optimizer_threads > 0) return static_cast<int>(cfg.bench.optimizer_threads);
   cpu_set_t set;
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
@@ -1370,7 +1369,7 @@ Status Coordinator::Run() {
         {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * cfg_.train.accum_calls *
                                              cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_},
-        // schedule.merge_calls: the job file's calls that ran as this one round (1 = as written).
+        // bench.merge_calls: the job file's calls that ran as this one round (1 = as written).
         {"merged_calls", cfg_.train.merged_calls}};
     if (prediction_) {
       const double measured = core::Median(measured_step_s_);

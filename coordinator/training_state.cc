@@ -112,8 +112,9 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
   }
-  for (const std::string* s : {&c.optimizer.name, &c.optimizer.mode})
-    for (char ch : *s) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
+  // The modes' job-file spellings, so checkpoints keep the hash they were written with.
+  for (const std::string s : {core::EnumName(c.optimizer.name), core::EnumName(c.optimizer.mode)})
+    for (char ch : s) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
   if (!spec.frozen.empty()) {
     // LoRA: the checkpoint leaves the base out; resuming reloads it from the same source, so the
     // source (checkpoint path, or the seed of a random base) must be the same.

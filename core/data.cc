@@ -19,7 +19,7 @@ StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) 
   Dataset d;
   d.config_ = c;
   d.key_ = key;
-  if (c.data.format == "bytes") {
+  if (c.data.format == core::DataFormat::kBytes) {
     std::ifstream in(c.data.path, std::ios::binary);
     if (!in) return Status::InvalidArgument(d.key_ + ": cannot read " + c.data.path);
     d.bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -28,9 +28,9 @@ StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) 
       return Status::InvalidArgument(d.key_ + ": " + c.data.path + " is shorter than seq_len + 1");
     // Non-overlapping windows of S + 1 bytes (inputs and shifted labels), stride S.
     d.windows_ = (static_cast<int64_t>(d.bytes_.size()) - 1) / S;
-  } else if (c.data.format == "tokens") {
+  } else if (c.data.format == core::DataFormat::kTokens) {
     RP_RETURN_IF_ERROR(d.OpenTokens());
-  } else if (c.data.format == "jsonl") {
+  } else if (c.data.format == core::DataFormat::kJsonl) {
     RP_RETURN_IF_ERROR(d.OpenJsonl());
   } else {
     d.windows_ = 0;  // synthetic: unbounded
@@ -41,7 +41,7 @@ StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) 
 namespace {
 // Windows held out of data.path by data.eval_fraction (the last ones in file order).
 StatusOr<int64_t> HeldOutWindows(const JobConfig& c, int64_t windows) {
-  if (c.data.eval_fraction <= 0.0 || c.data.format == "random" || !c.data.eval_path.empty()) return 0;
+  if (c.data.eval_fraction <= 0.0 || c.data.format == core::DataFormat::kRandom || !c.data.eval_path.empty()) return 0;
   const int64_t held = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(windows) * c.data.eval_fraction));
   if (held >= windows)
     return Status::InvalidArgument("data.eval_fraction: holding out " + std::to_string(held) + " of the " +
@@ -59,7 +59,7 @@ StatusOr<Dataset> Dataset::Open(const JobConfig& c) {
 }
 
 StatusOr<Dataset> Dataset::OpenEval(const JobConfig& c) {
-  if (c.data.format == "random") {
+  if (c.data.format == core::DataFormat::kRandom) {
     RP_ASSIGN_OR_RETURN(Dataset d, OpenFile(c, "data.path"));
     return d;
   }
@@ -199,7 +199,7 @@ void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int6
   const int64_t S = config_.data.seq_len;
   for (int64_t i = 0; i < t.microbatch_size; ++i) {
     const int64_t g = ((step * t.accum_calls + call) * t.microbatches + mb) * t.microbatch_size + i;
-    if (config_.data.format == "random") {
+    if (config_.data.format == core::DataFormat::kRandom) {
       FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0x5EEDu, static_cast<uint64_t>(g)}),
                  tokens + i * S, labels + i * S);
       continue;
@@ -214,7 +214,7 @@ void Dataset::FillEval(int64_t index, int64_t* tokens, int64_t* labels) {
   const int64_t S = config_.data.seq_len;
   for (int64_t i = 0; i < t.microbatch_size; ++i) {
     const int64_t g = index * t.microbatch_size + i;
-    if (config_.data.format == "random") {
+    if (config_.data.format == core::DataFormat::kRandom) {
       // A stream of its own: no training draw (salt 0x5EED) repeats it.
       FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0xE7A1u, static_cast<uint64_t>(g)}),
                  tokens + i * S, labels + i * S);

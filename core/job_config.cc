@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <functional>
 #include <limits>
 #include <map>
@@ -111,23 +113,57 @@ KeySpec Str(std::string section, std::string key, Field field, std::string def,
   return s;
 }
 
-template <typename Field>
-KeySpec Enum(std::string section, std::string key, Field field, std::string def,
-             std::vector<std::string> allowed, std::string meaning) {
-  KeySpec s;
+// Each mode's spellings in job files, the one place they appear.
+template <typename E>
+using EnumNames = std::vector<std::pair<E, const char*>>;
+const EnumNames<DeviceKind> kDeviceNames = {{DeviceKind::kAuto, "auto"}, {DeviceKind::kCpu, "cpu"},
+                                            {DeviceKind::kCuda, "cuda"}};
+const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"}, {DataFormat::kTokens, "tokens"},
+                                            {DataFormat::kJsonl, "jsonl"}, {DataFormat::kRandom, "random"}};
+const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"}};
+const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
+const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
+const EnumNames<Activations> kActivationNames = {{Activations::kHost, "host"}, {Activations::kWorker, "worker"},
+                                                 {Activations::kCudaIpc, "cuda_ipc"}};
+const EnumNames<WeightsSource> kWeightsNames = {{WeightsSource::kAuto, "auto"},
+                                                {WeightsSource::kComputeCopy, "compute_copy"}};
+const EnumNames<EmbeddingLookup> kLookupNames = {{EmbeddingLookup::kAuto, "auto"}, {EmbeddingLookup::kCopy, "copy"}};
+const EnumNames<Partition> kPartitionNames = {{Partition::kEqual, "equal"}, {Partition::kAuto, "auto"}};
+const EnumNames<Tristate> kTristateNames = {{Tristate::kAuto, "auto"}, {Tristate::kAlways, "always"},
+                                            {Tristate::kNever, "never"}};
+
+template <typename E>
+const char* NameIn(const EnumNames<E>& names, E v) {
+  for (const auto& [e, n] : names)
+    if (e == v) return n;
+  return "?";
+}
+
+template <typename E>
+std::string ListOf(const EnumNames<E>& names) {
   std::string list;
-  for (auto& a : allowed) list += (list.empty() ? "" : " | ") + ("\"" + a + "\"");
-  s.doc = {section, key, "enum", "\"" + def + "\"", meaning + " (" + list + ")"};
-  s.set = [field, allowed, list](const toml::node& n, JobConfig& c,
-                                 const std::string& name) -> Status {
+  for (const auto& [e, n] : names) list += (list.empty() ? "" : " | ") + ("\"" + std::string(n) + "\"");
+  return list;
+}
+
+template <typename E>
+StatusOr<E> ParseEnum(const EnumNames<E>& names, const std::string& text, const std::string& name) {
+  for (const auto& [e, n] : names)
+    if (text == n) return e;
+  return Status::InvalidArgument(name + ": must be one of " + ListOf(names) + ", got \"" + text + "\"");
+}
+
+template <typename Field, typename E>
+KeySpec Enum(std::string section, std::string key, Field field, E def, const EnumNames<E>& names,
+             std::string meaning) {
+  KeySpec s;
+  s.doc = {section, key, "enum", "\"" + std::string(NameIn(names, def)) + "\"", meaning + " (" + ListOf(names) + ")"};
+  s.set = [field, &names](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
     auto v = n.value_exact<std::string>();
     if (!v) return WrongType(name, "a string", n);
-    for (auto& a : allowed)
-      if (*v == a) {
-        field(c) = *v;
-        return Status::Ok();
-      }
-    return Status::InvalidArgument(name + ": must be one of " + list + ", got \"" + *v + "\"");
+    RP_ASSIGN_OR_RETURN(E e, ParseEnum(names, *v, name));
+    field(c) = e;
+    return Status::Ok();
   };
   return s;
 }
@@ -180,7 +216,7 @@ const std::vector<KeySpec>& Table() {
       Str("job", "output_dir", F(job.output_dir), "output",
           "Where metrics.jsonl, summary.json, trace.json and logs go; relative to the job file. "
           "An existing directory is reused, but not one holding a previous run's metrics."),
-      Enum("job", "device", F(job.device), "auto", {"auto", "cpu", "cuda"},
+      Enum("job", "device", F(job.device), DeviceKind::kAuto, kDeviceNames,
            "Worker backend; auto = cuda when the build has CUDA and a GPU is visible"),
       Int("job", "max_worker_restarts", F(job.max_worker_restarts), 3, 0, 1000000,
           "Replacement workers the launcher starts, over the whole run, for workers that die; the "
@@ -212,7 +248,7 @@ const std::vector<KeySpec>& Table() {
       Float("model", "init_std", F(model.init_std), 0.02, 0.0, 10.0,
             "Std of the normal init of matrices (norm weights start at 1)"),
 
-      Enum("data", "format", F(data.format), "bytes", {"bytes", "tokens", "jsonl", "random"},
+      Enum("data", "format", F(data.format), DataFormat::kBytes, kFormatNames,
            "bytes: the file at data.path, one token per byte (vocab_size >= 256); "
            "tokens: a flat file of uint16/uint32 token ids with a JSON sidecar <path>.json "
            "{\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}; "
@@ -242,15 +278,7 @@ const std::vector<KeySpec>& Table() {
           "Tokens per LM-head + cross-entropy chunk: the head's logits exist for this many "
           "tokens at a time (device memory ~ 2 bytes x chunk x vocabulary in bf16 with the fused "
           "kernels, ~ 14 without)"),
-      Bool("train", "fused_kernels", F(train.fused_kernels), true,
-           "GPU workers compute the loss and RoPE with the project's fused CUDA kernels; false = "
-           "LibTorch's composite ops only, as CPU workers and rp-train-ref always do (to compare)"),
-      Bool("train", "fused_norms", F(train.fused_norms), true,
-           "With train.fused_kernels: RMSNorm, and the residual add before the post-attention norm, "
-           "in the project's kernel (one pass each way; the backward recomputes the statistics and "
-           "sums the weight gradient per block); false = LibTorch's fused rms_norm and a separate "
-           "add (to compare)"),
-      Enum("train", "dtype", F(train.dtype), "fp32", {"fp32", "bf16"},
+      Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
             "Clip the global gradient L2 norm to this; 0 disables"),
@@ -266,10 +294,10 @@ const std::vector<KeySpec>& Table() {
           "Stop once this many steps are done, after writing a checkpoint (for time-limited "
           "allocations; rp-launch --resume continues); 0 = run to train.steps"),
 
-      Enum("optimizer", "name", F(optimizer.name), "adamw", {"adamw", "sgd"},
+      Enum("optimizer", "name", F(optimizer.name), OptimizerName::kAdamW, kOptimizerNames,
            "adamw: decoupled weight decay, bias correction (state m, v); sgd: momentum with "
            "coupled weight decay as torch.optim.SGD (state: one momentum buffer)"),
-      Enum("optimizer", "mode", F(optimizer.mode), "exact", {"exact", "stale1"},
+      Enum("optimizer", "mode", F(optimizer.mode), OptimizerMode::kExact, kModeNames,
            "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: step t+1 reads the weights before step t's update, which then overlaps all of step t+1 (the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
       Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
       Float("optimizer", "min_lr", F(optimizer.min_lr), 3e-4, 0.0, 10.0,
@@ -282,16 +310,6 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "beta2", F(optimizer.beta2), 0.95, 0.0, 0.9999999, "Adam beta2"),
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
-      Int("optimizer", "threads", F(optimizer.threads), 0, 0, 4096,
-          "Coordinator threads for the optimizer; 0 = every core this process may use. The "
-          "result does not depend on the count"),
-      Int("optimizer", "rest_threads", F(optimizer.rest_threads), 0, 0, 4096,
-          "Exact mode: how many of the optimizer threads run the second pass of each update (the "
-          "moments, written while the next step computes); 0 = a quarter of them (at least one). "
-          "Fewer leave host memory bandwidth to the workers' weight fetches during the next "
-          "step's forward (on the H200 host, 4 of 16 against all 16: +2.0% tokens/s for the 1.7B "
-          "job, +1.6% for the 4B), too few can make the next step's commits wait for their "
-          "slots. The result does not depend on the count"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0 or "
           "train.accum_calls > 1 (each must be held until the step's last commit or the global "
@@ -324,64 +342,42 @@ const std::vector<KeySpec>& Table() {
           "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is set)"),
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
-      Bool("schedule", "interleave_calls", F(schedule.interleave_calls), true,
-           "Exact mode: queue the forward stages of accumulation calls 2i and 2i+1 stage by stage "
-           "before their tails and backward stages, so while the optimizer publishes the next "
-           "step's weights stage by stage there is more forward work queued on them (with one "
-           "worker, both calls' work on each stage). The same arithmetic in another order; "
-           "stale1 keeps calls in sequence"),
-      Enum("schedule", "merge_calls", F(schedule.merge_calls), "auto", {"auto", "always", "never"},
-           "Run a step's train.accum_calls calls as one round of accum_calls x microbatches "
-           "microbatches: the same sequences, loss scale and gradient (summed in another order, "
-           "so fp32 sums differ in the last bits), with each stage's weights fetched and its "
-           "gradients committed once per step instead of once per call (H200, Qwen3-1.7B job, alternated "
-           "on one host: +3.8% tokens/s). auto: in exact mode with 2 calls, where it needs no more activation "
-           "memory than two calls in flight; always: also with more calls or in stale1 (activation "
-           "slots for all the step's microbatches); never: the calls run one after another"),
-      Enum("schedule", "layer_major_forward", F(schedule.layer_major_forward), "auto",
-           {"auto", "always", "never"},
-           "Run a forward stage layer by layer over all its microbatches, each layer as soon as "
-           "its weights are copied, instead of microbatch by microbatch once all are. In exact "
-           "mode the optimizer publishes the next step's layers one by one at the step boundary, "
-           "so a stage run microbatch by microbatch starts only once its last layer is published. "
-           "auto: when the stage's weights are still being published as it could begin and every "
-           "microbatch's input is there; always: whenever every input is there (the same bits, "
-           "for tests); never. On the H200 host auto against never, alternated on one host: Qwen3-1.7B job "
-           "+0.6% and +1.7%, 4B +3.5% tokens/s (docs/architecture.md, Workers). Costs device memory for every "
-           "microbatch's hidden state at once; profiled steps run the same way, each layer of "
-           "each microbatch timed"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),
       IntArray("schedule", "backward_cuts", F(schedule.backward_cuts),
                "Explicit first layers of the non-tail backward stages except the one at 0 "
                "(ascending)"),
-      Enum("schedule", "activations", F(schedule.activations), "host", {"host", "worker"},
+      Enum("schedule", "activations", F(schedule.activations), Activations::kHost, kActivationNames,
            "Where hidden states (stage outputs, recompute checkpoints) and input gradients live "
            "between stages. host: shared-memory slots (any number of workers; a replaced worker "
            "re-runs its jobs from them). worker: in the worker's own (device) memory, with no "
            "copies to or from the host and no host memory for them; needs --gpus 1, and a "
-           "worker that dies stops the run (resume from the last checkpoint)"),
-      Enum("schedule", "weights_source", F(schedule.weights_source), "auto",
-           {"auto", "master", "compute_copy"},
-           "What workers fetch a layer's weights from. master: the fp32 masters themselves, "
-           "rounded to train.dtype on the worker (no host compute copy: 2 bytes per parameter "
-           "less host memory in bf16, 4 in fp32, and no copy for the optimizer to write; twice "
-           "the weight bytes over the host link in bf16). compute_copy: a separate copy in "
-           "train.dtype that the optimizer writes. auto: master in exact mode, compute_copy in "
-           "stale1 (which must keep the previous version readable while the masters change)"),
-      Enum("schedule", "embedding_lookup", F(schedule.embedding_lookup), "auto",
-           {"auto", "copy", "host"},
-           "How a stage with the embedding gets the rows it looks up. host: its lookup reads the "
-           "rows of its tokens straight from the fp32 masters in host memory (mapped, no copy of "
-           "the whole table), and in exact mode with clipping the optimizer updates the rows of "
-           "the next step's tokens first, so the next step's first stage starts before the rest "
-           "of the table is updated (each row's update is the same computation; in bf16 the lookup's "
-           "weight gradient is summed in fp32 instead of bf16, so bf16 runs differ from copy in the "
-           "last bits, fp32 runs not at all). copy: the "
-           "whole table is copied to the device once its update is complete. auto: host where "
-           "workers fetch the masters (schedule.weights_source) and the embedding is trained"),
-      Enum("schedule", "partition", F(schedule.partition), "equal", {"equal", "auto"},
+           "worker that dies stops the run (resume from the last checkpoint). cuda_ipc: each "
+           "worker keeps what it produces in one device-memory pool exported once through CUDA "
+           "IPC, and the consumer copies it device to device (same GPU, or peer to peer between "
+           "GPUs that can map each other's memory); no host memory for activations, one pool of "
+           "the slots' size per worker in device memory, and a worker that dies stops the run. "
+           "CPU workers stand in with a named shared-memory pool per worker (the same protocol, "
+           "what CI tests)"),
+      Enum("schedule", "weights_source", F(schedule.weights_source), WeightsSource::kAuto, kWeightsNames,
+           "What workers fetch a layer's weights from. auto: in exact mode the fp32 masters "
+           "themselves, rounded to train.dtype on the worker (no host compute copy: 2 bytes per "
+           "parameter less host memory in bf16, 4 in fp32, and no copy for the optimizer to "
+           "write; twice the weight bytes over the host link in bf16); in stale1, which must keep "
+           "the previous version readable while the masters change, a compute copy. "
+           "compute_copy: always a separate copy in train.dtype that the optimizer writes"),
+      Enum("schedule", "embedding_lookup", F(schedule.embedding_lookup), EmbeddingLookup::kAuto, kLookupNames,
+           "How a stage with the embedding gets the rows it looks up. auto, where workers fetch "
+           "the masters (schedule.weights_source) and the embedding is trained: its lookup reads "
+           "the rows of its tokens straight from the fp32 masters in host memory (mapped, no copy "
+           "of the whole table), and in exact mode with clipping the optimizer updates the rows "
+           "of the next step's tokens first, so the next step's first stage starts before the "
+           "rest of the table is updated (each row's update is the same computation; in bf16 the "
+           "lookup's weight gradient is summed in fp32 instead of bf16, so bf16 runs differ from "
+           "copy in the last bits, fp32 runs not at all). copy: the whole table is copied to the "
+           "device once its update is complete"),
+      Enum("schedule", "partition", F(schedule.partition), Partition::kEqual, kPartitionNames,
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
            "tail size and both partitions minimizing the simulated step time (from the measured "
            "profile when there is one, else a FLOP cost model; rp-plan shows its choice)"),
@@ -404,17 +400,6 @@ const std::vector<KeySpec>& Table() {
             "tensors allocated at the peak (rp-plan prints its parts; measured on the H200: 1.7B "
             "job +25-28%, 4B job -1%); leave room for the CUDA context and the allocator's cache "
             "(~1-2 GB); 0 = unlimited"),
-      Enum("schedule", "activation_transport", F(schedule.activation_transport), "auto",
-           {"auto", "host", "cuda_ipc"},
-           "How hidden states and input gradients move from the worker that computes them to the "
-           "worker that reads them. host: through slots in the shared state segment (a copy to "
-           "host memory and one back; a replaced worker re-runs its jobs from them). cuda_ipc: "
-           "each worker keeps what it produces in one device-memory pool exported once through "
-           "CUDA IPC, and the consumer copies it device to device (same GPU, or peer to peer "
-           "between GPUs that can map each other's memory); no host memory for activations, one "
-           "pool of the slots' size per worker in device memory, and a worker that dies stops "
-           "the run (resume from the last checkpoint). CPU workers stand in with a named "
-           "shared-memory pool per worker (the same protocol, what CI tests). auto: host"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "
@@ -459,6 +444,45 @@ Status CheckCuts(const std::string& name, const std::vector<int64_t>& cuts, int6
   return Status::Ok();
 }
 
+// BenchKnobs from the environment; a value that does not parse is an error naming the variable.
+Status ReadBenchKnobs(BenchKnobs* k) {
+  auto text = [](const char* var) -> std::optional<std::string> {
+    const char* v = std::getenv(var);
+    if (v == nullptr || *v == '\0') return std::nullopt;
+    return std::string(v);
+  };
+  auto flag = [&](const char* var, bool* out) -> Status {
+    auto v = text(var);
+    if (!v) return Status::Ok();
+    if (*v != "0" && *v != "1") return Status::InvalidArgument(std::string(var) + ": must be 0 or 1, got \"" + *v + "\"");
+    *out = *v == "1";
+    return Status::Ok();
+  };
+  auto count = [&](const char* var, int64_t* out) -> Status {
+    auto v = text(var);
+    if (!v) return Status::Ok();
+    char* end = nullptr;
+    const long long n = std::strtoll(v->c_str(), &end, 10);
+    if (*end != '\0' || n < 0 || n > 4096)
+      return Status::InvalidArgument(std::string(var) + ": must be an integer in [0, 4096], got \"" + *v + "\"");
+    *out = n;
+    return Status::Ok();
+  };
+  auto tristate = [&](const char* var, Tristate* out) -> Status {
+    auto v = text(var);
+    if (!v) return Status::Ok();
+    RP_ASSIGN_OR_RETURN(*out, ParseEnum(kTristateNames, *v, var));
+    return Status::Ok();
+  };
+  RP_RETURN_IF_ERROR(flag("RP_INTERLEAVE_CALLS", &k->interleave_calls));
+  RP_RETURN_IF_ERROR(tristate("RP_MERGE_CALLS", &k->merge_calls));
+  RP_RETURN_IF_ERROR(tristate("RP_LAYER_MAJOR_FORWARD", &k->layer_major_forward));
+  RP_RETURN_IF_ERROR(flag("RP_FUSED_KERNELS", &k->fused_kernels));
+  RP_RETURN_IF_ERROR(flag("RP_FUSED_NORMS", &k->fused_norms));
+  RP_RETURN_IF_ERROR(count("RP_OPTIMIZER_THREADS", &k->optimizer_threads));
+  return count("RP_OPTIMIZER_REST_THREADS", &k->optimizer_rest_threads);
+}
+
 Status CrossValidate(const JobConfig& c) {
   const auto& m = c.model;
   if (m.num_heads % m.num_kv_heads != 0)
@@ -473,13 +497,13 @@ Status CrossValidate(const JobConfig& c) {
                                    "sliding attention window (" + std::to_string(m.sliding_window) + " tokens, " +
                                    m.path + "/config.json: sliding_window), which is not implemented; sequences "
                                    "up to the window are exact");
-  if (c.data.format == "tokens" || c.data.format == "jsonl") {
+  if (c.data.format == DataFormat::kTokens || c.data.format == DataFormat::kJsonl) {
     std::error_code ec;
     if (c.data.path.empty() || !fs::is_regular_file(c.data.path, ec))
       return Status::InvalidArgument("data.path: no such file: \"" + c.data.path + "\" (data.format = \"" +
-                                     c.data.format + "\")");
+                                     EnumName(c.data.format) + "\")");
   }
-  if (c.data.format == "bytes") {
+  if (c.data.format == DataFormat::kBytes) {
     if (c.data.path.empty())
       return Status::InvalidArgument("data.path: required when data.format = \"bytes\"");
     std::error_code ec;
@@ -495,18 +519,18 @@ Status CrossValidate(const JobConfig& c) {
   }
   if (!c.data.eval_path.empty() && c.data.eval_fraction > 0.0)
     return Status::InvalidArgument("data.eval_fraction: set together with data.eval_path; choose one");
-  if (c.data.eval_fraction > 0.0 && c.data.format == "random")
+  if (c.data.eval_fraction > 0.0 && c.data.format == DataFormat::kRandom)
     return Status::InvalidArgument("data.eval_fraction: data.format = \"random\" evaluates on its own "
                                    "held-out synthetic stream; remove data.eval_fraction");
   if (!c.data.eval_path.empty()) {
     std::error_code ec;
     if (!fs::is_regular_file(c.data.eval_path, ec))
       return Status::InvalidArgument("data.eval_path: no such file: " + c.data.eval_path);
-    if (c.data.format == "random")
+    if (c.data.format == DataFormat::kRandom)
       return Status::InvalidArgument("data.eval_path: data.format = \"random\" evaluates on its own "
                                      "held-out synthetic stream; remove data.eval_path");
   }
-  if (c.train.eval_every > 0 && c.data.format != "random" && c.data.eval_path.empty() &&
+  if (c.train.eval_every > 0 && c.data.format != DataFormat::kRandom && c.data.eval_path.empty() &&
       c.data.eval_fraction <= 0.0)
     return Status::InvalidArgument("train.eval_every: needs an eval set: set data.eval_path or "
                                    "data.eval_fraction");
@@ -534,23 +558,9 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
                                    "set lora.rank to the adapter's rank");
   }
-  if (c.schedule.activation_transport == "cuda_ipc" && c.schedule.activations == "worker")
-    return Status::InvalidArgument("schedule.activation_transport: \"cuda_ipc\" moves activations "
-                                   "between workers' pools, but schedule.activations = \"worker\" keeps "
-                                   "them in the one worker; choose one (activations = \"host\" with "
-                                   "cuda_ipc for several workers)");
-  if (c.schedule.weights_source == "master" && c.optimizer.mode == "stale1")
-    return Status::InvalidArgument("schedule.weights_source: \"master\" cannot serve optimizer.mode = "
-                                   "\"stale1\", whose next step reads the weights before the update "
-                                   "that is rewriting the masters; use \"compute_copy\" or \"auto\"");
-  if (c.schedule.embedding_lookup == "host" && !LookupFromHost(c))
-    return Status::InvalidArgument("schedule.embedding_lookup: \"host\" reads the fp32 masters, so it needs "
-                                   "workers that fetch them (optimizer.mode = \"exact\" with "
-                                   "schedule.weights_source = \"auto\" or \"master\") and a trained "
-                                   "embedding (no LoRA); use \"auto\" or \"copy\"");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
-  if (c.train.dtype == "bf16" && c.job.device == "cpu")
+  if (c.train.dtype == TrainDtype::kBf16 && c.job.device == DeviceKind::kCpu)
     return Status::InvalidArgument("train.dtype: \"bf16\" needs job.device = \"cuda\" or \"auto\"; "
                                    "CPU workers compute in fp32");
   // Pipeline layers: 0 = embedding, 1..L = blocks, L+1 = head. The tail holds the head and
@@ -571,7 +581,7 @@ Status CrossValidate(const JobConfig& c) {
                                    std::to_string(c.schedule.backward_stages) +
                                    " stages for only " + std::to_string(tail_start) +
                                    " backward layers");
-  if (c.schedule.partition == "auto" &&
+  if (c.schedule.partition == Partition::kAuto &&
       (!c.schedule.forward_cuts.empty() || !c.schedule.backward_cuts.empty()))
     return Status::InvalidArgument("schedule.partition: \"auto\" chooses the cuts itself; remove "
                                    "schedule.forward_cuts and schedule.backward_cuts");
@@ -635,6 +645,17 @@ std::vector<KeyDoc> DocumentedKeys() {
   return out;
 }
 
+const char* EnumName(DeviceKind v) { return NameIn(kDeviceNames, v); }
+const char* EnumName(DataFormat v) { return NameIn(kFormatNames, v); }
+const char* EnumName(TrainDtype v) { return NameIn(kDtypeNames, v); }
+const char* EnumName(OptimizerName v) { return NameIn(kOptimizerNames, v); }
+const char* EnumName(OptimizerMode v) { return NameIn(kModeNames, v); }
+const char* EnumName(Activations v) { return NameIn(kActivationNames, v); }
+const char* EnumName(WeightsSource v) { return NameIn(kWeightsNames, v); }
+const char* EnumName(EmbeddingLookup v) { return NameIn(kLookupNames, v); }
+const char* EnumName(Partition v) { return NameIn(kPartitionNames, v); }
+const char* EnumName(Tristate v) { return NameIn(kTristateNames, v); }
+
 Status CheckModelValue(const std::string& key, double value, const std::string& name) {
   for (const auto& s : Table()) {
     if (s.doc.section != "model" || s.doc.key != key) continue;
@@ -682,13 +703,14 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     // A model from job keys is written out as the family its q/k norm names.
     cfg.model.model_type = cfg.model.qk_norm ? "qwen3" : "llama";
   }
+  RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {
     if (cfg.train.microbatches * cfg.train.accum_calls > 4096)
-      return Status::InvalidArgument("schedule.merge_calls: train.accum_calls x train.microbatches = " +
+      return Status::InvalidArgument("RP_MERGE_CALLS: train.accum_calls x train.microbatches = " +
                                      std::to_string(cfg.train.microbatches * cfg.train.accum_calls) +
                                      " microbatches in one round, above train.microbatches' limit of 4096 "
-                                     "(merge_calls = \"never\" keeps the calls)");
+                                     "(RP_MERGE_CALLS=never keeps the calls)");
     cfg.train.merged_calls = cfg.train.accum_calls;
     cfg.train.microbatches *= cfg.train.accum_calls;
     cfg.train.accum_calls = 1;

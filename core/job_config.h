@@ -20,6 +20,31 @@
 
 namespace rp::core {
 
+// Every mode a job file names, as a type: the strings exist only in the key table
+// (job_config.cc), which maps them once; EnumName() gives them back for logs and output files.
+enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };              // job.device
+enum class DataFormat : uint8_t { kBytes, kTokens, kJsonl, kRandom };  // data.format
+enum class TrainDtype : uint8_t { kFp32, kBf16 };                     // train.dtype
+enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
+enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
+enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };        // schedule.activations
+enum class WeightsSource : uint8_t { kAuto, kComputeCopy };           // schedule.weights_source
+enum class EmbeddingLookup : uint8_t { kAuto, kCopy };                // schedule.embedding_lookup
+enum class Partition : uint8_t { kEqual, kAuto };                     // schedule.partition
+// Bench and test switches (BenchKnobs below), not job keys.
+enum class Tristate : uint8_t { kAuto, kAlways, kNever };
+
+const char* EnumName(DeviceKind v);
+const char* EnumName(DataFormat v);
+const char* EnumName(TrainDtype v);
+const char* EnumName(OptimizerName v);
+const char* EnumName(OptimizerMode v);
+const char* EnumName(Activations v);
+const char* EnumName(WeightsSource v);
+const char* EnumName(EmbeddingLookup v);
+const char* EnumName(Partition v);
+const char* EnumName(Tristate v);
+
 // Rotary position embedding of the query and key heads. Every variant only changes the
 // per-frequency rates and one factor on cos/sin (core/rope.h computes both), so one table builder
 // serves the CPU composite, the fused CUDA kernels and rp-train-ref alike.
@@ -65,7 +90,7 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string format = "bytes";  // "bytes": UTF-8 file as byte tokens; "random": synthetic
+  DataFormat format = DataFormat::kBytes;  // bytes: UTF-8 file as byte tokens; random: synthetic
   std::string path;              // resolved to an absolute path
   int64_t seq_len = 64;
   bool shuffle = true;
@@ -77,24 +102,22 @@ struct TrainConfig {
   int64_t steps = 20;
   int64_t seed = 1234;
   int64_t microbatches = 3;      // M per accumulation call
-  int64_t accum_calls = 2;       // K calls per optimizer step (1 after schedule.merge_calls)
+  int64_t accum_calls = 2;       // K calls per optimizer step (1 after MergeCalls)
   // Derived, not a key: how many of the job file's calls ParseJobConfig merged into this one
-  // round (schedule.merge_calls); 1 when the calls run as written.
+  // round (MergeCalls); 1 when the calls run as written.
   int64_t merged_calls = 1;
   int64_t microbatch_size = 2;   // sequences per microbatch
-  std::string dtype = "fp32";    // "fp32" | "bf16" (compute copy dtype; masters are fp32)
+  TrainDtype dtype = TrainDtype::kFp32;  // compute dtype; masters are fp32
   double grad_clip = 1.0;        // global L2 norm; 0 disables
   int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
-  bool fused_kernels = true;     // GPU workers use the project's kernels (model/fused_kernels.h)
-  bool fused_norms = true;       // ... including its RMSNorm (+ residual add) kernel
   int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
   int64_t eval_every = 0;        // eval loss after every this many steps and after the last; 0 = never
   int64_t eval_microbatches = 4; // the eval set: this many microbatches of microbatch_size sequences
 };
 
 struct OptimizerConfig {
-  std::string name = "adamw";
-  std::string mode = "exact";    // "exact" | "stale1"
+  OptimizerName name = OptimizerName::kAdamW;
+  OptimizerMode mode = OptimizerMode::kExact;
   double lr = 3e-3;
   double min_lr = 3e-4;
   int64_t warmup_steps = 2;
@@ -104,8 +127,6 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double momentum = 0.9;         // SGD only
   int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
-  int64_t threads = 0;           // optimizer pool; 0 = every usable core
-  int64_t rest_threads = 0;      // of those, how many run exact mode's second passes; 0 = a quarter
 };
 
 // LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets
@@ -130,16 +151,14 @@ struct ScheduleConfig {
   int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty
   int64_t backward_stages = 2;   // equal split of the non-tail backward layers
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
-  bool interleave_calls = true;   // core::StepJobOrder
-  std::string merge_calls = "auto";  // "auto" | "always" | "never" (MergeCalls below)
-  std::string layer_major_forward = "auto";  // "auto" | "always" | "never" (worker::Executor)
-  std::string activations = "host";  // "host": shared-memory slots; "worker": the one worker's memory
-  std::string weights_source = "auto";  // "auto" | "master" | "compute_copy" (WorkersFetchMasters)
-  std::string embedding_lookup = "auto";  // "auto" | "copy" | "host" (LookupFromHost)
+  // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing
+  // worker's pool, mapped by its consumers (ActivationsInPools)
+  Activations activations = Activations::kHost;
+  WeightsSource weights_source = WeightsSource::kAuto;        // WorkersFetchMasters
+  EmbeddingLookup embedding_lookup = EmbeddingLookup::kAuto;  // LookupFromHost
   std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
-  std::string activation_transport = "auto";  // "auto" | "host" | "cuda_ipc"
-  std::string partition = "equal";  // "equal": stage counts or explicit cuts; "auto": planner
+  Partition partition = Partition::kEqual;  // equal: stage counts or explicit cuts; auto: planner
   double gpu_memory_gb = 0.0;       // per-worker memory limit for "auto"; 0 = unlimited
   std::string profile;              // measured profile for "auto" (core/profile.h); "" = cost model
   int64_t profile_steps = 2;        // steps timed per layer after a warm-up step; 0 = none
@@ -159,10 +178,24 @@ struct MetricsConfig {
   bool trace = true;             // write trace.json
 };
 
+// Switches for A/B benchmarks and tests, not job keys: each picks between implementations that
+// give the same results (bit for bit, or the same math summed in another order), so a user never
+// needs them. Read from the environment (RP_<NAME>, e.g. RP_MERGE_CALLS=never) by ParseJobConfig;
+// rp-launch's children inherit it, so every process of a run reads the same values.
+struct BenchKnobs {
+  bool interleave_calls = true;              // RP_INTERLEAVE_CALLS=0|1: core::StepJobOrder
+  Tristate merge_calls = Tristate::kAuto;     // RP_MERGE_CALLS=auto|always|never: MergeCalls
+  Tristate layer_major_forward = Tristate::kAuto;  // RP_LAYER_MAJOR_FORWARD: worker::Executor
+  bool fused_kernels = true;  // RP_FUSED_KERNELS=0|1: GPU workers use the project's kernels
+  bool fused_norms = true;    // RP_FUSED_NORMS=0|1: ... including its RMSNorm (+ add) kernel
+  int64_t optimizer_threads = 0;       // RP_OPTIMIZER_THREADS: pool size; 0 = every usable core
+  int64_t optimizer_rest_threads = 0;  // RP_OPTIMIZER_REST_THREADS: exact mode's second passes; 0 = a quarter
+};
+
 struct JobOptions {
   std::string name = "job";
   std::string output_dir = "output";
-  std::string device = "auto";   // "auto" | "cpu" | "cuda"
+  DeviceKind device = DeviceKind::kAuto;
   int64_t max_worker_restarts = 3;  // replacements the launcher starts for dead workers
   double worker_timeout_s = 60.0;   // a worker silent this long is declared hung; 0 = never
 };
@@ -177,6 +210,7 @@ struct JobConfig {
   ScheduleConfig schedule;
   CheckpointConfig checkpoint;
   MetricsConfig metrics;
+  BenchKnobs bench;
 
   std::string source_path;       // the job file, absolute
 
@@ -212,8 +246,7 @@ Status CheckModelValue(const std::string& key, double value, const std::string& 
 // masters change only after every job of the step that reads them has run. stale1 cannot: the
 // next step reads version t while the optimizer writes version t + 1.
 inline bool WorkersFetchMasters(const JobConfig& c) {
-  return c.schedule.weights_source == "master" ||
-         (c.schedule.weights_source == "auto" && c.optimizer.mode == "exact");
+  return c.schedule.weights_source == WeightsSource::kAuto && c.optimizer.mode == OptimizerMode::kExact;
 }
 
 // schedule.embedding_lookup resolved: true when the embedding's lookup reads the rows it needs
@@ -223,10 +256,10 @@ inline bool WorkersFetchMasters(const JobConfig& c) {
 // its value from its update until the next step's own update, which waits for every job of that
 // step. A LoRA job's embedding is a frozen copy: nothing to gain there.
 inline bool LookupFromHost(const JobConfig& c) {
-  return c.schedule.embedding_lookup != "copy" && WorkersFetchMasters(c) && !c.lora.enabled();
+  return c.schedule.embedding_lookup == EmbeddingLookup::kAuto && WorkersFetchMasters(c) && !c.lora.enabled();
 }
 
-// schedule.merge_calls resolved on the job file's values: whether the K accumulation calls of a
+// RP_MERGE_CALLS (BenchKnobs) resolved on the job file's values: whether the K accumulation calls of a
 // step run as one round of K x M microbatches. The math is the same (the step's loss scale is one
 // over the step's targets either way, the data index of microbatch m of call c is c x M + m in
 // both, and gradients are summed over every microbatch in fp32; only the order of that sum
@@ -239,16 +272,17 @@ inline bool LookupFromHost(const JobConfig& c) {
 // ParseJobConfig applies it (accum_calls becomes 1, microbatches K x M, merged_calls K), so
 // every process, the layout and the planner see the merged round.
 inline bool MergeCalls(const JobConfig& c) {
-  if (c.train.accum_calls < 2 || c.schedule.merge_calls == "never") return false;
-  return c.schedule.merge_calls == "always" || (c.optimizer.mode == "exact" && c.train.accum_calls == 2);
+  if (c.train.accum_calls < 2 || c.bench.merge_calls == Tristate::kNever) return false;
+  return c.bench.merge_calls == Tristate::kAlways ||
+         (c.optimizer.mode == OptimizerMode::kExact && c.train.accum_calls == 2);
 }
 
-// schedule.activation_transport resolved: true when every worker keeps the hidden states and
+// schedule.activations = "cuda_ipc": true when every worker keeps the hidden states and
 // input gradients it produces in its own activation pool (device memory for CUDA workers,
 // exported once through CUDA IPC; a named shared-memory object for CPU workers) and consumers
 // copy them from the producer's pool, instead of staging them in the state segment's slots.
-// "auto" stays with the host slots: a pool per worker costs device memory the slots do not, and
-// a worker that dies takes its pool with it (the run stops instead of re-running its jobs).
-inline bool ActivationsInPools(const JobConfig& c) { return c.schedule.activation_transport == "cuda_ipc"; }
+// The default stays with the host slots: a pool per worker costs device memory the slots do not,
+// and a worker that dies takes its pool with it (the run stops instead of re-running its jobs).
+inline bool ActivationsInPools(const JobConfig& c) { return c.schedule.activations == Activations::kCudaIpc; }
 
 }  // namespace rp::core

@@ -88,7 +88,7 @@ ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = Lor
 int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec);
 
 // Rows the gradient slot `slot` holds when it is the tied embedding's input-lookup slot with
-// one call per step (after schedule.merge_calls): at most one row per input token of the step,
+// one call per step (after bench.merge_calls): at most one row per input token of the step,
 // min(vocab, tokens per step), instead of the whole matrix. Why: the lookup's gradient is zero
 // outside the step's token rows, so the worker commits those rows only (less host memory and
 // device-to-host copy at the end of the step's last backward stage) and the optimizer folds
@@ -97,7 +97,7 @@ int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec);
 int64_t CompactLookupRows(const JobConfig& c, const ModelSpec& spec, int slot);
 
 // Whether a use with this role may sum its weight gradient straight into an fp32 sink
-// (model::Transformer::SetWeightGradSinks; CUDA workers with train.fused_kernels): the
+// (model::Transformer::SetWeightGradSinks; CUDA workers with bench.fused_kernels): the
 // projections and the LM head, every use of which goes through a GEMM the fused path owns. The
 // planner's memory estimate follows it (no per-microbatch gradient in the compute dtype).
 bool SinkableRole(const std::string& role);

@@ -85,7 +85,7 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
 
 MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
-  const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
+  const double elem = c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
   const double I = static_cast<double>(c.model.intermediate_size);
@@ -96,7 +96,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const int mapped_param = LookupInPlaceParam(c, spec);
   // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
   // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
-  const bool fused_cuda = c.train.fused_kernels && c.job.device != "cpu";
+  const bool fused_cuda = c.bench.fused_kernels && c.job.device != core::DeviceKind::kCpu;
   for (const auto& st : plan.stages) {
     double params = 0.0;  // weights fetched
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
@@ -158,7 +158,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
   const int64_t ahead = std::max(1, workers);
-  const bool next_step_waits = c.optimizer.mode == "exact" && c.train.grad_clip > 0;
+  const bool next_step_waits = c.optimizer.mode == core::OptimizerMode::kExact && c.train.grad_clip > 0;
   double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
@@ -178,14 +178,14 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   }
   // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
   // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
-  // activation pool (activation_transport = "cuda_ipc") holds the same in every worker.
+  // activation pool (activations = "cuda_ipc") holds the same in every worker.
   double resident = 0.0;
-  if (c.schedule.activations == "worker" || ActivationsInPools(c)) {
+  if (c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)) {
     resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(c.train.microbatches) *
                plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
   }
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
-  const double staging = WorkersFetchMasters(c) && elem == 2.0 && c.job.device != "cpu" ? 64.0 * (1 << 20) : 0.0;
+  const double staging = WorkersFetchMasters(c) && elem == 2.0 && c.job.device != core::DeviceKind::kCpu ? 64.0 * (1 << 20) : 0.0;
   out.resident = resident;
   out.staging = staging;
   out.total = worst + resident + staging;
@@ -238,7 +238,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   int candidates = 0;
   double smallest_memory = std::numeric_limits<double>::infinity();
   JobConfig probe = c;
-  probe.schedule.partition = "equal";
+  probe.schedule.partition = core::Partition::kEqual;
   for (int tail = 0; tail <= std::min(L, 3); ++tail) {
     const int t = L + 1 - tail;  // layers before the tail
     probe.schedule.tail_blocks = tail;

@@ -80,7 +80,7 @@ std::string PipelinePlan::Describe() const {
 }
 
 StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
-  if (c.schedule.partition != "auto") return BuildPlan(c);
+  if (c.schedule.partition != core::Partition::kAuto) return BuildPlan(c);
   RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));
   return choice.plan;
 }

@@ -85,26 +85,26 @@ struct JobSlot {
   int stage;
 };
 std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool interleave);
-// Whether a job interleaves calls: schedule.interleave_calls, in exact mode only (stale1 has no
+// Whether a job interleaves calls: bench.interleave_calls, in exact mode only (stale1 has no
 // step-boundary wait to hide, and with several workers the simulator predicts the interleaved
 // order ~1% slower there).
 inline bool InterleaveCalls(const JobConfig& c) {
-  return c.schedule.interleave_calls && c.optimizer.mode == "exact";
+  return c.bench.interleave_calls && c.optimizer.mode == core::OptimizerMode::kExact;
 }
 
-// Whether a job of `stage` over `microbatches` may run layer-major (schedule.layer_major_forward,
+// Whether a job of `stage` over `microbatches` may run layer-major (bench.layer_major_forward,
 // worker::Executor::ForwardLayers): a forward stage of several layers and microbatches. The
 // worker decides per job from what is ready; the planner's memory estimate counts it wherever
 // it may.
 inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t microbatches) {
-  return c.schedule.layer_major_forward != "never" && stage.kind == StageKind::kForward &&
+  return c.bench.layer_major_forward != core::Tristate::kNever && stage.kind == StageKind::kForward &&
          stage.end - stage.begin > 1 && microbatches > 1;
 }
 
 // Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains,
 // except exact mode with one call per step, where no two calls' activations are ever in flight.
 inline int ActivationParities(const JobConfig& c) {
-  return c.optimizer.mode == "exact" && c.train.accum_calls == 1 ? 1 : 2;
+  return c.optimizer.mode == core::OptimizerMode::kExact && c.train.accum_calls == 1 ? 1 : 2;
 }
 
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {

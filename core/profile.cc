@@ -56,7 +56,7 @@ std::string WorkloadKey(const JobConfig& c) {
   s << "L" << m.num_layers << "-h" << m.hidden_size << "-i" << m.intermediate_size << "-a"
     << m.num_heads << "x" << m.head_dim << "-kv" << m.num_kv_heads << "-v" << m.vocab_size
     << (m.tie_embeddings ? "-tied" : "") << "/mb" << c.train.microbatch_size << "x"
-    << c.data.seq_len << "/" << c.train.dtype << "/" << (c.job.device == "cpu" ? "cpu" : "cuda");
+    << c.data.seq_len << "/" << EnumName(c.train.dtype) << "/" << (c.job.device == core::DeviceKind::kCpu ? "cpu" : "cuda");
   return s.str();
 }
 
@@ -91,8 +91,8 @@ Profile DefaultCostModel(const JobConfig& c) {
   // measured 55 GB/s, the coordinator's AdamW at the 6.7e9 parameters/s of that profile (16
   // cores). Until 0.5 of the bf16 peak and 4.5e9: the 1.7B job's step was predicted 2.378 s
   // against 1.77 measured.
-  if (c.job.device == "cpu") return CostModelProfile(c, 2e10, 0.0, 0.0);
-  const double peak = c.train.dtype == "bf16" ? 790e12 : 67e12;
+  if (c.job.device == core::DeviceKind::kCpu) return CostModelProfile(c, 2e10, 0.0, 0.0);
+  const double peak = c.train.dtype == core::TrainDtype::kBf16 ? 790e12 : 67e12;
   return CostModelProfile(c, 0.7 * peak, 55e9, 6.7e9);
 }
 

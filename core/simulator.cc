@@ -250,21 +250,21 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.steps = steps;
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
-  in.version_lag = c.optimizer.mode == "stale1" ? 2 : 1;
+  in.version_lag = c.optimizer.mode == core::OptimizerMode::kStale1 ? 2 : 1;
   in.updates_wait_for_norm = c.train.grad_clip > 0;
-  in.copies_overlap = c.job.device != "cpu";  // as WorkloadKey() tells the two kinds apart
+  in.copies_overlap = c.job.device != core::DeviceKind::kCpu;  // as WorkloadKey() tells the two kinds apart
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
-  in.layer_major = c.schedule.layer_major_forward == "never"    ? SimInput::LayerMajor::kNever
-                   : c.schedule.layer_major_forward == "always" ? SimInput::LayerMajor::kAlways
+  in.layer_major = c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
+                   : c.bench.layer_major_forward == core::Tristate::kAlways ? SimInput::LayerMajor::kAlways
                                                                 : SimInput::LayerMajor::kAuto;
-  const double elem = c.train.dtype == "bf16" ? 2.0 : 4.0;
+  const double elem = c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0;
   // Trainable weights cross the link as fp32 when workers fetch the masters.
   const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   // Activations kept in the worker (schedule.activations = "worker") cost no host transfers, and
   // neither do activation pools: their device-to-device copies (tens of microseconds per slot on
   // one GPU, a few hundred over NVLink) are left out.
-  const double act = c.schedule.activations == "worker" || ActivationsInPools(c)
+  const double act = c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)
                          ? 0.0
                          : tokens * static_cast<double>(c.model.hidden_size) * elem;
   const double ids = tokens * 8.0;  // int64 token ids or labels
@@ -332,7 +332,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     // The norm moves host memory at the first pass's rate: that pass reads the master, both
     // moments and the gradient and writes the fetched copy (the fp32 master, or a compute copy;
     // stale1's one pass writes all of them).
-    const double pass_bytes = c.optimizer.mode == "stale1" ? 16.0 + 12.0 + elem
+    const double pass_bytes = c.optimizer.mode == core::OptimizerMode::kStale1 ? 16.0 + 12.0 + elem
                                                            : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
     const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;
     std::vector<int> slots(spec.params.size(), 0);

@@ -86,7 +86,7 @@ struct SimInput {
   // for it). Otherwise input copy, compute and output copy run in series (CPU workers).
   bool copies_overlap = false;
   std::vector<JobSlot> order;  // one step's jobs in dispatch order; empty: call by call
-  // schedule.layer_major_forward (worker::Executor::ForwardLayers): a stage with
+  // bench.layer_major_forward (worker::Executor::ForwardLayers): a stage with
   // layer_compute_s, several layers and microbatches runs layer by layer over all its
   // microbatches, each layer once copied, when it could begin (the worker free, its first layer
   // copied, every microbatch's input there) before its last layer is copied (kAuto), or always

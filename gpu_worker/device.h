@@ -82,7 +82,7 @@ class Device {
   virtual uint64_t CompletionFence() = 0;
   virtual bool Completed(uint64_t ticket) = 0;
 
-  // Activation pools (schedule.activation_transport = "cuda_ipc", shm::ArenaLayout::pool_bytes):
+  // Activation pools (schedule.activations = "cuda_ipc", shm::ArenaLayout::pool_bytes):
   // a worker creates its own pool once and announces the returned handle; it opens each peer's
   // pool once from the handle the coordinator relays. Offsets are from a pool's base
   // (ArenaLayout::PoolHiddenSlot). StoreToPool() writes into this worker's pool and is complete

@@ -23,11 +23,11 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       segment_(segment),
       device_(device),
       math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
-      act_dtype_(cfg.train.dtype == "bf16" ? at::kBFloat16 : at::kFloat),
+      act_dtype_(cfg.train.dtype == core::TrainDtype::kBf16 ? at::kBFloat16 : at::kFloat),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : at::kBFloat16) {
-  if (cfg.train.fused_kernels) {
+  if (cfg.bench.fused_kernels) {
     math_.UseFusedKernels(device.fused_kernels());
-    math_.UseFusedNorms(cfg.train.fused_norms);
+    math_.UseFusedNorms(cfg.bench.fused_norms);
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
   }
   math_.SetEmbedDtype(act_dtype_);
@@ -227,7 +227,7 @@ bool Executor::Startable(const proto::RunJob& job, bool all_inputs_ready) const 
   if (next_.job_index != job.job_index) return false;
   const bool eligible = LayerMajorEligible(job);
   // "always" (tests): every eligible job runs layer-major, so it waits for all its inputs.
-  if (eligible && cfg_.schedule.layer_major_forward == "always") return all_inputs_ready && !next_.layers.empty();
+  if (eligible && cfg_.bench.layer_major_forward == core::Tristate::kAlways) return all_inputs_ready && !next_.layers.empty();
   return next_.complete || (eligible && all_inputs_ready && !next_.layers.empty());
 }
 
@@ -242,7 +242,7 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   current_ = std::move(next_);
   next_ = StageWeights();
   lm_job_ = LayerMajorEligible(job) && all_inputs_ready &&
-            (!current_.complete || cfg_.schedule.layer_major_forward == "always");
+            (!current_.complete || cfg_.bench.layer_major_forward == core::Tristate::kAlways);
   lm_next_layer_ = stage_.begin;
   lm_hidden_.assign(lm_job_ ? job.num_microbatches : 0, at::Tensor());
   lm_stalled_ = false;

@@ -17,7 +17,7 @@
 //    dies mid-way commits nothing.
 //  * Activations between stages go through the shared-memory slots, or with
 //    schedule.activations = "worker" stay in this process's device memory (one worker only), or
-//    with activation pools (schedule.activation_transport = "cuda_ipc") are written to this
+//    with activation pools (schedule.activations = "cuda_ipc") are written to this
 //    worker's pool and read from the pool of the worker that produced them, which the
 //    coordinator names per microbatch (InputSources, from InputReady).
 //  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
@@ -100,14 +100,14 @@ class Executor {
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
   // Whether Begin(job, all_inputs_ready) may adopt the weights FetchReady(job) has copied so
   // far: all of them, or for a job that may run layer-major (LayerMajorEligible) with every
-  // microbatch's input ready, at least its first layer. With layer_major_forward = "always" an
+  // microbatch's input ready, at least its first layer. With RP_LAYER_MAJOR_FORWARD=always an
   // eligible job also needs every input, complete weights or not.
   bool Startable(const proto::RunJob& job, bool all_inputs_ready) const;
   // Begins `job`; layer-major (LayerMajorBegun) when it is eligible, every input is ready and
-  // its weights are still incomplete (schedule.layer_major_forward = "auto"), or always
+  // its weights are still incomplete (RP_LAYER_MAJOR_FORWARD=auto), or always
   // ("always").
   Status Begin(const proto::RunJob& job, bool all_inputs_ready);
-  // Layer-major jobs (schedule.layer_major_forward): forward stages with several
+  // Layer-major jobs (bench.layer_major_forward): forward stages with several
   // layers and microbatches. In exact mode the optimizer publishes the next step's layers one
   // by one at the step boundary, slower than a bandwidth-bound first pass over a large model lets
   // the forward compute them. Run microbatch by microbatch, a stage could only start once its

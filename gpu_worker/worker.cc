@@ -436,11 +436,11 @@ Status Worker::Run() {
   RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   const int gpus = CudaDeviceCount();
-  use_cuda_ = cfg_.job.device == "cuda" || (cfg_.job.device == "auto" && gpus > 0);
+  use_cuda_ = cfg_.job.device == core::DeviceKind::kCuda || (cfg_.job.device == core::DeviceKind::kAuto && gpus > 0);
   if (use_cuda_ && gpus == 0)
     return Status::InvalidArgument("job.device: \"cuda\" requested, but no CUDA device is usable "
                                    "by this build");
-  if (!use_cuda_ && cfg_.train.dtype == "bf16")
+  if (!use_cuda_ && cfg_.train.dtype == core::TrainDtype::kBf16)
     return Status::InvalidArgument("train.dtype: \"bf16\" needs CUDA workers");
 
   RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));

@@ -90,7 +90,7 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
   if (cfg.train.merged_calls > 1)
     std::printf("the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
-                "(schedule.merge_calls; \"never\" runs them one after another)\n",
+                "(bench.merge_calls; \"never\" runs them one after another)\n",
                 static_cast<long long>(cfg.train.merged_calls),
                 static_cast<long long>(cfg.train.microbatches / cfg.train.merged_calls),
                 static_cast<long long>(cfg.train.microbatches));
@@ -98,7 +98,7 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
                 p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
-    if (cfg.job.device != "cpu")
+    if (cfg.job.device != core::DeviceKind::kCpu)
       std::printf("estimated device memory per worker: %.1f GiB (the planner's estimate; "
                   "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
                   p.peak_memory_bytes / (1ull << 30));
@@ -109,9 +109,9 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
                                                 : "the fp32 masters (no compute copy)");
   if (layout->activations_in_pools)
     std::printf("activations: in each worker's activation pool, %.1f MiB per worker (%s), copied device to "
-                "device by the consumer (activation_transport = \"cuda_ipc\")\n",
+                "device by the consumer (activations = \"cuda_ipc\")\n",
                 static_cast<double>(layout->pool_bytes) / (1 << 20),
-                cfg.job.device == "cpu" ? "a shared-memory object per CPU worker" : "device memory");
+                cfg.job.device == core::DeviceKind::kCpu ? "a shared-memory object per CPU worker" : "device memory");
   const uint64_t acts = layout->total_bytes - layout->tokens;
   std::printf("shared memory: %.1f MiB = %.2f bytes per trainable parameter (state segment %.1f MiB: "
               "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
@@ -149,6 +149,12 @@ int RunSession(const LaunchOptions& o) {
   auto cfg = core::LoadJobConfig(o.job_path, o.overrides);
   if (!cfg.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", cfg.status().message().c_str());
+    return kExitBadConfig;
+  }
+  // Refused here, before any process exists, not by the coordinator once everything started.
+  if (cfg->schedule.activations == core::Activations::kWorker && o.gpus != 1) {
+    std::fprintf(stderr, "rp-launch: schedule.activations = \"worker\" keeps activations in the one worker's "
+                         "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"\n", o.gpus);
     return kExitBadConfig;
   }
   uint64_t shared_bytes = 0;
@@ -192,7 +198,7 @@ int RunSession(const LaunchOptions& o) {
   // Backstop: the coordinator unlinks the segment itself, but not if it is SIGKILLed.
   shm::Unlinker segment_name(shm::StateSegmentName(session));
   shm::Unlinker optim_segment_name(shm::OptimSegmentName(session));
-  // CPU workers' activation pools (schedule.activation_transport = "cuda_ipc"): each worker
+  // CPU workers' activation pools (schedule.activations = "cuda_ipc"): each worker
   // unlinks its own, but not if it is SIGKILLed. Removing a name that was never made is harmless.
   std::vector<shm::Unlinker> pool_names;
   for (int r = 0; r < o.gpus; ++r) pool_names.emplace_back(shm::PoolSegmentName(session, r));
@@ -414,7 +420,7 @@ Status FreezeProfile(const LaunchOptions& o, bool after_replan, std::vector<std:
   auto loaded = core::LoadJobConfig(o.job_path, o.overrides);
   if (!loaded.ok()) return Status::Ok();  // RunSession reports it, with its exit code
   const core::JobConfig& cfg = *loaded;
-  if (cfg.schedule.partition != "auto" || (!cfg.schedule.profile.empty() && !after_replan))
+  if (cfg.schedule.partition != core::Partition::kAuto || (!cfg.schedule.profile.empty() && !after_replan))
     return Status::Ok();
   const std::string stored = cfg.job.output_dir + "/profile.json";
   std::error_code ec;

@@ -54,7 +54,7 @@ class Transformer {
   void UseFusedKernels(const FusedKernels* kernels) { fused_ = kernels; }
   // With fused kernels: whether the RMSNorms (and the residual add before the post-attention
   // norm) use them (FusedKernels::AddRmsNorm) or LibTorch's fused rms_norm; for A/B runs
-  // (train.fused_norms).
+  // (bench.fused_norms).
   void UseFusedNorms(bool on) { fused_norms_ = on; }
   // Embed's output dtype when its table is stored wider (an fp32 master read in place,
   // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the
@@ -131,7 +131,7 @@ const at::Tensor& Get(const LayerWeights& w, const std::string& role);
 
 // Key of one microbatch's LoRA dropout masks: a pure function of where it is in training.
 // `step_microbatch` counts the step's microbatches across its calls (call x M + microbatch), so
-// a step's calls merged into one round (schedule.merge_calls) draw the same masks as the calls
+// a step's calls merged into one round (bench.merge_calls) draw the same masks as the calls
 // run one after another.
 uint64_t DropoutKey(int64_t seed, int64_t step, int64_t step_microbatch);
 

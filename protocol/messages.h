@@ -16,7 +16,7 @@
 //   worker -> Hello                    (after connecting)
 //   coord  -> Welcome                  (segment to map) | Shutdown (refused)
 //   coord  -> RunJob ...               (queued by the worker in arrival order = job order)
-//   worker -> ActivationPool           (schedule.activation_transport = "cuda_ipc": after Welcome,
+//   worker -> ActivationPool           (schedule.activations = "cuda_ipc": after Welcome,
 //                                       the handle of the pool this worker's outputs go to)
 //   coord  -> ActivationPool ...       (once every worker has sent its own: each peer's handle,
 //                                       before the first RunJob)
@@ -229,7 +229,7 @@ struct EvalDone {
 };
 static_assert(sizeof(EvalDone) == 40);
 
-// One worker's activation pool (schedule.activation_transport = "cuda_ipc"): sent by the worker
+// One worker's activation pool (schedule.activations = "cuda_ipc"): sent by the worker
 // that owns it, then by the coordinator to every other worker. `handle` is opaque to everyone but
 // the workers' device backend: a cudaIpcMemHandle_t for CUDA workers (64 bytes), a
 // NUL-terminated shared-memory name for CPU workers.

@@ -116,7 +116,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
                                     const core::PipelinePlan& plan) {
   RP_ASSIGN_OR_RETURN(GradArenaSizing sizing, SizeGradArena(c, spec, plan));
   ArenaLayout a;
-  a.compute_elem_bytes = c.train.dtype == "bf16" ? 2 : 4;
+  a.compute_elem_bytes = c.train.dtype == core::TrainDtype::kBf16 ? 2 : 4;
   uint64_t pos = kHeaderBytes;
   a.layer_versions = pos;
   a.lookup_version = pos + 8ull * static_cast<uint64_t>(plan.num_layers);
@@ -130,7 +130,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = PackWeights(spec.params, a.weights_elem_bytes, pos, &a.compute);
   a.compute_end = pos;
   if (a.masters_in_state) a.master = a.compute;
-  a.compute_buffers = c.optimizer.mode == "stale1" ? 2 : 1;
+  a.compute_buffers = c.optimizer.mode == core::OptimizerMode::kStale1 ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
   // frozen base out: it is reloaded from its source on resume.
@@ -162,7 +162,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.num_hidden = static_cast<int>(plan.hidden_boundaries.size());
   a.num_grad = static_cast<int>(plan.grad_boundaries.size());
   a.grad_slots_per_mb = plan.InputGradSlotsPerMicrobatch();
-  a.activations_in_worker = c.schedule.activations == "worker";
+  a.activations_in_worker = c.schedule.activations == core::Activations::kWorker;
   a.activations_in_pools = core::ActivationsInPools(c);
   const bool in_segment = !a.activations_in_worker && !a.activations_in_pools;
   a.hidden = pos;
@@ -176,7 +176,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   uint64_t opos = 0;
   std::vector<std::vector<uint64_t>*> regions = {&a.adam_m};
   if (!a.masters_in_state) regions.insert(regions.begin(), &a.master);
-  if (c.optimizer.name == "adamw") regions.push_back(&a.adam_v);
+  if (c.optimizer.name == core::OptimizerName::kAdamW) regions.push_back(&a.adam_v);
   for (auto* region : regions) {
     for (auto& p : spec.params) {
       region->push_back(opos);

@@ -131,7 +131,7 @@ struct ArenaLayout {
   // schedule.activations = "worker": the hidden and input-gradient slots exist only in the
   // worker's memory (same indexing); the segment has no bytes for them.
   bool activations_in_worker = false;
-  // schedule.activation_transport = "cuda_ipc" (core::ActivationsInPools): the slots live in each
+  // schedule.activations = "cuda_ipc" (core::ActivationsInPools): the slots live in each
   // worker's activation pool instead, `pool_bytes` per worker, indexed by PoolHiddenSlot and
   // PoolInputGradSlot (offsets from the pool's base); the segment has no bytes for them.
   bool activations_in_pools = false;
@@ -191,7 +191,7 @@ inline std::string PoolSegmentName(const std::string& session, int rank) {
 // Bytes of /dev/shm a run takes: both segments, plus every CPU worker's activation pool (CUDA
 // workers' pools are device memory).
 inline uint64_t SharedMemoryBytes(const ArenaLayout& a, const core::JobConfig& c, int workers) {
-  const bool cpu_pools = a.activations_in_pools && c.job.device == "cpu";
+  const bool cpu_pools = a.activations_in_pools && c.job.device == core::DeviceKind::kCpu;
   return a.total_bytes + a.optim_total_bytes +
          (cpu_pools ? static_cast<uint64_t>(workers) * (kHeaderBytes + a.pool_bytes) : 0);
 }

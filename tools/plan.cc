@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   }
   // The job's own plan under the same costs, when it is not "auto" (what the run would do).
   std::optional<rp::core::PlanChoice> own;
-  if (cfg->schedule.partition != "auto") {
+  if (cfg->schedule.partition != rp::core::Partition::kAuto) {
     auto plan = rp::core::BuildPlan(*cfg);
     if (!plan.ok()) {
       std::fprintf(stderr, "rp-plan: %s\n", plan.status().message().c_str());

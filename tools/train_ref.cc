@@ -33,7 +33,7 @@ namespace {
 
 rp::Status Train(const std::string& job, const std::vector<std::string>& overrides) {
   RP_ASSIGN_OR_RETURN(rp::core::JobConfig cfg, rp::core::LoadJobConfig(job, overrides));
-  if (cfg.train.dtype != "fp32")
+  if (cfg.train.dtype != rp::core::TrainDtype::kFp32)
     return rp::Status::InvalidArgument("train.dtype: rp-train-ref runs fp32 only");
   RP_ASSIGN_OR_RETURN(rp::core::Dataset data, rp::core::Dataset::Open(cfg));
   std::optional<rp::core::Dataset> eval_data;
@@ -49,7 +49,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   // `params` are what the model computes with; `masters` are what the optimizer updates. In
   // exact mode they are the same tensors. In stale1 mode step t computes with the weights
   // holding t - 1 updates, so `params` trail `masters` by one update.
-  const bool stale1 = cfg.optimizer.mode == "stale1";
+  const bool stale1 = cfg.optimizer.mode == rp::core::OptimizerMode::kStale1;
   std::vector<at::Tensor> params, masters, adam_m, adam_v;
   std::optional<rp::core::HfWeights> hf;
   if (!cfg.model.path.empty()) {
@@ -120,7 +120,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
       rp::coord::ParamArrays a;
       a.master = masters[p].data_ptr<float>();
       a.m = adam_m[p].data_ptr<float>();
-      a.v = cfg.optimizer.name == "adamw" ? adam_v[p].data_ptr<float>() : nullptr;
+      a.v = cfg.optimizer.name == rp::core::OptimizerName::kAdamW ? adam_v[p].data_ptr<float>() : nullptr;
       a.grad = g.data_ptr<float>();
       a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
       a.numel = spec.params[p].numel;

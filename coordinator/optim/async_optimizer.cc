@@ -37,7 +37,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // Two passes hold a parameter's slots until its second pass. That was measured where the
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
-      two_passes_(cfg.optimizer.mode == "exact" && !layout.grads_streamed),
+      two_passes_(cfg.optimizer.mode == core::OptimizerMode::kExact && !layout.grads_streamed),
       slots_left_(spec.params.size(), 0),
       param_chunks_left_(spec.params.size()),
       layer_params_left_(spec.NumLayers()),
@@ -89,7 +89,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     lookup_cols_ = spec.params[lookup_param_].shape[1];
   }
   const int pool = std::max(1, threads);
-  rest_threads_ = cfg.optimizer.rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.optimizer.rest_threads))
+  rest_threads_ = cfg.bench.optimizer_rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.bench.optimizer_rest_threads))
                                                  : std::max(1, pool / 4);
   for (int t = 0; t < pool; ++t) threads_.emplace_back([this, t] { WorkerLoop(t); });
 }
@@ -362,7 +362,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   if (writes != UpdateWrites::kRest)
     layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, WallMicros());
   const auto& ps = spec_.params[param];
-  const bool bf16 = cfg_.train.dtype == "bf16";
+  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
   auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
   float* master = f32(layout_.masters_in_state ? state_ : optim_, layout_.master[param]);

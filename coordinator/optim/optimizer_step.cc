@@ -62,7 +62,7 @@ void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_b
                  float grad_scale, const float* grad, float* master, float* m, float* v, int64_t n,
                  void* compute, ComputeDtype dtype, UpdateWrites writes) {
   const double wd = decay ? opt.weight_decay : 0.0;
-  if (opt.name == "sgd") {
+  if (opt.name == core::OptimizerName::kSgd) {
     SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype, writes);
     return;
   }

@@ -338,8 +338,8 @@ class CudaDevice final : public Device {
       cudaGetLastError();
       return Status::Unavailable(
           "allocating worker " + std::to_string(rank) + "'s activation pool (" + std::to_string(bytes >> 20) +
-          " MiB of device memory, schedule.activation_transport = \"cuda_ipc\"): " + cudaGetErrorString(e) +
-          "; use activation_transport = \"host\", or fewer/smaller microbatches");
+          " MiB of device memory, schedule.activations = \"cuda_ipc\"): " + cudaGetErrorString(e) +
+          "; use activations = \"host\", or fewer/smaller microbatches");
     }
     own_pool_ = DeviceAllocation(p);
     cudaIpcMemHandle_t h;
@@ -365,7 +365,7 @@ class CudaDevice final : public Device {
       return Status::Unavailable("opening worker " + std::to_string(rank) + "'s activation pool on cuda:" +
                                  std::to_string(index_) + " (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
                                  "): CUDA IPC needs both workers on one GPU or on GPUs with peer access; use "
-                                 "schedule.activation_transport = \"host\"");
+                                 "schedule.activations = \"host\"");
     }
     peers_.emplace(rank, IpcMapping(p));
     return Status::Ok();

@@ -132,7 +132,7 @@ TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
   }
 }
 
-// activation_transport = "cuda_ipc": workers sharing the GPU pass activations through each
+// activations = "cuda_ipc": workers sharing the GPU pass activations through each
 // other's device pools (CUDA IPC) instead of host slots. The same values are copied, so the losses
 // are the host slots' up to the GPU kernels' run-to-run noise (the bound of the test above).
 TEST_F(GpuTest, CudaIpcPoolsMatchHostSlots) {
@@ -140,7 +140,7 @@ TEST_F(GpuTest, CudaIpcPoolsMatchHostSlots) {
     const std::string suffix = std::to_string(n);
     auto host = Launch(n, "host" + suffix, {"job.device=\"cuda\""});
     std::string output;
-    auto ipc = Launch(n, "ipc" + suffix, {"job.device=\"cuda\"", "schedule.activation_transport=\"cuda_ipc\""}, {},
+    auto ipc = Launch(n, "ipc" + suffix, {"job.device=\"cuda\"", "schedule.activations=\"cuda_ipc\""}, {},
                       &output);
     EXPECT_NE(output.find("activation pools: " + suffix + " x "), std::string::npos) << output;
     ASSERT_EQ(ipc.size(), host.size());
@@ -183,7 +183,7 @@ TEST_F(GpuTest, Bf16TrainingLearns) {
 TEST_F(GpuTest, Bf16FromMastersMatchesTheComputeCopy) {
   const std::vector<std::string> bf16 = {"job.device=\"cuda\"", "train.dtype=\"bf16\""};
   std::vector<std::string> masters = bf16, copy = bf16;
-  masters.push_back("schedule.weights_source=\"master\"");
+  masters.push_back("schedule.weights_source=\"auto\"");
   copy.push_back("schedule.weights_source=\"compute_copy\"");
   auto a = Launch(1, "bf16-masters", masters);
   auto b = Launch(1, "bf16-copy", copy);

@@ -450,7 +450,7 @@ TEST_P(BlockWeightGradSinks, MatchAutogradsWeightGradients) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, BlockWeightGradSinks, ::testing::Values(at::kFloat, at::kBFloat16));
 
-// A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "master") must see
+// A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "auto" in exact mode) must see
 // exactly the weights a compute copy would hold: round-to-nearest-even, bit for bit. Through the
 // real fetch path: pinned host memory, 64 MiB staging chunks (this tensor takes two and a
 // tail), the rounding kernel on the weights stream.
@@ -479,7 +479,7 @@ TEST(MasterFetch, RoundsLikeTheComputeCopyBitForBit) {
   EXPECT_TRUE(std::isnan(nan.cpu().to(at::kFloat).index({0}).item<float>()));
 }
 
-// schedule.embedding_lookup = "host": the lookup reads the fp32 masters in place through the
+// schedule.embedding_lookup = "auto" (where it reads the masters): the lookup reads the fp32 masters in place through the
 // mapped segment (Device::MapWeights) and rounds the rows it read. Its output and the table's
 // gradient must be bit for bit those of the copy path (the table rounded to bf16 on the device,
 // then looked up), with the gradient summed in fp32 instead of bf16, so compared in fp32 against

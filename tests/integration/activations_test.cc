@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // schedule.activations = "worker": hidden states and input gradients stay in the worker's memory;
-// activation_transport = "cuda_ipc": they stay in the producing worker's pool.
+// activations = "cuda_ipc": they stay in the producing worker's pool.
 // Same arithmetic as the shared-memory slots (bit-identical losses and state), no host bytes for
 // them, and the two limits stated where the key is documented: one worker only, and a worker
 // that dies stops the run instead of being replaced.
@@ -47,7 +47,8 @@ TEST_F(ActivationsTest, TheCoordinatorSaysWhereTheyAre) {
 
 TEST_F(ActivationsTest, MoreThanOneWorkerIsRefusedNamingTheKey) {
   auto r = Launch(2, tmp_ + "/two", {"train.steps=1", "schedule.activations=worker"});
-  EXPECT_NE(r.code, 0);
+  EXPECT_EQ(r.code, 2) << "a bad job, refused before anything starts";
+  EXPECT_FALSE(std::filesystem::exists(tmp_ + "/two")) << "a refused job creates nothing";
   EXPECT_NE(r.output.find("schedule.activations = \"worker\""), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("needs --gpus 1"), std::string::npos) << r.output;
 }
@@ -64,7 +65,7 @@ TEST_F(ActivationsTest, AWorkerThatDiesStopsTheRunSayingHowToGoOn) {
   EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
 }
 
-// activation_transport = "cuda_ipc" with CPU workers: each worker's pool is a named shared-memory
+// activations = "cuda_ipc" with CPU workers: each worker's pool is a named shared-memory
 // object (the CUDA backend's stand-in), so this runs the protocol the GPU runs: pools announced
 // and relayed at registration, InputReady naming the producer's pool (for checkpoints written
 // several stages earlier by another worker too), consumers copying from it. Bit-identical to the
@@ -85,7 +86,7 @@ TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
     ASSERT_EQ(expected.size(), 4u);
     for (int n : {2, 3}) {
       const std::string out = tmp_ + "/pools-" + name + "-" + std::to_string(n);
-      auto pools = Launch(n, out, With(job, {"schedule.activation_transport=cuda_ipc"}));
+      auto pools = Launch(n, out, With(job, {"schedule.activations=cuda_ipc"}));
       ASSERT_EQ(pools.code, 0) << pools.output;
       EXPECT_NE(pools.output.find("activation pools: " + std::to_string(n) + " x "), std::string::npos) << pools.output;
       EXPECT_EQ(Losses(out + "/metrics.jsonl"), expected) << name << ", " << n << " workers";
@@ -101,7 +102,7 @@ TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
 // leaving the coordinator waiting.
 TEST_F(ActivationsTest, APoolThatCannotBeSetUpStopsTheRunWithItsReason) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/nopool", {"train.steps=2", "schedule.activation_transport=cuda_ipc"}),
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/nopool", {"train.steps=2", "schedule.activations=cuda_ipc"}),
                                120, With(Env(), {"RP_TEST_FAIL_POOL_ONCE=" + tmp_ + "/pool-fault-marker"}));
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("could not set up its activation pool"), std::string::npos) << r.output;
@@ -111,11 +112,11 @@ TEST_F(ActivationsTest, APoolThatCannotBeSetUpStopsTheRunWithItsReason) {
 
 TEST_F(ActivationsTest, AWorkerThatDiesWithPoolsStopsTheRunNamingTheSetting) {
   const std::vector<std::string> job = {"train.steps=6", "train.eval_every=2", "data.eval_fraction=0.1",
-                                        "schedule.activation_transport=cuda_ipc", "job.max_worker_restarts=2"};
+                                        "schedule.activations=cuda_ipc", "job.max_worker_restarts=2"};
   auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/faulty", job), 240,
                                With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
   EXPECT_NE(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("activation_transport = \"cuda_ipc\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("schedule.activations = \"cuda_ipc\""), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("cannot be re-run"), std::string::npos) << r.output;
 }
 

@@ -49,10 +49,26 @@ class LaunchTest : public ::testing::Test {
   std::vector<std::string> Env() const { return {"XDG_RUNTIME_DIR=" + runtime_}; }
   std::string Job() const { return testing::SourceDir() + "/tests/testdata/parity.toml"; }
 
+  // Overrides: "section.key=value" become --set arguments; "RP_NAME=value" entries are
+  // environment variables instead (the bench and test switches, core::BenchKnobs).
+  static bool IsEnv(const std::string& s) { return s.rfind("RP_", 0) == 0; }
+  // A later entry for the same variable replaces an earlier one, as a later --set does.
+  std::vector<std::string> EnvWith(const std::vector<std::string>& sets) const {
+    std::vector<std::string> env = Env();
+    for (const auto& s : sets) {
+      if (!IsEnv(s)) continue;
+      const std::string name = s.substr(0, s.find('=') + 1);
+      std::erase_if(env, [&](const std::string& e) { return e.rfind(name, 0) == 0; });
+      env.push_back(s);
+    }
+    return env;
+  }
+
   std::vector<std::string> LaunchArgs(int n, const std::string& out, std::vector<std::string> sets = {}) {
     std::vector<std::string> a = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), Job(),
                                   "--set", "job.output_dir=" + out};
     for (auto& s : sets) {
+      if (IsEnv(s)) continue;
       a.push_back("--set");
       a.push_back(s);
     }
@@ -61,14 +77,15 @@ class LaunchTest : public ::testing::Test {
 
   testing::ProcessResult Launch(int n, const std::string& out, std::vector<std::string> sets = {},
                                 double timeout = 240) {
-    return testing::RunProcess(LaunchArgs(n, out, sets), timeout, Env());
+    return testing::RunProcess(LaunchArgs(n, out, sets), timeout, EnvWith(sets));
   }
 
   // rp-train-ref, the oracle, on the same job with the same overrides.
   testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets = {}) {
     std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + out};
-    for (const auto& s : sets) args.insert(args.end(), {"--set", s});
-    return testing::RunProcess(args, 240, Env());
+    for (const auto& s : sets)
+      if (!IsEnv(s)) args.insert(args.end(), {"--set", s});
+    return testing::RunProcess(args, 240, EnvWith(sets));
   }
 
   // A two-worker run of `steps` steps (a checkpoint at the end, hang timeout 2 s), fault-free and

@@ -48,7 +48,7 @@ TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
       {"schedule.partition=auto"},  // whatever the planner picks for N workers
       // The job's two calls run one after another (merged into one round of six microbatches
       // by default): accumulating commits and interleaved calls.
-      {"schedule.merge_calls=never"},
+      {"RP_MERGE_CALLS=never"},
   };
   for (size_t p = 0; p < partitions.size(); ++p)
     for (int n = 1; n <= 3; ++n) {
@@ -81,7 +81,7 @@ TEST_F(LaunchTest, InterleavedCallsGiveTheSequentialOrdersResultsBitForBit) {
       tag += std::to_string(k);
       tag += "n";
       tag += std::to_string(n);
-      auto seq = Launch(n, tmp_ + "/seq-" + tag, With(job, {"schedule.interleave_calls=false"}));
+      auto seq = Launch(n, tmp_ + "/seq-" + tag, With(job, {"RP_INTERLEAVE_CALLS=0"}));
       ASSERT_EQ(seq.code, 0) << seq.output;
       auto inter = Launch(n, tmp_ + "/int-" + tag, job);
       ASSERT_EQ(inter.code, 0) << inter.output;
@@ -100,7 +100,7 @@ TEST_F(LaunchTest, LayerMajorForwardStagesGiveTheMicrobatchOrdersResultsBitForBi
   // must time every forward layer.
   for (int n : {1, 2}) {
     const std::vector<std::string> job = {"train.steps=5", "checkpoint.every=5",
-                                          "schedule.layer_major_forward=always"};
+                                          "RP_LAYER_MAJOR_FORWARD=always"};
     const std::string tag = std::to_string(n);
     auto layers = Launch(n, tmp_ + "/layers-" + tag, job);
     ASSERT_EQ(layers.code, 0) << layers.output;
@@ -112,7 +112,7 @@ TEST_F(LaunchTest, LayerMajorForwardStagesGiveTheMicrobatchOrdersResultsBitForBi
     ASSERT_TRUE(profile.ok()) << profile.status().ToString();
     ASSERT_EQ(profile->layers.size(), 6u);
     for (int l = 0; l < 4; ++l) EXPECT_GT(profile->layers[l].forward_s, 0.0) << "layer " << l << ", " << n;
-    auto mbs = Launch(n, tmp_ + "/mbs-" + tag, With(job, {"schedule.layer_major_forward=never"}));
+    auto mbs = Launch(n, tmp_ + "/mbs-" + tag, With(job, {"RP_LAYER_MAJOR_FORWARD=never"}));
     ASSERT_EQ(mbs.code, 0) << mbs.output;
     EXPECT_EQ(mbs.output.find("runs layer by layer"), std::string::npos) << mbs.output;
     EXPECT_EQ(Losses(tmp_ + "/layers-" + tag + "/metrics.jsonl"), Losses(tmp_ + "/mbs-" + tag + "/metrics.jsonl")) << n;
@@ -153,14 +153,14 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   // one layout is refused by the other with a message naming the key, and left intact.
   const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=3", "checkpoint.export_hf=hf"};
   const std::string m = tmp_ + "/masters", c = tmp_ + "/copy";
-  auto masters = Launch(2, m, With(job, {"schedule.weights_source=\"master\""}));
+  auto masters = Launch(2, m, With(job, {"schedule.weights_source=\"auto\""}));
   ASSERT_EQ(masters.code, 0) << masters.output;
   EXPECT_NE(masters.output.find("workers fetch the fp32 masters"), std::string::npos) << masters.output;
   // The copy run also lets all three optimizer threads run the second passes
-  // (optimizer.rest_threads; the default is a quarter): a scheduling choice that must not change
+  // (RP_OPTIMIZER_REST_THREADS; the default is a quarter): a scheduling choice that must not change
   // a bit either.
-  auto copy = Launch(2, c, With(job, {"schedule.weights_source=\"compute_copy\"", "optimizer.threads=3",
-                                      "optimizer.rest_threads=3"}));
+  auto copy = Launch(2, c, With(job, {"schedule.weights_source=\"compute_copy\"", "RP_OPTIMIZER_THREADS=3",
+                                      "RP_OPTIMIZER_REST_THREADS=3"}));
   ASSERT_EQ(copy.code, 0) << copy.output;
   EXPECT_NE(copy.output.find("workers fetch a compute copy"), std::string::npos) << copy.output;
   EXPECT_EQ(Losses(m + "/metrics.jsonl"), Losses(c + "/metrics.jsonl"));
@@ -169,7 +169,7 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
 
   const std::string ckpt = c + "/checkpoints/step-00000006.rpstate";
   const std::string before = ReadBytes(ckpt);
-  auto args = LaunchArgs(2, c, With(job, {"train.steps=9", "schedule.weights_source=\"master\""}));
+  auto args = LaunchArgs(2, c, With(job, {"train.steps=9", "schedule.weights_source=\"auto\""}));
   args.push_back("--resume");
   auto refused = testing::RunProcess(args, 120, Env());
   EXPECT_NE(refused.code, 0);
@@ -404,7 +404,7 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
     pid_of_rank[rank] = pid;
   }
   // 3 steps x 5 stages: the job's K=2 calls of 3 microbatches run as one round of 6
-  // (schedule.merge_calls).
+  // (RP_MERGE_CALLS).
   ASSERT_EQ(jobs.size(), 15u);
   // The coordinator's optimizer work: one update span per layer and step (6 layers, 3 steps).
   size_t updates = 0;
@@ -538,7 +538,7 @@ TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
   // reason the first profile re-plans whatever it predicts (RP_TEST_REPLAN_ONCE): on an idle
   // machine it favours F[0,4) T[4,6) B[3,4) B[2,3) B[0,2) by 4-6%, but on a busy one it has
   // favoured the start plan itself (twice in a fresh-clone CI run and a local loop of 11).
-  const std::vector<std::string> job = {"train.steps=14", "schedule.interleave_calls=false"};
+  const std::vector<std::string> job = {"train.steps=14", "RP_INTERLEAVE_CALLS=0"};
   auto clean = Launch(2, tmp_ + "/replan-clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
   auto cfg = core::LoadJobConfig(Job(), {});
@@ -565,7 +565,7 @@ TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
 TEST_F(LaunchTest, PlansThatKeepChangingFinishOnTheLatestWithoutReplanning) {
   // Every profile asks for a re-plan (RP_TEST_ALWAYS_REPLAN): after two re-plans the third
   // request resumes the run with re-planning off, and it ends normally with the same losses.
-  const std::vector<std::string> job = {"train.steps=20", "schedule.interleave_calls=false"};
+  const std::vector<std::string> job = {"train.steps=20", "RP_INTERLEAVE_CALLS=0"};
   auto clean = Launch(2, tmp_ + "/clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
   auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/noisy", With(job, {"schedule.partition=auto"})), 240,
@@ -733,7 +733,7 @@ TEST_F(LaunchFuzzTest, FuzzedControlMessagesAreDroppedWithoutChangingTraining) {
   // activation pools, whose registration takes two more kinds of message from workers.
   for (const std::string transport : {"host", "cuda_ipc"}) {
     SCOPED_TRACE(transport);
-    FuzzOneRun({"train.steps=40", "schedule.activation_transport=" + transport}, transport);
+    FuzzOneRun({"train.steps=40", "schedule.activations=" + transport}, transport);
   }
 }
 

@@ -52,7 +52,7 @@ TEST_F(LoraTest, PipelineMatchesTheReferenceInBothModes) {
     ExpectClose(Losses(out + "/metrics.jsonl"), expected, "exact, N=" + std::to_string(n));
   }
   // The job's two calls merged (the default here) or not draw the same dropout masks.
-  auto never = Launch(2, tmp_ + "/never", With(kLora, {"schedule.merge_calls=never"}));
+  auto never = Launch(2, tmp_ + "/never", With(kLora, {"RP_MERGE_CALLS=never"}));
   ASSERT_EQ(never.code, 0) << never.output;
   ExpectClose(Losses(tmp_ + "/never/metrics.jsonl"), expected, "exact, calls not merged, N=2");
   auto ref1 = Ref(tmp_ + "/ref-stale1", With(kLora, {"optimizer.mode=stale1"}));

@@ -48,13 +48,13 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   cfg.model.num_layers = 3;
   // Rows ahead: a larger table, so the embedding's update splits into several tasks of row runs.
   cfg.model.vocab_size = rows_ahead ? 20000 : 300;
-  cfg.train.dtype = "fp32";
+  cfg.train.dtype = core::TrainDtype::kFp32;
   cfg.train.grad_clip = clip;
   cfg.train.accum_calls = accum_calls;
   cfg.train.steps = 4;
-  cfg.optimizer.mode = mode;
+  cfg.optimizer.mode = mode == "exact" ? core::OptimizerMode::kExact : core::OptimizerMode::kStale1;
   cfg.optimizer.weight_decay = 0.1;
-  cfg.optimizer.rest_threads = 1;
+  cfg.bench.optimizer_rest_threads = 1;
   const core::ModelSpec spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok()) << plan.status().message();

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -15,6 +16,26 @@
 
 namespace rp::core {
 namespace {
+
+// Sets one environment variable ("NAME=value"; "" = nothing) for a scope: the bench switches
+// (BenchKnobs) are read from the environment.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::string& entry) {
+    const auto eq = entry.find('=');
+    if (eq == std::string::npos) return;
+    name_ = entry.substr(0, eq);
+    ::setenv(name_.c_str(), entry.substr(eq + 1).c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (!name_.empty()) ::unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+};
 
 std::string CorpusDir() { return testing::SourceDir() + "/data"; }
 
@@ -45,7 +66,7 @@ TEST(JobConfig, ValidJobParsesWithDefaults) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->train.steps, 3);
   EXPECT_EQ(c->data.seq_len, 16);
-  EXPECT_EQ(c->optimizer.mode, "exact");
+  EXPECT_STREQ(core::EnumName(c->optimizer.mode), "exact");
   EXPECT_EQ(c->TotalLayers(), c->model.num_layers + 2);
   EXPECT_EQ(c->data.path, std::filesystem::path(CorpusDir() + "/tiny_corpus.txt").lexically_normal().string());
 }
@@ -77,13 +98,16 @@ TEST(JobConfig, CrossFieldChecks) {
   ExpectError(std::string(kValid) + "[schedule]\nforward_stages = 50\n", "schedule.forward_stages");
   ExpectError(std::string(kValid) + "[schedule]\ntail_blocks = 9\n", "schedule.tail_blocks");
   ExpectError(std::string(kValid) + "[model]\npath = \"/models/qwen\"\n", "model.path");
-  // stale1 reads last step's weights while the masters are rewritten: it needs a compute copy.
-  ExpectError(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n[schedule]\nweights_source = \"master\"\n",
-              "schedule.weights_source");
-  // Pools move activations between workers; "worker" keeps them in the only one.
-  ExpectError(std::string(kValid) + "[schedule]\nactivations = \"worker\"\nactivation_transport = \"cuda_ipc\"\n",
-              "schedule.activation_transport");
-  auto ipc = Parse(std::string(kValid) + "[schedule]\nactivation_transport = \"cuda_ipc\"\n");
+  // Values and keys that duplicated another are gone, and refused by name: "master" was auto
+  // where accepted, "host" the lookup auto picks, activation_transport one key for activations'
+  // choice.
+  ExpectError(std::string(kValid) + "[schedule]\nweights_source = \"master\"\n", "schedule.weights_source");
+  ExpectError(std::string(kValid) + "[schedule]\nembedding_lookup = \"host\"\n", "schedule.embedding_lookup");
+  ExpectError(std::string(kValid) + "[schedule]\nactivation_transport = \"cuda_ipc\"\n",
+              "schedule.activation_transport: unknown key");
+  for (const char* knob : {"merge_calls", "layer_major_forward", "interleave_calls"})
+    ExpectError(std::string(kValid) + "[schedule]\n" + knob + " = \"auto\"\n", std::string("schedule.") + knob);
+  auto ipc = Parse(std::string(kValid) + "[schedule]\nactivations = \"cuda_ipc\"\n");
   ASSERT_TRUE(ipc.ok()) << ipc.status().ToString();
   EXPECT_TRUE(ActivationsInPools(*ipc));
   auto stale = Parse(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n");
@@ -93,12 +117,9 @@ TEST(JobConfig, CrossFieldChecks) {
   ASSERT_TRUE(exact.ok());
   EXPECT_TRUE(WorkersFetchMasters(*exact));  // auto, exact mode
   EXPECT_TRUE(LookupFromHost(*exact));  // auto, with the masters as the source
-  exact->schedule.weights_source = "compute_copy";
+  exact->schedule.weights_source = core::WeightsSource::kComputeCopy;
   EXPECT_FALSE(WorkersFetchMasters(*exact));
   EXPECT_FALSE(LookupFromHost(*exact));
-  // The lookup from host memory reads the masters: stale1 (and a compute copy) cannot serve it.
-  ExpectError(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n[schedule]\nembedding_lookup = \"host\"\n",
-              "schedule.embedding_lookup");
   EXPECT_FALSE(LookupFromHost(*stale));
 }
 
@@ -167,22 +188,31 @@ TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
   // auto leaves more calls, stale1 and one call alone; never keeps the calls; always merges.
   for (auto sets : std::vector<std::vector<std::string>>{
            {"train.accum_calls=3"}, {"train.accum_calls=2", "optimizer.mode=stale1"},
-           {"train.accum_calls=1"}, {"train.accum_calls=2", "schedule.merge_calls=never"}}) {
+           {"train.accum_calls=1"}, {"train.accum_calls=2", "RP_MERGE_CALLS=never"}}) {
     sets.push_back("train.microbatches=3");
+    ScopedEnv env(sets[1].rfind("RP_", 0) == 0 ? sets[1] : "");
+    if (sets[1].rfind("RP_", 0) == 0) sets.erase(sets.begin() + 1);
     auto c = Parse(kValid, sets);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     EXPECT_EQ(c->train.microbatches, 3) << sets[0];
     EXPECT_EQ(c->train.merged_calls, 1) << sets[0];
   }
-  auto s = Parse(kValid, {"train.accum_calls=3", "train.microbatches=2", "optimizer.mode=stale1",
-                          "schedule.merge_calls=always"});
+  ScopedEnv always("RP_MERGE_CALLS=always");
+  auto s = Parse(kValid, {"train.accum_calls=3", "train.microbatches=2", "optimizer.mode=stale1"});
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   EXPECT_EQ(s->train.accum_calls, 1);
   EXPECT_EQ(s->train.microbatches, 6);
   EXPECT_EQ(s->train.merged_calls, 3);
-  ExpectError(kValid, "schedule.merge_calls", {"schedule.merge_calls=sometimes"});
-  ExpectError(kValid, "schedule.merge_calls: train.accum_calls x train.microbatches = 8192",
+  ExpectError(kValid, "RP_MERGE_CALLS: train.accum_calls x train.microbatches = 8192",
               {"train.accum_calls=2", "train.microbatches=4096"});
+  {
+    ScopedEnv wrong("RP_LAYER_MAJOR_FORWARD=sometimes");
+    ExpectError(kValid, "RP_LAYER_MAJOR_FORWARD: must be one of", {});
+  }
+  {
+    ScopedEnv flag("RP_FUSED_NORMS=yes");
+    ExpectError(kValid, "RP_FUSED_NORMS: must be 0 or 1", {});
+  }
 }
 
 // configs/README.md's key table and the parser's table (what --print-keys prints) agree on every

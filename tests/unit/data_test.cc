@@ -100,7 +100,7 @@ TEST(Dataset, HeldOutEvalWindowsAreNeverTrainedOn) {
 
 TEST(Dataset, RandomFormatEvaluatesOnItsOwnStream) {
   JobConfig c;
-  c.data.format = "random";
+  c.data.format = core::DataFormat::kRandom;
   c.train.eval_every = 1;
   auto train = Dataset::Open(c);
   auto eval = Dataset::OpenEval(c);
@@ -134,7 +134,7 @@ TEST(Dataset, TokenFilesWithASidecar) {
   };
   JobConfig c;
   c.model.vocab_size = 300;
-  c.data.format = "tokens";
+  c.data.format = core::DataFormat::kTokens;
   c.data.seq_len = 8;
   c.train.microbatch_size = 2;
   for (int width : {2, 4}) {
@@ -178,7 +178,7 @@ TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
   const std::string dir = testing::MakeTempDir("rp-jsonl-");
   JobConfig c;
   c.model.vocab_size = 50;
-  c.data.format = "jsonl";
+  c.data.format = core::DataFormat::kJsonl;
   c.data.seq_len = 4;
   c.data.shuffle = false;
   c.train.microbatch_size = 1;

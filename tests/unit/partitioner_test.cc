@@ -56,8 +56,8 @@ JobConfig Small(int layers) {
   JobConfig c;
   c.model.num_layers = layers;
   c.model.vocab_size = 4096;  // a head that costs several blocks, as in real models
-  c.job.device = "cpu";
-  c.schedule.partition = "auto";
+  c.job.device = core::DeviceKind::kCpu;
+  c.schedule.partition = core::Partition::kAuto;
   return c;
 }
 
@@ -66,7 +66,7 @@ void ExpectNoEqualPlanIsFaster(const JobConfig& c, int workers, const Profile& c
                                const PlanChoice& choice) {
   const int layers = static_cast<int>(c.model.num_layers);
   JobConfig eq = c;
-  eq.schedule.partition = "equal";
+  eq.schedule.partition = core::Partition::kEqual;
   for (int tail = 0; tail <= std::min(layers, 3); ++tail)
     for (int f = 1; f <= layers + 1 - tail && f <= 2 * workers + 2; ++f)
       for (int b = 1; b <= layers + 1 - tail && b <= 3 * workers + 3; ++b) {
@@ -134,7 +134,7 @@ TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
       ASSERT_TRUE(choice.ok());
       double best = std::numeric_limits<double>::infinity();
       JobConfig eq = c;
-      eq.schedule.partition = "equal";
+      eq.schedule.partition = core::Partition::kEqual;
       for (int tail = 0; tail <= std::min(layers, 3); ++tail) {
         const int t = layers + 1 - tail;
         eq.schedule.tail_blocks = tail;
@@ -163,7 +163,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   // needs B's gradients committed, so they are not on the device while B computes; without
   // clipping they may be. B (with the embedding's gradient) is the worst stage here.
   JobConfig c = Small(6);
-  c.schedule.partition = "equal";
+  c.schedule.partition = core::Partition::kEqual;
   c.schedule.tail_blocks = 1;
   c.schedule.forward_stages = 1;
   c.schedule.backward_stages = 1;
@@ -171,7 +171,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->Describe(), "F[0,6) T[6,8) B[0,6)");
-  ASSERT_EQ(c.optimizer.mode, "exact");
+  ASSERT_EQ(c.optimizer.mode, OptimizerMode::kExact);
   ASSERT_GT(c.train.grad_clip, 0.0);
   JobConfig unclipped = c;
   unclipped.train.grad_clip = 0.0;
@@ -198,14 +198,14 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   EXPECT_EQ(plan->stages[interleaved.stage].Describe(), "B[0,6)");
   EXPECT_GT(interleaved.next_weights, 0.0);
   EXPECT_NE(interleaved.next_weights, u.next_weights);
-  two_calls.schedule.interleave_calls = false;
+  two_calls.bench.interleave_calls = false;
   EXPECT_DOUBLE_EQ(EstimateMemory(two_calls, *plan, 1).next_weights, u.next_weights);
   // CUDA workers with the fused kernels sum the projections' weight gradients into fp32 sinks:
   // no per-microbatch gradient in the compute dtype for those.
   JobConfig cuda = c;
-  cuda.job.device = "cuda";
+  cuda.job.device = core::DeviceKind::kCuda;
   JobConfig unfused = cuda;
-  unfused.train.fused_kernels = false;
+  unfused.bench.fused_kernels = false;
   const ModelSpec spec = BuildModelSpec(c.model);
   double sinkable = 0.0;
   for (int l = 0; l < 6; ++l)
@@ -215,7 +215,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   ASSERT_EQ(plan->stages[fused.stage].Describe(), "B[0,6)");
   ASSERT_EQ(plan->stages[plain.stage].Describe(), "B[0,6)");
   EXPECT_GT(sinkable, 0.0);
-  EXPECT_DOUBLE_EQ(plain.gradients - fused.gradients, sinkable * (c.train.dtype == "bf16" ? 2.0 : 4.0));
+  EXPECT_DOUBLE_EQ(plain.gradients - fused.gradients, sinkable * (c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0));
   // Three workers: every job's next job on its worker is the same stage of the next step, so
   // with clipping only F, which may run layer-major and then reserves its next job's weights,
   // is paired; B, the worst, is not.

@@ -15,7 +15,7 @@ JobConfig Small(int layers) {
   JobConfig c;
   c.model.num_layers = layers;
   c.model.vocab_size = 4096;
-  c.job.device = "cpu";
+  c.job.device = core::DeviceKind::kCpu;
   return c;
 }
 

@@ -23,11 +23,11 @@ core::JobConfig SmallConfig() {
   core::JobConfig c;
   c.model.num_layers = 3;
   c.model.vocab_size = 300;
-  c.train.dtype = "bf16";
+  c.train.dtype = core::TrainDtype::kBf16;
   return c;
 }
 
-class LayoutBySource : public ::testing::TestWithParam<std::string> {};
+class LayoutBySource : public ::testing::TestWithParam<core::WeightsSource> {};
 
 TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
   auto cfg = SmallConfig();
@@ -38,7 +38,7 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
   auto layout = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(layout.ok()) << layout.status().message();
   const ArenaLayout& a = *layout;
-  EXPECT_EQ(a.masters_in_state, GetParam() == "master");
+  EXPECT_EQ(a.masters_in_state, GetParam() == core::WeightsSource::kAuto);  // exact mode: the masters
   struct Range { uint64_t begin, end; std::string what; };
   std::vector<Range> ranges, optim;
   for (size_t p = 0; p < spec.params.size(); ++p) {
@@ -83,7 +83,8 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
   EXPECT_EQ(spec.grad_slots.size(), spec.params.size() + 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Sources, LayoutBySource, ::testing::Values("compute_copy", "master"));
+INSTANTIATE_TEST_SUITE_P(Sources, LayoutBySource,
+                         ::testing::Values(core::WeightsSource::kComputeCopy, core::WeightsSource::kAuto));
 
 // Workers fetching the fp32 masters: the bf16 compute copy (2 bytes per parameter) is gone from
 // host memory, the masters moved from the optimizer segment into the one workers map. stale1
@@ -96,9 +97,9 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  cfg.schedule.weights_source = "compute_copy";
+  cfg.schedule.weights_source = core::WeightsSource::kComputeCopy;
   auto copy = ComputeLayout(cfg, spec, *plan);
-  cfg.schedule.weights_source = "auto";  // exact mode: the masters
+  cfg.schedule.weights_source = core::WeightsSource::kAuto;  // exact mode: the masters
   auto masters = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(copy.ok() && masters.ok());
   EXPECT_FALSE(copy->masters_in_state);
@@ -113,7 +114,7 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   EXPECT_GE(masters->compute_end - masters->compute_begin, 4 * static_cast<uint64_t>(spec.TrainableParams()));
   EXPECT_LT(masters->compute_end - masters->compute_begin, 2 * (copy->compute_end - copy->compute_begin));
 
-  cfg.optimizer.mode = "stale1";
+  cfg.optimizer.mode = core::OptimizerMode::kStale1;
   auto stale = ComputeLayout(cfg, spec, *core::MakePlan(cfg));
   ASSERT_TRUE(stale.ok());
   EXPECT_FALSE(stale->masters_in_state);
@@ -185,7 +186,7 @@ TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
   auto host = ComputeLayout(cfg, spec, *plan);
-  cfg.schedule.activations = "worker";
+  cfg.schedule.activations = core::Activations::kWorker;
   auto worker = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(host.ok() && worker.ok());
   EXPECT_FALSE(host->activations_in_worker);
@@ -205,7 +206,7 @@ TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
   auto host = ComputeLayout(cfg, spec, *plan);
-  cfg.schedule.activation_transport = "cuda_ipc";
+  cfg.schedule.activations = core::Activations::kCudaIpc;
   auto pools = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(host.ok() && pools.ok());
   EXPECT_FALSE(host->activations_in_pools);
