@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "common/exit_codes.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
 #include "gpu_worker/device.h"
 #include "gpu_worker/kernel_trace.h"
 #include "model/transformer.h"

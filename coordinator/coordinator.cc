@@ -30,17 +30,17 @@
 #include "coordinator/optim/async_optimizer.h"
 #include "coordinator/training_state.h"
 #include "coordinator/optim/optimizer_step.h"
-#include "core/data.h"
-#include "core/hf_model.h"
-#include "core/peft.h"
-#include "core/job_config.h"
-#include "core/lr_schedule.h"
-#include "core/model_spec.h"
-#include "core/partitioner.h"
-#include "core/plan.h"
-#include "core/profile.h"
-#include "core/run_output.h"
-#include "core/simulator.h"
+#include "io/data.h"
+#include "io/hf_model.h"
+#include "io/peft.h"
+#include "config/job_config.h"
+#include "config/lr_schedule.h"
+#include "config/model_spec.h"
+#include "planning/partitioner.h"
+#include "planning/plan.h"
+#include "planning/profile.h"
+#include "io/run_output.h"
+#include "planning/simulator.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
 #include "shm/segment.h"
@@ -125,7 +125,7 @@ class Coordinator {
   // The first step a stop requested now can end after (graceful stop, re-plan).
   int64_t EarliestStop() const;
   void OnLinkProbe(int rank, const proto::LinkProbe& p);
-  // Profiling (core/profile.h): the window of timed steps, the profile and prediction written
+  // Profiling (planning/profile.h): the window of timed steps, the profile and prediction written
   // when it is over, the drift check afterwards, and the re-plan decision.
   void SetProfileWindow(int64_t begin);
   Status MaybeFinishProfile();
@@ -223,7 +223,7 @@ class Coordinator {
   // The current step's input token rows over the calls fed so far (AsyncOptimizer::SetTouchedRows).
   std::set<int64_t> step_rows_;
   int64_t job_counter_ = 0;          // every job's index (stage and eval jobs share it: one queue order)
-  int64_t stage_jobs_dispatched_ = 0;  // stage job k runs on worker k mod N (core/plan.h)
+  int64_t stage_jobs_dispatched_ = 0;  // stage job k runs on worker k mod N (planning/plan.h)
   int64_t eval_jobs_dispatched_ = 0;
   int64_t first_step_ = 0;    // steps done before this invocation (resume)
   int64_t stop_step_ = 0;     // this invocation runs steps [first_step_, stop_step_)

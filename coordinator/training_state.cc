@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/rng.h"
-#include "core/run_output.h"
+#include "io/run_output.h"
 
 namespace rp::coord {
 namespace {

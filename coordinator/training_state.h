@@ -12,7 +12,7 @@
 //                    workers fetch them) and "compute" (every compute-copy buffer, so stale1's
 //                    older weights resume too; the fp32 masters when workers fetch them)
 // Nothing else is needed: the learning rate, the data order and the init are pure functions of
-// the step and the seed (core/lr_schedule.h, core/data.h).
+// the step and the seed (config/lr_schedule.h, io/data.h).
 //
 // Contract:
 //  * Write() is atomic: a temporary name in the same directory, fsync, rename, fsync of the
@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "common/status.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
 #include "shm/layout.h"
 
 namespace rp::coord {

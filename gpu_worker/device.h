@@ -111,7 +111,7 @@ class Device {
   virtual uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) = 0;
   virtual bool CommitDone(uint64_t ticket) = 0;
 
-  // Profiling (core/profile.h). Mark() records how far the compute stream has got and returns
+  // Profiling (planning/profile.h). Mark() records how far the compute stream has got and returns
   // the mark's index; MarkSeconds(a, b) is the device time between two marks (it waits for mark
   // b). ClearMarks() forgets every mark. Marks cost no synchronization while recording.
   virtual int Mark() = 0;

@@ -9,7 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "common/time_util.h"
-#include "core/data.h"
+#include "io/data.h"
 
 namespace rp::worker {
 

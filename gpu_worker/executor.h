@@ -34,9 +34,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/plan.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "planning/plan.h"
 #include "gpu_worker/device.h"
 #include "model/transformer.h"
 #include "protocol/messages.h"

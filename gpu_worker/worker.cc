@@ -18,9 +18,10 @@
 #include "common/test_hooks.h"
 #include "common/session.h"
 #include "common/time_util.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/plan.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "planning/partitioner.h"
+#include "planning/plan.h"
 #include "gpu_worker/device.h"
 #include "gpu_worker/executor.h"
 #include "gpu_worker/kernel_trace.h"
@@ -492,7 +493,7 @@ Status Worker::Run() {
     std::memcpy(p.handle, handle->data(), sizeof(p.handle));
     RP_RETURN_IF_ERROR(channel_->Send(p));
   }
-  // One measurement of the host link for the planner's profile (core/profile.h): reads the
+  // One measurement of the host link for the planner's profile (planning/profile.h): reads the
   // start of the shared segment, writes only private memory.
   const uint64_t probe_bytes = std::min<uint64_t>(kLinkProbeBytes, segment_->size());
   RP_ASSIGN_OR_RETURN(auto link, device_->ProbeLink(segment_->data(), probe_bytes));

@@ -8,7 +8,7 @@
 
 #include "common/exit_codes.h"
 #include "common/logging.h"
-#include "core/job_config.h"
+#include "config/job_config.h"
 #include "launcher/launcher.h"
 
 int main(int argc, char** argv) {

@@ -10,8 +10,8 @@
 #include <stdexcept>
 
 #include "common/rng.h"
-#include "core/model_spec.h"
-#include "core/rope.h"
+#include "config/model_spec.h"
+#include "config/rope.h"
 
 namespace rp::model {
 

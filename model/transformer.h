@@ -25,7 +25,7 @@
 #include <optional>
 #include <string>
 
-#include "core/job_config.h"
+#include "config/job_config.h"
 #include "model/fused_kernels.h"
 
 namespace rp::model {

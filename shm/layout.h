@@ -58,9 +58,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/plan.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "planning/plan.h"
 
 namespace rp::shm {
 

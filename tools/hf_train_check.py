@@ -111,7 +111,7 @@ def losses(out_dir):
 
 
 def lr_at(step, steps):
-    """core/lr_schedule.h: linear warmup, then cosine to MIN_LR at the last step."""
+    """config/lr_schedule.h: linear warmup, then cosine to MIN_LR at the last step."""
     if step < WARMUP:
         return LR * (step + 1) / WARMUP
     decay = steps - WARMUP

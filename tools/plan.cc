@@ -11,9 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/exit_codes.h"
-#include "core/job_config.h"
-#include "core/partitioner.h"
-#include "core/plan.h"
+#include "config/job_config.h"
+#include "planning/partitioner.h"
+#include "planning/plan.h"
 
 int main(int argc, char** argv) {
   std::string job;

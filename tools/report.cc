@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/exit_codes.h"
-#include "core/run_output.h"
+#include "io/run_output.h"
 
 namespace {
 

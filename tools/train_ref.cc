@@ -2,8 +2,8 @@
 // rp-train-ref job.toml [--set section.key=value ...]
 //
 // The oracle: the same training as rp-launch in one process, with no pipeline, no shared memory
-// and no recompute. It uses the same model math (model/), data order (core/data), init
-// (core/model_spec) and optimizer (coordinator/optim), and writes the same metrics.jsonl, so a
+// and no recompute. It uses the same model math (model/), data order (io/data), init
+// (config/model_spec) and optimizer (coordinator/optim), and writes the same metrics.jsonl, so a
 // pipelined fp32 CPU run must match it step for step. It loads (model.path) and exports
 // (checkpoint.export_hf) Hugging Face directories like rp-launch.
 #include <ATen/ATen.h>
@@ -20,13 +20,13 @@
 #include "common/exit_status.h"
 #include "common/logging.h"
 #include "coordinator/optim/optimizer_step.h"
-#include "core/data.h"
-#include "core/job_config.h"
-#include "core/lr_schedule.h"
-#include "core/hf_model.h"
-#include "core/model_spec.h"
-#include "core/peft.h"
-#include "core/run_output.h"
+#include "io/data.h"
+#include "config/job_config.h"
+#include "config/lr_schedule.h"
+#include "io/hf_model.h"
+#include "config/model_spec.h"
+#include "io/peft.h"
+#include "io/run_output.h"
 #include "model/transformer.h"
 
 namespace {

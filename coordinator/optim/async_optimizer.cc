@@ -6,7 +6,7 @@
 
 #include "common/logging.h"
 #include "common/time_util.h"
-#include "core/lr_schedule.h"
+#include "config/lr_schedule.h"
 
 namespace rp::coord {
 

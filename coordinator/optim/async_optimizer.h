@@ -63,8 +63,8 @@
 
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/optimizer_step.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
 #include "shm/layout.h"
 
 namespace rp::coord {

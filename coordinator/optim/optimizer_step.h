@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "coordinator/optim/adamw.h"
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::coord {
 

@@ -11,8 +11,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/job_config.h"
-#include "core/model_spec.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
 #include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/device.h"
 #include "model/transformer.h"

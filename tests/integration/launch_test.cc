@@ -18,8 +18,8 @@
 #include <zmq.hpp>
 
 #include "common/exit_codes.h"
-#include "core/job_config.h"
-#include "core/profile.h"
+#include "config/job_config.h"
+#include "planning/profile.h"
 #include "protocol/codec.h"
 #include "protocol/messages.h"
 #include "tests/integration/launch_fixture.h"

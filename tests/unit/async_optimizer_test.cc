@@ -19,8 +19,9 @@
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/async_optimizer.h"
 #include "coordinator/optim/optimizer_step.h"
-#include "core/lr_schedule.h"
-#include "core/plan.h"
+#include "config/lr_schedule.h"
+#include "planning/partitioner.h"
+#include "planning/plan.h"
 #include "shm/layout.h"
 
 namespace rp::coord {

@@ -8,9 +8,10 @@
 #include <set>
 #include <sstream>
 
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/plan.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "planning/partitioner.h"
+#include "planning/plan.h"
 #include "shm/layout.h"
 #include "tests/testing/process_harness.h"
 

@@ -5,9 +5,9 @@
 #include <fstream>
 #include <set>
 
-#include "core/data.h"
-#include "core/lr_schedule.h"
-#include "core/model_spec.h"
+#include "io/data.h"
+#include "config/lr_schedule.h"
+#include "config/model_spec.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/hf_model.h"
+#include "config/hf_config.h"
+#include "io/hf_model.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/rope.h"
+#include "config/rope.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {

@@ -5,7 +5,7 @@
 
 #include <c10/core/GradMode.h>
 
-#include "core/model_spec.h"
+#include "config/model_spec.h"
 #include "model/transformer.h"
 
 namespace rp::model {

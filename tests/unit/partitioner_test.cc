@@ -5,8 +5,8 @@
 #include <limits>
 #include <random>
 
-#include "core/partitioner.h"
-#include "core/simulator.h"
+#include "planning/partitioner.h"
+#include "planning/simulator.h"
 
 namespace rp::core {
 namespace {

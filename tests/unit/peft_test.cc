@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // LoRA's model spec and PEFT adapter directories.
-#include "core/peft.h"
+#include "io/peft.h"
 
 #include <gtest/gtest.h>
 
@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/model_spec.h"
-#include "core/safetensors.h"
+#include "config/model_spec.h"
+#include "io/safetensors.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {

@@ -3,7 +3,8 @@
 
 #include <map>
 
-#include "core/plan.h"
+#include "planning/partitioner.h"
+#include "planning/plan.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {

@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/profile.h"
+#include "planning/profile.h"
 
 namespace rp::core {
 namespace {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/safetensors.h"
+#include "io/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "planning/partitioner.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
 #include "tests/testing/process_harness.h"

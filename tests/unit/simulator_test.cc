@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
-#include "core/simulator.h"
+#include "planning/partitioner.h"
+#include "planning/simulator.h"
 
 namespace rp::core {
 namespace {

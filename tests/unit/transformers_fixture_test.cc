@@ -15,9 +15,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/hf_model.h"
-#include "core/model_spec.h"
-#include "core/rope.h"
+#include "config/hf_config.h"
+#include "io/hf_model.h"
+#include "config/model_spec.h"
+#include "config/rope.h"
 #include "model/transformer.h"
 #include "tests/testing/process_harness.h"
 

@@ -30,7 +30,7 @@
 
 #include "common/mapped_file.h"
 #include "common/status.h"
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::core {
 

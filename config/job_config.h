@@ -46,7 +46,7 @@ const char* EnumName(Partition v);
 const char* EnumName(Tristate v);
 
 // Rotary position embedding of the query and key heads. Every variant only changes the
-// per-frequency rates and one factor on cos/sin (core/rope.h computes both), so one table builder
+// per-frequency rates and one factor on cos/sin (config/rope.h computes both), so one table builder
 // serves the CPU composite, the fused CUDA kernels and rp-train-ref alike.
 struct RopeConfig {
   enum class Type : uint8_t { kDefault, kLinear, kLlama3, kYarn };
@@ -160,7 +160,7 @@ struct ScheduleConfig {
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
   Partition partition = Partition::kEqual;  // equal: stage counts or explicit cuts; auto: planner
   double gpu_memory_gb = 0.0;       // per-worker memory limit for "auto"; 0 = unlimited
-  std::string profile;              // measured profile for "auto" (core/profile.h); "" = cost model
+  std::string profile;              // measured profile for "auto" (planning/profile.h); "" = cost model
   int64_t profile_steps = 2;        // steps timed per layer after a warm-up step; 0 = none
   double replan_gain = 0.05;        // predicted speed-up that justifies restarting on a new plan
   double drift = 0.2;               // measured/predicted step mismatch that triggers re-profiling

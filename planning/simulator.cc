@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/simulator.h"
+#include "planning/simulator.h"
 
 #include <algorithm>
 #include <cmath>

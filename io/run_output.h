@@ -12,7 +12,7 @@
 #include <string>
 
 #include "common/status.h"
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::core {
 

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/data.h"
+#include "io/data.h"
 
 
 #include <algorithm>

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/plan.h"
+#include "planning/plan.h"
 
-#include "core/partitioner.h"
 
 #include <algorithm>
 #include <set>
@@ -77,12 +76,6 @@ std::string PipelinePlan::Describe() const {
   std::string out;
   for (size_t i = 0; i < stages.size(); ++i) out += (i ? " " : "") + stages[i].Describe();
   return out;
-}
-
-StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
-  if (c.schedule.partition != core::Partition::kAuto) return BuildPlan(c);
-  RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));
-  return choice.plan;
 }
 
 StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/profile.h"
+#include "planning/profile.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/run_output.h"
+#include "io/run_output.h"
 
 namespace rp::core {
 double Median(std::vector<double> v) {

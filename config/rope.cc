@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/rope.h"
+#include "config/rope.h"
 
 #include <algorithm>
 #include <cmath>

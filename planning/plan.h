@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::core {
 
@@ -58,12 +58,9 @@ struct PipelinePlan {
   std::string Describe() const;
 };
 
-// Builds the plan from [schedule] (explicit cuts, else equal layer counts). Never drops or
-// duplicates a layer: each of forward and backward covers [0, tail_start) exactly once.
-// With schedule.partition = "auto" the planner (core/partitioner.h) chooses tail size and cuts
-// for `workers` workers first; every process computes the same plan from the same inputs.
-StatusOr<PipelinePlan> MakePlan(const JobConfig& config, int workers = 1);
-// The plan for the config's explicit cuts or equal stage counts (what "auto" evaluates).
+// The plan for the config's explicit cuts or equal stage counts (what "auto" evaluates; the
+// plan of a job is planning/partitioner.h's MakePlan). Never drops or duplicates a layer: each of
+// forward and backward covers [0, tail_start) exactly once.
 StatusOr<PipelinePlan> BuildPlan(const JobConfig& config);
 
 // Splits [0, n) into `parts` contiguous ranges whose sizes differ by at most one (larger first).

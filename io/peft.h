@@ -19,9 +19,9 @@
 #include <string>
 
 #include "common/status.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/safetensors.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "io/safetensors.h"
 
 namespace rp::core {
 

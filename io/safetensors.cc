@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/safetensors.h"
+#include "io/safetensors.h"
 
 
 #include <algorithm>
@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/run_output.h"
+#include "io/run_output.h"
 
 namespace rp::core {
 namespace {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/peft.h"
+#include "io/peft.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/hf_model.h"
-#include "core/run_output.h"
+#include "io/hf_model.h"
+#include "io/run_output.h"
 
 namespace rp::core {
 namespace {

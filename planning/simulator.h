@@ -32,10 +32,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/plan.h"
-#include "core/profile.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "planning/plan.h"
+#include "planning/profile.h"
 
 namespace rp::core {
 

@@ -4,12 +4,12 @@
 // It searches the fused tail's size and the number of forward and backward stages; for each it
 // tries the equal-layer split and the exact min-max split (dynamic programming over contiguous
 // cuts, minimizing the slowest stage), or every contiguous split when at most six layers precede
-// the tail (the search is then exact), simulates the round-robin schedule (core/simulator.h) with
+// the tail (the search is then exact), simulates the round-robin schedule (planning/simulator.h) with
 // per-layer costs, drops plans whose estimated per-worker memory exceeds schedule.gpu_memory_gb,
 // and keeps the one with the shortest steady-state step (fewer stages on ties). Forward cuts are
 // split on forward costs, backward cuts on recompute + backward costs.
 //
-// Costs come from the measured profile named by schedule.profile (core/profile.h; the launcher
+// Costs come from the measured profile named by schedule.profile (planning/profile.h; the launcher
 // points it at a copy of <output_dir>/profile.json so every process of a run reads the same
 // numbers), else from the FLOP cost model. Deterministic: every process gets the same plan.
 #pragma once
@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "core/job_config.h"
-#include "core/plan.h"
-#include "core/profile.h"
+#include "config/job_config.h"
+#include "planning/plan.h"
+#include "planning/profile.h"
 
 namespace rp::core {
 
@@ -75,5 +75,10 @@ MemoryEstimate EstimateMemory(const JobConfig& config, const PipelinePlan& plan,
 // EstimateMemory(...).total.
 double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                           const Profile* profile = nullptr);
+
+// The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner
+// chooses tail size and cuts for `workers` workers first (ChoosePlan). Every process computes
+// the same plan from the same inputs.
+StatusOr<PipelinePlan> MakePlan(const JobConfig& config, int workers = 1);
 
 }  // namespace rp::core

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/model_spec.h"
+#include "config/model_spec.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/run_output.h"
+#include "io/run_output.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::core {
 

@@ -18,7 +18,7 @@
 
 #include <vector>
 
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::core {
 

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "core/job_config.h"
+#include "config/job_config.h"
 
 namespace rp::core {
 

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/partitioner.h"
+#include "planning/partitioner.h"
 
 #include <algorithm>
 #include <limits>
 
-#include "core/model_spec.h"
-#include "core/simulator.h"
+#include "config/model_spec.h"
+#include "planning/simulator.h"
 
 namespace rp::core {
 namespace {
@@ -279,6 +279,12 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   PlanChoice best = PredictPlan(c, best_plan, profile, workers);
   best.candidates = candidates;
   return best;
+}
+
+StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
+  if (c.schedule.partition != core::Partition::kAuto) return BuildPlan(c);
+  RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));
+  return choice.plan;
 }
 
 }  // namespace rp::core

@@ -3,18 +3,9 @@
 // model-0000x-of-0000y.safetensors with model.safetensors.index.json), in and out.
 //
 // Contract:
-//  * ApplyHfConfig() reads <dir>/config.json and replaces every architecture value of `model`
-//    with it (model_type "llama", "qwen2", "qwen3" or "mistral"), from wherever transformers 4.x
-//    and 5.x put a value (RoPE base at the top level or inside rope_parameters / rope_scaling),
-//    and with transformers' per-family default where a key is absent. Every value read is
-//    type- and range-checked. A key whose value changes the math and that this runtime does not
-//    implement (another rope_type, a partial rotary factor, attention dropout, another
-//    activation, a quantized checkpoint, per-layer RoPE) is refused naming the file and the key;
-//    keys that do not change the math are ignored. docs/model-config.md lists every key.
-//  * HfConfigJson() is the config.json the export writes: it loads in transformers 5 as the same
-//    model, with the RoPE base both in rope_parameters and at the top level for older readers.
+//  * The architecture in config.json is config/hf_config.h's (ApplyHfConfig, HfConfigJson).
 //  * HfWeights::Open() opens the directory's safetensors file(s) through the validated reader
-//    (core/safetensors.h); Load() converts one parameter (F32, BF16 or F16 on disk) to fp32 into
+//    (io/safetensors.h); Load() converts one parameter (F32, BF16 or F16 on disk) to fp32 into
 //    caller memory, e.g. the master arena, after checking its shape against the model spec. A
 //    missing tensor is an error naming it (a tied LM head may be absent).
 //  * ExportHf() writes a directory that transformers loads: config.json and fp32 tensors under
@@ -35,14 +26,12 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "core/job_config.h"
-#include "core/model_spec.h"
-#include "core/safetensors.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "io/safetensors.h"
 
 namespace rp::core {
 
-Status ApplyHfConfig(const std::string& dir, ModelConfig* model);
-StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& model);
 
 class HfWeights {
  public:

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "core/job_config.h"
+#include "config/job_config.h"
 
-#include "core/hf_model.h"
+#include "config/hf_config.h"
 
 #include <toml++/toml.h>
 
