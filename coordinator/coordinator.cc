@@ -37,6 +37,7 @@
 #include "config/lr_schedule.h"
 #include "config/model_spec.h"
 #include "planning/partitioner.h"
+#include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "planning/profile.h"
 #include "io/run_output.h"
@@ -260,9 +261,13 @@ class Coordinator {
 };
 
 Status Coordinator::Setup() {
-  RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
+  RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpec(opts_.spec_path));
+  if (run.workers != opts_.num_workers)
+    return Status::InvalidArgument("run spec " + opts_.spec_path + " was resolved for " + std::to_string(run.workers) +
+                                   " workers, this run has " + std::to_string(opts_.num_workers));
+  cfg_ = std::move(run.job);
+  plan_ = std::move(run.plan);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
-  RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   if (layout_.activations_in_worker && opts_.num_workers != 1)
     return Status::InvalidArgument("schedule.activations = \"worker\" keeps activations in the one worker's "
@@ -470,8 +475,7 @@ Status Coordinator::AcceptWorkers() {
     }
     if (hello->layout_hash != layout_.hash) {
       return Status::ProtocolError("worker " + std::to_string(env->rank) +
-                                   " computed a different shared-memory layout (different job file, "
-                                   "overrides or build)");
+                                   " computed a different shared-memory layout from the run spec (a different build?)");
     }
     // A replacement would announce a new pool the others have not opened; nothing to re-run yet.
     if (welcomed)

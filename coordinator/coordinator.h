@@ -19,8 +19,7 @@
 namespace rp::coord {
 
 struct CoordinatorOptions {
-  std::string job_path;
-  std::vector<std::string> overrides;
+  std::string spec_path;  // the run spec rp-launch resolved (planning/run_spec.h)
   int num_workers = 1;
   std::string session;
   std::string runtime_dir;

@@ -21,8 +21,7 @@ int main(int argc, char** argv) {
   rp::coord::CoordinatorOptions o;
   int verbosity = 0;
   CLI::App app{"RoundPipe coordinator (started by rp-launch)"};
-  app.add_option("--job", o.job_path, "job file")->required();
-  app.add_option("--set", o.overrides, "section.key=value override");
+  app.add_option("--spec", o.spec_path, "the run spec rp-launch wrote (run-spec.json)")->required();
   app.add_option("--gpus", o.num_workers, "number of workers")->required()->check(CLI::Range(1, 4096));
   app.add_option("--session", o.session, "session id")->required();
   app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();

@@ -20,7 +20,7 @@
 #include "common/time_util.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
-#include "planning/partitioner.h"
+#include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "gpu_worker/device.h"
 #include "gpu_worker/executor.h"
@@ -432,9 +432,14 @@ StatusOr<bool> Worker::Finish() {
 }
 
 Status Worker::Run() {
-  RP_ASSIGN_OR_RETURN(cfg_, core::LoadJobConfig(opts_.job_path, opts_.overrides));
+  // The job and its plan as rp-launch resolved them: a worker neither parses the job file nor plans.
+  RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpec(opts_.spec_path));
+  if (run.workers != opts_.num_workers)
+    return Status::InvalidArgument("run spec " + opts_.spec_path + " was resolved for " + std::to_string(run.workers) +
+                                   " workers, this run has " + std::to_string(opts_.num_workers));
+  cfg_ = std::move(run.job);
+  plan_ = std::move(run.plan);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
-  RP_ASSIGN_OR_RETURN(plan_, core::MakePlan(cfg_, opts_.num_workers));
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   const int gpus = CudaDeviceCount();
   use_cuda_ = cfg_.job.device == core::DeviceKind::kCuda || (cfg_.job.device == core::DeviceKind::kAuto && gpus > 0);

@@ -18,6 +18,7 @@
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "planning/partitioner.h"
+#include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "planning/profile.h"
 #include "io/run_output.h"
@@ -66,13 +67,9 @@ class RuntimeDir {
   std::string path_;
 };
 
-void PrintDryRun(const core::JobConfig& cfg, int gpus) {
+void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus) {
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
-  auto plan = core::MakePlan(cfg, gpus);
-  if (!plan.ok()) {
-    std::fprintf(stderr, "plan: %s\n", plan.status().message().c_str());
-    return;
-  }
+  const core::PipelinePlan* plan = &resolved_plan;
   auto layout = shm::ComputeLayout(cfg, spec, *plan);
   if (!layout.ok()) {
     std::fprintf(stderr, "layout: %s\n", layout.status().message().c_str());
@@ -90,7 +87,7 @@ void PrintDryRun(const core::JobConfig& cfg, int gpus) {
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
   if (cfg.train.merged_calls > 1)
     std::printf("the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
-                "(bench.merge_calls; \"never\" runs them one after another)\n",
+                "(RP_MERGE_CALLS=never runs them one after another)\n",
                 static_cast<long long>(cfg.train.merged_calls),
                 static_cast<long long>(cfg.train.microbatches / cfg.train.merged_calls),
                 static_cast<long long>(cfg.train.microbatches));
@@ -146,11 +143,15 @@ Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes) {
 // One launch: a coordinator and its workers until the coordinator ends the run (or asks to be
 // resumed on a new plan: kExitReplan).
 int RunSession(const LaunchOptions& o) {
-  auto cfg = core::LoadJobConfig(o.job_path, o.overrides);
-  if (!cfg.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", cfg.status().message().c_str());
+  // The run's decisions, made once here; the coordinator and the workers read them from the
+  // runtime directory (planning/run_spec.h).
+  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus);
+  if (!resolved.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", resolved.status().message().c_str());
     return kExitBadConfig;
   }
+  core::RunSpec& run = *resolved;
+  const core::JobConfig* cfg = &run.job;
   // Refused here, before any process exists, not by the coordinator once everything started.
   if (cfg->schedule.activations == core::Activations::kWorker && o.gpus != 1) {
     std::fprintf(stderr, "rp-launch: schedule.activations = \"worker\" keeps activations in the one worker's "
@@ -158,17 +159,15 @@ int RunSession(const LaunchOptions& o) {
     return kExitBadConfig;
   }
   uint64_t shared_bytes = 0;
-  if (auto plan = core::MakePlan(*cfg, o.gpus); !plan.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", plan.status().message().c_str());
-    return kExitBadConfig;
-  } else if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model, cfg->lora), *plan); !layout.ok()) {
+  if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model, cfg->lora), run.plan); !layout.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
     return kExitBadConfig;
   } else {
     shared_bytes = shm::SharedMemoryBytes(*layout, *cfg, o.gpus);
   }
   if (o.dry_run) {
-    PrintDryRun(*cfg, o.gpus);
+    PrintDryRun(*cfg, run.plan, o.gpus);
+    std::printf("resolved run spec (what the coordinator and workers read):\n%s", core::RunSpecJson(run).c_str());
     return kExitOk;
   }
   if (Status s = o.resume ? Status::Ok() : core::CheckOutputDir(*cfg); !s.ok()) {
@@ -213,20 +212,20 @@ int RunSession(const LaunchOptions& o) {
   sigset_t old;
   pthread_sigmask(SIG_BLOCK, &set, &old);
 
-  std::vector<std::string> common = {"--job", cfg->source_path, "--gpus", std::to_string(o.gpus),
+  if (o.debug_worker >= 0) run.job.job.worker_timeout_s = 0;  // a worker in a debugger sends no heartbeats
+  const std::string spec_path = dir + "/run-spec.json";
+  if (Status s = core::WriteRunSpec(spec_path, run); !s.ok()) {
+    std::fprintf(stderr, "rp-launch: writing %s: %s\n", spec_path.c_str(), s.message().c_str());
+    return kExitError;
+  }
+  std::vector<std::string> common = {"--spec", spec_path, "--gpus", std::to_string(o.gpus),
                                      "--session", session, "--runtime-dir", dir,
                                      "-v", std::to_string(o.verbosity)};
-  for (auto& s : o.overrides) {
-    common.push_back("--set");
-    common.push_back(s);
-  }
   std::vector<std::string> env = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()),
                                   "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
   // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
   if (!std::getenv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=1");
   if (o.debug_worker >= 0) {
-    // A worker stopped in a debugger sends no heartbeats: it is not hung.
-    common.insert(common.end(), {"--set", "job.worker_timeout_s=0"});
     // A paused worker must not make the coordinator give up waiting for it.
     common.push_back("--hello-timeout-s");
     common.push_back("86400");

@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "planning/run_spec.h"
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include "io/run_output.h"
+#include "planning/partitioner.h"
+
+namespace rp::core {
+
+// A field added to one of these structs must be added to its list below too; the sizes make the
+// compiler say so (x86-64, libstdc++).
+static_assert(sizeof(RopeConfig) == 80);
+static_assert(sizeof(ModelConfig) == 240);
+static_assert(sizeof(DataConfig) == 96);
+static_assert(sizeof(TrainConfig) == 96);
+static_assert(sizeof(OptimizerConfig) == 80);
+static_assert(sizeof(LoraConfig) == 112);
+static_assert(sizeof(ScheduleConfig) == 152);
+static_assert(sizeof(CheckpointConfig) == 88);
+static_assert(sizeof(BenchKnobs) == 24);
+static_assert(sizeof(JobOptions) == 88);
+static_assert(sizeof(PipelinePlan) == 80);
+
+namespace {
+constexpr int kSpecVersion = 1;
+}  // namespace
+
+// Enums travel by their job-file names; an unknown name is refused.
+#define RP_SPEC_ENUM(E, NAME)                                                        \
+  void to_json(nlohmann::json& j, const E& e) { j = NAME(e); }                       \
+  void from_json(const nlohmann::json& j, E& e) {                                    \
+    const std::string s = j.get<std::string>();                                      \
+    for (int v = 0; v < 16; ++v)                                                     \
+      if (s == NAME(static_cast<E>(v))) {                                            \
+        e = static_cast<E>(v);                                                       \
+        return;                                                                      \
+      }                                                                              \
+    throw std::invalid_argument("\"" + s + "\" is not a " #E);                       \
+  }
+RP_SPEC_ENUM(DeviceKind, EnumName)
+RP_SPEC_ENUM(DataFormat, EnumName)
+RP_SPEC_ENUM(TrainDtype, EnumName)
+RP_SPEC_ENUM(OptimizerName, EnumName)
+RP_SPEC_ENUM(OptimizerMode, EnumName)
+RP_SPEC_ENUM(Activations, EnumName)
+RP_SPEC_ENUM(WeightsSource, EnumName)
+RP_SPEC_ENUM(EmbeddingLookup, EnumName)
+RP_SPEC_ENUM(Partition, EnumName)
+RP_SPEC_ENUM(Tristate, EnumName)
+RP_SPEC_ENUM(StageKind, StageKindName)
+#undef RP_SPEC_ENUM
+void to_json(nlohmann::json& j, const RopeConfig::Type& e) { j = RopeTypeName(e); }
+void from_json(const nlohmann::json& j, RopeConfig::Type& e) {
+  const std::string s = j.get<std::string>();
+  for (int v = 0; v < 16; ++v)
+    if (s == RopeTypeName(static_cast<RopeConfig::Type>(v))) {
+      e = static_cast<RopeConfig::Type>(v);
+      return;
+    }
+  throw std::invalid_argument("\"" + s + "\" is not a RoPE type");
+}
+
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RopeConfig, type, theta, factor, low_freq_factor, high_freq_factor,
+                                   original_max_position, attention_factor, beta_fast, beta_slow, truncate)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hidden_size, intermediate_size,
+                                   num_layers, num_heads, num_kv_heads, head_dim, rope, rms_norm_eps, qk_norm,
+                                   qkv_bias, o_bias, mlp_bias, tie_embeddings, sliding_window,
+                                   max_position_embeddings, init_std)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls, merged_calls,
+                                   microbatch_size, dtype, grad_clip, loss_chunk_tokens, stop_after, eval_every,
+                                   eval_microbatches)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, lr, min_lr, warmup_steps, weight_decay, beta1,
+                                   beta2, eps, momentum, grad_buffer_mb)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, init_from, export_dir)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, activations,
+                                   weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
+                                   gpu_memory_gb, profile, profile_steps, replan_gain, drift)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,
+                                   fused_norms, optimizer_threads, optimizer_rest_threads)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule, checkpoint,
+                                   metrics, bench, source_path)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Stage, kind, begin, end)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, stages, hidden_boundaries,
+                                   grad_boundaries)
+
+StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
+                             int workers) {
+  RunSpec spec;
+  RP_ASSIGN_OR_RETURN(spec.job, LoadJobConfig(job_path, overrides));
+  RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
+  spec.workers = workers;
+  return spec;
+}
+
+std::string RunSpecJson(const RunSpec& spec) {
+  const nlohmann::json j = {{"version", kSpecVersion}, {"workers", spec.workers}, {"job", spec.job},
+                            {"plan", spec.plan}};
+  return j.dump(1) + "\n";
+}
+
+StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what) {
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument(what + ": not a JSON object");
+  if (!j.contains("version") || j["version"] != kSpecVersion)
+    return Status::InvalidArgument(what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
+                                   ", this build reads " + std::to_string(kSpecVersion) +
+                                   " (rp-launch and the other programs come from different builds?)");
+  RunSpec spec;
+  try {
+    spec.workers = j.at("workers").get<int>();
+    spec.job = j.at("job").get<JobConfig>();
+    spec.plan = j.at("plan").get<PipelinePlan>();
+  } catch (const std::exception& e) {
+    return Status::InvalidArgument(what + ": not a complete run spec: " + e.what());
+  }
+  if (spec.workers < 1) return Status::InvalidArgument(what + ": workers must be at least 1");
+  return spec;
+}
+
+Status WriteRunSpec(const std::string& path, const RunSpec& spec) {
+  return WriteFileAtomically(path, RunSpecJson(spec));
+}
+
+StatusOr<RunSpec> ReadRunSpec(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return Status::InvalidArgument("run spec: cannot read " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ParseRunSpec(ss.str(), "run spec " + path);
+}
+
+}  // namespace rp::core

@@ -1,0 +1,38 @@
+// SPDX-License-Identifier: Apache-2.0
+// RunSpec: a run resolved once, by rp-launch, and read by every other process of it.
+//
+// Contract:
+//  * ResolveRun() is the one place a run's decisions are made: the job file with its overrides
+//    and the RP_* switches (LoadJobConfig: config.json's architecture, merged calls, typed modes)
+//    and the pipeline plan for `workers` workers (MakePlan; the planner's search for partition =
+//    "auto"). Pure given its inputs (the job file, the model's config.json, a stored profile).
+//  * WriteRunSpec() stores it as JSON (atomically); ReadRunSpec() gives back an equal RunSpec:
+//    the coordinator and the workers read it instead of parsing the job file and planning, so
+//    they cannot disagree. A file that is not a complete spec of this version is an
+//    InvalidArgument naming the file and the field, never an exception.
+//  * RunSpecJson() is the text WriteRunSpec stores (rp-launch --dry-run prints it).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "config/job_config.h"
+#include "planning/plan.h"
+
+namespace rp::core {
+
+struct RunSpec {
+  JobConfig job;
+  PipelinePlan plan;
+  int workers = 1;
+};
+
+StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
+                             int workers);
+std::string RunSpecJson(const RunSpec& spec);
+StatusOr<RunSpec> ParseRunSpec(const std::string& json, const std::string& what);
+Status WriteRunSpec(const std::string& path, const RunSpec& spec);
+StatusOr<RunSpec> ReadRunSpec(const std::string& path);
+
+}  // namespace rp::core

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "planning/run_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "planning/partitioner.h"
+#include "tests/testing/process_harness.h"
+
+namespace rp::core {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A job that exercises what only resolution knows: config.json's architecture (a Llama with
+// llama3 RoPE), merged calls, a bench switch from the environment and the planner's choice.
+RunSpec Resolve(const std::string& dir) {
+  std::ofstream(dir + "/job.toml") << "[model]\npath = \"" << testing::SourceDir()
+                                   << "/tests/testdata/hf_fixtures/llama3\"\n[data]\nformat = \"random\"\nseq_len = 64\n"
+                                      "[train]\naccum_calls = 2\nmicrobatches = 3\n[schedule]\npartition = \"auto\"\n";
+  ::setenv("RP_LAYER_MAJOR_FORWARD", "never", 1);
+  auto r = ResolveRun(dir + "/job.toml", {"optimizer.lr=1e-3"}, 2);
+  ::unsetenv("RP_LAYER_MAJOR_FORWARD");
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return *r;
+}
+
+TEST(RunSpec, WrittenAndReadBackIsTheSameRun) {
+  const std::string dir = testing::MakeTempDir("rp-spec-");
+  const RunSpec run = Resolve(dir);
+  EXPECT_EQ(run.job.model.rope.type, RopeConfig::Type::kLlama3);
+  EXPECT_EQ(run.job.train.merged_calls, 2);
+  EXPECT_EQ(run.job.bench.layer_major_forward, Tristate::kNever);
+  ASSERT_TRUE(WriteRunSpec(dir + "/run-spec.json", run).ok());
+  auto back = ReadRunSpec(dir + "/run-spec.json");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(RunSpecJson(*back), RunSpecJson(run));
+  EXPECT_EQ(back->plan.Describe(), run.plan.Describe());
+  EXPECT_EQ(back->plan.hidden_boundaries, run.plan.hidden_boundaries);
+  EXPECT_EQ(back->job.model.rope.original_max_position, 32);
+  EXPECT_EQ(back->job.optimizer.lr, 1e-3);
+  EXPECT_EQ(back->workers, 2);
+  // The plan is the planner's for the job, not re-derived by the reader.
+  auto planned = MakePlan(run.job, 2);
+  ASSERT_TRUE(planned.ok());
+  EXPECT_EQ(back->plan.Describe(), planned->Describe());
+  fs::remove_all(dir);
+}
+
+TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
+  const std::string dir = testing::MakeTempDir("rp-spec-bad-");
+  const RunSpec run = Resolve(dir);
+  const auto good = nlohmann::json::parse(RunSpecJson(run));
+  auto refused = [&](nlohmann::json j, const std::string& want) {
+    auto r = ParseRunSpec(j.dump(), "spec");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+  };
+  EXPECT_FALSE(ParseRunSpec("not json", "spec").ok());
+  auto j = good;
+  j["version"] = 99;
+  refused(j, "version 99");
+  j = good;
+  j["job"]["train"].erase("steps");
+  refused(j, "steps");
+  j = good;
+  j["job"]["optimizer"]["mode"] = "stale2";
+  refused(j, "stale2");
+  j = good;
+  j["job"]["model"]["rope"]["type"] = "longrope";
+  refused(j, "longrope");
+  j = good;
+  j["plan"]["stages"][0]["begin"] = "zero";
+  refused(j, "not a complete run spec");
+  j = good;
+  j["workers"] = 0;
+  refused(j, "workers");
+  EXPECT_FALSE(ReadRunSpec(dir + "/missing.json").ok());
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace rp::core
