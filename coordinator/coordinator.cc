@@ -261,10 +261,7 @@ class Coordinator {
 };
 
 Status Coordinator::Setup() {
-  RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpec(opts_.spec_path));
-  if (run.workers != opts_.num_workers)
-    return Status::InvalidArgument("run spec " + opts_.spec_path + " was resolved for " + std::to_string(run.workers) +
-                                   " workers, this run has " + std::to_string(opts_.num_workers));
+  RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
   plan_ = std::move(run.plan);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);

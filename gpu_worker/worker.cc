@@ -433,10 +433,7 @@ StatusOr<bool> Worker::Finish() {
 
 Status Worker::Run() {
   // The job and its plan as rp-launch resolved them: a worker neither parses the job file nor plans.
-  RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpec(opts_.spec_path));
-  if (run.workers != opts_.num_workers)
-    return Status::InvalidArgument("run spec " + opts_.spec_path + " was resolved for " + std::to_string(run.workers) +
-                                   " workers, this run has " + std::to_string(opts_.num_workers));
+  RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
   plan_ = std::move(run.plan);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);

@@ -138,4 +138,12 @@ StatusOr<RunSpec> ReadRunSpec(const std::string& path) {
   return ParseRunSpec(ss.str(), "run spec " + path);
 }
 
+StatusOr<RunSpec> ReadRunSpecFor(const std::string& path, int workers) {
+  RP_ASSIGN_OR_RETURN(RunSpec spec, ReadRunSpec(path));
+  if (spec.workers != workers)
+    return Status::InvalidArgument("run spec " + path + " was resolved for " + std::to_string(spec.workers) +
+                                   " workers, this run has " + std::to_string(workers));
+  return spec;
+}
+
 }  // namespace rp::core

@@ -34,5 +34,7 @@ std::string RunSpecJson(const RunSpec& spec);
 StatusOr<RunSpec> ParseRunSpec(const std::string& json, const std::string& what);
 Status WriteRunSpec(const std::string& path, const RunSpec& spec);
 StatusOr<RunSpec> ReadRunSpec(const std::string& path);
+// ReadRunSpec, refusing a spec resolved for another worker count than this process was given.
+StatusOr<RunSpec> ReadRunSpecFor(const std::string& path, int workers);
 
 }  // namespace rp::core

@@ -81,6 +81,10 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   j["workers"] = 0;
   refused(j, "workers");
   EXPECT_FALSE(ReadRunSpec(dir + "/missing.json").ok());
+  ASSERT_TRUE(WriteRunSpec(dir + "/two.json", run).ok());
+  EXPECT_TRUE(ReadRunSpecFor(dir + "/two.json", 2).ok());
+  auto other = ReadRunSpecFor(dir + "/two.json", 3);
+  EXPECT_NE(other.status().message().find("resolved for 2 workers, this run has 3"), std::string::npos);
   fs::remove_all(dir);
 }
 
