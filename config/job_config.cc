@@ -711,9 +711,6 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
                                      std::to_string(cfg.train.microbatches * cfg.train.accum_calls) +
                                      " microbatches in one round, above train.microbatches' limit of 4096 "
                                      "(RP_MERGE_CALLS=never keeps the calls)");
-    cfg.train.merged_calls = cfg.train.accum_calls;
-    cfg.train.microbatches *= cfg.train.accum_calls;
-    cfg.train.accum_calls = 1;
   }
   return cfg;
 }

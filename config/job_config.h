@@ -101,11 +101,8 @@ struct DataConfig {
 struct TrainConfig {
   int64_t steps = 20;
   int64_t seed = 1234;
-  int64_t microbatches = 3;      // M per accumulation call
-  int64_t accum_calls = 2;       // K calls per optimizer step (1 after MergeCalls)
-  // Derived, not a key: how many of the job file's calls ParseJobConfig merged into this one
-  // round (MergeCalls); 1 when the calls run as written.
-  int64_t merged_calls = 1;
+  int64_t microbatches = 3;      // M per accumulation call, as the job file says
+  int64_t accum_calls = 2;       // K calls per optimizer step, as the job file says (Round below)
   int64_t microbatch_size = 2;   // sequences per microbatch
   TrainDtype dtype = TrainDtype::kFp32;  // compute dtype; masters are fp32
   double grad_clip = 1.0;        // global L2 norm; 0 disables
@@ -269,12 +266,28 @@ inline bool LookupFromHost(const JobConfig& c) {
 // microbatches needs exactly the activation slots that two calls in flight need (exact mode
 // with one call has one slot parity), so merging costs no memory. More calls, or stale1 (two
 // parities either way), would need K/2 times the activation memory: "always" accepts that.
-// ParseJobConfig applies it (accum_calls becomes 1, microbatches K x M, merged_calls K), so
+// Round() below applies it, so
 // every process, the layout and the planner see the merged round.
 inline bool MergeCalls(const JobConfig& c) {
   if (c.train.accum_calls < 2 || c.bench.merge_calls == Tristate::kNever) return false;
   return c.bench.merge_calls == Tristate::kAlways ||
          (c.optimizer.mode == OptimizerMode::kExact && c.train.accum_calls == 2);
+}
+
+// How a step runs, against how the job file states it (train.accum_calls calls of
+// train.microbatches, which keep the user's values): `calls` rounds of `microbatches`
+// microbatches each; with MergeCalls one round of K x M, `merged_calls` = K job-file calls in it
+// (else 1). Everything that runs, lays out or plans a step reads this; microbatch m of round r
+// is job-file call (r x merged_calls + m / M), microbatch m % M, and the data index and dropout
+// key of the two are the same.
+struct RoundShape {
+  int64_t calls = 1;
+  int64_t microbatches = 1;
+  int64_t merged_calls = 1;
+};
+inline RoundShape Round(const JobConfig& c) {
+  if (MergeCalls(c)) return {1, c.train.accum_calls * c.train.microbatches, c.train.accum_calls};
+  return {c.train.accum_calls, c.train.microbatches, 1};
 }
 
 // schedule.activations = "cuda_ipc": true when every worker keeps the hidden states and

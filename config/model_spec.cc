@@ -44,8 +44,8 @@ int64_t ModelSpec::TiedRowElems(int p) const {
 int64_t CompactLookupRows(const JobConfig& c, const ModelSpec& spec, int slot) {
   const GradSlot& g = spec.grad_slots[slot];
   const ParamSpec& p = spec.params[g.param];
-  if (c.train.accum_calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer || g.layer != 0) return 0;
-  const int64_t tokens = c.train.microbatches * c.train.microbatch_size * c.data.seq_len;
+  if (core::Round(c).calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer || g.layer != 0) return 0;
+  const int64_t tokens = core::Round(c).microbatches * c.train.microbatch_size * c.data.seq_len;
   return std::min(p.shape[0], tokens);
 }
 

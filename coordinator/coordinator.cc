@@ -28,6 +28,7 @@
 #include "common/time_util.h"
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/async_optimizer.h"
+#include "coordinator/run_trace.h"
 #include "coordinator/training_state.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "io/data.h"
@@ -170,8 +171,6 @@ class Coordinator {
   // Kills workers silent for longer than job.worker_timeout_s (hung); their replacements take
   // over. Without restarts a hung worker ends the run.
   Status CheckHeartbeats();
-  void RecordTrace(const JobState& j);
-  Status WriteTrace();
   void ShutdownWorkers(int exit_code);
 
   CoordinatorOptions opts_;
@@ -237,7 +236,7 @@ class Coordinator {
   double run_start_ = 0.0, last_report_at_ = 0.0;
   std::unique_ptr<AsyncOptimizer> optimizer_;
 
-  nlohmann::json trace_ = nlohmann::json::array();
+  std::optional<RunTrace> trace_;  // the run's timeline (trace.json), from Setup on
   double busy_s_ = 0.0, makespan_s_ = 0.0;
   int64_t h2d_bytes_per_step_ = 0;  // the same every step: a function of the plan
 
@@ -265,6 +264,7 @@ Status Coordinator::Setup() {
   cfg_ = std::move(run.job);
   plan_ = std::move(run.plan);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
+  trace_.emplace(cfg_.metrics.trace, plan_, core::Round(cfg_).microbatches, opts_.num_workers);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   if (layout_.activations_in_worker && opts_.num_workers != 1)
     return Status::InvalidArgument("schedule.activations = \"worker\" keeps activations in the one worker's "
@@ -315,7 +315,7 @@ Status Coordinator::Setup() {
                              " KiB)");
   if (layout_.activations_in_pools) {
     pools_.assign(opts_.num_workers, std::nullopt);
-    const size_t per_parity = static_cast<size_t>(layout_.parities) * cfg_.train.microbatches;
+    const size_t per_parity = static_cast<size_t>(layout_.parities) * core::Round(cfg_).microbatches;
     hidden_owner_.assign(per_parity * layout_.num_hidden, -1);
     grad_owner_.assign(per_parity * layout_.grad_slots_per_mb, -1);
   }
@@ -511,7 +511,7 @@ Status Coordinator::OnActivationPool(int rank, const proto::ActivationPool& p) {
 void Coordinator::RecordPoolWrites(const JobState& j, int mb, int rank) {
   if (!layout_.activations_in_pools) return;
   const core::Stage& st = plan_.stages[j.stage];
-  const size_t base = static_cast<size_t>(j.run.parity) * cfg_.train.microbatches + mb;
+  const size_t base = static_cast<size_t>(j.run.parity) * core::Round(cfg_).microbatches + mb;
   if (st.kind == core::StageKind::kForward) {
     for (int l = st.begin; l < st.end; ++l)
       if (const int slot = plan_.HiddenSlot(l + 1); slot >= 0)
@@ -525,7 +525,7 @@ proto::InputReady Coordinator::InputFor(const JobState& j, int mb) const {
   proto::InputReady r{j.index, mb, proto::kFromHostSlot, proto::kFromHostSlot, 0};
   if (!layout_.activations_in_pools) return r;
   const core::Stage& st = plan_.stages[j.stage];
-  const size_t base = static_cast<size_t>(j.run.parity) * cfg_.train.microbatches + mb;
+  const size_t base = static_cast<size_t>(j.run.parity) * core::Round(cfg_).microbatches + mb;
   if (st.begin > 0) r.hidden_rank = hidden_owner_[base * layout_.num_hidden + plan_.HiddenSlot(st.begin)];
   if (st.kind == core::StageKind::kBackward)
     r.grad_rank = grad_owner_[base * layout_.grad_slots_per_mb + plan_.GradSlot(st.end) % layout_.grad_slots_per_mb];
@@ -546,11 +546,11 @@ StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* wh
 }
 
 Status Coordinator::FeedCall(int64_t g) {
-  const int64_t K = cfg_.train.accum_calls;
+  const int64_t K = core::Round(cfg_).calls;
   const int64_t step = g / K, call = g % K;
   const int parity = static_cast<int>(g % layout_.parities);
   std::vector<const int64_t*> call_tokens;
-  for (int mb = 0; mb < cfg_.train.microbatches; ++mb) {
+  for (int mb = 0; mb < core::Round(cfg_).microbatches; ++mb) {
     int64_t* tokens = segment_->At<int64_t>(layout_.TokenSlot(parity, mb));
     data_->Fill(step, call, mb, tokens, segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
     call_tokens.push_back(tokens);
@@ -570,7 +570,7 @@ Status Coordinator::FeedCall(int64_t g) {
   if (layout_.lookup_from_host && call == K - 1 && step + 1 < stop_step_)
     optimizer_->SetTouchedRows(step + 1, StepRows(step + 1));
   const JobState& first = jobs_.at(JobIndex(step, static_cast<int>(call), 0));
-  for (int mb = 0; mb < cfg_.train.microbatches; ++mb)
+  for (int mb = 0; mb < core::Round(cfg_).microbatches; ++mb)
     RP_RETURN_IF_ERROR(SendTo(first.worker, InputFor(first, mb)));
   fed_calls_.insert(g);
   return Status::Ok();
@@ -579,12 +579,12 @@ Status Coordinator::FeedCall(int64_t g) {
 std::vector<int64_t> Coordinator::StepRows(int64_t step) {
   // Dataset::Fill is a pure function of (step, call, microbatch): drawing ahead changes nothing.
   const int64_t per_mb = cfg_.TokensPerMicrobatch();
-  const int64_t count = cfg_.train.accum_calls * cfg_.train.microbatches;
+  const int64_t count = core::Round(cfg_).calls * core::Round(cfg_).microbatches;
   std::vector<int64_t> tokens(static_cast<size_t>(count * per_mb)), labels(static_cast<size_t>(per_mb));
   std::vector<const int64_t*> slots;
   for (int64_t i = 0; i < count; ++i) {
     int64_t* t = tokens.data() + i * per_mb;
-    data_->Fill(step, i / cfg_.train.microbatches, i % cfg_.train.microbatches, t, labels.data());
+    data_->Fill(step, i / core::Round(cfg_).microbatches, i % core::Round(cfg_).microbatches, t, labels.data());
     slots.push_back(t);
   }
   return core::SortedTokenRows(slots, per_mb, cfg_.model.vocab_size);
@@ -592,7 +592,7 @@ std::vector<int64_t> Coordinator::StepRows(int64_t step) {
 
 Status Coordinator::TryFeed() {
   // Global call g uses slot parity g % P, so it may be fed once call g - P is completely done.
-  const int64_t K = cfg_.train.accum_calls;
+  const int64_t K = core::Round(cfg_).calls;
   for (int64_t g = next_step_to_report_ * K; g < next_step_to_dispatch_ * K; ++g) {
     if (fed_calls_.count(g)) continue;
     auto prev = call_jobs_done_.find(g - layout_.parities);
@@ -633,7 +633,7 @@ Status Coordinator::TryCommits(int64_t step) {
   // Gradients of one stage are written in call order (the first overwrites, later ones add), so
   // the float sums do not depend on which worker finishes first.
   const int S = static_cast<int>(plan_.stages.size());
-  for (int pos = 0; pos < S * static_cast<int>(cfg_.train.accum_calls); ++pos) {
+  for (int pos = 0; pos < S * static_cast<int>(core::Round(cfg_).calls); ++pos) {
     auto it = jobs_.find(steps_.at(step).job_at[pos]);
     if (it == jobs_.end()) continue;
     JobState& j = it->second;
@@ -703,7 +703,7 @@ Status Coordinator::OnLayerTime(int rank, const proto::LayerTime& t) {
   RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, t.job_index, "LayerTime"));
   const core::Stage& stage = plan_.stages[j->stage];
   if (!j->run.profile || t.layer < stage.begin || t.layer >= stage.end || t.microbatch < 0 ||
-      t.microbatch >= cfg_.train.microbatches || !(t.seconds >= 0))
+      t.microbatch >= core::Round(cfg_).microbatches || !(t.seconds >= 0))
     return Status::ProtocolError("LayerTime for job " + std::to_string(t.job_index) + " layer " +
                                  std::to_string(t.layer) + " microbatch " + std::to_string(t.microbatch) +
                                  " does not fit the job (not profiled, or out of range)");
@@ -828,7 +828,7 @@ void Coordinator::CheckDrift(int64_t step, double step_time_s) {
 
 Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
   RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, g.job_index, "GradsReady"));
-  if (plan_.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != cfg_.train.microbatches)
+  if (plan_.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != core::Round(cfg_).microbatches)
     return Status::ProtocolError("unexpected GradsReady for job " + std::to_string(g.job_index));
   j->grads_ready = true;
   return TryCommits(j->step);
@@ -837,28 +837,29 @@ Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
 Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, d.job_index, "JobDone"));
   const bool needs_commit = plan_.stages[j->stage].kind != core::StageKind::kForward;
-  if (j->done || j->next_mb != cfg_.train.microbatches || (needs_commit && !j->commit_sent))
+  if (j->done || j->next_mb != core::Round(cfg_).microbatches || (needs_commit && !j->commit_sent))
     return Status::ProtocolError("premature JobDone for job " + std::to_string(d.job_index));
   j->done = true;
   j->start_us = d.start_us;
   j->fetch_end_us = d.fetch_end_us;
   j->end_us = d.end_us;
-  RecordTrace(*j);
+  trace_->AddJob({j->index, j->step, j->call, j->stage, j->worker, worker_pids_[j->worker], j->start_us,
+                  j->fetch_end_us, j->end_us, j->mb_times});
   const int64_t step = j->step;
   const auto& stage = plan_.stages[j->stage];
   // The last call's commit of a stage makes its layers' gradients final for the step.
-  if (stage.kind != core::StageKind::kForward && j->call == cfg_.train.accum_calls - 1 &&
+  if (stage.kind != core::StageKind::kForward && j->call == core::Round(cfg_).calls - 1 &&
       step < stop_step_) {
     if (step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
       for (const auto& use : spec_.layer_uses[l]) FinalizeSlot(step, use.grad_slot);
   }
-  const int64_t g = step * cfg_.train.accum_calls + j->call;
+  const int64_t g = step * core::Round(cfg_).calls + j->call;
   RP_RETURN_IF_ERROR(TryCommits(step));
   jobs_.erase(d.job_index);
   call_jobs_done_[g]++;
   StepState& st = steps_.at(step);
-  if (++st.jobs_done == static_cast<int>(plan_.stages.size() * cfg_.train.accum_calls)) {
+  if (++st.jobs_done == static_cast<int>(plan_.stages.size() * core::Round(cfg_).calls)) {
     st.done_at = MonoSeconds();
     if (EvalDue(step)) RP_RETURN_IF_ERROR(DispatchEval(step));
     // Two steps in flight: the one draining and the next one.
@@ -917,8 +918,8 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   // that are already in their slots. What the old worker wrote is overwritten with the same
   // values; its gradients reached shared memory only through a commit, which is redone. An
   // accumulating commit (call > 0) cut short cannot be undone, so that case stops the run.
-  const int64_t K = cfg_.train.accum_calls;
-  const int M = static_cast<int>(cfg_.train.microbatches);
+  const int64_t K = core::Round(cfg_).calls;
+  const int M = static_cast<int>(core::Round(cfg_).microbatches);
   int resent = 0;
   // Eval jobs interleave with stage jobs by index; the replacement's queue must keep that order.
   std::map<int64_t, const proto::RunEval*> evals;
@@ -1004,51 +1005,6 @@ Status Coordinator::Handle(int rank, const Message& m) {
   return Status::Ok();
 }
 
-void Coordinator::RecordTrace(const JobState& j) {
-  if (!cfg_.metrics.trace) return;
-  const auto& st = plan_.stages[j.stage];
-  const char* kind = core::StageKindName(st.kind);
-  std::string name = std::string(st.kind == core::StageKind::kForward ? "F"
-                                 : st.kind == core::StageKind::kBackward ? "B" : "T") +
-                     std::to_string(j.stage);
-  nlohmann::json args = {{"job_index", j.index}, {"step", j.step}, {"call", j.call},
-                         {"stage", j.stage}, {"kind", kind}, {"layers", {st.begin, st.end}},
-                         {"microbatches", cfg_.train.microbatches}, {"worker_rank", j.worker},
-                         {"worker_pid", worker_pids_[j.worker]},
-                         {"fetch_us", j.fetch_end_us - j.start_us}};
-  trace_.push_back({{"name", name}, {"cat", "job"}, {"ph", "X"}, {"ts", j.start_us},
-                    {"dur", j.end_us - j.start_us}, {"pid", j.worker + 1}, {"tid", 0},
-                    {"args", args}});
-  for (size_t m = 0; m < j.mb_times.size(); ++m) {
-    trace_.push_back({{"name", name + "/mb" + std::to_string(m)}, {"cat", "microbatch"},
-                      {"ph", "X"}, {"ts", j.mb_times[m].first},
-                      {"dur", j.mb_times[m].second - j.mb_times[m].first}, {"pid", j.worker + 1},
-                      {"tid", 1}, {"args", {{"job_index", j.index}, {"microbatch", m}}}});
-  }
-}
-
-Status Coordinator::WriteTrace() {
-  if (!cfg_.metrics.trace) return Status::Ok();
-  nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0},
-                    {"args", {{"name", "coordinator (pid " + std::to_string(::getpid()) + ")"}}}});
-  for (int w = 0; w < opts_.num_workers; ++w)
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", w + 1},
-                      {"args", {{"name", "worker " + std::to_string(w) + " (pid " +
-                                             std::to_string(worker_pids_[w]) + ")"}}}});
-  for (auto& e : trace_) events.push_back(e);
-  if (optimizer_)
-    for (const auto& s : optimizer_->TakeLayerSpans())
-      events.push_back({{"name", "update layer " + std::to_string(s.layer)}, {"cat", "optimizer"},
-                        {"ph", "X"}, {"ts", s.start_us}, {"dur", s.end_us - s.start_us},
-                        {"pid", 0}, {"tid", 0}, {"args", {{"step", s.step}, {"layer", s.layer}}}});
-  nlohmann::json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"},
-                        {"otherData", {{"coordinator_pid", ::getpid()},
-                                       {"num_workers", opts_.num_workers},
-                                       {"cursor0", 0},
-                                       {"plan", plan_.Describe()}}}};
-  return core::WriteFileAtomically(cfg_.job.output_dir + "/trace.json", doc.dump());
-}
 
 bool Coordinator::EvalDue(int64_t step) const {
   const int64_t every = cfg_.train.eval_every;
@@ -1139,7 +1095,7 @@ Status Coordinator::Dispatch(int64_t step) {
     return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
   StepState& st = steps_[step];
   st.loss_scale = 1.0 / static_cast<double>(targets);
-  const int K = static_cast<int>(cfg_.train.accum_calls);
+  const int K = static_cast<int>(core::Round(cfg_).calls);
   const int S = static_cast<int>(plan_.stages.size());
   st.job_at.assign(static_cast<size_t>(K) * S, -1);
   for (const auto [c, s] : core::StepJobOrder(plan_, K, core::InterleaveCalls(cfg_))) {
@@ -1153,7 +1109,7 @@ Status Coordinator::Dispatch(int64_t step) {
     // update overlaps all of step t.
     const int64_t version = cfg_.optimizer.mode == core::OptimizerMode::kStale1 ? std::max<int64_t>(0, step - 1) : step;
     proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
-                    static_cast<int32_t>(cfg_.train.microbatches), st.loss_scale, version,
+                    static_cast<int32_t>(core::Round(cfg_).microbatches), st.loss_scale, version,
                     step >= profile_begin_ && step < profile_end_ ? 1 : 0, 0};
     j.run = r;
     st.job_at[static_cast<size_t>(c) * S + s] = j.index;
@@ -1183,9 +1139,9 @@ int64_t Coordinator::StepH2dBytes() const {
     int64_t per_mb = st.begin == 0 ? tok : hidden;
     if (st.kind == core::StageKind::kFusedTail) per_mb += tok;
     if (st.kind == core::StageKind::kBackward) per_mb += hidden;
-    h2d += per_mb * cfg_.train.microbatches;
+    h2d += per_mb * core::Round(cfg_).microbatches;
   }
-  return h2d * cfg_.train.accum_calls;
+  return h2d * core::Round(cfg_).calls;
 }
 
 std::vector<StateSection> Coordinator::StateSections() {
@@ -1232,7 +1188,7 @@ Status Coordinator::ReportSteps() {
     m.loss = st.loss_sum / static_cast<double>(st.targets);
     m.lr = optimizer_->LearningRate(next_step_to_report_);
     m.grad_norm = *norm;
-    m.tokens = cfg_.train.accum_calls * cfg_.train.microbatches * cfg_.TokensPerMicrobatch();
+    m.tokens = core::Round(cfg_).calls * core::Round(cfg_).microbatches * cfg_.TokensPerMicrobatch();
     m.step_time_s = now - last_report_at_;
     m.bubble_ratio = std::max(0.0, 1.0 - st.busy_s / (m.step_time_s * opts_.num_workers));
     m.h2d_bytes = h2d_bytes_per_step_;
@@ -1350,7 +1306,8 @@ Status Coordinator::Run() {
   const double wall = makespan_s_;
   // Workers exit with the run's code: 3 after a (graceful) interrupt, which the launcher expects.
   ShutdownWorkers(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
-  Status trace = WriteTrace();
+  if (optimizer_) trace_->AddOptimizerSpans(optimizer_->TakeLayerSpans());
+  Status trace = trace_->Write(cfg_.job.output_dir + "/trace.json", ::getpid(), worker_pids_);
   if (!trace.ok()) RP_LOG(ERROR) << "trace.json: " << trace.message();
   if (st.ok() && (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
     st = core::ExportTrainedModel(
@@ -1367,11 +1324,11 @@ Status Coordinator::Run() {
         {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
         {"grad_arena_peak_bytes", grad_arena_->PeakBytes()}, {"wall_s", wall},
-        {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * cfg_.train.accum_calls *
-                                             cfg_.train.microbatches * cfg_.TokensPerMicrobatch()) / wall},
+        {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * core::Round(cfg_).calls *
+                                             core::Round(cfg_).microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_},
         // bench.merge_calls: the job file's calls that ran as this one round (1 = as written).
-        {"merged_calls", cfg_.train.merged_calls}};
+        {"merged_calls", core::Round(cfg_).merged_calls}};
     if (prediction_) {
       const double measured = core::Median(measured_step_s_);
       summary["prediction"] = {

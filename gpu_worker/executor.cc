@@ -37,7 +37,7 @@ bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForwar
 
 Status Executor::Validate(const proto::RunJob& job) const {
   if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size()) || job.parity < 0 ||
-      job.parity >= layout_.parities || job.num_microbatches != cfg_.train.microbatches)
+      job.parity >= layout_.parities || job.num_microbatches != core::Round(cfg_).microbatches)
     return Status::ProtocolError("RunJob " + std::to_string(job.job_index) +
                                  " has out-of-range stage, parity or microbatch count");
   return Status::Ok();
@@ -391,7 +391,7 @@ at::Tensor Executor::StageInput(int mb) {
 }
 
 void Executor::SetDropoutKeyFor(int mb) {
-  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * cfg_.train.microbatches + mb));
+  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * core::Round(cfg_).microbatches + mb));
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
@@ -528,7 +528,7 @@ MicrobatchResult Executor::RunBackward(int mb) {
 }
 
 StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
-  if (mb < 0 || mb >= cfg_.train.microbatches)
+  if (mb < 0 || mb >= core::Round(cfg_).microbatches)
     return Status::ProtocolError("microbatch " + std::to_string(mb) + " out of range");
   from_ = from;
   try {

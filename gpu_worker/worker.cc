@@ -146,7 +146,7 @@ Status Worker::Handle(const proto::Message& m) {
     }
     case proto::MsgType::kInputReady: {
       const auto& r = std::get<proto::InputReady>(m);
-      if (r.microbatch < 0 || r.microbatch >= cfg_.train.microbatches) {
+      if (r.microbatch < 0 || r.microbatch >= core::Round(cfg_).microbatches) {
         RP_LOG(WARNING) << "dropped InputReady with microbatch " << r.microbatch;
         return Status::Ok();
       }

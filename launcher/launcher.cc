@@ -85,12 +85,11 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
                 static_cast<long long>(spec.FrozenParams()),
                 static_cast<double>(layout->frozen_end - layout->frozen_begin) / (1 << 20));
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
-  if (cfg.train.merged_calls > 1)
+  if (core::Round(cfg).merged_calls > 1)
     std::printf("the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
                 "(RP_MERGE_CALLS=never runs them one after another)\n",
-                static_cast<long long>(cfg.train.merged_calls),
-                static_cast<long long>(cfg.train.microbatches / cfg.train.merged_calls),
-                static_cast<long long>(cfg.train.microbatches));
+                static_cast<long long>(cfg.train.accum_calls), static_cast<long long>(cfg.train.microbatches),
+                static_cast<long long>(core::Round(cfg).microbatches));
   if (auto costs = core::PlanningProfile(cfg); costs.ok()) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",

@@ -121,8 +121,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     double acts = grads ? blocks * per_block : per_block;
     // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
     // hidden state at once.
-    if (MayRunLayerMajor(c, st, c.train.microbatches))
-      acts += static_cast<double>(c.train.microbatches - 1) * tokens * H * elem;
+    if (MayRunLayerMajor(c, st, core::Round(c).microbatches))
+      acts += static_cast<double>(core::Round(c).microbatches - 1) * tokens * H * elem;
     if (grads && profile) {  // measured: what each layer's autograd forward kept
       double measured = 0.0;
       bool all = true;
@@ -154,7 +154,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // allocated at the peak, measured on the H200; 13.1 GB with the sinks counted.
   // The 1.7B job's auto plan: 11.1 -> 9.0 -> 8.1 GB, 6.5 allocated).
   MemoryEstimate out;
-  const int calls = static_cast<int>(std::max<int64_t>(1, c.train.accum_calls));
+  const int calls = static_cast<int>(std::max<int64_t>(1, core::Round(c).calls));
   const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
   const int64_t ahead = std::max(1, workers);
@@ -163,7 +163,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
     const int n = order[(g + ahead) % jobs_per_step].stage;
-    const bool reserves = MayRunLayerMajor(c, plan.stages[i], c.train.microbatches);
+    const bool reserves = MayRunLayerMajor(c, plan.stages[i], core::Round(c).microbatches);
     const bool waits = g + ahead >= jobs_per_step && next_step_waits && !reserves;
     const double next = waits ? 0.0 : weight_bytes[n];
     const double job = weight_bytes[i] + gradient_bytes[i] + act_bytes[i] + next;
@@ -181,7 +181,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // activation pool (activations = "cuda_ipc") holds the same in every worker.
   double resident = 0.0;
   if (c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)) {
-    resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(c.train.microbatches) *
+    resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(core::Round(c).microbatches) *
                plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
   }
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.

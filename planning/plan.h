@@ -101,7 +101,7 @@ inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t mic
 // Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains,
 // except exact mode with one call per step, where no two calls' activations are ever in flight.
 inline int ActivationParities(const JobConfig& c) {
-  return c.optimizer.mode == core::OptimizerMode::kExact && c.train.accum_calls == 1 ? 1 : 2;
+  return c.optimizer.mode == core::OptimizerMode::kExact && core::Round(c).calls == 1 ? 1 : 2;
 }
 
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {

@@ -17,7 +17,7 @@ namespace rp::core {
 static_assert(sizeof(RopeConfig) == 80);
 static_assert(sizeof(ModelConfig) == 240);
 static_assert(sizeof(DataConfig) == 96);
-static_assert(sizeof(TrainConfig) == 96);
+static_assert(sizeof(TrainConfig) == 88);
 static_assert(sizeof(OptimizerConfig) == 80);
 static_assert(sizeof(LoraConfig) == 112);
 static_assert(sizeof(ScheduleConfig) == 152);
@@ -72,7 +72,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hi
                                    qkv_bias, o_bias, mlp_bias, tie_embeddings, sliding_window,
                                    max_position_embeddings, init_std)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls, merged_calls,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls,
                                    microbatch_size, dtype, grad_clip, loss_chunk_tokens, stop_after, eval_every,
                                    eval_microbatches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, lr, min_lr, warmup_steps, weight_decay, beta1,

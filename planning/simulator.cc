@@ -245,8 +245,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
                        const Profile& profile, int workers, int steps) {
   SimInput in;
   in.workers = workers;
-  in.microbatches = static_cast<int>(c.train.microbatches);
-  in.calls = static_cast<int>(c.train.accum_calls);
+  in.microbatches = static_cast<int>(core::Round(c).microbatches);
+  in.calls = static_cast<int>(core::Round(c).calls);
   in.steps = steps;
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
@@ -274,7 +274,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   const bool mapped = LookupInPlaceParam(c, spec) >= 0;
   // Distinct rows of a step's tokens, expected for tokens drawn uniformly.
   const double vocab = static_cast<double>(c.model.vocab_size);
-  const double step_tokens = tokens * static_cast<double>(c.train.microbatches * c.train.accum_calls);
+  const double step_tokens = tokens * static_cast<double>(core::Round(c).microbatches * core::Round(c).calls);
   const double touched_rows = -vocab * std::expm1(step_tokens * std::log1p(-1.0 / vocab));
   if (mapped) {
     in.lookup_owner = plan.num_layers;

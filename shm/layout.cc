@@ -88,7 +88,7 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
         if (uses[use.param] == 1) bytes += GradSlotBytes(c, spec, use.grad_slot);  // shared ones counted above
     largest_stage = std::max(largest_stage, bytes);
   }
-  s.must_hold_all = c.train.grad_clip > 0.0 || c.train.accum_calls > 1;
+  s.must_hold_all = c.train.grad_clip > 0.0 || core::Round(c).calls > 1;
   s.minimum = s.must_hold_all ? s.all_slots : std::min(s.all_slots, largest_stage + shared_uses);
   const uint64_t requested = static_cast<uint64_t>(c.optimizer.grad_buffer_mb) << 20;
   if (requested == 0) {
@@ -144,7 +144,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.grad_arena_bytes = sizing.chosen;
   a.grads_streamed = sizing.chosen < sizing.all_slots;
   pos += a.grad_arena_bytes;
-  a.microbatches = static_cast<int>(c.train.microbatches);
+  a.microbatches = static_cast<int>(core::Round(c).microbatches);
   a.tokens_per_mb = static_cast<uint64_t>(c.train.microbatch_size * c.data.seq_len);
   a.parities = core::ActivationParities(c);
   const uint64_t slots = static_cast<uint64_t>(a.parities) * a.microbatches;

@@ -98,10 +98,10 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     const double scale = 1.0 / static_cast<double>(data.CountStepTargets(step));
     double loss_sum = 0.0;
     int64_t targets = 0;
-    for (int64_t c = 0; c < cfg.train.accum_calls; ++c)
-      for (int64_t mb = 0; mb < cfg.train.microbatches; ++mb) {
+    for (int64_t c = 0; c < rp::core::Round(cfg).calls; ++c)
+      for (int64_t mb = 0; mb < rp::core::Round(cfg).microbatches; ++mb) {
         data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
-        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * cfg.train.microbatches + mb));
+        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * rp::core::Round(cfg).microbatches + mb));
         at::Tensor x = math.Embed(layers[0], tokens);
         for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
         auto r = math.HeadForwardBackward(layers[L + 1], x, labels, scale, /*backward=*/true);
@@ -161,7 +161,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     m.loss = loss_sum / static_cast<double>(targets);
     m.lr = lr;
     m.grad_norm = res.grad_norm;
-    m.tokens = cfg.train.accum_calls * cfg.train.microbatches * B * S;
+    m.tokens = rp::core::Round(cfg).calls * rp::core::Round(cfg).microbatches * B * S;
     m.step_time_s = secs;
     if (eval_targets > 0) {
       m.eval_loss = eval_sum / static_cast<double>(eval_targets);

@@ -52,6 +52,7 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   cfg.train.dtype = core::TrainDtype::kFp32;
   cfg.train.grad_clip = clip;
   cfg.train.accum_calls = accum_calls;
+  cfg.bench.merge_calls = core::Tristate::kNever;  // K calls run as K rounds, as the test reads them
   cfg.train.steps = 4;
   cfg.optimizer.mode = mode == "exact" ? core::OptimizerMode::kExact : core::OptimizerMode::kStale1;
   cfg.optimizer.weight_decay = 0.1;

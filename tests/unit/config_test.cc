@@ -179,11 +179,14 @@ TEST(JobConfig, Overrides) {
 
 TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
   // auto: exact mode with two calls merges (the same activation slots as two calls in flight).
+  // The user's K and M stay as written; the round says how the step runs.
   auto a = Parse(kValid, {"train.accum_calls=2", "train.microbatches=3"});
   ASSERT_TRUE(a.ok()) << a.status().ToString();
-  EXPECT_EQ(a->train.accum_calls, 1);
-  EXPECT_EQ(a->train.microbatches, 6);
-  EXPECT_EQ(a->train.merged_calls, 2);
+  EXPECT_EQ(a->train.accum_calls, 2);
+  EXPECT_EQ(a->train.microbatches, 3);
+  EXPECT_EQ(Round(*a).calls, 1);
+  EXPECT_EQ(Round(*a).microbatches, 6);
+  EXPECT_EQ(Round(*a).merged_calls, 2);
   // The merged round keeps one activation parity, as the two calls' two parities of M did.
   EXPECT_EQ(ActivationParities(*a), 1);
   // auto leaves more calls, stale1 and one call alone; never keeps the calls; always merges.
@@ -195,15 +198,17 @@ TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
     if (sets[1].rfind("RP_", 0) == 0) sets.erase(sets.begin() + 1);
     auto c = Parse(kValid, sets);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
-    EXPECT_EQ(c->train.microbatches, 3) << sets[0];
-    EXPECT_EQ(c->train.merged_calls, 1) << sets[0];
+    EXPECT_EQ(Round(*c).microbatches, 3) << sets[0];
+    EXPECT_EQ(Round(*c).calls, c->train.accum_calls) << sets[0];
+    EXPECT_EQ(Round(*c).merged_calls, 1) << sets[0];
   }
   ScopedEnv always("RP_MERGE_CALLS=always");
   auto s = Parse(kValid, {"train.accum_calls=3", "train.microbatches=2", "optimizer.mode=stale1"});
   ASSERT_TRUE(s.ok()) << s.status().ToString();
-  EXPECT_EQ(s->train.accum_calls, 1);
-  EXPECT_EQ(s->train.microbatches, 6);
-  EXPECT_EQ(s->train.merged_calls, 3);
+  EXPECT_EQ(s->train.accum_calls, 3);
+  EXPECT_EQ(Round(*s).calls, 1);
+  EXPECT_EQ(Round(*s).microbatches, 6);
+  EXPECT_EQ(Round(*s).merged_calls, 3);
   ExpectError(kValid, "RP_MERGE_CALLS: train.accum_calls x train.microbatches = 8192",
               {"train.accum_calls=2", "train.microbatches=4096"});
   {

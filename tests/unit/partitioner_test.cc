@@ -194,6 +194,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   // weights are those the one-call run pairs without clipping.
   JobConfig two_calls = c;
   two_calls.train.accum_calls = 2;
+  two_calls.bench.merge_calls = Tristate::kNever;  // two calls run as two rounds
   const MemoryEstimate interleaved = EstimateMemory(two_calls, *plan, 1);
   EXPECT_EQ(plan->stages[interleaved.stage].Describe(), "B[0,6)");
   EXPECT_GT(interleaved.next_weights, 0.0);
