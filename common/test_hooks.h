@@ -67,4 +67,13 @@ inline double TestEvalDelaySeconds() {
   return ms > 0 ? ms * 1e-3 : 0.0;
 }
 
+// RP_TEST_SLOW_CHECKPOINT_MS="<ms>": the coordinator takes <ms> milliseconds longer over each
+// training-state checkpoint, on its loop, as a slow disk would. 0 when unset.
+inline double TestCheckpointDelaySeconds() {
+  const char* v = std::getenv("RP_TEST_SLOW_CHECKPOINT_MS");
+  if (v == nullptr) return 0.0;
+  const double ms = std::strtod(v, nullptr);
+  return ms > 0 ? ms * 1e-3 : 0.0;
+}
+
 }  // namespace rp

@@ -28,6 +28,7 @@
 #include "common/time_util.h"
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/async_optimizer.h"
+#include "coordinator/liveness.h"
 #include "coordinator/run_trace.h"
 #include "coordinator/training_state.h"
 #include "coordinator/optim/optimizer_step.h"
@@ -185,7 +186,7 @@ class Coordinator {
   std::optional<proto::RouterChannel> channel_;
   std::optional<core::MetricsWriter> metrics_;
   std::vector<int> worker_pids_;
-  std::vector<double> last_seen_;  // per worker: monotonic seconds of its last message
+  std::optional<WorkerLiveness> liveness_;  // who was heard when; hung workers (from Loop on)
 
   // In-flight work. Steps overlap: step t + 1 is dispatched while step t drains, and its stages
   // start as soon as their layers' weights reach version t + 1.
@@ -884,20 +885,17 @@ Status Coordinator::SendWelcome(int rank) {
 }
 
 Status Coordinator::CheckHeartbeats() {
-  const double timeout = cfg_.job.worker_timeout_s;
-  if (timeout <= 0) return Status::Ok();
   const double now = MonoSeconds();
-  for (int r = 0; r < opts_.num_workers; ++r) {
-    if (now - last_seen_[r] <= timeout) continue;
+  liveness_->Listening(now);
+  for (const auto& v : liveness_->Hung(now, opts_.hello_timeout_s)) {
+    const int r = v.rank;
     const std::string who = "worker " + std::to_string(r) + " (pid " + std::to_string(worker_pids_[r]) + ")";
     if (!RestartsAllowed())
-      return Status::Unavailable(who + " sent nothing for " + std::to_string(static_cast<int>(now - last_seen_[r])) +
-                                 " s (job.worker_timeout_s = " + std::to_string(timeout) + "): hung");
-    RP_LOG(ERROR) << who << " sent nothing for " << now - last_seen_[r] << " s; killing it (hung), "
+      return Status::Unavailable(who + " sent nothing for " + std::to_string(static_cast<int>(v.silent_s)) +
+                                 " s (job.worker_timeout_s = " + std::to_string(liveness_->timeout_s()) + "): hung");
+    RP_LOG(ERROR) << who << " sent nothing for " << v.silent_s << " s; killing it (hung), "
                   << "its replacement takes over";
     if (worker_pids_[r] > 0) ::kill(worker_pids_[r], SIGKILL);
-    // The replacement needs time to start (CUDA init) before its first message.
-    last_seen_[r] = now + opts_.hello_timeout_s;
   }
   return Status::Ok();
 }
@@ -1164,6 +1162,8 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   const double t0 = MonoSeconds();
   RP_RETURN_IF_ERROR(WriteTrainingState(CheckpointDir(cfg_), done, state_hash_, layout_.masters_in_state, StateSections(),
                                         static_cast<int>(cfg_.checkpoint.keep)));
+  if (const double slow = TestCheckpointDelaySeconds(); slow > 0)  // a slow disk, for the liveness test
+    std::this_thread::sleep_for(std::chrono::duration<double>(slow));
   checkpointed_ = done;
   RP_LOG(INFO) << "checkpoint after step " << done << " written to " << CheckpointDir(cfg_) << " in "
                << MonoSeconds() - t0 << " s";
@@ -1220,7 +1220,7 @@ Status Coordinator::ReportSteps() {
 
 Status Coordinator::Loop() {
   run_start_ = last_report_at_ = MonoSeconds();
-  last_seen_.assign(opts_.num_workers, MonoSeconds());
+  liveness_.emplace(opts_.num_workers, cfg_.job.worker_timeout_s, MonoSeconds());
   next_step_to_report_ = next_step_to_dispatch_ = first_step_;
   // The first step of a start is warm-up (allocator, kernel selection, page faults): timed only
   // when it is the only one.
@@ -1246,7 +1246,7 @@ Status Coordinator::Loop() {
         RP_LOG(WARNING) << "dropped a message from unknown worker " << env->rank;
         continue;
       }
-      last_seen_[env->rank] = MonoSeconds();
+      liveness_->Heard(env->rank, MonoSeconds());
       RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
     }
     RP_RETURN_IF_ERROR(CheckHeartbeats());

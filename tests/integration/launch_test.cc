@@ -954,3 +954,24 @@ TEST_F(LaunchTest, DemoJobLossFallsByAThird) {
 
 }  // namespace
 }  // namespace rp
+
+namespace rp {
+namespace {
+
+TEST_F(LaunchTest, ASlowCheckpointOnTheCoordinatorsLoopKillsNoWorker) {
+  // Each checkpoint holds the coordinator's loop 2.5 s, over twice job.worker_timeout_s: the
+  // workers' messages wait unheard meanwhile. Liveness counts only time the coordinator was
+  // listening, so no worker is judged hung, and the run equals one without the delay.
+  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=2", "job.worker_timeout_s=1",
+                                        "job.max_worker_restarts=2"};
+  auto fast = Launch(2, tmp_ + "/fast", job);
+  ASSERT_EQ(fast.code, 0) << fast.output;
+  auto slow = Launch(2, tmp_ + "/slow", With(job, {"RP_TEST_SLOW_CHECKPOINT_MS=2500"}));
+  ASSERT_EQ(slow.code, 0) << slow.output;
+  EXPECT_EQ(slow.output.find("hung"), std::string::npos) << slow.output;
+  EXPECT_EQ(slow.output.find("replacement"), std::string::npos) << slow.output;
+  EXPECT_EQ(Losses(tmp_ + "/slow/metrics.jsonl"), Losses(tmp_ + "/fast/metrics.jsonl"));
+}
+
+}  // namespace
+}  // namespace rp
