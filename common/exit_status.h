@@ -13,6 +13,7 @@ inline int ExitCodeFor(const Status& s) {
     case StatusCode::kCancelled: return kExitInterrupted;
     case StatusCode::kUnavailable: return kExitPeerLost;
     case StatusCode::kProtocolError: return kExitProtocolError;
+    case StatusCode::kNonFinite: return kExitDiverged;
     case StatusCode::kNotFound:
     case StatusCode::kAlreadyExists:
     case StatusCode::kIoError:

@@ -17,6 +17,7 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kDeadlineExceeded: return "DeadlineExceeded";
     case StatusCode::kInternal: return "Internal";
     case StatusCode::kCancelled: return "Cancelled";
+    case StatusCode::kNonFinite: return "NonFinite";
   }
   return "Unknown";
 }

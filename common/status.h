@@ -30,6 +30,7 @@ enum class StatusCode : unsigned char {
   kDeadlineExceeded,
   kInternal,         // broken invariant reported as a value (e.g. a caught c10::Error)
   kCancelled,
+  kNonFinite,        // a loss or gradient norm that is not finite: training diverged
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -44,6 +45,7 @@ class [[nodiscard]] Status {
   static Status NotFound(std::string_view m) { return {StatusCode::kNotFound, m}; }
   static Status AlreadyExists(std::string_view m) { return {StatusCode::kAlreadyExists, m}; }
   static Status IoError(std::string_view m) { return {StatusCode::kIoError, m}; }
+  static Status NonFinite(std::string_view m) { return {StatusCode::kNonFinite, m}; }
   static Status ProtocolError(std::string_view m) { return {StatusCode::kProtocolError, m}; }
   static Status Unavailable(std::string_view m) { return {StatusCode::kUnavailable, m}; }
   static Status DeadlineExceeded(std::string_view m) { return {StatusCode::kDeadlineExceeded, m}; }

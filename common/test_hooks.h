@@ -76,4 +76,11 @@ inline double TestCheckpointDelaySeconds() {
   return ms > 0 ? ms * 1e-3 : 0.0;
 }
 
+// RP_TEST_NAN_AT_STEP="<step>": the loss scale of every microbatch of that step (0-based) is NaN
+// in the workers and rp-train-ref, so its gradients are: a run that diverges. -1 when unset.
+inline int64_t TestNanStep() {
+  const char* v = std::getenv("RP_TEST_NAN_AT_STEP");
+  return v == nullptr ? -1 : std::strtoll(v, nullptr, 10);
+}
+
 }  // namespace rp

@@ -101,6 +101,9 @@ class Coordinator {
   Status TryFeed();
   Status Loop();
   Status ReportSteps();
+  // The run's stop when step `step` (0-based) turned out non-finite, naming the step and the
+  // newest checkpoint, which holds only finite weights.
+  Status Diverged(int64_t step) const;
   // Writes the training state after `t + 1` steps if a checkpoint is due then. Called before the
   // optimizer sees step t + 1's first gradient, so masters and moments hold exactly t + 1 updates.
   Status MaybeCheckpoint(int64_t t);
@@ -1156,6 +1159,8 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   if (!periodic && !last) return Status::Ok();
   if (!optimizer_->Updated(t))
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested before its update finished");
+  // Weights updated with a non-finite gradient are no checkpoint to resume from.
+  if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm)) return Diverged(t);
   if (last_final_step_ > t)
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested after step " +
                             std::to_string(last_final_step_ + 1) + "'s gradients reached the optimizer");
@@ -1168,6 +1173,17 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   RP_LOG(INFO) << "checkpoint after step " << done << " written to " << CheckpointDir(cfg_) << " in "
                << MonoSeconds() - t0 << " s";
   return Status::Ok();
+}
+
+Status Coordinator::Diverged(int64_t step) const {
+  const auto norm = optimizer_->GradNorm(step);
+  std::string newest = "none (rp-launch starts over)";
+  if (checkpointed_ > 0) newest = "the one after step " + std::to_string(checkpointed_);
+  return Status::NonFinite("step " + std::to_string(step + 1) + ": the gradient norm is " +
+                           (norm ? std::to_string(*norm) : std::string("unknown")) +
+                           " (not finite): training diverged, so the run stops and writes no checkpoint from this "
+                           "step on. Newest checkpoint: " + newest +
+                           "; rp-launch --resume continues from it (with a lower optimizer.lr, say)");
 }
 
 Status Coordinator::ReportSteps() {
@@ -1199,6 +1215,8 @@ Status Coordinator::ReportSteps() {
     }
     busy_s_ += st.busy_s;
     last_report_at_ = now;
+    // A diverged step's metrics are not written: metrics.jsonl keeps the steps a resume repeats.
+    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) return Diverged(next_step_to_report_);
     RP_RETURN_IF_ERROR(metrics_->Append(m));
     if (prediction_ && next_step_to_report_ >= predicted_from_step_) measured_bubble_.push_back(m.bubble_ratio);
     // An evaluation's time lands in its step and the next one: not a drift of the plan.

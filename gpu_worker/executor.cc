@@ -3,11 +3,14 @@
 
 #include <c10/core/GradMode.h>
 
+#include <cmath>
+
 #include <atomic>
 #include <stdexcept>
 #include <string>
 #include <c10/util/Exception.h>
 
+#include "common/test_hooks.h"
 #include "common/time_util.h"
 #include "io/data.h"
 
@@ -501,7 +504,8 @@ MicrobatchResult Executor::RunTail(int mb) {
   at::Tensor head_in = seg.outputs.empty() ? x : seg.outputs.back().detach().requires_grad_(true);
   at::Tensor labels = Tokens(mb, true);
   const int a = MarkIfProfiling();
-  auto r = math_.HeadForwardBackward(current_.layers.back(), head_in, labels, job_.loss_scale,
+  const double loss_scale = job_.step == TestNanStep() ? std::nan("") : job_.loss_scale;
+  auto r = math_.HeadForwardBackward(current_.layers.back(), head_in, labels, loss_scale,
                                      /*backward=*/true, /*defer_read=*/true);
   Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);
   at::Tensor g = seg.outputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());

@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -19,6 +20,7 @@
 #include "common/exit_codes.h"
 #include "common/exit_status.h"
 #include "common/logging.h"
+#include "common/test_hooks.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "io/data.h"
 #include "config/job_config.h"
@@ -104,7 +106,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
         math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * rp::core::Round(cfg).microbatches + mb));
         at::Tensor x = math.Embed(layers[0], tokens);
         for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
-        auto r = math.HeadForwardBackward(layers[L + 1], x, labels, scale, /*backward=*/true);
+        const double loss_scale = step == rp::TestNanStep() ? std::nan("") : scale;
+        auto r = math.HeadForwardBackward(layers[L + 1], x, labels, loss_scale, /*backward=*/true);
         loss_sum += r.loss_sum;
         targets += r.targets;
       }
@@ -167,6 +170,9 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
       m.eval_loss = eval_sum / static_cast<double>(eval_targets);
       m.eval_tokens = eval_targets;
     }
+    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm))
+      return rp::Status::NonFinite("step " + std::to_string(step + 1) + ": the gradient norm is " +
+                                   std::to_string(m.grad_norm) + " (not finite): training diverged");
     RP_RETURN_IF_ERROR(metrics.Append(m));
     RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm
                  << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string());

@@ -975,3 +975,35 @@ TEST_F(LaunchTest, ASlowCheckpointOnTheCoordinatorsLoopKillsNoWorker) {
 
 }  // namespace
 }  // namespace rp
+
+namespace rp {
+namespace {
+
+TEST_F(LaunchTest, ADivergedStepStopsTheRunAndResumeFromTheLastGoodCheckpointWorks) {
+  // Step 5's gradients are NaN (a test hook in the workers): the run stops with the documented
+  // exit code, naming the step, writes no checkpoint from it on, and the newest checkpoint (after
+  // step 4) resumes into the run that never diverged, bit for bit.
+  const std::vector<std::string> job = {"train.steps=8", "checkpoint.every=2"};
+  auto clean = Launch(2, tmp_ + "/clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const std::string out = tmp_ + "/diverged";
+  auto bad = Launch(2, out, With(job, {"RP_TEST_NAN_AT_STEP=4"}));
+  EXPECT_EQ(bad.code, kExitDiverged) << bad.output;
+  EXPECT_NE(bad.output.find("step 5: the gradient norm is"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("Newest checkpoint: the one after step 4"), std::string::npos) << bad.output;
+  EXPECT_TRUE(fs::exists(out + "/checkpoints/step-00000004.rpstate"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/step-00000006.rpstate"));
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 4u);
+  auto args = LaunchArgs(2, out, job);
+  args.push_back("--resume");
+  auto resumed = testing::RunProcess(args, 240, Env());
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
+  // The oracle stops the same way.
+  auto ref = Ref(tmp_ + "/ref", With(job, {"RP_TEST_NAN_AT_STEP=4"}));
+  EXPECT_EQ(ref.code, kExitDiverged) << ref.output;
+  EXPECT_NE(ref.output.find("step 5: the gradient norm is"), std::string::npos) << ref.output;
+}
+
+}  // namespace
+}  // namespace rp
