@@ -548,6 +548,16 @@ Status CrossValidate(const JobConfig& c) {
       if (std::find(seen.begin(), seen.end(), t) != seen.end())
         return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is listed twice");
       seen.push_back(t);
+      // B A has rank at most min(in, out): a larger rank adds parameters and no expressiveness.
+      const int64_t q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
+      const int64_t in = t == "o_proj" ? q : t == "down_proj" ? m.intermediate_size : m.hidden_size;
+      const int64_t out = t == "q_proj" ? q : (t == "k_proj" || t == "v_proj") ? kv
+                        : (t == "gate_proj" || t == "up_proj") ? m.intermediate_size : m.hidden_size;
+      if (c.lora.rank > std::min(in, out))
+        return Status::InvalidArgument("lora.rank: " + std::to_string(c.lora.rank) + " exceeds " + t + "'s " +
+                                       std::to_string(out) + " x " + std::to_string(in) +
+                                       " weight's rank bound " + std::to_string(std::min(in, out)) +
+                                       "; lower lora.rank or leave " + t + " out of lora.target_modules");
     }
     if (!c.lora.init_from.empty()) {
       std::error_code ec;
@@ -692,6 +702,8 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     }
   }
   cfg.data.path = Join(base_dir, cfg.data.path);
+  if (cfg.job.output_dir.empty())
+    return Status::InvalidArgument("job.output_dir: empty; name the directory the run's outputs go to");
   cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
   cfg.lora.init_from = Join(base_dir, cfg.lora.init_from);
   cfg.data.eval_path = Join(base_dir, cfg.data.eval_path);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "launcher/launcher.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <fcntl.h>
@@ -13,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "rp_config.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "config/job_config.h"
@@ -66,6 +68,12 @@ class RuntimeDir {
  private:
   std::string path_;
 };
+
+int UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
 
 void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus) {
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
@@ -151,7 +159,20 @@ int RunSession(const LaunchOptions& o) {
   }
   core::RunSpec& run = *resolved;
   const core::JobConfig* cfg = &run.job;
-  // Refused here, before any process exists, not by the coordinator once everything started.
+  // Refused here, before any process exists, not by the workers once everything started.
+  if (cfg->job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
+    std::fprintf(stderr, "rp-launch: job.device = \"cuda\", but this build has no CUDA backend "
+                         "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build\n");
+    return kExitBadConfig;
+  }
+  // CPU workers share the host's cores: beyond a few per core they only contend.
+  const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA;
+  const int max_cpu_workers = 4 * UsableCores();
+  if (cpu_workers && o.gpus > max_cpu_workers) {
+    std::fprintf(stderr, "rp-launch: --gpus %d CPU workers on %d usable cores; at most %d (4 per core)\n", o.gpus,
+                 UsableCores(), max_cpu_workers);
+    return kExitBadConfig;
+  }
   if (cfg->schedule.activations == core::Activations::kWorker && o.gpus != 1) {
     std::fprintf(stderr, "rp-launch: schedule.activations = \"worker\" keeps activations in the one worker's "
                          "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"\n", o.gpus);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include <zmq.hpp>
 
 #include "common/exit_codes.h"
+#include "rp_config.h"
 #include "config/job_config.h"
 #include "planning/profile.h"
 #include "protocol/codec.h"
@@ -1003,6 +1005,40 @@ TEST_F(LaunchTest, ADivergedStepStopsTheRunAndResumeFromTheLastGoodCheckpointWor
   auto ref = Ref(tmp_ + "/ref", With(job, {"RP_TEST_NAN_AT_STEP=4"}));
   EXPECT_EQ(ref.code, kExitDiverged) << ref.output;
   EXPECT_NE(ref.output.find("step 5: the gradient norm is"), std::string::npos) << ref.output;
+}
+
+}  // namespace
+}  // namespace rp
+
+namespace rp {
+namespace {
+
+TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
+  // Each exits 2 at once and creates nothing: no output directory, no runtime directory entry.
+  struct Case {
+    int gpus;
+    std::vector<std::string> sets;
+    std::string says;
+  };
+  std::vector<Case> cases = {
+      {1, {"job.output_dir=\"\""}, "job.output_dir: empty"},
+      {1, {"lora.rank=1000", "lora.target_modules=[\"q_proj\"]"}, "lora.rank: 1000 exceeds q_proj"},
+      {4096, {"job.device=\"cpu\""}, "CPU workers on"},
+  };
+  if (!RP_WITH_CUDA) cases.push_back({1, {"job.device=\"cuda\""}, "this build has no CUDA backend"});
+  int n = 0;
+  for (const auto& c : cases) {
+    const std::string out = tmp_ + "/refused-" + std::to_string(n++);
+    std::vector<std::string> args = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(c.gpus), Job()};
+    if (c.sets.empty() || c.sets[0].rfind("job.output_dir", 0) != 0) args.insert(args.end(), {"--set", "job.output_dir=" + out});
+    for (const auto& s : c.sets) args.insert(args.end(), {"--set", s});
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = testing::RunProcess(args, 60, Env());
+    EXPECT_EQ(r.code, 2) << c.says << ": " << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << c.says;
+    EXPECT_FALSE(fs::exists(out)) << c.says;
+  }
 }
 
 }  // namespace

@@ -106,6 +106,12 @@ TEST(JobConfig, CrossFieldChecks) {
   ExpectError(std::string(kValid) + "[schedule]\nembedding_lookup = \"host\"\n", "schedule.embedding_lookup");
   ExpectError(std::string(kValid) + "[schedule]\nactivation_transport = \"cuda_ipc\"\n",
               "schedule.activation_transport: unknown key");
+  // An empty output directory would put the run's files at the filesystem's root.
+  ExpectError(std::string(kValid), "job.output_dir: empty", {"job.output_dir=\"\""});
+  // A LoRA rank above a target's rank bound (the default model: hidden 128, kv heads 2 x 32).
+  ExpectError(std::string(kValid), "lora.rank: 80 exceeds k_proj's 64 x 128",
+              {"lora.rank=80", "lora.target_modules=[\"q_proj\",\"k_proj\"]"});
+  EXPECT_TRUE(Parse(kValid, {"lora.rank=64", "lora.target_modules=[\"q_proj\",\"k_proj\"]"}).ok());
   for (const char* knob : {"merge_calls", "layer_major_forward", "interleave_calls"})
     ExpectError(std::string(kValid) + "[schedule]\n" + knob + " = \"auto\"\n", std::string("schedule.") + knob);
   auto ipc = Parse(std::string(kValid) + "[schedule]\nactivations = \"cuda_ipc\"\n");
