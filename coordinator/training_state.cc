@@ -9,7 +9,10 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <thread>
+#include <vector>
 
+#include <boost/crc.hpp>
 #include <nlohmann/json.hpp>
 
 #include "common/rng.h"
@@ -25,6 +28,29 @@ constexpr uint64_t kAlign = 4096;
 constexpr uint64_t kMaxHeader = 1 << 20;
 
 uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Checksums: CRC-32 (Boost.CRC) of each 64 MiB chunk of a section, the chunks spread over
+// threads so a 100 GB checkpoint is not held back by one core.
+constexpr uint64_t kCrcChunk = uint64_t{64} << 20;
+
+std::vector<uint32_t> ChunkCrcs(const uint8_t* data, uint64_t bytes) {
+  const uint64_t chunks = (bytes + kCrcChunk - 1) / kCrcChunk;
+  std::vector<uint32_t> crcs(chunks);
+  const uint64_t threads =
+      std::min<uint64_t>(chunks, std::max(1u, std::thread::hardware_concurrency()));
+  auto work = [&](uint64_t t) {
+    for (uint64_t c = t; c < chunks; c += threads) {
+      boost::crc_32_type crc;
+      crc.process_bytes(data + c * kCrcChunk, std::min(kCrcChunk, bytes - c * kCrcChunk));
+      crcs[c] = crc.checksum();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (uint64_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  if (threads > 0) work(0);
+  for (auto& th : pool) th.join();
+  return crcs;
+}
 
 // Owns one read-only file descriptor; closes it on every path, never throws.
 class Fd {
@@ -147,7 +173,8 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
   uint64_t offset = AlignUp(16 + 4096 + 128 * sections.size());
   nlohmann::json list = nlohmann::json::array();
   for (const auto& s : sections) {
-    list.push_back({{"name", s.name}, {"offset", offset}, {"bytes", s.bytes}});
+    list.push_back({{"name", s.name}, {"offset", offset}, {"bytes", s.bytes},
+                    {"crc32_chunk_bytes", kCrcChunk}, {"crc32", ChunkCrcs(s.data, s.bytes)}});
     offset = AlignUp(offset + s.bytes);
   }
   header["sections"] = list;
@@ -230,7 +257,26 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool master
       return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
                                      "\" runs past the end of the file (truncated?)");
     RP_RETURN_IF_ERROR(ReadAll(fd.get(), sections[i].data, bytes, off, file.path));
+    // Files written before checksums existed have none; every newer one is verified.
+    if (!e.contains("crc32")) continue;
+    const auto& want = e["crc32"];
+    if (!want.is_array() || e.value("crc32_chunk_bytes", uint64_t{0}) != kCrcChunk ||
+        want.size() != (bytes + kCrcChunk - 1) / kCrcChunk)
+      return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
+                                     "\" has a malformed checksum list");
+    const std::vector<uint32_t> got = ChunkCrcs(sections[i].data, bytes);
+    for (size_t c = 0; c < got.size(); ++c)
+      if (!want[c].is_number_unsigned() || want[c].get<uint64_t>() != got[c])
+        return Status::InvalidArgument("checkpoint " + file.path + ": bytes [" + std::to_string(c * kCrcChunk) +
+                                       ", " + std::to_string(std::min(bytes, (c + 1) * kCrcChunk)) + ") of section \"" +
+                                       sections[i].name + "\" do not match their checksum: the file is damaged");
   }
+  // Nothing may follow the last section (the writer truncates the file there).
+  uint64_t end = 0;
+  for (const auto& e : list) end = std::max(end, AlignUp(e["offset"].get<uint64_t>() + e["bytes"].get<uint64_t>()));
+  if (size != end)
+    return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(size) + " bytes, its sections end at " +
+                                   std::to_string(end) + ": bytes were appended or cut");
   return Status::Ok();
 }
 

@@ -6,8 +6,10 @@
 //   bytes [0, 8)     magic "RPSTATE1"
 //   bytes [8, 16)    little-endian uint64 H: length of the JSON header that follows
 //   bytes [16, 16+H) JSON: {"version", "steps_done", "state_hash", "masters_in_state",
-//                    "sections": [{"name", "offset", "bytes"}]}; offsets are absolute and
-//                    4096-aligned; "masters_in_state" is absent (false) in older files
+//                    "sections": [{"name", "offset", "bytes", "crc32_chunk_bytes", "crc32"}]};
+//                    offsets are absolute and 4096-aligned; "crc32" lists the CRC-32 of each
+//                    64 MiB chunk of the section; "masters_in_state" and the checksums are
+//                    absent in older files
 //   sections         raw bytes: "optim" (the optimizer segment: moments, and the masters unless
 //                    workers fetch them) and "compute" (every compute-copy buffer, so stale1's
 //                    older weights resume too; the fp32 masters when workers fetch them)
@@ -20,8 +22,9 @@
 //    checkpoint under the final name. Afterwards only the newest `keep` checkpoints remain.
 //  * FindLatest() returns the newest checkpoint whose header parses; Read() checks where the
 //    masters live (schedule.weights_source, named in its own message), the state hash (parameter
-//    names and sizes, compute dtype, optimizer, mode) and every section's size against what the
-//    caller expects, and names the file and the mismatch when they differ.
+//    names and sizes, compute dtype, optimizer, mode), every section's size against what the
+//    caller expects, every chunk's checksum (when the file has them) and that nothing follows the
+//    last section, and names the file, the section and the byte range when they differ.
 #pragma once
 
 #include <cstdint>

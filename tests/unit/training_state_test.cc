@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// Training-state checkpoints in-process: checksums catch damage anywhere in a section, appended
+// or cut bytes are refused, and files written before checksums existed still load.
+#include "coordinator/training_state.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/testing/process_harness.h"
+
+namespace rp::coord {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TrainingStateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::MakeTempDir("rp-state-");
+    std::mt19937 rng(5);
+    for (auto& b : optim_) b = static_cast<uint8_t>(rng());
+    for (auto& b : compute_) b = static_cast<uint8_t>(rng());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::vector<StateSection> Sections(std::vector<uint8_t>& a, std::vector<uint8_t>& b) {
+    return {{"optim", a.data(), a.size()}, {"compute", b.data(), b.size()}};
+  }
+  Status Read(const std::string& path) {
+    std::vector<uint8_t> a(optim_.size()), b(compute_.size());
+    return ReadTrainingState({path, 2}, 77, false, Sections(a, b));
+  }
+  std::string dir_;
+  std::vector<uint8_t> optim_ = std::vector<uint8_t>(300000), compute_ = std::vector<uint8_t>(1000);
+};
+
+TEST_F(TrainingStateTest, AFlippedByteOrExtraBytesAreRefusedNamingTheSection) {
+  ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, Sections(optim_, compute_), 2).ok());
+  const std::string path = dir_ + "/step-00000002.rpstate";
+  std::vector<uint8_t> a(optim_.size()), b(compute_.size());
+  ASSERT_TRUE(ReadTrainingState({path, 2}, 77, false, Sections(a, b)).ok());
+  EXPECT_EQ(a, optim_);
+  EXPECT_EQ(b, compute_);
+  // Where the sections are, from the header.
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data() + 8, 8);
+  const auto header = nlohmann::json::parse(bytes.substr(16, len));
+  for (const auto& s : header["sections"]) {
+    for (const uint64_t at : {uint64_t{0}, s["bytes"].get<uint64_t>() / 2, s["bytes"].get<uint64_t>() - 1}) {
+      std::string damaged = bytes;
+      damaged[s["offset"].get<uint64_t>() + at] ^= 0x10;
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << damaged;
+      const Status st = Read(path);
+      EXPECT_NE(st.message().find("section \"" + s["name"].get<std::string>() + "\" do not match their checksum"),
+                std::string::npos) << st.message();
+    }
+  }
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes << "extra";
+  EXPECT_NE(Read(path).message().find("bytes were appended or cut"), std::string::npos);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_TRUE(Read(path).ok());
+}
+
+TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
+  // The layout before checksums: the same header without them.
+  const uint64_t off = 4096, end = 4096 * ((off + optim_.size() + 4095) / 4096);
+  const uint64_t off2 = end, end2 = 4096 * ((off2 + compute_.size() + 4095) / 4096);
+  const std::string text = nlohmann::json{{"version", 1}, {"steps_done", 2}, {"state_hash", "77"},
+                                          {"sections", {{{"name", "optim"}, {"offset", off}, {"bytes", optim_.size()}},
+                                                        {{"name", "compute"}, {"offset", off2}, {"bytes", compute_.size()}}}}}
+                               .dump();
+  std::string file(end2, '\0');
+  std::memcpy(file.data(), "RPSTATE1", 8);
+  const uint64_t len = text.size();
+  std::memcpy(file.data() + 8, &len, 8);
+  std::memcpy(file.data() + 16, text.data(), len);
+  std::memcpy(file.data() + off, optim_.data(), optim_.size());
+  std::memcpy(file.data() + off2, compute_.data(), compute_.size());
+  const std::string path = dir_ + "/step-00000002.rpstate";
+  std::ofstream(path, std::ios::binary) << file;
+  std::vector<uint8_t> a(optim_.size()), b(compute_.size());
+  const Status st = ReadTrainingState({path, 2}, 77, false, Sections(a, b));
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(a, optim_);
+}
+
+}  // namespace
+}  // namespace rp::coord
