@@ -4,6 +4,8 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/mman.h>
+#include <sys/file.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "rp_config.h"
 #include "common/exit_codes.h"
@@ -50,6 +53,58 @@ std::string RuntimeBase() {
   const char* xdg = std::getenv("XDG_RUNTIME_DIR");
   if (xdg && *xdg && ::access(xdg, W_OK) == 0) return xdg;
   return "/tmp";
+}
+
+// Holds this run's claim on its names for the launcher's life: an exclusive flock on
+// <runtime dir>/owner. The file is locked under a temporary name and then renamed, so another
+// launcher never finds it unlocked while this run lives; the lock dies with the process, however
+// it dies.
+class OwnerLock {
+ public:
+  static StatusOr<OwnerLock> Take(const std::string& dir) {
+    const std::string tmp = dir + "/owner.tmp", path = dir + "/owner";
+    OwnerLock l;
+    l.fd_ = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (l.fd_ < 0) return Status::FromErrno("creating " + tmp, errno);
+    if (::flock(l.fd_, LOCK_EX | LOCK_NB) != 0) return Status::FromErrno("locking " + tmp, errno);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) return Status::FromErrno("renaming " + tmp, errno);
+    return l;
+  }
+  OwnerLock(OwnerLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  OwnerLock& operator=(OwnerLock&&) = delete;
+  OwnerLock(const OwnerLock&) = delete;
+  ~OwnerLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+ private:
+  OwnerLock() = default;
+  int fd_ = -1;
+};
+
+// Removes what launchers killed with SIGKILL left behind: runtime directories rp-<id> under
+// `base` whose owner lock can be taken (so their launcher is dead), with their shared-memory
+// names rp-<id>-*. A live run holds its lock and is never touched; a directory without an owner
+// file (an older build's, or one being created) is left alone.
+void ReclaimDeadRuns(const std::string& base) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(base, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() != 23 || name.rfind("rp-", 0) != 0 || e.is_symlink(ec) || !e.is_directory(ec)) continue;
+    const int fd = ::open((e.path() / "owner").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      int names = 0;
+      for (const auto& m : fs::directory_iterator("/dev/shm", ec))
+        if (m.path().filename().string().rfind(name + "-", 0) == 0 &&
+            ::shm_unlink(("/" + m.path().filename().string()).c_str()) == 0)
+          ++names;
+      fs::remove_all(e.path(), ec);
+      std::fprintf(stderr, "rp-launch: reclaimed %s and %d shared-memory names left by a launcher that was killed\n",
+                   e.path().c_str(), names);
+    }
+    ::close(fd);
+  }
 }
 
 // Owns the runtime directory: removed (with the control socket in it) on every exit path.
@@ -206,6 +261,7 @@ int RunSession(const LaunchOptions& o) {
       return kExitError;
     }
 
+  ReclaimDeadRuns(RuntimeBase());
   const std::string session = NewSessionId();
   const std::string dir = RuntimeBase() + "/rp-" + session;
   if (::mkdir(dir.c_str(), 0700) != 0) {
@@ -214,6 +270,12 @@ int RunSession(const LaunchOptions& o) {
     return kExitError;
   }
   RuntimeDir runtime(dir);
+  // Destroyed after the unlinkers below and before the directory: the claim outlives the names.
+  auto owner = OwnerLock::Take(dir);
+  if (!owner.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", owner.status().message().c_str());
+    return kExitError;
+  }
   // Backstop: the coordinator unlinks the segment itself, but not if it is SIGKILLed.
   shm::Unlinker segment_name(shm::StateSegmentName(session));
   shm::Unlinker optim_segment_name(shm::OptimSegmentName(session));

@@ -874,6 +874,61 @@ TEST_F(LaunchTest, DebugWorkerWaitsForADebuggerAndTheRunCompletes) {
   }
 }
 
+TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUntouched) {
+  // Launcher A is SIGKILLed mid-run: its children die with it, its runtime directory and shared
+  // memory stay. The next launch, B, removes them as it starts; a launch C while B runs leaves
+  // everything of B's alone.
+  auto names_of = [](const std::string& session_dir) {
+    const std::string id = fs::path(session_dir).filename().string();
+    std::vector<std::string> out;
+    for (const auto& n : testing::LeftoverSegments())
+      if (n.rfind(id + "-", 0) == 0) out.push_back(n);
+    return out;
+  };
+  auto session_dirs = [&]() {
+    std::vector<std::string> out;
+    for (const auto& e : fs::directory_iterator(runtime_)) out.push_back(e.path().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  testing::Process a(LaunchArgs(2, tmp_ + "/a", {"train.steps=100000"}), Env());
+  auto a_kids = WaitForChildren(a.pid(), 3);
+  ASSERT_EQ(a_kids.size(), 3u);
+  for (int i = 0; i < 400 && !fs::exists(tmp_ + "/a/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto dirs_a = session_dirs();
+  ASSERT_EQ(dirs_a.size(), 1u);
+  ::kill(a.pid(), SIGKILL);
+  a.Wait(30);
+  for (int i = 0; i < 200 && std::any_of(a_kids.begin(), a_kids.end(), Alive); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(fs::exists(dirs_a[0])) << "a SIGKILLed launcher leaves its runtime directory";
+  ASSERT_FALSE(names_of(dirs_a[0]).empty()) << "and its shared memory";
+
+  testing::Process b(LaunchArgs(2, tmp_ + "/b", {"train.steps=100000"}), Env());
+  ASSERT_EQ(WaitForChildren(b.pid(), 3).size(), 3u);
+  for (int i = 0; i < 400 && !fs::exists(tmp_ + "/b/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_NE(b.OutputSoFar().find("reclaimed " + dirs_a[0]), std::string::npos) << b.OutputSoFar();
+  EXPECT_FALSE(fs::exists(dirs_a[0]));
+  EXPECT_TRUE(names_of(dirs_a[0]).empty());
+  const auto dirs_b = session_dirs();
+  ASSERT_EQ(dirs_b.size(), 1u);
+  const auto names_b = names_of(dirs_b[0]);
+  ASSERT_FALSE(names_b.empty());
+
+  auto c = Launch(1, tmp_ + "/c", {"train.steps=2"});
+  EXPECT_EQ(c.code, 0) << c.output;
+  EXPECT_EQ(c.output.find("reclaimed"), std::string::npos) << c.output;
+  EXPECT_TRUE(fs::exists(dirs_b[0])) << "a live run's directory is never reclaimed";
+  EXPECT_EQ(names_of(dirs_b[0]), names_b);
+
+  ::kill(b.pid(), SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(b.pid(), SIGINT);
+  EXPECT_EQ(b.Wait(60).code, kExitInterrupted);
+}
+
 TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
   const std::string out = tmp_ + "/int";
   testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000"}), Env());
