@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/rng.h"
+#include "common/unique_fd.h"
 #include "io/run_output.h"
 
 namespace rp::coord {
@@ -51,21 +52,6 @@ std::vector<uint32_t> ChunkCrcs(const uint8_t* data, uint64_t bytes) {
   for (auto& th : pool) th.join();
   return crcs;
 }
-
-// Owns one read-only file descriptor; closes it on every path, never throws.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 Status ReadAll(int fd, uint8_t* p, uint64_t n, uint64_t offset, const std::string& path) {
   while (n > 0) {
@@ -204,7 +190,7 @@ StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
   const std::vector<std::string> names = ListStateFiles(dir);
   if (names.empty()) return Status::NotFound("no training checkpoint (step-*.rpstate) in " + dir);
   const std::string path = (fs::path(dir) / names.back()).string();
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::FromErrno("opening " + path, errno);
   std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
@@ -218,7 +204,7 @@ StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
 
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections) {
-  Fd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::FromErrno("opening " + file.path, errno);
   std::error_code ec;
   const uint64_t size = fs::file_size(file.path, ec);

@@ -20,6 +20,7 @@
 #include "rp_config.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
+#include "common/unique_fd.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "planning/partitioner.h"
@@ -64,22 +65,16 @@ class OwnerLock {
   static StatusOr<OwnerLock> Take(const std::string& dir) {
     const std::string tmp = dir + "/owner.tmp", path = dir + "/owner";
     OwnerLock l;
-    l.fd_ = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (l.fd_ < 0) return Status::FromErrno("creating " + tmp, errno);
-    if (::flock(l.fd_, LOCK_EX | LOCK_NB) != 0) return Status::FromErrno("locking " + tmp, errno);
+    l.fd_ = UniqueFd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+    if (l.fd_.get() < 0) return Status::FromErrno("creating " + tmp, errno);
+    if (::flock(l.fd_.get(), LOCK_EX | LOCK_NB) != 0) return Status::FromErrno("locking " + tmp, errno);
     if (::rename(tmp.c_str(), path.c_str()) != 0) return Status::FromErrno("renaming " + tmp, errno);
     return l;
-  }
-  OwnerLock(OwnerLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  OwnerLock& operator=(OwnerLock&&) = delete;
-  OwnerLock(const OwnerLock&) = delete;
-  ~OwnerLock() {
-    if (fd_ >= 0) ::close(fd_);
   }
 
  private:
   OwnerLock() = default;
-  int fd_ = -1;
+  UniqueFd fd_;
 };
 
 // Removes what launchers killed with SIGKILL left behind: runtime directories rp-<id> under
@@ -91,9 +86,9 @@ void ReclaimDeadRuns(const std::string& base) {
   for (const auto& e : fs::directory_iterator(base, ec)) {
     const std::string name = e.path().filename().string();
     if (name.size() != 23 || name.rfind("rp-", 0) != 0 || e.is_symlink(ec) || !e.is_directory(ec)) continue;
-    const int fd = ::open((e.path() / "owner").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) continue;
-    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    const UniqueFd owner(::open((e.path() / "owner").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (owner.get() < 0) continue;
+    if (::flock(owner.get(), LOCK_EX | LOCK_NB) == 0) {
       int names = 0;
       for (const auto& m : fs::directory_iterator("/dev/shm", ec))
         if (m.path().filename().string().rfind(name + "-", 0) == 0 &&
@@ -103,7 +98,6 @@ void ReclaimDeadRuns(const std::string& base) {
       std::fprintf(stderr, "rp-launch: reclaimed %s and %d shared-memory names left by a launcher that was killed\n",
                    e.path().c_str(), names);
     }
-    ::close(fd);
   }
 }
 
