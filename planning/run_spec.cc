@@ -53,18 +53,8 @@ RP_SPEC_ENUM(EmbeddingLookup, EnumName)
 RP_SPEC_ENUM(Partition, EnumName)
 RP_SPEC_ENUM(Tristate, EnumName)
 RP_SPEC_ENUM(StageKind, StageKindName)
+RP_SPEC_ENUM(RopeConfig::Type, RopeTypeName)
 #undef RP_SPEC_ENUM
-void to_json(nlohmann::json& j, const RopeConfig::Type& e) { j = RopeTypeName(e); }
-void from_json(const nlohmann::json& j, RopeConfig::Type& e) {
-  const std::string s = j.get<std::string>();
-  for (int v = 0; v < 16; ++v)
-    if (s == RopeTypeName(static_cast<RopeConfig::Type>(v))) {
-      e = static_cast<RopeConfig::Type>(v);
-      return;
-    }
-  throw std::invalid_argument("\"" + s + "\" is not a RoPE type");
-}
-
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RopeConfig, type, theta, factor, low_freq_factor, high_freq_factor,
                                    original_max_position, attention_factor, beta_fast, beta_slow, truncate)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hidden_size, intermediate_size,
