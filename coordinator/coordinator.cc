@@ -179,6 +179,7 @@ class Coordinator {
 
   CoordinatorOptions opts_;
   core::JobConfig cfg_;
+  core::RoundShape round_;  // round_, how each step runs: decided once in Setup
   core::ModelSpec spec_;
   core::PipelinePlan plan_;
   shm::ArenaLayout layout_;
@@ -267,8 +268,9 @@ Status Coordinator::Setup() {
   RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
   plan_ = std::move(run.plan);
+  round_ = core::Round(cfg_);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
-  trace_.emplace(cfg_.metrics.trace, plan_, core::Round(cfg_).microbatches, opts_.num_workers);
+  trace_.emplace(cfg_.metrics.trace, plan_, round_.microbatches, opts_.num_workers);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   if (layout_.activations_in_worker && opts_.num_workers != 1)
     return Status::InvalidArgument("schedule.activations = \"worker\" keeps activations in the one worker's "
@@ -319,7 +321,7 @@ Status Coordinator::Setup() {
                              " KiB)");
   if (layout_.activations_in_pools) {
     pools_.assign(opts_.num_workers, std::nullopt);
-    const size_t per_parity = static_cast<size_t>(layout_.parities) * core::Round(cfg_).microbatches;
+    const size_t per_parity = static_cast<size_t>(layout_.parities) * round_.microbatches;
     hidden_owner_.assign(per_parity * layout_.num_hidden, -1);
     grad_owner_.assign(per_parity * layout_.grad_slots_per_mb, -1);
   }
@@ -515,7 +517,7 @@ Status Coordinator::OnActivationPool(int rank, const proto::ActivationPool& p) {
 void Coordinator::RecordPoolWrites(const JobState& j, int mb, int rank) {
   if (!layout_.activations_in_pools) return;
   const core::Stage& st = plan_.stages[j.stage];
-  const size_t base = static_cast<size_t>(j.run.parity) * core::Round(cfg_).microbatches + mb;
+  const size_t base = static_cast<size_t>(j.run.parity) * round_.microbatches + mb;
   if (st.kind == core::StageKind::kForward) {
     for (int l = st.begin; l < st.end; ++l)
       if (const int slot = plan_.HiddenSlot(l + 1); slot >= 0)
@@ -529,7 +531,7 @@ proto::InputReady Coordinator::InputFor(const JobState& j, int mb) const {
   proto::InputReady r{j.index, mb, proto::kFromHostSlot, proto::kFromHostSlot, 0};
   if (!layout_.activations_in_pools) return r;
   const core::Stage& st = plan_.stages[j.stage];
-  const size_t base = static_cast<size_t>(j.run.parity) * core::Round(cfg_).microbatches + mb;
+  const size_t base = static_cast<size_t>(j.run.parity) * round_.microbatches + mb;
   if (st.begin > 0) r.hidden_rank = hidden_owner_[base * layout_.num_hidden + plan_.HiddenSlot(st.begin)];
   if (st.kind == core::StageKind::kBackward)
     r.grad_rank = grad_owner_[base * layout_.grad_slots_per_mb + plan_.GradSlot(st.end) % layout_.grad_slots_per_mb];
@@ -550,11 +552,11 @@ StatusOr<JobState*> Coordinator::FindJob(int rank, int64_t index, const char* wh
 }
 
 Status Coordinator::FeedCall(int64_t g) {
-  const int64_t K = core::Round(cfg_).calls;
+  const int64_t K = round_.calls;
   const int64_t step = g / K, call = g % K;
   const int parity = static_cast<int>(g % layout_.parities);
   std::vector<const int64_t*> call_tokens;
-  for (int mb = 0; mb < core::Round(cfg_).microbatches; ++mb) {
+  for (int mb = 0; mb < round_.microbatches; ++mb) {
     int64_t* tokens = segment_->At<int64_t>(layout_.TokenSlot(parity, mb));
     data_->Fill(step, call, mb, tokens, segment_->At<int64_t>(layout_.LabelSlot(parity, mb)));
     call_tokens.push_back(tokens);
@@ -574,7 +576,7 @@ Status Coordinator::FeedCall(int64_t g) {
   if (layout_.lookup_from_host && call == K - 1 && step + 1 < stop_step_)
     optimizer_->SetTouchedRows(step + 1, StepRows(step + 1));
   const JobState& first = jobs_.at(JobIndex(step, static_cast<int>(call), 0));
-  for (int mb = 0; mb < core::Round(cfg_).microbatches; ++mb)
+  for (int mb = 0; mb < round_.microbatches; ++mb)
     RP_RETURN_IF_ERROR(SendTo(first.worker, InputFor(first, mb)));
   fed_calls_.insert(g);
   return Status::Ok();
@@ -583,12 +585,12 @@ Status Coordinator::FeedCall(int64_t g) {
 std::vector<int64_t> Coordinator::StepRows(int64_t step) {
   // Dataset::Fill is a pure function of (step, call, microbatch): drawing ahead changes nothing.
   const int64_t per_mb = cfg_.TokensPerMicrobatch();
-  const int64_t count = core::Round(cfg_).calls * core::Round(cfg_).microbatches;
+  const int64_t count = round_.calls * round_.microbatches;
   std::vector<int64_t> tokens(static_cast<size_t>(count * per_mb)), labels(static_cast<size_t>(per_mb));
   std::vector<const int64_t*> slots;
   for (int64_t i = 0; i < count; ++i) {
     int64_t* t = tokens.data() + i * per_mb;
-    data_->Fill(step, i / core::Round(cfg_).microbatches, i % core::Round(cfg_).microbatches, t, labels.data());
+    data_->Fill(step, i / round_.microbatches, i % round_.microbatches, t, labels.data());
     slots.push_back(t);
   }
   return core::SortedTokenRows(slots, per_mb, cfg_.model.vocab_size);
@@ -596,7 +598,7 @@ std::vector<int64_t> Coordinator::StepRows(int64_t step) {
 
 Status Coordinator::TryFeed() {
   // Global call g uses slot parity g % P, so it may be fed once call g - P is completely done.
-  const int64_t K = core::Round(cfg_).calls;
+  const int64_t K = round_.calls;
   for (int64_t g = next_step_to_report_ * K; g < next_step_to_dispatch_ * K; ++g) {
     if (fed_calls_.count(g)) continue;
     auto prev = call_jobs_done_.find(g - layout_.parities);
@@ -637,7 +639,7 @@ Status Coordinator::TryCommits(int64_t step) {
   // Gradients of one stage are written in call order (the first overwrites, later ones add), so
   // the float sums do not depend on which worker finishes first.
   const int S = static_cast<int>(plan_.stages.size());
-  for (int pos = 0; pos < S * static_cast<int>(core::Round(cfg_).calls); ++pos) {
+  for (int pos = 0; pos < S * static_cast<int>(round_.calls); ++pos) {
     auto it = jobs_.find(steps_.at(step).job_at[pos]);
     if (it == jobs_.end()) continue;
     JobState& j = it->second;
@@ -707,7 +709,7 @@ Status Coordinator::OnLayerTime(int rank, const proto::LayerTime& t) {
   RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, t.job_index, "LayerTime"));
   const core::Stage& stage = plan_.stages[j->stage];
   if (!j->run.profile || t.layer < stage.begin || t.layer >= stage.end || t.microbatch < 0 ||
-      t.microbatch >= core::Round(cfg_).microbatches || !(t.seconds >= 0))
+      t.microbatch >= round_.microbatches || !(t.seconds >= 0))
     return Status::ProtocolError("LayerTime for job " + std::to_string(t.job_index) + " layer " +
                                  std::to_string(t.layer) + " microbatch " + std::to_string(t.microbatch) +
                                  " does not fit the job (not profiled, or out of range)");
@@ -832,7 +834,7 @@ void Coordinator::CheckDrift(int64_t step, double step_time_s) {
 
 Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
   RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, g.job_index, "GradsReady"));
-  if (plan_.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != core::Round(cfg_).microbatches)
+  if (plan_.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != round_.microbatches)
     return Status::ProtocolError("unexpected GradsReady for job " + std::to_string(g.job_index));
   j->grads_ready = true;
   return TryCommits(j->step);
@@ -841,7 +843,7 @@ Status Coordinator::OnGradsReady(int rank, const proto::GradsReady& g) {
 Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   RP_ASSIGN_OR_RETURN(JobState * j, FindJob(rank, d.job_index, "JobDone"));
   const bool needs_commit = plan_.stages[j->stage].kind != core::StageKind::kForward;
-  if (j->done || j->next_mb != core::Round(cfg_).microbatches || (needs_commit && !j->commit_sent))
+  if (j->done || j->next_mb != round_.microbatches || (needs_commit && !j->commit_sent))
     return Status::ProtocolError("premature JobDone for job " + std::to_string(d.job_index));
   j->done = true;
   j->start_us = d.start_us;
@@ -852,18 +854,18 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   const int64_t step = j->step;
   const auto& stage = plan_.stages[j->stage];
   // The last call's commit of a stage makes its layers' gradients final for the step.
-  if (stage.kind != core::StageKind::kForward && j->call == core::Round(cfg_).calls - 1 &&
+  if (stage.kind != core::StageKind::kForward && j->call == round_.calls - 1 &&
       step < stop_step_) {
     if (step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
       for (const auto& use : spec_.layer_uses[l]) FinalizeSlot(step, use.grad_slot);
   }
-  const int64_t g = step * core::Round(cfg_).calls + j->call;
+  const int64_t g = step * round_.calls + j->call;
   RP_RETURN_IF_ERROR(TryCommits(step));
   jobs_.erase(d.job_index);
   call_jobs_done_[g]++;
   StepState& st = steps_.at(step);
-  if (++st.jobs_done == static_cast<int>(plan_.stages.size() * core::Round(cfg_).calls)) {
+  if (++st.jobs_done == static_cast<int>(plan_.stages.size() * round_.calls)) {
     st.done_at = MonoSeconds();
     if (EvalDue(step)) RP_RETURN_IF_ERROR(DispatchEval(step));
     // Two steps in flight: the one draining and the next one.
@@ -919,8 +921,8 @@ Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   // that are already in their slots. What the old worker wrote is overwritten with the same
   // values; its gradients reached shared memory only through a commit, which is redone. An
   // accumulating commit (call > 0) cut short cannot be undone, so that case stops the run.
-  const int64_t K = core::Round(cfg_).calls;
-  const int M = static_cast<int>(core::Round(cfg_).microbatches);
+  const int64_t K = round_.calls;
+  const int M = static_cast<int>(round_.microbatches);
   int resent = 0;
   // Eval jobs interleave with stage jobs by index; the replacement's queue must keep that order.
   std::map<int64_t, const proto::RunEval*> evals;
@@ -1096,7 +1098,7 @@ Status Coordinator::Dispatch(int64_t step) {
     return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
   StepState& st = steps_[step];
   st.loss_scale = 1.0 / static_cast<double>(targets);
-  const int K = static_cast<int>(core::Round(cfg_).calls);
+  const int K = static_cast<int>(round_.calls);
   const int S = static_cast<int>(plan_.stages.size());
   st.job_at.assign(static_cast<size_t>(K) * S, -1);
   for (const auto [c, s] : core::StepJobOrder(plan_, K, core::InterleaveCalls(cfg_))) {
@@ -1110,7 +1112,7 @@ Status Coordinator::Dispatch(int64_t step) {
     // update overlaps all of step t.
     const int64_t version = cfg_.optimizer.mode == core::OptimizerMode::kStale1 ? std::max<int64_t>(0, step - 1) : step;
     proto::RunJob r{j.index, step, c, s, static_cast<int32_t>((step * K + c) % layout_.parities),
-                    static_cast<int32_t>(core::Round(cfg_).microbatches), st.loss_scale, version,
+                    static_cast<int32_t>(round_.microbatches), st.loss_scale, version,
                     step >= profile_begin_ && step < profile_end_ ? 1 : 0, 0};
     j.run = r;
     st.job_at[static_cast<size_t>(c) * S + s] = j.index;
@@ -1140,9 +1142,9 @@ int64_t Coordinator::StepH2dBytes() const {
     int64_t per_mb = st.begin == 0 ? tok : hidden;
     if (st.kind == core::StageKind::kFusedTail) per_mb += tok;
     if (st.kind == core::StageKind::kBackward) per_mb += hidden;
-    h2d += per_mb * core::Round(cfg_).microbatches;
+    h2d += per_mb * round_.microbatches;
   }
-  return h2d * core::Round(cfg_).calls;
+  return h2d * round_.calls;
 }
 
 std::vector<StateSection> Coordinator::StateSections() {
@@ -1204,7 +1206,7 @@ Status Coordinator::ReportSteps() {
     m.loss = st.loss_sum / static_cast<double>(st.targets);
     m.lr = optimizer_->LearningRate(next_step_to_report_);
     m.grad_norm = *norm;
-    m.tokens = core::Round(cfg_).calls * core::Round(cfg_).microbatches * cfg_.TokensPerMicrobatch();
+    m.tokens = round_.calls * round_.microbatches * cfg_.TokensPerMicrobatch();
     m.step_time_s = now - last_report_at_;
     m.bubble_ratio = std::max(0.0, 1.0 - st.busy_s / (m.step_time_s * opts_.num_workers));
     m.h2d_bytes = h2d_bytes_per_step_;
@@ -1342,11 +1344,11 @@ Status Coordinator::Run() {
         {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
         {"grad_arena_peak_bytes", grad_arena_->PeakBytes()}, {"wall_s", wall},
-        {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * core::Round(cfg_).calls *
-                                             core::Round(cfg_).microbatches * cfg_.TokensPerMicrobatch()) / wall},
+        {"tokens_per_s", static_cast<double>((stop_step_ - first_step_) * round_.calls *
+                                             round_.microbatches * cfg_.TokensPerMicrobatch()) / wall},
         {"busy_s", busy_s_},
         // bench.merge_calls: the job file's calls that ran as this one round (1 = as written).
-        {"merged_calls", core::Round(cfg_).merged_calls}};
+        {"merged_calls", round_.merged_calls}};
     if (prediction_) {
       const double measured = core::Median(measured_step_s_);
       summary["prediction"] = {

@@ -20,6 +20,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
                    const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
                    const shm::Segment& segment, Device& device)
     : cfg_(cfg),
+      round_(core::Round(cfg)),
       spec_(spec),
       plan_(plan),
       layout_(layout),
@@ -40,7 +41,7 @@ bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForwar
 
 Status Executor::Validate(const proto::RunJob& job) const {
   if (job.stage < 0 || job.stage >= static_cast<int>(plan_.stages.size()) || job.parity < 0 ||
-      job.parity >= layout_.parities || job.num_microbatches != core::Round(cfg_).microbatches)
+      job.parity >= layout_.parities || job.num_microbatches != round_.microbatches)
     return Status::ProtocolError("RunJob " + std::to_string(job.job_index) +
                                  " has out-of-range stage, parity or microbatch count");
   return Status::Ok();
@@ -394,7 +395,7 @@ at::Tensor Executor::StageInput(int mb) {
 }
 
 void Executor::SetDropoutKeyFor(int mb) {
-  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * core::Round(cfg_).microbatches + mb));
+  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * round_.microbatches + mb));
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
@@ -532,7 +533,7 @@ MicrobatchResult Executor::RunBackward(int mb) {
 }
 
 StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
-  if (mb < 0 || mb >= core::Round(cfg_).microbatches)
+  if (mb < 0 || mb >= round_.microbatches)
     return Status::ProtocolError("microbatch " + std::to_string(mb) + " out of range");
   from_ = from;
   try {

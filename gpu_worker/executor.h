@@ -240,6 +240,7 @@ class Executor {
   void AccumulateGrads();
 
   const core::JobConfig& cfg_;
+  const core::RoundShape round_;  // core::Round(cfg_), decided once
   const core::ModelSpec& spec_;
   const core::PipelinePlan& plan_;
   const shm::ArenaLayout& layout_;

@@ -65,6 +65,7 @@ class Worker {
 
   WorkerOptions opts_;
   core::JobConfig cfg_;
+  int64_t round_microbatches_ = 0;  // core::Round(cfg_).microbatches, decided once in Run
   core::ModelSpec spec_;
   core::PipelinePlan plan_;
   shm::ArenaLayout layout_;
@@ -146,7 +147,7 @@ Status Worker::Handle(const proto::Message& m) {
     }
     case proto::MsgType::kInputReady: {
       const auto& r = std::get<proto::InputReady>(m);
-      if (r.microbatch < 0 || r.microbatch >= core::Round(cfg_).microbatches) {
+      if (r.microbatch < 0 || r.microbatch >= round_microbatches_) {
         RP_LOG(WARNING) << "dropped InputReady with microbatch " << r.microbatch;
         return Status::Ok();
       }
@@ -436,6 +437,7 @@ Status Worker::Run() {
   RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
   plan_ = std::move(run.plan);
+  round_microbatches_ = core::Round(cfg_).microbatches;
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   const int gpus = CudaDeviceCount();

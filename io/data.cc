@@ -18,6 +18,7 @@ namespace rp::core {
 StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) {
   Dataset d;
   d.config_ = c;
+  d.round_ = Round(c);
   d.key_ = key;
   if (c.data.format == core::DataFormat::kBytes) {
     std::ifstream in(c.data.path, std::ios::binary);
@@ -198,7 +199,7 @@ void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int6
   const auto& t = config_.train;
   const int64_t S = config_.data.seq_len;
   for (int64_t i = 0; i < t.microbatch_size; ++i) {
-    const int64_t g = ((step * Round(config_).calls + call) * Round(config_).microbatches + mb) * t.microbatch_size + i;
+    const int64_t g = ((step * round_.calls + call) * round_.microbatches + mb) * t.microbatch_size + i;
     if (config_.data.format == core::DataFormat::kRandom) {
       FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0x5EEDu, static_cast<uint64_t>(g)}),
                  tokens + i * S, labels + i * S);
@@ -262,8 +263,8 @@ int64_t Dataset::CountStepTargets(int64_t step) {
   const int64_t n = t.microbatch_size * config_.data.seq_len;
   std::vector<int64_t> tok(n), lab(n);
   int64_t count = 0;
-  for (int64_t c = 0; c < Round(config_).calls; ++c)
-    for (int64_t m = 0; m < Round(config_).microbatches; ++m) {
+  for (int64_t c = 0; c < round_.calls; ++c)
+    for (int64_t m = 0; m < round_.microbatches; ++m) {
       Fill(step, c, m, tok.data(), lab.data());
       for (auto l : lab) count += l != kIgnoreIndex;
     }

@@ -62,6 +62,7 @@ class Dataset {
   int64_t TokenAt(int64_t i) const;
 
   JobConfig config_;
+  RoundShape round_;  // Round(config_), decided once at Open
   std::vector<uint8_t> bytes_;
   std::shared_ptr<const MappedFile> tokens_map_;  // "tokens": the mapped file, shared by copies
   const uint8_t* tokens_ = nullptr;
