@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -40,6 +41,10 @@ class ConfigReader {
     return Status::Ok();
   }
   // A number in (lo, hi]; `*out` keeps its value when absent.
+  // A number of any value, for values whose range is the job key's (CheckModelValue).
+  Status Number(const char* key, double* out) const {
+    return Number(key, out, -std::numeric_limits<double>::max(), std::numeric_limits<double>::max());
+  }
   Status Number(const char* key, double* out, double lo, double hi) const {
     if (!Has(key)) return Status::Ok();
     const auto& v = j_[key];
@@ -78,7 +83,7 @@ class ConfigReader {
 Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::string& path,
                 int64_t max_position, RopeConfig* rope) {
   *rope = RopeConfig{};
-  RP_RETURN_IF_ERROR(top.Number("rope_theta", &rope->theta, -1e300, 1e300));
+  RP_RETURN_IF_ERROR(top.Number("rope_theta", &rope->theta));
   const char* key = nullptr;
   for (const char* k : {"rope_scaling", "rope_parameters"}) {
     if (!j.contains(k) || j[k].is_null()) continue;
@@ -97,7 +102,7 @@ Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::str
   for (auto it = r.begin(); it != r.end(); ++it)
     if (it.value().is_object())
       return in.Error(it.key(), "per-layer-type RoPE parameters are not supported (one RoPE for every layer)");
-  RP_RETURN_IF_ERROR(in.Number("rope_theta", &rope->theta, -1e300, 1e300));
+  RP_RETURN_IF_ERROR(in.Number("rope_theta", &rope->theta));
   double partial = 1.0;
   RP_RETURN_IF_ERROR(in.Number("partial_rotary_factor", &partial, 0.0, 1.0));
   if (partial != 1.0) return in.Error("partial_rotary_factor", "rotating part of each head is not supported (only 1.0)");
@@ -222,7 +227,7 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   RP_RETURN_IF_ERROR(top.Number("partial_rotary_factor", &partial, 0.0, 1.0));
   if (partial != 1.0) return top.Error("partial_rotary_factor", "rotating part of each head is not supported (only 1.0)");
   c.rms_norm_eps = 1e-6;
-  RP_RETURN_IF_ERROR(top.Number("rms_norm_eps", &c.rms_norm_eps, -1e300, 1e300));
+  RP_RETURN_IF_ERROR(top.Number("rms_norm_eps", &c.rms_norm_eps));
   RP_RETURN_IF_ERROR(CheckModelValue("rms_norm_eps", c.rms_norm_eps, path + ": rms_norm_eps"));
   c.tie_embeddings = false;
   RP_RETURN_IF_ERROR(top.Bool("tie_word_embeddings", &c.tie_embeddings));
