@@ -6,15 +6,24 @@
 // between consecutive jobs, orders gradient commits, runs the optimizer, writes metrics.jsonl,
 // summary.json and trace.json. It never runs layer compute and links no model code.
 //
-// Threading: one event-loop thread owns the control socket; the optimizer uses a thread pool
-// inside a step. Failure: any Status error ends the run; workers are told to shut down and the
-// segment name is removed by RAII on every path.
+// Parts (each with its own contract): HostState (the segments and their contents), WorkerTable
+// (registration, liveness, sends), StepDispatch (stage jobs, feeding, commits), Evaluations (eval
+// jobs and the update gate), RunProfiler (profile, drift, re-plan), RunTrace, and the CPU
+// AsyncOptimizer. This file is the glue: it turns messages into calls on the parts and decides
+// what a finished job means for checkpoints, evaluations and the next step.
+//
+// Threading: one event-loop thread owns the control channel. It sleeps until a message arrives
+// or something it waits for happens elsewhere (the optimizer gave slots back or finished a step,
+// the plan search ended, a signal came): those wake it through CoordinatorChannel::Wake(). The
+// optimizer uses a thread pool. Failure: any Status error ends the run; workers are told to
+// shut down and the segment names are removed by RAII on every path.
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "protocol/channel.h"
 
 namespace rp::coord {
 
@@ -32,7 +41,10 @@ struct CoordinatorOptions {
 // schedule.partition = "auto", a fresh profile may show that another plan is clearly faster
 // (schedule.replan_gain): the run then stops after a checkpoint, returns OK with *replan set,
 // and rp-launch resumes it on the plan made from <output_dir>/profile.json.
-Status RunCoordinator(const CoordinatorOptions& options, bool* replan = nullptr);
+// `channel`: null binds the control socket in options.runtime_dir; otherwise the run talks to its
+// workers through it (tests drive a whole run in-process with workers simulated on threads).
+Status RunCoordinator(const CoordinatorOptions& options, bool* replan = nullptr,
+                      proto::CoordinatorChannel* channel = nullptr);
 
 // Asks a running coordinator to stop at once (async-signal-safe; the SIGTERM handler).
 void RequestStop();

@@ -5,10 +5,12 @@
 //
 // Contract:
 //  * Heard(rank, now) records a message from `rank`.
-//  * Listening(now) is called on every turn of the coordinator's loop. When the previous turn
-//    lies more than `max_listen_gap_s` back, the coordinator was busy (a checkpoint written on
-//    its loop, a slow save) and could not hear anyone: that time is not counted against any
-//    worker. Liveness is measured only over time the coordinator was listening.
+//  * Listening(now) is called when the coordinator's loop starts to wait for messages, and
+//    ListenedUntil(now) when the wait ends: the wait itself is listening time, however long.
+//    When the previous wait ended more than `max_listen_gap_s` before this one starts, the
+//    coordinator was busy in between (a checkpoint written on its loop, a slow save) and could
+//    not hear anyone: that time is not counted against any worker. Liveness is measured only
+//    over time the coordinator was listening.
 //  * Hung(now, grace_s) lists the workers silent for longer than the timeout, each once: a
 //    worker judged hung is not judged again for `grace_s` (its replacement's start). With a
 //    timeout <= 0 nobody is ever hung.
@@ -21,12 +23,15 @@ namespace rp::coord {
 
 class WorkerLiveness {
  public:
-  static constexpr double kMaxListenGapS = 0.5;  // the loop turns every 2-20 ms when it listens
+  // Handling one message takes well under a millisecond; a longer gap between two waits is
+  // work that kept the loop deaf.
+  static constexpr double kMaxListenGapS = 0.5;
 
   WorkerLiveness(int workers, double timeout_s, double now, double max_listen_gap_s = kMaxListenGapS);
 
   void Heard(int rank, double now);
   void Listening(double now);
+  void ListenedUntil(double now) { last_turn_ = now; }
 
   struct Verdict {
     int rank;
@@ -40,7 +45,7 @@ class WorkerLiveness {
  private:
   double timeout_s_;
   double max_listen_gap_s_;
-  double last_turn_;
+  double last_turn_;  // when the loop last listened
   std::vector<double> last_seen_;  // per worker: when last heard, shifted by deaf intervals
 };
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -15,11 +16,28 @@ namespace rp::core {
 
 namespace fs = std::filesystem;
 
+Status CheckNoPlantedLinks(const JobConfig& c) {
+  const fs::path dir(c.job.output_dir);
+  std::vector<std::string> ours = {"logs", "metrics.jsonl", "summary.json", "trace.json", "profile.json",
+                                   c.checkpoint.dir};
+  if (!c.checkpoint.export_hf.empty()) ours.push_back(c.checkpoint.export_hf);
+  if (!c.lora.export_dir.empty()) ours.push_back(c.lora.export_dir);
+  for (const auto& name : ours) {
+    std::error_code ec;
+    if (fs::is_symlink(dir / name, ec))
+      return Status::InvalidArgument("job.output_dir: " + (dir / name).string() +
+                                     " is a symbolic link; the run writes there and does not follow links it did not "
+                                     "create (remove it, or choose another output_dir)");
+  }
+  return Status::Ok();
+}
+
 Status CheckOutputDir(const JobConfig& c) {
   std::error_code ec;
   const fs::path dir(c.job.output_dir);
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
     return Status::InvalidArgument("job.output_dir: " + dir.string() + " exists and is not a directory");
+  RP_RETURN_IF_ERROR(CheckNoPlantedLinks(c));
   for (const char* name : {"metrics.jsonl", "summary.json"})
     if (fs::exists(dir / name, ec))
       return Status::InvalidArgument("job.output_dir: " + (dir / name).string() +
@@ -40,6 +58,7 @@ Status PrepareOutputDir(const JobConfig& c) {
 }
 
 Status PrepareOutputDirForResume(const JobConfig& c, int64_t steps_done) {
+  RP_RETURN_IF_ERROR(CheckNoPlantedLinks(c));
   const fs::path metrics = fs::path(c.job.output_dir) / "metrics.jsonl";
   std::ifstream in(metrics);
   if (!in)
@@ -172,6 +191,27 @@ Status WriteFileAtomically(const std::string& path, const std::string& text) {
   RP_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::Create(path));
   RP_RETURN_IF_ERROR(f.Append(text.data(), text.size()));
   return f.Commit();
+}
+
+}  // namespace rp::core
+
+namespace rp::core {
+
+StatusOr<SummaryFile> SummaryFile::Reserve(const std::string& path, size_t bytes) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644));
+  if (fd.get() < 0) return Status::IoError("creating " + path + ": " + std::strerror(errno));
+  std::string placeholder = "{\"status\": \"running\"}\n";
+  placeholder.resize(std::max(bytes, placeholder.size()), ' ');
+  if (::pwrite(fd.get(), placeholder.data(), placeholder.size(), 0) != static_cast<ssize_t>(placeholder.size()))
+    return Status::IoError("reserving " + std::to_string(bytes) + " bytes for " + path + ": " + std::strerror(errno));
+  return SummaryFile(std::move(fd), path);
+}
+
+Status SummaryFile::Write(const std::string& json) {
+  if (::pwrite(fd_.get(), json.data(), json.size(), 0) != static_cast<ssize_t>(json.size()) ||
+      ::ftruncate(fd_.get(), static_cast<off_t>(json.size())) != 0 || ::fsync(fd_.get()) != 0)
+    return Status::IoError("writing " + path_ + ": " + std::strerror(errno));
+  return Status::Ok();
 }
 
 }  // namespace rp::core

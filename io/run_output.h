@@ -4,6 +4,10 @@
 //
 // Contract: PrepareOutputDir() creates the directory if needed and refuses (InvalidArgument) one
 // that already holds a previous run's metrics or checkpoints: nothing on disk is overwritten.
+// Both checks (fresh and resume) refuse a symbolic link in place of any name the run writes in
+// the directory (logs, metrics, summary, trace, profile, checkpoints, exports): a link planted
+// there would send the run's writes somewhere else. The directory itself may be a link (the
+// user's choice of where it lives).
 // MetricsWriter flushes each line as it is written, so a crash loses at most the current step.
 #pragma once
 
@@ -12,11 +16,14 @@
 #include <string>
 
 #include "common/status.h"
+#include "common/unique_fd.h"
 #include "config/job_config.h"
 
 namespace rp::core {
 
 Status CheckOutputDir(const JobConfig& config);  // no side effects
+// Only the link check (what --resume needs of a directory that holds a run).
+Status CheckNoPlantedLinks(const JobConfig& config);
 Status PrepareOutputDir(const JobConfig& config);
 // For --resume after `steps_done` steps: the directory must exist; metrics.jsonl keeps the lines
 // of steps <= steps_done (rewritten atomically; the lines of later steps, which the resumed run
@@ -52,6 +59,21 @@ class MetricsWriter {
  private:
   explicit MetricsWriter(std::FILE* f) : f_(f) {}
   std::FILE* f_;
+};
+
+// summary.json, with its room taken when the run starts: a disk that fills up during the run
+// (checkpoints, trace.json) still gets the summary that says so. Reserve() writes a valid JSON
+// placeholder ({"status": "running"} padded with spaces to `bytes`); Write() replaces it in
+// place (pwrite, truncate to its length, fsync). Never throws; one owner of the descriptor.
+class SummaryFile {
+ public:
+  static StatusOr<SummaryFile> Reserve(const std::string& path, size_t bytes = 64 << 10);
+  Status Write(const std::string& json);
+
+ private:
+  explicit SummaryFile(UniqueFd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
+  UniqueFd fd_;
+  std::string path_;
 };
 
 // A file that appears under its final name only when complete: bytes go to a temporary name

@@ -1,12 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "protocol/channel.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <cerrno>
+#include <cstring>
 #include <vector>
 
 #include "common/logging.h"
+#include "common/unique_fd.h"
 #include "protocol/codec.h"
 
 namespace rp::proto {
@@ -14,6 +20,7 @@ namespace rp::proto {
 struct RouterChannel::Impl {
   zmq::context_t ctx{1};
   zmq::socket_t sock{ctx, zmq::socket_type::router};
+  UniqueFd wake;  // eventfd: Wake() adds, Receive() drains
   uint64_t dropped = 0;
 };
 
@@ -37,6 +44,9 @@ uint64_t DealerChannel::dropped() const { return impl_->dropped; }
 StatusOr<RouterChannel> RouterChannel::Bind(const std::string& endpoint) {
   try {
     auto impl = std::make_unique<Impl>();
+    impl->wake = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (impl->wake.get() < 0)
+      return Status::IoError(std::string("creating the control socket's wake-up eventfd: ") + std::strerror(errno));
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 1);
     // A replacement worker connects with its dead predecessor's routing id and takes it over.
@@ -63,10 +73,20 @@ Status RouterChannel::Send(int rank, const Message& m) {
   return Status::Ok();
 }
 
+void RouterChannel::Wake() {
+  const uint64_t one = 1;
+  // Only EAGAIN can fail here (the counter is full): a wake-up is pending anyway.
+  [[maybe_unused]] ssize_t n = ::write(impl_->wake.get(), &one, sizeof(one));
+}
+
 StatusOr<std::optional<Envelope>> RouterChannel::Receive(int timeout_ms) {
   try {
-    zmq::pollitem_t items[] = {{impl_->sock.handle(), 0, ZMQ_POLLIN, 0}};
-    zmq::poll(items, 1, std::chrono::milliseconds(timeout_ms));
+    zmq::pollitem_t items[] = {{impl_->sock.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, impl_->wake.get(), ZMQ_POLLIN, 0}};
+    zmq::poll(items, 2, std::chrono::milliseconds(timeout_ms));
+    if (items[1].revents & ZMQ_POLLIN) {
+      uint64_t count = 0;
+      [[maybe_unused]] ssize_t n = ::read(impl_->wake.get(), &count, sizeof(count));
+    }
     if (!(items[0].revents & ZMQ_POLLIN)) return std::optional<Envelope>();
     std::vector<zmq::message_t> parts;
     auto n = zmq::recv_multipart(impl_->sock, std::back_inserter(parts), zmq::recv_flags::dontwait);

@@ -10,6 +10,11 @@
 //    message cannot crash or steer the receiver. dropped() counts them.
 //  * The ROUTER is mandatory-routing: sending to a rank that is not connected is an error
 //    (Unavailable), not a silent drop.
+//  * The coordinator's side is reached through CoordinatorChannel, so its parts can be driven
+//    in-process by a test's channel. Wake() is the one method any thread (and a signal handler)
+//    may call: it ends the current or next Receive() early, which is how the coordinator's loop
+//    learns of work that did not arrive as a message (the optimizer gave gradient slots back, a
+//    plan search finished, a stop was requested) without polling on a timer.
 #pragma once
 
 #include <memory>
@@ -27,15 +32,29 @@ struct Envelope {
   Message message;
 };
 
-class RouterChannel {
+// What the coordinator needs of its control channel.
+class CoordinatorChannel {
+ public:
+  virtual ~CoordinatorChannel() = default;
+  // Unavailable when `rank` is not connected.
+  virtual Status Send(int rank, const Message& m) = 0;
+  // Waits up to timeout_ms; nullopt on timeout, on Wake(), or after dropping a bad frame.
+  virtual StatusOr<std::optional<Envelope>> Receive(int timeout_ms) = 0;
+  // Thread-safe and async-signal-safe.
+  virtual void Wake() = 0;
+};
+
+class RouterChannel final : public CoordinatorChannel {
  public:
   static StatusOr<RouterChannel> Bind(const std::string& endpoint);
   RouterChannel(RouterChannel&&) noexcept;
   RouterChannel& operator=(RouterChannel&&) noexcept;
-  ~RouterChannel();
+  ~RouterChannel() override;
 
-  Status Send(int rank, const Message& m);
-  StatusOr<std::optional<Envelope>> Receive(int timeout_ms);
+  Status Send(int rank, const Message& m) override;
+  StatusOr<std::optional<Envelope>> Receive(int timeout_ms) override;
+  // Writes to an eventfd that Receive() polls beside the socket.
+  void Wake() override;
   uint64_t dropped() const;
 
  private:

@@ -24,16 +24,14 @@ double FoldZeroRow(float* row, int64_t cols) {
 
 AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
                                const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim,
-                               GradArena* grads, int threads)
+                               GradArena* grads, int threads, std::function<void()> on_progress)
     : cfg_(cfg),
       spec_(spec),
       layout_(layout),
       state_(state),
       optim_(optim),
       grads_(grads),
-      param_chunks_(spec.params.size()),
-      param_slots_(spec.params.size()),
-      layer_param_count_(spec.NumLayers(), 0),
+      on_progress_(std::move(on_progress)),
       // Two passes hold a parameter's slots until its second pass. That was measured where the
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
@@ -43,110 +41,74 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       layer_params_left_(spec.NumLayers()),
       param_rest_chunks_left_(spec.params.size()),
       layer_start_us_(spec.NumLayers()) {
-  row_elems_.assign(spec.params.size(), 0);
-  lookup_slot_.assign(spec.params.size(), -1);
-  row_sq_base_.assign(spec.params.size(), 0);
+  geo_.param_chunks.resize(spec.params.size());
+  geo_.param_slots.resize(spec.params.size());
+  geo_.layer_param_count.assign(spec.NumLayers(), 0);
+  geo_.row_elems.assign(spec.params.size(), 0);
+  geo_.lookup_slot.assign(spec.params.size(), -1);
+  geo_.row_sq_base.assign(spec.params.size(), 0);
   early_.assign(spec.params.size(), 0);
   int64_t rows = 0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    row_elems_[p] = spec.TiedRowElems(static_cast<int>(p));
-    if (row_elems_[p] > 0) {
-      row_sq_base_[p] = rows;
-      rows += spec.params[p].numel / row_elems_[p];
+    geo_.row_elems[p] = spec.TiedRowElems(static_cast<int>(p));
+    if (geo_.row_elems[p] > 0) {
+      geo_.row_sq_base[p] = rows;
+      rows += spec.params[p].numel / geo_.row_elems[p];
     }
-    const int64_t chunk = ChunkElems(row_elems_[p]);
+    const int64_t chunk = ChunkElems(geo_.row_elems[p]);
     for (int64_t b = 0; b < spec.params[p].numel; b += chunk) {
-      param_chunks_[p].push_back(chunks_.size());
-      chunks_.push_back({static_cast<int>(p), b, std::min(spec.params[p].numel, b + chunk)});
+      geo_.param_chunks[p].push_back(geo_.chunks.size());
+      geo_.chunks.push_back({static_cast<int>(p), b, std::min(spec.params[p].numel, b + chunk)});
     }
-    layer_param_count_[spec.params[p].owner_layer]++;
+    geo_.layer_param_count[spec.params[p].owner_layer]++;
   }
   row_sq_.assign(rows, 0.0);
-  chunk_gate_ = std::vector<std::atomic<int>>(chunks_.size());
+  chunk_gate_ = std::vector<std::atomic<int>>(geo_.chunks.size());
   for (size_t s = 0; s < spec.grad_slots.size(); ++s)
-    param_slots_[spec.grad_slots[s].param].push_back(static_cast<int>(s));
+    geo_.param_slots[spec.grad_slots[s].param].push_back(static_cast<int>(s));
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    auto& slots = param_slots_[p];
-    if (row_elems_[p] == 0) continue;  // else exactly two slots
+    auto& slots = geo_.param_slots[p];
+    if (geo_.row_elems[p] == 0) continue;  // else exactly two slots
     // The lookup's slot goes second, so the fold adds it into the head's (a + b == b + a: the
     // same bits as the other order).
     for (size_t i = 0; i < 2; ++i)
-      if (spec.grad_slots[slots[i]].layer == spec.params[p].owner_layer) lookup_slot_[p] = slots[i];
-    if (lookup_slot_[p] == slots[0]) std::swap(slots[0], slots[1]);
+      if (spec.grad_slots[slots[i]].layer == spec.params[p].owner_layer) geo_.lookup_slot[p] = slots[i];
+    if (geo_.lookup_slot[p] == slots[0]) std::swap(slots[0], slots[1]);
   }
-  partial_.assign(chunks_.size(), 0.0);
+  partial_.assign(geo_.chunks.size(), 0.0);
   std::vector<int> last_use(spec.params.size(), -1);
   for (int l = 0; l < spec.NumLayers(); ++l)
     for (const auto& use : spec.layer_uses[l]) {
       const int p = spec.grad_slots[use.grad_slot].param;
       last_use[p] = std::max(last_use[p], l);
     }
-  for (size_t p = 0; p < spec.params.size(); ++p) rest_order_.push_back(static_cast<int>(p));
-  std::stable_sort(rest_order_.begin(), rest_order_.end(),
+  for (size_t p = 0; p < spec.params.size(); ++p) geo_.rest_order.push_back(static_cast<int>(p));
+  std::stable_sort(geo_.rest_order.begin(), geo_.rest_order.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
   if (layout.lookup_from_host) {
-    lookup_param_ = core::LookupInPlaceParam(cfg, spec);
-    lookup_cols_ = spec.params[lookup_param_].shape[1];
+    geo_.lookup_param = core::LookupInPlaceParam(cfg, spec);
+    geo_.lookup_cols = spec.params[geo_.lookup_param].shape[1];
   }
   const int pool = std::max(1, threads);
-  rest_threads_ = cfg.bench.optimizer_rest_threads > 0 ? static_cast<int>(std::min<int64_t>(pool, cfg.bench.optimizer_rest_threads))
-                                                 : std::max(1, pool / 4);
-  for (int t = 0; t < pool; ++t) threads_.emplace_back([this, t] { WorkerLoop(t); });
+  const int rest_threads = cfg.bench.optimizer_rest_threads > 0
+                               ? static_cast<int>(std::min<int64_t>(pool, cfg.bench.optimizer_rest_threads))
+                               : std::max(1, pool / 4);
+  pool_ = std::make_unique<TaskPool>(pool, rest_threads);
 }
 
-AsyncOptimizer::~AsyncOptimizer() {
-  {
-    std::unique_lock<std::mutex> l(queue_mu_);
-    idle_cv_.wait(l, [&] { return pending_ == 0; });  // finish what was started: no torn update
-    stopping_ = true;
-  }
-  queue_cv_.notify_all();
-  for (auto& t : threads_) t.join();
-}
+// The pool (declared last) finishes every queued task before the state it uses goes.
+AsyncOptimizer::~AsyncOptimizer() = default;
 
-void AsyncOptimizer::Submit(std::function<void()> task) {
-  {
-    std::lock_guard<std::mutex> l(queue_mu_);
-    queue_.push_back(std::move(task));
-    pending_++;
-  }
-  queue_cv_.notify_one();
-}
+void AsyncOptimizer::Submit(std::function<void()> task) { pool_->Submit(std::move(task)); }
 
 void AsyncOptimizer::SubmitRest(int64_t step, const std::vector<int>& params) {
-  {
-    std::lock_guard<std::mutex> l(queue_mu_);
-    for (int param : params) {
-      param_rest_chunks_left_[param].store(static_cast<int64_t>(param_chunks_[param].size()));
-      for (size_t c : param_chunks_[param]) {
-        rest_queue_.push_back([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); });
-        pending_++;
-      }
-    }
+  std::vector<std::function<void()>> tasks;
+  for (int param : params) {
+    param_rest_chunks_left_[param].store(static_cast<int64_t>(geo_.param_chunks[param].size()));
+    for (size_t c : geo_.param_chunks[param])
+      tasks.push_back([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); });
   }
-  // Only some threads take second passes: wake all (once per batch) so those see them.
-  queue_cv_.notify_all();
-}
-
-void AsyncOptimizer::WorkerLoop(int index) {
-  const bool takes_rest = index < rest_threads_;
-  while (true) {
-    std::function<void()> task;
-    {
-      std::unique_lock<std::mutex> l(queue_mu_);
-      queue_cv_.wait(l, [&] { return stopping_ || !queue_.empty() || (takes_rest && !rest_queue_.empty()); });
-      auto& from = !queue_.empty() ? queue_ : rest_queue_;
-      if (from.empty() || (&from == &rest_queue_ && !takes_rest)) return;  // stopping, nothing left for it
-      task = std::move(from.front());
-      from.pop_front();
-    }
-    task();
-    {
-      std::lock_guard<std::mutex> l(queue_mu_);
-      pending_--;
-    }
-    idle_cv_.notify_all();
-  }
+  pool_->SubmitRest(std::move(tasks));
 }
 
 double AsyncOptimizer::LearningRate(int64_t step) const {
@@ -161,8 +123,8 @@ void AsyncOptimizer::StartAfter(int64_t steps_done) {
 
 void AsyncOptimizer::SetTouchedRows(int64_t step, std::vector<int64_t> rows) {
   auto shared = std::make_shared<const std::vector<int64_t>>(std::move(rows));
-  std::lock_guard<std::mutex> l(mu_);
-  touched_[step] = std::move(shared);
+  std::lock_guard<std::mutex> l(reported_.mu);
+  reported_.touched[step] = std::move(shared);
 }
 
 void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
@@ -173,14 +135,14 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
                                             << "'s norm was complete";
     step_ = step;
     for (size_t p = 0; p < spec_.params.size(); ++p) {
-      slots_left_[p] = static_cast<int>(param_slots_[p].size());
-      param_chunks_left_[p].store(static_cast<int64_t>(param_chunks_[p].size()));
+      slots_left_[p] = static_cast<int>(geo_.param_slots[p].size());
+      param_chunks_left_[p].store(static_cast<int64_t>(geo_.param_chunks[p].size()));
     }
     for (int l = 0; l < spec_.NumLayers(); ++l) {
-      layer_params_left_[l].store(layer_param_count_[l]);
+      layer_params_left_[l].store(geo_.layer_param_count[l]);
       layer_start_us_[l].store(0);
     }
-    chunks_norm_left_.store(static_cast<int64_t>(chunks_.size()));
+    chunks_norm_left_.store(static_cast<int64_t>(geo_.chunks.size()));
     params_left_.store(static_cast<int>(spec_.params.size()));
     // Step - 1's second passes may still run, on the other parity's counter; step - 2's are all
     // counted (their slots came back before this step's were final).
@@ -189,8 +151,8 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     params_rest_left_[step & 1].store(static_cast<int>(spec_.params.size()));
     std::fill(early_.begin(), early_.end(), 0);
     for (auto& g : chunk_gate_) g.store(2);
-    std::lock_guard<std::mutex> l(mu_);
-    touched_.erase(touched_.begin(), touched_.lower_bound(step));
+    std::lock_guard<std::mutex> l(reported_.mu);
+    reported_.touched.erase(reported_.touched.begin(), reported_.touched.lower_bound(step));
   }
   const int p = spec_.grad_slots[slot].param;
   RP_CHECK(slots_left_[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
@@ -198,41 +160,41 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   if (--slots_left_[p] > 0) {
     // The head's slot of a row-summed parameter is final and the lookup's is not: square the
     // head's rows now, while the backward runs.
-    if (lookup_slot_[p] >= 0 && slot != lookup_slot_[p]) {
+    if (geo_.lookup_slot[p] >= 0 && slot != geo_.lookup_slot[p]) {
       early_[p] = 1;
-      for (size_t c : param_chunks_[p]) Submit([this, step, c, update_now] { RowSquares(step, c, update_now); });
+      for (size_t c : geo_.param_chunks[p]) Submit([this, step, c, update_now] { RowSquares(step, c, update_now); });
     }
     return;
   }
-  for (size_t c : param_chunks_[p]) {
+  for (size_t c : geo_.param_chunks[p]) {
     if (early_[p] && chunk_gate_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
     Submit([this, step, c, update_now] { NormChunk(step, c, update_now); });
   }
 }
 
 void AsyncOptimizer::RowSquares(int64_t step, size_t chunk, bool then_update) {
-  const Chunk& c = chunks_[chunk];
-  const int64_t cols = row_elems_[c.param];
-  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(param_slots_[c.param][0]));
-  double* sq = row_sq_.data() + row_sq_base_[c.param];
+  const Chunk& c = geo_.chunks[chunk];
+  const int64_t cols = geo_.row_elems[c.param];
+  float* g = reinterpret_cast<float*>(state_ + grads_->Offset(geo_.param_slots[c.param][0]));
+  double* sq = row_sq_.data() + geo_.row_sq_base[c.param];
   for (int64_t r = c.begin / cols; r < c.end / cols; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
   if (chunk_gate_[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) NormChunk(step, chunk, then_update);
 }
 
 double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
-  const auto& slots = param_slots_[c.param];
-  const int64_t cols = row_elems_[c.param];
+  const auto& slots = geo_.param_slots[c.param];
+  const int64_t cols = geo_.row_elems[c.param];
   const int64_t r0 = c.begin / cols, r1 = c.end / cols;
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0]));
   auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])); };
-  double* sq = row_sq_.data() + row_sq_base_[c.param];
+  double* sq = row_sq_.data() + geo_.row_sq_base[c.param];
   // A compact lookup slot (core::CompactLookupRows) holds the touched rows only, packed in order.
-  const bool compact = lookup_slot_[c.param] >= 0 && lookup_slot_[c.param] == layout_.compact_lookup_slot;
+  const bool compact = geo_.lookup_slot[c.param] >= 0 && geo_.lookup_slot[c.param] == layout_.compact_lookup_slot;
   std::shared_ptr<const std::vector<int64_t>> touched;
   if (early_[c.param] || compact) {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = touched_.find(step);
-    if (it != touched_.end()) touched = it->second;
+    std::lock_guard<std::mutex> l(reported_.mu);
+    auto it = reported_.touched.find(step);
+    if (it != reported_.touched.end()) touched = it->second;
   }
   RP_CHECK(touched || !compact) << "step " << step << ": the compact lookup slot came without its rows (SetTouchedRows)";
   if (touched) {
@@ -254,11 +216,11 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
 }
 
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
-  const Chunk& c = chunks_[chunk];
-  if (row_elems_[c.param] > 0) {
+  const Chunk& c = geo_.chunks[chunk];
+  if (geo_.row_elems[c.param] > 0) {
     partial_[chunk] = RowSummedChunk(step, c);
   } else {
-    const auto& slots = param_slots_[c.param];
+    const auto& slots = geo_.param_slots[c.param];
     float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
     // Several uses: fold the others into the first slot, in slot order; the last fold and the
     // squared sum share one pass.
@@ -281,32 +243,33 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   for (double s : partial_) total += s;  // fixed order: parameter-major, chunk-minor
   const double norm = std::sqrt(total);
   {
-    std::lock_guard<std::mutex> l(mu_);
-    norms_[step] = norm;
+    std::lock_guard<std::mutex> l(reported_.mu);
+    reported_.norms[step] = norm;
   }
+  Progress();
   if (cfg_.train.grad_clip <= 0.0) return;  // already updated chunk by chunk
   clip_scale_ = ClipScale(norm, cfg_.train.grad_clip);
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
   if (SubmitRowsFirst(step, writes)) return;
-  for (size_t c = 0; c < chunks_.size(); ++c)
+  for (size_t c = 0; c < geo_.chunks.size(); ++c)
     Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
 }
 
 bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
   // Two passes only: in one pass the moments would be written too, and nothing is gained (stale1
   // fetches the previous version; streamed gradients have no clipping).
-  if (lookup_param_ < 0 || !two_passes_) return false;
+  if (geo_.lookup_param < 0 || !two_passes_) return false;
   std::shared_ptr<const std::vector<int64_t>> next;
   {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = touched_.find(step + 1);
-    if (it != touched_.end()) next = it->second;
+    std::lock_guard<std::mutex> l(reported_.mu);
+    auto it = reported_.touched.find(step + 1);
+    if (it != reported_.touched.end()) next = it->second;
   }
   if (!next) return false;
   // Runs of consecutive rows as element ranges, the next step's rows and the others, grouped
   // into tasks of about one chunk's elements each.
-  const int64_t cols = lookup_cols_, rows = spec_.params[lookup_param_].numel / cols;
+  const int64_t cols = geo_.lookup_cols, rows = spec_.params[geo_.lookup_param].numel / cols;
   const int64_t task_elems = ChunkElems(cols);
   std::vector<Ranges> first, rest;
   auto add = [&](std::vector<Ranges>& tasks, int64_t& filled, int64_t r0, int64_t r1) {
@@ -332,23 +295,23 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
   }
   add(rest, rest_filled, r, rows);
   // No task of this parameter has started (the norm was the last thing before the updates).
-  param_chunks_left_[lookup_param_].store(static_cast<int64_t>(first.size() + rest.size()));
+  param_chunks_left_[geo_.lookup_param].store(static_cast<int64_t>(first.size() + rest.size()));
   lookup_rows_left_.store(static_cast<int64_t>(first.size()));
   if (first.empty()) StoreLookupVersion(step);
   for (auto& t : first)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, true, writes); });
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (chunks_[c].param != lookup_param_) Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+  for (size_t c = 0; c < geo_.chunks.size(); ++c)
+    if (geo_.chunks[c].param != geo_.lookup_param) Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
   for (auto& t : rest)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, false, writes); });
   return true;
 }
 
 void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows, UpdateWrites writes) {
-  for (const auto& [begin, end] : ranges) UpdateElems(step, lookup_param_, begin, end, writes);
+  for (const auto& [begin, end] : ranges) UpdateElems(step, geo_.lookup_param, begin, end, writes);
   if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) StoreLookupVersion(step);
-  if (param_chunks_left_[lookup_param_].fetch_sub(1, std::memory_order_acq_rel) == 1)
-    OnParamPublished(step, lookup_param_);
+  if (param_chunks_left_[geo_.lookup_param].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    OnParamPublished(step, geo_.lookup_param);
 }
 
 void AsyncOptimizer::StoreLookupVersion(int64_t step) {
@@ -376,13 +339,13 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
     compute_dtype = bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32;
   }
   UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
-              f32(state_, grads_->Offset(param_slots_[param][0])), master, f32(optim_, layout_.adam_m[param]),
+              f32(state_, grads_->Offset(geo_.param_slots[param][0])), master, f32(optim_, layout_.adam_m[param]),
               layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[param]), end - begin, compute,
               compute_dtype, writes);
 }
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
-  const Chunk& c = chunks_[chunk];
+  const Chunk& c = geo_.chunks[chunk];
   UpdateElems(step, c.param, c.begin, c.end, writes);
   if (writes == UpdateWrites::kRest) {
     if (param_rest_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
@@ -395,7 +358,7 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
   // One pass: the update is complete. Its slots go back before the version is published, so the
   // next step's first commit finds them free.
   if (!two_passes_)
-    for (int slot : param_slots_[param]) grads_->Release(slot);
+    for (int slot : geo_.param_slots[param]) grads_->Release(slot);
   // Counted before the layer's version is stored: a worker that sees the version may bring the
   // next step's first SlotFinal, which checks this.
   const bool last = params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1;
@@ -405,18 +368,19 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
     versions[layer].store(static_cast<uint64_t>(step + 1), std::memory_order_release);
     if (layer == 0) StoreLookupVersion(step);  // no earlier when the rows did not go first
-    std::lock_guard<std::mutex> l(mu_);
-    spans_.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
+    std::lock_guard<std::mutex> l(reported_.mu);
+    reported_.spans.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
   }
   if (!two_passes_) {
     CountUpdated(step);
+    Progress();
   } else if (cfg_.train.grad_clip <= 0.0) {
     // Without clipping parameters are updated as their gradients become final (backward order,
     // already the order the next step needs them back).
     SubmitRest(step, {param});
   } else if (last) {
-    // With clipping every first pass comes before any second pass, and those go in rest_order_.
-    SubmitRest(step, rest_order_);
+    // With clipping every first pass comes before any second pass, and those go in geo_.rest_order.
+    SubmitRest(step, geo_.rest_order);
   }
 }
 
@@ -424,7 +388,8 @@ void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
   // Counted before the slots go back: once they are free the next step may place them, and two
   // steps on reset this parity's counter (checked in SlotFinal).
   CountUpdated(step);
-  for (int slot : param_slots_[param]) grads_->Release(slot);
+  for (int slot : geo_.param_slots[param]) grads_->Release(slot);
+  Progress();
 }
 
 void AsyncOptimizer::CountUpdated(int64_t step) {
@@ -438,23 +403,23 @@ void AsyncOptimizer::StoreMax(std::atomic<int64_t>& through, int64_t step) {
 }
 
 std::optional<double> AsyncOptimizer::GradNorm(int64_t step) const {
-  std::lock_guard<std::mutex> l(mu_);
-  auto it = norms_.find(step);
-  if (it == norms_.end()) return std::nullopt;
+  std::lock_guard<std::mutex> l(reported_.mu);
+  auto it = reported_.norms.find(step);
+  if (it == reported_.norms.end()) return std::nullopt;
   return it->second;
 }
 
 std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::TakeLayerSpans() {
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<std::mutex> l(reported_.mu);
   std::vector<LayerSpan> out;
-  out.swap(spans_);
+  out.swap(reported_.spans);
   return out;
 }
 
 std::vector<AsyncOptimizer::LayerSpan> AsyncOptimizer::SpansOfStep(int64_t step) const {
-  std::lock_guard<std::mutex> l(mu_);
+  std::lock_guard<std::mutex> l(reported_.mu);
   std::vector<LayerSpan> out;
-  for (const auto& s : spans_)
+  for (const auto& s : reported_.spans)
     if (s.step == step) out.push_back(s);
   return out;
 }

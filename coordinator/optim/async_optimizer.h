@@ -47,6 +47,9 @@
 //    step t (with clipping every parameter's, since the norm needs every slot).
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
+//  * `on_progress` (may be empty) is called from a pool thread after each change the coordinator
+//    may be waiting for: a parameter's slots given back, a step's norm known, a step updated. It
+//    must be cheap and thread-safe (the coordinator wakes its loop with it).
 #pragma once
 
 #include <atomic>
@@ -63,6 +66,7 @@
 
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/optimizer_step.h"
+#include "coordinator/optim/task_pool.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "shm/layout.h"
@@ -76,7 +80,7 @@ class AsyncOptimizer {
   // masters otherwise: layout.masters_in_state says which); `grads` places and releases slots.
   AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
                  const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim, GradArena* grads,
-                 int threads);
+                 int threads, std::function<void()> on_progress = {});
   ~AsyncOptimizer();
   AsyncOptimizer(const AsyncOptimizer&) = delete;
   AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
@@ -117,10 +121,12 @@ class AsyncOptimizer {
     int64_t begin, end;
   };
   void Submit(std::function<void()> task);
+  void Progress() {
+    if (on_progress_) on_progress_();
+  }
   // Second passes of `params` go to their own queue, which only the first rest_threads_ pool
   // threads take from, and only when the main queue is empty.
   void SubmitRest(int64_t step, const std::vector<int>& params);
-  void WorkerLoop(int index);
   void NormChunk(int64_t step, size_t chunk, bool then_update);
   // Row-summed parameters: squares each row of chunk `chunk` of the first (dense) slot, then
   // opens the chunk's gate (chunk_gate_).
@@ -149,24 +155,30 @@ class AsyncOptimizer {
   uint8_t* state_;
   uint8_t* optim_;
   GradArena* grads_;
-  std::vector<Chunk> chunks_;                  // all chunks, parameter-major
-  std::vector<std::vector<size_t>> param_chunks_;
-  std::vector<std::vector<int>> param_slots_;  // slots of each parameter, first = primary
-  // Row-summed parameters (optimizer_step.h: RowElems; the tied embedding): row length, the slot
-  // of the owner layer's use (the input lookup, zero outside the step's token rows; -1 when
-  // none), where its rows' squared sums start in row_sq_. Their first slot is the other use's.
-  std::vector<int64_t> row_elems_;
-  std::vector<int> lookup_slot_;
-  std::vector<int64_t> row_sq_base_;
-  std::vector<double> row_sq_;                 // per row of the row-summed parameters
-  std::vector<int> layer_param_count_;
+  std::function<void()> on_progress_;
+  // What each parameter's update consists of: decided once, in the constructor.
+  struct Geometry {
+    std::vector<Chunk> chunks;  // all chunks, parameter-major
+    std::vector<std::vector<size_t>> param_chunks;
+    std::vector<std::vector<int>> param_slots;  // slots of each parameter, first = primary
+    // Row-summed parameters (optimizer_step.h: RowElems; the tied embedding): row length, the
+    // slot of the owner layer's use (the input lookup, zero outside the step's token rows; -1
+    // when none), where its rows' squared sums start in row_sq_. Their first slot is the other
+    // use's.
+    std::vector<int64_t> row_elems;
+    std::vector<int> lookup_slot;
+    std::vector<int64_t> row_sq_base;
+    std::vector<int> layer_param_count;
+    // The parameter the embedding layer looks up, when it reads it from host memory
+    // (ArenaLayout::lookup_from_host), else -1; its row length.
+    int lookup_param = -1;
+    int64_t lookup_cols = 0;
+    std::vector<int> rest_order;  // second passes: last using layer, descending
+  };
+  Geometry geo_;
   const bool two_passes_;                      // exact mode, arena holds every slot
-  // The parameter the embedding layer looks up, when it reads it from host memory
-  // (ArenaLayout::lookup_from_host), else -1; its row length.
-  int lookup_param_ = -1;
-  int64_t lookup_cols_ = 0;
+  std::vector<double> row_sq_;                 // per row of the row-summed parameters
   std::atomic<int64_t> lookup_rows_left_{0};   // rows-first tasks of the next step's rows left
-  std::vector<int> rest_order_;                // second passes: last using layer, descending
 
   // Current step's state.
   int64_t step_ = -1;
@@ -186,23 +198,19 @@ class AsyncOptimizer {
   std::atomic<int> params_rest_left_[2] = {0, 0};
   double clip_scale_ = 1.0;
 
-  mutable std::mutex mu_;
-  std::map<int64_t, double> norms_;            // GUARDED_BY(mu_)
-  std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> touched_;  // GUARDED_BY(mu_)
+  // What the coordinator's loop reads while the pool writes it.
+  struct Reported {
+    mutable std::mutex mu;
+    std::map<int64_t, double> norms;                                         // GUARDED_BY(mu)
+    std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> touched;  // GUARDED_BY(mu)
+    std::vector<LayerSpan> spans;                                            // GUARDED_BY(mu)
+  };
+  Reported reported_;
   std::atomic<int64_t> published_through_{-1};
   std::atomic<int64_t> updated_through_{-1};
   std::vector<std::atomic<int64_t>> layer_start_us_;  // first update chunk of the current step
-  std::vector<LayerSpan> spans_;                     // GUARDED_BY(mu_)
 
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<std::function<void()>> queue_;    // GUARDED_BY(queue_mu_)
-  std::deque<std::function<void()>> rest_queue_;  // GUARDED_BY(queue_mu_)
-  int rest_threads_ = 1;
-  bool stopping_ = false;                      // GUARDED_BY(queue_mu_)
-  int pending_ = 0;                            // GUARDED_BY(queue_mu_)
-  std::condition_variable idle_cv_;
-  std::vector<std::thread> threads_;           // last: stopped before the state above
+  std::unique_ptr<TaskPool> pool_;  // last: drained and stopped before the state above
 };
 
 }  // namespace rp::coord

@@ -1,0 +1,152 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "coordinator/host_state.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "common/logging.h"
+#include "coordinator/optim/adamw.h"
+#include "io/hf_model.h"
+#include "io/peft.h"
+#include "protocol/codec.h"
+
+namespace rp::coord {
+
+HostState::HostState(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
+                     const shm::ArenaLayout& layout, const std::string& run_id)
+    : cfg_(cfg),
+      spec_(spec),
+      plan_(plan),
+      layout_(layout),
+      state_unlinker_(shm::StateSegmentName(run_id)),
+      optim_unlinker_(shm::OptimSegmentName(run_id)) {}
+
+StatusOr<std::unique_ptr<HostState>> HostState::Create(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                                                       const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+                                                       const std::string& run_id, int workers) {
+  RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(shm::SharedMemoryBytes(layout, cfg, workers),
+                                                "this job (state and optimizer segments)"));
+  std::unique_ptr<HostState> h(new HostState(cfg, spec, plan, layout, run_id));
+  RP_ASSIGN_OR_RETURN(auto state, shm::Segment::Create(shm::StateSegmentName(run_id), layout.total_bytes));
+  h->state_.emplace(std::move(state));
+  RP_ASSIGN_OR_RETURN(auto optim, shm::Segment::Create(shm::OptimSegmentName(run_id), layout.optim_total_bytes));
+  h->optim_.emplace(std::move(optim));
+  h->grad_arena_ = std::make_unique<GradArena>(layout, h->state_->At<std::atomic<uint64_t>>(layout.grad_table));
+  auto* header = h->state_->header();
+  std::memset(static_cast<void*>(header), 0, sizeof(*header));
+  h->state_->StampHeader(layout.hash);
+  header->trainable_params = static_cast<uint64_t>(spec.TrainableParams());
+  header->coordinator_pid = ::getpid();
+  proto::CopyText(header->session, run_id);
+  return h;
+}
+
+float* HostState::Master(int p) const {
+  return (layout_.masters_in_state ? *state_ : *optim_).At<float>(layout_.master[p]);
+}
+
+void HostState::ReadFrozen(int f, float* out) const {
+  const int64_t n = spec_.frozen[f].numel;
+  if (cfg_.train.dtype == core::TrainDtype::kBf16) {
+    const auto* c = state_->At<const uint16_t>(layout_.frozen[f]);
+    for (int64_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(c[i]);
+  } else {
+    std::memcpy(out, state_->At<const float>(layout_.frozen[f]), n * sizeof(float));
+  }
+}
+
+std::vector<StateSection> HostState::Sections() {
+  return {{"optim", optim_->data(), layout_.optim_total_bytes},
+          {"compute", state_->data() + layout_.compute_begin,
+           (layout_.compute_end - layout_.compute_begin) * static_cast<uint64_t>(layout_.compute_buffers)}};
+}
+
+Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,
+                       core::Dataset* eval_data) {
+  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
+  // LoRA's frozen base, on resume too (checkpoints leave it out): the checkpoint (model.path)
+  // or the seeded init, straight into its compute copy.
+  if (!spec_.frozen.empty()) {
+    std::optional<core::HfWeights> hf;
+    if (!cfg_.model.path.empty()) {
+      RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
+      hf.emplace(std::move(w));
+    }
+    std::vector<float> staging;
+    for (size_t f = 0; f < spec_.frozen.size(); ++f) {
+      const auto& ps = spec_.frozen[f];
+      float* dst = bf16 ? (staging.resize(static_cast<size_t>(ps.numel)), staging.data())
+                        : state_->At<float>(layout_.frozen[f]);
+      if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, dst));
+      else core::InitParam(ps, spec_.config, static_cast<uint64_t>(cfg_.train.seed), dst);
+      if (bf16) {
+        auto* c = state_->At<uint16_t>(layout_.frozen[f]);
+        for (int64_t i = 0; i < ps.numel; ++i) c[i] = FloatToBFloat16(dst[i]);
+      }
+    }
+  }
+  if (resume_from) {
+    // Masters, moments and every compute-copy buffer as they were after first_step updates.
+    RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from, state_hash, layout_.masters_in_state, Sections()));
+    auto* versions = state_->At<std::atomic<uint64_t>>(layout_.layer_versions);
+    for (int l = 0; l < plan_.num_layers; ++l)
+      versions[l].store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
+    state_->At<std::atomic<uint64_t>>(layout_.lookup_version)
+        ->store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
+    RP_LOG(INFO) << "resumed from " << resume_from->path << " after step " << first_step;
+  } else {
+    RP_RETURN_IF_ERROR(FillFresh());
+  }
+  // The eval set: the same microbatches at every evaluation, written once.
+  int64_t eval_targets = 0;
+  for (int k = 0; k < layout_.eval_slots; ++k) {
+    int64_t* labels = state_->At<int64_t>(layout_.EvalLabelSlot(k));
+    eval_data->FillEval(k, state_->At<int64_t>(layout_.EvalTokenSlot(k)), labels);
+    for (uint64_t i = 0; i < layout_.tokens_per_mb; ++i) eval_targets += labels[i] != core::kIgnoreIndex;
+  }
+  if (layout_.eval_slots > 0 && eval_targets == 0)
+    return Status::InvalidArgument(std::string(cfg_.data.eval_path.empty() ? "data.eval_fraction" : "data.eval_path") +
+                                   ": the eval set (" + std::to_string(layout_.eval_slots) +
+                                   " microbatches) has no target tokens");
+  state_->header()->ready.store(1, std::memory_order_release);
+  return Status::Ok();
+}
+
+Status HostState::FillFresh() {
+  // Masters from the Hugging Face checkpoint (model.path; under LoRA the adapter directory
+  // lora.init_from) or the seeded init; compute copies from the masters. m and v are zero
+  // because a fresh tmpfs object reads as zeros; gradient slots are written before they are read.
+  std::optional<core::HfWeights> hf;
+  std::optional<core::PeftAdapter> adapter;
+  if (spec_.lora.enabled()) {
+    // The checkpoint holds the base, not the adapters.
+    if (!cfg_.lora.init_from.empty()) {
+      RP_ASSIGN_OR_RETURN(auto a, core::PeftAdapter::Open(cfg_.lora.init_from, spec_));
+      adapter.emplace(std::move(a));
+    }
+  } else if (!cfg_.model.path.empty()) {
+    RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
+    hf.emplace(std::move(w));
+  }
+  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
+  for (size_t p = 0; p < spec_.params.size(); ++p) {
+    float* master = Master(static_cast<int>(p));
+    if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec_.params[p], master));
+    else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], master));  // straight into the arena
+    else core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
+    const int64_t n = spec_.params[p].numel;
+    if (layout_.masters_in_state) {
+      // Workers fetch the master itself: there is no compute copy to fill.
+    } else if (bf16) {
+      auto* c = state_->At<uint16_t>(layout_.compute[p]);
+      for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(master[i]);
+    } else {
+      std::memcpy(state_->At<float>(layout_.compute[p]), master, n * sizeof(float));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace rp::coord

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+// HostState: the run's host memory, one part of the coordinator. It creates the state segment
+// (what workers fetch: compute copies or the fp32 masters, layer versions, token, activation and
+// gradient slots) and the optimizer segment (masters unless workers fetch them, moments), and
+// fills them once: from a training checkpoint on resume, else from model.path, lora.init_from or
+// the seeded init.
+//
+// Contract:
+//  * Create() checks that /dev/shm has room for both segments (and the workers' pools) before it
+//    creates anything. Both names are removed when the HostState is destroyed, after the
+//    mappings, on every path (shm::Unlinker): this process is the only one that unlinks them.
+//  * Fill() runs once, before any worker is welcomed, and sets the header's ready flag last.
+//  * Master(p) and ReadFrozen(f) read the current weights (for the export at the end).
+//  * Not thread-safe: the coordinator's loop owns it. The optimizer writes the segments through
+//    the pointers state().data() and optim().data().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "coordinator/grad_arena.h"
+#include "coordinator/training_state.h"
+#include "io/data.h"
+#include "planning/plan.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+namespace rp::coord {
+
+class HostState {
+ public:
+  // `cfg`, `spec`, `plan` and `layout` must outlive the HostState.
+  static StatusOr<std::unique_ptr<HostState>> Create(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                                                     const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+                                                     const std::string& run_id, int workers);
+
+  // `resume_from`: the checkpoint to load (its hash must be `state_hash`), holding `first_step`
+  // updates; without it a fresh start. `eval_data` fills the eval slots (null: no eval set).
+  Status Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,
+              core::Dataset* eval_data);
+
+  // Parameter p's fp32 master: in the optimizer segment, or in the state segment when workers
+  // fetch the masters (shm::ArenaLayout::masters_in_state).
+  float* Master(int p) const;
+  // Frozen parameter f (LoRA base) as fp32, from its compute copy.
+  void ReadFrozen(int f, float* out) const;
+  // What a training checkpoint holds (coordinator/training_state.h).
+  std::vector<StateSection> Sections();
+
+  shm::Segment& state() { return *state_; }
+  shm::Segment& optim() { return *optim_; }
+  GradArena& grad_arena() { return *grad_arena_; }
+
+ private:
+  HostState(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
+            const shm::ArenaLayout& layout, const std::string& run_id);
+  Status FillFresh();
+
+  const core::JobConfig& cfg_;
+  const core::ModelSpec& spec_;
+  const core::PipelinePlan& plan_;
+  const shm::ArenaLayout& layout_;
+  shm::Unlinker state_unlinker_, optim_unlinker_;  // declared before the segments: unmapped first
+  std::optional<shm::Segment> state_, optim_;
+  std::unique_ptr<GradArena> grad_arena_;
+};
+
+}  // namespace rp::coord
