@@ -12,6 +12,7 @@
 
 #include "common/test_hooks.h"
 #include "common/time_util.h"
+#include "gpu_worker/guarded.h"
 #include "io/data.h"
 
 namespace rp::worker {
@@ -75,14 +76,18 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
   }
   if (!next_.complete) {
     const core::Stage& st = plan_.stages[job.stage];
-    try {
+    bool all = false;
+    Status s = Guarded([] { return std::string("fetching weights"); }, [&] {
       CopyReadyLayers(st, job.weights_version, st.kind != core::StageKind::kForward, &next_);
-      if (st.begin + static_cast<int>(next_.layers.size()) < st.end) return Status::Ok();
-      next_.fence = device_.WeightsFence();
-    } catch (const std::exception& e) {
+      all = st.begin + static_cast<int>(next_.layers.size()) == st.end;
+      if (all) next_.fence = device_.WeightsFence();
+      return Status::Ok();
+    });
+    if (!s.ok()) {
       DropNext();
-      return Status::Internal(std::string("fetching weights: ") + e.what());
+      return s;
     }
+    if (!all) return Status::Ok();
     next_.complete = true;
   }
   *complete = true;
@@ -94,13 +99,13 @@ Status Executor::Reserve(const proto::RunJob& job) {
   if (next_.job_index == job.job_index && !next_.empty.empty()) return Status::Ok();
   DropNext();
   next_.job_index = job.job_index;
-  try {
-    MakeDestinations(plan_.stages[job.stage], plan_.stages[job.stage].begin, &next_);
-  } catch (const std::exception& e) {
-    DropNext();
-    return Status::Internal("job " + std::to_string(job.job_index) + ": making its weights' device memory: " + e.what());
-  }
-  return Status::Ok();
+  Status s = Guarded([&] { return "job " + std::to_string(job.job_index) + ": making its weights' device memory"; },
+                     [&] {
+                       MakeDestinations(plan_.stages[job.stage], plan_.stages[job.stage].begin, &next_);
+                       return Status::Ok();
+                     });
+  if (!s.ok()) DropNext();
+  return s;
 }
 
 bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w) {
@@ -184,13 +189,13 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
     return Status::ProtocolError("RunEval " + std::to_string(job.job_index) + " asks for weights version " +
                                  std::to_string(job.weights_version));
   const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
-  try {
+  MicrobatchResult r;
+  Status s = Guarded([&] { return "eval job " + std::to_string(job.job_index); }, [&] {
     c10::NoGradGuard no_grad;
     math_.SetTraining(false);
     const std::vector<int64_t> shape = {cfg_.train.microbatch_size, cfg_.data.seq_len};
     at::Tensor x = device_.FetchActivation(segment_.data() + layout_.EvalTokenSlot(job.slot), shape, at::kLong);
     at::Tensor labels = device_.FetchActivation(segment_.data() + layout_.EvalLabelSlot(job.slot), shape, at::kLong);
-    MicrobatchResult r;
     for (int l = 0; l < plan_.num_layers; ++l) {
       // One layer resident at a time: evaluation needs no more device memory than a stage.
       // The coordinator holds back the update that would overwrite this buffer until the eval is
@@ -214,12 +219,11 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
       if (between_layers) between_layers();
     }
     device_.Synchronize();
-    math_.SetTraining(true);
-    return r;
-  } catch (const std::exception& e) {
-    math_.SetTraining(true);
-    return Status::Internal("eval job " + std::to_string(job.job_index) + ": " + e.what());
-  }
+    return Status::Ok();
+  });
+  math_.SetTraining(true);
+  if (!s.ok()) return s;
+  return r;
 }
 
 bool Executor::LayerMajorEligible(const proto::RunJob& job) const {
@@ -253,16 +257,18 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   lm_stall_end_us_ = WallMicros();
   lm_busy_marks_.clear();
   lm_layer_marks_.assign(lm_job_ && job.profile ? job.num_microbatches : 0, {});
-  try {
+  RP_RETURN_IF_ERROR(Guarded([] { return std::string("waiting for weights"); }, [&] {
     // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
     device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
-  } catch (const std::exception& e) {
-    return Status::Internal(std::string("waiting for weights: ") + e.what());
-  }
+    return Status::Ok();
+  }));
   // The projections' fp32 sums start at zero and their GEMMs add into them (sinks); made here,
   // not at the fetch, so a prefetched job holds no gradient memory while the current one runs.
   int64_t sink_bytes = 0;
-  try {
+  return Guarded([&] {
+    return "job " + std::to_string(job.job_index) + ": allocating its fp32 weight-gradient sums (" +
+           std::to_string(sink_bytes) + " bytes so far)";
+  }, [&] {
     model::Transformer::WeightGradSinks sinks;
     for (auto& g : current_.grads)
       if (g.sink) {
@@ -271,11 +277,8 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
         sinks.emplace(g.weight.unsafeGetTensorImpl(), g.accum);
       }
     math_.SetWeightGradSinks(std::move(sinks));
-  } catch (const std::exception& e) {
-    return Status::Internal("job " + std::to_string(job.job_index) + ": allocating its fp32 weight-gradient sums (" +
-                            std::to_string(sink_bytes) + " bytes so far): " + e.what());
-  }
-  return Status::Ok();
+    return Status::Ok();
+  });
 }
 
 StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<int, InputSources>& inputs,
@@ -284,7 +287,9 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
   const int M = job_.num_microbatches;
   if (!lm_job_ || static_cast<int>(lm_hidden_.size()) != M)
     return Status::Internal("job " + std::to_string(job_.job_index) + " is not a begun layer-major job");
-  try {
+  std::vector<MicrobatchResult> results;
+  Status s = Guarded([&] { return "job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_); },
+                     [&]() -> Status {
     c10::NoGradGuard no_grad;
     if (CopyReadyLayers(stage_, job_.weights_version, /*grads=*/false, &current_)) {
       device_.WaitWeights(device_.WeightsFence());
@@ -319,9 +324,9 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
       }
     }
     if (mark_a >= 0) lm_busy_marks_.push_back({mark_a, device_.Mark()});
-    if (lm_next_layer_ < stage_.end) return std::vector<MicrobatchResult>();
+    if (lm_next_layer_ < stage_.end) return Status::Ok();
     *done = true;
-    std::vector<MicrobatchResult> results(M);
+    results.resize(M);
     const uint64_t fence = device_.CompletionFence();
     for (int mb = 0; mb < M; ++mb) {
       results[mb].fence = fence;
@@ -333,14 +338,10 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
     lm_layer_marks_.clear();
     lm_hidden_.clear();
     lm_job_ = false;
-    return results;
-  } catch (const c10::Error& e) {
-    return Status::Internal("job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_) +
-                            ": " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return Status::Internal("job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_) +
-                            ": " + e.what());
-  }
+    return Status::Ok();
+  });
+  if (!s.ok()) return s;
+  return results;
 }
 
 void Executor::AccumulateGrads() {
@@ -536,8 +537,8 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   if (mb < 0 || mb >= round_.microbatches)
     return Status::ProtocolError("microbatch " + std::to_string(mb) + " out of range");
   from_ = from;
-  try {
-    MicrobatchResult r;
+  MicrobatchResult r;
+  Status s = Guarded([&] { return "job " + std::to_string(job_.job_index) + " microbatch " + std::to_string(mb); }, [&] {
     pending_marks_.clear();
     SetDropoutKeyFor(mb);
     switch (stage_.kind) {
@@ -552,14 +553,10 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
     for (auto& p : pending_marks_) p.time.microbatch = mb;
     r.pending_marks = std::move(pending_marks_);
     pending_marks_.clear();
-    return r;
-  } catch (const c10::Error& e) {
-    return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +
-                            std::to_string(mb) + ": " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return Status::Internal("job " + std::to_string(job_.job_index) + " microbatch " +
-                            std::to_string(mb) + ": " + e.what());
-  }
+    return Status::Ok();
+  });
+  if (!s.ok()) return s;
+  return r;
 }
 
 void MicrobatchResult::Resolve(Device& device) {
@@ -617,7 +614,8 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
   if (it == held_.end())
     return Status::ProtocolError("commit grant for job " + std::to_string(job_index) +
                                  ", which holds no gradients here");
-  try {
+  uint64_t ticket = 0;
+  Status s = Guarded([] { return std::string("committing gradients"); }, [&]() -> Status {
     std::vector<Device::CommitItem> items;
     for (auto& g : it->second) {
       if (!g.accum.defined()) {
@@ -636,10 +634,11 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
       items.push_back({g.accum, segment_.At<float>(off)});
     }
     held_.erase(it);
-    return device_.StartCommit(std::move(items), accumulate);
-  } catch (const std::exception& e) {
-    return Status::Internal(std::string("committing gradients: ") + e.what());
-  }
+    ticket = device_.StartCommit(std::move(items), accumulate);
+    return Status::Ok();
+  });
+  if (!s.ok()) return s;
+  return ticket;
 }
 
 void Executor::End() {

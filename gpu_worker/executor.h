@@ -20,7 +20,8 @@
 //    with activation pools (schedule.activations = "cuda_ipc") are written to this
 //    worker's pool and read from the pool of the worker that produced them, which the
 //    coordinator names per microbatch (InputSources, from InputReady).
-//  * LibTorch errors (c10::Error) are caught here and returned as Internal; nothing throws out.
+//  * LibTorch and Device errors (exceptions) become Internal at the worker's one exception
+//    boundary (gpu_worker/guarded.h), naming the job and microbatch or layer; nothing throws out.
 //  * Single-threaded.
 #pragma once
 

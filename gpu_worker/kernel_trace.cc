@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/logging.h"
+#include "gpu_worker/guarded.h"
 
 namespace rp::worker {
 
@@ -42,28 +43,31 @@ void KernelTrace::OnJobBegin(int64_t step) {
     return;
   }
   if (active_ || step != step_) return;
-  try {
+  Status s = Guarded([] { return std::string("starting LibTorch's profiler"); }, [&] {
     StartKineto();
-    active_ = true;
-    RP_LOG(INFO) << "tracing step " << step_ << " into " << path_;
-  } catch (const std::exception& e) {
-    RP_LOG(WARNING) << "RP_TRACE_KERNELS: cannot start LibTorch's profiler: " << e.what();
+    return Status::Ok();
+  });
+  if (!s.ok()) {
+    RP_LOG(WARNING) << "RP_TRACE_KERNELS: " << s.message();
     done_ = true;
+    return;
   }
+  active_ = true;
+  RP_LOG(INFO) << "tracing step " << step_ << " into " << path_;
 }
 
 void KernelTrace::Stop() {
   if (!active_) return;
   active_ = false;
   done_ = true;
-  try {
+  Status s = Guarded([&] { return "writing " + path_; }, [&] {
     if (drain_) drain_();
     auto result = StopKineto();
     if (result) result->save(path_);
-    RP_LOG(INFO) << "wrote the trace of step " << step_ << " to " << path_;
-  } catch (const std::exception& e) {
-    RP_LOG(WARNING) << "RP_TRACE_KERNELS: writing " << path_ << ": " << e.what();
-  }
+    return Status::Ok();
+  });
+  if (s.ok()) RP_LOG(INFO) << "wrote the trace of step " << step_ << " to " << path_;
+  else RP_LOG(WARNING) << "RP_TRACE_KERNELS: " << s.message();
 }
 
 }  // namespace rp::worker

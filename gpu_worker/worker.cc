@@ -25,6 +25,7 @@
 #include "gpu_worker/device.h"
 #include "gpu_worker/executor.h"
 #include "gpu_worker/kernel_trace.h"
+#include "gpu_worker/guarded.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
 #include "shm/layout.h"
@@ -348,20 +349,18 @@ StatusOr<bool> Worker::Finish() {
   while (!in_flight_.empty()) {
     InFlight& f = in_flight_.front();
     bool done = false;
-    try {
+    Status s = Guarded([&] { return "microbatch " + std::to_string(f.done.microbatch); }, [&] {
       done = device_->Completed(f.result.fence);
-    } catch (const std::exception& e) {
-      return Fail(f.done.job_index, Status::Internal(std::string("microbatch ") + std::to_string(f.done.microbatch) +
-                                                     ": " + e.what()));
-    }
+      return Status::Ok();
+    });
+    if (!s.ok()) return Fail(f.done.job_index, s);
     if (!done) break;
     last_completion_s_ = MonoSeconds();
-    try {
+    s = Guarded([&] { return "reading microbatch " + std::to_string(f.done.microbatch) + "'s timings"; }, [&] {
       f.result.Resolve(*device_);
-    } catch (const std::exception& e) {
-      return Fail(f.done.job_index, Status::Internal(std::string("reading microbatch ") +
-                                                     std::to_string(f.done.microbatch) + "'s timings: " + e.what()));
-    }
+      return Status::Ok();
+    });
+    if (!s.ok()) return Fail(f.done.job_index, s);
     // The device runs microbatches back to back: this one started when it was enqueued or when
     // the one before it ended, whichever was later. The intervals then tile the device's busy
     // time (to within this loop's 1 ms poll) and the coordinator's bubble ratio stays true.
@@ -416,11 +415,11 @@ StatusOr<bool> Worker::Finish() {
       worked = true;
     }
     bool done = false;
-    try {
+    Status s = Guarded([&] { return "committing job " + std::to_string(id) + "'s gradients"; }, [&] {
       done = device_->CommitDone(it->ticket);
-    } catch (const std::exception& e) {
-      return Fail(id, Status::Internal(e.what()));
-    }
+      return Status::Ok();
+    });
+    if (!s.ok()) return Fail(id, s);
     if (!done) {
       ++it;
       continue;

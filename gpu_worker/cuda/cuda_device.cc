@@ -41,6 +41,7 @@
 #include "common/logging.h"
 #include "common/test_hooks.h"
 #include "gpu_worker/cuda/cuda_check.h"
+#include "gpu_worker/cuda/cuda_handles.h"
 #include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/device.h"
@@ -150,10 +151,14 @@ class CudaDevice final : public Device {
   Status Init() {
     int least = 0, greatest = 0;
     RP_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&weights_, cudaStreamNonBlocking, least));
-    RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&acts_, cudaStreamNonBlocking, greatest));
-    RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&d2h_, cudaStreamNonBlocking, greatest));
-    RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&grads_, cudaStreamNonBlocking, least));
+    RP_ASSIGN_OR_RETURN(weights_stream_, CudaStream::Create(least));
+    RP_ASSIGN_OR_RETURN(acts_stream_, CudaStream::Create(greatest));
+    RP_ASSIGN_OR_RETURN(d2h_stream_, CudaStream::Create(greatest));
+    RP_ASSIGN_OR_RETURN(grads_stream_, CudaStream::Create(least));
+    weights_ = weights_stream_.get();
+    acts_ = acts_stream_.get();
+    d2h_ = d2h_stream_.get();
+    grads_ = grads_stream_.get();
     committer_ = std::thread([this] { CommitterLoop(); });
     return Status::Ok();
   }
@@ -165,16 +170,8 @@ class CudaDevice final : public Device {
     }
     cv_.notify_all();
     if (committer_.joinable()) committer_.join();
+    // The events (EventPool) and streams (CudaStream) go with their owners, after this.
     LogIfError(cudaDeviceSynchronize(), "cudaDeviceSynchronize at worker exit");
-    for (auto& [t, c] : inflight_) LogIfError(cudaEventDestroy(c->event), "cudaEventDestroy");
-    for (auto& f : fences_) LogIfError(cudaEventDestroy(f.event), "cudaEventDestroy");
-    for (auto& c : completions_)
-      for (cudaEvent_t e : {c.compute, c.d2h}) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
-    for (cudaEvent_t e : free_events_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
-    ClearMarks();
-    for (cudaEvent_t e : timing_free_) LogIfError(cudaEventDestroy(e), "cudaEventDestroy");
-    for (cudaStream_t s : {weights_, acts_, d2h_, grads_})
-      if (s) LogIfError(cudaStreamDestroy(s), "cudaStreamDestroy");
   }
 
   std::string Describe() const override {
@@ -247,7 +244,7 @@ class CudaDevice final : public Device {
     while (!fences_.empty() && fences_.front().id <= fence) {
       ThrowIfError(cudaStreamWaitEvent(kComputeStream, fences_.front().event, 0),
                    "cudaStreamWaitEvent(compute, weights)");
-      free_events_.push_back(fences_.front().event);
+      events_.Give(fences_.front().event);
       fences_.pop_front();
     }
   }
@@ -324,8 +321,8 @@ class CudaDevice final : public Device {
       if (!EventDone(c.compute, "cudaEventQuery(completion, compute)") ||
           !EventDone(c.d2h, "cudaEventQuery(completion, d2h)"))
         return false;
-      free_events_.push_back(c.compute);
-      free_events_.push_back(c.d2h);
+      events_.Give(c.compute);
+      events_.Give(c.d2h);
       completions_.pop_front();
     }
     return true;
@@ -430,13 +427,7 @@ class CudaDevice final : public Device {
   }
 
   int Mark() override {
-    cudaEvent_t e;
-    if (!timing_free_.empty()) {
-      e = timing_free_.back();
-      timing_free_.pop_back();
-    } else {
-      ThrowIfError(cudaEventCreate(&e), "cudaEventCreate(timing)");
-    }
+    cudaEvent_t e = timing_events_.Take();
     ThrowIfError(cudaEventRecord(e, kComputeStream), "cudaEventRecord(mark)");
     marks_.push_back(e);
     return static_cast<int>(marks_.size()) - 1;
@@ -450,7 +441,7 @@ class CudaDevice final : public Device {
   }
 
   void ClearMarks() override {
-    timing_free_.insert(timing_free_.end(), marks_.begin(), marks_.end());
+    for (cudaEvent_t e : marks_) timing_events_.Give(e);
     marks_.clear();
   }
 
@@ -487,11 +478,16 @@ class CudaDevice final : public Device {
       LogIfError(cudaFree(dev), "cudaFree(probe)");
       return CudaStatus(e, "cudaMallocHost(probe)");
     }
-    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
     LinkRates r;
+    std::vector<CudaEvent> owned;
     Status status = Status::Ok();
-    for (auto& x : ev)
-      if (status.ok()) status = CudaStatus(cudaEventCreate(&x), "cudaEventCreate(probe)");
+    for (int i = 0; i < 3 && status.ok(); ++i) {
+      auto made = CudaEvent::Create(cudaEventDefault);
+      if (made.ok()) owned.push_back(std::move(made).value());
+      else status = made.status();
+    }
+    cudaEvent_t ev[3] = {nullptr, nullptr, nullptr};
+    for (size_t i = 0; i < owned.size(); ++i) ev[i] = owned[i].get();
     for (int rep = 0; rep < 3 && status.ok(); ++rep) {
       cudaEventRecord(ev[0], weights_);
       cudaMemcpyAsync(dev, src, bytes, cudaMemcpyHostToDevice, weights_);
@@ -507,8 +503,6 @@ class CudaDevice final : public Device {
         r.d2h_bytes_per_s = std::max(r.d2h_bytes_per_s, bytes / (d2h_ms * 1e-3));
       }
     }
-    for (auto& x : ev)
-      if (x) LogIfError(cudaEventDestroy(x), "cudaEventDestroy(probe)");
     LogIfError(cudaFreeHost(host), "cudaFreeHost(probe)");
     LogIfError(cudaFree(dev), "cudaFree(probe)");
     if (!status.ok()) return status;
@@ -525,7 +519,7 @@ class CudaDevice final : public Device {
       c = it->second;
       inflight_.erase(it);
     }
-    free_events_.push_back(c->event);
+    events_.Give(c->event);
     if (!c->error.empty()) throw std::runtime_error(c->error);
     return true;  // c's tensors are released here, on the compute thread, after the copy ended
   }
@@ -575,16 +569,7 @@ class CudaDevice final : public Device {
     }
   }
 
-  cudaEvent_t TakeEvent() {
-    if (!free_events_.empty()) {
-      cudaEvent_t e = free_events_.back();
-      free_events_.pop_back();
-      return e;
-    }
-    cudaEvent_t e;
-    ThrowIfError(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    return e;
-  }
+  cudaEvent_t TakeEvent() { return events_.Take(); }
 
   static bool EventDone(cudaEvent_t e, const char* what) {
     const cudaError_t q = cudaEventQuery(e);
@@ -601,14 +586,14 @@ class CudaDevice final : public Device {
     cudaEvent_t e = TakeEvent();
     ThrowIfError(cudaEventRecord(e, kComputeStream), "cudaEventRecord(compute)");
     ThrowIfError(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
-    free_events_.push_back(e);  // reusable: a wait captures the event's state when enqueued
+    events_.Give(e);  // reusable: a wait captures the event's state when enqueued
   }
 
   void ComputeWaitsFor(cudaStream_t s) {
     cudaEvent_t e = TakeEvent();
     ThrowIfError(cudaEventRecord(e, s), "cudaEventRecord");
     ThrowIfError(cudaStreamWaitEvent(kComputeStream, e, 0), "cudaStreamWaitEvent(compute)");
-    free_events_.push_back(e);
+    events_.Give(e);
   }
 
   static void CopyChunked(void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind,
@@ -621,10 +606,13 @@ class CudaDevice final : public Device {
 
   int index_;
   HostRegistration registration_;
-  cudaStream_t weights_ = nullptr, acts_ = nullptr, d2h_ = nullptr, grads_ = nullptr;
+  // The owners first: every handle below (and the committer's) is destroyed after its holders.
+  CudaStream weights_stream_, acts_stream_, d2h_stream_, grads_stream_;
+  EventPool events_{cudaEventDisableTiming};
+  EventPool timing_events_{cudaEventDefault};  // profiling marks
+  cudaStream_t weights_ = nullptr, acts_ = nullptr, d2h_ = nullptr, grads_ = nullptr;  // theirs
   std::deque<Fence> fences_;
-  std::vector<cudaEvent_t> free_events_;
-  std::vector<cudaEvent_t> marks_, timing_free_;  // profiling marks (timing enabled)
+  std::vector<cudaEvent_t> marks_;
   uint64_t fence_counter_ = 0;
   std::vector<at::Tensor> keep_alive_;  // sources of activation D2H copies since the last fence
   struct Completion {
