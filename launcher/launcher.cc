@@ -181,6 +181,65 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
 }
 
 
+// The GPUs a CUDA worker may use: CUDA_VISIBLE_DEVICES's entries when it is set, else the
+// /dev/nvidia<N> device nodes; -1 when neither says (the workers' own start-up then decides).
+int VisibleGpus() {
+  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    int n = 0;
+    std::string list(v);
+    for (size_t at = 0; at <= list.size();) {
+      const size_t comma = std::min(list.find(',', at), list.size());
+      const std::string entry = list.substr(at, comma - at);
+      // CUDA stops at the first invalid entry ("-1" hides every device).
+      if (entry.empty() || entry[0] == '-') break;
+      ++n;
+      at = comma + 1;
+    }
+    return n;
+  }
+  int n = 0;
+  std::error_code ec;
+  bool any = false;
+  for (const auto& e : fs::directory_iterator("/dev", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos) {
+      ++n;
+      any = true;
+    }
+  }
+  return any ? n : -1;
+}
+
+// Seconds since the coordinator's last beat; 0 before its first (the file does not exist yet).
+double SecondsSinceBeat(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return 0.0;
+  timespec now{};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  return static_cast<double>(now.tv_sec - st.st_mtim.tv_sec) +
+         static_cast<double>(now.tv_nsec - st.st_mtim.tv_nsec) * 1e-9;
+}
+
+// OUTPUT_DIR/logs/<run id>, made without following links: the output directory may be a link
+// (the user's choice), but logs must be a directory we made or found, not a link planted there,
+// and the run's own directory is new (EEXIST would mean someone else made it).
+Status MakeLogDir(const std::string& output_dir, const std::string& log_dir) {
+  std::error_code ec;
+  fs::create_directories(output_dir, ec);
+  if (ec) return Status::InvalidArgument("cannot create job.output_dir " + output_dir + ": " + ec.message());
+  const std::string logs = output_dir + "/logs";
+  if (::mkdir(logs.c_str(), 0755) != 0 && errno != EEXIST)
+    return Status::InvalidArgument("cannot create " + logs + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::lstat(logs.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    return Status::InvalidArgument(logs + " is not a directory (a symbolic link or a file); the launcher does not "
+                                   "follow links it did not create");
+  if (::mkdir(log_dir.c_str(), 0755) != 0)
+    return Status::InvalidArgument("cannot create " + log_dir + ": " + std::strerror(errno));
+  return Status::Ok();
+}
+
 // Before any process starts: the segments (`bytes`) must fit /dev/shm (a hard limit: tmpfs would
 // SIGBUS mid-run), and should fit the available host memory (a warning: swap may still hold them,
 // but CUDA workers pin the state segment and pinned pages cannot be swapped).
@@ -214,6 +273,15 @@ int RunSession(const LaunchOptions& o) {
                          "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build\n");
     return kExitBadConfig;
   }
+  // One CUDA worker per visible GPU: more would share devices the plan and the memory budget
+  // count as separate (and a worker asking for a device that is not there fails at start-up).
+  if (cfg->job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
+    if (const int visible = VisibleGpus(); visible >= 0 && o.gpus > visible) {
+      std::fprintf(stderr, "rp-launch: --gpus %d, but %d GPU%s visible here (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+                           "one CUDA worker runs per GPU\n", o.gpus, visible, visible == 1 ? " is" : "s are");
+      return kExitBadConfig;
+    }
+  }
   // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA;
   const int max_cpu_workers = 4 * UsableCores();
@@ -239,7 +307,7 @@ int RunSession(const LaunchOptions& o) {
     std::printf("resolved run spec (what the coordinator and workers read):\n%s", core::RunSpecJson(run).c_str());
     return kExitOk;
   }
-  if (Status s = o.resume ? Status::Ok() : core::CheckOutputDir(*cfg); !s.ok()) {
+  if (Status s = o.resume ? core::CheckNoPlantedLinks(*cfg) : core::CheckOutputDir(*cfg); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }
@@ -308,12 +376,10 @@ int RunSession(const LaunchOptions& o) {
   }
   // Logs of this run: one file per process, never overwriting an earlier run's.
   const std::string log_dir = cfg->job.output_dir + "/logs/" + session;
-  std::error_code ec;
-  fs::create_directories(log_dir, ec);
-  if (ec) {
-    std::fprintf(stderr, "rp-launch: cannot create %s: %s\n", log_dir.c_str(), ec.message().c_str());
+  if (Status s = MakeLogDir(cfg->job.output_dir, log_dir); !s.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     pthread_sigmask(SIG_SETMASK, &old, nullptr);
-    return kExitError;
+    return kExitBadConfig;
   }
   LogPump pump;  // declared before the children: it outlives them and drains their pipes
   std::vector<std::string> roles = {"coordinator"};
@@ -449,6 +515,21 @@ int RunSession(const LaunchOptions& o) {
       }
     }
     if (all_done) break;
+    // A coordinator that stopped making progress (SIGSTOP, a hang) beats no more
+    // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever.
+    if (failure.empty() && !children[0].exit_info()) {
+      if (const double quiet = SecondsSinceBeat(dir + "/coordinator.alive");
+          cfg->job.worker_timeout_s > 0 && quiet > cfg->job.worker_timeout_s) {
+        failed_role = children[0].role();
+        failure = "coordinator (pid " + std::to_string(children[0].pid()) + ") made no progress for " +
+                  std::to_string(static_cast<int>(quiet)) + " s (job.worker_timeout_s = " +
+                  std::to_string(static_cast<int>(cfg->job.worker_timeout_s)) +
+                  "): stopped (SIGSTOP?) or stuck; ending the run";
+        exit_code = kExitPeerLost;
+        for (auto& c : children) c.Signal(SIGKILL);
+        break;
+      }
+    }
     // Workers get a grace period to leave after the coordinator finished the job.
     if (std::chrono::steady_clock::now() - coordinator_done_at > std::chrono::seconds(10)) {
       RP_LOG(WARNING) << "workers still running 10 s after the coordinator finished; stopping them";

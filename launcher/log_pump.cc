@@ -25,7 +25,8 @@ void WriteAll(int fd, const std::string& s) {
 StatusOr<int> LogPump::Pipe(const std::string& role, const std::string& path) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return Status::FromErrno("pipe for " + role + " output", errno);
-  int file = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  // A new file in the run's own new directory: never an existing file, never through a link.
+  int file = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (file < 0) {
     Status s = Status::FromErrno("opening log file " + path, errno);
     ::close(fds[0]);

@@ -1081,6 +1081,12 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
       {4096, {"job.device=\"cpu\""}, "CPU workers on"},
   };
   if (!RP_WITH_CUDA) cases.push_back({1, {"job.device=\"cuda\""}, "this build has no CUDA backend"});
+  // A planted link where the run writes (logs here; every output name is checked alike).
+  const std::string planted = tmp_ + "/planted";
+  fs::create_directories(planted);
+  fs::create_directories(tmp_ + "/victim");
+  fs::create_directory_symlink(tmp_ + "/victim", planted + "/logs");
+  cases.push_back({1, {"job.output_dir=" + planted}, "is a symbolic link"});
   int n = 0;
   for (const auto& c : cases) {
     const std::string out = tmp_ + "/refused-" + std::to_string(n++);
@@ -1094,6 +1100,45 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << c.says;
     EXPECT_FALSE(fs::exists(out)) << c.says;
   }
+  EXPECT_TRUE(fs::is_empty(tmp_ + "/victim"));
+}
+
+TEST_F(LaunchTest, AStoppedCoordinatorIsReportedWithinTwiceTheTimeout) {
+  const std::string out = tmp_ + "/stopped";
+  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.worker_timeout_s=2"}), Env());
+  auto kids = WaitForChildren(launcher.pid(), 3);
+  ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
+  WaitForSteps(out + "/metrics.jsonl", 2, 30);
+  pid_t coordinator = -1;
+  for (pid_t k : kids)
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") != std::string::npos)
+      coordinator = k;
+  ASSERT_GT(coordinator, 0);
+  ::kill(coordinator, SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = launcher.Wait(60);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.code, kExitPeerLost) << r.output;
+  EXPECT_NE(r.output.find("coordinator (pid " + std::to_string(coordinator) + ") made no progress"),
+            std::string::npos) << r.output;
+  EXPECT_LT(secs, 2 * 2.0 + 1.0);  // twice the timeout, and the launcher's 0.1 s tick
+  for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+}
+
+TEST_F(LaunchTest, AFullDiskFailsTheRunAndSummaryJsonSaysWhy) {
+  // A small tmpfs as the output directory: metrics fit, checkpoints do not.
+  const std::string mnt = tmp_ + "/small";
+  fs::create_directories(mnt);
+  if (::system(("mount -t tmpfs -o size=256k tmpfs " + mnt + " 2>/dev/null").c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root)";
+  auto r = Launch(2, mnt + "/run", {"train.steps=6", "checkpoint.every=2"});
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("No space left on device"), std::string::npos) << r.output;
+  auto summary = nlohmann::json::parse(testing::ReadFile(mnt + "/run/summary.json"));
+  EXPECT_EQ(summary["status"], "failed");
+  EXPECT_NE(summary["error"].get<std::string>().find("No space left on device"), std::string::npos) << summary.dump();
+  ::system(("umount " + mnt).c_str());
 }
 
 }  // namespace
