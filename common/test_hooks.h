@@ -68,7 +68,12 @@ inline double TestEvalDelaySeconds() {
 }
 
 // RP_TEST_SLOW_CHECKPOINT_MS="<ms>": the coordinator takes <ms> milliseconds longer over each
-// training-state checkpoint, on its loop, as a slow disk would. 0 when unset.
+// training-state checkpoint write (on its loop, or on the background writer's thread), as a slow
+// disk would. 0 when unset.
+// RP_TEST_CHECKPOINT_ON_LOOP=1: checkpoints are written on the coordinator's loop even where a
+// copy for a background write would fit (what a host short of memory does).
+inline bool TestCheckpointOnLoop() { return std::getenv("RP_TEST_CHECKPOINT_ON_LOOP") != nullptr; }
+
 inline double TestCheckpointDelaySeconds() {
   const char* v = std::getenv("RP_TEST_SLOW_CHECKPOINT_MS");
   if (v == nullptr) return 0.0;

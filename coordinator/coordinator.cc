@@ -20,6 +20,7 @@
 #include "common/time_util.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
+#include "coordinator/checkpoint_writer.h"
 #include "coordinator/evaluations.h"
 #include "coordinator/host_state.h"
 #include "coordinator/optim/async_optimizer.h"
@@ -87,9 +88,10 @@ class Coordinator {
   // Writes the training state after `t + 1` steps if a checkpoint is due then. Called before the
   // optimizer sees step t + 1's first gradient, so masters and moments hold exactly t + 1 updates.
   Status MaybeCheckpoint(int64_t t);
+  void MaybeStartSnapshot();
   // The run's stop when step `step` (0-based) turned out non-finite, naming the step and the
   // newest checkpoint, which holds only finite weights.
-  Status Diverged(int64_t step) const;
+  Status Diverged(int64_t step);
   // The first step a stop requested now can end after (graceful stop, re-plan).
   int64_t EarliestStop() const;
   int64_t StepH2dBytes() const;
@@ -114,11 +116,12 @@ class Coordinator {
   struct Checkpoints {
     std::optional<StateFile> resume_from;
     uint64_t state_hash = 0;
-    int64_t written = -1;  // steps done in the newest checkpoint written by this invocation
+    int64_t requested = -1;  // steps done in the newest checkpoint this invocation asked for
   } ckpt_;
   std::optional<core::SummaryFile> summary_;  // reserved at the start, written on every path
   std::unique_ptr<ProgressBeacon> beacon_;  // the launcher's sign that this process progresses
   std::unique_ptr<HostState> host_;
+  std::unique_ptr<CheckpointWriter> writer_;  // after host_: its threads read the live state
   std::unique_ptr<WorkerTable> workers_;
   std::unique_ptr<RunProfiler> profiler_;
   std::unique_ptr<AsyncOptimizer> optimizer_;
@@ -163,7 +166,7 @@ Status Coordinator::Setup() {
     auto found = FindLatestTrainingState(CheckpointDir(cfg_));
     if (!found.ok()) return Status::InvalidArgument("--resume: " + found.status().message());
     ckpt_.resume_from = *found;
-    window_.first_step = ckpt_.written = found->steps_done;
+    window_.first_step = ckpt_.requested = found->steps_done;
     if (window_.first_step >= cfg_.train.steps)
       return Status::InvalidArgument("--resume: " + found->path + " already holds all " +
                                      std::to_string(cfg_.train.steps) + " steps of this job");
@@ -212,6 +215,16 @@ Status Coordinator::StartParts() {
   RP_ASSIGN_OR_RETURN(host_, HostState::Create(cfg_, spec_, plan_, layout_, opts_.session, opts_.num_workers));
   RP_RETURN_IF_ERROR(host_->Fill(ckpt_.resume_from, ckpt_.state_hash, window_.first_step,
                                  eval_data_ ? &*eval_data_ : nullptr));
+  CheckpointWriter::Setup writer;
+  writer.dir = CheckpointDir(cfg_);
+  writer.state_hash = ckpt_.state_hash;
+  writer.masters_in_state = layout_.masters_in_state;
+  writer.keep = static_cast<int>(cfg_.checkpoint.keep);
+  writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), ckpt_.requested);
+  if (cfg_.checkpoint.every > 0)
+    RP_LOG(INFO) << "checkpoints are written "
+                 << (writer_->background() ? "from a copy of the state, in the background"
+                                           : "on the coordinator's loop (a copy would not fit the host's available memory)");
   if (!channel_) {
     RP_ASSIGN_OR_RETURN(auto ch, proto::RouterChannel::Bind(ControlEndpoint(opts_.runtime_dir)));
     router_.emplace(std::move(ch));
@@ -380,7 +393,7 @@ int64_t Coordinator::StepH2dBytes() const {
 
 Status Coordinator::MaybeCheckpoint(int64_t t) {
   const int64_t done = t + 1;
-  if (t < window_.first_step || done <= ckpt_.written) return Status::Ok();
+  if (t < window_.first_step || done <= ckpt_.requested) return Status::Ok();
   const bool periodic = PeriodicCheckpointAfter(cfg_, t);
   const bool last = done == window_.stop_step && (cfg_.checkpoint.every > 0 || window_.stop_step < cfg_.train.steps);
   if (!periodic && !last) return Status::Ok();
@@ -391,22 +404,30 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   if (evals_->last_final_step() > t)
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested after step " +
                             std::to_string(evals_->last_final_step() + 1) + "'s gradients reached the optimizer");
-  const double t0 = MonoSeconds();
+  ckpt_.requested = done;
+  // On the loop (no room for a copy) the write keeps the beacon beating; in the background it
+  // only waits for the copy, which the loop started when step t's update was done.
   const ProgressBeacon::Working writing(*beacon_);
-  RP_RETURN_IF_ERROR(WriteTrainingState(CheckpointDir(cfg_), done, ckpt_.state_hash, layout_.masters_in_state,
-                                        host_->Sections(), static_cast<int>(cfg_.checkpoint.keep)));
-  if (const double slow = TestCheckpointDelaySeconds(); slow > 0)  // a slow disk, for the liveness test
-    std::this_thread::sleep_for(std::chrono::duration<double>(slow));
-  ckpt_.written = done;
-  RP_LOG(INFO) << "checkpoint after step " << done << " written to " << CheckpointDir(cfg_) << " in "
-               << MonoSeconds() - t0 << " s";
-  return Status::Ok();
+  return writer_->Write(done);
 }
 
-Status Coordinator::Diverged(int64_t step) const {
+// A periodic checkpoint after step t is due and t's update is done: the copy can start while the
+// next step computes (CheckpointWriter).
+void Coordinator::MaybeStartSnapshot() {
+  if (cfg_.checkpoint.every <= 0) return;
+  const int64_t every = cfg_.checkpoint.every;
+  const int64_t done = (std::max(ckpt_.requested, window_.first_step) / every + 1) * every;
+  if (done > window_.stop_step || !optimizer_->Updated(done - 1) || evals_->last_final_step() >= done) return;
+  writer_->Snapshot(done);
+}
+
+Status Coordinator::Diverged(int64_t step) {
   const auto norm = optimizer_->GradNorm(step);
+  // A checkpoint still being written in the background is finished first: it holds finite steps.
+  if (Status pending = writer_->Finish(); !pending.ok()) RP_LOG(ERROR) << pending.message();
   std::string newest = "none (rp-launch starts over)";
-  if (ckpt_.written > 0) newest = "the one after step " + std::to_string(ckpt_.written);
+  if (const int64_t written = writer_ ? writer_->written() : ckpt_.requested; written > 0)
+    newest = "the one after step " + std::to_string(written);
   return Status::NonFinite("step " + std::to_string(step + 1) + ": the gradient norm is " +
                            (norm ? std::to_string(*norm) : std::string("unknown")) +
                            " (not finite): training diverged, so the run stops and writes no checkpoint from this "
@@ -492,6 +513,7 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(ReportSteps());
     RP_RETURN_IF_ERROR(profiler_->MaybeFinish(window_.next_to_report, *optimizer_));
     RP_RETURN_IF_ERROR(MaybeReplan());
+    MaybeStartSnapshot();
   }
   beacon_->LeaveLoop();
   times_.makespan_s = MonoSeconds() - times_.start;
@@ -502,6 +524,7 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(MaybeReplan());
   }
   RP_RETURN_IF_ERROR(MaybeCheckpoint(window_.stop_step - 1));
+  RP_RETURN_IF_ERROR(writer_->Finish());
   if (replan_to_) return Status::Ok();  // resumed by rp-launch on the new plan
   if (graceful_ && window_.stop_step < cfg_.train.steps)
     return Status::Cancelled("interrupted after step " + std::to_string(window_.stop_step) +

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -34,11 +35,11 @@ uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 // threads so a 100 GB checkpoint is not held back by one core.
 constexpr uint64_t kCrcChunk = uint64_t{64} << 20;
 
-std::vector<uint32_t> ChunkCrcs(const uint8_t* data, uint64_t bytes) {
+std::vector<uint32_t> ChunkCrcs(const uint8_t* data, uint64_t bytes, int max_threads = 0) {
   const uint64_t chunks = (bytes + kCrcChunk - 1) / kCrcChunk;
   std::vector<uint32_t> crcs(chunks);
-  const uint64_t threads =
-      std::min<uint64_t>(chunks, std::max(1u, std::thread::hardware_concurrency()));
+  const uint64_t cores = max_threads > 0 ? static_cast<uint64_t>(max_threads) : std::max(1u, std::thread::hardware_concurrency());
+  const uint64_t threads = std::min<uint64_t>(chunks, cores);
   auto work = [&](uint64_t t) {
     for (uint64_t c = t; c < chunks; c += threads) {
       boost::crc_32_type crc;
@@ -148,7 +149,10 @@ std::string CheckpointDir(const core::JobConfig& c) {
 }
 
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          bool masters_in_state, const std::vector<StateSection>& sections, int keep) {
+                          bool masters_in_state, const std::vector<StateSection>& sections, int keep,
+                          int checksum_threads, WriteStats* stats) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("checkpoint directory " + dir + ": " + ec.message());
@@ -160,9 +164,10 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
   nlohmann::json list = nlohmann::json::array();
   for (const auto& s : sections) {
     list.push_back({{"name", s.name}, {"offset", offset}, {"bytes", s.bytes},
-                    {"crc32_chunk_bytes", kCrcChunk}, {"crc32", ChunkCrcs(s.data, s.bytes)}});
+                    {"crc32_chunk_bytes", kCrcChunk}, {"crc32", ChunkCrcs(s.data, s.bytes, checksum_threads)}});
     offset = AlignUp(offset + s.bytes);
   }
+  if (stats) stats->checksum_s = since();
   header["sections"] = list;
   const std::string text = header.dump();
   const std::string final_path = (fs::path(dir) / FileName(steps_done)).string();
@@ -178,6 +183,11 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
       RP_RETURN_IF_ERROR(f.WriteAt(list[i]["offset"].get<uint64_t>(), sections[i].data, sections[i].bytes));
     RP_RETURN_IF_ERROR(f.Truncate(offset));
     RP_RETURN_IF_ERROR(f.Commit());
+  }
+  if (stats) {
+    stats->total_s = since();
+    stats->bytes = 0;
+    for (const auto& sec : sections) stats->bytes += sec.bytes;
   }
   // Prune: only this writer's step-*.rpstate names, oldest first, never the one just written.
   const std::vector<std::string> names = ListStateFiles(dir);

@@ -54,9 +54,17 @@ uint64_t TrainingStateHash(const core::JobConfig& config, const core::ModelSpec&
                            const shm::ArenaLayout& layout);
 std::string CheckpointDir(const core::JobConfig& config);
 
+// What one write cost (for the log and metrics).
+struct WriteStats {
+  uint64_t bytes = 0;
+  double checksum_s = 0.0;  // CRC-32 of every chunk
+  double total_s = 0.0;     // checksums, writes, fsyncs and the rename
+};
 // `masters_in_state`: shm::ArenaLayout::masters_in_state of the writing (reading) job.
+// `checksum_threads` (0: every core) compute the chunks' CRCs in parallel.
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          bool masters_in_state, const std::vector<StateSection>& sections, int keep);
+                          bool masters_in_state, const std::vector<StateSection>& sections, int keep,
+                          int checksum_threads = 0, WriteStats* stats = nullptr);
 // NotFound when the directory holds no checkpoint.
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,

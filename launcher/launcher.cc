@@ -273,12 +273,13 @@ int RunSession(const LaunchOptions& o) {
                          "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build\n");
     return kExitBadConfig;
   }
-  // One CUDA worker per visible GPU: more would share devices the plan and the memory budget
-  // count as separate (and a worker asking for a device that is not there fails at start-up).
+  // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
+  // (docs/features.md); beyond that they only contend for its memory and its queue.
   if (cfg->job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
-    if (const int visible = VisibleGpus(); visible >= 0 && o.gpus > visible) {
-      std::fprintf(stderr, "rp-launch: --gpus %d, but %d GPU%s visible here (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
-                           "one CUDA worker runs per GPU\n", o.gpus, visible, visible == 1 ? " is" : "s are");
+    constexpr int kWorkersPerGpu = 4;
+    if (const int visible = VisibleGpus(); visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
+      std::fprintf(stderr, "rp-launch: --gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+                           "at most %d per GPU\n", o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
       return kExitBadConfig;
     }
   }
