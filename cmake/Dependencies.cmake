@@ -6,6 +6,7 @@ find_package(Threads REQUIRED)
 # definition a reference binds to depends on link order (see common/logging.h and common/logging.cc).
 find_package(glog REQUIRED)
 find_package(Boost 1.74 REQUIRED)
+find_package(ZLIB REQUIRED)  # CRC-32 of checkpoint chunks
 find_package(cppzmq REQUIRED)
 find_package(tomlplusplus REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)

@@ -14,13 +14,6 @@ namespace {
 
 constexpr uint64_t kBlock = 64ull << 20;
 
-// The copy when it fits beside everything else: MemAvailable must cover it with a quarter to
-// spare (the page cache the file write fills comes out of the same memory).
-bool CopyFits(uint64_t bytes) {
-  const uint64_t avail = shm::AvailableHostMemory();
-  return avail > 0 && bytes + bytes / 4 < avail;
-}
-
 void LogWrite(int64_t steps_done, const std::string& dir, const WriteStats& w, bool background) {
   RP_LOG(INFO) << "checkpoint after step " << steps_done << " written to " << dir << ": "
                << static_cast<double>(w.bytes) / 1e9 << " GB in " << w.total_s << " s ("
@@ -30,54 +23,99 @@ void LogWrite(int64_t steps_done, const std::string& dir, const WriteStats& w, b
 
 }  // namespace
 
-CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live, int64_t written)
-    : setup_(std::move(setup)), live_(std::move(live)), written_(written) {
+CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live, AsyncOptimizer& optimizer,
+                                   int64_t written)
+    : setup_(std::move(setup)), live_(std::move(live)), optimizer_(optimizer), written_(written) {
   for (const auto& s : live_) bytes_ += s.bytes;
-  background_ = CopyFits(bytes_) && !TestCheckpointOnLoop();
+  // Copies where they fit the host's available memory with a quarter to spare (the page cache
+  // the file writes fill comes out of the same memory).
+  const uint64_t avail = shm::AvailableHostMemory();
+  int n = 0;
+  if (!TestCheckpointOnLoop())
+    for (int want = 2; want > 0 && n == 0; --want)
+      if (avail > 0 && (bytes_ + bytes_ / 4) * want < avail) n = want;
+  copies_.resize(n);
+  // Allocated and touched now, on the copy threads' count of cores, so a snapshot costs no page
+  // faults; the start-up (weights, workers' registration) hides it.
+  for (auto& c : copies_) {
+    c.bytes.reset(new uint8_t[bytes_]);
+    const int threads = std::max(1, setup_.copy_threads);
+    std::vector<std::thread> touch;
+    for (int t = 0; t < threads; ++t)
+      touch.emplace_back([p = c.bytes.get(), n = bytes_, t, threads] {
+        for (uint64_t off = static_cast<uint64_t>(t) * kBlock; off < n; off += threads * kBlock)
+          std::memset(p + off, 0, std::min(kBlock, n - off));
+      });
+    for (auto& th : touch) th.join();
+  }
 }
 
 CheckpointWriter::~CheckpointWriter() {
-  for (auto& t : copy_threads_) t.join();
-  if (file_.valid()) file_.wait();
+  for (auto& c : copies_) {
+    for (auto& t : c.copy_threads) t.join();
+    if (c.file.valid()) c.file.wait();
+  }
+  optimizer_.ReleaseUpdates();
 }
 
-void CheckpointWriter::CopyIn() {
-  // Each thread copies every copy_threads-th 64 MiB block of every section.
+CheckpointWriter::Copy* CheckpointWriter::FreeCopy() {
+  for (auto& c : copies_)
+    if (c.steps < 0) return &c;
+  return nullptr;
+}
+
+CheckpointWriter::Copy* CheckpointWriter::CopyOf(int64_t steps_done) {
+  for (auto& c : copies_)
+    if (c.steps == steps_done) return &c;
+  return nullptr;
+}
+
+void CheckpointWriter::StartCopy(Copy& c, int64_t steps_done) {
+  c.steps = steps_done;
+  // Step steps_done's updates wait for the copy; its last thread lets them go.
+  optimizer_.HoldUpdatesFrom(steps_done);
   const int n = std::max(1, setup_.copy_threads);
+  copy_threads_left_.store(n);
   for (int t = 0; t < n; ++t)
-    copy_threads_.emplace_back([this, t, n] {
-      uint64_t base = 0;
-      uint64_t block = 0;
+    c.copy_threads.emplace_back([this, dst = c.bytes.get(), t, n] {
+      uint64_t base = 0, block = 0;
       for (const auto& s : live_) {
         for (uint64_t off = 0; off < s.bytes; off += kBlock, ++block)
           if (block % n == static_cast<uint64_t>(t))
-            std::memcpy(copy_.get() + base + off, s.data + off, std::min(kBlock, s.bytes - off));
+            std::memcpy(dst + base + off, s.data + off, std::min(kBlock, s.bytes - off));
         base += s.bytes;
       }
+      if (copy_threads_left_.fetch_sub(1) == 1) optimizer_.ReleaseUpdates();
     });
 }
 
 void CheckpointWriter::Snapshot(int64_t steps_done) {
-  if (!background_ || copying_ == steps_done) return;
-  for (auto& t : copy_threads_) t.join();  // an earlier copy (its file thread has it) is done
-  copy_threads_.clear();
-  // The previous file still being written from the copy: this one waits for Write().
-  if (file_.valid() && file_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
-  if (!copy_) copy_.reset(new uint8_t[bytes_]);
-  copying_ = steps_done;
-  CopyIn();
+  if (copies_.empty() || CopyOf(steps_done)) return;
+  if (Copy* c = FreeCopy()) StartCopy(*c, steps_done);
 }
 
-Status CheckpointWriter::WaitForFile() {
-  if (!file_.valid()) return Status::Ok();
-  Status s = file_.get();
-  if (s.ok()) written_ = file_steps_;
+Status CheckpointWriter::Collect(Copy& c) {
+  for (auto& t : c.copy_threads) t.join();
+  c.copy_threads.clear();
+  Status s = Status::Ok();
+  if (c.file.valid()) {
+    s = c.file.get();
+    if (s.ok()) written_ = std::max(written_, c.steps);
+  }
+  c.steps = -1;
   return s;
 }
 
+Status CheckpointWriter::Poll() {
+  for (auto& c : copies_)
+    if (c.file.valid() && c.file.wait_for(std::chrono::seconds(0)) == std::future_status::ready)
+      RP_RETURN_IF_ERROR(Collect(c));
+  return Status::Ok();
+}
+
 Status CheckpointWriter::Write(int64_t steps_done) {
-  RP_RETURN_IF_ERROR(WaitForFile());
-  if (!background_) {
+  RP_RETURN_IF_ERROR(Poll());
+  if (copies_.empty()) {
     WriteStats w;
     RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, live_,
                                           setup_.keep, 0, &w));
@@ -87,21 +125,32 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     LogWrite(steps_done, setup_.dir, w, false);
     return Status::Ok();
   }
-  if (copying_ != steps_done) Snapshot(steps_done);
-  const double t0 = MonoSeconds();
-  for (auto& t : copy_threads_) t.join();
-  copy_threads_.clear();
-  if (const double waited = MonoSeconds() - t0; waited > 0.05)
-    RP_LOG(INFO) << "checkpoint after step " << steps_done << ": waited " << waited << " s for the state's copy";
+  Copy* c = CopyOf(steps_done);
+  if (!c) {
+    // No copy was taken (every one was still being written): wait for the oldest file. The
+    // live state still holds steps_done updates: the optimizer has seen nothing of the next step.
+    const double t0 = MonoSeconds();
+    Copy* oldest = nullptr;
+    for (auto& x : copies_)
+      if (!oldest || x.steps < oldest->steps) oldest = &x;
+    RP_RETURN_IF_ERROR(Collect(*oldest));
+    RP_LOG(WARNING) << "checkpoint after step " << steps_done << ": waited " << MonoSeconds() - t0
+                    << " s for the previous checkpoint's write (the disk is slower than checkpoint.every steps)";
+    StartCopy(*oldest, steps_done);
+    c = oldest;
+  }
+  // The file thread finishes the copy (its threads are handed over) and writes it.
   std::vector<StateSection> sections;
   uint64_t base = 0;
   for (const auto& s : live_) {
-    sections.push_back({s.name, copy_.get() + base, s.bytes});
+    sections.push_back({s.name, c->bytes.get() + base, s.bytes});
     base += s.bytes;
   }
-  file_steps_ = steps_done;
-  copying_ = -1;  // the copy belongs to the file thread until it is done
-  file_ = std::async(std::launch::async, [setup = setup_, sections = std::move(sections), steps_done] {
+  c->file = std::async(std::launch::async, [setup = setup_, sections = std::move(sections), steps_done,
+                                            threads = std::move(c->copy_threads), disk = disk_]() mutable {
+    for (auto& t : threads) t.join();
+    // One file at a time: in step order, and a second writer would only share the disk.
+    std::lock_guard<std::mutex> one_at_a_time(*disk);
     WriteStats w;
     Status s = WriteTrainingState(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, sections,
                                   setup.keep, setup.checksum_threads, &w);
@@ -110,13 +159,16 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     if (s.ok()) LogWrite(steps_done, setup.dir, w, true);
     return s;
   });
+  c->copy_threads.clear();
   return Status::Ok();
 }
 
 Status CheckpointWriter::Finish() {
-  for (auto& t : copy_threads_) t.join();
-  copy_threads_.clear();
-  return WaitForFile();
+  Status first = Status::Ok();
+  for (auto& c : copies_)
+    if (c.steps >= 0)
+      if (Status s = Collect(c); !s.ok() && first.ok()) first = s;
+  return first;
 }
 
 }  // namespace rp::coord

@@ -3,36 +3,41 @@
 // coordinator.
 //
 // A checkpoint after step t must hold exactly t + 1 updates. The live state holds them from the
-// moment the optimizer finishes step t (Updated) until it sees step t + 1's first final gradient
-// slot, which is roughly one step of compute later. In that window a copy of the state is taken
-// in the background (Snapshot), and the file is written from the copy by a thread of its own while
-// training goes on. The copy needs host memory the size of the checkpoint: when that is not
-// available (the host's MemAvailable, with a quarter to spare) the checkpoint is written from the
-// live state on the loop, as before, with the loop's deafness excused (liveness.h) and the
-// launcher's beacon kept beating.
+// moment the optimizer finishes step t (Updated) until it updates anything for step t + 1, which
+// comes after step t + 1's gradients: about a step of compute later. Snapshot() copies the state
+// in that window, on threads of its own, and holds step t + 1's updates (not its norms) until the
+// copy is done (AsyncOptimizer::HoldUpdatesFrom), so the copy is exact however the threads race.
+// The file is then written from the copy, with its checksums, by a thread of its own while
+// training goes on. Two copies are kept where the host's memory allows (MemAvailable, with a
+// quarter to spare), so a slow disk still writing one checkpoint does not hold up the next; one
+// where only one fits. Where none fits, checkpoints are written from the live state on the loop,
+// as a synchronous write (the launcher's beacon keeps beating, liveness.h excuses the deafness).
+// The copies are allocated and touched once, at the start, so taking one costs no page faults.
 //
 // Contract:
-//  * Snapshot(steps_done) may be called once the live state holds `steps_done` updates; it starts
-//    the copy and returns at once (no-op when a copy for that step is under way, or when writing
-//    in the background is off).
-//  * Write(steps_done) must be called while the live state still holds them (before the optimizer
-//    sees the next step's gradients). It waits for the copy (started here if Snapshot was not
-//    called), hands it to the file thread and returns; without a copy it writes synchronously.
-//    A write still running from the previous checkpoint is waited for first, and its failure is
-//    returned then.
-//  * Finish() waits for the file thread; its Status is the last write's. written() is the steps
-//    of the newest checkpoint known to be complete on disk.
-//  * Owned by the coordinator's loop; the destructor joins every thread and never throws.
+//  * Snapshot(steps_done) may be called once the live state holds `steps_done` updates and before
+//    the optimizer may update step steps_done. It returns at once; it does nothing when a copy of
+//    that step is under way, when no copy is free (Write then waits for one), or on the loop.
+//  * Write(steps_done) is called at the latest before the optimizer sees step steps_done's first
+//    final gradient slot. It hands the copy to a file thread, or waits for the oldest file and
+//    takes a copy first if none was taken; on the loop it writes synchronously.
+//  * Poll() collects finished files (their failure is returned then); Finish() waits for all of
+//    them. written() is the steps of the newest checkpoint complete on disk.
+//  * Owned by the coordinator's loop; the destructor releases any hold, joins every thread and
+//    never throws.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/status.h"
+#include "coordinator/optim/async_optimizer.h"
 #include "coordinator/training_state.h"
 
 namespace rp::coord {
@@ -44,34 +49,42 @@ class CheckpointWriter {
     uint64_t state_hash = 0;
     bool masters_in_state = false;
     int keep = 0;
-    int copy_threads = 4;      // the snapshot's memcpy
+    int copy_threads = 8;      // the snapshot's memcpy
     int checksum_threads = 2;  // a background write's CRCs: cores the optimizer keeps
   };
-  // `live`: the sections of the running state (HostState::Sections()).
-  CheckpointWriter(Setup setup, std::vector<StateSection> live, int64_t written);
+  // `live`: the sections of the running state (HostState::Sections()); `written`: the steps of
+  // the newest checkpoint already on disk (resume), else -1.
+  CheckpointWriter(Setup setup, std::vector<StateSection> live, AsyncOptimizer& optimizer, int64_t written);
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
   void Snapshot(int64_t steps_done);
   Status Write(int64_t steps_done);
+  Status Poll();
   Status Finish();
   int64_t written() const { return written_; }
-  bool background() const { return background_; }
+  int copies() const { return static_cast<int>(copies_.size()); }
 
  private:
-  void CopyIn();  // the snapshot threads' work: live -> copy_
-  Status WaitForFile();
+  struct Copy {
+    std::unique_ptr<uint8_t[]> bytes;
+    int64_t steps = -1;                     // what it holds (or is being filled with); -1: free
+    std::vector<std::thread> copy_threads;  // filling it
+    std::future<Status> file;               // writing it
+  };
+  Copy* FreeCopy();
+  Copy* CopyOf(int64_t steps_done);
+  void StartCopy(Copy& c, int64_t steps_done);
+  Status Collect(Copy& c);  // waits for its file; frees it
 
   Setup setup_;
   std::vector<StateSection> live_;
+  AsyncOptimizer& optimizer_;
   uint64_t bytes_ = 0;
-  bool background_ = false;
-  std::unique_ptr<uint8_t[]> copy_;  // the snapshot, bytes_ long, sections back to back
-  int64_t copying_ = -1;             // the step the copy under way (or done) holds
-  std::vector<std::thread> copy_threads_;
-  std::future<Status> file_;         // the file thread's result
-  int64_t file_steps_ = -1;          // what it writes
+  std::vector<Copy> copies_;             // empty: written on the loop
+  std::atomic<int> copy_threads_left_{0};  // the one copy under way; its last thread releases the hold
+  std::shared_ptr<std::mutex> disk_ = std::make_shared<std::mutex>();  // held by the file thread writing
   int64_t written_ = -1;
 };
 

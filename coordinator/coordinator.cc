@@ -121,10 +121,10 @@ class Coordinator {
   std::optional<core::SummaryFile> summary_;  // reserved at the start, written on every path
   std::unique_ptr<ProgressBeacon> beacon_;  // the launcher's sign that this process progresses
   std::unique_ptr<HostState> host_;
-  std::unique_ptr<CheckpointWriter> writer_;  // after host_: its threads read the live state
   std::unique_ptr<WorkerTable> workers_;
   std::unique_ptr<RunProfiler> profiler_;
   std::unique_ptr<AsyncOptimizer> optimizer_;
+  std::unique_ptr<CheckpointWriter> writer_;  // after host_ and optimizer_: its threads use both
   std::unique_ptr<Evaluations> evals_;
   std::unique_ptr<StepDispatch> dispatch_;
   RunTimes times_;
@@ -215,16 +215,6 @@ Status Coordinator::StartParts() {
   RP_ASSIGN_OR_RETURN(host_, HostState::Create(cfg_, spec_, plan_, layout_, opts_.session, opts_.num_workers));
   RP_RETURN_IF_ERROR(host_->Fill(ckpt_.resume_from, ckpt_.state_hash, window_.first_step,
                                  eval_data_ ? &*eval_data_ : nullptr));
-  CheckpointWriter::Setup writer;
-  writer.dir = CheckpointDir(cfg_);
-  writer.state_hash = ckpt_.state_hash;
-  writer.masters_in_state = layout_.masters_in_state;
-  writer.keep = static_cast<int>(cfg_.checkpoint.keep);
-  writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), ckpt_.requested);
-  if (cfg_.checkpoint.every > 0)
-    RP_LOG(INFO) << "checkpoints are written "
-                 << (writer_->background() ? "from a copy of the state, in the background"
-                                           : "on the coordinator's loop (a copy would not fit the host's available memory)");
   if (!channel_) {
     RP_ASSIGN_OR_RETURN(auto ch, proto::RouterChannel::Bind(ControlEndpoint(opts_.runtime_dir)));
     router_.emplace(std::move(ch));
@@ -249,6 +239,18 @@ Status Coordinator::StartParts() {
   optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(), host_->optim().data(),
                                                 &host_->grad_arena(), threads, [wake] { wake->Wake(); });
   optimizer_->StartAfter(window_.first_step);
+  CheckpointWriter::Setup writer;
+  writer.dir = CheckpointDir(cfg_);
+  writer.state_hash = ckpt_.state_hash;
+  writer.masters_in_state = layout_.masters_in_state;
+  writer.keep = static_cast<int>(cfg_.checkpoint.keep);
+  writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
+  if (cfg_.checkpoint.every > 0)
+    RP_LOG(INFO) << "checkpoints are written "
+                 << (writer_->copies() > 0 ? "from " + std::to_string(writer_->copies()) +
+                                                 " copies of the state, in the background"
+                                           : std::string("on the coordinator's loop (a copy of the state would not fit "
+                                                         "the host's available memory)"));
   evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
   dispatch_ = std::make_unique<StepDispatch>(StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(),
                                                                  *data_, host_->grad_arena(), *optimizer_, *workers_,
@@ -514,6 +516,7 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(profiler_->MaybeFinish(window_.next_to_report, *optimizer_));
     RP_RETURN_IF_ERROR(MaybeReplan());
     MaybeStartSnapshot();
+    RP_RETURN_IF_ERROR(writer_->Poll());
   }
   beacon_->LeaveLoop();
   times_.makespan_s = MonoSeconds() - times_.start;

@@ -308,6 +308,7 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
 }
 
 void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows, UpdateWrites writes) {
+  WaitIfHeld(step);
   for (const auto& [begin, end] : ranges) UpdateElems(step, geo_.lookup_param, begin, end, writes);
   if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) StoreLookupVersion(step);
   if (param_chunks_left_[geo_.lookup_param].fetch_sub(1, std::memory_order_acq_rel) == 1)
@@ -318,6 +319,22 @@ void AsyncOptimizer::StoreLookupVersion(int64_t step) {
   // Release: the rows' writes by every pool thread that counted down before this one.
   auto* version = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.lookup_version);
   version->store(static_cast<uint64_t>(step + 1), std::memory_order_release);
+}
+
+void AsyncOptimizer::HoldUpdatesFrom(int64_t step) { hold_from_.store(step, std::memory_order_release); }
+
+void AsyncOptimizer::ReleaseUpdates() {
+  {
+    std::lock_guard<std::mutex> l(hold_mu_);
+    hold_from_.store(std::numeric_limits<int64_t>::max(), std::memory_order_release);
+  }
+  hold_cv_.notify_all();
+}
+
+void AsyncOptimizer::WaitIfHeld(int64_t step) {
+  if (step < hold_from_.load(std::memory_order_acquire)) return;
+  std::unique_lock<std::mutex> l(hold_mu_);
+  hold_cv_.wait(l, [&] { return step < hold_from_.load(std::memory_order_acquire); });
 }
 
 void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes) {
@@ -345,6 +362,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
 }
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
+  WaitIfHeld(step);
   const Chunk& c = geo_.chunks[chunk];
   UpdateElems(step, c.param, c.begin, c.end, writes);
   if (writes == UpdateWrites::kRest) {

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -114,6 +115,12 @@ class AsyncOptimizer {
   std::vector<LayerSpan> TakeLayerSpans();
   // A copy of the spans recorded for `step` so far (for the profile's optimizer rate).
   std::vector<LayerSpan> SpansOfStep(int64_t step) const;
+  // Checkpoints (coordinator/checkpoint_writer.h): from HoldUpdatesFrom(step) until
+  // ReleaseUpdates(), no update of a step >= `step` writes masters, moments or compute copies;
+  // pool threads that reach one wait (norms and folds, which read only gradients, go on). Any
+  // thread.
+  void HoldUpdatesFrom(int64_t step);
+  void ReleaseUpdates();
 
  private:
   struct Chunk {
@@ -209,6 +216,12 @@ class AsyncOptimizer {
   std::atomic<int64_t> published_through_{-1};
   std::atomic<int64_t> updated_through_{-1};
   std::vector<std::atomic<int64_t>> layer_start_us_;  // first update chunk of the current step
+
+  // The checkpoint copy's hold (HoldUpdatesFrom): updates of steps >= hold_from_ wait.
+  std::atomic<int64_t> hold_from_{std::numeric_limits<int64_t>::max()};
+  std::mutex hold_mu_;
+  std::condition_variable hold_cv_;
+  void WaitIfHeld(int64_t step);
 
   std::unique_ptr<TaskPool> pool_;  // last: drained and stopped before the state above
 };

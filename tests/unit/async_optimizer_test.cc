@@ -132,7 +132,21 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
     // As the coordinator does with the embedding looked up from host memory: every step reads
     // the same rows here, so the rows given ahead are also the next step's touched rows.
     if (rows_ahead) opt.SetTouchedRows(step + 1, touched);
+    // Step 1's updates are held, as a checkpoint's copy holds them (CheckpointWriter): its
+    // gradients reach the optimizer, but masters and moments keep step 0's values until released.
+    std::vector<uint8_t> optim_before;
+    if (step == 1) {
+      ASSERT_TRUE(WaitFor([&] { return opt.Updated(0); }));
+      opt.HoldUpdatesFrom(1);
+      optim_before.assign(optim, optim + a.optim_total_bytes);
+    }
     for (int s = static_cast<int>(spec.grad_slots.size()) - 1; s >= 0; --s) opt.SlotFinal(step, s);
+    if (step == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      EXPECT_EQ(std::memcmp(optim, optim_before.data(), a.optim_total_bytes), 0) << "an update wrote while held";
+      EXPECT_FALSE(opt.Published(1));
+      opt.ReleaseUpdates();
+    }
     // What a worker waits for: every layer's version at step + 1.
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state + a.layer_versions);
     ASSERT_TRUE(WaitFor([&] {
