@@ -571,6 +571,17 @@ Status Coordinator::Finish(Status st) {
     if (!st.ok()) summary["error"] = st.ToString();
     if (!write_errors.empty()) summary["write_errors"] = write_errors;
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();
+    // What the run did, for whoever checks it (tests, scripts) without reading logs.
+    summary["workers_fetch"] = layout_.masters_in_state ? "masters" : "compute_copy";
+    if (workers_) {
+      summary["worker_replacements"] = workers_->replacements();
+      summary["workers_hung"] = workers_->hung();
+    }
+    if (dispatch_) {
+      summary["layer_major_jobs"] = dispatch_->layer_major_jobs();
+      summary["jobs_redispatched"] = dispatch_->jobs_redispatched();
+    }
+    if (profiler_) summary["profiles_written"] = profiler_->profiles_written();
     if (st.ok()) {
       const double wall = times_.makespan_s;
       const int64_t tokens = (window_.stop_step - window_.first_step) * round_.calls * round_.microbatches *

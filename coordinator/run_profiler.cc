@@ -100,6 +100,7 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
   }
   const std::string path = cfg_.job.output_dir + "/profile.json";
   RP_RETURN_IF_ERROR(core::SaveProfile(path, *profile));
+  profiles_written_++;
   prediction_ = core::PredictPlan(cfg_, plan_, *profile, workers_);
   predicted_from_ = end_;
   measured_step_s_.clear();

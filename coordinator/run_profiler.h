@@ -69,6 +69,7 @@ class RunProfiler {
                       int64_t next_to_dispatch, int64_t stop_step);
 
   double predicted_step_s() const { return prediction_ ? prediction_->step_seconds : 0.0; }
+  int profiles_written() const { return profiles_written_; }
   // The prediction against the measured medians, for summary.json (null without a prediction).
   nlohmann::json Summary() const;
 
@@ -87,6 +88,7 @@ class RunProfiler {
   int64_t predicted_from_ = -1;                 // steps from here on are compared with it
   std::vector<double> measured_step_s_, measured_bubble_;
   int drift_streak_ = 0;
+  int profiles_written_ = 0;
   // The planner's search over every plan for the newest profile (partition = auto). It runs on
   // its own thread: about 0.1 s of a core for the Qwen3-1.7B job's 1,428 plans, which, run on
   // the loop, held back the workers' next inputs and commits that long (a 56-92 ms gap in the

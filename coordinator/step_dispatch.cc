@@ -186,6 +186,7 @@ Status StepDispatch::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) 
   j->mb_times.emplace_back(d.start_us, d.end_us);
   if (d.microbatch < j->mb_hw) return Status::Ok();  // a replacement's replay: already counted
   j->mb_hw = j->next_mb;
+  if (d.microbatch == 0 && (d.flags & proto::kMicrobatchLayerMajor) != 0) layer_major_jobs_++;
   const double interval_s = static_cast<double>(d.end_us - d.start_us) * 1e-6;
   parts_.profiler.OnMicrobatch(j->run, d.microbatch, interval_s, (d.flags & proto::kMicrobatchLayerMajor) != 0);
   StepProgress& st = steps_.at(j->step);
@@ -272,6 +273,7 @@ Status StepDispatch::Resend(int rank, std::map<int64_t, const proto::RunEval*> e
     for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(parts_.workers.Send(rank, routing_.For(j.run, mb)));
   }
   RP_RETURN_IF_ERROR(send_evals_before(std::numeric_limits<int64_t>::max()));
+  jobs_redispatched_ += resent;
   RP_LOG(WARNING) << "worker " << rank << " replaced by pid " << parts_.workers.pid(rank) << ": re-dispatched "
                   << resent << " unfinished jobs";
   return Status::Ok();

@@ -112,6 +112,10 @@ class StepDispatch {
 
   // Null once the step is forgotten (reported).
   StepProgress* Progress(int64_t step);
+  // Stage jobs that ran layer by layer over their microbatches (for summary.json).
+  int64_t layer_major_jobs() const { return layer_major_jobs_; }
+  // Stage and eval jobs sent again to replacement workers.
+  int64_t jobs_redispatched() const { return jobs_redispatched_; }
   void Forget(int64_t step) { steps_.erase(step); }
 
  private:
@@ -135,6 +139,7 @@ class StepDispatch {
   std::set<int64_t> step_rows_;
   int64_t job_counter_ = 0;            // stage and eval jobs share it: one queue order
   int64_t stage_jobs_dispatched_ = 0;  // stage job k runs on worker k mod N
+  int64_t layer_major_jobs_ = 0, jobs_redispatched_ = 0;
 };
 
 }  // namespace rp::coord

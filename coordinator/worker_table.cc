@@ -136,6 +136,7 @@ Status WorkerTable::Replace(int rank, const proto::Hello& hello) {
     return Status::ProtocolError("replacement worker " + std::to_string(rank) +
                                  " computed a different shared-memory layout or rank");
   pids_[rank] = hello.pid;
+  replacements_++;
   return Welcome(rank);
 }
 
@@ -146,6 +147,7 @@ Status WorkerTable::CheckHung() {
   for (const auto& v : liveness_->Hung(now, setup_.grace_s)) {
     const int r = v.rank;
     const std::string who = "worker " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
+    hung_++;
     if (!restarts_allowed())
       return Status::Unavailable(who + " sent nothing for " + std::to_string(static_cast<int>(v.silent_s)) +
                                  " s (job.worker_timeout_s = " + std::to_string(liveness_->timeout_s()) + "): hung");

@@ -62,6 +62,9 @@ class WorkerTable {
   int size() const { return setup_.workers; }
   int pid(int rank) const { return pids_[rank]; }
   const std::vector<int>& pids() const { return pids_; }
+  // For summary.json: replacements welcomed mid-run, and workers killed as hung.
+  int replacements() const { return replacements_; }
+  int hung() const { return hung_; }
 
  private:
   Status Welcome(int rank);
@@ -74,6 +77,7 @@ class WorkerTable {
   std::vector<bool> welcomed_;
   std::vector<std::optional<proto::ActivationPool>> pools_;
   std::optional<WorkerLiveness> liveness_;
+  int replacements_ = 0, hung_ = 0;
 };
 
 }  // namespace rp::coord
