@@ -160,20 +160,21 @@ Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::str
 // decides it: use_sliding_window, then layer_types (or, without it, the layers from
 // max_window_layers on).
 StatusOr<bool> QwenUsesWindow(const nlohmann::json& j, const ConfigReader& top, int64_t layers) {
-  bool use = false;
+  // Both keys are checked whether or not a window is in use: a malformed value is a broken file.
+  bool use = false, any_sliding = false;
   RP_RETURN_IF_ERROR(top.Bool("use_sliding_window", &use));
-  if (!use) return false;
   if (top.Has("layer_types")) {
     if (!j["layer_types"].is_array()) return top.Error("layer_types", "must be a list");
     for (const auto& t : j["layer_types"]) {
-      if (t == "sliding_attention") return true;
-      if (t != "full_attention")
+      if (t == "sliding_attention") any_sliding = true;
+      else if (t != "full_attention")
         return top.Error("layer_types", "entry " + t.dump() + " is not supported (full_attention, sliding_attention)");
     }
-    return false;
   }
   int64_t full_layers = 28;  // transformers' default max_window_layers
   RP_RETURN_IF_ERROR(top.PositiveInt("max_window_layers", &full_layers, false));
+  if (!use) return false;
+  if (top.Has("layer_types")) return any_sliding;
   return layers > full_layers;
 }
 

@@ -2,6 +2,7 @@
 #include "coordinator/training_state.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +23,18 @@
 
 namespace rp::coord {
 namespace {
+
+// Opens a checkpoint for reading: a regular file (a FIFO or a device in its place is refused,
+// not waited on), never through a link planted in the checkpoint directory.
+StatusOr<UniqueFd> OpenStateFile(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW));
+  if (fd.get() < 0) return Status::FromErrno("opening " + path, errno);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode))
+    return Status::InvalidArgument("checkpoint " + path + " is not a regular file");
+  return fd;
+}
+
 
 namespace fs = std::filesystem;
 constexpr char kMagic[8] = {'R', 'P', 'S', 'T', 'A', 'T', 'E', '1'};
@@ -201,8 +214,7 @@ StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
   const std::vector<std::string> names = ListStateFiles(dir);
   if (names.empty()) return Status::NotFound("no training checkpoint (step-*.rpstate) in " + dir);
   const std::string path = (fs::path(dir) / names.back()).string();
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Status::FromErrno("opening " + path, errno);
+  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(path));
   std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
   RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), path, size));
@@ -213,10 +225,12 @@ StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
   return f;
 }
 
-Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
-                         const std::vector<StateSection>& sections) {
-  UniqueFd fd(::open(file.path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Status::FromErrno("opening " + file.path, errno);
+namespace {
+
+// The header checks of ReadTrainingState; with `read` the sections' bytes are read and verified.
+Status LoadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
+                         const std::vector<StateSection>& sections, bool read) {
+  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(file.path));
   std::error_code ec;
   const uint64_t size = fs::file_size(file.path, ec);
   RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), file.path, size));
@@ -253,6 +267,7 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool master
     if (off > size || bytes > size - off)
       return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
                                      "\" runs past the end of the file (truncated?)");
+    if (!read) continue;
     RP_RETURN_IF_ERROR(ReadAll(fd.get(), sections[i].data, bytes, off, file.path));
     // Files written before checksums existed have none; every newer one is verified.
     if (!e.contains("crc32")) continue;
@@ -275,6 +290,18 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool master
     return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(size) + " bytes, its sections end at " +
                                    std::to_string(end) + ": bytes were appended or cut");
   return Status::Ok();
+}
+
+}  // namespace
+
+Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
+                         const std::vector<StateSection>& sections) {
+  return LoadTrainingState(file, state_hash, masters_in_state, sections, /*read=*/true);
+}
+
+Status CheckTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
+                          const std::vector<StateSection>& sections) {
+  return LoadTrainingState(file, state_hash, masters_in_state, sections, /*read=*/false);
 }
 
 }  // namespace rp::coord

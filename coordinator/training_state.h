@@ -69,5 +69,10 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections);
+// Read()'s checks without reading the sections (their data may be null): where the masters live,
+// the hash, the sections' names and sizes, and the file's length. What rp-launch checks before
+// --resume starts anything; damaged bytes are found by Read().
+Status CheckTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
+                          const std::vector<StateSection>& sections);
 
 }  // namespace rp::coord

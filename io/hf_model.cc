@@ -54,7 +54,7 @@ StatusOr<HfWeights> HfWeights::Open(const std::string& dir) {
   return w;
 }
 
-Status HfWeights::Load(const ParamSpec& p, float* out) const {
+Status HfWeights::Check(const ParamSpec& p) const {
   auto it = where_.find(p.name);
   if (it == where_.end()) return Status::InvalidArgument("model.path: no tensor \"" + p.name + "\" in the checkpoint");
   const SafetensorInfo* t = it->second->Find(p.name);
@@ -65,7 +65,13 @@ Status HfWeights::Load(const ParamSpec& p, float* out) const {
     return Status::InvalidArgument(it->second->path() + ": tensor \"" + p.name + "\" has shape [ " + got +
                                    "], the model needs [ " + want + "]");
   }
-  return it->second->ReadAsFloat(*t, out);
+  return Status::Ok();
+}
+
+Status HfWeights::Load(const ParamSpec& p, float* out) const {
+  RP_RETURN_IF_ERROR(Check(p));
+  const SafetensorsFile* file = where_.at(p.name);
+  return file->ReadAsFloat(*file->Find(p.name), out);
 }
 
 Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& spec,

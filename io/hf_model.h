@@ -37,6 +37,8 @@ class HfWeights {
  public:
   static StatusOr<HfWeights> Open(const std::string& dir);
   Status Load(const ParamSpec& param, float* out) const;
+  // The tensor is there with the parameter's shape (what Load checks, without reading it).
+  Status Check(const ParamSpec& param) const;
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

@@ -193,4 +193,18 @@ Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
                   shard_bytes);
 }
 
+Status CheckInitialWeights(const JobConfig& cfg, const ModelSpec& spec, bool resume) {
+  // On resume the trainable parameters come from the checkpoint; LoRA's frozen base never does.
+  const bool masters_from_model = !resume && !spec.lora.enabled();
+  if (!cfg.model.path.empty() && (!spec.frozen.empty() || masters_from_model)) {
+    RP_ASSIGN_OR_RETURN(auto hf, HfWeights::Open(cfg.model.path));
+    for (const auto& p : spec.frozen) RP_RETURN_IF_ERROR(hf.Check(p));
+    if (masters_from_model)
+      for (const auto& p : spec.params) RP_RETURN_IF_ERROR(hf.Check(p));
+  }
+  if (!resume && spec.lora.enabled() && !cfg.lora.init_from.empty())
+    RP_RETURN_IF_ERROR(PeftAdapter::Open(cfg.lora.init_from, spec).status());
+  return Status::Ok();
+}
+
 }  // namespace rp::core

@@ -42,6 +42,12 @@ class PeftAdapter {
 Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::string& base_model,
                   const std::function<const float*(int)>& master);
 
+// Every weight file the run will read at its start is there, a regular file, holding each
+// tensor it needs with its shape: model.path's checkpoint (the LoRA base, or the masters of a
+// fresh full fine-tune) and lora.init_from's adapter. Reads headers only; what rp-launch checks
+// before it starts anything (a bad path is a bad job, exit 2).
+Status CheckInitialWeights(const JobConfig& cfg, const ModelSpec& spec, bool resume);
+
 // Writes what a finished run leaves behind. Full fine-tune: checkpoint.export_hf (if set) from
 // the masters. LoRA: lora.export (if set) in PEFT's layout, and checkpoint.export_hf (if set) as
 // the merged model W + alpha/rank * B A (fp32; the base as the run computed with it).

@@ -23,6 +23,8 @@
 #include "common/unique_fd.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
+#include "coordinator/training_state.h"
+#include "io/peft.h"
 #include "planning/partitioner.h"
 #include "planning/run_spec.h"
 #include "planning/plan.h"
@@ -211,6 +213,20 @@ int VisibleGpus() {
   return any ? n : -1;
 }
 
+// The newest training checkpoint of the output directory fits this job (header checks; the
+// coordinator verifies every byte's checksum when it loads it).
+Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout) {
+  RP_ASSIGN_OR_RETURN(coord::StateFile found, coord::FindLatestTrainingState(coord::CheckpointDir(cfg)));
+  if (found.steps_done >= cfg.train.steps)
+    return Status::InvalidArgument(found.path + " already holds all " + std::to_string(cfg.train.steps) +
+                                   " steps of this job");
+  const std::vector<coord::StateSection> sections = {
+      {"optim", nullptr, layout.optim_total_bytes},
+      {"compute", nullptr, (layout.compute_end - layout.compute_begin) * static_cast<uint64_t>(layout.compute_buffers)}};
+  return coord::CheckTrainingState(found, coord::TrainingStateHash(cfg, spec, layout), layout.masters_in_state,
+                                   sections);
+}
+
 // Seconds since the coordinator's last beat; 0 before its first (the file does not exist yet).
 double SecondsSinceBeat(const std::string& path) {
   struct stat st {};
@@ -297,11 +313,25 @@ int RunSession(const LaunchOptions& o) {
     return kExitBadConfig;
   }
   uint64_t shared_bytes = 0;
-  if (auto layout = shm::ComputeLayout(*cfg, core::BuildModelSpec(cfg->model, cfg->lora), run.plan); !layout.ok()) {
+  const core::ModelSpec spec = core::BuildModelSpec(cfg->model, cfg->lora);
+  auto layout = shm::ComputeLayout(*cfg, spec, run.plan);
+  if (!layout.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
     return kExitBadConfig;
-  } else {
-    shared_bytes = shm::SharedMemoryBytes(*layout, *cfg, o.gpus);
+  }
+  shared_bytes = shm::SharedMemoryBytes(*layout, *cfg, o.gpus);
+  // The files the run reads at its start, checked here (headers only) so a bad path is refused
+  // before anything exists: the weights of model.path and lora.init_from, and with --resume the
+  // newest checkpoint's header against this job.
+  if (Status s = core::CheckInitialWeights(*cfg, spec, o.resume); !s.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
+    return kExitBadConfig;
+  }
+  if (o.resume) {
+    if (Status s = CheckResumable(*cfg, spec, *layout); !s.ok()) {
+      std::fprintf(stderr, "rp-launch: --resume: %s\n", s.message().c_str());
+      return kExitBadConfig;
+    }
   }
   if (o.dry_run) {
     PrintDryRun(*cfg, run.plan, o.gpus);

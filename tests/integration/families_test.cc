@@ -4,6 +4,7 @@
 // pipeline and by rp-train-ref, and a transformers 5 config against its transformers 4 spelling.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -59,6 +60,58 @@ TEST_F(LaunchTest, RopeParametersTrainExactlyLikeTopLevelRopeTheta) {
   auto c = Launch(2, tmp_ + "/run-default", FixtureJob(v4, 1));
   ASSERT_EQ(c.code, 0) << c.output;
   EXPECT_GT(std::abs(Losses(tmp_ + "/run-default/metrics.jsonl")[0] - la[0]), 1e-4 * la[0]);
+}
+
+// Every config.json value that shapes the model, given a wrong type and a value out of range (or
+// asking for math the runtime does not implement): rp-launch refuses the job with exit 2 within
+// a second, naming the key, before any process, log directory or segment exists.
+TEST_F(LaunchTest, EveryConfigJsonKeyWithAWrongTypeOrRangeExits2WithinASecondNamingIt) {
+  using nlohmann::json;
+  struct Case {
+    std::string key;  // "a" or "a.b" (inside an object)
+    json value;
+    std::string says;  // what the message names; the key itself when empty
+  };
+  const std::vector<Case> cases = {
+      {"hidden_size", "64", ""},           {"hidden_size", -64, ""},
+      {"intermediate_size", "128", ""},    {"intermediate_size", 0, ""},
+      {"num_hidden_layers", "two", ""},    {"num_hidden_layers", 100000, ""},
+      {"num_attention_heads", 4.5, ""},    {"num_attention_heads", 0, ""},
+      {"num_key_value_heads", {2}, ""},    {"num_key_value_heads", 0, ""},
+      {"head_dim", true, ""},              {"head_dim", -16, ""},
+      {"vocab_size", "256", ""},           {"vocab_size", 0, ""},
+      {"rms_norm_eps", "1e-6", ""},        {"rms_norm_eps", -1e-6, ""},
+      {"tie_word_embeddings", "yes", ""},  {"attention_bias", "no", ""},
+      {"max_position_embeddings", "256", ""}, {"max_position_embeddings", -1, ""},
+      {"rope_parameters.rope_theta", "1e6", "rope_theta"}, {"rope_parameters.rope_theta", -1.0, "rope_theta"},
+      {"rope_parameters.rope_type", 5, "rope_type"},       {"rope_parameters.rope_type", "longrope", "longrope"},
+      {"rope_parameters", "default", "rope_parameters"},
+      {"attention_dropout", "0", ""},      {"attention_dropout", 0.5, ""},
+      {"hidden_act", 1, ""},               {"hidden_act", "gelu", ""},
+      {"use_sliding_window", "false", ""},
+      {"layer_types", "full_attention", ""},
+  };
+  const std::string model = tmp_ + "/model";
+  fs::create_directories(model);
+  fs::create_symlink(Fixture("qwen3") + "/model.safetensors", model + "/model.safetensors");
+  const json base = json::parse(testing::ReadFile(Fixture("qwen3") + "/config.json"));
+  int n = 0;
+  for (const auto& c : cases) {
+    json cfg = base;
+    const size_t dot = c.key.find('.');
+    if (dot == std::string::npos) cfg[c.key] = c.value;
+    else cfg[c.key.substr(0, dot)][c.key.substr(dot + 1)] = c.value;
+    std::ofstream(model + "/config.json", std::ios::trunc) << cfg.dump(2);
+    const std::string out = tmp_ + "/refused-" + std::to_string(n++);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = Launch(2, out, FixtureJob(model, 2), 30);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string says = c.says.empty() ? c.key : c.says;
+    EXPECT_EQ(r.code, 2) << c.key << " = " << c.value.dump() << ": " << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << c.key << " = " << c.value.dump() << ": " << r.output;
+    EXPECT_LT(secs, 1.0) << c.key << " = " << c.value.dump();
+    EXPECT_FALSE(fs::exists(out)) << c.key << " = " << c.value.dump();
+  }
 }
 
 class FamilyParity : public LaunchTest, public ::testing::WithParamInterface<std::string> {};

@@ -2,6 +2,7 @@
 // Real processes: rp-launch, rp-coordinator, rp-worker and rp-train-ref on CPU.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1049,6 +1050,13 @@ TEST_F(LaunchTest, ACheckpointWrittenInTheBackgroundLetsTheNextStepRun) {
   ASSERT_EQ(slow.code, 0) << slow.output;
   EXPECT_EQ(Losses(tmp_ + "/slow/metrics.jsonl"), Losses(tmp_ + "/fast/metrics.jsonl"));
   EXPECT_LT(Losses(tmp_ + "/slow/metrics.jsonl", "step_time_s").at(2), 1.0);
+  // Each write's duration is in summary.json (and in the metrics line after it completed).
+  const auto written = Summary(tmp_ + "/slow")["checkpoints"];
+  ASSERT_EQ(written.size(), 3u) << written.dump();
+  for (const auto& c : written) {
+    EXPECT_TRUE(c["background"].get<bool>());
+    EXPECT_GE(c["write_s"].get<double>(), 2.5);
+  }
   for (const char* f : {"step-00000006.rpstate"})
     EXPECT_EQ(testing::ReadFile(tmp_ + "/slow/checkpoints/" + f), testing::ReadFile(tmp_ + "/fast/checkpoints/" + f));
 }
@@ -1110,6 +1118,16 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   fs::create_directories(tmp_ + "/victim");
   fs::create_directory_symlink(tmp_ + "/victim", planted + "/logs");
   cases.push_back({1, {"job.output_dir=" + planted}, "is a symbolic link"});
+  // Weights the run would read at its start: a model directory without its weights, and one
+  // with a directory where the weights file belongs.
+  const std::string fixture = testing::SourceDir() + "/tests/testdata/hf_fixtures/qwen3";
+  for (const std::string m : {"no-weights", "dir-weights"}) {
+    fs::create_directories(tmp_ + "/" + m);
+    fs::copy_file(fixture + "/config.json", tmp_ + "/" + m + "/config.json");
+  }
+  fs::create_directories(tmp_ + "/dir-weights/model.safetensors");
+  cases.push_back({1, {"model.path=" + tmp_ + "/no-weights"}, "has neither model.safetensors"});
+  cases.push_back({1, {"model.path=" + tmp_ + "/dir-weights"}, "is not a regular file"});
   int n = 0;
   for (const auto& c : cases) {
     const std::string out = tmp_ + "/refused-" + std::to_string(n++);
@@ -1124,6 +1142,19 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
     EXPECT_FALSE(fs::exists(out)) << c.says;
   }
   EXPECT_TRUE(fs::is_empty(tmp_ + "/victim"));
+  // --resume from a FIFO where the newest checkpoint belongs: refused at once, not waited on.
+  const std::string fifo_run = tmp_ + "/fifo-run";
+  fs::create_directories(fifo_run + "/checkpoints");
+  std::ofstream(fifo_run + "/metrics.jsonl") << "{\"step\": 1, \"loss\": 5}\n";
+  ASSERT_EQ(::mkfifo((fifo_run + "/checkpoints/step-00000002.rpstate").c_str(), 0600), 0);
+  auto args = LaunchArgs(1, fifo_run);
+  args.push_back("--resume");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = testing::RunProcess(args, 60, Env());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("is not a regular file"), std::string::npos) << r.output;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  EXPECT_FALSE(fs::exists(fifo_run + "/logs"));
 }
 
 TEST_F(LaunchTest, AStoppedCoordinatorIsReportedWithinTwiceTheTimeout) {
