@@ -99,8 +99,12 @@ Status CheckpointWriter::Collect(Copy& c) {
   c.copy_threads.clear();
   Status s = Status::Ok();
   if (c.file.valid()) {
-    s = c.file.get();
-    if (s.ok()) written_ = std::max(written_, c.steps);
+    auto [status, w] = c.file.get();
+    s = status;
+    if (s.ok()) {
+      written_ = std::max(written_, c.steps);
+      completed_.push_back({c.steps, w.bytes, w.total_s, w.checksum_s, true});
+    }
   }
   c.steps = -1;
   return s;
@@ -119,9 +123,12 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     WriteStats w;
     RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, live_,
                                           setup_.keep, 0, &w));
-    if (const double slow = TestCheckpointDelaySeconds(); slow > 0)  // a slow disk, for the liveness test
+    if (const double slow = TestCheckpointDelaySeconds(); slow > 0) {  // a slow disk, for the liveness test
       std::this_thread::sleep_for(std::chrono::duration<double>(slow));
+      w.total_s += slow;
+    }
     written_ = steps_done;
+    completed_.push_back({steps_done, w.bytes, w.total_s, w.checksum_s, false});
     LogWrite(steps_done, setup_.dir, w, false);
     return Status::Ok();
   }
@@ -154,13 +161,22 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     WriteStats w;
     Status s = WriteTrainingState(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, sections,
                                   setup.keep, setup.checksum_threads, &w);
-    if (const double slow = TestCheckpointDelaySeconds(); slow > 0)
+    if (const double slow = TestCheckpointDelaySeconds(); slow > 0) {
       std::this_thread::sleep_for(std::chrono::duration<double>(slow));
+      w.total_s += slow;
+    }
     if (s.ok()) LogWrite(steps_done, setup.dir, w, true);
-    return s;
+    return std::make_pair(s, w);
   });
   c->copy_threads.clear();
   return Status::Ok();
+}
+
+std::vector<core::StepMetrics::Checkpoint> CheckpointWriter::TakeCompleted() {
+  std::vector<core::StepMetrics::Checkpoint> out;
+  out.swap(completed_);
+  all_.insert(all_.end(), out.begin(), out.end());
+  return out;
 }
 
 Status CheckpointWriter::Finish() {

@@ -39,6 +39,7 @@
 #include "common/status.h"
 #include "coordinator/optim/async_optimizer.h"
 #include "coordinator/training_state.h"
+#include "io/run_output.h"
 
 namespace rp::coord {
 
@@ -64,6 +65,9 @@ class CheckpointWriter {
   Status Poll();
   Status Finish();
   int64_t written() const { return written_; }
+  // The writes completed since the last call (for metrics.jsonl), and all of them (summary.json).
+  std::vector<core::StepMetrics::Checkpoint> TakeCompleted();
+  const std::vector<core::StepMetrics::Checkpoint>& all_completed() const { return all_; }
   int copies() const { return static_cast<int>(copies_.size()); }
 
  private:
@@ -71,7 +75,7 @@ class CheckpointWriter {
     std::unique_ptr<uint8_t[]> bytes;
     int64_t steps = -1;                     // what it holds (or is being filled with); -1: free
     std::vector<std::thread> copy_threads;  // filling it
-    std::future<Status> file;               // writing it
+    std::future<std::pair<Status, WriteStats>> file;  // writing it
   };
   Copy* FreeCopy();
   Copy* CopyOf(int64_t steps_done);
@@ -86,6 +90,7 @@ class CheckpointWriter {
   std::atomic<int> copy_threads_left_{0};  // the one copy under way; its last thread releases the hold
   std::shared_ptr<std::mutex> disk_ = std::make_shared<std::mutex>();  // held by the file thread writing
   int64_t written_ = -1;
+  std::vector<core::StepMetrics::Checkpoint> completed_, all_;
 };
 
 }  // namespace rp::coord

@@ -458,6 +458,7 @@ Status Coordinator::ReportSteps() {
     m.step_time_s = now - times_.last_report;
     m.bubble_ratio = std::max(0.0, 1.0 - st->busy_s / (m.step_time_s * opts_.num_workers));
     m.h2d_bytes = times_.h2d_bytes_per_step;
+    m.checkpoints = writer_->TakeCompleted();
     if (auto eval = evals_->Take(s)) {
       m.eval_loss = eval->loss;
       m.eval_tokens = eval->targets;
@@ -573,6 +574,7 @@ Status Coordinator::Finish(Status st) {
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();
     // What the run did, for whoever checks it (tests, scripts) without reading logs.
     summary["workers_fetch"] = layout_.masters_in_state ? "masters" : "compute_copy";
+    summary["activations"] = layout_.activations_in_worker ? "worker" : layout_.activations_in_pools ? "cuda_ipc" : "host";
     if (workers_) {
       summary["worker_replacements"] = workers_->replacements();
       summary["workers_hung"] = workers_->hung();
@@ -582,6 +584,12 @@ Status Coordinator::Finish(Status st) {
       summary["jobs_redispatched"] = dispatch_->jobs_redispatched();
     }
     if (profiler_) summary["profiles_written"] = profiler_->profiles_written();
+    if (writer_) {
+      writer_->TakeCompleted();
+      for (const auto& c : writer_->all_completed())
+        summary["checkpoints"].push_back({{"after_step", c.after_step}, {"bytes", c.bytes}, {"write_s", c.write_s},
+                                          {"checksum_s", c.checksum_s}, {"background", c.background}});
+    }
     if (st.ok()) {
       const double wall = times_.makespan_s;
       const int64_t tokens = (window_.stop_step - window_.first_step) * round_.calls * round_.microbatches *

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -43,6 +44,15 @@ struct StepMetrics {
   // omitted when < 0.
   double eval_loss = -1.0;
   int64_t eval_tokens = 0;
+  // Training checkpoints whose write completed since the previous line.
+  struct Checkpoint {
+    int64_t after_step = 0;
+    uint64_t bytes = 0;
+    double write_s = 0.0;     // checksums, writes, fsyncs and the rename
+    double checksum_s = 0.0;  // of which the CRC-32s
+    bool background = false;  // written from a copy off the coordinator's loop
+  };
+  std::vector<Checkpoint> checkpoints;
 };
 
 class MetricsWriter {

@@ -36,18 +36,18 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
       two_passes_(cfg.optimizer.mode == core::OptimizerMode::kExact && !layout.grads_streamed),
-      slots_left_(spec.params.size(), 0),
-      param_chunks_left_(spec.params.size()),
-      layer_params_left_(spec.NumLayers()),
-      param_rest_chunks_left_(spec.params.size()),
       layer_start_us_(spec.NumLayers()) {
+  cur_.slots_left.assign(spec.params.size(), 0);
+  cur_.param_chunks_left = std::vector<std::atomic<int64_t>>(spec.params.size());
+  cur_.layer_params_left = std::vector<std::atomic<int>>(spec.NumLayers());
+  cur_.param_rest_chunks_left = std::vector<std::atomic<int64_t>>(spec.params.size());
   geo_.param_chunks.resize(spec.params.size());
   geo_.param_slots.resize(spec.params.size());
   geo_.layer_param_count.assign(spec.NumLayers(), 0);
   geo_.row_elems.assign(spec.params.size(), 0);
   geo_.lookup_slot.assign(spec.params.size(), -1);
   geo_.row_sq_base.assign(spec.params.size(), 0);
-  early_.assign(spec.params.size(), 0);
+  cur_.early.assign(spec.params.size(), 0);
   int64_t rows = 0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     geo_.row_elems[p] = spec.TiedRowElems(static_cast<int>(p));
@@ -63,7 +63,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     geo_.layer_param_count[spec.params[p].owner_layer]++;
   }
   row_sq_.assign(rows, 0.0);
-  chunk_gate_ = std::vector<std::atomic<int>>(geo_.chunks.size());
+  cur_.chunk_gate = std::vector<std::atomic<int>>(geo_.chunks.size());
   for (size_t s = 0; s < spec.grad_slots.size(); ++s)
     geo_.param_slots[spec.grad_slots[s].param].push_back(static_cast<int>(s));
   for (size_t p = 0; p < spec.params.size(); ++p) {
@@ -75,7 +75,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       if (spec.grad_slots[slots[i]].layer == spec.params[p].owner_layer) geo_.lookup_slot[p] = slots[i];
     if (geo_.lookup_slot[p] == slots[0]) std::swap(slots[0], slots[1]);
   }
-  partial_.assign(geo_.chunks.size(), 0.0);
+  cur_.partial.assign(geo_.chunks.size(), 0.0);
   std::vector<int> last_use(spec.params.size(), -1);
   for (int l = 0; l < spec.NumLayers(); ++l)
     for (const auto& use : spec.layer_uses[l]) {
@@ -104,7 +104,7 @@ void AsyncOptimizer::Submit(std::function<void()> task) { pool_->Submit(std::mov
 void AsyncOptimizer::SubmitRest(int64_t step, const std::vector<int>& params) {
   std::vector<std::function<void()>> tasks;
   for (int param : params) {
-    param_rest_chunks_left_[param].store(static_cast<int64_t>(geo_.param_chunks[param].size()));
+    cur_.param_rest_chunks_left[param].store(static_cast<int64_t>(geo_.param_chunks[param].size()));
     for (size_t c : geo_.param_chunks[param])
       tasks.push_back([this, step, c] { UpdateChunk(step, c, UpdateWrites::kRest); });
   }
@@ -116,7 +116,7 @@ double AsyncOptimizer::LearningRate(int64_t step) const {
 }
 
 void AsyncOptimizer::StartAfter(int64_t steps_done) {
-  step_ = steps_done - 1;
+  cur_.step = steps_done - 1;
   published_through_.store(steps_done - 1);
   updated_through_.store(steps_done - 1);
 }
@@ -128,46 +128,46 @@ void AsyncOptimizer::SetTouchedRows(int64_t step, std::vector<int64_t> rows) {
 }
 
 void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
-  if (step != step_) {
-    RP_CHECK(step == step_ + 1 && published_through_.load() == step_)
-        << "optimizer step " << step << " began before step " << step_ << " was published";
-    RP_CHECK(chunks_norm_left_.load() == 0) << "optimizer step " << step << " began before step " << step_
+  if (step != cur_.step) {
+    RP_CHECK(step == cur_.step + 1 && published_through_.load() == cur_.step)
+        << "optimizer step " << step << " began before step " << cur_.step << " was published";
+    RP_CHECK(cur_.chunks_norm_left.load() == 0) << "optimizer step " << step << " began before step " << cur_.step
                                             << "'s norm was complete";
-    step_ = step;
+    cur_.step = step;
     for (size_t p = 0; p < spec_.params.size(); ++p) {
-      slots_left_[p] = static_cast<int>(geo_.param_slots[p].size());
-      param_chunks_left_[p].store(static_cast<int64_t>(geo_.param_chunks[p].size()));
+      cur_.slots_left[p] = static_cast<int>(geo_.param_slots[p].size());
+      cur_.param_chunks_left[p].store(static_cast<int64_t>(geo_.param_chunks[p].size()));
     }
     for (int l = 0; l < spec_.NumLayers(); ++l) {
-      layer_params_left_[l].store(geo_.layer_param_count[l]);
+      cur_.layer_params_left[l].store(geo_.layer_param_count[l]);
       layer_start_us_[l].store(0);
     }
-    chunks_norm_left_.store(static_cast<int64_t>(geo_.chunks.size()));
-    params_left_.store(static_cast<int>(spec_.params.size()));
+    cur_.chunks_norm_left.store(static_cast<int64_t>(geo_.chunks.size()));
+    cur_.params_left.store(static_cast<int>(spec_.params.size()));
     // Step - 1's second passes may still run, on the other parity's counter; step - 2's are all
     // counted (their slots came back before this step's were final).
-    RP_CHECK(params_rest_left_[step & 1].load() == 0)
+    RP_CHECK(cur_.params_rest_left[step & 1].load() == 0)
         << "optimizer step " << step << " began before step " << step - 2 << " was fully updated";
-    params_rest_left_[step & 1].store(static_cast<int>(spec_.params.size()));
-    std::fill(early_.begin(), early_.end(), 0);
-    for (auto& g : chunk_gate_) g.store(2);
+    cur_.params_rest_left[step & 1].store(static_cast<int>(spec_.params.size()));
+    std::fill(cur_.early.begin(), cur_.early.end(), 0);
+    for (auto& g : cur_.chunk_gate) g.store(2);
     std::lock_guard<std::mutex> l(reported_.mu);
     reported_.touched.erase(reported_.touched.begin(), reported_.touched.lower_bound(step));
   }
   const int p = spec_.grad_slots[slot].param;
-  RP_CHECK(slots_left_[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
+  RP_CHECK(cur_.slots_left[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
   const bool update_now = cfg_.train.grad_clip <= 0.0;
-  if (--slots_left_[p] > 0) {
+  if (--cur_.slots_left[p] > 0) {
     // The head's slot of a row-summed parameter is final and the lookup's is not: square the
     // head's rows now, while the backward runs.
     if (geo_.lookup_slot[p] >= 0 && slot != geo_.lookup_slot[p]) {
-      early_[p] = 1;
+      cur_.early[p] = 1;
       for (size_t c : geo_.param_chunks[p]) Submit([this, step, c, update_now] { RowSquares(step, c, update_now); });
     }
     return;
   }
   for (size_t c : geo_.param_chunks[p]) {
-    if (early_[p] && chunk_gate_[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+    if (cur_.early[p] && cur_.chunk_gate[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
     Submit([this, step, c, update_now] { NormChunk(step, c, update_now); });
   }
 }
@@ -178,7 +178,7 @@ void AsyncOptimizer::RowSquares(int64_t step, size_t chunk, bool then_update) {
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(geo_.param_slots[c.param][0]));
   double* sq = row_sq_.data() + geo_.row_sq_base[c.param];
   for (int64_t r = c.begin / cols; r < c.end / cols; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
-  if (chunk_gate_[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) NormChunk(step, chunk, then_update);
+  if (cur_.chunk_gate[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) NormChunk(step, chunk, then_update);
 }
 
 double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
@@ -191,7 +191,7 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   // A compact lookup slot (core::CompactLookupRows) holds the touched rows only, packed in order.
   const bool compact = geo_.lookup_slot[c.param] >= 0 && geo_.lookup_slot[c.param] == layout_.compact_lookup_slot;
   std::shared_ptr<const std::vector<int64_t>> touched;
-  if (early_[c.param] || compact) {
+  if (cur_.early[c.param] || compact) {
     std::lock_guard<std::mutex> l(reported_.mu);
     auto it = reported_.touched.find(step);
     if (it != reported_.touched.end()) touched = it->second;
@@ -200,7 +200,7 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   if (touched) {
     // The other rows of the lookup's slot are zero (or absent): their fold adds +0.0, done
     // early (FoldZeroRow) with their squares.
-    if (!early_[c.param])
+    if (!cur_.early[c.param])
       for (int64_t r = r0; r < r1; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
     const float* o = other(1);
     for (auto it = std::lower_bound(touched->begin(), touched->end(), r0); it != touched->end() && *it < r1; ++it) {
@@ -218,7 +218,7 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = geo_.chunks[chunk];
   if (geo_.row_elems[c.param] > 0) {
-    partial_[chunk] = RowSummedChunk(step, c);
+    cur_.partial[chunk] = RowSummedChunk(step, c);
   } else {
     const auto& slots = geo_.param_slots[c.param];
     float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0])) + c.begin;
@@ -230,17 +230,17 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
       const float* o = other(s);
       for (int64_t i = 0; i < n; ++i) g[i] += o[i];
     }
-    partial_[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
+    cur_.partial[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
   }
   // Counted before the update: without clipping the update may publish the step's last layer,
   // after which the next step may begin and reset the counter.
-  if (chunks_norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
+  if (cur_.chunks_norm_left.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
   if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
 }
 
 void AsyncOptimizer::OnNormsDone(int64_t step) {
   double total = 0.0;
-  for (double s : partial_) total += s;  // fixed order: parameter-major, chunk-minor
+  for (double s : cur_.partial) total += s;  // fixed order: parameter-major, chunk-minor
   const double norm = std::sqrt(total);
   {
     std::lock_guard<std::mutex> l(reported_.mu);
@@ -248,7 +248,7 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   }
   Progress();
   if (cfg_.train.grad_clip <= 0.0) return;  // already updated chunk by chunk
-  clip_scale_ = ClipScale(norm, cfg_.train.grad_clip);
+  cur_.clip_scale = ClipScale(norm, cfg_.train.grad_clip);
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
   if (SubmitRowsFirst(step, writes)) return;
@@ -295,7 +295,7 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
   }
   add(rest, rest_filled, r, rows);
   // No task of this parameter has started (the norm was the last thing before the updates).
-  param_chunks_left_[geo_.lookup_param].store(static_cast<int64_t>(first.size() + rest.size()));
+  cur_.param_chunks_left[geo_.lookup_param].store(static_cast<int64_t>(first.size() + rest.size()));
   lookup_rows_left_.store(static_cast<int64_t>(first.size()));
   if (first.empty()) StoreLookupVersion(step);
   for (auto& t : first)
@@ -311,7 +311,7 @@ void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool
   WaitIfHeld(step);
   for (const auto& [begin, end] : ranges) UpdateElems(step, geo_.lookup_param, begin, end, writes);
   if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) StoreLookupVersion(step);
-  if (param_chunks_left_[geo_.lookup_param].fetch_sub(1, std::memory_order_acq_rel) == 1)
+  if (cur_.param_chunks_left[geo_.lookup_param].fetch_sub(1, std::memory_order_acq_rel) == 1)
     OnParamPublished(step, geo_.lookup_param);
 }
 
@@ -344,7 +344,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   const auto& ps = spec_.params[param];
   const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
   auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + begin; };
-  const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(clip_scale_);
+  const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(cur_.clip_scale);
   float* master = f32(layout_.masters_in_state ? state_ : optim_, layout_.master[param]);
   // Workers that fetch the masters need no compute copy: passing the master as its own fp32
   // copy makes the update skip the write.
@@ -366,8 +366,8 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes
   const Chunk& c = geo_.chunks[chunk];
   UpdateElems(step, c.param, c.begin, c.end, writes);
   if (writes == UpdateWrites::kRest) {
-    if (param_rest_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
-  } else if (param_chunks_left_[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (cur_.param_rest_chunks_left[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
+  } else if (cur_.param_chunks_left[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     OnParamPublished(step, c.param);
   }
 }
@@ -379,10 +379,10 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
     for (int slot : geo_.param_slots[param]) grads_->Release(slot);
   // Counted before the layer's version is stored: a worker that sees the version may bring the
   // next step's first SlotFinal, which checks this.
-  const bool last = params_left_.fetch_sub(1, std::memory_order_acq_rel) == 1;
+  const bool last = cur_.params_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
   if (last) StoreMax(published_through_, step);
   const int layer = spec_.params[param].owner_layer;
-  if (layer_params_left_[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+  if (cur_.layer_params_left[layer].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     auto* versions = reinterpret_cast<std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
     versions[layer].store(static_cast<uint64_t>(step + 1), std::memory_order_release);
     if (layer == 0) StoreLookupVersion(step);  // no earlier when the rows did not go first
@@ -411,7 +411,7 @@ void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
 }
 
 void AsyncOptimizer::CountUpdated(int64_t step) {
-  if (params_rest_left_[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1) StoreMax(updated_through_, step);
+  if (cur_.params_rest_left[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1) StoreMax(updated_through_, step);
 }
 
 void AsyncOptimizer::StoreMax(std::atomic<int64_t>& through, int64_t step) {

@@ -187,23 +187,26 @@ class AsyncOptimizer {
   std::vector<double> row_sq_;                 // per row of the row-summed parameters
   std::atomic<int64_t> lookup_rows_left_{0};   // rows-first tasks of the next step's rows left
 
-  // Current step's state.
-  int64_t step_ = -1;
-  std::vector<int> slots_left_;                // per parameter
-  std::vector<double> partial_;                // per chunk
-  // Row-summed parameters whose dense slot was final first this step: their row squares run
-  // early; a chunk's norm task starts when both its rows are squared and the last slot is
-  // final (the gate counts those two down from 2).
-  std::vector<char> early_;                    // per parameter
-  std::vector<std::atomic<int>> chunk_gate_;   // per chunk
-  std::atomic<int64_t> chunks_norm_left_{0};
-  std::vector<std::atomic<int64_t>> param_chunks_left_;
-  std::vector<std::atomic<int>> layer_params_left_;
-  std::atomic<int> params_left_{0};            // first passes left (the only pass in stale1)
-  std::vector<std::atomic<int64_t>> param_rest_chunks_left_;
-  // Second passes left, by step parity: step t's may still run once step t + 1 has begun.
-  std::atomic<int> params_rest_left_[2] = {0, 0};
-  double clip_scale_ = 1.0;
+  // The current step's counters (and the previous step's second passes, by parity).
+  struct StepCounters {
+    int64_t step = -1;
+    std::vector<int> slots_left;   // per parameter
+    std::vector<double> partial;   // per chunk
+    // Row-summed parameters whose dense slot was final first this step: their row squares run
+    // early; a chunk's norm task starts when both its rows are squared and the last slot is
+    // final (the gate counts those two down from 2).
+    std::vector<char> early;                   // per parameter
+    std::vector<std::atomic<int>> chunk_gate;  // per chunk
+    std::atomic<int64_t> chunks_norm_left{0};
+    std::vector<std::atomic<int64_t>> param_chunks_left;
+    std::vector<std::atomic<int>> layer_params_left;
+    std::atomic<int> params_left{0};  // first passes left (the only pass in stale1)
+    std::vector<std::atomic<int64_t>> param_rest_chunks_left;
+    // Second passes left, by step parity: step t's may still run once step t + 1 has begun.
+    std::atomic<int> params_rest_left[2] = {0, 0};
+    double clip_scale = 1.0;
+  };
+  StepCounters cur_;
 
   // What the coordinator's loop reads while the pool writes it.
   struct Reported {
