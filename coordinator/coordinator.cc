@@ -586,7 +586,9 @@ Status Coordinator::Finish(Status st) {
     if (profiler_) summary["profiles_written"] = profiler_->profiles_written();
     if (writer_) {
       writer_->TakeCompleted();
-      for (const auto& c : writer_->all_completed())
+      auto all = writer_->all_completed();
+      std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.after_step < b.after_step; });
+      for (const auto& c : all)
         summary["checkpoints"].push_back({{"after_step", c.after_step}, {"bytes", c.bytes}, {"write_s", c.write_s},
                                           {"checksum_s", c.checksum_s}, {"background", c.background}});
     }

@@ -3,7 +3,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
+#include <memory>
 #include <cstring>
 
 #include "common/logging.h"
@@ -57,10 +60,57 @@ void HostState::ReadFrozen(int f, float* out) const {
   }
 }
 
+namespace {
+
+// Where each tensor's bytes lie in one checkpoint section, and a describer naming the ones in a
+// byte range (the tensors a damaged chunk belongs to).
+struct Extent {
+  uint64_t begin, end;
+  std::string what;
+};
+
+std::function<std::string(uint64_t, uint64_t)> Describer(std::vector<Extent> extents) {
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  auto shared = std::make_shared<const std::vector<Extent>>(std::move(extents));
+  return [shared](uint64_t begin, uint64_t end) {
+    std::vector<std::string> hit;
+    for (const auto& e : *shared)
+      if (e.begin < end && begin < e.end) hit.push_back(e.what);
+    if (hit.empty()) return std::string();
+    std::string out = hit[0];
+    if (hit.size() > 1) out += ", " + hit[1];
+    if (hit.size() > 2) out += " and " + std::to_string(hit.size() - 2) + " more";
+    return out;
+  };
+}
+
+}  // namespace
+
 std::vector<StateSection> HostState::Sections() {
-  return {{"optim", optim_->data(), layout_.optim_total_bytes},
-          {"compute", state_->data() + layout_.compute_begin,
-           (layout_.compute_end - layout_.compute_begin) * static_cast<uint64_t>(layout_.compute_buffers)}};
+  // The optimizer segment: masters (unless workers fetch them from the state segment) and moments.
+  std::vector<Extent> optim;
+  const bool has_v = !layout_.adam_v.empty();
+  for (size_t p = 0; p < spec_.params.size(); ++p) {
+    const uint64_t n = static_cast<uint64_t>(spec_.params[p].numel) * 4;
+    const std::string& name = spec_.params[p].name;
+    if (!layout_.masters_in_state) optim.push_back({layout_.master[p], layout_.master[p] + n, "master of " + name});
+    if (!layout_.adam_m.empty()) optim.push_back({layout_.adam_m[p], layout_.adam_m[p] + n, "first moment of " + name});
+    if (has_v) optim.push_back({layout_.adam_v[p], layout_.adam_v[p] + n, "second moment of " + name});
+  }
+  // The compute-copy region, once per buffer (stale1 keeps two).
+  std::vector<Extent> compute;
+  const uint64_t region = layout_.compute_end - layout_.compute_begin;
+  for (int b = 0; b < layout_.compute_buffers; ++b)
+    for (size_t p = 0; p < spec_.params.size(); ++p) {
+      const uint64_t at = layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region;
+      const uint64_t n = static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
+      compute.push_back({at, at + n,
+                         (layout_.masters_in_state ? "master of " : "weights (buffer " + std::to_string(b) + ") of ") +
+                             spec_.params[p].name});
+    }
+  return {{"optim", optim_->data(), layout_.optim_total_bytes, Describer(std::move(optim))},
+          {"compute", state_->data() + layout_.compute_begin, region * static_cast<uint64_t>(layout_.compute_buffers),
+           Describer(std::move(compute))}};
 }
 
 Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,

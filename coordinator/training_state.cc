@@ -277,11 +277,15 @@ Status LoadTrainingState(const StateFile& file, uint64_t state_hash, bool master
       return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
                                      "\" has a malformed checksum list");
     const std::vector<uint32_t> got = ChunkCrcs(sections[i].data, bytes);
-    for (size_t c = 0; c < got.size(); ++c)
-      if (!want[c].is_number_unsigned() || want[c].get<uint64_t>() != got[c])
-        return Status::InvalidArgument("checkpoint " + file.path + ": bytes [" + std::to_string(c * kCrcChunk) +
-                                       ", " + std::to_string(std::min(bytes, (c + 1) * kCrcChunk)) + ") of section \"" +
-                                       sections[i].name + "\" do not match their checksum: the file is damaged");
+    for (size_t c = 0; c < got.size(); ++c) {
+      if (want[c].is_number_unsigned() && want[c].get<uint64_t>() == got[c]) continue;
+      const uint64_t a = c * kCrcChunk, b = std::min(bytes, (c + 1) * kCrcChunk);
+      const std::string what = sections[i].describe ? sections[i].describe(a, b) : std::string();
+      return Status::InvalidArgument("checkpoint " + file.path + ": bytes [" + std::to_string(a) + ", " +
+                                     std::to_string(b) + ") of section \"" + sections[i].name + "\"" +
+                                     (what.empty() ? std::string() : " (" + what + ")") +
+                                     " do not match their checksum: the file is damaged");
+    }
   }
   // Nothing may follow the last section (the writer truncates the file there).
   uint64_t end = 0;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,8 @@ struct StateSection {
   std::string name;
   uint8_t* data;
   uint64_t bytes;
+  // Optional: which tensors lie in bytes [begin, end) of the section, for messages about damage.
+  std::function<std::string(uint64_t begin, uint64_t end)> describe;
 };
 
 struct StateFile {

@@ -310,6 +310,19 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
   const std::string ckpt = out + "/checkpoints/step-00000003.rpstate";
   const std::string bytes = ReadBytes(ckpt);
   ASSERT_GT(bytes.size(), 8192u);
+  {
+    // One flipped byte near the end (the last section's last tensors): the coordinator refuses it
+    // naming the section and the tensors of the damaged chunk; the file is left as it is.
+    std::string flipped = bytes;
+    flipped[bytes.size() - 100] ^= 0x40;
+    std::ofstream(ckpt, std::ios::binary | std::ios::trunc) << flipped;
+    auto damaged = testing::RunProcess(args, 120, Env());
+    EXPECT_EQ(damaged.code, 2) << damaged.output;
+    EXPECT_NE(damaged.output.find("do not match their checksum"), std::string::npos) << damaged.output;
+    EXPECT_NE(damaged.output.find(".weight"), std::string::npos) << "names no tensor: " << damaged.output;
+    EXPECT_EQ(ReadBytes(ckpt), flipped);
+    std::ofstream(ckpt, std::ios::binary | std::ios::trunc) << bytes;
+  }
   fs::resize_file(ckpt, bytes.size() / 2);
   auto truncated = testing::RunProcess(args, 120, Env());
   EXPECT_NE(truncated.code, 0);
