@@ -142,7 +142,12 @@ const char* NameIn(const EnumNames<E>& names, E v) {
 template <typename E>
 std::string ListOf(const EnumNames<E>& names) {
   std::string list;
-  for (const auto& [e, n] : names) list += (list.empty() ? "" : " | ") + ("\"" + std::string(n) + "\"");
+  for (const auto& [e, n] : names) {
+    if (!list.empty()) list += " | ";
+    list += '"';
+    list += n;
+    list += '"';
+  }
   return list;
 }
 
@@ -157,7 +162,10 @@ template <typename Field, typename E>
 KeySpec Enum(std::string section, std::string key, Field field, E def, const EnumNames<E>& names,
              std::string meaning) {
   KeySpec s;
-  s.doc = {section, key, "enum", "\"" + std::string(NameIn(names, def)) + "\"", meaning + " (" + ListOf(names) + ")"};
+  std::string quoted(1, '"');  // (built up: GCC 12 warns falsely on "\"" + std::string)
+  quoted += NameIn(names, def);
+  quoted += '"';
+  s.doc = {section, key, "enum", quoted, meaning + " (" + ListOf(names) + ")"};
   s.set = [field, &names](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
     auto v = n.value_exact<std::string>();
     if (!v) return WrongType(name, "a string", n);

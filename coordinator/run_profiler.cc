@@ -103,6 +103,7 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
   profiles_written_++;
   prediction_ = core::PredictPlan(cfg_, plan_, *profile, workers_);
   predicted_from_ = end_;
+  predicted_window_ = {begin_, end_};
   measured_step_s_.clear();
   measured_bubble_.clear();
   drift_streak_ = 0;
@@ -166,7 +167,7 @@ nlohmann::json RunProfiler::Summary() const {
                  << 100.0 * (measured / prediction_->step_seconds - 1.0) << "%)";
   return {{"plan", prediction_->plan.Describe()},
           {"costs", prediction_->cost_source},
-          {"profiled_steps", {begin_ + 1, end_}},
+          {"profiled_steps", {predicted_window_.first + 1, predicted_window_.second}},
           {"predicted_step_s", prediction_->step_seconds},
           {"predicted_bubble_ratio", prediction_->bubble_ratio},
           {"predicted_peak_memory_bytes", prediction_->peak_memory_bytes},

@@ -86,6 +86,7 @@ class RunProfiler {
   std::map<std::pair<int64_t, int>, double> mb_layer_seconds_;  // (job, mb) -> timed compute
   std::optional<core::PlanChoice> prediction_;  // the plan in use, from the newest profile
   int64_t predicted_from_ = -1;                 // steps from here on are compared with it
+  std::pair<int64_t, int64_t> predicted_window_{-1, -1};  // the steps its profile timed, [begin, end)
   std::vector<double> measured_step_s_, measured_bubble_;
   int drift_streak_ = 0;
   int profiles_written_ = 0;

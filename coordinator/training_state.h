@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -40,11 +41,14 @@
 namespace rp::coord {
 
 struct StateSection {
+  using Describe = std::function<std::string(uint64_t begin, uint64_t end)>;
+  StateSection(std::string name_, uint8_t* data_, uint64_t bytes_, Describe describe_ = {})
+      : name(std::move(name_)), data(data_), bytes(bytes_), describe(std::move(describe_)) {}
   std::string name;
   uint8_t* data;
   uint64_t bytes;
   // Optional: which tensors lie in bytes [begin, end) of the section, for messages about damage.
-  std::function<std::string(uint64_t begin, uint64_t end)> describe;
+  Describe describe;
 };
 
 struct StateFile {

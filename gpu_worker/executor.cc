@@ -249,14 +249,14 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   stage_ = plan_.stages[job.stage];
   current_ = std::move(next_);
   next_ = StageWeights();
-  lm_job_ = LayerMajorEligible(job) && all_inputs_ready &&
+  lm_.job = LayerMajorEligible(job) && all_inputs_ready &&
             (!current_.complete || cfg_.bench.layer_major_forward == core::Tristate::kAlways);
-  lm_next_layer_ = stage_.begin;
-  lm_hidden_.assign(lm_job_ ? job.num_microbatches : 0, at::Tensor());
-  lm_stalled_ = false;
-  lm_stall_end_us_ = WallMicros();
-  lm_busy_marks_.clear();
-  lm_layer_marks_.assign(lm_job_ && job.profile ? job.num_microbatches : 0, {});
+  lm_.next_layer = stage_.begin;
+  lm_.hidden.assign(lm_.job ? job.num_microbatches : 0, at::Tensor());
+  lm_.stalled = false;
+  lm_.stall_end_us = WallMicros();
+  lm_.busy_marks.clear();
+  lm_.layer_marks.assign(lm_.job && job.profile ? job.num_microbatches : 0, {});
   RP_RETURN_IF_ERROR(Guarded([] { return std::string("waiting for weights"); }, [&] {
     // (A layer-major job's later layers: ForwardLayers makes the compute stream wait for each.)
     device_.WaitWeights(current_.complete ? current_.fence : device_.WeightsFence());
@@ -285,28 +285,28 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
                                                                  bool* done) {
   *done = false;
   const int M = job_.num_microbatches;
-  if (!lm_job_ || static_cast<int>(lm_hidden_.size()) != M)
+  if (!lm_.job || static_cast<int>(lm_.hidden.size()) != M)
     return Status::Internal("job " + std::to_string(job_.job_index) + " is not a begun layer-major job");
   std::vector<MicrobatchResult> results;
-  Status s = Guarded([&] { return "job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_next_layer_); },
+  Status s = Guarded([&] { return "job " + std::to_string(job_.job_index) + " layer " + std::to_string(lm_.next_layer); },
                      [&]() -> Status {
     c10::NoGradGuard no_grad;
     if (CopyReadyLayers(stage_, job_.weights_version, /*grads=*/false, &current_)) {
       device_.WaitWeights(device_.WeightsFence());
-      if (lm_stalled_) lm_stall_end_us_ = WallMicros();
+      if (lm_.stalled) lm_.stall_end_us = WallMicros();
     }
     const int copied_end = stage_.begin + static_cast<int>(current_.layers.size());
-    lm_stalled_ = copied_end < stage_.end;
+    lm_.stalled = copied_end < stage_.end;
     // Device marks around each batch of layers: the device's busy time, without the waits for
     // unpublished layers between batches (MicrobatchResult::busy_s).
-    const int mark_a = lm_next_layer_ < copied_end ? device_.Mark() : -1;
-    for (; lm_next_layer_ < copied_end; ++lm_next_layer_) {
-      const int l = lm_next_layer_;
+    const int mark_a = lm_.next_layer < copied_end ? device_.Mark() : -1;
+    for (; lm_.next_layer < copied_end; ++lm_.next_layer) {
+      const int l = lm_.next_layer;
       for (int mb = 0; mb < M; ++mb) {
         SetDropoutKeyFor(mb);
         at::Tensor x;
         if (l > stage_.begin) {
-          x = lm_hidden_[mb];
+          x = lm_.hidden[mb];
         } else {
           auto in = inputs.find(mb);
           if (in == inputs.end())
@@ -318,26 +318,26 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
         const int a = MarkIfProfiling();
         x = math_.Layer(l, current_.layers[l - stage_.begin], x);
         if (a >= 0)
-          lm_layer_marks_[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
+          lm_.layer_marks[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
         if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
-        lm_hidden_[mb] = l + 1 < stage_.end ? x : at::Tensor();
+        lm_.hidden[mb] = l + 1 < stage_.end ? x : at::Tensor();
       }
     }
-    if (mark_a >= 0) lm_busy_marks_.push_back({mark_a, device_.Mark()});
-    if (lm_next_layer_ < stage_.end) return Status::Ok();
+    if (mark_a >= 0) lm_.busy_marks.push_back({mark_a, device_.Mark()});
+    if (lm_.next_layer < stage_.end) return Status::Ok();
     *done = true;
     results.resize(M);
     const uint64_t fence = device_.CompletionFence();
     for (int mb = 0; mb < M; ++mb) {
       results[mb].fence = fence;
       results[mb].layer_major = true;
-      if (!lm_layer_marks_.empty()) results[mb].pending_marks = std::move(lm_layer_marks_[mb]);
+      if (!lm_.layer_marks.empty()) results[mb].pending_marks = std::move(lm_.layer_marks[mb]);
     }
-    results[0].busy_marks = std::move(lm_busy_marks_);
-    lm_busy_marks_.clear();
-    lm_layer_marks_.clear();
-    lm_hidden_.clear();
-    lm_job_ = false;
+    results[0].busy_marks = std::move(lm_.busy_marks);
+    lm_.busy_marks.clear();
+    lm_.layer_marks.clear();
+    lm_.hidden.clear();
+    lm_.job = false;
     return Status::Ok();
   });
   if (!s.ok()) return s;
@@ -644,9 +644,9 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
 void Executor::End() {
   math_.SetWeightGradSinks({});
   current_ = StageWeights();
-  lm_hidden_.clear();
-  lm_layer_marks_.clear();
-  lm_job_ = false;
+  lm_.hidden.clear();
+  lm_.layer_marks.clear();
+  lm_.job = false;
 }
 
 }  // namespace rp::worker

@@ -130,11 +130,11 @@ class Executor {
   // job that cost the gain of running layer-major). It holds them longer than the prefetch
   // would, but only in the forward, where the device holds the least.
   Status Reserve(const proto::RunJob& job);
-  bool LayerMajorBegun() const { return lm_job_; }
+  bool LayerMajorBegun() const { return lm_.job; }
   // A begun layer-major job with layers still to copy: the next job's prefetch waits, so that a
   // layer published now goes first on the weights stream (its copy is what the job waits for).
   bool LayerMajorCopying() const {
-    return lm_job_ && stage_.begin + static_cast<int>(current_.layers.size()) < stage_.end;
+    return lm_.job && stage_.begin + static_cast<int>(current_.layers.size()) < stage_.end;
   }
   // A begun layer-major job: copies the layers published since the last call, enqueues each
   // copied layer for every microbatch (the first layer's inputs: token slots, or each
@@ -147,12 +147,12 @@ class Executor {
   // StallEndUs(): WallMicros() when the job last found its next layer published after waiting
   // for it (else when it began), which counts earlier layers' computing as idle too.
   StatusOr<std::vector<MicrobatchResult>> ForwardLayers(const std::map<int, InputSources>& inputs, bool* done);
-  int64_t StallEndUs() const { return lm_stall_end_us_; }
+  int64_t StallEndUs() const { return lm_.stall_end_us; }
   // Device marks the begun layer-major job has made and not yet handed to a result: the
   // device's marks must not be cleared meanwhile.
   bool HoldsMarks() const {
-    return !lm_busy_marks_.empty() ||
-           std::any_of(lm_layer_marks_.begin(), lm_layer_marks_.end(), [](const auto& m) { return !m.empty(); });
+    return !lm_.busy_marks.empty() ||
+           std::any_of(lm_.layer_marks.begin(), lm_.layer_marks.end(), [](const auto& m) { return !m.empty(); });
   }
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
   // the next microbatch, or the next job's, may be enqueued at once.
@@ -272,13 +272,16 @@ class Executor {
   // The begun layer-major job's state (ForwardLayers): the next layer to enqueue, every
   // microbatch's hidden state after the layers enqueued so far, whether the last call found a
   // layer unpublished, and when waiting last ended.
-  bool lm_job_ = false;
-  int lm_next_layer_ = 0;
-  std::vector<at::Tensor> lm_hidden_;
-  bool lm_stalled_ = false;
-  int64_t lm_stall_end_us_ = 0;
-  std::vector<std::pair<int, int>> lm_busy_marks_;
-  std::vector<std::vector<MicrobatchResult::PendingMarks>> lm_layer_marks_;  // profiled: per microbatch
+  struct LayerMajor {
+    bool job = false;
+    int next_layer = 0;
+    std::vector<at::Tensor> hidden;
+    bool stalled = false;
+    int64_t stall_end_us = 0;
+    std::vector<std::pair<int, int>> busy_marks;
+    std::vector<std::vector<MicrobatchResult::PendingMarks>> layer_marks;  // profiled: per microbatch
+  };
+  LayerMajor lm_;
   at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 
