@@ -31,7 +31,7 @@ CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live, 
   // the file writes fill comes out of the same memory).
   const uint64_t avail = shm::AvailableHostMemory();
   int n = 0;
-  if (!TestCheckpointOnLoop())
+  if (setup_.background && !TestCheckpointOnLoop())
     for (int want = 2; want > 0 && n == 0; --want)
       if (avail > 0 && (bytes_ + bytes_ / 4) * want < avail) n = want;
   copies_.resize(n);
@@ -134,17 +134,19 @@ Status CheckpointWriter::Write(int64_t steps_done) {
   }
   Copy* c = CopyOf(steps_done);
   if (!c) {
-    // No copy was taken (every one was still being written): wait for the oldest file. The
-    // live state still holds steps_done updates: the optimizer has seen nothing of the next step.
-    const double t0 = MonoSeconds();
-    Copy* oldest = nullptr;
-    for (auto& x : copies_)
-      if (!oldest || x.steps < oldest->steps) oldest = &x;
-    RP_RETURN_IF_ERROR(Collect(*oldest));
-    RP_LOG(WARNING) << "checkpoint after step " << steps_done << ": waited " << MonoSeconds() - t0
-                    << " s for the previous checkpoint's write (the disk is slower than checkpoint.every steps)";
-    StartCopy(*oldest, steps_done);
-    c = oldest;
+    // No copy was taken: a final checkpoint (not periodic), or every copy was still being
+    // written, and then the oldest file is waited for. The live state still holds steps_done
+    // updates: the optimizer has seen nothing of the next step.
+    c = FreeCopy();
+    if (!c) {
+      const double t0 = MonoSeconds();
+      for (auto& x : copies_)
+        if (!c || x.steps < c->steps) c = &x;
+      RP_RETURN_IF_ERROR(Collect(*c));
+      RP_LOG(WARNING) << "checkpoint after step " << steps_done << ": waited " << MonoSeconds() - t0
+                      << " s for the previous checkpoint's write (the disk is slower than checkpoint.every steps)";
+    }
+    StartCopy(*c, steps_done);
   }
   // The file thread finishes the copy (its threads are handed over) and writes it.
   std::vector<StateSection> sections;

@@ -239,11 +239,21 @@ Status Coordinator::StartParts() {
   optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(), host_->optim().data(),
                                                 &host_->grad_arena(), threads, [wake] { wake->Wake(); });
   optimizer_->StartAfter(window_.first_step);
+  evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
+  dispatch_ = std::make_unique<StepDispatch>(StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(),
+                                                                 *data_, host_->grad_arena(), *optimizer_, *workers_,
+                                                                 *profiler_, window_});
+  RP_RETURN_IF_ERROR(workers_->Register(
+      opts_.hello_timeout_s, [] { return g_stop || g_graceful_stop; },
+      [this](int rank, const proto::LinkProbe& p) { profiler_->OnLinkProbe(rank, p); }));
+  // After registration: the copies are sized against the memory left once every worker has
+  // started, and their allocation does not count against the workers' wait for Welcome.
   CheckpointWriter::Setup writer;
   writer.dir = CheckpointDir(cfg_);
   writer.state_hash = ckpt_.state_hash;
   writer.masters_in_state = layout_.masters_in_state;
   writer.keep = static_cast<int>(cfg_.checkpoint.keep);
+  writer.background = cfg_.checkpoint.every > 0;  // else only a final checkpoint, written on the loop
   writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
   if (cfg_.checkpoint.every > 0)
     RP_LOG(INFO) << "checkpoints are written "
@@ -251,13 +261,7 @@ Status Coordinator::StartParts() {
                                                  " copies of the state, in the background"
                                            : std::string("on the coordinator's loop (a copy of the state would not fit "
                                                          "the host's available memory)"));
-  evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
-  dispatch_ = std::make_unique<StepDispatch>(StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(),
-                                                                 *data_, host_->grad_arena(), *optimizer_, *workers_,
-                                                                 *profiler_, window_});
-  return workers_->Register(
-      opts_.hello_timeout_s, [] { return g_stop || g_graceful_stop; },
-      [this](int rank, const proto::LinkProbe& p) { profiler_->OnLinkProbe(rank, p); });
+  return Status::Ok();
 }
 
 Status Coordinator::DispatchStep(int64_t step) {
@@ -426,7 +430,10 @@ void Coordinator::MaybeStartSnapshot() {
 Status Coordinator::Diverged(int64_t step) {
   const auto norm = optimizer_->GradNorm(step);
   // A checkpoint still being written in the background is finished first: it holds finite steps.
-  if (Status pending = writer_->Finish(); !pending.ok()) RP_LOG(ERROR) << pending.message();
+  if (writer_) {
+    const ProgressBeacon::Working waiting(*beacon_);
+    if (Status pending = writer_->Finish(); !pending.ok()) RP_LOG(ERROR) << pending.message();
+  }
   std::string newest = "none (rp-launch starts over)";
   if (const int64_t written = writer_ ? writer_->written() : ckpt_.requested; written > 0)
     newest = "the one after step " + std::to_string(written);
@@ -603,7 +610,10 @@ Status Coordinator::Finish(Status st) {
       if (auto prediction = profiler_->Summary(); !prediction.is_null()) summary["prediction"] = prediction;
       if (replan_to_) summary["replan_to"] = *replan_to_;
     }
-    if (Status w = summary_->Write(summary.dump(2) + "\n"); !w.ok()) {
+    // Error text can carry bytes from anywhere (a worker's message cut mid-character, a path):
+    // invalid UTF-8 is replaced, never thrown on.
+    if (Status w = summary_->Write(summary.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+        !w.ok()) {
       RP_LOG(ERROR) << w.message();
       if (st.ok()) st = w;
     }
@@ -618,9 +628,9 @@ Status Coordinator::Run() {
   beacon_ = std::make_unique<ProgressBeacon>(opts_.runtime_dir + "/coordinator.alive", cfg_.job.worker_timeout_s);
   Status st = StartParts();
   if (st.ok()) st = Loop();
-  st = Finish(std::move(st));
+  // From here on nothing waits on the channel; a signal must not reach it once it is destroyed.
   g_channel.store(nullptr);
-  return st;
+  return Finish(std::move(st));
 }
 
 }  // namespace

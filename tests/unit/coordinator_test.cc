@@ -26,6 +26,7 @@
 #include "config/model_spec.h"
 #include "planning/run_spec.h"
 #include "protocol/channel.h"
+#include "protocol/codec.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
 #include "tests/testing/process_harness.h"
@@ -107,6 +108,7 @@ struct Fault {
   int die_at_run_job = 0;     // > 0: disconnects on receiving its n-th RunJob (a crash)
   bool silent = false;        // says Hello, then never answers (a hang)
   bool bogus_job_done = false;  // answers its first RunJob with a JobDone for a job never sent
+  bool fail_in_latin1 = false;  // fails its first RunJob with a message that is not UTF-8
 };
 
 class SimulatedWorker {
@@ -185,6 +187,13 @@ class SimulatedWorker {
         if (fault_.silent) continue;
         if (fault_.bogus_job_done) {
           ch_.FromWorker(rank_, proto::JobDone{999, 0, 0, 0});
+          continue;
+        }
+        if (fault_.fail_in_latin1) {
+          proto::JobFailed f{};
+          f.job_index = r->job_index;
+          proto::CopyText(f.message, "cannot open /data/caf\xe9");  // Latin-1, cut or foreign text
+          ch_.FromWorker(rank_, f);
           continue;
         }
         if (++run_jobs == fault_.die_at_run_job) {
@@ -359,6 +368,21 @@ TEST_F(CoordinatorTest, AMessageAboutAJobNotInFlightEndsTheRunNamingIt) {
   const auto summary = nlohmann::json::parse(testing::ReadFile(dir_ + "/out/summary.json"));
   EXPECT_EQ(summary["status"], "failed");
   EXPECT_NE(summary["error"].get<std::string>().find("job 999"), std::string::npos);
+  EXPECT_TRUE(SegmentsRemoved());
+}
+
+TEST_F(CoordinatorTest, AFailureMessageThatIsNotUtf8StillEndsInSummaryJson) {
+  Resolve(2, {"train.steps=2", "job.worker_timeout_s=0", "job.max_worker_restarts=0"});
+  InProcessChannel ch(2);
+  Status s;
+  {
+    SimulatedWorker w0(ch, 0, run_, layout_, Fault{.fail_in_latin1 = true}), w1(ch, 1, run_, layout_);
+    s = RunCoordinator(Options(2), nullptr, &ch);
+  }
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  const auto summary = nlohmann::json::parse(testing::ReadFile(dir_ + "/out/summary.json"));
+  EXPECT_EQ(summary["status"], "failed");
+  EXPECT_NE(summary["error"].get<std::string>().find("cannot open /data/caf"), std::string::npos);
   EXPECT_TRUE(SegmentsRemoved());
 }
 
