@@ -88,8 +88,10 @@ class Worker {
     double enqueued_s = 0.0;  // MonoSeconds()
   };
   std::deque<InFlight> in_flight_;
-  bool layer_major_logged_ = false;  // the first layer-major job is logged once
-  bool layer_major_profiled_logged_ = false;  // and the first profiled one
+  struct Logged {
+    bool layer_major = false;           // the first layer-major job is logged once
+    bool layer_major_profiled = false;  // and the first profiled one
+  } logged_;
   int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
   double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
   // A device that stops completing work (a stuck kernel) would otherwise leave this loop
@@ -256,14 +258,14 @@ StatusOr<bool> Worker::Progress() {
   if (a.next_mb == 0 && exec_->LayerMajorBegun()) {
     auto it = ready_.find(id);
     if (it == ready_.end()) return Fail(id, Status::Internal("a layer-major job began without its inputs"));
-    if (!layer_major_logged_) {
+    if (!logged_.layer_major) {
       RP_LOG(INFO) << "job " << id << " (a forward stage) runs layer by layer over its " << a.job.num_microbatches
                    << " microbatches, each layer as soon as it is published";
-      layer_major_logged_ = true;
+      logged_.layer_major = true;
     }
-    if (a.job.profile && !layer_major_profiled_logged_) {
+    if (a.job.profile && !logged_.layer_major_profiled) {
       RP_LOG(INFO) << "job " << id << " (profiled) runs layer by layer, each layer of each microbatch timed";
-      layer_major_profiled_logged_ = true;
+      logged_.layer_major_profiled = true;
     }
     bool done = false;
     auto r = exec_->ForwardLayers(it->second, &done);

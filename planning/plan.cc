@@ -74,7 +74,10 @@ std::string Stage::Describe() const {
 
 std::string PipelinePlan::Describe() const {
   std::string out;
-  for (size_t i = 0; i < stages.size(); ++i) out += (i ? " " : "") + stages[i].Describe();
+  for (size_t i = 0; i < stages.size(); ++i) {
+    if (i) out += ' ';
+    out += stages[i].Describe();
+  }
   return out;
 }
 

@@ -321,20 +321,20 @@ void AsyncOptimizer::StoreLookupVersion(int64_t step) {
   version->store(static_cast<uint64_t>(step + 1), std::memory_order_release);
 }
 
-void AsyncOptimizer::HoldUpdatesFrom(int64_t step) { hold_from_.store(step, std::memory_order_release); }
+void AsyncOptimizer::HoldUpdatesFrom(int64_t step) { hold_.from.store(step, std::memory_order_release); }
 
 void AsyncOptimizer::ReleaseUpdates() {
   {
-    std::lock_guard<std::mutex> l(hold_mu_);
-    hold_from_.store(std::numeric_limits<int64_t>::max(), std::memory_order_release);
+    std::lock_guard<std::mutex> l(hold_.mu);
+    hold_.from.store(std::numeric_limits<int64_t>::max(), std::memory_order_release);
   }
-  hold_cv_.notify_all();
+  hold_.cv.notify_all();
 }
 
 void AsyncOptimizer::WaitIfHeld(int64_t step) {
-  if (step < hold_from_.load(std::memory_order_acquire)) return;
-  std::unique_lock<std::mutex> l(hold_mu_);
-  hold_cv_.wait(l, [&] { return step < hold_from_.load(std::memory_order_acquire); });
+  if (step < hold_.from.load(std::memory_order_acquire)) return;
+  std::unique_lock<std::mutex> l(hold_.mu);
+  hold_.cv.wait(l, [&] { return step < hold_.from.load(std::memory_order_acquire); });
 }
 
 void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes) {

@@ -220,10 +220,13 @@ class AsyncOptimizer {
   std::atomic<int64_t> updated_through_{-1};
   std::vector<std::atomic<int64_t>> layer_start_us_;  // first update chunk of the current step
 
-  // The checkpoint copy's hold (HoldUpdatesFrom): updates of steps >= hold_from_ wait.
-  std::atomic<int64_t> hold_from_{std::numeric_limits<int64_t>::max()};
-  std::mutex hold_mu_;
-  std::condition_variable hold_cv_;
+  // The checkpoint copy's hold (HoldUpdatesFrom): updates of steps >= `from` wait.
+  struct Hold {
+    std::atomic<int64_t> from{std::numeric_limits<int64_t>::max()};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  Hold hold_;
   void WaitIfHeld(int64_t step);
 
   std::unique_ptr<TaskPool> pool_;  // last: drained and stopped before the state above

@@ -138,7 +138,10 @@ TEST(Dataset, TokenFilesWithASidecar) {
   c.data.seq_len = 8;
   c.train.microbatch_size = 2;
   for (int width : {2, 4}) {
-    c.data.path = write("t" + std::to_string(width) + ".bin", ids(1000, width, 300),
+    std::string name = "t";  // (appended: GCC 12 warns falsely on "t" + std::string)
+    name += std::to_string(width);
+    name += ".bin";
+    c.data.path = write(name, ids(1000, width, 300),
                         std::string("{\"dtype\": \"") + (width == 2 ? "uint16" : "uint32") + "\", \"vocab_size\": 300}");
     auto d = Dataset::Open(c);
     ASSERT_TRUE(d.ok()) << d.status().message();
