@@ -14,6 +14,14 @@ namespace {
 
 constexpr uint64_t kBlock = 64ull << 20;
 
+// RP_TEST_SLOW_CHECKPOINT_MS: a slower disk, counted in the write's time like a real one.
+void SlowDiskForTest(WriteStats* w) {
+  if (const double slow = TestCheckpointDelaySeconds(); slow > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(slow));
+    w->total_s += slow;
+  }
+}
+
 void LogWrite(int64_t steps_done, const std::string& dir, const WriteStats& w, bool background) {
   RP_LOG(INFO) << "checkpoint after step " << steps_done << " written to " << dir << ": "
                << static_cast<double>(w.bytes) / 1e9 << " GB in " << w.total_s << " s ("
@@ -123,10 +131,7 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     WriteStats w;
     RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, live_,
                                           setup_.keep, 0, &w));
-    if (const double slow = TestCheckpointDelaySeconds(); slow > 0) {  // a slow disk, for the liveness test
-      std::this_thread::sleep_for(std::chrono::duration<double>(slow));
-      w.total_s += slow;
-    }
+    SlowDiskForTest(&w);
     written_ = steps_done;
     completed_.push_back({steps_done, w.bytes, w.total_s, w.checksum_s, false});
     LogWrite(steps_done, setup_.dir, w, false);
@@ -163,10 +168,7 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     WriteStats w;
     Status s = WriteTrainingState(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, sections,
                                   setup.keep, setup.checksum_threads, &w);
-    if (const double slow = TestCheckpointDelaySeconds(); slow > 0) {
-      std::this_thread::sleep_for(std::chrono::duration<double>(slow));
-      w.total_s += slow;
-    }
+    SlowDiskForTest(&w);
     if (s.ok()) LogWrite(steps_done, setup.dir, w, true);
     return std::make_pair(s, w);
   });

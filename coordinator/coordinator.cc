@@ -16,7 +16,6 @@
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/session.h"
-#include "common/test_hooks.h"
 #include "common/time_util.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
@@ -595,9 +594,7 @@ Status Coordinator::Finish(Status st) {
       writer_->TakeCompleted();
       auto all = writer_->all_completed();
       std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.after_step < b.after_step; });
-      for (const auto& c : all)
-        summary["checkpoints"].push_back({{"after_step", c.after_step}, {"bytes", c.bytes}, {"write_s", c.write_s},
-                                          {"checksum_s", c.checksum_s}, {"background", c.background}});
+      for (const auto& c : all) summary["checkpoints"].push_back(core::CheckpointJson(c));
     }
     if (st.ok()) {
       const double wall = times_.makespan_s;

@@ -108,9 +108,10 @@ std::vector<StateSection> HostState::Sections() {
                          (layout_.masters_in_state ? "master of " : "weights (buffer " + std::to_string(b) + ") of ") +
                              spec_.params[p].name});
     }
-  return {{"optim", optim_->data(), layout_.optim_total_bytes, Describer(std::move(optim))},
-          {"compute", state_->data() + layout_.compute_begin, region * static_cast<uint64_t>(layout_.compute_buffers),
-           Describer(std::move(compute))}};
+  std::vector<StateSection> sections = CheckpointSections(layout_, optim_->data(), state_->data());
+  sections[0].describe = Describer(std::move(optim));
+  sections[1].describe = Describer(std::move(compute));
+  return sections;
 }
 
 Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,

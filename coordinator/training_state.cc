@@ -127,6 +127,13 @@ StatusOr<nlohmann::json> ReadHeader(int fd, const std::string& path, uint64_t fi
 
 }  // namespace
 
+std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim, uint8_t* state) {
+  const uint64_t region = layout.compute_end - layout.compute_begin;
+  return {{"optim", optim, layout.optim_total_bytes},
+          {"compute", state ? state + layout.compute_begin : nullptr,
+           region * static_cast<uint64_t>(layout.compute_buffers)}};
+}
+
 uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec,
                            const shm::ArenaLayout& layout) {
   uint64_t h = HashKey({0x5741u, static_cast<uint64_t>(layout.compute_elem_bytes),

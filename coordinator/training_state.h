@@ -56,6 +56,11 @@ struct StateFile {
   int64_t steps_done = 0;
 };
 
+// The sections a checkpoint of this layout holds: "optim" (the optimizer segment) and "compute"
+// (every compute-copy buffer of the state segment). `optim` and `state` are the mapped segments,
+// or null where only the sizes are wanted (checking a header).
+std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim, uint8_t* state);
+
 // What must match for a checkpoint to be loadable into this job's segments.
 uint64_t TrainingStateHash(const core::JobConfig& config, const core::ModelSpec& spec,
                            const shm::ArenaLayout& layout);

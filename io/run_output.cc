@@ -104,6 +104,11 @@ MetricsWriter::~MetricsWriter() {
   if (f_) std::fclose(f_);
 }
 
+nlohmann::json CheckpointJson(const StepMetrics::Checkpoint& c) {
+  return {{"after_step", c.after_step}, {"bytes", c.bytes}, {"write_s", c.write_s}, {"checksum_s", c.checksum_s},
+          {"background", c.background}};
+}
+
 Status MetricsWriter::Append(const StepMetrics& m) {
   nlohmann::json j;
   j["step"] = m.step;
@@ -122,9 +127,7 @@ Status MetricsWriter::Append(const StepMetrics& m) {
     j["h2d_bytes"] = m.h2d_bytes;
     if (m.step_time_s > 0) j["h2d_gb_per_s"] = static_cast<double>(m.h2d_bytes) / m.step_time_s / 1e9;
   }
-  for (const auto& c : m.checkpoints)
-    j["checkpoints"].push_back({{"after_step", c.after_step}, {"bytes", c.bytes}, {"write_s", c.write_s},
-                                {"checksum_s", c.checksum_s}, {"background", c.background}});
+  for (const auto& c : m.checkpoints) j["checkpoints"].push_back(CheckpointJson(c));
   std::string line = j.dump() + "\n";
   if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
     return Status::FromErrno("writing metrics", errno);

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "config/job_config.h"
@@ -54,6 +56,9 @@ struct StepMetrics {
   };
   std::vector<Checkpoint> checkpoints;
 };
+
+// A checkpoint record as metrics.jsonl and summary.json write it.
+nlohmann::json CheckpointJson(const StepMetrics::Checkpoint& c);
 
 class MetricsWriter {
  public:

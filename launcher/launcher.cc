@@ -220,11 +220,8 @@ Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, c
   if (found.steps_done >= cfg.train.steps)
     return Status::InvalidArgument(found.path + " already holds all " + std::to_string(cfg.train.steps) +
                                    " steps of this job");
-  const std::vector<coord::StateSection> sections = {
-      {"optim", nullptr, layout.optim_total_bytes},
-      {"compute", nullptr, (layout.compute_end - layout.compute_begin) * static_cast<uint64_t>(layout.compute_buffers)}};
   return coord::CheckTrainingState(found, coord::TrainingStateHash(cfg, spec, layout), layout.masters_in_state,
-                                   sections);
+                                   coord::CheckpointSections(layout, nullptr, nullptr));
 }
 
 // Seconds since the coordinator's last beat; 0 before its first (the file does not exist yet).
