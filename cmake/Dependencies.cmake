@@ -53,3 +53,17 @@ endif()
 message(STATUS "RoundPipe: RP_WITH_CUDA=${RP_WITH_CUDA}, Torch ${Torch_VERSION}")
 
 find_package(GTest QUIET)
+
+# Several nodes: LibTorch's c10d (TCPStore) for the rendezvous, its ProcessGroupGloo for CPU
+# workers' cross-node sums. Debian's LibTorch has both, Gloo's headers coming from libgloo-dev.
+set(RP_WITH_C10D OFF)
+set(RP_WITH_GLOO OFF)
+find_path(RP_C10D_INCLUDE torch/csrc/distributed/c10d/TCPStore.hpp HINTS ${TORCH_INCLUDE_DIRS})
+if(RP_C10D_INCLUDE)
+  set(RP_WITH_C10D ON)
+  find_path(RP_GLOO_INCLUDE gloo/context.h HINTS ${TORCH_INCLUDE_DIRS})
+  if(RP_GLOO_INCLUDE AND EXISTS "${RP_C10D_INCLUDE}/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp")
+    set(RP_WITH_GLOO ON)
+  endif()
+endif()
+message(STATUS "RoundPipe: several nodes: c10d ${RP_WITH_C10D}, Gloo ${RP_WITH_GLOO}")

@@ -234,6 +234,10 @@ const std::vector<KeySpec>& Table() {
             "A worker that sends nothing (not even its once-a-second heartbeat) for this long is "
             "declared hung: the coordinator kills it and, while restarts remain, its replacement "
             "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
+      Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 1.0, 86400.0,
+            "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
+            "this long (process killed, host gone, network cut) stops every other node, each naming "
+            "it; also the bound on the rendezvous and on each cross-node reduction"),
 
       Str("model", "path", F(model.path), "",
           "Hugging Face model directory (Llama, Qwen2, Qwen3 or Mistral; relative to the job file): its "
@@ -403,6 +407,9 @@ const std::vector<KeySpec>& Table() {
       Float("schedule", "drift", F(schedule.drift), 0.2, 0.0, 100.0,
             "After profiling, measured step times off the prediction by more than this fraction "
             "for 3 steps in a row trigger a new profile (and a re-plan check); 0 = never"),
+      Float("schedule", "node_link_gb_s", F(schedule.node_link_gb_s), 10.0, 0.0, 1e6,
+            "Several nodes: the bandwidth between nodes (GB/s, each direction) the planner and rp-plan "
+            "--nnodes assume for the cross-node gradient sums; 0 = free"),
       Float("schedule", "gpu_memory_gb", F(schedule.gpu_memory_gb), 0.0, 0.0, 1e6,
             "Per-worker memory limit the auto planner respects, against its estimate of the "
             "tensors allocated at the peak (rp-plan prints its parts; measured on the H200: 1.7B "
@@ -748,6 +755,24 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path,
   if (!cfg.ok()) return Status::InvalidArgument(path + ": " + cfg.status().message());
   cfg->source_path = abs.string();
   return cfg;
+}
+
+Status CheckNodes(const JobConfig& c) {
+  const int64_t n = c.nodes.count;
+  if (n < 1 || c.nodes.rank < 0 || c.nodes.rank >= n)
+    return Status::InvalidArgument("nodes: rank " + std::to_string(c.nodes.rank) + " of " + std::to_string(n) +
+                                   " nodes is not a node of the run");
+  if (n == 1) return Status::Ok();
+  const RoundShape g = GlobalRound(c);
+  if (g.microbatches % n != 0)
+    return Status::InvalidArgument(
+        "train.microbatches: a step's " + std::to_string(g.microbatches) + " microbatches per round" +
+        (g.merged_calls > 1 ? " (train.accum_calls x train.microbatches, the calls run merged)" : std::string()) +
+        " do not split evenly over " + std::to_string(n) + " nodes; make it a multiple of the node count");
+  if (c.job.device == DeviceKind::kCuda)
+    return Status::InvalidArgument("job.device: \"cuda\" with " + std::to_string(n) +
+                                   " nodes: this build sums gradients across nodes between CPU workers (Gloo) only");
+  return Status::Ok();
 }
 
 }  // namespace rp::core

@@ -12,6 +12,7 @@
 //  * The struct is a plain value: copy it freely; no thread-safety concerns.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -161,6 +162,7 @@ struct ScheduleConfig {
   int64_t profile_steps = 2;        // steps timed per layer after a warm-up step; 0 = none
   double replan_gain = 0.05;        // predicted speed-up that justifies restarting on a new plan
   double drift = 0.2;               // measured/predicted step mismatch that triggers re-profiling
+  double node_link_gb_s = 10.0;     // several nodes: the planner's bandwidth between nodes
 };
 
 struct CheckpointConfig {
@@ -195,6 +197,18 @@ struct JobOptions {
   DeviceKind device = DeviceKind::kAuto;
   int64_t max_worker_restarts = 3;  // replacements the launcher starts for dead workers
   double worker_timeout_s = 60.0;   // a worker silent this long is declared hung; 0 = never
+  double node_timeout_s = 60.0;     // several nodes: a node silent this long stops the others
+};
+
+// Data-parallel nodes (rp-launch --nnodes, or torchrun's or Slurm's environment): one rp-launch
+// per host, each with its own coordinator, workers and shared memory; a step's microbatches are
+// split between them and the gradients summed across them before the update. Resolved by
+// rp-launch (launcher/node_world.h), never read from the job file.
+struct NodesConfig {
+  int64_t count = 1;
+  int64_t rank = 0;
+  std::string store_host;  // the rendezvous store, hosted by node 0's rp-launch
+  int64_t store_port = 0;
 };
 
 struct JobConfig {
@@ -208,6 +222,7 @@ struct JobConfig {
   CheckpointConfig checkpoint;
   MetricsConfig metrics;
   BenchKnobs bench;
+  NodesConfig nodes;
 
   std::string source_path;       // the job file, absolute
 
@@ -285,10 +300,28 @@ struct RoundShape {
   int64_t microbatches = 1;
   int64_t merged_calls = 1;
 };
-inline RoundShape Round(const JobConfig& c) {
+// With several nodes (NodesConfig) Round() is this node's share: each round's microbatches are
+// split evenly, node r taking the r-th contiguous block (CheckNodes refuses an uneven split), and
+// GlobalRound() is the whole step's. Data indices and dropout keys come from StepMicrobatch(), so
+// a step draws the same sequences whatever the node count.
+inline RoundShape GlobalRound(const JobConfig& c) {
   if (MergeCalls(c)) return {1, c.train.accum_calls * c.train.microbatches, c.train.accum_calls};
   return {c.train.accum_calls, c.train.microbatches, 1};
 }
+inline RoundShape Round(const JobConfig& c) {
+  RoundShape r = GlobalRound(c);
+  r.microbatches /= std::max<int64_t>(1, c.nodes.count);
+  return r;
+}
+// The index within its step of this node's microbatch `mb` of round `call`: the key of its data
+// and its dropout masks, the same for every node count.
+inline int64_t StepMicrobatch(const JobConfig& c, int64_t call, int64_t mb) {
+  return call * GlobalRound(c).microbatches + c.nodes.rank * Round(c).microbatches + mb;
+}
+// Whether `c` can run on c.nodes.count nodes: the step's microbatches split evenly, and what the
+// cross-node reduction does not cover (CUDA workers without the NCCL path, a plan that a node
+// could change on its own) refused, naming the key.
+Status CheckNodes(const JobConfig& c);
 
 // schedule.activations = "cuda_ipc": true when every worker keeps the hidden states and
 // input gradients it produces in its own activation pool (device memory for CUDA workers,

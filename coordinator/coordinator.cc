@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -129,6 +130,8 @@ class Coordinator {
   RunTimes times_;
   bool graceful_ = false;                 // a graceful stop moved stop_step (SIGINT)
   std::optional<std::string> replan_to_;  // the plan the run stopped to resume on
+  // Node 0 alone writes checkpoints and exports: the replicas hold the same state.
+  bool WritesOutputs() const { return cfg_.nodes.rank == 0; }
 };
 
 Status Coordinator::ActivationsLost(const std::string& what) const {
@@ -170,11 +173,19 @@ Status Coordinator::Setup() {
       return Status::InvalidArgument("--resume: " + found->path + " already holds all " +
                                      std::to_string(cfg_.train.steps) + " steps of this job");
     if (window_.first_step >= window_.stop_step) window_.stop_step = cfg_.train.steps;  // the stop that wrote it
+  }
+  // A node that joins a resumed run (more nodes than before) starts its own output directory.
+  std::error_code ec;
+  const bool node_joins = cfg_.nodes.rank > 0 && !std::filesystem::exists(cfg_.job.output_dir + "/metrics.jsonl", ec);
+  if (opts_.resume && !node_joins) {
     RP_RETURN_IF_ERROR(core::PrepareOutputDirForResume(cfg_, window_.first_step));
     RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::OpenForAppend(cfg_.job.output_dir + "/metrics.jsonl"));
     metrics_.emplace(std::move(mw));
   } else {
-    RP_RETURN_IF_ERROR(core::PrepareOutputDir(cfg_));
+    core::JobConfig fresh = cfg_;
+    // Checkpoint.dir is node 0's, which a resumed run reads from: only this node's files count.
+    if (node_joins && opts_.resume) fresh.checkpoint.dir = "checkpoints";
+    RP_RETURN_IF_ERROR(core::PrepareOutputDir(fresh));
     RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::Open(cfg_.job.output_dir + "/metrics.jsonl"));
     metrics_.emplace(std::move(mw));
   }
@@ -252,7 +263,8 @@ Status Coordinator::StartParts() {
   writer.state_hash = ckpt_.state_hash;
   writer.masters_in_state = layout_.masters_in_state;
   writer.keep = static_cast<int>(cfg_.checkpoint.keep);
-  writer.background = cfg_.checkpoint.every > 0;  // else only a final checkpoint, written on the loop
+  // Else only a final checkpoint, written on the loop.
+  writer.background = cfg_.checkpoint.every > 0 && WritesOutputs();
   writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
   if (cfg_.checkpoint.every > 0)
     RP_LOG(INFO) << "checkpoints are written "
@@ -360,6 +372,11 @@ int64_t Coordinator::EarliestStop() const {
 Status Coordinator::MaybeReplan() {
   auto better = profiler_->TakeBetterPlan();
   if (!better) return Status::Ok();
+  if (cfg_.nodes.count > 1) {
+    RP_LOG(INFO) << "the profile favours " << better->plan.Describe() << " (predicted step " << better->step_seconds
+                 << " s); the nodes of a multi-node run keep the plan they share";
+    return Status::Ok();
+  }
   // Restarting costs a checkpoint and a start-up: only worth it with steps left to gain on.
   const int64_t stop_after = EarliestStop();
   if (window_.stop_step - stop_after < 3) {
@@ -398,7 +415,7 @@ int64_t Coordinator::StepH2dBytes() const {
 
 Status Coordinator::MaybeCheckpoint(int64_t t) {
   const int64_t done = t + 1;
-  if (t < window_.first_step || done <= ckpt_.requested) return Status::Ok();
+  if (!WritesOutputs() || t < window_.first_step || done <= ckpt_.requested) return Status::Ok();
   const bool periodic = PeriodicCheckpointAfter(cfg_, t);
   const bool last = done == window_.stop_step && (cfg_.checkpoint.every > 0 || window_.stop_step < cfg_.train.steps);
   if (!periodic && !last) return Status::Ok();
@@ -419,7 +436,7 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
 // A periodic checkpoint after step t is due and t's update is done: the copy can start while the
 // next step computes (CheckpointWriter).
 void Coordinator::MaybeStartSnapshot() {
-  if (cfg_.checkpoint.every <= 0) return;
+  if (cfg_.checkpoint.every <= 0 || !WritesOutputs()) return;
   const int64_t every = cfg_.checkpoint.every;
   const int64_t done = (std::max(ckpt_.requested, window_.first_step) / every + 1) * every;
   if (done > window_.stop_step || !optimizer_->Updated(done - 1) || evals_->last_final_step() >= done) return;
@@ -460,7 +477,7 @@ Status Coordinator::ReportSteps() {
     m.loss = st->loss_sum / static_cast<double>(st->targets);
     m.lr = optimizer_->LearningRate(s);
     m.grad_norm = *norm;
-    m.tokens = round_.calls * round_.microbatches * cfg_.TokensPerMicrobatch();
+    m.tokens = round_.calls * round_.microbatches * cfg_.TokensPerMicrobatch() * cfg_.nodes.count;  // every node's
     m.step_time_s = now - times_.last_report;
     m.bubble_ratio = std::max(0.0, 1.0 - st->busy_s / (m.step_time_s * opts_.num_workers));
     m.h2d_bytes = times_.h2d_bytes_per_step;
@@ -557,7 +574,8 @@ Status Coordinator::Finish(Status st) {
       write_errors.push_back("trace.json: " + trace.message());
     }
   }
-  if (st.ok() && (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
+  if (st.ok() && WritesOutputs() &&
+      (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
     st = core::ExportTrainedModel(
         cfg_, spec_, [&](int p) { return static_cast<const float*>(host_->Master(p)); },
         [&](int f, float* out) { host_->ReadFrozen(f, out); });
@@ -574,7 +592,7 @@ Status Coordinator::Finish(Status st) {
         {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
         // RP_MERGE_CALLS: the job file's calls that ran as this one round (1 = as written).
-        {"merged_calls", round_.merged_calls}};
+        {"merged_calls", round_.merged_calls}, {"nodes", cfg_.nodes.count}, {"node_rank", cfg_.nodes.rank}};
     if (!st.ok()) summary["error"] = st.ToString();
     if (!write_errors.empty()) summary["write_errors"] = write_errors;
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();
@@ -599,7 +617,7 @@ Status Coordinator::Finish(Status st) {
     if (st.ok()) {
       const double wall = times_.makespan_s;
       const int64_t tokens = (window_.stop_step - window_.first_step) * round_.calls * round_.microbatches *
-                             cfg_.TokensPerMicrobatch();
+                             cfg_.TokensPerMicrobatch() * cfg_.nodes.count;
       summary["last_step"] = window_.stop_step;
       summary["wall_s"] = wall;
       summary["tokens_per_s"] = static_cast<double>(tokens) / wall;

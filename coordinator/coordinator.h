@@ -37,7 +37,10 @@ struct CoordinatorOptions {
   bool resume = false;            // continue from the newest training-state checkpoint
 };
 
-// Runs the whole job. Returns OK after the last step's metrics are written. With
+// Runs the whole job. Returns OK after the last step's metrics are written. With several nodes,
+// node 0 alone writes checkpoints and exports, every node reports the whole step's loss (its
+// fused tail jobs' workers sum it across the nodes) and tokens, and no node re-plans on its own
+// (they run one plan). With
 // schedule.partition = "auto", a fresh profile may show that another plan is clearly faster
 // (schedule.replan_gain): the run then stops after a checkpoint, returns OK with *replan set,
 // and rp-launch resumes it on the plan made from <output_dir>/profile.json.

@@ -73,7 +73,10 @@ Status StepDispatch::FeedCall(int64_t g) {
   // call + 2) before the step's last call is fed.
   if (call == 0) step_rows_.clear();
   const auto rows = core::SortedTokenRows(call_tokens, parts_.cfg.TokensPerMicrobatch(), parts_.cfg.model.vocab_size);
-  if (K == 1) {
+  if (parts_.cfg.nodes.count > 1) {
+    // The gradient summed across the nodes touches every node's rows.
+    if (call == 0) parts_.optimizer.SetTouchedRows(step, StepRows(step));
+  } else if (K == 1) {
     parts_.optimizer.SetTouchedRows(step, rows);
   } else {
     step_rows_.insert(rows.begin(), rows.end());
@@ -92,14 +95,15 @@ Status StepDispatch::FeedCall(int64_t g) {
 
 std::vector<int64_t> StepDispatch::StepRows(int64_t step) {
   // Dataset::Fill is a pure function of (step, call, microbatch): drawing ahead changes nothing.
+  // Every node's microbatches: the rows of the gradient summed across the nodes.
   const int64_t per_mb = parts_.cfg.TokensPerMicrobatch();
-  const int64_t M = parts_.round.microbatches;
-  const int64_t count = parts_.round.calls * M;
+  const core::RoundShape whole = core::GlobalRound(parts_.cfg);
+  const int64_t count = whole.calls * whole.microbatches;
   std::vector<int64_t> tokens(static_cast<size_t>(count * per_mb)), labels(static_cast<size_t>(per_mb));
   std::vector<const int64_t*> slots;
   for (int64_t i = 0; i < count; ++i) {
     int64_t* t = tokens.data() + i * per_mb;
-    parts_.data.Fill(step, i / M, i % M, t, labels.data());
+    parts_.data.FillStepMicrobatch(step, i, t, labels.data());
     slots.push_back(t);
   }
   return core::SortedTokenRows(slots, per_mb, parts_.cfg.model.vocab_size);
@@ -191,7 +195,8 @@ Status StepDispatch::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) 
   parts_.profiler.OnMicrobatch(j->run, d.microbatch, interval_s, (d.flags & proto::kMicrobatchLayerMajor) != 0);
   StepProgress& st = steps_.at(j->step);
   st.busy_s += interval_s;
-  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail) {
+  // Several nodes: the tail's JobDone brings the loss summed over every node instead.
+  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail && parts_.cfg.nodes.count == 1) {
     st.loss_sum += d.loss_sum;
     st.targets += d.targets;
   }
@@ -217,6 +222,11 @@ StatusOr<StageJob> StepDispatch::OnJobDone(int rank, const proto::JobDone& d) {
   if (j->done || j->next_mb != parts_.round.microbatches || (needs_commit && !j->commit_sent))
     return Status::ProtocolError("premature JobDone for job " + std::to_string(d.job_index));
   j->done = true;
+  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail && parts_.cfg.nodes.count > 1) {
+    StepProgress& st = steps_.at(j->step);
+    st.loss_sum += d.nodes_loss_sum;
+    st.targets += d.nodes_targets;
+  }
   j->start_us = d.start_us;
   j->fetch_end_us = d.fetch_end_us;
   j->end_us = d.end_us;

@@ -396,7 +396,7 @@ at::Tensor Executor::StageInput(int mb) {
 }
 
 void Executor::SetDropoutKeyFor(int mb) {
-  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, job_.call * round_.microbatches + mb));
+  math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, core::StepMicrobatch(cfg_, job_.call, mb)));
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
@@ -639,6 +639,33 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
   });
   if (!s.ok()) return s;
   return ticket;
+}
+
+StatusOr<at::Tensor> Executor::GatherHeld(int64_t job_index) {
+  auto it = held_.find(job_index);
+  if (it == held_.end())
+    return Status::ProtocolError("commit grant for job " + std::to_string(job_index) +
+                                 ", which holds no gradients here");
+  at::Tensor flat;
+  Status s = Guarded([] { return std::string("gathering gradients for the cross-node sum"); }, [&]() -> Status {
+    int64_t total = 0;
+    for (const auto& g : it->second) total += c10::multiply_integers(g.shape);
+    flat = at::zeros({total}, at::TensorOptions().dtype(at::kFloat));
+    int64_t off = 0;
+    for (auto& g : it->second) {
+      const int64_t n = c10::multiply_integers(g.shape);
+      at::Tensor view = flat.narrow(0, off, n).view(g.shape);
+      if (g.accum.defined()) {
+        if (!g.accum.is_cpu()) return Status::Internal("cross-node sums take CPU gradients only");
+        view.copy_(g.accum);
+      }
+      g.accum = view;
+      off += n;
+    }
+    return Status::Ok();
+  });
+  if (!s.ok()) return s;
+  return flat;
 }
 
 void Executor::End() {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <future>
 #include <map>
 #include <optional>
 #include <thread>
@@ -26,6 +27,7 @@
 #include "gpu_worker/executor.h"
 #include "gpu_worker/kernel_trace.h"
 #include "gpu_worker/guarded.h"
+#include "nodes/node_reduction.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
 #include "shm/layout.h"
@@ -114,6 +116,8 @@ class Worker {
     ActiveJob job;
     bool has_grads = false;
     bool announced = false;
+    bool reducing = false;  // several nodes: its gradients are being summed across them
+    at::Tensor loss;        // ... and, for a fused tail, its loss sum and target count (fp64)
     bool committing = false;
     uint64_t ticket = 0;
   };
@@ -123,6 +127,17 @@ class Worker {
   // job -> microbatches whose input is ready, with the pools holding it (activation pools)
   std::map<int64_t, std::map<int, InputSources>> ready_;
   std::map<int64_t, bool> commit_granted_;  // job -> accumulate
+  // Several nodes (core::NodesConfig): the group of this rank's workers of every node, joined in
+  // the background from the start of the run (the other nodes may start later); a granted
+  // commit first sums the job's gradients across it, one job at a time, in job order.
+  std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_;
+  std::unique_ptr<nodes::NodeReduction> reduction_;
+  std::map<int64_t, std::pair<double, int64_t>> job_loss_;  // several nodes: job -> this node's loss, targets
+  // JobDone for `f`, with its loss summed over the nodes when it has one.
+  proto::JobDone DoneMessage(const Finishing& f) const;
+  // Starts the cross-node sum of the gradients of `f`, granted; false while the group is still
+  // being joined.
+  StatusOr<bool> StartReduction(Finishing& f);
   bool shutdown_ = false;
   bool waiting_for_weights_ = false;
   double last_heartbeat_ = 0.0;
@@ -309,7 +324,10 @@ StatusOr<bool> Worker::Progress() {
   const bool grads = exec_->HasGrads();
   if (grads) exec_->Detach();
   else exec_->End();
-  finishing_.push_back({a, grads});
+  Finishing f;
+  f.job = a;
+  f.has_grads = grads;
+  finishing_.push_back(std::move(f));
   ready_.erase(id);
   queue_.pop_front();
   return true;
@@ -374,6 +392,11 @@ StatusOr<bool> Worker::Finish() {
     last_done_end_us_ = f.done.end_us;
     f.done.loss_sum = f.result.loss_sum;
     f.done.targets = f.result.targets;
+    if (cfg_.nodes.count > 1 && f.done.targets > 0) {
+      auto& [loss, targets] = job_loss_[f.done.job_index];
+      loss += f.done.loss_sum;
+      targets += f.done.targets;
+    }
     if (f.result.layer_major) f.done.flags |= proto::kMicrobatchLayerMajor;
     for (const auto& t : f.result.layer_times) RP_RETURN_IF_ERROR(channel_->Send(t));
     RP_RETURN_IF_ERROR(channel_->Send(f.done));
@@ -387,6 +410,7 @@ StatusOr<bool> Worker::Finish() {
       device_->ClearMarks();
     worked = true;
   }
+  bool reduction_busy = false;  // an earlier job's cross-node sum is pending or not yet granted
   for (auto it = finishing_.begin(); it != finishing_.end();) {
     const int64_t id = it->job.job.job_index;
     if (!it->announced) {
@@ -397,11 +421,39 @@ StatusOr<bool> Worker::Finish() {
       it->announced = true;
       worked = true;
       if (!it->has_grads) {
-        RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, it->job.start_us, it->job.fetch_end_us, WallMicros()}));
+        RP_RETURN_IF_ERROR(channel_->Send(DoneMessage(*it)));
         it = finishing_.erase(it);
         continue;
       }
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
+    }
+    if (cfg_.nodes.count > 1 && !it->committing) {
+      if (!it->reducing) {
+        // Every node's same-rank worker sums the same jobs in the same order: job order, so a
+        // later job granted first waits for the earlier one.
+        if (reduction_busy || !commit_granted_.count(id)) {
+          reduction_busy = true;
+          ++it;
+          continue;
+        }
+        auto started = StartReduction(*it);
+        if (!started.ok()) return Fail(id, started.status());
+        if (!*started) {
+          reduction_busy = true;
+          ++it;
+          continue;
+        }
+        it->reducing = true;
+        worked = true;
+      }
+      auto summed = reduction_->Poll();
+      if (!summed.ok()) return Fail(id, summed.status());
+      if (!*summed) {
+        reduction_busy = true;
+        ++it;
+        continue;
+      }
+      it->reducing = false;
     }
     if (!it->committing) {
       auto grant = commit_granted_.find(id);
@@ -426,11 +478,39 @@ StatusOr<bool> Worker::Finish() {
       ++it;
       continue;
     }
-    RP_RETURN_IF_ERROR(channel_->Send(proto::JobDone{id, it->job.start_us, it->job.fetch_end_us, WallMicros()}));
+    RP_RETURN_IF_ERROR(channel_->Send(DoneMessage(*it)));
     it = finishing_.erase(it);
     worked = true;
   }
   return worked;
+}
+
+StatusOr<bool> Worker::StartReduction(Finishing& f) {
+  if (!reduction_) {
+    if (joining_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    RP_ASSIGN_OR_RETURN(reduction_, joining_.get());
+    RP_LOG(INFO) << "joined the cross-node reduction group of worker " << opts_.rank << " (" << cfg_.nodes.count
+                 << " nodes)";
+  }
+  RP_ASSIGN_OR_RETURN(at::Tensor flat, exec_->GatherHeld(f.job.job.job_index));
+  if (plan_.stages[f.job.job.stage].kind == core::StageKind::kFusedTail) {
+    const auto [loss, targets] = job_loss_[f.job.job.job_index];
+    job_loss_.erase(f.job.job.job_index);
+    f.loss = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+    f.loss[0] = loss;
+    f.loss[1] = static_cast<double>(targets);
+  }
+  RP_RETURN_IF_ERROR(reduction_->Start(std::move(flat), f.loss));
+  return true;
+}
+
+proto::JobDone Worker::DoneMessage(const Finishing& f) const {
+  proto::JobDone d{f.job.job.job_index, f.job.start_us, f.job.fetch_end_us, WallMicros(), 0.0, 0};
+  if (f.loss.defined()) {
+    d.nodes_loss_sum = f.loss[0].item<double>();
+    d.nodes_targets = static_cast<int64_t>(f.loss[1].item<double>());
+  }
+  return d;
 }
 
 Status Worker::Run() {
@@ -448,6 +528,16 @@ Status Worker::Run() {
                                    "by this build");
   if (!use_cuda_ && cfg_.train.dtype == core::TrainDtype::kBf16)
     return Status::InvalidArgument("train.dtype: \"bf16\" needs CUDA workers");
+  if (cfg_.nodes.count > 1) {
+    if (use_cuda_)
+      return Status::InvalidArgument("job.device: CUDA workers with " + std::to_string(cfg_.nodes.count) +
+                                     " nodes: this build sums gradients across nodes between CPU workers (Gloo) "
+                                     "only; set job.device = \"cpu\"");
+    nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
+                           cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
+    const int rank = opts_.rank;
+    joining_ = std::async(std::launch::async, [group, rank] { return nodes::NodeReduction::Join(group, rank); });
+  }
 
   RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
   channel_.emplace(std::move(ch));
@@ -522,7 +612,9 @@ Status Worker::Run() {
     // job's weights are still being published layer by layer (so each is copied when it appears).
     const bool prefetching = queue_.size() > 1 && queue_.front().begun && !queue_[1].eval && !queue_[1].prefetched;
     const bool polling = waiting_for_weights_ || prefetching || !in_flight_.empty() ||
-                         std::any_of(finishing_.begin(), finishing_.end(), [](const Finishing& f) { return f.committing; });
+                         std::any_of(finishing_.begin(), finishing_.end(),
+                                     [](const Finishing& f) { return f.committing || f.reducing; }) ||
+                         (cfg_.nodes.count > 1 && !finishing_.empty());
     // Block only when nothing can move; otherwise just drain what has arrived.
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));
     while (m) {

@@ -18,7 +18,6 @@ namespace rp::core {
 StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) {
   Dataset d;
   d.config_ = c;
-  d.round_ = Round(c);
   d.key_ = key;
   if (c.data.format == core::DataFormat::kBytes) {
     std::ifstream in(c.data.path, std::ios::binary);
@@ -196,10 +195,16 @@ const std::vector<int64_t>& Dataset::Permutation(int64_t epoch) {
 }
 
 void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels) {
+  FillStepMicrobatch(step, StepMicrobatch(config_, call, mb), tokens, labels);
+}
+
+void Dataset::FillStepMicrobatch(int64_t step, int64_t first, int64_t* tokens, int64_t* labels) {
   const auto& t = config_.train;
+  const RoundShape whole = GlobalRound(config_);
+  const int64_t step_microbatches = whole.calls * whole.microbatches;
   const int64_t S = config_.data.seq_len;
   for (int64_t i = 0; i < t.microbatch_size; ++i) {
-    const int64_t g = ((step * round_.calls + call) * round_.microbatches + mb) * t.microbatch_size + i;
+    const int64_t g = (step * step_microbatches + first) * t.microbatch_size + i;
     if (config_.data.format == core::DataFormat::kRandom) {
       FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0x5EEDu, static_cast<uint64_t>(g)}),
                  tokens + i * S, labels + i * S);
@@ -263,11 +268,11 @@ int64_t Dataset::CountStepTargets(int64_t step) {
   const int64_t n = t.microbatch_size * config_.data.seq_len;
   std::vector<int64_t> tok(n), lab(n);
   int64_t count = 0;
-  for (int64_t c = 0; c < round_.calls; ++c)
-    for (int64_t m = 0; m < round_.microbatches; ++m) {
-      Fill(step, c, m, tok.data(), lab.data());
-      for (auto l : lab) count += l != kIgnoreIndex;
-    }
+  const RoundShape whole = GlobalRound(config_);
+  for (int64_t k = 0; k < whole.calls * whole.microbatches; ++k) {
+    FillStepMicrobatch(step, k, tok.data(), lab.data());
+    for (auto l : lab) count += l != kIgnoreIndex;
+  }
   return count;
 }
 

@@ -16,10 +16,11 @@
 // "random", a synthetic stream of its own. FillEval(i) writes eval microbatch i from the eval
 // windows in file order (no shuffling), so every evaluation sees the same set.
 //
-// Contract: Fill(step, call, mb) writes microbatch `mb` of accumulation call `call` of optimizer
+// Contract: Fill(step, call, mb) writes this node's microbatch `mb` of round `call` of optimizer
 // step `step` as int64 token ids and labels ([microbatch_size, seq_len] each, row-major). The
-// result is a pure function of (config, seed, step, call, mb): the pipelined coordinator and
-// rp-train-ref draw identical batches. Labels use -100 for ignored positions.
+// result is a pure function of (config, seed, step, StepMicrobatch(call, mb)): the pipelined
+// coordinator and rp-train-ref draw identical batches, and a step draws the same sequences
+// whatever the node count. Labels use -100 for ignored positions.
 // Not thread-safe (epoch permutations are cached); one owner per process.
 #pragma once
 
@@ -44,8 +45,12 @@ class Dataset {
   static StatusOr<Dataset> OpenEval(const JobConfig& config);
 
   void Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels);
+  // Microbatch `index` of step `step` counted over the whole step, every node's microbatches
+  // (core::StepMicrobatch): Fill(step, call, mb) is FillStepMicrobatch(step, StepMicrobatch(...)).
+  void FillStepMicrobatch(int64_t step, int64_t index, int64_t* tokens, int64_t* labels);
   void FillEval(int64_t index, int64_t* tokens, int64_t* labels);
-  // Number of labels != kIgnoreIndex in one optimizer step (loss normalizer).
+  // Number of labels != kIgnoreIndex in one optimizer step, over every node's microbatches (the
+  // loss normalizer).
   int64_t CountStepTargets(int64_t step);
   int64_t NumWindows() const { return windows_; }
 
@@ -62,7 +67,6 @@ class Dataset {
   int64_t TokenAt(int64_t i) const;
 
   JobConfig config_;
-  RoundShape round_;  // Round(config_), decided once at Open
   std::vector<uint8_t> bytes_;
   std::shared_ptr<const MappedFile> tokens_map_;  // "tokens": the mapped file, shared by copies
   const uint8_t* tokens_ = nullptr;

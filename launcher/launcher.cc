@@ -26,6 +26,7 @@
 #include "coordinator/training_state.h"
 #include "io/peft.h"
 #include "planning/partitioner.h"
+#include "launcher/node_link.h"
 #include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "planning/profile.h"
@@ -273,7 +274,12 @@ Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes) {
 int RunSession(const LaunchOptions& o) {
   // The run's decisions, made once here; the coordinator and the workers read them from the
   // runtime directory (planning/run_spec.h).
-  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus);
+  core::NodesConfig nodes;
+  nodes.count = o.world.nodes;
+  nodes.rank = o.world.rank;
+  nodes.store_host = o.world.store_host;
+  nodes.store_port = o.world.store_port;
+  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes);
   if (!resolved.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", resolved.status().message().c_str());
     return kExitBadConfig;
@@ -284,6 +290,16 @@ int RunSession(const LaunchOptions& o) {
   if (cfg->job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
     std::fprintf(stderr, "rp-launch: job.device = \"cuda\", but this build has no CUDA backend "
                          "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build\n");
+    return kExitBadConfig;
+  }
+  if (cfg->nodes.count > 1 && !RP_WITH_GLOO) {
+    std::fprintf(stderr, "rp-launch: several nodes need LibTorch's c10d with Gloo, which this build lacks (Debian: "
+                         "install libgloo-dev and rebuild)\n");
+    return kExitBadConfig;
+  }
+  if (cfg->nodes.count > 1 && RP_WITH_CUDA && cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() != 0) {
+    std::fprintf(stderr, "rp-launch: job.device = \"auto\" would give CUDA workers, and this build sums gradients "
+                         "across nodes between CPU workers only; set job.device = \"cpu\"\n");
     return kExitBadConfig;
   }
   // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
@@ -342,6 +358,21 @@ int RunSession(const LaunchOptions& o) {
   if (Status s = CheckHostMemory(*cfg, shared_bytes); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
+  }
+  // Several nodes: every node arrives with the same plan before anything starts.
+  std::unique_ptr<NodeLink> link;
+  if (cfg->nodes.count > 1) {
+    std::fprintf(stderr, "rp-launch: node %lld of %lld (%s), node store %s:%lld; waiting for the other nodes\n",
+                 static_cast<long long>(cfg->nodes.rank), static_cast<long long>(cfg->nodes.count),
+                 o.world.source.c_str(), cfg->nodes.store_host.c_str(), static_cast<long long>(cfg->nodes.store_port));
+    auto opened = NodeLink::Open(*cfg);
+    Status met = opened.ok() ? (*opened)->Meet(run.plan.Describe() + "; layout " + std::to_string(layout->hash))
+                             : opened.status();
+    if (!met.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", met.message().c_str());
+      return met.code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitPeerLost;
+    }
+    link = std::move(opened).value();
   }
   const std::string coord_bin = o.bin_dir + "/rp-coordinator";
   const std::string worker_bin = o.bin_dir + "/rp-worker";
@@ -543,6 +574,13 @@ int RunSession(const LaunchOptions& o) {
       }
     }
     if (all_done) break;
+    if (link && failure.empty()) {
+      if (auto lost = link->Tick()) {
+        failure = *lost;
+        exit_code = kExitPeerLost;
+        break;
+      }
+    }
     // A coordinator that stopped making progress (SIGSTOP, a hang) beats no more
     // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever.
     if (failure.empty() && !children[0].exit_info()) {
@@ -564,6 +602,11 @@ int RunSession(const LaunchOptions& o) {
       break;
     }
   }
+  if (link && !failure.empty() && !failed_role.empty()) {
+    // A failure here may be the echo of another node's (a reduction whose peer vanished).
+    link->Failing(failure);
+    if (auto cause = link->Diagnose()) failure = *cause + "; on this node: " + failure;
+  }
   if (!failure.empty()) std::fprintf(stderr, "rp-launch: %s; stopping the run\n", failure.c_str());
   // Stops whatever still runs (SIGTERM, then SIGKILL) and reaps it.
   for (auto it = children.rbegin(); it != children.rend(); ++it)
@@ -572,7 +615,8 @@ int RunSession(const LaunchOptions& o) {
   for (int f : respawn_fds)
     if (f >= 0) ::close(f);
   pump.Finish();
-  if (!failure.empty()) {
+  if (link) link->End(exit_code, failure);
+  if (!failure.empty() && !failed_role.empty()) {
     // Where it ran and how far the run got, then its own last words.
     const std::string device = pump.LastLineWith(failed_role, "joined: device");
     const std::string step = pump.LastLineWith("coordinator", "] step ");

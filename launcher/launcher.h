@@ -11,12 +11,17 @@
 //  * SIGINT/SIGTERM are forwarded to every child; the launcher then exits kExitInterrupted.
 //  * On every exit path the run's shared-memory segment and its 0700 runtime directory (control
 //    socket) are removed.
+//  * Several nodes (options.world): this node's rp-launch meets the others (launcher/node_link.h)
+//    before starting anything; a node that fails or is lost stops every other node, each naming
+//    it, within job.node_timeout_s.
 //  * Every process's output goes to the console and to job.output_dir/logs/<session>/<role>.log;
 //    a failure report ends with the failed process's last lines.
 #pragma once
 
 #include <string>
 #include <vector>
+
+#include "launcher/node_world.h"
 
 namespace rp::launch {
 
@@ -30,6 +35,7 @@ struct LaunchOptions {
   std::string bin_dir;  // where rp-coordinator and rp-worker live (default: beside rp-launch)
   int debug_worker = -1;       // this worker starts stopped, for a debugger to attach
   std::string worker_wrapper;  // a tool to run workers under, e.g. compute-sanitizer
+  NodeWorld world;             // which node of how many this is (node_world.h)
 };
 
 // Returns the process exit code (common/exit_codes.h).

@@ -10,9 +10,11 @@
 #include "common/logging.h"
 #include "config/job_config.h"
 #include "launcher/launcher.h"
+#include "launcher/node_world.h"
 
 int main(int argc, char** argv) {
   rp::launch::LaunchOptions o;
+  using rp::launch::NodeFlags;
   CLI::App app{"RoundPipe launcher: one coordinator and one worker per GPU"};
   app.add_option("--gpus", o.gpus, "workers to start (one per GPU; CPU workers when job.device = cpu)")
       ->check(CLI::Range(1, 4096));
@@ -27,6 +29,11 @@ int main(int argc, char** argv) {
                  "start this worker stopped and print how to attach a debugger to it");
   app.add_option("--worker-wrapper", o.worker_wrapper,
                  "run workers under a tool, e.g. compute-sanitizer or valgrind");
+  NodeFlags nodes;
+  app.add_option("--nnodes", nodes.nnodes, "nodes (hosts) of a multi-node run, one rp-launch on each")
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--node-rank", nodes.node_rank, "this node's rank, 0 .. nnodes - 1")->check(CLI::Range(0, 65535));
+  app.add_option("--master", nodes.master, "ADDR:PORT where node 0's rp-launch hosts the run's node store");
   bool print_keys = false;
   app.add_flag("--print-keys", print_keys, "print every job key as a Markdown table and exit");
   try {
@@ -49,6 +56,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-launch: a job file is required (rp-launch --help)\n");
     return rp::kExitBadConfig;
   }
+  auto world = rp::launch::ResolveNodeWorld(nodes, rp::launch::ProcessEnv);
+  if (!world.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", world.status().message().c_str());
+    return rp::kExitBadConfig;
+  }
+  o.world = *world;
   rp::InitLogging(argv[0], "launch");
   std::error_code ec;
   o.bin_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path().string();

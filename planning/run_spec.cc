@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "planning/run_spec.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -20,10 +21,11 @@ static_assert(sizeof(DataConfig) == 96);
 static_assert(sizeof(TrainConfig) == 88);
 static_assert(sizeof(OptimizerConfig) == 80);
 static_assert(sizeof(LoraConfig) == 112);
-static_assert(sizeof(ScheduleConfig) == 152);
+static_assert(sizeof(ScheduleConfig) == 160);
 static_assert(sizeof(CheckpointConfig) == 88);
 static_assert(sizeof(BenchKnobs) == 24);
-static_assert(sizeof(JobOptions) == 88);
+static_assert(sizeof(JobOptions) == 96);
+static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 80);
 
 namespace {
@@ -70,22 +72,34 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, lr, min_lr, warm
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, init_from, export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, activations,
                                    weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
-                                   gpu_memory_gb, profile, profile_steps, replan_gain, drift)
+                                   gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,
                                    fused_norms, optimizer_threads, optimizer_rest_threads)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s,
+                                   node_timeout_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodesConfig, count, rank, store_host, store_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule, checkpoint,
-                                   metrics, bench, source_path)
+                                   metrics, bench, nodes, source_path)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Stage, kind, begin, end)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, stages, hidden_boundaries,
                                    grad_boundaries)
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
-                             int workers) {
+                             int workers, const NodesConfig& nodes) {
   RunSpec spec;
   RP_ASSIGN_OR_RETURN(spec.job, LoadJobConfig(job_path, overrides));
+  spec.job.nodes = nodes;
+  RP_RETURN_IF_ERROR(CheckNodes(spec.job));
+  if (nodes.count > 1) {
+    spec.job.job.max_worker_restarts = 0;
+    if (nodes.rank > 0) {
+      auto& out = spec.job.job.output_dir;
+      spec.job.checkpoint.dir = (std::filesystem::path(out) / spec.job.checkpoint.dir).lexically_normal().string();
+      out = (std::filesystem::path(out) / ("node-" + std::to_string(nodes.rank))).string();
+    }
+  }
   RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
   spec.workers = workers;
   return spec;

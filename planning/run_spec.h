@@ -6,6 +6,9 @@
 //    and the RP_* switches (LoadJobConfig: config.json's architecture, merged calls, typed modes)
 //    and the pipeline plan for `workers` workers (MakePlan; the planner's search for partition =
 //    "auto"). Pure given its inputs (the job file, the model's config.json, a stored profile).
+//    With several nodes (`nodes`), the plan is for this node's share of each step, node r > 0
+//    writes into <job.output_dir>/node-<r> and reads node 0's checkpoints, and dead workers are
+//    not replaced (their reduction group spans the nodes and cannot take a newcomer).
 //  * WriteRunSpec() stores it as JSON (atomically); ReadRunSpec() gives back an equal RunSpec:
 //    the coordinator and the workers read it instead of parsing the job file and planning, so
 //    they cannot disagree. A file that is not a complete spec of this version is an
@@ -29,7 +32,7 @@ struct RunSpec {
 };
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
-                             int workers);
+                             int workers, const NodesConfig& nodes = {});
 std::string RunSpecJson(const RunSpec& spec);
 StatusOr<RunSpec> ParseRunSpec(const std::string& json, const std::string& what);
 Status WriteRunSpec(const std::string& path, const RunSpec& spec);

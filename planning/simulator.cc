@@ -172,6 +172,7 @@ SimResult Simulate(const SimInput& in) {
         const double start = std::max({now, grads_free[w], slot_free});
         double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
         if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
+        copy += NodeSumSeconds(in, st.grad_bytes);
         grads_free[w] = start + copy;
         done = grads_free[w];
         // The job's fp32 gradients stay on the device from its end until the copy is done.
@@ -241,10 +242,24 @@ SimResult SimulateRoundRobin(const std::vector<double>& stage_time, int workers,
   return Simulate(in);
 }
 
+double NodeSumSeconds(const SimInput& in, double bytes) {
+  if (in.nodes <= 1) return 0.0;
+  const double n = static_cast<double>(in.nodes);
+  const double wire = in.node_link_bytes_per_s > 0 ? 2.0 * (n - 1.0) / n * bytes / in.node_link_bytes_per_s : 0.0;
+  return wire + 2.0 * (n - 1.0) * in.node_hop_s;
+}
+
+// One hop of a cross-node sum: the order of a TCP round trip between hosts plus Gloo's own work
+// (on loopback a 64-element sum of 2 nodes took ~0.1 ms).
+constexpr double kNodeHopSeconds = 50e-6;
+
 SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
                        const Profile& profile, int workers, int steps) {
   SimInput in;
   in.workers = workers;
+  in.nodes = static_cast<int>(c.nodes.count);
+  in.node_link_bytes_per_s = c.schedule.node_link_gb_s * 1e9;
+  in.node_hop_s = kNodeHopSeconds;
   in.microbatches = static_cast<int>(core::Round(c).microbatches);
   in.calls = static_cast<int>(core::Round(c).calls);
   in.steps = steps;

@@ -23,6 +23,8 @@
 //    after the step's last final gradient, ascending. Step t reads weights updated through step
 //    t - lag (lag 1 = exact, 2 = stale1).
 //  * Layer-major forward stages: see SimInput::layer_major.
+//  * Several nodes: each simulates its own share of the step (the same on every node), with the
+//    cross-node sum of each job's gradients before their write-back (SimInput::nodes).
 //  * Not modelled: activation slot reuse across calls, a streamed gradient arena's capacity
 //    (slots wait only for the previous step's update, as when the arena holds every gradient), several workers
 //    sharing one GPU's link or compute, message latency (folded into a measured overhead).
@@ -93,7 +95,16 @@ struct SimInput {
   // (kAlways). Its outputs are all there when its last layer ends.
   enum class LayerMajor { kNever, kAuto, kAlways };
   LayerMajor layer_major = LayerMajor::kNever;
+  // Several nodes (core::NodesConfig): before its write-back a job's gradients are summed with
+  // the other nodes' (a ring: 2 (N - 1) / N of the bytes each way, 2 (N - 1) hops of
+  // node_hop_s), one sum at a time per worker, on its gradient stream.
+  int nodes = 1;
+  double node_link_bytes_per_s = 0.0;  // 0: the sum costs only its hops
+  double node_hop_s = 0.0;
 };
+
+// Seconds of one cross-node sum of `bytes` (SimInput::nodes).
+double NodeSumSeconds(const SimInput& in, double bytes);
 
 struct SimResult {
   double makespan = 0.0;      // until the last job, commit and update

@@ -25,7 +25,8 @@
 //   worker -> MicrobatchDone(job, mb)  (outputs written; loss for the fused tail)
 //   worker -> GradsReady(job)          (a tail/backward job holds its gradients)
 //   coord  -> CommitGrads(job, acc)    (write, or add, them into the shared gradient slots now)
-//   worker -> JobDone(job)             (everything the job writes is in shared memory)
+//   worker -> JobDone(job)             (everything the job writes is in shared memory; several
+//                                       nodes: a fused tail's loss summed over the nodes)
 //   worker -> JobFailed(job, text)     (the job cannot complete; the worker exits after)
 //   worker -> Heartbeat                (at least every second from the worker's event loop; a
 //                                       worker silent for job.worker_timeout_s is declared hung)
@@ -47,7 +48,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 8;
+inline constexpr uint16_t kProtocolVersion = 9;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -160,8 +161,12 @@ struct JobDone {
   int64_t start_us;       // job began (weight fetch)
   int64_t fetch_end_us;   // weights resident
   int64_t end_us;
+  // Several nodes, fused tail jobs: the loss of this job summed over the same job of every node
+  // (summed token cross-entropy, non-ignored labels); the step's loss is their sum. 0 otherwise.
+  double nodes_loss_sum;
+  int64_t nodes_targets;
 };
-static_assert(sizeof(JobDone) == 32);
+static_assert(sizeof(JobDone) == 48);
 
 struct JobFailed {
   int64_t job_index;

@@ -4,7 +4,7 @@
 #   tests/tools/include_order_test.sh SOURCE_DIR
 set -euo pipefail
 cd "$1"
-ORDER=(common config io planning protocol model shm coordinator gpu_worker launcher tools bench tests)
+ORDER=(common config io planning protocol model shm nodes coordinator gpu_worker launcher tools bench tests)
 rank() {
   local i
   for i in "${!ORDER[@]}"; do [ "${ORDER[$i]}" = "$1" ] && { echo "$i"; return; }; done

@@ -106,6 +106,44 @@ TEST(Simulator, TransfersAndPrefetchByHand) {
   EXPECT_DOUBLE_EQ(r.drain_ratio, 3.0 / 15.0);
 }
 
+TEST(Simulator, CrossNodeSumsLengthenTheGradientWriteBackByHand) {
+  // The same two stages on 3 nodes: stage 1's 30 bytes are summed first, a ring of 2 x 2/3 x 30
+  // = 40 bytes at 20 B/s (2 s) and 4 hops of 0.25 s (1 s): gradients [12, 18).
+  SimInput in = TwoStagesByHand();
+  in.nodes = 3;
+  in.node_link_bytes_per_s = 20.0;
+  in.node_hop_s = 0.25;
+  EXPECT_DOUBLE_EQ(NodeSumSeconds(in, 30.0), 3.0);
+  EXPECT_DOUBLE_EQ(Simulate(in).step_done[0], 18.0);
+  in.nodes = 1;  // one node sums nothing
+  EXPECT_DOUBLE_EQ(NodeSumSeconds(in, 30.0), 0.0);
+  EXPECT_DOUBLE_EQ(Simulate(in).step_done[0], 15.0);
+}
+
+TEST(Simulator, SeveralNodesPlanOneNodesShareOfTheStep) {
+  // rp-plan --nnodes: each node runs M / N microbatches per round, so with the FLOP cost model
+  // the predicted step falls with the node count (a little less than 1/N: the sums, the fill).
+  auto cfg = ParseJobConfig("[train]\nmicrobatches = 6\naccum_calls = 1\n[job]\ndevice = \"cpu\"\n[data]\nformat = \"random\"\n", "/tmp", {});
+  ASSERT_TRUE(cfg.ok()) << cfg.status().message();
+  std::vector<double> steps;
+  for (int nodes : {1, 2, 3}) {
+    JobConfig c = *cfg;
+    c.nodes.count = nodes;
+    ASSERT_TRUE(CheckNodes(c).ok());
+    EXPECT_EQ(Round(c).microbatches, 6 / nodes);
+    EXPECT_EQ(GlobalRound(c).microbatches, 6);
+    auto plan = BuildPlan(c);
+    ASSERT_TRUE(plan.ok());
+    steps.push_back(PredictPlan(c, *plan, DefaultCostModel(c), 2).step_seconds);
+  }
+  EXPECT_LT(steps[1], steps[0]);
+  EXPECT_LT(steps[2], steps[1]);
+  EXPECT_GT(steps[1], steps[0] / 2);
+  JobConfig uneven = *cfg;
+  uneven.nodes.count = 4;
+  EXPECT_FALSE(CheckNodes(uneven).ok());
+}
+
 TEST(Simulator, OverlappedCopiesExposeOnlyEachJobsFirstInputByHand) {
   // The same two stages as above with copies_overlap (CUDA workers). Stage 0, microbatch 0: input
   // [2, 3), compute [3, 4), output [4, 5); microbatch 1: input [3, 4), compute [4, 5), output

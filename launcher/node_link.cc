@@ -1,0 +1,160 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "launcher/node_link.h"
+
+#include <chrono>
+#include <thread>
+
+#include "common/time_util.h"
+
+namespace rp::launch {
+namespace {
+constexpr double kBeatSeconds = 1.0;
+// Diagnose(): a healthy node beats within this long.
+constexpr double kDiagnoseSeconds = 3.0;
+}  // namespace
+
+StatusOr<std::unique_ptr<NodeLink>> NodeLink::Open(const core::JobConfig& job) {
+  const auto& n = job.nodes;
+  auto store = n.rank == 0 ? nodes::NodeStore::Host(n.store_host, static_cast<int>(n.store_port), job.job.node_timeout_s)
+                           : nodes::NodeStore::Connect(n.store_host, static_cast<int>(n.store_port),
+                                                       job.job.node_timeout_s);
+  if (!store.ok()) return store.status();
+  return std::unique_ptr<NodeLink>(new NodeLink(std::move(store).value(), job));
+}
+
+NodeLink::NodeLink(std::unique_ptr<nodes::NodeStore> store, const core::JobConfig& job)
+    : store_(std::move(store)),
+      nodes_(static_cast<int>(job.nodes.count)),
+      rank_(static_cast<int>(job.nodes.rank)),
+      timeout_s_(job.job.node_timeout_s),
+      where_(store_->address()) {}
+
+std::string NodeLink::Key(const std::string& what, int node) const { return "rp/" + what + "/" + std::to_string(node); }
+
+Status NodeLink::Meet(const std::string& plan) {
+  RP_RETURN_IF_ERROR(store_->Set(Key("plan", rank_), plan));
+  std::vector<std::string> keys;
+  for (int r = 0; r < nodes_; ++r) keys.push_back(Key("plan", r));
+  if (Status s = store_->Wait(keys); !s.ok()) {
+    std::string missing;
+    for (int r = 0; r < nodes_; ++r) {
+      auto v = store_->TryGet(Key("plan", r));
+      if (v.ok() && !*v) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    return Status::Unavailable("nodes " + (missing.empty() ? std::string("?") : missing) + " did not arrive at " +
+                               where_ + " within job.node_timeout_s = " + std::to_string(static_cast<int>(timeout_s_)) +
+                               " s: " + s.message());
+  }
+  Status verdict;
+  for (int r = 0; r < nodes_ && verdict.ok(); ++r) {
+    RP_ASSIGN_OR_RETURN(auto theirs, store_->TryGet(Key("plan", r)));
+    if (theirs && *theirs != plan)
+      verdict = Status::InvalidArgument("node " + std::to_string(r) + " runs the plan \"" + *theirs +
+                                        "\", this node \"" + plan +
+                                        "\": every node must resolve the same job (same file, --set and --gpus)");
+  }
+  // Node 0 hosts the store: it stays until every node has read the plans, so each gives the
+  // verdict itself rather than finding the store gone.
+  RP_RETURN_IF_ERROR(store_->Set(Key("met", rank_), "1"));
+  if (rank_ == 0) {
+    std::vector<std::string> met;
+    for (int r = 0; r < nodes_; ++r) met.push_back(Key("met", r));
+    RP_RETURN_IF_ERROR(store_->Wait(met));
+  }
+  RP_RETURN_IF_ERROR(verdict);
+  const double now = MonoSeconds();
+  for (int r = 0; r < nodes_; ++r)
+    if (r != rank_) seen_[r] = Seen{-1, now, false};
+  return Status::Ok();
+}
+
+Status NodeLink::Look(double now) {
+  for (auto& [r, seen] : seen_) {
+    if (seen.ended) continue;
+    RP_ASSIGN_OR_RETURN(auto end, store_->TryGet(Key("end", r)));
+    if (end) {
+      seen.ended = true;
+      continue;
+    }
+    RP_ASSIGN_OR_RETURN(int64_t beats, store_->Add(Key("beat", r), 0));
+    if (beats != seen.beats) {
+      seen.beats = beats;
+      seen.at = now;
+    }
+  }
+  return Status::Ok();
+}
+
+std::optional<std::string> NodeLink::FailedPeer() {
+  for (const auto& [r, seen] : seen_) {
+    if (!seen.ended) continue;
+    auto end = store_->TryGet(Key("end", r));
+    if (end.ok() && *end && (*end)->rfind("0 ", 0) != 0)
+      return "node " + std::to_string(r) + " failed: " + (*end)->substr((*end)->find(' ') + 1);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> NodeLink::Tick() {
+  const double now = MonoSeconds();
+  if (now - last_beat_ < kBeatSeconds) return std::nullopt;
+  last_beat_ = now;
+  if (auto b = store_->Add(Key("beat", rank_), 1); !b.ok())
+    return "lost the node store at " + where_ + " (node 0's rp-launch): node 0 is gone or unreachable (" +
+           b.status().message() + ")";
+  if (Status s = Look(now); !s.ok())
+    return "lost the node store at " + where_ + " (node 0's rp-launch): node 0 is gone or unreachable (" + s.message() +
+           ")";
+  // A failed node may itself be the echo of one that is gone: Diagnose() tells them apart.
+  if (auto failed = FailedPeer()) return Diagnose().value_or(*failed);
+  for (const auto& [r, seen] : seen_)
+    if (!seen.ended && now - seen.at > timeout_s_)
+      return "node " + std::to_string(r) + " gave no sign of life for " + std::to_string(static_cast<int>(now - seen.at)) +
+             " s (job.node_timeout_s = " + std::to_string(static_cast<int>(timeout_s_)) +
+             "): its rp-launch was killed, its host is gone or the network to it is cut";
+  return std::nullopt;
+}
+
+std::optional<std::string> NodeLink::Diagnose() {
+  // A node that is gone is the cause; a node that failed on its own account comes next; the
+  // others, reacting to either, fail alike and are its echo.
+  const double start = MonoSeconds();
+  std::map<int, int64_t> first;
+  while (MonoSeconds() - start < kDiagnoseSeconds) {
+    (void)store_->Add(Key("beat", rank_), 1);  // the others diagnose too: this node is alive
+    if (Status s = Look(MonoSeconds()); !s.ok())
+      return "node 0 (which hosts the node store at " + where_ + ") is gone or unreachable";
+    for (const auto& [r, seen] : seen_)
+      if (!first.count(r)) first[r] = seen.beats;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  for (const auto& [r, seen] : seen_)
+    if (!seen.ended && seen.beats == first[r])
+      return "node " + std::to_string(r) + " stopped beating (its rp-launch was killed, or its host is gone)";
+  return FailedPeer();
+}
+
+void NodeLink::Failing(const std::string& failure) { (void)store_->Set(Key("end", rank_), "1 " + failure); }
+
+void NodeLink::End(int exit_code, const std::string& failure) {
+  (void)store_->Set(Key("end", rank_), std::to_string(exit_code) + " " + failure);
+  if (rank_ != 0) return;
+  // The others read the store until their last step is reported: keep it up until they end.
+  const double start = MonoSeconds();
+  while (MonoSeconds() - start < timeout_s_) {
+    bool all = true;
+    for (int r = 1; r < nodes_ && all; ++r) {
+      auto end = store_->TryGet(Key("end", r));
+      all = end.ok() && end->has_value();
+    }
+    if (all) return;
+    // A node that stopped beating will never end: do not wait the whole timeout for it.
+    if (Status s = Look(MonoSeconds()); !s.ok()) return;
+    bool stale = false;
+    for (const auto& [r, seen] : seen_) stale = stale || (!seen.ended && MonoSeconds() - seen.at > timeout_s_);
+    if (stale) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace rp::launch

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// NodeLink: one node's rp-launch in touch with the other nodes' (multi-node runs).
+//
+// Contract:
+//  * Open() hosts the node store (node 0) or connects to it (the others), then Meet() waits, up
+//    to job.node_timeout_s, until every node has arrived with the same plan; a node with another
+//    plan (other flags, another job file, a stored profile of its own) is refused, naming it.
+//  * Tick(), called by the supervision loop, beats once a second and watches the others: a node
+//    that ended with a failure, or gave no beat for job.node_timeout_s (killed, host gone,
+//    network cut), or a store that vanished (node 0 gone) yields the message naming it.
+//  * Failing() tells the others at once that this node's run failed (they stop, naming it).
+//    Diagnose() is for a run that failed here: it watches the others for a few seconds for a node
+//    that is gone, else one that failed on its own, so the report names the cause, not its echo.
+//  * End() records how this node ended; node 0 then keeps the store up until every node has
+//    ended (bounded by the timeout), since the others still read it until their last step.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "common/status.h"
+#include "config/job_config.h"
+#include "nodes/node_store.h"
+
+namespace rp::launch {
+
+class NodeLink {
+ public:
+  static StatusOr<std::unique_ptr<NodeLink>> Open(const core::JobConfig& job);
+  Status Meet(const std::string& plan);
+  std::optional<std::string> Tick();
+  void Failing(const std::string& failure);
+  std::optional<std::string> Diagnose();
+  void End(int exit_code, const std::string& failure);
+
+ private:
+  NodeLink(std::unique_ptr<nodes::NodeStore> store, const core::JobConfig& job);
+  std::string Key(const std::string& what, int node) const;
+  // The others' beat counters now; a node whose counter moved is seen alive at `now`.
+  Status Look(double now);
+  std::optional<std::string> FailedPeer();
+
+  std::unique_ptr<nodes::NodeStore> store_;
+  int nodes_, rank_;
+  double timeout_s_;
+  std::string where_;  // "host:port" of the store
+  double last_beat_ = -1.0;
+  struct Seen {
+    int64_t beats = -1;
+    double at = 0.0;
+    bool ended = false;
+  };
+  std::map<int, Seen> seen_;
+};
+
+}  // namespace rp::launch

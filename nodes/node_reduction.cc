@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "nodes/node_reduction.h"
+
+#include <chrono>
+#include <cstdlib>
+
+#include "rp_config.h"
+
+#if RP_WITH_GLOO
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+namespace rp::nodes {
+
+#if RP_WITH_GLOO
+struct NodeReduction::Impl {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending;
+  std::string name;  // for messages
+};
+
+bool NodeReduction::Available() { return true; }
+
+StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g, int worker_rank) {
+  auto impl = std::make_unique<Impl>();
+  impl->name = "the reduction group of worker " + std::to_string(worker_rank) + " across " + std::to_string(g.nodes) +
+               " nodes (this is node " + std::to_string(g.node_rank) + ")";
+  // The launchers notice a lost node within timeout_s; a reduction waits somewhat longer, so the
+  // run's error names the node rather than a timed-out collective.
+  const auto op_timeout = std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 30.0) * 1000.0));
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(g.store_port);
+    so.isServer = false;
+    so.waitWorkers = false;
+    so.timeout = op_timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>(g.store_host, so);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rp/reduce/" + std::to_string(worker_rank), store);
+    auto opts = c10d::ProcessGroupGloo::Options::create(op_timeout);
+    // The interface the other nodes reach this one on: GLOO_SOCKET_IFNAME as torch.distributed
+    // reads it, else the address this host's name resolves to.
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    else
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    opts->threads = 1;  // one reduction at a time per worker: its commits are sequential anyway
+    impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, g.node_rank, g.nodes, opts);
+  } catch (const std::exception& e) {
+    return Status::Unavailable("joining " + impl->name + ": " + e.what());
+  }
+  return std::unique_ptr<NodeReduction>(new NodeReduction(std::move(impl)));
+}
+
+Status NodeReduction::Start(at::Tensor flat, at::Tensor loss) {
+  if (!impl_->pending.empty())
+    return Status::Internal(impl_->name + ": a sum started before the previous one finished");
+  try {
+    std::vector<at::Tensor> grads = {std::move(flat)};
+    impl_->pending.push_back(impl_->group->allreduce(grads));
+    if (loss.defined()) {
+      std::vector<at::Tensor> sums = {std::move(loss)};
+      impl_->pending.push_back(impl_->group->allreduce(sums));
+    }
+  } catch (const std::exception& e) {
+    return Status::Unavailable(impl_->name + ": " + e.what());
+  }
+  return Status::Ok();
+}
+
+StatusOr<bool> NodeReduction::Poll() {
+  try {
+    for (const auto& work : impl_->pending)
+      if (!work->isCompleted()) return false;
+    for (const auto& work : impl_->pending)
+      if (!work->isSuccess()) std::rethrow_exception(work->exception());
+  } catch (const std::exception& e) {
+    impl_->pending.clear();
+    return Status::Unavailable(impl_->name + ": " + e.what());
+  }
+  impl_->pending.clear();
+  return true;
+}
+
+#else  // LibTorch without c10d's Gloo
+
+struct NodeReduction::Impl {};
+bool NodeReduction::Available() { return false; }
+StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup&, int) {
+  return Status::InvalidArgument("several nodes need LibTorch's c10d with Gloo, which this build lacks");
+}
+Status NodeReduction::Start(at::Tensor, at::Tensor) { return Status::Internal("no c10d Gloo"); }
+StatusOr<bool> NodeReduction::Poll() { return true; }
+
+#endif
+
+NodeReduction::NodeReduction(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NodeReduction::~NodeReduction() = default;
+
+}  // namespace rp::nodes

@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+// NodeReduction: sums a worker's gradients with those of the same-rank worker of every other
+// node (c10d's ProcessGroupGloo over the node store).
+//
+// Why in the workers: the round-robin plan is the same on every node, so the same stage job of
+// the same step runs on the same-rank worker everywhere, holding that stage's fp32 sums over its
+// node's microbatches. Summing them there, between GradsReady and the commit, gives every node
+// the whole step's gradient with no pass over host memory and no change to the coordinator's
+// optimizer, which then updates identical replicas.
+//
+// Contract:
+//  * Join() forms the group of worker `worker_rank` of every node (a store prefix per worker
+//    rank), waiting up to `timeout_s` for the others; every collective is bounded by the same
+//    timeout plus a margin, so a lost node fails a reduction instead of hanging it, after the
+//    launchers (bounded by the timeout alone) have had the chance to name the node.
+//  * Start() begins summing `flat` (fp32, contiguous, CPU) in place across the nodes, and `loss`
+//    (fp64: a fused tail job's loss sum and target count) when defined; the callers of every
+//    node must start the same sizes in the same order. Poll() is true once the sums are in the
+//    tensors, or the error (naming the group) if one failed.
+//  * Available() is false in a build without c10d's Gloo: Join() fails saying so.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "common/status.h"
+
+namespace rp::nodes {
+
+struct NodeGroup {
+  int nodes = 1;
+  int node_rank = 0;
+  std::string store_host;
+  int store_port = 0;
+  double timeout_s = 60.0;
+};
+
+class NodeReduction {
+ public:
+  static bool Available();
+  static StatusOr<std::unique_ptr<NodeReduction>> Join(const NodeGroup& group, int worker_rank);
+  ~NodeReduction();
+  NodeReduction(const NodeReduction&) = delete;
+  NodeReduction& operator=(const NodeReduction&) = delete;
+
+  Status Start(at::Tensor flat, at::Tensor loss);
+  // True when the sum started last is complete (no reduction pending is true too).
+  StatusOr<bool> Poll();
+
+  struct Impl;
+
+ private:
+  explicit NodeReduction(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rp::nodes

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "nodes/node_store.h"
+
+#include "rp_config.h"
+
+#if RP_WITH_C10D
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+namespace rp::nodes {
+
+#if RP_WITH_C10D
+struct NodeStore::Impl {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+};
+
+namespace {
+
+std::chrono::milliseconds Millis(double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0)); }
+
+// c10d reports everything (refused connections, timeouts, resets) by throwing.
+template <typename F>
+Status Guard(const std::string& what, F&& f) {
+  try {
+    f();
+    return Status::Ok();
+  } catch (const std::exception& e) {
+    return Status::Unavailable(what + ": " + e.what());
+  }
+}
+
+StatusOr<std::unique_ptr<NodeStore::Impl>> Open(const std::string& host, int port, double timeout_s, bool server) {
+  auto impl = std::make_unique<NodeStore::Impl>();
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  opts.isServer = server;
+  opts.waitWorkers = false;
+  opts.timeout = Millis(timeout_s);
+  const std::string where = host + ":" + std::to_string(port);
+  Status s = Guard(server ? "cannot host the node store on port " + std::to_string(port)
+                          : "cannot reach the node store at " + where + " within " +
+                                std::to_string(static_cast<int>(timeout_s)) + " s (is node 0's rp-launch running?)",
+                   [&] { impl->store = c10::make_intrusive<c10d::TCPStore>(host, opts); });
+  if (!s.ok()) return s;
+  return impl;
+}
+
+}  // namespace
+
+bool NodeStore::Available() { return true; }
+
+StatusOr<std::unique_ptr<NodeStore>> NodeStore::Host(const std::string& host, int port, double timeout_s) {
+  RP_ASSIGN_OR_RETURN(auto impl, Open(host, port, timeout_s, true));
+  return std::unique_ptr<NodeStore>(new NodeStore(std::move(impl), host + ":" + std::to_string(port)));
+}
+
+StatusOr<std::unique_ptr<NodeStore>> NodeStore::Connect(const std::string& host, int port, double timeout_s) {
+  RP_ASSIGN_OR_RETURN(auto impl, Open(host, port, timeout_s, false));
+  return std::unique_ptr<NodeStore>(new NodeStore(std::move(impl), host + ":" + std::to_string(port)));
+}
+
+Status NodeStore::Set(const std::string& key, const std::string& value) {
+  return Guard("node store " + address_ + ": setting " + key,
+               [&] { impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+}
+
+StatusOr<std::optional<std::string>> NodeStore::TryGet(const std::string& key) {
+  std::optional<std::string> out;
+  Status s = Guard("node store " + address_ + ": reading " + key, [&] {
+    if (!impl_->store->check({key})) return;
+    const std::vector<uint8_t> v = impl_->store->get(key);
+    out = std::string(v.begin(), v.end());
+  });
+  if (!s.ok()) return s;
+  return out;
+}
+
+StatusOr<int64_t> NodeStore::Add(const std::string& key, int64_t delta) {
+  int64_t v = 0;
+  Status s = Guard("node store " + address_ + ": counter " + key, [&] { v = impl_->store->add(key, delta); });
+  if (!s.ok()) return s;
+  return v;
+}
+
+Status NodeStore::Wait(const std::vector<std::string>& keys) {
+  return Guard("node store " + address_ + ": waiting for " + (keys.empty() ? std::string() : keys.front()),
+               [&] { impl_->store->wait(keys); });
+}
+
+#else  // LibTorch without c10d
+
+struct NodeStore::Impl {};
+
+bool NodeStore::Available() { return false; }
+
+StatusOr<std::unique_ptr<NodeStore>> NodeStore::Host(const std::string&, int, double) {
+  return Status::InvalidArgument("several nodes need LibTorch's c10d, which this build's LibTorch lacks");
+}
+StatusOr<std::unique_ptr<NodeStore>> NodeStore::Connect(const std::string&, int, double) {
+  return Status::InvalidArgument("several nodes need LibTorch's c10d, which this build's LibTorch lacks");
+}
+Status NodeStore::Set(const std::string&, const std::string&) { return Status::InvalidArgument("no c10d"); }
+StatusOr<std::optional<std::string>> NodeStore::TryGet(const std::string&) { return Status::InvalidArgument("no c10d"); }
+StatusOr<int64_t> NodeStore::Add(const std::string&, int64_t) { return Status::InvalidArgument("no c10d"); }
+Status NodeStore::Wait(const std::vector<std::string>&) { return Status::InvalidArgument("no c10d"); }
+
+#endif
+
+NodeStore::NodeStore(std::unique_ptr<Impl> impl, std::string address)
+    : impl_(std::move(impl)), address_(std::move(address)) {}
+NodeStore::~NodeStore() = default;
+
+}  // namespace rp::nodes

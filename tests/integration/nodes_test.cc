@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: Apache-2.0
+// Several nodes on one machine: rp-launch processes over loopback, each with its own coordinator,
+// CPU workers and shared memory, summing gradients through c10d's Gloo. A step on N nodes must
+// equal the one-node step of the same global batch.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <memory>
+
+#include "rp_config.h"
+#include "tests/integration/launch_fixture.h"
+
+namespace rp {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A port nothing listens on now (the kernel's choice for port 0).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Every fp32 tensor of a safetensors file, by name.
+std::map<std::string, std::vector<float>> ReadTensors(const std::string& path) {
+  const std::string bytes = ReadBytes(path);
+  std::map<std::string, std::vector<float>> out;
+  if (bytes.size() < 8) return out;
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  const auto header = nlohmann::json::parse(bytes.substr(8, n));
+  for (const auto& [name, t] : header.items()) {
+    if (name == "__metadata__" || t["dtype"] != "F32") continue;
+    const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+    std::vector<float> v((end - begin) / 4);
+    std::memcpy(v.data(), bytes.data() + 8 + n + begin, end - begin);
+    out[name] = std::move(v);
+  }
+  return out;
+}
+
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, double rel, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], rel * std::abs(want[i]) + 1e-12) << what << " at step " << i + 1;
+}
+
+class NodesTest : public LaunchTest {
+ protected:
+  // Starts `nodes` rp-launch processes of `workers` CPU workers each (node r with `node_sets[r]`
+  // added, if given) and waits for all of them.
+  std::vector<testing::ProcessResult> LaunchNodes(int nodes, int workers, const std::string& out,
+                                                  const std::vector<std::string>& sets, bool resume = false,
+                                                  double timeout = 300) {
+    const std::string master = "127.0.0.1:" + std::to_string(FreePort());
+    std::vector<std::unique_ptr<testing::Process>> procs;
+    for (int r = 0; r < nodes; ++r) {
+      auto args = LaunchArgs(workers, out, sets);
+      args.insert(args.end(), {"--nnodes", std::to_string(nodes), "--node-rank", std::to_string(r), "--master", master});
+      if (resume) args.push_back("--resume");
+      procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(sets)));
+    }
+    std::vector<testing::ProcessResult> results;
+    for (auto& p : procs) results.push_back(p->Wait(timeout));
+    return results;
+  }
+  std::vector<std::string> NodeEnv(const std::vector<std::string>& sets) const {
+    auto env = EnvWith(sets);
+    env.push_back("GLOO_SOCKET_IFNAME=lo");
+    return env;
+  }
+  static std::string Outputs(const std::vector<testing::ProcessResult>& rs) {
+    std::string all;
+    for (size_t r = 0; r < rs.size(); ++r) all += "--- node " + std::to_string(r) + ":\n" + rs[r].output;
+    return all;
+  }
+  void SetUp() override {
+    LaunchTest::SetUp();
+    if (!RP_WITH_GLOO) GTEST_SKIP() << "this build's LibTorch has no c10d Gloo";
+  }
+};
+
+// Six microbatches per step: they split over 2 and over 3 nodes.
+const std::vector<std::string> kJob = {"train.steps=10", "train.microbatches=6", "train.accum_calls=1",
+                                       "train.grad_clip=1.0", "checkpoint.export_hf=hf"};
+
+TEST_F(NodesTest, TwoAndThreeNodesEqualOneNodeInBothModes) {
+  for (const std::string mode : {"exact", "stale1"}) {
+    const auto job = With(kJob, {"optimizer.mode=" + mode});
+    const std::string one = tmp_ + "/one-" + mode;
+    auto r1 = Launch(2, one, job);
+    ASSERT_EQ(r1.code, 0) << r1.output;
+    const auto want = testing::Losses(one + "/metrics.jsonl");
+    const auto want_norm = testing::Losses(one + "/metrics.jsonl", "grad_norm");
+    const auto want_model = ReadTensors(one + "/hf/model.safetensors");
+    ASSERT_FALSE(want_model.empty());
+    for (int nodes : {2, 3}) {
+      const std::string out = tmp_ + "/n" + std::to_string(nodes) + "-" + mode;
+      auto rs = LaunchNodes(nodes, 2, out, job);
+      for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
+      const std::string what = mode + " on " + std::to_string(nodes) + " nodes";
+      ExpectClose(testing::Losses(out + "/metrics.jsonl"), want, 1e-5, what + ": loss");
+      ExpectClose(testing::Losses(out + "/metrics.jsonl", "grad_norm"), want_norm, 1e-5, what + ": grad norm");
+      // Every node reports the same (whole-step) loss; node 0 alone exports.
+      for (int r = 1; r < nodes; ++r) {
+        const std::string mine = out + "/node-" + std::to_string(r);
+        EXPECT_EQ(testing::Losses(mine + "/metrics.jsonl"), testing::Losses(out + "/metrics.jsonl")) << what;
+        EXPECT_FALSE(fs::exists(mine + "/hf")) << what;
+        EXPECT_EQ(Summary(mine)["node_rank"], r);
+      }
+      EXPECT_EQ(Summary(out)["nodes"], nodes);
+      const auto got = ReadTensors(out + "/hf/model.safetensors");
+      ASSERT_EQ(got.size(), want_model.size()) << what;
+      for (const auto& [name, w] : want_model) {
+        const auto& g = got.at(name);
+        ASSERT_EQ(g.size(), w.size()) << name;
+        // Relative to the tensor's norm: Adam turns a rounding-sized change of a near-zero
+        // gradient element (another summation order) into an lr-sized step of that element.
+        double diff = 0.0, norm = 0.0;
+        for (size_t i = 0; i < w.size(); ++i) {
+          diff += (double(g[i]) - w[i]) * (double(g[i]) - w[i]);
+          norm += double(w[i]) * w[i];
+        }
+        EXPECT_LT(std::sqrt(diff / norm), 1e-5) << what << ": exported " << name;
+      }
+    }
+  }
+}
+
+TEST_F(NodesTest, MergedCallsLoraDropoutAndEvaluationsEqualOneNode) {
+  // Two calls of 3 microbatches merged into one round of 6, LoRA adapters with dropout (keyed by
+  // the global microbatch), an eval split, stale1 with two unmerged calls (accumulating commits).
+  const std::vector<std::vector<std::string>> jobs = {
+      {"train.steps=6", "train.microbatches=3", "train.accum_calls=2", "lora.rank=4", "lora.dropout=0.1",
+       "train.eval_every=2", "data.eval_fraction=0.1"},
+      {"train.steps=6", "train.microbatches=6", "train.accum_calls=2", "optimizer.mode=stale1"},
+  };
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const std::string tag = std::to_string(i);
+    auto one = Launch(2, tmp_ + "/one" + tag, jobs[i]);
+    ASSERT_EQ(one.code, 0) << one.output;
+    auto rs = LaunchNodes(2, 2, tmp_ + "/two" + tag, jobs[i]);
+    for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
+    for (const std::string field : {"loss", "grad_norm", "eval_loss"})
+      ExpectClose(testing::Losses(tmp_ + "/two" + tag + "/metrics.jsonl", field),
+                  testing::Losses(tmp_ + "/one" + tag + "/metrics.jsonl", field), 1e-5, "job " + tag + ": " + field);
+  }
+}
+
+TEST_F(NodesTest, OneNodeEqualsTheReference) {
+  // The one-node run above is the multi-node runs' yardstick; it is itself rp-train-ref's step.
+  auto ref = Ref(tmp_ + "/ref", kJob);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto rs = LaunchNodes(2, 1, tmp_ + "/n2", kJob);
+  for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
+  ExpectClose(testing::Losses(tmp_ + "/n2/metrics.jsonl"), testing::Losses(tmp_ + "/ref/metrics.jsonl"), 1e-5,
+              "2 nodes against rp-train-ref");
+}
+
+TEST_F(NodesTest, CheckpointOnTwoNodesResumesOnThreeAndOnOne) {
+  const auto job = With(kJob, {"checkpoint.every=5"});
+  auto whole = LaunchNodes(2, 2, tmp_ + "/whole", job);
+  for (const auto& r : whole) ASSERT_EQ(r.code, 0) << Outputs(whole);
+  const auto want = testing::Losses(tmp_ + "/whole/metrics.jsonl");
+  auto first = LaunchNodes(2, 2, tmp_ + "/half", With(job, {"train.stop_after=5"}));
+  for (const auto& r : first) ASSERT_EQ(r.code, 0) << Outputs(first);
+  // Node 0 wrote the checkpoint; the other nodes wrote none.
+  EXPECT_TRUE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.rpstate"));
+  EXPECT_FALSE(fs::exists(tmp_ + "/half/node-1/checkpoints"));
+  fs::copy(tmp_ + "/half", tmp_ + "/on1", fs::copy_options::recursive);
+  fs::copy(tmp_ + "/half", tmp_ + "/on3", fs::copy_options::recursive);
+
+  auto on3 = LaunchNodes(3, 2, tmp_ + "/on3", job, /*resume=*/true);
+  for (const auto& r : on3) ASSERT_EQ(r.code, 0) << Outputs(on3);
+  ExpectClose(testing::Losses(tmp_ + "/on3/metrics.jsonl"), want, 1e-5, "resumed on 3 nodes");
+  auto on1 = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/on1", job), {"--resume"}), 240, Env());
+  ASSERT_EQ(on1.code, 0) << on1.output;
+  ExpectClose(testing::Losses(tmp_ + "/on1/metrics.jsonl"), want, 1e-5, "resumed on 1 node");
+}
+
+TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {
+  // Slow steps, so the run is mid-way when node 2 dies; a short node timeout bounds the wait.
+  const auto job = With(kJob, {"train.steps=400", "job.node_timeout_s=10"});
+  const std::string master = "127.0.0.1:" + std::to_string(FreePort());
+  std::vector<std::unique_ptr<testing::Process>> procs;
+  for (int r = 0; r < 3; ++r) {
+    auto args = LaunchArgs(1, tmp_ + "/killed", job);
+    args.insert(args.end(), {"--nnodes", "3", "--node-rank", std::to_string(r), "--master", master});
+    procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(job)));
+  }
+  // Wait until node 0 reports steps, then kill node 2's launcher (its children follow it).
+  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/killed/metrics.jsonl").size() < 2; ++i)
+    ::usleep(100 * 1000);
+  ASSERT_GE(testing::Losses(tmp_ + "/killed/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
+  const auto killed_at = std::chrono::steady_clock::now();
+  ::kill(procs[2]->pid(), SIGKILL);
+  for (int r = 0; r < 2; ++r) {
+    auto res = procs[r]->Wait(120);
+    EXPECT_FALSE(res.timed_out) << res.output;
+    EXPECT_EQ(res.code, 10) << res.output;
+    EXPECT_NE(res.output.find("node 2"), std::string::npos) << res.output;
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  EXPECT_LT(took, 10 + 30) << "the others stopped " << took << " s after node 2 died";
+  procs[2]->Wait(10);
+  // Node 2's children died with its launcher; its segments are the launchers' backstop's job,
+  // and a killed launcher runs none: the next rp-launch on the host reclaims them (they belong to
+  // a dead run). TearDown checks every segment is gone, so reclaim here as a user's next run would.
+  auto next = Launch(1, tmp_ + "/after", {"train.steps=1"});
+  EXPECT_EQ(next.code, 0) << next.output;
+}
+
+TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
+  const std::string master = "127.0.0.1:" + std::to_string(FreePort());
+  std::vector<std::unique_ptr<testing::Process>> procs;
+  for (int r = 0; r < 2; ++r) {
+    auto args = LaunchArgs(2, tmp_ + "/mismatch", With(kJob, {"job.node_timeout_s=20"}));
+    if (r == 1) args.insert(args.end(), {"--set", "schedule.forward_stages=1"});
+    args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+    procs.push_back(std::make_unique<testing::Process>(args, NodeEnv({})));
+  }
+  for (auto& p : procs) {
+    auto res = p->Wait(60);
+    EXPECT_EQ(res.code, 2) << res.output;
+    EXPECT_NE(res.output.find("every node must resolve the same job"), std::string::npos) << res.output;
+  }
+}
+
+TEST_F(NodesTest, AStepThatDoesNotSplitIsRefused) {
+  auto r = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/uneven", {"train.microbatches=3", "train.accum_calls=1"}),
+                                    {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
+                               60, Env());
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("do not split evenly over 2 nodes"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace rp
