@@ -234,7 +234,7 @@ const std::vector<KeySpec>& Table() {
             "A worker that sends nothing (not even its once-a-second heartbeat) for this long is "
             "declared hung: the coordinator kills it and, while restarts remain, its replacement "
             "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
-      Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 1.0, 86400.0,
+      Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 5.0, 86400.0,
             "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
             "this long (process killed, host gone, network cut) stops every other node, each naming "
             "it; also the bound on the rendezvous and on each cross-node reduction"),

@@ -117,6 +117,7 @@ class Worker {
     bool has_grads = false;
     bool announced = false;
     bool reducing = false;  // several nodes: its gradients are being summed across them
+    bool reduced = false;   // ... and are summed
     at::Tensor loss;        // ... and, for a fused tail, its loss sum and target count (fp64)
     bool committing = false;
     uint64_t ticket = 0;
@@ -128,15 +129,16 @@ class Worker {
   std::map<int64_t, std::map<int, InputSources>> ready_;
   std::map<int64_t, bool> commit_granted_;  // job -> accumulate
   // Several nodes (core::NodesConfig): the group of this rank's workers of every node, joined in
-  // the background from the start of the run (the other nodes may start later); a granted
-  // commit first sums the job's gradients across it, one job at a time, in job order.
+  // the background from the start of the run (the other nodes may start later); a job's
+  // gradients are summed across it once complete, one job at a time, in job order, and
+  // committed once summed and granted.
   std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_;
   std::unique_ptr<nodes::NodeReduction> reduction_;
   std::map<int64_t, std::pair<double, int64_t>> job_loss_;  // several nodes: job -> this node's loss, targets
   // JobDone for `f`, with its loss summed over the nodes when it has one.
   proto::JobDone DoneMessage(const Finishing& f) const;
-  // Starts the cross-node sum of the gradients of `f`, granted; false while the group is still
-  // being joined.
+  // Starts the cross-node sum of the gradients of `f`; false while the group is still being
+  // joined.
   StatusOr<bool> StartReduction(Finishing& f);
   bool shutdown_ = false;
   bool waiting_for_weights_ = false;
@@ -410,7 +412,7 @@ StatusOr<bool> Worker::Finish() {
       device_->ClearMarks();
     worked = true;
   }
-  bool reduction_busy = false;  // an earlier job's cross-node sum is pending or not yet granted
+  bool reduction_busy = false;  // an earlier job's cross-node sum is pending
   for (auto it = finishing_.begin(); it != finishing_.end();) {
     const int64_t id = it->job.job.job_index;
     if (!it->announced) {
@@ -427,11 +429,13 @@ StatusOr<bool> Worker::Finish() {
       }
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
     }
-    if (cfg_.nodes.count > 1 && !it->committing) {
+    if (cfg_.nodes.count > 1 && !it->committing && !it->reduced) {
       if (!it->reducing) {
-        // Every node's same-rank worker sums the same jobs in the same order: job order, so a
-        // later job granted first waits for the earlier one.
-        if (reduction_busy || !commit_granted_.count(id)) {
+        // Every node's same-rank worker sums the same jobs in the same order: job order, one at
+        // a time. A sum starts when the job's gradients are complete, not when the commit is
+        // granted: grants follow each node's own arena and timing, and a sum waiting for one
+        // could wait for another node's grant that waits for this node's commit.
+        if (reduction_busy) {
           reduction_busy = true;
           ++it;
           continue;
@@ -454,6 +458,7 @@ StatusOr<bool> Worker::Finish() {
         continue;
       }
       it->reducing = false;
+      it->reduced = true;
     }
     if (!it->committing) {
       auto grant = commit_granted_.find(id);

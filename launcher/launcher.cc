@@ -17,6 +17,8 @@
 #include <thread>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
 #include "rp_config.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
@@ -271,6 +273,33 @@ Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes) {
 
 // One launch: a coordinator and its workers until the coordinator ends the run (or asks to be
 // resumed on a new plan: kExitReplan).
+// What every node of a multi-node run must have resolved alike: a readable summary (plan, workers,
+// first step) and a fingerprint of the whole run spec, leaving out the node's own rank and the
+// paths, which may differ between hosts (mount points) for the same files.
+std::string NodeRunFingerprint(const core::RunSpec& run, bool resume) {
+  auto spec = nlohmann::json::parse(core::RunSpecJson(run));
+  auto& job = spec["job"];
+  job["nodes"].erase("rank");
+  job.erase("source_path");
+  job["job"].erase("output_dir");
+  job["model"].erase("path");
+  job["data"].erase("path");
+  job["data"].erase("eval_path");
+  job["lora"].erase("init_from");
+  job["lora"].erase("export_dir");
+  job["checkpoint"].erase("dir");
+  job["checkpoint"].erase("export_hf");
+  job["schedule"].erase("profile");
+  int64_t first_step = 0;
+  if (resume)
+    if (auto found = coord::FindLatestTrainingState(coord::CheckpointDir(run.job)); found.ok())
+      first_step = found->steps_done;
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016zx", std::hash<std::string>{}(spec.dump()));
+  return run.plan.Describe() + ", " + std::to_string(run.workers) + " workers, from step " +
+         std::to_string(first_step) + " (job " + hash + ")";
+}
+
 int RunSession(const LaunchOptions& o) {
   // The run's decisions, made once here; the coordinator and the workers read them from the
   // runtime directory (planning/run_spec.h).
@@ -359,21 +388,6 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }
-  // Several nodes: every node arrives with the same plan before anything starts.
-  std::unique_ptr<NodeLink> link;
-  if (cfg->nodes.count > 1) {
-    std::fprintf(stderr, "rp-launch: node %lld of %lld (%s), node store %s:%lld; waiting for the other nodes\n",
-                 static_cast<long long>(cfg->nodes.rank), static_cast<long long>(cfg->nodes.count),
-                 o.world.source.c_str(), cfg->nodes.store_host.c_str(), static_cast<long long>(cfg->nodes.store_port));
-    auto opened = NodeLink::Open(*cfg);
-    Status met = opened.ok() ? (*opened)->Meet(run.plan.Describe() + "; layout " + std::to_string(layout->hash))
-                             : opened.status();
-    if (!met.ok()) {
-      std::fprintf(stderr, "rp-launch: %s\n", met.message().c_str());
-      return met.code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitPeerLost;
-    }
-    link = std::move(opened).value();
-  }
   const std::string coord_bin = o.bin_dir + "/rp-coordinator";
   const std::string worker_bin = o.bin_dir + "/rp-worker";
   for (const auto& b : {coord_bin, worker_bin})
@@ -414,6 +428,23 @@ int RunSession(const LaunchOptions& o) {
   sigaddset(&set, SIGCHLD);
   sigset_t old;
   pthread_sigmask(SIG_BLOCK, &set, &old);
+  // Several nodes: every node arrives with the same plan before anything starts. After the mask:
+  // node 0's store serves from a thread of its own, which must not take the signals the
+  // supervision loop waits for.
+  std::unique_ptr<NodeLink> link;
+  if (cfg->nodes.count > 1) {
+    std::fprintf(stderr, "rp-launch: node %lld of %lld (%s), node store %s:%lld; waiting for the other nodes\n",
+                 static_cast<long long>(cfg->nodes.rank), static_cast<long long>(cfg->nodes.count),
+                 o.world.source.c_str(), cfg->nodes.store_host.c_str(), static_cast<long long>(cfg->nodes.store_port));
+    auto opened = NodeLink::Open(*cfg);
+    Status met = opened.ok() ? (*opened)->Meet(NodeRunFingerprint(run, o.resume)) : opened.status();
+    if (!met.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", met.message().c_str());
+      pthread_sigmask(SIG_SETMASK, &old, nullptr);
+      return met.code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitPeerLost;
+    }
+    link = std::move(opened).value();
+  }
 
   if (o.debug_worker >= 0) run.job.job.worker_timeout_s = 0;  // a worker in a debugger sends no heartbeats
   const std::string spec_path = dir + "/run-spec.json";
@@ -574,9 +605,13 @@ int RunSession(const LaunchOptions& o) {
       }
     }
     if (all_done) break;
+    // Beats go on through a graceful stop (its checkpoint may take a while). Once this node's
+    // coordinator is done, the others ending is their reaction to this node's stop, not a failure.
     if (link && failure.empty()) {
-      if (auto lost = link->Tick()) {
-        failure = *lost;
+      if (auto lost = link->Tick(); lost && !children[0].exit_info()) {
+        failure = graceful ? *lost + "; this node was stopping after an interrupt, and its stop step needs the other "
+                                     "nodes: no checkpoint at the interrupt (resume from the newest periodic one)"
+                           : *lost;
         exit_code = kExitPeerLost;
         break;
       }
@@ -615,7 +650,7 @@ int RunSession(const LaunchOptions& o) {
   for (int f : respawn_fds)
     if (f >= 0) ::close(f);
   pump.Finish();
-  if (link) link->End(exit_code, failure);
+  if (link) link->End(interrupted || (graceful_done && failure.empty()) ? kExitInterrupted : exit_code, failure);
   if (!failure.empty() && !failed_role.empty()) {
     // Where it ran and how far the run got, then its own last words.
     const std::string device = pump.LastLineWith(failed_role, "joined: device");

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <thread>
 
+#include "common/exit_codes.h"
 #include "common/time_util.h"
 
 namespace rp::launch {
@@ -49,9 +50,10 @@ Status NodeLink::Meet(const std::string& plan) {
   for (int r = 0; r < nodes_ && verdict.ok(); ++r) {
     RP_ASSIGN_OR_RETURN(auto theirs, store_->TryGet(Key("plan", r)));
     if (theirs && *theirs != plan)
-      verdict = Status::InvalidArgument("node " + std::to_string(r) + " runs the plan \"" + *theirs +
-                                        "\", this node \"" + plan +
-                                        "\": every node must resolve the same job (same file, --set and --gpus)");
+      verdict = Status::InvalidArgument("node " + std::to_string(r) + " resolved \"" + *theirs + "\", this node \"" +
+                                        plan +
+                                        "\": every node must resolve the same run (the same job file and --set, "
+                                        "--gpus, and --resume on every node or none)");
   }
   // Node 0 hosts the store: it stays until every node has read the plans, so each gives the
   // verdict itself rather than finding the store gone.
@@ -87,10 +89,15 @@ Status NodeLink::Look(double now) {
 
 std::optional<std::string> NodeLink::FailedPeer() {
   for (const auto& [r, seen] : seen_) {
-    if (!seen.ended) continue;
+    // How it ended, else the notice of a failure it is still reporting.
     auto end = store_->TryGet(Key("end", r));
-    if (end.ok() && *end && (*end)->rfind("0 ", 0) != 0)
-      return "node " + std::to_string(r) + " failed: " + (*end)->substr((*end)->find(' ') + 1);
+    if (end.ok() && !*end) end = store_->TryGet(Key("failing", r));
+    if (!end.ok() || !*end || (*end)->rfind("0 ", 0) == 0) continue;
+    const std::string& text = **end;
+    if (text.rfind(std::to_string(kExitInterrupted) + " ", 0) == 0)
+      return "node " + std::to_string(r) + " was interrupted (SIGINT or SIGTERM); node 0's newest checkpoint resumes "
+             "the run";
+    return "node " + std::to_string(r) + " failed: " + text.substr(text.find(' ') + 1);
   }
   return std::nullopt;
 }
@@ -134,26 +141,29 @@ std::optional<std::string> NodeLink::Diagnose() {
   return FailedPeer();
 }
 
-void NodeLink::Failing(const std::string& failure) { (void)store_->Set(Key("end", rank_), "1 " + failure); }
+// Its own key: node 0 keeps the store up until the others' final "end", which comes after their
+// diagnosis.
+void NodeLink::Failing(const std::string& failure) { (void)store_->Set(Key("failing", rank_), "1 " + failure); }
 
 void NodeLink::End(int exit_code, const std::string& failure) {
   (void)store_->Set(Key("end", rank_), std::to_string(exit_code) + " " + failure);
   if (rank_ != 0) return;
-  // The others read the store until their last step is reported: keep it up until they end.
-  const double start = MonoSeconds();
-  while (MonoSeconds() - start < timeout_s_) {
+  // The others use the store until they end (their last sums, their end key): keep it up while
+  // any of them still beats and has not ended.
+  for (;;) {
+    (void)store_->Add(Key("beat", rank_), 1);
     bool all = true;
     for (int r = 1; r < nodes_ && all; ++r) {
       auto end = store_->TryGet(Key("end", r));
       all = end.ok() && end->has_value();
     }
     if (all) return;
-    // A node that stopped beating will never end: do not wait the whole timeout for it.
+    // A node that stopped beating will never end.
     if (Status s = Look(MonoSeconds()); !s.ok()) return;
     bool stale = false;
     for (const auto& [r, seen] : seen_) stale = stale || (!seen.ended && MonoSeconds() - seen.at > timeout_s_);
     if (stale) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
 }
 

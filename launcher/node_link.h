@@ -3,16 +3,18 @@
 //
 // Contract:
 //  * Open() hosts the node store (node 0) or connects to it (the others), then Meet() waits, up
-//    to job.node_timeout_s, until every node has arrived with the same plan; a node with another
-//    plan (other flags, another job file, a stored profile of its own) is refused, naming it.
+//    to job.node_timeout_s, until every node has arrived with the same run (the caller's
+//    fingerprint of the resolved spec: plan, workers, first step, keys); a node that resolved
+//    another (other flags, another job file, a stored profile of its own, --resume on some
+//    nodes only) is refused, naming it.
 //  * Tick(), called by the supervision loop, beats once a second and watches the others: a node
 //    that ended with a failure, or gave no beat for job.node_timeout_s (killed, host gone,
 //    network cut), or a store that vanished (node 0 gone) yields the message naming it.
 //  * Failing() tells the others at once that this node's run failed (they stop, naming it).
 //    Diagnose() is for a run that failed here: it watches the others for a few seconds for a node
 //    that is gone, else one that failed on its own, so the report names the cause, not its echo.
-//  * End() records how this node ended; node 0 then keeps the store up until every node has
-//    ended (bounded by the timeout), since the others still read it until their last step.
+//  * End() records how this node ended; node 0 then keeps the store up until every other node
+//    has ended or stopped beating for the timeout, since the others use it until they end.
 #pragma once
 
 #include <map>

@@ -112,6 +112,7 @@ StatusOr<std::vector<std::string>> ExpandHostList(const std::string& list) {
     }
     hosts.insert(hosts.end(), expanded.begin(), expanded.end());
     pos = end + 1;
+    if (end + 1 == list.size()) return Status::InvalidArgument("host list \"" + list + "\" ends with a comma");
   }
   if (hosts.empty()) return Status::InvalidArgument("host list \"" + list + "\" names no host");
   return hosts;
@@ -161,10 +162,16 @@ StatusOr<NodeWorld> ResolveNodeWorld(const NodeFlags& flags, const EnvLookup& en
     RP_ASSIGN_OR_RETURN(w.rank, ParseInt(*env("SLURM_PROCID"), 0, kMaxNodes, "SLURM_PROCID"));
     RP_RETURN_IF_ERROR(CheckRank(w, "SLURM_PROCID", "SLURM_NTASKS"));
     if (w.nodes == 1) return NodeWorld{};
+    if (auto per = env("SLURM_NTASKS_PER_NODE"); per && *per != "1")
+      return Status::InvalidArgument("SLURM_NTASKS_PER_NODE = " + *per +
+                                     ": run one rp-launch per node (srun --ntasks-per-node 1); it starts the workers "
+                                     "of its node itself");
     if (auto addr = env("MASTER_ADDR"); addr && !addr->empty()) {
       w.store_host = *addr;
     } else {
-      auto list = env("SLURM_JOB_NODELIST");
+      // The step's hosts (srun may use part of the allocation), else the job's.
+      auto list = env("SLURM_STEP_NODELIST");
+      if (!list || list->empty()) list = env("SLURM_JOB_NODELIST");
       if (!list || list->empty()) list = env("SLURM_NODELIST");
       if (!list || list->empty())
         return Status::InvalidArgument("SLURM_JOB_NODELIST is not set (srun sets it; or set MASTER_ADDR)");

@@ -8,8 +8,8 @@
 //         WORLD_SIZE, MASTER_ADDR, MASTER_PORT. torchrun's own store listens on MASTER_PORT, so
 //         the run's store takes RP_MASTER_PORT, else MASTER_PORT + 1;
 //      3. Slurm's environment (srun --ntasks-per-node 1 rp-launch ...): SLURM_PROCID,
-//         SLURM_NTASKS, the first host of SLURM_JOB_NODELIST (MASTER_ADDR if set), MASTER_PORT
-//         (else 29500);
+//         SLURM_NTASKS (SLURM_NTASKS_PER_NODE must be 1), the first host of SLURM_STEP_NODELIST
+//         or SLURM_JOB_NODELIST (MASTER_ADDR if set), MASTER_PORT (else 29500);
 //      4. none of them: one node.
 //  * A value that is missing, not a number or out of range is an InvalidArgument naming the flag
 //    or the variable. Pure: the environment comes in through `env`.

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <sstream>
 
 #include "rp_config.h"
 
@@ -27,24 +28,29 @@ StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g,
   auto impl = std::make_unique<Impl>();
   impl->name = "the reduction group of worker " + std::to_string(worker_rank) + " across " + std::to_string(g.nodes) +
                " nodes (this is node " + std::to_string(g.node_rank) + ")";
-  // The launchers notice a lost node within timeout_s; a reduction waits somewhat longer, so the
-  // run's error names the node rather than a timed-out collective.
-  const auto op_timeout = std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 30.0) * 1000.0));
+  // Joining waits for the other nodes' workers (they may start later) up to timeout_s + 30 s. A
+  // sum may wait much longer for a peer that is alive but busy (an evaluation, a checkpoint on
+  // its loop): lost nodes are the launchers' to notice (within timeout_s), so the collectives'
+  // own bound is only a last resort, never infinite.
+  const auto join_timeout = std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 30.0) * 1000.0));
+  const auto op_timeout = std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 1800.0) * 1000.0));
   try {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(g.store_port);
     so.isServer = false;
     so.waitWorkers = false;
-    so.timeout = op_timeout;
+    so.timeout = join_timeout;
     auto store = c10::make_intrusive<c10d::TCPStore>(g.store_host, so);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rp/reduce/" + std::to_string(worker_rank), store);
     auto opts = c10d::ProcessGroupGloo::Options::create(op_timeout);
     // The interface the other nodes reach this one on: GLOO_SOCKET_IFNAME as torch.distributed
     // reads it, else the address this host's name resolves to.
-    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    else
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    if (const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME"); ifnames && *ifnames) {
+      std::stringstream list(ifnames);
+      for (std::string name; std::getline(list, name, ',');)
+        if (!name.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    }
+    if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     opts->threads = 1;  // one reduction at a time per worker: its commits are sequential anyway
     impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, g.node_rank, g.nodes, opts);
   } catch (const std::exception& e) {
@@ -73,8 +79,9 @@ StatusOr<bool> NodeReduction::Poll() {
   try {
     for (const auto& work : impl_->pending)
       if (!work->isCompleted()) return false;
+    // exception() rather than isSuccess(), which newer LibTorch deprecates.
     for (const auto& work : impl_->pending)
-      if (!work->isSuccess()) std::rethrow_exception(work->exception());
+      if (auto failed = work->exception()) std::rethrow_exception(failed);
   } catch (const std::exception& e) {
     impl_->pending.clear();
     return Status::Unavailable(impl_->name + ": " + e.what());

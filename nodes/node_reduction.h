@@ -10,9 +10,9 @@
 //
 // Contract:
 //  * Join() forms the group of worker `worker_rank` of every node (a store prefix per worker
-//    rank), waiting up to `timeout_s` for the others; every collective is bounded by the same
-//    timeout plus a margin, so a lost node fails a reduction instead of hanging it, after the
-//    launchers (bounded by the timeout alone) have had the chance to name the node.
+//    rank), waiting up to `timeout_s` + 30 s for the others. Every collective is bounded too,
+//    by `timeout_s` + 30 min: a peer that is alive may be busy for long (an evaluation), and a
+//    lost node is for the launchers to notice, within `timeout_s`, and stop the run.
 //  * Start() begins summing `flat` (fp32, contiguous, CPU) in place across the nodes, and `loss`
 //    (fp64: a fused tail job's loss sum and target count) when defined; the callers of every
 //    node must start the same sizes in the same order. Poll() is true once the sums are in the

@@ -249,8 +249,10 @@ double NodeSumSeconds(const SimInput& in, double bytes) {
   return wire + 2.0 * (n - 1.0) * in.node_hop_s;
 }
 
-// One hop of a cross-node sum: the order of a TCP round trip between hosts plus Gloo's own work
-// (on loopback a 64-element sum of 2 nodes took ~0.1 ms).
+// One hop of a cross-node sum between hosts: a TCP round trip and Gloo's own work, taken as
+// 50 us. An assumption for real networks: on the loopback of a 2-core machine rp-node-bench
+// measured 0.17-0.25 ms per hop (a 256-byte sum of 2 ranks in 0.33-0.50 ms), mostly thread
+// wake-ups on oversubscribed cores (bench/results.jsonl).
 constexpr double kNodeHopSeconds = 50e-6;
 
 SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,

@@ -224,19 +224,49 @@ TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {
   EXPECT_EQ(next.code, 0) << next.output;
 }
 
-TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
+TEST_F(NodesTest, AnInterruptOfNodeZeroCheckpointsAndStopsTheOthers) {
+  // Node 0 hosts the store from a thread of its own: SIGINT must still reach its supervision loop
+  // (a graceful stop with a checkpoint, exit 3), and node 1 stops naming it.
+  const auto job = With(kJob, {"train.steps=400", "checkpoint.every=1000", "job.node_timeout_s=20"});
   const std::string master = "127.0.0.1:" + std::to_string(FreePort());
   std::vector<std::unique_ptr<testing::Process>> procs;
   for (int r = 0; r < 2; ++r) {
-    auto args = LaunchArgs(2, tmp_ + "/mismatch", With(kJob, {"job.node_timeout_s=20"}));
-    if (r == 1) args.insert(args.end(), {"--set", "schedule.forward_stages=1"});
+    auto args = LaunchArgs(1, tmp_ + "/int", job);
     args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
-    procs.push_back(std::make_unique<testing::Process>(args, NodeEnv({})));
+    procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(job)));
   }
-  for (auto& p : procs) {
-    auto res = p->Wait(60);
-    EXPECT_EQ(res.code, 2) << res.output;
-    EXPECT_NE(res.output.find("every node must resolve the same job"), std::string::npos) << res.output;
+  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/int/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+  ASSERT_GE(testing::Losses(tmp_ + "/int/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
+  ::kill(procs[0]->pid(), SIGINT);
+  auto zero = procs[0]->Wait(120);
+  EXPECT_EQ(zero.code, 3) << zero.output;
+  auto one = procs[1]->Wait(120);
+  EXPECT_EQ(one.code, 10) << one.output;
+  EXPECT_NE(one.output.find("node 0 was interrupted"), std::string::npos) << one.output;
+  bool checkpoint = false;
+  for (const auto& e : fs::directory_iterator(tmp_ + "/int/checkpoints")) checkpoint = checkpoint || e.is_regular_file();
+  EXPECT_TRUE(checkpoint) << "node 0 wrote no checkpoint at its interrupt";
+}
+
+TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
+  // Node 1 with another partition, then with another worker count: the round-robin would pair
+  // different jobs in the sums.
+  const std::vector<std::pair<std::vector<std::string>, int>> differences = {
+      {{"--set", "schedule.forward_stages=1"}, 2}, {{}, 1}};
+  for (const auto& [difference, workers] : differences) {
+    const std::string master = "127.0.0.1:" + std::to_string(FreePort());
+    std::vector<std::unique_ptr<testing::Process>> procs;
+    for (int r = 0; r < 2; ++r) {
+      auto args = LaunchArgs(r == 1 ? workers : 2, tmp_ + "/mismatch", With(kJob, {"job.node_timeout_s=20"}));
+      if (r == 1) args.insert(args.end(), difference.begin(), difference.end());
+      args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+      procs.push_back(std::make_unique<testing::Process>(args, NodeEnv({})));
+    }
+    for (auto& p : procs) {
+      auto res = p->Wait(60);
+      EXPECT_EQ(res.code, 2) << workers << " workers: " << res.output;
+      EXPECT_NE(res.output.find("every node must resolve the same run"), std::string::npos) << res.output;
+    }
   }
 }
 

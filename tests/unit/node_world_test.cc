@@ -98,6 +98,14 @@ TEST(NodeWorld, Slurm) {
   auto bad = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "two"}}));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("SLURM_NTASKS"), std::string::npos);
+  auto step = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_NTASKS_PER_NODE", "1"},
+                                        {"SLURM_STEP_NODELIST", "n[3-4]"}, {"SLURM_JOB_NODELIST", "n[1-4]"}}));
+  ASSERT_TRUE(step.ok()) << step.status().message();
+  EXPECT_EQ(step->store_host, "n3");  // the step's hosts, not the allocation's
+  auto eight = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "16"}, {"SLURM_NTASKS_PER_NODE", "8"},
+                                         {"SLURM_JOB_NODELIST", "n[1-2]"}}));
+  ASSERT_FALSE(eight.ok());
+  EXPECT_NE(eight.status().message().find("--ntasks-per-node 1"), std::string::npos);
   auto one = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}));
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one->nodes, 1);
@@ -116,7 +124,7 @@ TEST(NodeWorld, HostLists) {
     ASSERT_TRUE(got.ok()) << list << ": " << got.status().message();
     EXPECT_EQ(*got, want) << list;
   }
-  for (const std::string bad : {"", "a[1-", "a]1[", "a[3-1]", "a[x]", "a,,b"}) {
+  for (const std::string bad : {"", "a[1-", "a]1[", "a[3-1]", "a[x]", "a,,b", "a,"}) {
     auto got = ExpandHostList(bad);
     EXPECT_FALSE(got.ok()) << bad;
   }
