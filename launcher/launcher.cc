@@ -151,7 +151,16 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
     std::printf("the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
                 "(RP_MERGE_CALLS=never runs them one after another)\n",
                 static_cast<long long>(cfg.train.accum_calls), static_cast<long long>(cfg.train.microbatches),
-                static_cast<long long>(core::Round(cfg).microbatches));
+                static_cast<long long>(core::GlobalRound(cfg).microbatches));
+  if (cfg.nodes.count > 1) {
+    const int64_t share = core::Round(cfg).microbatches;
+    std::printf("node %lld of %lld: microbatches %lld..%lld of each round of %lld run here; the plan and the "
+                "prediction below are this node's share\n",
+                static_cast<long long>(cfg.nodes.rank), static_cast<long long>(cfg.nodes.count),
+                static_cast<long long>(core::StepMicrobatch(cfg, 0, 0)),
+                static_cast<long long>(core::StepMicrobatch(cfg, 0, share - 1)),
+                static_cast<long long>(core::GlobalRound(cfg).microbatches));
+  }
   if (auto costs = core::PlanningProfile(cfg); costs.ok()) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",

@@ -4,6 +4,12 @@
 // a measured profile (--profile, or schedule.profile) or the FLOP cost model. With
 // partition = "equal" in the job it also shows the job's own plan under the same costs.
 // --json prints one JSON object and nothing else.
+//
+// --max-seq: the longest data.seq_len (a multiple of --seq-step) whose plan fits
+// schedule.gpu_memory_gb per worker (the planner's estimate) and whose shared memory fits
+// --host-memory-gb (default: this host's available memory), with the predicted tokens/s there.
+// Lengths other than the job's are costed by the FLOP cost model (a profile is measured at one
+// length).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <optional>
@@ -12,8 +18,132 @@
 
 #include "common/exit_codes.h"
 #include "config/job_config.h"
+#include "config/model_spec.h"
 #include "planning/partitioner.h"
 #include "planning/plan.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+namespace {
+
+// What a job at one sequence length needs and is predicted to do (--max-seq).
+struct LengthFit {
+  bool fits = false;
+  std::string why;  // what does not fit
+  rp::core::PlanChoice choice;
+  double host_bytes = 0.0;
+};
+
+LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_limit) {
+  LengthFit f;
+  const bool measured_length = seq_len == c.data.seq_len;
+  c.data.seq_len = seq_len;
+  if (!measured_length) c.schedule.profile.clear();  // a profile holds one length's costs
+  auto costs = rp::core::PlanningProfile(c);
+  if (!costs.ok()) {
+    f.why = costs.status().message();
+    return f;
+  }
+  if (c.schedule.partition == rp::core::Partition::kAuto) {
+    auto choice = rp::core::ChoosePlan(c, gpus, *costs);  // drops plans above gpu_memory_gb
+    if (!choice.ok()) {
+      f.why = choice.status().message();
+      return f;
+    }
+    f.choice = *choice;
+  } else {
+    auto plan = rp::core::BuildPlan(c);
+    if (!plan.ok()) {
+      f.why = plan.status().message();
+      return f;
+    }
+    f.choice = rp::core::PredictPlan(c, *plan, *costs, gpus);
+    if (f.choice.peak_memory_bytes > c.schedule.gpu_memory_gb * 1e9) {
+      f.why = "device memory";
+      return f;
+    }
+  }
+  const auto spec = rp::core::BuildModelSpec(c.model, c.lora);
+  auto layout = rp::shm::ComputeLayout(c, spec, f.choice.plan);
+  if (!layout.ok()) {
+    f.why = layout.status().message();
+    return f;
+  }
+  f.host_bytes = static_cast<double>(rp::shm::SharedMemoryBytes(*layout, c, gpus));
+  if (f.host_bytes > host_limit) {
+    f.why = "host memory";
+    return f;
+  }
+  f.fits = true;
+  return f;
+}
+
+int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_memory_gb, bool json) {
+  if (cfg.schedule.gpu_memory_gb <= 0) {
+    std::fprintf(stderr, "rp-plan: --max-seq needs schedule.gpu_memory_gb, the device memory per worker to fit "
+                         "(--set schedule.gpu_memory_gb=...)\n");
+    return rp::kExitBadConfig;
+  }
+  const double host_limit =
+      host_memory_gb > 0 ? host_memory_gb * 1e9 : static_cast<double>(rp::shm::AvailableHostMemory());
+  // Doubling to the first length that does not fit, then bisection on multiples of `step`.
+  constexpr int64_t kLongest = int64_t{1} << 20;  // data.seq_len's own bound
+  int64_t lo = 0, hi = 0;
+  LengthFit best;
+  for (int64_t l = step; l <= kLongest; l *= 2) {
+    LengthFit f = FitAt(cfg, l, gpus, host_limit);
+    if (!f.fits) {
+      hi = l;
+      break;
+    }
+    lo = l;
+    best = f;
+  }
+  if (lo == 0) {
+    std::fprintf(stderr, "rp-plan: not even %lld tokens per sequence fit (%s)\n", static_cast<long long>(step),
+                 FitAt(cfg, step, gpus, host_limit).why.c_str());
+    return rp::kExitBadConfig;
+  }
+  if (hi == 0) hi = kLongest + step;  // the longest searched fits
+  while (hi - lo > step) {
+    const int64_t mid = lo + (hi - lo) / 2 / step * step;
+    LengthFit f = FitAt(cfg, mid, gpus, host_limit);
+    if (f.fits) {
+      lo = mid;
+      best = f;
+    } else {
+      hi = mid;
+    }
+  }
+  const rp::core::RoundShape whole = rp::core::GlobalRound(cfg);
+  const double tokens = static_cast<double>(whole.calls * whole.microbatches * cfg.train.microbatch_size * lo);
+  const std::string limit = FitAt(cfg, lo + step, gpus, host_limit).why;
+  if (json) {
+    std::printf("%s\n", nlohmann::json{{"max_seq_len", lo},
+                                       {"plan", best.choice.plan.Describe()},
+                                       {"peak_memory_bytes_per_worker", best.choice.peak_memory_bytes},
+                                       {"gpu_memory_limit_bytes", cfg.schedule.gpu_memory_gb * 1e9},
+                                       {"host_bytes", best.host_bytes},
+                                       {"host_limit_bytes", host_limit},
+                                       {"predicted_step_s", best.choice.step_seconds},
+                                       {"predicted_tokens_per_s", tokens / best.choice.step_seconds},
+                                       {"costs", best.choice.cost_source},
+                                       {"next_length_limited_by", limit}}
+                             .dump()
+                             .c_str());
+    return 0;
+  }
+  std::printf("longest sequence that fits: %lld tokens (%lld more do not: %s)\n", static_cast<long long>(lo),
+              static_cast<long long>(step), limit.c_str());
+  std::printf("  plan %s; estimated peak device memory per worker %.2f GB of %.2f; shared memory %.2f GB of %.2f\n",
+              best.choice.plan.Describe().c_str(), best.choice.peak_memory_bytes / 1e9, cfg.schedule.gpu_memory_gb,
+              best.host_bytes / 1e9, host_limit / 1e9);
+  std::printf("  predicted step %.3f s, %.0f tokens/s (%s costs)\n", best.choice.step_seconds,
+              tokens / best.choice.step_seconds, best.choice.cost_source.c_str());
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   std::string job;
@@ -31,6 +161,16 @@ int main(int argc, char** argv) {
   app.add_option("--nnodes", nnodes, "nodes the job runs on (rp-launch --nnodes): plan and predict one node's share, "
                                      "with the cross-node gradient sums")
       ->check(CLI::Range(1, 65536));
+  bool max_seq = false;
+  int64_t seq_step = 1024;
+  double host_memory_gb = 0.0;
+  app.add_flag("--max-seq", max_seq,
+               "print the longest data.seq_len that fits schedule.gpu_memory_gb per worker and the host's memory");
+  app.add_option("--seq-step", seq_step, "--max-seq: lengths searched are multiples of this")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--host-memory-gb", host_memory_gb,
+                 "--max-seq: shared memory the run may take (default: this host's available memory)")
+      ->check(CLI::Range(0.0, 1e9));
   CLI11_PARSE(app, argc, argv);
   auto cfg = rp::core::LoadJobConfig(job, overrides);
   if (!cfg.ok()) {
@@ -46,6 +186,7 @@ int main(int argc, char** argv) {
   const double step_tokens = static_cast<double>(rp::core::GlobalRound(*cfg).calls * rp::core::GlobalRound(*cfg).microbatches *
                                                  cfg->TokensPerMicrobatch());
   if (!profile.empty()) cfg->schedule.profile = profile;
+  if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json);
   auto costs = rp::core::PlanningProfile(*cfg);
   if (!costs.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());

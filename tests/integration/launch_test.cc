@@ -474,6 +474,31 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
 }
 
+TEST_F(LaunchTest, PlanFindsTheLongestSequenceThatFitsTheMemory) {
+  // rp-plan --max-seq: the length it names fits schedule.gpu_memory_gb by the planner's own
+  // estimate (partition = "auto", so every candidate plan is tried) and one step more does not.
+  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--json", "--set",
+                                         "schedule.partition=auto", "--set", "schedule.gpu_memory_gb=0.05",
+                                         "--set", "data.format=random"};  // any length of data
+  auto found = testing::RunProcess(With(base, {"--max-seq", "--seq-step", "256"}), 120, Env());
+  ASSERT_EQ(found.code, 0) << found.output;
+  const auto j = nlohmann::json::parse(found.output);
+  const int64_t longest = j["max_seq_len"];
+  ASSERT_GT(longest, 0);
+  EXPECT_EQ(longest % 256, 0);
+  EXPECT_LE(j["peak_memory_bytes_per_worker"].get<double>(), 0.05e9);
+  EXPECT_GT(j["predicted_tokens_per_s"].get<double>(), 0.0);
+  auto at = testing::RunProcess(With(base, {"--set", "data.seq_len=" + std::to_string(longest)}), 60, Env());
+  ASSERT_EQ(at.code, 0) << at.output;
+  EXPECT_LE(nlohmann::json::parse(at.output)["peak_memory_bytes_per_worker"].get<double>(), 0.05e9);
+  auto beyond = testing::RunProcess(With(base, {"--set", "data.seq_len=" + std::to_string(longest + 256)}), 60, Env());
+  EXPECT_NE(beyond.code, 0) << "a plan fits at " << longest + 256 << ": " << beyond.output;
+  // Without a device memory to fit, it says what is missing.
+  auto unbounded = testing::RunProcess({BinDir() + "/rp-plan", Job(), "--max-seq"}, 60, Env());
+  EXPECT_EQ(unbounded.code, 2);
+  EXPECT_NE(unbounded.output.find("needs schedule.gpu_memory_gb"), std::string::npos) << unbounded.output;
+}
+
 TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   // The steps after a warm-up step are timed layer by layer; profile.json holds every layer and
   // the host link; summary.json sets the prediction made from it against the measured steps;
