@@ -592,7 +592,10 @@ Status Coordinator::Finish(Status st) {
         {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
         // RP_MERGE_CALLS: the job file's calls that ran as this one round (1 = as written).
-        {"merged_calls", round_.merged_calls}, {"nodes", cfg_.nodes.count}, {"node_rank", cfg_.nodes.rank}};
+        {"merged_calls", round_.merged_calls}, {"nodes", cfg_.nodes.count}, {"node_rank", cfg_.nodes.rank},
+        // The shape attention's FLOPs grow with (bench/gpu_bench.sh's MFU counting them).
+        {"seq_len", cfg_.data.seq_len}, {"num_layers", cfg_.model.num_layers},
+        {"attention_dim", cfg_.model.num_heads * cfg_.model.head_dim}};
     if (!st.ok()) summary["error"] = st.ToString();
     if (!write_errors.empty()) summary["write_errors"] = write_errors;
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();
