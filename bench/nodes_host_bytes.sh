@@ -4,7 +4,7 @@
 # step). Per node: both shared-memory segments at their full size (summary.json) plus that node's
 # coordinator's peak anonymous RSS; worker RSS is reported apart. Also rp-plan --nnodes's
 # predicted step, from the one-node run's profile, against the median measured step after the
-# first. Prints one JSON line per node count, for bench/results.jsonl.
+# first, and each node's own prediction from its own profile (summary.json). Prints one JSON line per node count, for bench/results.jsonl.
 #   bench/nodes_host_bytes.sh BUILD_DIR [STEPS]
 set -euo pipefail
 build=${1:?usage: nodes_host_bytes.sh BUILD_DIR [STEPS]}
@@ -58,7 +58,9 @@ for r in range(nodes):
     seg = s["segment_bytes"] + s["optim_segment_bytes"]
     rows.append({"node": r, "segment_bytes": seg, "coordinator_anon_bytes": coords[r],
                  "host_bytes_per_param": round((seg + coords[r]) / s["trainable_params"], 2),
-                 "worker_rss_bytes": workers[r], "tokens_per_s": round(s["tokens_per_s"], 1)})
+                 "worker_rss_bytes": workers[r], "tokens_per_s": round(s["tokens_per_s"], 1),
+                 # The run's own prediction from its own profile (this node's share, with the sums).
+                 "measured_over_predicted": s.get("prediction", {}).get("measured_over_predicted")})
 times = [json.loads(l)["step_time_s"] for l in open(out + "/metrics.jsonl")][1:]
 measured = statistics.median(times)
 print(json.dumps({"date": datetime.date.today().isoformat(), "commit": commit, "machine": "2-core CPU machine",
