@@ -318,6 +318,12 @@ inline RoundShape Round(const JobConfig& c) {
 inline int64_t StepMicrobatch(const JobConfig& c, int64_t call, int64_t mb) {
   return call * GlobalRound(c).microbatches + c.nodes.rank * Round(c).microbatches + mb;
 }
+// Several nodes split the evaluation too when its microbatches divide evenly: node r evaluates
+// the r-th block of train.eval_microbatches and the workers sum each eval job's loss across the
+// nodes (else every node evaluates all of them).
+inline bool EvalSplitAcrossNodes(const JobConfig& c) {
+  return c.nodes.count > 1 && c.train.eval_microbatches % c.nodes.count == 0;
+}
 // Whether `c` can run on c.nodes.count nodes: the step's microbatches split evenly, and what the
 // cross-node reduction does not cover (CUDA workers without the NCCL path, a plan that a node
 // could change on its own) refused, naming the key.

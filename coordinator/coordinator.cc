@@ -596,6 +596,10 @@ Status Coordinator::Finish(Status st) {
         // The shape attention's FLOPs grow with (bench/gpu_bench.sh's MFU counting them).
         {"seq_len", cfg_.data.seq_len}, {"num_layers", cfg_.model.num_layers},
         {"attention_dim", cfg_.model.num_heads * cfg_.model.head_dim}};
+    if (cfg_.train.eval_every > 0)  // several nodes may split the eval set (core::EvalSplitAcrossNodes)
+      summary["eval_microbatches_here"] = core::EvalSplitAcrossNodes(cfg_)
+                                              ? cfg_.train.eval_microbatches / cfg_.nodes.count
+                                              : cfg_.train.eval_microbatches;
     if (!st.ok()) summary["error"] = st.ToString();
     if (!write_errors.empty()) summary["write_errors"] = write_errors;
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();

@@ -18,14 +18,20 @@ bool Evaluations::Due(int64_t step) const {
 
 Status Evaluations::Dispatch(int64_t step, const std::function<int64_t()>& next_job_index) {
   EvalState& e = evals_[step];
-  for (int k = 0; k < layout_.eval_slots; ++k) {
+  // Several nodes may split the eval microbatches: this node's block of the slots.
+  int first = 0, count = layout_.eval_slots;
+  if (core::EvalSplitAcrossNodes(cfg_)) {
+    count /= static_cast<int>(cfg_.nodes.count);
+    first = static_cast<int>(cfg_.nodes.rank) * count;
+  }
+  for (int k = first; k < first + count; ++k) {
     EvalJob j;
     j.run = proto::RunEval{next_job_index(), step, step + 1, k, 0};
     j.worker = core::WorkerForJob(jobs_dispatched_++, 0, workers_.size());
     RP_RETURN_IF_ERROR(workers_.Send(j.worker, j.run));
     e.jobs.emplace(j.run.job_index, j);
   }
-  e.left = layout_.eval_slots;
+  e.left = count;
   return Status::Ok();
 }
 

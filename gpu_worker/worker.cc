@@ -134,6 +134,13 @@ class Worker {
   // committed once summed and granted.
   std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_;
   std::unique_ptr<nodes::NodeReduction> reduction_;
+  // core::EvalSplitAcrossNodes: the group that sums each eval job's loss across the nodes (its
+  // own group, so eval sums keep their order beside the gradient sums).
+  std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_eval_;
+  std::unique_ptr<nodes::NodeReduction> eval_sums_;
+  // Sums an eval job's loss and target count across the nodes, beating while it waits.
+  Status SumEvalAcrossNodes(double* loss_sum, int64_t* targets);
+  void BeatIfDue();
   std::map<int64_t, std::pair<double, int64_t>> job_loss_;  // several nodes: job -> this node's loss, targets
   // JobDone for `f`, with its loss summed over the nodes when it has one.
   proto::JobDone DoneMessage(const Finishing& f) const;
@@ -335,6 +342,33 @@ StatusOr<bool> Worker::Progress() {
   return true;
 }
 
+void Worker::BeatIfDue() {
+  if (MonoSeconds() - last_heartbeat_ < kHeartbeatSeconds) return;
+  if (Status s = channel_->Send(proto::Heartbeat{WallMicros()}); !s.ok())
+    RP_LOG(WARNING) << "heartbeat during an eval job: " << s.message();
+  last_heartbeat_ = MonoSeconds();
+}
+
+Status Worker::SumEvalAcrossNodes(double* loss_sum, int64_t* targets) {
+  if (!eval_sums_) {
+    while (joining_eval_.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) BeatIfDue();
+    RP_ASSIGN_OR_RETURN(eval_sums_, joining_eval_.get());
+  }
+  at::Tensor sums = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  sums[0] = *loss_sum;
+  sums[1] = static_cast<double>(*targets);
+  RP_RETURN_IF_ERROR(eval_sums_->Start(at::Tensor(), sums));
+  for (;;) {
+    RP_ASSIGN_OR_RETURN(bool done, eval_sums_->Poll());
+    if (done) break;
+    BeatIfDue();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  *loss_sum = sums[0].item<double>();
+  *targets = static_cast<int64_t>(sums[1].item<double>());
+  return Status::Ok();
+}
+
 StatusOr<bool> Worker::RunEval(ActiveJob& a) {
   // Earlier jobs report their microbatches first (an eval blocks until it is done).
   if (!in_flight_.empty()) return false;
@@ -349,13 +383,10 @@ StatusOr<bool> Worker::RunEval(ActiveJob& a) {
   if (ClaimTestHookOnce("RP_TEST_FAIL_EVAL_ONCE"))
     return Fail(d.job_index, Status::Internal("RP_TEST_FAIL_EVAL_ONCE: failing an eval job on purpose"));
   d.start_us = WallMicros();
-  auto r = exec_->Evaluate(a.run_eval, [this] {
-    if (MonoSeconds() - last_heartbeat_ < kHeartbeatSeconds) return;
-    if (Status s = channel_->Send(proto::Heartbeat{WallMicros()}); !s.ok())
-      RP_LOG(WARNING) << "heartbeat during an eval job: " << s.message();
-    last_heartbeat_ = MonoSeconds();
-  });
+  auto r = exec_->Evaluate(a.run_eval, [this] { BeatIfDue(); });
   if (!r.ok()) return Fail(d.job_index, r.status());
+  if (core::EvalSplitAcrossNodes(cfg_))
+    if (Status s = SumEvalAcrossNodes(&r->loss_sum, &r->targets); !s.ok()) return Fail(d.job_index, s);
   if (const double slow = TestEvalDelaySeconds(); slow > 0)
     std::this_thread::sleep_for(std::chrono::duration<double>(slow));
   d.end_us = WallMicros();
@@ -542,6 +573,9 @@ Status Worker::Run() {
                            cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
     const int rank = opts_.rank;
     joining_ = std::async(std::launch::async, [group, rank] { return nodes::NodeReduction::Join(group, rank); });
+    if (core::EvalSplitAcrossNodes(cfg_) && cfg_.train.eval_every > 0)
+      joining_eval_ =
+          std::async(std::launch::async, [group, rank] { return nodes::NodeReduction::Join(group, rank, "eval"); });
   }
 
   RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));

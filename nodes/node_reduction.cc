@@ -24,10 +24,11 @@ struct NodeReduction::Impl {
 
 bool NodeReduction::Available() { return true; }
 
-StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g, int worker_rank) {
+StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g, int worker_rank,
+                                                            const std::string& purpose) {
   auto impl = std::make_unique<Impl>();
-  impl->name = "the reduction group of worker " + std::to_string(worker_rank) + " across " + std::to_string(g.nodes) +
-               " nodes (this is node " + std::to_string(g.node_rank) + ")";
+  impl->name = "the " + purpose + " group of worker " + std::to_string(worker_rank) + " across " +
+               std::to_string(g.nodes) + " nodes (this is node " + std::to_string(g.node_rank) + ")";
   // Joining waits for the other nodes' workers (they may start later) up to timeout_s + 30 s. A
   // sum may wait much longer for a peer that is alive but busy (an evaluation, a checkpoint on
   // its loop): lost nodes are the launchers' to notice (within timeout_s), so the collectives'
@@ -41,7 +42,7 @@ StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g,
     so.waitWorkers = false;
     so.timeout = join_timeout;
     auto store = c10::make_intrusive<c10d::TCPStore>(g.store_host, so);
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rp/reduce/" + std::to_string(worker_rank), store);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("rp/" + purpose + "/" + std::to_string(worker_rank), store);
     auto opts = c10d::ProcessGroupGloo::Options::create(op_timeout);
     // The interface the other nodes reach this one on: GLOO_SOCKET_IFNAME as torch.distributed
     // reads it, else the address this host's name resolves to.
@@ -63,8 +64,10 @@ Status NodeReduction::Start(at::Tensor flat, at::Tensor loss) {
   if (!impl_->pending.empty())
     return Status::Internal(impl_->name + ": a sum started before the previous one finished");
   try {
-    std::vector<at::Tensor> grads = {std::move(flat)};
-    impl_->pending.push_back(impl_->group->allreduce(grads));
+    if (flat.defined()) {
+      std::vector<at::Tensor> grads = {std::move(flat)};
+      impl_->pending.push_back(impl_->group->allreduce(grads));
+    }
     if (loss.defined()) {
       std::vector<at::Tensor> sums = {std::move(loss)};
       impl_->pending.push_back(impl_->group->allreduce(sums));
@@ -94,7 +97,7 @@ StatusOr<bool> NodeReduction::Poll() {
 
 struct NodeReduction::Impl {};
 bool NodeReduction::Available() { return false; }
-StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup&, int) {
+StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup&, int, const std::string&) {
   return Status::InvalidArgument("several nodes need LibTorch's c10d with Gloo, which this build lacks");
 }
 Status NodeReduction::Start(at::Tensor, at::Tensor) { return Status::Internal("no c10d Gloo"); }

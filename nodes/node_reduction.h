@@ -13,8 +13,8 @@
 //    rank), waiting up to `timeout_s` + 30 s for the others. Every collective is bounded too,
 //    by `timeout_s` + 30 min: a peer that is alive may be busy for long (an evaluation), and a
 //    lost node is for the launchers to notice, within `timeout_s`, and stop the run.
-//  * Start() begins summing `flat` (fp32, contiguous, CPU) in place across the nodes, and `loss`
-//    (fp64: a fused tail job's loss sum and target count) when defined; the callers of every
+//  * Start() begins summing `flat` (fp32, contiguous, CPU) in place across the nodes when
+//    defined, and `loss` (fp64: a loss sum and target count) when defined; the callers of every
 //    node must start the same sizes in the same order. Poll() is true once the sums are in the
 //    tensors, or the error (naming the group) if one failed.
 //  * Available() is false in a build without c10d's Gloo: Join() fails saying so.
@@ -40,7 +40,10 @@ struct NodeGroup {
 class NodeReduction {
  public:
   static bool Available();
-  static StatusOr<std::unique_ptr<NodeReduction>> Join(const NodeGroup& group, int worker_rank);
+  // `purpose` names the group (one store prefix per purpose and worker rank): a worker's
+  // gradient sums and its eval sums are separate groups, each with its own order.
+  static StatusOr<std::unique_ptr<NodeReduction>> Join(const NodeGroup& group, int worker_rank,
+                                                       const std::string& purpose = "reduce");
   ~NodeReduction();
   NodeReduction(const NodeReduction&) = delete;
   NodeReduction& operator=(const NodeReduction&) = delete;

@@ -161,6 +161,25 @@ TEST_F(NodesTest, MergedCallsLoraDropoutAndEvaluationsEqualOneNode) {
   }
 }
 
+TEST_F(NodesTest, EvaluationsSplitAcrossNodesWhenTheyDivide) {
+  // Three eval microbatches: one per node on 3 nodes (each eval job's loss summed across them),
+  // all three on every node of 2. Both equal one node's eval losses.
+  const std::vector<std::string> job = {"train.steps=4", "train.microbatches=6", "train.accum_calls=1",
+                                        "train.eval_every=2", "data.eval_fraction=0.1", "train.eval_microbatches=3"};
+  auto one = Launch(2, tmp_ + "/one", job);
+  ASSERT_EQ(one.code, 0) << one.output;
+  const auto want = testing::Losses(tmp_ + "/one/metrics.jsonl", "eval_loss");
+  for (int nodes : {3, 2}) {
+    const std::string out = tmp_ + "/n" + std::to_string(nodes);
+    auto rs = LaunchNodes(nodes, 1, out, job);
+    for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
+    ExpectClose(testing::Losses(out + "/metrics.jsonl", "eval_loss"), want, 1e-5,
+                "eval loss on " + std::to_string(nodes) + " nodes");
+    EXPECT_EQ(Summary(out)["eval_microbatches_here"], nodes == 3 ? 1 : 3);
+    EXPECT_EQ(testing::Losses(out + "/node-1/metrics.jsonl", "eval_loss"), testing::Losses(out + "/metrics.jsonl", "eval_loss"));
+  }
+}
+
 TEST_F(NodesTest, OneNodeEqualsTheReference) {
   // The one-node run above is the multi-node runs' yardstick; it is itself rp-train-ref's step.
   auto ref = Ref(tmp_ + "/ref", kJob);
