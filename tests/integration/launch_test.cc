@@ -634,9 +634,16 @@ TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
 }
 
 // Waits until the launcher has started its coordinator and n workers; returns their pids.
+// The launcher's children once at least `n` run one of the run's programs: a child just
+// spawned is a copy of rp-launch until its exec.
 std::vector<pid_t> WaitForChildren(pid_t launcher, size_t n) {
   for (int i = 0; i < 600; ++i) {
-    auto kids = testing::ChildrenOf(launcher);
+    std::vector<pid_t> kids;
+    for (pid_t k : testing::ChildrenOf(launcher)) {
+      const std::string cmd = testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline");
+      if (cmd.find("rp-coordinator") != std::string::npos || cmd.find("rp-worker") != std::string::npos)
+        kids.push_back(k);
+    }
     if (kids.size() >= n) return kids;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
