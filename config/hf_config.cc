@@ -178,6 +178,50 @@ StatusOr<bool> QwenUsesWindow(const nlohmann::json& j, const ConfigReader& top, 
   return layers > full_layers;
 }
 
+// Qwen3-MoE's experts, with Qwen3MoeConfig's defaults for absent keys. The number of experts is
+// num_experts or num_local_experts (the name the config class maps it to).
+Status ReadMoe(const nlohmann::json& j, const ConfigReader& top, int64_t layers, MoeConfig* moe) {
+  *moe = MoeConfig{};
+  moe->num_experts = 128;
+  moe->experts_per_token = 8;
+  moe->expert_intermediate_size = 768;
+  RP_RETURN_IF_ERROR(top.PositiveInt("num_experts", &moe->num_experts, false));
+  if (top.Has("num_local_experts")) {
+    int64_t local = 0;
+    RP_RETURN_IF_ERROR(top.PositiveInt("num_local_experts", &local, false));
+    if (top.Has("num_experts") && local != moe->num_experts)
+      return top.Error("num_local_experts", "disagrees with num_experts (" + std::to_string(moe->num_experts) + ")");
+    moe->num_experts = local;
+  }
+  RP_RETURN_IF_ERROR(top.PositiveInt("num_experts_per_tok", &moe->experts_per_token, false));
+  if (moe->experts_per_token > moe->num_experts)
+    return top.Error("num_experts_per_tok", std::to_string(moe->experts_per_token) + " is more than the " +
+                                                std::to_string(moe->num_experts) + " experts");
+  RP_RETURN_IF_ERROR(top.PositiveInt("moe_intermediate_size", &moe->expert_intermediate_size, false));
+  RP_RETURN_IF_ERROR(top.Bool("norm_topk_prob", &moe->norm_topk_prob));
+  RP_RETURN_IF_ERROR(top.PositiveInt("decoder_sparse_step", &moe->sparse_step, false));
+  if (top.Has("mlp_only_layers")) {
+    if (!j["mlp_only_layers"].is_array()) return top.Error("mlp_only_layers", "must be a list of layer indices");
+    for (const auto& v : j["mlp_only_layers"]) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= layers)
+        return top.Error("mlp_only_layers", "entry " + v.dump() + " is not a layer index in [0, " +
+                                                std::to_string(layers) + ")");
+      moe->dense_layers.push_back(v.get<int64_t>());
+    }
+  }
+  // The load-balancing loss is part of the training objective exactly when this is true
+  // (transformers adds router_aux_loss_coef x it to the loss); its gradient couples every sparse
+  // layer of a microbatch, which this runtime does not compute.
+  bool router_loss = false;
+  RP_RETURN_IF_ERROR(top.Bool("output_router_logits", &router_loss));
+  if (router_loss)
+    return top.Error("output_router_logits", "true adds the router's load-balancing loss to the training "
+                                             "objective, which is not supported; set it to false");
+  double coef = 0.001;
+  RP_RETURN_IF_ERROR(top.Number("router_aux_loss_coef", &coef));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
@@ -191,8 +235,9 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   c.init_std = m->init_std;
   RP_RETURN_IF_ERROR(top.String("model_type", &c.model_type));
   const std::string& type = c.model_type;
-  if (type != "llama" && type != "qwen2" && type != "qwen3" && type != "mistral")
-    return top.Error("model_type", "\"" + type + "\" is not supported (llama, qwen2, qwen3, mistral)");
+  if (type != "llama" && type != "qwen2" && type != "qwen3" && type != "qwen3_moe" && type != "mistral")
+    return top.Error("model_type", "\"" + type + "\" is not supported (llama, qwen2, qwen3, qwen3_moe, mistral)");
+  const bool qwen3_family = type == "qwen3" || type == "qwen3_moe";
   if (top.Has("architectures")) {
     if (!j["architectures"].is_array()) return top.Error("architectures", "must be a list");
     for (const auto& a : j["architectures"]) {
@@ -208,7 +253,7 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   RP_RETURN_IF_ERROR(top.PositiveInt("num_attention_heads", &c.num_heads, true));
   c.num_kv_heads = c.num_heads;
   RP_RETURN_IF_ERROR(top.PositiveInt("num_key_value_heads", &c.num_kv_heads, false));
-  // Qwen3's config class defaults head_dim to 128; the others derive it.
+  // Qwen3's config class defaults head_dim to 128; the others (Qwen3-MoE too) derive it.
   c.head_dim = type == "qwen3" && !j.contains("head_dim") ? 128 : c.hidden_size / c.num_heads;
   RP_RETURN_IF_ERROR(top.PositiveInt("head_dim", &c.head_dim, false));
   // The same ranges as the job's [model] keys.
@@ -232,15 +277,16 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   RP_RETURN_IF_ERROR(CheckModelValue("rms_norm_eps", c.rms_norm_eps, path + ": rms_norm_eps"));
   c.tie_embeddings = false;
   RP_RETURN_IF_ERROR(top.Bool("tie_word_embeddings", &c.tie_embeddings));
-  c.qk_norm = type == "qwen3";
+  c.qk_norm = qwen3_family;
+  if (type == "qwen3_moe") RP_RETURN_IF_ERROR(ReadMoe(j, top, c.num_layers, &c.moe));
   // Biases as each family's attention and MLP build them: Qwen2 always has q/k/v biases (and
   // none on o_proj); Llama and Qwen3 follow attention_bias (all four projections), Llama also
   // mlp_bias; Mistral has none. A key a family does not read changes nothing there.
   bool attention_bias = false, mlp_bias = false;
   RP_RETURN_IF_ERROR(top.Bool("attention_bias", &attention_bias));
   RP_RETURN_IF_ERROR(top.Bool("mlp_bias", &mlp_bias));
-  c.qkv_bias = type == "qwen2" || ((type == "llama" || type == "qwen3") && attention_bias);
-  c.o_bias = (type == "llama" || type == "qwen3") && attention_bias;
+  c.qkv_bias = type == "qwen2" || ((type == "llama" || qwen3_family) && attention_bias);
+  c.o_bias = (type == "llama" || qwen3_family) && attention_bias;
   c.mlp_bias = type == "llama" && mlp_bias;
   std::string act = "silu";
   RP_RETURN_IF_ERROR(top.String("hidden_act", &act));
@@ -257,7 +303,7 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   if (type == "mistral") {
     windowed = !j.contains("sliding_window") || !j["sliding_window"].is_null();
     if (!j.contains("sliding_window")) c.sliding_window = 4096;
-  } else if (type == "qwen2" || type == "qwen3") {
+  } else if (type == "qwen2" || qwen3_family) {
     RP_ASSIGN_OR_RETURN(windowed, QwenUsesWindow(j, top, c.num_layers));
     if (windowed) c.sliding_window = 4096;
   }
@@ -273,17 +319,20 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
   const std::string& type = m.model_type;
   static const std::map<std::string, const char*> kArchitecture = {
       {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
-      {"qwen3", "Qwen3ForCausalLM"}, {"mistral", "MistralForCausalLM"}};
+      {"qwen3", "Qwen3ForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"mistral", "MistralForCausalLM"}};
   auto arch = kArchitecture.find(type);
   if (arch == kArchitecture.end()) return Status::InvalidArgument("export: model_type \"" + type + "\" is unknown");
   // What each family can express (ApplyHfConfig's rules read backwards).
-  const bool qk_norm_ok = m.qk_norm == (type == "qwen3");
+  const bool qwen3_family = type == "qwen3" || type == "qwen3_moe";
+  const bool qk_norm_ok = m.qk_norm == qwen3_family;
   const bool bias_ok = type == "qwen2"     ? m.qkv_bias && !m.o_bias && !m.mlp_bias
                        : type == "mistral" ? !m.qkv_bias && !m.o_bias && !m.mlp_bias
-                       : type == "qwen3"   ? m.qkv_bias == m.o_bias && !m.mlp_bias
+                       : qwen3_family      ? m.qkv_bias == m.o_bias && !m.mlp_bias
                                            : m.qkv_bias == m.o_bias;
   if (!qk_norm_ok || !bias_ok)
     return Status::InvalidArgument("export: the model's q/k norm and biases cannot be written as model_type \"" + type + "\"");
+  if ((m.moe.num_experts > 0) != (type == "qwen3_moe"))
+    return Status::InvalidArgument("export: experts can be written as model_type \"qwen3_moe\" only, not \"" + type + "\"");
   nlohmann::ordered_json rope = {{"rope_type", RopeTypeName(m.rope.type)}, {"rope_theta", m.rope.theta}};
   switch (m.rope.type) {
     case RopeConfig::Type::kDefault:
@@ -317,10 +366,19 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
       // top-level key.
       {"rope_theta", m.rope.theta}, {"rope_parameters", rope}, {"attention_dropout", 0.0},
       {"dtype", "float32"}, {"torch_dtype", "float32"}};
-  if (type == "llama" || type == "qwen3") c["attention_bias"] = m.qkv_bias;
+  if (type == "llama" || qwen3_family) c["attention_bias"] = m.qkv_bias;
+  if (type == "qwen3_moe") {
+    c["num_experts"] = m.moe.num_experts;
+    c["num_experts_per_tok"] = m.moe.experts_per_token;
+    c["moe_intermediate_size"] = m.moe.expert_intermediate_size;
+    c["norm_topk_prob"] = m.moe.norm_topk_prob;
+    c["decoder_sparse_step"] = m.moe.sparse_step;
+    c["mlp_only_layers"] = m.moe.dense_layers;
+    c["output_router_logits"] = false;
+  }
   if (type == "llama") c["mlp_bias"] = m.mlp_bias;
   if (type == "mistral") c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();
-  if (type == "qwen2" || type == "qwen3") {
+  if (type == "qwen2" || qwen3_family) {
     c["use_sliding_window"] = m.sliding_window > 0;
     c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();
     c["max_window_layers"] = m.sliding_window > 0 ? 0 : m.num_layers;

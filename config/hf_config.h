@@ -4,12 +4,13 @@
 //
 // Contract:
 //  * ApplyHfConfig() reads <dir>/config.json and replaces every architecture value of `model`
-//    with it (model_type "llama", "qwen2", "qwen3" or "mistral"), from wherever transformers 4.x
+//    with it (model_type "llama", "qwen2", "qwen3", "qwen3_moe" or "mistral"), from wherever transformers 4.x
 //    and 5.x put a value (RoPE base at the top level or inside rope_parameters / rope_scaling),
 //    and with transformers' per-family default where a key is absent. Every value read is
 //    type- and range-checked (the ranges of the job's [model] keys). A key whose value changes
 //    the math and that this runtime does not implement (another rope_type, a partial rotary
-//    factor, attention dropout, another activation, a quantized checkpoint, per-layer RoPE) is
+//    factor, attention dropout, another activation, a quantized checkpoint, per-layer RoPE, the
+//    routers' load-balancing loss) is
 //    refused naming the file and the key; keys that do not change the math are ignored.
 //    docs/model-config.md lists every key.
 //  * HfConfigJson() is the config.json an export writes: it loads in transformers 5 as the same

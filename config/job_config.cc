@@ -563,6 +563,13 @@ Status CrossValidate(const JobConfig& c) {
       if (std::find(seen.begin(), seen.end(), t) != seen.end())
         return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is listed twice");
       seen.push_back(t);
+      // PEFT matches these names inside the experts too (each expert is its own module in a
+      // per-expert checkpoint); adapters on experts are not built, so the job would train a
+      // different set of adapters than PEFT names.
+      if (m.moe.num_experts > 0 && (t == "gate_proj" || t == "up_proj" || t == "down_proj"))
+        return Status::InvalidArgument("lora.target_modules: \"" + t + "\" on a mixture-of-experts model: "
+                                       "adapters on the experts' projections are not supported; target the "
+                                       "attention projections (q_proj, k_proj, v_proj, o_proj)");
       // B A has rank at most min(in, out): a larger rank adds parameters and no expressiveness.
       const int64_t q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
       const int64_t in = t == "o_proj" ? q : t == "down_proj" ? m.intermediate_size : m.hidden_size;
@@ -657,6 +664,12 @@ Status ApplyOverride(toml::table& root, const std::string& assignment) {
 }
 
 }  // namespace
+
+bool SparseBlock(const ModelConfig& m, int64_t block) {
+  const auto& dense = m.moe.dense_layers;
+  return m.moe.num_experts > 0 && (block + 1) % m.moe.sparse_step == 0 &&
+         std::find(dense.begin(), dense.end(), block) == dense.end();
+}
 
 const std::vector<std::string>& LoraTargetableModules() {
   static const std::vector<std::string> modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",

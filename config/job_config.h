@@ -63,6 +63,19 @@ struct RopeConfig {
 };
 const char* RopeTypeName(RopeConfig::Type t);
 
+// Mixture-of-experts blocks (Qwen3-MoE, from config.json only): a sparse block's MLP is a router
+// (softmax over the experts, the top experts_per_token kept, renormalized when norm_topk_prob)
+// and num_experts SwiGLU experts of expert_intermediate_size; the other blocks keep the dense MLP
+// of intermediate_size. No experts: every block is dense.
+struct MoeConfig {
+  int64_t num_experts = 0;
+  int64_t experts_per_token = 0;        // num_experts_per_tok
+  int64_t expert_intermediate_size = 0; // moe_intermediate_size
+  bool norm_topk_prob = false;
+  int64_t sparse_step = 1;              // decoder_sparse_step
+  std::vector<int64_t> dense_layers;    // mlp_only_layers (0-based decoder indices)
+};
+
 struct ModelConfig {
   std::string path;  // Hugging Face model directory; its config.json sets the architecture keys
   // The transformers model_type the weights follow: "llama", "qwen2", "qwen3" or "mistral".
@@ -88,7 +101,12 @@ struct ModelConfig {
   int64_t sliding_window = 0;
   int64_t max_position_embeddings = 32768;  // written back on export; YaRN's default factor
   double init_std = 0.02;
+  MoeConfig moe;
 };
+
+// Whether decoder block `block` (0-based, as transformers counts layers) has the experts:
+// transformers' rule, not in mlp_only_layers and (block + 1) a multiple of decoder_sparse_step.
+bool SparseBlock(const ModelConfig& m, int64_t block);
 
 struct DataConfig {
   DataFormat format = DataFormat::kBytes;  // bytes: UTF-8 file as byte tokens; random: synthetic

@@ -151,6 +151,15 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
       add(layer, pre + "self_attn.k_norm.weight", {D}, "k_norm", InitKind::kOnes);
     }
     add(layer, pre + "post_attention_layernorm.weight", {H}, "post_norm", InitKind::kOnes);
+    if (SparseBlock(c, i)) {
+      // transformers 5's fused layout: every expert's gate and up rows stacked ([E, 2 x I, H],
+      // gate first) and its down matrix ([E, H, I]); io/hf_model.h maps per-expert files to it.
+      const int64_t E = c.moe.num_experts, EI = c.moe.expert_intermediate_size;
+      add(layer, pre + "mlp.gate.weight", {E, H}, "router", InitKind::kNormal);
+      add(layer, pre + "mlp.experts.gate_up_proj", {E, 2 * EI, H}, "experts.gate_up", InitKind::kNormal);
+      add(layer, pre + "mlp.experts.down_proj", {E, H, EI}, "experts.down", InitKind::kNormal);
+      continue;
+    }
     add_projection(layer, pre + "mlp.gate_proj", I, H, "gate_proj", c.mlp_bias);
     add_projection(layer, pre + "mlp.up_proj", I, H, "up_proj", c.mlp_bias);
     add_projection(layer, pre + "mlp.down_proj", H, I, "down_proj", c.mlp_bias);

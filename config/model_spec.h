@@ -3,6 +3,9 @@
 // only. Names follow Hugging Face (`model.layers.3.self_attn.q_proj.weight`) so checkpoints map
 // one to one.
 //
+// A sparse block (SparseBlock: Qwen3-MoE) has roles "router" [E, H], "experts.gate_up"
+// [E, 2 x I, H] and "experts.down" [E, H, I] in place of gate/up/down_proj.
+//
 // Pipeline layers: 0 = embedding, 1..L = decoder blocks, L+1 = head (final norm + LM head + loss).
 // A parameter is *owned* by one layer (its storage, optimizer state); it is *used* by one or more
 // layers. With tied embeddings the head uses the embedding matrix owned by layer 0, and each use

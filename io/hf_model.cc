@@ -54,24 +54,61 @@ StatusOr<HfWeights> HfWeights::Open(const std::string& dir) {
   return w;
 }
 
-Status HfWeights::Check(const ParamSpec& p) const {
-  auto it = where_.find(p.name);
-  if (it == where_.end()) return Status::InvalidArgument("model.path: no tensor \"" + p.name + "\" in the checkpoint");
-  const SafetensorInfo* t = it->second->Find(p.name);
-  if (t->shape != p.shape) {
+std::vector<ExpertPiece> ExpertPieces(const ParamSpec& p) {
+  static const std::string kGateUp = ".mlp.experts.gate_up_proj", kDown = ".mlp.experts.down_proj";
+  const bool gate_up = p.name.ends_with(kGateUp), down = p.name.ends_with(kDown);
+  if ((!gate_up && !down) || p.shape.size() != 3) return {};
+  const std::string pre = p.name.substr(0, p.name.size() - (gate_up ? kGateUp : kDown).size()) + ".mlp.experts.";
+  const int64_t E = p.shape[0], rows = p.shape[1], cols = p.shape[2];
+  std::vector<ExpertPiece> out;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string at = pre + std::to_string(e) + ".";
+    if (gate_up) {  // [E, 2I, H]: gate's I rows, then up's
+      out.push_back({at + "gate_proj.weight", {rows / 2, cols}, e * rows * cols});
+      out.push_back({at + "up_proj.weight", {rows / 2, cols}, e * rows * cols + rows / 2 * cols});
+    } else {
+      out.push_back({at + "down_proj.weight", {rows, cols}, e * rows * cols});
+    }
+  }
+  return out;
+}
+
+Status HfWeights::CheckTensor(const std::string& name, const std::vector<int64_t>& shape) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) return Status::InvalidArgument("model.path: no tensor \"" + name + "\" in the checkpoint");
+  const SafetensorInfo* t = it->second->Find(name);
+  if (t->shape != shape) {
     std::string got, want;
     for (auto d : t->shape) got += std::to_string(d) + " ";
-    for (auto d : p.shape) want += std::to_string(d) + " ";
-    return Status::InvalidArgument(it->second->path() + ": tensor \"" + p.name + "\" has shape [ " + got +
+    for (auto d : shape) want += std::to_string(d) + " ";
+    return Status::InvalidArgument(it->second->path() + ": tensor \"" + name + "\" has shape [ " + got +
                                    "], the model needs [ " + want + "]");
   }
   return Status::Ok();
 }
 
+Status HfWeights::LoadTensor(const std::string& name, const std::vector<int64_t>& shape, float* out) const {
+  RP_RETURN_IF_ERROR(CheckTensor(name, shape));
+  const SafetensorsFile* file = where_.at(name);
+  return file->ReadAsFloat(*file->Find(name), out);
+}
+
+Status HfWeights::Check(const ParamSpec& p) const {
+  const auto pieces = ExpertPieces(p);
+  if (pieces.empty() || where_.count(p.name)) return CheckTensor(p.name, p.shape);
+  for (const auto& piece : pieces) {
+    Status s = CheckTensor(piece.name, piece.shape);
+    if (!s.ok()) return Status::InvalidArgument(s.message() + " (nor the fused \"" + p.name + "\")");
+  }
+  return Status::Ok();
+}
+
 Status HfWeights::Load(const ParamSpec& p, float* out) const {
+  const auto pieces = ExpertPieces(p);
+  if (pieces.empty() || where_.count(p.name)) return LoadTensor(p.name, p.shape, out);
   RP_RETURN_IF_ERROR(Check(p));
-  const SafetensorsFile* file = where_.at(p.name);
-  return file->ReadAsFloat(*file->Find(p.name), out);
+  for (const auto& piece : pieces) RP_RETURN_IF_ERROR(LoadTensor(piece.name, piece.shape, out + piece.offset));
+  return Status::Ok();
 }
 
 Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& spec,
@@ -91,7 +128,15 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
       shards.emplace_back();
       in_shard = 0;
     }
-    shards.back().push_back({ps.name, "F32", ps.shape, master(static_cast<int>(p)), bytes});
+    const float* values = master(static_cast<int>(p));
+    const auto pieces = ExpertPieces(ps);
+    if (pieces.empty()) {
+      shards.back().push_back({ps.name, "F32", ps.shape, values, bytes});
+    } else {
+      for (const auto& piece : pieces)
+        shards.back().push_back({piece.name, "F32", piece.shape, values + piece.offset,
+                                 static_cast<uint64_t>(piece.shape[0] * piece.shape[1]) * 4});
+    }
     in_shard += bytes;
     total += bytes;
   }

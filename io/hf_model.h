@@ -7,9 +7,13 @@
 //  * HfWeights::Open() opens the directory's safetensors file(s) through the validated reader
 //    (io/safetensors.h); Load() converts one parameter (F32, BF16 or F16 on disk) to fp32 into
 //    caller memory, e.g. the master arena, after checking its shape against the model spec. A
-//    missing tensor is an error naming it (a tied LM head may be absent).
+//    missing tensor is an error naming it (a tied LM head may be absent). A sparse block's
+//    experts load from transformers 5's fused tensors (mlp.experts.gate_up_proj, down_proj) or
+//    from one tensor per expert and projection (mlp.experts.<e>.gate_proj.weight, ...: the
+//    layout of the published Qwen3-MoE checkpoints), whichever the directory has.
 //  * ExportHf() writes a directory that transformers loads: config.json and fp32 tensors under
-//    the spec's (Hugging Face) names, each file written atomically. Up to `shard_bytes` of tensors
+//    the spec's (Hugging Face) names, each file written atomically; experts one tensor per expert
+//    and projection, the layout every transformers version reads. Up to `shard_bytes` of tensors
 //    (0: no limit) it is one model.safetensors; beyond, shards model-0000i-of-0000N.safetensors
 //    (tensors in spec order, a tensor larger than the limit alone in its shard) and
 //    model.safetensors.index.json, the layout save_pretrained uses. The other layout's files
@@ -41,9 +45,22 @@ class HfWeights {
   Status Check(const ParamSpec& param) const;
 
  private:
+  // Shape check and read of one named tensor.
+  Status CheckTensor(const std::string& name, const std::vector<int64_t>& shape) const;
+  Status LoadTensor(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const SafetensorsFile*> where_;  // tensor name -> file
 };
+
+// The per-expert tensors a fused expert parameter (ModelSpec: roles experts.gate_up and
+// experts.down) is stored as in a per-expert checkpoint, with their offsets in the parameter;
+// empty for every other parameter.
+struct ExpertPiece {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // elements
+};
+std::vector<ExpertPiece> ExpertPieces(const ParamSpec& param);
 
 // `master(p)` returns parameter p's fp32 values (numel floats).
 Status ExportHf(const std::string& dir, const ModelConfig& model, const ModelSpec& spec,

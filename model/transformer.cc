@@ -332,11 +332,49 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   v = v.transpose(1, 2);
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
   auto [x1, h2] = AddRmsNorm(x, Proj(w, "o_proj", attn, layer, 3), Get(w, "post_norm"));
+  if (w.count("router")) return x1 + Experts(w, h2, layer);
   at::Tensor gate = Proj(w, "gate_proj", h2, layer, 4);
   at::Tensor up = Proj(w, "up_proj", h2, layer, 5);
   at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
   at::Tensor mlp = Proj(w, "down_proj", act, layer, 6);
   return x1 + mlp;
+}
+
+at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int layer) const {
+  const int64_t H = h.size(-1), E = config_.moe.num_experts, k = config_.moe.experts_per_token;
+  const int64_t I = config_.moe.expert_intermediate_size;
+  at::Tensor flat = h.reshape({-1, H});
+  // Routing as transformers: softmax in fp32 over every expert, the top k kept (in order of
+  // probability), renormalized to sum 1 when norm_topk_prob, then in the compute dtype.
+  at::Tensor probs = at::softmax(at::linear(flat, Get(w, "router")).to(at::kFloat), -1);
+  auto [top, chosen] = at::topk(probs, k, -1);
+  if (config_.moe.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
+  top = top.to(h.scalar_type());
+  if (routing_ != nullptr) (*routing_)[layer] = chosen.to(at::kCPU);
+  // The (token, choice) pairs grouped by expert, tokens in order within an expert: each expert
+  // runs once over a contiguous block of its tokens.
+  at::Tensor expert_of = chosen.reshape({-1});
+  at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  at::Tensor token = at::div(order, k, "floor");
+  at::Tensor counts = at::bincount(expert_of, {}, E).to(at::kCPU);
+  at::Tensor x = flat.index_select(0, token);
+  // One view per expert, taken once: autograd then stacks the experts' gradients into one
+  // tensor (zeros for an expert without tokens) instead of a full-size gradient per view.
+  const std::vector<at::Tensor> gate_up = Get(w, "experts.gate_up").unbind(0);
+  const std::vector<at::Tensor> down = Get(w, "experts.down").unbind(0);
+  std::vector<at::Tensor> outs;
+  int64_t begin = 0;
+  const int64_t* n = counts.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e) {
+    if (n[e] == 0) continue;
+    at::Tensor gu = at::linear(x.narrow(0, begin, n[e]), gate_up[e]);
+    at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);
+    at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_) : at::silu(gate) * up;
+    outs.push_back(at::linear(act, down[e]));
+    begin += n[e];
+  }
+  at::Tensor y = at::cat(outs) * top.reshape({-1}).index_select(0, order).unsqueeze(1);
+  return at::zeros_like(flat).index_add(0, token, y).view(h.sizes());
 }
 
 HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Tensor& x,

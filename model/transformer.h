@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Transformer math for one pipeline layer at a time (Llama, Qwen2, Qwen3 and Mistral decoders).
+// Transformer math for one pipeline layer at a time (Llama, Qwen2, Qwen3, Qwen3-MoE and Mistral
+// decoders).
 //
 // Contract:
 //  * Stateless with respect to weights: every call receives the layer's weights (LayerWeights,
@@ -49,6 +50,9 @@ class Transformer {
   void SetDropoutKey(uint64_t key) { dropout_key_ = key; }
   // Off for evaluation: no dropout (as a model in eval mode).
   void SetTraining(bool training) { training_ = training; }
+  // When set, each sparse block stores the experts every token chose ([tokens, k] int64 on the
+  // CPU, in order of probability) under its pipeline layer index; for tests. Not owned.
+  void RecordRouting(std::map<int, at::Tensor>* routing) { routing_ = routing; }
   // Fast paths for tensors on the kernels' device (model/fused_kernels.h); null = composites
   // only. Not owned; must outlive this object's use.
   void UseFusedKernels(const FusedKernels* kernels) { fused_ = kernels; }
@@ -101,6 +105,9 @@ class Transformer {
   }
   at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
+  // A sparse block's MLP (Qwen3-MoE): h [B, S, H] -> the routed experts' weighted sum. Reads the
+  // per-expert token counts back to the host (one synchronization per block on a GPU).
+  at::Tensor Experts(const LayerWeights& w, const at::Tensor& h, int layer) const;
   void RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin);
   // at::linear(h, W) plus the LoRA adapter of `role` when the weights have one.
   at::Tensor Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h, int layer,
@@ -123,6 +130,7 @@ class Transformer {
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
   uint64_t dropout_key_ = 0;
   bool training_ = true;
+  std::map<int, at::Tensor>* routing_ = nullptr;
   int64_t loss_chunk_tokens_;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
 };

@@ -88,7 +88,14 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const double elem = c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
-  const double I = static_cast<double>(c.model.intermediate_size);
+  // The widest MLP a block has per token: a sparse block's runs each token through k experts
+  // and keeps the routed copies of its input and output (2 x k hidden-sized rows).
+  double I = static_cast<double>(c.model.intermediate_size);
+  for (int64_t b = 0; b < c.model.num_layers; ++b)
+    if (SparseBlock(c.model, b)) {
+      const double k = static_cast<double>(c.model.moe.experts_per_token);
+      I = std::max(I, k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0);
+    }
   // Per stage: its weights, gradients and activations while it runs.
   std::vector<double> weight_bytes, gradient_bytes, act_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,

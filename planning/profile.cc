@@ -28,9 +28,14 @@ double LayerFlops(const JobConfig& c, int l) {
   const int L = static_cast<int>(m.num_layers);
   if (l == 0) return 0.0;
   if (l == L + 1) return 2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens;
+  // A sparse block's MLP: the router and the k experts each token runs through.
+  const int64_t mlp = SparseBlock(m, l - 1)
+                          ? m.hidden_size * m.moe.num_experts +
+                                m.moe.experts_per_token * 3 * m.hidden_size * m.moe.expert_intermediate_size
+                          : 3 * m.hidden_size * m.intermediate_size;
   const double block_params = static_cast<double>(
       m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim +
-      m.num_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size);
+      m.num_heads * m.head_dim * m.hidden_size + mlp);
   // Causal attention: QK^T and PV over half the square.
   const double attention = 2.0 * tokens * seq * static_cast<double>(m.num_heads * m.head_dim);
   return 2.0 * block_params * tokens + attention;
@@ -55,7 +60,13 @@ std::string WorkloadKey(const JobConfig& c) {
   std::ostringstream s;
   s << "L" << m.num_layers << "-h" << m.hidden_size << "-i" << m.intermediate_size << "-a"
     << m.num_heads << "x" << m.head_dim << "-kv" << m.num_kv_heads << "-v" << m.vocab_size
-    << (m.tie_embeddings ? "-tied" : "") << "/mb" << c.train.microbatch_size << "x"
+    << (m.tie_embeddings ? "-tied" : "");
+  if (m.moe.num_experts > 0) {
+    s << "-e" << m.moe.num_experts << "k" << m.moe.experts_per_token << "i" << m.moe.expert_intermediate_size
+      << "s" << m.moe.sparse_step;
+    for (auto d : m.moe.dense_layers) s << "d" << d;
+  }
+  s << "/mb" << c.train.microbatch_size << "x"
     << c.data.seq_len << "/" << EnumName(c.train.dtype) << "/" << (c.job.device == core::DeviceKind::kCpu ? "cpu" : "cuda");
   return s.str();
 }

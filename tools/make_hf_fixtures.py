@@ -97,6 +97,29 @@ def build(model_type, keys, rope, state=None):
     return model
 
 
+def draw_weights(model):
+    """Every parameter drawn in place from torch's generator, then rounded to bf16 (the values
+    the file holds). Sharp attention (scores of a few units) makes every position count; norms
+    around 1 (q/k norms around 2), biases std 0.5, mixture-of-experts routers std 0.4 (logits
+    spread out, so that choices are clear): none of them trivial."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(2.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.copy_(0.25 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.4 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+            p.copy_(p.bfloat16().float())
+
+
 def main():
     import torch
     import transformers
@@ -112,21 +135,7 @@ def main():
     for case, (model_type, keys, rope, controls) in CASES.items():
         torch.manual_seed(sum(map(ord, case)))
         model = build(model_type, keys, rope)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                # Sharp attention (scores of a few units) makes every position count; norms
-                # around 1 (q/k norms around 2), biases std 0.5: none of them trivial.
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.copy_(2.0 + 0.2 * torch.randn_like(p))
-                elif name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
-                elif name.endswith(".bias"):
-                    p.copy_(0.5 * torch.randn_like(p))
-                elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                    p.copy_(0.25 * torch.randn_like(p))
-                else:
-                    p.copy_(0.1 * torch.randn_like(p))
-                p.copy_(p.bfloat16().float())  # the values the bf16 file holds
+        draw_weights(model)
         state = {k: v.clone() for k, v in model.state_dict().items()}
         model.zero_grad()
         loss = loss_of(model, tokens)

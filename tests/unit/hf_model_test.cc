@@ -44,8 +44,15 @@ ModelConfig Small(const std::string& type, bool tied) {
   m.head_dim = 16;
   m.rope.theta = 500000.0;
   m.rms_norm_eps = 1e-5;
-  m.qk_norm = type == "qwen3";
+  m.qk_norm = type == "qwen3" || type == "qwen3_moe";
   m.qkv_bias = type == "qwen2" || type == "llama";
+  if (type == "qwen3_moe") {  // block 1 of 3 dense, the others with 4 experts
+    m.moe.num_experts = 4;
+    m.moe.experts_per_token = 2;
+    m.moe.expert_intermediate_size = 24;
+    m.moe.norm_topk_prob = true;
+    m.moe.dense_layers = {1};
+  }
   m.o_bias = m.mlp_bias = type == "llama";
   m.tie_embeddings = tied;
   if (type == "llama") {
@@ -93,6 +100,12 @@ void ExpectSameArchitecture(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.rope.beta_fast, b.rope.beta_fast);
   EXPECT_EQ(a.rope.beta_slow, b.rope.beta_slow);
   EXPECT_EQ(a.rope.truncate, b.rope.truncate);
+  EXPECT_EQ(a.moe.num_experts, b.moe.num_experts);
+  EXPECT_EQ(a.moe.experts_per_token, b.moe.experts_per_token);
+  EXPECT_EQ(a.moe.expert_intermediate_size, b.moe.expert_intermediate_size);
+  EXPECT_EQ(a.moe.norm_topk_prob, b.moe.norm_topk_prob);
+  EXPECT_EQ(a.moe.sparse_step, b.moe.sparse_step);
+  EXPECT_EQ(a.moe.dense_layers, b.moe.dense_layers);
   EXPECT_EQ(RopeInvFreq(a.rope, a.head_dim), RopeInvFreq(b.rope, b.head_dim));
 }
 
@@ -130,7 +143,7 @@ TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Families, HfModelTest,
-                         ::testing::Combine(::testing::Values("llama", "qwen2", "qwen3", "mistral"),
+                         ::testing::Combine(::testing::Values("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"),
                                             ::testing::Bool()));
 
 TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
@@ -243,6 +256,8 @@ TEST(HfModel, PublisherConfigsResolveToTheirArchitectures) {
       {"Qwen3-8B", "qwen3", 8190735360, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, true},
       {"Qwen3-4B-Instruct-2507", "qwen3", 4022468096, 128, RopeConfig::Type::kDefault, 5000000.0, true, false, true},
       {"Mistral-7B-v0.3", "mistral", 7248023552, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, false},
+      // "30.5B in total": 48 blocks of 128 experts, 8 per token.
+      {"Qwen3-30B-A3B", "qwen3_moe", 30532122624, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, true},
   };
   for (const Want& w : wants) {
     SCOPED_TRACE(w.name);
@@ -310,6 +325,45 @@ TEST(HfModel, RopeBaseIsReadFromEveryPlaceTransformersPutsIt) {
   ModelConfig implied;
   EXPECT_EQ(Apply(dir, Llama(R"(,"max_position_embeddings":65536,"rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":8192})"), &implied), "");
   EXPECT_EQ(implied.rope.factor, 8.0);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// Qwen3-MoE: Qwen3MoeConfig's defaults, num_local_experts as the experts' other name, and what
+// is refused by key.
+TEST(HfModel, MoeConfigsFollowTransformersAndBadValuesAreRefusedByKey) {
+  const std::string dir = testing::MakeTempDir("rp-hf-moe-");
+  const std::string shape =
+      R"("model_type":"qwen3_moe","vocab_size":10,"hidden_size":64,"intermediate_size":8,"num_hidden_layers":4,"num_attention_heads":4)";
+  ModelConfig d;
+  EXPECT_EQ(Apply(dir, "{" + shape + "}", &d), "");
+  EXPECT_EQ(d.head_dim, 16);  // derived, unlike dense Qwen3's 128
+  EXPECT_TRUE(d.qk_norm);
+  EXPECT_EQ(d.moe.num_experts, 128);
+  EXPECT_EQ(d.moe.experts_per_token, 8);
+  EXPECT_EQ(d.moe.expert_intermediate_size, 768);
+  EXPECT_FALSE(d.moe.norm_topk_prob);
+  EXPECT_EQ(d.moe.sparse_step, 1);
+  EXPECT_TRUE(d.moe.dense_layers.empty());
+  ModelConfig local;
+  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"num_local_experts":6,"num_experts_per_tok":2,"mlp_only_layers":[0,3]})", &local), "");
+  EXPECT_EQ(local.moe.num_experts, 6);
+  EXPECT_EQ(local.moe.dense_layers, (std::vector<int64_t>{0, 3}));
+  const std::pair<const char*, const char*> bad[] = {
+      {R"(,"output_router_logits":true)", "output_router_logits"},
+      {R"(,"num_experts":4,"num_experts_per_tok":5)", "num_experts_per_tok"},
+      {R"(,"num_experts":4,"num_local_experts":5)", "num_local_experts"},
+      {R"(,"mlp_only_layers":[4])", "mlp_only_layers"},
+      {R"(,"mlp_only_layers":3)", "mlp_only_layers"},
+      {R"(,"decoder_sparse_step":0)", "decoder_sparse_step"},
+      {R"(,"moe_intermediate_size":"big")", "moe_intermediate_size"},
+      {R"(,"norm_topk_prob":1)", "norm_topk_prob"},
+  };
+  for (const auto& [extra, key] : bad) {
+    ModelConfig m;
+    const std::string msg = Apply(dir, "{" + shape + extra + "}", &m);
+    EXPECT_NE(msg.find(key), std::string::npos) << extra << ": " << msg;
+  }
   std::error_code ec;
   fs::remove_all(dir, ec);
 }

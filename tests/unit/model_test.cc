@@ -41,6 +41,115 @@ struct Fixture {
   }
 };
 
+// A Qwen3-MoE-shaped config: block 0 sparse, block 1 dense (mlp_only_layers).
+core::ModelConfig MoeConfig(int64_t experts, int64_t top_k, bool norm_topk_prob) {
+  core::ModelConfig c;
+  c.vocab_size = 50;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.init_std = 0.3;
+  c.moe.num_experts = experts;
+  c.moe.experts_per_token = top_k;
+  c.moe.expert_intermediate_size = 12;
+  c.moe.norm_topk_prob = norm_topk_prob;
+  c.moe.dense_layers = {1};
+  return c;
+}
+
+// Weights of one block for `cfg` (InitParam's values), keyed by role, with gradients.
+LayerWeights BlockWeights(const core::ModelConfig& cfg, int layer, uint64_t seed) {
+  const auto spec = core::BuildModelSpec(cfg);
+  LayerWeights w;
+  for (const auto& u : spec.layer_uses[layer]) {
+    at::Tensor t = at::empty(spec.params[u.param].shape, at::kFloat);
+    core::InitParam(spec, u.param, seed, t.data_ptr<float>());
+    w.emplace(u.role, t.requires_grad_(true));
+  }
+  return w;
+}
+
+TEST(Moe, SparseBlocksFollowTransformersRule) {
+  core::ModelConfig c = MoeConfig(4, 2, true);
+  c.num_layers = 6;
+  c.moe.sparse_step = 2;
+  c.moe.dense_layers = {3};
+  std::vector<bool> sparse;
+  for (int64_t b = 0; b < 6; ++b) sparse.push_back(core::SparseBlock(c, b));
+  EXPECT_EQ(sparse, (std::vector<bool>{false, true, false, false, false, true}));
+  const auto spec = core::BuildModelSpec(c);
+  int routers = 0;
+  for (const auto& p : spec.params) routers += p.name.ends_with("mlp.gate.weight") ? 1 : 0;
+  EXPECT_EQ(routers, 2);
+  c.moe.num_experts = 0;
+  EXPECT_FALSE(core::SparseBlock(c, 1));
+}
+
+// The block's experts against a token-by-token evaluation of transformers' formula: the MLP part
+// of the block (its output less that of the same block without an MLP) equals, per token,
+// sum over its top-k experts of weight x down(silu(gate x) * up x), the weights the softmax's
+// top k (renormalized or not).
+TEST(Moe, ExpertsEqualTheirFormulaTokenByToken) {
+  c10::NoGradGuard no_grad;
+  for (bool norm : {true, false}) {
+    const core::ModelConfig cfg = MoeConfig(5, 2, norm);
+    LayerWeights w = BlockWeights(cfg, 1, 3);
+    at::manual_seed(2);
+    at::Tensor x = at::randn({2, 7, 32});
+    Transformer t(cfg);
+    at::Tensor full = t.Block(w, x, 1);
+    // The same block with the MLP removed: its output is x1, the residual after attention.
+    LayerWeights no_mlp = w;
+    no_mlp.erase("router");
+    no_mlp.emplace("gate_proj", at::zeros({48, 32}));
+    no_mlp.emplace("up_proj", at::zeros({48, 32}));
+    no_mlp.emplace("down_proj", at::zeros({32, 48}));
+    at::Tensor x1 = t.Block(no_mlp, x, 1);
+    at::Tensor h = x1 * at::rsqrt(x1.pow(2).mean(-1, true) + cfg.rms_norm_eps) * w.at("post_norm");
+    at::Tensor flat = h.reshape({-1, 32});
+    at::Tensor want = at::zeros_like(flat);
+    const at::Tensor& gu = w.at("experts.gate_up");
+    const at::Tensor& dn = w.at("experts.down");
+    for (int64_t i = 0; i < flat.size(0); ++i) {
+      at::Tensor p = at::softmax(at::mv(w.at("router"), flat[i]), 0);
+      auto [top, idx] = at::topk(p, 2);
+      if (norm) top = top / top.sum();
+      for (int64_t j = 0; j < 2; ++j) {
+        const int64_t e = idx[j].item<int64_t>();
+        at::Tensor g = at::mv(gu[e].narrow(0, 0, 12), flat[i]), u = at::mv(gu[e].narrow(0, 12, 12), flat[i]);
+        want[i] += top[j] * at::mv(dn[e], at::silu(g) * u);
+      }
+    }
+    EXPECT_TRUE(at::allclose((full - x1).reshape({-1, 32}), want, 1e-5, 1e-6)) << "norm_topk_prob " << norm;
+  }
+}
+
+// An expert no token chose gets a zero gradient (defined, so the optimizer's moments decay and
+// weight decay applies, as torch's AdamW does on the fused expert tensors); the chosen ones and
+// the router get non-zero gradients; a recompute routes and computes bit for bit alike.
+TEST(Moe, UnchosenExpertsGetZeroGradientsAndRecomputeIsBitIdentical) {
+  const core::ModelConfig cfg = MoeConfig(16, 1, false);
+  LayerWeights w = BlockWeights(cfg, 1, 5);
+  at::manual_seed(4);
+  at::Tensor x = at::randn({1, 3, 32});
+  Transformer t(cfg);
+  at::Tensor y = t.Block(w, x, 1);
+  at::Tensor y2 = t.Block(w, x, 1);
+  EXPECT_TRUE(at::equal(y, y2));
+  y.pow(2).sum().backward();
+  const at::Tensor g = w.at("experts.gate_up").grad();
+  ASSERT_TRUE(g.defined());
+  const at::Tensor per_expert = g.abs().sum({1, 2});
+  const int64_t chosen = per_expert.gt(0).sum().item<int64_t>();
+  EXPECT_GE(chosen, 1);
+  EXPECT_LE(chosen, 3) << "3 tokens, top-1: at most 3 experts chosen";
+  EXPECT_EQ(w.at("experts.down").grad().abs().sum({1, 2}).gt(0).sum().item<int64_t>(), chosen);
+  EXPECT_GT(w.at("router").grad().abs().sum().item<double>(), 0.0);
+}
+
 TEST(Transformer, ChunkedHeadEqualsFullCrossEntropy) {
   for (bool tied : {true, false}) {
     Fixture f(tied);

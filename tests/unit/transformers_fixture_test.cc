@@ -48,6 +48,7 @@ Batch LoadBatch(int64_t seqs, int64_t seq) {
 struct Result {
   double loss = 0.0;
   std::map<std::string, double> grad_norms;
+  std::map<int, at::Tensor> routing;  // sparse blocks' chosen experts, by pipeline layer
 };
 
 // Loss (mean over tokens) and every trainable parameter's gradient norm for model `m`, weights
@@ -67,12 +68,13 @@ Result ForwardBackward(const core::ModelConfig& m, const std::string& dir, const
   for (int l = 0; l < spec.NumLayers(); ++l)
     for (const auto& use : spec.layer_uses[l]) layers[l].emplace(use.role, params[use.param]);
   model::Transformer math(m, /*loss_chunk_tokens=*/100);  // several chunks, as real runs have
+  Result r;
+  math.RecordRouting(&r.routing);
   const int L = static_cast<int>(m.num_layers);
   at::Tensor x = math.Embed(layers[0], batch.ids);
   for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
   const double targets = static_cast<double>(batch.labels.numel());
   auto head = math.HeadForwardBackward(layers[L + 1], x, batch.labels, 1.0 / targets, /*backward=*/true);
-  Result r;
   r.loss = head.loss_sum / targets;
   for (size_t p = 0; p < params.size(); ++p)
     r.grad_norms[spec.params[p].name] = params[p].grad().to(at::kDouble).norm().item<double>();
@@ -98,6 +100,22 @@ TEST_P(TransformersFixture, LossAndGradientNormsMatchTransformers) {
   EXPECT_EQ(m.model_type, expected["model_type"].get<std::string>());
   const Batch batch = LoadBatch(4, 64);
   const Result ours = ForwardBackward(m, dir, batch);
+  // Mixture of experts: every token of every sparse block chose what it chose in transformers
+  // (whose layer i is our pipeline layer i + 1), in the same order.
+  if (expected.contains("routing")) {
+    ASSERT_EQ(ours.routing.size(), expected["routing"].size());
+    for (const auto& [layer, chosen] : expected["routing"].items()) {
+      const int ours_layer = std::stoi(layer) + 1;
+      ASSERT_TRUE(ours.routing.count(ours_layer)) << "layer " << layer << " is not sparse in ours";
+      const at::Tensor& got = ours.routing.at(ours_layer);
+      ASSERT_EQ(got.size(0), static_cast<int64_t>(chosen.size()));
+      int64_t differ = 0;
+      for (int64_t t = 0; t < got.size(0); ++t)
+        for (int64_t j = 0; j < got.size(1); ++j)
+          differ += got[t][j].item<int64_t>() != chosen[t][j].get<int64_t>() ? 1 : 0;
+      EXPECT_EQ(differ, 0) << "layer " << layer << ": choices that differ from transformers'";
+    }
+  }
   const double want = expected["loss"].get<double>();
   EXPECT_LT(Rel(ours.loss, want), 1e-6) << "ours " << ours.loss << ", transformers " << want;
   ASSERT_EQ(ours.grad_norms.size(), expected["grad_norms"].size());
@@ -119,11 +137,13 @@ TEST_P(TransformersFixture, LossAndGradientNormsMatchTransformers) {
     const double c = control["loss"].get<double>();
     EXPECT_GE(Rel(c, want), 1e-3) << name;
     EXPECT_GT(Rel(ours.loss, c), 5e-4) << name << ": our loss is as close to the control as to the real one";
-    if (!control.contains("rope_parameters")) continue;
+    // Controls that change config.json (another RoPE, another key) are recomputed by us.
+    if (!control.contains("rope_parameters") && !control.contains("config")) continue;
     const std::string alt = ::testing::TempDir() + "/rp-control-" + GetParam() + "-" + name;
     fs::create_directories(alt);
     auto cfg = nlohmann::json::parse(testing::ReadFile(dir + "/config.json"));
-    cfg["rope_parameters"] = control["rope_parameters"];
+    if (control.contains("rope_parameters")) cfg["rope_parameters"] = control["rope_parameters"];
+    if (control.contains("config")) cfg.update(control["config"]);
     std::ofstream(alt + "/config.json") << cfg.dump();
     const Result other = ForwardBackward(Load(alt), dir, batch);
     EXPECT_LT(Rel(other.loss, c), 1e-6) << name << ": ours " << other.loss << ", transformers " << c;
@@ -133,13 +153,40 @@ TEST_P(TransformersFixture, LossAndGradientNormsMatchTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Families, TransformersFixture,
                          ::testing::Values("qwen3", "qwen3_yarn", "llama3", "llama_tied_linear", "llama_bias",
-                                           "qwen2", "mistral"));
+                                           "qwen2", "mistral", "qwen3_moe"));
 
-// Every fixture directory is in the list above, so a new fixture cannot go untested.
+// A Qwen3-MoE saved with output_router_logits = true: transformers' objective then includes the
+// routers' load-balancing loss, which this runtime does not compute, so the directory is refused
+// naming the key. Its cross-entropy alone (tied embeddings, norm_topk_prob false) is ours: the
+// same weights with the key turned off give transformers' ce_loss.
+TEST(TransformersFixture, RouterLossFixtureIsRefusedAndItsCrossEntropyMatches) {
+  const std::string dir = FixtureDir() + "/qwen3_moe_aux";
+  const auto expected = nlohmann::json::parse(testing::ReadFile(dir + "/expected.json"));
+  core::ModelConfig refused;
+  refused.path = dir;
+  const auto s = core::ApplyHfConfig(dir, &refused);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("output_router_logits"), std::string::npos) << s.message();
+  const std::string alt = ::testing::TempDir() + "/rp-moe-no-aux";
+  fs::create_directories(alt);
+  auto cfg = nlohmann::json::parse(testing::ReadFile(dir + "/config.json"));
+  cfg["output_router_logits"] = false;
+  std::ofstream(alt + "/config.json") << cfg.dump();
+  const core::ModelConfig m = Load(alt);
+  EXPECT_TRUE(m.tie_embeddings);
+  EXPECT_FALSE(m.moe.norm_topk_prob);
+  const Result ours = ForwardBackward(m, dir, LoadBatch(4, 64));
+  const double want = expected["ce_loss"].get<double>();
+  EXPECT_LT(Rel(ours.loss, want), 1e-6) << "ours " << ours.loss << ", transformers " << want;
+  EXPECT_GT(Rel(expected["loss"].get<double>(), want), 1e-3) << "the fixture's router loss should matter";
+  fs::remove_all(alt);
+}
+
+// Every fixture directory is tested above, so a new fixture cannot go untested.
 TEST(TransformersFixture, EveryFixtureIsTested) {
   int dirs = 0;
   for (const auto& e : fs::directory_iterator(FixtureDir())) dirs += e.is_directory() ? 1 : 0;
-  EXPECT_EQ(dirs, 7);
+  EXPECT_EQ(dirs, 9);
 }
 
 // The rates' shape for each variant, independent of the fixtures: linear divides every rate;
