@@ -943,11 +943,19 @@ TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUnt
     std::sort(out.begin(), out.end());
     return out;
   };
+  // A run is under way once its one session directory has its segments (metrics.jsonl alone is
+  // not enough: the coordinator opens it before it creates the segments).
+  auto wait_for_segments = [&]() {
+    for (int i = 0; i < 400; ++i) {
+      const auto dirs = session_dirs();
+      if (dirs.size() == 1 && names_of(dirs[0]).size() == 2) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  };
   testing::Process a(LaunchArgs(2, tmp_ + "/a", {"train.steps=100000"}), Env());
   auto a_kids = WaitForChildren(a.pid(), 3);
   ASSERT_EQ(a_kids.size(), 3u);
-  for (int i = 0; i < 400 && !fs::exists(tmp_ + "/a/metrics.jsonl"); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  wait_for_segments();
   const auto dirs_a = session_dirs();
   ASSERT_EQ(dirs_a.size(), 1u);
   ::kill(a.pid(), SIGKILL);
@@ -959,8 +967,7 @@ TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUnt
 
   testing::Process b(LaunchArgs(2, tmp_ + "/b", {"train.steps=100000"}), Env());
   ASSERT_EQ(WaitForChildren(b.pid(), 3).size(), 3u);
-  for (int i = 0; i < 400 && !fs::exists(tmp_ + "/b/metrics.jsonl"); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  wait_for_segments();
   EXPECT_NE(b.OutputSoFar().find("reclaimed " + dirs_a[0]), std::string::npos) << b.OutputSoFar();
   EXPECT_FALSE(fs::exists(dirs_a[0]));
   EXPECT_TRUE(names_of(dirs_a[0]).empty());
