@@ -210,15 +210,13 @@ Status ReadMoe(const nlohmann::json& j, const ConfigReader& top, int64_t layers,
     }
   }
   // The load-balancing loss is part of the training objective exactly when this is true
-  // (transformers adds router_aux_loss_coef x it to the loss); its gradient couples every sparse
-  // layer of a microbatch, which this runtime does not compute.
+  // (transformers adds router_aux_loss_coef x it to the loss).
   bool router_loss = false;
   RP_RETURN_IF_ERROR(top.Bool("output_router_logits", &router_loss));
-  if (router_loss)
-    return top.Error("output_router_logits", "true adds the router's load-balancing loss to the training "
-                                             "objective, which is not supported; set it to false");
   double coef = 0.001;
-  RP_RETURN_IF_ERROR(top.Number("router_aux_loss_coef", &coef));
+  RP_RETURN_IF_ERROR(top.Number("router_aux_loss_coef", &coef, -1.0, 1e6));
+  if (coef < 0.0) return top.Error("router_aux_loss_coef", "must not be negative");
+  moe->aux_loss_weight = router_loss ? coef : 0.0;
   return Status::Ok();
 }
 
@@ -374,7 +372,8 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
     c["norm_topk_prob"] = m.moe.norm_topk_prob;
     c["decoder_sparse_step"] = m.moe.sparse_step;
     c["mlp_only_layers"] = m.moe.dense_layers;
-    c["output_router_logits"] = false;
+    c["output_router_logits"] = m.moe.aux_loss_weight > 0.0;
+    c["router_aux_loss_coef"] = m.moe.aux_loss_weight > 0.0 ? m.moe.aux_loss_weight : 0.001;
   }
   if (type == "llama") c["mlp_bias"] = m.mlp_bias;
   if (type == "mistral") c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();

@@ -9,8 +9,7 @@
 //    and with transformers' per-family default where a key is absent. Every value read is
 //    type- and range-checked (the ranges of the job's [model] keys). A key whose value changes
 //    the math and that this runtime does not implement (another rope_type, a partial rotary
-//    factor, attention dropout, another activation, a quantized checkpoint, per-layer RoPE, the
-//    routers' load-balancing loss) is
+//    factor, attention dropout, another activation, a quantized checkpoint, per-layer RoPE) is
 //    refused naming the file and the key; keys that do not change the math are ignored.
 //    docs/model-config.md lists every key.
 //  * HfConfigJson() is the config.json an export writes: it loads in transformers 5 as the same

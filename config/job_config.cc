@@ -671,6 +671,12 @@ bool SparseBlock(const ModelConfig& m, int64_t block) {
          std::find(dense.begin(), dense.end(), block) == dense.end();
 }
 
+int64_t SparseBlocksBefore(const ModelConfig& m, int64_t block) {
+  int64_t n = 0;
+  for (int64_t b = 0; b < block; ++b) n += SparseBlock(m, b) ? 1 : 0;
+  return n;
+}
+
 const std::vector<std::string>& LoraTargetableModules() {
   static const std::vector<std::string> modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                    "gate_proj", "up_proj", "down_proj"};

@@ -74,6 +74,10 @@ struct MoeConfig {
   bool norm_topk_prob = false;
   int64_t sparse_step = 1;              // decoder_sparse_step
   std::vector<int64_t> dense_layers;    // mlp_only_layers (0-based decoder indices)
+  // The routers' load-balancing loss in the objective: router_aux_loss_coef when
+  // output_router_logits is true (transformers adds it exactly then), else 0. Each microbatch's
+  // loss is transformers' for one forward over it; a step adds their mean (RouterAuxWeight).
+  double aux_loss_weight = 0.0;
 };
 
 struct ModelConfig {
@@ -107,6 +111,9 @@ struct ModelConfig {
 // Whether decoder block `block` (0-based, as transformers counts layers) has the experts:
 // transformers' rule, not in mlp_only_layers and (block + 1) a multiple of decoder_sparse_step.
 bool SparseBlock(const ModelConfig& m, int64_t block);
+// The sparse blocks before `block` (its index among them when it is sparse), and their count.
+int64_t SparseBlocksBefore(const ModelConfig& m, int64_t block);
+inline int64_t SparseBlocks(const ModelConfig& m) { return SparseBlocksBefore(m, m.num_layers); }
 
 struct DataConfig {
   DataFormat format = DataFormat::kBytes;  // bytes: UTF-8 file as byte tokens; random: synthetic
@@ -335,6 +342,11 @@ inline RoundShape Round(const JobConfig& c) {
 // and its dropout masks, the same for every node count.
 inline int64_t StepMicrobatch(const JobConfig& c, int64_t call, int64_t mb) {
   return call * GlobalRound(c).microbatches + c.nodes.rank * Round(c).microbatches + mb;
+}
+// The weight of one microbatch's router load-balancing loss in the step's objective: the
+// loss's weight over the step's microbatches (every node's), so the step adds their mean.
+inline double RouterAuxWeight(const JobConfig& c) {
+  return c.model.moe.aux_loss_weight / static_cast<double>(c.train.microbatches * c.train.accum_calls);
 }
 // Several nodes split the evaluation too when its microbatches divide evenly: node r evaluates
 // the r-th block of train.eval_microbatches and the workers sum each eval job's loss across the

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <cstring>
 
 #include <atomic>
 #include <stdexcept>
@@ -317,6 +318,7 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
         }
         const int a = MarkIfProfiling();
         x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+        StoreRouterStats(mb, l);
         if (a >= 0)
           lm_.layer_marks[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
         if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
@@ -437,6 +439,32 @@ void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
                 act_dtype_);
 }
 
+void Executor::StoreRouterStats(int mb, int l) {
+  if (layout_.router_blocks == 0 || l < 1 || l > cfg_.model.num_layers || !core::SparseBlock(cfg_.model, l - 1)) return;
+  const at::Tensor stats = math_.RouterStats(l).contiguous();
+  const int block = static_cast<int>(core::SparseBlocksBefore(cfg_.model, l - 1));
+  std::memcpy(segment_.data() + layout_.RouterStatsSlot(job_.parity, mb, block), stats.data_ptr<double>(),
+              static_cast<size_t>(2 * layout_.router_experts) * sizeof(double));
+}
+
+model::RouterAux Executor::ReadRouterAux(int mb) const {
+  const int E = layout_.router_experts;
+  std::vector<double> choices(static_cast<size_t>(E)), probs(static_cast<size_t>(E));
+  for (int b = 0; b < layout_.router_blocks; ++b) {
+    const auto* slot = reinterpret_cast<const double*>(segment_.data() + layout_.RouterStatsSlot(job_.parity, mb, b));
+    for (int e = 0; e < E; ++e) {
+      choices[static_cast<size_t>(e)] += slot[e];
+      probs[static_cast<size_t>(e)] += slot[E + e];
+    }
+  }
+  const int64_t rows = static_cast<int64_t>(layout_.router_blocks) * cfg_.train.microbatch_size * cfg_.data.seq_len;
+  return model::RouterAuxLoss(choices.data(), probs.data(), E, rows, core::RouterAuxWeight(cfg_));
+}
+
+at::Tensor Executor::RouterAuxGrad(const model::RouterAux& aux, const at::Tensor& like) {
+  return at::tensor(aux.grad, at::TensorOptions().dtype(at::kFloat)).to(like.device());
+}
+
 int Executor::MarkIfProfiling() { return job_.profile ? device_.Mark() : -1; }
 
 MicrobatchResult::PendingMarks Executor::LayerMarks(int layer, proto::LayerPhase phase, int a, int b,
@@ -460,6 +488,7 @@ MicrobatchResult Executor::RunForward(int mb) {
   for (int l = stage_.begin; l < stage_.end; ++l) {
     const int a = MarkIfProfiling();
     x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+    StoreRouterStats(mb, l);
     Timed(l, proto::LayerPhase::kForward, a, MarkIfProfiling(), -1);
     // The stage output and every checkpoint a backward stage will recompute from.
     if (plan_.HiddenSlot(l + 1) >= 0) StoreHidden(mb, l + 1, x);
@@ -502,7 +531,21 @@ MicrobatchResult Executor::RunTail(int mb) {
   at::Tensor x = Hidden(mb, stage_.begin).requires_grad_(true);
   const int head = plan_.num_layers - 1;
   Segments seg;
+  // The load-balancing loss's gradient needs this tail's own blocks' choices too: set now,
+  // filled in place once they have routed, read by the backward inside the head below.
+  at::Tensor aux_grad;
+  if (layout_.router_blocks > 0) {
+    aux_grad = at::zeros({layout_.router_experts}, x.options().dtype(at::kFloat).requires_grad(false));
+    math_.SetRouterAuxGrad(aux_grad);
+  }
   SegmentedForward(x, head, &seg);
+  double aux_loss_sum = 0.0;
+  if (aux_grad.defined()) {
+    for (int l = stage_.begin; l < head; ++l) StoreRouterStats(mb, l);
+    const model::RouterAux aux = ReadRouterAux(mb);
+    aux_grad.copy_(RouterAuxGrad(aux, aux_grad));
+    aux_loss_sum = aux.value / job_.loss_scale;
+  }
   at::Tensor head_in = seg.outputs.empty() ? x : seg.outputs.back().detach().requires_grad_(true);
   at::Tensor labels = Tokens(mb, true);
   const int a = MarkIfProfiling();
@@ -512,8 +555,10 @@ MicrobatchResult Executor::RunTail(int mb) {
   Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);
   at::Tensor g = seg.outputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());
   StoreInputGrad(mb, stage_.begin, g);
+  math_.SetRouterAuxGrad({});
   MicrobatchResult out;
-  out.loss_sum = r.loss_sum;
+  out.loss_sum = r.loss_sum + aux_loss_sum;
+  out.aux_loss_sum = aux_loss_sum;
   out.targets = r.targets;
   if (r.pending.defined()) {
     // Reading the sums now would wait for this microbatch; the copy lands when it is done.
@@ -526,10 +571,12 @@ MicrobatchResult Executor::RunTail(int mb) {
 MicrobatchResult Executor::RunBackward(int mb) {
   at::Tensor x = StageInput(mb);
   if (stage_.begin > 0) x.requires_grad_(true);
+  if (layout_.router_blocks > 0) math_.SetRouterAuxGrad(RouterAuxGrad(ReadRouterAux(mb), x));
   Segments seg;
   SegmentedForward(x, stage_.end, &seg);
   at::Tensor g = SegmentedBackward(&seg, InputGrad(mb, stage_.end));
   if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, g);
+  math_.SetRouterAuxGrad({});
   return {};
 }
 
@@ -541,6 +588,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   Status s = Guarded([&] { return "job " + std::to_string(job_.job_index) + " microbatch " + std::to_string(mb); }, [&] {
     pending_marks_.clear();
     SetDropoutKeyFor(mb);
+    math_.SetRouterAuxGrad({});  // one that an exception left set belongs to another microbatch
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;
       case core::StageKind::kFusedTail: r = RunTail(mb); break;
@@ -572,7 +620,7 @@ void MicrobatchResult::Resolve(Device& device) {
   pending_marks.clear();
   if (!pending_loss.defined()) return;
   const double* sums = pending_loss.data_ptr<double>();
-  loss_sum = sums[0];
+  loss_sum = sums[0] + aux_loss_sum;
   targets = static_cast<int64_t>(sums[1]);
   pending_loss = at::Tensor();
 }

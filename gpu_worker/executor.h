@@ -48,6 +48,10 @@ namespace rp::worker {
 
 struct MicrobatchResult {
   double loss_sum = 0.0;
+  // Fused tail with the routers' load-balancing loss: its term in loss_sum's units (the loss
+  // divided by RunJob.loss_scale), already in loss_sum and added again when Resolve() reads a
+  // pending sum.
+  double aux_loss_sum = 0.0;
   int64_t targets = 0;
   std::vector<proto::LayerTime> layer_times;  // jobs with RunJob.profile set: one per layer phase
   // Microbatch(): the microbatch's work is enqueued, not done. It is done (stores in shared
@@ -185,6 +189,14 @@ class Executor {
   void SetDropoutKeyFor(int mb);
   at::Tensor InputGrad(int mb, int boundary);
   void StoreHidden(int mb, int boundary, const at::Tensor& t);
+  // The routers' load-balancing loss (shm::ArenaLayout router statistics): a forward of sparse
+  // block `l` leaves its statistics in the microbatch's slot; the microbatch's tail and backward
+  // stages read every block's back as the loss and its gradient (model::RouterAuxLoss).
+  void StoreRouterStats(int mb, int l);
+  model::RouterAux ReadRouterAux(int mb) const;
+  // The gradient of ReadRouterAux on `like`'s device, set on the math for this microbatch's
+  // backward (undefined without the loss).
+  at::Tensor RouterAuxGrad(const model::RouterAux& aux, const at::Tensor& like);
   void StoreInputGrad(int mb, int boundary, const at::Tensor& t);
   MicrobatchResult RunForward(int mb);
   MicrobatchResult RunTail(int mb);

@@ -209,6 +209,20 @@ struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
   }
 };
 
+// Identity whose backward adds `extra` (read then, so it may be filled after the forward) to
+// the gradient of every row: the router load-balancing loss's gradient with respect to the
+// probabilities.
+struct AddRowGradFn : public torch::autograd::Function<AddRowGradFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& extra) {
+    ctx->saved_data["extra"] = extra;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0] + ctx->saved_data["extra"].toTensor(), at::Tensor()};
+  }
+};
+
 // x W^T whose weight gradient goes into `sink` (fp32, W's shape) instead of W.grad: the kernel
 // adds dy^T x, accumulated in fp32, to the sink in the GEMM's own epilogue. The input gradient
 // is autograd's (dy W).
@@ -340,13 +354,14 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   return x1 + mlp;
 }
 
-at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int layer) const {
+at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int layer) {
   const int64_t H = h.size(-1), E = config_.moe.num_experts, k = config_.moe.experts_per_token;
   const int64_t I = config_.moe.expert_intermediate_size;
   at::Tensor flat = h.reshape({-1, H});
   // Routing as transformers: softmax in fp32 over every expert, the top k kept (in order of
   // probability), renormalized to sum 1 when norm_topk_prob, then in the compute dtype.
   at::Tensor probs = at::softmax(at::linear(flat, Get(w, "router")).to(at::kFloat), -1);
+  if (router_aux_grad_.defined() && probs.requires_grad()) probs = AddRowGradFn::apply(probs, router_aux_grad_);
   auto [top, chosen] = at::topk(probs, k, -1);
   if (config_.moe.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
   top = top.to(h.scalar_type());
@@ -357,6 +372,10 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   at::Tensor token = at::div(order, k, "floor");
   at::Tensor counts = at::bincount(expert_of, {}, E).to(at::kCPU);
+  if (config_.moe.aux_loss_weight > 0.0) {
+    c10::NoGradGuard no_grad;
+    router_stats_[layer] = at::stack({counts.to(at::kDouble), probs.sum(0).to(at::kDouble).to(at::kCPU)});
+  }
   at::Tensor x = flat.index_select(0, token);
   // One view per expert, taken once: autograd then stacks the experts' gradients into one
   // tensor (zeros for an expert without tokens) instead of a full-size gradient per view.
@@ -375,6 +394,41 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   }
   at::Tensor y = at::cat(outs) * top.reshape({-1}).index_select(0, order).unsqueeze(1);
   return at::zeros_like(flat).index_add(0, token, y).view(h.sizes());
+}
+
+at::Tensor Transformer::RouterStats(int layer) const {
+  auto it = router_stats_.find(layer);
+  if (it == router_stats_.end())
+    throw std::invalid_argument("no router statistics for layer " + std::to_string(layer) +
+                                " (not a sparse block, or the load-balancing loss is off)");
+  return it->second;
+}
+
+RouterAux Transformer::WholeModelRouterAux(int64_t tokens, double weight) const {
+  const int64_t E = config_.moe.num_experts;
+  std::vector<double> sums(static_cast<size_t>(2 * E));
+  int64_t blocks = 0;
+  for (int64_t b = 0; b < config_.num_layers; ++b) {
+    if (!core::SparseBlock(config_, b)) continue;
+    const at::Tensor s = RouterStats(static_cast<int>(b) + 1).contiguous();
+    for (int64_t i = 0; i < 2 * E; ++i) sums[static_cast<size_t>(i)] += s.data_ptr<double>()[i];
+    ++blocks;
+  }
+  return RouterAuxLoss(sums.data(), sums.data() + E, E, blocks * tokens, weight);
+}
+
+RouterAux RouterAuxLoss(const double* choices, const double* prob_sums, int64_t experts, int64_t rows,
+                        double weight) {
+  RouterAux r;
+  const double n = static_cast<double>(rows), e = static_cast<double>(experts);
+  double dot = 0.0;
+  r.grad.resize(static_cast<size_t>(experts));
+  for (int64_t i = 0; i < experts; ++i) {
+    dot += choices[i] * prob_sums[i];
+    r.grad[static_cast<size_t>(i)] = static_cast<float>(weight * e * choices[i] / (n * n));
+  }
+  r.value = weight * e * dot / (n * n);
+  return r;
 }
 
 HeadResult Transformer::HeadForwardBackward(const LayerWeights& w, const at::Tensor& x,

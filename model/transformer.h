@@ -41,6 +41,19 @@ struct HeadResult {
   at::Tensor pending;
 };
 
+// One microbatch's router load-balancing loss from its statistics summed over its sparse blocks
+// (`choices` and `prob_sums`: Transformer::RouterStats' two rows, `experts` values each), as
+// transformers computes it over one forward: experts x sum_e (choices_e / rows) (prob_sums_e /
+// rows), rows = sparse blocks x tokens; `weight` multiplies it (core::RouterAuxWeight). `grad`
+// is the weighted loss's gradient with respect to each row's probabilities (the choices count
+// as constants): weight x experts x choices_e / rows^2.
+struct RouterAux {
+  double value = 0.0;
+  std::vector<float> grad;
+};
+RouterAux RouterAuxLoss(const double* choices, const double* prob_sums, int64_t experts, int64_t rows,
+                        double weight);
+
 class Transformer {
  public:
   explicit Transformer(const core::ModelConfig& config, int64_t loss_chunk_tokens = 4096,
@@ -53,6 +66,22 @@ class Transformer {
   // When set, each sparse block stores the experts every token chose ([tokens, k] int64 on the
   // CPU, in order of probability) under its pipeline layer index; for tests. Not owned.
   void RecordRouting(std::map<int, at::Tensor>* routing) { routing_ = routing; }
+  // The routers' load-balancing loss (core::MoeConfig::aux_loss_weight > 0). Its gradient with
+  // respect to a token's router probabilities is one vector over the experts for every token
+  // of every sparse block of the microbatch, and that vector needs the whole forward's choices
+  // (RouterAuxLoss), so the pipeline splits the work:
+  //  * every sparse block run keeps its microbatch's statistics: fp64 [2, experts] on the CPU,
+  //    how many (token, slot) choices went to each expert and the summed probabilities
+  //    (RouterStats(layer), the last run of that pipeline layer);
+  //  * while an aux gradient is set ([experts] fp32 on the activations' device), each sparse
+  //    block run with autograd adds it to its probabilities' gradient in the backward. The values
+  //    are read when the backward runs, so the caller may fill the tensor in place after the
+  //    forward (a fused tail does: its own blocks' choices are part of the sum).
+  at::Tensor RouterStats(int layer) const;
+  void SetRouterAuxGrad(at::Tensor grad) { router_aux_grad_ = std::move(grad); }
+  // RouterAuxLoss over every sparse block's last run, for a caller that ran the whole model on
+  // one microbatch of `tokens` tokens (rp-train-ref, tests).
+  RouterAux WholeModelRouterAux(int64_t tokens, double weight) const;
   // Fast paths for tensors on the kernels' device (model/fused_kernels.h); null = composites
   // only. Not owned; must outlive this object's use.
   void UseFusedKernels(const FusedKernels* kernels) { fused_ = kernels; }
@@ -107,7 +136,7 @@ class Transformer {
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
   // A sparse block's MLP (Qwen3-MoE): h [B, S, H] -> the routed experts' weighted sum. Reads the
   // per-expert token counts back to the host (one synchronization per block on a GPU).
-  at::Tensor Experts(const LayerWeights& w, const at::Tensor& h, int layer) const;
+  at::Tensor Experts(const LayerWeights& w, const at::Tensor& h, int layer);
   void RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin);
   // at::linear(h, W) plus the LoRA adapter of `role` when the weights have one.
   at::Tensor Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h, int layer,
@@ -131,11 +160,15 @@ class Transformer {
   uint64_t dropout_key_ = 0;
   bool training_ = true;
   std::map<int, at::Tensor>* routing_ = nullptr;
+  std::map<int, at::Tensor> router_stats_;
+  at::Tensor router_aux_grad_;
   int64_t loss_chunk_tokens_;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
 };
 
 const at::Tensor& Get(const LayerWeights& w, const std::string& role);
+
+
 
 // Key of one microbatch's LoRA dropout masks: a pure function of where it is in training.
 // `step_microbatch` counts the step's microbatches across its calls (call x M + microbatch), so

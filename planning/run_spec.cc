@@ -16,8 +16,8 @@ namespace rp::core {
 // A field added to one of these structs must be added to its list below too; the sizes make the
 // compiler say so (x86-64, libstdc++).
 static_assert(sizeof(RopeConfig) == 80);
-static_assert(sizeof(MoeConfig) == 64);
-static_assert(sizeof(ModelConfig) == 304);
+static_assert(sizeof(MoeConfig) == 72);
+static_assert(sizeof(ModelConfig) == 312);
 static_assert(sizeof(DataConfig) == 96);
 static_assert(sizeof(TrainConfig) == 88);
 static_assert(sizeof(OptimizerConfig) == 80);
@@ -61,7 +61,7 @@ RP_SPEC_ENUM(RopeConfig::Type, RopeTypeName)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RopeConfig, type, theta, factor, low_freq_factor, high_freq_factor,
                                    original_max_position, attention_factor, beta_fast, beta_slow, truncate)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MoeConfig, num_experts, experts_per_token, expert_intermediate_size,
-                                   norm_topk_prob, sparse_step, dense_layers)
+                                   norm_topk_prob, sparse_step, dense_layers, aux_loss_weight)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hidden_size, intermediate_size,
                                    num_layers, num_heads, num_kv_heads, head_dim, rope, rms_norm_eps, qk_norm,
                                    qkv_bias, o_bias, mlp_bias, tie_embeddings, sliding_window,

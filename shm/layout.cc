@@ -64,6 +64,10 @@ uint64_t ArenaLayout::PoolInputGradSlot(int parity, int mb, int idx) const {
   return hidden_bytes + GradInRegion(*this, parity, mb, idx);
 }
 uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const { return hidden + PoolHiddenSlot(parity, mb, idx); }
+uint64_t ArenaLayout::RouterStatsSlot(int parity, int mb, int block) const {
+  return router_stats + (static_cast<uint64_t>(parity) * microbatches + mb) * router_slot_bytes +
+         static_cast<uint64_t>(block) * 2 * router_experts * 8;
+}
 uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
   return input_grad + GradInRegion(*this, parity, mb, idx);
 }
@@ -170,6 +174,13 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.input_grad = pos;
   if (in_segment) pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
   if (a.activations_in_pools) a.pool_bytes = slots * (a.num_hidden + a.grad_slots_per_mb) * a.act_slot_bytes;
+  if (c.model.moe.aux_loss_weight > 0.0) {
+    a.router_blocks = static_cast<int>(core::SparseBlocks(c.model));
+    a.router_experts = static_cast<int>(c.model.moe.num_experts);
+    a.router_slot_bytes = Align(static_cast<uint64_t>(a.router_blocks) * 2 * a.router_experts * 8);
+  }
+  a.router_stats = pos;
+  pos += slots * a.router_slot_bytes;
   a.total_bytes = pos;
 
   // The optimizer segment. SGD keeps one state buffer (momentum, in adam_m); AdamW two.
@@ -195,6 +206,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
                static_cast<uint64_t>(a.eval_slots), static_cast<uint64_t>(a.activations_in_worker)});
   if (a.activations_in_pools) h = HashKey({h, 0x900Lu, a.pool_bytes});
+  if (a.router_blocks > 0)
+    h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks), static_cast<uint64_t>(a.router_experts)});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

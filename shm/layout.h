@@ -37,6 +37,12 @@
 //                        slot i % 2 the gradient that last used it (boundary i + 2) has been read.
 //                        (Hidden and input-grad slots: none here with schedule.activations =
 //                        "worker", which keeps them, indexed alike, in the one worker's memory.)
+//   router statistics    mixture of experts with the routers' load-balancing loss only: fp64
+//                        [P][M][sparse blocks][2][experts], each block's choices per expert and
+//                        summed probabilities for the microbatch (model::Transformer::
+//                        RouterStats), written by the stage that runs the block's forward (a
+//                        forward stage or the fused tail) and read by the microbatch's fused tail
+//                        and backward stages, which all run after its last forward.
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
@@ -136,6 +142,9 @@ struct ArenaLayout {
   // PoolInputGradSlot (offsets from the pool's base); the segment has no bytes for them.
   bool activations_in_pools = false;
   uint64_t pool_bytes = 0;
+  // Router statistics (above): none when router_blocks is 0.
+  uint64_t router_stats = 0, router_slot_bytes = 0;
+  int router_blocks = 0, router_experts = 0;
 
   // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
   uint64_t ComputeCopy(int p, int buffer) const {
@@ -153,6 +162,9 @@ struct ArenaLayout {
   uint64_t InputGradSlot(int parity, int mb, int idx) const;
   uint64_t PoolHiddenSlot(int parity, int mb, int idx) const;
   uint64_t PoolInputGradSlot(int parity, int mb, int idx) const;
+  // Sparse block `block` (its index among the sparse blocks) of microbatch mb: 2 x
+  // router_experts doubles.
+  uint64_t RouterStatsSlot(int parity, int mb, int block) const;
   uint64_t EvalTokenSlot(int slot) const;
   uint64_t EvalLabelSlot(int slot) const;
 };

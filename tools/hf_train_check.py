@@ -22,8 +22,9 @@ fixture directory (default tests/testdata/hf_fixtures; tools/make_hf_fixtures.py
      PEFT's layout and merged; rp-train-ref (base + adapter), peft (PeftModel.from_pretrained) and
      transformers (the merged directory) compute the first batch's loss: all within 1e-5.
 Mixture-of-experts fixtures adapt the attention projections only in step 3 (adapters on experts
-are not supported), and a fixture saved with output_router_logits = true is skipped (the runtime
-refuses it). --only NAME... checks the named fixtures only.
+are not supported); with output_router_logits = true transformers' side adds the routers'
+load-balancing loss per microbatch as the runtime does (mean_ce). --only NAME... checks the named
+fixtures only.
 Prints one JSON line per fixture and a summary line; exits 1 when any check fails.
 """
 import argparse
@@ -134,9 +135,23 @@ def batch(tokens, step, device):
 
 
 def mean_ce(model, ids, labels):
+    """The step's objective: mean next-token cross-entropy over the step's tokens, plus, for a
+    mixture of experts trained with the routers' load-balancing loss, router_aux_loss_coef x
+    the mean over the step's microbatches of that loss (the runtime's definition: one forward of
+    each microbatch, transformers' own aux_loss for it)."""
     import torch
-    logits = model(input_ids=ids).logits.float()
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    cfg = model.config
+    if not getattr(cfg, "output_router_logits", False):
+        logits = model(input_ids=ids).logits.float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    total = 0.0
+    for mb_ids, mb_labels in zip(ids.split(MBS), labels.split(MBS)):
+        out = model(input_ids=mb_ids, output_router_logits=True)
+        logits = out.logits.float()
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb_labels.reshape(-1),
+                                               reduction="sum")
+        total = total + ce / labels.numel() + cfg.router_aux_loss_coef * out.aux_loss / MB
+    return total
 
 
 def transformers_trajectory(model_dir, tokens, steps, device, bf16):
@@ -244,11 +259,7 @@ def main():
     os.makedirs(work, exist_ok=True)
     fixtures = os.path.abspath(a.fixtures)
     names = sorted(d for d in os.listdir(fixtures) if os.path.isdir(os.path.join(fixtures, d)))
-    # A fixture whose objective includes the routers' load-balancing loss is refused by design.
-    def trainable(d):
-        with open(os.path.join(fixtures, d, "config.json")) as f:
-            return not json.load(f).get("output_router_logits", False)
-    names = [d for d in names if trainable(d) and (a.only is None or d in a.only)]
+    names = [d for d in names if a.only is None or d in a.only]
     with open(os.path.join(fixtures, names[0], "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     tokens = write_tokens(work, vocab, a.steps)

@@ -104,11 +104,25 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
       for (int64_t mb = 0; mb < rp::core::Round(cfg).microbatches; ++mb) {
         data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
         math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * rp::core::Round(cfg).microbatches + mb));
+        // The routers' load-balancing loss: its gradient, set before the forward, is filled
+        // once every sparse block has routed, before the backward reads it.
+        at::Tensor aux_grad;
+        if (cfg.model.moe.aux_loss_weight > 0.0) {
+          aux_grad = at::zeros({cfg.model.moe.num_experts}, at::kFloat);
+          math.SetRouterAuxGrad(aux_grad);
+        }
         at::Tensor x = math.Embed(layers[0], tokens);
         for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
+        double aux_loss_sum = 0.0;
+        if (aux_grad.defined()) {
+          const rp::model::RouterAux aux = math.WholeModelRouterAux(B * S, rp::core::RouterAuxWeight(cfg));
+          aux_grad.copy_(at::tensor(aux.grad, at::kFloat));
+          aux_loss_sum = aux.value / scale;
+        }
         const double loss_scale = step == rp::TestNanStep() ? std::nan("") : scale;
         auto r = math.HeadForwardBackward(layers[L + 1], x, labels, loss_scale, /*backward=*/true);
-        loss_sum += r.loss_sum;
+        math.SetRouterAuxGrad({});
+        loss_sum += r.loss_sum + aux_loss_sum;
         targets += r.targets;
       }
     if (stale1 && step > 0) {

@@ -141,7 +141,7 @@ TEST_P(FamilyParity, PipelineMatchesTheReferenceForTenSteps) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyParity,
                          ::testing::Values("qwen3", "qwen3_yarn", "llama3", "llama_tied_linear", "llama_bias",
-                                           "qwen2", "mistral", "qwen3_moe"));
+                                           "qwen2", "mistral", "qwen3_moe", "qwen3_moe_aux"));
 
 }  // namespace
 }  // namespace rp

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Mixture-of-experts models (Qwen3-MoE) through real processes: the pipeline against
-// rp-train-ref for one to three workers in both optimizer modes, both checkpoint layouts of the
-// experts, the export's layout, and what is refused.
+// rp-train-ref for one to three workers in both optimizer modes, with and without the routers'
+// load-balancing loss, both checkpoint layouts of the experts, the export's layout, and what is
+// refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -118,22 +119,42 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
     EXPECT_LE(std::abs(got[s] - want[s]) / want[s], 1e-5) << what << ", step " << s + 1;
 }
 
-// The pipeline on 1-3 CPU workers, exact and stale1, against rp-train-ref of the same mode.
+// The pipeline on 1-3 CPU workers, exact and stale1, against rp-train-ref of the same mode, with
+// and without the routers' load-balancing loss (weight 0.05, so that it moves the trajectory);
+// with the loss also a layer-major forward over unmerged calls, whose forward stages leave each
+// block's router statistics one layer at a time.
 TEST_F(LaunchTest, MoePipelineMatchesTheReferenceForOneToThreeWorkersInBothModes) {
-  const std::string model = tmp_ + "/moe";
-  WriteMoeModel(model, /*fused=*/false);
-  for (const char* mode : {"exact", "stale1"}) {
-    const auto sets = With(MoeJob(model, 8), {std::string("optimizer.mode=\"") + mode + "\""});
-    auto ref = Ref(tmp_ + "/ref-" + mode, sets);
-    ASSERT_EQ(ref.code, 0) << ref.output;
-    const auto want = Losses(tmp_ + "/ref-" + mode + "/metrics.jsonl");
-    ASSERT_EQ(want.size(), 8u);
-    EXPECT_LT(want.back(), want.front()) << "eight steps should lower the loss";
-    for (int n = 1; n <= 3; ++n) {
-      const std::string out = tmp_ + "/run-" + mode + "-" + std::to_string(n);
-      auto run = Launch(n, out, sets);
+  std::vector<double> without_aux;
+  for (bool aux : {false, true}) {
+    json cfg = MoeConfig();
+    cfg["output_router_logits"] = aux;
+    cfg["router_aux_loss_coef"] = 0.05;
+    const std::string model = tmp_ + (aux ? "/moe-aux" : "/moe");
+    WriteMoeModel(model, /*fused=*/false, cfg);
+    for (const char* mode : {"exact", "stale1"}) {
+      const std::string tag = std::string(mode) + (aux ? "-aux" : "");
+      const auto sets = With(MoeJob(model, 8), {std::string("optimizer.mode=\"") + mode + "\""});
+      auto ref = Ref(tmp_ + "/ref-" + tag, sets);
+      ASSERT_EQ(ref.code, 0) << ref.output;
+      const auto want = Losses(tmp_ + "/ref-" + tag + "/metrics.jsonl");
+      ASSERT_EQ(want.size(), 8u);
+      EXPECT_LT(want.back(), want.front()) << "eight steps should lower the loss";
+      if (!aux && std::string(mode) == "exact") without_aux = want;
+      if (aux && std::string(mode) == "exact") {
+        ASSERT_EQ(without_aux.size(), 8u);
+        EXPECT_GT(want[0] - without_aux[0], 1e-3) << "the load-balancing loss adds a positive term";
+      }
+      for (int n = 1; n <= 3; ++n) {
+        const std::string out = tmp_ + "/run-" + tag + "-" + std::to_string(n);
+        auto run = Launch(n, out, sets);
+        ASSERT_EQ(run.code, 0) << run.output;
+        ExpectClose(Losses(out + "/metrics.jsonl"), want, tag + " on " + std::to_string(n) + " workers");
+      }
+      if (!aux) continue;
+      const std::string out = tmp_ + "/run-" + tag + "-layer-major";
+      auto run = Launch(3, out, With(sets, {"RP_LAYER_MAJOR_FORWARD=always", "RP_MERGE_CALLS=never"}));
       ASSERT_EQ(run.code, 0) << run.output;
-      ExpectClose(Losses(out + "/metrics.jsonl"), want, std::string(mode) + " on " + std::to_string(n) + " workers");
+      ExpectClose(Losses(out + "/metrics.jsonl"), want, tag + ", layer-major forward");
     }
   }
 }
@@ -176,13 +197,14 @@ TEST_F(LaunchTest, MoeLayoutsAndTheExportAreTheSameModel) {
 }
 
 // What the runtime does not compute is refused before anything starts, naming the key.
-TEST_F(LaunchTest, MoeRefusesTheRouterLossAndAdaptersOnExperts) {
+TEST_F(LaunchTest, MoeRefusesAdaptersOnExpertsAndANegativeRouterLossWeight) {
   json cfg = MoeConfig();
   cfg["output_router_logits"] = true;
-  WriteMoeModel(tmp_ + "/aux", false, cfg);
-  auto r = Launch(2, tmp_ + "/r", MoeJob(tmp_ + "/aux", 2), 30);
+  cfg["router_aux_loss_coef"] = -0.5;
+  WriteMoeModel(tmp_ + "/negative", false, cfg);
+  auto r = Launch(2, tmp_ + "/r", MoeJob(tmp_ + "/negative", 2), 30);
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("output_router_logits"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("router_aux_loss_coef"), std::string::npos) << r.output;
   WriteMoeModel(tmp_ + "/moe", false);
   auto l = Launch(2, tmp_ + "/l", With(MoeJob(tmp_ + "/moe", 2), {"lora.rank=4", "lora.target_modules=[\"up_proj\"]"}), 30);
   EXPECT_EQ(l.code, 2) << l.output;
@@ -191,10 +213,14 @@ TEST_F(LaunchTest, MoeRefusesTheRouterLossAndAdaptersOnExperts) {
   EXPECT_FALSE(fs::exists(tmp_ + "/l"));
 }
 
-// LoRA on the attention of a mixture-of-experts model (experts and routers frozen): the pipeline
-// on two workers against rp-train-ref.
+// LoRA on the attention of a mixture-of-experts model (experts and routers frozen), with the
+// load-balancing loss, whose gradient reaches the adapters through the routers' inputs: the
+// pipeline on two workers against rp-train-ref.
 TEST_F(LaunchTest, MoeLoraOnAttentionMatchesTheReference) {
-  WriteMoeModel(tmp_ + "/moe", false);
+  json cfg = MoeConfig();
+  cfg["output_router_logits"] = true;
+  cfg["router_aux_loss_coef"] = 0.05;
+  WriteMoeModel(tmp_ + "/moe", false, cfg);
   const auto sets = With(MoeJob(tmp_ + "/moe", 6), {"lora.rank=4", "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\"]",
                                                     "optimizer.lr=2e-2"});
   auto ref = Ref(tmp_ + "/ref", sets);

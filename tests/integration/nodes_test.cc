@@ -161,6 +161,22 @@ TEST_F(NodesTest, MergedCallsLoraDropoutAndEvaluationsEqualOneNode) {
   }
 }
 
+// A mixture-of-experts model with the routers' load-balancing loss (the transformers-saved
+// fixture): each microbatch's loss term and gradient are its own node's, weighted by the whole
+// step's microbatch count, so two nodes train as one.
+TEST_F(NodesTest, MixtureOfExpertsWithTheRouterLossEqualsOneNode) {
+  const std::vector<std::string> job = {
+      "model.path=" + testing::SourceDir() + "/tests/testdata/hf_fixtures/qwen3_moe_aux", "data.seq_len=32",
+      "train.steps=4", "train.microbatches=4", "train.accum_calls=1", "optimizer.lr=1e-2"};
+  auto one = Launch(2, tmp_ + "/one", job);
+  ASSERT_EQ(one.code, 0) << one.output;
+  auto rs = LaunchNodes(2, 1, tmp_ + "/two", job);
+  for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
+  for (const std::string field : {"loss", "grad_norm"})
+    ExpectClose(testing::Losses(tmp_ + "/two/metrics.jsonl", field), testing::Losses(tmp_ + "/one/metrics.jsonl", field),
+                1e-5, field);
+}
+
 TEST_F(NodesTest, EvaluationsSplitAcrossNodesWhenTheyDivide) {
   // Three eval microbatches: one per node on 3 nodes (each eval job's loss summed across them),
   // all three on every node of 2. Both equal one node's eval losses.

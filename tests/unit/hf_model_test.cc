@@ -52,6 +52,7 @@ ModelConfig Small(const std::string& type, bool tied) {
     m.moe.expert_intermediate_size = 24;
     m.moe.norm_topk_prob = true;
     m.moe.dense_layers = {1};
+    m.moe.aux_loss_weight = tied ? 0.02 : 0.0;
   }
   m.o_bias = m.mlp_bias = type == "llama";
   m.tie_embeddings = tied;
@@ -106,6 +107,7 @@ void ExpectSameArchitecture(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.moe.norm_topk_prob, b.moe.norm_topk_prob);
   EXPECT_EQ(a.moe.sparse_step, b.moe.sparse_step);
   EXPECT_EQ(a.moe.dense_layers, b.moe.dense_layers);
+  EXPECT_EQ(a.moe.aux_loss_weight, b.moe.aux_loss_weight);
   EXPECT_EQ(RopeInvFreq(a.rope, a.head_dim), RopeInvFreq(b.rope, b.head_dim));
 }
 
@@ -329,8 +331,8 @@ TEST(HfModel, RopeBaseIsReadFromEveryPlaceTransformersPutsIt) {
   fs::remove_all(dir, ec);
 }
 
-// Qwen3-MoE: Qwen3MoeConfig's defaults, num_local_experts as the experts' other name, and what
-// is refused by key.
+// Qwen3-MoE: Qwen3MoeConfig's defaults, num_local_experts as the experts' other name, the
+// load-balancing loss's weight, and what is refused by key.
 TEST(HfModel, MoeConfigsFollowTransformersAndBadValuesAreRefusedByKey) {
   const std::string dir = testing::MakeTempDir("rp-hf-moe-");
   const std::string shape =
@@ -349,8 +351,19 @@ TEST(HfModel, MoeConfigsFollowTransformersAndBadValuesAreRefusedByKey) {
   EXPECT_EQ(Apply(dir, "{" + shape + R"(,"num_local_experts":6,"num_experts_per_tok":2,"mlp_only_layers":[0,3]})", &local), "");
   EXPECT_EQ(local.moe.num_experts, 6);
   EXPECT_EQ(local.moe.dense_layers, (std::vector<int64_t>{0, 3}));
+  // The load-balancing loss weighs router_aux_loss_coef (0.001 by default) exactly when
+  // output_router_logits is true.
+  EXPECT_EQ(d.moe.aux_loss_weight, 0.0);
+  ModelConfig aux, aux_default, aux_off;
+  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":true,"router_aux_loss_coef":0.02})", &aux), "");
+  EXPECT_EQ(aux.moe.aux_loss_weight, 0.02);
+  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":true})", &aux_default), "");
+  EXPECT_EQ(aux_default.moe.aux_loss_weight, 0.001);
+  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":false,"router_aux_loss_coef":0.02})", &aux_off), "");
+  EXPECT_EQ(aux_off.moe.aux_loss_weight, 0.0);
   const std::pair<const char*, const char*> bad[] = {
-      {R"(,"output_router_logits":true)", "output_router_logits"},
+      {R"(,"output_router_logits":true,"router_aux_loss_coef":-0.1)", "router_aux_loss_coef"},
+      {R"(,"output_router_logits":1)", "output_router_logits"},
       {R"(,"num_experts":4,"num_experts_per_tok":5)", "num_experts_per_tok"},
       {R"(,"num_experts":4,"num_local_experts":5)", "num_local_experts"},
       {R"(,"mlp_only_layers":[4])", "mlp_only_layers"},
