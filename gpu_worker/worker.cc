@@ -147,6 +147,9 @@ class Worker {
   // Starts the cross-node sum of the gradients of `f`; false while the group is still being
   // joined.
   StatusOr<bool> StartReduction(Finishing& f);
+  // Starts `f`'s sum if it has not started (`*started` then true) and polls it: true once it is
+  // done, false while the group is being joined or the sum runs.
+  StatusOr<bool> AdvanceReduction(Finishing& f, bool* started);
   bool shutdown_ = false;
   bool waiting_for_weights_ = false;
   double last_heartbeat_ = 0.0;
@@ -461,34 +464,24 @@ StatusOr<bool> Worker::Finish() {
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
     }
     if (cfg_.nodes.count > 1 && !it->committing && !it->reduced) {
-      if (!it->reducing) {
-        // Every node's same-rank worker sums the same jobs in the same order: job order, one at
-        // a time. A sum starts when the job's gradients are complete, not when the commit is
-        // granted: grants follow each node's own arena and timing, and a sum waiting for one
-        // could wait for another node's grant that waits for this node's commit.
-        if (reduction_busy) {
-          reduction_busy = true;
-          ++it;
-          continue;
-        }
-        auto started = StartReduction(*it);
-        if (!started.ok()) return Fail(id, started.status());
-        if (!*started) {
-          reduction_busy = true;
-          ++it;
-          continue;
-        }
-        it->reducing = true;
-        worked = true;
+      // Every node's same-rank worker sums the same jobs in the same order: job order, one at a
+      // time (a job behind one whose sum is unfinished waits). A sum starts when the job's
+      // gradients are complete, not when the commit is granted: grants follow each node's own
+      // arena and timing, and a sum waiting for one could wait for another node's grant that
+      // waits for this node's commit.
+      bool summed = false;
+      if (!reduction_busy || it->reducing) {
+        bool started = false;
+        auto r = AdvanceReduction(*it, &started);
+        if (!r.ok()) return Fail(id, r.status());
+        summed = *r;
+        worked = worked || started;
       }
-      auto summed = reduction_->Poll();
-      if (!summed.ok()) return Fail(id, summed.status());
-      if (!*summed) {
+      if (!summed) {
         reduction_busy = true;
         ++it;
         continue;
       }
-      it->reducing = false;
       it->reduced = true;
     }
     if (!it->committing) {
@@ -519,6 +512,18 @@ StatusOr<bool> Worker::Finish() {
     worked = true;
   }
   return worked;
+}
+
+StatusOr<bool> Worker::AdvanceReduction(Finishing& f, bool* started) {
+  if (!f.reducing) {
+    RP_ASSIGN_OR_RETURN(const bool now, StartReduction(f));
+    if (!now) return false;
+    f.reducing = true;
+    *started = true;
+  }
+  RP_ASSIGN_OR_RETURN(const bool summed, reduction_->Poll());
+  if (summed) f.reducing = false;
+  return summed;
 }
 
 StatusOr<bool> Worker::StartReduction(Finishing& f) {

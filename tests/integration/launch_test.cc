@@ -1029,7 +1029,7 @@ TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun
   WaitForSteps(b + "/metrics.jsonl", 3, 12);
   ::kill(launcher.pid(), SIGINT);
   auto r = launcher.Wait(120);
-  ASSERT_FALSE(r.timed_out);
+  ASSERT_FALSE(r.timed_out) << "no exit within 120 s of SIGINT; the run's output:\n" << r.output;
   ASSERT_EQ(r.code, kExitInterrupted) << r.output;
   EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
   const size_t n = Losses(b + "/metrics.jsonl").size();

@@ -61,11 +61,9 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
 
 class NodesTest : public LaunchTest {
  protected:
-  // Starts `nodes` rp-launch processes of `workers` CPU workers each (node r with `node_sets[r]`
-  // added, if given) and waits for all of them.
-  std::vector<testing::ProcessResult> LaunchNodes(int nodes, int workers, const std::string& out,
-                                                  const std::vector<std::string>& sets, bool resume = false,
-                                                  double timeout = 300) {
+  // Starts `nodes` rp-launch processes of `workers` CPU workers each, meeting at a fresh port.
+  std::vector<std::unique_ptr<testing::Process>> StartNodes(int nodes, int workers, const std::string& out,
+                                                            const std::vector<std::string>& sets, bool resume = false) {
     const std::string master = "127.0.0.1:" + std::to_string(FreePort());
     std::vector<std::unique_ptr<testing::Process>> procs;
     for (int r = 0; r < nodes; ++r) {
@@ -74,8 +72,14 @@ class NodesTest : public LaunchTest {
       if (resume) args.push_back("--resume");
       procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(sets)));
     }
+    return procs;
+  }
+  // StartNodes, then waits for all of them.
+  std::vector<testing::ProcessResult> LaunchNodes(int nodes, int workers, const std::string& out,
+                                                  const std::vector<std::string>& sets, bool resume = false,
+                                                  double timeout = 300) {
     std::vector<testing::ProcessResult> results;
-    for (auto& p : procs) results.push_back(p->Wait(timeout));
+    for (auto& p : StartNodes(nodes, workers, out, sets, resume)) results.push_back(p->Wait(timeout));
     return results;
   }
   std::vector<std::string> NodeEnv(const std::vector<std::string>& sets) const {
@@ -230,13 +234,7 @@ TEST_F(NodesTest, CheckpointOnTwoNodesResumesOnThreeAndOnOne) {
 TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {
   // Slow steps, so the run is mid-way when node 2 dies; a short node timeout bounds the wait.
   const auto job = With(kJob, {"train.steps=400", "job.node_timeout_s=10"});
-  const std::string master = "127.0.0.1:" + std::to_string(FreePort());
-  std::vector<std::unique_ptr<testing::Process>> procs;
-  for (int r = 0; r < 3; ++r) {
-    auto args = LaunchArgs(1, tmp_ + "/killed", job);
-    args.insert(args.end(), {"--nnodes", "3", "--node-rank", std::to_string(r), "--master", master});
-    procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(job)));
-  }
+  auto procs = StartNodes(3, 1, tmp_ + "/killed", job);
   // Wait until node 0 reports steps, then kill node 2's launcher (its children follow it).
   for (int i = 0; i < 600 && testing::Losses(tmp_ + "/killed/metrics.jsonl").size() < 2; ++i)
     ::usleep(100 * 1000);
@@ -263,13 +261,7 @@ TEST_F(NodesTest, AnInterruptOfNodeZeroCheckpointsAndStopsTheOthers) {
   // Node 0 hosts the store from a thread of its own: SIGINT must still reach its supervision loop
   // (a graceful stop with a checkpoint, exit 3), and node 1 stops naming it.
   const auto job = With(kJob, {"train.steps=400", "checkpoint.every=1000", "job.node_timeout_s=20"});
-  const std::string master = "127.0.0.1:" + std::to_string(FreePort());
-  std::vector<std::unique_ptr<testing::Process>> procs;
-  for (int r = 0; r < 2; ++r) {
-    auto args = LaunchArgs(1, tmp_ + "/int", job);
-    args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
-    procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(job)));
-  }
+  auto procs = StartNodes(2, 1, tmp_ + "/int", job);
   for (int i = 0; i < 600 && testing::Losses(tmp_ + "/int/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
   ASSERT_GE(testing::Losses(tmp_ + "/int/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
   ::kill(procs[0]->pid(), SIGINT);
