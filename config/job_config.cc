@@ -290,6 +290,12 @@ const std::vector<KeySpec>& Table() {
           "Tokens per LM-head + cross-entropy chunk: the head's logits exist for this many "
           "tokens at a time (device memory ~ 2 bytes x chunk x vocabulary in bf16 with the fused "
           "kernels, ~ 14 without)"),
+      Int("train", "mlp_tile_tokens", F(train.mlp_tile_tokens), 0, 0, 1 << 30,
+          "Tokens per tile of each dense block's MLP (long sequences): the MLP runs over the "
+          "microbatch's tokens this many at a time and a tile's intermediates are recomputed in "
+          "the backward instead of kept, so they take ~ 3 x tile x intermediate_size elements "
+          "instead of 3 x tokens x intermediate_size; 0 = the whole microbatch at once. The same "
+          "result up to rounding; rp-train-ref always runs untiled"),
       Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
            "Compute dtype of the weight copy workers read; masters and moments are fp32"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,

@@ -37,6 +37,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
   }
   math_.SetEmbedDtype(act_dtype_);
+  math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
 }
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Reduction.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/version.h>
 
@@ -46,10 +47,11 @@ at::Tensor Mix64(at::Tensor x) {
 }
 }  // namespace
 
-at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module) const {
+at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module, int64_t first_token) const {
   c10::NoGradGuard no_grad;  // the mask is a constant of the graph
   const uint64_t key = HashKey({dropout_key_, static_cast<uint64_t>(layer), static_cast<uint64_t>(module)});
-  at::Tensor bits = Mix64(at::arange(h.numel(), h.options().dtype(at::kLong))
+  const int64_t first = first_token * h.size(-1);
+  at::Tensor bits = Mix64(at::arange(first, first + h.numel(), h.options().dtype(at::kLong))
                               .add_(static_cast<int64_t>(key)));
   // The top 24 bits as a uniform integer; keep with probability 1 - p (exact in double).
   const int64_t keep_below = static_cast<int64_t>(std::llround((1.0 - lora_dropout_) * 16777216.0));
@@ -57,7 +59,7 @@ at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module) 
 }
 
 at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h,
-                             int layer, int module) const {
+                             int layer, int module, int64_t first_token) const {
   auto bias = w.find(role + ".bias");
   at::Tensor y = Linear(h, Get(w, role), bias == w.end() ? at::Tensor() : bias->second);
   auto a = w.find(role + ".lora_A");
@@ -66,7 +68,7 @@ at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, con
   // Kept elements scaled by 1 / (1 - p) in one rounding (the 0/1 mask product is exact), as
   // torch's dropout does; a bf16 mask holding the scale would round it first.
   at::Tensor in = training_ && lora_dropout_ > 0.0
-                      ? (h * LoraDropout(h, layer, module)).mul_(1.0 / (1.0 - lora_dropout_))
+                      ? (h * LoraDropout(h, layer, module, first_token)).mul_(1.0 / (1.0 - lora_dropout_))
                       : h;
   return y + at::linear(at::linear(in, a->second), b) * lora_scale_;
 }
@@ -250,6 +252,48 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
 };
 }  // namespace
 
+namespace {
+// A tile of a dense MLP, checkpointed: the forward keeps only the tile's input; the backward
+// recomputes the tile with autograd (the microbatch's dropout key restored) and backpropagates
+// through it, so the weights' gradients accumulate where the untiled MLP's would (.grad or a
+// sink) and only the input's gradient is returned.
+struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, Transformer* math,
+                            const LayerWeights* w, int64_t layer, int64_t first_token) {
+    ctx->save_for_backward({h});
+    ctx->saved_data["math"] = reinterpret_cast<int64_t>(math);
+    ctx->saved_data["weights"] = reinterpret_cast<int64_t>(w);
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["first_token"] = first_token;
+    ctx->saved_data["key"] = static_cast<int64_t>(math->dropout_key());
+    return math->Mlp(*w, h, static_cast<int>(layer), first_token);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* math = reinterpret_cast<Transformer*>(ctx->saved_data["math"].toInt());
+    const auto* w = reinterpret_cast<const LayerWeights*>(ctx->saved_data["weights"].toInt());
+    at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const uint64_t key = math->dropout_key();
+    math->SetDropoutKey(static_cast<uint64_t>(ctx->saved_data["key"].toInt()));
+    at::Tensor y;
+    {
+      at::AutoGradMode grad_on(true);
+      y = math->Mlp(*w, h, static_cast<int>(ctx->saved_data["layer"].toInt()), ctx->saved_data["first_token"].toInt());
+    }
+    math->SetDropoutKey(key);
+    torch::autograd::backward({y}, {grads[0]});
+    return {h.grad(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor Transformer::Mlp(const LayerWeights& w, const at::Tensor& h, int layer, int64_t first_token) {
+  at::Tensor gate = Proj(w, "gate_proj", h, layer, 4, first_token);
+  at::Tensor up = Proj(w, "up_proj", h, layer, 5, first_token);
+  at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
+  return Proj(w, "down_proj", act, layer, 6, first_token);
+}
+
 at::Tensor Transformer::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
   if (FusedNorm(x)) return RmsNormFn::apply(x, weight, fused_, config_.rms_norm_eps);
 #if TORCH_VERSION_MAJOR >= 2
@@ -347,11 +391,20 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
   auto [x1, h2] = AddRmsNorm(x, Proj(w, "o_proj", attn, layer, 3), Get(w, "post_norm"));
   if (w.count("router")) return x1 + Experts(w, h2, layer);
-  at::Tensor gate = Proj(w, "gate_proj", h2, layer, 4);
-  at::Tensor up = Proj(w, "up_proj", h2, layer, 5);
-  at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
-  at::Tensor mlp = Proj(w, "down_proj", act, layer, 6);
-  return x1 + mlp;
+  const int64_t tokens = B * S, tile = mlp_tile_tokens_;
+  if (tile <= 0 || tile >= tokens) return x1 + Mlp(w, h2, layer, 0);
+  at::Tensor flat = h2.reshape({tokens, h2.size(-1)});
+  const bool checkpointed = c10::GradMode::is_enabled();
+  std::vector<at::Tensor> tiles;
+  for (int64_t t0 = 0; t0 < tokens; t0 += tile) {
+    at::Tensor part = flat.narrow(0, t0, std::min(tile, tokens - t0));
+    // The tile's output must require grad when only the MLP's weights do (adapters on the MLP
+    // alone): give the checkpoint an input that does.
+    if (checkpointed && !part.requires_grad()) part = part.detach().requires_grad_(true);
+    tiles.push_back(checkpointed ? MlpTileFn::apply(part, this, &w, static_cast<int64_t>(layer), t0)
+                                 : Mlp(w, part, layer, t0));
+  }
+  return x1 + at::cat(tiles).view(x1.sizes());
 }
 
 at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int layer) {

@@ -61,8 +61,18 @@ class Transformer {
 
   // The key of the next microbatch's LoRA dropout masks (see DropoutKey); unused without dropout.
   void SetDropoutKey(uint64_t key) { dropout_key_ = key; }
+  uint64_t dropout_key() const { return dropout_key_; }
   // Off for evaluation: no dropout (as a model in eval mode).
   void SetTraining(bool training) { training_ = training; }
+  // Dense MLPs over the microbatch's tokens (flattened, in order) `tokens` at a time; 0: all at
+  // once. With autograd each tile is checkpointed: its forward keeps only its input, and the
+  // backward recomputes the tile (same weights, same LoRA dropout masks: a tile's mask is its
+  // slice of the untiled one) and backpropagates through it, its weight gradients going where the
+  // untiled MLP's go. The same values up to the rounding of the weight gradients' sums.
+  void SetMlpTileTokens(int64_t tokens) { mlp_tile_tokens_ = tokens; }
+  // A dense block's MLP on h (any leading shape, tokens in flattened order starting at token
+  // `first_token` of the microbatch, which keys the LoRA dropout masks).
+  at::Tensor Mlp(const LayerWeights& w, const at::Tensor& h, int layer, int64_t first_token);
   // When set, each sparse block stores the experts every token chose ([tokens, k] int64 on the
   // CPU, in order of probability) under its pipeline layer index; for tests. Not owned.
   void RecordRouting(std::map<int, at::Tensor>* routing) { routing_ = routing; }
@@ -138,11 +148,13 @@ class Transformer {
   // per-expert token counts back to the host (one synchronization per block on a GPU).
   at::Tensor Experts(const LayerWeights& w, const at::Tensor& h, int layer);
   void RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin);
-  // at::linear(h, W) plus the LoRA adapter of `role` when the weights have one.
+  // at::linear(h, W) plus the LoRA adapter of `role` when the weights have one. `first_token`:
+  // where h's first token is in the microbatch (tiles), which offsets its dropout mask.
   at::Tensor Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h, int layer,
-                  int module) const;
-  // The 0/1 keep mask of h's shape and dtype for (dropout key, layer, module).
-  at::Tensor LoraDropout(const at::Tensor& h, int layer, int module) const;
+                  int module, int64_t first_token = 0) const;
+  // The 0/1 keep mask of h's shape and dtype for (dropout key, layer, module): element i of h is
+  // element first_token x h.size(-1) + i of the microbatch's mask.
+  at::Tensor LoraDropout(const at::Tensor& h, int layer, int module, int64_t first_token = 0) const;
 
   bool Fused(const at::Tensor& t) const { return fused_ != nullptr && t.is_cuda(); }
   // at::linear(x, weight, bias), the weight's gradient through its sink when it has one
@@ -163,6 +175,7 @@ class Transformer {
   std::map<int, at::Tensor> router_stats_;
   at::Tensor router_aux_grad_;
   int64_t loss_chunk_tokens_;
+  int64_t mlp_tile_tokens_ = 0;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
 };
 

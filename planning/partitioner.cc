@@ -88,9 +88,12 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const double elem = c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
-  // The widest MLP a block has per token: a sparse block's runs each token through k experts
-  // and keeps the routed copies of its input and output (2 x k hidden-sized rows).
-  double I = static_cast<double>(c.model.intermediate_size);
+  // The MLP's intermediate-sized tensors a block keeps for the microbatch, in units of
+  // 3 x tokens: a dense block's (over one tile when train.mlp_tile_tokens tiles it: the tiles
+  // are recomputed in the backward), or a sparse block's, which runs each token through k
+  // experts and keeps the routed copies of its input and output (2 x k hidden-sized rows).
+  const double tile = c.train.mlp_tile_tokens > 0 ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens)) : tokens;
+  double I = static_cast<double>(c.model.intermediate_size) * tile / tokens;
   for (int64_t b = 0; b < c.model.num_layers; ++b)
     if (SparseBlock(c.model, b)) {
       const double k = static_cast<double>(c.model.moe.experts_per_token);
