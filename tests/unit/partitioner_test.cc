@@ -157,6 +157,30 @@ TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
     }
 }
 
+// train.mlp_tile_tokens: a backward stage keeps each block's MLP intermediates for one tile,
+// not for the microbatch, and nothing else of the estimate changes.
+TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
+  JobConfig c = Small(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
+  c.schedule.partition = core::Partition::kEqual;
+  c.schedule.tail_blocks = 1;
+  c.schedule.forward_stages = 1;
+  c.schedule.backward_stages = 1;
+  c.data.seq_len = 4096;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->Describe(), "F[0,24) T[24,26) B[0,24)");
+  JobConfig tiled = c;
+  tiled.train.mlp_tile_tokens = 1000;
+  const MemoryEstimate whole = EstimateMemory(c, *plan, 1), part = EstimateMemory(tiled, *plan, 1);
+  ASSERT_EQ(plan->stages[whole.stage].Describe(), "B[0,24)");
+  ASSERT_EQ(part.stage, whole.stage);
+  const double tokens = static_cast<double>(c.TokensPerMicrobatch());
+  const double saved = 23.0 * 3.0 * (tokens - 1000.0) * static_cast<double>(c.model.intermediate_size) * 4.0;
+  EXPECT_NEAR(whole.activations - part.activations, saved, 1e-6 * saved);
+  EXPECT_DOUBLE_EQ(whole.weights, part.weights);
+  EXPECT_DOUBLE_EQ(whole.gradients, part.gradients);
+}
+
 TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) {
   // F[0,6) T[6,8) B[0,6), one call per step, one worker: while B runs, its worker's next job is
   // the next step's F. In exact mode with clipping F's weights wait for this step's update, which

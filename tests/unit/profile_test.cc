@@ -62,6 +62,26 @@ TEST(Profile, BuilderTakesMediansAndFillsMissingPhases) {
   EXPECT_NE(bad.status().message().find("layer 1 was never timed"), std::string::npos);
 }
 
+// The cost model charges a sparse block for its router and the k experts a token runs through,
+// not for every expert it streams: with the attention's cost the same in both kinds of block, a
+// sparse block's forward exceeds a dense one's by the difference of their MLPs' FLOPs.
+TEST(Profile, CostModelCountsTheActiveExpertsOfSparseBlocks) {
+  JobConfig c = Small(3);
+  c.model.moe.num_experts = 16;
+  c.model.moe.experts_per_token = 2;
+  c.model.moe.expert_intermediate_size = 40;
+  c.model.moe.dense_layers = {1};  // blocks 0 and 2 sparse (pipeline layers 1 and 3), block 1 dense
+  const double flops_per_s = 1e9;
+  const Profile p = CostModelProfile(c, flops_per_s, 5e9, 1e8);
+  const double H = static_cast<double>(c.model.hidden_size), I = static_cast<double>(c.model.intermediate_size);
+  const double tokens = static_cast<double>(c.TokensPerMicrobatch());
+  const double sparse_mlp = H * 16 + 2 * 3 * H * 40, dense_mlp = 3 * H * I;
+  EXPECT_NEAR(p.layers[1].forward_s - p.layers[2].forward_s, 2.0 * tokens * (sparse_mlp - dense_mlp) / flops_per_s,
+              1e-12);
+  EXPECT_DOUBLE_EQ(p.layers[1].forward_s, p.layers[3].forward_s);
+  EXPECT_NE(WorkloadKey(c), WorkloadKey(Small(3))) << "a profile of the dense model must not be taken for it";
+}
+
 TEST(Profile, SavesAndLoadsAndRejectsWhatDoesNotFit) {
   JobConfig c = Small(2);
   Profile p = CostModelProfile(c, 1e9, 5e9, 1e8);
