@@ -250,9 +250,7 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-}  // namespace
 
-namespace {
 // A tile of a dense MLP, checkpointed: the forward keeps only the tile's input; the backward
 // recomputes the tile with autograd (the microbatch's dropout key restored) and backpropagates
 // through it, so the weights' gradients accumulate where the untiled MLP's would (.grad or a

@@ -181,8 +181,6 @@ class Transformer {
 
 const at::Tensor& Get(const LayerWeights& w, const std::string& role);
 
-
-
 // Key of one microbatch's LoRA dropout masks: a pure function of where it is in training.
 // `step_microbatch` counts the step's microbatches across its calls (call x M + microbatch), so
 // a step's calls merged into one round (bench.merge_calls) draw the same masks as the calls

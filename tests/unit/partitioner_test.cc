@@ -157,14 +157,20 @@ TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
     }
 }
 
-// train.mlp_tile_tokens: a backward stage keeps each block's MLP intermediates for one tile,
-// not for the microbatch, and nothing else of the estimate changes.
-TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
-  JobConfig c = Small(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
+// Small(layers) as one forward stage, a tail of one block and one backward stage, equal cuts.
+JobConfig OneStageOfEachKind(int layers) {
+  JobConfig c = Small(layers);
   c.schedule.partition = core::Partition::kEqual;
   c.schedule.tail_blocks = 1;
   c.schedule.forward_stages = 1;
   c.schedule.backward_stages = 1;
+  return c;
+}
+
+// train.mlp_tile_tokens: a backward stage keeps each block's MLP intermediates for one tile,
+// not for the microbatch, and nothing else of the estimate changes.
+TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
+  JobConfig c = OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
   c.data.seq_len = 4096;
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
@@ -186,11 +192,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   // the next step's F. In exact mode with clipping F's weights wait for this step's update, which
   // needs B's gradients committed, so they are not on the device while B computes; without
   // clipping they may be. B (with the embedding's gradient) is the worst stage here.
-  JobConfig c = Small(6);
-  c.schedule.partition = core::Partition::kEqual;
-  c.schedule.tail_blocks = 1;
-  c.schedule.forward_stages = 1;
-  c.schedule.backward_stages = 1;
+  JobConfig c = OneStageOfEachKind(6);
   c.train.accum_calls = 1;
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
