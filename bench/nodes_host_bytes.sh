@@ -5,17 +5,20 @@
 # coordinator's peak anonymous RSS; worker RSS is reported apart. Also rp-plan --nnodes's
 # predicted step, from the one-node run's profile, against the median measured step after the
 # first, and each node's own prediction from its own profile (summary.json). Prints one JSON line per node count, for bench/results.jsonl.
-#   bench/nodes_host_bytes.sh BUILD_DIR [STEPS]
+# Further arguments are job overrides for every run (--set optimizer.state=sharded, say).
+#   bench/nodes_host_bytes.sh BUILD_DIR [STEPS] [--set section.key=value ...]
 set -euo pipefail
-build=${1:?usage: nodes_host_bytes.sh BUILD_DIR [STEPS]}
+build=${1:?usage: nodes_host_bytes.sh BUILD_DIR [STEPS] [--set section.key=value ...]}
 steps=${2:-5}
+shift $(($# >= 2 ? 2 : $#))
+extra=("$@")
 here=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d /tmp/rp-nodes-bench-XXXXXX)
 sets=(--set model.vocab_size=32000 --set model.hidden_size=768 --set model.intermediate_size=2048
       --set model.num_layers=12 --set model.num_heads=12 --set model.num_kv_heads=4 --set model.head_dim=64
       --set model.tie_embeddings=false --set data.format=random --set data.seq_len=64
       --set train.microbatch_size=1 --set train.microbatches=6 --set train.accum_calls=1 --set train.grad_clip=0
-      --set train.steps="$steps" --set metrics.trace=false)
+      --set train.steps="$steps" --set metrics.trace=false "${extra[@]}")
 for nodes in 1 2 3; do
   out=$work/n$nodes
   port=$((29700 + nodes))
@@ -46,9 +49,9 @@ for nodes in 1 2 3; do
     --profile "$work/n1/profile.json" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["job_plan"]["predicted_step_s"])')
   coords=""; workers=""
   for p in "${pids[@]}"; do coords+="${coord_peak[$p]:-0},"; workers+="${worker_peak[$p]:-0},"; done
-  python3 - "$out" "$nodes" "${coords%,}" "${workers%,}" "$(git -C "$here" rev-parse --short HEAD)" "$predicted" <<'PY'
+  python3 - "$out" "$nodes" "${coords%,}" "${workers%,}" "$(git -C "$here" rev-parse --short HEAD)" "$predicted" "${extra[*]}" <<'PY'
 import datetime, json, statistics, sys
-out, nodes, coords, workers, commit, predicted = sys.argv[1:]
+out, nodes, coords, workers, commit, predicted, extra = sys.argv[1:]
 nodes = int(nodes)
 coords = [int(x) * 1024 for x in coords.split(",")]
 workers = [int(x) * 1024 for x in workers.split(",")]
@@ -64,7 +67,7 @@ for r in range(nodes):
 times = [json.loads(l)["step_time_s"] for l in open(out + "/metrics.jsonl")][1:]
 measured = statistics.median(times)
 print(json.dumps({"date": datetime.date.today().isoformat(), "commit": commit, "machine": "2-core CPU machine",
-                  "command": f"bench/nodes_host_bytes.sh build (nodes = {nodes})",
+                  "command": f"bench/nodes_host_bytes.sh build {extra} (nodes = {nodes})".replace("  ", " "),
                   "workload": "Qwen3-shaped 125M (hidden 768, 12 layers, vocab 32000), CPU workers, streamed gradients",
                   "nodes": nodes, "trainable_params": s["trainable_params"],
                   "host_bytes_per_param_max": max(x["host_bytes_per_param"] for x in rows),

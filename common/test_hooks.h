@@ -24,6 +24,14 @@ inline bool ClaimTestHookOnce(const char* env_var) {
   return true;
 }
 
+// RP_TEST_NODE_SUMS_ALONE=1: the workers of a one-node run sum their gradients, losses and eval
+// losses across a group of that node alone (Gloo between CPU workers, NCCL between CUDA workers),
+// as on several nodes, so the whole path runs on one machine and must change no bit.
+inline bool TestNodeSumsAlone() {
+  const char* v = std::getenv("RP_TEST_NODE_SUMS_ALONE");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
 // RP_TEST_LATE_COMPLETION_MS=<ms>: a CPU worker's device reports each microbatch complete only
 // that long after it was enqueued, as a GPU would while the host runs ahead, so the worker's
 // bookkeeping of microbatches in flight runs in CI. 0 when unset.

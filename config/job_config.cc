@@ -123,6 +123,8 @@ const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"}, {Data
 const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"}};
 const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
 const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
+const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
+                                               {OptimizerState::kSharded, "sharded"}};
 const EnumNames<Activations> kActivationNames = {{Activations::kHost, "host"}, {Activations::kWorker, "worker"},
                                                  {Activations::kCudaIpc, "cuda_ipc"}};
 const EnumNames<WeightsSource> kWeightsNames = {{WeightsSource::kAuto, "auto"},
@@ -317,6 +319,14 @@ const std::vector<KeySpec>& Table() {
            "coupled weight decay as torch.optim.SGD (state: one momentum buffer)"),
       Enum("optimizer", "mode", F(optimizer.mode), OptimizerMode::kExact, kModeNames,
            "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: step t+1 reads the weights before step t's update, which then overlaps all of step t+1 (the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
+      Enum("optimizer", "state", F(optimizer.state), OptimizerState::kReplicated, kStateNames,
+           "Several nodes (rp-launch --nnodes N): replicated: every node keeps the whole optimizer "
+           "state and makes the whole update; sharded: each node keeps the fp32 masters and "
+           "moments of 1/N of every parameter and updates only those, and the workers gather the "
+           "updated shares across the nodes before a layer is fetched (ZeRO-1 across nodes: host "
+           "bytes per parameter fall with N; the same results bit for bit). Training checkpoints "
+           "are then written by every node into the one checkpoint directory, which the nodes "
+           "must share; they resume on any node count. One node: no difference"),
       Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
       Float("optimizer", "min_lr", F(optimizer.min_lr), 3e-4, 0.0, 10.0,
             "Learning rate at the end of the cosine decay"),
@@ -700,6 +710,7 @@ const char* EnumName(DataFormat v) { return NameIn(kFormatNames, v); }
 const char* EnumName(TrainDtype v) { return NameIn(kDtypeNames, v); }
 const char* EnumName(OptimizerName v) { return NameIn(kOptimizerNames, v); }
 const char* EnumName(OptimizerMode v) { return NameIn(kModeNames, v); }
+const char* EnumName(OptimizerState v) { return NameIn(kStateNames, v); }
 const char* EnumName(Activations v) { return NameIn(kActivationNames, v); }
 const char* EnumName(WeightsSource v) { return NameIn(kWeightsNames, v); }
 const char* EnumName(EmbeddingLookup v) { return NameIn(kLookupNames, v); }
@@ -794,9 +805,11 @@ Status CheckNodes(const JobConfig& c) {
         "train.microbatches: a step's " + std::to_string(g.microbatches) + " microbatches per round" +
         (g.merged_calls > 1 ? " (train.accum_calls x train.microbatches, the calls run merged)" : std::string()) +
         " do not split evenly over " + std::to_string(n) + " nodes; make it a multiple of the node count");
-  if (c.job.device == DeviceKind::kCuda)
-    return Status::InvalidArgument("job.device: \"cuda\" with " + std::to_string(n) +
-                                   " nodes: this build sums gradients across nodes between CPU workers (Gloo) only");
+  if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32)
+    return Status::InvalidArgument("optimizer.state: \"sharded\" with train.dtype = \"" +
+                                   std::string(EnumName(c.train.dtype)) +
+                                   "\": the export at the end reads the gathered weights, which hold the fp32 "
+                                   "masters exactly only in fp32; use \"replicated\"");
   return Status::Ok();
 }
 

@@ -28,6 +28,7 @@ enum class DataFormat : uint8_t { kBytes, kTokens, kJsonl, kRandom };  // data.f
 enum class TrainDtype : uint8_t { kFp32, kBf16 };                     // train.dtype
 enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
+enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
 enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };        // schedule.activations
 enum class WeightsSource : uint8_t { kAuto, kComputeCopy };           // schedule.weights_source
 enum class EmbeddingLookup : uint8_t { kAuto, kCopy };                // schedule.embedding_lookup
@@ -40,6 +41,7 @@ const char* EnumName(DataFormat v);
 const char* EnumName(TrainDtype v);
 const char* EnumName(OptimizerName v);
 const char* EnumName(OptimizerMode v);
+const char* EnumName(OptimizerState v);
 const char* EnumName(Activations v);
 const char* EnumName(WeightsSource v);
 const char* EnumName(EmbeddingLookup v);
@@ -142,6 +144,7 @@ struct TrainConfig {
 struct OptimizerConfig {
   OptimizerName name = OptimizerName::kAdamW;
   OptimizerMode mode = OptimizerMode::kExact;
+  OptimizerState state = OptimizerState::kReplicated;  // several nodes only; see ShardedState
   double lr = 3e-3;
   double min_lr = 3e-4;
   int64_t warmup_steps = 2;
@@ -293,8 +296,36 @@ inline bool WorkersFetchMasters(const JobConfig& c) {
 // the masters as the workers' source (WorkersFetchMasters): there a row the next step reads keeps
 // its value from its update until the next step's own update, which waits for every job of that
 // step. A LoRA job's embedding is a frozen copy: nothing to gain there.
+// Not with sharded state (ShardedState): there the rows of other nodes' shards are current only
+// once the whole layer is gathered, so the embedding is fetched as a whole like any layer.
+inline bool LookupFromHost(const JobConfig& c);
+
+// optimizer.state resolved: true when each of several nodes keeps the fp32 masters (where they
+// are not what workers fetch) and the moments of its own share of every parameter (ShardOf),
+// updates only that share, and the workers gather the updated shares of every node before a
+// layer is fetched (ZeRO-1 across nodes). One node's share is everything: replicated.
+inline bool ShardedState(const JobConfig& c) {
+  return c.optimizer.state == OptimizerState::kSharded && c.nodes.count > 1;
+}
+
 inline bool LookupFromHost(const JobConfig& c) {
-  return c.schedule.embedding_lookup == EmbeddingLookup::kAuto && WorkersFetchMasters(c) && !c.lora.enabled();
+  return c.schedule.embedding_lookup == EmbeddingLookup::kAuto && WorkersFetchMasters(c) && !c.lora.enabled() &&
+         !ShardedState(c);
+}
+
+// The elements [begin, end) of a parameter of `numel` elements that node `rank` of `nodes` owns
+// under sharded state: consecutive shares of ceil(numel / nodes) elements rounded up to 16 (64
+// bytes of fp32), the last ones shorter or empty. A pure function: every node, and a resume on
+// another node count, derives every node's share from it.
+struct ElemRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+inline ElemRange ShardOf(int64_t numel, int64_t nodes, int64_t rank) {
+  if (nodes <= 1) return {0, numel};
+  const int64_t share = ((numel + nodes - 1) / nodes + 15) / 16 * 16;
+  const int64_t begin = std::min(numel, share * rank);
+  return {begin, std::min(numel, begin + share)};
 }
 
 // RP_MERGE_CALLS (BenchKnobs) resolved on the job file's values: whether the K accumulation calls of a

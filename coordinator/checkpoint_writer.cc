@@ -88,9 +88,12 @@ void CheckpointWriter::StartCopy(Copy& c, int64_t steps_done) {
     c.copy_threads.emplace_back([this, dst = c.bytes.get(), t, n] {
       uint64_t base = 0, block = 0;
       for (const auto& s : live_) {
-        for (uint64_t off = 0; off < s.bytes; off += kBlock, ++block)
-          if (block % n == static_cast<uint64_t>(t))
-            std::memcpy(dst + base + off, s.data + off, std::min(kBlock, s.bytes - off));
+        // A section of pieces is packed into the copy in order.
+        ForEachPiece(s, [&](const uint8_t* from, uint64_t bytes, uint64_t at) {
+          for (uint64_t off = 0; off < bytes; off += kBlock, ++block)
+            if (block % n == static_cast<uint64_t>(t))
+              std::memcpy(dst + base + at + off, from + off, std::min(kBlock, bytes - off));
+        });
         base += s.bytes;
       }
       if (copy_threads_left_.fetch_sub(1) == 1) optimizer_.ReleaseUpdates();
@@ -130,7 +133,7 @@ Status CheckpointWriter::Write(int64_t steps_done) {
   if (copies_.empty()) {
     WriteStats w;
     RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, live_,
-                                          setup_.keep, 0, &w));
+                                          setup_.keep, 0, &w, setup_.shard));
     SlowDiskForTest(&w);
     written_ = steps_done;
     completed_.push_back({steps_done, w.bytes, w.total_s, w.checksum_s, false});
@@ -167,7 +170,7 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     std::lock_guard<std::mutex> one_at_a_time(*disk);
     WriteStats w;
     Status s = WriteTrainingState(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, sections,
-                                  setup.keep, setup.checksum_threads, &w);
+                                  setup.keep, setup.checksum_threads, &w, setup.shard);
     SlowDiskForTest(&w);
     if (s.ok()) LogWrite(steps_done, setup.dir, w, true);
     return std::make_pair(s, w);

@@ -53,6 +53,7 @@ class CheckpointWriter {
     int copy_threads = 8;      // the snapshot's memcpy
     int checksum_threads = 2;  // a background write's CRCs: cores the optimizer keeps
     bool background = true;    // false: every checkpoint on the loop, no copies (none periodic)
+    ShardId shard;             // sharded state: this node's file of each checkpoint
   };
   // `live`: the sections of the running state (HostState::Sections()); `written`: the steps of
   // the newest checkpoint already on disk (resume), else -1.

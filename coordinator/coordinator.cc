@@ -132,6 +132,11 @@ class Coordinator {
   std::optional<std::string> replan_to_;  // the plan the run stopped to resume on
   // Node 0 alone writes checkpoints and exports: the replicas hold the same state.
   bool WritesOutputs() const { return cfg_.nodes.rank == 0; }
+  // Sharded state: every node writes its own file of each checkpoint.
+  bool WritesCheckpoints() const { return WritesOutputs() || layout_.sharded; }
+  // Sharded state: waits until the workers have gathered every node's shares of every layer at
+  // `version` (the export reads them, and another node's final gathers need this node's workers).
+  Status AwaitGathered(int64_t version);
 };
 
 Status Coordinator::ActivationsLost(const std::string& what) const {
@@ -264,7 +269,8 @@ Status Coordinator::StartParts() {
   writer.masters_in_state = layout_.masters_in_state;
   writer.keep = static_cast<int>(cfg_.checkpoint.keep);
   // Else only a final checkpoint, written on the loop.
-  writer.background = cfg_.checkpoint.every > 0 && WritesOutputs();
+  writer.background = cfg_.checkpoint.every > 0 && WritesCheckpoints();
+  if (layout_.sharded) writer.shard = {static_cast<int>(cfg_.nodes.rank), static_cast<int>(cfg_.nodes.count)};
   writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
   if (cfg_.checkpoint.every > 0)
     RP_LOG(INFO) << "checkpoints are written "
@@ -415,7 +421,7 @@ int64_t Coordinator::StepH2dBytes() const {
 
 Status Coordinator::MaybeCheckpoint(int64_t t) {
   const int64_t done = t + 1;
-  if (!WritesOutputs() || t < window_.first_step || done <= ckpt_.requested) return Status::Ok();
+  if (!WritesCheckpoints() || t < window_.first_step || done <= ckpt_.requested) return Status::Ok();
   const bool periodic = PeriodicCheckpointAfter(cfg_, t);
   const bool last = done == window_.stop_step && (cfg_.checkpoint.every > 0 || window_.stop_step < cfg_.train.steps);
   if (!periodic && !last) return Status::Ok();
@@ -436,7 +442,7 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
 // A periodic checkpoint after step t is due and t's update is done: the copy can start while the
 // next step computes (CheckpointWriter).
 void Coordinator::MaybeStartSnapshot() {
-  if (cfg_.checkpoint.every <= 0 || !WritesOutputs()) return;
+  if (cfg_.checkpoint.every <= 0 || !WritesCheckpoints()) return;
   const int64_t every = cfg_.checkpoint.every;
   const int64_t done = (std::max(ckpt_.requested, window_.first_step) / every + 1) * every;
   if (done > window_.stop_step || !optimizer_->Updated(done - 1) || evals_->last_final_step() >= done) return;
@@ -559,8 +565,27 @@ Status Coordinator::Loop() {
   return Status::Ok();
 }
 
+Status Coordinator::AwaitGathered(int64_t version) {
+  const auto* gathered = host_->state().At<std::atomic<uint64_t>>(layout_.gathered_versions);
+  // The other nodes' workers are alive or the launchers stop the run within job.node_timeout_s.
+  const double deadline = MonoSeconds() + cfg_.job.node_timeout_s + 60.0;
+  for (const auto& p : spec_.params) {
+    const int l = p.owner_layer;
+    while (gathered[l].load(std::memory_order_acquire) < static_cast<uint64_t>(version)) {
+      if (g_stop) return Status::Cancelled("stopped by signal while the workers gathered the last update");
+      if (MonoSeconds() > deadline)
+        return Status::DeadlineExceeded("layer " + std::to_string(l) + "'s shares of the update after step " +
+                                        std::to_string(version) + " were not gathered from the other nodes within " +
+                                        std::to_string(cfg_.job.node_timeout_s + 60.0) + " s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return Status::Ok();
+}
+
 Status Coordinator::Finish(Status st) {
   if (beacon_) beacon_->LeaveLoop();  // what follows (trace, export) is progress, however long
+  if (st.ok() && layout_.sharded && workers_) st = AwaitGathered(window_.stop_step);
   // Workers exit with the run's code: 3 after a (graceful) interrupt, which the launcher expects.
   if (workers_) workers_->ShutdownAll(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
   // Outputs that fail to write after the training itself succeeded (a full disk) still fail the
@@ -577,7 +602,7 @@ Status Coordinator::Finish(Status st) {
   if (st.ok() && WritesOutputs() &&
       (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
     st = core::ExportTrainedModel(
-        cfg_, spec_, [&](int p) { return static_cast<const float*>(host_->Master(p)); },
+        cfg_, spec_, [&](int p) { return host_->Weights(p, window_.stop_step); },
         [&](int f, float* out) { host_->ReadFrozen(f, out); });
     if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << cfg_.job.output_dir;
   }

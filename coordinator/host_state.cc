@@ -46,8 +46,10 @@ StatusOr<std::unique_ptr<HostState>> HostState::Create(const core::JobConfig& cf
   return h;
 }
 
-float* HostState::Master(int p) const {
-  return (layout_.masters_in_state ? *state_ : *optim_).At<float>(layout_.master[p]);
+const float* HostState::Weights(int p, int64_t version) const {
+  if (layout_.masters_in_state) return state_->At<const float>(layout_.master[p]);
+  if (!layout_.sharded) return optim_->At<const float>(layout_.master[p]);
+  return state_->At<const float>(layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
 }
 
 void HostState::ReadFrozen(int f, float* out) const {
@@ -91,20 +93,25 @@ std::vector<StateSection> HostState::Sections() {
   std::vector<Extent> optim;
   const bool has_v = !layout_.adam_v.empty();
   for (size_t p = 0; p < spec_.params.size(); ++p) {
-    const uint64_t n = static_cast<uint64_t>(spec_.params[p].numel) * 4;
+    const uint64_t n = static_cast<uint64_t>(layout_.share[p].size()) * 4;
     const std::string& name = spec_.params[p].name;
     if (!layout_.masters_in_state) optim.push_back({layout_.master[p], layout_.master[p] + n, "master of " + name});
     if (!layout_.adam_m.empty()) optim.push_back({layout_.adam_m[p], layout_.adam_m[p] + n, "first moment of " + name});
     if (has_v) optim.push_back({layout_.adam_v[p], layout_.adam_v[p] + n, "second moment of " + name});
   }
-  // The compute-copy region, once per buffer (stale1 keeps two).
+  // The compute-copy region, once per buffer (stale1 keeps two); with sharded state this node's
+  // shares of it, packed.
   std::vector<Extent> compute;
   const uint64_t region = layout_.compute_end - layout_.compute_begin;
+  uint64_t packed = 0;
   for (int b = 0; b < layout_.compute_buffers; ++b)
     for (size_t p = 0; p < spec_.params.size(); ++p) {
-      const uint64_t at = layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region;
-      const uint64_t n = static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
-      compute.push_back({at, at + n,
+      const uint64_t whole = static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
+      const uint64_t share = static_cast<uint64_t>(layout_.share[p].size()) * layout_.weights_elem_bytes;
+      const uint64_t at = layout_.sharded ? packed
+                                          : layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region;
+      packed += share;
+      compute.push_back({at, at + (layout_.sharded ? share : whole),
                          (layout_.masters_in_state ? "master of " : "weights (buffer " + std::to_string(b) + ") of ") +
                              spec_.params[p].name});
     }
@@ -139,13 +146,22 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
     }
   }
   if (resume_from) {
-    // Masters, moments and every compute-copy buffer as they were after first_step updates.
-    RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from, state_hash, layout_.masters_in_state, Sections()));
+    // Masters, moments and every compute-copy buffer as they were after first_step updates: a
+    // whole file straight into a replicated run's segments, else share by share.
+    if (resume_from->paths.size() <= 1 && !layout_.sharded)
+      RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from, state_hash, layout_.masters_in_state, Sections()));
+    else
+      RP_RETURN_IF_ERROR(
+          ReadTrainingStateShares(*resume_from, cfg_, spec_, layout_, state_hash, optim_->data(), state_->data()));
     auto* versions = state_->At<std::atomic<uint64_t>>(layout_.layer_versions);
     for (int l = 0; l < plan_.num_layers; ++l)
       versions[l].store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
     state_->At<std::atomic<uint64_t>>(layout_.lookup_version)
         ->store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
+    if (layout_.sharded) {
+      auto* gathered = state_->At<std::atomic<uint64_t>>(layout_.gathered_versions);
+      for (int l = 0; l < plan_.num_layers; ++l) gathered[l].store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
+    }
     RP_LOG(INFO) << "resumed from " << resume_from->path << " after step " << first_step;
   } else {
     RP_RETURN_IF_ERROR(FillFresh());
@@ -182,19 +198,35 @@ Status HostState::FillFresh() {
     hf.emplace(std::move(w));
   }
   const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
+  std::vector<float> staging;
   for (size_t p = 0; p < spec_.params.size(); ++p) {
-    float* master = Master(static_cast<int>(p));
-    if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec_.params[p], master));
-    else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], master));  // straight into the arena
-    else core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), master);
     const int64_t n = spec_.params[p].numel;
+    // The whole parameter in fp32: straight into the masters workers fetch, or into the masters
+    // of a replicated optimizer segment; with sharded state that segment holds only this node's
+    // share, and the whole goes through a staging buffer into the compute copy.
+    float* whole = nullptr;
     if (layout_.masters_in_state) {
-      // Workers fetch the master itself: there is no compute copy to fill.
-    } else if (bf16) {
-      auto* c = state_->At<uint16_t>(layout_.compute[p]);
-      for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(master[i]);
+      whole = state_->At<float>(layout_.master[p]);
+    } else if (!layout_.sharded) {
+      whole = optim_->At<float>(layout_.master[p]);
     } else {
-      std::memcpy(state_->At<float>(layout_.compute[p]), master, n * sizeof(float));
+      staging.resize(static_cast<size_t>(n));
+      whole = staging.data();
+    }
+    if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec_.params[p], whole));
+    else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], whole));
+    else core::InitParam(spec_, static_cast<int>(p), static_cast<uint64_t>(cfg_.train.seed), whole);
+    if (layout_.masters_in_state) continue;  // workers fetch the master itself: no compute copy
+    if (layout_.sharded) {
+      const core::ElemRange r = layout_.share[p];
+      std::memcpy(optim_->At<float>(layout_.ShareElem(layout_.master, static_cast<int>(p), r.begin)), whole + r.begin,
+                  static_cast<size_t>(r.size()) * sizeof(float));
+    }
+    if (bf16) {
+      auto* c = state_->At<uint16_t>(layout_.compute[p]);
+      for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(whole[i]);
+    } else {
+      std::memcpy(state_->At<float>(layout_.compute[p]), whole, n * sizeof(float));
     }
   }
   return Status::Ok();

@@ -10,7 +10,7 @@
 //    creates anything. Both names are removed when the HostState is destroyed, after the
 //    mappings, on every path (shm::Unlinker): this process is the only one that unlinks them.
 //  * Fill() runs once, before any worker is welcomed, and sets the header's ready flag last.
-//  * Master(p) and ReadFrozen(f) read the current weights (for the export at the end).
+//  * Weights(p, version) and ReadFrozen(f) read the current weights (for the export at the end).
 //  * Not thread-safe: the coordinator's loop owns it. The optimizer writes the segments through
 //    the pointers state().data() and optim().data().
 #pragma once
@@ -45,9 +45,11 @@ class HostState {
   Status Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,
               core::Dataset* eval_data);
 
-  // Parameter p's fp32 master: in the optimizer segment, or in the state segment when workers
-  // fetch the masters (shm::ArenaLayout::masters_in_state).
-  float* Master(int p) const;
+  // Parameter p's whole fp32 weights holding `version` updates (the run's last): the masters (in
+  // the optimizer segment, or in the state segment when workers fetch them). With sharded state
+  // the optimizer segment holds this node's share only, and the compute copy of that version,
+  // gathered from every node and fp32 (sharded state needs fp32, core::CheckNodes), is read.
+  const float* Weights(int p, int64_t version) const;
   // Frozen parameter f (LoRA base) as fp32, from its compute copy.
   void ReadFrozen(int f, float* out) const;
   // What a training checkpoint holds (coordinator/training_state.h).

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <chrono>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -81,10 +82,58 @@ Status ReadAll(int fd, uint8_t* p, uint64_t n, uint64_t offset, const std::strin
   return Status::Ok();
 }
 
-std::string FileName(int64_t steps_done) {
-  char name[64];
-  std::snprintf(name, sizeof(name), "step-%08lld.rpstate", static_cast<long long>(steps_done));
+std::string FileName(int64_t steps_done, ShardId shard = {}) {
+  char name[96];
+  if (shard.count > 1)
+    std::snprintf(name, sizeof(name), "step-%08lld.shard-%d-of-%d.rpstate", static_cast<long long>(steps_done),
+                  shard.rank, shard.count);
+  else
+    std::snprintf(name, sizeof(name), "step-%08lld.rpstate", static_cast<long long>(steps_done));
   return name;
+}
+
+// A shard file's name parsed (FileName with shard.count > 1); false for any other name.
+bool ParseShardName(const std::string& n, int64_t* steps, ShardId* shard) {
+  long long st = 0;
+  int r = 0, c = 0, end = 0;
+  if (std::sscanf(n.c_str(), "step-%8lld.shard-%d-of-%d.rpstate%n", &st, &r, &c, &end) != 3 ||
+      end != static_cast<int>(n.size()) || c < 2 || r < 0 || r >= c || n != FileName(st, {r, c}))
+    return false;
+  *steps = st;
+  *shard = {r, c};
+  return true;
+}
+
+// Every complete checkpoint in `dir` by step: its files by shard (a whole file: one). Where a step
+// has both a whole file and shard sets, or sets of several counts, the whole file wins, then the
+// smallest complete count.
+std::map<int64_t, std::vector<std::string>> CompleteCheckpoints(const std::string& dir) {
+  std::error_code ec;
+  std::map<int64_t, std::vector<std::string>> whole;
+  std::map<int64_t, std::map<int, std::vector<std::string>>> sets;
+  if (!fs::is_directory(dir, ec)) return whole;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    int64_t st = 0;
+    ShardId id;
+    if (n.size() == FileName(0).size() && n.rfind("step-", 0) == 0 && e.path().extension() == ".rpstate") {
+      long long v = 0;
+      if (std::sscanf(n.c_str(), "step-%8lld.rpstate", &v) == 1) whole[v] = {e.path().string()};
+    } else if (ParseShardName(n, &st, &id)) {
+      auto& files = sets[st][id.count];
+      files.resize(static_cast<size_t>(id.count));
+      files[static_cast<size_t>(id.rank)] = e.path().string();
+    }
+  }
+  for (auto& [st, counts] : sets) {
+    if (whole.count(st)) continue;
+    for (auto& [count, files] : counts)
+      if (std::none_of(files.begin(), files.end(), [](const std::string& f) { return f.empty(); })) {
+        whole[st] = files;
+        break;
+      }
+  }
+  return whole;
 }
 
 // This writer's checkpoint names in `dir` (step-<8 digits>.rpstate), oldest first.
@@ -129,15 +178,32 @@ StatusOr<nlohmann::json> ReadHeader(int fd, const std::string& path, uint64_t fi
 
 std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim, uint8_t* state) {
   const uint64_t region = layout.compute_end - layout.compute_begin;
-  return {{"optim", optim, layout.optim_total_bytes},
-          {"compute", state ? state + layout.compute_begin : nullptr,
-           region * static_cast<uint64_t>(layout.compute_buffers)}};
+  uint8_t* compute = state ? state + layout.compute_begin : nullptr;
+  if (!layout.sharded)
+    return {{"optim", optim, layout.optim_total_bytes},
+            {"compute", compute, region * static_cast<uint64_t>(layout.compute_buffers)}};
+  // Sharded: this node's shares of the compute copies (the other nodes' are theirs to write).
+  StateSection shares("compute_shares", compute, 0);
+  const uint64_t elem = static_cast<uint64_t>(layout.weights_elem_bytes);
+  for (int b = 0; b < layout.compute_buffers; ++b)
+    for (size_t p = 0; p < layout.share.size(); ++p) {
+      const uint64_t n = static_cast<uint64_t>(layout.share[p].size()) * elem;
+      if (n == 0) continue;
+      shares.pieces.emplace_back(layout.ComputeCopy(static_cast<int>(p), b) - layout.compute_begin +
+                                     static_cast<uint64_t>(layout.share[p].begin) * elem,
+                                 n);
+      shares.bytes += n;
+    }
+  return {{"optim", optim, layout.optim_total_bytes}, std::move(shares)};
 }
 
 uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec,
                            const shm::ArenaLayout& layout) {
+  // The optimizer segment's size on one node: a checkpoint of shards resumes on any node count.
+  const uint64_t optim_bytes =
+      shm::ComputeOptimLayout(spec, layout.masters_in_state, c.optimizer.name, 1, 0).total_bytes;
   uint64_t h = HashKey({0x5741u, static_cast<uint64_t>(layout.compute_elem_bytes),
-                        static_cast<uint64_t>(layout.compute_buffers), layout.optim_total_bytes,
+                        static_cast<uint64_t>(layout.compute_buffers), optim_bytes,
                         layout.compute_end - layout.compute_begin});
   // Mixed in only when set, so checkpoints written before the choice existed (compute copies)
   // keep their hash; ReadTrainingState names this mismatch on its own.
@@ -169,17 +235,86 @@ std::string CheckpointDir(const core::JobConfig& c) {
   return (fs::path(c.job.output_dir) / c.checkpoint.dir).string();
 }
 
+void ForEachPiece(const StateSection& s, const std::function<void(const uint8_t*, uint64_t, uint64_t)>& fn) {
+  if (s.pieces.empty()) {
+    fn(s.data, s.bytes, 0);
+    return;
+  }
+  uint64_t at = 0;
+  for (const auto& [offset, bytes] : s.pieces) {
+    fn(s.data + offset, bytes, at);
+    at += bytes;
+  }
+}
+
+std::vector<ExpectedSection> ShareSections(const core::JobConfig& c, const core::ModelSpec& spec,
+                                           const shm::ArenaLayout& layout, ShardId shard, uint8_t* optim,
+                                           uint8_t* state) {
+  const shm::OptimLayout old =
+      shm::ComputeOptimLayout(spec, layout.masters_in_state, c.optimizer.name, shard.count, shard.rank);
+  ExpectedSection o{"optim", old.total_bytes, {}};
+  const uint64_t region = layout.compute_end - layout.compute_begin;
+  const uint64_t elem = static_cast<uint64_t>(layout.weights_elem_bytes);
+  ExpectedSection w{shard.count > 1 ? "compute_shares" : "compute", 0, {}};
+  uint64_t packed = 0;
+  for (int b = 0; b < layout.compute_buffers; ++b)
+    for (size_t p = 0; p < spec.params.size(); ++p) {
+      const core::ElemRange r = old.share[p];
+      // The whole file keeps the region as it lies in memory; shard files pack their shares.
+      const uint64_t from = shard.count > 1 ? packed
+                                            : layout.compute[p] - layout.compute_begin + b * region + r.begin * elem;
+      packed += static_cast<uint64_t>(r.size()) * elem;
+      if (state && r.size() > 0)
+        w.copies.push_back({from, state + layout.ComputeCopy(static_cast<int>(p), b) + r.begin * elem,
+                            static_cast<uint64_t>(r.size()) * elem});
+    }
+  w.bytes = shard.count > 1 ? packed : region * static_cast<uint64_t>(layout.compute_buffers);
+  if (optim) {
+    // This node's share of every optimizer-segment array: the part of it in the file's share.
+    auto arrays = [&](const std::vector<uint64_t>& from, const std::vector<uint64_t>& to) {
+      for (size_t p = 0; p < spec.params.size() && !from.empty(); ++p) {
+        const int64_t lo = std::max(old.share[p].begin, layout.share[p].begin);
+        const int64_t hi = std::min(old.share[p].end, layout.share[p].end);
+        if (lo >= hi) continue;
+        o.copies.push_back({from[p] + static_cast<uint64_t>(lo - old.share[p].begin) * 4,
+                            optim + layout.ShareElem(to, static_cast<int>(p), lo), static_cast<uint64_t>(hi - lo) * 4});
+      }
+    };
+    if (!layout.masters_in_state) arrays(old.master, layout.master);
+    arrays(old.adam_m, layout.adam_m);
+    arrays(old.adam_v, layout.adam_v);
+  }
+  return {o, w};
+}
+
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          bool masters_in_state, const std::vector<StateSection>& sections, int keep,
-                          int checksum_threads, WriteStats* stats) {
+                          bool masters_in_state, const std::vector<StateSection>& given, int keep,
+                          int checksum_threads, WriteStats* stats, ShardId shard) {
   const auto t0 = std::chrono::steady_clock::now();
   auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("checkpoint directory " + dir + ": " + ec.message());
+  // Sections of pieces (written from the live state on the loop) are packed first.
+  std::vector<std::vector<uint8_t>> packed;
+  std::vector<StateSection> sections;
+  for (const auto& s : given) {
+    if (s.pieces.empty()) {
+      sections.push_back({s.name, s.data, s.bytes});
+      continue;
+    }
+    packed.emplace_back(s.bytes);
+    uint8_t* to = packed.back().data();
+    ForEachPiece(s, [&](const uint8_t* from, uint64_t n, uint64_t at) { std::memcpy(to + at, from, n); });
+    sections.push_back({s.name, to, s.bytes});
+  }
   nlohmann::json header = {{"version", kFormatVersion}, {"steps_done", steps_done},
                            {"state_hash", std::to_string(state_hash)},
                            {"masters_in_state", masters_in_state}};
+  if (shard.count > 1) {
+    header["shard"] = shard.rank;
+    header["shards"] = shard.count;
+  }
   // Offsets depend on the header's length, which depends on the offsets' digits: reserve room.
   uint64_t offset = AlignUp(16 + 4096 + 128 * sections.size());
   nlohmann::json list = nlohmann::json::array();
@@ -191,7 +326,7 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
   if (stats) stats->checksum_s = since();
   header["sections"] = list;
   const std::string text = header.dump();
-  const std::string final_path = (fs::path(dir) / FileName(steps_done)).string();
+  const std::string final_path = (fs::path(dir) / FileName(steps_done, shard)).string();
   {
     RP_ASSIGN_OR_RETURN(core::AtomicFile f, core::AtomicFile::Create(final_path, 0600));
     uint8_t head[16];
@@ -210,6 +345,21 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
     stats->bytes = 0;
     for (const auto& sec : sections) stats->bytes += sec.bytes;
   }
+  if (shard.count > 1) {
+    // A shard's writer: its own files of steps older than the newest `keep` complete checkpoints.
+    if (keep <= 0) return Status::Ok();
+    const auto complete = CompleteCheckpoints(dir);
+    if (complete.size() <= static_cast<size_t>(keep)) return Status::Ok();
+    const int64_t oldest_kept = std::prev(complete.end(), keep)->first;
+    for (auto& e : fs::directory_iterator(dir, ec)) {
+      int64_t st = 0;
+      ShardId id;
+      if (ParseShardName(e.path().filename().string(), &st, &id) && id.rank == shard.rank &&
+          id.count == shard.count && st < oldest_kept)
+        fs::remove(e.path(), ec);
+    }
+    return Status::Ok();
+  }
   // Prune: only this writer's step-*.rpstate names, oldest first, never the one just written.
   const std::vector<std::string> names = ListStateFiles(dir);
   for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < names.size(); ++i)
@@ -218,88 +368,155 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
 }
 
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
-  const std::vector<std::string> names = ListStateFiles(dir);
-  if (names.empty()) return Status::NotFound("no training checkpoint (step-*.rpstate) in " + dir);
-  const std::string path = (fs::path(dir) / names.back()).string();
-  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(path));
-  std::error_code ec;
-  const uint64_t size = fs::file_size(path, ec);
-  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), path, size));
+  const auto complete = CompleteCheckpoints(dir);
+  if (complete.empty())
+    return Status::NotFound("no complete training checkpoint (step-*.rpstate, or every step-*.shard-*.rpstate "
+                            "of one step) in " + dir);
   StateFile f;
-  f.path = path;
+  f.paths = complete.rbegin()->second;
+  f.path = f.paths[0];
+  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(f.path));
+  std::error_code ec;
+  const uint64_t size = fs::file_size(f.path, ec);
+  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), f.path, size));
   f.steps_done = header["steps_done"].get<int64_t>();
-  if (f.steps_done <= 0) return Status::InvalidArgument("checkpoint " + path + " records no completed step");
+  if (f.steps_done <= 0) return Status::InvalidArgument("checkpoint " + f.path + " records no completed step");
   return f;
 }
 
 namespace {
 
-// The header checks of ReadTrainingState; with `read` the sections' bytes are read and verified.
-Status LoadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
-                         const std::vector<StateSection>& sections, bool read) {
-  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(file.path));
-  std::error_code ec;
-  const uint64_t size = fs::file_size(file.path, ec);
-  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), file.path, size));
+// The header checks of ReadTrainingState against the expected sections' names and sizes, for
+// file `shard` of a checkpoint; returns the header.
+StatusOr<nlohmann::json> CheckedHeader(int fd, const std::string& path, uint64_t size, uint64_t state_hash,
+                                       bool masters_in_state, const std::vector<std::pair<std::string, uint64_t>>& sections,
+                                       ShardId shard) {
+  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd, path, size));
   const auto& written = header.contains("masters_in_state") ? header["masters_in_state"] : nlohmann::json(false);
   if (!written.is_boolean())
-    return Status::InvalidArgument("checkpoint " + file.path + " has a malformed JSON header (masters_in_state)");
+    return Status::InvalidArgument("checkpoint " + path + " has a malformed JSON header (masters_in_state)");
   if (written.get<bool>() != masters_in_state) {
     auto where = [](bool in_state) {
       return std::string(in_state ? "the fp32 masters workers fetch (schedule.weights_source = \"master\")"
                                   : "a compute copy beside the masters (schedule.weights_source = \"compute_copy\")");
     };
-    return Status::InvalidArgument("checkpoint " + file.path + " holds " + where(written.get<bool>()) +
+    return Status::InvalidArgument("checkpoint " + path + " holds " + where(written.get<bool>()) +
                                    ", this job keeps " + where(masters_in_state) +
                                    "; resume it with the checkpoint's setting");
   }
   if (header["state_hash"] != std::to_string(state_hash))
-    return Status::InvalidArgument("checkpoint " + file.path + " was written for a different model, "
+    return Status::InvalidArgument("checkpoint " + path + " was written for a different model, "
                                    "compute dtype, optimizer or optimizer mode than this job's");
+  const auto shard_field = [&](const char* key, int fallback) {
+    return header.contains(key) && header[key].is_number_integer() ? header[key].get<int>() : fallback;
+  };
+  if (shard_field("shard", 0) != shard.rank || shard_field("shards", 1) != shard.count)
+    return Status::InvalidArgument("checkpoint " + path + " says it is shard " + std::to_string(shard_field("shard", 0)) +
+                                   " of " + std::to_string(shard_field("shards", 1)) + ", its name shard " +
+                                   std::to_string(shard.rank) + " of " + std::to_string(shard.count));
   const auto& list = header["sections"];
   if (list.size() != sections.size())
-    return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(list.size()) +
+    return Status::InvalidArgument("checkpoint " + path + " has " + std::to_string(list.size()) +
                                    " sections, expected " + std::to_string(sections.size()));
   for (size_t i = 0; i < sections.size(); ++i) {
     const auto& e = list[i];
-    if (!e.is_object() || e.value("name", "") != sections[i].name || !e.contains("offset") ||
+    const auto& [name, want_bytes] = sections[i];
+    if (!e.is_object() || e.value("name", "") != name || !e.contains("offset") ||
         !e["offset"].is_number_unsigned() || !e.contains("bytes") || !e["bytes"].is_number_unsigned())
-      return Status::InvalidArgument("checkpoint " + file.path + ": section " + std::to_string(i) +
-                                     " is not \"" + sections[i].name + "\"");
+      return Status::InvalidArgument("checkpoint " + path + ": section " + std::to_string(i) + " is not \"" + name + "\"");
     const uint64_t off = e["offset"].get<uint64_t>(), bytes = e["bytes"].get<uint64_t>();
-    if (bytes != sections[i].bytes)
-      return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
-                                     "\" holds " + std::to_string(bytes) + " bytes, this job needs " +
-                                     std::to_string(sections[i].bytes));
+    if (bytes != want_bytes)
+      return Status::InvalidArgument("checkpoint " + path + ": section \"" + name + "\" holds " +
+                                     std::to_string(bytes) + " bytes, this job needs " + std::to_string(want_bytes));
     if (off > size || bytes > size - off)
-      return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
+      return Status::InvalidArgument("checkpoint " + path + ": section \"" + name +
                                      "\" runs past the end of the file (truncated?)");
-    if (!read) continue;
-    RP_RETURN_IF_ERROR(ReadAll(fd.get(), sections[i].data, bytes, off, file.path));
     // Files written before checksums existed have none; every newer one is verified.
-    if (!e.contains("crc32")) continue;
-    const auto& want = e["crc32"];
-    if (!want.is_array() || e.value("crc32_chunk_bytes", uint64_t{0}) != kCrcChunk ||
-        want.size() != (bytes + kCrcChunk - 1) / kCrcChunk)
-      return Status::InvalidArgument("checkpoint " + file.path + ": section \"" + sections[i].name +
-                                     "\" has a malformed checksum list");
-    const std::vector<uint32_t> got = ChunkCrcs(sections[i].data, bytes);
-    for (size_t c = 0; c < got.size(); ++c) {
-      if (want[c].is_number_unsigned() && want[c].get<uint64_t>() == got[c]) continue;
-      const uint64_t a = c * kCrcChunk, b = std::min(bytes, (c + 1) * kCrcChunk);
-      const std::string what = sections[i].describe ? sections[i].describe(a, b) : std::string();
-      return Status::InvalidArgument("checkpoint " + file.path + ": bytes [" + std::to_string(a) + ", " +
-                                     std::to_string(b) + ") of section \"" + sections[i].name + "\"" +
-                                     (what.empty() ? std::string() : " (" + what + ")") +
-                                     " do not match their checksum: the file is damaged");
-    }
+    if (e.contains("crc32") && (!e["crc32"].is_array() || e.value("crc32_chunk_bytes", uint64_t{0}) != kCrcChunk ||
+                                e["crc32"].size() != (bytes + kCrcChunk - 1) / kCrcChunk))
+      return Status::InvalidArgument("checkpoint " + path + ": section \"" + name + "\" has a malformed checksum list");
   }
   // Nothing may follow the last section (the writer truncates the file there).
   uint64_t end = 0;
   for (const auto& e : list) end = std::max(end, AlignUp(e["offset"].get<uint64_t>() + e["bytes"].get<uint64_t>()));
   if (size != end)
-    return Status::InvalidArgument("checkpoint " + file.path + " has " + std::to_string(size) + " bytes, its sections end at " +
-                                   std::to_string(end) + ": bytes were appended or cut");
+    return Status::InvalidArgument("checkpoint " + path + " has " + std::to_string(size) +
+                                   " bytes, its sections end at " + std::to_string(end) +
+                                   ": bytes were appended or cut");
+  return header;
+}
+
+Status ChecksumMismatch(const std::string& path, const std::string& section, uint64_t a, uint64_t b,
+                        const std::string& what) {
+  return Status::InvalidArgument("checkpoint " + path + ": bytes [" + std::to_string(a) + ", " + std::to_string(b) +
+                                 ") of section \"" + section + "\"" + (what.empty() ? std::string() : " (" + what + ")") +
+                                 " do not match their checksum: the file is damaged");
+}
+
+// The checks of ReadTrainingState; with `read` the sections' bytes are read and verified.
+Status LoadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
+                         const std::vector<StateSection>& sections, bool read) {
+  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(file.path));
+  std::error_code ec;
+  const uint64_t size = fs::file_size(file.path, ec);
+  std::vector<std::pair<std::string, uint64_t>> expected;
+  for (const auto& s : sections) expected.emplace_back(s.name, s.bytes);
+  RP_ASSIGN_OR_RETURN(auto header, CheckedHeader(fd.get(), file.path, size, state_hash, masters_in_state, expected, {}));
+  if (!read) return Status::Ok();
+  const auto& list = header["sections"];
+  for (size_t i = 0; i < sections.size(); ++i) {
+    const auto& e = list[i];
+    const uint64_t off = e["offset"].get<uint64_t>(), bytes = e["bytes"].get<uint64_t>();
+    RP_RETURN_IF_ERROR(ReadAll(fd.get(), sections[i].data, bytes, off, file.path));
+    if (!e.contains("crc32")) continue;
+    const auto& want = e["crc32"];
+    const std::vector<uint32_t> got = ChunkCrcs(sections[i].data, bytes);
+    for (size_t c = 0; c < got.size(); ++c) {
+      if (want[c].is_number_unsigned() && want[c].get<uint64_t>() == got[c]) continue;
+      const uint64_t a = c * kCrcChunk, b = std::min(bytes, (c + 1) * kCrcChunk);
+      return ChecksumMismatch(file.path, sections[i].name, a, b, sections[i].describe ? sections[i].describe(a, b) : "");
+    }
+  }
+  return Status::Ok();
+}
+
+// One file of a checkpoint, streamed a checksum chunk at a time into the copies' destinations.
+Status ReadShareFile(const std::string& path, int64_t steps_done, uint64_t state_hash, bool masters_in_state,
+                     ShardId shard, std::vector<ExpectedSection> sections, bool read) {
+  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(path));
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  std::vector<std::pair<std::string, uint64_t>> expected;
+  for (const auto& s : sections) expected.emplace_back(s.name, s.bytes);
+  RP_ASSIGN_OR_RETURN(auto header, CheckedHeader(fd.get(), path, size, state_hash, masters_in_state, expected, shard));
+  if (header["steps_done"] != steps_done)
+    return Status::InvalidArgument("checkpoint " + path + " holds " + header["steps_done"].dump() +
+                                   " steps, the other files of its checkpoint " + std::to_string(steps_done));
+  if (!read) return Status::Ok();
+  std::vector<uint8_t> chunk;
+  const auto& list = header["sections"];
+  for (size_t i = 0; i < sections.size(); ++i) {
+    auto& copies = sections[i].copies;
+    std::sort(copies.begin(), copies.end(), [](const SectionCopy& a, const SectionCopy& b) { return a.from < b.from; });
+    const auto& e = list[i];
+    const uint64_t off = e["offset"].get<uint64_t>(), bytes = e["bytes"].get<uint64_t>();
+    size_t next = 0;  // the first copy not wholly before this chunk
+    for (uint64_t a = 0; a < bytes; a += kCrcChunk) {
+      const uint64_t b = std::min(bytes, a + kCrcChunk);
+      chunk.resize(static_cast<size_t>(b - a));
+      RP_RETURN_IF_ERROR(ReadAll(fd.get(), chunk.data(), b - a, off + a, path));
+      if (e.contains("crc32")) {
+        const auto& want = e["crc32"][a / kCrcChunk];
+        if (!want.is_number_unsigned() || want.get<uint64_t>() != ChunkCrcs(chunk.data(), b - a, 1)[0])
+          return ChecksumMismatch(path, sections[i].name, a, b, "");
+      }
+      while (next < copies.size() && copies[next].from + copies[next].bytes <= a) ++next;
+      for (size_t k = next; k < copies.size() && copies[k].from < b; ++k) {
+        const uint64_t lo = std::max(a, copies[k].from), hi = std::min(b, copies[k].from + copies[k].bytes);
+        if (lo < hi) std::memcpy(copies[k].to + (lo - copies[k].from), chunk.data() + (lo - a), hi - lo);
+      }
+    }
+  }
   return Status::Ok();
 }
 
@@ -313,6 +530,19 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool master
 Status CheckTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                           const std::vector<StateSection>& sections) {
   return LoadTrainingState(file, state_hash, masters_in_state, sections, /*read=*/false);
+}
+
+Status ReadTrainingStateShares(const StateFile& file, const core::JobConfig& config, const core::ModelSpec& spec,
+                               const shm::ArenaLayout& layout, uint64_t state_hash, uint8_t* optim, uint8_t* state) {
+  const std::vector<std::string> paths = file.paths.empty() ? std::vector<std::string>{file.path} : file.paths;
+  const ShardId whole{0, 1};
+  for (size_t r = 0; r < paths.size(); ++r) {
+    const ShardId shard = paths.size() > 1 ? ShardId{static_cast<int>(r), static_cast<int>(paths.size())} : whole;
+    RP_RETURN_IF_ERROR(ReadShareFile(paths[r], file.steps_done, state_hash, layout.masters_in_state, shard,
+                                     ShareSections(config, spec, layout, shard, optim, state),
+                                     /*read=*/optim != nullptr && state != nullptr));
+  }
+  return Status::Ok();
 }
 
 }  // namespace rp::coord

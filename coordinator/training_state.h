@@ -13,14 +13,23 @@
 //   sections         raw bytes: "optim" (the optimizer segment: moments, and the masters unless
 //                    workers fetch them) and "compute" (every compute-copy buffer, so stale1's
 //                    older weights resume too; the fp32 masters when workers fetch them)
+// Sharded state (core::ShardedState) on N nodes: node r writes
+// "step-<8 digits>.shard-<r>-of-<N>.rpstate" into the same directory, its header adding "shard"
+// and "shards", with "optim" (its optimizer segment: its shares only) and "compute_shares" (its
+// share of each parameter in each compute-copy buffer, buffer-major, then parameter order,
+// packed). A step's checkpoint is the whole file or every shard file of one N; any node count
+// reads any of them back, share by share (ShareSections).
 // Nothing else is needed: the learning rate, the data order and the init are pure functions of
 // the step and the seed (config/lr_schedule.h, io/data.h).
 //
 // Contract:
 //  * Write() is atomic: a temporary name in the same directory, fsync, rename, fsync of the
 //    directory. A crash leaves either the previous set of files or the new one, never a torn
-//    checkpoint under the final name. Afterwards only the newest `keep` checkpoints remain.
-//  * FindLatest() returns the newest checkpoint whose header parses; Read() checks where the
+//    checkpoint under the final name. Afterwards only the newest `keep` checkpoints remain; a
+//    shard's writer removes only its own shard files, and only of steps older than the newest
+//    `keep` complete checkpoints, so a node that fails mid-write never costs the last complete one.
+//  * FindLatest() returns the newest complete checkpoint (whole file, or every shard) whose header
+//    parses; Read() checks where the
 //    masters live (schedule.weights_source, named in its own message), the state hash (parameter
 //    names and sizes, compute dtype, optimizer, mode), every section's size against what the
 //    caller expects, every chunk's checksum (when the file has them) and that nothing follows the
@@ -49,15 +58,47 @@ struct StateSection {
   uint64_t bytes;
   // Optional: which tensors lie in bytes [begin, end) of the section, for messages about damage.
   Describe describe;
+  // Optional (written sections only): the section is these (offset from `data`, bytes) pieces,
+  // packed in order, `bytes` their sum; empty: [data, data + bytes).
+  std::vector<std::pair<uint64_t, uint64_t>> pieces;
+};
+// Calls fn(source, bytes, offset in the section) for each contiguous piece of `s`, in order.
+void ForEachPiece(const StateSection& s, const std::function<void(const uint8_t*, uint64_t, uint64_t)>& fn);
+
+// Which file of a checkpoint a writer writes: node `rank` of `count` (count 1: the whole file).
+struct ShardId {
+  int rank = 0;
+  int count = 1;
 };
 
 struct StateFile {
-  std::string path;
+  std::string path;  // the whole file, or shard 0's
   int64_t steps_done = 0;
+  std::vector<std::string> paths;  // every file of the checkpoint, by shard (one, or none: `path`)
 };
 
+// Reading one file of a checkpoint share by share: the bytes `from` .. `from + bytes` of its
+// section go to `to`.
+struct SectionCopy {
+  uint64_t from;
+  uint8_t* to;
+  uint64_t bytes;
+};
+struct ExpectedSection {
+  std::string name;
+  uint64_t bytes = 0;
+  std::vector<SectionCopy> copies;
+};
+// The sections of file `shard` of a checkpoint written on shard.count nodes, as this job's layout
+// reads them, and (with `optim` and `state` non-null) the copies that put every share of the
+// compute copies and this node's share of the masters and moments (layout.share) in place.
+std::vector<ExpectedSection> ShareSections(const core::JobConfig& config, const core::ModelSpec& spec,
+                                           const shm::ArenaLayout& layout, ShardId shard, uint8_t* optim,
+                                           uint8_t* state);
+
 // The sections a checkpoint of this layout holds: "optim" (the optimizer segment) and "compute"
-// (every compute-copy buffer of the state segment). `optim` and `state` are the mapped segments,
+// (every compute-copy buffer of the state segment), or with sharded state "compute_shares" (this
+// node's shares of them, as pieces). `optim` and `state` are the mapped segments,
 // or null where only the sizes are wanted (checking a header).
 std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim, uint8_t* state);
 
@@ -76,7 +117,7 @@ struct WriteStats {
 // `checksum_threads` (0: every core) compute the chunks' CRCs in parallel.
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
                           bool masters_in_state, const std::vector<StateSection>& sections, int keep,
-                          int checksum_threads = 0, WriteStats* stats = nullptr);
+                          int checksum_threads = 0, WriteStats* stats = nullptr, ShardId shard = {});
 // NotFound when the directory holds no checkpoint.
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
@@ -86,5 +127,11 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool master
 // --resume starts anything; damaged bytes are found by Read().
 Status CheckTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                           const std::vector<StateSection>& sections);
+// Any checkpoint (whole or shards of any count) into this job's segments (ShareSections), with
+// every check ReadTrainingState makes on each file, plus its shard number; streamed a checksum
+// chunk at a time, so no file is held in memory whole. With null `optim` and `state`, the checks
+// that need no reading (as CheckTrainingState).
+Status ReadTrainingStateShares(const StateFile& file, const core::JobConfig& config, const core::ModelSpec& spec,
+                               const shm::ArenaLayout& layout, uint64_t state_hash, uint8_t* optim, uint8_t* state);
 
 }  // namespace rp::coord

@@ -173,6 +173,10 @@ StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, void*, uint64_t) {
   return Status::InvalidArgument("job.device: \"cuda\" requested, but this build has no CUDA "
                                  "backend (configure against a CUDA LibTorch with the CUDA toolkit)");
 }
+bool NcclAvailable() { return false; }
+StatusOr<std::unique_ptr<nodes::NodeReduction>> JoinNcclGroup(const nodes::NodeGroup&, int, const std::string&, int) {
+  return Status::InvalidArgument("several nodes with CUDA workers need NCCL, and this build has no CUDA backend");
+}
 #endif
 
 }  // namespace rp::worker

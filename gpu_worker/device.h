@@ -31,6 +31,7 @@
 
 #include "common/status.h"
 #include "model/fused_kernels.h"
+#include "nodes/node_reduction.h"
 
 namespace rp::worker {
 
@@ -137,5 +138,13 @@ int CudaDeviceCount();
 // The CUDA backend for device `index`, with the shared segment [base, base + bytes) pinned for
 // DMA. Unavailable in builds without CUDA.
 StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes);
+
+// Several nodes with CUDA workers: worker `worker_rank`'s group for `purpose` over NCCL (c10d's
+// ProcessGroupNCCL), its tensors on GPU `device_index`, on the store nodes::NodeReduction::Join
+// uses (one node: an in-process store). Fails naming the group, or in a build without NCCL
+// saying so (NcclAvailable()).
+bool NcclAvailable();
+StatusOr<std::unique_ptr<nodes::NodeReduction>> JoinNcclGroup(const nodes::NodeGroup& group, int worker_rank,
+                                                              const std::string& purpose, int device_index);
 
 }  // namespace rp::worker

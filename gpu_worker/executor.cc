@@ -54,7 +54,8 @@ bool Executor::LayerReady(int l, int64_t version) const {
   if (MapsLookup(l))
     return segment_.At<std::atomic<uint64_t>>(layout_.lookup_version)->load(std::memory_order_acquire) >=
            static_cast<uint64_t>(version);
-  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
+  // Sharded state: the version every node's shares hold here (ShareGatherer).
+  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.fetch_versions);
   for (const auto& use : spec_.layer_uses[l]) {
     const int owner = spec_.params[use.param].owner_layer;
     if (versions[owner].load(std::memory_order_acquire) < static_cast<uint64_t>(version)) return false;
@@ -174,7 +175,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
 
 
 bool Executor::WeightsReady(const proto::RunEval& job) const {
-  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
+  const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.fetch_versions);
   for (const auto& p : spec_.params)
     if (versions[p.owner_layer].load(std::memory_order_acquire) < static_cast<uint64_t>(job.weights_version))
       return false;
@@ -699,13 +700,16 @@ StatusOr<at::Tensor> Executor::GatherHeld(int64_t job_index) {
   Status s = Guarded([] { return std::string("gathering gradients for the cross-node sum"); }, [&]() -> Status {
     int64_t total = 0;
     for (const auto& g : it->second) total += c10::multiply_integers(g.shape);
-    flat = at::zeros({total}, at::TensorOptions().dtype(at::kFloat));
+    // On the worker's device: CUDA workers sum over NCCL, on the compute stream's order.
+    flat = at::zeros({total}, at::TensorOptions().dtype(at::kFloat).device(device_.torch_device()));
     int64_t off = 0;
     for (auto& g : it->second) {
       const int64_t n = c10::multiply_integers(g.shape);
       at::Tensor view = flat.narrow(0, off, n).view(g.shape);
       if (g.accum.defined()) {
-        if (!g.accum.is_cpu()) return Status::Internal("cross-node sums take CPU gradients only");
+        if (g.accum.device() != flat.device())
+          return Status::Internal("a held gradient is on " + g.accum.device().str() + ", the worker's device is " +
+                                  flat.device().str());
         view.copy_(g.accum);
       }
       g.accum = view;

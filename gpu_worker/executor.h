@@ -170,7 +170,7 @@ class Executor {
   StatusOr<uint64_t> StartCommit(int64_t job_index, bool accumulate);
   // Several nodes: the held gradients of `job_index` gathered into one fp32 tensor, which they
   // then view (a parameter the job did not reach holds zeros), so summing it across the nodes
-  // in place sums what StartCommit writes. CPU workers only.
+  // in place sums what StartCommit writes. On the worker's device (CPU, or its GPU).
   StatusOr<at::Tensor> GatherHeld(int64_t job_index);
   void End();
   bool HasGrads() const;

@@ -27,6 +27,7 @@
 #include "gpu_worker/executor.h"
 #include "gpu_worker/kernel_trace.h"
 #include "gpu_worker/guarded.h"
+#include "gpu_worker/share_gatherer.h"
 #include "nodes/node_reduction.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
@@ -77,6 +78,9 @@ class Worker {
   bool use_cuda_ = false;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Executor> exec_;
+  // Sharded optimizer state: gathers the other nodes' shares of this rank's layers (its thread
+  // stops before the segment is unmapped: declared after it).
+  std::unique_ptr<ShareGatherer> gatherer_;
   std::optional<KernelTrace> trace_;  // RP_TRACE_KERNELS (kernel_trace.h); destroyed before the device
 
   std::deque<ActiveJob> queue_;
@@ -134,6 +138,8 @@ class Worker {
   // committed once summed and granted.
   std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_;
   std::unique_ptr<nodes::NodeReduction> reduction_;
+  bool sums_ = false;                // decided once in Run: this worker sums across the nodes
+  at::TensorOptions sums_options_;   // where its sums' tensors live: its GPU (NCCL) or host (Gloo)
   // core::EvalSplitAcrossNodes: the group that sums each eval job's loss across the nodes (its
   // own group, so eval sums keep their order beside the gradient sums).
   std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_eval_;
@@ -357,7 +363,7 @@ Status Worker::SumEvalAcrossNodes(double* loss_sum, int64_t* targets) {
     while (joining_eval_.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) BeatIfDue();
     RP_ASSIGN_OR_RETURN(eval_sums_, joining_eval_.get());
   }
-  at::Tensor sums = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  at::Tensor sums = at::empty({2}, sums_options_.dtype(at::kDouble));
   sums[0] = *loss_sum;
   sums[1] = static_cast<double>(*targets);
   RP_RETURN_IF_ERROR(eval_sums_->Start(at::Tensor(), sums));
@@ -428,7 +434,7 @@ StatusOr<bool> Worker::Finish() {
     last_done_end_us_ = f.done.end_us;
     f.done.loss_sum = f.result.loss_sum;
     f.done.targets = f.result.targets;
-    if (cfg_.nodes.count > 1 && f.done.targets > 0) {
+    if (sums_ && f.done.targets > 0) {
       auto& [loss, targets] = job_loss_[f.done.job_index];
       loss += f.done.loss_sum;
       targets += f.done.targets;
@@ -463,7 +469,7 @@ StatusOr<bool> Worker::Finish() {
       }
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
     }
-    if (cfg_.nodes.count > 1 && !it->committing && !it->reduced) {
+    if (sums_ && !it->committing && !it->reduced) {
       // Every node's same-rank worker sums the same jobs in the same order: job order, one at a
       // time (a job behind one whose sum is unfinished waits). A sum starts when the job's
       // gradients are complete, not when the commit is granted: grants follow each node's own
@@ -531,13 +537,13 @@ StatusOr<bool> Worker::StartReduction(Finishing& f) {
     if (joining_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
     RP_ASSIGN_OR_RETURN(reduction_, joining_.get());
     RP_LOG(INFO) << "joined the cross-node reduction group of worker " << opts_.rank << " (" << cfg_.nodes.count
-                 << " nodes)";
+                 << (cfg_.nodes.count == 1 ? " node, " : " nodes, ") << (use_cuda_ ? "NCCL" : "Gloo") << ")";
   }
   RP_ASSIGN_OR_RETURN(at::Tensor flat, exec_->GatherHeld(f.job.job.job_index));
   if (plan_.stages[f.job.job.stage].kind == core::StageKind::kFusedTail) {
     const auto [loss, targets] = job_loss_[f.job.job.job_index];
     job_loss_.erase(f.job.job.job_index);
-    f.loss = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+    f.loss = at::empty({2}, sums_options_.dtype(at::kDouble));
     f.loss[0] = loss;
     f.loss[1] = static_cast<double>(targets);
   }
@@ -569,18 +575,26 @@ Status Worker::Run() {
                                    "by this build");
   if (!use_cuda_ && cfg_.train.dtype == core::TrainDtype::kBf16)
     return Status::InvalidArgument("train.dtype: \"bf16\" needs CUDA workers");
-  if (cfg_.nodes.count > 1) {
-    if (use_cuda_)
-      return Status::InvalidArgument("job.device: CUDA workers with " + std::to_string(cfg_.nodes.count) +
-                                     " nodes: this build sums gradients across nodes between CPU workers (Gloo) "
-                                     "only; set job.device = \"cpu\"");
+  // Decided once: whether this worker sums its gradients across the nodes. A test hook forms a
+  // group of this node alone, which runs every sum through the whole path and must change nothing.
+  sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
+  if (sums_) {
+    if (layout_.sharded && use_cuda_)
+      return Status::InvalidArgument("optimizer.state: \"sharded\" with CUDA workers: this build gathers the "
+                                     "shares between CPU workers only; use \"replicated\"");
     nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
                            cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
     const int rank = opts_.rank;
-    joining_ = std::async(std::launch::async, [group, rank] { return nodes::NodeReduction::Join(group, rank); });
+    // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
+    const int device = use_cuda_ ? opts_.rank % gpus : -1;
+    sums_options_ = at::TensorOptions().device(use_cuda_ ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))
+                                                         : at::Device(at::kCPU));
+    auto join = [group, rank, device](const std::string& purpose) {
+      return device >= 0 ? JoinNcclGroup(group, rank, purpose, device) : nodes::NodeReduction::Join(group, rank, purpose);
+    };
+    joining_ = std::async(std::launch::async, [join] { return join("reduce"); });
     if (core::EvalSplitAcrossNodes(cfg_) && cfg_.train.eval_every > 0)
-      joining_eval_ =
-          std::async(std::launch::async, [group, rank] { return nodes::NodeReduction::Join(group, rank, "eval"); });
+      joining_eval_ = std::async(std::launch::async, [join] { return join("eval"); });
   }
 
   RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
@@ -610,6 +624,8 @@ Status Worker::Run() {
     device_ = MakeCpuDevice();
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
+  if (layout_.sharded)
+    gatherer_ = ShareGatherer::Start(cfg_, spec_, layout_, segment_->data(), opts_.rank, opts_.num_workers);
   // The trace stops at a job of a later step: first everything enqueued must have run, or the
   // traced step's last kernels would be missing.
   trace_.emplace(opts_.rank, [this] {
@@ -648,6 +664,8 @@ Status Worker::Run() {
       RP_RETURN_IF_ERROR(channel_->Send(proto::Heartbeat{WallMicros()}));
       last_heartbeat_ = MonoSeconds();
     }
+    if (gatherer_)
+      if (auto failed = gatherer_->Failed()) return Fail(-1, *failed);
     // Completions first: a microbatch's reported end is then not delayed by the next one's launch.
     RP_ASSIGN_OR_RETURN(bool finished, Finish());
     RP_ASSIGN_OR_RETURN(bool worked, Progress());
@@ -658,7 +676,7 @@ Status Worker::Run() {
     const bool polling = waiting_for_weights_ || prefetching || !in_flight_.empty() ||
                          std::any_of(finishing_.begin(), finishing_.end(),
                                      [](const Finishing& f) { return f.committing || f.reducing; }) ||
-                         (cfg_.nodes.count > 1 && !finishing_.empty());
+                         (sums_ && !finishing_.empty());
     // Block only when nothing can move; otherwise just drain what has arrived.
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));
     while (m) {

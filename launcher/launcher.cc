@@ -232,8 +232,8 @@ Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, c
   if (found.steps_done >= cfg.train.steps)
     return Status::InvalidArgument(found.path + " already holds all " + std::to_string(cfg.train.steps) +
                                    " steps of this job");
-  return coord::CheckTrainingState(found, coord::TrainingStateHash(cfg, spec, layout), layout.masters_in_state,
-                                   coord::CheckpointSections(layout, nullptr, nullptr));
+  return coord::ReadTrainingStateShares(found, cfg, spec, layout, coord::TrainingStateHash(cfg, spec, layout),
+                                        /*optim=*/nullptr, /*state=*/nullptr);
 }
 
 // Seconds since the coordinator's last beat; 0 before its first (the file does not exist yet).
@@ -330,15 +330,25 @@ int RunSession(const LaunchOptions& o) {
                          "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build\n");
     return kExitBadConfig;
   }
-  if (cfg->nodes.count > 1 && !RP_WITH_GLOO) {
-    std::fprintf(stderr, "rp-launch: several nodes need LibTorch's c10d with Gloo, which this build lacks (Debian: "
-                         "install libgloo-dev and rebuild)\n");
-    return kExitBadConfig;
-  }
-  if (cfg->nodes.count > 1 && RP_WITH_CUDA && cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() != 0) {
-    std::fprintf(stderr, "rp-launch: job.device = \"auto\" would give CUDA workers, and this build sums gradients "
-                         "across nodes between CPU workers only; set job.device = \"cpu\"\n");
-    return kExitBadConfig;
+  if (cfg->nodes.count > 1) {
+    // The workers sum across the nodes with Gloo (CPU workers) or NCCL (CUDA workers).
+    const bool cuda = RP_WITH_CUDA && (cfg->job.device == core::DeviceKind::kCuda ||
+                                       (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() != 0));
+    if (cuda && !RP_WITH_NCCL) {
+      std::fprintf(stderr, "rp-launch: several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
+                           "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"\n");
+      return kExitBadConfig;
+    }
+    if (!cuda && !RP_WITH_GLOO) {
+      std::fprintf(stderr, "rp-launch: several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
+                           "build lacks (Debian: install libgloo-dev and rebuild)\n");
+      return kExitBadConfig;
+    }
+    if (cuda && core::ShardedState(*cfg)) {
+      std::fprintf(stderr, "rp-launch: optimizer.state = \"sharded\" with CUDA workers: this build gathers the "
+                           "shares between CPU workers only; use \"replicated\" or job.device = \"cpu\"\n");
+      return kExitBadConfig;
+    }
   }
   // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
   // (docs/features.md); beyond that they only contend for its memory and its queue.

@@ -9,19 +9,27 @@
 // optimizer, which then updates identical replicas.
 //
 // Contract:
-//  * Join() forms the group of worker `worker_rank` of every node (a store prefix per worker
-//    rank), waiting up to `timeout_s` + 30 s for the others. Every collective is bounded too,
+//  * Join() forms the group of worker `worker_rank` of every node over Gloo (a store prefix per
+//    purpose and worker rank), waiting up to `timeout_s` + 30 s for the others; CUDA workers
+//    form theirs over NCCL behind the CUDA seam (worker::JoinNcclGroup), on the same stores. A
+//    group of one node (`nodes` 1) meets on an in-process store: what the path's tests run. Every collective is bounded too,
 //    by `timeout_s` + 30 min: a peer that is alive may be busy for long (an evaluation), and a
 //    lost node is for the launchers to notice, within `timeout_s`, and stop the run.
-//  * Start() begins summing `flat` (fp32, contiguous, CPU) in place across the nodes when
+//  * Start() begins summing `flat` (fp32, contiguous; CPU for Gloo, the group's GPU for NCCL) in place across the nodes when
 //    defined, and `loss` (fp64: a loss sum and target count) when defined; the callers of every
 //    node must start the same sizes in the same order. Poll() is true once the sums are in the
 //    tensors, or the error (naming the group) if one failed.
+//  * StartGather() begins gathering `mine` (bytes, contiguous, CPU) from every node into `all`
+//    (one tensor of the same size per node, in node order); Poll() as for a sum.
+//  * Abandon() gives up a collective still pending (the process is stopping): the group is left
+//    to the process's exit, because destroying it would wait for the peers of that collective.
+//    Nothing but the destructor may be called after it.
 //  * Available() is false in a build without c10d's Gloo: Join() fails saying so.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -39,6 +47,7 @@ struct NodeGroup {
 
 class NodeReduction {
  public:
+  // True when this build can Join (c10d with Gloo: CPU tensors).
   static bool Available();
   // `purpose` names the group (one store prefix per purpose and worker rank): a worker's
   // gradient sums and its eval sums are separate groups, each with its own order.
@@ -49,10 +58,13 @@ class NodeReduction {
   NodeReduction& operator=(const NodeReduction&) = delete;
 
   Status Start(at::Tensor flat, at::Tensor loss);
+  Status StartGather(at::Tensor mine, std::vector<at::Tensor> all);
+  void Abandon();
   // True when the sum started last is complete (no reduction pending is true too).
   StatusOr<bool> Poll();
 
   struct Impl;
+  static std::unique_ptr<NodeReduction> FromImpl(std::unique_ptr<Impl> impl);  // nodes/node_group.h
 
  private:
   explicit NodeReduction(std::unique_ptr<Impl> impl);

@@ -50,6 +50,7 @@ RP_SPEC_ENUM(DataFormat, EnumName)
 RP_SPEC_ENUM(TrainDtype, EnumName)
 RP_SPEC_ENUM(OptimizerName, EnumName)
 RP_SPEC_ENUM(OptimizerMode, EnumName)
+RP_SPEC_ENUM(OptimizerState, EnumName)
 RP_SPEC_ENUM(Activations, EnumName)
 RP_SPEC_ENUM(WeightsSource, EnumName)
 RP_SPEC_ENUM(EmbeddingLookup, EnumName)
@@ -70,7 +71,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, e
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls,
                                    microbatch_size, dtype, grad_clip, loss_chunk_tokens, mlp_tile_tokens, stop_after, eval_every,
                                    eval_microbatches)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, lr, min_lr, warmup_steps, weight_decay, beta1,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, lr, min_lr, warmup_steps, weight_decay, beta1,
                                    beta2, eps, momentum, grad_buffer_mb)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, init_from, export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, activations,

@@ -62,6 +62,17 @@ SimResult Simulate(const SimInput& in) {
       optimizer_free = updated[t][o];
     }
     if (in.lookup_owner > 0 && !rows_first) updated[t][in.lookup_owner] = updated[t][0];
+    if (!in.gather_s.empty()) {
+      // Each update is fetchable once gathered from every node, the gathers in update order.
+      std::vector<int> by_update = order;
+      std::stable_sort(by_update.begin(), by_update.end(), [&](int a, int b) { return updated[t][a] < updated[t][b]; });
+      double gather_free = 0.0;
+      for (int o : by_update) {
+        const double cost = o < static_cast<int>(in.gather_s.size()) ? in.gather_s[o] : 0.0;
+        gather_free = std::max(gather_free, updated[t][o]) + cost;
+        updated[t][o] = gather_free;
+      }
+    }
   };
 
   std::vector<double> compute_free(N, 0.0), began(N, 0.0), weights_free(N, 0.0), grads_free(N, 0.0);
@@ -249,6 +260,13 @@ double NodeSumSeconds(const SimInput& in, double bytes) {
   return wire + 2.0 * (n - 1.0) * in.node_hop_s;
 }
 
+double NodeGatherSeconds(const SimInput& in, double bytes) {
+  if (in.nodes <= 1) return 0.0;
+  const double n = static_cast<double>(in.nodes);
+  const double wire = in.node_link_bytes_per_s > 0 ? (n - 1.0) / n * bytes / in.node_link_bytes_per_s : 0.0;
+  return wire + (n - 1.0) * in.node_hop_s;
+}
+
 // One hop of a cross-node sum between hosts: a TCP round trip and Gloo's own work, taken as
 // 50 us. An assumption for real networks: on the loopback of a 2-core machine rp-node-bench
 // measured 0.17-0.25 ms per hop (a 256-byte sum of 2 ranks in 0.33-0.50 ms), mostly thread
@@ -364,6 +382,16 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
                                : static_cast<double>(ps.numel) * 4.0 * slots[p];
       in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
     }
+  }
+  if (ShardedState(c)) {
+    // Each node updates its share; the weights workers fetch are then gathered from every node.
+    for (double& u : in.update_s) u /= static_cast<double>(c.nodes.count);
+    in.gather_s.assign(plan.num_layers, 0.0);
+    std::vector<double> bytes(plan.num_layers, 0.0);
+    for (const auto& ps : spec.params)
+      bytes[ps.owner_layer] += static_cast<double>(ps.numel) * static_cast<double>(weight_elem);
+    for (int o = 0; o < plan.num_layers; ++o)
+      if (bytes[o] > 0) in.gather_s[o] = NodeGatherSeconds(in, bytes[o]);
   }
   return in;
 }

@@ -101,10 +101,18 @@ struct SimInput {
   int nodes = 1;
   double node_link_bytes_per_s = 0.0;  // 0: the sum costs only its hops
   double node_hop_s = 0.0;
+  // Sharded optimizer state (core::ShardedState): per owner layer, the all-gather of its updated
+  // shares across the nodes, which a fetch of the layer waits for; the gathers run one at a time
+  // in the order the updates end, beside the optimizer (update_s then holds one node's share of
+  // each update). Empty: none.
+  std::vector<double> gather_s;
 };
 
 // Seconds of one cross-node sum of `bytes` (SimInput::nodes).
 double NodeSumSeconds(const SimInput& in, double bytes);
+// Seconds of one cross-node all-gather of `bytes` in all (a ring: (N - 1) / N of them in, N - 1
+// hops).
+double NodeGatherSeconds(const SimInput& in, double bytes);
 
 struct SimResult {
   double makespan = 0.0;      // until the last job, commit and update

@@ -37,6 +37,26 @@ uint64_t HashParams(uint64_t h, const std::vector<core::ParamSpec>& params, uint
 }
 }  // namespace
 
+OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state, core::OptimizerName optimizer,
+                               int64_t nodes, int64_t rank) {
+  // SGD keeps one state buffer (momentum, in adam_m); AdamW two.
+  OptimLayout o;
+  for (const auto& p : spec.params) o.share.push_back(core::ShardOf(p.numel, nodes, rank));
+  uint64_t pos = 0;
+  std::vector<std::vector<uint64_t>*> regions = {&o.adam_m};
+  if (!masters_in_state) regions.insert(regions.begin(), &o.master);
+  if (optimizer == core::OptimizerName::kAdamW) regions.push_back(&o.adam_v);
+  for (auto* region : regions) {
+    for (const auto& r : o.share) {
+      region->push_back(pos);
+      pos += (static_cast<uint64_t>(r.size()) * 4 + 255) / 256 * 256;
+    }
+    pos = Align(pos);
+  }
+  o.total_bytes = pos;
+  return o;
+}
+
 uint64_t ArenaLayout::TokenSlot(int parity, int mb) const {
   return tokens + (static_cast<uint64_t>(parity) * microbatches + mb) * Align(tokens_per_mb * 8);
 }
@@ -122,9 +142,15 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   ArenaLayout a;
   a.compute_elem_bytes = c.train.dtype == core::TrainDtype::kBf16 ? 2 : 4;
   uint64_t pos = kHeaderBytes;
+  a.sharded = core::ShardedState(c);
   a.layer_versions = pos;
   a.lookup_version = pos + 8ull * static_cast<uint64_t>(plan.num_layers);
   pos = Align(a.lookup_version + 8);
+  a.fetch_versions = a.layer_versions;
+  if (a.sharded) {
+    a.gathered_versions = a.fetch_versions = pos;
+    pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
+  }
   a.lookup_from_host = core::LookupInPlaceParam(c, spec) >= 0;
   a.grad_table = pos;
   pos = Align(pos + 8ull * spec.grad_slots.size());
@@ -183,19 +209,14 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos += slots * a.router_slot_bytes;
   a.total_bytes = pos;
 
-  // The optimizer segment. SGD keeps one state buffer (momentum, in adam_m); AdamW two.
-  uint64_t opos = 0;
-  std::vector<std::vector<uint64_t>*> regions = {&a.adam_m};
-  if (!a.masters_in_state) regions.insert(regions.begin(), &a.master);
-  if (c.optimizer.name == core::OptimizerName::kAdamW) regions.push_back(&a.adam_v);
-  for (auto* region : regions) {
-    for (auto& p : spec.params) {
-      region->push_back(opos);
-      opos += (static_cast<uint64_t>(p.numel) * 4 + 255) / 256 * 256;
-    }
-    opos = Align(opos);
-  }
-  a.optim_total_bytes = opos;
+  // The optimizer segment.
+  OptimLayout o = ComputeOptimLayout(spec, a.masters_in_state, c.optimizer.name, a.sharded ? c.nodes.count : 1,
+                                     a.sharded ? c.nodes.rank : 0);
+  a.share = std::move(o.share);
+  if (!a.masters_in_state) a.master = std::move(o.master);
+  a.adam_m = std::move(o.adam_m);
+  a.adam_v = std::move(o.adam_v);
+  a.optim_total_bytes = o.total_bytes;
 
   uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
                         static_cast<uint64_t>(a.compute_elem_bytes),
@@ -206,6 +227,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
                static_cast<uint64_t>(a.eval_slots), static_cast<uint64_t>(a.activations_in_worker)});
   if (a.activations_in_pools) h = HashKey({h, 0x900Lu, a.pool_bytes});
+  if (a.sharded) h = HashKey({h, 0x5Au, a.gathered_versions, static_cast<uint64_t>(c.nodes.count)});
   if (a.router_blocks > 0)
     h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks), static_cast<uint64_t>(a.router_experts)});
   // The plan is part of the contract too: RunJob names stages by index.

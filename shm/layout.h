@@ -9,7 +9,13 @@
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
-//   lookup version       std::atomic<uint64_t>, one word after them: the number of updates the
+//   gathered versions    sharded state only (core::ShardedState): std::atomic<uint64_t> per
+//                        pipeline layer, the number of updates every node's shares of the
+//                        layer's compute copies hold here. Layer versions then count this node's
+//                        own shares; the worker that gathers the layer (GatheringWorker) stores
+//                        this (release) once the other nodes' shares are in. What workers wait
+//                        for before a fetch (fetch_versions).
+//   lookup version       std::atomic<uint64_t>, one word after the layer versions: the number of updates the
 //                        embedding's rows of the next step's tokens hold (>= the embedding
 //                        layer's version; ahead of it while the optimizer updates those rows
 //                        first, core::LookupFromHost). What a stage that looks up from host
@@ -46,7 +52,8 @@
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
-// (AdamW m and v; SGD momentum in m).
+// (AdamW m and v; SGD momentum in m). With sharded state each holds only this node's share of
+// each parameter (core::ShardOf), element e of the parameter at (e - share.begin) * 4.
 //
 // Every array starts on a kArenaAlign boundary. Accumulation call g uses parity g % P, so with
 // P = 2 call g+1 can fill its slots while call g drains. P = 1 in exact mode with one call per
@@ -98,6 +105,19 @@ static_assert(offsetof(SegmentHeader, session) == 56);
 static_assert(sizeof(SegmentHeader) == 104);
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
 
+// The optimizer segment's arrays for node `rank` of `nodes` (sharded state; 1 node: whole
+// parameters): per parameter its share and the byte offsets of its master (unless
+// `masters_in_state`), first moment and, for AdamW, second moment. A pure function, so a
+// checkpoint written on any node count can be read back share by share (coordinator/
+// host_state.h).
+struct OptimLayout {
+  std::vector<core::ElemRange> share;
+  std::vector<uint64_t> master, adam_m, adam_v;
+  uint64_t total_bytes = 0;
+};
+OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state, core::OptimizerName optimizer,
+                               int64_t nodes, int64_t rank);
+
 // Byte offsets of every array. Pure function of the config (see above).
 struct ArenaLayout {
   uint64_t total_bytes = 0;        // the state segment
@@ -111,6 +131,10 @@ struct ArenaLayout {
   std::vector<uint64_t> compute;                  // per parameter, state segment
   std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment (master: state
                                                   // segment if masters_in_state); adam_v empty for sgd
+  // Sharded state (core::ShardedState): per parameter the elements this node updates and keeps
+  // the master (when not masters_in_state) and moments of; the whole parameter otherwise.
+  bool sharded = false;
+  std::vector<core::ElemRange> share;
   std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
   // The tied embedding's input-lookup slot when it is compact (CompactLookupRows), else -1: it
   // holds the rows of the step's input tokens only, ascending (core::SortedTokenRows), packed.
@@ -123,6 +147,10 @@ struct ArenaLayout {
   std::vector<uint64_t> frozen;                   // per frozen parameter (LoRA base), state segment
   uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
+  uint64_t gathered_versions = 0;                 // std::atomic<uint64_t>[num layers]; sharded only
+  // What a worker waits for before fetching a layer: gathered_versions when sharded, else
+  // layer_versions.
+  uint64_t fetch_versions = 0;
   uint64_t lookup_version = 0;                    // std::atomic<uint64_t> (see above)
   bool lookup_from_host = false;                  // core::LookupInPlaceParam >= 0
   uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
@@ -146,6 +174,11 @@ struct ArenaLayout {
   uint64_t router_stats = 0, router_slot_bytes = 0;
   int router_blocks = 0, router_experts = 0;
 
+  // Byte offset of element `e` (inside this node's share) of parameter p's master, first or
+  // second moment: `base` is master, adam_m or adam_v.
+  uint64_t ShareElem(const std::vector<uint64_t>& base, int p, int64_t e) const {
+    return base[p] + static_cast<uint64_t>(e - share[p].begin) * 4;
+  }
   // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
   uint64_t ComputeCopy(int p, int buffer) const {
     return compute[p] + static_cast<uint64_t>(buffer) * (compute_end - compute_begin);
@@ -192,6 +225,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& config, const core::M
 
 static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
               "layer versions must be plain lock-free words to be shared across processes");
+
+// Sharded state: the worker of `workers` that gathers layer `layer`'s shares across the nodes
+// (the same rank on every node, so each rank's gathers pair up across the nodes in one order).
+inline int GatheringWorker(int layer, int workers) { return layer % workers; }
 
 inline std::string StateSegmentName(const std::string& session) { return "rp-" + session + "-state"; }
 inline std::string OptimSegmentName(const std::string& session) { return "rp-" + session + "-optim"; }

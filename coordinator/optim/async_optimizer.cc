@@ -341,11 +341,19 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   int64_t unset = 0;
   if (writes != UpdateWrites::kRest)
     layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, WallMicros());
+  // Sharded state: only this node's share; the other nodes update theirs with the same
+  // gradient (summed across the nodes), and the workers gather the shares.
+  begin = std::max(begin, layout_.share[param].begin);
+  end = std::min(end, layout_.share[param].end);
+  if (begin >= end) return;
   const auto& ps = spec_.params[param];
   const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
-  auto f32 = [&](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off) + begin; };
   const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(cur_.clip_scale);
-  float* master = f32(layout_.masters_in_state ? state_ : optim_, layout_.master[param]);
+  // Masters the workers fetch are whole parameters in the state segment; the optimizer
+  // segment's arrays hold the share.
+  float* master = layout_.masters_in_state
+                      ? reinterpret_cast<float*>(state_ + layout_.master[param]) + begin
+                      : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.master, param, begin));
   // Workers that fetch the masters need no compute copy: passing the master as its own fp32
   // copy makes the update skip the write.
   void* compute = master;
@@ -355,10 +363,12 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
               begin * (bf16 ? 2 : 4);
     compute_dtype = bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32;
   }
-  UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale,
-              f32(state_, grads_->Offset(geo_.param_slots[param][0])), master, f32(optim_, layout_.adam_m[param]),
-              layout_.adam_v.empty() ? nullptr : f32(optim_, layout_.adam_v[param]), end - begin, compute,
-              compute_dtype, writes);
+  const float* grad = reinterpret_cast<const float*>(state_ + grads_->Offset(geo_.param_slots[param][0])) + begin;
+  float* m = reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_m, param, begin));
+  float* v = layout_.adam_v.empty() ? nullptr
+                                    : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));
+  UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale, grad, master, m, v, end - begin,
+              compute, compute_dtype, writes);
 }
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {

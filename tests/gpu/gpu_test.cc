@@ -120,6 +120,31 @@ TEST_F(GpuTest, CudaEvalLossMatchesCpuReference) {
   std::printf("cuda fp32 eval loss vs cpu reference: max relative difference %.3g\n", worst);
 }
 
+// CUDA workers sum across the nodes over NCCL. Two ranks on one GPU are refused by NCCL, so here
+// the workers of one node sum across a group of that node alone (a test hook): NCCL's all-reduce
+// of one rank must leave every gradient as it was. The control, the same run twice without it,
+// says whether this GPU repeats a run bit for bit; if it does, so must the NCCL run.
+TEST_F(GpuTest, NcclSumsAcrossANodeAloneChangeNothing) {
+  if (!RP_WITH_NCCL) GTEST_SKIP() << "built without NCCL";
+  const std::vector<std::string> cuda = {"job.device=\"cuda\""};
+  auto plain = Launch(2, "plain", cuda);
+  auto again = Launch(2, "again", cuda);
+  std::string output;
+  auto alone = Launch(2, "alone", cuda, {"RP_TEST_NODE_SUMS_ALONE=1"}, &output);
+  EXPECT_NE(output.find("joined the cross-node reduction group"), std::string::npos) << output;
+  EXPECT_NE(output.find("NCCL"), std::string::npos) << output;
+  ASSERT_EQ(alone.size(), plain.size());
+  const auto norms = [&](const std::string& name) { return Losses(tmp_ + "/" + name + "/metrics.jsonl", "grad_norm"); };
+  if (plain == again && norms("plain") == norms("again")) {
+    EXPECT_EQ(alone, plain);
+    EXPECT_EQ(norms("alone"), norms("plain"));
+    std::printf("NCCL world of one: losses and gradient norms equal the plain run's bit for bit\n");
+  } else {
+    const double worst = WorstRelative(alone, plain);
+    std::printf("this GPU does not repeat runs bit for bit; NCCL world of one within %.3g of the plain run\n", worst);
+  }
+}
+
 TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
   auto one = Launch(1, "n1", {"job.device=\"cuda\""});
   for (int n : {2, 3}) {

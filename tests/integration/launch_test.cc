@@ -304,7 +304,7 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
   args.push_back("--resume");
   auto none = testing::RunProcess(args, 120, Env());
   EXPECT_NE(none.code, 0);
-  EXPECT_NE(none.output.find("no training checkpoint"), std::string::npos) << none.output;
+  EXPECT_NE(none.output.find("no complete training checkpoint"), std::string::npos) << none.output;
   auto stopped = Launch(1, out, {"train.steps=6", "train.stop_after=3"});
   ASSERT_EQ(stopped.code, 0) << stopped.output;
   const std::string ckpt = out + "/checkpoints/step-00000003.rpstate";

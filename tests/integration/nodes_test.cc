@@ -87,6 +87,36 @@ class NodesTest : public LaunchTest {
     env.push_back("GLOO_SOCKET_IFNAME=lo");
     return env;
   }
+  // `job` (10 steps) on two nodes of two workers: whole, in `whole`, and stopped after step 5
+  // with a checkpoint, in `half`. Returns the whole run's losses.
+  std::vector<double> WholeAndHalf(const std::vector<std::string>& job) {
+    auto whole = LaunchNodes(2, 2, tmp_ + "/whole", job);
+    for (const auto& r : whole) EXPECT_EQ(r.code, 0) << Outputs(whole);
+    auto half = LaunchNodes(2, 2, tmp_ + "/half", With(job, {"train.stop_after=5"}));
+    for (const auto& r : half) EXPECT_EQ(r.code, 0) << Outputs(half);
+    return testing::Losses(tmp_ + "/whole/metrics.jsonl");
+  }
+  // Resumes `dir` (a copy of a checkpointed run) on `nodes` nodes of two workers; expects the
+  // losses `want` within 1e-5.
+  void ExpectResumed(int nodes, const std::string& dir, const std::vector<std::string>& job,
+                     const std::vector<double>& want, const std::string& what) {
+    if (nodes == 1) {
+      auto r = testing::RunProcess(With(LaunchArgs(2, dir, job), {"--resume"}), 240, Env());
+      ASSERT_EQ(r.code, 0) << what << ": " << r.output;
+    } else {
+      auto rs = LaunchNodes(nodes, 2, dir, job, /*resume=*/true);
+      for (const auto& r : rs) ASSERT_EQ(r.code, 0) << what << ": " << Outputs(rs);
+    }
+    ExpectClose(testing::Losses(dir + "/metrics.jsonl"), want, 1e-5, what);
+  }
+  // Two runs' losses, gradient norms and exported models are the same bits.
+  static void ExpectSameBits(const std::string& a, const std::string& b, const std::string& what) {
+    for (const std::string field : {"loss", "grad_norm"})
+      EXPECT_EQ(testing::Losses(a + "/metrics.jsonl", field), testing::Losses(b + "/metrics.jsonl", field))
+          << what << ": " << field;
+    EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") == ReadBytes(b + "/hf/model.safetensors"))
+        << what << ": the exported models differ";
+  }
   static std::string Outputs(const std::vector<testing::ProcessResult>& rs) {
     std::string all;
     for (size_t r = 0; r < rs.size(); ++r) all += "--- node " + std::to_string(r) + ":\n" + rs[r].output;
@@ -212,23 +242,89 @@ TEST_F(NodesTest, OneNodeEqualsTheReference) {
 
 TEST_F(NodesTest, CheckpointOnTwoNodesResumesOnThreeAndOnOne) {
   const auto job = With(kJob, {"checkpoint.every=5"});
-  auto whole = LaunchNodes(2, 2, tmp_ + "/whole", job);
-  for (const auto& r : whole) ASSERT_EQ(r.code, 0) << Outputs(whole);
-  const auto want = testing::Losses(tmp_ + "/whole/metrics.jsonl");
-  auto first = LaunchNodes(2, 2, tmp_ + "/half", With(job, {"train.stop_after=5"}));
-  for (const auto& r : first) ASSERT_EQ(r.code, 0) << Outputs(first);
+  const auto want = WholeAndHalf(job);
+  if (HasFailure()) return;
   // Node 0 wrote the checkpoint; the other nodes wrote none.
   EXPECT_TRUE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.rpstate"));
   EXPECT_FALSE(fs::exists(tmp_ + "/half/node-1/checkpoints"));
   fs::copy(tmp_ + "/half", tmp_ + "/on1", fs::copy_options::recursive);
   fs::copy(tmp_ + "/half", tmp_ + "/on3", fs::copy_options::recursive);
 
-  auto on3 = LaunchNodes(3, 2, tmp_ + "/on3", job, /*resume=*/true);
-  for (const auto& r : on3) ASSERT_EQ(r.code, 0) << Outputs(on3);
-  ExpectClose(testing::Losses(tmp_ + "/on3/metrics.jsonl"), want, 1e-5, "resumed on 3 nodes");
-  auto on1 = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/on1", job), {"--resume"}), 240, Env());
-  ASSERT_EQ(on1.code, 0) << on1.output;
-  ExpectClose(testing::Losses(tmp_ + "/on1/metrics.jsonl"), want, 1e-5, "resumed on 1 node");
+  ExpectResumed(3, tmp_ + "/on3", job, want, "resumed on 3 nodes");
+  ExpectResumed(1, tmp_ + "/on1", job, want, "resumed on 1 node");
+}
+
+// The workers of one node sum across a group of that node alone (a test hook): every gradient,
+// loss and the whole collective path runs, and no bit may change.
+TEST_F(NodesTest, SumsAcrossANodeAloneChangeNothing) {
+  for (const std::string mode : {"exact", "stale1"}) {
+    const auto job = With(kJob, {"optimizer.mode=" + mode});
+    auto plain = Launch(2, tmp_ + "/plain-" + mode, job);
+    ASSERT_EQ(plain.code, 0) << plain.output;
+    auto env = EnvWith(job);
+    env.push_back("RP_TEST_NODE_SUMS_ALONE=1");
+    auto alone = testing::RunProcess(LaunchArgs(2, tmp_ + "/alone-" + mode, job), 240, env);
+    ASSERT_EQ(alone.code, 0) << alone.output;
+    EXPECT_NE(alone.output.find("joined the cross-node reduction group"), std::string::npos) << alone.output;
+    ExpectSameBits(tmp_ + "/alone-" + mode, tmp_ + "/plain-" + mode, mode);
+  }
+}
+
+// Sharded optimizer state (ZeRO-1 across nodes): each node updates its share with the same
+// summed gradient the replicated run updates everything with, elementwise, so the runs agree bit
+// for bit; each node's optimizer segment holds about 1/N of the replicated one's.
+TEST_F(NodesTest, ShardedStateEqualsReplicatedBitForBit) {
+  for (const std::string mode : {"exact", "stale1"}) {
+    const auto job = With(kJob, {"optimizer.mode=" + mode});
+    for (int nodes : {2, 3}) {
+      const std::string tag = mode + std::to_string(nodes);
+      auto rep = LaunchNodes(nodes, 2, tmp_ + "/rep" + tag, job);
+      for (const auto& r : rep) ASSERT_EQ(r.code, 0) << Outputs(rep);
+      auto sh = LaunchNodes(nodes, 2, tmp_ + "/sh" + tag, With(job, {"optimizer.state=sharded"}));
+      for (const auto& r : sh) ASSERT_EQ(r.code, 0) << Outputs(sh);
+      const std::string what = mode + " on " + std::to_string(nodes) + " nodes";
+      ExpectSameBits(tmp_ + "/sh" + tag, tmp_ + "/rep" + tag, what);
+      const double replicated = Summary(tmp_ + "/rep" + tag)["optim_segment_bytes"].get<double>();
+      for (int r = 0; r < nodes; ++r) {
+        const std::string dir = tmp_ + "/sh" + tag + (r == 0 ? std::string() : "/node-" + std::to_string(r));
+        const double mine = Summary(dir)["optim_segment_bytes"].get<double>();
+        // Each array of each parameter rounds up to 256 bytes, each region to a page.
+        EXPECT_LT(mine, replicated / nodes * 1.1 + 64 * 1024) << what << ", node " << r;
+      }
+    }
+  }
+}
+
+TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
+  const auto job = With(kJob, {"checkpoint.every=5", "optimizer.mode=stale1"});
+  const auto sharded = With(job, {"optimizer.state=sharded"});
+  const auto want = WholeAndHalf(sharded);
+  if (HasFailure()) return;
+  // Every node wrote its own file into node 0's checkpoint directory; no whole file.
+  EXPECT_TRUE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.shard-0-of-2.rpstate"));
+  EXPECT_TRUE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.shard-1-of-2.rpstate"));
+  EXPECT_FALSE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.rpstate"));
+  for (const std::string to : {"on2", "on3", "on1", "rep3", "lost"})
+    fs::copy(tmp_ + "/half", tmp_ + "/" + to, fs::copy_options::recursive);
+
+  // The same node count: bit for bit.
+  auto on2 = LaunchNodes(2, 2, tmp_ + "/on2", sharded, /*resume=*/true);
+  for (const auto& r : on2) ASSERT_EQ(r.code, 0) << Outputs(on2);
+  EXPECT_EQ(testing::Losses(tmp_ + "/on2/metrics.jsonl"), want);
+  EXPECT_TRUE(ReadBytes(tmp_ + "/on2/hf/model.safetensors") == ReadBytes(tmp_ + "/whole/hf/model.safetensors"))
+      << "the exported models differ";
+  // Other counts, sharded and replicated: the shares re-partitioned.
+  ExpectResumed(3, tmp_ + "/on3", sharded, want, "resumed on 3 sharded nodes");
+  ExpectResumed(3, tmp_ + "/rep3", job, want, "resumed on 3 replicated nodes");
+  ExpectResumed(1, tmp_ + "/on1", job, want, "resumed on 1 node");
+  // That one-node run writes whole files again.
+  EXPECT_TRUE(fs::exists(tmp_ + "/on1/checkpoints/step-00000010.rpstate"));
+
+  // A set missing a shard is no checkpoint: nothing to resume from, named.
+  fs::remove(tmp_ + "/lost/checkpoints/step-00000005.shard-1-of-2.rpstate");
+  auto lost = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/lost", job), {"--resume"}), 60, Env());
+  EXPECT_EQ(lost.code, 2) << lost.output;
+  EXPECT_NE(lost.output.find("no complete training checkpoint"), std::string::npos) << lost.output;
 }
 
 TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {

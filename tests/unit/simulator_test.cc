@@ -120,6 +120,47 @@ TEST(Simulator, CrossNodeSumsLengthenTheGradientWriteBackByHand) {
   EXPECT_DOUBLE_EQ(Simulate(in).step_done[0], 15.0);
 }
 
+TEST(Simulator, ShardedStateGathersEachUpdateBeforeItsNextFetch) {
+  // A gather of 30 bytes over 3 nodes: a ring of 2/3 x 30 = 20 bytes at 20 B/s (1 s), 2 hops
+  // of 0.25 s.
+  SimInput in = TwoStagesByHand();
+  in.nodes = 3;
+  in.node_link_bytes_per_s = 20.0;
+  in.node_hop_s = 0.25;
+  EXPECT_DOUBLE_EQ(NodeGatherSeconds(in, 30.0), 1.5);
+  // Two steps, stage 1's layer updated in 1 s after its gradients [12, 15): the second step's
+  // fetch of it waits for the update, and with a gather for that too.
+  in.nodes = 1;
+  in.steps = 2;
+  in.update_s = {0.0, 1.0};
+  const SimResult plain = Simulate(in);
+  in.gather_s = {0.0, 20.0};
+  const SimResult gathered = Simulate(in);
+  EXPECT_DOUBLE_EQ(gathered.step_done[0], plain.step_done[0]);
+  EXPECT_GT(gathered.step_done[1], plain.step_done[1]);
+  // Sharded jobs: one node's share of each update (half of it on 2 nodes), and the gathers.
+  auto cfg = ParseJobConfig("[train]\nmicrobatches = 6\naccum_calls = 1\n[job]\ndevice = \"cpu\"\n[data]\nformat = "
+                            "\"random\"\n[optimizer]\nstate = \"sharded\"\n", "/tmp", {});
+  ASSERT_TRUE(cfg.ok()) << cfg.status().message();
+  JobConfig c = *cfg;
+  c.nodes.count = 2;
+  Profile profile = DefaultCostModel(c);
+  profile.optimizer_params_per_s = 1e6;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
+  const SimInput sharded = BuildSimInput(c, spec, *plan, profile, 2, 2);
+  c.optimizer.state = OptimizerState::kReplicated;
+  const SimInput replicated = BuildSimInput(c, spec, *plan, profile, 2, 2);
+  ASSERT_EQ(sharded.update_s.size(), replicated.update_s.size());
+  EXPECT_TRUE(replicated.gather_s.empty());
+  ASSERT_EQ(sharded.gather_s.size(), replicated.update_s.size());
+  for (size_t o = 0; o < sharded.update_s.size(); ++o) {
+    EXPECT_DOUBLE_EQ(sharded.update_s[o], replicated.update_s[o] / 2) << "layer " << o;
+    EXPECT_EQ(sharded.gather_s[o] > 0, replicated.update_s[o] > 0) << "layer " << o;
+  }
+}
+
 TEST(Simulator, SeveralNodesPlanOneNodesShareOfTheStep) {
   // rp-plan --nnodes: each node runs M / N microbatches per round, so with the FLOP cost model
   // the predicted step falls with the node count (a little less than 1/N: the sums, the fill).

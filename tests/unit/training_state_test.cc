@@ -33,7 +33,7 @@ class TrainingStateTest : public ::testing::Test {
   }
   Status Read(const std::string& path) {
     std::vector<uint8_t> a(optim_.size()), b(compute_.size());
-    return ReadTrainingState({path, 2}, 77, false, Sections(a, b));
+    return ReadTrainingState({path, 2, {}}, 77, false, Sections(a, b));
   }
   std::string dir_;
   std::vector<uint8_t> optim_ = std::vector<uint8_t>(300000), compute_ = std::vector<uint8_t>(1000);
@@ -43,7 +43,7 @@ TEST_F(TrainingStateTest, AFlippedByteOrExtraBytesAreRefusedNamingTheSection) {
   ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, Sections(optim_, compute_), 2).ok());
   const std::string path = dir_ + "/step-00000002.rpstate";
   std::vector<uint8_t> a(optim_.size()), b(compute_.size());
-  ASSERT_TRUE(ReadTrainingState({path, 2}, 77, false, Sections(a, b)).ok());
+  ASSERT_TRUE(ReadTrainingState({path, 2, {}}, 77, false, Sections(a, b)).ok());
   EXPECT_EQ(a, optim_);
   EXPECT_EQ(b, compute_);
   // Where the sections are, from the header.
@@ -86,9 +86,60 @@ TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
   const std::string path = dir_ + "/step-00000002.rpstate";
   std::ofstream(path, std::ios::binary) << file;
   std::vector<uint8_t> a(optim_.size()), b(compute_.size());
-  const Status st = ReadTrainingState({path, 2}, 77, false, Sections(a, b));
+  const Status st = ReadTrainingState({path, 2, {}}, 77, false, Sections(a, b));
   ASSERT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(a, optim_);
+}
+
+// Sharded state: each node writes its own file of a checkpoint; a step counts only once every
+// shard is there, and a shard's writer never removes a file of the newest complete checkpoint,
+// whatever the other nodes have written.
+TEST_F(TrainingStateTest, ShardFilesMakeACheckpointOnlyTogetherAndArePrunedPerShard) {
+  auto write = [&](int64_t step, int rank) {
+    return WriteTrainingState(dir_, step, 77, false, Sections(optim_, compute_), /*keep=*/1, 0, nullptr,
+                              ShardId{rank, 2});
+  };
+  auto shard = [&](int64_t step, int rank) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "/step-%08lld.shard-%d-of-2.rpstate", static_cast<long long>(step), rank);
+    return dir_ + name;
+  };
+  ASSERT_TRUE(write(1, 0).ok());
+  EXPECT_EQ(FindLatestTrainingState(dir_).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(write(1, 1).ok());
+  auto found = FindLatestTrainingState(dir_);
+  ASSERT_TRUE(found.ok()) << found.status().message();
+  EXPECT_EQ(found->steps_done, 1);
+  EXPECT_EQ(found->paths, (std::vector<std::string>{shard(1, 0), shard(1, 1)}));
+  // Node 0 runs ahead: with keep = 1 it keeps step 1, the only complete checkpoint.
+  ASSERT_TRUE(write(2, 0).ok());
+  ASSERT_TRUE(write(3, 0).ok());
+  EXPECT_TRUE(fs::exists(shard(1, 0)));
+  EXPECT_EQ(FindLatestTrainingState(dir_)->steps_done, 1);
+  // Node 1 completes step 3: step 1 is no longer needed, and node 1 removes its own file of it.
+  ASSERT_TRUE(write(3, 1).ok());
+  EXPECT_EQ(FindLatestTrainingState(dir_)->steps_done, 3);
+  EXPECT_FALSE(fs::exists(shard(1, 1)));
+  EXPECT_TRUE(fs::exists(shard(1, 0)));  // node 0's, for node 0's next write to remove
+}
+
+TEST(ShardOf, SharesCoverEachParameterOnceInAlignedRuns) {
+  for (int64_t numel : {1, 15, 16, 17, 1000, 4096, 1 << 20}) {
+    for (int64_t nodes : {1, 2, 3, 5}) {
+      int64_t next = 0;
+      for (int64_t r = 0; r < nodes; ++r) {
+        const core::ElemRange s = core::ShardOf(numel, nodes, r);
+        EXPECT_EQ(s.begin, next) << numel << " over " << nodes;
+        EXPECT_GE(s.end, s.begin);
+        if (s.end < numel) {
+          EXPECT_EQ(s.size() % 16, 0) << numel << " over " << nodes << ", node " << r;
+        }
+        EXPECT_LE(s.size(), (numel + nodes - 1) / nodes + 15);
+        next = s.end;
+      }
+      EXPECT_EQ(next, numel) << numel << " over " << nodes;
+    }
+  }
 }
 
 }  // namespace

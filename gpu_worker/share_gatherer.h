@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+// ShareGatherer: with sharded optimizer state (core::ShardedState), the worker thread that brings
+// every node's updated shares of its layers into this node's compute copies.
+//
+// Each node's coordinator updates only its own share of each parameter (core::ShardOf) and
+// publishes it as the layer's version in shared memory. Layer l is gathered by worker
+// shm::GatheringWorker(l, workers) of every node, so the gathers of one worker rank pair up across
+// the nodes in one order: versions ascending, and within a version the rank's layers ascending.
+// For each, it waits for this node's own share (the layer's version), gathers the layer's shares
+// from the other nodes over c10d (a group of its own per worker rank, "gather", beside the
+// gradient sums'), writes them into the compute-copy buffer of that version, and then stores the
+// layer's gathered version (release), which is what workers wait for before fetching the layer
+// (shm::ArenaLayout::fetch_versions).
+//
+// Why a thread of its own: a gather waits for the other nodes' optimizers, which wait for this
+// node's gradient sums; the worker's loop must go on committing them meanwhile.
+//
+// Why this cannot deadlock: gathering version v of a layer waits only for the layer's update to v
+// on each node, which needs only gradients of step v - 1, computed from versions < v, which were
+// gathered before (the order above).
+//
+// Contract:
+//  * Start() returns at once; the thread joins the group (waiting up to job.node_timeout_s + 30 s
+//    for the other nodes) and gathers until the destructor. A failure stops it; Failed() then
+//    returns the reason (the worker ends the run with it).
+//  * The destructor stops the thread, abandoning a gather in progress (NodeReduction::Abandon),
+//    and never throws.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "config/job_config.h"
+#include "config/model_spec.h"
+#include "nodes/node_reduction.h"
+#include "shm/layout.h"
+
+namespace rp::worker {
+
+class ShareGatherer {
+ public:
+  // `state` is the mapped state segment; `layout`, `spec` and `config` must outlive the gatherer.
+  static std::unique_ptr<ShareGatherer> Start(const core::JobConfig& config, const core::ModelSpec& spec,
+                                              const shm::ArenaLayout& layout, uint8_t* state, int worker_rank,
+                                              int workers);
+  ~ShareGatherer();
+  ShareGatherer(const ShareGatherer&) = delete;
+  ShareGatherer& operator=(const ShareGatherer&) = delete;
+
+  std::optional<Status> Failed() const;
+
+ private:
+  ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
+                uint8_t* state, int worker_rank, int workers);
+  Status Run();
+  // Gathers `layer`'s shares of `version` through `group`; false when stopped first.
+  StatusOr<bool> GatherLayer(nodes::NodeReduction& group, int layer, uint64_t version);
+
+  const core::JobConfig& cfg_;
+  const core::ModelSpec& spec_;
+  const shm::ArenaLayout& layout_;
+  uint8_t* state_;
+  const int rank_;
+  std::vector<int> layers_;  // this rank's layers that own trainable parameters, ascending
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mu_;
+  std::optional<Status> failed_;  // GUARDED_BY(mu_)
+  std::thread thread_;            // last: joined before the members above go
+};
+
+}  // namespace rp::worker
