@@ -261,6 +261,21 @@ const std::vector<KeySpec>& Table() {
            "LM head shares the embedding matrix"),
       Float("model", "init_std", F(model.init_std), 0.02, 0.0, 10.0,
             "Std of the normal init of matrices (norm weights start at 1)"),
+      Int("model", "num_experts", F(model.moe.num_experts), 0, 0, 1 << 16,
+          "Mixture of experts (Qwen3-MoE, model_type qwen3_moe): experts per sparse block; 0 = every "
+          "block has a dense MLP. With model.path, config.json decides (num_experts), as for every "
+          "architecture key"),
+      Int("model", "experts_per_token", F(model.moe.experts_per_token), 8, 1, 1 << 16,
+          "Experts each token is routed to (num_experts_per_tok); at most model.num_experts"),
+      Int("model", "expert_intermediate_size", F(model.moe.expert_intermediate_size), 768, 1, 1 << 22,
+          "Each expert's SwiGLU width (moe_intermediate_size)"),
+      Bool("model", "norm_topk_prob", F(model.moe.norm_topk_prob), false,
+           "Renormalize the chosen experts' router probabilities to sum to 1 (norm_topk_prob)"),
+      Int("model", "sparse_step", F(model.moe.sparse_step), 1, 1, 4096,
+          "Every this many blocks is sparse, the others dense (decoder_sparse_step)"),
+      Float("model", "router_aux_loss_coef", F(model.moe.aux_loss_weight), 0.0, 0.0, 1e6,
+            "Weight of the routers' load-balancing loss in the objective (router_aux_loss_coef with "
+            "output_router_logits = true); 0 = not in the objective"),
 
       Enum("data", "format", F(data.format), DataFormat::kBytes, kFormatNames,
            "bytes: the file at data.path, one token per byte (vocab_size >= 256); "
@@ -510,12 +525,23 @@ Status ReadBenchKnobs(BenchKnobs* k) {
   RP_RETURN_IF_ERROR(tristate("RP_LAYER_MAJOR_FORWARD", &k->layer_major_forward));
   RP_RETURN_IF_ERROR(flag("RP_FUSED_KERNELS", &k->fused_kernels));
   RP_RETURN_IF_ERROR(flag("RP_FUSED_NORMS", &k->fused_norms));
+  RP_RETURN_IF_ERROR(flag("RP_GROUPED_EXPERTS", &k->grouped_experts));
   RP_RETURN_IF_ERROR(count("RP_OPTIMIZER_THREADS", &k->optimizer_threads));
   return count("RP_OPTIMIZER_REST_THREADS", &k->optimizer_rest_threads);
 }
 
 Status CrossValidate(const JobConfig& c) {
   const auto& m = c.model;
+  if (m.moe.num_experts > 0 && m.path.empty()) {
+    if (m.moe.experts_per_token > m.moe.num_experts)
+      return Status::InvalidArgument("model.experts_per_token: " + std::to_string(m.moe.experts_per_token) +
+                                     " is more than the " + std::to_string(m.moe.num_experts) + " experts");
+    if (!m.qk_norm)
+      return Status::InvalidArgument("model.num_experts: experts are Qwen3-MoE's, whose attention has a q/k "
+                                     "norm; set model.qk_norm = true");
+  }
+  if (m.moe.num_experts == 0 && m.moe.aux_loss_weight > 0.0)
+    return Status::InvalidArgument("model.router_aux_loss_coef: the model has no routers (model.num_experts = 0)");
   if (m.num_heads % m.num_kv_heads != 0)
     return Status::InvalidArgument("model.num_kv_heads: must divide model.num_heads (" +
                                    std::to_string(m.num_heads) + "), got " +
@@ -763,8 +789,8 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     cfg.model.path = Join(base_dir, cfg.model.path);
     RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
   } else {
-    // A model from job keys is written out as the family its q/k norm names.
-    cfg.model.model_type = cfg.model.qk_norm ? "qwen3" : "llama";
+    // A model from job keys is written out as the family its q/k norm and experts name.
+    cfg.model.model_type = cfg.model.moe.num_experts > 0 ? "qwen3_moe" : cfg.model.qk_norm ? "qwen3" : "llama";
   }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));

@@ -216,6 +216,7 @@ struct BenchKnobs {
   Tristate layer_major_forward = Tristate::kAuto;  // RP_LAYER_MAJOR_FORWARD: worker::Executor
   bool fused_kernels = true;  // RP_FUSED_KERNELS=0|1: GPU workers use the project's kernels
   bool fused_norms = true;    // RP_FUSED_NORMS=0|1: ... including its RMSNorm (+ add) kernel
+  bool grouped_experts = true;  // RP_GROUPED_EXPERTS=0|1: model::Transformer::Experts' grouped GEMMs
   int64_t optimizer_threads = 0;       // RP_OPTIMIZER_THREADS: pool size; 0 = every usable core
   int64_t optimizer_rest_threads = 0;  // RP_OPTIMIZER_REST_THREADS: exact mode's second passes; 0 = a quarter
 };

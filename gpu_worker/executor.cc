@@ -38,6 +38,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
   }
   math_.SetEmbedDtype(act_dtype_);
   math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
+  math_.UseGroupedExperts(cfg.bench.grouped_experts);
 }
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }

@@ -422,12 +422,27 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   at::Tensor expert_of = chosen.reshape({-1});
   at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   at::Tensor token = at::div(order, k, "floor");
-  at::Tensor counts = at::bincount(expert_of, {}, E).to(at::kCPU);
+  at::Tensor on_device = at::bincount(expert_of, {}, E);
   if (config_.moe.aux_loss_weight > 0.0) {
     c10::NoGradGuard no_grad;
-    router_stats_[layer] = at::stack({counts.to(at::kDouble), probs.sum(0).to(at::kDouble).to(at::kCPU)});
+    router_stats_[layer] = at::stack({on_device.to(at::kDouble), probs.sum(0).to(at::kDouble)}).to(at::kCPU);
   }
   at::Tensor x = flat.index_select(0, token);
+  at::Tensor scale = top.reshape({-1}).index_select(0, order).unsqueeze(1);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  // Grouped: the rows of each expert are contiguous (the stable sort), so one GEMM per projection
+  // takes every expert at once, each row block with its own expert's matrix (group ends `offs`);
+  // the counts never leave the device. Its kernels take bf16 with rows of 16-byte multiples.
+  if (grouped_experts_ && x.is_cuda() && x.scalar_type() == at::kBFloat16 && H % 8 == 0 && I % 8 == 0) {
+    const at::Tensor offs = at::cumsum(on_device, 0, at::kInt);
+    at::Tensor gu = at::_grouped_mm(x, Get(w, "experts.gate_up").transpose(-2, -1), offs);
+    at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);
+    at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_) : at::silu(gate) * up;
+    at::Tensor y = at::_grouped_mm(act.contiguous(), Get(w, "experts.down").transpose(-2, -1), offs) * scale;
+    return at::zeros_like(flat).index_add(0, token, y).view(h.sizes());
+  }
+#endif
+  at::Tensor counts = on_device.to(at::kCPU);
   // One view per expert, taken once: autograd then stacks the experts' gradients into one
   // tensor (zeros for an expert without tokens) instead of a full-size gradient per view.
   const std::vector<at::Tensor> gate_up = Get(w, "experts.gate_up").unbind(0);
@@ -443,7 +458,7 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
     outs.push_back(at::linear(act, down[e]));
     begin += n[e];
   }
-  at::Tensor y = at::cat(outs) * top.reshape({-1}).index_select(0, order).unsqueeze(1);
+  at::Tensor y = at::cat(outs) * scale;
   return at::zeros_like(flat).index_add(0, token, y).view(h.sizes());
 }
 

@@ -80,7 +80,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stag
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,
-                                   fused_norms, optimizer_threads, optimizer_rest_threads)
+                                   fused_norms, grouped_experts, optimizer_threads, optimizer_rest_threads)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s,
                                    node_timeout_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodesConfig, count, rank, store_host, store_port)

@@ -233,5 +233,33 @@ TEST_F(LaunchTest, MoeLoraOnAttentionMatchesTheReference) {
   ExpectClose(Losses(tmp_ + "/run/metrics.jsonl"), want, "LoRA on 2 workers");
 }
 
+// A mixture of experts from job keys (random init, no checkpoint; the CPU demo's kind of job):
+// the pipeline against rp-train-ref with the load-balancing loss, and the export is a qwen3_moe
+// checkpoint with the job's experts.
+TEST_F(LaunchTest, MoeFromJobKeysMatchesTheReferenceAndExportsAsQwen3Moe) {
+  const std::vector<std::string> sets = {"model.num_experts=4", "model.experts_per_token=2",
+                                         "model.expert_intermediate_size=32", "model.norm_topk_prob=true",
+                                         "model.router_aux_loss_coef=0.05", "model.sparse_step=2",
+                                         "train.steps=4", "checkpoint.export_hf=hf"};
+  auto ref = Ref(tmp_ + "/ref", sets);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto run = Launch(2, tmp_ + "/run", sets);
+  ASSERT_EQ(run.code, 0) << run.output;
+  ExpectClose(Losses(tmp_ + "/run/metrics.jsonl"), Losses(tmp_ + "/ref/metrics.jsonl"), "job keys on 2 workers");
+  const json cfg = json::parse(ReadBytes(tmp_ + "/run/hf/config.json"));
+  EXPECT_EQ(cfg["model_type"], "qwen3_moe");
+  EXPECT_EQ(cfg["num_experts"], 4);
+  EXPECT_EQ(cfg["num_experts_per_tok"], 2);
+  EXPECT_EQ(cfg["decoder_sparse_step"], 2);
+  EXPECT_EQ(cfg["output_router_logits"], true);
+  // A dense job with a router weight, and more experts per token than experts: refused.
+  for (const auto& bad : {std::vector<std::string>{"model.router_aux_loss_coef=0.01"},
+                          std::vector<std::string>{"model.num_experts=2", "model.experts_per_token=3"}}) {
+    auto r = Launch(1, tmp_ + "/bad", bad, 30);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(bad.back().substr(0, bad.back().find('='))), std::string::npos) << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace rp
