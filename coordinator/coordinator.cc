@@ -178,6 +178,10 @@ Status Coordinator::Setup() {
       return Status::InvalidArgument("--resume: " + found->path + " already holds all " +
                                      std::to_string(cfg_.train.steps) + " steps of this job");
     if (window_.first_step >= window_.stop_step) window_.stop_step = cfg_.train.steps;  // the stop that wrote it
+    if (layout_.sharded)
+      RP_RETURN_IF_ERROR(RemoveLaterShardFiles(
+          CheckpointDir(cfg_), window_.first_step,
+          {static_cast<int>(cfg_.nodes.rank), static_cast<int>(cfg_.nodes.count)}));
   }
   // A node that joins a resumed run (more nodes than before) starts its own output directory.
   std::error_code ec;

@@ -367,6 +367,22 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
   return Status::Ok();
 }
 
+Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId shard) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return Status::Ok();
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    int64_t st = 0;
+    ShardId id;
+    if (!ParseShardName(e.path().filename().string(), &st, &id) || id.rank != shard.rank || id.count != shard.count ||
+        st <= steps_done)
+      continue;
+    if (!fs::remove(e.path(), ec) && ec)
+      return Status::IoError("removing " + e.path().string() + " (a checkpoint part after the resumed step): " +
+                             ec.message());
+  }
+  return Status::Ok();
+}
+
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
   const auto complete = CompleteCheckpoints(dir);
   if (complete.empty())

@@ -25,9 +25,10 @@
 // Contract:
 //  * Write() is atomic: a temporary name in the same directory, fsync, rename, fsync of the
 //    directory. A crash leaves either the previous set of files or the new one, never a torn
-//    checkpoint under the final name. Afterwards only the newest `keep` checkpoints remain; a
-//    shard's writer removes only its own shard files, and only of steps older than the newest
-//    `keep` complete checkpoints, so a node that fails mid-write never costs the last complete one.
+//    checkpoint under the final name. Afterwards a whole file's writer keeps only the newest
+//    `keep` whole files; a shard's writer removes only its own shard files, and only of steps
+//    older than the newest `keep` complete checkpoints, so a node that fails mid-write never costs
+//    the last complete one. Neither removes the other kind's files, nor shards of another count.
 //  * FindLatest() returns the newest complete checkpoint (whole file, or every shard) whose header
 //    parses; Read() checks where the
 //    masters live (schedule.weights_source, named in its own message), the state hash (parameter
@@ -118,6 +119,10 @@ struct WriteStats {
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
                           bool masters_in_state, const std::vector<StateSection>& sections, int keep,
                           int checksum_threads = 0, WriteStats* stats = nullptr, ShardId shard = {});
+// Removes shard `shard`'s files of steps after `steps_done` from `dir`: what a resumed run's node
+// does first, so a file of the run it continues (a step that never completed) cannot later make
+// a checkpoint together with the new run's files.
+Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId shard);
 // NotFound when the directory holds no checkpoint.
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,

@@ -27,7 +27,12 @@ ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpe
   for (int l = 0; l < spec.NumLayers(); ++l)
     if (owns[l] && shm::GatheringWorker(l, workers) == worker_rank) layers_.push_back(l);
   thread_ = std::thread([this] {
-    Status s = Run();
+    Status s = Status::Ok();
+    try {
+      s = Run();
+    } catch (const std::exception& e) {  // LibTorch's allocations and checks throw
+      s = Status::Internal(std::string("gathering the other nodes' shares: ") + e.what());
+    }
     if (!s.ok()) {
       std::lock_guard<std::mutex> l(mu_);
       failed_ = s;

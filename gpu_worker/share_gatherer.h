@@ -24,7 +24,10 @@
 //    for the other nodes) and gathers until the destructor. A failure stops it; Failed() then
 //    returns the reason (the worker ends the run with it).
 //  * The destructor stops the thread, abandoning a gather in progress (NodeReduction::Abandon),
-//    and never throws.
+//    and never throws. A thread still joining the group is waited for (the join's own bound,
+//    job.node_timeout_s + 30 s).
+//  * Each gather holds the layer's shares of every node in its own buffers while it runs (the
+//    largest share times the node count), beside the worker's other memory.
 #pragma once
 
 #include <atomic>

@@ -685,8 +685,15 @@ int RunSession(const LaunchOptions& o) {
     return kExitInterrupted;
   }
   if (graceful_done && failure.empty()) {
-    std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s/%s, `rp-launch --resume` "
-                         "continues the run\n", cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
+    if (core::ShardedState(*cfg))
+      // Each node wrote only its own part, at a step of its own choosing: the interrupt's files
+      // complete a checkpoint only if every node stopped after the same step.
+      std::fprintf(stderr, "rp-launch: interrupted; this node's part of a checkpoint is in %s/%s; `rp-launch "
+                           "--resume` continues from the newest checkpoint every node completed\n",
+                   cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
+    else
+      std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s/%s, `rp-launch --resume` "
+                           "continues the run\n", cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
     return kExitInterrupted;
   }
   if (replan && exit_code == kExitOk) return kExitReplan;

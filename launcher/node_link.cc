@@ -95,8 +95,8 @@ std::optional<std::string> NodeLink::FailedPeer() {
     if (!end.ok() || !*end || (*end)->rfind("0 ", 0) == 0) continue;
     const std::string& text = **end;
     if (text.rfind(std::to_string(kExitInterrupted) + " ", 0) == 0)
-      return "node " + std::to_string(r) + " was interrupted (SIGINT or SIGTERM); node 0's newest checkpoint resumes "
-             "the run";
+      return "node " + std::to_string(r) + " was interrupted (SIGINT or SIGTERM); the newest complete checkpoint "
+             "resumes the run";
     return "node " + std::to_string(r) + " failed: " + text.substr(text.find(' ') + 1);
   }
   return std::nullopt;

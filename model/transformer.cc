@@ -433,7 +433,11 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   // Grouped: the rows of each expert are contiguous (the stable sort), so one GEMM per projection
   // takes every expert at once, each row block with its own expert's matrix (group ends `offs`);
   // the counts never leave the device. Its kernels take bf16 with rows of 16-byte multiples.
-  if (grouped_experts_ && x.is_cuda() && x.scalar_type() == at::kBFloat16 && H % 8 == 0 && I % 8 == 0) {
+  // Frozen experts only (LoRA): the kernel's weight gradient for an expert without tokens is zero
+  // on Hopper but was reported not to be on Blackwell, and a trained expert must get exactly zero.
+  const bool experts_frozen = !Get(w, "experts.gate_up").requires_grad() && !Get(w, "experts.down").requires_grad();
+  if (grouped_experts_ && experts_frozen && x.is_cuda() && x.scalar_type() == at::kBFloat16 && H % 8 == 0 &&
+      I % 8 == 0) {
     const at::Tensor offs = at::cumsum(on_device, 0, at::kInt);
     at::Tensor gu = at::_grouped_mm(x, Get(w, "experts.gate_up").transpose(-2, -1), offs);
     at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);

@@ -99,9 +99,9 @@ class Transformer {
   // norm) use them (FusedKernels::AddRmsNorm) or LibTorch's fused rms_norm; for A/B runs
   // (bench.fused_norms).
   void UseFusedNorms(bool on) { fused_norms_ = on; }
-  // Experts of bf16 CUDA tensors (LibTorch >= 2.8): one grouped GEMM per projection over every
-  // expert's tokens (at::_grouped_mm) instead of a loop over the experts with tokens, with no
-  // read of the token counts on the host; for A/B runs (bench.grouped_experts).
+  // Frozen experts of bf16 CUDA tensors (LoRA, LibTorch >= 2.8): one grouped GEMM per projection
+  // over every expert's tokens (at::_grouped_mm) instead of a loop over the experts with tokens,
+  // with no read of the token counts on the host; for A/B runs (bench.grouped_experts).
   void UseGroupedExperts(bool on) { grouped_experts_ = on; }
   // Embed's output dtype when its table is stored wider (an fp32 master read in place,
   // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the

@@ -63,15 +63,19 @@ SimResult Simulate(const SimInput& in) {
     }
     if (in.lookup_owner > 0 && !rows_first) updated[t][in.lookup_owner] = updated[t][0];
     if (!in.gather_s.empty()) {
-      // Each update is fetchable once gathered from every node, the gathers in update order.
-      std::vector<int> by_update = order;
-      std::stable_sort(by_update.begin(), by_update.end(), [&](int a, int b) { return updated[t][a] < updated[t][b]; });
-      double gather_free = 0.0;
-      for (int o : by_update) {
+      // Each update is fetchable once gathered from every node. Layer o is gathered by worker
+      // o mod N (shm::GatheringWorker), each worker's layers one at a time in ascending order.
+      std::vector<double> queue_free(std::max(1, N), 0.0);
+      std::vector<double> gathered(owners, 0.0);
+      for (int o = 0; o < owners; ++o) {
+        if (!has_grad[t][o]) continue;
         const double cost = o < static_cast<int>(in.gather_s.size()) ? in.gather_s[o] : 0.0;
-        gather_free = std::max(gather_free, updated[t][o]) + cost;
-        updated[t][o] = gather_free;
+        double& free = queue_free[o % std::max(1, N)];
+        free = std::max(free, updated[t][o]) + cost;
+        gathered[o] = free;
       }
+      for (int o = 0; o < owners; ++o)
+        if (has_grad[t][o]) updated[t][o] = gathered[o];
     }
   };
 

@@ -102,9 +102,10 @@ struct SimInput {
   double node_link_bytes_per_s = 0.0;  // 0: the sum costs only its hops
   double node_hop_s = 0.0;
   // Sharded optimizer state (core::ShardedState): per owner layer, the all-gather of its updated
-  // shares across the nodes, which a fetch of the layer waits for; the gathers run one at a time
-  // in the order the updates end, beside the optimizer (update_s then holds one node's share of
-  // each update). Empty: none.
+  // shares across the nodes, which a fetch of the layer waits for; layer o's gather runs on
+  // worker o mod `workers`, each worker's gathers one at a time in ascending layer order after
+  // their updates, beside the optimizer (update_s then holds one node's share of each update).
+  // Empty: none.
   std::vector<double> gather_s;
 };
 

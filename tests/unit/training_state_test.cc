@@ -123,6 +123,21 @@ TEST_F(TrainingStateTest, ShardFilesMakeACheckpointOnlyTogetherAndArePrunedPerSh
   EXPECT_TRUE(fs::exists(shard(1, 0)));  // node 0's, for node 0's next write to remove
 }
 
+// A resumed run's node first removes its own parts of steps after the one it resumes from, so a
+// part of a step that never completed cannot complete one with the new run's files.
+TEST_F(TrainingStateTest, AResumedNodeRemovesItsOwnLaterShardFilesOnly) {
+  for (int64_t step : {1, 2, 3})
+    for (int rank : {0, 1})
+      ASSERT_TRUE(WriteTrainingState(dir_, step, 77, false, Sections(optim_, compute_), 0, 0, nullptr, ShardId{rank, 2})
+                      .ok());
+  ASSERT_TRUE(RemoveLaterShardFiles(dir_, 1, ShardId{0, 2}).ok());
+  EXPECT_TRUE(fs::exists(dir_ + "/step-00000001.shard-0-of-2.rpstate"));
+  EXPECT_FALSE(fs::exists(dir_ + "/step-00000002.shard-0-of-2.rpstate"));
+  EXPECT_FALSE(fs::exists(dir_ + "/step-00000003.shard-0-of-2.rpstate"));
+  EXPECT_TRUE(fs::exists(dir_ + "/step-00000003.shard-1-of-2.rpstate"));
+  EXPECT_EQ(FindLatestTrainingState(dir_)->steps_done, 1);
+}
+
 TEST(ShardOf, SharesCoverEachParameterOnceInAlignedRuns) {
   for (int64_t numel : {1, 15, 16, 17, 1000, 4096, 1 << 20}) {
     for (int64_t nodes : {1, 2, 3, 5}) {
