@@ -295,6 +295,34 @@ TEST_F(NodesTest, ShardedStateEqualsReplicatedBitForBit) {
   }
 }
 
+// The other shapes of the optimizer segment under sharding: SGD (one moment), masters beside a
+// compute copy (weights_source = compute_copy), LoRA with dropout and an eval split; the same bits
+// as replicated, and a checkpoint of the sharded run resumes on 3 nodes.
+TEST_F(NodesTest, ShardedStateWithSgdComputeCopiesAndLoraEqualsReplicated) {
+  const std::vector<std::vector<std::string>> jobs = {
+      With(kJob, {"optimizer.name=sgd", "optimizer.lr=0.05", "schedule.weights_source=compute_copy",
+                  "checkpoint.every=5"}),
+      With(kJob, {"lora.rank=4", "lora.dropout=0.1", "train.eval_every=5", "data.eval_fraction=0.1",
+                  "checkpoint.export_hf=", "lora.export=adapter"}),
+  };
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const std::string tag = std::to_string(i);
+    auto rep = LaunchNodes(2, 2, tmp_ + "/rep" + tag, jobs[i]);
+    for (const auto& r : rep) ASSERT_EQ(r.code, 0) << Outputs(rep);
+    auto sh = LaunchNodes(2, 2, tmp_ + "/sh" + tag, With(jobs[i], {"optimizer.state=sharded"}));
+    for (const auto& r : sh) ASSERT_EQ(r.code, 0) << Outputs(sh);
+    for (const std::string field : {"loss", "grad_norm", "eval_loss"})
+      EXPECT_EQ(testing::Losses(tmp_ + "/sh" + tag + "/metrics.jsonl", field),
+                testing::Losses(tmp_ + "/rep" + tag + "/metrics.jsonl", field))
+          << "job " << tag << ": " << field;
+  }
+  // The SGD job's sharded checkpoint after step 5 resumes on 3 sharded nodes.
+  const auto sgd = With(jobs[0], {"optimizer.state=sharded"});
+  auto half = LaunchNodes(2, 2, tmp_ + "/half", With(sgd, {"train.stop_after=5"}));
+  for (const auto& r : half) ASSERT_EQ(r.code, 0) << Outputs(half);
+  ExpectResumed(3, tmp_ + "/half", sgd, testing::Losses(tmp_ + "/sh0/metrics.jsonl"), "SGD resumed on 3 sharded nodes");
+}
+
 TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
   const auto job = With(kJob, {"checkpoint.every=5", "optimizer.mode=stale1"});
   const auto sharded = With(job, {"optimizer.state=sharded"});
