@@ -104,6 +104,20 @@ bool ParseShardName(const std::string& n, int64_t* steps, ShardId* shard) {
   return true;
 }
 
+// Shard `shard`'s files in `dir`: (steps, path).
+std::vector<std::pair<int64_t, std::string>> ShardFiles(const std::string& dir, ShardId shard) {
+  std::error_code ec;
+  std::vector<std::pair<int64_t, std::string>> files;
+  if (!fs::is_directory(dir, ec)) return files;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    int64_t st = 0;
+    ShardId id;
+    if (ParseShardName(e.path().filename().string(), &st, &id) && id.rank == shard.rank && id.count == shard.count)
+      files.emplace_back(st, e.path().string());
+  }
+  return files;
+}
+
 // Every complete checkpoint in `dir` by step: its files by shard (a whole file: one). Where a step
 // has both a whole file and shard sets, or sets of several counts, the whole file wins, then the
 // smallest complete count.
@@ -351,13 +365,8 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
     const auto complete = CompleteCheckpoints(dir);
     if (complete.size() <= static_cast<size_t>(keep)) return Status::Ok();
     const int64_t oldest_kept = std::prev(complete.end(), keep)->first;
-    for (auto& e : fs::directory_iterator(dir, ec)) {
-      int64_t st = 0;
-      ShardId id;
-      if (ParseShardName(e.path().filename().string(), &st, &id) && id.rank == shard.rank &&
-          id.count == shard.count && st < oldest_kept)
-        fs::remove(e.path(), ec);
-    }
+    for (const auto& [st, path] : ShardFiles(dir, shard))
+      if (st < oldest_kept) fs::remove(path, ec);
     return Status::Ok();
   }
   // Prune: only this writer's step-*.rpstate names, oldest first, never the one just written.
@@ -369,17 +378,9 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
 
 Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId shard) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return Status::Ok();
-  for (auto& e : fs::directory_iterator(dir, ec)) {
-    int64_t st = 0;
-    ShardId id;
-    if (!ParseShardName(e.path().filename().string(), &st, &id) || id.rank != shard.rank || id.count != shard.count ||
-        st <= steps_done)
-      continue;
-    if (!fs::remove(e.path(), ec) && ec)
-      return Status::IoError("removing " + e.path().string() + " (a checkpoint part after the resumed step): " +
-                             ec.message());
-  }
+  for (const auto& [st, path] : ShardFiles(dir, shard))
+    if (st > steps_done && !fs::remove(path, ec) && ec)
+      return Status::IoError("removing " + path + " (a checkpoint part after the resumed step): " + ec.message());
   return Status::Ok();
 }
 
@@ -469,16 +470,15 @@ Status ChecksumMismatch(const std::string& path, const std::string& section, uin
                                  " do not match their checksum: the file is damaged");
 }
 
-// The checks of ReadTrainingState; with `read` the sections' bytes are read and verified.
+// ReadTrainingState: the header's checks, then every section's bytes read and verified.
 Status LoadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
-                         const std::vector<StateSection>& sections, bool read) {
+                         const std::vector<StateSection>& sections) {
   RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(file.path));
   std::error_code ec;
   const uint64_t size = fs::file_size(file.path, ec);
   std::vector<std::pair<std::string, uint64_t>> expected;
   for (const auto& s : sections) expected.emplace_back(s.name, s.bytes);
   RP_ASSIGN_OR_RETURN(auto header, CheckedHeader(fd.get(), file.path, size, state_hash, masters_in_state, expected, {}));
-  if (!read) return Status::Ok();
   const auto& list = header["sections"];
   for (size_t i = 0; i < sections.size(); ++i) {
     const auto& e = list[i];
@@ -540,12 +540,7 @@ Status ReadShareFile(const std::string& path, int64_t steps_done, uint64_t state
 
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections) {
-  return LoadTrainingState(file, state_hash, masters_in_state, sections, /*read=*/true);
-}
-
-Status CheckTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
-                          const std::vector<StateSection>& sections) {
-  return LoadTrainingState(file, state_hash, masters_in_state, sections, /*read=*/false);
+  return LoadTrainingState(file, state_hash, masters_in_state, sections);
 }
 
 Status ReadTrainingStateShares(const StateFile& file, const core::JobConfig& config, const core::ModelSpec& spec,

@@ -127,15 +127,11 @@ Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections);
-// Read()'s checks without reading the sections (their data may be null): where the masters live,
-// the hash, the sections' names and sizes, and the file's length. What rp-launch checks before
-// --resume starts anything; damaged bytes are found by Read().
-Status CheckTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
-                          const std::vector<StateSection>& sections);
 // Any checkpoint (whole or shards of any count) into this job's segments (ShareSections), with
 // every check ReadTrainingState makes on each file, plus its shard number; streamed a checksum
-// chunk at a time, so no file is held in memory whole. With null `optim` and `state`, the checks
-// that need no reading (as CheckTrainingState).
+// chunk at a time, so no file is held in memory whole. With null `optim` and `state`, only the
+// checks that need no reading (where the masters live, the hash, the sections' names and sizes,
+// the files' lengths): what rp-launch checks before --resume starts anything.
 Status ReadTrainingStateShares(const StateFile& file, const core::JobConfig& config, const core::ModelSpec& spec,
                                const shm::ArenaLayout& layout, uint64_t state_hash, uint8_t* optim, uint8_t* state);
 

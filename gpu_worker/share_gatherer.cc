@@ -22,13 +22,34 @@ std::unique_ptr<ShareGatherer> ShareGatherer::Start(const core::JobConfig& confi
 ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec,
                              const shm::ArenaLayout& layout, uint8_t* state, int worker_rank, int workers)
     : cfg_(config), spec_(spec), layout_(layout), state_(state), rank_(worker_rank) {
-  std::vector<bool> owns(spec.NumLayers(), false);
-  for (const auto& p : spec.params) owns[p.owner_layer] = true;
-  for (int l = 0; l < spec.NumLayers(); ++l)
-    if (owns[l] && shm::GatheringWorker(l, workers) == worker_rank) layers_.push_back(l);
-  thread_ = std::thread([this] {
+  const int nodes = static_cast<int>(config.nodes.count);
+  const uint64_t elem = static_cast<uint64_t>(layout.weights_elem_bytes);
+  uint64_t most = 0;
+  for (int l = 0; l < spec.NumLayers(); ++l) {
+    if (shm::GatheringWorker(l, workers) != worker_rank) continue;
+    LayerShares shares{l, std::vector<std::vector<std::pair<uint64_t, uint64_t>>>(nodes), 0};
+    std::vector<uint64_t> bytes(nodes, 0);
+    for (size_t p = 0; p < spec.params.size(); ++p) {
+      if (spec.params[p].owner_layer != l) continue;
+      for (int n = 0; n < nodes; ++n) {
+        const core::ElemRange r = core::ShardOf(spec.params[p].numel, nodes, n);
+        if (r.size() == 0) continue;
+        shares.pieces[n].emplace_back(layout.ComputeCopy(static_cast<int>(p), 0) + static_cast<uint64_t>(r.begin) * elem,
+                                      static_cast<uint64_t>(r.size()) * elem);
+        bytes[n] += static_cast<uint64_t>(r.size()) * elem;
+      }
+    }
+    for (uint64_t b : bytes) shares.most = std::max(shares.most, b);
+    if (shares.most == 0) continue;  // no trainable parameters: never updated, never gathered
+    most = std::max(most, shares.most);
+    layers_.push_back(std::move(shares));
+  }
+  thread_ = std::thread([this, nodes, most] {
     Status s = Status::Ok();
     try {
+      const auto opts = at::TensorOptions().dtype(at::kByte);
+      mine_ = at::zeros({static_cast<int64_t>(most)}, opts);
+      for (int n = 0; n < nodes; ++n) all_.push_back(at::empty({static_cast<int64_t>(most)}, opts));
       s = Run();
     } catch (const std::exception& e) {  // LibTorch's allocations and checks throw
       s = Status::Internal(std::string("gathering the other nodes' shares: ") + e.what());
@@ -59,9 +80,9 @@ Status ShareGatherer::Run() {
                << cfg_.nodes.count << " nodes)";
   const auto* gathered = reinterpret_cast<const std::atomic<uint64_t>*>(state_ + layout_.gathered_versions);
   // Every layer holds the same version at the start (a fresh state, or a checkpoint's).
-  uint64_t version = gathered[layers_.front()].load(std::memory_order_acquire) + 1;
+  uint64_t version = gathered[layers_.front().layer].load(std::memory_order_acquire) + 1;
   while (!stop_.load()) {
-    for (int l : layers_) {
+    for (const LayerShares& l : layers_) {
       auto done = GatherLayer(*gathers, l, version);
       if (!done.ok() || !*done) {
         gathers->Abandon();  // a gather still pending is left to the process's exit
@@ -73,41 +94,27 @@ Status ShareGatherer::Run() {
   return Status::Ok();
 }
 
-StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, int layer, uint64_t version) {
+StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, const LayerShares& shares,
+                                          uint64_t version) {
+  const int layer = shares.layer;
   const auto* own = reinterpret_cast<const std::atomic<uint64_t>*>(state_ + layout_.layer_versions);
   while (own[layer].load(std::memory_order_acquire) < version) {
     if (stop_.load()) return false;
     std::this_thread::sleep_for(kPoll);
   }
-  const int nodes = static_cast<int>(cfg_.nodes.count);
-  const int buffer = static_cast<int>(version % static_cast<uint64_t>(layout_.compute_buffers));
-  const uint64_t elem = static_cast<uint64_t>(layout_.weights_elem_bytes);
-  // Node n's shares of the layer's parameters in this buffer: (offset in the segment, bytes).
-  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces(nodes);
-  std::vector<uint64_t> bytes(nodes, 0);
-  for (size_t p = 0; p < spec_.params.size(); ++p) {
-    if (spec_.params[p].owner_layer != layer) continue;
-    for (int n = 0; n < nodes; ++n) {
-      const core::ElemRange r = core::ShardOf(spec_.params[p].numel, nodes, n);
-      if (r.size() == 0) continue;
-      pieces[n].emplace_back(layout_.ComputeCopy(static_cast<int>(p), buffer) + static_cast<uint64_t>(r.begin) * elem,
-                             static_cast<uint64_t>(r.size()) * elem);
-      bytes[n] += static_cast<uint64_t>(r.size()) * elem;
-    }
-  }
-  // Every node sends as many bytes as the largest share (the gather's sizes must agree).
-  uint64_t most = 0;
-  for (uint64_t b : bytes) most = std::max(most, b);
-  const auto opts = at::TensorOptions().dtype(at::kByte);
-  at::Tensor mine = at::zeros({static_cast<int64_t>(most)}, opts);
-  const int me = static_cast<int>(cfg_.nodes.rank);
+  // That version's buffer (stale1 keeps two).
+  const uint64_t shift = (version % static_cast<uint64_t>(layout_.compute_buffers)) *
+                         (layout_.compute_end - layout_.compute_begin);
+  const int nodes = static_cast<int>(cfg_.nodes.count), me = static_cast<int>(cfg_.nodes.rank);
+  const int64_t most = static_cast<int64_t>(shares.most);
+  at::Tensor mine = mine_.narrow(0, 0, most);
+  std::vector<at::Tensor> all;
+  for (const auto& t : all_) all.push_back(t.narrow(0, 0, most));
   uint64_t at = 0;
-  for (const auto& [offset, n] : pieces[me]) {
-    std::memcpy(mine.data_ptr<uint8_t>() + at, state_ + offset, n);
+  for (const auto& [offset, n] : shares.pieces[me]) {
+    std::memcpy(mine.data_ptr<uint8_t>() + at, state_ + offset + shift, n);
     at += n;
   }
-  std::vector<at::Tensor> all;
-  for (int n = 0; n < nodes; ++n) all.push_back(at::empty({static_cast<int64_t>(most)}, opts));
   RP_RETURN_IF_ERROR(group.StartGather(mine, all));
   for (;;) {
     RP_ASSIGN_OR_RETURN(const bool complete, group.Poll());
@@ -118,8 +125,8 @@ StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, int layer
   for (int n = 0; n < nodes; ++n) {
     if (n == me) continue;
     at = 0;
-    for (const auto& [offset, b] : pieces[n]) {
-      std::memcpy(state_ + offset, all[n].data_ptr<uint8_t>() + at, b);
+    for (const auto& [offset, b] : shares.pieces[n]) {
+      std::memcpy(state_ + offset + shift, all[n].data_ptr<uint8_t>() + at, b);
       at += b;
     }
   }

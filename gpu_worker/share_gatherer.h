@@ -26,8 +26,8 @@
 //  * The destructor stops the thread, abandoning a gather in progress (NodeReduction::Abandon),
 //    and never throws. A thread still joining the group is waited for (the join's own bound,
 //    job.node_timeout_s + 30 s).
-//  * Each gather holds the layer's shares of every node in its own buffers while it runs (the
-//    largest share times the node count), beside the worker's other memory.
+//  * The gathers' buffers hold the largest layer's shares of every node (its largest share times
+//    the node count), allocated once, beside the worker's other memory.
 #pragma once
 
 #include <atomic>
@@ -62,15 +62,26 @@ class ShareGatherer {
   ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
                 uint8_t* state, int worker_rank, int workers);
   Status Run();
-  // Gathers `layer`'s shares of `version` through `group`; false when stopped first.
-  StatusOr<bool> GatherLayer(nodes::NodeReduction& group, int layer, uint64_t version);
 
   const core::JobConfig& cfg_;
   const core::ModelSpec& spec_;
   const shm::ArenaLayout& layout_;
   uint8_t* state_;
   const int rank_;
-  std::vector<int> layers_;  // this rank's layers that own trainable parameters, ascending
+  // This rank's layers that own trainable parameters, ascending, each with every node's shares of
+  // its parameters in compute buffer 0 (offset in the segment, bytes; buffer b adds b regions),
+  // decided once.
+  struct LayerShares {
+    int layer;
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> pieces;  // per node
+    uint64_t most = 0;  // the largest node's bytes: what every node sends
+  };
+  std::vector<LayerShares> layers_;
+  // Gathers `layer`'s shares of `version` through `group`; false when stopped first.
+  StatusOr<bool> GatherLayer(nodes::NodeReduction& group, const LayerShares& layer, uint64_t version);
+  // The gather's buffers, sized once for the largest layer: this node's shares, every node's.
+  at::Tensor mine_;
+  std::vector<at::Tensor> all_;
   std::atomic<bool> stop_{false};
   mutable std::mutex mu_;
   std::optional<Status> failed_;  // GUARDED_BY(mu_)
