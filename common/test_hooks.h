@@ -96,4 +96,20 @@ inline int64_t TestNanStep() {
   return v == nullptr ? -1 : std::strtoll(v, nullptr, 10);
 }
 
+// RP_TEST_OVERFLOW_AT_STEPS="<step>,<step>,...": the loss scale of every microbatch of those steps
+// (0-based) is infinite in the workers, so their gradients are not finite: what an fp16 overflow
+// does (an fp16 run skips exactly those steps; any other run diverges there).
+inline bool TestOverflowAt(int64_t step) {
+  const char* v = std::getenv("RP_TEST_OVERFLOW_AT_STEPS");
+  if (v == nullptr) return false;
+  for (const char* p = v; *p != '\0';) {
+    char* end = nullptr;
+    const long long s = std::strtoll(p, &end, 10);
+    if (end == p) return false;
+    if (s == step) return true;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return false;
+}
+
 }  // namespace rp

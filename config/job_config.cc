@@ -120,7 +120,8 @@ const EnumNames<DeviceKind> kDeviceNames = {{DeviceKind::kAuto, "auto"}, {Device
                                             {DeviceKind::kCuda, "cuda"}};
 const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"}, {DataFormat::kTokens, "tokens"},
                                             {DataFormat::kJsonl, "jsonl"}, {DataFormat::kRandom, "random"}};
-const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"}};
+const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"},
+                                           {TrainDtype::kFp16, "fp16"}};
 const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
 const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
 const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
@@ -314,7 +315,19 @@ const std::vector<KeySpec>& Table() {
           "instead of 3 x tokens x intermediate_size; 0 = the whole microbatch at once. The same "
           "result up to rounding; rp-train-ref always runs untiled"),
       Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
-           "Compute dtype of the weight copy workers read; masters and moments are fp32"),
+           "Compute dtype of the weight copy workers read; masters and moments are fp32. fp16 scales "
+           "the loss dynamically (train.loss_scale_*); CPU workers emulate it (fp32 arithmetic on "
+           "weights and stage inputs rounded to fp16)"),
+      Float("train", "loss_scale_init", F(train.loss_scaling.init), 65536.0, 1e-30, 1e30,
+            "fp16: the loss scale of the first step (torch.amp.GradScaler's init_scale)"),
+      Float("train", "loss_scale_growth_factor", F(train.loss_scaling.growth_factor), 2.0, 1.0, 1e6,
+            "fp16: the scale's multiplier after train.loss_scale_growth_interval finite steps in a row "
+            "(> 1)"),
+      Float("train", "loss_scale_backoff_factor", F(train.loss_scaling.backoff_factor), 0.5, 1e-6, 1.0,
+            "fp16: the scale's multiplier after a step whose gradients were not all finite, which is "
+            "skipped (< 1)"),
+      Int("train", "loss_scale_growth_interval", F(train.loss_scaling.growth_interval), 2000, 1, kMax,
+          "fp16: finite steps in a row before the scale grows"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
             "Clip the global gradient L2 norm to this; 0 disables"),
       Int("train", "eval_every", F(train.eval_every), 0, 0, kMax,
@@ -354,8 +367,8 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
-          "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0 or "
-          "train.accum_calls > 1 (each must be held until the step's last commit or the global "
+          "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
+          "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
           "norm), else twice the largest stage's gradients, so gradients are streamed: a layer's "
           "buffer is reused as soon as its update is done. Smaller than the job needs is an error"),
 
@@ -634,6 +647,21 @@ Status CrossValidate(const JobConfig& c) {
   }
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
+  {
+    const LossScaling& ls = c.train.loss_scaling;
+    if (!(ls.growth_factor > 1.0))
+      return Status::InvalidArgument("train.loss_scale_growth_factor: must be > 1 (a scale that never grows "
+                                     "stays as low as its last overflow left it)");
+    if (!(ls.backoff_factor < 1.0))
+      return Status::InvalidArgument("train.loss_scale_backoff_factor: must be < 1 (the scale must fall after "
+                                     "an overflow)");
+    const LossScaling defaults;
+    if (!ScalesLoss(c) && (ls.init != defaults.init || ls.growth_factor != defaults.growth_factor ||
+                           ls.backoff_factor != defaults.backoff_factor ||
+                           ls.growth_interval != defaults.growth_interval))
+      return Status::InvalidArgument(std::string("train.loss_scale_*: set, but train.dtype = \"") +
+                                     EnumName(c.train.dtype) + "\" does not scale its loss; only \"fp16\" does");
+  }
   if (c.train.dtype == TrainDtype::kBf16 && c.job.device == DeviceKind::kCpu)
     return Status::InvalidArgument("train.dtype: \"bf16\" needs job.device = \"cuda\" or \"auto\"; "
                                    "CPU workers compute in fp32");

@@ -25,7 +25,7 @@ namespace rp::core {
 // (job_config.cc), which maps them once; EnumName() gives them back for logs and output files.
 enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };              // job.device
 enum class DataFormat : uint8_t { kBytes, kTokens, kJsonl, kRandom };  // data.format
-enum class TrainDtype : uint8_t { kFp32, kBf16 };                     // train.dtype
+enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16 };              // train.dtype
 enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
 enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
@@ -126,6 +126,18 @@ struct DataConfig {
   double eval_fraction = 0.0;    // or: the last fraction of data.path's windows, never trained on
 };
 
+// fp16's dynamic loss scaling (torch.amp.GradScaler's rule): each step's loss is multiplied by
+// the current scale before the backward, the gradients divided by it before clipping and the
+// update. A step whose gradients are not all finite is skipped (no update, no moment decay, the
+// AdamW step count not advanced) and the scale multiplied by backoff_factor; after growth_interval
+// finite steps in a row it is multiplied by growth_factor. Only train.dtype = "fp16" scales.
+struct LossScaling {
+  double init = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
 struct TrainConfig {
   int64_t steps = 20;
   int64_t seed = 1234;
@@ -133,6 +145,7 @@ struct TrainConfig {
   int64_t accum_calls = 2;       // K calls per optimizer step, as the job file says (Round below)
   int64_t microbatch_size = 2;   // sequences per microbatch
   TrainDtype dtype = TrainDtype::kFp32;  // compute dtype; masters are fp32
+  LossScaling loss_scaling;              // fp16 only
   double grad_clip = 1.0;        // global L2 norm; 0 disables
   int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
   int64_t mlp_tile_tokens = 0;   // dense MLPs computed (and recomputed) this many tokens at a time; 0 = all
@@ -282,6 +295,16 @@ std::vector<KeyDoc> DocumentedKeys();
 // under `name` ("<dir>/config.json: num_hidden_layers: must be in [1, 4096], got 100000"): values
 // from a checkpoint's config.json get the job keys' validation.
 Status CheckModelValue(const std::string& key, double value, const std::string& name);
+
+// Whether no parameter may be updated before the step's global gradient norm is known: with
+// clipping (the norm scales every update) and with fp16's loss scaling (a step whose gradients are
+// not all finite updates nothing). Otherwise each parameter is updated as soon as its gradient is
+// final. Decided here once: the optimizer, the gradient arena's size and the planner follow it.
+inline bool UpdatesWaitForNorm(const JobConfig& c) {
+  return c.train.grad_clip > 0.0 || c.train.dtype == TrainDtype::kFp16;
+}
+// Whether each step's loss is scaled (LossScaling).
+inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp16; }
 
 // schedule.weights_source resolved: true when workers fetch the fp32 masters (shm/layout.h puts
 // them in the shared state segment and there is no compute copy). Exact mode can: a layer's

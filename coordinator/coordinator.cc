@@ -51,6 +51,10 @@ std::atomic<proto::CoordinatorChannel*> g_channel{nullptr};
 // How long the loop waits when nothing happens: it bounds only how late a hung worker is noticed
 // (everything else it waits for wakes it: messages, the optimizer, the plan search, signals).
 constexpr int kLoopWaitMs = 200;
+// fp16: a skipped step that leaves the loss scale below fp16's smallest subnormal (2^-24) ends
+// the run as diverged: no scaled gradient is large enough to overflow there, so what is not
+// finite is the forward itself, and every later step would be skipped too.
+constexpr double kLowestLossScale = 0x1p-24;
 
 using proto::Message;
 
@@ -92,6 +96,11 @@ class Coordinator {
   // The run's stop when step `step` (0-based) turned out non-finite, naming the step and the
   // newest checkpoint, which holds only finite weights.
   Status Diverged(int64_t step);
+  // fp16: step `step`'s gradients were not finite and it updated nothing (not a divergence).
+  bool SkippedStep(int64_t step) const {
+    const auto s = optimizer_->Scaling(step);
+    return s && s->skipped;
+  }
   // The first step a stop requested now can end after (graceful stop, re-plan).
   int64_t EarliestStop() const;
   int64_t StepH2dBytes() const;
@@ -128,6 +137,7 @@ class Coordinator {
   std::unique_ptr<Evaluations> evals_;
   std::unique_ptr<StepDispatch> dispatch_;
   RunTimes times_;
+  int64_t skipped_steps_ = 0;             // fp16 steps skipped for gradients not finite
   bool graceful_ = false;                 // a graceful stop moved stop_step (SIGINT)
   std::optional<std::string> replan_to_;  // the plan the run stopped to resume on
   // Node 0 alone writes checkpoints and exports: the replicas hold the same state.
@@ -257,7 +267,7 @@ Status Coordinator::StartParts() {
   RP_LOG(INFO) << "optimizer: " << threads << " threads";
   optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(), host_->optim().data(),
                                                 &host_->grad_arena(), threads, [wake] { wake->Wake(); });
-  optimizer_->StartAfter(window_.first_step);
+  RP_RETURN_IF_ERROR(optimizer_->StartAfter(window_.first_step));
   evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
   dispatch_ = std::make_unique<StepDispatch>(StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(),
                                                                  *data_, host_->grad_arena(), *optimizer_, *workers_,
@@ -431,8 +441,9 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   if (!periodic && !last) return Status::Ok();
   if (!optimizer_->Updated(t))
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested before its update finished");
-  // Weights updated with a non-finite gradient are no checkpoint to resume from.
-  if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm)) return Diverged(t);
+  // Weights updated with a non-finite gradient are no checkpoint to resume from (a step fp16's
+  // scaler skipped updated nothing).
+  if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm) && !SkippedStep(t)) return Diverged(t);
   if (evals_->last_final_step() > t)
     return Status::Internal("checkpoint after step " + std::to_string(done) + " requested after step " +
                             std::to_string(evals_->last_final_step() + 1) + "'s gradients reached the optimizer");
@@ -480,6 +491,7 @@ Status Coordinator::ReportSteps() {
     if (!st || st->done_at < 0) return Status::Ok();
     auto norm = optimizer_->GradNorm(s);
     if (!norm) return Status::Ok();
+    const auto scaling = optimizer_->Scaling(s);
     if (evals_->Due(s) && !evals_->Finished(s)) return Status::Ok();
     const double now = MonoSeconds();
     core::StepMetrics m;
@@ -496,10 +508,23 @@ Status Coordinator::ReportSteps() {
       m.eval_loss = eval->loss;
       m.eval_tokens = eval->targets;
     }
+    if (core::ScalesLoss(cfg_)) {
+      m.loss_scale = scaling->scale;
+      m.skipped = scaling->skipped;
+    }
     times_.busy_s += st->busy_s;
     times_.last_report = now;
     // A diverged step's metrics are not written: metrics.jsonl keeps the steps a resume repeats.
-    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) return Diverged(s);
+    // fp16: a step whose gradients overflowed was skipped (the scale falls and training goes on),
+    // unless the scale has fallen so far that no fp16 gradient is left to overflow.
+    if (m.skipped) {
+      skipped_steps_++;
+      if (scaling->scale_after < kLowestLossScale) return Diverged(s);
+      RP_LOG(WARNING) << "step " << m.step << ": gradients not finite at loss scale " << m.loss_scale
+                      << "; step skipped, scale now " << scaling->scale_after;
+    } else if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
+      return Diverged(s);
+    }
     RP_RETURN_IF_ERROR(metrics_->Append(m));
     // An evaluation's time lands in its step and the next one: not a drift of the plan.
     profiler_->OnStepReported(s, m.step_time_s, m.bubble_ratio, evals_->Due(s) || (s > 0 && evals_->Due(s - 1)),
@@ -658,6 +683,7 @@ Status Coordinator::Finish(Status st) {
       summary["wall_s"] = wall;
       summary["tokens_per_s"] = static_cast<double>(tokens) / wall;
       summary["busy_s"] = times_.busy_s;
+      if (core::ScalesLoss(cfg_)) summary["skipped_steps"] = skipped_steps_;
       if (auto prediction = profiler_->Summary(); !prediction.is_null()) summary["prediction"] = prediction;
       if (replan_to_) summary["replan_to"] = *replan_to_;
     }

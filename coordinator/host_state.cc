@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "common/logging.h"
-#include "coordinator/optim/adamw.h"
+#include "coordinator/optim/optimizer_step.h"
 #include "io/hf_model.h"
 #include "io/peft.h"
 #include "protocol/codec.h"
@@ -53,13 +53,8 @@ const float* HostState::Weights(int p, int64_t version) const {
 }
 
 void HostState::ReadFrozen(int f, float* out) const {
-  const int64_t n = spec_.frozen[f].numel;
-  if (cfg_.train.dtype == core::TrainDtype::kBf16) {
-    const auto* c = state_->At<const uint16_t>(layout_.frozen[f]);
-    for (int64_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(c[i]);
-  } else {
-    std::memcpy(out, state_->At<const float>(layout_.frozen[f]), n * sizeof(float));
-  }
+  FromComputeCopy(state_->At<const uint8_t>(layout_.frozen[f]), out, spec_.frozen[f].numel,
+                  ComputeDtypeOf(cfg_.train.dtype));
 }
 
 namespace {
@@ -123,7 +118,7 @@ std::vector<StateSection> HostState::Sections() {
 
 Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,
                        core::Dataset* eval_data) {
-  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
+  const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
   // LoRA's frozen base, on resume too (checkpoints leave it out): the checkpoint (model.path)
   // or the seeded init, straight into its compute copy.
   if (!spec_.frozen.empty()) {
@@ -135,14 +130,12 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
     std::vector<float> staging;
     for (size_t f = 0; f < spec_.frozen.size(); ++f) {
       const auto& ps = spec_.frozen[f];
-      float* dst = bf16 ? (staging.resize(static_cast<size_t>(ps.numel)), staging.data())
-                        : state_->At<float>(layout_.frozen[f]);
+      const bool narrow = dtype != ComputeDtype::kFloat32;
+      float* dst = narrow ? (staging.resize(static_cast<size_t>(ps.numel)), staging.data())
+                          : state_->At<float>(layout_.frozen[f]);
       if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, dst));
       else core::InitParam(ps, spec_.config, static_cast<uint64_t>(cfg_.train.seed), dst);
-      if (bf16) {
-        auto* c = state_->At<uint16_t>(layout_.frozen[f]);
-        for (int64_t i = 0; i < ps.numel; ++i) c[i] = FloatToBFloat16(dst[i]);
-      }
+      if (narrow) ToComputeCopy(dst, state_->At<uint8_t>(layout_.frozen[f]), ps.numel, dtype);
     }
   }
   if (resume_from) {
@@ -197,7 +190,6 @@ Status HostState::FillFresh() {
     RP_ASSIGN_OR_RETURN(auto w, core::HfWeights::Open(cfg_.model.path));
     hf.emplace(std::move(w));
   }
-  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
   std::vector<float> staging;
   for (size_t p = 0; p < spec_.params.size(); ++p) {
     const int64_t n = spec_.params[p].numel;
@@ -222,12 +214,7 @@ Status HostState::FillFresh() {
       std::memcpy(optim_->At<float>(layout_.ShareElem(layout_.master, static_cast<int>(p), r.begin)), whole + r.begin,
                   static_cast<size_t>(r.size()) * sizeof(float));
     }
-    if (bf16) {
-      auto* c = state_->At<uint16_t>(layout_.compute[p]);
-      for (int64_t i = 0; i < n; ++i) c[i] = FloatToBFloat16(whole[i]);
-    } else {
-      std::memcpy(state_->At<float>(layout_.compute[p]), whole, n * sizeof(float));
-    }
+    ToComputeCopy(whole, state_->At<uint8_t>(layout_.compute[p]), n, ComputeDtypeOf(cfg_.train.dtype));
   }
   return Status::Ok();
 }

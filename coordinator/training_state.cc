@@ -193,9 +193,14 @@ StatusOr<nlohmann::json> ReadHeader(int fd, const std::string& path, uint64_t fi
 std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim, uint8_t* state) {
   const uint64_t region = layout.compute_end - layout.compute_begin;
   uint8_t* compute = state ? state + layout.compute_begin : nullptr;
-  if (!layout.sharded)
-    return {{"optim", optim, layout.optim_total_bytes},
-            {"compute", compute, region * static_cast<uint64_t>(layout.compute_buffers)}};
+  if (!layout.sharded) {
+    std::vector<StateSection> out = {{"optim", optim, layout.optim_total_bytes},
+                                     {"compute", compute, region * static_cast<uint64_t>(layout.compute_buffers)}};
+    // fp16: the loss scaler's states (shm::LossScaleRecord), which a resume continues from.
+    if (layout.loss_scaling != 0)
+      out.push_back({"loss_scaling", state ? state + layout.loss_scaling : nullptr, sizeof(shm::LossScaleRecord)});
+    return out;
+  }
   // Sharded: this node's shares of the compute copies (the other nodes' are theirs to write).
   StateSection shares("compute_shares", compute, 0);
   const uint64_t elem = static_cast<uint64_t>(layout.weights_elem_bytes);
@@ -222,6 +227,7 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
   // Mixed in only when set, so checkpoints written before the choice existed (compute copies)
   // keep their hash; ReadTrainingState names this mismatch on its own.
   if (layout.masters_in_state) h = HashKey({h, 0x4d41u});
+  if (layout.loss_scaling != 0) h = HashKey({h, 0xF16u});  // fp16 and bf16 copies are both 2 bytes
   for (const auto& p : spec.params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
@@ -298,7 +304,10 @@ std::vector<ExpectedSection> ShareSections(const core::JobConfig& c, const core:
     arrays(old.adam_m, layout.adam_m);
     arrays(old.adam_v, layout.adam_v);
   }
-  return {o, w};
+  if (layout.loss_scaling == 0) return {o, w};
+  ExpectedSection scaling{"loss_scaling", sizeof(shm::LossScaleRecord), {}};
+  if (state) scaling.copies.push_back({0, state + layout.loss_scaling, sizeof(shm::LossScaleRecord)});
+  return {o, w, scaling};
 }
 
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,

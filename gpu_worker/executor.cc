@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <atomic>
 #include <stdexcept>
@@ -18,6 +19,17 @@
 
 namespace rp::worker {
 
+namespace {
+at::ScalarType StoredDtype(core::TrainDtype d) {
+  switch (d) {
+    case core::TrainDtype::kBf16: return at::kBFloat16;
+    case core::TrainDtype::kFp16: return at::kHalf;
+    case core::TrainDtype::kFp32: break;
+  }
+  return at::kFloat;
+}
+}  // namespace
+
 Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
                    const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
                    const shm::Segment& segment, Device& device)
@@ -29,9 +41,12 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       segment_(segment),
       device_(device),
       math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
-      act_dtype_(cfg.train.dtype == core::TrainDtype::kBf16 ? at::kBFloat16 : at::kFloat),
-      weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : at::kBFloat16) {
-  if (cfg.bench.fused_kernels) {
+      store_dtype_(StoredDtype(cfg.train.dtype)),
+      act_dtype_(store_dtype_ == at::kHalf && device.torch_device().is_cpu() ? at::kFloat : store_dtype_),
+      weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : store_dtype_),
+      emulate_half_(store_dtype_ == at::kHalf && act_dtype_ == at::kFloat) {
+  // The project's kernels take fp32 and bf16: fp16 runs LibTorch's own operators.
+  if (cfg.bench.fused_kernels && store_dtype_ != at::kHalf) {
     math_.UseFusedKernels(device.fused_kernels());
     math_.UseFusedNorms(cfg.bench.fused_norms);
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
@@ -158,6 +173,8 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
     } else {
       t = dst.at(next_dst++);
       device_.CopyWeights(t, src, weights_dtype_);
+      // Emulated fp16 from fp32 masters: the values an fp16 copy would hold.
+      if (emulate_half_ && weights_dtype_ == at::kFloat) t.copy_(t.to(at::kHalf));
     }
     if (grads) {
       t.requires_grad_(true);
@@ -168,7 +185,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
   }
   for (const auto& use : spec_.layer_frozen[l]) {  // LoRA's base: one buffer, never a gradient
     at::Tensor t = dst.at(next_dst++);
-    device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], act_dtype_);
+    device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], store_dtype_);
     lw.emplace(use.role, t);
   }
   return lw;
@@ -388,12 +405,16 @@ static int PoolRank(int rank, const char* what, int64_t job, int mb) {
 
 at::Tensor Executor::Hidden(int mb, int boundary) {
   const int slot = plan_.HiddenSlot(boundary);
-  if (layout_.activations_in_worker) return Resident(resident_hidden_, {job_.parity, mb, slot}, "hidden-state");
+  if (layout_.activations_in_worker)
+    return Resident(resident_hidden_, {job_.parity, mb, slot}, "hidden-state").to(act_dtype_);
   if (layout_.activations_in_pools)
-    return device_.FetchFromPool(PoolRank(from_.hidden_rank, "hidden state", job_.job_index, mb),
-                                 layout_.PoolHiddenSlot(job_.parity, mb, slot), ActivationShape(), act_dtype_);
-  return device_.FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot), ActivationShape(),
-                                 act_dtype_);
+    return device_
+        .FetchFromPool(PoolRank(from_.hidden_rank, "hidden state", job_.job_index, mb),
+                       layout_.PoolHiddenSlot(job_.parity, mb, slot), ActivationShape(), store_dtype_)
+        .to(act_dtype_);
+  return device_
+      .FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot), ActivationShape(), store_dtype_)
+      .to(act_dtype_);
 }
 
 at::Tensor Executor::StageInput(int mb) {
@@ -407,39 +428,44 @@ void Executor::SetDropoutKeyFor(int mb) {
 at::Tensor Executor::InputGrad(int mb, int boundary) {
   const int slot = plan_.GradSlot(boundary);
   if (layout_.activations_in_worker)
-    return Resident(resident_grads_, {job_.parity, mb, slot % layout_.grad_slots_per_mb}, "input-gradient");
+    return Resident(resident_grads_, {job_.parity, mb, slot % layout_.grad_slots_per_mb}, "input-gradient")
+        .to(act_dtype_);
   if (layout_.activations_in_pools)
-    return device_.FetchFromPool(PoolRank(from_.grad_rank, "input gradient", job_.job_index, mb),
-                                 layout_.PoolInputGradSlot(job_.parity, mb, slot), ActivationShape(), act_dtype_);
-  return device_.FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot), ActivationShape(),
-                                 act_dtype_);
+    return device_
+        .FetchFromPool(PoolRank(from_.grad_rank, "input gradient", job_.job_index, mb),
+                       layout_.PoolInputGradSlot(job_.parity, mb, slot), ActivationShape(), store_dtype_)
+        .to(act_dtype_);
+  return device_
+      .FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot), ActivationShape(),
+                       store_dtype_)
+      .to(act_dtype_);
 }
 
 void Executor::StoreHidden(int mb, int boundary, const at::Tensor& t) {
   if (layout_.activations_in_worker) {
-    resident_hidden_[{job_.parity, mb, plan_.HiddenSlot(boundary)}] = t.detach().to(act_dtype_);
+    resident_hidden_[{job_.parity, mb, plan_.HiddenSlot(boundary)}] = t.detach().to(store_dtype_);
     return;
   }
   if (layout_.activations_in_pools) {
-    device_.StoreToPool(t, layout_.PoolHiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)), act_dtype_);
+    device_.StoreToPool(t, layout_.PoolHiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)), store_dtype_);
     return;
   }
   device_.Store(t, segment_.data() + layout_.HiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)),
-                act_dtype_);
+                store_dtype_);
 }
 
 void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
   if (layout_.activations_in_worker) {
     resident_grads_[{job_.parity, mb, plan_.GradSlot(boundary) % layout_.grad_slots_per_mb}] =
-        t.detach().to(act_dtype_);
+        t.detach().to(store_dtype_);
     return;
   }
   if (layout_.activations_in_pools) {
-    device_.StoreToPool(t, layout_.PoolInputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)), act_dtype_);
+    device_.StoreToPool(t, layout_.PoolInputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)), store_dtype_);
     return;
   }
   device_.Store(t, segment_.data() + layout_.InputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)),
-                act_dtype_);
+                store_dtype_);
 }
 
 void Executor::StoreRouterStats(int mb, int l) {
@@ -465,7 +491,15 @@ model::RouterAux Executor::ReadRouterAux(int mb) const {
 }
 
 at::Tensor Executor::RouterAuxGrad(const model::RouterAux& aux, const at::Tensor& like) {
-  return at::tensor(aux.grad, at::TensorOptions().dtype(at::kFloat)).to(like.device());
+  at::Tensor g = at::tensor(aux.grad, at::TensorOptions().dtype(at::kFloat)).to(like.device());
+  return layout_.loss_scaling != 0 ? g * StepLossScale() : g;
+}
+
+double Executor::StepLossScale() const {
+  if (layout_.loss_scaling == 0) return 1.0;
+  // Stored before any weights this job fetched were published (shm::LossScaleRecord).
+  const auto* record = segment_.At<shm::LossScaleRecord>(layout_.loss_scaling);
+  return record->step_scale[job_.step % shm::kLossScaleRing].load(std::memory_order_acquire);
 }
 
 int Executor::MarkIfProfiling() { return job_.profile ? device_.Mark() : -1; }
@@ -552,7 +586,8 @@ MicrobatchResult Executor::RunTail(int mb) {
   at::Tensor head_in = seg.outputs.empty() ? x : seg.outputs.back().detach().requires_grad_(true);
   at::Tensor labels = Tokens(mb, true);
   const int a = MarkIfProfiling();
-  const double loss_scale = job_.step == TestNanStep() ? std::nan("") : job_.loss_scale;
+  double loss_scale = job_.step == TestNanStep() ? std::nan("") : job_.loss_scale * StepLossScale();
+  if (TestOverflowAt(job_.step)) loss_scale = std::numeric_limits<double>::infinity();
   auto r = math_.HeadForwardBackward(current_.layers.back(), head_in, labels, loss_scale,
                                      /*backward=*/true, /*defer_read=*/true);
   Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);

@@ -196,6 +196,8 @@ class Executor {
   model::RouterAux ReadRouterAux(int mb) const;
   // The gradient of ReadRouterAux on `like`'s device, set on the math for this microbatch's
   // backward (undefined without the loss).
+  // fp16: what this job's step multiplies its loss by (shm::LossScaleRecord); 1 otherwise.
+  double StepLossScale() const;
   at::Tensor RouterAuxGrad(const model::RouterAux& aux, const at::Tensor& like);
   void StoreInputGrad(int mb, int boundary, const at::Tensor& t);
   MicrobatchResult RunForward(int mb);
@@ -264,8 +266,13 @@ class Executor {
   const shm::Segment& segment_;
   Device& device_;
   model::Transformer math_;
+  // What shared memory and activation pools hold (train.dtype), and what the math runs in: the
+  // same, except fp16 on a CPU worker, which emulates it (LibTorch's CPU kernels lack fp16 math):
+  // fp32 arithmetic on weights rounded to fp16 and on stage inputs and gradients stored as fp16.
+  at::ScalarType store_dtype_;
   at::ScalarType act_dtype_;
   at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
+  bool emulate_half_ = false;     // fp16 on a CPU worker (above)
   bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
 
   proto::RunJob job_{};

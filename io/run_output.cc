@@ -127,6 +127,10 @@ Status MetricsWriter::Append(const StepMetrics& m) {
     j["h2d_bytes"] = m.h2d_bytes;
     if (m.step_time_s > 0) j["h2d_gb_per_s"] = static_cast<double>(m.h2d_bytes) / m.step_time_s / 1e9;
   }
+  if (m.loss_scale >= 0) {
+    j["loss_scale"] = m.loss_scale;
+    j["skipped"] = m.skipped;
+  }
   for (const auto& c : m.checkpoints) j["checkpoints"].push_back(CheckpointJson(c));
   std::string line = j.dump() + "\n";
   if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)

@@ -46,6 +46,11 @@ struct StepMetrics {
   // omitted when < 0.
   double eval_loss = -1.0;
   int64_t eval_tokens = 0;
+  // fp16 (core::ScalesLoss): the scale the step's loss was multiplied by, and whether its
+  // gradients were not all finite, so it updated nothing (grad_norm is then null); omitted when
+  // loss_scale < 0.
+  double loss_scale = -1.0;
+  bool skipped = false;
   // Training checkpoints whose write completed since the previous line.
   struct Checkpoint {
     int64_t after_step = 0;

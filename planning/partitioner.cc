@@ -85,7 +85,7 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
 
 MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
-  const double elem = c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0;
+  const double elem = c.train.dtype == core::TrainDtype::kFp32 ? 4.0 : 2.0;
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
   // The MLP's intermediate-sized tensors a block keeps for the microbatch, in units of
@@ -168,7 +168,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
   const int64_t ahead = std::max(1, workers);
-  const bool next_step_waits = c.optimizer.mode == core::OptimizerMode::kExact && c.train.grad_clip > 0;
+  const bool next_step_waits = c.optimizer.mode == core::OptimizerMode::kExact && core::UpdatesWaitForNorm(c);
   double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;

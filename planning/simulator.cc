@@ -290,13 +290,13 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
   in.version_lag = c.optimizer.mode == core::OptimizerMode::kStale1 ? 2 : 1;
-  in.updates_wait_for_norm = c.train.grad_clip > 0;
+  in.updates_wait_for_norm = core::UpdatesWaitForNorm(c);
   in.copies_overlap = c.job.device != core::DeviceKind::kCpu;  // as WorkloadKey() tells the two kinds apart
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
   in.layer_major = c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
                    : c.bench.layer_major_forward == core::Tristate::kAlways ? SimInput::LayerMajor::kAlways
                                                                 : SimInput::LayerMajor::kAuto;
-  const double elem = c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0;
+  const double elem = c.train.dtype == core::TrainDtype::kFp32 ? 4.0 : 2.0;
   // Trainable weights cross the link as fp32 when workers fetch the masters.
   const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());

@@ -112,16 +112,17 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
         if (uses[use.param] == 1) bytes += GradSlotBytes(c, spec, use.grad_slot);  // shared ones counted above
     largest_stage = std::max(largest_stage, bytes);
   }
-  s.must_hold_all = c.train.grad_clip > 0.0 || core::Round(c).calls > 1;
+  s.must_hold_all = core::UpdatesWaitForNorm(c) || core::Round(c).calls > 1;
   s.minimum = s.must_hold_all ? s.all_slots : std::min(s.all_slots, largest_stage + shared_uses);
   const uint64_t requested = static_cast<uint64_t>(c.optimizer.grad_buffer_mb) << 20;
   if (requested == 0) {
     s.chosen = s.must_hold_all ? s.all_slots : std::min(s.all_slots, 2 * largest_stage + shared_uses);
   } else if (requested < s.minimum) {
     const std::string why = s.must_hold_all
-        ? std::string(c.train.grad_clip > 0.0 ? "train.grad_clip > 0 (no update may start before "
-                                                "the global gradient norm is known)"
-                                              : "train.accum_calls > 1 (every slot takes a commit per call)") +
+        ? std::string(core::UpdatesWaitForNorm(c)
+                          ? "train.grad_clip > 0 or train.dtype = \"fp16\" (no update may start before the "
+                            "global gradient norm is known)"
+                          : "train.accum_calls > 1 (every slot takes a commit per call)") +
               ", so every gradient is held at once"
         : std::string("the largest stage's gradients") +
               (shared_uses > 0 ? " plus the tied parameters' (held until their last use)" : "") +
@@ -140,7 +141,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
                                     const core::PipelinePlan& plan) {
   RP_ASSIGN_OR_RETURN(GradArenaSizing sizing, SizeGradArena(c, spec, plan));
   ArenaLayout a;
-  a.compute_elem_bytes = c.train.dtype == core::TrainDtype::kBf16 ? 2 : 4;
+  a.compute_elem_bytes = c.train.dtype == core::TrainDtype::kFp32 ? 4 : 2;
   uint64_t pos = kHeaderBytes;
   a.sharded = core::ShardedState(c);
   a.layer_versions = pos;
@@ -207,6 +208,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   }
   a.router_stats = pos;
   pos += slots * a.router_slot_bytes;
+  if (core::ScalesLoss(c)) {
+    a.loss_scaling = pos;
+    pos = Align(pos + sizeof(LossScaleRecord));
+  }
   a.total_bytes = pos;
 
   // The optimizer segment.
@@ -230,6 +235,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   if (a.sharded) h = HashKey({h, 0x5Au, a.gathered_versions, static_cast<uint64_t>(c.nodes.count)});
   if (a.router_blocks > 0)
     h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks), static_cast<uint64_t>(a.router_experts)});
+  if (a.loss_scaling != 0) h = HashKey({h, 0x1055u, a.loss_scaling});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

@@ -49,6 +49,7 @@
 //                        RouterStats), written by the stage that runs the block's forward (a
 //                        forward stage or the fused tail) and read by the microbatch's fused tail
 //                        and backward stages, which all run after its last forward.
+//   loss scaling         fp16 only (core::ScalesLoss): one LossScaleRecord (below).
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
@@ -78,7 +79,7 @@
 namespace rp::shm {
 
 inline constexpr uint64_t kSegmentMagic = 0x3174536550695052ull;  // "RPiPeSt1"
-inline constexpr uint32_t kSegmentVersion = 3;
+inline constexpr uint32_t kSegmentVersion = 4;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
 
@@ -104,6 +105,34 @@ static_assert(offsetof(SegmentHeader, ready) == 48);
 static_assert(offsetof(SegmentHeader, session) == 56);
 static_assert(sizeof(SegmentHeader) == 104);
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
+
+// fp16's dynamic loss scale (core::LossScaling) after step `step` (0-based); -1: before the first.
+// `scale` holds an fp32 value (torch.amp.GradScaler keeps its scale in fp32).
+struct LossScalerState {
+  int64_t step;
+  double scale;
+  int64_t growth_tracker;  // finite steps in a row since the scale last changed
+  int64_t skipped;         // steps skipped through `step`: AdamW's step count lags by this many
+};
+static_assert(sizeof(LossScalerState) == 32);
+
+// fp16's loss scales in the state segment, by step % kLossScaleRing. The coordinator's optimizer
+// writes them (coordinator/optim/async_optimizer.h says when); workers read only step_scale.
+//  * step_scale[s % ring]: what step s multiplies its loss by. Written when step s - 1 (exact) or
+//    s - 2 (stale1) has its norm, before any weights step s fetches are published (release), so a
+//    worker that has fetched them reads it (acquire). A slot is rewritten for step s + ring only
+//    after step s's last gradient is final, so no job of step s reads it then.
+//  * after[t % ring]: the scaler's state after step t. A checkpoint after step t + 1 keeps the
+//    record: a resume reads the entries of steps t and t - 1 back, which nothing writes while the
+//    checkpoint copies the record (only step t + 1's entry may change then).
+inline constexpr int kLossScaleRing = 4;
+struct LossScaleRecord {
+  std::atomic<double> step_scale[kLossScaleRing];
+  LossScalerState after[kLossScaleRing];
+};
+static_assert(std::atomic<double>::is_always_lock_free && sizeof(std::atomic<double>) == 8,
+              "loss scales must be plain lock-free words to be shared across processes");
+static_assert(sizeof(LossScaleRecord) == 8 * kLossScaleRing + 32 * kLossScaleRing);
 
 // The optimizer segment's arrays for node `rank` of `nodes` (sharded state; 1 node: whole
 // parameters): per parameter its share and the byte offsets of its master (unless
@@ -173,6 +202,7 @@ struct ArenaLayout {
   // Router statistics (above): none when router_blocks is 0.
   uint64_t router_stats = 0, router_slot_bytes = 0;
   int router_blocks = 0, router_experts = 0;
+  uint64_t loss_scaling = 0;  // the LossScaleRecord; 0 when the loss is not scaled
 
   // Byte offset of element `e` (inside this node's share) of parameter p's master, first or
   // second moment: `base` is master, adam_m or adam_v.

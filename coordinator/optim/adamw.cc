@@ -31,6 +31,87 @@ float BFloat16ToFloat(uint16_t b) {
   return f;
 }
 
+uint16_t FloatToHalf(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN, quiet
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: infinity
+  if (abs < 0x38800000u) {
+    // Below the smallest normal half (2^-14): a subnormal, units of 2^-24, rounded to nearest even.
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25: rounds to zero
+    const uint32_t exp = abs >> 23, mant = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exp;  // mant * 2^(exp - 150) in units of 2^-24
+    const uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    return static_cast<uint16_t>(sign | (q + (rem > half || (rem == half && (q & 1u)))));
+  }
+  // Normal: rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits to nearest even;
+  // a carry out of the mantissa correctly bumps the exponent.
+  const uint32_t rebiased = abs - 0x38000000u;
+  return static_cast<uint16_t>(sign | ((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13));
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else {
+    float f = static_cast<float>(mant) * 0x1p-24f;  // subnormal (or zero): exact
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+namespace {
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+#endif
+}  // namespace
+
+void FloatsToHalves(const float* in, uint16_t* out, int64_t n) {
+#if defined(__x86_64__)
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  if (f16c && BestSimdLevel() != SimdLevel::kScalar) return FloatsToHalvesF16c(in, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
+void ToComputeCopy(const float* in, void* out, int64_t n, ComputeDtype dtype) {
+  switch (dtype) {
+    case ComputeDtype::kFloat32: std::memcpy(out, in, static_cast<size_t>(n) * 4); return;
+    case ComputeDtype::kFloat16: FloatsToHalves(in, static_cast<uint16_t*>(out), n); return;
+    case ComputeDtype::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(out)[i] = FloatToBFloat16(in[i]);
+      return;
+  }
+}
+
+void FromComputeCopy(const void* in, float* out, int64_t n, ComputeDtype dtype) {
+  const auto* h = static_cast<const uint16_t*>(in);
+  switch (dtype) {
+    case ComputeDtype::kFloat32: std::memcpy(out, in, static_cast<size_t>(n) * 4); return;
+    case ComputeDtype::kFloat16:
+      for (int64_t i = 0; i < n; ++i) out[i] = HalfToFloat(h[i]);
+      return;
+    case ComputeDtype::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(h[i]);
+      return;
+  }
+}
+
 namespace {
 
 // Round-to-nearest-even without a branch, so the loop below vectorizes. NaN stays NaN (quiet).

@@ -25,7 +25,10 @@ struct AdamWHyper {
   int64_t step = 1;           // 1-based, for bias correction
 };
 
-enum class ComputeDtype : uint8_t { kFloat32, kBFloat16 };
+// kFloat16: the update writes the master (as if it were its own copy), then rounds it into the
+// compute copy (FloatsToHalves): one more pass over the master than bf16's fused write, on the
+// fp16 path only.
+enum class ComputeDtype : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
 // Which of an update's outputs one pass writes. An update can run as two passes over the same
 // inputs: kFetched writes only what workers fetch (the compute copy, or the master when the master
@@ -69,6 +72,14 @@ void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* ma
 
 uint16_t FloatToBFloat16(float f);
 float BFloat16ToFloat(uint16_t b);
+// IEEE binary16, round to nearest even; overflow gives infinity, NaN stays NaN (quiet). The
+// range form uses the CPU's F16C conversion where it has one (the same bits).
+uint16_t FloatToHalf(float f);
+float HalfToFloat(uint16_t h);
+void FloatsToHalves(const float* in, uint16_t* out, int64_t n);
+// n fp32 values into a compute copy of `dtype`, and back (exact for what the copy can hold).
+void ToComputeCopy(const float* in, void* out, int64_t n, ComputeDtype dtype);
+void FromComputeCopy(const void* in, float* out, int64_t n, ComputeDtype dtype);
 
 // Runs fn(i) for i in [0, n) on up to `threads` threads (work-stealing by an atomic counter, so
 // a few huge tasks and many tiny ones both balance).

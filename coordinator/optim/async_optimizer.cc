@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "common/time_util.h"
 #include "config/lr_schedule.h"
+#include "coordinator/optim/loss_scaler.h"
 
 namespace rp::coord {
 
@@ -36,7 +37,9 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
       two_passes_(cfg.optimizer.mode == core::OptimizerMode::kExact && !layout.grads_streamed),
+      norm_first_(core::UpdatesWaitForNorm(cfg)),
       layer_start_us_(spec.NumLayers()) {
+  if (layout.loss_scaling != 0) scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
   cur_.slots_left.assign(spec.params.size(), 0);
   cur_.param_chunks_left = std::vector<std::atomic<int64_t>>(spec.params.size());
   cur_.layer_params_left = std::vector<std::atomic<int>>(spec.NumLayers());
@@ -115,10 +118,28 @@ double AsyncOptimizer::LearningRate(int64_t step) const {
   return core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
 }
 
-void AsyncOptimizer::StartAfter(int64_t steps_done) {
+Status AsyncOptimizer::StartAfter(int64_t steps_done) {
   cur_.step = steps_done - 1;
   published_through_.store(steps_done - 1);
   updated_through_.store(steps_done - 1);
+  if (!scaling_) return Status::Ok();
+  const int ring = shm::kLossScaleRing;
+  // The state after step `t` (-1: before the first): the record's entry, checked, or the initial one.
+  auto after = [&](int64_t t) -> StatusOr<shm::LossScalerState> {
+    if (t < 0) return InitialLossScaler(cfg_.train.loss_scaling);
+    const shm::LossScalerState e = scaling_->after[t % ring];
+    if (e.step != t || !(e.scale > 0.0) || e.skipped < 0 || e.skipped > t + 1)
+      return Status::InvalidArgument("the loss scaler's state after step " + std::to_string(t + 1) +
+                                     " is missing from the checkpoint (its entry is for step " +
+                                     std::to_string(e.step + 1) + ", scale " + std::to_string(e.scale) + ")");
+    return e;
+  };
+  RP_ASSIGN_OR_RETURN(scaler_, after(steps_done - 1));
+  for (int64_t s = steps_done; s <= steps_done + LossScaleLag(cfg_); ++s) {
+    RP_ASSIGN_OR_RETURN(const shm::LossScalerState used, after(s - 1 - LossScaleLag(cfg_)));
+    scaling_->step_scale[s % ring].store(used.scale, std::memory_order_release);
+  }
+  return Status::Ok();
 }
 
 void AsyncOptimizer::SetTouchedRows(int64_t step, std::vector<int64_t> rows) {
@@ -156,7 +177,7 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   }
   const int p = spec_.grad_slots[slot].param;
   RP_CHECK(cur_.slots_left[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
-  const bool update_now = cfg_.train.grad_clip <= 0.0;
+  const bool update_now = !norm_first_;
   if (--cur_.slots_left[p] > 0) {
     // The head's slot of a row-summed parameter is final and the lookup's is not: square the
     // head's rows now, while the backward runs.
@@ -241,14 +262,31 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
 void AsyncOptimizer::OnNormsDone(int64_t step) {
   double total = 0.0;
   for (double s : cur_.partial) total += s;  // fixed order: parameter-major, chunk-minor
-  const double norm = std::sqrt(total);
+  double norm = std::sqrt(total);
+  StepScaling scaling;
+  cur_.adam_step = step + 1;
+  if (scaling_) {
+    const int ring = shm::kLossScaleRing;
+    scaling.scale = scaling_->step_scale[step % ring].load(std::memory_order_acquire);
+    scaling.skipped = !std::isfinite(total);
+    scaler_ = NextLossScaler(scaler_, scaling.skipped, cfg_.train.loss_scaling);
+    scaling.scale_after = scaler_.scale;
+    scaling_->after[step % ring] = scaler_;
+    // Before any version this update publishes: the first step that fetches one reads it.
+    scaling_->step_scale[(step + 1 + LossScaleLag(cfg_)) % ring].store(scaler_.scale, std::memory_order_release);
+    norm /= scaling.scale;
+    cur_.skip = scaling.skipped;
+    cur_.adam_step = step + 1 - scaler_.skipped;
+  }
   {
     std::lock_guard<std::mutex> l(reported_.mu);
     reported_.norms[step] = norm;
+    reported_.scaling[step] = scaling;
   }
   Progress();
-  if (cfg_.train.grad_clip <= 0.0) return;  // already updated chunk by chunk
-  cur_.clip_scale = ClipScale(norm, cfg_.train.grad_clip);
+  if (!norm_first_) return;  // already updated chunk by chunk
+  cur_.clip_scale = cfg_.train.grad_clip > 0.0 && !cur_.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
+  cur_.grad_scale = static_cast<float>(cur_.clip_scale / scaling.scale);
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
   if (SubmitRowsFirst(step, writes)) return;
@@ -347,8 +385,8 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   end = std::min(end, layout_.share[param].end);
   if (begin >= end) return;
   const auto& ps = spec_.params[param];
-  const bool bf16 = cfg_.train.dtype == core::TrainDtype::kBf16;
-  const float scale = cfg_.train.grad_clip <= 0.0 ? 1.0f : static_cast<float>(cur_.clip_scale);
+  const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
+  const float scale = norm_first_ ? cur_.grad_scale : 1.0f;
   // Masters the workers fetch are whole parameters in the state segment; the optimizer
   // segment's arrays hold the share.
   float* master = layout_.masters_in_state
@@ -360,14 +398,22 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   ComputeDtype compute_dtype = ComputeDtype::kFloat32;
   if (!layout_.masters_in_state) {
     compute = state_ + layout_.ComputeCopy(param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
-              begin * (bf16 ? 2 : 4);
-    compute_dtype = bf16 ? ComputeDtype::kBFloat16 : ComputeDtype::kFloat32;
+              begin * layout_.weights_elem_bytes;
+    compute_dtype = dtype;
+  }
+  if (cur_.skip) {
+    // A skipped step changes nothing, and the version it publishes holds the same weights: a
+    // separate compute copy (the other buffer in stale1) gets the masters again.
+    if (writes != UpdateWrites::kRest && compute != master) ToComputeCopy(master, compute, end - begin, compute_dtype);
+    return;
   }
   const float* grad = reinterpret_cast<const float*>(state_ + grads_->Offset(geo_.param_slots[param][0])) + begin;
   float* m = reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_m, param, begin));
   float* v = layout_.adam_v.empty() ? nullptr
                                     : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));
-  UpdateRange(cfg_.optimizer, LearningRate(step), step + 1, ps.weight_decay, scale, grad, master, m, v, end - begin,
+  // Without a norm first (no clipping, no loss scaling) nothing is skipped: the step's own count.
+  const int64_t adam_step = norm_first_ ? cur_.adam_step : step + 1;
+  UpdateRange(cfg_.optimizer, LearningRate(step), adam_step, ps.weight_decay, scale, grad, master, m, v, end - begin,
               compute, compute_dtype, writes);
 }
 
@@ -402,7 +448,7 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
   if (!two_passes_) {
     CountUpdated(step);
     Progress();
-  } else if (cfg_.train.grad_clip <= 0.0) {
+  } else if (!norm_first_) {
     // Without clipping parameters are updated as their gradients become final (backward order,
     // already the order the next step needs them back).
     SubmitRest(step, {param});
@@ -434,6 +480,13 @@ std::optional<double> AsyncOptimizer::GradNorm(int64_t step) const {
   std::lock_guard<std::mutex> l(reported_.mu);
   auto it = reported_.norms.find(step);
   if (it == reported_.norms.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<AsyncOptimizer::StepScaling> AsyncOptimizer::Scaling(int64_t step) const {
+  std::lock_guard<std::mutex> l(reported_.mu);
+  auto it = reported_.scaling.find(step);
+  if (it == reported_.scaling.end()) return std::nullopt;
   return it->second;
 }
 

@@ -45,6 +45,15 @@
 //    until Updated. Step t's second passes may still run then. A parameter's first pass of step
 //    t + 1 needs its slots final for t + 1, so placed again, so released by its second pass of
 //    step t (with clipping every parameter's, since the norm needs every slot).
+//  * fp16 (core::ScalesLoss): updates wait for the norm as with clipping (core::UpdatesWaitForNorm).
+//    The norm of the scaled gradients, divided by the step's scale, is the step's norm. A norm that
+//    is not finite skips the step: no master or moment changes, and the version it publishes holds
+//    the same weights (the compute copy is rewritten from the masters). Either way the scaler's
+//    state advances (loss_scaler.h) and the scale of a later step is stored in the state segment's
+//    LossScaleRecord before any of the update's versions are published (shm/layout.h says which
+//    step). AdamW's step count is the number of updates applied, as torch's when GradScaler skips
+//    optimizer.step(). The gradients are multiplied by clip scale / loss scale in the update: for
+//    a power-of-two scale (the defaults keep it one) the bits of unscaling, then clipping.
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 //  * `on_progress` (may be empty) is called from a pool thread after each change the coordinator
@@ -65,6 +74,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/status.h"
 #include "coordinator/grad_arena.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "coordinator/optim/task_pool.h"
@@ -87,8 +97,11 @@ class AsyncOptimizer {
   AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
 
   // Resume: the state already holds `steps_done` updates, so the first step seen is steps_done.
-  // Call before the first SlotFinal.
-  void StartAfter(int64_t steps_done);
+  // Call before the first SlotFinal. fp16: the scaler starts from the record's states after steps
+  // steps_done - 1 and - 2 where they exist (a resume: HostState read them back), else from
+  // train.loss_scale_init, and the scales of the first steps are stored; an entry of another step
+  // is an error naming both.
+  Status StartAfter(int64_t steps_done);
   // The rows of `step`'s input tokens, ascending, without repeats. Rows first (above): given
   // for step t + 1 before step t's norm is complete, they are updated first. And outside them
   // the tied embedding's lookup gradient slot is zero (the embedding's backward scatters into
@@ -99,6 +112,14 @@ class AsyncOptimizer {
   void SetTouchedRows(int64_t step, std::vector<int64_t> rows);
   void SlotFinal(int64_t step, int slot);
   std::optional<double> GradNorm(int64_t step) const;
+  // fp16: the scale step `step`'s loss was multiplied by, whether the step was skipped, and the
+  // scale after it; known with the norm. Without loss scaling: scale 1, never skipped.
+  struct StepScaling {
+    double scale = 1.0;
+    bool skipped = false;
+    double scale_after = 1.0;
+  };
+  std::optional<StepScaling> Scaling(int64_t step) const;
   // True once every parameter is updated for `step`: both passes, so masters and moments hold
   // the step (what a checkpoint reads).
   bool Updated(int64_t step) const;
@@ -184,6 +205,11 @@ class AsyncOptimizer {
   };
   Geometry geo_;
   const bool two_passes_;                      // exact mode, arena holds every slot
+  const bool norm_first_;                      // core::UpdatesWaitForNorm
+  // fp16: the state segment's record (null without loss scaling), and the scaler's state after
+  // the last step whose norm is known (written by OnNormsDone only, which steps take in order).
+  shm::LossScaleRecord* scaling_ = nullptr;
+  shm::LossScalerState scaler_{};
   std::vector<double> row_sq_;                 // per row of the row-summed parameters
   std::atomic<int64_t> lookup_rows_left_{0};   // rows-first tasks of the next step's rows left
 
@@ -205,6 +231,9 @@ class AsyncOptimizer {
     // Second passes left, by step parity: step t's may still run once step t + 1 has begun.
     std::atomic<int> params_rest_left[2] = {0, 0};
     double clip_scale = 1.0;
+    float grad_scale = 1.0f;  // what the update multiplies gradients by: clip scale / loss scale
+    bool skip = false;        // fp16: gradients not all finite, nothing updated
+    int64_t adam_step = 0;    // 1-based count of updates applied, this one included
   };
   StepCounters cur_;
 
@@ -212,6 +241,7 @@ class AsyncOptimizer {
   struct Reported {
     mutable std::mutex mu;
     std::map<int64_t, double> norms;                                         // GUARDED_BY(mu)
+    std::map<int64_t, StepScaling> scaling;                                  // GUARDED_BY(mu)
     std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> touched;  // GUARDED_BY(mu)
     std::vector<LayerSpan> spans;                                            // GUARDED_BY(mu)
   };

@@ -62,6 +62,14 @@ void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_b
                  float grad_scale, const float* grad, float* master, float* m, float* v, int64_t n,
                  void* compute, ComputeDtype dtype, UpdateWrites writes) {
   const double wd = decay ? opt.weight_decay : 0.0;
+  if (dtype == ComputeDtype::kFloat16) {
+    // The master as its own copy (its first pass writes it, the second the moments), then rounded
+    // into the half copy by whichever pass writes what workers fetch.
+    UpdateRange(opt, lr, step_one_based, decay, grad_scale, grad, master, m, v, n, master, ComputeDtype::kFloat32,
+                writes);
+    if (writes != UpdateWrites::kRest) FloatsToHalves(master, static_cast<uint16_t*>(compute), n);
+    return;
+  }
   if (opt.name == core::OptimizerName::kSgd) {
     SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype, writes);
     return;

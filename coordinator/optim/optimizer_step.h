@@ -16,6 +16,16 @@
 
 namespace rp::coord {
 
+// The compute copy's dtype for a job's train.dtype.
+inline ComputeDtype ComputeDtypeOf(core::TrainDtype d) {
+  switch (d) {
+    case core::TrainDtype::kBf16: return ComputeDtype::kBFloat16;
+    case core::TrainDtype::kFp16: return ComputeDtype::kFloat16;
+    case core::TrainDtype::kFp32: break;
+  }
+  return ComputeDtype::kFloat32;
+}
+
 struct ParamArrays {
   float* master = nullptr;
   float* m = nullptr;

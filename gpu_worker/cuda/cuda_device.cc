@@ -208,7 +208,7 @@ class CudaDevice final : public Device {
       CopyChunked(t.data_ptr(), src, t.nbytes(), cudaMemcpyHostToDevice, weights_);
       return;
     }
-    if (stored != at::kFloat || dtype != at::kBFloat16)
+    if (stored != at::kFloat || (dtype != at::kBFloat16 && dtype != at::kHalf))
       throw std::runtime_error(std::string("CopyWeights: no conversion from ") + c10::toString(stored) +
                                " to " + c10::toString(dtype));
     // fp32 masters for bf16 compute: each chunk lands in one staging buffer and is rounded into
@@ -228,8 +228,14 @@ class CudaDevice final : public Device {
       ThrowIfError(cudaMemcpyAsync(staging_.data_ptr(), in + off, static_cast<size_t>(n) * sizeof(float),
                                    cudaMemcpyHostToDevice, weights_),
                    "cudaMemcpyAsync(master weights H2D)");
-      ThrowIfError(kernels::RoundToBFloat16(staging_.data_ptr<float>(), out + off, n, weights_),
-                   "RoundToBFloat16(master weights)");
+      if (dtype == at::kBFloat16) {
+        ThrowIfError(kernels::RoundToBFloat16(staging_.data_ptr<float>(), out + off, n, weights_),
+                     "RoundToBFloat16(master weights)");
+      } else {
+        // fp16: LibTorch's conversion, on the weights stream like the copy before it.
+        OnStream on_weights(weights_, index_);
+        t.view({-1}).narrow(0, off, n).copy_(staging_.narrow(0, 0, n), /*non_blocking=*/true);
+      }
     }
   }
 

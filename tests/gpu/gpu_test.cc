@@ -222,5 +222,27 @@ TEST_F(GpuTest, Bf16FromMastersMatchesTheComputeCopy) {
               a[0], b[0], worst);
 }
 
+// fp16 on CUDA workers (LibTorch's fp16 operators, dynamic loss scaling): it learns like the bf16
+// run, from fp32 masters (exact) and from the optimizer's fp16 copy (stale1); overflows injected at
+// steps 3 and 4 (1-based) are skipped, and only those, with the scale halved at each.
+TEST_F(GpuTest, Fp16TrainingLearnsAndSkipsInjectedOverflows) {
+  for (const std::string mode : {"exact", "stale1"}) {
+    const std::vector<std::string> sets = {"job.device=\"cuda\"", "train.dtype=\"fp16\"",
+                                           "optimizer.mode=\"" + mode + "\""};
+    auto got = Launch(2, "fp16-" + mode, sets, {"RP_TEST_OVERFLOW_AT_STEPS=2,3"});
+    ASSERT_EQ(got.size(), 20u) << mode;
+    EXPECT_LT(got.back(), 0.8 * got.front()) << mode;
+    const int lag = mode == "stale1" ? 1 : 0;
+    std::ifstream in(tmp_ + "/fp16-" + mode + "/metrics.jsonl");
+    std::string line;
+    for (int s = 0; std::getline(in, line); ++s) {
+      const auto j = nlohmann::json::parse(line);
+      EXPECT_EQ(j["skipped"].get<bool>(), s == 2 || s == 3) << mode << " step " << s + 1;
+      const double want = s <= 2 + lag ? 65536.0 : s == 3 + lag ? 32768.0 : 16384.0;
+      EXPECT_EQ(j["loss_scale"].get<double>(), want) << mode << " step " << s + 1;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rp

@@ -10,8 +10,10 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "coordinator/optim/adamw.h"
+#include "coordinator/optim/loss_scaler.h"
 #include "coordinator/optim/optimizer_step.h"
 
 namespace rp::coord {
@@ -250,6 +252,88 @@ TEST(AdamW, BFloat16ConversionMatchesATen) {
     float f = x[i].item<float>();
     ASSERT_EQ(BFloat16ToFloat(FloatToBFloat16(f)), ref[i].item<float>()) << f;
   }
+}
+
+TEST(AdamW, HalfConversionsMatchATen) {
+  // Every half back to float.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    c10::Half ref;
+    ref.x = static_cast<uint16_t>(h);
+    const float want = static_cast<float>(ref), got = HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << h;
+    } else {
+      ASSERT_EQ(std::memcmp(&want, &got, 4), 0) << h;
+    }
+  }
+  // Floats to half: random magnitudes across the whole range, ties, the subnormals, overflow.
+  at::manual_seed(5);
+  std::vector<float> xs;
+  at::Tensor r = at::randn({20000}) * at::pow(2.0, at::randint(-30, 20, {20000}).to(at::kFloat));
+  for (int64_t i = 0; i < r.numel(); ++i) xs.push_back(r[i].item<float>());
+  for (float f : {0.f, -0.f, 65504.f, 65519.99f, 65520.f, -65520.f, 1e30f, 5.9604645e-8f, 2.9802322e-8f,
+                  2.9802326e-8f, 8.940697e-8f, 6.097555e-5f, 6.1035156e-5f, 1.0009766f, 1.0004883f, 1.0014648f,
+                  std::numeric_limits<float>::infinity(), 1e-45f})
+    xs.push_back(f);
+  std::vector<uint16_t> fast(xs.size());
+  FloatsToHalves(xs.data(), fast.data(), static_cast<int64_t>(xs.size()));
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const uint16_t want = c10::Half(xs[i]).x;
+    ASSERT_EQ(FloatToHalf(xs[i]), want) << xs[i];
+    ASSERT_EQ(fast[i], want) << xs[i];
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(nan))));
+}
+
+TEST(AdamW, Fp16ComputeCopyIsTheRoundedMasterInEitherPassOrder) {
+  core::OptimizerConfig opt;
+  std::vector<float> grad = {0.5f, -1.25f, 3.0f, 1e-3f}, master = {1.0f, -2.0f, 70000.0f, 0.1f};
+  std::vector<float> m(4, 0.0f), v(4, 0.0f);
+  auto one = master, one_m = m, one_v = v, two = master, two_m = m, two_v = v;
+  std::vector<uint16_t> c1(4), c2(4);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), one.data(), one_m.data(), one_v.data(), 4, c1.data(),
+              ComputeDtype::kFloat16, UpdateWrites::kAll);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), two.data(), two_m.data(), two_v.data(), 4, c2.data(),
+              ComputeDtype::kFloat16, UpdateWrites::kFetched);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), two.data(), two_m.data(), two_v.data(), 4, c2.data(),
+              ComputeDtype::kFloat16, UpdateWrites::kRest);
+  std::vector<float> f32 = master, f32_m = m, f32_v = v;
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), f32.data(), f32_m.data(), f32_v.data(), 4, f32.data(),
+              ComputeDtype::kFloat32, UpdateWrites::kAll);
+  EXPECT_EQ(one, f32);
+  EXPECT_EQ(two, f32);
+  EXPECT_EQ(one_m, f32_m);
+  EXPECT_EQ(two_v, f32_v);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(c1[i], c10::Half(f32[i]).x) << i;
+    EXPECT_EQ(c2[i], c10::Half(f32[i]).x) << i;
+  }
+  EXPECT_TRUE(std::isinf(HalfToFloat(c1[2])));  // 70000 is past fp16's range
+}
+
+TEST(LossScaler, FollowsGradScalersRule) {
+  // torch.amp.GradScaler(init_scale=1000, growth_factor=3, backoff_factor=0.3, growth_interval=3)
+  // after each step's found-inf flag, worked out by hand from its update rule.
+  core::LossScaling c{1000.0, 3.0, 0.3, 3};
+  const bool inf[] = {false, false, false, true, false, false, false, false, true, true};
+  const double scale[] = {1000, 1000, 3000, 900, 900, 900, 2700, 2700, 810, 243};
+  const int64_t tracker[] = {1, 2, 0, 0, 1, 2, 0, 1, 0, 0};
+  const int64_t skipped[] = {0, 0, 0, 1, 1, 1, 1, 1, 2, 3};
+  shm::LossScalerState s = InitialLossScaler(c);
+  EXPECT_EQ(s.step, -1);
+  for (int t = 0; t < 10; ++t) {
+    s = NextLossScaler(s, inf[t], c);
+    EXPECT_EQ(s.step, t);
+    EXPECT_EQ(s.scale, static_cast<double>(static_cast<float>(scale[t]))) << t;
+    EXPECT_EQ(s.growth_tracker, tracker[t]) << t;
+    EXPECT_EQ(s.skipped, skipped[t]) << t;
+  }
+  // The scale is fp32: 0.3 x 2700 rounds as torch's float tensor does, and growth stops short of
+  // infinity.
+  EXPECT_EQ(NextLossScaler({0, 2700.0, 0, 0}, true, c).scale, static_cast<double>(static_cast<float>(2700 * 0.3)));
+  core::LossScaling big{3e38, 2.0, 0.5, 1};
+  EXPECT_EQ(NextLossScaler(InitialLossScaler(big), false, big).scale, static_cast<double>(3e38f));
 }
 
 TEST(OptimizerStep, ClipsByGlobalNormAndIsThreadCountIndependent) {

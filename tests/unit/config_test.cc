@@ -130,6 +130,23 @@ TEST(JobConfig, CrossFieldChecks) {
   EXPECT_FALSE(LookupFromHost(*stale));
 }
 
+TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
+  auto c = Parse(kValid, {"train.dtype=fp16", "train.loss_scale_init=1024", "train.loss_scale_growth_interval=50"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->train.loss_scaling.init, 1024.0);
+  EXPECT_EQ(c->train.loss_scaling.growth_interval, 50);
+  EXPECT_TRUE(ScalesLoss(*c));
+  EXPECT_TRUE(UpdatesWaitForNorm(*c));
+  c = Parse(kValid, {"train.dtype=fp16", "train.grad_clip=0"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(UpdatesWaitForNorm(*c));  // an overflow must be known before anything is updated
+  ExpectError(kValid, "train.loss_scale_*", {"train.loss_scale_init=1024"});
+  ExpectError(kValid, "train.loss_scale_*", {"train.dtype=bf16", "job.device=cuda", "train.loss_scale_growth_interval=5"});
+  ExpectError(kValid, "train.loss_scale_growth_factor", {"train.dtype=fp16", "train.loss_scale_growth_factor=1"});
+  ExpectError(kValid, "train.loss_scale_backoff_factor", {"train.dtype=fp16", "train.loss_scale_backoff_factor=1"});
+  ExpectError(kValid, "train.loss_scale_init", {"train.dtype=fp16", "train.loss_scale_init=0"});
+}
+
 TEST(JobConfig, LoraKeysAreChecked) {
   const std::string lora = std::string(kValid) + "[lora]\nrank = 4\n";
   ExpectError(lora + "target_modules = [\"qproj\"]\n", "lora.target_modules: \"qproj\"");
