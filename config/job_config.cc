@@ -126,6 +126,8 @@ const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw
 const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
 const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
                                                {OptimizerState::kSharded, "sharded"}};
+const EnumNames<GradientsWait> kGradientsWaitNames = {{GradientsWait::kHost, "host"},
+                                                      {GradientsWait::kWorkers, "workers"}};
 const EnumNames<Activations> kActivationNames = {{Activations::kHost, "host"}, {Activations::kWorker, "worker"},
                                                  {Activations::kCudaIpc, "cuda_ipc"}};
 const EnumNames<WeightsSource> kWeightsNames = {{WeightsSource::kAuto, "auto"},
@@ -366,6 +368,14 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "beta2", F(optimizer.beta2), 0.95, 0.0, 0.9999999, "Adam beta2"),
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
+      Enum("optimizer", "gradients_wait_in", F(optimizer.gradients_wait_in), GradientsWait::kHost,
+           kGradientsWaitNames,
+           "With clipping, where a step's gradients wait for its global norm. host: in the host's "
+           "gradient arena (4 bytes per parameter of host memory: every gradient is held). workers: "
+           "on the workers that computed them (device memory), which report their squared sums; the "
+           "commits follow the norm and stream through an arena sized as without clipping. workers "
+           "needs train.grad_clip > 0, one accumulation round per step, no tied embedding (unless "
+           "LoRA freezes it), one node and a dtype other than fp16"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
           "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
@@ -662,6 +672,23 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument(std::string("train.loss_scale_*: set, but train.dtype = \"") +
                                      EnumName(c.train.dtype) + "\" does not scale its loss; only \"fp16\" does");
   }
+  if (GradientsWaitInWorkers(c)) {
+    const std::string key = "optimizer.gradients_wait_in: \"workers\" ";
+    if (c.train.grad_clip <= 0.0)
+      return Status::InvalidArgument(key + "holds gradients for the clipping norm, but train.grad_clip = 0 streams "
+                                           "them without one; use \"host\"");
+    if (c.train.dtype == TrainDtype::kFp16)
+      return Status::InvalidArgument(key + "with train.dtype = \"fp16\" is not supported (the loss scaler "
+                                           "reads the host's norm); use \"host\"");
+    if (Round(c).calls > 1)
+      return Status::InvalidArgument(key + "needs one accumulation round per step (train.accum_calls = 1, or "
+                                           "exact mode, which merges the calls): with several, each round adds "
+                                           "into the host's slots and no worker holds a whole gradient");
+    if (m.tie_embeddings && !c.lora.enabled())
+      return Status::InvalidArgument(key + "needs every trainable parameter in one layer: the tied embedding's "
+                                           "gradient is the lookup's plus the head's, summed on the host "
+                                           "(model.tie_embeddings = true); use \"host\"");
+  }
   if (c.train.dtype == TrainDtype::kBf16 && c.job.device == DeviceKind::kCpu)
     return Status::InvalidArgument("train.dtype: \"bf16\" needs job.device = \"cuda\" or \"auto\"; "
                                    "CPU workers compute in fp32");
@@ -765,6 +792,7 @@ const char* EnumName(TrainDtype v) { return NameIn(kDtypeNames, v); }
 const char* EnumName(OptimizerName v) { return NameIn(kOptimizerNames, v); }
 const char* EnumName(OptimizerMode v) { return NameIn(kModeNames, v); }
 const char* EnumName(OptimizerState v) { return NameIn(kStateNames, v); }
+const char* EnumName(GradientsWait v) { return NameIn(kGradientsWaitNames, v); }
 const char* EnumName(Activations v) { return NameIn(kActivationNames, v); }
 const char* EnumName(WeightsSource v) { return NameIn(kWeightsNames, v); }
 const char* EnumName(EmbeddingLookup v) { return NameIn(kLookupNames, v); }
@@ -859,6 +887,10 @@ Status CheckNodes(const JobConfig& c) {
         "train.microbatches: a step's " + std::to_string(g.microbatches) + " microbatches per round" +
         (g.merged_calls > 1 ? " (train.accum_calls x train.microbatches, the calls run merged)" : std::string()) +
         " do not split evenly over " + std::to_string(n) + " nodes; make it a multiple of the node count");
+  if (GradientsWaitInWorkers(c))
+    return Status::InvalidArgument("optimizer.gradients_wait_in: \"workers\" with several nodes is not "
+                                   "supported (each node's norm would need the summed gradients first); use "
+                                   "\"host\"");
   if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32)
     return Status::InvalidArgument("optimizer.state: \"sharded\" with train.dtype = \"" +
                                    std::string(EnumName(c.train.dtype)) +

@@ -29,6 +29,7 @@ enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16 };              // train.d
 enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
 enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
+enum class GradientsWait : uint8_t { kHost, kWorkers };               // optimizer.gradients_wait_in
 enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };        // schedule.activations
 enum class WeightsSource : uint8_t { kAuto, kComputeCopy };           // schedule.weights_source
 enum class EmbeddingLookup : uint8_t { kAuto, kCopy };                // schedule.embedding_lookup
@@ -42,6 +43,7 @@ const char* EnumName(TrainDtype v);
 const char* EnumName(OptimizerName v);
 const char* EnumName(OptimizerMode v);
 const char* EnumName(OptimizerState v);
+const char* EnumName(GradientsWait v);
 const char* EnumName(Activations v);
 const char* EnumName(WeightsSource v);
 const char* EnumName(EmbeddingLookup v);
@@ -158,6 +160,7 @@ struct OptimizerConfig {
   OptimizerName name = OptimizerName::kAdamW;
   OptimizerMode mode = OptimizerMode::kExact;
   OptimizerState state = OptimizerState::kReplicated;  // several nodes only; see ShardedState
+  GradientsWait gradients_wait_in = GradientsWait::kHost;  // GradientsWaitInWorkers
   double lr = 3e-3;
   double min_lr = 3e-4;
   int64_t warmup_steps = 2;
@@ -303,6 +306,14 @@ Status CheckModelValue(const std::string& key, double value, const std::string& 
 inline bool UpdatesWaitForNorm(const JobConfig& c) {
   return c.train.grad_clip > 0.0 || c.train.dtype == TrainDtype::kFp16;
 }
+// optimizer.gradients_wait_in = "workers": with clipping, each step's gradients wait for the
+// global norm on the workers that computed them (device memory) instead of in the host's gradient
+// arena. Each worker writes the squared sums of its gradients' optimizer chunks into the state
+// segment; the coordinator adds them up in the optimizer's order, and only then grants the step's
+// commits, which stream through an arena sized as without clipping, each parameter updated as its
+// gradient lands. Validated to need clipping, one commit per gradient slot and step, and no
+// parameter shared between layers.
+inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.gradients_wait_in == GradientsWait::kWorkers; }
 // Whether each step's loss is scaled (LossScaling).
 inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp16; }
 

@@ -156,7 +156,14 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
   // Gradients of one stage are written in call order (the first overwrites, later ones add), so
   // the float sums do not depend on which worker finishes first.
   const int S = static_cast<int>(parts_.plan.stages.size());
-  for (int pos = 0; pos < S * static_cast<int>(parts_.round.calls); ++pos) {
+  const int positions = S * static_cast<int>(parts_.round.calls);
+  // Gradients waiting in the workers are all ready once the norm is known (one round per step):
+  // granted from the last stage back, so the first layers, which the next step's forward needs
+  // first, are committed and updated first.
+  const bool first_layers_first = parts_.layout.grad_squares != 0;
+  if (first_layers_first && !NormFromWorkers(step)) return Status::Ok();
+  for (int i = 0; i < positions; ++i) {
+    const int pos = first_layers_first ? positions - 1 - i : i;
     auto it = jobs_.find(steps_.at(step).job_at[pos]);
     if (it == jobs_.end()) continue;
     StageJob& j = it->second;
@@ -178,6 +185,23 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
     RP_RETURN_IF_ERROR(parts_.workers.Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
   }
   return Status::Ok();
+}
+
+bool StepDispatch::NormFromWorkers(int64_t step) {
+  StepProgress& st = steps_.at(step);
+  if (st.norm_given) return true;
+  for (int64_t index : st.job_at) {
+    auto it = jobs_.find(index);
+    // A gradient job leaves jobs_ only after its commit, which waits for this.
+    if (it == jobs_.end() || parts_.plan.stages[it->second.stage].kind == core::StageKind::kForward) continue;
+    if (!it->second.grads_ready) return false;
+  }
+  const double* squares = parts_.layout.GradSquares(parts_.state.data(), step);
+  double total = 0.0;
+  for (int64_t c = 0; c < parts_.layout.square_chunks; ++c) total += squares[c];  // the optimizer's order
+  parts_.optimizer.SetNormSquares(step, total);
+  st.norm_given = true;
+  return true;
 }
 
 Status StepDispatch::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {

@@ -17,7 +17,9 @@
 //  * TryCommits() grants CommitGrads: per stage in call order (the first overwrites, later ones
 //    add); a step's first commit of a stage only once the previous step's update has given that
 //    stage's slots back (in stale1 mode, and before a checkpoint, once the whole previous update
-//    is done), and only when the gradient arena has room. Called on every loop turn.
+//    is done), and only when the gradient arena has room; with gradients waiting in the workers
+//    (core::GradientsWaitInWorkers), none of a step's before every gradient job of it has written
+//    its squares and the optimizer has the norm. Called on every loop turn.
 //  * OnJobDone() checks and marks a job done and returns it; the coordinator acts on its
 //    finality (checkpoint, final slots), then calls Retire(), which says whether the step is done.
 //  * Resend() gives a replacement worker its rank's unfinished jobs and eval jobs in index order,
@@ -77,6 +79,7 @@ struct StepProgress {
   int jobs_done = 0;
   double busy_s = 0.0;
   double done_at = -1.0;  // all jobs done (monotonic seconds)
+  bool norm_given = false;  // gradients wait in the workers: the optimizer has the step's norm
 };
 
 class StepDispatch {
@@ -127,6 +130,9 @@ class StepDispatch {
   std::vector<int64_t> StepRows(int64_t step);
   Status TryCommitsOf(int64_t step);
   bool FirstCommitMayGo(int64_t step, int stage) const;
+  // core::GradientsWaitInWorkers: true once every gradient job of `step` has reported its
+  // squares; the first time, adds them up (the optimizer's order) and gives the optimizer the norm.
+  bool NormFromWorkers(int64_t step);
   std::vector<int> StageGradSlots(int stage) const;
 
   Parts parts_;

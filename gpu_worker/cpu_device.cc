@@ -3,6 +3,7 @@
 #include "rp_config.h"
 #include "common/logging.h"
 #include "common/test_hooks.h"
+#include "coordinator/optim/optimizer_step.h"
 #include "gpu_worker/device.h"
 
 #include <algorithm>
@@ -92,6 +93,12 @@ class CpuDevice final : public Device {
                                    " bytes, expected " + std::to_string(shm::kHeaderBytes + bytes));
     pools_.emplace(rank, Pool{std::move(seg), bytes});
     return Status::Ok();
+  }
+  void ChunkSquares(const at::Tensor& g, int64_t chunk, double* out) override {
+    const at::Tensor flat = g.contiguous().view({-1});
+    const float* p = flat.data_ptr<float>();
+    const int64_t n = flat.numel();
+    for (int64_t b = 0, i = 0; b < n; b += chunk, ++i) out[i] = coord::SquaredSum(p + b, std::min(chunk, n - b));
   }
   at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
     uint64_t bytes = c10::elementSize(dtype);

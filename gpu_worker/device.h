@@ -111,6 +111,11 @@ class Device {
   };
   virtual uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) = 0;
   virtual bool CommitDone(uint64_t ticket) = 0;
+  // Squared sums of a finished fp32 gradient (core::GradientsWaitInWorkers): out[i] is the sum of
+  // the squares of elements [i x chunk, (i + 1) x chunk) of g flattened, in double, for every
+  // chunk; returns when they are in `out`. The CPU backend sums exactly as the coordinator's
+  // optimizer does (the same bits); the CUDA backend sums on the device in another order.
+  virtual void ChunkSquares(const at::Tensor& g, int64_t chunk, double* out) = 0;
 
   // Profiling (planning/profile.h). Mark() records how far the compute stream has got and returns
   // the mark's index; MarkSeconds(a, b) is the device time between two marks (it waits for mark

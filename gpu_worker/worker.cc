@@ -467,6 +467,11 @@ StatusOr<bool> Worker::Finish() {
         it = finishing_.erase(it);
         continue;
       }
+      if (layout_.grad_squares != 0) {
+        // The coordinator adds these up for the step's norm before it grants any of its commits.
+        Status sq = exec_->WriteChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
+        if (!sq.ok()) return Fail(id, sq);
+      }
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
     }
     if (sums_ && !it->committing && !it->reduced) {

@@ -100,7 +100,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       I = std::max(I, k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0);
     }
   // Per stage: its weights, gradients and activations while it runs.
-  std::vector<double> weight_bytes, gradient_bytes, act_bytes;
+  std::vector<double> weight_bytes, gradient_bytes, act_bytes, sum_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
@@ -112,6 +112,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
                                  // gradient in the compute dtype unless summed into a sink
     double mapped = 0.0;  // elements of the mapped embedding, when the stage has it
+    double sums = 0.0;    // the job's fp32 gradient sums
     for (int l = st.begin; l < st.end; ++l) {
       if (mapped_param >= 0 && l == 0) {
         mapped = static_cast<double>(spec.params[mapped_param].numel);
@@ -121,6 +122,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       for (const auto& use : spec.layer_uses[l]) {
         const double per_elem = fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
         grads_of_uses += static_cast<double>(spec.params[use.param].numel) * per_elem;
+        sums += static_cast<double>(spec.params[use.param].numel) * 4.0;
       }
     }
     const bool grads = st.kind != StageKind::kForward;
@@ -150,6 +152,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     weight_bytes.push_back(params * elem);
     gradient_bytes.push_back(grads ? grads_of_uses + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
+    sum_bytes.push_back(grads ? sums + mapped * 4.0 : 0.0);
   }
   // While a job runs, its worker holds the weights of its next job: prefetched, or reserved
   // (allocated, copied into as published) when the running job is a layer-major forward job.
@@ -196,9 +199,19 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   }
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
   const double staging = WorkersFetchMasters(c) && elem == 2.0 && c.job.device != core::DeviceKind::kCpu ? 64.0 * (1 << 20) : 0.0;
+  // Gradients waiting in the workers for the norm: a worker holds every gradient job's sums it ran
+  // this step (job g runs on worker g mod workers) until the step's last gradient job is done.
+  double held = 0.0;
+  if (GradientsWaitInWorkers(c)) {
+    std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
+    for (int64_t g = 0; g < jobs_per_step; ++g) per_worker[static_cast<size_t>(g % ahead)] += sum_bytes[order[g].stage];
+    held = *std::max_element(per_worker.begin(), per_worker.end()) - (out.stage >= 0 ? sum_bytes[out.stage] : 0.0);
+    held = std::max(0.0, held);
+  }
   out.resident = resident;
   out.staging = staging;
-  out.total = worst + resident + staging;
+  out.held_gradients = held;
+  out.total = worst + resident + staging + held;
   return out;
 }
 

@@ -34,6 +34,9 @@ struct MemoryEstimate {
   double activations = 0.0;   // kept for the backward, held hidden states, the head's loss chunk
   double resident = 0.0;      // activation slots on the device (activations = worker, pools)
   double staging = 0.0;       // the chunk fp32 masters are rounded through
+  // Gradients waiting in the workers (GradientsWaitInWorkers): the fp32 sums of the step's other
+  // gradient jobs the busiest worker holds until the norm.
+  double held_gradients = 0.0;
 };
 
 struct PlanChoice {

@@ -56,6 +56,7 @@ RP_SPEC_ENUM(Activations, EnumName)
 RP_SPEC_ENUM(WeightsSource, EnumName)
 RP_SPEC_ENUM(EmbeddingLookup, EnumName)
 RP_SPEC_ENUM(Partition, EnumName)
+RP_SPEC_ENUM(GradientsWait, EnumName)
 RP_SPEC_ENUM(Tristate, EnumName)
 RP_SPEC_ENUM(StageKind, StageKindName)
 RP_SPEC_ENUM(RopeConfig::Type, RopeTypeName)
@@ -73,7 +74,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LossScaling, init, growth_factor, backoff_fac
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls,
                                    microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, stop_after, eval_every,
                                    eval_microbatches)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, lr, min_lr, warmup_steps, weight_decay, beta1,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, warmup_steps, weight_decay, beta1,
                                    beta2, eps, momentum, grad_buffer_mb)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, init_from, export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, activations,

@@ -112,7 +112,8 @@ StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::Mo
         if (uses[use.param] == 1) bytes += GradSlotBytes(c, spec, use.grad_slot);  // shared ones counted above
     largest_stage = std::max(largest_stage, bytes);
   }
-  s.must_hold_all = core::UpdatesWaitForNorm(c) || core::Round(c).calls > 1;
+  // Gradients that wait for the norm on the workers reach the arena after it: streamed.
+  s.must_hold_all = (core::UpdatesWaitForNorm(c) && !core::GradientsWaitInWorkers(c)) || core::Round(c).calls > 1;
   s.minimum = s.must_hold_all ? s.all_slots : std::min(s.all_slots, largest_stage + shared_uses);
   const uint64_t requested = static_cast<uint64_t>(c.optimizer.grad_buffer_mb) << 20;
   if (requested == 0) {
@@ -212,6 +213,14 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     a.loss_scaling = pos;
     pos = Align(pos + sizeof(LossScaleRecord));
   }
+  if (core::GradientsWaitInWorkers(c)) {
+    for (const auto& p : spec.params) {
+      a.square_chunk_base.push_back(a.square_chunks);
+      a.square_chunks += (p.numel + kSquareChunkElems - 1) / kSquareChunkElems;
+    }
+    a.grad_squares = pos;
+    pos = Align(pos + 2 * 8 * static_cast<uint64_t>(a.square_chunks));
+  }
   a.total_bytes = pos;
 
   // The optimizer segment.
@@ -236,6 +245,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   if (a.router_blocks > 0)
     h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks), static_cast<uint64_t>(a.router_experts)});
   if (a.loss_scaling != 0) h = HashKey({h, 0x1055u, a.loss_scaling});
+  if (a.grad_squares != 0) h = HashKey({h, 0x5Du, a.grad_squares, static_cast<uint64_t>(a.square_chunks)});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

@@ -50,6 +50,13 @@
 //                        forward stage or the fused tail) and read by the microbatch's fused tail
 //                        and backward stages, which all run after its last forward.
 //   loss scaling         fp16 only (core::ScalesLoss): one LossScaleRecord (below).
+//   gradient squares     optimizer.gradients_wait_in = "workers" only: fp64 [2 step parities]
+//                        [square chunks]: the squared sum of each kSquareChunkElems-element chunk
+//                        of every parameter's gradient (parameter order, then chunk order),
+//                        written by the worker holding the gradient before it reports GradsReady,
+//                        read by the coordinator once every gradient of the step is reported.
+//                        Step t + 2 writes a parity only after step t's commits were granted,
+//                        which waited for the read.
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
@@ -82,6 +89,9 @@ inline constexpr uint64_t kSegmentMagic = 0x3174536550695052ull;  // "RPiPeSt1"
 inline constexpr uint32_t kSegmentVersion = 4;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
+// The optimizer's chunk of a parameter that is not row-summed (coordinator/optim/optimizer_step.h
+// checks that they agree): the unit of the gradient squares' table.
+inline constexpr int64_t kSquareChunkElems = int64_t{1} << 20;
 
 struct SegmentHeader {
   uint64_t magic;
@@ -203,6 +213,13 @@ struct ArenaLayout {
   uint64_t router_stats = 0, router_slot_bytes = 0;
   int router_blocks = 0, router_experts = 0;
   uint64_t loss_scaling = 0;  // the LossScaleRecord; 0 when the loss is not scaled
+  // Gradient squares (above): the table's offset (0: none), and per parameter its first chunk.
+  uint64_t grad_squares = 0;
+  std::vector<int64_t> square_chunk_base;
+  int64_t square_chunks = 0;
+  double* GradSquares(uint8_t* state, int64_t step) const {
+    return reinterpret_cast<double*>(state + grad_squares) + (step & 1) * square_chunks;
+  }
 
   // Byte offset of element `e` (inside this node's share) of parameter p's master, first or
   // second moment: `base` is master, adam_m or adam_v.

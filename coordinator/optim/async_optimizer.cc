@@ -37,7 +37,8 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
       two_passes_(cfg.optimizer.mode == core::OptimizerMode::kExact && !layout.grads_streamed),
-      norm_first_(core::UpdatesWaitForNorm(cfg)),
+      workers_norm_(core::GradientsWaitInWorkers(cfg)),
+      norm_first_(core::UpdatesWaitForNorm(cfg) && !workers_norm_),
       layer_start_us_(spec.NumLayers()) {
   if (layout.loss_scaling != 0) scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
   cur_.slots_left.assign(spec.params.size(), 0);
@@ -174,6 +175,17 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     for (auto& g : cur_.chunk_gate) g.store(2);
     std::lock_guard<std::mutex> l(reported_.mu);
     reported_.touched.erase(reported_.touched.begin(), reported_.touched.lower_bound(step));
+    if (workers_norm_) {
+      auto given = reported_.given_squares.find(step);
+      RP_CHECK(given != reported_.given_squares.end())
+          << "optimizer step " << step << "'s first gradient came before the workers' squares";
+      const double norm = std::sqrt(given->second);
+      reported_.given_squares.erase(given);
+      cur_.clip_scale = ClipScale(norm, cfg_.train.grad_clip);
+      cur_.grad_scale = static_cast<float>(cur_.clip_scale);
+      reported_.norms[step] = norm;
+      reported_.scaling[step] = StepScaling{};
+    }
   }
   const int p = spec_.grad_slots[slot].param;
   RP_CHECK(cur_.slots_left[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
@@ -236,9 +248,19 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   return total;
 }
 
+void AsyncOptimizer::SetNormSquares(int64_t step, double squares) {
+  {
+    std::lock_guard<std::mutex> l(reported_.mu);
+    reported_.given_squares[step] = squares;
+  }
+  Progress();
+}
+
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = geo_.chunks[chunk];
-  if (geo_.row_elems[c.param] > 0) {
+  if (workers_norm_) {
+    // The norm came from the workers (SetNormSquares): nothing to square here.
+  } else if (geo_.row_elems[c.param] > 0) {
     cur_.partial[chunk] = RowSummedChunk(step, c);
   } else {
     const auto& slots = geo_.param_slots[c.param];
@@ -260,6 +282,7 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
 }
 
 void AsyncOptimizer::OnNormsDone(int64_t step) {
+  if (workers_norm_) return;  // reported with the step's first slot; updated chunk by chunk
   double total = 0.0;
   for (double s : cur_.partial) total += s;  // fixed order: parameter-major, chunk-minor
   double norm = std::sqrt(total);
@@ -386,7 +409,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   if (begin >= end) return;
   const auto& ps = spec_.params[param];
   const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
-  const float scale = norm_first_ ? cur_.grad_scale : 1.0f;
+  const float scale = norm_first_ || workers_norm_ ? cur_.grad_scale : 1.0f;
   // Masters the workers fetch are whole parameters in the state segment; the optimizer
   // segment's arrays hold the share.
   float* master = layout_.masters_in_state

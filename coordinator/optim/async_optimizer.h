@@ -54,6 +54,9 @@
 //    step). AdamW's step count is the number of updates applied, as torch's when GradScaler skips
 //    optimizer.step(). The gradients are multiplied by clip scale / loss scale in the update: for
 //    a power-of-two scale (the defaults keep it one) the bits of unscaling, then clipping.
+//  * Gradients waiting in the workers (core::GradientsWaitInWorkers): the norm comes from
+//    SetNormSquares, and each parameter is updated, clipped, as soon as its slots are final, as
+//    without clipping; no squares are taken here.
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 //  * `on_progress` (may be empty) is called from a pool thread after each change the coordinator
@@ -111,6 +114,11 @@ class AsyncOptimizer {
   // lookup slot is final; any thread.
   void SetTouchedRows(int64_t step, std::vector<int64_t> rows);
   void SlotFinal(int64_t step, int slot);
+  // core::GradientsWaitInWorkers: the sum of the squares of step `step`'s gradients, which the
+  // workers took (shm::ArenaLayout::grad_squares) and the coordinator added up in this class's
+  // chunk order; given before the step's first SlotFinal. Its root is the step's norm, which
+  // clips each parameter's update as soon as its gradient lands (nothing waits for a host norm).
+  void SetNormSquares(int64_t step, double squares);
   std::optional<double> GradNorm(int64_t step) const;
   // fp16: the scale step `step`'s loss was multiplied by, whether the step was skipped, and the
   // scale after it; known with the norm. Without loss scaling: scale 1, never skipped.
@@ -205,7 +213,8 @@ class AsyncOptimizer {
   };
   Geometry geo_;
   const bool two_passes_;                      // exact mode, arena holds every slot
-  const bool norm_first_;                      // core::UpdatesWaitForNorm
+  const bool workers_norm_;                    // core::GradientsWaitInWorkers
+  const bool norm_first_;                      // updates wait for a norm taken here
   // fp16: the state segment's record (null without loss scaling), and the scaler's state after
   // the last step whose norm is known (written by OnNormsDone only, which steps take in order).
   shm::LossScaleRecord* scaling_ = nullptr;
@@ -242,6 +251,7 @@ class AsyncOptimizer {
     mutable std::mutex mu;
     std::map<int64_t, double> norms;                                         // GUARDED_BY(mu)
     std::map<int64_t, StepScaling> scaling;                                  // GUARDED_BY(mu)
+    std::map<int64_t, double> given_squares;                                 // GUARDED_BY(mu)
     std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> touched;  // GUARDED_BY(mu)
     std::vector<LayerSpan> spans;                                            // GUARDED_BY(mu)
   };

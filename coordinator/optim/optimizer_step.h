@@ -13,6 +13,7 @@
 
 #include "coordinator/optim/adamw.h"
 #include "config/job_config.h"
+#include "shm/layout.h"
 
 namespace rp::coord {
 
@@ -44,6 +45,7 @@ struct ParamArrays {
 // per-(parameter, chunk) partial sums taken in (parameter, chunk) order, so the synchronous step
 // below and the coordinator's asynchronous per-layer optimizer get bit-identical norms.
 inline constexpr int64_t kOptimizerChunk = 1 << 20;
+static_assert(kOptimizerChunk == shm::kSquareChunkElems, "workers' gradient squares use the optimizer's chunks");
 // Elements per chunk of a parameter: kOptimizerChunk, or for a row-summed parameter the most
 // whole rows of `row_elems` that fit (at least one).
 inline int64_t ChunkElems(int64_t row_elems) {

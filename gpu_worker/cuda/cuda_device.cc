@@ -239,6 +239,22 @@ class CudaDevice final : public Device {
     }
   }
 
+  void ChunkSquares(const at::Tensor& g, int64_t chunk, double* out) override {
+    // On the compute stream (after the gradient's last sum), a slice of chunks at a time so the
+    // squares' temporary stays small; one copy of the results to the host.
+    const at::Tensor flat = g.contiguous().view({-1});
+    const int64_t n = flat.numel(), chunks = (n + chunk - 1) / chunk, whole = n / chunk;
+    std::vector<at::Tensor> parts;
+    constexpr int64_t kSliceChunks = 64;
+    for (int64_t c = 0; c < whole; c += kSliceChunks) {
+      const int64_t k = std::min(kSliceChunks, whole - c);
+      parts.push_back(flat.narrow(0, c * chunk, k * chunk).view({k, chunk}).square().sum(1, false, at::kDouble));
+    }
+    if (whole < chunks) parts.push_back(flat.narrow(0, whole * chunk, n - whole * chunk).square().sum(at::kDouble).view({1}));
+    const at::Tensor all = at::cat(parts).cpu();
+    std::memcpy(out, all.data_ptr<double>(), static_cast<size_t>(chunks) * sizeof(double));
+  }
+
   uint64_t WeightsFence() override {
     cudaEvent_t e = TakeEvent();
     ThrowIfError(cudaEventRecord(e, weights_), "cudaEventRecord(weights)");

@@ -147,6 +147,20 @@ TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
   ExpectError(kValid, "train.loss_scale_init", {"train.dtype=fp16", "train.loss_scale_init=0"});
 }
 
+TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
+  auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.accum_calls=1"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(GradientsWaitInWorkers(*c));
+  // Exact mode merges the calls into one round: allowed with accumulation calls too.
+  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"}).ok());
+  ExpectError(kValid, "optimizer.gradients_wait_in",
+              {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "optimizer.mode=stale1"});
+  ExpectError(kValid, "optimizer.gradients_wait_in", {"optimizer.gradients_wait_in=workers", "train.accum_calls=1"});
+  ExpectError(kValid, "optimizer.gradients_wait_in",
+              {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.grad_clip=0"});
+  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "train.accum_calls=1", "lora.rank=4"}).ok());
+}
+
 TEST(JobConfig, LoraKeysAreChecked) {
   const std::string lora = std::string(kValid) + "[lora]\nrank = 4\n";
   ExpectError(lora + "target_modules = [\"qproj\"]\n", "lora.target_modules: \"qproj\"");

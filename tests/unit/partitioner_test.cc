@@ -187,6 +187,27 @@ TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
   EXPECT_DOUBLE_EQ(whole.gradients, part.gradients);
 }
 
+TEST(Partitioner, MemoryEstimateCountsGradientsWaitingInTheWorkersForTheNorm) {
+  JobConfig c = OneStageOfEachKind(24);  // F[0,24) T[24,26) B[0,24): two gradient jobs
+  c.model.tie_embeddings = false;
+  c.train.accum_calls = 1;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  JobConfig held = c;
+  held.optimizer.gradients_wait_in = core::GradientsWait::kWorkers;
+  const MemoryEstimate host = EstimateMemory(c, *plan, 1), workers = EstimateMemory(held, *plan, 1);
+  EXPECT_EQ(host.held_gradients, 0.0);
+  // One worker runs both gradient jobs: at the peak job it still holds the other's fp32 sums.
+  const core::ModelSpec spec = core::BuildModelSpec(c.model, c.lora);
+  const double all = 4.0 * static_cast<double>(spec.TrainableParams());
+  ASSERT_EQ(workers.stage, host.stage);
+  EXPECT_GT(workers.held_gradients, 0.0);
+  EXPECT_LT(workers.held_gradients, all);
+  EXPECT_DOUBLE_EQ(workers.total - host.total, workers.held_gradients);
+  // Two workers split the jobs: the busiest holds only what its own other jobs keep.
+  EXPECT_LT(EstimateMemory(held, *plan, 2).held_gradients, workers.held_gradients);
+}
+
 TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) {
   // F[0,6) T[6,8) B[0,6), one call per step, one worker: while B runs, its worker's next job is
   // the next step's F. In exact mode with clipping F's weights wait for this step's update, which

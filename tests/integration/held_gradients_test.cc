@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+// optimizer.gradients_wait_in = "workers": with clipping, gradients wait for the step's norm on
+// the workers, which report their chunks' squared sums (CPU workers sum them exactly as the
+// coordinator does), and then stream through a small arena. The run must be the host-held run
+// bit for bit (losses, gradient norms, exported weights) for every worker count and mode, and its
+// arena must be streamed.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/integration/launch_fixture.h"
+#include "tests/testing/process_harness.h"
+
+namespace rp {
+namespace {
+
+using testing::Losses;
+
+class HeldGradientsTest : public LaunchTest {};
+
+TEST_F(HeldGradientsTest, WorkersHoldingGradientsForTheNormGiveTheHostHeldRunBitForBit) {
+  // An untied model with one accumulation round per step (what the mode needs), clipping that
+  // bites (the first steps' norms are above 1).
+  const std::vector<std::string> base = {"model.tie_embeddings=false", "train.accum_calls=1", "train.microbatches=4",
+                                         "train.steps=8", "train.grad_clip=1.0", "checkpoint.export_hf=hf"};
+  for (const std::string mode : {"exact", "stale1"}) {
+    const auto job = With(base, {"optimizer.mode=\"" + mode + "\""});
+    const std::string host = tmp_ + "/host-" + mode;
+    auto h = Launch(2, host, job);
+    ASSERT_EQ(h.code, 0) << h.output;
+    EXPECT_FALSE(Summary(host)["grads_streamed"].get<bool>());
+    const auto norms = Losses(host + "/metrics.jsonl", "grad_norm");
+    ASSERT_EQ(norms.size(), 8u);
+    EXPECT_GT(norms[0], 1.0) << "clipping should bite on the first step";
+    for (int n : {1, 2, 3}) {
+      const std::string out = tmp_ + "/workers-" + mode + "-" + std::to_string(n);
+      auto w = Launch(n, out, With(job, {"optimizer.gradients_wait_in=\"workers\""}));
+      ASSERT_EQ(w.code, 0) << w.output;
+      SCOPED_TRACE(mode + ", " + std::to_string(n) + " workers");
+      EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(host + "/metrics.jsonl"));
+      EXPECT_EQ(Losses(out + "/metrics.jsonl", "grad_norm"), norms);
+      EXPECT_TRUE(ReadBytes(out + "/hf/model.safetensors") == ReadBytes(host + "/hf/model.safetensors"));
+      const auto s = Summary(out);
+      EXPECT_TRUE(s["grads_streamed"].get<bool>()) << s.dump();
+      EXPECT_LT(s["grad_arena_bytes"].get<int64_t>(), Summary(host)["grad_arena_bytes"].get<int64_t>());
+    }
+  }
+}
+
+TEST_F(HeldGradientsTest, LoraOnATiedModelHoldsItsAdaptersInTheWorkers) {
+  // LoRA freezes the tied embedding: every trainable parameter (an adapter) is in one layer.
+  const std::vector<std::string> job = {"lora.rank=4", "train.accum_calls=1", "train.steps=6", "train.grad_clip=0.05"};
+  auto h = Launch(2, tmp_ + "/host", job);
+  ASSERT_EQ(h.code, 0) << h.output;
+  auto w = Launch(2, tmp_ + "/workers", With(job, {"optimizer.gradients_wait_in=\"workers\""}));
+  ASSERT_EQ(w.code, 0) << w.output;
+  EXPECT_EQ(Losses(tmp_ + "/workers/metrics.jsonl"), Losses(tmp_ + "/host/metrics.jsonl"));
+  EXPECT_EQ(Losses(tmp_ + "/workers/metrics.jsonl", "grad_norm"), Losses(tmp_ + "/host/metrics.jsonl", "grad_norm"));
+}
+
+TEST_F(HeldGradientsTest, WhatTheModeCannotHoldIsRefusedBeforeAnythingStarts) {
+  const std::string key = "optimizer.gradients_wait_in=\"workers\"";
+  for (const auto& [sets, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{key, "model.tie_embeddings=false", "train.accum_calls=1", "train.grad_clip=0"}, "train.grad_clip = 0"},
+           {{key, "train.accum_calls=1"}, "tied embedding"},
+           {{key, "model.tie_embeddings=false", "optimizer.mode=\"stale1\""}, "one accumulation round"},
+           {{key, "model.tie_embeddings=false", "train.accum_calls=1", "train.dtype=\"fp16\""}, "fp16"}}) {
+    auto r = Launch(2, tmp_ + "/refused", sets);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("optimizer.gradients_wait_in"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace rp
