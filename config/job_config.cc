@@ -316,6 +316,11 @@ const std::vector<KeySpec>& Table() {
           "the backward instead of kept, so they take ~ 3 x tile x intermediate_size elements "
           "instead of 3 x tokens x intermediate_size; 0 = the whole microbatch at once. The same "
           "result up to rounding; rp-train-ref always runs untiled"),
+      Bool("train", "layer_recompute", F(train.layer_recompute), false,
+           "Backward stages (and the tail's blocks) first run their layers without autograd, keeping "
+           "only each layer's input, then rebuild and backpropagate one layer's graph at a time: "
+           "device memory for one block's intermediates instead of the stage's, for one more "
+           "forward per layer. The same result; for long sequences"),
       Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
            "Compute dtype of the weight copy workers read; masters and moments are fp32. fp16 scales "
            "the loss dynamically (train.loss_scale_*); CPU workers emulate it (fp32 arithmetic on "

@@ -151,6 +151,7 @@ struct TrainConfig {
   double grad_clip = 1.0;        // global L2 norm; 0 disables
   int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
   int64_t mlp_tile_tokens = 0;   // dense MLPs computed (and recomputed) this many tokens at a time; 0 = all
+  bool layer_recompute = false;  // backward stages rebuild one layer's graph at a time (long sequences)
   int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
   int64_t eval_every = 0;        // eval loss after every this many steps and after the last; 0 = never
   int64_t eval_microbatches = 4; // the eval set: this many microbatches of microbatch_size sequences

@@ -536,7 +536,26 @@ MicrobatchResult Executor::RunForward(int mb) {
 // Autograd forward of layers [stage begin, end) from `x`, one graph segment per layer: each
 // layer's input is a fresh leaf, so the backward can run (and be timed) layer by layer. The
 // gradients are the same as through one graph: each segment computes the same operations.
+//
+// train.layer_recompute: no graph here. The layers run without autograd and only each layer's
+// input is kept (and the last output, the head's input in a tail); SegmentedBackward rebuilds
+// one layer's graph at a time from its input. The same operations on the same inputs: the same
+// gradients, with one layer's intermediates on the device instead of the stage's.
 void Executor::SegmentedForward(const at::Tensor& x, int end, Segments* seg) {
+  if (cfg_.train.layer_recompute) {
+    seg->layerwise = true;
+    c10::NoGradGuard no_grad;
+    at::Tensor h = x;
+    for (int l = stage_.begin; l < end; ++l) {
+      const int a = MarkIfProfiling();
+      at::Tensor y = math_.Layer(l, current_.layers[l - stage_.begin], h);
+      Timed(l, proto::LayerPhase::kForward, a, MarkIfProfiling(), -1);
+      seg->inputs.push_back(h);
+      h = y;
+    }
+    if (end > stage_.begin) seg->outputs.push_back(h);
+    return;
+  }
   for (int l = stage_.begin; l < end; ++l) {
     at::Tensor in = l == stage_.begin ? x : seg->outputs.back().detach().requires_grad_(true);
     const int64_t before = job_.profile ? device_.AllocatedBytes() : -1;
@@ -553,6 +572,25 @@ void Executor::SegmentedForward(const at::Tensor& x, int end, Segments* seg) {
 // Backpropagates `grad` (the gradient of the last segment's output) down to the first segment;
 // returns the gradient of the first input (undefined for token ids).
 at::Tensor Executor::SegmentedBackward(Segments* seg, at::Tensor grad) {
+  if (seg->layerwise) {
+    seg->outputs.clear();
+    for (size_t i = seg->inputs.size(); i-- > 0;) {
+      const int l = stage_.begin + static_cast<int>(i);
+      // The stage's own input keeps what the caller made of it (a leaf needing grad, or tokens).
+      at::Tensor in = i == 0 ? seg->inputs[0] : seg->inputs[i].requires_grad_(true);
+      const int64_t before = job_.profile ? device_.AllocatedBytes() : -1;
+      const int a = MarkIfProfiling();
+      at::Tensor y = math_.Layer(l, current_.layers[i], in);
+      const int b = MarkIfProfiling();
+      const int64_t after = job_.profile ? device_.AllocatedBytes() : -1;
+      Timed(l, proto::LayerPhase::kRecompute, a, b, before >= 0 && after >= 0 ? after - before : -1);
+      if (y.requires_grad()) y.backward(grad);
+      Timed(l, proto::LayerPhase::kBackward, b, MarkIfProfiling(), -1);
+      grad = in.requires_grad() ? in.grad() : at::Tensor();
+      seg->inputs[i] = at::Tensor();
+    }
+    return grad;
+  }
   for (size_t i = seg->outputs.size(); i-- > 0;) {
     const int a = MarkIfProfiling();
     // A frozen embedding (LoRA) from token ids has no graph: nothing to propagate.
@@ -591,7 +629,7 @@ MicrobatchResult Executor::RunTail(int mb) {
   auto r = math_.HeadForwardBackward(current_.layers.back(), head_in, labels, loss_scale,
                                      /*backward=*/true, /*defer_read=*/true);
   Timed(head, proto::LayerPhase::kRecompute, a, MarkIfProfiling(), -1);
-  at::Tensor g = seg.outputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());
+  at::Tensor g = seg.inputs.empty() ? head_in.grad() : SegmentedBackward(&seg, head_in.grad());
   StoreInputGrad(mb, stage_.begin, g);
   math_.SetRouterAuxGrad({});
   MicrobatchResult out;

@@ -209,6 +209,8 @@ class Executor {
   MicrobatchResult RunBackward(int mb);
   struct Segments {
     std::vector<at::Tensor> inputs, outputs;  // per layer of the stage, in layer order
+    // train.layer_recompute: `inputs` without graphs, `outputs` only the last layer's.
+    bool layerwise = false;
   };
   void SegmentedForward(const at::Tensor& x, int end, Segments* seg);
   at::Tensor SegmentedBackward(Segments* seg, at::Tensor grad);

@@ -130,19 +130,22 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // intermediate-sized tensors per token; forward stages keep about one block's worth.
     const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
     const double per_block = tokens * (10.0 * H + 3.0 * I) * elem;
-    double acts = grads ? blocks * per_block : per_block;
+    // train.layer_recompute: a gradient stage keeps each block's input and one block's graph.
+    const double kept_inputs = blocks * tokens * H * elem;
+    double acts = !grads ? per_block : c.train.layer_recompute ? kept_inputs + per_block : blocks * per_block;
     // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
     // hidden state at once.
     if (MayRunLayerMajor(c, st, core::Round(c).microbatches))
       acts += static_cast<double>(core::Round(c).microbatches - 1) * tokens * H * elem;
     if (grads && profile) {  // measured: what each layer's autograd forward kept
-      double measured = 0.0;
+      double measured = 0.0, largest = 0.0;
       bool all = true;
       for (int l = std::max(st.begin, 1); l < std::min(st.end, plan.num_layers - 1); ++l) {
         all = all && profile->layers[l].saved_bytes >= 0;
         measured += profile->layers[l].saved_bytes;
+        largest = std::max(largest, profile->layers[l].saved_bytes);
       }
-      if (all) acts = measured;
+      if (all) acts = c.train.layer_recompute ? kept_inputs + largest : measured;
     }
     // The head: one chunk's logits in the compute dtype; the composite loss adds fp32 logits,
     // their softmax and gradient (the fused kernel writes the gradient over the logits).

@@ -20,7 +20,7 @@ static_assert(sizeof(MoeConfig) == 72);
 static_assert(sizeof(ModelConfig) == 312);
 static_assert(sizeof(DataConfig) == 96);
 static_assert(sizeof(LossScaling) == 32);
-static_assert(sizeof(TrainConfig) == 128);
+static_assert(sizeof(TrainConfig) == 136);
 static_assert(sizeof(OptimizerConfig) == 80);
 static_assert(sizeof(LoraConfig) == 112);
 static_assert(sizeof(ScheduleConfig) == 160);
@@ -72,7 +72,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hi
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LossScaling, init, growth_factor, backoff_factor, growth_interval)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls,
-                                   microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, stop_after, eval_every,
+                                   microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after, eval_every,
                                    eval_microbatches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, warmup_steps, weight_decay, beta1,
                                    beta2, eps, momentum, grad_buffer_mb)

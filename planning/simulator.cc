@@ -326,6 +326,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     for (int l = s.begin; l < s.end; ++l) {
       const LayerCost& lc = profile.layers[l];
       st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : lc.recompute_s + lc.backward_s;
+      // train.layer_recompute: a gradient stage first runs its layers (not the head) without
+      // autograd, then rebuilds each one's graph.
+      if (grads && c.train.layer_recompute && l < plan.num_layers - 1) st.compute_s += lc.forward_s;
       if (s.kind == StageKind::kForward) st.layer_compute_s.push_back(lc.forward_s);
       SimFetch f;  // the worker copies each layer as soon as its weights are published
       f.bytes = static_cast<double>(spec.LayerWeightBytes(l, weight_elem, static_cast<int>(elem)));

@@ -187,6 +187,30 @@ TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
   EXPECT_DOUBLE_EQ(whole.gradients, part.gradients);
 }
 
+TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
+  JobConfig c = OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks
+  c.data.seq_len = 4096;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  JobConfig layers = c;
+  layers.train.layer_recompute = true;
+  const MemoryEstimate whole = EstimateMemory(c, *plan, 1), one = EstimateMemory(layers, *plan, 1);
+  ASSERT_EQ(plan->stages[whole.stage].Describe(), "B[0,24)");
+  // B[0,24) keeps 23 blocks' graphs (23 x per block) without it; with it 23 hidden-sized inputs and
+  // one block's graph, less than the tail's one block plus the head's loss chunk, now the peak.
+  const double tokens = static_cast<double>(c.TokensPerMicrobatch()), H = static_cast<double>(c.model.hidden_size);
+  const double per_block = whole.activations / 23.0;
+  EXPECT_EQ(plan->stages[one.stage].Describe(), "T[24,26)");
+  EXPECT_GT(one.activations, 23.0 * tokens * H * 4.0 + per_block);
+  EXPECT_LT(one.activations, whole.activations / 4.0);
+  EXPECT_LT(one.total, whole.total);
+  // One more forward per block of every gradient stage in the predicted step.
+  const Profile profile = DefaultCostModel(c);
+  const double plain = PredictPlan(c, *plan, profile, 1).step_seconds;
+  const double rebuilt = PredictPlan(layers, *plan, profile, 1).step_seconds;
+  EXPECT_GT(rebuilt, plain);
+}
+
 TEST(Partitioner, MemoryEstimateCountsGradientsWaitingInTheWorkersForTheNorm) {
   JobConfig c = OneStageOfEachKind(24);  // F[0,24) T[24,26) B[0,24): two gradient jobs
   c.model.tie_embeddings = false;
