@@ -380,7 +380,7 @@ const std::vector<KeySpec>& Table() {
            "on the workers that computed them (device memory), which report their squared sums; the "
            "commits follow the norm and stream through an arena sized as without clipping. workers "
            "needs train.grad_clip > 0, one accumulation round per step, no tied embedding (unless "
-           "LoRA freezes it), one node and a dtype other than fp16"),
+           "LoRA freezes it) and one node"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
           "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
@@ -679,12 +679,9 @@ Status CrossValidate(const JobConfig& c) {
   }
   if (GradientsWaitInWorkers(c)) {
     const std::string key = "optimizer.gradients_wait_in: \"workers\" ";
-    if (c.train.grad_clip <= 0.0)
+    if (!UpdatesWaitForNorm(c))
       return Status::InvalidArgument(key + "holds gradients for the clipping norm, but train.grad_clip = 0 streams "
                                            "them without one; use \"host\"");
-    if (c.train.dtype == TrainDtype::kFp16)
-      return Status::InvalidArgument(key + "with train.dtype = \"fp16\" is not supported (the loss scaler "
-                                           "reads the host's norm); use \"host\"");
     if (Round(c).calls > 1)
       return Status::InvalidArgument(key + "needs one accumulation round per step (train.accum_calls = 1, or "
                                            "exact mode, which merges the calls): with several, each round adds "

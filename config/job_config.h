@@ -307,13 +307,14 @@ Status CheckModelValue(const std::string& key, double value, const std::string& 
 inline bool UpdatesWaitForNorm(const JobConfig& c) {
   return c.train.grad_clip > 0.0 || c.train.dtype == TrainDtype::kFp16;
 }
-// optimizer.gradients_wait_in = "workers": with clipping, each step's gradients wait for the
+// optimizer.gradients_wait_in = "workers": where updates wait for the norm (UpdatesWaitForNorm:
+// clipping, fp16's loss scaling), each step's gradients wait for the
 // global norm on the workers that computed them (device memory) instead of in the host's gradient
 // arena. Each worker writes the squared sums of its gradients' optimizer chunks into the state
 // segment; the coordinator adds them up in the optimizer's order, and only then grants the step's
 // commits, which stream through an arena sized as without clipping, each parameter updated as its
-// gradient lands. Validated to need clipping, one commit per gradient slot and step, and no
-// parameter shared between layers.
+// gradient lands. Validated to need a norm to wait for, one commit per gradient slot and step, and
+// no parameter shared between layers.
 inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.gradients_wait_in == GradientsWait::kWorkers; }
 // Whether each step's loss is scaled (LossScaling).
 inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp16; }

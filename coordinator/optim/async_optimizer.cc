@@ -173,19 +173,20 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     cur_.params_rest_left[step & 1].store(static_cast<int>(spec_.params.size()));
     std::fill(cur_.early.begin(), cur_.early.end(), 0);
     for (auto& g : cur_.chunk_gate) g.store(2);
-    std::lock_guard<std::mutex> l(reported_.mu);
-    reported_.touched.erase(reported_.touched.begin(), reported_.touched.lower_bound(step));
-    if (workers_norm_) {
-      auto given = reported_.given_squares.find(step);
-      RP_CHECK(given != reported_.given_squares.end())
-          << "optimizer step " << step << "'s first gradient came before the workers' squares";
-      const double norm = std::sqrt(given->second);
-      reported_.given_squares.erase(given);
-      cur_.clip_scale = ClipScale(norm, cfg_.train.grad_clip);
-      cur_.grad_scale = static_cast<float>(cur_.clip_scale);
-      reported_.norms[step] = norm;
-      reported_.scaling[step] = StepScaling{};
+    double given = 0.0;
+    {
+      std::lock_guard<std::mutex> l(reported_.mu);
+      reported_.touched.erase(reported_.touched.begin(), reported_.touched.lower_bound(step));
+      if (workers_norm_) {
+        auto it = reported_.given_squares.find(step);
+        RP_CHECK(it != reported_.given_squares.end())
+            << "optimizer step " << step << "'s first gradient came before the workers' squares";
+        given = it->second;
+        reported_.given_squares.erase(it);
+      }
     }
+    // Before any update of the step is queued: they read what this sets.
+    if (workers_norm_) TakeNorm(step, given);
   }
   const int p = spec_.grad_slots[slot].param;
   RP_CHECK(cur_.slots_left[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
@@ -282,12 +283,22 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
 }
 
 void AsyncOptimizer::OnNormsDone(int64_t step) {
-  if (workers_norm_) return;  // reported with the step's first slot; updated chunk by chunk
+  if (workers_norm_) return;  // taken with the step's first slot; updated chunk by chunk
   double total = 0.0;
   for (double s : cur_.partial) total += s;  // fixed order: parameter-major, chunk-minor
+  TakeNorm(step, total);
+  Progress();
+  if (!norm_first_) return;  // already updated chunk by chunk
+  // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
+  const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
+  if (SubmitRowsFirst(step, writes)) return;
+  for (size_t c = 0; c < geo_.chunks.size(); ++c)
+    Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+}
+
+void AsyncOptimizer::TakeNorm(int64_t step, double total) {
   double norm = std::sqrt(total);
   StepScaling scaling;
-  cur_.adam_step = step + 1;
   if (scaling_) {
     const int ring = shm::kLossScaleRing;
     scaling.scale = scaling_->step_scale[step % ring].load(std::memory_order_acquire);
@@ -298,23 +309,18 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
     // Before any version this update publishes: the first step that fetches one reads it.
     scaling_->step_scale[(step + 1 + LossScaleLag(cfg_)) % ring].store(scaler_.scale, std::memory_order_release);
     norm /= scaling.scale;
-    cur_.skip = scaling.skipped;
-    cur_.adam_step = step + 1 - scaler_.skipped;
   }
   {
     std::lock_guard<std::mutex> l(reported_.mu);
     reported_.norms[step] = norm;
     reported_.scaling[step] = scaling;
   }
-  Progress();
-  if (!norm_first_) return;  // already updated chunk by chunk
+  // Without a norm first the step's updates are already running and read none of this.
+  if (!norm_first_ && !workers_norm_) return;
+  cur_.skip = scaling.skipped;
+  cur_.adam_step = step + 1 - (scaling_ ? scaler_.skipped : 0);
   cur_.clip_scale = cfg_.train.grad_clip > 0.0 && !cur_.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
   cur_.grad_scale = static_cast<float>(cur_.clip_scale / scaling.scale);
-  // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
-  const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
-  if (SubmitRowsFirst(step, writes)) return;
-  for (size_t c = 0; c < geo_.chunks.size(); ++c)
-    Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
 }
 
 bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
@@ -435,7 +441,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   float* v = layout_.adam_v.empty() ? nullptr
                                     : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));
   // Without a norm first (no clipping, no loss scaling) nothing is skipped: the step's own count.
-  const int64_t adam_step = norm_first_ ? cur_.adam_step : step + 1;
+  const int64_t adam_step = norm_first_ || workers_norm_ ? cur_.adam_step : step + 1;
   UpdateRange(cfg_.optimizer, LearningRate(step), adam_step, ps.weight_decay, scale, grad, master, m, v, end - begin,
               compute, compute_dtype, writes);
 }

@@ -55,8 +55,9 @@
 //    optimizer.step(). The gradients are multiplied by clip scale / loss scale in the update: for
 //    a power-of-two scale (the defaults keep it one) the bits of unscaling, then clipping.
 //  * Gradients waiting in the workers (core::GradientsWaitInWorkers): the norm comes from
-//    SetNormSquares, and each parameter is updated, clipped, as soon as its slots are final, as
-//    without clipping; no squares are taken here.
+//    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
+//    is updated, clipped, as soon as its slots are final, as without clipping; no squares are
+//    taken here.
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 //  * `on_progress` (may be empty) is called from a pool thread after each change the coordinator
@@ -180,6 +181,10 @@ class AsyncOptimizer {
   void UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows, UpdateWrites writes);
   void StoreLookupVersion(int64_t step);
   void OnNormsDone(int64_t step);
+  // The step's norm from the squared sum of its gradients (scaled, in fp16): the loss scaler
+  // advanced (its record written), the norm and scaling reported, and where updates wait for the
+  // norm the clip scale, skip and AdamW count they use. Before any update of the step runs.
+  void TakeNorm(int64_t step, double total);
   void OnParamPublished(int64_t step, int param);
   void OnParamUpdated(int64_t step, int param);  // second pass done: counted, slots back
   void CountUpdated(int64_t step);

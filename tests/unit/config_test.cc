@@ -159,6 +159,9 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   ExpectError(kValid, "optimizer.gradients_wait_in",
               {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.grad_clip=0"});
   EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "train.accum_calls=1", "lora.rank=4"}).ok());
+  // fp16's scaler needs the norm first even without clipping.
+  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.grad_clip=0",
+                             "train.dtype=fp16"}).ok());
 }
 
 TEST(JobConfig, LoraKeysAreChecked) {
