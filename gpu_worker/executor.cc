@@ -52,6 +52,8 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
   }
   math_.SetEmbedDtype(act_dtype_);
+  // Rows looked up in place from the fp32 masters (core::LookupFromHost) are what fp16 would hold.
+  if (emulate_half_) math_.SetEmbedRounding(at::kHalf);
   math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
   math_.UseGroupedExperts(cfg.bench.grouped_experts);
 }

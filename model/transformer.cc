@@ -354,6 +354,7 @@ at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, cons
 
 at::Tensor Transformer::Embed(const LayerWeights& w, const at::Tensor& tokens) const {
   at::Tensor h = at::embedding(Get(w, "embed"), tokens);
+  if (embed_rounding_ && h.scalar_type() != *embed_rounding_) h = h.to(*embed_rounding_).to(h.scalar_type());
   return embed_dtype_ && h.scalar_type() != *embed_dtype_ ? h.to(*embed_dtype_) : h;
 }
 

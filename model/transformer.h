@@ -107,6 +107,9 @@ class Transformer {
   // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the
   // table first. Unset: the table's dtype.
   void SetEmbedDtype(at::ScalarType dtype) { embed_dtype_ = dtype; }
+  // Embed's rows rounded through `dtype` first (an fp32 table for emulated fp16 arithmetic: the
+  // values an fp16 table would hold). Unset: no rounding.
+  void SetEmbedRounding(at::ScalarType dtype) { embed_rounding_ = dtype; }
   // Weight-gradient sinks, for the fused path only (FusedKernels::AddWeightGrad): a projection or
   // LM head whose weight has a sink here adds its weight gradient, summed over the tokens in
   // fp32, straight into the sink (fp32, the weight's shape) during the backward, and leaves
@@ -173,6 +176,7 @@ class Transformer {
   bool fused_norms_ = true;
   bool grouped_experts_ = true;
   std::optional<at::ScalarType> embed_dtype_;
+  std::optional<at::ScalarType> embed_rounding_;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
   uint64_t dropout_key_ = 0;
   bool training_ = true;

@@ -106,7 +106,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const int mapped_param = LookupInPlaceParam(c, spec);
   // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
   // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
-  const bool fused_cuda = c.bench.fused_kernels && c.job.device != core::DeviceKind::kCpu;
+  const bool fused_cuda = c.bench.fused_kernels && c.job.device != core::DeviceKind::kCpu &&
+                          c.train.dtype != core::TrainDtype::kFp16;  // fp16 runs LibTorch's operators
   for (const auto& st : plan.stages) {
     double params = 0.0;  // weights fetched
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
@@ -208,8 +209,11 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   if (GradientsWaitInWorkers(c)) {
     std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
     for (int64_t g = 0; g < jobs_per_step; ++g) per_worker[static_cast<size_t>(g % ahead)] += sum_bytes[order[g].stage];
-    held = *std::max_element(per_worker.begin(), per_worker.end()) - (out.stage >= 0 ? sum_bytes[out.stage] : 0.0);
-    held = std::max(0.0, held);
+    const double busiest = *std::max_element(per_worker.begin(), per_worker.end());
+    held = std::max(0.0, busiest - (out.stage >= 0 ? sum_bytes[out.stage] : 0.0));
+    // stale1: step t + 1's jobs need only version t, so a worker may finish them and hold their
+    // sums while step t's still wait for its norm.
+    if (c.optimizer.mode == core::OptimizerMode::kStale1) held += busiest;
   }
   out.resident = resident;
   out.staging = staging;

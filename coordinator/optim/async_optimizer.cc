@@ -317,10 +317,13 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
   }
   // Without a norm first the step's updates are already running and read none of this.
   if (!norm_first_ && !workers_norm_) return;
-  cur_.skip = scaling.skipped;
-  cur_.adam_step = step + 1 - (scaling_ ? scaler_.skipped : 0);
-  cur_.clip_scale = cfg_.train.grad_clip > 0.0 && !cur_.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
-  cur_.grad_scale = static_cast<float>(cur_.clip_scale / scaling.scale);
+  // By parity: step - 1's second passes may still read theirs (with gradients waiting in the
+  // workers this runs at the step's first slot, not after its last).
+  StepUpdate& u = cur_.update[step & 1];
+  u.skip = scaling.skipped;
+  u.adam_step = step + 1 - (scaling_ ? scaler_.skipped : 0);
+  const double clip_scale = cfg_.train.grad_clip > 0.0 && !u.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
+  u.grad_scale = static_cast<float>(clip_scale / scaling.scale);
 }
 
 bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
@@ -415,7 +418,8 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   if (begin >= end) return;
   const auto& ps = spec_.params[param];
   const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
-  const float scale = norm_first_ || workers_norm_ ? cur_.grad_scale : 1.0f;
+  const StepUpdate& u = cur_.update[step & 1];
+  const float scale = norm_first_ || workers_norm_ ? u.grad_scale : 1.0f;
   // Masters the workers fetch are whole parameters in the state segment; the optimizer
   // segment's arrays hold the share.
   float* master = layout_.masters_in_state
@@ -430,7 +434,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
               begin * layout_.weights_elem_bytes;
     compute_dtype = dtype;
   }
-  if (cur_.skip) {
+  if (u.skip) {
     // A skipped step changes nothing, and the version it publishes holds the same weights: a
     // separate compute copy (the other buffer in stale1) gets the masters again.
     if (writes != UpdateWrites::kRest && compute != master) ToComputeCopy(master, compute, end - begin, compute_dtype);
@@ -441,7 +445,7 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   float* v = layout_.adam_v.empty() ? nullptr
                                     : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));
   // Without a norm first (no clipping, no loss scaling) nothing is skipped: the step's own count.
-  const int64_t adam_step = norm_first_ || workers_norm_ ? cur_.adam_step : step + 1;
+  const int64_t adam_step = norm_first_ || workers_norm_ ? u.adam_step : step + 1;
   UpdateRange(cfg_.optimizer, LearningRate(step), adam_step, ps.weight_decay, scale, grad, master, m, v, end - begin,
               compute, compute_dtype, writes);
 }

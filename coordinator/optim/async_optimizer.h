@@ -227,6 +227,11 @@ class AsyncOptimizer {
   std::vector<double> row_sq_;                 // per row of the row-summed parameters
   std::atomic<int64_t> lookup_rows_left_{0};   // rows-first tasks of the next step's rows left
 
+  struct StepUpdate {
+    float grad_scale = 1.0f;  // what the update multiplies gradients by: clip scale / loss scale
+    bool skip = false;        // fp16: gradients not all finite, nothing updated
+    int64_t adam_step = 0;    // 1-based count of updates applied, this one included
+  };
   // The current step's counters (and the previous step's second passes, by parity).
   struct StepCounters {
     int64_t step = -1;
@@ -244,10 +249,9 @@ class AsyncOptimizer {
     std::vector<std::atomic<int64_t>> param_rest_chunks_left;
     // Second passes left, by step parity: step t's may still run once step t + 1 has begun.
     std::atomic<int> params_rest_left[2] = {0, 0};
-    double clip_scale = 1.0;
-    float grad_scale = 1.0f;  // what the update multiplies gradients by: clip scale / loss scale
-    bool skip = false;        // fp16: gradients not all finite, nothing updated
-    int64_t adam_step = 0;    // 1-based count of updates applied, this one included
+    // What a step's updates apply (TakeNorm), by step parity: step t + 1's is set while step t's
+    // second passes may still run; step t + 2 begins only after they are all done.
+    StepUpdate update[2];
   };
   StepCounters cur_;
 

@@ -148,6 +148,18 @@ TEST_F(Fp16Test, UnscaledNormsTrackTheFp32Run) {
   }
 }
 
+TEST_F(Fp16Test, EmulatedWeightsFromTheMastersAreTheFp16CopysValues) {
+  // Exact mode's workers read the fp32 masters (the embedding's rows in place) and round them;
+  // with a compute copy the optimizer rounds them into fp16. The same values either way: the same
+  // losses and norms, step for step.
+  const std::vector<std::string> job = {"train.dtype=\"fp16\"", "train.steps=6"};
+  auto masters = Launch(2, tmp_ + "/masters", job);
+  ASSERT_EQ(masters.code, 0) << masters.output;
+  auto copy = Launch(2, tmp_ + "/copy", With(job, {"schedule.weights_source=\"compute_copy\""}));
+  ASSERT_EQ(copy.code, 0) << copy.output;
+  EXPECT_TRUE(ReadSteps(tmp_ + "/masters") == ReadSteps(tmp_ + "/copy"));
+}
+
 TEST_F(Fp16Test, AScaleDrivenBelowFp16sRangeEndsTheRunAsDiverged) {
   // Every step overflows: the scale halves each step until no gradient could overflow at it.
   auto r = Launch(2, tmp_ + "/out",
