@@ -91,7 +91,7 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   EXPECT_EQ(a.lookup_from_host, mode == "exact");
   GradArena arena(a, reinterpret_cast<std::atomic<uint64_t>*>(state + a.grad_table));
   AsyncOptimizer opt(cfg, spec, a, state, optim, &arena, /*threads=*/3);
-  opt.StartAfter(0);
+  ASSERT_TRUE(opt.StartAfter(0).ok());
   for (int64_t step = 0; step < 2; ++step) {
     if (step == 1 && mode == "stale1") {
       ASSERT_TRUE(WaitFor([&] { return opt.Updated(0); }));
