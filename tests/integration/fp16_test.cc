@@ -98,8 +98,11 @@ TEST_F(Fp16Test, InjectedOverflowsSkipExactlyThoseStepsAndMoveTheScaleAsGradScal
       EXPECT_EQ(steps[s].grad_norm.has_value(), overflow_.count(s) == 0);
       EXPECT_EQ(steps[s].loss_scale, scales[s]);
       EXPECT_TRUE(std::isfinite(steps[s].loss));
-      if (s > 0 && overflow_.count(s)) EXPECT_EQ(steps[s].eval_loss, steps[s - 1].eval_loss);
-      if (s > 0 && !overflow_.count(s)) EXPECT_NE(steps[s].eval_loss, steps[s - 1].eval_loss);
+      if (s > 0 && overflow_.count(s)) {
+        EXPECT_EQ(steps[s].eval_loss, steps[s - 1].eval_loss);
+      } else if (s > 0) {
+        EXPECT_NE(steps[s].eval_loss, steps[s - 1].eval_loss);
+      }
     }
     EXPECT_EQ(Summary(out)["skipped_steps"], 3);
   }
