@@ -316,6 +316,11 @@ inline bool UpdatesWaitForNorm(const JobConfig& c) {
 // gradient lands. Validated to need a norm to wait for, one commit per gradient slot and step, and
 // no parameter shared between layers.
 inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.gradients_wait_in == GradientsWait::kWorkers; }
+// Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
+inline int ComputeElemBytes(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp32 ? 4 : 2; }
+// Whether CUDA workers run the project's fused kernels: bench.fused_kernels, and a dtype they take
+// (fp32, bf16; fp16 runs LibTorch's own operators).
+inline bool FusedKernelsApply(const JobConfig& c) { return c.bench.fused_kernels && c.train.dtype != TrainDtype::kFp16; }
 // Whether each step's loss is scaled (LossScaling).
 inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp16; }
 

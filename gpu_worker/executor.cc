@@ -45,8 +45,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       act_dtype_(store_dtype_ == at::kHalf && device.torch_device().is_cpu() ? at::kFloat : store_dtype_),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : store_dtype_),
       emulate_half_(store_dtype_ == at::kHalf && act_dtype_ == at::kFloat) {
-  // The project's kernels take fp32 and bf16: fp16 runs LibTorch's own operators.
-  if (cfg.bench.fused_kernels && store_dtype_ != at::kHalf) {
+  if (core::FusedKernelsApply(cfg)) {
     math_.UseFusedKernels(device.fused_kernels());
     math_.UseFusedNorms(cfg.bench.fused_norms);
     weight_grad_sinks_ = device.fused_kernels() != nullptr;

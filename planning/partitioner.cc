@@ -85,7 +85,7 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
 
 MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
-  const double elem = c.train.dtype == core::TrainDtype::kFp32 ? 4.0 : 2.0;
+  const double elem = static_cast<double>(core::ComputeElemBytes(c));
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
   // The MLP's intermediate-sized tensors a block keeps for the microbatch, in units of
@@ -106,8 +106,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const int mapped_param = LookupInPlaceParam(c, spec);
   // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
   // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
-  const bool fused_cuda = c.bench.fused_kernels && c.job.device != core::DeviceKind::kCpu &&
-                          c.train.dtype != core::TrainDtype::kFp16;  // fp16 runs LibTorch's operators
+  const bool fused_cuda = core::FusedKernelsApply(c) && c.job.device != core::DeviceKind::kCpu;
   for (const auto& st : plan.stages) {
     double params = 0.0;  // weights fetched
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's

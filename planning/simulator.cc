@@ -296,7 +296,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.layer_major = c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
                    : c.bench.layer_major_forward == core::Tristate::kAlways ? SimInput::LayerMajor::kAlways
                                                                 : SimInput::LayerMajor::kAuto;
-  const double elem = c.train.dtype == core::TrainDtype::kFp32 ? 4.0 : 2.0;
+  const double elem = static_cast<double>(core::ComputeElemBytes(c));
   // Trainable weights cross the link as fp32 when workers fetch the masters.
   const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());

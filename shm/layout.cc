@@ -142,7 +142,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
                                     const core::PipelinePlan& plan) {
   RP_ASSIGN_OR_RETURN(GradArenaSizing sizing, SizeGradArena(c, spec, plan));
   ArenaLayout a;
-  a.compute_elem_bytes = c.train.dtype == core::TrainDtype::kFp32 ? 4 : 2;
+  a.compute_elem_bytes = core::ComputeElemBytes(c);
   uint64_t pos = kHeaderBytes;
   a.sharded = core::ShardedState(c);
   a.layer_versions = pos;

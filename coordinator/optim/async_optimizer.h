@@ -221,7 +221,7 @@ class AsyncOptimizer {
   const bool workers_norm_;                    // core::GradientsWaitInWorkers
   const bool norm_first_;                      // updates wait for a norm taken here
   // fp16: the state segment's record (null without loss scaling), and the scaler's state after
-  // the last step whose norm is known (written by OnNormsDone only, which steps take in order).
+  // the last step whose norm is known (written by TakeNorm only, which steps reach in order).
   shm::LossScaleRecord* scaling_ = nullptr;
   shm::LossScalerState scaler_{};
   std::vector<double> row_sq_;                 // per row of the row-summed parameters
