@@ -397,7 +397,12 @@ const std::vector<KeySpec>& Table() {
             "(seed, step, call, microbatch, layer, module), so recompute and rp-train-ref see the same one"),
       StrArray("lora", "target_modules", F(lora.target_modules), "[\"q_proj\", \"v_proj\"]",
                "Projections that get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj, "
-               "gate_proj, up_proj, down_proj"),
+               "gate_proj, up_proj, down_proj; may be empty when lora.target_parameters is not"),
+      StrArray("lora", "target_parameters", F(lora.target_parameters), "[]",
+               "Mixture-of-experts tensors that get adapters, by PEFT's target_parameters names: "
+               "mlp.experts.gate_up_proj, mlp.experts.down_proj. One adapter per tensor covers every "
+               "expert (PEFT's layout: lora_A [r x experts, in] expert-major, lora_B [out, r x experts] "
+               "rank-major); needs lora.dropout = 0, as PEFT"),
       Str("lora", "init_from", F(lora.init_from), "",
           "PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from, "
           "relative to the job file; its rank and targets must equal this job's; empty = A "
@@ -620,9 +625,34 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("train.eval_every: needs an eval set: set data.eval_path or "
                                    "data.eval_fraction");
   if (c.lora.enabled()) {
-    if (c.lora.target_modules.empty())
+    if (c.lora.target_modules.empty() && c.lora.target_parameters.empty())
       return Status::InvalidArgument("lora.target_modules: empty; name at least one of q_proj, "
-                                     "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj");
+                                     "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert "
+                                     "tensors in lora.target_parameters)");
+    std::vector<std::string> seen_params;
+    for (const auto& t : c.lora.target_parameters) {
+      const auto& ok = LoraTargetableParameters();
+      if (std::find(ok.begin(), ok.end(), t) == ok.end())
+        return Status::InvalidArgument("lora.target_parameters: \"" + t + "\" is not a tensor this runtime "
+                                       "adapts (mlp.experts.gate_up_proj, mlp.experts.down_proj)");
+      if (std::find(seen_params.begin(), seen_params.end(), t) != seen_params.end())
+        return Status::InvalidArgument("lora.target_parameters: \"" + t + "\" is listed twice");
+      seen_params.push_back(t);
+      if (m.moe.num_experts == 0)
+        return Status::InvalidArgument("lora.target_parameters: \"" + t + "\" names expert tensors, and this "
+                                       "model has no experts; use lora.target_modules");
+      // PEFT adapts a whole tensor by adding B A to the weight before the product, so it cannot
+      // drop out the adapter's input alone (and refuses dropout there); the same math here.
+      if (c.lora.dropout > 0.0)
+        return Status::InvalidArgument("lora.dropout: must be 0 with lora.target_parameters (an adapter on "
+                                       "expert tensors has no input of its own to drop, as in PEFT)");
+      const int64_t in = t == "mlp.experts.gate_up_proj" ? m.hidden_size : m.moe.expert_intermediate_size;
+      const int64_t out = t == "mlp.experts.gate_up_proj" ? 2 * m.moe.expert_intermediate_size : m.hidden_size;
+      if (c.lora.rank > std::min(in, out))
+        return Status::InvalidArgument("lora.rank: " + std::to_string(c.lora.rank) + " exceeds " + t + "'s " +
+                                       std::to_string(out) + " x " + std::to_string(in) +
+                                       " per-expert rank bound " + std::to_string(std::min(in, out)));
+    }
     std::vector<std::string> seen;
     for (const auto& t : c.lora.target_modules) {
       const auto& ok = LoraTargetableModules();
@@ -633,13 +663,13 @@ Status CrossValidate(const JobConfig& c) {
       if (std::find(seen.begin(), seen.end(), t) != seen.end())
         return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is listed twice");
       seen.push_back(t);
-      // PEFT matches these names inside the experts too (each expert is its own module in a
-      // per-expert checkpoint); adapters on experts are not built, so the job would train a
-      // different set of adapters than PEFT names.
+      // On a mixture-of-experts model these names mean different adapters to PEFT depending on
+      // the transformers version (each expert a module of its own in 4, fused expert tensors
+      // that module names do not reach in 5): refused, the experts take target_parameters.
       if (m.moe.num_experts > 0 && (t == "gate_proj" || t == "up_proj" || t == "down_proj"))
         return Status::InvalidArgument("lora.target_modules: \"" + t + "\" on a mixture-of-experts model: "
-                                       "adapters on the experts' projections are not supported; target the "
-                                       "attention projections (q_proj, k_proj, v_proj, o_proj)");
+                                       "the experts are adapted through lora.target_parameters "
+                                       "(mlp.experts.gate_up_proj, mlp.experts.down_proj), as PEFT names them");
       // B A has rank at most min(in, out): a larger rank adds parameters and no expressiveness.
       const int64_t q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
       const int64_t in = t == "o_proj" ? q : t == "down_proj" ? m.intermediate_size : m.hidden_size;
@@ -659,6 +689,9 @@ Status CrossValidate(const JobConfig& c) {
   } else if (!c.lora.init_from.empty()) {
     return Status::InvalidArgument("lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
                                    "set lora.rank to the adapter's rank");
+  } else if (!c.lora.target_parameters.empty()) {
+    return Status::InvalidArgument("lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
+                                   "set lora.rank to train adapters");
   }
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
@@ -780,6 +813,11 @@ const std::vector<std::string>& LoraTargetableModules() {
   static const std::vector<std::string> modules = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                    "gate_proj", "up_proj", "down_proj"};
   return modules;
+}
+
+const std::vector<std::string>& LoraTargetableParameters() {
+  static const std::vector<std::string> tensors = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  return tensors;
 }
 
 std::vector<KeyDoc> DocumentedKeys() {

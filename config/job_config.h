@@ -181,6 +181,9 @@ struct LoraConfig {
   double alpha = 8.0;
   double dropout = 0.0;          // on the adapter's input, as PEFT's lora_dropout
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
+  // Whole tensors that get adapters, as PEFT's target_parameters names them: a mixture-of-experts
+  // model's fused expert tensors (LoraTargetableParameters), one adapter over every expert.
+  std::vector<std::string> target_parameters;
   std::string init_from;         // PEFT adapter directory to start from; "" = A random, B zero
   std::string export_dir = "adapter";  // PEFT directory written after the last step (in output_dir)
 
@@ -190,6 +193,11 @@ struct LoraConfig {
 
 // The projections LoRA can target, in the order a block applies them.
 const std::vector<std::string>& LoraTargetableModules();
+
+// The tensors lora.target_parameters can name, in the order transformers registers them
+// (Qwen3-MoE's expert tensors; PEFT nests one wrapper per tensor in that order, so the order
+// decides the adapters' names, see core::BuildModelSpec).
+const std::vector<std::string>& LoraTargetableParameters();
 
 struct ScheduleConfig {
   int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty

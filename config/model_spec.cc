@@ -130,10 +130,12 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
     if (!adapters) return;
     const auto& t = lora.target_modules;
     if (std::find(t.begin(), t.end(), role) == t.end()) return;
-    add_trainable(make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, adapter_key),
-                  role + ".lora_A");
-    add_trainable(make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, adapter_key + 1),
-                  role + ".lora_B");
+    const int base = static_cast<int>(s.frozen.size()) - (bias ? 2 : 1);
+    ParamSpec a = make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, adapter_key);
+    ParamSpec b = make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, adapter_key + 1);
+    a.adapts = b.adapts = base;
+    add_trainable(std::move(a), role + ".lora_A");
+    add_trainable(std::move(b), role + ".lora_B");
   };
   const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
   const int64_t QH = c.num_heads * D, KVH = c.num_kv_heads * D;
@@ -156,8 +158,30 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
       // gate first) and its down matrix ([E, H, I]); io/hf_model.h maps per-expert files to it.
       const int64_t E = c.moe.num_experts, EI = c.moe.expert_intermediate_size;
       add(layer, pre + "mlp.gate.weight", {E, H}, "router", InitKind::kNormal);
-      add(layer, pre + "mlp.experts.gate_up_proj", {E, 2 * EI, H}, "experts.gate_up", InitKind::kNormal);
-      add(layer, pre + "mlp.experts.down_proj", {E, H, EI}, "experts.down", InitKind::kNormal);
+      const int gate_up = add(layer, pre + "mlp.experts.gate_up_proj", {E, 2 * EI, H}, "experts.gate_up", InitKind::kNormal);
+      const int down = add(layer, pre + "mlp.experts.down_proj", {E, H, EI}, "experts.down", InitKind::kNormal);
+      if (!adapters) continue;
+      struct Target { const char* tensor; const char* role; int base; int64_t out, in; };
+      std::vector<Target> targets;
+      for (const Target& t : {Target{"mlp.experts.gate_up_proj", "experts.gate_up", gate_up, 2 * EI, H},
+                              Target{"mlp.experts.down_proj", "experts.down", down, H, EI}}) {
+        const auto& tp = lora.target_parameters;
+        if (std::find(tp.begin(), tp.end(), t.tensor) != tp.end()) targets.push_back(t);
+      }
+      for (size_t n = 0; n < targets.size(); ++n) {
+        const Target& t = targets[n];
+        std::string name = pre + "mlp.experts.";
+        for (size_t outer = n + 1; outer < targets.size(); ++outer) name += "base_layer.";
+        const uint64_t key = kAdapterKeyBase + 2 * s.frozen[t.base].init_key;
+        ParamSpec a = make(layer, name + "lora_A.weight", {lora.rank * E, t.in}, InitKind::kUniformFanIn, key);
+        ParamSpec b = make(layer, name + "lora_B.weight", {t.out, lora.rank * E}, InitKind::kZeros, key + 1);
+        for (ParamSpec* m : {&a, &b}) {
+          m->adapts = t.base;
+          m->experts = E;
+        }
+        add_trainable(std::move(a), std::string(t.role) + ".lora_A");
+        add_trainable(std::move(b), std::string(t.role) + ".lora_B");
+      }
       continue;
     }
     add_projection(layer, pre + "mlp.gate_proj", I, H, "gate_proj", c.mlp_bias);

@@ -35,6 +35,12 @@ struct ParamSpec {
   // Key of the parameter's init stream: its index in the full model's parameter list, so a
   // frozen base under LoRA starts exactly as the full model with the same seed would.
   uint64_t init_key = 0;
+  // A LoRA matrix (A or B): the index in ModelSpec::frozen of the base weight it adapts, else -1.
+  int adapts = -1;
+  // An adapter on stacked expert tensors [experts, out, in] (PEFT's layout): A is [r x experts,
+  // in] with expert e's rows at e x r .. e x r + r - 1, B is [out, r x experts] with expert e's
+  // rank-k column at k x experts + e; 0 for an adapter on one matrix.
+  int64_t experts = 0;
 };
 
 // A frozen parameter's use by a layer (LoRA's base weights): fetched, never updated, no gradient.
@@ -58,7 +64,12 @@ struct GradSlot {
 // `params` are the trainable parameters (masters, moments, gradient slots); everything the
 // optimizer, the gradient arena and training-state checkpoints touch is indexed by them. Under
 // LoRA they are the adapters (role "<module>.lora_A" / ".lora_B", names as the base weight's with
-// ".lora_A.weight"), and the base model is `frozen`: compute copies only.
+// ".lora_A.weight"; each lora_B directly follows its lora_A), and the base model is `frozen`:
+// compute copies only. Expert adapters (lora.target_parameters) have roles
+// "experts.gate_up.lora_A" ... "experts.down.lora_B" and PEFT's names: its wrappers nest in the
+// order transformers registers the tensors (gate_up_proj, then down_proj), the first innermost,
+// so with both targeted gate_up's are "mlp.experts.base_layer.lora_A.weight" and down's
+// "mlp.experts.lora_A.weight".
 struct ModelSpec {
   ModelConfig config;
   LoraConfig lora;

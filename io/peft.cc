@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <map>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -60,12 +59,25 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
     if (!t.is_string()) return fail("target_modules", "holds a non-string " + t.dump());
     theirs.insert(t.get<std::string>());
   }
-  if (theirs != ours) {
-    std::string a, b;
-    for (const auto& t : theirs) a += (a.empty() ? "" : ", ") + t;
-    for (const auto& t : ours) b += (b.empty() ? "" : ", ") + t;
-    return fail("target_modules", "is [" + a + "]; lora.target_modules is [" + b + "]");
+  auto joined = [](const std::set<std::string>& names) {
+    std::string j;
+    for (const auto& t : names) j += (j.empty() ? "" : ", ") + t;
+    return j;
+  };
+  if (theirs != ours)
+    return fail("target_modules", "is [" + joined(theirs) + "]; lora.target_modules is [" + joined(ours) + "]");
+  // Absent or null means none, as in PEFT.
+  std::set<std::string> their_params, our_params(lora.target_parameters.begin(), lora.target_parameters.end());
+  if (c.contains("target_parameters") && !c["target_parameters"].is_null()) {
+    if (!c["target_parameters"].is_array()) return fail("target_parameters", "must be a list of parameter names");
+    for (const auto& t : c["target_parameters"]) {
+      if (!t.is_string()) return fail("target_parameters", "holds a non-string " + t.dump());
+      their_params.insert(t.get<std::string>());
+    }
   }
+  if (their_params != our_params)
+    return fail("target_parameters", "is [" + joined(their_params) + "]; lora.target_parameters is [" +
+                                         joined(our_params) + "]");
   // Variants that change the math: refused by name rather than silently computed as plain LoRA.
   for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "use_qalora"})
     if (c.contains(key) && c[key].is_boolean() && c[key].get<bool>())
@@ -73,7 +85,7 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
   if (c.contains("bias") && c["bias"].is_string() && c["bias"].get<std::string>() != "none")
     return fail("bias", "is " + c["bias"].dump() + "; only \"none\" is supported");
   for (const char* key : {"layers_to_transform", "modules_to_save", "layer_replication", "exclude_modules",
-                          "target_parameters", "trainable_token_indices", "alora_invocation_tokens"})
+                          "trainable_token_indices", "alora_invocation_tokens"})
     if (c.contains(key) && !c[key].is_null() && !(c[key].is_array() && c[key].empty()))
       return fail(key, "is set; this runtime adapts every layer and saves no extra modules");
   for (const char* key : {"rank_pattern", "alpha_pattern"})
@@ -134,7 +146,7 @@ Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::stri
   nlohmann::ordered_json c = {
       {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", base_model},
       {"r", l.rank}, {"lora_alpha", l.alpha}, {"lora_dropout", l.dropout},
-      {"target_modules", l.target_modules}, {"bias", "none"}, {"fan_in_fan_out", false},
+      {"target_modules", l.target_modules}, {"target_parameters", l.target_parameters}, {"bias", "none"}, {"fan_in_fan_out", false},
       {"inference_mode", true}, {"init_lora_weights", true}, {"use_rslora", false},
       {"use_dora", false}, {"modules_to_save", nullptr}, {"layers_to_transform", nullptr},
       {"rank_pattern", nlohmann::ordered_json::object()}, {"alpha_pattern", nlohmann::ordered_json::object()}};
@@ -160,34 +172,35 @@ Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
   if (full.params.size() != spec.frozen.size())
     return Status::Internal("merged export: the base has " + std::to_string(spec.frozen.size()) +
                             " tensors, the full model " + std::to_string(full.params.size()));
-  std::map<std::string, int> frozen_index;
-  for (size_t f = 0; f < spec.frozen.size(); ++f) frozen_index[spec.frozen[f].name] = static_cast<int>(f);
   std::vector<std::vector<float>> merged(spec.frozen.size());
   for (size_t f = 0; f < spec.frozen.size(); ++f) {
     merged[f].resize(static_cast<size_t>(spec.frozen[f].numel));
     frozen(static_cast<int>(f), merged[f].data());
   }
-  // W += scale * B A, per adapted projection (A: [r, in], B: [out, r]).
+  // W += scale * B A, per adapted projection (A: [r, in], B: [out, r]); per expert e of an expert
+  // adapter, W_e += scale * B_e A_e with A_e, B_e cut as core::ParamSpec::experts says.
   const float scale = static_cast<float>(spec.lora.scale());
-  for (size_t p = 0; p + 1 < spec.params.size(); ++p) {
-    const auto& a = spec.params[p];
-    const std::string suffix = ".lora_A.weight";
-    if (a.name.size() < suffix.size() || a.name.compare(a.name.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    const std::string base = a.name.substr(0, a.name.size() - suffix.size()) + ".weight";
-    auto it = frozen_index.find(base);
-    if (it == frozen_index.end()) return Status::Internal("merged export: no base weight " + base);
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    const auto& a = spec.params[p];  // a lora_A, directly followed by its lora_B (core::ModelSpec)
+    if (a.adapts < 0) continue;
+    if (p + 1 >= spec.params.size() || spec.params[p + 1].adapts != a.adapts)
+      return Status::Internal("merged export: " + a.name + " is not followed by its lora_B");
     const float* A = master(static_cast<int>(p));
-    const float* B = master(static_cast<int>(p + 1));  // lora_B follows its lora_A (model_spec)
-    const int64_t r = a.shape[0], in = a.shape[1], out = spec.params[p + 1].shape[0];
-    float* W = merged[it->second].data();
-    for (int64_t i = 0; i < out; ++i)
-      for (int64_t k = 0; k < r; ++k) {
-        const float b = scale * B[i * r + k];
-        const float* arow = A + k * in;
-        float* wrow = W + i * in;
-        for (int64_t j = 0; j < in; ++j) wrow[j] += b * arow[j];
-      }
+    const float* B = master(static_cast<int>(p + 1));
+    const int64_t experts = std::max<int64_t>(a.experts, 1);
+    const int64_t r = a.shape[0] / experts, in = a.shape[1], out = spec.params[p + 1].shape[0];
+    const int64_t b_cols = r * experts;
+    for (int64_t e = 0; e < experts; ++e) {
+      float* W = merged[static_cast<size_t>(a.adapts)].data() + e * out * in;
+      for (int64_t i = 0; i < out; ++i)
+        for (int64_t k = 0; k < r; ++k) {
+          const float b = scale * B[i * b_cols + (a.experts > 0 ? k * experts + e : k)];
+          const float* arow = A + (e * r + k) * in;
+          float* wrow = W + i * in;
+          for (int64_t j = 0; j < in; ++j) wrow[j] += b * arow[j];
+        }
+    }
+    ++p;  // its lora_B
   }
   return ExportHf(hf_dir, cfg.model, full, [&](int f) -> const float* { return merged[f].data(); },
                   shard_bytes);

@@ -5,8 +5,11 @@
 //  * Tensor names are PEFT's as save_pretrained writes them for a causal LM:
 //    "base_model.model." + the spec's name, e.g.
 //    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (no adapter name).
+//    Expert adapters (lora.target_parameters) carry PEFT's nested wrapper names, e.g.
+//    ...layers.0.mlp.experts.base_layer.lora_A.weight for gate_up_proj when both expert tensors
+//    are targeted (core::ModelSpec).
 //  * PeftAdapter::Open() checks adapter_config.json against the job (peft_type LORA, r,
-//    lora_alpha, the set of target_modules; DoRA, rsLoRA, biases, fan_in_fan_out and
+//    lora_alpha, the sets of target_modules and target_parameters; DoRA, rsLoRA, biases, fan_in_fan_out and
 //    per-layer patterns are refused because this runtime does not compute them) and that the
 //    safetensors file holds exactly the spec's adapter tensors with their shapes; every error
 //    names the directory or file and the problem. lora_dropout may differ (it only affects

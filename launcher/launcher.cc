@@ -141,9 +141,10 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
   std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
               static_cast<long long>(spec.TrainableParams()), gpus);
   if (spec.lora.enabled())
-    std::printf("LoRA rank %lld on %zu projection kinds: %lld frozen base parameters kept once as "
-                "the compute copy (%.1f MiB, no master, moments or gradients)\n",
+    std::printf("LoRA rank %lld on %zu projection kinds and %zu expert tensors: %lld frozen base parameters "
+                "kept once as the compute copy (%.1f MiB, no master, moments or gradients)\n",
                 static_cast<long long>(spec.lora.rank), spec.lora.target_modules.size(),
+                spec.lora.target_parameters.size(),
                 static_cast<long long>(spec.FrozenParams()),
                 static_cast<double>(layout->frozen_end - layout->frozen_begin) / (1 << 20));
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());

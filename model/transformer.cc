@@ -406,6 +406,26 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   return x1 + at::cat(tiles).view(x1.sizes());
 }
 
+namespace {
+// One adapter on stacked expert tensors, viewed per expert (core::ParamSpec::experts' layout).
+struct ExpertAdapter {
+  at::Tensor a_stacked;  // [E, r, in]: lora_A's rows, expert-major
+  at::Tensor b_stacked;  // [out, r, E]: lora_B's columns, rank-major
+  bool defined() const { return a_stacked.defined(); }
+  // Views taken once, so autograd stacks the experts' gradients into one tensor.
+  std::vector<at::Tensor> PerExpertA() const { return defined() ? a_stacked.unbind(0) : std::vector<at::Tensor>{}; }
+  std::vector<at::Tensor> PerExpertB() const { return defined() ? b_stacked.unbind(2) : std::vector<at::Tensor>{}; }
+};
+
+ExpertAdapter ExpertLora(const LayerWeights& w, const std::string& role, int64_t experts) {
+  auto a = w.find(role + ".lora_A");
+  if (a == w.end()) return {};
+  const at::Tensor& b = Get(w, role + ".lora_B");
+  const int64_t rank = a->second.size(0) / experts;
+  return {a->second.view({experts, rank, a->second.size(1)}), b.view({b.size(0), rank, experts})};
+}
+}  // namespace
+
 at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int layer) {
   const int64_t H = h.size(-1), E = config_.moe.num_experts, k = config_.moe.experts_per_token;
   const int64_t I = config_.moe.expert_intermediate_size;
@@ -430,6 +450,12 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   }
   at::Tensor x = flat.index_select(0, token);
   at::Tensor scale = top.reshape({-1}).index_select(0, order).unsqueeze(1);
+  // Adapters on the stacked expert tensors (PEFT's layout, core::ParamSpec::experts): expert e's
+  // A is rows e*r .. e*r+r-1 of lora_A, its B the columns k*E + e of lora_B. PEFT adds s B_e A_e
+  // to W_e before the product; x (W_e + s B_e A_e)^T = x W_e^T + s (x A_e^T) B_e^T is the same
+  // function at rank-r cost.
+  const ExpertAdapter gate_up_lora = ExpertLora(w, "experts.gate_up", E);
+  const ExpertAdapter down_lora = ExpertLora(w, "experts.down", E);
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
   // Grouped: the rows of each expert are contiguous (the stable sort), so one GEMM per projection
   // takes every expert at once, each row block with its own expert's matrix (group ends `offs`);
@@ -437,13 +463,30 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   // Frozen experts only (LoRA): the kernel's weight gradient for an expert without tokens is zero
   // on Hopper but was reported not to be on Blackwell, and a trained expert must get exactly zero.
   const bool experts_frozen = !Get(w, "experts.gate_up").requires_grad() && !Get(w, "experts.down").requires_grad();
-  if (grouped_experts_ && experts_frozen && x.is_cuda() && x.scalar_type() == at::kBFloat16 && H % 8 == 0 &&
-      I % 8 == 0) {
+  // Expert adapters join the grouped GEMMs when their rank's rows are 16-byte multiples.
+  const ExpertAdapter& any_lora = gate_up_lora.defined() ? gate_up_lora : down_lora;
+  const bool adapters_align = !any_lora.defined() || any_lora.a_stacked.size(1) % 8 == 0;
+  if (grouped_experts_ && experts_frozen && adapters_align && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+      H % 8 == 0 && I % 8 == 0) {
     const at::Tensor offs = at::cumsum(on_device, 0, at::kInt);
-    at::Tensor gu = at::_grouped_mm(x, Get(w, "experts.gate_up").transpose(-2, -1), offs);
+    const at::Tensor has_tokens = on_device.gt(0);
+    auto grouped = [&](const at::Tensor& in, const at::Tensor& weight, const ExpertAdapter& a) {
+      at::Tensor out = at::_grouped_mm(in, weight.transpose(-2, -1), offs);
+      if (!a.defined()) return out;
+      // An expert without tokens must get exactly zero adapter gradients; the kernel's gradient
+      // for an empty group is not guaranteed on every architecture, so those experts' matrices
+      // enter through a select whose backward is exactly zero there (no rows read them).
+      const at::Tensor zero = at::zeros({}, a.a_stacked.options());
+      at::Tensor a_used = at::where(has_tokens.view({-1, 1, 1}), a.a_stacked, zero);
+      at::Tensor b_used = at::where(has_tokens.view({1, 1, -1}), a.b_stacked, zero);
+      // A^T [E, in, r] and B^T [E, r, out], each expert's matrix in one block.
+      at::Tensor low = at::_grouped_mm(in, a_used.transpose(-2, -1), offs);
+      return out + at::_grouped_mm(low, b_used.permute({2, 1, 0}).contiguous(), offs) * lora_scale_;
+    };
+    at::Tensor gu = grouped(x, Get(w, "experts.gate_up"), gate_up_lora);
     at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);
     at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_) : at::silu(gate) * up;
-    at::Tensor y = at::_grouped_mm(act.contiguous(), Get(w, "experts.down").transpose(-2, -1), offs) * scale;
+    at::Tensor y = grouped(act.contiguous(), Get(w, "experts.down"), down_lora) * scale;
     return at::zeros_like(flat).index_add(0, token, y).view(h.sizes());
   }
 #endif
@@ -455,12 +498,20 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   std::vector<at::Tensor> outs;
   int64_t begin = 0;
   const int64_t* n = counts.data_ptr<int64_t>();
+  const std::vector<at::Tensor> gate_up_a = gate_up_lora.PerExpertA(), gate_up_b = gate_up_lora.PerExpertB();
+  const std::vector<at::Tensor> down_a = down_lora.PerExpertA(), down_b = down_lora.PerExpertB();
+  auto project = [&](const at::Tensor& in, const at::Tensor& weight, const std::vector<at::Tensor>& a,
+                     const std::vector<at::Tensor>& b, int64_t e) {
+    at::Tensor out = at::linear(in, weight);
+    if (a.empty()) return out;
+    return out + at::linear(at::linear(in, a[e]), b[e]) * lora_scale_;
+  };
   for (int64_t e = 0; e < E; ++e) {
     if (n[e] == 0) continue;
-    at::Tensor gu = at::linear(x.narrow(0, begin, n[e]), gate_up[e]);
+    at::Tensor gu = project(x.narrow(0, begin, n[e]), gate_up[e], gate_up_a, gate_up_b, e);
     at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);
     at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_) : at::silu(gate) * up;
-    outs.push_back(at::linear(act, down[e]));
+    outs.push_back(project(act, down[e], down_a, down_b, e));
     begin += n[e];
   }
   at::Tensor y = at::cat(outs) * scale;

@@ -17,6 +17,10 @@
 //    counter-based hash of (SetDropoutKey's key, layer, module, element), computed with integer
 //    tensor ops on the tensor's own device: the forward stage, the recompute and rp-train-ref
 //    draw the same mask without sharing a generator.
+//  * Expert LoRA: a sparse block whose weights include "experts.gate_up.lora_A"/"_B" (or
+//    "experts.down.*") adds scale * (x A_e^T) B_e^T to expert e's product, A_e and B_e cut from
+//    the stacked matrices as core::ParamSpec::experts lays them out; PEFT merges s B_e A_e into
+//    W_e first, the same function. No dropout there (the job refuses it, as PEFT does).
 //  * Not thread-safe (a small RoPE table cache); one instance per thread.
 #pragma once
 
@@ -101,7 +105,8 @@ class Transformer {
   void UseFusedNorms(bool on) { fused_norms_ = on; }
   // Frozen experts of bf16 CUDA tensors (LoRA, LibTorch >= 2.8): one grouped GEMM per projection
   // over every expert's tokens (at::_grouped_mm) instead of a loop over the experts with tokens,
-  // with no read of the token counts on the host; for A/B runs (bench.grouped_experts).
+  // with no read of the token counts on the host; expert adapters join it when the rank is a
+  // multiple of 8 (two more grouped GEMMs per projection); for A/B runs (bench.grouped_experts).
   void UseGroupedExperts(bool on) { grouped_experts_ = on; }
   // Embed's output dtype when its table is stored wider (an fp32 master read in place,
   // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the

@@ -22,7 +22,7 @@ static_assert(sizeof(DataConfig) == 96);
 static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 136);
 static_assert(sizeof(OptimizerConfig) == 80);
-static_assert(sizeof(LoraConfig) == 112);
+static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 160);
 static_assert(sizeof(CheckpointConfig) == 88);
 static_assert(sizeof(BenchKnobs) == 24);
@@ -76,7 +76,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum
                                    eval_microbatches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, warmup_steps, weight_decay, beta1,
                                    beta2, eps, momentum, grad_buffer_mb)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, init_from, export_dir)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
+                                   export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, activations,
                                    weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
                                    gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)

@@ -108,6 +108,32 @@ TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
   std::printf("cuda fp32 LoRA vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
 }
 
+// Adapters on the experts (lora.target_parameters) on a mixture-of-experts parity job: CUDA fp32
+// (the loop over experts) against the CPU reference, and bf16 with the adapters inside the
+// grouped GEMMs (rank 8: rows of 16 bytes) against the same job with the loop over experts.
+TEST_F(GpuTest, CudaExpertAdaptersMatchCpuReferenceAndGroupedMatchesTheLoop) {
+  const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
+                                        "model.expert_intermediate_size=32", "model.router_aux_loss_coef=0.01",
+                                        "lora.rank=8", "lora.target_modules=[\"q_proj\"]",
+                                        "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]"};
+  auto expected = Losses(RefMetrics("moe-lora-ref", moe));
+  EXPECT_LT(expected.back(), expected.front());
+  std::vector<std::string> sets = moe;
+  sets.push_back("job.device=\"cuda\"");
+  std::printf("cuda fp32 expert LoRA vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(Launch(2, "moe-lora-cuda", sets), expected));
+  sets.push_back("train.dtype=\"bf16\"");
+  const auto grouped = Launch(1, "moe-lora-grouped", sets);
+  sets.push_back("bench.grouped_experts=false");
+  const auto loop = Launch(1, "moe-lora-loop", sets);
+  ASSERT_EQ(grouped.size(), loop.size());
+  double worst = 0.0;
+  for (size_t s = 0; s < loop.size(); ++s) worst = std::max(worst, std::abs(grouped[s] - loop[s]) / loop[s]);
+  EXPECT_LE(worst, 1e-2) << "bf16 grouped vs loop over experts";
+  EXPECT_LT(grouped.back(), grouped.front());
+  std::printf("cuda bf16 expert LoRA, grouped vs loop: max relative loss difference %.3g\n", worst);
+}
+
 TEST_F(GpuTest, CudaEvalLossMatchesCpuReference) {
   const std::vector<std::string> eval = {"train.eval_every=5", "data.eval_fraction=0.1",
                                          "train.eval_microbatches=3"};

@@ -196,8 +196,10 @@ TEST_F(LaunchTest, MoeLayoutsAndTheExportAreTheSameModel) {
   EXPECT_GT(std::abs(Losses(tmp_ + "/d/metrics.jsonl")[0] - la[0]), 1e-4);
 }
 
-// What the runtime does not compute is refused before anything starts, naming the key.
-TEST_F(LaunchTest, MoeRefusesAdaptersOnExpertsAndANegativeRouterLossWeight) {
+// What the runtime does not compute is refused before anything starts, naming the key: a
+// negative router loss weight, and dense-MLP module names on a model with experts (PEFT reads
+// them differently across transformers versions; the experts take lora.target_parameters).
+TEST_F(LaunchTest, MoeRefusesMlpModuleTargetsAndANegativeRouterLossWeight) {
   json cfg = MoeConfig();
   cfg["output_router_logits"] = true;
   cfg["router_aux_loss_coef"] = -0.5;
@@ -231,6 +233,109 @@ TEST_F(LaunchTest, MoeLoraOnAttentionMatchesTheReference) {
   ASSERT_EQ(want.size(), 6u);
   EXPECT_LT(want.back(), want.front());
   ExpectClose(Losses(tmp_ + "/run/metrics.jsonl"), want, "LoRA on 2 workers");
+}
+
+// Adapters on the experts (lora.target_parameters, PEFT's layout) and on the attention, with the
+// load-balancing loss: the pipeline on 1-3 workers in both modes against rp-train-ref, and with
+// one expert tensor targeted (the other naming) on two workers.
+TEST_F(LaunchTest, MoeExpertAdaptersMatchTheReferenceForOneToThreeWorkersInBothModes) {
+  json cfg = MoeConfig();
+  cfg["output_router_logits"] = true;
+  cfg["router_aux_loss_coef"] = 0.05;
+  WriteMoeModel(tmp_ + "/moe", false, cfg);
+  const std::vector<std::string> both = {"lora.rank=4", "lora.target_modules=[\"q_proj\",\"v_proj\"]",
+                                         "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]",
+                                         "optimizer.lr=2e-2"};
+  for (const char* mode : {"exact", "stale1"}) {
+    const auto sets = With(MoeJob(tmp_ + "/moe", 6), With(both, {std::string("optimizer.mode=\"") + mode + "\""}));
+    auto ref = Ref(tmp_ + "/ref-" + mode, sets);
+    ASSERT_EQ(ref.code, 0) << ref.output;
+    const auto want = Losses(tmp_ + "/ref-" + mode + "/metrics.jsonl");
+    ASSERT_EQ(want.size(), 6u);
+    EXPECT_LT(want.back(), want.front());
+    for (int n = 1; n <= 3; ++n) {
+      const std::string out = tmp_ + "/run-" + mode + "-" + std::to_string(n);
+      auto run = Launch(n, out, sets);
+      ASSERT_EQ(run.code, 0) << run.output;
+      ExpectClose(Losses(out + "/metrics.jsonl"), want, std::string(mode) + " on " + std::to_string(n) + " workers");
+    }
+  }
+  const auto down_only = With(MoeJob(tmp_ + "/moe", 6), {"lora.rank=4", "lora.target_modules=[]",
+                                                         "lora.target_parameters=[\"mlp.experts.down_proj\"]",
+                                                         "optimizer.lr=2e-2"});
+  auto ref = Ref(tmp_ + "/ref-down", down_only);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  auto run = Launch(2, tmp_ + "/run-down", down_only);
+  ASSERT_EQ(run.code, 0) << run.output;
+  const auto want = Losses(tmp_ + "/ref-down/metrics.jsonl");
+  EXPECT_LT(want.back(), want.front()) << "adapters on the experts' down matrices alone learn";
+  ExpectClose(Losses(tmp_ + "/run-down/metrics.jsonl"), want, "down_proj adapters on 2 workers");
+}
+
+// peft's own adapter on the experts (tests/testdata/moe_peft_fixture, made by
+// tools/make_moe_peft_fixture.py): with lr = 0 the step-1 loss equals what transformers + peft
+// computed within 1e-6 and the adapters' gradient norm within 1e-5, in rp-train-ref and the
+// pipeline on one and three workers. The fixture's controls (lora_A read rank-major instead of
+// expert-major, the expert adapters left out) each moved peft's loss by more than 1e-3.
+TEST_F(LaunchTest, MoeExpertAdaptersSavedByPeftComputePeftsLossAndGradient) {
+  const std::string dir = testing::SourceDir() + "/tests/testdata/moe_peft_fixture";
+  const json expected = json::parse(testing::ReadFile(dir + "/expected.json"));
+  const double loss = expected["loss"].get<double>(), norm = expected["grad_norm"].get<double>();
+  for (const auto& [name, control] : expected["controls"].items())
+    EXPECT_GE(std::abs(control["loss"].get<double>() - loss) / loss, 1e-3) << name;
+  auto ref = testing::RunProcess({testing::BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
+                                  "job.output_dir=" + tmp_ + "/ref"}, 240, Env());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  for (int n : {1, 3}) {
+    const std::string out = tmp_ + "/pipe" + std::to_string(n);
+    auto pipe = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), dir + "/job.toml",
+                                     "--set", "job.output_dir=" + out}, 240, Env());
+    ASSERT_EQ(pipe.code, 0) << pipe.output;
+  }
+  for (const std::string out : {"/ref", "/pipe1", "/pipe3"}) {
+    const double got = Losses(tmp_ + out + "/metrics.jsonl").at(0);
+    const double got_norm = Losses(tmp_ + out + "/metrics.jsonl", "grad_norm").at(0);
+    EXPECT_LE(std::abs(got - loss) / loss, 1e-6) << out << ": " << got << " vs peft's " << loss;
+    EXPECT_LE(std::abs(got_norm - norm) / norm, 1e-5) << out << ": gradient norm " << got_norm << " vs peft's " << norm;
+  }
+  // The adapter's target sets are checked against the job's.
+  auto other = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", "1", dir + "/job.toml", "--set",
+                                    "job.output_dir=" + tmp_ + "/other", "--set",
+                                    "lora.target_parameters=[\"mlp.experts.down_proj\"]"}, 60, Env());
+  EXPECT_EQ(other.code, 2) << other.output;
+  EXPECT_NE(other.output.find("\"target_parameters\" is ["), std::string::npos) << other.output;
+}
+
+// The trained expert adapters leave in PEFT's layout and as a merged model (W_e + s B_e A_e per
+// expert), and both are the trained model: the adapter loaded back onto the base and the merged
+// checkpoint alone give the same loss (1e-5), which differs from the base's.
+TEST_F(LaunchTest, MoeExpertAdaptersExportAsPeftAndMerged) {
+  WriteMoeModel(tmp_ + "/moe", false);
+  const std::vector<std::string> lora = {"lora.rank=4", "lora.target_modules=[\"q_proj\"]",
+                                         "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]"};
+  auto train = Launch(2, tmp_ + "/train", With(MoeJob(tmp_ + "/moe", 4),
+                                               With(lora, {"optimizer.lr=5e-2", "checkpoint.export_hf=\"hf\""})));
+  ASSERT_EQ(train.code, 0) << train.output;
+  const json cfg = json::parse(testing::ReadFile(tmp_ + "/train/adapter/adapter_config.json"));
+  EXPECT_EQ(cfg["target_parameters"], json::array({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  auto header = core::SafetensorsFile::Open(tmp_ + "/train/adapter/adapter_model.safetensors");
+  ASSERT_TRUE(header.ok()) << header.status().message();
+  const auto* gate_up_a = header->Find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
+  ASSERT_NE(gate_up_a, nullptr);
+  EXPECT_EQ(gate_up_a->shape, (std::vector<int64_t>{4 * kExperts, kHidden}));
+  EXPECT_NE(header->Find("base_model.model.model.layers.2.mlp.experts.lora_B.weight"), nullptr);
+  EXPECT_EQ(header->Find("base_model.model.model.layers.1.mlp.experts.lora_A.weight"), nullptr) << "layer 1 is dense";
+  const std::vector<std::string> still = {"optimizer.lr=0", "optimizer.min_lr=0"};
+  auto loaded = Launch(2, tmp_ + "/loaded", With(MoeJob(tmp_ + "/moe", 1),
+                                                 With(lora, With(still, {"lora.init_from=\"" + tmp_ + "/train/adapter\""}))));
+  ASSERT_EQ(loaded.code, 0) << loaded.output;
+  auto merged = Launch(2, tmp_ + "/merged", With(MoeJob(tmp_ + "/train/hf", 1), still));
+  ASSERT_EQ(merged.code, 0) << merged.output;
+  auto base = Launch(2, tmp_ + "/base", With(MoeJob(tmp_ + "/moe", 1), still));
+  ASSERT_EQ(base.code, 0) << base.output;
+  const double l = Losses(tmp_ + "/loaded/metrics.jsonl").at(0), m = Losses(tmp_ + "/merged/metrics.jsonl").at(0);
+  EXPECT_LE(std::abs(l - m) / m, 1e-5) << "adapter on the base " << l << ", merged " << m;
+  EXPECT_GT(std::abs(Losses(tmp_ + "/base/metrics.jsonl").at(0) - m) / m, 1e-4) << "the adapters changed the model";
 }
 
 // A mixture of experts from job keys (random init, no checkpoint; the CPU demo's kind of job):

@@ -173,6 +173,22 @@ TEST(JobConfig, LoraKeysAreChecked) {
   ExpectError(lora + "init_from = \"no/such/adapter\"\n", "lora.init_from: no such directory");
   ExpectError(std::string(kValid) + "[lora]\ninit_from = \".\"\n", "lora.init_from: set, but lora.rank = 0");
   ExpectError(lora + "dropout = 1.0\n", "lora.dropout");
+  // Expert tensors: PEFT's names, a model with experts, no dropout, the per-expert rank bound.
+  const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
+                                        "model.expert_intermediate_size=16"};
+  auto experts = Parse(lora + "target_modules = []\ntarget_parameters = [\"mlp.experts.down_proj\"]\n", moe);
+  ASSERT_TRUE(experts.ok()) << experts.status().ToString();
+  EXPECT_EQ(experts->lora.target_parameters, std::vector<std::string>{"mlp.experts.down_proj"});
+  ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\"]\n", "lora.target_parameters: \"mlp.experts.down_proj\" names expert tensors");
+  ExpectError(lora + "target_parameters = [\"experts.down_proj\"]\n", "lora.target_parameters: \"experts.down_proj\" is not", moe);
+  ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\", \"mlp.experts.down_proj\"]\n",
+              "lora.target_parameters: \"mlp.experts.down_proj\" is listed twice", moe);
+  ExpectError(lora + "dropout = 0.1\ntarget_parameters = [\"mlp.experts.gate_up_proj\"]\n", "lora.dropout: must be 0", moe);
+  ExpectError(std::string(kValid) + "[lora]\nrank = 17\ntarget_parameters = [\"mlp.experts.down_proj\"]\n",
+              "lora.rank: 17 exceeds mlp.experts.down_proj", moe);
+  ExpectError(std::string(kValid) + "[lora]\ntarget_parameters = [\"mlp.experts.down_proj\"]\n",
+              "lora.target_parameters: set, but lora.rank = 0", moe);
+  ExpectError(lora + "target_modules = [\"up_proj\"]\n", "lora.target_modules: \"up_proj\" on a mixture-of-experts", moe);
   auto c = Parse(lora + "alpha = 16\ntarget_modules = [\"down_proj\"]\n");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_DOUBLE_EQ(c->lora.scale(), 4.0);

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "io/data.h"
@@ -257,6 +258,47 @@ TEST(ModelSpec, HuggingFaceNamesAndTiedHead) {
   m.tie_embeddings = false;
   auto untied = BuildModelSpec(m);
   EXPECT_EQ(untied.params.back().name, "lm_head.weight");
+}
+
+// Expert adapters carry PEFT's names (its wrappers nest in transformers' registration order,
+// the first innermost) and shapes (A [r x E, in], B [out, r x E]), each B right after its A and
+// both pointing at the frozen tensor they adapt.
+TEST(ModelSpec, ExpertAdaptersHavePeftsNamesAndShapes) {
+  ModelConfig m;
+  m.num_layers = 1;
+  m.hidden_size = 32;
+  m.moe.num_experts = 4;
+  m.moe.experts_per_token = 2;
+  m.moe.expert_intermediate_size = 16;
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.target_modules = {"q_proj"};
+  lora.target_parameters = {"mlp.experts.down_proj", "mlp.experts.gate_up_proj"};
+  const ModelSpec spec = BuildModelSpec(m, lora);
+  std::map<std::string, const ParamSpec*> by_name;
+  for (const auto& p : spec.params) by_name[p.name] = &p;
+  const std::string pre = "model.layers.0.mlp.experts.";
+  ASSERT_TRUE(by_name.count(pre + "base_layer.lora_A.weight"));
+  ASSERT_TRUE(by_name.count(pre + "lora_B.weight"));
+  const ParamSpec& gate_up_a = *by_name.at(pre + "base_layer.lora_A.weight");
+  EXPECT_EQ(gate_up_a.shape, (std::vector<int64_t>{8, 32}));
+  EXPECT_EQ(by_name.at(pre + "base_layer.lora_B.weight")->shape, (std::vector<int64_t>{32, 8}));
+  EXPECT_EQ(by_name.at(pre + "lora_A.weight")->shape, (std::vector<int64_t>{8, 16}));
+  EXPECT_EQ(by_name.at(pre + "lora_B.weight")->shape, (std::vector<int64_t>{32, 8}));
+  EXPECT_EQ(spec.frozen.at(static_cast<size_t>(gate_up_a.adapts)).name, pre + "gate_up_proj");
+  EXPECT_EQ(spec.frozen.at(static_cast<size_t>(by_name.at(pre + "lora_A.weight")->adapts)).name, pre + "down_proj");
+  EXPECT_EQ(gate_up_a.experts, 4);
+  for (size_t p = 0; p < spec.params.size(); ++p)
+    if (spec.params[p].name.find("lora_A") != std::string::npos) {
+      ASSERT_LT(p + 1, spec.params.size());
+      EXPECT_EQ(spec.params[p + 1].adapts, spec.params[p].adapts) << spec.params[p].name;
+    }
+  // One expert tensor targeted: no wrapper around it, so no base_layer.
+  lora.target_parameters = {"mlp.experts.gate_up_proj"};
+  const ModelSpec one = BuildModelSpec(m, lora);
+  bool found = false;
+  for (const auto& p : one.params) found |= p.name == pre + "lora_A.weight" && p.shape == std::vector<int64_t>{8, 32};
+  EXPECT_TRUE(found);
 }
 
 }  // namespace
