@@ -124,8 +124,7 @@ TEST_F(GpuTest, CudaExpertAdaptersMatchCpuReferenceAndGroupedMatchesTheLoop) {
               WorstRelative(Launch(2, "moe-lora-cuda", sets), expected));
   sets.push_back("train.dtype=\"bf16\"");
   const auto grouped = Launch(1, "moe-lora-grouped", sets);
-  sets.push_back("bench.grouped_experts=false");
-  const auto loop = Launch(1, "moe-lora-loop", sets);
+  const auto loop = Launch(1, "moe-lora-loop", sets, {"RP_GROUPED_EXPERTS=0"});
   ASSERT_EQ(grouped.size(), loop.size());
   double worst = 0.0;
   for (size_t s = 0; s < loop.size(); ++s) worst = std::max(worst, std::abs(grouped[s] - loop[s]) / loop[s]);
