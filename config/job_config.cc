@@ -310,12 +310,14 @@ const std::vector<KeySpec>& Table() {
           "Tokens per LM-head + cross-entropy chunk: the head's logits exist for this many "
           "tokens at a time (device memory ~ 2 bytes x chunk x vocabulary in bf16 with the fused "
           "kernels, ~ 14 without)"),
-      Int("train", "mlp_tile_tokens", F(train.mlp_tile_tokens), 0, 0, 1 << 30,
+      Int("train", "mlp_tile_tokens", F(train.mlp_tile_tokens), 0, -1, 1 << 30,
           "Tokens per tile of each dense block's MLP (long sequences): the MLP runs over the "
           "microbatch's tokens this many at a time and a tile's intermediates are recomputed in "
           "the backward instead of kept, so they take ~ 3 x tile x intermediate_size elements "
-          "instead of 3 x tokens x intermediate_size; 0 = the whole microbatch at once. The same "
-          "result up to rounding; rp-train-ref always runs untiled"),
+          "instead of 3 x tokens x intermediate_size; 0 = the whole microbatch at once; -1 = the "
+          "planner chooses the largest tile (untiled, or a power of two >= 512) whose plan fits "
+          "schedule.gpu_memory_gb (rp-launch --dry-run and rp-plan print it). The same result up "
+          "to rounding; rp-train-ref always runs untiled"),
       Bool("train", "layer_recompute", F(train.layer_recompute), false,
            "Backward stages (and the tail's blocks) first run their layers without autograd, keeping "
            "only each layer's input, then rebuild and backpropagate one layer's graph at a time: "
@@ -693,6 +695,9 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
                                    "set lora.rank to train adapters");
   }
+  if (c.train.mlp_tile_tokens == kMlpTileAuto && !(c.schedule.gpu_memory_gb > 0.0))
+    return Status::InvalidArgument("train.mlp_tile_tokens = -1 (chosen by the planner) needs schedule.gpu_memory_gb, "
+                                   "the device memory per worker the plan must fit");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
   {

@@ -140,6 +140,8 @@ struct LossScaling {
   int64_t growth_interval = 2000;
 };
 
+inline constexpr int64_t kMlpTileAuto = -1;  // train.mlp_tile_tokens chosen by the planner
+
 struct TrainConfig {
   int64_t steps = 20;
   int64_t seed = 1234;
@@ -150,7 +152,9 @@ struct TrainConfig {
   LossScaling loss_scaling;              // fp16 only
   double grad_clip = 1.0;        // global L2 norm; 0 disables
   int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
-  int64_t mlp_tile_tokens = 0;   // dense MLPs computed (and recomputed) this many tokens at a time; 0 = all
+  // Dense MLPs computed (and recomputed) this many tokens at a time; 0 = all; kMlpTileAuto = the
+  // planner chooses (core::ResolveMlpTile, before anything else reads it).
+  int64_t mlp_tile_tokens = 0;
   bool layer_recompute = false;  // backward stages rebuild one layer's graph at a time (long sequences)
   int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
   int64_t eval_every = 0;        // eval loss after every this many steps and after the last; 0 = never

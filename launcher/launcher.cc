@@ -148,6 +148,9 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
                 static_cast<long long>(spec.FrozenParams()),
                 static_cast<double>(layout->frozen_end - layout->frozen_begin) / (1 << 20));
   std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
+  if (cfg.train.mlp_tile_tokens > 0)
+    std::printf("dense MLPs in tiles of %lld tokens (train.mlp_tile_tokens, as the run spec below holds it)\n",
+                static_cast<long long>(cfg.train.mlp_tile_tokens));
   if (core::Round(cfg).merged_calls > 1)
     std::printf("the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
                 "(RP_MERGE_CALLS=never runs them one after another)\n",

@@ -2,6 +2,8 @@
 #include "planning/partitioner.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <limits>
 
 #include "config/model_spec.h"
@@ -308,6 +310,45 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   PlanChoice best = PredictPlan(c, best_plan, profile, workers);
   best.candidates = candidates;
   return best;
+}
+
+Status ResolveMlpTile(JobConfig* c, int workers) {
+  if (c->train.mlp_tile_tokens != kMlpTileAuto) return Status::Ok();
+  const int64_t tokens = c->TokensPerMicrobatch();
+  std::vector<int64_t> tiles = {0};
+  int64_t pow2 = 1;
+  while (pow2 * 2 < tokens) pow2 *= 2;
+  for (int64_t t = pow2; t >= kSmallestAutoMlpTile && t < tokens; t /= 2) tiles.push_back(t);
+  double smallest = std::numeric_limits<double>::infinity();
+  for (int64_t tile : tiles) {
+    JobConfig trial = *c;
+    trial.train.mlp_tile_tokens = tile;
+    RP_ASSIGN_OR_RETURN(Profile costs, PlanningProfile(trial));
+    double peak = 0.0;
+    if (trial.schedule.partition == Partition::kAuto) {
+      auto choice = ChoosePlan(trial, workers, costs);
+      peak = choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
+    } else {
+      RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
+      peak = PredictPlan(trial, plan, costs, workers).peak_memory_bytes;
+    }
+    if (peak <= trial.schedule.gpu_memory_gb * 1e9) {
+      c->train.mlp_tile_tokens = tile;
+      return Status::Ok();
+    }
+    smallest = std::min(smallest, peak);
+  }
+  char text[320];
+  std::snprintf(text, sizeof(text),
+                "train.mlp_tile_tokens = -1: no MLP tile from the whole microbatch (%lld tokens) down to %lld lets a "
+                "plan fit schedule.gpu_memory_gb = %.2f GB per worker",
+                static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile), c->schedule.gpu_memory_gb);
+  std::string why = text;
+  if (std::isfinite(smallest)) {
+    std::snprintf(text, sizeof(text), "; the smallest estimate is %.2f GB", smallest / 1e9);
+    why += text;
+  }
+  return Status::InvalidArgument(why + " (shorter sequences, train.layer_recompute or more workers may fit)");
 }
 
 StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {

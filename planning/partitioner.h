@@ -79,6 +79,16 @@ MemoryEstimate EstimateMemory(const JobConfig& config, const PipelinePlan& plan,
 double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                           const Profile* profile = nullptr);
 
+// train.mlp_tile_tokens = kMlpTileAuto (-1): the largest tile that lets the job's plan fit
+// schedule.gpu_memory_gb per worker, written into `config` (ResolveRun does it once, so every
+// process of the run reads the chosen value). Tried in order: untiled, then powers of two below
+// the microbatch's tokens down to kSmallestAutoMlpTile; "fits" is ChoosePlan finding a plan
+// (partition = "auto") or the job's own plan's estimate being within the limit ("equal"), under
+// PlanningProfile's costs. InvalidArgument naming the key and the smallest estimate when no tile
+// fits. Any other value is left as it is.
+inline constexpr int64_t kSmallestAutoMlpTile = 512;
+Status ResolveMlpTile(JobConfig* config, int workers);
+
 // The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner
 // chooses tail size and cuts for `workers` workers first (ChoosePlan). Every process computes
 // the same plan from the same inputs.

@@ -7,7 +7,8 @@
 //
 // --max-seq: the longest data.seq_len (a multiple of --seq-step) whose plan fits
 // schedule.gpu_memory_gb per worker (the planner's estimate) and whose shared memory fits
-// --host-memory-gb (default: this host's available memory), with the predicted tokens/s there.
+// --host-memory-gb (default: this host's available memory), with the predicted tokens/s there;
+// with train.mlp_tile_tokens = -1 the MLP tile is chosen at each length as the run would.
 // Lengths other than the job's are costed by the FLOP cost model (a profile is measured at one
 // length).
 #include <CLI/CLI.hpp>
@@ -32,6 +33,7 @@ struct LengthFit {
   std::string why;  // what does not fit
   rp::core::PlanChoice choice;
   double host_bytes = 0.0;
+  int64_t mlp_tile_tokens = 0;  // as resolved at this length
 };
 
 LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_limit) {
@@ -39,6 +41,12 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
   const bool measured_length = seq_len == c.data.seq_len;
   c.data.seq_len = seq_len;
   if (!measured_length) c.schedule.profile.clear();  // a profile holds one length's costs
+  // train.mlp_tile_tokens = -1: the tile the run would choose at this length.
+  if (auto s = rp::core::ResolveMlpTile(&c, gpus); !s.ok()) {
+    f.why = "device memory (" + s.message() + ")";
+    return f;
+  }
+  f.mlp_tile_tokens = c.train.mlp_tile_tokens;
   auto costs = rp::core::PlanningProfile(c);
   if (!costs.ok()) {
     f.why = costs.status().message();
@@ -128,6 +136,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
                                        {"predicted_step_s", best.choice.step_seconds},
                                        {"predicted_tokens_per_s", tokens / best.choice.step_seconds},
                                        {"costs", best.choice.cost_source},
+                                       {"mlp_tile_tokens", best.mlp_tile_tokens},
                                        {"next_length_limited_by", limit}}
                              .dump()
                              .c_str());
@@ -138,6 +147,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   std::printf("  plan %s; estimated peak device memory per worker %.2f GB of %.2f; shared memory %.2f GB of %.2f\n",
               best.choice.plan.Describe().c_str(), best.choice.peak_memory_bytes / 1e9, cfg.schedule.gpu_memory_gb,
               best.host_bytes / 1e9, host_limit / 1e9);
+  if (best.mlp_tile_tokens > 0) std::printf("  MLP tile: %lld tokens\n", static_cast<long long>(best.mlp_tile_tokens));
   std::printf("  predicted step %.3f s, %.0f tokens/s (%s costs)\n", best.choice.step_seconds,
               tokens / best.choice.step_seconds, best.choice.cost_source.c_str());
   return 0;
@@ -187,6 +197,11 @@ int main(int argc, char** argv) {
                                                  cfg->TokensPerMicrobatch());
   if (!profile.empty()) cfg->schedule.profile = profile;
   if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json);
+  const bool tile_chosen = cfg->train.mlp_tile_tokens == rp::core::kMlpTileAuto;
+  if (auto s = rp::core::ResolveMlpTile(&*cfg, gpus); !s.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
+    return rp::kExitBadConfig;
+  }
   auto costs = rp::core::PlanningProfile(*cfg);
   if (!costs.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
@@ -237,6 +252,8 @@ int main(int argc, char** argv) {
     out["nodes"] = nnodes;
     out["candidates"] = choice->candidates;
     out["costs"] = choice->cost_source;
+    out["mlp_tile_tokens"] = cfg->train.mlp_tile_tokens;
+    out["mlp_tile_chosen"] = tile_chosen;
     if (own) out["job_plan"] = to_json(*own);
     std::printf("%s\n", out.dump().c_str());
     return 0;
@@ -259,6 +276,10 @@ int main(int argc, char** argv) {
   };
   std::printf("costs: %s%s%s\n", choice->cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());
+  if (tile_chosen)
+    std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n", cfg->schedule.gpu_memory_gb,
+                cfg->train.mlp_tile_tokens == 0 ? "untiled (the whole microbatch fits)"
+                                                 : (std::to_string(cfg->train.mlp_tile_tokens) + " tokens").c_str());
   print(("auto plan for " + std::to_string(gpus) + " workers" +
          (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string()))
             .c_str(),

@@ -47,6 +47,37 @@ TEST_F(LaunchTest, TiledMlpsMatchTheUntiledReferenceOnOneToThreeWorkers) {
   }
 }
 
+// train.mlp_tile_tokens = -1: rp-launch chooses the tile once from schedule.gpu_memory_gb (the
+// dry run names it) and the run is the run with that tile given: the same losses bit for bit.
+// A limit no tile meets is refused before anything starts, naming the key.
+TEST_F(LaunchTest, AnAutoMlpTileIsChosenOnceAndRunsAsThatTile) {
+  // Wide MLPs, so that their intermediates decide the estimate.
+  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=2048", "train.steps=2",
+                                        "model.intermediate_size=2048", "train.microbatches=2", "train.accum_calls=1",
+                                        "train.microbatch_size=1"};
+  // The limit: between the estimates of 512-token and untiled MLPs of this job's plan (0.04 GB
+  // and more than 0.1 by the planner's estimate: 1024-token tiles).
+  const auto auto_tile = With(job, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=0.08"});
+  auto args = LaunchArgs(2, tmp_ + "/dry", auto_tile);
+  args.insert(args.begin() + 1, "--dry-run");
+  auto dry = testing::RunProcess(args, 60, Env());
+  ASSERT_EQ(dry.code, 0) << dry.output;
+  const std::string said = "dense MLPs in tiles of ";
+  const auto at = dry.output.find(said);
+  ASSERT_NE(at, std::string::npos) << "the limit should need a tile:\n" << dry.output;
+  const int64_t tile = std::stoll(dry.output.substr(at + said.size()));
+  EXPECT_GE(tile, 512);
+  EXPECT_LT(tile, 2048);
+  auto chosen = Launch(2, tmp_ + "/auto", auto_tile);
+  ASSERT_EQ(chosen.code, 0) << chosen.output;
+  auto given = Launch(2, tmp_ + "/given", With(job, {"train.mlp_tile_tokens=" + std::to_string(tile)}));
+  ASSERT_EQ(given.code, 0) << given.output;
+  EXPECT_EQ(Losses(tmp_ + "/auto/metrics.jsonl"), Losses(tmp_ + "/given/metrics.jsonl"));
+  auto none = Launch(2, tmp_ + "/none", With(job, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=0.02"}), 30);
+  EXPECT_EQ(none.code, 2) << none.output;
+  EXPECT_NE(none.output.find("train.mlp_tile_tokens = -1"), std::string::npos) << none.output;
+}
+
 // train.layer_recompute: backward stages and the tail's blocks rebuild one layer's graph at a time
 // from inputs kept without autograd. The same operations on the same inputs: the same bits as the
 // stage-at-once graph (losses, gradient norms, exported weights) on 1 to 3 workers, in both modes,

@@ -164,6 +164,14 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
                              "train.dtype=fp16"}).ok());
 }
 
+TEST(JobConfig, AnAutoMlpTileNeedsTheDeviceMemoryToFit) {
+  ExpectError(kValid, "train.mlp_tile_tokens = -1", {"train.mlp_tile_tokens=-1"});
+  auto c = Parse(kValid, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=40"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->train.mlp_tile_tokens, kMlpTileAuto);
+  ExpectError(kValid, "train.mlp_tile_tokens", {"train.mlp_tile_tokens=-2", "schedule.gpu_memory_gb=40"});
+}
+
 TEST(JobConfig, LoraKeysAreChecked) {
   const std::string lora = std::string(kValid) + "[lora]\nrank = 4\n";
   ExpectError(lora + "target_modules = [\"qproj\"]\n", "lora.target_modules: \"qproj\"");

@@ -187,6 +187,73 @@ TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
   EXPECT_DOUBLE_EQ(whole.gradients, part.gradients);
 }
 
+// train.mlp_tile_tokens = -1: the largest tile (untiled first, then halving powers of two) whose
+// plan's estimate fits schedule.gpu_memory_gb; too little memory for any tile is an error naming
+// the key; any other value stays.
+TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
+  JobConfig c = OneStageOfEachKind(24);
+  c.data.seq_len = 4096;
+  const int64_t tokens = c.TokensPerMicrobatch();
+  int64_t half = 1;
+  while (half * 2 < tokens) half *= 2;  // the largest tile tried
+  auto estimate = [&](int64_t tile) {
+    JobConfig t = c;
+    t.train.mlp_tile_tokens = tile;
+    auto plan = BuildPlan(t);
+    auto costs = PlanningProfile(t);
+    EXPECT_TRUE(plan.ok() && costs.ok());
+    return PredictPlan(t, *plan, *costs, 1).peak_memory_bytes;
+  };
+  const double untiled = estimate(0), big = estimate(half), mid = estimate(half / 2), t512 = estimate(512);
+  ASSERT_GT(untiled, big);
+  ASSERT_GT(big, mid);
+  ASSERT_GT(mid, t512);
+  auto resolve = [&](JobConfig t, double limit_bytes) {
+    t.train.mlp_tile_tokens = kMlpTileAuto;
+    t.schedule.gpu_memory_gb = limit_bytes / 1e9;
+    Status s = ResolveMlpTile(&t, 1);
+    return std::make_pair(s, t);
+  };
+  EXPECT_EQ(resolve(c, untiled * 1.001).second.train.mlp_tile_tokens, 0);
+  EXPECT_EQ(resolve(c, untiled * 0.999).second.train.mlp_tile_tokens, half);
+  EXPECT_EQ(resolve(c, (big + mid) / 2).second.train.mlp_tile_tokens, half / 2);
+  EXPECT_EQ(resolve(c, t512 * 1.001).second.train.mlp_tile_tokens, 512);
+  auto none = resolve(c, t512 * 0.999);
+  ASSERT_FALSE(none.first.ok());
+  EXPECT_NE(none.first.message().find("train.mlp_tile_tokens = -1"), std::string::npos) << none.first.message();
+  EXPECT_EQ(none.second.train.mlp_tile_tokens, kMlpTileAuto);
+  // partition = "auto": the planner's search decides what fits, with the tile it gets; the tile
+  // chosen fits and the next larger one (or untiled) does not.
+  JobConfig a = c;
+  a.schedule.partition = Partition::kAuto;
+  // The least memory an untiled plan of the search needs (bisection), then limits below it.
+  double lo = 0.0, hi = untiled * 2.0;
+  for (int i = 0; i < 14; ++i) {
+    JobConfig t = a;
+    t.schedule.gpu_memory_gb = (lo + hi) / 2.0 / 1e9;
+    (ChoosePlan(t, 1).ok() ? hi : lo) = (lo + hi) / 2.0;
+  }
+  int tiled = 0;
+  for (double limit : {hi * 0.98, hi * 0.9, hi * 0.8, hi * 0.7}) {
+    auto [s, r] = resolve(a, limit);
+    if (!s.ok()) continue;
+    const int64_t tile = r.train.mlp_tile_tokens;
+    auto choice = ChoosePlan(r, 1);
+    ASSERT_TRUE(choice.ok()) << choice.status().message();
+    EXPECT_LE(choice->peak_memory_bytes, limit);
+    if (tile == 0) continue;
+    ++tiled;
+    JobConfig larger = r;
+    larger.train.mlp_tile_tokens = tile * 2 >= tokens ? 0 : tile * 2;
+    EXPECT_FALSE(ChoosePlan(larger, 1).ok()) << "a larger tile than " << tile << " fits " << limit;
+  }
+  EXPECT_GT(tiled, 0) << "no limit made the planner's search tile the MLPs";
+  JobConfig fixed = c;
+  fixed.train.mlp_tile_tokens = 777;
+  ASSERT_TRUE(ResolveMlpTile(&fixed, 1).ok());
+  EXPECT_EQ(fixed.train.mlp_tile_tokens, 777);
+}
+
 TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
   JobConfig c = OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks
   c.data.seq_len = 4096;
