@@ -402,7 +402,8 @@ const std::vector<KeySpec>& Table() {
                "gate_proj, up_proj, down_proj; may be empty when lora.target_parameters is not"),
       StrArray("lora", "target_parameters", F(lora.target_parameters), "[]",
                "Mixture-of-experts tensors that get adapters, by PEFT's target_parameters names: "
-               "mlp.experts.gate_up_proj, mlp.experts.down_proj. One adapter per tensor covers every "
+               "mlp.experts.gate_up_proj, mlp.experts.down_proj (or a suffix after a dot, as PEFT "
+               "matches). One adapter per tensor covers every "
                "expert (PEFT's layout: lora_A [r x experts, in] expert-major, lora_B [out, r x experts] "
                "rank-major); needs lora.dropout = 0, as PEFT"),
       Str("lora", "init_from", F(lora.init_from), "",
@@ -632,17 +633,23 @@ Status CrossValidate(const JobConfig& c) {
                                      "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert "
                                      "tensors in lora.target_parameters)");
     std::vector<std::string> seen_params;
-    for (const auto& t : c.lora.target_parameters) {
-      const auto& ok = LoraTargetableParameters();
-      if (std::find(ok.begin(), ok.end(), t) == ok.end())
-        return Status::InvalidArgument("lora.target_parameters: \"" + t + "\" is not a tensor this runtime "
-                                       "adapts (mlp.experts.gate_up_proj, mlp.experts.down_proj)");
+    for (const auto& name : c.lora.target_parameters) {
+      const std::string t = CanonicalLoraParameter(name);
+      if (t.empty())
+        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" is not a tensor this runtime "
+                                       "adapts (mlp.experts.gate_up_proj, mlp.experts.down_proj, or a suffix of "
+                                       "them after a dot, as PEFT matches)");
       if (std::find(seen_params.begin(), seen_params.end(), t) != seen_params.end())
-        return Status::InvalidArgument("lora.target_parameters: \"" + t + "\" is listed twice");
+        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names " + t + " twice");
       seen_params.push_back(t);
       if (m.moe.num_experts == 0)
-        return Status::InvalidArgument("lora.target_parameters: \"" + t + "\" names expert tensors, and this "
+        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names expert tensors, and this "
                                        "model has no experts; use lora.target_modules");
+      bool sparse = false;
+      for (int64_t b = 0; b < m.num_layers; ++b) sparse = sparse || SparseBlock(m, b);
+      if (!sparse)
+        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names expert tensors, and no "
+                                       "block of this model is sparse (mlp_only_layers / sparse_step)");
       // PEFT adapts a whole tensor by adding B A to the weight before the product, so it cannot
       // drop out the adapter's input alone (and refuses dropout there); the same math here.
       if (c.lora.dropout > 0.0)
@@ -823,6 +830,14 @@ const std::vector<std::string>& LoraTargetableModules() {
 const std::vector<std::string>& LoraTargetableParameters() {
   static const std::vector<std::string> tensors = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
   return tensors;
+}
+
+std::string CanonicalLoraParameter(const std::string& name) {
+  for (const auto& full : LoraTargetableParameters())
+    if (full == name || (full.size() > name.size() && full.compare(full.size() - name.size(), name.size(), name) == 0 &&
+                         full[full.size() - name.size() - 1] == '.'))
+      return full;
+  return "";
 }
 
 std::vector<KeyDoc> DocumentedKeys() {

@@ -202,6 +202,10 @@ const std::vector<std::string>& LoraTargetableModules();
 // (Qwen3-MoE's expert tensors; PEFT nests one wrapper per tensor in that order, so the order
 // decides the adapters' names, see core::BuildModelSpec).
 const std::vector<std::string>& LoraTargetableParameters();
+// The tensor of LoraTargetableParameters() that `name` names as PEFT matches target_parameters:
+// the whole name, or a suffix of it that starts after a dot ("gate_up_proj",
+// "experts.gate_up_proj"); "" when it names none.
+std::string CanonicalLoraParameter(const std::string& name);
 
 struct ScheduleConfig {
   int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty

@@ -166,7 +166,8 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
       for (const Target& t : {Target{"mlp.experts.gate_up_proj", "experts.gate_up", gate_up, 2 * EI, H},
                               Target{"mlp.experts.down_proj", "experts.down", down, H, EI}}) {
         const auto& tp = lora.target_parameters;
-        if (std::find(tp.begin(), tp.end(), t.tensor) != tp.end()) targets.push_back(t);
+        if (std::any_of(tp.begin(), tp.end(), [&](const std::string& n) { return CanonicalLoraParameter(n) == t.tensor; }))
+          targets.push_back(t);
       }
       for (size_t n = 0; n < targets.size(); ++n) {
         const Target& t = targets[n];

@@ -2,6 +2,7 @@
 #include "io/peft.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -66,13 +67,26 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
   };
   if (theirs != ours)
     return fail("target_modules", "is [" + joined(theirs) + "]; lora.target_modules is [" + joined(ours) + "]");
-  // Absent or null means none, as in PEFT.
-  std::set<std::string> their_params, our_params(lora.target_parameters.begin(), lora.target_parameters.end());
+  // Absent or null means none, as in PEFT; names compare as the tensors they name (PEFT matches a
+  // suffix after a dot).
+  std::set<std::string> their_params, our_params;
+  for (const auto& t : lora.target_parameters) our_params.insert(CanonicalLoraParameter(t));
   if (c.contains("target_parameters") && !c["target_parameters"].is_null()) {
     if (!c["target_parameters"].is_array()) return fail("target_parameters", "must be a list of parameter names");
     for (const auto& t : c["target_parameters"]) {
       if (!t.is_string()) return fail("target_parameters", "holds a non-string " + t.dump());
-      their_params.insert(t.get<std::string>());
+      const std::string tensor = CanonicalLoraParameter(t.get<std::string>());
+      their_params.insert(tensor.empty() ? t.get<std::string>() : tensor);
+    }
+    // Before peft 0.19 a [experts, out, in] tensor's adapter had in and out swapped (A [r x E,
+    // out], B [in, r x E]): the same shapes for a square expert matrix, another function.
+    if (!their_params.empty() && c.contains("peft_version") && c["peft_version"].is_string()) {
+      const std::string v = c["peft_version"].get<std::string>();
+      int major = 0, minor = 0;
+      if (std::sscanf(v.c_str(), "%d.%d", &major, &minor) == 2 && (major == 0 && minor < 19))
+        return fail("peft_version", "is " + v + "; adapters on expert tensors (target_parameters) are read in the "
+                                    "layout of peft 0.19 and later, which swapped in and out of [experts, out, in] "
+                                    "tensors");
     }
   }
   if (their_params != our_params)
@@ -92,6 +106,18 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
     if (c.contains(key) && c[key].is_object() && !c[key].empty())
       return fail(key, "is set; per-module ranks or alphas are not supported");
   return Status::Ok();
+}
+
+// The tensors by their full names, in the order transformers registers them.
+std::vector<std::string> ExportedTargetParameters(const LoraConfig& l) {
+  std::vector<std::string> out;
+  for (const auto& full : LoraTargetableParameters())
+    for (const auto& t : l.target_parameters)
+      if (CanonicalLoraParameter(t) == full) {
+        out.push_back(full);
+        break;
+      }
+  return out;
 }
 }  // namespace
 
@@ -120,7 +146,7 @@ StatusOr<PeftAdapter> PeftAdapter::Open(const std::string& dir, const ModelSpec&
   for (const auto& t : a.file_->tensors())
     if (!expected.count(t.name))
       return Status::InvalidArgument(path + ": tensor \"" + t.name +
-                                     "\" is not an adapter of this model and target_modules");
+                                     "\" is not an adapter of this model, target_modules and target_parameters");
   return a;
 }
 
@@ -146,7 +172,7 @@ Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::stri
   nlohmann::ordered_json c = {
       {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", base_model},
       {"r", l.rank}, {"lora_alpha", l.alpha}, {"lora_dropout", l.dropout},
-      {"target_modules", l.target_modules}, {"target_parameters", l.target_parameters}, {"bias", "none"}, {"fan_in_fan_out", false},
+      {"target_modules", l.target_modules}, {"target_parameters", ExportedTargetParameters(l)}, {"bias", "none"}, {"fan_in_fan_out", false},
       {"inference_mode", true}, {"init_lora_weights", true}, {"use_rslora", false},
       {"use_dora", false}, {"modules_to_save", nullptr}, {"layers_to_transform", nullptr},
       {"rank_pattern", nlohmann::ordered_json::object()}, {"alpha_pattern", nlohmann::ordered_json::object()}};

@@ -323,10 +323,16 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   for (int64_t tile : tiles) {
     JobConfig trial = *c;
     trial.train.mlp_tile_tokens = tile;
-    RP_ASSIGN_OR_RETURN(Profile costs, PlanningProfile(trial));
+    // The cost model, never a measured profile: a profile's saved bytes were measured at one tile
+    // and would rate every tile alike, and a run's later starts (--resume, a re-plan) must
+    // choose the tile its first one did, whatever profile they have by then.
+    const Profile costs = DefaultCostModel(trial);
     double peak = 0.0;
     if (trial.schedule.partition == Partition::kAuto) {
       auto choice = ChoosePlan(trial, workers, costs);
+      // Only "nothing fits the limit" means a smaller tile may; any other failure is the job's.
+      if (!choice.ok() && choice.status().message().rfind("schedule.gpu_memory_gb: no plan fits", 0) != 0)
+        return choice.status();
       peak = choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
     } else {
       RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
@@ -339,10 +345,16 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
     smallest = std::min(smallest, peak);
   }
   char text[320];
-  std::snprintf(text, sizeof(text),
-                "train.mlp_tile_tokens = -1: no MLP tile from the whole microbatch (%lld tokens) down to %lld lets a "
-                "plan fit schedule.gpu_memory_gb = %.2f GB per worker",
-                static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile), c->schedule.gpu_memory_gb);
+  if (tiles.size() == 1)
+    std::snprintf(text, sizeof(text),
+                  "train.mlp_tile_tokens = -1: a microbatch of %lld tokens is not longer than the smallest tile tried "
+                  "(%lld), and untiled it fits no plan within schedule.gpu_memory_gb = %.2f GB per worker",
+                  static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile), c->schedule.gpu_memory_gb);
+  else
+    std::snprintf(text, sizeof(text),
+                  "train.mlp_tile_tokens = -1: no MLP tile from the whole microbatch (%lld tokens) down to %lld lets a "
+                  "plan fit schedule.gpu_memory_gb = %.2f GB per worker",
+                  static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile), c->schedule.gpu_memory_gb);
   std::string why = text;
   if (std::isfinite(smallest)) {
     std::snprintf(text, sizeof(text), "; the smallest estimate is %.2f GB", smallest / 1e9);

@@ -4,7 +4,7 @@
 
     tools/moe_peft_check.py BUILD_DIR WORK_DIR
 
-Needs Python with torch, transformers (5) and peft (the GPU host). Steps:
+Needs Python with torch, transformers 5 and peft 0.19 or later. Steps:
   1. rp-launch trains adapters on q_proj, v_proj and both expert tensors of the tiny Qwen3-MoE
      fixture (tests/testdata/moe_peft_fixture/job.toml, CPU worker, fp32, 3 steps) and exports
      them (PEFT layout) and the merged model;

@@ -110,7 +110,9 @@ TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
 
 // Adapters on the experts (lora.target_parameters) on a mixture-of-experts parity job: CUDA fp32
 // (the loop over experts) against the CPU reference, and bf16 with the adapters inside the
-// grouped GEMMs (rank 8: rows of 16 bytes) against the same job with the loop over experts.
+// grouped GEMMs (rank 8: rows of 16 bytes) against the same job with the loop over experts. At
+// this tiny shape both paths may round alike (the H200 gave identical losses), so agreement here
+// does not show by itself that the grouped kernels ran.
 TEST_F(GpuTest, CudaExpertAdaptersMatchCpuReferenceAndGroupedMatchesTheLoop) {
   const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
                                         "model.expert_intermediate_size=32", "model.router_aux_loss_coef=0.01",

@@ -281,6 +281,7 @@ TEST_F(LaunchTest, MoeExpertAdaptersSavedByPeftComputePeftsLossAndGradient) {
   const std::string dir = testing::SourceDir() + "/tests/testdata/moe_peft_fixture";
   const json expected = json::parse(testing::ReadFile(dir + "/expected.json"));
   const double loss = expected["loss"].get<double>(), norm = expected["grad_norm"].get<double>();
+  // The fixture's own controls (stored by the script that made it): the layout matters to peft.
   for (const auto& [name, control] : expected["controls"].items())
     EXPECT_GE(std::abs(control["loss"].get<double>() - loss) / loss, 1e-3) << name;
   auto ref = testing::RunProcess({testing::BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
@@ -292,7 +293,12 @@ TEST_F(LaunchTest, MoeExpertAdaptersSavedByPeftComputePeftsLossAndGradient) {
                                      "--set", "job.output_dir=" + out}, 240, Env());
     ASSERT_EQ(pipe.code, 0) << pipe.output;
   }
-  for (const std::string out : {"/ref", "/pipe1", "/pipe3"}) {
+  // The same tensors named by PEFT-style suffixes.
+  auto suffixes = testing::RunProcess({testing::BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
+                                       "job.output_dir=" + tmp_ + "/suffixes", "--set",
+                                       "lora.target_parameters=[\"gate_up_proj\",\"experts.down_proj\"]"}, 240, Env());
+  ASSERT_EQ(suffixes.code, 0) << suffixes.output;
+  for (const std::string out : {"/ref", "/pipe1", "/pipe3", "/suffixes"}) {
     const double got = Losses(tmp_ + out + "/metrics.jsonl").at(0);
     const double got_norm = Losses(tmp_ + out + "/metrics.jsonl", "grad_norm").at(0);
     EXPECT_LE(std::abs(got - loss) / loss, 1e-6) << out << ": " << got << " vs peft's " << loss;
@@ -304,6 +310,18 @@ TEST_F(LaunchTest, MoeExpertAdaptersSavedByPeftComputePeftsLossAndGradient) {
                                     "lora.target_parameters=[\"mlp.experts.down_proj\"]"}, 60, Env());
   EXPECT_EQ(other.code, 2) << other.output;
   EXPECT_NE(other.output.find("\"target_parameters\" is ["), std::string::npos) << other.output;
+  // An adapter written by a peft that laid these tensors out the other way is refused by version.
+  const std::string old_peft = tmp_ + "/old-peft";
+  fs::create_directories(old_peft);
+  fs::copy_file(dir + "/adapter/adapter_model.safetensors", old_peft + "/adapter_model.safetensors");
+  json old_config = json::parse(testing::ReadFile(dir + "/adapter/adapter_config.json"));
+  old_config["peft_version"] = "0.18.1";
+  std::ofstream(old_peft + "/adapter_config.json") << old_config.dump(2);
+  auto old = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", "1", dir + "/job.toml", "--set",
+                                  "job.output_dir=" + tmp_ + "/old", "--set", "lora.init_from=\"" + old_peft + "\""},
+                                 60, Env());
+  EXPECT_EQ(old.code, 2) << old.output;
+  EXPECT_NE(old.output.find("\"peft_version\" is 0.18.1"), std::string::npos) << old.output;
 }
 
 // The trained expert adapters leave in PEFT's layout and as a merged model (W_e + s B_e A_e per

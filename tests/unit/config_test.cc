@@ -188,9 +188,19 @@ TEST(JobConfig, LoraKeysAreChecked) {
   ASSERT_TRUE(experts.ok()) << experts.status().ToString();
   EXPECT_EQ(experts->lora.target_parameters, std::vector<std::string>{"mlp.experts.down_proj"});
   ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\"]\n", "lora.target_parameters: \"mlp.experts.down_proj\" names expert tensors");
-  ExpectError(lora + "target_parameters = [\"experts.down_proj\"]\n", "lora.target_parameters: \"experts.down_proj\" is not", moe);
-  ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\", \"mlp.experts.down_proj\"]\n",
-              "lora.target_parameters: \"mlp.experts.down_proj\" is listed twice", moe);
+  ExpectError(lora + "target_parameters = [\"experts.down\"]\n", "lora.target_parameters: \"experts.down\" is not", moe);
+  ExpectError(lora + "target_parameters = [\"proj\"]\n", "lora.target_parameters: \"proj\" is not", moe);
+  // PEFT's suffix matching: a suffix after a dot names the same tensor.
+  auto suffix = Parse(lora + "target_parameters = [\"down_proj\", \"experts.gate_up_proj\"]\n", moe);
+  ASSERT_TRUE(suffix.ok()) << suffix.status().ToString();
+  EXPECT_EQ(CanonicalLoraParameter("down_proj"), "mlp.experts.down_proj");
+  EXPECT_EQ(CanonicalLoraParameter("xperts.down_proj"), "");
+  ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\", \"down_proj\"]\n",
+              "lora.target_parameters: \"down_proj\" names mlp.experts.down_proj twice", moe);
+  // Experts in the config but no sparse block: nothing to adapt.
+  ExpectError(lora + "target_parameters = [\"down_proj\"]\n", "lora.target_parameters: \"down_proj\" names expert tensors, and no block",
+              {"model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=16",
+               "model.sparse_step=1000"});
   ExpectError(lora + "dropout = 0.1\ntarget_parameters = [\"mlp.experts.gate_up_proj\"]\n", "lora.dropout: must be 0", moe);
   ExpectError(std::string(kValid) + "[lora]\nrank = 17\ntarget_parameters = [\"mlp.experts.down_proj\"]\n",
               "lora.rank: 17 exceeds mlp.experts.down_proj", moe);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <random>
@@ -248,6 +249,21 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
     EXPECT_FALSE(ChoosePlan(larger, 1).ok()) << "a larger tile than " << tile << " fits " << limit;
   }
   EXPECT_GT(tiled, 0) << "no limit made the planner's search tile the MLPs";
+  // A measured profile does not change the choice: its saved bytes were measured at one tile, and
+  // a resumed run (which plans from its stored profile) must choose what its first start did.
+  Profile measured = DefaultCostModel(c);
+  for (auto& layer : measured.layers) layer.saved_bytes = 1.0;
+  measured.source = "measured";
+  const std::string path = ::testing::TempDir() + "/rp-auto-tile-profile.json";
+  ASSERT_TRUE(SaveProfile(path, measured).ok());
+  JobConfig profiled = c;
+  profiled.schedule.profile = path;
+  for (double limit : {untiled * 0.999, (big + mid) / 2}) {
+    auto [s, r] = resolve(profiled, limit);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_EQ(r.train.mlp_tile_tokens, resolve(c, limit).second.train.mlp_tile_tokens) << limit;
+  }
+  std::remove(path.c_str());
   JobConfig fixed = c;
   fixed.train.mlp_tile_tokens = 777;
   ASSERT_TRUE(ResolveMlpTile(&fixed, 1).ok());
