@@ -633,6 +633,8 @@ Status CrossValidate(const JobConfig& c) {
                                      "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert "
                                      "tensors in lora.target_parameters)");
     std::vector<std::string> seen_params;
+    bool sparse = false;
+    for (int64_t b = 0; b < m.num_layers; ++b) sparse = sparse || SparseBlock(m, b);
     for (const auto& name : c.lora.target_parameters) {
       const std::string t = CanonicalLoraParameter(name);
       if (t.empty())
@@ -645,8 +647,6 @@ Status CrossValidate(const JobConfig& c) {
       if (m.moe.num_experts == 0)
         return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names expert tensors, and this "
                                        "model has no experts; use lora.target_modules");
-      bool sparse = false;
-      for (int64_t b = 0; b < m.num_layers; ++b) sparse = sparse || SparseBlock(m, b);
       if (!sparse)
         return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names expert tensors, and no "
                                        "block of this model is sparse (mlp_only_layers / sparse_step)");

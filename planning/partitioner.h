@@ -86,7 +86,7 @@ double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int
 // (partition = "auto") or the job's own plan's estimate being within the limit ("equal"), under
 // the FLOP cost model (DefaultCostModel) even when the job has a measured profile, so that every
 // start of a run (the first, --resume, a re-plan) chooses the same tile. InvalidArgument naming the key
-// when no tile fits; ChoosePlan's other errors are passed on. Any other value is left as it is.
+// when no tile fits. Any other value is left as it is.
 inline constexpr int64_t kSmallestAutoMlpTile = 512;
 Status ResolveMlpTile(JobConfig* config, int workers);
 
