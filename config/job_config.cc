@@ -951,11 +951,14 @@ Status CheckNodes(const JobConfig& c) {
     return Status::InvalidArgument("optimizer.gradients_wait_in: \"workers\" with several nodes is not "
                                    "supported (each node's norm would need the summed gradients first); use "
                                    "\"host\"");
-  if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32)
+  if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32 && !WorkersFetchMasters(c))
     return Status::InvalidArgument("optimizer.state: \"sharded\" with train.dtype = \"" +
-                                   std::string(EnumName(c.train.dtype)) +
-                                   "\": the export at the end reads the gathered weights, which hold the fp32 "
-                                   "masters exactly only in fp32; use \"replicated\"");
+                                   std::string(EnumName(c.train.dtype)) + "\" and schedule.weights_source = \"" +
+                                   std::string(EnumName(c.schedule.weights_source)) + "\" in " +
+                                   std::string(EnumName(c.optimizer.mode)) +
+                                   " mode: the export at the end reads the gathered weights, which hold the fp32 "
+                                   "masters only where workers fetch them (exact mode, weights_source \"auto\") or "
+                                   "in fp32; use \"replicated\"");
   return Status::Ok();
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/test_hooks.h"
 
 namespace rp::core {
 
@@ -361,9 +362,12 @@ inline bool LookupFromHost(const JobConfig& c);
 // optimizer.state resolved: true when each of several nodes keeps the fp32 masters (where they
 // are not what workers fetch) and the moments of its own share of every parameter (ShardOf),
 // updates only that share, and the workers gather the updated shares of every node before a
-// layer is fetched (ZeRO-1 across nodes). One node's share is everything: replicated.
+// layer is fetched (ZeRO-1 across nodes). One node's share is everything: replicated, except
+// under the test hook RP_TEST_NODE_SUMS_ALONE (common/test_hooks.h), where one node shards and
+// gathers across a group of itself, so the whole path runs on one machine and must change no bit.
 inline bool ShardedState(const JobConfig& c) {
-  return c.optimizer.state == OptimizerState::kSharded && c.nodes.count > 1;
+  return c.optimizer.state == OptimizerState::kSharded &&
+         (c.nodes.count > 1 || (c.nodes.count == 1 && TestNodeSumsAlone()));
 }
 
 inline bool LookupFromHost(const JobConfig& c) {

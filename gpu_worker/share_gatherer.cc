@@ -15,13 +15,16 @@ constexpr auto kPoll = std::chrono::microseconds(200);
 
 std::unique_ptr<ShareGatherer> ShareGatherer::Start(const core::JobConfig& config, const core::ModelSpec& spec,
                                                     const shm::ArenaLayout& layout, uint8_t* state, int worker_rank,
-                                                    int workers) {
-  return std::unique_ptr<ShareGatherer>(new ShareGatherer(config, spec, layout, state, worker_rank, workers));
+                                                    int workers, Joiner join, at::Device buffers) {
+  return std::unique_ptr<ShareGatherer>(
+      new ShareGatherer(config, spec, layout, state, worker_rank, workers, std::move(join), buffers));
 }
 
 ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec,
-                             const shm::ArenaLayout& layout, uint8_t* state, int worker_rank, int workers)
-    : cfg_(config), spec_(spec), layout_(layout), state_(state), rank_(worker_rank) {
+                             const shm::ArenaLayout& layout, uint8_t* state, int worker_rank, int workers, Joiner join,
+                             at::Device buffers)
+    : cfg_(config), spec_(spec), layout_(layout), state_(state), rank_(worker_rank), join_(std::move(join)),
+      device_(buffers) {
   const int nodes = static_cast<int>(config.nodes.count);
   const uint64_t elem = static_cast<uint64_t>(layout.weights_elem_bytes);
   uint64_t most = 0;
@@ -50,6 +53,8 @@ ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpe
       const auto opts = at::TensorOptions().dtype(at::kByte);
       mine_ = at::zeros({static_cast<int64_t>(most)}, opts);
       for (int n = 0; n < nodes; ++n) all_.push_back(at::empty({static_cast<int64_t>(most)}, opts));
+      mine_dev_ = device_.is_cpu() ? mine_ : mine_.to(device_);
+      for (const at::Tensor& t : all_) all_dev_.push_back(device_.is_cpu() ? t : at::empty_like(t, opts.device(device_)));
       s = Run();
     } catch (const std::exception& e) {  // LibTorch's allocations and checks throw
       s = Status::Internal(std::string("gathering the other nodes' shares: ") + e.what());
@@ -73,9 +78,7 @@ std::optional<Status> ShareGatherer::Failed() const {
 
 Status ShareGatherer::Run() {
   if (layers_.empty()) return Status::Ok();
-  const nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
-                               cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
-  RP_ASSIGN_OR_RETURN(auto gathers, nodes::NodeReduction::Join(group, rank_, "gather"));
+  RP_ASSIGN_OR_RETURN(auto gathers, join_());
   RP_LOG(INFO) << "joined the cross-node gather group of worker " << rank_ << " (" << layers_.size() << " layers, "
                << cfg_.nodes.count << " nodes)";
   const auto* gathered = reinterpret_cast<const std::atomic<uint64_t>*>(state_ + layout_.gathered_versions);
@@ -108,22 +111,36 @@ StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, const Lay
   const int nodes = static_cast<int>(cfg_.nodes.count), me = static_cast<int>(cfg_.nodes.rank);
   const int64_t most = static_cast<int64_t>(shares.most);
   at::Tensor mine = mine_.narrow(0, 0, most);
-  std::vector<at::Tensor> all;
+  std::vector<at::Tensor> all, all_dev;
   for (const auto& t : all_) all.push_back(t.narrow(0, 0, most));
+  for (const auto& t : all_dev_) all_dev.push_back(t.narrow(0, 0, most));
   uint64_t at = 0;
   for (const auto& [offset, n] : shares.pieces[me]) {
     std::memcpy(mine.data_ptr<uint8_t>() + at, state_ + offset + shift, n);
     at += n;
   }
-  RP_RETURN_IF_ERROR(group.StartGather(mine, all));
+  at::Tensor mine_dev = mine_dev_.narrow(0, 0, most);
+  if (!device_.is_cpu()) mine_dev.copy_(mine);  // from pageable memory: complete when it returns
+  RP_RETURN_IF_ERROR(group.StartGather(mine_dev, all_dev));
   for (;;) {
     RP_ASSIGN_OR_RETURN(const bool complete, group.Poll());
     if (complete) break;
     if (stop_.load()) return false;
     std::this_thread::sleep_for(kPoll);
   }
+  if (nodes == 1) {
+    // A group of this node alone (the test hook): nothing comes from elsewhere, so check instead
+    // that the collective and its staging gave this node's shares back unchanged.
+    if (!device_.is_cpu()) all[me].copy_(all_dev[me]);
+    if (std::memcmp(all[me].data_ptr<uint8_t>(), mine.data_ptr<uint8_t>(), static_cast<size_t>(most)) != 0)
+      return Status::Internal("gathering layer " + std::to_string(layer) + " version " + std::to_string(version) +
+                              " in a group of one node did not give its shares back unchanged");
+  }
   for (int n = 0; n < nodes; ++n) {
     if (n == me) continue;
+    // The collective is complete (its kernels and copies have run), so a copy after it reads
+    // its results; to pageable memory, it is complete when it returns.
+    if (!device_.is_cpu()) all[n].copy_(all_dev[n]);
     at = 0;
     for (const auto& [offset, b] : shares.pieces[n]) {
       std::memcpy(state_ + offset + shift, all[n].data_ptr<uint8_t>() + at, b);

@@ -80,6 +80,7 @@ class Worker {
   std::unique_ptr<Executor> exec_;
   // Sharded optimizer state: gathers the other nodes' shares of this rank's layers (its thread
   // stops before the segment is unmapped: declared after it).
+  ShareGatherer::Joiner join_gather_;  // forms the gathers' group (sharded state; set with sums_)
   std::unique_ptr<ShareGatherer> gatherer_;
   std::optional<KernelTrace> trace_;  // RP_TRACE_KERNELS (kernel_trace.h); destroyed before the device
 
@@ -584,9 +585,6 @@ Status Worker::Run() {
   // group of this node alone, which runs every sum through the whole path and must change nothing.
   sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
   if (sums_) {
-    if (layout_.sharded && use_cuda_)
-      return Status::InvalidArgument("optimizer.state: \"sharded\" with CUDA workers: this build gathers the "
-                                     "shares between CPU workers only; use \"replicated\"");
     nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
                            cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
     const int rank = opts_.rank;
@@ -597,6 +595,7 @@ Status Worker::Run() {
     auto join = [group, rank, device](const std::string& purpose) {
       return device >= 0 ? JoinNcclGroup(group, rank, purpose, device) : nodes::NodeReduction::Join(group, rank, purpose);
     };
+    join_gather_ = [join] { return join("gather"); };
     joining_ = std::async(std::launch::async, [join] { return join("reduce"); });
     if (core::EvalSplitAcrossNodes(cfg_) && cfg_.train.eval_every > 0)
       joining_eval_ = std::async(std::launch::async, [join] { return join("eval"); });
@@ -630,7 +629,8 @@ Status Worker::Run() {
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   if (layout_.sharded)
-    gatherer_ = ShareGatherer::Start(cfg_, spec_, layout_, segment_->data(), opts_.rank, opts_.num_workers);
+    gatherer_ = ShareGatherer::Start(cfg_, spec_, layout_, segment_->data(), opts_.rank, opts_.num_workers,
+                                     join_gather_, sums_options_.device());
   // The trace stops at a job of a later step: first everything enqueued must have run, or the
   // traced step's last kernels would be missing.
   trace_.emplace(opts_.rank, [this] {

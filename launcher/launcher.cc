@@ -348,11 +348,6 @@ int RunSession(const LaunchOptions& o) {
                            "build lacks (Debian: install libgloo-dev and rebuild)\n");
       return kExitBadConfig;
     }
-    if (cuda && core::ShardedState(*cfg)) {
-      std::fprintf(stderr, "rp-launch: optimizer.state = \"sharded\" with CUDA workers: this build gathers the "
-                           "shares between CPU workers only; use \"replicated\" or job.device = \"cpu\"\n");
-      return kExitBadConfig;
-    }
   }
   // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
   // (docs/features.md); beyond that they only contend for its memory and its queue.

@@ -172,6 +172,37 @@ TEST_F(GpuTest, NcclSumsAcrossANodeAloneChangeNothing) {
   }
 }
 
+// Sharded optimizer state with CUDA workers: the shares gathered over NCCL, staged through the
+// GPU. On one GPU the node gathers across a group of itself (the test hook), so every gather, the
+// staging copies and the gathered versions run, and the run must equal the plain one as above;
+// in fp32 (the parity job's dtype), and in bf16, where workers fetch the fp32 masters. Sharded
+// state fetches the embedding whole (core::LookupFromHost), so the plain runs do too: in bf16 a
+// lookup straight from the fp32 masters gives other bits than the rounded table.
+TEST_F(GpuTest, NcclShardedStateOnANodeAloneChangesNothing) {
+  if (!RP_WITH_NCCL) GTEST_SKIP() << "built without NCCL";
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    const std::vector<std::string> cuda = {"job.device=\"cuda\"", "train.dtype=\"" + dtype + "\"",
+                                           "schedule.embedding_lookup=\"copy\""};
+    auto plain = Launch(2, "plain-" + dtype, cuda);
+    auto again = Launch(2, "again-" + dtype, cuda);
+    std::vector<std::string> sharded = cuda;
+    sharded.push_back("optimizer.state=\"sharded\"");
+    std::string output;
+    auto alone = Launch(2, "sharded-" + dtype, sharded, {"RP_TEST_NODE_SUMS_ALONE=1"}, &output);
+    EXPECT_NE(output.find("joined the cross-node gather group"), std::string::npos) << output;
+    ASSERT_EQ(alone.size(), plain.size());
+    ASSERT_FALSE(alone.empty());
+    if (plain == again) {
+      EXPECT_EQ(alone, plain) << dtype;
+      if (alone == plain)
+        std::printf("%s: sharded over NCCL, world of one: losses equal the plain run's bit for bit\n", dtype.c_str());
+    } else {
+      std::printf("%s: this GPU does not repeat runs bit for bit; sharded within %.3g of the plain run\n",
+                  dtype.c_str(), WorstRelative(alone, plain));
+    }
+  }
+}
+
 TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
   auto one = Launch(1, "n1", {"job.device=\"cuda\""});
   for (int n : {2, 3}) {

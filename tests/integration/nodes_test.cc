@@ -267,7 +267,34 @@ TEST_F(NodesTest, SumsAcrossANodeAloneChangeNothing) {
     ASSERT_EQ(alone.code, 0) << alone.output;
     EXPECT_NE(alone.output.find("joined the cross-node reduction group"), std::string::npos) << alone.output;
     ExpectSameBits(tmp_ + "/alone-" + mode, tmp_ + "/plain-" + mode, mode);
+    // Sharded state on that node alone: its share is everything, and every gather runs.
+    const auto sharded = With(job, {"optimizer.state=sharded"});
+    auto gathered = testing::RunProcess(LaunchArgs(2, tmp_ + "/sharded-" + mode, sharded), 240, env);
+    ASSERT_EQ(gathered.code, 0) << gathered.output;
+    EXPECT_NE(gathered.output.find("joined the cross-node gather group"), std::string::npos) << gathered.output;
+    ExpectSameBits(tmp_ + "/sharded-" + mode, tmp_ + "/plain-" + mode, mode + ", sharded");
   }
+}
+
+// Sharded state with a compute dtype below fp32: where workers fetch the fp32 masters (exact mode,
+// weights_source "auto") the gathered weights are the masters, so the runs agree with replicated
+// bit for bit; where the compute copies are rounded (stale1), the export could not read the
+// masters back, and the job is refused naming why.
+TEST_F(NodesTest, ShardedStateInFp16WhereWorkersFetchTheMasters) {
+  const auto job = With(kJob, {"train.dtype=\"fp16\""});
+  auto rep = LaunchNodes(2, 2, tmp_ + "/rep", job);
+  for (const auto& r : rep) ASSERT_EQ(r.code, 0) << Outputs(rep);
+  auto sh = LaunchNodes(2, 2, tmp_ + "/sh", With(job, {"optimizer.state=sharded"}));
+  for (const auto& r : sh) ASSERT_EQ(r.code, 0) << Outputs(sh);
+  ExpectSameBits(tmp_ + "/sh", tmp_ + "/rep", "fp16, exact, on 2 nodes");
+
+  auto stale = testing::RunProcess(
+      With(LaunchArgs(2, tmp_ + "/stale", With(job, {"optimizer.state=sharded", "optimizer.mode=stale1"})),
+           {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
+      60, Env());
+  EXPECT_EQ(stale.code, 2) << stale.output;
+  EXPECT_NE(stale.output.find("hold the fp32 masters only where workers fetch them"), std::string::npos)
+      << stale.output;
 }
 
 // Sharded optimizer state (ZeRO-1 across nodes): each node updates its share with the same
