@@ -432,6 +432,16 @@ inline RoundShape Round(const JobConfig& c) {
   r.microbatches /= std::max<int64_t>(1, c.nodes.count);
   return r;
 }
+// Sharded state whose gradient slots hold only this node's share of each parameter, so the
+// gradient arena is 1/N too: when nothing waits for the norm (no clipping, no loss scaling: the
+// slots stream layer by layer), one call per step, and no trainable parameter used by two layers
+// (a tied embedding's two slots are summed on the host). The workers commit their node's share of
+// each summed gradient and write the squares of the whole into the gradient squares table
+// (shm/layout.h), from which the coordinator takes the step's norm: it holds no other node's part.
+inline bool ShardedGradients(const JobConfig& c) {
+  return ShardedState(c) && !UpdatesWaitForNorm(c) && Round(c).calls == 1 &&
+         !(c.model.tie_embeddings && !c.lora.enabled());
+}
 // The index within its step of this node's microbatch `mb` of round `call`: the key of its data
 // and its dropout masks, the same for every node count.
 inline int64_t StepMicrobatch(const JobConfig& c, int64_t call, int64_t mb) {

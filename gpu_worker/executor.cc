@@ -756,7 +756,13 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
         return Status::ProtocolError("gradient slot " + std::to_string(g.grad_slot) + " of job " +
                                      std::to_string(job_index) + " is placed at offset " +
                                      std::to_string(off) + ", outside the gradient arena");
-      items.push_back({g.accum, segment_.At<float>(off)});
+      if (layout_.sharded_grads) {
+        // The slot holds this node's share only (the other nodes commit theirs of the same sum).
+        const core::ElemRange share = layout_.share[spec_.grad_slots[g.grad_slot].param];
+        items.push_back({g.accum.reshape({-1}).narrow(0, share.begin, share.size()), segment_.At<float>(off)});
+      } else {
+        items.push_back({g.accum, segment_.At<float>(off)});
+      }
     }
     held_.erase(it);
     ticket = device_.StartCommit(std::move(items), accumulate);

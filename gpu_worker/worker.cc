@@ -502,6 +502,12 @@ StatusOr<bool> Worker::Finish() {
         ++it;
         continue;
       }
+      if (layout_.sharded_grads) {
+        // The slots take this node's share of the summed gradients; the step's norm needs the
+        // squares of the whole, which every node's worker has after the sum.
+        Status sq = exec_->WriteChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
+        if (!sq.ok()) return Fail(id, sq);
+      }
       auto ticket = exec_->StartCommit(id, grant->second);
       if (!ticket.ok()) return Fail(id, ticket.status());
       it->ticket = *ticket;

@@ -14,7 +14,8 @@ uint64_t Align(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArena
 uint64_t GradSlotBytes(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
   const auto& p = spec.params[spec.grad_slots[slot].param];
   const int64_t rows = core::CompactLookupRows(c, spec, slot);
-  const int64_t numel = rows > 0 ? rows * p.shape[1] : p.numel;
+  int64_t numel = rows > 0 ? rows * p.shape[1] : p.numel;
+  if (core::ShardedGradients(c)) numel = core::ShardOf(p.numel, c.nodes.count, c.nodes.rank).size();
   return (static_cast<uint64_t>(numel) * 4 + 255) / 256 * 256;
 }
 // Packs one region of weight copies from `pos` (256-byte aligned inside, so a layer's weights
@@ -172,6 +173,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     a.grad_slot_bytes.push_back(GradSlotBytes(c, spec, static_cast<int>(g)));
     if (core::CompactLookupRows(c, spec, static_cast<int>(g)) > 0) a.compact_lookup_slot = static_cast<int>(g);
   }
+  a.sharded_grads = core::ShardedGradients(c);
   a.grad_arena = pos;
   a.grad_arena_bytes = sizing.chosen;
   a.grads_streamed = sizing.chosen < sizing.all_slots;
@@ -213,7 +215,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     a.loss_scaling = pos;
     pos = Align(pos + sizeof(LossScaleRecord));
   }
-  if (core::GradientsWaitInWorkers(c)) {
+  if (core::GradientsWaitInWorkers(c) || a.sharded_grads) {
     for (const auto& p : spec.params) {
       a.square_chunk_base.push_back(a.square_chunks);
       a.square_chunks += (p.numel + kSquareChunkElems - 1) / kSquareChunkElems;
@@ -246,6 +248,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks), static_cast<uint64_t>(a.router_experts)});
   if (a.loss_scaling != 0) h = HashKey({h, 0x1055u, a.loss_scaling});
   if (a.grad_squares != 0) h = HashKey({h, 0x5Du, a.grad_squares, static_cast<uint64_t>(a.square_chunks)});
+  if (a.sharded_grads) h = HashKey({h, 0x5Eu, a.grad_arena_bytes});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)
     h = HashKey({h, static_cast<uint64_t>(st.kind), static_cast<uint64_t>(st.begin),

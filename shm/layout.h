@@ -50,13 +50,17 @@
 //                        forward stage or the fused tail) and read by the microbatch's fused tail
 //                        and backward stages, which all run after its last forward.
 //   loss scaling         fp16 only (core::ScalesLoss): one LossScaleRecord (below).
-//   gradient squares     optimizer.gradients_wait_in = "workers" only: fp64 [2 step parities]
-//                        [square chunks]: the squared sum of each kSquareChunkElems-element chunk
-//                        of every parameter's gradient (parameter order, then chunk order),
-//                        written by the worker holding the gradient before it reports GradsReady,
-//                        read by the coordinator once every gradient of the step is reported.
-//                        Step t + 2 writes a parity only after step t's commits were granted,
-//                        which waited for the read.
+//   gradient squares     optimizer.gradients_wait_in = "workers", or sharded gradient slots
+//                        (core::ShardedGradients): fp64 [2 step parities][square chunks]: the
+//                        squared sum of each kSquareChunkElems-element chunk of every parameter's
+//                        (summed) gradient, parameter order, then chunk order. "workers": written
+//                        by the worker holding the gradient before it reports GradsReady, read by
+//                        the coordinator once every gradient of the step is reported; step t + 2
+//                        writes a parity only after step t's commits were granted, which waited
+//                        for the read. Sharded slots: written by the worker before it commits the
+//                        gradient's share, read by the optimizer when the parameter's slot is
+//                        final (AsyncOptimizer::SlotFinal); step t + 2's commits need weights that
+//                        step t + 1's update wrote, which began after every slot of step t was.
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
@@ -175,6 +179,9 @@ struct ArenaLayout {
   bool sharded = false;
   std::vector<core::ElemRange> share;
   std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
+  // core::ShardedGradients: each slot holds its parameter's `share` only (element share[p].begin
+  // first), and the gradient squares table holds the squares of the whole summed gradients.
+  bool sharded_grads = false;
   // The tied embedding's input-lookup slot when it is compact (CompactLookupRows), else -1: it
   // holds the rows of the step's input tokens only, ascending (core::SortedTokenRows), packed.
   int compact_lookup_slot = -1;

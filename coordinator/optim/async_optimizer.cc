@@ -38,6 +38,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
       two_passes_(cfg.optimizer.mode == core::OptimizerMode::kExact && !layout.grads_streamed),
       workers_norm_(core::GradientsWaitInWorkers(cfg)),
+      shard_grads_(layout.sharded_grads),
       norm_first_(core::UpdatesWaitForNorm(cfg) && !workers_norm_),
       layer_start_us_(spec.NumLayers()) {
   if (layout.loss_scaling != 0) scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
@@ -80,6 +81,10 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     if (geo_.lookup_slot[p] == slots[0]) std::swap(slots[0], slots[1]);
   }
   cur_.partial.assign(geo_.chunks.size(), 0.0);
+  cur_.param_squares.assign(spec.params.size(), 0.0);
+  for (size_t p = 0; p < spec.params.size(); ++p)
+    RP_CHECK(!shard_grads_ || geo_.param_slots[p].size() == 1)
+        << "sharded gradient slots with parameter " << spec.params[p].name << " used by several layers";
   std::vector<int> last_use(spec.params.size(), -1);
   for (int l = 0; l < spec.NumLayers(); ++l)
     for (const auto& use : spec.layer_uses[l]) {
@@ -200,6 +205,15 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     }
     return;
   }
+  if (shard_grads_) {
+    // Read now, before any of the step's norm tasks count down: step + 2's commits rewrite this
+    // parity, and they need weights that only follow the whole of this step's norm.
+    const double* sq = layout_.GradSquares(state_, step) + layout_.square_chunk_base[p];
+    const int64_t chunks = (spec_.params[p].numel + shm::kSquareChunkElems - 1) / shm::kSquareChunkElems;
+    double total = 0.0;
+    for (int64_t i = 0; i < chunks; ++i) total += sq[i];
+    cur_.param_squares[p] = total;
+  }
   for (size_t c : geo_.param_chunks[p]) {
     if (cur_.early[p] && cur_.chunk_gate[c].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
     Submit([this, step, c, update_now] { NormChunk(step, c, update_now); });
@@ -259,8 +273,8 @@ void AsyncOptimizer::SetNormSquares(int64_t step, double squares) {
 
 void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   const Chunk& c = geo_.chunks[chunk];
-  if (workers_norm_) {
-    // The norm came from the workers (SetNormSquares): nothing to square here.
+  if (workers_norm_ || shard_grads_) {
+    // The norm came from the workers (SetNormSquares, or their squares table): nothing to square.
   } else if (geo_.row_elems[c.param] > 0) {
     cur_.partial[chunk] = RowSummedChunk(step, c);
   } else {
@@ -285,7 +299,11 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
 void AsyncOptimizer::OnNormsDone(int64_t step) {
   if (workers_norm_) return;  // taken with the step's first slot; updated chunk by chunk
   double total = 0.0;
-  for (double s : cur_.partial) total += s;  // fixed order: parameter-major, chunk-minor
+  if (shard_grads_) {
+    for (double s : cur_.param_squares) total += s;  // parameter order
+  } else {
+    for (double s : cur_.partial) total += s;  // fixed order: parameter-major, chunk-minor
+  }
   TakeNorm(step, total);
   Progress();
   if (!norm_first_) return;  // already updated chunk by chunk
@@ -440,7 +458,9 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
     if (writes != UpdateWrites::kRest && compute != master) ToComputeCopy(master, compute, end - begin, compute_dtype);
     return;
   }
-  const float* grad = reinterpret_cast<const float*>(state_ + grads_->Offset(geo_.param_slots[param][0])) + begin;
+  // A sharded slot starts at the share's first element.
+  const float* grad = reinterpret_cast<const float*>(state_ + grads_->Offset(geo_.param_slots[param][0])) + begin -
+                      (shard_grads_ ? layout_.share[param].begin : 0);
   float* m = reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_m, param, begin));
   float* v = layout_.adam_v.empty() ? nullptr
                                     : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));

@@ -58,6 +58,10 @@
 //    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
 //    is updated, clipped, as soon as its slots are final, as without clipping; no squares are
 //    taken here.
+//  * Sharded gradient slots (core::ShardedGradients: no clipping, no loss scaling): a slot holds
+//    this node's share of its parameter, and the norm is the sum of the squares the workers wrote
+//    of the whole summed gradient (shm::ArenaLayout::grad_squares), read when the parameter's slot
+//    is final; it is reported only (nothing it scales).
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 //  * `on_progress` (may be empty) is called from a pool thread after each change the coordinator
@@ -219,6 +223,7 @@ class AsyncOptimizer {
   Geometry geo_;
   const bool two_passes_;                      // exact mode, arena holds every slot
   const bool workers_norm_;                    // core::GradientsWaitInWorkers
+  const bool shard_grads_;                     // core::ShardedGradients: slots hold the share
   const bool norm_first_;                      // updates wait for a norm taken here
   // fp16: the state segment's record (null without loss scaling), and the scaler's state after
   // the last step whose norm is known (written by TakeNorm only, which steps reach in order).
@@ -237,6 +242,7 @@ class AsyncOptimizer {
     int64_t step = -1;
     std::vector<int> slots_left;   // per parameter
     std::vector<double> partial;   // per chunk
+    std::vector<double> param_squares;  // per parameter: the workers' squares (sharded slots)
     // Row-summed parameters whose dense slot was final first this step: their row squares run
     // early; a chunk's norm task starts when both its rows are squared and the last slot is
     // final (the gate counts those two down from 2).

@@ -276,6 +276,43 @@ TEST_F(NodesTest, SumsAcrossANodeAloneChangeNothing) {
   }
 }
 
+// Without clipping the gradient slots of sharded state hold only the node's share of each
+// parameter (core::ShardedGradients), so the gradient arena shrinks with the node count too; the
+// step's norm is then the sum of the squares the workers took of the whole summed gradient
+// (reported only: nothing waits for it). Losses and the exported model are the replicated run's
+// bits; the norm, summed in another order, agrees to rounding.
+TEST_F(NodesTest, ShardedGradientSlotsHoldTheNodesShareWithoutClipping) {
+  for (const std::string mode : {"exact", "stale1"}) {
+    const auto job = With(kJob, {"optimizer.mode=" + mode, "train.grad_clip=0", "model.tie_embeddings=false"});
+    for (int nodes : {2, 3}) {
+      const std::string tag = mode + std::to_string(nodes), what = mode + " on " + std::to_string(nodes) + " nodes";
+      auto rep = LaunchNodes(nodes, 2, tmp_ + "/rep" + tag, job);
+      for (const auto& r : rep) ASSERT_EQ(r.code, 0) << Outputs(rep);
+      auto sh = LaunchNodes(nodes, 2, tmp_ + "/sh" + tag, With(job, {"optimizer.state=sharded"}));
+      for (const auto& r : sh) ASSERT_EQ(r.code, 0) << Outputs(sh);
+      EXPECT_EQ(testing::Losses(tmp_ + "/sh" + tag + "/metrics.jsonl"), testing::Losses(tmp_ + "/rep" + tag + "/metrics.jsonl"))
+          << what;
+      EXPECT_TRUE(ReadBytes(tmp_ + "/sh" + tag + "/hf/model.safetensors") ==
+                  ReadBytes(tmp_ + "/rep" + tag + "/hf/model.safetensors"))
+          << what << ": the exported models differ";
+      const auto norms = testing::Losses(tmp_ + "/sh" + tag + "/metrics.jsonl", "grad_norm");
+      const auto want = testing::Losses(tmp_ + "/rep" + tag + "/metrics.jsonl", "grad_norm");
+      ASSERT_EQ(norms.size(), want.size()) << what;
+      ASSERT_FALSE(norms.empty()) << what;
+      for (size_t s = 0; s < norms.size(); ++s)
+        EXPECT_NEAR(norms[s], want[s], 1e-12 * want[s]) << what << ", step " << s + 1;
+      const double replicated = Summary(tmp_ + "/rep" + tag)["grad_arena_bytes"].get<double>();
+      for (int r = 0; r < nodes; ++r) {
+        const std::string dir = tmp_ + "/sh" + tag + (r == 0 ? std::string() : "/node-" + std::to_string(r));
+        const double mine = Summary(dir)["grad_arena_bytes"].get<double>();
+        // Each slot rounds up to 256 bytes (the tiny model has many small ones), the arena to a page.
+        EXPECT_LT(mine, replicated / nodes * 1.25 + 8 * 1024) << what << ", node " << r << " (replicated "
+                                                             << replicated << " bytes)";
+      }
+    }
+  }
+}
+
 // Sharded state with a compute dtype below fp32: where workers fetch the fp32 masters (exact mode,
 // weights_source "auto") the gathered weights are the masters, so the runs agree with replicated
 // bit for bit; where the compute copies are rounded (stale1), the export could not read the
