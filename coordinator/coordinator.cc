@@ -17,6 +17,7 @@
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/session.h"
+#include "common/stop_agreement.h"
 #include "common/time_util.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
@@ -103,6 +104,9 @@ class Coordinator {
   }
   // The first step a stop requested now can end after (graceful stop, re-plan).
   int64_t EarliestStop() const;
+  // Several nodes: reads the agreed stop step once the launcher wrote it, stops there and
+  // dispatches what the wait held back.
+  Status PollAgreedStop();
   int64_t StepH2dBytes() const;
   // Activations live in workers (schedule.activations = "worker", or activation pools) and a
   // worker is gone (`what` happened): the run stops.
@@ -139,6 +143,11 @@ class Coordinator {
   RunTimes times_;
   int64_t skipped_steps_ = 0;             // fp16 steps skipped for gradients not finite
   bool graceful_ = false;                 // a graceful stop moved stop_step (SIGINT)
+  // Several nodes, interrupted (common/stop_agreement.h): the step this node proposed to stop
+  // after, which no dispatch passes until the nodes agree (-1: not waiting for an agreement), and
+  // whether a dispatch was held back meanwhile.
+  int64_t stop_hold_ = -1;
+  bool dispatch_deferred_ = false;
   std::optional<std::string> replan_to_;  // the plan the run stopped to resume on
   // Node 0 alone writes checkpoints and exports: the replicas hold the same state.
   bool WritesOutputs() const { return cfg_.nodes.rank == 0; }
@@ -320,7 +329,12 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
     if (evals_->Due(job.step))
       RP_RETURN_IF_ERROR(evals_->Dispatch(job.step, [this] { return dispatch_->TakeJobIndex(); }));
     // Two steps in flight: the one draining and the next one.
-    if (window_.next_to_dispatch < window_.stop_step) RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
+    if (window_.next_to_dispatch < window_.stop_step) {
+      if (stop_hold_ >= 0 && window_.next_to_dispatch >= stop_hold_)
+        dispatch_deferred_ = true;
+      else
+        RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
+    }
   }
   return dispatch_->TryFeed();
 }
@@ -380,6 +394,20 @@ Status Coordinator::Handle(int rank, const Message& m) {
                       << rank;
       return Status::Ok();
   }
+  return Status::Ok();
+}
+
+Status Coordinator::PollAgreedStop() {
+  RP_ASSIGN_OR_RETURN(const auto agreed, ReadStepFile(opts_.runtime_dir + "/" + kStopAgreedFile));
+  if (!agreed) return Status::Ok();
+  if (*agreed < stop_hold_)
+    return Status::ProtocolError("the nodes agreed to stop after step " + std::to_string(*agreed) +
+                                 ", before this node's proposal " + std::to_string(stop_hold_));
+  window_.stop_step = std::min(window_.stop_step, *agreed);
+  RP_LOG(WARNING) << "interrupted: the nodes stop after step " << window_.stop_step << " with a checkpoint";
+  stop_hold_ = -1;
+  if (dispatch_deferred_ && window_.next_to_dispatch < window_.stop_step) RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
+  dispatch_deferred_ = false;
   return Status::Ok();
 }
 
@@ -560,12 +588,23 @@ Status Coordinator::Loop() {
     beacon_->LoopTurned(MonoSeconds());
     if (g_stop) return Status::Cancelled("stopped by signal at step " + std::to_string(window_.next_to_report + 1));
     if (g_graceful_stop && !graceful_) {
-      // Finish the step being drained; a step already dispatched behind it is abandoned (its
-      // gradients never reach the optimizer), then the checkpoint below the loop is written.
       graceful_ = true;
-      window_.stop_step = std::min(window_.stop_step, EarliestStop());
-      RP_LOG(WARNING) << "interrupted: stopping after step " << window_.stop_step << " with a checkpoint";
+      if (cfg_.nodes.count > 1) {
+        // Every node must stop after the same step: propose the steps dispatched (none is
+        // abandoned, since the other nodes' workers may already sum its gradients with this
+        // node's), dispatch no later one, and stop after the largest proposal of any node.
+        stop_hold_ = std::min(window_.stop_step, window_.next_to_dispatch);
+        RP_RETURN_IF_ERROR(WriteStepFile(opts_.runtime_dir + "/" + kStopProposalFile, stop_hold_));
+        RP_LOG(WARNING) << "interrupted: proposing to stop after step " << stop_hold_
+                        << "; waiting for the other nodes to agree";
+      } else {
+        // Finish the step being drained; a step already dispatched behind it is abandoned (its
+        // gradients never reach the optimizer), then the checkpoint below the loop is written.
+        window_.stop_step = std::min(window_.stop_step, EarliestStop());
+        RP_LOG(WARNING) << "interrupted: stopping after step " << window_.stop_step << " with a checkpoint";
+      }
     }
+    if (stop_hold_ >= 0) RP_RETURN_IF_ERROR(PollAgreedStop());
     RP_ASSIGN_OR_RETURN(auto env, workers_->Receive(kLoopWaitMs));
     if (env) RP_RETURN_IF_ERROR(Handle(env->rank, env->message));
     RP_RETURN_IF_ERROR(workers_->CheckHung());

@@ -22,6 +22,7 @@
 #include "rp_config.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
+#include "common/stop_agreement.h"
 #include "common/unique_fd.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
@@ -565,6 +566,8 @@ int RunSession(const LaunchOptions& o) {
   bool graceful = false;          // first SIGINT/SIGTERM: the coordinator stops with a checkpoint
   bool graceful_done = false;     // ... and it did (exit code 3)
   bool replan = false;            // the coordinator checkpointed to be resumed on a new plan
+  bool stop_proposed = false;     // several nodes: this node's stop step is in the node store
+  bool stop_agreed = false;       // ... and the agreed one is in the coordinator's runtime dir
   int64_t restarts = 0;           // replacement workers started
   std::string failure, failed_role;
   auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
@@ -575,6 +578,7 @@ int RunSession(const LaunchOptions& o) {
       graceful = true;
       std::fprintf(stderr, "rp-launch: stopping after the step in flight and writing a checkpoint "
                            "(interrupt again to stop at once)\n");
+      if (link) link->Interrupt();
       children[0].Signal(SIGINT);
     } else if (sig == SIGINT || sig == SIGTERM) {
       interrupted = true;
@@ -634,6 +638,41 @@ int RunSession(const LaunchOptions& o) {
         break;
       }
     }
+    // An interrupt agreed across the nodes (common/stop_agreement.h): one node's interrupt
+    // interrupts every node's coordinator; each proposes a stop step, and all stop after the
+    // largest.
+    if (link && failure.empty() && !children[0].exit_info()) {
+      if (!graceful) {
+        if (auto by = link->InterruptedElsewhere()) {
+          graceful = true;
+          std::fprintf(stderr, "rp-launch: node %d was interrupted: every node stops after an agreed step with a "
+                               "checkpoint\n", *by);
+          children[0].Signal(SIGINT);
+        }
+      }
+      if (graceful && !stop_proposed) {
+        auto proposal = ReadStepFile(dir + "/" + kStopProposalFile);
+        if (!proposal.ok()) {
+          failure = proposal.status().message();
+          exit_code = kExitProtocolError;
+          break;
+        }
+        if (*proposal) {
+          link->Propose(**proposal);
+          stop_proposed = true;
+        }
+      }
+      if (stop_proposed && !stop_agreed) {
+        auto agreed = link->Agreed();
+        Status written = agreed.ok() && *agreed ? WriteStepFile(dir + "/" + kStopAgreedFile, **agreed) : agreed.status();
+        if (!written.ok()) {
+          failure = "agreeing on a stop step with the other nodes: " + written.message();
+          exit_code = kExitProtocolError;
+          break;
+        }
+        stop_agreed = agreed.ok() && agreed->has_value();
+      }
+    }
     // A coordinator that stopped making progress (SIGSTOP, a hang) beats no more
     // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever.
     if (failure.empty() && !children[0].exit_info()) {
@@ -668,7 +707,9 @@ int RunSession(const LaunchOptions& o) {
   for (int f : respawn_fds)
     if (f >= 0) ::close(f);
   pump.Finish();
-  if (link) link->End(interrupted || (graceful_done && failure.empty()) ? kExitInterrupted : exit_code, failure);
+  if (link)
+    link->End(interrupted || (graceful_done && failure.empty()) ? kExitInterrupted : exit_code,
+              interrupted && failure.empty() ? "stopped at once by a second interrupt" : failure);
   if (!failure.empty() && !failed_role.empty()) {
     // Where it ran and how far the run got, then its own last words.
     const std::string device = pump.LastLineWith(failed_role, "joined: device");
@@ -684,15 +725,20 @@ int RunSession(const LaunchOptions& o) {
     return kExitInterrupted;
   }
   if (graceful_done && failure.empty()) {
+    // checkpoint.dir is relative to the output directory, or absolute (node 0's, on the others).
+    const std::string checkpoints = (fs::path(cfg->job.output_dir) / cfg->checkpoint.dir).string();
     if (core::ShardedState(*cfg))
-      // Each node wrote only its own part, at a step of its own choosing: the interrupt's files
-      // complete a checkpoint only if every node stopped after the same step.
-      std::fprintf(stderr, "rp-launch: interrupted; this node's part of a checkpoint is in %s/%s; `rp-launch "
-                           "--resume` continues from the newest checkpoint every node completed\n",
-                   cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
+      // Every node wrote its own part after the step the nodes agreed on.
+      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step and wrote its part of a "
+                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
+                   checkpoints.c_str());
+    else if (cfg->nodes.count > 1)
+      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step, node 0 wrote a "
+                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
+                   checkpoints.c_str());
     else
-      std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s/%s, `rp-launch --resume` "
-                           "continues the run\n", cfg->job.output_dir.c_str(), cfg->checkpoint.dir.c_str());
+      std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s, `rp-launch --resume` continues the run\n",
+                   checkpoints.c_str());
     return kExitInterrupted;
   }
   if (replan && exit_code == kExitOk) return kExitReplan;

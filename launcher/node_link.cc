@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "launcher/node_link.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <limits>
 #include <thread>
 
 #include "common/exit_codes.h"
@@ -94,6 +97,8 @@ std::optional<std::string> NodeLink::FailedPeer() {
     if (end.ok() && !*end) end = store_->TryGet(Key("failing", r));
     if (!end.ok() || !*end || (*end)->rfind("0 ", 0) == 0) continue;
     const std::string& text = **end;
+    // In an agreed stop the others end as this node will: interrupted, after the agreed step.
+    if (stopping_ && text == std::to_string(kExitInterrupted) + " ") continue;
     if (text.rfind(std::to_string(kExitInterrupted) + " ", 0) == 0)
       return "node " + std::to_string(r) + " was interrupted (SIGINT or SIGTERM); the newest complete checkpoint "
              "resumes the run";
@@ -139,6 +144,50 @@ std::optional<std::string> NodeLink::Diagnose() {
     if (!seen.ended && seen.beats == first[r])
       return "node " + std::to_string(r) + " stopped beating (its rp-launch was killed, or its host is gone)";
   return FailedPeer();
+}
+
+void NodeLink::Interrupt() {
+  stopping_ = true;
+  (void)store_->Set(Key("interrupt", rank_), "1");
+}
+
+std::optional<int> NodeLink::InterruptedElsewhere() {
+  for (const auto& [r, seen] : seen_) {
+    auto flag = store_->TryGet(Key("interrupt", r));
+    if (flag.ok() && *flag) {
+      stopping_ = true;
+      return r;
+    }
+  }
+  return std::nullopt;
+}
+
+void NodeLink::Propose(int64_t step) {
+  stopping_ = true;
+  (void)store_->Set(Key("stop", rank_), std::to_string(step));
+}
+
+StatusOr<std::optional<int64_t>> NodeLink::Agreed() {
+  int64_t most = -1;
+  for (int r = 0; r < nodes_; ++r) {
+    RP_ASSIGN_OR_RETURN(auto step, store_->TryGet(Key("stop", r)));
+    if (!step) {
+      // A node that finished its run whole stops after the last step, whatever it proposes.
+      RP_ASSIGN_OR_RETURN(auto end, store_->TryGet(Key("end", r)));
+      if (end && end->rfind("0 ", 0) == 0) {
+        most = std::numeric_limits<int64_t>::max();
+        continue;
+      }
+      return std::optional<int64_t>();
+    }
+    char* end = nullptr;
+    const long long value = std::strtoll(step->c_str(), &end, 10);
+    if (step->empty() || *end != '\0' || value < 0)
+      return Status::ProtocolError("node " + std::to_string(r) + " proposed to stop after \"" + *step +
+                                   "\", not a step count");
+    most = std::max(most, static_cast<int64_t>(value));
+  }
+  return std::optional<int64_t>(most);
 }
 
 // Its own key: node 0 keeps the store up until the others' final "end", which comes after their

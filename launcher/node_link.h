@@ -13,6 +13,12 @@
 //  * Failing() tells the others at once that this node's run failed (they stop, naming it).
 //    Diagnose() is for a run that failed here: it watches the others for a few seconds for a node
 //    that is gone, else one that failed on its own, so the report names the cause, not its echo.
+//  * An interrupt agreed across the nodes (common/stop_agreement.h): Interrupt() tells the others
+//    this node was interrupted; InterruptedElsewhere() names a node that was (each launcher then
+//    interrupts its coordinator); Propose() posts this node's proposed stop step and Agreed() is
+//    the largest of every node's once all have posted (a node that ended its run whole counts as
+//    proposing the end). From the first of these on, another node that ends interrupted (exit 3,
+//    a graceful stop) is expected, not a failure; one that stopped at once is.
 //  * End() records how this node ended; node 0 then keeps the store up until every other node
 //    has ended or stopped beating for the timeout, since the others use it until they end.
 #pragma once
@@ -36,6 +42,10 @@ class NodeLink {
   void Failing(const std::string& failure);
   std::optional<std::string> Diagnose();
   void End(int exit_code, const std::string& failure);
+  void Interrupt();
+  std::optional<int> InterruptedElsewhere();
+  void Propose(int64_t step);
+  StatusOr<std::optional<int64_t>> Agreed();
 
  private:
   NodeLink(std::unique_ptr<nodes::NodeStore> store, const core::JobConfig& job);
@@ -55,6 +65,7 @@ class NodeLink {
     bool ended = false;
   };
   std::map<int, Seen> seen_;
+  bool stopping_ = false;  // in an agreed stop: other nodes' graceful ends are expected
 };
 
 }  // namespace rp::launch

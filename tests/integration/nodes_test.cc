@@ -445,22 +445,50 @@ TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {
   EXPECT_EQ(next.code, 0) << next.output;
 }
 
-TEST_F(NodesTest, AnInterruptOfNodeZeroCheckpointsAndStopsTheOthers) {
-  // Node 0 hosts the store from a thread of its own: SIGINT must still reach its supervision loop
-  // (a graceful stop with a checkpoint, exit 3), and node 1 stops naming it.
-  const auto job = With(kJob, {"train.steps=400", "checkpoint.every=1000", "job.node_timeout_s=20"});
-  auto procs = StartNodes(2, 1, tmp_ + "/int", job);
-  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/int/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
-  ASSERT_GE(testing::Losses(tmp_ + "/int/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
-  ::kill(procs[0]->pid(), SIGINT);
-  auto zero = procs[0]->Wait(120);
-  EXPECT_EQ(zero.code, 3) << zero.output;
-  auto one = procs[1]->Wait(120);
-  EXPECT_EQ(one.code, 10) << one.output;
-  EXPECT_NE(one.output.find("node 0 was interrupted"), std::string::npos) << one.output;
-  bool checkpoint = false;
-  for (const auto& e : fs::directory_iterator(tmp_ + "/int/checkpoints")) checkpoint = checkpoint || e.is_regular_file();
-  EXPECT_TRUE(checkpoint) << "node 0 wrote no checkpoint at its interrupt";
+// An interrupt of one node stops every node after one agreed step (common/stop_agreement.h):
+// with sharded state each node writes its part of the checkpoint, so the parts must be of the
+// same step, and the run resumed from them continues as the uninterrupted run. Node 1
+// interrupted, then node 0, which hosts the node store from a thread of its own (SIGINT must
+// still reach its supervision loop).
+TEST_F(NodesTest, AnInterruptOfOneNodeStopsEveryNodeAfterTheSameStep) {
+  const auto job = With(kJob, {"train.steps=400", "checkpoint.every=1000", "job.node_timeout_s=20",
+                               "optimizer.state=sharded"});
+  for (int interrupted : {1, 0}) {
+    const std::string out = tmp_ + "/int" + std::to_string(interrupted), other = std::to_string(1 - interrupted);
+    auto procs = StartNodes(2, 1, out, job);
+    for (int i = 0; i < 600 && testing::Losses(out + "/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+    ASSERT_GE(testing::Losses(out + "/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
+    ::kill(procs[interrupted]->pid(), SIGINT);
+    std::vector<testing::ProcessResult> ends;
+    for (auto& p : procs) ends.push_back(p->Wait(120));
+    for (const auto& e : ends) ASSERT_EQ(e.code, 3) << Outputs(ends);
+    EXPECT_NE(ends[1 - interrupted].output.find("node " + std::to_string(interrupted) + " was interrupted"),
+              std::string::npos)
+        << Outputs(ends);
+    // Both nodes reported the same last step, and wrote their parts of its checkpoint.
+    const auto steps0 = testing::Losses(out + "/metrics.jsonl", "step");
+    const auto steps1 = testing::Losses(out + "/node-1/metrics.jsonl", "step");
+    ASSERT_FALSE(steps0.empty());
+    ASSERT_EQ(steps0, steps1) << "node " << other << " stopped after another step";
+    const int stop = static_cast<int>(steps0.back());
+    ASSERT_LT(stop, 400);
+    char name[64];
+    for (int r = 0; r < 2; ++r) {
+      std::snprintf(name, sizeof(name), "/checkpoints/step-%08d.shard-%d-of-2.rpstate", stop, r);
+      EXPECT_TRUE(fs::exists(out + name)) << out + name << " is missing: " << Outputs(ends);
+    }
+    // Resumed for two more steps: the uninterrupted run's losses there, bit for bit.
+    const auto more = With(job, {"train.stop_after=" + std::to_string(stop + 2)});
+    auto resumed = LaunchNodes(2, 1, out, more, /*resume=*/true);
+    for (const auto& r : resumed) ASSERT_EQ(r.code, 0) << Outputs(resumed);
+    auto whole = LaunchNodes(2, 1, out + "-whole", more);
+    for (const auto& r : whole) ASSERT_EQ(r.code, 0) << Outputs(whole);
+    const auto got = testing::Losses(out + "/metrics.jsonl"), want = testing::Losses(out + "-whole/metrics.jsonl");
+    ASSERT_EQ(want.size(), static_cast<size_t>(stop + 2));
+    ASSERT_GE(got.size(), 2u);
+    EXPECT_EQ(std::vector<double>(got.end() - 2, got.end()), std::vector<double>(want.end() - 2, want.end()))
+        << "node " << interrupted << " interrupted";
+  }
 }
 
 TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
