@@ -180,9 +180,15 @@ TEST_F(GpuTest, NcclSumsAcrossANodeAloneChangeNothing) {
 // lookup straight from the fp32 masters gives other bits than the rounded table.
 TEST_F(GpuTest, NcclShardedStateOnANodeAloneChangesNothing) {
   if (!RP_WITH_NCCL) GTEST_SKIP() << "built without NCCL";
-  for (const std::string dtype : {"fp32", "bf16"}) {
-    const std::vector<std::string> cuda = {"job.device=\"cuda\"", "train.dtype=\"" + dtype + "\"",
-                                           "schedule.embedding_lookup=\"copy\""};
+  // The third case has share-sized gradient slots (core::ShardedGradients): the CUDA worker
+  // commits the share and writes the squares of the whole.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"fp32", {"train.dtype=\"fp32\""}},
+      {"bf16", {"train.dtype=\"bf16\""}},
+      {"fp32-slots", {"train.dtype=\"fp32\"", "train.grad_clip=0", "model.tie_embeddings=false"}}};
+  for (const auto& [dtype, keys] : cases) {
+    std::vector<std::string> cuda = {"job.device=\"cuda\"", "schedule.embedding_lookup=\"copy\""};
+    cuda.insert(cuda.end(), keys.begin(), keys.end());
     auto plain = Launch(2, "plain-" + dtype, cuda);
     auto again = Launch(2, "again-" + dtype, cuda);
     std::vector<std::string> sharded = cuda;
