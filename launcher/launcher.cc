@@ -650,7 +650,9 @@ int RunSession(const LaunchOptions& o) {
           children[0].Signal(SIGINT);
         }
       }
-      if (graceful && !stop_proposed) {
+      if (!stop_proposed) {
+        // Also a coordinator interrupted without this launcher (a terminal's SIGINT reaches the
+        // whole process group): its proposal interrupts the other nodes too.
         auto proposal = ReadStepFile(dir + "/" + kStopProposalFile);
         if (!proposal.ok()) {
           failure = proposal.status().message();
@@ -658,6 +660,8 @@ int RunSession(const LaunchOptions& o) {
           break;
         }
         if (*proposal) {
+          if (!graceful) link->Interrupt();
+          graceful = true;
           link->Propose(**proposal);
           stop_proposed = true;
         }

@@ -206,8 +206,9 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     return;
   }
   if (shard_grads_) {
-    // Read now, before any of the step's norm tasks count down: step + 2's commits rewrite this
-    // parity, and they need weights that only follow the whole of this step's norm.
+    // Read as the slot becomes final: this parity's next write of p is step + 2's, by a job whose
+    // layers hold step + 1's weights or later, which follow p's update for this step, queued
+    // below.
     const double* sq = layout_.GradSquares(state_, step) + layout_.square_chunk_base[p];
     const int64_t chunks = (spec_.params[p].numel + shm::kSquareChunkElems - 1) / shm::kSquareChunkElems;
     double total = 0.0;
