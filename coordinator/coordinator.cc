@@ -148,6 +148,7 @@ class Coordinator {
   // whether a dispatch was held back meanwhile.
   int64_t stop_hold_ = -1;
   bool dispatch_deferred_ = false;
+  bool agreed_stop_ = false;  // the run stops after the step the nodes agreed on
   std::optional<std::string> replan_to_;  // the plan the run stopped to resume on
   // Node 0 alone writes checkpoints and exports: the replicas hold the same state.
   bool WritesOutputs() const { return cfg_.nodes.rank == 0; }
@@ -406,6 +407,7 @@ Status Coordinator::PollAgreedStop() {
   window_.stop_step = std::min(window_.stop_step, *agreed);
   RP_LOG(WARNING) << "interrupted: the nodes stop after step " << window_.stop_step << " with a checkpoint";
   stop_hold_ = -1;
+  agreed_stop_ = true;
   if (dispatch_deferred_ && window_.next_to_dispatch < window_.stop_step) RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
   dispatch_deferred_ = false;
   return Status::Ok();
@@ -653,7 +655,13 @@ Status Coordinator::AwaitGathered(int64_t version) {
 
 Status Coordinator::Finish(Status st) {
   if (beacon_) beacon_->LeaveLoop();  // what follows (trace, export) is progress, however long
-  if (st.ok() && layout_.sharded && workers_) st = AwaitGathered(window_.stop_step);
+  // The other nodes' last gathers need this node's workers: also after a stop the nodes agreed on
+  // (which ends Cancelled, exit 3, and must stay so).
+  const bool agreed_stop = agreed_stop_ && !g_stop && st.code() == StatusCode::kCancelled;
+  if ((st.ok() || agreed_stop) && layout_.sharded && workers_) {
+    Status gathered = AwaitGathered(window_.stop_step);
+    if (!gathered.ok()) st = gathered;
+  }
   // Workers exit with the run's code: 3 after a (graceful) interrupt, which the launcher expects.
   if (workers_) workers_->ShutdownAll(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
   // Outputs that fail to write after the training itself succeeded (a full disk) still fail the

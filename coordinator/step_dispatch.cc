@@ -160,7 +160,7 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
   // Gradients waiting in the workers are all ready once the norm is known (one round per step):
   // granted from the last stage back, so the first layers, which the next step's forward needs
   // first, are committed and updated first.
-  const bool first_layers_first = parts_.layout.grad_squares != 0;
+  const bool first_layers_first = core::GradientsWaitInWorkers(parts_.cfg);
   if (first_layers_first && !NormFromWorkers(step)) return Status::Ok();
   for (int i = 0; i < positions; ++i) {
     const int pos = first_layers_first ? positions - 1 - i : i;

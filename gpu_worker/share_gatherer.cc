@@ -120,7 +120,8 @@ StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, const Lay
     at += n;
   }
   at::Tensor mine_dev = mine_dev_.narrow(0, 0, most);
-  if (!device_.is_cpu()) mine_dev.copy_(mine);  // from pageable memory: complete when it returns
+  // On the thread's current stream, which the collective waits for before it reads `mine_dev`.
+  if (!device_.is_cpu()) mine_dev.copy_(mine);
   RP_RETURN_IF_ERROR(group.StartGather(mine_dev, all_dev));
   for (;;) {
     RP_ASSIGN_OR_RETURN(const bool complete, group.Poll());
@@ -139,7 +140,7 @@ StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, const Lay
   for (int n = 0; n < nodes; ++n) {
     if (n == me) continue;
     // The collective is complete (its kernels and copies have run), so a copy after it reads
-    // its results; to pageable memory, it is complete when it returns.
+    // its results; a copy to pageable memory has landed when it returns.
     if (!device_.is_cpu()) all[n].copy_(all_dev[n]);
     at = 0;
     for (const auto& [offset, b] : shares.pieces[n]) {

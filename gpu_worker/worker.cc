@@ -468,7 +468,7 @@ StatusOr<bool> Worker::Finish() {
         it = finishing_.erase(it);
         continue;
       }
-      if (layout_.grad_squares != 0) {
+      if (core::GradientsWaitInWorkers(cfg_)) {
         // The coordinator adds these up for the step's norm before it grants any of its commits.
         Status sq = exec_->WriteChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
         if (!sq.ok()) return Fail(id, sq);

@@ -578,7 +578,9 @@ int RunSession(const LaunchOptions& o) {
       graceful = true;
       std::fprintf(stderr, "rp-launch: stopping after the step in flight and writing a checkpoint "
                            "(interrupt again to stop at once)\n");
-      if (link) link->Interrupt();
+      if (link) {
+        if (Status told = link->Interrupt(); !told.ok()) std::fprintf(stderr, "rp-launch: %s\n", told.message().c_str());
+      }
       children[0].Signal(SIGINT);
     } else if (sig == SIGINT || sig == SIGTERM) {
       interrupted = true;
@@ -651,8 +653,8 @@ int RunSession(const LaunchOptions& o) {
         }
       }
       if (!stop_proposed) {
-        // Also a coordinator interrupted without this launcher (a terminal's SIGINT reaches the
-        // whole process group): its proposal interrupts the other nodes too.
+        // Also a coordinator interrupted without this launcher (a signal sent to it alone): its
+        // proposal interrupts the other nodes too.
         auto proposal = ReadStepFile(dir + "/" + kStopProposalFile);
         if (!proposal.ok()) {
           failure = proposal.status().message();
@@ -660,9 +662,14 @@ int RunSession(const LaunchOptions& o) {
           break;
         }
         if (*proposal) {
-          if (!graceful) link->Interrupt();
+          Status posted = graceful ? Status::Ok() : link->Interrupt();
+          if (posted.ok()) posted = link->Propose(**proposal);
           graceful = true;
-          link->Propose(**proposal);
+          if (!posted.ok()) {
+            failure = posted.message();
+            exit_code = kExitPeerLost;
+            break;
+          }
           stop_proposed = true;
         }
       }
@@ -671,7 +678,7 @@ int RunSession(const LaunchOptions& o) {
         Status written = agreed.ok() && *agreed ? WriteStepFile(dir + "/" + kStopAgreedFile, **agreed) : agreed.status();
         if (!written.ok()) {
           failure = "agreeing on a stop step with the other nodes: " + written.message();
-          exit_code = kExitProtocolError;
+          exit_code = agreed.ok() ? kExitProtocolError : kExitPeerLost;
           break;
         }
         stop_agreed = agreed.ok() && agreed->has_value();

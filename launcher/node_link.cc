@@ -146,9 +146,11 @@ std::optional<std::string> NodeLink::Diagnose() {
   return FailedPeer();
 }
 
-void NodeLink::Interrupt() {
+Status NodeLink::Interrupt() {
   stopping_ = true;
-  (void)store_->Set(Key("interrupt", rank_), "1");
+  Status s = store_->Set(Key("interrupt", rank_), "1");
+  if (!s.ok()) return Status::Unavailable("telling the other nodes of the interrupt: " + s.message());
+  return Status::Ok();
 }
 
 std::optional<int> NodeLink::InterruptedElsewhere() {
@@ -162,9 +164,11 @@ std::optional<int> NodeLink::InterruptedElsewhere() {
   return std::nullopt;
 }
 
-void NodeLink::Propose(int64_t step) {
+Status NodeLink::Propose(int64_t step) {
   stopping_ = true;
-  (void)store_->Set(Key("stop", rank_), std::to_string(step));
+  Status s = store_->Set(Key("stop", rank_), std::to_string(step));
+  if (!s.ok()) return Status::Unavailable("posting this node's stop step " + std::to_string(step) + ": " + s.message());
+  return Status::Ok();
 }
 
 StatusOr<std::optional<int64_t>> NodeLink::Agreed() {
@@ -178,6 +182,10 @@ StatusOr<std::optional<int64_t>> NodeLink::Agreed() {
         most = std::numeric_limits<int64_t>::max();
         continue;
       }
+      if (end)
+        return Status::Unavailable("node " + std::to_string(r) + " ended (exit " + end->substr(0, end->find(' ')) +
+                                   ") before proposing a stop step, so the nodes cannot stop after the same step; "
+                                   "--resume continues from the newest complete checkpoint");
       return std::optional<int64_t>();
     }
     char* end = nullptr;

@@ -17,7 +17,8 @@
 //    this node was interrupted; InterruptedElsewhere() names a node that was (each launcher then
 //    interrupts its coordinator); Propose() posts this node's proposed stop step and Agreed() is
 //    the largest of every node's once all have posted (a node that ended its run whole counts as
-//    proposing the end). From the first of these on, another node that ends interrupted (exit 3,
+//    proposing the end; one that ended otherwise without proposing is an error naming it, since
+//    no agreement can come). Interrupt() and Propose() fail naming the store when it refuses. From the first of these on, another node that ends interrupted (exit 3,
 //    a graceful stop) is expected, not a failure; one that stopped at once is.
 //  * End() records how this node ended; node 0 then keeps the store up until every other node
 //    has ended or stopped beating for the timeout, since the others use it until they end.
@@ -42,9 +43,9 @@ class NodeLink {
   void Failing(const std::string& failure);
   std::optional<std::string> Diagnose();
   void End(int exit_code, const std::string& failure);
-  void Interrupt();
+  Status Interrupt();
   std::optional<int> InterruptedElsewhere();
-  void Propose(int64_t step);
+  Status Propose(int64_t step);
   StatusOr<std::optional<int64_t>> Agreed();
 
  private:
