@@ -408,7 +408,8 @@ Status Coordinator::PollAgreedStop() {
   RP_LOG(WARNING) << "interrupted: the nodes stop after step " << window_.stop_step << " with a checkpoint";
   stop_hold_ = -1;
   agreed_stop_ = true;
-  if (dispatch_deferred_ && window_.next_to_dispatch < window_.stop_step) RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
+  if (dispatch_deferred_ && window_.next_to_dispatch < window_.stop_step)
+    RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
   dispatch_deferred_ = false;
   return Status::Ok();
 }

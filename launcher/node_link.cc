@@ -81,6 +81,11 @@ Status NodeLink::Look(double now) {
       seen.ended = true;
       continue;
     }
+    // A peer's interrupt, seen at the beat's pace like everything else here.
+    if (interrupted_by_ < 0) {
+      RP_ASSIGN_OR_RETURN(auto flag, store_->TryGet(Key("interrupt", r)));
+      if (flag) interrupted_by_ = r;
+    }
     RP_ASSIGN_OR_RETURN(int64_t beats, store_->Add(Key("beat", r), 0));
     if (beats != seen.beats) {
       seen.beats = beats;
@@ -154,14 +159,9 @@ Status NodeLink::Interrupt() {
 }
 
 std::optional<int> NodeLink::InterruptedElsewhere() {
-  for (const auto& [r, seen] : seen_) {
-    auto flag = store_->TryGet(Key("interrupt", r));
-    if (flag.ok() && *flag) {
-      stopping_ = true;
-      return r;
-    }
-  }
-  return std::nullopt;
+  if (interrupted_by_ < 0) return std::nullopt;
+  stopping_ = true;
+  return interrupted_by_;
 }
 
 Status NodeLink::Propose(int64_t step) {

@@ -14,12 +14,13 @@
 //    Diagnose() is for a run that failed here: it watches the others for a few seconds for a node
 //    that is gone, else one that failed on its own, so the report names the cause, not its echo.
 //  * An interrupt agreed across the nodes (common/stop_agreement.h): Interrupt() tells the others
-//    this node was interrupted; InterruptedElsewhere() names a node that was (each launcher then
-//    interrupts its coordinator); Propose() posts this node's proposed stop step and Agreed() is
-//    the largest of every node's once all have posted (a node that ended its run whole counts as
-//    proposing the end; one that ended otherwise without proposing is an error naming it, since
-//    no agreement can come). Interrupt() and Propose() fail naming the store when it refuses. From the first of these on, another node that ends interrupted (exit 3,
-//    a graceful stop) is expected, not a failure; one that stopped at once is.
+//    this node was interrupted; InterruptedElsewhere() names a node that was, as the last Tick()
+//    saw it (each launcher then interrupts its coordinator); Propose() posts this node's proposed
+//    stop step and Agreed() is the largest of every node's once all have posted (a node that
+//    ended its run whole counts as proposing the end; one that ended otherwise without proposing
+//    is an error naming it, since no agreement can come). Interrupt() and Propose() fail naming
+//    the store when it refuses. From the first of these on, another node that ends interrupted
+//    (exit 3, a graceful stop) is expected, not a failure; one that stopped at once is.
 //  * End() records how this node ended; node 0 then keeps the store up until every other node
 //    has ended or stopped beating for the timeout, since the others use it until they end.
 #pragma once
@@ -66,7 +67,8 @@ class NodeLink {
     bool ended = false;
   };
   std::map<int, Seen> seen_;
-  bool stopping_ = false;  // in an agreed stop: other nodes' graceful ends are expected
+  bool stopping_ = false;    // in an agreed stop: other nodes' graceful ends are expected
+  int interrupted_by_ = -1;  // a peer whose interrupt Look() saw (-1: none)
 };
 
 }  // namespace rp::launch

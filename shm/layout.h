@@ -59,8 +59,9 @@
 //                        writes a parity only after step t's commits were granted, which waited
 //                        for the read. Sharded slots: written by the worker before it commits the
 //                        gradient's share, read by the optimizer when the parameter's slot is
-//                        final (AsyncOptimizer::SlotFinal); step t + 2's commits need weights that
-//                        step t + 1's update wrote, which began after every slot of step t was.
+//                        final (AsyncOptimizer::SlotFinal); step t + 2 writes a parameter's
+//                        squares from a job whose layers hold weights that followed that
+//                        parameter's update of step t, which follows the read.
 //
 // Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
 // nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
