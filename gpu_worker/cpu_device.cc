@@ -94,12 +94,16 @@ class CpuDevice final : public Device {
     pools_.emplace(rank, Pool{std::move(seg), bytes});
     return Status::Ok();
   }
-  void ChunkSquares(const at::Tensor& g, int64_t chunk, double* out) override {
-    const at::Tensor flat = g.contiguous().view({-1});
-    const float* p = flat.data_ptr<float>();
-    const int64_t n = flat.numel();
-    for (int64_t b = 0, i = 0; b < n; b += chunk, ++i) out[i] = coord::SquaredSum(p + b, std::min(chunk, n - b));
+  uint64_t StartChunkSquares(std::vector<SquaresItem> items, int64_t chunk) override {
+    for (const auto& it : items) {
+      const at::Tensor flat = it.grad.contiguous().view({-1});
+      const float* p = flat.data_ptr<float>();
+      const int64_t n = flat.numel();
+      for (int64_t b = 0, i = 0; b < n; b += chunk, ++i) it.out[i] = coord::SquaredSum(p + b, std::min(chunk, n - b));
+    }
+    return ++tickets_;
   }
+  bool SquaresDone(uint64_t) override { return true; }
   at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
     uint64_t bytes = c10::elementSize(dtype);
     for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);

@@ -111,11 +111,21 @@ class Device {
   };
   virtual uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) = 0;
   virtual bool CommitDone(uint64_t ticket) = 0;
-  // Squared sums of a finished fp32 gradient (core::GradientsWaitInWorkers): out[i] is the sum of
-  // the squares of elements [i x chunk, (i + 1) x chunk) of g flattened, in double, for every
-  // chunk; returns when they are in `out`. The CPU backend sums exactly as the coordinator's
-  // optimizer does (the same bits); the CUDA backend sums on the device in another order.
-  virtual void ChunkSquares(const at::Tensor& g, int64_t chunk, double* out) = 0;
+  // Squared sums of finished fp32 gradients (core::GradientsWaitInWorkers, share-sized slots):
+  // for each item, out[i] becomes the sum of the squares of elements [i x chunk, (i + 1) x chunk)
+  // of grad flattened, in double, for every chunk. Asynchronous, so that the worker goes on
+  // queueing the next job meanwhile: the values are in every `out` once SquaresDone(ticket) has
+  // returned true; the device keeps the gradients alive until then. The gradients must be
+  // complete when this is called (their microbatches' completion fences have passed): the CUDA
+  // backend sums them on its gradients stream without waiting for the compute stream, which may
+  // hold the next job's work. The CPU backend sums exactly as the coordinator's optimizer does
+  // (the same bits), at once; the CUDA backend in another order.
+  struct SquaresItem {
+    at::Tensor grad;
+    double* out;
+  };
+  virtual uint64_t StartChunkSquares(std::vector<SquaresItem> items, int64_t chunk) = 0;
+  virtual bool SquaresDone(uint64_t ticket) = 0;
 
   // Profiling (planning/profile.h). Mark() records how far the compute stream has got and returns
   // the mark's index; MarkSeconds(a, b) is the device time between two marks (it waits for mark

@@ -802,23 +802,28 @@ StatusOr<at::Tensor> Executor::GatherHeld(int64_t job_index) {
   return flat;
 }
 
-Status Executor::WriteChunkSquares(int64_t job_index, double* table) {
+StatusOr<uint64_t> Executor::StartChunkSquares(int64_t job_index, double* table) {
   auto it = held_.find(job_index);
   if (it == held_.end())
     return Status::ProtocolError("gradient squares of job " + std::to_string(job_index) + ", which holds no gradients here");
-  return Guarded([] { return std::string("summing the squares of held gradients"); }, [&]() -> Status {
+  uint64_t ticket = 0;
+  Status s = Guarded([] { return std::string("summing the squares of held gradients"); }, [&]() -> Status {
+    std::vector<Device::SquaresItem> items;
     for (const auto& g : it->second) {
       const int param = spec_.grad_slots[g.grad_slot].param;
       double* out = table + layout_.square_chunk_base[param];
       if (g.accum.defined()) {
-        device_.ChunkSquares(g.accum, shm::kSquareChunkElems, out);
+        items.push_back({g.accum, out});
       } else {
         const int64_t numel = c10::multiply_integers(g.shape);
         std::fill(out, out + (numel + shm::kSquareChunkElems - 1) / shm::kSquareChunkElems, 0.0);
       }
     }
+    ticket = device_.StartChunkSquares(std::move(items), shm::kSquareChunkElems);
     return Status::Ok();
   });
+  if (!s.ok()) return s;
+  return ticket;
 }
 
 void Executor::End() {

@@ -172,10 +172,12 @@ class Executor {
   // then view (a parameter the job did not reach holds zeros), so summing it across the nodes
   // in place sums what StartCommit writes. On the worker's device (CPU, or its GPU).
   StatusOr<at::Tensor> GatherHeld(int64_t job_index);
-  // optimizer.gradients_wait_in = "workers": the squared sums of the optimizer chunks of every
-  // gradient `job_index` holds, into their places in `table` (ArenaLayout::GradSquares of the
-  // job's step); a parameter the job did not reach gets zeros. Returns once they are written.
-  Status WriteChunkSquares(int64_t job_index, double* table);
+  // optimizer.gradients_wait_in = "workers" and share-sized slots: starts the squared sums of
+  // the optimizer chunks of every gradient `job_index` holds, into their places in `table`
+  // (ArenaLayout::GradSquares of the job's step); a parameter the job did not reach gets zeros.
+  // Call it once the job's microbatches are complete. The sums are written once
+  // Device::SquaresDone(returned ticket) is true.
+  StatusOr<uint64_t> StartChunkSquares(int64_t job_index, double* table);
   void End();
   bool HasGrads() const;
 

@@ -126,6 +126,8 @@ class Worker {
     at::Tensor loss;        // ... and, for a fused tail, its loss sum and target count (fp64)
     bool committing = false;
     uint64_t ticket = 0;
+    bool squaring = false;  // its gradients' squares are being summed (Device::StartChunkSquares)
+    uint64_t squares_ticket = 0;
   };
   std::deque<Finishing> finishing_;
   // Reports completed microbatches, announces drained jobs, starts and finishes commits.
@@ -157,6 +159,8 @@ class Worker {
   // Starts `f`'s sum if it has not started (`*started` then true) and polls it: true once it is
   // done, false while the group is being joined or the sum runs.
   StatusOr<bool> AdvanceReduction(Finishing& f, bool* started);
+  // True once f's gradient squares, if any were started, are written (and then forgets them).
+  StatusOr<bool> SquaresDone(Finishing& f);
   bool shutdown_ = false;
   bool waiting_for_weights_ = false;
   double last_heartbeat_ = 0.0;
@@ -461,18 +465,31 @@ StatusOr<bool> Worker::Finish() {
         ++it;
         continue;
       }
-      it->announced = true;
-      worked = true;
       if (!it->has_grads) {
         RP_RETURN_IF_ERROR(channel_->Send(DoneMessage(*it)));
         it = finishing_.erase(it);
+        worked = true;
         continue;
       }
       if (core::GradientsWaitInWorkers(cfg_)) {
         // The coordinator adds these up for the step's norm before it grants any of its commits.
-        Status sq = exec_->WriteChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
-        if (!sq.ok()) return Fail(id, sq);
+        // Summed while this loop goes on queueing the next job.
+        if (!it->squaring) {
+          auto ticket = exec_->StartChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
+          if (!ticket.ok()) return Fail(id, ticket.status());
+          it->squares_ticket = *ticket;
+          it->squaring = true;
+          worked = true;
+        }
+        auto summed = SquaresDone(*it);
+        if (!summed.ok()) return Fail(id, summed.status());
+        if (!*summed) {
+          ++it;
+          continue;
+        }
       }
+      it->announced = true;
+      worked = true;
       RP_RETURN_IF_ERROR(channel_->Send(proto::GradsReady{id}));
     }
     if (sums_ && !it->committing && !it->reduced) {
@@ -504,9 +521,12 @@ StatusOr<bool> Worker::Finish() {
       }
       if (layout_.sharded_grads) {
         // The slots take this node's share of the summed gradients; the step's norm needs the
-        // squares of the whole, which every node's worker has after the sum.
-        Status sq = exec_->WriteChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
-        if (!sq.ok()) return Fail(id, sq);
+        // squares of the whole, which every node's worker has after the sum. The optimizer reads
+        // them once the commit is reported done, which waits for them below.
+        auto sq = exec_->StartChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
+        if (!sq.ok()) return Fail(id, sq.status());
+        it->squares_ticket = *sq;
+        it->squaring = true;
       }
       auto ticket = exec_->StartCommit(id, grant->second);
       if (!ticket.ok()) return Fail(id, ticket.status());
@@ -521,6 +541,11 @@ StatusOr<bool> Worker::Finish() {
       return Status::Ok();
     });
     if (!s.ok()) return Fail(id, s);
+    if (done) {
+      auto summed = SquaresDone(*it);
+      if (!summed.ok()) return Fail(id, summed.status());
+      done = *summed;
+    }
     if (!done) {
       ++it;
       continue;
@@ -530,6 +555,19 @@ StatusOr<bool> Worker::Finish() {
     worked = true;
   }
   return worked;
+}
+
+StatusOr<bool> Worker::SquaresDone(Finishing& f) {
+  if (!f.squaring) return true;
+  bool done = false;
+  Status s = Guarded([&] { return "summing the squares of job " + std::to_string(f.job.job.job_index) + "'s gradients"; },
+                     [&] {
+                       done = device_->SquaresDone(f.squares_ticket);
+                       return Status::Ok();
+                     });
+  if (!s.ok()) return s;
+  if (done) f.squaring = false;
+  return done;
 }
 
 StatusOr<bool> Worker::AdvanceReduction(Finishing& f, bool* started) {

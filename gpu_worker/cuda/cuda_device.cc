@@ -34,6 +34,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -239,20 +240,56 @@ class CudaDevice final : public Device {
     }
   }
 
-  void ChunkSquares(const at::Tensor& g, int64_t chunk, double* out) override {
-    // On the compute stream (after the gradient's last sum), a slice of chunks at a time so the
-    // squares' temporary stays small; one copy of the results to the host.
-    const at::Tensor flat = g.contiguous().view({-1});
-    const int64_t n = flat.numel(), chunks = (n + chunk - 1) / chunk, whole = n / chunk;
+  uint64_t StartChunkSquares(std::vector<SquaresItem> items, int64_t chunk) override {
+    // On the gradients stream with no wait for the compute stream: the gradients are complete
+    // (Device's contract) and the compute stream may hold the next job's work. A slice of chunks
+    // at a time so the squares' temporary stays small; one copy of all results to pinned memory.
+    auto q = std::make_unique<Squares>();
+    q->ticket = ++squares_counter_;
+    OnStream on_grads(grads_, index_);
     std::vector<at::Tensor> parts;
-    constexpr int64_t kSliceChunks = 64;
-    for (int64_t c = 0; c < whole; c += kSliceChunks) {
-      const int64_t k = std::min(kSliceChunks, whole - c);
-      parts.push_back(flat.narrow(0, c * chunk, k * chunk).view({k, chunk}).square().sum(1, false, at::kDouble));
+    int64_t total = 0;
+    for (const auto& it : items) {
+      const at::Tensor flat = it.grad.contiguous().view({-1});
+      const int64_t n = flat.numel(), chunks = (n + chunk - 1) / chunk, whole = n / chunk;
+      constexpr int64_t kSliceChunks = 64;
+      for (int64_t c = 0; c < whole; c += kSliceChunks) {
+        const int64_t k = std::min(kSliceChunks, whole - c);
+        parts.push_back(flat.narrow(0, c * chunk, k * chunk).view({k, chunk}).square().sum(1, false, at::kDouble));
+      }
+      if (whole < chunks)
+        parts.push_back(flat.narrow(0, whole * chunk, n - whole * chunk).square().sum(at::kDouble).view({1}));
+      q->outs.push_back({it.out, chunks});
+      total += chunks;
     }
-    if (whole < chunks) parts.push_back(flat.narrow(0, whole * chunk, n - whole * chunk).square().sum(at::kDouble).view({1}));
-    const at::Tensor all = at::cat(parts).cpu();
-    std::memcpy(out, all.data_ptr<double>(), static_cast<size_t>(chunks) * sizeof(double));
+    if (total > 0) {
+      q->sums = at::cat(parts);
+      q->host = at::empty({total}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+      ThrowIfError(cudaMemcpyAsync(q->host.data_ptr(), q->sums.data_ptr(), q->host.nbytes(), cudaMemcpyDeviceToHost,
+                                   grads_),
+                   "cudaMemcpyAsync(gradient squares D2H)");
+    }
+    q->items = std::move(items);
+    q->event = TakeEvent();
+    ThrowIfError(cudaEventRecord(q->event, grads_), "cudaEventRecord(gradient squares)");
+    const uint64_t ticket = q->ticket;
+    squares_.emplace(ticket, std::move(q));
+    return ticket;
+  }
+
+  bool SquaresDone(uint64_t ticket) override {
+    auto it = squares_.find(ticket);
+    if (it == squares_.end()) return true;
+    Squares& q = *it->second;
+    if (!EventDone(q.event, "cudaEventQuery(gradient squares)")) return false;
+    const double* src = q.host.defined() ? q.host.data_ptr<double>() : nullptr;
+    for (const auto& [out, count] : q.outs) {
+      std::memcpy(out, src, static_cast<size_t>(count) * sizeof(double));
+      src += count;
+    }
+    events_.Give(q.event);
+    squares_.erase(it);  // the gradients and temporaries go back to their pools after the copy ended
+    return true;
   }
 
   uint64_t WeightsFence() override {
@@ -644,6 +681,15 @@ class CudaDevice final : public Device {
   };
   std::deque<Completion> completions_;
   uint64_t completion_counter_ = 0;
+  struct Squares {
+    uint64_t ticket = 0;
+    std::vector<SquaresItem> items;                  // the gradients, alive until the sums are read
+    at::Tensor sums, host;                           // on the device; pinned copy of them
+    std::vector<std::pair<double*, int64_t>> outs;   // each item's destination and chunk count
+    cudaEvent_t event = nullptr;
+  };
+  std::map<uint64_t, std::unique_ptr<Squares>> squares_;
+  uint64_t squares_counter_ = 0;
   at::Tensor staging_;  // fp32 chunk of masters being rounded to bf16 (weights stream only)
   uint64_t commit_counter_ = 0;
   DeviceAllocation own_pool_;            // this worker's activation pool (exported)
