@@ -458,7 +458,8 @@ const std::vector<KeySpec>& Table() {
            "device once its update is complete"),
       Enum("schedule", "partition", F(schedule.partition), Partition::kEqual, kPartitionNames,
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
-           "tail size and both partitions minimizing the simulated step time (from the measured "
+           "tail size (up to 3 blocks, or any size when schedule.gpu_memory_gb bounds its memory) "
+           "and both partitions minimizing the simulated step time (from the measured "
            "profile when there is one, else a FLOP cost model; rp-plan shows its choice)"),
       Str("schedule", "profile", F(schedule.profile), "",
           "Measured profile (profile.json) the auto planner uses; empty: rp-launch uses "

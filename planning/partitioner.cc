@@ -15,6 +15,10 @@ namespace {
 constexpr int kPlanningSteps = 3;
 // Up to this many layers before the tail the search is exhaustive over contiguous splits.
 constexpr int kExhaustiveLayers = 6;
+// Every fused tail up to this many blocks is tried (TailCandidates), or up to the second number
+// when the job sets no memory budget.
+constexpr int kEveryTailUpTo = 8;
+constexpr int kTailsWithoutBudget = 3;
 // Forward side beyond that: first stages of up to this many layers are tried on their own.
 constexpr int kFrontStageLayers = 6;
 
@@ -252,6 +256,19 @@ PlanChoice PredictPlan(const JobConfig& c, const PipelinePlan& plan, const Profi
   return out;
 }
 
+std::vector<int> TailCandidates(int blocks, bool memory_bounded) {
+  std::vector<int> tails;
+  const int every = memory_bounded ? kEveryTailUpTo : kTailsWithoutBudget;
+  for (int t = 0; t <= std::min(blocks, every); ++t) tails.push_back(t);
+  if (!memory_bounded) return tails;
+  // Beyond: steps of about a third, so a deep model adds a handful of sizes, and every block.
+  for (int t = every; t < blocks;) {
+    t = std::max(t + 1, t * 4 / 3);
+    tails.push_back(std::min(t, blocks));
+  }
+  return tails;
+}
+
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
   RP_ASSIGN_OR_RETURN(Profile profile, PlanningProfile(c));
   return ChoosePlan(c, workers, profile);
@@ -270,7 +287,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   double smallest_memory = std::numeric_limits<double>::infinity();
   JobConfig probe = c;
   probe.schedule.partition = core::Partition::kEqual;
-  for (int tail = 0; tail <= std::min(L, 3); ++tail) {
+  for (int tail : TailCandidates(L, limit > 0)) {
     const int t = L + 1 - tail;  // layers before the tail
     probe.schedule.tail_blocks = tail;
     const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);

@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // The planner behind schedule.partition = "auto" and rp-plan.
 //
-// It searches the fused tail's size and the number of forward and backward stages; for each it
-// tries the equal-layer split and the exact min-max split (dynamic programming over contiguous
-// cuts, minimizing the slowest stage), or every contiguous split when at most six layers precede
-// the tail (the search is then exact), simulates the round-robin schedule (planning/simulator.h) with
-// per-layer costs, drops plans whose estimated per-worker memory exceeds schedule.gpu_memory_gb,
-// and keeps the one with the shortest steady-state step (fewer stages on ties). Forward cuts are
-// split on forward costs, backward cuts on recompute + backward costs.
+// It searches the fused tail's size (TailCandidates: a block in the tail runs forward and
+// backward in one job and is not recomputed, so a longer tail trades device memory, which the
+// estimate checks against schedule.gpu_memory_gb when it is set, for less recompute and a wider
+// step boundary)
+// and the number of forward and backward stages; for each it tries the equal-layer split and the
+// exact min-max split (dynamic programming over contiguous cuts, minimizing the slowest stage), or
+// every contiguous split when at most six layers precede the tail (the search is then exact),
+// simulates the round-robin schedule (planning/simulator.h) with per-layer costs, drops plans
+// whose estimated per-worker memory exceeds schedule.gpu_memory_gb, and keeps the one with the
+// shortest steady-state step (fewer stages on ties). Forward cuts are split on forward costs,
+// backward cuts on recompute + backward costs.
 //
 // Costs come from the measured profile named by schedule.profile (planning/profile.h; the launcher
 // points it at a copy of <output_dir>/profile.json so every process of a run reads the same
@@ -60,6 +64,12 @@ PlanChoice PredictPlan(const JobConfig& config, const PipelinePlan& plan, const 
 // The profile the planner uses for `config`: schedule.profile if set, else the cost model.
 StatusOr<Profile> PlanningProfile(const JobConfig& config);
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers, const Profile& profile);
+
+// The fused tail sizes ChoosePlan tries for a model of `blocks` decoder blocks, ascending. With a
+// memory budget (schedule.gpu_memory_gb > 0): every size up to 8 blocks (so every size of a small
+// model), then steps of about a third up to every block (a 28-block model: 0-8, 10, 13, 17, 22,
+// 28). Without one, 0-3 blocks: a longer tail's memory would be checked against nothing.
+std::vector<int> TailCandidates(int blocks, bool memory_bounded);
 
 // Contiguous split of costs[0..n) into `parts` non-empty ranges minimizing the largest range
 // sum; returns the start index of each range (first is 0). Exact.

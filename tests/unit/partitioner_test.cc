@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "planning/partitioner.h"
 #include "planning/simulator.h"
@@ -68,7 +70,7 @@ void ExpectNoEqualPlanIsFaster(const JobConfig& c, int workers, const Profile& c
   const int layers = static_cast<int>(c.model.num_layers);
   JobConfig eq = c;
   eq.schedule.partition = core::Partition::kEqual;
-  for (int tail = 0; tail <= std::min(layers, 3); ++tail)
+  for (int tail : TailCandidates(layers, c.schedule.gpu_memory_gb > 0))
     for (int f = 1; f <= layers + 1 - tail && f <= 2 * workers + 2; ++f)
       for (int b = 1; b <= layers + 1 - tail && b <= 3 * workers + 3; ++b) {
         eq.schedule.tail_blocks = tail;
@@ -79,6 +81,28 @@ void ExpectNoEqualPlanIsFaster(const JobConfig& c, int workers, const Profile& c
         auto pred = PredictPlan(eq, *plan, costs, workers);
         EXPECT_LE(choice.step_seconds, pred.step_seconds * (1 + 1e-9)) << plan->Describe();
       }
+}
+
+// Every plan with a `tail`-block fused tail and any contiguous forward and backward cuts of the
+// layers before it (brute force, independent of the planner's enumeration), built from `eq`.
+void ForEachContiguousPlan(JobConfig eq, int tail,
+                           const std::function<void(const JobConfig&, const PipelinePlan&)>& visit) {
+  const int t = static_cast<int>(eq.model.num_layers) + 1 - tail;
+  eq.schedule.tail_blocks = tail;
+  for (uint32_t fm = 0; fm < (1u << (t - 1)); ++fm)
+    for (uint32_t bm = 0; bm < (1u << (t - 1)); ++bm) {
+      eq.schedule.forward_cuts.clear();
+      eq.schedule.backward_cuts.clear();
+      for (int i = 1; i < t; ++i) {
+        if (fm & (1u << (i - 1))) eq.schedule.forward_cuts.push_back(i);
+        if (bm & (1u << (i - 1))) eq.schedule.backward_cuts.push_back(i);
+      }
+      eq.schedule.forward_stages = static_cast<int64_t>(eq.schedule.forward_cuts.size()) + 1;
+      eq.schedule.backward_stages = static_cast<int64_t>(eq.schedule.backward_cuts.size()) + 1;
+      auto plan = BuildPlan(eq);
+      ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+      visit(eq, *plan);
+    }
 }
 
 TEST(Partitioner, AutoIsNoSlowerThanEqualSplitsAndCoversEveryLayer) {
@@ -136,26 +160,71 @@ TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
       double best = std::numeric_limits<double>::infinity();
       JobConfig eq = c;
       eq.schedule.partition = core::Partition::kEqual;
-      for (int tail = 0; tail <= std::min(layers, 3); ++tail) {
-        const int t = layers + 1 - tail;
-        eq.schedule.tail_blocks = tail;
-        for (uint32_t fm = 0; fm < (1u << (t - 1)); ++fm)
-          for (uint32_t bm = 0; bm < (1u << (t - 1)); ++bm) {
-            eq.schedule.forward_cuts.clear();
-            eq.schedule.backward_cuts.clear();
-            for (int i = 1; i < t; ++i) {
-              if (fm & (1u << (i - 1))) eq.schedule.forward_cuts.push_back(i);
-              if (bm & (1u << (i - 1))) eq.schedule.backward_cuts.push_back(i);
-            }
-            eq.schedule.forward_stages = static_cast<int64_t>(eq.schedule.forward_cuts.size()) + 1;
-            eq.schedule.backward_stages = static_cast<int64_t>(eq.schedule.backward_cuts.size()) + 1;
-            auto plan = BuildPlan(eq);
-            ASSERT_TRUE(plan.ok());
-            best = std::min(best, PredictPlan(eq, *plan, p, workers).step_seconds);
-          }
-      }
+      for (int tail = 0; tail <= std::min(layers, 3); ++tail)
+        ForEachContiguousPlan(eq, tail, [&](const JobConfig& with, const PipelinePlan& plan) {
+          best = std::min(best, PredictPlan(with, plan, p, workers).step_seconds);
+        });
       EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best) << layers << " layers, " << workers << " workers";
     }
+}
+
+TEST(Partitioner, TailSizesTriedGrowWithAMemoryBudgetOnly) {
+  EXPECT_EQ(TailCandidates(28, false), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(TailCandidates(2, false), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(TailCandidates(28, true), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 17, 22, 28}));
+  EXPECT_EQ(TailCandidates(5, true), (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(TailCandidates(9, true), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+}
+
+TEST(Partitioner, WithAMemoryBudgetEveryTailIsSearchedAndTheBudgetHolds) {
+  // Brute force over every tail size (all blocks included) and every pair of contiguous splits,
+  // keeping the plans whose estimate fits the budget: the planner's choice is their minimum.
+  // Recompute is priced high so that long tails pay off, and the budget excludes some of them.
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<double> u(0.5, 2.0);
+  bool longer_tail_won = false;
+  for (int layers : {3, 5})
+    for (int workers : {1, 2}) {
+      JobConfig c = Small(layers);
+      Profile p = DefaultCostModel(c);
+      for (auto& l : p.layers) {
+        l.forward_s = u(rng);
+        l.recompute_s = 4 * u(rng);
+        l.backward_s = u(rng);
+      }
+      JobConfig eq = c;
+      eq.schedule.partition = core::Partition::kEqual;
+      struct Candidate {
+        double step, peak;
+        int tail;
+      };
+      std::vector<Candidate> all;
+      for (int tail = 0; tail <= layers; ++tail)
+        ForEachContiguousPlan(eq, tail, [&](const JobConfig& with, const PipelinePlan& plan) {
+          const PlanChoice pred = PredictPlan(with, plan, p, workers);
+          all.push_back({pred.step_seconds, pred.peak_memory_bytes, tail});
+        });
+      // Budgets that exclude a quarter of the plans, and none.
+      std::vector<double> peaks;
+      for (const auto& a : all) peaks.push_back(a.peak);
+      std::sort(peaks.begin(), peaks.end());
+      for (double budget : {peaks[peaks.size() * 3 / 4], peaks.back()}) {
+        c.schedule.gpu_memory_gb = budget / 1e9;
+        double best = std::numeric_limits<double>::infinity();
+        int best_tail = -1;
+        for (const auto& a : all)
+          if (a.peak <= c.schedule.gpu_memory_gb * 1e9 && a.step < best) {
+            best = a.step;
+            best_tail = a.tail;
+          }
+        auto choice = ChoosePlan(c, workers, p);
+        ASSERT_TRUE(choice.ok()) << choice.status().ToString();
+        EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best) << layers << " layers, " << workers << " workers";
+        EXPECT_LE(choice->peak_memory_bytes, c.schedule.gpu_memory_gb * 1e9);
+        longer_tail_won = longer_tail_won || best_tail > 3;
+      }
+    }
+  EXPECT_TRUE(longer_tail_won) << "no case needed a tail of more than 3 blocks: the test checks nothing beyond them";
 }
 
 // Small(layers) as one forward stage, a tail of one block and one backward stage, equal cuts.
