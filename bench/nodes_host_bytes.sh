@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Host bytes per trainable parameter per node, at 1, 2 and 3 nodes on one machine (CPU workers,
-# loopback): a 125M-parameter Qwen3-shaped job with streamed gradients (no clipping, one call per
+# loopback): a 125M-parameter Qwen3-shaped job, by default with streamed gradients (no clipping, one call per
 # step). Per node: both shared-memory segments at their full size (summary.json) plus that node's
 # coordinator's peak anonymous RSS; worker RSS is reported apart. Also rp-plan --nnodes's
 # predicted step, from the one-node run's profile, against the median measured step after the
@@ -68,7 +68,8 @@ times = [json.loads(l)["step_time_s"] for l in open(out + "/metrics.jsonl")][1:]
 measured = statistics.median(times)
 print(json.dumps({"date": datetime.date.today().isoformat(), "commit": commit, "machine": "2-core CPU machine",
                   "command": f"bench/nodes_host_bytes.sh build {extra} (nodes = {nodes})".replace("  ", " "),
-                  "workload": "Qwen3-shaped 125M (hidden 768, 12 layers, vocab 32000), CPU workers, streamed gradients",
+                  "workload": "Qwen3-shaped 125M (hidden 768, 12 layers, vocab 32000), CPU workers, " +
+                              ("streamed gradients" if s.get("grads_streamed") else "whole gradient slots"),
                   "nodes": nodes, "trainable_params": s["trainable_params"],
                   "host_bytes_per_param_max": max(x["host_bytes_per_param"] for x in rows),
                   "step_time_s_measured_median": round(measured, 3), "step_time_s_predicted": round(float(predicted), 3),
