@@ -311,10 +311,11 @@ const std::vector<KeySpec>& Table() {
           "tokens at a time (device memory ~ 2 bytes x chunk x vocabulary in bf16 with the fused "
           "kernels, ~ 14 without)"),
       Int("train", "mlp_tile_tokens", F(train.mlp_tile_tokens), 0, -1, 1 << 30,
-          "Tokens per tile of each dense block's MLP (long sequences): the MLP runs over the "
-          "microbatch's tokens this many at a time and a tile's intermediates are recomputed in "
-          "the backward instead of kept, so they take ~ 3 x tile x intermediate_size elements "
-          "instead of 3 x tokens x intermediate_size; 0 = the whole microbatch at once; -1 = the "
+          "Tokens per tile of each dense block's MLP (long sequences): the post-attention norm and "
+          "the MLP run over the microbatch's tokens this many at a time and a tile's intermediates "
+          "are recomputed in the backward instead of kept, so they take ~ 3 x tile x "
+          "intermediate_size elements instead of 3 x tokens x intermediate_size, and the normed "
+          "sequence is not kept; 0 = the whole microbatch at once; -1 = the "
           "planner chooses the largest tile (untiled, or a power of two >= 512) whose plan fits "
           "schedule.gpu_memory_gb (rp-launch --dry-run and rp-plan print it). The same result up "
           "to rounding; rp-train-ref always runs untiled"),

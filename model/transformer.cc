@@ -251,10 +251,11 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
   }
 };
 
-// A tile of a dense MLP, checkpointed: the forward keeps only the tile's input; the backward
+// A tile of a dense block's post-attention norm and MLP, checkpointed: the forward keeps only the
+// tile's input (the residual stream after attention, which the block keeps anyway); the backward
 // recomputes the tile with autograd (the microbatch's dropout key restored) and backpropagates
-// through it, so the weights' gradients accumulate where the untiled MLP's would (.grad or a
-// sink) and only the input's gradient is returned.
+// through it, so the weights' gradients (the norm's included) accumulate where the untiled
+// block's would (.grad or a sink) and only the input's gradient is returned.
 struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, Transformer* math,
                             const LayerWeights* w, int64_t layer, int64_t first_token) {
@@ -264,7 +265,7 @@ struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["first_token"] = first_token;
     ctx->saved_data["key"] = static_cast<int64_t>(math->dropout_key());
-    return math->Mlp(*w, h, static_cast<int>(layer), first_token);
+    return math->NormMlp(*w, h, static_cast<int>(layer), first_token);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -276,7 +277,7 @@ struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
     at::Tensor y;
     {
       at::AutoGradMode grad_on(true);
-      y = math->Mlp(*w, h, static_cast<int>(ctx->saved_data["layer"].toInt()), ctx->saved_data["first_token"].toInt());
+      y = math->NormMlp(*w, h, static_cast<int>(ctx->saved_data["layer"].toInt()), ctx->saved_data["first_token"].toInt());
     }
     math->SetDropoutKey(key);
     torch::autograd::backward({y}, {grads[0]});
@@ -290,6 +291,10 @@ at::Tensor Transformer::Mlp(const LayerWeights& w, const at::Tensor& h, int laye
   at::Tensor up = Proj(w, "up_proj", h, layer, 5, first_token);
   at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
   return Proj(w, "down_proj", act, layer, 6, first_token);
+}
+
+at::Tensor Transformer::NormMlp(const LayerWeights& w, const at::Tensor& x1, int layer, int64_t first_token) {
+  return Mlp(w, RmsNorm(x1, Get(w, "post_norm")), layer, first_token);
 }
 
 at::Tensor Transformer::RmsNorm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -388,11 +393,17 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   }
   v = v.transpose(1, 2);
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
-  auto [x1, h2] = AddRmsNorm(x, Proj(w, "o_proj", attn, layer, 3), Get(w, "post_norm"));
-  if (w.count("router")) return x1 + Experts(w, h2, layer);
+  at::Tensor o = Proj(w, "o_proj", attn, layer, 3);
   const int64_t tokens = B * S, tile = mlp_tile_tokens_;
-  if (tile <= 0 || tile >= tokens) return x1 + Mlp(w, h2, layer, 0);
-  at::Tensor flat = h2.reshape({tokens, h2.size(-1)});
+  const bool tiled = !w.count("router") && tile > 0 && tile < tokens;
+  if (!tiled) {
+    auto [x1, h2] = AddRmsNorm(x, o, Get(w, "post_norm"));
+    return x1 + (w.count("router") ? Experts(w, h2, layer) : Mlp(w, h2, layer, 0));
+  }
+  // Tiled: the post-attention norm runs inside each tile (NormMlp), so the block does not keep
+  // the normed whole-sequence tensor for the backward, only the residual it keeps anyway.
+  at::Tensor x1 = x + o;
+  at::Tensor flat = x1.reshape({tokens, x1.size(-1)});
   const bool checkpointed = c10::GradMode::is_enabled();
   std::vector<at::Tensor> tiles;
   for (int64_t t0 = 0; t0 < tokens; t0 += tile) {
@@ -401,7 +412,7 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
     // alone): give the checkpoint an input that does.
     if (checkpointed && !part.requires_grad()) part = part.detach().requires_grad_(true);
     tiles.push_back(checkpointed ? MlpTileFn::apply(part, this, &w, static_cast<int64_t>(layer), t0)
-                                 : Mlp(w, part, layer, t0));
+                                 : NormMlp(w, part, layer, t0));
   }
   return x1 + at::cat(tiles).view(x1.sizes());
 }

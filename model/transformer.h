@@ -68,15 +68,20 @@ class Transformer {
   uint64_t dropout_key() const { return dropout_key_; }
   // Off for evaluation: no dropout (as a model in eval mode).
   void SetTraining(bool training) { training_ = training; }
-  // Dense MLPs over the microbatch's tokens (flattened, in order) `tokens` at a time; 0: all at
-  // once. With autograd each tile is checkpointed: its forward keeps only its input, and the
-  // backward recomputes the tile (same weights, same LoRA dropout masks: a tile's mask is its
-  // slice of the untiled one) and backpropagates through it, its weight gradients going where the
-  // untiled MLP's go. The same values up to the rounding of the weight gradients' sums.
+  // Dense blocks' post-attention norm and MLP over the microbatch's tokens (flattened, in order)
+  // `tokens` at a time; 0: all at once. With autograd each tile is checkpointed: its forward
+  // keeps only its input (the residual after attention), and the backward recomputes the tile
+  // (same weights, same LoRA dropout masks: a tile's mask is its slice of the untiled one) and
+  // backpropagates through it, its weight gradients going where the untiled block's go. So a
+  // tiled block keeps neither the MLP's intermediates nor the normed sequence. The same values up
+  // to the rounding of the weight gradients' sums (and, with the fused kernels, of the residual
+  // sum, which the untiled block's fused add-and-norm keeps in fp32 for its norm).
   void SetMlpTileTokens(int64_t tokens) { mlp_tile_tokens_ = tokens; }
   // A dense block's MLP on h (any leading shape, tokens in flattened order starting at token
   // `first_token` of the microbatch, which keys the LoRA dropout masks).
   at::Tensor Mlp(const LayerWeights& w, const at::Tensor& h, int layer, int64_t first_token);
+  // Mlp of the post-attention norm of x1 (the residual stream after attention): one tile's work.
+  at::Tensor NormMlp(const LayerWeights& w, const at::Tensor& x1, int layer, int64_t first_token);
   // When set, each sparse block stores the experts every token chose ([tokens, k] int64 on the
   // CPU, in order of probability) under its pipeline layer index; for tests. Not owned.
   void RecordRouting(std::map<int, at::Tensor>* routing) { routing_ = routing; }

@@ -100,8 +100,12 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // experts and keeps the routed copies of its input and output (2 x k hidden-sized rows).
   const double tile = c.train.mlp_tile_tokens > 0 ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens)) : tokens;
   double I = static_cast<double>(c.model.intermediate_size) * tile / tokens;
+  // A tiled dense block runs its post-attention norm inside the tiles and keeps one hidden-sized
+  // tensor fewer; a sparse block is never tiled.
+  double kept_hidden = tile < tokens ? 9.0 : 10.0;
   for (int64_t b = 0; b < c.model.num_layers; ++b)
     if (SparseBlock(c.model, b)) {
+      kept_hidden = 10.0;
       const double k = static_cast<double>(c.model.moe.experts_per_token);
       I = std::max(I, k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0);
     }
@@ -132,10 +136,10 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       }
     }
     const bool grads = st.kind != StageKind::kForward;
-    // Activations kept for backward per block: roughly ten hidden-sized and three
+    // Activations kept for backward per block: roughly ten hidden-sized (kept_hidden) and three
     // intermediate-sized tensors per token; forward stages keep about one block's worth.
     const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
-    const double per_block = tokens * (10.0 * H + 3.0 * I) * elem;
+    const double per_block = tokens * (kept_hidden * H + 3.0 * I) * elem;
     // train.layer_recompute: a gradient stage keeps each block's input and one block's graph.
     const double kept_inputs = blocks * tokens * H * elem;
     double acts = !grads ? per_block : c.train.layer_recompute ? kept_inputs + per_block : blocks * per_block;

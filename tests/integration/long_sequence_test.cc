@@ -43,6 +43,9 @@ TEST_F(LaunchTest, TiledMlpsMatchTheUntiledReferenceOnOneToThreeWorkers) {
       auto run = Launch(n, out, With(sets, {"train.mlp_tile_tokens=300"}));
       ASSERT_EQ(run.code, 0) << run.output;
       ExpectClose(Losses(out + "/metrics.jsonl"), want, tag + " on " + std::to_string(n) + " workers");
+      // The norm counts every weight's gradient, the norms' inside the tiles too.
+      ExpectClose(Losses(out + "/metrics.jsonl", "grad_norm"), Losses(tmp_ + "/ref-" + tag + "/metrics.jsonl", "grad_norm"),
+                  tag + " gradient norms on " + std::to_string(n) + " workers");
     }
   }
 }
