@@ -34,9 +34,10 @@ inline bool TestNodeSumsAlone() {
   return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
 
-// RP_TEST_LATE_COMPLETION_MS=<ms>: a CPU worker's device reports each microbatch complete only
-// that long after it was enqueued, as a GPU would while the host runs ahead, so the worker's
-// bookkeeping of microbatches in flight runs in CI. 0 when unset.
+// RP_TEST_LATE_COMPLETION_MS=<ms>: a CPU worker's device reports each microbatch complete, and
+// each sum of gradient squares written, only that long after it was enqueued, as a GPU would
+// while the host runs ahead, so the worker's bookkeeping of work in flight runs in CI. 0 when
+// unset.
 inline double TestLateCompletionSeconds() {
   const char* v = std::getenv("RP_TEST_LATE_COMPLETION_MS");
   return v == nullptr ? 0.0 : std::strtod(v, nullptr) * 1e-3;

@@ -459,7 +459,8 @@ const std::vector<KeySpec>& Table() {
            "device once its update is complete"),
       Enum("schedule", "partition", F(schedule.partition), Partition::kEqual, kPartitionNames,
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
-           "tail size (up to 3 blocks, or any size when schedule.gpu_memory_gb bounds its memory) "
+           "tail size (up to 3 blocks; with schedule.gpu_memory_gb, up to every block, beyond 8 in steps "
+           "of about a third) "
            "and both partitions minimizing the simulated step time (from the measured "
            "profile when there is one, else a FLOP cost model; rp-plan shows its choice)"),
       Str("schedule", "profile", F(schedule.profile), "",

@@ -95,15 +95,33 @@ class CpuDevice final : public Device {
     return Status::Ok();
   }
   uint64_t StartChunkSquares(std::vector<SquaresItem> items, int64_t chunk) override {
+    // With the late-completion hook the sums land in `out` only when SquaresDone says so, as a
+    // GPU's copy would, so a reader that does not wait for them sees stale values.
+    LateSquares late;
     for (const auto& it : items) {
       const at::Tensor flat = it.grad.contiguous().view({-1});
       const float* p = flat.data_ptr<float>();
       const int64_t n = flat.numel();
-      for (int64_t b = 0, i = 0; b < n; b += chunk, ++i) it.out[i] = coord::SquaredSum(p + b, std::min(chunk, n - b));
+      std::vector<double> sums;
+      for (int64_t b = 0; b < n; b += chunk) sums.push_back(coord::SquaredSum(p + b, std::min(chunk, n - b)));
+      if (late_s_ > 0.0) late.outs.emplace_back(it.out, std::move(sums));
+      else std::copy(sums.begin(), sums.end(), it.out);
+    }
+    if (late_s_ > 0.0) {
+      late.started = std::chrono::steady_clock::now();
+      late_squares_.emplace(tickets_ + 1, std::move(late));
     }
     return ++tickets_;
   }
-  bool SquaresDone(uint64_t) override { return true; }
+  bool SquaresDone(uint64_t ticket) override {
+    auto it = late_squares_.find(ticket);
+    if (it == late_squares_.end()) return true;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.started).count() < late_s_)
+      return false;
+    for (const auto& [out, sums] : it->second.outs) std::copy(sums.begin(), sums.end(), out);
+    late_squares_.erase(it);
+    return true;
+  }
   at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
     uint64_t bytes = c10::elementSize(dtype);
     for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
@@ -169,6 +187,11 @@ class CpuDevice final : public Device {
   uint64_t tickets_ = 0;
   uint64_t completions_ = 0;
   const double late_s_ = TestLateCompletionSeconds();
+  struct LateSquares {
+    std::chrono::steady_clock::time_point started;
+    std::vector<std::pair<double*, std::vector<double>>> outs;
+  };
+  std::map<uint64_t, LateSquares> late_squares_;  // RP_TEST_LATE_COMPLETION_MS only
   uint64_t hang_from_ = 0;  // RP_TEST_DEVICE_HANG_ONCE: no ticket from this one on completes
   std::vector<std::chrono::steady_clock::time_point> fenced_at_;  // per ticket, with the hook only
   std::vector<std::chrono::steady_clock::time_point> marks_;

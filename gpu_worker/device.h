@@ -116,9 +116,10 @@ class Device {
   // of grad flattened, in double, for every chunk. Asynchronous, so that the worker goes on
   // queueing the next job meanwhile: the values are in every `out` once SquaresDone(ticket) has
   // returned true; the device keeps the gradients alive until then. The gradients must be
-  // complete when this is called (their microbatches' completion fences have passed): the CUDA
-  // backend sums them on its gradients stream without waiting for the compute stream, which may
-  // hold the next job's work. The CPU backend sums exactly as the coordinator's optimizer does
+  // complete when this is called, with no work on them queued since (their microbatches'
+  // completion fences have passed, or, for gradients summed across nodes, the sum's Poll() was
+  // true): the CUDA backend sums them on its gradients stream without waiting for the compute
+  // stream, which may hold the next job's work. The CPU backend sums exactly as the coordinator's optimizer does
   // (the same bits), at once; the CUDA backend in another order.
   struct SquaresItem {
     at::Tensor grad;

@@ -810,6 +810,12 @@ StatusOr<uint64_t> Executor::StartChunkSquares(int64_t job_index, double* table)
   Status s = Guarded([] { return std::string("summing the squares of held gradients"); }, [&]() -> Status {
     std::vector<Device::SquaresItem> items;
     for (const auto& g : it->second) {
+      // The compact lookup rows are gathered after the job's last microbatch (Detach), on the
+      // compute stream: Device::StartChunkSquares would not wait for them. The modes that sum
+      // squares in the workers never have that slot (tied lookups are refused there).
+      if (g.grad_slot == layout_.compact_lookup_slot)
+        return Status::Internal("gradient squares of job " + std::to_string(job_index) +
+                                ": its compact lookup gradient is not complete when the job is");
       const int param = spec_.grad_slots[g.grad_slot].param;
       double* out = table + layout_.square_chunk_base[param];
       if (g.accum.defined()) {

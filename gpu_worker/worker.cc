@@ -719,12 +719,13 @@ Status Worker::Run() {
     RP_ASSIGN_OR_RETURN(bool finished, Finish());
     RP_ASSIGN_OR_RETURN(bool worked, Progress());
     worked = worked || finished;
-    // Poll while a gradient copy is in flight (it completes without a message) and while the next
-    // job's weights are still being published layer by layer (so each is copied when it appears).
+    // Poll while a gradient copy or a sum of squares is in flight (each completes without a
+    // message) and while the next job's weights are still being published layer by layer (so
+    // each is copied when it appears).
     const bool prefetching = queue_.size() > 1 && queue_.front().begun && !queue_[1].eval && !queue_[1].prefetched;
     const bool polling = waiting_for_weights_ || prefetching || !in_flight_.empty() ||
                          std::any_of(finishing_.begin(), finishing_.end(),
-                                     [](const Finishing& f) { return f.committing || f.reducing; }) ||
+                                     [](const Finishing& f) { return f.committing || f.reducing || f.squaring; }) ||
                          (sums_ && !finishing_.empty());
     // Block only when nothing can move; otherwise just drain what has arrived.
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));

@@ -101,7 +101,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const double tile = c.train.mlp_tile_tokens > 0 ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens)) : tokens;
   double I = static_cast<double>(c.model.intermediate_size) * tile / tokens;
   // A tiled dense block runs its post-attention norm inside the tiles and keeps one hidden-sized
-  // tensor fewer; a sparse block is never tiled.
+  // tensor fewer; a sparse block is never tiled, and one sparse block makes every block count
+  // the ten (the estimate is one per-block figure; slightly high for a mixed model's dense blocks).
   double kept_hidden = tile < tokens ? 9.0 : 10.0;
   for (int64_t b = 0; b < c.model.num_layers; ++b)
     if (SparseBlock(c.model, b)) {

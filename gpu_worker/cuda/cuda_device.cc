@@ -284,6 +284,7 @@ class CudaDevice final : public Device {
     if (!EventDone(q.event, "cudaEventQuery(gradient squares)")) return false;
     const double* src = q.host.defined() ? q.host.data_ptr<double>() : nullptr;
     for (const auto& [out, count] : q.outs) {
+      if (count == 0) continue;
       std::memcpy(out, src, static_cast<size_t>(count) * sizeof(double));
       src += count;
     }

@@ -45,6 +45,13 @@ TEST_F(HeldGradientsTest, WorkersHoldingGradientsForTheNormGiveTheHostHeldRunBit
       EXPECT_TRUE(s["grads_streamed"].get<bool>()) << s.dump();
       EXPECT_LT(s["grad_arena_bytes"].get<int64_t>(), Summary(host)["grad_arena_bytes"].get<int64_t>());
     }
+    // Squares and microbatches reported late, as a GPU's copies land after the host has moved on:
+    // a job is announced only once its squares are written, so the norm is the same.
+    const std::string late = tmp_ + "/late-" + mode;
+    auto l = Launch(2, late, With(job, {"optimizer.gradients_wait_in=\"workers\"", "RP_TEST_LATE_COMPLETION_MS=15"}));
+    ASSERT_EQ(l.code, 0) << l.output;
+    EXPECT_EQ(Losses(late + "/metrics.jsonl", "grad_norm"), norms) << mode << ", reported late";
+    EXPECT_TRUE(ReadBytes(late + "/hf/model.safetensors") == ReadBytes(host + "/hf/model.safetensors")) << mode;
   }
 }
 

@@ -151,18 +151,20 @@ TEST(Moe, UnchosenExpertsGetZeroGradientsAndRecomputeIsBitIdentical) {
 }
 
 // A tiled MLP gives the untiled values: the block's output, its input's gradient and every
-// weight's gradient, with LoRA adapters (dropout on, so each tile's mask must be its slice of
-// the whole one) on the MLP alone and on every projection, MLP biases, and tiles that do not
-// divide the tokens.
+// weight's gradient (the post-attention norm's, which runs inside the tiles, included), in a full
+// fine-tune and with LoRA adapters (dropout on, so each tile's mask must be its slice of the whole
+// one) on the MLP alone and on every projection, MLP biases, and tiles that do not divide the
+// tokens.
 TEST(Transformer, TiledMlpEqualsTheWholeMicrobatch) {
   core::ModelConfig cfg = MoeConfig(0, 0, false);
   cfg.mlp_bias = true;
   const std::vector<std::vector<std::string>> targets = {
+      {},
       {"gate_proj", "up_proj", "down_proj"},
       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}};
   for (const auto& t : targets) {
     core::LoraConfig lora;
-    lora.rank = 4;
+    lora.rank = t.empty() ? 0 : 4;
     lora.alpha = 8.0;
     lora.dropout = 0.25;
     lora.target_modules = t;
@@ -198,7 +200,12 @@ TEST(Transformer, TiledMlpEqualsTheWholeMicrobatch) {
     ASSERT_EQ(whole.size(), tiled.size());
     for (const auto& [name, g] : whole)
       EXPECT_TRUE(at::allclose(g, tiled.at(name), 1e-5, 1e-6)) << t.size() << " targets: gradient of " << name;
-    EXPECT_GT(whole.at("gate_proj.lora_A").abs().sum().item<double>(), 0.0);
+    if (t.empty()) {
+      ASSERT_TRUE(whole.count("post_norm"));
+      EXPECT_GT(whole.at("post_norm").abs().sum().item<double>(), 0.0);
+    } else {
+      EXPECT_GT(whole.at("gate_proj.lora_A").abs().sum().item<double>(), 0.0);
+    }
   }
 }
 
