@@ -292,9 +292,11 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   double smallest_memory = std::numeric_limits<double>::infinity();
   JobConfig probe = c;
   probe.schedule.partition = core::Partition::kEqual;
+  double previous_tail_best = std::numeric_limits<double>::infinity();
   for (int tail : TailCandidates(L, limit > 0)) {
     const int t = L + 1 - tail;  // layers before the tail
     probe.schedule.tail_blocks = tail;
+    double tail_best = std::numeric_limits<double>::infinity();
     const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
     const std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
     for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true))
@@ -315,6 +317,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
         const double total_mem = mem + MaxOf(sim.peak_held_grad_bytes);
         smallest_memory = std::min(smallest_memory, total_mem);
         if (limit > 0 && total_mem > limit) continue;
+        tail_best = std::min(tail_best, sim.steady_step_s);
         const int jobs = static_cast<int>(plan->stages.size());
         // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
         if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
@@ -324,6 +327,12 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
           best_jobs = jobs;
         }
       }
+    // Past the tails tried without a budget, on a model too deep to try every size: stop once a
+    // longer tail no longer pays. The step falls with the tail while the recompute saved outweighs
+    // the longer tail job and boundary, then rises, and each size costs a full search (a
+    // multi-worker job of a deep model: tens of seconds in every process).
+    if (L > kEveryTailUpTo && tail > kTailsWithoutBudget && !(tail_best < previous_tail_best)) break;
+    previous_tail_best = tail_best;
   }
   if (best_jobs == std::numeric_limits<int>::max())
     return Status::InvalidArgument(

@@ -65,10 +65,13 @@ PlanChoice PredictPlan(const JobConfig& config, const PipelinePlan& plan, const 
 StatusOr<Profile> PlanningProfile(const JobConfig& config);
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers, const Profile& profile);
 
-// The fused tail sizes ChoosePlan tries for a model of `blocks` decoder blocks, ascending. With a
+// The fused tail sizes ChoosePlan may try for a model of `blocks` decoder blocks, ascending. With a
 // memory budget (schedule.gpu_memory_gb > 0): every size up to 8 blocks (so every size of a small
 // model), then steps of about a third up to every block (a 28-block model: 0-8, 10, 13, 17, 22,
-// 28). Without one, 0-3 blocks: a longer tail's memory would be checked against nothing.
+// 28). Without one, 0-3 blocks: a longer tail's memory would be checked against nothing. On a
+// model of more than 8 blocks ChoosePlan stops at the first size beyond 3 whose best plan is no
+// faster than the previous size's (or fits nowhere), so the search is exhaustive only for small
+// models.
 std::vector<int> TailCandidates(int blocks, bool memory_bounded);
 
 // Contiguous split of costs[0..n) into `parts` non-empty ranges minimizing the largest range

@@ -227,6 +227,23 @@ TEST(Partitioner, WithAMemoryBudgetEveryTailIsSearchedAndTheBudgetHolds) {
   EXPECT_TRUE(longer_tail_won) << "no case needed a tail of more than 3 blocks: the test checks nothing beyond them";
 }
 
+// A deep model with a budget and dear recompute: tails longer than 8 blocks (the sizes tried in
+// steps) are searched and chosen while they pay.
+TEST(Partitioner, LongerTailsAreSearchedWhileTheyPay) {
+  JobConfig c = Small(16);
+  c.schedule.gpu_memory_gb = 1e3;
+  Profile dear = DefaultCostModel(c);
+  for (auto& l : dear.layers) l.recompute_s = 10 * l.forward_s;
+  auto choice = ChoosePlan(c, 1, dear);
+  ASSERT_TRUE(choice.ok()) << choice.status().ToString();
+  EXPECT_GT(choice->plan.num_layers - 1 - choice->plan.tail_start, 8) << choice->plan.Describe();
+  // Without a budget the tail stays within 0-3 blocks.
+  c.schedule.gpu_memory_gb = 0;
+  auto unbounded = ChoosePlan(c, 1, dear);
+  ASSERT_TRUE(unbounded.ok()) << unbounded.status().ToString();
+  EXPECT_LE(unbounded->plan.num_layers - 1 - unbounded->plan.tail_start, 3) << unbounded->plan.Describe();
+}
+
 // Small(layers) as one forward stage, a tail of one block and one backward stage, equal cuts.
 JobConfig OneStageOfEachKind(int layers) {
   JobConfig c = Small(layers);
