@@ -119,8 +119,8 @@ class Device {
   // complete when this is called, with no work on them queued since (their microbatches'
   // completion fences have passed, or, for gradients summed across nodes, the sum's Poll() was
   // true): the CUDA backend sums them on its gradients stream without waiting for the compute
-  // stream, which may hold the next job's work. The CPU backend sums exactly as the coordinator's optimizer does
-  // (the same bits), at once; the CUDA backend in another order.
+  // stream, which may hold the next job's work. The CPU backend sums exactly as the coordinator's
+  // optimizer does (the same bits), at once; the CUDA backend in another order.
   struct SquaresItem {
     at::Tensor grad;
     double* out;
