@@ -159,6 +159,8 @@ class Worker {
   // Starts `f`'s sum if it has not started (`*started` then true) and polls it: true once it is
   // done, false while the group is being joined or the sum runs.
   StatusOr<bool> AdvanceReduction(Finishing& f, bool* started);
+  // Starts summing the squares of f's gradients into its step's table (Device::StartChunkSquares).
+  Status StartSquares(Finishing& f);
   // True once f's gradient squares, if any were started, are written (and then forgets them).
   StatusOr<bool> SquaresDone(Finishing& f);
   bool shutdown_ = false;
@@ -475,10 +477,7 @@ StatusOr<bool> Worker::Finish() {
         // The coordinator adds these up for the step's norm before it grants any of its commits.
         // Summed while this loop goes on queueing the next job.
         if (!it->squaring) {
-          auto ticket = exec_->StartChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
-          if (!ticket.ok()) return Fail(id, ticket.status());
-          it->squares_ticket = *ticket;
-          it->squaring = true;
+          if (Status sq = StartSquares(*it); !sq.ok()) return Fail(id, sq);
           worked = true;
         }
         auto summed = SquaresDone(*it);
@@ -523,10 +522,7 @@ StatusOr<bool> Worker::Finish() {
         // The slots take this node's share of the summed gradients; the step's norm needs the
         // squares of the whole, which every node's worker has after the sum. The optimizer reads
         // them once the commit is reported done, which waits for them below.
-        auto sq = exec_->StartChunkSquares(id, layout_.GradSquares(segment_->data(), it->job.job.step));
-        if (!sq.ok()) return Fail(id, sq.status());
-        it->squares_ticket = *sq;
-        it->squaring = true;
+        if (Status sq = StartSquares(*it); !sq.ok()) return Fail(id, sq);
       }
       auto ticket = exec_->StartCommit(id, grant->second);
       if (!ticket.ok()) return Fail(id, ticket.status());
@@ -555,6 +551,13 @@ StatusOr<bool> Worker::Finish() {
     worked = true;
   }
   return worked;
+}
+
+Status Worker::StartSquares(Finishing& f) {
+  RP_ASSIGN_OR_RETURN(f.squares_ticket,
+                      exec_->StartChunkSquares(f.job.job.job_index, layout_.GradSquares(segment_->data(), f.job.job.step)));
+  f.squaring = true;
+  return Status::Ok();
 }
 
 StatusOr<bool> Worker::SquaresDone(Finishing& f) {

@@ -395,10 +395,10 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
   at::Tensor o = Proj(w, "o_proj", attn, layer, 3);
   const int64_t tokens = B * S, tile = mlp_tile_tokens_;
-  const bool tiled = !w.count("router") && tile > 0 && tile < tokens;
-  if (!tiled) {
+  const bool sparse = w.count("router") > 0;
+  if (sparse || tile <= 0 || tile >= tokens) {
     auto [x1, h2] = AddRmsNorm(x, o, Get(w, "post_norm"));
-    return x1 + (w.count("router") ? Experts(w, h2, layer) : Mlp(w, h2, layer, 0));
+    return x1 + (sparse ? Experts(w, h2, layer) : Mlp(w, h2, layer, 0));
   }
   // Tiled: the post-attention norm runs inside each tile (NormMlp), so the block does not keep
   // the normed whole-sequence tensor for the backward, only the residual it keeps anyway.
