@@ -7,9 +7,11 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <cstring>
 
 #include "common/logging.h"
+#include "coordinator/optim/adamw.h"
 #include "coordinator/optim/optimizer_step.h"
 #include "io/hf_model.h"
 #include "io/peft.h"
@@ -116,6 +118,23 @@ std::vector<StateSection> HostState::Sections() {
   return sections;
 }
 
+namespace {
+
+// ToComputeCopy over every core: at start-up a large model's compute copy is the first write to
+// its shared-memory pages, and one thread page-faulting through tens of GB was most of the
+// time before the first step (each element converts on its own, so the bits are the same).
+void ToComputeCopyOnAllCores(const float* in, uint8_t* out, int64_t n, ComputeDtype dtype) {
+  constexpr int64_t kChunk = int64_t{1} << 22;
+  const size_t width = dtype == ComputeDtype::kFloat32 ? 4 : 2;
+  ParallelFor((n + kChunk - 1) / kChunk, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+              [&](int64_t c) {
+                const int64_t begin = c * kChunk;
+                ToComputeCopy(in + begin, out + begin * width, std::min(kChunk, n - begin), dtype);
+              });
+}
+
+}  // namespace
+
 Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,
                        core::Dataset* eval_data) {
   const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
@@ -135,7 +154,7 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
                           : state_->At<float>(layout_.frozen[f]);
       if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, dst));
       else core::InitParam(ps, spec_.config, static_cast<uint64_t>(cfg_.train.seed), dst);
-      if (narrow) ToComputeCopy(dst, state_->At<uint8_t>(layout_.frozen[f]), ps.numel, dtype);
+      if (narrow) ToComputeCopyOnAllCores(dst, state_->At<uint8_t>(layout_.frozen[f]), ps.numel, dtype);
     }
   }
   if (resume_from) {
@@ -214,7 +233,7 @@ Status HostState::FillFresh() {
       std::memcpy(optim_->At<float>(layout_.ShareElem(layout_.master, static_cast<int>(p), r.begin)), whole + r.begin,
                   static_cast<size_t>(r.size()) * sizeof(float));
     }
-    ToComputeCopy(whole, state_->At<uint8_t>(layout_.compute[p]), n, ComputeDtypeOf(cfg_.train.dtype));
+    ToComputeCopyOnAllCores(whole, state_->At<uint8_t>(layout_.compute[p]), n, ComputeDtypeOf(cfg_.train.dtype));
   }
   return Status::Ok();
 }

@@ -151,8 +151,8 @@ Status WorkerTable::CheckHung() {
     if (!restarts_allowed())
       return Status::Unavailable(who + " sent nothing for " + std::to_string(static_cast<int>(v.silent_s)) +
                                  " s (job.worker_timeout_s = " + std::to_string(liveness_->timeout_s()) + "): hung");
-    RP_LOG(ERROR) << who << " sent nothing for " << v.silent_s << " s; killing it (hung), "
-                  << "its replacement takes over";
+    RP_LOG(ERROR) << who << " sent nothing for " << v.silent_s << " s (job.worker_timeout_s = "
+                  << liveness_->timeout_s() << "); killing it (hung), its replacement takes over";
     if (pids_[r] > 0) ::kill(pids_[r], SIGKILL);
   }
   return Status::Ok();

@@ -518,6 +518,7 @@ MicrobatchResult::PendingMarks Executor::LayerMarks(int layer, proto::LayerPhase
 
 void Executor::Timed(int layer, proto::LayerPhase phase, int a, int b, int64_t saved_bytes) {
   if (job_.profile) pending_marks_.push_back(LayerMarks(layer, phase, a, b, saved_bytes, -1));
+  if (between_layers_) between_layers_();
 }
 
 MicrobatchResult Executor::RunForward(int mb) {

@@ -103,6 +103,10 @@ class Executor {
   // `between_layers` runs after each layer (the worker's heartbeat: an eval of a large model on
   // a slow device can take longer than the hang timeout).
   StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
+  // Runs after each layer phase of a training microbatch: the worker's heartbeat. On a device
+  // that computes as it is called (the CPU), one long stage (a long sequence) would otherwise
+  // send nothing for longer than job.worker_timeout_s and be taken for a hung worker.
+  void SetBetweenLayers(std::function<void()> f) { between_layers_ = std::move(f); }
   // Whether Begin(job, all_inputs_ready) may adopt the weights FetchReady(job) has copied so
   // far: all of them, or for a job that may run layer-major (LayerMajorEligible) with every
   // microbatch's input ready, at least its first layer. With RP_LAYER_MAJOR_FORWARD=always an
@@ -224,6 +228,7 @@ class Executor {
   // Adds the marks to pending_marks_ (the microbatch is filled in by Microbatch()).
   void Timed(int layer, proto::LayerPhase phase, int mark_a, int mark_b, int64_t saved_bytes);
   std::vector<MicrobatchResult::PendingMarks> pending_marks_;  // this microbatch's, so far
+  std::function<void()> between_layers_;
   Status Validate(const proto::RunJob& job) const;
   struct GradUse {
     at::Tensor weight;

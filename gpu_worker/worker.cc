@@ -361,7 +361,7 @@ StatusOr<bool> Worker::Progress() {
 void Worker::BeatIfDue() {
   if (MonoSeconds() - last_heartbeat_ < kHeartbeatSeconds) return;
   if (Status s = channel_->Send(proto::Heartbeat{WallMicros()}); !s.ok())
-    RP_LOG(WARNING) << "heartbeat during an eval job: " << s.message();
+    RP_LOG(WARNING) << "heartbeat between layers: " << s.message();
   last_heartbeat_ = MonoSeconds();
 }
 
@@ -675,6 +675,10 @@ Status Worker::Run() {
     device_ = MakeCpuDevice();
   }
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
+  // The loop's own rule: no heartbeat while the device has stopped completing work.
+  exec_->SetBetweenLayers([this] {
+    if (!DeviceStalled()) BeatIfDue();
+  });
   if (layout_.sharded)
     gatherer_ = ShareGatherer::Start(cfg_, spec_, layout_, segment_->data(), opts_.rank, opts_.num_workers,
                                      join_gather_, sums_options_.device());

@@ -119,5 +119,23 @@ TEST_F(LaunchTest, LayerRecomputeGivesTheStageGraphsBitsEverywhere) {
   }
 }
 
+// A stage that computes for longer than job.worker_timeout_s on a CPU worker (a long sequence
+// through many layers) is not taken for a hung worker: the worker beats between layers. No
+// restarts are allowed, so a worker killed as hung would stop the run.
+TEST_F(LaunchTest, AStageLongerThanTheHangTimeoutIsNotAHang) {
+  const double timeout_s = 10.0;
+  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=4096", "train.steps=1",
+                                        "train.microbatches=1", "train.accum_calls=1", "train.microbatch_size=1",
+                                        "model.num_layers=12", "schedule.forward_stages=1", "schedule.backward_stages=1",
+                                        "job.worker_timeout_s=" + std::to_string(timeout_s), "job.max_worker_restarts=0"};
+  auto r = Launch(1, tmp_ + "/long", job, 300);
+  ASSERT_EQ(r.code, 0) << r.output;
+  // The test means something only where the stages outlast the timeout: each of the step's
+  // forward and backward stages runs eleven of the twelve layers, about a second each here.
+  const auto step_s = Losses(tmp_ + "/long/metrics.jsonl", "step_time_s");
+  ASSERT_EQ(step_s.size(), 1u);
+  EXPECT_GT(step_s[0], 2 * timeout_s) << "too fast a machine for this test: raise data.seq_len";
+}
+
 }  // namespace
 }  // namespace rp
