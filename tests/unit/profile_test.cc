@@ -82,6 +82,25 @@ TEST(Profile, CostModelCountsTheActiveExpertsOfSparseBlocks) {
   EXPECT_NE(WorkloadKey(c), WorkloadKey(Small(3))) << "a profile of the dense model must not be taken for it";
 }
 
+// A product with a weight costs twice its forward backwards; the attention core costs 2.5x on
+// the GPU (the fused backward recomputes the scores) and 2x on the CPU (which keeps them).
+TEST(Profile, CostModelChargesTheFusedAttentionBackwardItsRecomputedScores) {
+  JobConfig c = Small(2);
+  c.data.seq_len = 4096;
+  const double flops_per_s = 1e9;
+  const double attention = 2.0 * static_cast<double>(c.TokensPerMicrobatch()) * 4096.0 *
+                           static_cast<double>(c.model.num_heads * c.model.head_dim) / flops_per_s;
+  const Profile cpu = CostModelProfile(c, flops_per_s, 5e9, 1e8);
+  EXPECT_DOUBLE_EQ(cpu.layers[1].backward_s, 2.0 * cpu.layers[1].forward_s);
+  c.job.device = DeviceKind::kCuda;
+  const Profile gpu = CostModelProfile(c, flops_per_s, 5e9, 1e8);
+  EXPECT_DOUBLE_EQ(gpu.layers[1].forward_s, cpu.layers[1].forward_s);
+  EXPECT_NEAR(gpu.layers[1].backward_s, 2.0 * gpu.layers[1].forward_s + 0.5 * attention, 1e-9 * attention);
+  EXPECT_GT(attention, 0.1 * gpu.layers[1].forward_s) << "the attention core should matter at this length";
+  // The head has no attention core.
+  EXPECT_DOUBLE_EQ(gpu.layers[3].recompute_s, cpu.layers[3].recompute_s);
+}
+
 TEST(Profile, SavesAndLoadsAndRejectsWhatDoesNotFit) {
   JobConfig c = Small(2);
   Profile p = CostModelProfile(c, 1e9, 5e9, 1e8);

@@ -37,8 +37,12 @@ TEST(Simulator, ManyCallsAmortizeFill) {
   EXPECT_NEAR(many.makespan, 8 * 6 * 4 / 3.0 + 2.0, 1e-9);  // busy/N + one fill
 }
 
+// On the CPU (explicit attention, which keeps its probabilities) a backward stage costs three
+// times its forward: the recompute and the backward's two products per forward product. On the
+// GPU the fused attention backward also recomputes the scores, so more.
 TEST(Simulator, CostModelWeighsBackwardThreeTimes) {
   JobConfig c;
+  c.job.device = DeviceKind::kCpu;
   c.model.num_layers = 4;
   c.schedule.forward_stages = 1;
   c.schedule.backward_stages = 1;
@@ -52,6 +56,10 @@ TEST(Simulator, CostModelWeighsBackwardThreeTimes) {
   ASSERT_EQ(f.size(), 3u);  // F[0,5) T[5,6) B[0,5)
   EXPECT_NEAR(f[2], 3.0 * f[0], 1e-6 * f[2]);
   EXPECT_GT(f[1], 0.0);
+  c.job.device = DeviceKind::kCuda;
+  auto gpu = BuildSimInput(c, BuildModelSpec(c.model), *plan, CostModelProfile(c, 1.0, 0.0, 0.0), 1, 1);
+  EXPECT_DOUBLE_EQ(gpu.stages[0].compute_s, f[0]);
+  EXPECT_GT(gpu.stages[2].compute_s, 3.0 * f[0] * (1.0 + 1e-6));
 }
 
 }  // namespace
