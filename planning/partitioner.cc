@@ -350,28 +350,48 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   int64_t pow2 = 1;
   while (pow2 * 2 < tokens) pow2 *= 2;
   for (int64_t t = pow2; t >= kSmallestAutoMlpTile && t < tokens; t /= 2) tiles.push_back(t);
-  double smallest = std::numeric_limits<double>::infinity();
-  for (int64_t tile : tiles) {
+  // The estimated peak with tiles[i], as the run would plan it.
+  auto peak_with = [&](size_t i) -> StatusOr<double> {
     JobConfig trial = *c;
-    trial.train.mlp_tile_tokens = tile;
+    trial.train.mlp_tile_tokens = tiles[i];
     // The cost model, never a measured profile: a profile's saved bytes were measured at one tile
     // and would rate every tile alike, and a run's later starts (--resume, a re-plan) must
     // choose the tile its first one did, whatever profile they have by then.
     const Profile costs = DefaultCostModel(trial);
-    double peak = 0.0;
     if (trial.schedule.partition == Partition::kAuto) {
       // ChoosePlan fails only when no candidate fits the limit.
       auto choice = ChoosePlan(trial, workers, costs);
-      peak = choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
-    } else {
-      RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
-      peak = PredictPlan(trial, plan, costs, workers).peak_memory_bytes;
+      return choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
     }
-    if (peak <= trial.schedule.gpu_memory_gb * 1e9) {
-      c->train.mlp_tile_tokens = tile;
-      return Status::Ok();
+    RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
+    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes;
+  };
+  const double limit = c->schedule.gpu_memory_gb * 1e9;
+  // A smaller tile never needs more memory (its intermediates shrink; the tiles' saved inputs
+  // are one sequence's whatever the size), so the tiles that fit are a suffix of `tiles`: untiled
+  // first (most jobs fit it), then the smallest, then bisection between. Each try is a whole
+  // plan search with partition = "auto"; trying every size cost rp-plan --max-seq minutes.
+  RP_ASSIGN_OR_RETURN(const double untiled, peak_with(0));
+  double smallest = untiled;
+  size_t fit = tiles.size();  // the first index known to fit
+  if (untiled <= limit) {
+    fit = 0;
+  } else if (tiles.size() > 1) {
+    RP_ASSIGN_OR_RETURN(const double last, peak_with(tiles.size() - 1));
+    smallest = std::min(smallest, last);
+    if (last <= limit) {
+      fit = tiles.size() - 1;
+      size_t lo = 0;  // known not to fit
+      while (fit - lo > 1) {
+        const size_t mid = lo + (fit - lo) / 2;
+        RP_ASSIGN_OR_RETURN(const double peak, peak_with(mid));
+        (peak <= limit ? fit : lo) = mid;
+      }
     }
-    smallest = std::min(smallest, peak);
+  }
+  if (fit < tiles.size()) {
+    c->train.mlp_tile_tokens = tiles[fit];
+    return Status::Ok();
   }
   char text[320];
   if (tiles.size() == 1)

@@ -94,8 +94,9 @@ double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int
 
 // train.mlp_tile_tokens = kMlpTileAuto (-1): the largest tile that lets the job's plan fit
 // schedule.gpu_memory_gb per worker, written into `config` (ResolveRun does it once, so every
-// process of the run reads the chosen value). Tried in order: untiled, then powers of two below
-// the microbatch's tokens down to kSmallestAutoMlpTile; "fits" is ChoosePlan finding a plan
+// process of the run reads the chosen value). The candidates, largest first: untiled, then powers
+// of two below the microbatch's tokens down to kSmallestAutoMlpTile; a smaller tile never needs
+// more memory, so the first that fits is found by bisection. "Fits" is ChoosePlan finding a plan
 // (partition = "auto") or the job's own plan's estimate being within the limit ("equal"), under
 // the FLOP cost model (DefaultCostModel) even when the job has a measured profile, so that every
 // start of a run (the first, --resume, a re-plan) chooses the same tile. InvalidArgument naming the key

@@ -306,6 +306,13 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
   EXPECT_EQ(resolve(c, untiled * 1.001).second.train.mlp_tile_tokens, 0);
   EXPECT_EQ(resolve(c, untiled * 0.999).second.train.mlp_tile_tokens, half);
   EXPECT_EQ(resolve(c, (big + mid) / 2).second.train.mlp_tile_tokens, half / 2);
+  // Between every two neighbouring tiles' estimates, the smaller tile: what a scan from untiled
+  // down chooses, found by bisection.
+  for (int64_t t = half / 2; t >= 512; t /= 2) {
+    const double just_fits = estimate(t) * 1.0001;
+    ASSERT_LT(just_fits, estimate(t * 2)) << t;
+    EXPECT_EQ(resolve(c, just_fits).second.train.mlp_tile_tokens, t);
+  }
   EXPECT_EQ(resolve(c, t512 * 1.001).second.train.mlp_tile_tokens, 512);
   auto none = resolve(c, t512 * 0.999);
   ASSERT_FALSE(none.first.ok());
@@ -332,9 +339,13 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
     EXPECT_LE(choice->peak_memory_bytes, limit);
     if (tile == 0) continue;
     ++tiled;
-    JobConfig larger = r;
-    larger.train.mlp_tile_tokens = tile * 2 >= tokens ? 0 : tile * 2;
-    EXPECT_FALSE(ChoosePlan(larger, 1).ok()) << "a larger tile than " << tile << " fits " << limit;
+    // The bisection's answer is the first fit of a scan from untiled down: no larger tile fits.
+    for (int64_t t = tile * 2; ; t *= 2) {
+      JobConfig larger = r;
+      larger.train.mlp_tile_tokens = t >= tokens ? 0 : t;
+      EXPECT_FALSE(ChoosePlan(larger, 1).ok()) << "a larger tile than " << tile << " fits " << limit << ": " << t;
+      if (t >= tokens) break;
+    }
   }
   EXPECT_GT(tiled, 0) << "no limit made the planner's search tile the MLPs";
   // A measured profile does not change the choice: its saved bytes were measured at one tile, and
