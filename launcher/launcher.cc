@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -170,10 +171,16 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
                 p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
-    if (cfg.job.device != core::DeviceKind::kCpu)
+    if (cfg.job.device != core::DeviceKind::kCpu) {
       std::printf("estimated device memory per worker: %.1f GiB (the planner's estimate; "
                   "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
                   p.peak_memory_bytes / (1ull << 30));
+    } else {
+      const core::MemoryEstimate m = core::EstimateMemory(cfg, *plan, gpus);
+      std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
+                  "scores, which grow with the square of data.seq_len)\n",
+                  m.total / (1ull << 30), m.attention_scores / (1ull << 30));
+    }
   }
   std::printf("workers fetch %s\n",
               !layout->masters_in_state         ? "a compute copy the optimizer writes"
@@ -272,11 +279,30 @@ Status MakeLogDir(const std::string& output_dir, const std::string& log_dir) {
 
 // Before any process starts: the segments (`bytes`) must fit /dev/shm (a hard limit: tmpfs would
 // SIGBUS mid-run), and should fit the available host memory (a warning: swap may still hold them,
-// but CUDA workers pin the state segment and pinned pages cannot be swapped).
-Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes) {
+// but CUDA workers pin the state segment and pinned pages cannot be swapped). CPU workers
+// (`cpu_worker` set: one worker's estimate) compute in host memory too: when they and the
+// segments exceed what is available the run is refused, since a worker swapping its attention
+// scores would not finish a layer before it is taken for a hung one.
+Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes, int workers,
+                       const std::optional<core::MemoryEstimate>& cpu_worker) {
   if (Status room = shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name); !room.ok())
     return Status::InvalidArgument(room.message() + " (rp-launch --dry-run shows where the bytes go)");
   const uint64_t avail = shm::AvailableHostMemory();
+  const double gib = static_cast<double>(1ull << 30);
+  if (avail > 0 && cpu_worker) {
+    const double need = static_cast<double>(bytes) + workers * cpu_worker->total;
+    if (need > static_cast<double>(avail)) {
+      char text[640];
+      std::snprintf(text, sizeof(text),
+                    "job %s: each of the %d CPU workers needs about %.1f GiB by the planner's estimate (%.1f GiB of it "
+                    "attention scores, which CPU workers keep for every pair of positions: they grow with the square "
+                    "of data.seq_len = %lld), %.1f GiB with the shared memory, and the host (or its memory cgroup) has "
+                    "%.1f GiB available; shorter sequences, fewer workers, train.layer_recompute or CUDA workers",
+                    cfg.job.name.c_str(), workers, cpu_worker->total / gib, cpu_worker->attention_scores / gib,
+                    static_cast<long long>(cfg.data.seq_len), need / gib, static_cast<double>(avail) / gib);
+      return Status::InvalidArgument(text);
+    }
+  }
   if (avail > 0 && bytes > avail)
     std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host (or its memory cgroup) has "
                  "%.1f GiB available; expect swapping, or the kernel's OOM killer\n",
@@ -403,7 +429,13 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }
-  if (Status s = CheckHostMemory(*cfg, shared_bytes); !s.ok()) {
+  std::optional<core::MemoryEstimate> cpu_worker;
+  if (cpu_workers) {
+    core::JobConfig as_run = *cfg;  // job.device = "auto" without a GPU: the workers compute on the CPU
+    as_run.job.device = core::DeviceKind::kCpu;
+    cpu_worker = core::EstimateMemory(as_run, run.plan, o.gpus);
+  }
+  if (Status s = CheckHostMemory(*cfg, shared_bytes, o.gpus, cpu_worker); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }

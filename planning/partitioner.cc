@@ -111,13 +111,27 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       I = std::max(I, k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0);
     }
   // Per stage: its weights, gradients and activations while it runs.
-  std::vector<double> weight_bytes, gradient_bytes, act_bytes, sum_bytes;
+  std::vector<double> weight_bytes, gradient_bytes, act_bytes, sum_bytes, score_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
   // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
   // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
   const bool fused_cuda = core::FusedKernelsApply(c) && c.job.device != core::DeviceKind::kCpu;
+  // CPU workers compute attention explicitly (model::Transformer::Attention): fp32 scores of
+  // every head, [microbatch_size, heads, seq, seq], and a causal mask of a byte per pair. Two
+  // such tensors are alive at once besides what a graph keeps (an operation's input and output;
+  // in a softmax's backward, the probabilities' gradient and the scores'), and a gradient stage's
+  // graph keeps each block's probabilities and mask. Quadratic in the sequence: the parity job
+  // (4 heads) at 8K tokens measured 4.38 GiB of worker RSS, where this counts 4.19 GiB for its
+  // two-block backward stage; at 32K one head's scores alone are 4 GiB. CUDA's fused kernels
+  // keep no score.
+  double scores = 0.0, mask = 0.0;
+  if (c.job.device == core::DeviceKind::kCpu) {
+    const double s = static_cast<double>(c.data.seq_len);
+    scores = static_cast<double>(c.train.microbatch_size * c.model.num_heads) * s * s * 4.0;
+    mask = s * s;
+  }
   for (const auto& st : plan.stages) {
     double params = 0.0;  // weights fetched
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
@@ -144,6 +158,11 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // train.layer_recompute: a gradient stage keeps each block's input and one block's graph.
     const double kept_inputs = blocks * tokens * H * elem;
     double acts = !grads ? per_block : c.train.layer_recompute ? kept_inputs + per_block : blocks * per_block;
+    const double stage_scores =
+        blocks > 0 && scores > 0.0
+            ? 2.0 * scores + mask + (grads ? (c.train.layer_recompute ? 1.0 : blocks) * (scores + mask) : 0.0)
+            : 0.0;
+    acts += stage_scores;
     // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
     // hidden state at once.
     if (MayRunLayerMajor(c, st, core::Round(c).microbatches))
@@ -166,6 +185,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     weight_bytes.push_back(params * elem);
     gradient_bytes.push_back(grads ? grads_of_uses + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
+    score_bytes.push_back(stage_scores);
     sum_bytes.push_back(grads ? sums + mapped * 4.0 : 0.0);
   }
   // While a job runs, its worker holds the weights of its next job: prefetched, or reserved
@@ -201,6 +221,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       out.next_weights = next;
       out.gradients = gradient_bytes[i];
       out.activations = act_bytes[i];
+      out.attention_scores = score_bytes[i];
     }
   }
   // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the

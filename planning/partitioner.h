@@ -36,6 +36,7 @@ struct MemoryEstimate {
   double next_weights = 0.0;  // its worker's next job's, prefetched meanwhile
   double gradients = 0.0;     // weight gradients and their fp32 sums
   double activations = 0.0;   // kept for the backward, held hidden states, the head's loss chunk
+  double attention_scores = 0.0;  // of those, CPU workers' explicit attention scores (none on CUDA)
   double resident = 0.0;      // activation slots on the device (activations = worker, pools)
   double staging = 0.0;       // the chunk fp32 masters are rounded through
   // Gradients waiting in the workers (GradientsWaitInWorkers): the fp32 sums of the step's other

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -58,9 +59,9 @@ TEST_F(LaunchTest, AnAutoMlpTileIsChosenOnceAndRunsAsThatTile) {
   const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=2048", "train.steps=2",
                                         "model.intermediate_size=2048", "train.microbatches=2", "train.accum_calls=1",
                                         "train.microbatch_size=1"};
-  // The limit: between the estimates of 512-token and untiled MLPs of this job's plan (0.04 GB
-  // and more than 0.1 by the planner's estimate: 1024-token tiles).
-  const auto auto_tile = With(job, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=0.08"});
+  // The limit: between the estimates of 1024-token and untiled MLPs of this job's plan (0.35 and
+  // 0.40 GB by the planner's estimate, 0.28 of it the CPU workers' attention scores).
+  const auto auto_tile = With(job, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=0.37"});
   auto args = LaunchArgs(2, tmp_ + "/dry", auto_tile);
   args.insert(args.begin() + 1, "--dry-run");
   auto dry = testing::RunProcess(args, 60, Env());
@@ -135,6 +136,25 @@ TEST_F(LaunchTest, AStageLongerThanTheHangTimeoutIsNotAHang) {
   const auto step_s = Losses(tmp_ + "/long/metrics.jsonl", "step_time_s");
   ASSERT_EQ(step_s.size(), 1u);
   EXPECT_GT(step_s[0], 2 * timeout_s) << "too fast a machine for this test: raise data.seq_len";
+}
+
+// CPU workers keep attention scores for every pair of positions: a sequence whose scores cannot
+// fit the host's memory is refused before anything starts, naming data.seq_len and the estimate,
+// instead of swapping until the worker is taken for a hung one. The dry run prints the estimate.
+TEST_F(LaunchTest, ACpuSequenceWhoseAttentionScoresDoNotFitTheHostIsRefused) {
+  const std::vector<std::string> job = {"data.format=\"random\"", "train.microbatches=2", "train.accum_calls=1",
+                                        "train.microbatch_size=1"};
+  auto dry_args = LaunchArgs(2, tmp_ + "/dry", With(job, {"data.seq_len=8192"}));
+  dry_args.insert(dry_args.begin() + 1, "--dry-run");
+  auto dry = testing::RunProcess(dry_args, 60, Env());
+  ASSERT_EQ(dry.code, 0) << dry.output;
+  EXPECT_NE(dry.output.find("estimated memory per CPU worker"), std::string::npos) << dry.output;
+  // 4 heads x 131072^2 fp32 scores: 256 GiB for one block's.
+  auto r = Launch(2, tmp_ + "/long", With(job, {"data.seq_len=131072"}), 60);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("data.seq_len = 131072"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("attention scores"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(tmp_ + "/long/metrics.jsonl"));
 }
 
 }  // namespace

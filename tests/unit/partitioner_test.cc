@@ -254,6 +254,27 @@ JobConfig OneStageOfEachKind(int layers) {
   return c;
 }
 
+// CPU workers' explicit attention: fp32 scores per head and pair of positions, two alive at once
+// plus every block's kept probabilities and mask in a gradient stage's graph (one block's with
+// train.layer_recompute); CUDA's fused kernels keep none.
+TEST(Partitioner, MemoryEstimateCountsCpuAttentionScores) {
+  JobConfig c = OneStageOfEachKind(8);  // F[0,8) T[8,10) B[0,8): the backward keeps 7 blocks
+  c.job.device = DeviceKind::kCpu;
+  c.data.seq_len = 2048;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  const MemoryEstimate m = EstimateMemory(c, *plan, 1);
+  const double s = 2048.0, scores = static_cast<double>(c.train.microbatch_size * c.model.num_heads) * s * s * 4.0;
+  EXPECT_NEAR(m.attention_scores, 2.0 * scores + s * s + 7.0 * (scores + s * s), 1.0);
+  c.train.layer_recompute = true;
+  EXPECT_NEAR(EstimateMemory(c, *plan, 1).attention_scores, 3.0 * scores + 2.0 * s * s, 1.0);
+  c.train.layer_recompute = false;
+  c.job.device = DeviceKind::kCuda;
+  const MemoryEstimate cuda = EstimateMemory(c, *plan, 1);
+  EXPECT_EQ(cuda.attention_scores, 0.0);
+  EXPECT_GE(m.total - cuda.total, m.attention_scores);  // the CPU also keeps fp32 head logits
+}
+
 // train.mlp_tile_tokens: a backward stage keeps each block's MLP intermediates for one tile,
 // not for the microbatch, and not the normed sequence (the norm runs inside the tiles); nothing
 // else of the estimate changes.
