@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "coordinator/host_state.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -126,7 +127,11 @@ namespace {
 void ToComputeCopyOnAllCores(const float* in, uint8_t* out, int64_t n, ComputeDtype dtype) {
   constexpr int64_t kChunk = int64_t{1} << 22;
   const size_t width = dtype == ComputeDtype::kFloat32 ? 4 : 2;
-  ParallelFor((n + kChunk - 1) / kChunk, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+  cpu_set_t set;  // the cores this process may run on (a container's or taskset's), not the host's
+  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0
+                        ? CPU_COUNT(&set)
+                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ParallelFor((n + kChunk - 1) / kChunk, cores,
               [&](int64_t c) {
                 const int64_t begin = c * kChunk;
                 ToComputeCopy(in + begin, out + begin * width, std::min(kChunk, n - begin), dtype);

@@ -131,7 +131,7 @@ int UsableCores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus) {
+void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus, bool cpu_workers) {
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
   const core::PipelinePlan* plan = &resolved_plan;
   auto layout = shm::ComputeLayout(cfg, spec, *plan);
@@ -171,16 +171,10 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
                 p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
-    if (cfg.job.device != core::DeviceKind::kCpu) {
+    if (!cpu_workers)
       std::printf("estimated device memory per worker: %.1f GiB (the planner's estimate; "
                   "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
                   p.peak_memory_bytes / (1ull << 30));
-    } else {
-      const core::MemoryEstimate m = core::EstimateMemory(cfg, *plan, gpus);
-      std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
-                  "scores, which grow with the square of data.seq_len)\n",
-                  m.total / (1ull << 30), m.attention_scores / (1ull << 30));
-    }
   }
   std::printf("workers fetch %s\n",
               !layout->masters_in_state         ? "a compute copy the optimizer writes"
@@ -277,32 +271,45 @@ Status MakeLogDir(const std::string& output_dir, const std::string& log_dir) {
   return Status::Ok();
 }
 
+// CPU workers compute in host memory: `cpu_worker` is one worker's estimate (EstimateMemory as
+// the workers run). When they and the segments (`bytes`) exceed what is available, the reason,
+// naming the estimate's largest part; empty when they fit or the host does not say.
+std::string CpuWorkersOverHostMemory(const core::JobConfig& cfg, uint64_t bytes, int workers,
+                                     const core::MemoryEstimate& cpu_worker) {
+  const uint64_t avail = shm::AvailableHostMemory();
+  const double need = static_cast<double>(bytes) + workers * cpu_worker.total;
+  if (avail == 0 || need <= static_cast<double>(avail)) return "";
+  auto gib = [](double b) {
+    char t[32];
+    std::snprintf(t, sizeof(t), "%.1f GiB", b / static_cast<double>(1ull << 30));
+    return std::string(t);
+  };
+  std::string why = "job " + cfg.job.name + ": each of the " + std::to_string(workers) +
+                    " CPU workers needs about " + gib(cpu_worker.total) + " by the planner's estimate";
+  if (cpu_worker.attention_scores > 0.5 * cpu_worker.total)
+    why += " (" + gib(cpu_worker.attention_scores) +
+           " of it attention scores, which CPU workers keep for every pair of positions: they grow with the "
+           "square of data.seq_len = " + std::to_string(cfg.data.seq_len) + ")";
+  else
+    why += " (rp-plan prints its parts)";
+  return why + ", " + gib(need) + " with the shared memory, and the host (or its memory cgroup) has " +
+         gib(static_cast<double>(avail)) + " available; shorter sequences, fewer workers, train.layer_recompute " +
+         "or CUDA workers";
+}
+
 // Before any process starts: the segments (`bytes`) must fit /dev/shm (a hard limit: tmpfs would
 // SIGBUS mid-run), and should fit the available host memory (a warning: swap may still hold them,
-// but CUDA workers pin the state segment and pinned pages cannot be swapped). CPU workers
-// (`cpu_worker` set: one worker's estimate) compute in host memory too: when they and the
-// segments exceed what is available the run is refused, since a worker swapping its attention
-// scores would not finish a layer before it is taken for a hung one.
+// but CUDA workers pin the state segment and pinned pages cannot be swapped). CPU workers and the
+// segments beyond the available memory are refused: a worker swapping its attention scores would
+// not finish a layer before it is taken for a hung one.
 Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes, int workers,
                        const std::optional<core::MemoryEstimate>& cpu_worker) {
   if (Status room = shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name); !room.ok())
     return Status::InvalidArgument(room.message() + " (rp-launch --dry-run shows where the bytes go)");
+  if (cpu_worker)
+    if (std::string why = CpuWorkersOverHostMemory(cfg, bytes, workers, *cpu_worker); !why.empty())
+      return Status::InvalidArgument(why);
   const uint64_t avail = shm::AvailableHostMemory();
-  const double gib = static_cast<double>(1ull << 30);
-  if (avail > 0 && cpu_worker) {
-    const double need = static_cast<double>(bytes) + workers * cpu_worker->total;
-    if (need > static_cast<double>(avail)) {
-      char text[640];
-      std::snprintf(text, sizeof(text),
-                    "job %s: each of the %d CPU workers needs about %.1f GiB by the planner's estimate (%.1f GiB of it "
-                    "attention scores, which CPU workers keep for every pair of positions: they grow with the square "
-                    "of data.seq_len = %lld), %.1f GiB with the shared memory, and the host (or its memory cgroup) has "
-                    "%.1f GiB available; shorter sequences, fewer workers, train.layer_recompute or CUDA workers",
-                    cfg.job.name.c_str(), workers, cpu_worker->total / gib, cpu_worker->attention_scores / gib,
-                    static_cast<long long>(cfg.data.seq_len), need / gib, static_cast<double>(avail) / gib);
-      return Status::InvalidArgument(text);
-    }
-  }
   if (avail > 0 && bytes > avail)
     std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host (or its memory cgroup) has "
                  "%.1f GiB available; expect swapping, or the kernel's OOM killer\n",
@@ -387,7 +394,8 @@ int RunSession(const LaunchOptions& o) {
     }
   }
   // CPU workers share the host's cores: beyond a few per core they only contend.
-  const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA;
+  const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
+                           (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() == 0);
   const int max_cpu_workers = 4 * UsableCores();
   if (cpu_workers && o.gpus > max_cpu_workers) {
     std::fprintf(stderr, "rp-launch: --gpus %d CPU workers on %d usable cores; at most %d (4 per core)\n", o.gpus,
@@ -420,20 +428,27 @@ int RunSession(const LaunchOptions& o) {
       return kExitBadConfig;
     }
   }
+  std::optional<core::MemoryEstimate> cpu_worker;
+  if (cpu_workers) {
+    core::JobConfig as_run = *cfg;  // job.device = "auto" without a GPU: the workers compute on the CPU
+    as_run.job.device = core::DeviceKind::kCpu;
+    cpu_worker = core::EstimateMemory(as_run, run.plan, o.gpus);
+  }
   if (o.dry_run) {
-    PrintDryRun(*cfg, run.plan, o.gpus);
+    PrintDryRun(*cfg, run.plan, o.gpus, cpu_workers);
+    if (cpu_worker) {
+      std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
+                  "scores, which grow with the square of data.seq_len)\n",
+                  cpu_worker->total / (1ull << 30), cpu_worker->attention_scores / (1ull << 30));
+      if (std::string why = CpuWorkersOverHostMemory(*cfg, shared_bytes, o.gpus, *cpu_worker); !why.empty())
+        std::printf("a launch would be refused: %s\n", why.c_str());
+    }
     std::printf("resolved run spec (what the coordinator and workers read):\n%s", core::RunSpecJson(run).c_str());
     return kExitOk;
   }
   if (Status s = o.resume ? core::CheckNoPlantedLinks(*cfg) : core::CheckOutputDir(*cfg); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
-  }
-  std::optional<core::MemoryEstimate> cpu_worker;
-  if (cpu_workers) {
-    core::JobConfig as_run = *cfg;  // job.device = "auto" without a GPU: the workers compute on the CPU
-    as_run.job.device = core::DeviceKind::kCpu;
-    cpu_worker = core::EstimateMemory(as_run, run.plan, o.gpus);
   }
   if (Status s = CheckHostMemory(*cfg, shared_bytes, o.gpus, cpu_worker); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());

