@@ -123,9 +123,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // such tensors are alive at once besides what a graph keeps (an operation's input and output;
   // in a softmax's backward, the probabilities' gradient and the scores'), and a gradient stage's
   // graph keeps each block's probabilities and mask. Quadratic in the sequence: the parity job
-  // (4 heads) at 8K tokens measured 4.38 GiB of worker RSS, where this counts 4.19 GiB for its
-  // two-block backward stage; at 32K one head's scores alone are 4 GiB. CUDA's fused kernels
-  // keep no score.
+  // (4 heads) with one 8K-token sequence per microbatch measured 4.38 GiB of worker RSS, where
+  // this counts 4.19 GiB for its two-block backward stage; at 32K one head's scores alone are
+  // 4 GiB. CUDA's fused kernels keep no score.
   double scores = 0.0, mask = 0.0;
   if (c.job.device == core::DeviceKind::kCpu) {
     const double s = static_cast<double>(c.data.seq_len);
@@ -394,7 +394,7 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   // A smaller tile never needs more memory (its intermediates shrink; the tiles' saved inputs
   // are one sequence's whatever the size), so the tiles that fit are a suffix of `tiles`: untiled
   // first (most jobs fit it), then the smallest, then bisection between. Each try is a whole
-  // plan search with partition = "auto"; trying every size cost rp-plan --max-seq minutes.
+  // plan search with partition = "auto"; trying every size made rp-plan --max-seq twice as slow.
   RP_ASSIGN_OR_RETURN(const double untiled, peak_with(0));
   double smallest = untiled;
   size_t fit = tiles.size();  // the first index known to fit
