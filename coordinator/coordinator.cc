@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "coordinator/coordinator.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/cores.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/session.h"
@@ -244,10 +244,7 @@ Status Coordinator::Setup() {
 int OptimizerThreads(const CoordinatorOptions& o, const core::JobConfig& cfg) {
   if (o.optimizer_threads > 0) return o.optimizer_threads;
   if (cfg.bench.optimizer_threads > 0) return static_cast<int>(cfg.bench.optimizer_threads);
-  cpu_set_t set;
-  int cores = static_cast<int>(std::thread::hardware_concurrency());
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
-  return std::max(1, cores);
+  return UsableCores();
 }
 
 Status Coordinator::StartParts() {

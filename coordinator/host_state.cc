@@ -1,16 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "coordinator/host_state.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <cstring>
 
+#include "common/cores.h"
 #include "common/logging.h"
 #include "coordinator/optim/adamw.h"
 #include "coordinator/optim/optimizer_step.h"
@@ -127,11 +126,7 @@ namespace {
 void ToComputeCopyOnAllCores(const float* in, uint8_t* out, int64_t n, ComputeDtype dtype) {
   constexpr int64_t kChunk = int64_t{1} << 22;
   const size_t width = dtype == ComputeDtype::kFloat32 ? 4 : 2;
-  cpu_set_t set;  // the cores this process may run on (a container's or taskset's), not the host's
-  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0
-                        ? CPU_COUNT(&set)
-                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  ParallelFor((n + kChunk - 1) / kChunk, cores,
+  ParallelFor((n + kChunk - 1) / kChunk, UsableCores(),
               [&](int64_t c) {
                 const int64_t begin = c * kChunk;
                 ToComputeCopy(in + begin, out + begin * width, std::min(kChunk, n - begin), dtype);

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "launcher/launcher.h"
 
-#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/mman.h>
@@ -21,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "rp_config.h"
+#include "common/cores.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/stop_agreement.h"
@@ -125,11 +125,6 @@ class RuntimeDir {
   std::string path_;
 };
 
-int UsableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus, bool cpu_workers) {
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
