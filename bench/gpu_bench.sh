@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Runs one benchmark job and prints one JSON line (append it to bench/results.jsonl).
 #   bench/gpu_bench.sh BUILD_DIR WORKERS JOB [--set ...]
-# Env: RP_COMMIT (the commit measured), RP_MACHINE (free text). Steady-state figures skip the
+# Env: RP_COMMIT (the commit measured), RP_MACHINE (free text), RP_BENCH_OUT (the directory to run
+# in, kept afterwards: a run split with train.stop_after is continued by passing --resume among
+# the arguments with the same RP_BENCH_OUT; its metrics.jsonl then holds every step). Steady-state figures skip the
 # first two steps (allocator and page warm-up; runs of 2-3 steps skip only the first); whole-run
 # figures include them and the drain.
 # host_bytes_per_param counts both segments at their full size plus the coordinator's peak
 # anonymous RSS; host_bytes_per_param_touched counts the peak of /dev/shm pages actually in use.
 set -euo pipefail
 build=$1; n=$2; job=$3; shift 3
-out=$(mktemp -d /tmp/rp-bench-XXXXXX)
+if [ -n "${RP_BENCH_OUT:-}" ]; then out=$RP_BENCH_OUT; mkdir -p "$out"; else out=$(mktemp -d /tmp/rp-bench-XXXXXX); fi
 cmd="$build/bin/rp-launch --gpus $n $job --set job.output_dir=$out/run $*"
-$cmd > "$out/log" 2>&1 &
+$cmd >> "$out/log" 2>&1 &
 launcher=$!
 peak_coord_anon=0; peak_worker_rss=0; peak_shm=0; peak_gpu_mib=0
 while kill -0 $launcher 2>/dev/null; do
@@ -79,4 +81,4 @@ print(json.dumps({
 }))
 PY
 [ -n "${RP_BENCH_KEEP:-}" ] && cp -r "$out/run" "$RP_BENCH_KEEP"
-rm -rf "$out"
+[ -n "${RP_BENCH_OUT:-}" ] || rm -rf "$out"
