@@ -3,16 +3,20 @@
 #   bench/gpu_bench.sh BUILD_DIR WORKERS JOB [--set ...]
 # Env: RP_COMMIT (the commit measured), RP_MACHINE (free text), RP_BENCH_OUT (the directory to run
 # in, kept afterwards: a run split with train.stop_after is continued by passing --resume among
-# the arguments with the same RP_BENCH_OUT; its metrics.jsonl then holds every step). Steady-state figures skip the
-# first two steps (allocator and page warm-up; runs of 2-3 steps skip only the first); whole-run
-# figures include them and the drain.
+# the arguments with the same RP_BENCH_OUT). Each line describes the steps this command ran
+# (summary.json's first_step..last_step; "losses" lists every step of the run so far).
+# Steady-state figures skip the first two of them (allocator and page warm-up; 2-3 steps skip
+# only the first, one step is kept and "steps" says so); whole-run figures include them and the
+# drain.
 # host_bytes_per_param counts both segments at their full size plus the coordinator's peak
 # anonymous RSS; host_bytes_per_param_touched counts the peak of /dev/shm pages actually in use.
 set -euo pipefail
 build=$1; n=$2; job=$3; shift 3
-if [ -n "${RP_BENCH_OUT:-}" ]; then out=$RP_BENCH_OUT; mkdir -p "$out"; else out=$(mktemp -d /tmp/rp-bench-XXXXXX); fi
+if [ -n "${RP_BENCH_OUT:-}" ]; then out=$(realpath -m "$RP_BENCH_OUT"); mkdir -p "$out"; else out=$(mktemp -d /tmp/rp-bench-XXXXXX); fi
+# One log per command in a kept directory (log, log.2, ...): the line reads only its own.
+log=$out/log; k=1; while [ -e "$log" ]; do k=$((k + 1)); log=$out/log.$k; done
 cmd="$build/bin/rp-launch --gpus $n $job --set job.output_dir=$out/run $*"
-$cmd >> "$out/log" 2>&1 &
+$cmd > "$log" 2>&1 &
 launcher=$!
 peak_coord_anon=0; peak_worker_rss=0; peak_shm=0; peak_gpu_mib=0
 while kill -0 $launcher 2>/dev/null; do
@@ -32,12 +36,14 @@ while kill -0 $launcher 2>/dev/null; do
   [ -n "$g" ] && [ "$g" -gt "$peak_gpu_mib" ] 2>/dev/null && peak_gpu_mib=$g
   sleep 1
 done
-wait $launcher || { echo "bench: run failed" >&2; tail -30 "$out/log" >&2; exit 1; }
-python3 - "$out" "$n" "$job" "$cmd" "$peak_coord_anon" "$peak_worker_rss" "$peak_shm" "$peak_gpu_mib" <<'PY'
+wait $launcher || { echo "bench: run failed" >&2; tail -30 "$log" >&2; exit 1; }
+python3 - "$out" "$n" "$job" "$cmd" "$peak_coord_anon" "$peak_worker_rss" "$peak_shm" "$peak_gpu_mib" "$log" <<'PY'
 import json, sys, datetime, os, re, subprocess
-out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb, gpu_mib = sys.argv[1:]
-steps = [json.loads(l) for l in open(out + "/run/metrics.jsonl")]
+out, n, job, cmd, coord_anon_kb, worker_rss_kb, shm_kb, gpu_mib, log = sys.argv[1:]
+every_step = [json.loads(l) for l in open(out + "/run/metrics.jsonl")]
 summ = json.load(open(out + "/run/summary.json"))
+first, last = summ.get("first_step", 1), summ.get("last_step", len(every_step))
+steps = [s for s in every_step if first <= s["step"] <= last]
 # Short runs (2-3 steps, e.g. the 8B) still drop the first step, whose start-up would otherwise
 # dominate; one-step runs keep it (and say so through "steps").
 steady = steps[2:] if len(steps) > 3 else steps[1:] if len(steps) > 1 else steps
@@ -53,7 +59,7 @@ except Exception:
 print(json.dumps({
   "date": datetime.date.today().isoformat(), "commit": os.environ.get("RP_COMMIT", "?"),
   "machine": os.environ.get("RP_MACHINE", gpu), "command": cmd, "workload": os.path.basename(job),
-  "workers": int(n), "steps": len(steps),
+  "workers": int(n), "steps": len(steps), "first_step": first,
   "tokens_per_s_steady": round(tps, 1), "tokens_per_s_whole_run": round(summ["tokens_per_s"], 1),
   "mfu_steady": round(6 * total * tps / (790e12 * int(n)), 4),  # per GPU, all model parameters
   # The same with causal attention's matmuls (QK^T and PV over s/2 keys on average, forward and
@@ -75,9 +81,9 @@ print(json.dumps({
   "peak_gpu_memory_bytes_per_worker": int(gpu_mib) * 1024 * 1024,
   # The workers' own figures at exit (caching allocator: allocated peak, reserved peak), GiB.
   "worker_device_memory_peaks_gib": [[float(x) for x in re.findall(r"device memory peak: ([0-9.]+) GiB allocated by tensors, ([0-9.]+) GiB reserved", l)[0]]
-                                     for l in open(out + "/log") if "device memory peak" in l],
+                                     for l in open(log) if "device memory peak" in l],
   "plan": summ.get("plan"), "prediction": summ.get("prediction"),
-  "losses": [round(s["loss"], 4) for s in steps],
+  "losses": [round(s["loss"], 4) for s in every_step],
 }))
 PY
 [ -n "${RP_BENCH_KEEP:-}" ] && cp -r "$out/run" "$RP_BENCH_KEEP"

@@ -98,32 +98,36 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // allocator peaks of the Qwen3-1.7B at 524,288 tokens with 262,144-token tiles and fused tails
   // of 4 and 7 blocks, 93.3 and 143.6 GB: +0.5% and +0.3%; checked on the 8B LoRA at 262,144
   // tokens with 4,096-token tiles, 111.4 GB: +4.7%, and the 1.7B at 65,536 tokens untiled with an
-  // 8-block tail, 45.4 GB: +6.2%):
-  //  * kept: what a block's graph saves for its backward, about kept_hidden hidden-sized tensors
-  //    and, untiled, its MLP's three intermediate-sized ones (a tiled block recomputes each tile
-  //    in the backward, so its graph keeps only the tile's input, the residual stream).
+  // 8-block tail, 45.4 GB: +5.9%):
+  //  * kept: what a block's graph saves for its backward: about 7.5 hidden-sized tensors, tiled
+  //    or not (the checks above did not separate the normed sequence an untiled block also
+  //    keeps), and, untiled, its MLP's three intermediate-sized ones (a tiled block recomputes
+  //    each tile in the backward, so its graph keeps only the tile's input, the residual stream).
   //  * working: what the one block being computed adds beside the kept tensors: about six
-  //    hidden-sized tensors (the gradients flowing through it, the attention kernel's fp32
-  //    accumulators) and three intermediate-sized ones over one tile (the whole sequence
-  //    untiled). A measured profile records only the kept part, so it is added to it too.
+  //    hidden-sized tensors (in a backward, the gradients flowing through it and the attention
+  //    kernel's fp32 accumulators; a forward without a graph holds fewer) and three
+  //    intermediate-sized ones over one tile (the whole sequence untiled). A measured profile
+  //    records only the kept part, so it is added to it too.
   // A sparse block is never tiled and keeps its experts' intermediates and the routed copies of
-  // its input and output (2 x k hidden-sized rows); one sparse block makes every block count as
-  // one (the estimate is one per-block figure; slightly high for a mixed model's dense blocks).
+  // its input and output (2 x k hidden-sized rows), with ten hidden-sized tensors (not refitted).
+  // The estimate is one per-block figure: the larger of the dense and the sparse block's, for
+  // each part, over the kinds the model has.
   const double tile = c.train.mlp_tile_tokens > 0 ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens)) : tokens;
-  const bool tiled = tile < tokens;
-  double kept_hidden = 7.5;
-  double I = static_cast<double>(c.model.intermediate_size);  // intermediate-sized elements per token
-  bool sparse = false;
-  for (int64_t b = 0; b < c.model.num_layers; ++b)
-    if (SparseBlock(c.model, b)) {
-      sparse = true;
-      kept_hidden = 10.0;
-      const double k = static_cast<double>(c.model.moe.experts_per_token);
-      I = std::max(I, k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0);
-    }
-  const bool mlp_kept = !tiled || sparse;
-  const double kept_per_block = tokens * (kept_hidden * H + (mlp_kept ? 3.0 * I : 0.0)) * elem;
-  const double working = (tokens * 6.0 * H + 3.0 * (mlp_kept ? tokens : tile) * I) * elem;
+  double kept_per_block = 0.0, working = 0.0;
+  bool dense = false, sparse = false;
+  for (int64_t b = 0; b < c.model.num_layers; ++b) (SparseBlock(c.model, b) ? sparse : dense) = true;
+  if (dense || !sparse) {
+    const double I = static_cast<double>(c.model.intermediate_size);
+    const bool tiled = tile < tokens;
+    kept_per_block = tokens * (7.5 * H + (tiled ? 0.0 : 3.0 * I)) * elem;
+    working = (tokens * 6.0 * H + 3.0 * tile * I) * elem;
+  }
+  if (sparse) {
+    const double k = static_cast<double>(c.model.moe.experts_per_token);
+    const double I = k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0;
+    kept_per_block = std::max(kept_per_block, tokens * (10.0 * H + 3.0 * I) * elem);
+    working = std::max(working, tokens * (6.0 * H + 3.0 * I) * elem);
+  }
   // Per stage: its weights, gradients and activations while it runs.
   std::vector<double> weight_bytes, gradient_bytes, act_bytes, sum_bytes, score_bytes;
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
@@ -167,7 +171,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     const bool grads = st.kind != StageKind::kForward;
     // A gradient stage: every block's kept tensors and one block's working set; a forward stage
     // (no graph): one block's working set. train.layer_recompute: a gradient stage keeps each
-    // block's input and one block's graph at a time.
+    // block's input and one block's graph at a time. A fused tail counts its head's loss chunk
+    // (below) beside the working set, though the two are not alive at once: the fit absorbed it.
     const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
     const double stage_working = blocks > 0 ? working : 0.0;
     const double kept_inputs = blocks * tokens * H * elem;
@@ -212,14 +217,12 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // (allocated, copied into as published) when the running job is a layer-major forward job.
   // Jobs go to workers round-robin in the step's order (StepJobOrder: with interleaved calls
   // F c0, F c1, T c0, B c0, T c1, B c1), so the next job of the job at position g is the one at
-  // g + workers, of this step or the next. Pairing the worst stage with the largest weights of
-  // any stage, as before, overstated plans with one long stage. A next job in the next step
-  // waits for this step's update in exact mode with clipping, which needs this job's gradients
+  // g + workers, of this step or the next. (Pairing the worst stage with the largest weights of
+  // any stage overstates plans with one long stage: the 4B job's auto plan, whose last backward
+  // stage precedes a 36-layer forward stage, by about 8 GB.) A next job in the next step waits
+  // for this step's update in exact mode with clipping, which needs this job's gradients
   // committed: unless this job reserves it, nothing of it is on the device while this job
-  // computes (the 4B job's auto plan, whose last backward stage precedes a 36-layer forward
-  // stage: 21.2 GB estimated with the old pairing, 18.8 with prefetch alone, 14.1 now; 13.2 GB
-  // allocated at the peak, measured on the H200; 13.1 GB with the sinks counted.
-  // The 1.7B job's auto plan: 11.1 -> 9.0 -> 8.1 GB, 6.5 allocated).
+  // computes.
   MemoryEstimate out;
   const int calls = static_cast<int>(std::max<int64_t>(1, core::Round(c).calls));
   const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));

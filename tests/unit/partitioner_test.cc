@@ -278,7 +278,7 @@ TEST(Partitioner, MemoryEstimateCountsCpuAttentionScores) {
 // train.mlp_tile_tokens: a backward stage's blocks keep no MLP intermediates (each tile is
 // recomputed in the backward), and the block being computed holds one tile's instead of the
 // microbatch's; nothing else of the estimate changes.
-TEST(Partitioner, MemoryEstimateKeepsOneTileOfEachBlocksMlp) {
+TEST(Partitioner, MemoryEstimateOfTiledBlocksKeepsNoMlpIntermediates) {
   JobConfig c = OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
   c.data.seq_len = 4096;
   auto plan = BuildPlan(c);
@@ -417,9 +417,9 @@ TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
 // A measured profile records what each block's graph keeps; the block being backpropagated also
 // holds its working set (about six hidden-sized and three intermediate-sized tensors per token,
 // one tile's with tiled MLPs), which the estimate adds to the measured bytes as it does to the
-// cost model's. A plan chosen from measured bytes alone overran its memory budget at long
-// sequences. So a profile that measured exactly what the cost model assumes a block keeps gives
-// the cost model's estimate, tiled or not.
+// cost model's kept bytes. So a profile that measured exactly what the cost model assumes a
+// block keeps gives the cost model's estimate, tiled or not, and measured bytes are never the
+// whole of a gradient stage's activations.
 TEST(Partitioner, MeasuredSavedBytesGetTheWorkingSetOfTheBlockBeingComputed) {
   for (int64_t tile : {int64_t{0}, int64_t{1000}}) {
     JobConfig c = OneStageOfEachKind(24);  // B[0,24): 23 blocks, the peak
@@ -441,10 +441,38 @@ TEST(Partitioner, MeasuredSavedBytesGetTheWorkingSetOfTheBlockBeingComputed) {
     const MemoryEstimate same = EstimateMemory(c, *plan, 1, &measured);
     EXPECT_EQ(same.stage, model.stage) << tile;
     EXPECT_NEAR(same.total, model.total, 1e-9 * model.total) << tile;
-    // Graphs that keep nothing still leave the working set.
-    for (auto& layer : measured.layers) layer.saved_bytes = 0.0;
-    EXPECT_GE(EstimateMemory(c, *plan, 1, &measured).activations, working) << tile;
+    // Graphs that keep half as much: the stage counts what they keep plus the working set.
+    for (auto& layer : measured.layers) layer.saved_bytes = kept / 2.0;
+    const MemoryEstimate half = EstimateMemory(c, *plan, 1, &measured);
+    ASSERT_EQ(plan->stages[half.stage].Describe(), "B[0,24)") << tile;
+    EXPECT_NEAR(half.activations, 23.0 * kept / 2.0 + working, 1e-9 * half.activations) << tile;
   }
+}
+
+// A model with dense and sparse blocks: each part of the per-block figure is the larger of the
+// two kinds', so tiling the dense MLPs lowers the estimate when the dense block is the larger,
+// and never below what the sparse blocks alone need.
+TEST(Partitioner, MixedDenseAndSparseBlocksTakeTheLargerOfEachPart) {
+  JobConfig c = OneStageOfEachKind(24);
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 4096;
+  c.model.moe.num_experts = 4;
+  c.model.moe.experts_per_token = 1;
+  c.model.moe.expert_intermediate_size = 16;  // a sparse block far below the dense one
+  c.model.moe.sparse_step = 2;                // blocks 1, 3, 5, ... sparse
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  JobConfig tiled = c;
+  tiled.train.mlp_tile_tokens = 512;
+  const MemoryEstimate whole = EstimateMemory(c, *plan, 1), part = EstimateMemory(tiled, *plan, 1);
+  EXPECT_LT(part.total, whole.total);
+  // All-sparse with the same experts: tiling changes nothing (sparse blocks are never tiled).
+  JobConfig all_sparse = c;
+  all_sparse.model.moe.sparse_step = 1;
+  JobConfig all_sparse_tiled = all_sparse;
+  all_sparse_tiled.train.mlp_tile_tokens = 512;
+  EXPECT_DOUBLE_EQ(EstimateMemory(all_sparse, *plan, 1).total, EstimateMemory(all_sparse_tiled, *plan, 1).total);
+  EXPECT_GE(part.activations, EstimateMemory(all_sparse, *plan, 1).activations);
 }
 
 TEST(Partitioner, MemoryEstimateCountsGradientsWaitingInTheWorkersForTheNorm) {
@@ -475,7 +503,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   // clipping they may be. B (with the embedding's gradient) is the worst stage here.
   JobConfig c = OneStageOfEachKind(6);
   c.train.accum_calls = 1;
-  c.data.seq_len = 4096;  // the blocks' activations above the head's loss chunk
+  c.data.seq_len = 4096;  // the blocks' activations (CPU attention scores among them) above the head's loss chunk
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->Describe(), "F[0,6) T[6,8) B[0,6)");
