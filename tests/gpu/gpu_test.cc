@@ -309,6 +309,44 @@ TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
   }
 }
 
+// Under schedule.gpu_memory_gb the planner's plan and MLP tile keep the worker's peak under the
+// budget, whether chosen from the FLOP cost model (the first command) or, resumed, from the run's
+// own measured profile, which records what each block's graph keeps and to which the estimate
+// adds the working set of the block being computed. Long sequences, where activations decide
+// the plan: eight Qwen3-1.7B-sized blocks in bf16, two sequences of 65,536 tokens per step.
+TEST_F(GpuTest, PlansUnderAMemoryBudgetStayUnderItResumedFromAMeasuredProfileToo) {
+  const double budget_gb = 16.0;
+  const std::vector<std::string> job = {
+      "job.device=\"cuda\"", "train.dtype=\"bf16\"", "data.format=\"random\"", "model.hidden_size=2048",
+      "model.intermediate_size=6144", "model.num_layers=8", "model.num_heads=16", "model.num_kv_heads=8",
+      "model.head_dim=128", "data.seq_len=65536", "train.microbatch_size=1", "train.microbatches=2",
+      "train.accum_calls=1", "train.steps=5", "train.mlp_tile_tokens=-1", "schedule.partition=\"auto\"",
+      "schedule.gpu_memory_gb=" + std::to_string(budget_gb), "schedule.replan_gain=0"};
+  const std::string out = tmp_ + "/budget";
+  auto run = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", "1", SourceDir() + "/tests/testdata/parity.toml",
+                                  "--set", "job.output_dir=" + out};
+    for (const auto& s : job) a.insert(a.end(), {"--set", s});
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto r = testing::RunProcess(a, 300);
+    EXPECT_EQ(r.code, 0) << r.output;
+    return r.output;
+  };
+  const std::string first = run({"--set", "train.stop_after=3"});
+  const std::string resumed = run({"--resume"});
+  EXPECT_NE(resumed.find("planning from the measured profile"), std::string::npos) << resumed;
+  for (const std::string* output : {&first, &resumed}) {
+    const std::string said = "device memory peak: ";
+    const auto at = output->find(said);
+    ASSERT_NE(at, std::string::npos) << *output;
+    const double peak_gib = std::stod(output->substr(at + said.size()));
+    EXPECT_LE(peak_gib * (1 << 30), budget_gb * 1e9) << (output == &first ? "first command" : "resumed");
+    std::printf("%s: device memory peak %.2f GiB allocated, budget %.1f GB\n",
+                output == &first ? "cost model" : "measured profile", peak_gib, budget_gb);
+  }
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 5u);
+}
+
 TEST_F(GpuTest, Bf16TrainingLearns) {
   auto got = Launch(2, "bf16", {"job.device=\"cuda\"", "train.dtype=\"bf16\""});
   ASSERT_EQ(got.size(), 20u);
