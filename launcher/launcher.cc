@@ -125,7 +125,6 @@ class RuntimeDir {
   std::string path_;
 };
 
-
 void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus, bool cpu_workers) {
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
   const core::PipelinePlan* plan = &resolved_plan;
