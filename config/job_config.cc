@@ -121,7 +121,7 @@ const EnumNames<DeviceKind> kDeviceNames = {{DeviceKind::kAuto, "auto"}, {Device
 const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"}, {DataFormat::kTokens, "tokens"},
                                             {DataFormat::kJsonl, "jsonl"}, {DataFormat::kRandom, "random"}};
 const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"},
-                                           {TrainDtype::kFp16, "fp16"}};
+                                           {TrainDtype::kFp16, "fp16"}, {TrainDtype::kFp8, "fp8"}};
 const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
 const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
 const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
@@ -327,7 +327,9 @@ const std::vector<KeySpec>& Table() {
       Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
            "Compute dtype of the weight copy workers read; masters and moments are fp32. fp16 scales "
            "the loss dynamically (train.loss_scale_*); CPU workers emulate it (fp32 arithmetic on "
-           "weights and stage inputs rounded to fp16)"),
+           "weights and stage inputs rounded to fp16). fp8: bf16, with the blocks' projections multiplied "
+           "in e4m3 with power-of-two scales per row (forward and input gradient; the weight gradient "
+           "stays bf16); CUDA workers on a GPU of compute capability 8.9 or newer"),
       Float("train", "loss_scale_init", F(train.loss_scaling.init), 65536.0, 1e-30, 1e30,
             "fp16: the loss scale of the first step (torch.amp.GradScaler's init_scale)"),
       Float("train", "loss_scale_growth_factor", F(train.loss_scaling.growth_factor), 2.0, 1.0, 1e6,
@@ -739,9 +741,12 @@ Status CrossValidate(const JobConfig& c) {
                                            "gradient is the lookup's plus the head's, summed on the host "
                                            "(model.tie_embeddings = true); use \"host\"");
   }
-  if (c.train.dtype == TrainDtype::kBf16 && c.job.device == DeviceKind::kCpu)
-    return Status::InvalidArgument("train.dtype: \"bf16\" needs job.device = \"cuda\" or \"auto\"; "
-                                   "CPU workers compute in fp32");
+  if ((c.train.dtype == TrainDtype::kBf16 || c.train.dtype == TrainDtype::kFp8) && c.job.device == DeviceKind::kCpu)
+    return Status::InvalidArgument(std::string("train.dtype: \"") + EnumName(c.train.dtype) +
+                                   "\" needs job.device = \"cuda\" or \"auto\"; CPU workers compute in fp32");
+  if (Fp8Matmuls(c) && !c.bench.fused_kernels)
+    return Status::InvalidArgument("train.dtype: \"fp8\" multiplies through the fused kernels' path; "
+                                   "RP_FUSED_KERNELS=0 leaves no fp8 product");
   // Pipeline layers: 0 = embedding, 1..L = blocks, L+1 = head. The tail holds the head and
   // tail_blocks blocks, so forward stages cover [0, tail_start).
   const int64_t L = m.num_layers;

@@ -26,7 +26,7 @@ namespace rp::core {
 // (job_config.cc), which maps them once; EnumName() gives them back for logs and output files.
 enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };              // job.device
 enum class DataFormat : uint8_t { kBytes, kTokens, kJsonl, kRandom };  // data.format
-enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16 };              // train.dtype
+enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16, kFp8 };        // train.dtype
 enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
 enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
@@ -336,8 +336,13 @@ inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.grad
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
 inline int ComputeElemBytes(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp32 ? 4 : 2; }
 // Whether CUDA workers run the project's fused kernels: bench.fused_kernels, and a dtype they take
-// (fp32, bf16; fp16 runs LibTorch's own operators).
+// (fp32, bf16, fp8; fp16 runs LibTorch's own operators).
 inline bool FusedKernelsApply(const JobConfig& c) { return c.bench.fused_kernels && c.train.dtype != TrainDtype::kFp16; }
+// train.dtype = "fp8": weights, activations and gradients are bf16 as with "bf16", and the
+// blocks' projections multiply in e4m3 (model/fp8.h): the forward product and the input gradient
+// from row-scaled e4m3 operands, the weight gradient in bf16 with fp32 sums. The head, the router,
+// experts, attention and LoRA adapters stay bf16. CUDA workers only (validated).
+inline bool Fp8Matmuls(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp8; }
 // Whether each step's loss is scaled (LossScaling).
 inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp16; }
 

@@ -22,7 +22,8 @@ namespace rp::worker {
 namespace {
 at::ScalarType StoredDtype(core::TrainDtype d) {
   switch (d) {
-    case core::TrainDtype::kBf16: return at::kBFloat16;
+    case core::TrainDtype::kBf16:
+    case core::TrainDtype::kFp8: return at::kBFloat16;
     case core::TrainDtype::kFp16: return at::kHalf;
     case core::TrainDtype::kFp32: break;
   }
@@ -49,6 +50,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
     math_.UseFusedKernels(device.fused_kernels());
     math_.UseFusedNorms(cfg.bench.fused_norms);
     weight_grad_sinks_ = device.fused_kernels() != nullptr;
+    math_.UseE4m3Projections(core::Fp8Matmuls(cfg));  // the worker checked the device takes them
   }
   math_.SetEmbedDtype(act_dtype_);
   // Rows looked up in place from the fp32 masters (core::LookupFromHost) are what fp16 would hold.

@@ -626,8 +626,9 @@ Status Worker::Run() {
   if (use_cuda_ && gpus == 0)
     return Status::InvalidArgument("job.device: \"cuda\" requested, but no CUDA device is usable "
                                    "by this build");
-  if (!use_cuda_ && cfg_.train.dtype == core::TrainDtype::kBf16)
-    return Status::InvalidArgument("train.dtype: \"bf16\" needs CUDA workers");
+  if (!use_cuda_ && (cfg_.train.dtype == core::TrainDtype::kBf16 || core::Fp8Matmuls(cfg_)))
+    return Status::InvalidArgument(std::string("train.dtype: \"") + core::EnumName(cfg_.train.dtype) +
+                                   "\" needs CUDA workers");
   // Decided once: whether this worker sums its gradients across the nodes. A test hook forms a
   // group of this node alone, which runs every sum through the whole path and must change nothing.
   sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
@@ -674,6 +675,10 @@ Status Worker::Run() {
   } else {
     device_ = MakeCpuDevice();
   }
+  if (core::Fp8Matmuls(cfg_) &&
+      (device_->fused_kernels() == nullptr || !device_->fused_kernels()->E4m3MatmulSupported()))
+    return Status::InvalidArgument("train.dtype: \"fp8\" needs a GPU of compute capability 8.9 or newer and "
+                                   "LibTorch 2.5 or newer; this worker has " + device_->Describe());
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   // The loop's own rule: no heartbeat while the device has stopped completing work.
   exec_->SetBetweenLayers([this] {

@@ -79,6 +79,20 @@ class FusedKernels {
   // added to the sink in fp32 (no rounding to the inputs' dtype). What at::linear's backward
   // computes for its weight, without rounding it before the sum (Transformer::SetWeightGradSinks).
   virtual void AddWeightGrad(const at::Tensor& sink, const at::Tensor& dy, const at::Tensor& x) const = 0;
+
+  // e4m3 matrix products (train.dtype = "fp8", model/fp8.h's scaling rule).
+  // E4m3MatmulSupported: whether this device multiplies e4m3 matrices (CUDA: compute capability
+  // 8.9 or newer and a LibTorch with row-scaled at::_scaled_mm).
+  virtual bool E4m3MatmulSupported() const = 0;
+  // x [rows, cols] contiguous -> {x / scales rounded to e4m3 (float8_e4m3fn [rows, cols]), the
+  // rows' scales (fp32 [rows, 1])}, in one pass; the same bits as model::E4m3RowScales and
+  // model::RoundToE4m3 give.
+  virtual std::pair<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) const = 0;
+  // (a * a_scales) (b * b_scales)^T as bf16 [m, n], for a [m, k] and b [n, k] with their scales
+  // as QuantizeRowsE4m3 returns them (k and n multiples of 16), the products summed in fp32.
+  // `fast_accum`: the tensor cores' faster accumulation (partial sums promoted less often).
+  virtual at::Tensor MatmulE4m3(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
+                                const at::Tensor& b_scales, bool fast_accum) const = 0;
 };
 
 }  // namespace rp::model

@@ -61,7 +61,7 @@ at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module, 
 at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, const at::Tensor& h,
                              int layer, int module, int64_t first_token) const {
   auto bias = w.find(role + ".bias");
-  at::Tensor y = Linear(h, Get(w, role), bias == w.end() ? at::Tensor() : bias->second);
+  at::Tensor y = ProjLinear(h, Get(w, role), bias == w.end() ? at::Tensor() : bias->second);
   auto a = w.find(role + ".lora_A");
   if (a == w.end()) return y;
   const at::Tensor& b = Get(w, role + ".lora_B");
@@ -251,6 +251,50 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
   }
 };
 
+// x W^T from e4m3 operands quantized by rows (model/fp8.h), summed in fp32, rounded to bf16; the
+// input gradient dy W likewise from dy's rows and W^T's rows (W's columns: its scales must run
+// along the input dimension). The weight gradient dy^T x stays bf16 with fp32 sums, into the
+// weight's sink when it has one: in e4m3 its operands would be scaled along the tokens, thousands
+// of them per scale, and it is only a third of the products.
+struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& sink, const FusedKernels* k) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["has_sink"] = sink.defined();
+    if (sink.defined()) ctx->saved_data["sink"] = sink;
+    ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
+    auto [xq, xs] = k->QuantizeRowsE4m3(x.reshape({-1, x.size(-1)}).contiguous());
+    auto [wq, ws] = k->QuantizeRowsE4m3(w.contiguous());
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = w.size(0);
+    // Fast accumulation in the forward only, where the sums are short-lived; the gradients get
+    // the promoted sums.
+    return k->MatmulE4m3(xq, xs, wq, ws, /*fast_accum=*/true).view(shape);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor dy = grads[0].reshape({-1, grads[0].size(-1)}).contiguous();
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) {
+      auto [dq, ds] = k->QuantizeRowsE4m3(dy);
+      auto [wtq, wts] = k->QuantizeRowsE4m3(w.t().contiguous());
+      dx = k->MatmulE4m3(dq, ds, wtq, wts, /*fast_accum=*/false).view(x.sizes());
+    }
+    if (ctx->needs_input_grad(1)) {  // a frozen weight's sum stays as it is
+      const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+      if (ctx->saved_data["has_sink"].toBool())
+        k->AddWeightGrad(ctx->saved_data["sink"].toTensor(), dy, x2);
+      else
+        dw = at::mm(dy.t(), x2);
+    }
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
 // A tile of a dense block's post-attention norm and MLP, checkpointed: the forward keeps only the
 // tile's input (the residual stream after attention, which the block keeps anyway); the backward
 // recomputes the tile with autograd (the microbatch's dropout key restored) and backpropagates
@@ -331,6 +375,19 @@ at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight, co
     }
   }
   return at::linear(x, weight, bias);
+}
+
+at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
+  if (!e4m3_projections_ || !Fused(x) || x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
+      x.numel() == 0 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0)
+    return Linear(x, weight, bias);
+  at::Tensor sink;
+  if (!sinks_.empty()) {
+    auto it = sinks_.find(weight.unsafeGetTensorImpl());
+    if (it != sinks_.end()) sink = it->second;
+  }
+  at::Tensor y = E4m3LinearFn::apply(x, weight, sink, fused_);
+  return bias.defined() ? y + bias : y;
 }
 
 at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {

@@ -113,6 +113,12 @@ class Transformer {
   // with no read of the token counts on the host; expert adapters join it when the rank is a
   // multiple of 8 (two more grouped GEMMs per projection); for A/B runs (bench.grouped_experts).
   void UseGroupedExperts(bool on) { grouped_experts_ = on; }
+  // train.dtype = "fp8": blocks' projections of bf16 CUDA tensors (k and n multiples of 16)
+  // multiply in e4m3 through the fused kernels (model/fp8.h; the caller has checked
+  // FusedKernels::E4m3MatmulSupported): x W^T and the input gradient dy W from row-scaled e4m3
+  // operands, the weight gradient dy^T x in bf16 with fp32 sums (into its sink when it has one).
+  // The head, router, experts, attention and LoRA adapters stay bf16.
+  void UseE4m3Projections(bool on) { e4m3_projections_ = on; }
   // Embed's output dtype when its table is stored wider (an fp32 master read in place,
   // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the
   // table first. Unset: the table's dtype.
@@ -177,6 +183,8 @@ class Transformer {
   // at::linear(x, weight, bias), the weight's gradient through its sink when it has one
   // (SetWeightGradSinks); the bias (undefined: none) keeps autograd's gradient.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) const;
+  // Linear in e4m3 (UseE4m3Projections) where it applies to these operands, else Linear.
+  at::Tensor ProjLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const;
   HeadResult FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
                        const at::Tensor& lm_head, double loss_scale, bool backward, bool defer_read) const;
 
@@ -185,6 +193,7 @@ class Transformer {
   WeightGradSinks sinks_;
   bool fused_norms_ = true;
   bool grouped_experts_ = true;
+  bool e4m3_projections_ = false;
   std::optional<at::ScalarType> embed_dtype_;
   std::optional<at::ScalarType> embed_rounding_;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;

@@ -20,7 +20,8 @@ namespace rp::coord {
 // The compute copy's dtype for a job's train.dtype.
 inline ComputeDtype ComputeDtypeOf(core::TrainDtype d) {
   switch (d) {
-    case core::TrainDtype::kBf16: return ComputeDtype::kBFloat16;
+    case core::TrainDtype::kBf16:
+    case core::TrainDtype::kFp8: return ComputeDtype::kBFloat16;  // fp8 rounds inside the products only
     case core::TrainDtype::kFp16: return ComputeDtype::kFloat16;
     case core::TrainDtype::kFp32: break;
   }

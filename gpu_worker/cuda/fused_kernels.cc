@@ -5,6 +5,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <torch/version.h>
 
 #include <stdexcept>
 #include <string>
@@ -179,6 +180,50 @@ class CudaFusedKernels final : public model::FusedKernels {
       throw std::runtime_error(std::string("weight gradient GEMM (cublasGemmEx ") + std::to_string(out) + "x" +
                                std::to_string(in) + ", " + std::to_string(rows) + " rows): " +
                                cublasGetStatusString(st));
+  }
+
+  bool E4m3MatmulSupported() const override {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+    const cudaDeviceProp* p = at::cuda::getCurrentDeviceProperties();
+    return p->major > 8 || (p->major == 8 && p->minor >= 9);
+#else
+    return false;  // no float8 dtype or row-scaled product in this LibTorch
+#endif
+  }
+
+  std::pair<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) const override {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+    const kernels::Dtype dt = DtypeOf(x, "e4m3 quantization input");
+    if (x.dim() != 2) throw std::invalid_argument("e4m3 quantization expects x [rows, cols], got " + c10::str(x.sizes()));
+    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor scales = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+    Check(kernels::QuantizeRowsE4m3(dt, x.data_ptr(), static_cast<uint8_t*>(q.data_ptr()), scales.data_ptr<float>(),
+                                    x.size(0), x.size(1), kComputeStream),
+          "e4m3 quantization kernel launch");
+    return {q, scales};
+#else
+    (void)x;
+    throw std::invalid_argument("e4m3 quantization needs LibTorch 2.5 or newer");
+#endif
+  }
+
+  at::Tensor MatmulE4m3(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
+                        const at::Tensor& b_scales, bool fast_accum) const override {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+    if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(1) || a_scales.numel() != a.size(0) ||
+        b_scales.numel() != b.size(0))
+      throw std::invalid_argument("e4m3 product expects a [m, k], b [n, k] and one scale per row; got a " +
+                                  c10::str(a.sizes()) + ", b " + c10::str(b.sizes()));
+    if (a.size(1) % 16 != 0 || b.size(0) % 16 != 0)
+      throw std::invalid_argument("e4m3 product needs k and n multiples of 16; got a " + c10::str(a.sizes()) +
+                                  ", b " + c10::str(b.sizes()));
+    // b^T as the column-major [k, n] operand the product takes; its scales as a [1, n] row.
+    return at::_scaled_mm(a, b.t(), a_scales.view({-1, 1}), b_scales.view({1, -1}), std::nullopt, std::nullopt,
+                          at::kBFloat16, fast_accum);
+#else
+    (void)a, (void)a_scales, (void)b, (void)b_scales, (void)fast_accum;
+    throw std::invalid_argument("e4m3 products need LibTorch 2.5 or newer");
+#endif
   }
 
  private:

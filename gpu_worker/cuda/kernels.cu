@@ -5,6 +5,7 @@
 // multiply, roll, multiply-add on strided views). Here each element is read once or twice and
 // written once.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cmath>
@@ -669,6 +670,66 @@ bool RmsNormSupports(int64_t dim) {
     case 4: case 8: case 10: case 12: case 16: case 20: return true;
     default: return false;
   }
+}
+
+namespace {
+constexpr int kQuantThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads)
+QuantizeRowsE4m3Kernel(const T* x, uint8_t* q, float* scales, int64_t cols) {
+  const int64_t row = blockIdx.x;
+  const T* in = x + row * cols;
+  uint8_t* out = q + row * cols;
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = threadIdx.x; i < cols; i += kQuantThreads) {
+    const float v = ToFloat(in[i]);
+    finite = finite && isfinite(v);
+    amax = fmaxf(amax, fabsf(v));
+  }
+  __shared__ float warp_max[kQuantThreads / 32];
+  __shared__ int warp_finite[kQuantThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    finite = __all_sync(0xffffffffu, finite);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_max[warp] = amax;
+    warp_finite[warp] = finite;
+  }
+  __syncthreads();
+  amax = 0.0f;
+  finite = true;
+  for (int w = 0; w < kQuantThreads / 32; ++w) {
+    amax = fmaxf(amax, warp_max[w]);
+    finite = finite && warp_finite[w];
+  }
+  // amax = m 2^e, m in [0.5, 1); 448 = 0.875 2^9 (model/fp8.cc has the same rule).
+  int e = 0;
+  const float m = frexpf(amax, &e);
+  int k = e - 9 + (m > 0.875f ? 1 : 0);
+  k = amax == 0.0f ? 0 : min(max(k, -126), 127);
+  const float scale = finite ? __int_as_float((k + 127) << 23) : __int_as_float(0x7fc00000);
+  const float inv = __int_as_float((127 - k) << 23);  // 2^-k, exact: |k| <= 126 here
+  if (threadIdx.x == 0) scales[row] = scale;
+  for (int64_t i = threadIdx.x; i < cols; i += kQuantThreads)
+    out[i] = __nv_cvt_float_to_fp8(ToFloat(in[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+}
+}  // namespace
+
+cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows, int64_t cols,
+                             cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidValue;
+  if (dtype == Dtype::kBFloat16)
+    QuantizeRowsE4m3Kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), q, scales, cols);
+  else
+    QuantizeRowsE4m3Kernel<float><<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
+        static_cast<const float*>(x), q, scales, cols);
+  return cudaGetLastError();
 }
 
 cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum, void* y,

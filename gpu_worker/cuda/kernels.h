@@ -76,6 +76,15 @@ cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, vo
 cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld, const void* dy,
                            void* d_gate, void* d_up, int64_t rows, int64_t cols, cudaStream_t stream);
 
+// e4m3 quantization by rows (train.dtype = "fp8"; the rule of model/fp8.h): for each of `rows`
+// rows of `cols` elements of x, the row's scale is the smallest power of two 2^k with
+// amax / 2^k <= 448 (1 for a row of zeros, NaN for a row holding a non-finite value), written to
+// scales[row] (fp32); each element x / 2^k is rounded to e4m3 (to nearest, ties to even,
+// saturating at +-448) and its byte written to q (OCP e4m3fn). One block per row: one read for
+// the row's maximum, one more read and one write.
+cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows, int64_t cols,
+                             cudaStream_t stream);
+
 // Rounds n fp32 values to bf16 (round to nearest even on the bit pattern; a NaN stays NaN, made
 // quiet), bit for bit as the coordinator's FloatToBFloat16: what a worker fetching the fp32
 // masters does to each chunk of weights. `dst` holds the raw bf16 bits.

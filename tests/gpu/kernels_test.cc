@@ -15,6 +15,7 @@
 #include "config/model_spec.h"
 #include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/device.h"
+#include "model/fp8.h"
 #include "model/transformer.h"
 
 namespace rp {
@@ -518,6 +519,118 @@ TEST(MappedLookup, MatchesTheCopiedTableBitForBit) {
   EXPECT_TRUE(at::allclose(mapped.grad(), ref, 1e-6, 1e-6));
   // The table in host memory is only read.
   EXPECT_FALSE(host.requires_grad());
+}
+
+}  // namespace
+}  // namespace rp
+
+namespace rp {
+namespace {
+
+bool HaveE4m3() { return HaveCuda() && rp::worker::CudaKernels().E4m3MatmulSupported(); }
+
+// The fused quantization gives model/fp8.h's scales and rounding bit for bit, for bf16 and fp32
+// rows of very different magnitudes, a row of zeros and a row holding a NaN (scale NaN).
+class E4m3Quantization : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(E4m3Quantization, GivesTheEmulationsBitsAndScales) {
+  if (!HaveE4m3()) GTEST_SKIP() << "no CUDA device with e4m3 products";
+  const at::ScalarType dtype = GetParam();
+  at::manual_seed(41);
+  auto dev = at::TensorOptions().device(at::kCUDA);
+  at::Tensor x = (at::randn({37, 2051}, dev) * at::exp2(at::rand({37, 1}, dev) * 40.0 - 20.0)).to(dtype);
+  x[5].zero_();
+  x[9][100] = std::nanf("");
+  const auto [q, scales] = rp::worker::CudaKernels().QuantizeRowsE4m3(x);
+  ASSERT_EQ(q.scalar_type(), at::kFloat8_e4m3fn);
+  ASSERT_EQ(scales.sizes(), (std::vector<int64_t>{37, 1}));
+  const at::Tensor want_scales = model::E4m3RowScales(x);
+  const at::Tensor finite = at::isfinite(want_scales).view({-1});
+  EXPECT_FALSE(finite[9].item<bool>());
+  EXPECT_TRUE(std::isnan(scales[9][0].item<float>()));
+  EXPECT_TRUE(scales.index({finite}).equal(want_scales.index({finite})));
+  const at::Tensor want = model::RoundToE4m3(x.to(at::kFloat) / want_scales);
+  EXPECT_TRUE(q.to(at::kFloat).index({finite}).equal(want.index({finite})));
+  EXPECT_EQ(scales[5][0].item<float>(), 1.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, E4m3Quantization, ::testing::Values(at::kBFloat16, at::kFloat));
+
+// The e4m3 product equals the fp32 product of the rounded operands (model::E4m3RoundTripRows)
+// up to its bf16 output's rounding, with and without fast accumulation; shapes as a projection's.
+TEST(E4m3Matmul, IsTheProductOfTheRoundedOperands) {
+  if (!HaveE4m3()) GTEST_SKIP() << "no CUDA device with e4m3 products";
+  at::manual_seed(43);
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor a = at::randn({300, 512}, dev) * 3.0, b = at::randn({384, 512}, dev) * 0.02;
+  const auto& k = rp::worker::CudaKernels();
+  const auto [aq, as] = k.QuantizeRowsE4m3(a);
+  const auto [bq, bs] = k.QuantizeRowsE4m3(b);
+  const at::Tensor want = at::mm(model::E4m3RoundTripRows(a), model::E4m3RoundTripRows(b).t());
+  for (bool fast : {false, true}) {
+    const at::Tensor got = k.MatmulE4m3(aq, as, bq, bs, fast);
+    ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+    ASSERT_EQ(got.sizes(), (std::vector<int64_t>{300, 384}));
+    const double err = ((got.to(at::kFloat) - want).abs() / (want.abs() + 1e-2 * want.abs().max())).max().item<double>();
+    EXPECT_LE(err, std::pow(2.0, -7)) << "fast_accum " << fast;
+  }
+  EXPECT_THROW(k.MatmulE4m3(aq.narrow(1, 0, 500).contiguous(), as, bq.narrow(1, 0, 500).contiguous(), bs, false),
+               std::invalid_argument);
+}
+
+// A decoder block with e4m3 projections, through autograd, with and without weight-gradient
+// sinks: close to the bf16 block (e4m3 keeps 3 mantissa bits, so a few percent), and not the
+// bf16 block itself; with sinks, the same up to the sinks' unrounded sums.
+TEST(BlockE4m3Projections, FollowTheBf16BlockThroughAutograd) {
+  if (!HaveE4m3()) GTEST_SKIP() << "no CUDA device with e4m3 products";
+  const core::ModelConfig mc;
+  const core::ModelSpec spec = core::BuildModelSpec(mc);
+  at::manual_seed(47);
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  model::LayerWeights w = BlockWeights(spec, dev);
+  at::Tensor x = at::randn({2, 64, mc.hidden_size}, dev), dy = at::randn({2, 64, mc.hidden_size}, dev);
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.to(at::kDouble) - b.to(at::kDouble)).norm() / b.to(at::kDouble).norm()).item<double>();
+  };
+  auto run = [&](bool e4m3, bool sinks, std::map<std::string, at::Tensor>* grads) {
+    model::Transformer math(mc);
+    math.UseFusedKernels(&rp::worker::CudaKernels());
+    math.UseE4m3Projections(e4m3);
+    model::Transformer::WeightGradSinks sink_map;
+    std::map<std::string, at::Tensor> sink_of;
+    if (sinks) {
+      for (auto& [role, t] : w)
+        if (model::Transformer::SinkableRole(role)) {
+          sink_of[role] = at::zeros(t.sizes(), dev.dtype(at::kFloat));
+          sink_map.emplace(t.unsafeGetTensorImpl(), sink_of[role]);
+        }
+      math.SetWeightGradSinks(sink_map);
+    }
+    at::Tensor xi = x.detach().requires_grad_(true);
+    at::Tensor y = math.Block(w, xi, 1);
+    y.backward(dy);
+    for (auto& [role, t] : w) {
+      (*grads)[role] = sink_of.count(role) ? sink_of[role] : t.grad().to(at::kFloat).clone();
+      t.mutable_grad().reset();
+    }
+    (*grads)["x"] = xi.grad().to(at::kFloat);
+    return y.detach();
+  };
+  std::map<std::string, at::Tensor> g16, g8, g8s;
+  const at::Tensor y16 = run(false, false, &g16), y8 = run(true, false, &g8), y8s = run(true, true, &g8s);
+  const double out_err = rel(y8, y16);
+  EXPECT_GT(out_err, 0.0);
+  EXPECT_LE(out_err, 0.05);
+  EXPECT_TRUE(y8.equal(y8s));
+  EXPECT_LE(rel(g8["x"], g16["x"]), 0.1);
+  EXPECT_LE(rel(g8s["x"], g8["x"]), std::pow(2.0, -7));
+  for (auto& [role, g] : g16) {
+    if (role == "x") continue;
+    EXPECT_LE(rel(g8[role], g), 0.1) << role;
+    EXPECT_LE(rel(g8s[role], g8[role]), std::pow(2.0, -7)) << role;
+  }
+  std::printf("e4m3 block against bf16: output %.4f, input gradient %.4f relative (Frobenius)\n", out_err,
+              rel(g8["x"], g16["x"]));
 }
 
 }  // namespace

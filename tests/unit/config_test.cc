@@ -147,6 +147,21 @@ TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
   ExpectError(kValid, "train.loss_scale_init", {"train.dtype=fp16", "train.loss_scale_init=0"});
 }
 
+TEST(JobConfig, Fp8IsBf16WithE4m3ProductsOnCudaWorkers) {
+  auto c = Parse(kValid, {"train.dtype=fp8", "job.device=cuda"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(Fp8Matmuls(*c));
+  EXPECT_EQ(ComputeElemBytes(*c), 2);  // weights and activations are bf16
+  EXPECT_TRUE(FusedKernelsApply(*c));
+  EXPECT_FALSE(ScalesLoss(*c));
+  c = Parse(kValid, {"train.dtype=bf16", "job.device=cuda"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_FALSE(Fp8Matmuls(*c));
+  ExpectError(kValid, "train.dtype: \"fp8\" needs job.device", {"train.dtype=fp8", "job.device=cpu"});
+  ScopedEnv no_fused("RP_FUSED_KERNELS=0");
+  ExpectError(kValid, "train.dtype: \"fp8\" multiplies", {"train.dtype=fp8", "job.device=cuda"});
+}
+
 TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
