@@ -257,11 +257,12 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
 // weight's sink when it has one: in e4m3 its operands would be scaled along the tokens, thousands
 // of them per scale, and it is only a third of the products.
 struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
+  // `sink`: null for autograd's weight gradient (an undefined tensor cannot be an argument).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& sink, const FusedKernels* k) {
+                            const at::Tensor* sink, const FusedKernels* k) {
     ctx->save_for_backward({x, w});
-    ctx->saved_data["has_sink"] = sink.defined();
-    if (sink.defined()) ctx->saved_data["sink"] = sink;
+    ctx->saved_data["has_sink"] = sink != nullptr;
+    if (sink != nullptr) ctx->saved_data["sink"] = *sink;
     ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
     auto [xq, xs] = k->QuantizeRowsE4m3(x.reshape({-1, x.size(-1)}).contiguous());
     auto [wq, ws] = k->QuantizeRowsE4m3(w.contiguous());
@@ -381,10 +382,10 @@ at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight
   if (!e4m3_projections_ || !Fused(x) || x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
       x.numel() == 0 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0)
     return Linear(x, weight, bias);
-  at::Tensor sink;
+  const at::Tensor* sink = nullptr;
   if (!sinks_.empty()) {
     auto it = sinks_.find(weight.unsafeGetTensorImpl());
-    if (it != sinks_.end()) sink = it->second;
+    if (it != sinks_.end()) sink = &it->second;
   }
   at::Tensor y = E4m3LinearFn::apply(x, weight, sink, fused_);
   return bias.defined() ? y + bias : y;
