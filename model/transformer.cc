@@ -163,7 +163,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     const auto saved = ctx->get_saved_variables();
     auto [dx, dw] = k->RmsNormBackward(saved[0], saved[1], ctx->saved_data["eps"].toDouble(), grads[0].contiguous(),
                                        at::Tensor(), ctx->needs_input_grad(1));
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -258,19 +258,24 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
 // of them per scale, and it is only a third of the products.
 struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
   // `sink`: null for autograd's weight gradient (an undefined tensor cannot be an argument).
+  // `input`: the last quantized input, reused when it is x's (Transformer::E4m3Input).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor* sink, const FusedKernels* k) {
+                            const at::Tensor* sink, const FusedKernels* k, Transformer::E4m3Input* input) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["has_sink"] = sink != nullptr;
     if (sink != nullptr) ctx->saved_data["sink"] = *sink;
     ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
-    auto [xq, xs] = k->QuantizeRowsE4m3(x.reshape({-1, x.size(-1)}).contiguous());
+    if (!input->x.defined() || input->x.unsafeGetTensorImpl() != x.unsafeGetTensorImpl() ||
+        input->version != static_cast<int64_t>(x._version())) {
+      auto [xq, xs] = k->QuantizeRowsE4m3(x.reshape({-1, x.size(-1)}).contiguous());
+      *input = {x, xq, xs, static_cast<int64_t>(x._version())};
+    }
     auto [wq, ws] = k->QuantizeRowsE4m3(w.contiguous());
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = w.size(0);
     // Fast accumulation in the forward only, where the sums are short-lived; the gradients get
     // the promoted sums.
-    return k->MatmulE4m3(xq, xs, wq, ws, /*fast_accum=*/true).view(shape);
+    return k->MatmulE4m3(input->values, input->scales, wq, ws, /*fast_accum=*/true).view(shape);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -292,7 +297,7 @@ struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
       else
         dw = at::mm(dy.t(), x2);
     }
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -335,7 +340,9 @@ at::Tensor Transformer::Mlp(const LayerWeights& w, const at::Tensor& h, int laye
   at::Tensor gate = Proj(w, "gate_proj", h, layer, 4, first_token);
   at::Tensor up = Proj(w, "up_proj", h, layer, 5, first_token);
   at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
-  return Proj(w, "down_proj", act, layer, 6, first_token);
+  at::Tensor out = Proj(w, "down_proj", act, layer, 6, first_token);
+  e4m3_input_ = {};
+  return out;
 }
 
 at::Tensor Transformer::NormMlp(const LayerWeights& w, const at::Tensor& x1, int layer, int64_t first_token) {
@@ -387,7 +394,7 @@ at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight
     auto it = sinks_.find(weight.unsafeGetTensorImpl());
     if (it != sinks_.end()) sink = &it->second;
   }
-  at::Tensor y = E4m3LinearFn::apply(x, weight, sink, fused_);
+  at::Tensor y = E4m3LinearFn::apply(x, weight, sink, fused_, &e4m3_input_);
   return bias.defined() ? y + bias : y;
 }
 
@@ -429,6 +436,7 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   at::Tensor q = Proj(w, "q_proj", h, layer, 0).view({B, S, nh, D});
   at::Tensor k = Proj(w, "k_proj", h, layer, 1).view({B, S, nkv, D});
   at::Tensor v = Proj(w, "v_proj", h, layer, 2).view({B, S, nkv, D});
+  e4m3_input_ = {};
   at::Tensor cos, sin;
   RopeTables(S, q, &cos, &sin);
   // Qwen3's per-head norm and the rotation in one kernel where the head size allows.
@@ -452,6 +460,7 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   v = v.transpose(1, 2);
   at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
   at::Tensor o = Proj(w, "o_proj", attn, layer, 3);
+  e4m3_input_ = {};
   const int64_t tokens = B * S, tile = mlp_tile_tokens_;
   const bool sparse = w.count("router") > 0;
   if (sparse || tile <= 0 || tile >= tokens) {

@@ -119,6 +119,14 @@ class Transformer {
   // operands, the weight gradient dy^T x in bf16 with fp32 sums (into its sink when it has one).
   // The head, router, experts, attention and LoRA adapters stay bf16.
   void UseE4m3Projections(bool on) { e4m3_projections_ = on; }
+  // The last e4m3 quantization of a projection's input (FusedKernels::QuantizeRowsE4m3), so that
+  // q, k and v quantize their shared input once, as gate and up do. Keyed by the input tensor and
+  // its version; the entry holds the input, so its address cannot be reused while the entry
+  // lives.
+  struct E4m3Input {
+    at::Tensor x, values, scales;
+    int64_t version = -1;
+  };
   // Embed's output dtype when its table is stored wider (an fp32 master read in place,
   // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the
   // table first. Unset: the table's dtype.
@@ -194,6 +202,8 @@ class Transformer {
   bool fused_norms_ = true;
   bool grouped_experts_ = true;
   bool e4m3_projections_ = false;
+  // Emptied after each group of projections that share an input.
+  mutable E4m3Input e4m3_input_;
   std::optional<at::ScalarType> embed_dtype_;
   std::optional<at::ScalarType> embed_rounding_;
   double lora_scale_ = 0.0, lora_dropout_ = 0.0;
