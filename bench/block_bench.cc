@@ -161,13 +161,21 @@ int main(int argc, char** argv) {
     device = rp::worker::MakeCpuDevice();
   }
   const bool cuda = device->torch_device().is_cuda();
-  const at::ScalarType dtype = cfg.train.dtype == rp::core::TrainDtype::kBf16 ? at::kBFloat16 : at::kFloat;
+  const bool bf16 = cfg.train.dtype == rp::core::TrainDtype::kBf16 || rp::core::Fp8Matmuls(cfg);
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  if (rp::core::Fp8Matmuls(cfg) &&
+      (device->fused_kernels() == nullptr || !device->fused_kernels()->E4m3MatmulSupported())) {
+    std::fprintf(stderr, "rp-block-bench: train.dtype = \"fp8\": %s runs no row-scaled e4m3 products\n",
+                 device->Describe().c_str());
+    return rp::kExitBadConfig;
+  }
   const auto opts = at::TensorOptions().device(device->torch_device()).dtype(dtype);
   at::manual_seed(1);
 
   rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora);
   if (cfg.bench.fused_kernels) math.UseFusedKernels(device->fused_kernels());
   math.UseFusedNorms(cfg.bench.fused_norms);
+  math.UseE4m3Projections(rp::core::Fp8Matmuls(cfg));
   const int head_layer = spec.NumLayers() - 1;
   LayerWeights block = MakeWeights(spec, 1, opts);
   LayerWeights head = MakeWeights(spec, head_layer, opts);

@@ -329,7 +329,7 @@ const std::vector<KeySpec>& Table() {
            "the loss dynamically (train.loss_scale_*); CPU workers emulate it (fp32 arithmetic on "
            "weights and stage inputs rounded to fp16). fp8: bf16, with the blocks' projections multiplied "
            "in e4m3 with power-of-two scales per row (forward and input gradient; the weight gradient "
-           "stays bf16); CUDA workers on a GPU of compute capability 8.9 or newer"),
+           "stays bf16); CUDA workers on a GPU where LibTorch runs row-scaled e4m3 products (the worker tries one)"),
       Float("train", "loss_scale_init", F(train.loss_scaling.init), 65536.0, 1e-30, 1e30,
             "fp16: the loss scale of the first step (torch.amp.GradScaler's init_scale)"),
       Float("train", "loss_scale_growth_factor", F(train.loss_scaling.growth_factor), 2.0, 1.0, 1e6,

@@ -677,8 +677,9 @@ Status Worker::Run() {
   }
   if (core::Fp8Matmuls(cfg_) &&
       (device_->fused_kernels() == nullptr || !device_->fused_kernels()->E4m3MatmulSupported()))
-    return Status::InvalidArgument("train.dtype: \"fp8\" needs a GPU of compute capability 8.9 or newer and "
-                                   "LibTorch 2.5 or newer; this worker has " + device_->Describe());
+    return Status::InvalidArgument("train.dtype: \"fp8\" needs a GPU on which this LibTorch runs row-scaled e4m3 "
+                                   "products (at::_scaled_mm; compute capability 8.9 or newer, LibTorch 2.5 or "
+                                   "newer); a test product failed on " + device_->Describe());
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   // The loop's own rule: no heartbeat while the device has stopped completing work.
   exec_->SetBetweenLayers([this] {

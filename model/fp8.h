@@ -5,10 +5,11 @@
 // Contract:
 //  * The format is OCP FP8 E4M3 in its "fn" variant (LibTorch's float8_e4m3fn): no infinities,
 //    finite values up to 448, 3 mantissa bits, subnormals in steps of 2^-9.
-//  * Scales are powers of two, one per row: row r's is the smallest 2^k with amax_r / 2^k <= 448
-//    (1 for a row of zeros; NaN for a row holding a non-finite value, so that the product is not
-//    finite either, as the bf16 product would not be). Dividing by a power of two is exact, so the only rounding of a
-//    quantized element is e4m3's own (to nearest, ties to even), whatever device divides.
+//  * Scales are powers of two, one per row: row r's is the smallest 2^k with amax_r / 2^k <= 448,
+//    k >= -126 (1 for a row of zeros; NaN for a row holding a non-finite value, so that the
+//    product is not finite either, as the bf16 product would not be). Dividing by a power of two
+//    is exact, so the only rounding of a quantized element is e4m3's own (to nearest, ties to
+//    even), whatever device divides.
 //  * Every function here runs on the tensor's own device, computes in fp32 and returns fp32
 //    values. The CPU tests check them against a table of every e4m3 value; the GPU tests check
 //    the CUDA worker's fused quantization (FusedKernels::QuantizeRowsE4m3) against them bit for

@@ -81,12 +81,13 @@ class FusedKernels {
   virtual void AddWeightGrad(const at::Tensor& sink, const at::Tensor& dy, const at::Tensor& x) const = 0;
 
   // e4m3 matrix products (train.dtype = "fp8", model/fp8.h's scaling rule).
-  // E4m3MatmulSupported: whether this device multiplies e4m3 matrices (CUDA: compute capability
-  // 8.9 or newer and a LibTorch with row-scaled at::_scaled_mm).
+  // E4m3MatmulSupported: whether this device multiplies row-scaled e4m3 matrices (CUDA: one
+  // small product through at::_scaled_mm is tried once; which GPUs LibTorch runs it on depends
+  // on its version and build).
   virtual bool E4m3MatmulSupported() const = 0;
   // x [rows, cols] contiguous -> {x / scales rounded to e4m3 (float8_e4m3fn [rows, cols]), the
-  // rows' scales (fp32 [rows, 1])}, in one pass; the same bits as model::E4m3RowScales and
-  // model::RoundToE4m3 give.
+  // rows' scales (fp32 [rows, 1])}, in one pass; for rows of finite values the same bits as
+  // model::E4m3RowScales and model::RoundToE4m3 give (a non-finite row: a NaN scale).
   virtual std::pair<at::Tensor, at::Tensor> QuantizeRowsE4m3(const at::Tensor& x) const = 0;
   // (a * a_scales) (b * b_scales)^T as bf16 [m, n], for a [m, k] and b [n, k] with their scales
   // as QuantizeRowsE4m3 returns them (k and n multiples of 16), the products summed in fp32.

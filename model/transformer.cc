@@ -163,7 +163,7 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     const auto saved = ctx->get_saved_variables();
     auto [dx, dw] = k->RmsNormBackward(saved[0], saved[1], ctx->saved_data["eps"].toDouble(), grads[0].contiguous(),
                                        at::Tensor(), ctx->needs_input_grad(1));
-    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -261,7 +261,10 @@ struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
   // `input`: the last quantized input, reused when it is x's (Transformer::E4m3Input).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor* sink, const FusedKernels* k, Transformer::E4m3Input* input) {
-    ctx->save_for_backward({x, w});
+    // What each gradient needs, as at::linear keeps it: x for the weight's, W for the input's (a
+    // frozen base weight under LoRA keeps no input alive).
+    ctx->save_for_backward({w.requires_grad() ? x : at::Tensor(), x.requires_grad() ? w : at::Tensor()});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_sink"] = sink != nullptr;
     if (sink != nullptr) ctx->saved_data["sink"] = *sink;
     ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
@@ -288,7 +291,7 @@ struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
     if (ctx->needs_input_grad(0)) {
       auto [dq, ds] = k->QuantizeRowsE4m3(dy);
       auto [wtq, wts] = k->QuantizeRowsE4m3(w.t().contiguous());
-      dx = k->MatmulE4m3(dq, ds, wtq, wts, /*fast_accum=*/false).view(x.sizes());
+      dx = k->MatmulE4m3(dq, ds, wtq, wts, /*fast_accum=*/false).view(ctx->saved_data["x_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {  // a frozen weight's sum stays as it is
       const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
@@ -386,6 +389,8 @@ at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
+  // The e4m3 product takes operands whose inner and output sizes are multiples of 16; any other
+  // projection stays bf16 (docs/features.md).
   if (!e4m3_projections_ || !Fused(x) || x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
       x.numel() == 0 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0)
     return Linear(x, weight, bias);

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/version.h>
 
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -184,8 +185,20 @@ class CudaFusedKernels final : public model::FusedKernels {
 
   bool E4m3MatmulSupported() const override {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-    const cudaDeviceProp* p = at::cuda::getCurrentDeviceProperties();
-    return p->major > 8 || (p->major == 8 && p->minor >= 9);
+    // Tried once per process (a worker uses one GPU): which GPUs LibTorch runs a row-scaled e4m3
+    // product on depends on its version and build, so a 16 x 16 product of ones is asked for.
+    std::call_once(e4m3_probe_, [this] {
+      const cudaDeviceProp* p = at::cuda::getCurrentDeviceProperties();
+      if (p->major < 8 || (p->major == 8 && p->minor < 9)) return;  // no e4m3 tensor cores
+      try {
+        const at::Tensor ones = at::ones({16, 16}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+        const auto [q, scales] = QuantizeRowsE4m3(ones);
+        e4m3_supported_ = MatmulE4m3(q, scales, q, scales, false).to(at::kFloat).eq(16.0).all().item<bool>();
+      } catch (const std::exception&) {
+        e4m3_supported_ = false;
+      }
+    });
+    return e4m3_supported_;
 #else
     return false;  // no float8 dtype or row-scaled product in this LibTorch
 #endif
@@ -195,6 +208,9 @@ class CudaFusedKernels final : public model::FusedKernels {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
     const kernels::Dtype dt = DtypeOf(x, "e4m3 quantization input");
     if (x.dim() != 2) throw std::invalid_argument("e4m3 quantization expects x [rows, cols], got " + c10::str(x.sizes()));
+    if (x.size(0) > INT32_MAX)
+      throw std::invalid_argument("e4m3 quantization takes at most 2^31 - 1 rows (one block each), got " +
+                                  std::to_string(x.size(0)));
     at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
     at::Tensor scales = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
     Check(kernels::QuantizeRowsE4m3(dt, x.data_ptr(), static_cast<uint8_t*>(q.data_ptr()), scales.data_ptr<float>(),
@@ -227,6 +243,9 @@ class CudaFusedKernels final : public model::FusedKernels {
   }
 
  private:
+  mutable std::once_flag e4m3_probe_;
+  mutable bool e4m3_supported_ = false;
+
   static kernels::Dtype CheckHeadNormRope(const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos,
                                           const at::Tensor& sin_signed) {
     const kernels::Dtype dt = DtypeOf(x, "head norm + rope input");

@@ -690,10 +690,8 @@ QuantizeRowsE4m3Kernel(const T* x, uint8_t* q, float* scales, int64_t cols) {
   }
   __shared__ float warp_max[kQuantThreads / 32];
   __shared__ int warp_finite[kQuantThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    finite = __all_sync(0xffffffffu, finite);
-  }
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  finite = __all_sync(0xffffffffu, finite);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) {
     warp_max[warp] = amax;
@@ -710,9 +708,9 @@ QuantizeRowsE4m3Kernel(const T* x, uint8_t* q, float* scales, int64_t cols) {
   int e = 0;
   const float m = frexpf(amax, &e);
   int k = e - 9 + (m > 0.875f ? 1 : 0);
-  k = amax == 0.0f ? 0 : min(max(k, -126), 127);
+  k = amax == 0.0f ? 0 : min(max(k, -126), 126);  // a finite amax gives k <= 120
   const float scale = finite ? __int_as_float((k + 127) << 23) : __int_as_float(0x7fc00000);
-  const float inv = __int_as_float((127 - k) << 23);  // 2^-k, exact: |k| <= 126 here
+  const float inv = __int_as_float((127 - k) << 23);  // 2^-k, exact for |k| <= 126
   if (threadIdx.x == 0) scales[row] = scale;
   for (int64_t i = threadIdx.x; i < cols; i += kQuantThreads)
     out[i] = __nv_cvt_float_to_fp8(ToFloat(in[i]) * inv, __NV_SATFINITE, __NV_E4M3);

@@ -80,8 +80,10 @@ cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_
 // rows of `cols` elements of x, the row's scale is the smallest power of two 2^k with
 // amax / 2^k <= 448 (1 for a row of zeros, NaN for a row holding a non-finite value), written to
 // scales[row] (fp32); each element x / 2^k is rounded to e4m3 (to nearest, ties to even,
-// saturating at +-448) and its byte written to q (OCP e4m3fn). One block per row: one read for
-// the row's maximum, one more read and one write.
+// saturating at +-448) and its byte written to q (OCP e4m3fn); a non-finite row's bytes are
+// whatever its finite elements round to, its NaN scale making the product NaN. One block per
+// row: one read for the row's maximum, one more read and one write. rows <= INT32_MAX (the
+// caller checks).
 cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows, int64_t cols,
                              cudaStream_t stream);
 

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "config/job_config.h"
 #include "config/model_spec.h"
@@ -541,12 +542,17 @@ TEST_P(E4m3Quantization, GivesTheEmulationsBitsAndScales) {
   at::Tensor x = (at::randn({37, 2051}, dev) * at::exp2(at::rand({37, 1}, dev) * 40.0 - 20.0)).to(dtype);
   x[5].zero_();
   x[9][100] = std::nanf("");
+  x[13][7] = std::numeric_limits<float>::infinity();
+  x[21].copy_(at::randn({2051}, dev) * 2e-38);  // amax / 448 below 2^-126: the scale at its floor
   const auto [q, scales] = rp::worker::CudaKernels().QuantizeRowsE4m3(x);
   ASSERT_EQ(q.scalar_type(), at::kFloat8_e4m3fn);
   ASSERT_EQ(scales.sizes(), (std::vector<int64_t>{37, 1}));
   const at::Tensor want_scales = model::E4m3RowScales(x);
   const at::Tensor finite = at::isfinite(want_scales).view({-1});
   EXPECT_FALSE(finite[9].item<bool>());
+  EXPECT_FALSE(finite[13].item<bool>());
+  EXPECT_TRUE(std::isnan(scales[13][0].item<float>()));
+  EXPECT_EQ(want_scales[21][0].item<float>(), std::ldexp(1.0f, -126));
   EXPECT_TRUE(std::isnan(scales[9][0].item<float>()));
   EXPECT_TRUE(scales.index({finite}).equal(want_scales.index({finite})));
   const at::Tensor want = model::RoundToE4m3(x.to(at::kFloat) / want_scales);
