@@ -60,12 +60,15 @@ bool Exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// Names in /dev/shm that look like ours.
+// This test's pool segments in /dev/shm (named after the parent's pid, PoolName below): other
+// tests running at the same time create and remove segments of their own.
 std::vector<std::string> OurSegments() {
+  const std::string mine = "pooltest" + std::to_string(::getpid()) + "-pool";
   std::vector<std::string> out;
   if (DIR* d = ::opendir("/dev/shm")) {
     while (dirent* e = ::readdir(d))
-      if (std::strncmp(e->d_name, "rp-", 3) == 0) out.emplace_back(e->d_name);
+      if (std::strncmp(e->d_name, "rp-", 3) == 0 && std::strstr(e->d_name, mine.c_str()) != nullptr)
+        out.emplace_back(e->d_name);
     ::closedir(d);
   }
   std::sort(out.begin(), out.end());
