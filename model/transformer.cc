@@ -377,13 +377,15 @@ std::pair<at::Tensor, at::Tensor> Transformer::AddRmsNorm(const at::Tensor& x, c
 
 bool Transformer::SinkableRole(const std::string& role) { return core::SinkableRole(role); }
 
+const at::Tensor* Transformer::SinkOf(const at::Tensor& weight) const {
+  auto it = sinks_.find(weight.unsafeGetTensorImpl());
+  return it == sinks_.end() ? nullptr : &it->second;
+}
+
 at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
-  if (!sinks_.empty() && Fused(x)) {
-    auto it = sinks_.find(weight.unsafeGetTensorImpl());
-    if (it != sinks_.end()) {
-      at::Tensor y = LinearSinkFn::apply(x, weight, it->second, fused_);
-      return bias.defined() ? y + bias : y;
-    }
+  if (const at::Tensor* sink = Fused(x) ? SinkOf(weight) : nullptr) {
+    at::Tensor y = LinearSinkFn::apply(x, weight, *sink, fused_);
+    return bias.defined() ? y + bias : y;
   }
   return at::linear(x, weight, bias);
 }
@@ -394,12 +396,7 @@ at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight
   if (!e4m3_projections_ || !Fused(x) || x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
       x.numel() == 0 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0)
     return Linear(x, weight, bias);
-  const at::Tensor* sink = nullptr;
-  if (!sinks_.empty()) {
-    auto it = sinks_.find(weight.unsafeGetTensorImpl());
-    if (it != sinks_.end()) sink = &it->second;
-  }
-  at::Tensor y = E4m3LinearFn::apply(x, weight, sink, fused_, &e4m3_input_);
+  at::Tensor y = E4m3LinearFn::apply(x, weight, SinkOf(weight), fused_, &e4m3_input_);
   return bias.defined() ? y + bias : y;
 }
 

@@ -191,6 +191,8 @@ class Transformer {
   // at::linear(x, weight, bias), the weight's gradient through its sink when it has one
   // (SetWeightGradSinks); the bias (undefined: none) keeps autograd's gradient.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) const;
+  // The weight's gradient sink (SetWeightGradSinks), or null.
+  const at::Tensor* SinkOf(const at::Tensor& weight) const;
   // Linear in e4m3 (UseE4m3Projections) where it applies to these operands, else Linear.
   at::Tensor ProjLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const;
   HeadResult FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
