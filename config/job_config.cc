@@ -424,6 +424,13 @@ const std::vector<KeySpec>& Table() {
           "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is set)"),
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
+      Int("schedule", "kept_blocks", F(schedule.kept_blocks), 0, 0, 4096,
+          "Decoder blocks just before the fused tail whose forward keeps its graph (the "
+          "activations the backward needs) on the device until their backward stage, which then "
+          "does not recompute them: device memory for every microbatch's activations of these "
+          "blocks for a whole round, for a faster backward. Needs --gpus 1 (the graphs stay in the "
+          "worker that ran the forward; a replaced worker recomputes from the checkpoints); not "
+          "with train.layer_recompute or mixture-of-experts blocks"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),
@@ -755,6 +762,21 @@ Status CrossValidate(const JobConfig& c) {
                                    std::to_string(L) + "), got " +
                                    std::to_string(c.schedule.tail_blocks));
   const int64_t tail_start = L + 1 - c.schedule.tail_blocks;
+  if (c.schedule.kept_blocks > tail_start - 1)
+    return Status::InvalidArgument("schedule.kept_blocks: " + std::to_string(c.schedule.kept_blocks) +
+                                   " kept blocks, but only " + std::to_string(tail_start - 1) +
+                                   " blocks precede the fused tail (model.num_layers - schedule.tail_blocks)");
+  if (c.schedule.kept_blocks > 0 && c.train.layer_recompute)
+    return Status::InvalidArgument("schedule.kept_blocks: keeps forward graphs for the backward, "
+                                   "train.layer_recompute rebuilds them; choose one");
+  if (c.schedule.kept_blocks > 0) {
+    for (int64_t b = tail_start - 1 - c.schedule.kept_blocks; b < tail_start - 1; ++b)
+      if (SparseBlock(m, b))
+        return Status::InvalidArgument("schedule.kept_blocks: block " + std::to_string(b) +
+                                       " is a mixture-of-experts block, whose backward needs the "
+                                       "load-balancing loss's gradient when its graph is built (known "
+                                       "only after the tail); not implemented for kept blocks");
+  }
   if (c.schedule.forward_cuts.empty() && c.schedule.forward_stages > tail_start)
     return Status::InvalidArgument("schedule.forward_stages: " +
                                    std::to_string(c.schedule.forward_stages) +

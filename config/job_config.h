@@ -212,6 +212,7 @@ struct ScheduleConfig {
   int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty
   int64_t backward_stages = 2;   // equal split of the non-tail backward layers
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
+  int64_t kept_blocks = 0;       // blocks before the tail whose forward graphs wait on the device
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing
   // worker's pool, mapped by its consumers (ActivationsInPools)
   Activations activations = Activations::kHost;

@@ -96,12 +96,13 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
     DropNext();
     next_.job_index = job.job_index;
   }
+  if (!next_.kept_decided) AdoptKept(job, &next_);
   if (!next_.complete) {
     const core::Stage& st = plan_.stages[job.stage];
     bool all = false;
     Status s = Guarded([] { return std::string("fetching weights"); }, [&] {
       CopyReadyLayers(st, job.weights_version, st.kind != core::StageKind::kForward, &next_);
-      all = st.begin + static_cast<int>(next_.layers.size()) == st.end;
+      all = st.begin + static_cast<int>(next_.layers.size()) == FetchEnd(st, next_);
       if (all) next_.fence = device_.WeightsFence();
       return Status::Ok();
     });
@@ -132,13 +133,15 @@ Status Executor::Reserve(const proto::RunJob& job) {
 
 bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w) {
   bool copied = false;
-  for (int l = st.begin + static_cast<int>(w->layers.size()); l < st.end; ++l) {
+  for (int l = st.begin + static_cast<int>(w->layers.size()); l < FetchEnd(st, *w); ++l) {
     if (!LayerReady(l, weights_version)) break;
     // Every destination of the stage at once, while the compute stream has queued only what
     // comes before this stage (Device::EmptyWeights): made layer by layer, each copy of a
     // layer-major stage would wait for the stage's previous layer over every microbatch.
     if (w->empty.empty()) MakeDestinations(st, l, w);
-    w->layers.push_back(FetchLayer(l, weights_version, grads, w, std::move(w->empty[l - st.begin]),
+    // A forward stage's kept layers train through the graphs they keep.
+    const bool layer_grads = grads || (st.kind == core::StageKind::kForward && plan_.KeepsGraph(l));
+    w->layers.push_back(FetchLayer(l, weights_version, layer_grads, w, std::move(w->empty[l - st.begin]),
                                    /*map_lookup=*/true));
     copied = true;
   }
@@ -147,7 +150,7 @@ bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, b
 
 void Executor::MakeDestinations(const core::Stage& st, int from, StageWeights* w) {
   w->empty.resize(st.end - st.begin);
-  for (int l = from; l < st.end; ++l)
+  for (int l = from; l < FetchEnd(st, *w); ++l)
     if (!MapsLookup(l)) w->empty[l - st.begin] = EmptyLayer(l);
 }
 
@@ -181,7 +184,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
     }
     if (grads) {
       t.requires_grad_(true);
-      into->grads.push_back({t, use.grad_slot, at::Tensor(),
+      into->grads.push_back({t, use.grad_slot, l, at::Tensor(),
                              weight_grad_sinks_ && model::Transformer::SinkableRole(use.role)});
     }
     lw.emplace(use.role, t);
@@ -272,6 +275,15 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   job_ = job;
   stage_ = plan_.stages[job.stage];
   current_ = std::move(next_);
+  if (stage_.kind == core::StageKind::kForward && KeptFrom(stage_) < stage_.end) {
+    // Graphs of earlier steps nobody adopted (their backward ran elsewhere) and this job's own
+    // from an attempt that did not finish.
+    for (auto it = kept_.begin(); it != kept_.end();) {
+      const auto& [step, call, layer] = it->first;
+      const bool own = step == job.step && call == job.call && layer >= stage_.begin && layer < stage_.end;
+      it = step < job.step || own ? kept_.erase(it) : std::next(it);
+    }
+  }
   next_ = StageWeights();
   lm_.job = LayerMajorEligible(job) && all_inputs_ready &&
             (!current_.complete || cfg_.bench.layer_major_forward == core::Tristate::kAlways);
@@ -293,16 +305,62 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
     return "job " + std::to_string(job.job_index) + ": allocating its fp32 weight-gradient sums (" +
            std::to_string(sink_bytes) + " bytes so far)";
   }, [&] {
-    model::Transformer::WeightGradSinks sinks;
-    for (auto& g : current_.grads)
-      if (g.sink) {
-        sink_bytes += g.weight.numel() * static_cast<int64_t>(sizeof(float));
-        g.accum = at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
-        sinks.emplace(g.weight.unsafeGetTensorImpl(), g.accum);
-      }
-    math_.SetWeightGradSinks(std::move(sinks));
+    math_.SetWeightGradSinks({});
+    for (const auto& g : current_.grads)
+      if (g.sink && !g.accum.defined()) sink_bytes += g.weight.numel() * static_cast<int64_t>(sizeof(float));
+    StartSinks();
     return Status::Ok();
   });
+}
+
+void Executor::StartSinks() {
+  for (auto& g : current_.grads)
+    if (g.sink && !g.accum.defined()) {
+      g.accum = at::zeros(g.weight.sizes(), g.weight.options().dtype(at::kFloat));
+      math_.AddWeightGradSink(g.weight, g.accum);
+    }
+}
+
+void Executor::AdoptKept(const proto::RunJob& job, StageWeights* w) {
+  w->kept_decided = true;
+  const core::Stage& st = plan_.stages[job.stage];
+  w->fetch_end = st.end;
+  const int from = KeptFrom(st);
+  if (st.kind != core::StageKind::kBackward || from == st.end) return;
+  bool whole = true;
+  for (int l = from; l < st.end && whole; ++l) {
+    auto it = kept_.find({job.step, job.call, l});
+    whole = it != kept_.end() && it->second.weights_version == job.weights_version &&
+            it->second.grads.size() == spec_.layer_uses[l].size() &&
+            static_cast<int>(it->second.segments.size()) == job.num_microbatches &&
+            std::all_of(it->second.segments.begin(), it->second.segments.end(),
+                        [](const auto& seg) { return seg.first.defined() && seg.second.defined(); });
+  }
+  for (int l = from; l < st.end; ++l) {
+    auto it = kept_.find({job.step, job.call, l});
+    if (it == kept_.end()) continue;
+    if (whole) {
+      for (auto& g : it->second.grads) w->grads.push_back(std::move(g));
+      w->kept_segments.push_back(std::move(it->second.segments));
+    }
+    kept_.erase(it);
+  }
+  if (whole) w->fetch_end = from;
+}
+
+at::Tensor Executor::KeptLayerForward(int l, int mb, const at::Tensor& x) {
+  c10::AutoGradMode grad_mode(true);
+  KeptLayer& k = kept_[{job_.step, job_.call, l}];
+  if (k.segments.empty()) {
+    k.weights_version = job_.weights_version;
+    k.segments.resize(static_cast<size_t>(job_.num_microbatches));
+  }
+  // A leaf of its own: the backward stage runs this layer's backward alone and reads the input's
+  // gradient from it, as SegmentedForward's segments do.
+  at::Tensor in = x.detach().requires_grad_(true);
+  at::Tensor y = math_.Layer(l, current_.layers[l - stage_.begin], in);
+  k.segments.at(static_cast<size_t>(mb)) = {in, y};
+  return y.detach();
 }
 
 StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<int, InputSources>& inputs,
@@ -316,6 +374,7 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
                      [&]() -> Status {
     c10::NoGradGuard no_grad;
     if (CopyReadyLayers(stage_, job_.weights_version, /*grads=*/false, &current_)) {
+      StartSinks();
       device_.WaitWeights(device_.WeightsFence());
       if (lm_.stalled) lm_.stall_end_us = WallMicros();
     }
@@ -340,7 +399,7 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
           x = StageInput(mb);
         }
         const int a = MarkIfProfiling();
-        x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+        x = plan_.KeepsGraph(l) ? KeptLayerForward(l, mb, x) : math_.Layer(l, current_.layers[l - stage_.begin], x);
         StoreRouterStats(mb, l);
         if (a >= 0)
           lm_.layer_marks[mb].push_back(LayerMarks(l, proto::LayerPhase::kForward, a, device_.Mark(), -1, mb));
@@ -528,7 +587,7 @@ MicrobatchResult Executor::RunForward(int mb) {
   at::Tensor x = StageInput(mb);
   for (int l = stage_.begin; l < stage_.end; ++l) {
     const int a = MarkIfProfiling();
-    x = math_.Layer(l, current_.layers[l - stage_.begin], x);
+    x = plan_.KeepsGraph(l) ? KeptLayerForward(l, mb, x) : math_.Layer(l, current_.layers[l - stage_.begin], x);
     StoreRouterStats(mb, l);
     Timed(l, proto::LayerPhase::kForward, a, MarkIfProfiling(), -1);
     // The stage output and every checkpoint a backward stage will recompute from.
@@ -649,12 +708,25 @@ MicrobatchResult Executor::RunTail(int mb) {
 }
 
 MicrobatchResult Executor::RunBackward(int mb) {
-  at::Tensor x = StageInput(mb);
-  if (stage_.begin > 0) x.requires_grad_(true);
-  if (layout_.router_blocks > 0) math_.SetRouterAuxGrad(RouterAuxGrad(ReadRouterAux(mb), x));
-  Segments seg;
-  SegmentedForward(x, stage_.end, &seg);
-  at::Tensor g = SegmentedBackward(&seg, InputGrad(mb, stage_.end));
+  // Adopted kept layers first (the top of the stage), through the graphs their forward kept.
+  const int kept_from = FetchEnd(stage_, current_);
+  at::Tensor g = InputGrad(mb, stage_.end);
+  for (int l = stage_.end; l-- > kept_from;) {
+    auto& [in, out] = current_.kept_segments.at(static_cast<size_t>(l - kept_from)).at(static_cast<size_t>(mb));
+    const int a = MarkIfProfiling();
+    out.backward(g);
+    Timed(l, proto::LayerPhase::kBackward, a, MarkIfProfiling(), -1);
+    g = in.grad();
+    in = out = at::Tensor();
+  }
+  if (kept_from > stage_.begin) {
+    at::Tensor x = StageInput(mb);
+    if (stage_.begin > 0) x.requires_grad_(true);
+    if (layout_.router_blocks > 0) math_.SetRouterAuxGrad(RouterAuxGrad(ReadRouterAux(mb), x));
+    Segments seg;
+    SegmentedForward(x, kept_from, &seg);
+    g = SegmentedBackward(&seg, g);
+  }
   if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, g);
   math_.SetRouterAuxGrad({});
   return {};
@@ -837,6 +909,9 @@ StatusOr<uint64_t> Executor::StartChunkSquares(int64_t job_index, double* table)
 
 void Executor::End() {
   math_.SetWeightGradSinks({});
+  // A forward job's kept layers: their weights and sums wait with their graphs (KeptLayer).
+  if (stage_.kind == core::StageKind::kForward)
+    for (auto& g : current_.grads) kept_[{job_.step, job_.call, g.layer}].grads.push_back(std::move(g));
   current_ = StageWeights();
   lm_.hidden.clear();
   lm_.layer_marks.clear();

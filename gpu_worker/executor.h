@@ -15,6 +15,14 @@
 //    add into the fp32 sums directly; otherwise bf16 weights produce bf16 gradients per
 //    microbatch, folded in) and reach shared memory only through StartCommit(), so a job that
 //    dies mid-way commits nothing.
+//  * Kept blocks (PipelinePlan::kept_start, schedule.kept_blocks): a forward stage runs those
+//    layers with autograd, their trainable weights requiring gradients, and keeps each
+//    microbatch's graph (and the weights and their fp32 sums) after the job ends, keyed by step,
+//    call and layer. A backward stage whose kept layers were all kept for every microbatch at its
+//    weights version adopts them: it fetches and recomputes only the layers below them, and
+//    backpropagates through the kept graphs into the kept sums, which it then commits as its own.
+//    Otherwise (this worker replaced the one that ran the forward) it drops what it finds and
+//    recomputes from the checkpoint as without the key: the same operations on the same inputs.
 //  * Activations between stages go through the shared-memory slots, or with
 //    schedule.activations = "worker" stay in this process's device memory (one worker only), or
 //    with activation pools (schedule.activations = "cuda_ipc") are written to this
@@ -233,6 +241,7 @@ class Executor {
   struct GradUse {
     at::Tensor weight;
     int grad_slot;
+    int layer;
     at::Tensor accum;  // fp32 sum over the job's microbatches
     // Summed by the GEMM itself (model::Transformer::SetWeightGradSinks): accum is made at Begin
     // and weight.grad stays undefined.
@@ -247,7 +256,35 @@ class Executor {
     // an entry is moved out when its layer is copied.
     std::vector<std::vector<at::Tensor>> empty;
     std::vector<GradUse> grads;
+    // A backward job: the first layer it adopts from kept_ (the stage's end when none), decided
+    // at its first fetch; the layers below it are fetched. The adopted layers' segments, in
+    // layer order (their gradients are in `grads`).
+    bool kept_decided = false;
+    int fetch_end = -1;
+    std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> kept_segments;  // [layer][mb]: (input, output)
   };
+  // One kept layer's forward (see the contract above): its trainable weights' gradient uses and
+  // each microbatch's (input, output), filled as the forward stage computes them.
+  struct KeptLayer {
+    int64_t weights_version = -1;
+    std::vector<GradUse> grads;
+    std::vector<std::pair<at::Tensor, at::Tensor>> segments;  // by microbatch
+  };
+  using KeptKey = std::tuple<int64_t, int, int>;  // step, call, layer
+  std::map<KeptKey, KeptLayer> kept_;
+  // The first layer of `st` that keeps its graph (its end when none does).
+  int KeptFrom(const core::Stage& st) const { return std::clamp(plan_.kept_start, st.begin, st.end); }
+  // The end of the layers a job of `st` fetches: below its adopted kept layers.
+  static int FetchEnd(const core::Stage& st, const StageWeights& w) { return w.fetch_end >= 0 ? w.fetch_end : st.end; }
+  // Runs kept layer `l` of the current forward job for microbatch `mb` with autograd and keeps
+  // the graph; returns the output, detached.
+  at::Tensor KeptLayerForward(int l, int mb, const at::Tensor& x);
+  // A backward job's first fetch: adopts its kept layers into `w` when every one of them holds
+  // every microbatch at the job's weights version, else drops them (the job recomputes).
+  void AdoptKept(const proto::RunJob& job, StageWeights* w);
+  // The current job's trainable weights that have a sink but no sum yet: zeroed fp32 sums,
+  // registered with the math (a layer-major job copies its layers after it began).
+  void StartSinks();
   // Forgets next_ (another job's fetch, partial or unused) safely for the device allocator.
   void DropNext();
   // Whether every weight layer `l` reads holds `version` updates.

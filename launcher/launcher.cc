@@ -401,6 +401,13 @@ int RunSession(const LaunchOptions& o) {
                          "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"\n", o.gpus);
     return kExitBadConfig;
   }
+  if (cfg->schedule.kept_blocks > 0 && (o.gpus != 1 || cfg->nodes.count > 1)) {
+    std::fprintf(stderr, "rp-launch: schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
+                         "the forward, for its backward, and needs one worker in the run (this launch asks for "
+                         "%d on %lld node(s)); set it to 0\n",
+                 static_cast<long long>(cfg->schedule.kept_blocks), o.gpus, static_cast<long long>(cfg->nodes.count));
+    return kExitBadConfig;
+  }
   uint64_t shared_bytes = 0;
   const core::ModelSpec spec = core::BuildModelSpec(cfg->model, cfg->lora);
   auto layout = shm::ComputeLayout(*cfg, spec, run.plan);

@@ -145,6 +145,7 @@ class Transformer {
   // bf16 per microbatch.
   using WeightGradSinks = std::map<const c10::TensorImpl*, at::Tensor>;
   void SetWeightGradSinks(WeightGradSinks sinks) { sinks_ = std::move(sinks); }
+  void AddWeightGradSink(const at::Tensor& weight, at::Tensor sum) { sinks_[weight.unsafeGetTensorImpl()] = std::move(sum); }
   static bool SinkableRole(const std::string& role);
 
   // Layer 0: tokens [B, S] int64 -> hidden [B, S, H].

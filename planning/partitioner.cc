@@ -269,10 +269,27 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // sums while step t's still wait for its norm.
     if (c.optimizer.mode == core::OptimizerMode::kStale1) held += busiest;
   }
+  // Kept blocks: a whole round's graphs, each block's what a gradient stage's block keeps, and
+  // the blocks' weights in the compute dtype with their fp32 sums; twice over with interleaved
+  // calls, whose forward stages both run (each with its own weights) before the first call's
+  // backward.
+  double kept = 0.0;
+  const int kept_blocks = std::max(0, plan.tail_start - plan.kept_start);
+  if (kept_blocks > 0) {
+    const double calls_in_flight = InterleaveCalls(c) && core::Round(c).calls >= 2 ? 2.0 : 1.0;
+    double per_call = static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * kept_per_block;
+    for (int l = plan.kept_start; l < plan.tail_start; ++l) {
+      per_call += static_cast<double>(spec.LayerWeightElems(l)) * elem;
+      for (const auto& use : spec.layer_uses[l])
+        per_call += static_cast<double>(spec.params[use.param].numel) * (fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
+    }
+    kept = calls_in_flight * per_call;
+  }
   out.resident = resident;
   out.staging = staging;
   out.held_gradients = held;
-  out.total = worst + resident + staging + held;
+  out.kept = kept;
+  out.total = worst + resident + staging + held + kept;
   return out;
 }
 

@@ -42,6 +42,9 @@ struct MemoryEstimate {
   // Gradients waiting in the workers (GradientsWaitInWorkers): the fp32 sums of the step's other
   // gradient jobs the busiest worker holds until the norm.
   double held_gradients = 0.0;
+  // Kept blocks (schedule.kept_blocks): every in-flight microbatch's graph of those blocks, and
+  // their weights and fp32 sums, held from their forward to their backward.
+  double kept = 0.0;
 };
 
 struct PlanChoice {

@@ -37,6 +37,10 @@ struct Stage {
 struct PipelinePlan {
   int num_layers = 0;  // pipeline layers (L + 2)
   int tail_start = 0;
+  // Layers [kept_start, tail_start) keep their forward graphs until their backward
+  // (schedule.kept_blocks): their forward stage runs them with autograd and the backward stages
+  // backpropagate through those graphs instead of recomputing. tail_start when none.
+  int kept_start = 0;
   std::vector<Stage> stages;             // chain order: forward, tail, backward
   std::vector<int> hidden_boundaries;    // boundaries stored in activation slots, ascending
   std::vector<int> grad_boundaries;      // boundaries whose input-gradient crosses stages
@@ -55,6 +59,7 @@ struct PipelinePlan {
   // True if a forward stage must save the hidden state entering layer b (a checkpoint for a
   // backward stage that starts there).
   bool IsCheckpoint(int b) const;
+  bool KeepsGraph(int layer) const { return layer >= kept_start && layer < tail_start; }
   std::string Describe() const;
 };
 

@@ -23,15 +23,15 @@ static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 136);
 static_assert(sizeof(OptimizerConfig) == 80);
 static_assert(sizeof(LoraConfig) == 136);
-static_assert(sizeof(ScheduleConfig) == 160);
+static_assert(sizeof(ScheduleConfig) == 168);
 static_assert(sizeof(CheckpointConfig) == 88);
 static_assert(sizeof(BenchKnobs) == 24);
 static_assert(sizeof(JobOptions) == 96);
 static_assert(sizeof(NodesConfig) == 56);
-static_assert(sizeof(PipelinePlan) == 80);
+static_assert(sizeof(PipelinePlan) == 88);
 
 namespace {
-constexpr int kSpecVersion = 1;
+constexpr int kSpecVersion = 2;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -78,7 +78,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients
                                    beta2, eps, momentum, grad_buffer_mb)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
                                    export_dir)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, activations,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, kept_blocks, activations,
                                    weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
                                    gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb)
@@ -91,7 +91,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodesConfig, count, rank, store_host, store_p
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule, checkpoint,
                                    metrics, bench, nodes, source_path)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Stage, kind, begin, end)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, stages, hidden_boundaries,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_start, stages, hidden_boundaries,
                                    grad_boundaries)
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,

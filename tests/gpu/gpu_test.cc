@@ -369,6 +369,29 @@ TEST_F(GpuTest, Fp8TrainingFollowsBf16) {
   std::printf("fp8 against bf16: max relative loss difference %.4f over %zu steps\n", worst, fp8.size());
 }
 
+// Kept blocks (schedule.kept_blocks) on a CUDA worker: fp32 against the CPU reference, and bf16
+// with the fused kernels (the kept weights' gradients summed into sinks made by the forward job)
+// against the recomputing bf16 run: step 1 is a forward on the same weights, so bit-identical;
+// later steps agree up to the run-to-run noise of the GPU's backward kernels.
+TEST_F(GpuTest, CudaKeptBlocksMatchCpuReferenceAndTheRecomputingRun) {
+  auto expected = Losses(RefMetrics("kept-ref"));
+  auto got = Launch(1, "kept-fp32", {"job.device=\"cuda\"", "schedule.kept_blocks=3"});
+  std::printf("cuda fp32 with 3 kept blocks vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(got, expected));
+  const std::vector<std::string> bf16 = {"job.device=\"cuda\"", "train.dtype=\"bf16\""};
+  auto recompute = Launch(1, "kept-bf16-recompute", bf16);
+  std::vector<std::string> kept = bf16;
+  kept.push_back("schedule.kept_blocks=2");
+  auto a = Launch(1, "kept-bf16", kept);
+  ASSERT_EQ(a.size(), recompute.size());
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(a[0], recompute[0]);
+  double worst = 0;
+  for (size_t s = 0; s < a.size(); ++s) worst = std::max(worst, std::abs(a[s] - recompute[s]) / recompute[s]);
+  EXPECT_LE(worst, 1e-2);
+  std::printf("bf16 with 2 kept blocks vs recomputing: max relative loss difference %.3g\n", worst);
+}
+
 // bf16 weights rounded on the worker from the fp32 masters (the exact-mode default) against a
 // compute copy the optimizer rounds: the same weights, so step 1's loss (a forward pass on the
 // initial weights) is bit-identical, and later steps agree up to the run-to-run noise of the

@@ -125,6 +125,68 @@ TEST_F(LaunchTest, LayerMajorForwardStagesGiveTheMicrobatchOrdersResultsBitForBi
   }
 }
 
+TEST_F(LaunchTest, KeptBlocksGiveTheRecomputingRunsResultsBitForBit) {
+  // schedule.kept_blocks: the forward keeps those blocks' graphs and the backward stages run
+  // through them instead of recomputing. The same operations on the same inputs, so the same
+  // losses and checkpoint bits, with calls merged into one round, with two calls interleaved and
+  // with layer-major forward stages; 2 kept blocks fill the second forward stage, 3 cross into
+  // the first and leave one recomputed layer (the embedding) under them. The profile shows the
+  // kept blocks were not recomputed: their recompute time is filled in, never measured.
+  const std::vector<std::vector<std::string>> variants = {
+      {}, {"RP_MERGE_CALLS=never"}, {"RP_LAYER_MAJOR_FORWARD=always"}};
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const std::vector<std::string> job = With({"train.steps=5", "checkpoint.every=5"}, variants[v]);
+    const std::string base = tmp_ + "/recompute-" + std::to_string(v);
+    auto recompute = Launch(1, base, job);
+    ASSERT_EQ(recompute.code, 0) << recompute.output;
+    for (int kept : {2, 3}) {
+      const std::string tag = "v" + std::to_string(v) + "-kept" + std::to_string(kept);
+      const std::string out = tmp_ + "/" + tag;
+      auto r = Launch(1, out, With(job, {"schedule.kept_blocks=" + std::to_string(kept)}));
+      ASSERT_EQ(r.code, 0) << tag << "\n" << r.output;
+      EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(base + "/metrics.jsonl")) << tag;
+      const std::string state = "/checkpoints/step-00000005.rpstate";
+      ASSERT_TRUE(fs::exists(base + state)) << tag;
+      EXPECT_TRUE(ReadBytes(out + state) == ReadBytes(base + state)) << tag;
+      auto cfg = core::LoadJobConfig(Job(), {"job.output_dir=" + out});
+      ASSERT_TRUE(cfg.ok());
+      auto profile = core::LoadProfile(out + "/profile.json", *cfg);
+      ASSERT_TRUE(profile.ok()) << profile.status().ToString();
+      ASSERT_EQ(profile->layers.size(), 6u);
+      // The tiny job: blocks 1-4, the last in the tail, so kept layers are [4 - kept, 4).
+      for (int l = 4 - kept; l < 4; ++l) EXPECT_TRUE(profile->layers[l].filled) << tag << ", layer " << l;
+      if (kept == 2) EXPECT_FALSE(profile->layers[1].filled) << tag << ": layer 1 is recomputed";
+    }
+  }
+}
+
+TEST_F(LaunchTest, KeptBlocksSurviveAReplacedWorkerWithTheSameResults) {
+  // The worker that kept the graphs hangs and is replaced: its successor finds no graph for the
+  // jobs it re-runs that need them and recomputes from the checkpoints; the results do not change.
+  const std::vector<std::string> job = {"train.steps=4", "train.accum_calls=1", "train.microbatches=4",
+                                        "checkpoint.every=4", "job.worker_timeout_s=2", "schedule.kept_blocks=2"};
+  auto clean = Launch(1, tmp_ + "/kept-clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto env = Env();
+  env.push_back("RP_TEST_DEVICE_HANG_ONCE=" + tmp_ + "/kept-marker");
+  auto r = testing::RunProcess(LaunchArgs(1, tmp_ + "/kept-hang", job), 120, env);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto summary = Summary(tmp_ + "/kept-hang");
+  EXPECT_EQ(summary["worker_replacements"], 1) << summary.dump();
+  EXPECT_EQ(Losses(tmp_ + "/kept-hang/metrics.jsonl"), Losses(tmp_ + "/kept-clean/metrics.jsonl"));
+  const std::string state = "/checkpoints/step-00000004.rpstate";
+  EXPECT_TRUE(ReadBytes(tmp_ + "/kept-hang" + state) == ReadBytes(tmp_ + "/kept-clean" + state));
+}
+
+TEST_F(LaunchTest, KeptBlocksAreRefusedWithSeveralWorkers) {
+  auto r = Launch(2, tmp_ + "/kept-two", {"schedule.kept_blocks=1"});
+  EXPECT_EQ(r.code, kExitBadConfig) << r.output;
+  EXPECT_NE(r.output.find("schedule.kept_blocks = 1"), std::string::npos) << r.output;
+  auto many = Launch(1, tmp_ + "/kept-many", {"schedule.kept_blocks=4"});
+  EXPECT_EQ(many.code, kExitBadConfig) << many.output;
+  EXPECT_NE(many.output.find("only 3 blocks precede the fused tail"), std::string::npos) << many.output;
+}
+
 TEST_F(LaunchTest, MicrobatchesReportedLateGiveTheSameResultsBitForBit) {
   // Workers enqueue the next microbatch before the last one is reported complete (two in
   // flight). With every completion reported 15 ms late (CPU work is done at once, so this checks
