@@ -424,13 +424,15 @@ const std::vector<KeySpec>& Table() {
           "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is set)"),
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
-      Int("schedule", "kept_blocks", F(schedule.kept_blocks), 0, 0, 4096,
+      Int("schedule", "kept_blocks", F(schedule.kept_blocks), 0, -1, 4096,
           "Decoder blocks just before the fused tail whose forward keeps its graph (the "
           "activations the backward needs) on the device until their backward stage, which then "
           "does not recompute them: device memory for every microbatch's activations of these "
           "blocks for a whole round, for a faster backward. Needs --gpus 1 (the graphs stay in the "
           "worker that ran the forward; a replaced worker recomputes from the checkpoints); not "
-          "with train.layer_recompute or mixture-of-experts blocks"),
+          "with train.layer_recompute or mixture-of-experts blocks. -1: as many as let the plan fit "
+          "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
+          "the number), none with several workers"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),
@@ -714,6 +716,9 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
                                    "set lora.rank to train adapters");
   }
+  if (c.schedule.kept_blocks == kKeptBlocksAuto && !(c.schedule.gpu_memory_gb > 0.0))
+    return Status::InvalidArgument("schedule.kept_blocks = -1 (as many as fit) needs schedule.gpu_memory_gb, "
+                                   "the device memory per worker the kept graphs must fit in");
   if (c.train.mlp_tile_tokens == kMlpTileAuto && !(c.schedule.gpu_memory_gb > 0.0))
     return Status::InvalidArgument("train.mlp_tile_tokens = -1 (chosen by the planner) needs schedule.gpu_memory_gb, "
                                    "the device memory per worker the plan must fit");

@@ -142,6 +142,7 @@ struct LossScaling {
 };
 
 inline constexpr int64_t kMlpTileAuto = -1;  // train.mlp_tile_tokens chosen by the planner
+inline constexpr int64_t kKeptBlocksAuto = -1;  // schedule.kept_blocks: as many as fit (core::ResolveKeptBlocks)
 
 struct TrainConfig {
   int64_t steps = 20;
@@ -212,7 +213,8 @@ struct ScheduleConfig {
   int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty
   int64_t backward_stages = 2;   // equal split of the non-tail backward layers
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
-  int64_t kept_blocks = 0;       // blocks before the tail whose forward graphs wait on the device
+  int64_t kept_blocks = 0;       // blocks before the tail whose forward graphs wait on the device;
+                                 // kKeptBlocksAuto = as many as fit gpu_memory_gb
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing
   // worker's pool, mapped by its consumers (ActivationsInPools)
   Activations activations = Activations::kHost;

@@ -269,15 +269,18 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // sums while step t's still wait for its norm.
     if (c.optimizer.mode == core::OptimizerMode::kStale1) held += busiest;
   }
-  // Kept blocks: a whole round's graphs, each block's what a gradient stage's block keeps, and
-  // the blocks' weights in the compute dtype with their fp32 sums; twice over with interleaved
-  // calls, whose forward stages both run (each with its own weights) before the first call's
-  // backward.
+  // Kept blocks: a whole round's graphs and the blocks' weights in the compute dtype with their
+  // fp32 sums; twice over with interleaved calls, whose forward stages both run (each with its
+  // own weights) before the first call's backward. A kept block's graph holds about 8.6
+  // hidden-sized and three intermediate-sized tensors per token: fitted to the H200's allocator
+  // peaks of the Qwen3-1.7B job with 12 and 20 kept blocks (40.3 GB apart, 5.04 GB per block of
+  // eight 8,192-token microbatches), more than a gradient stage's 7.5 (the kept part above).
   double kept = 0.0;
   const int kept_blocks = std::max(0, plan.tail_start - plan.kept_start);
   if (kept_blocks > 0) {
     const double calls_in_flight = InterleaveCalls(c) && core::Round(c).calls >= 2 ? 2.0 : 1.0;
-    double per_call = static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * kept_per_block;
+    const double graph = tokens * (8.6 * H + 3.0 * static_cast<double>(c.model.intermediate_size)) * elem;
+    double per_call = static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
     for (int l = plan.kept_start; l < plan.tail_start; ++l) {
       per_call += static_cast<double>(spec.LayerWeightElems(l)) * elem;
       for (const auto& use : spec.layer_uses[l])
@@ -402,6 +405,37 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   PlanChoice best = PredictPlan(c, best_plan, profile, workers);
   best.candidates = candidates;
   return best;
+}
+
+Status ResolveKeptBlocks(JobConfig* c, int workers) {
+  if (c->schedule.kept_blocks != kKeptBlocksAuto) return Status::Ok();
+  c->schedule.kept_blocks = 0;
+  if (workers != 1 || c->nodes.count > 1 || c->train.layer_recompute) return Status::Ok();
+  // Blocks just before the tail, up to the first sparse one (kept blocks must be dense).
+  int64_t most = 0;
+  for (int64_t b = c->model.num_layers - c->schedule.tail_blocks - 1; b >= 0 && !SparseBlock(c->model, b); --b) ++most;
+  auto fits = [&](int64_t k) -> StatusOr<bool> {
+    JobConfig trial = *c;
+    trial.schedule.kept_blocks = k;
+    const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
+    if (trial.schedule.partition == Partition::kAuto) return ChoosePlan(trial, workers, costs).ok();
+    RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
+    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <= c->schedule.gpu_memory_gb * 1e9;
+  };
+  // More kept blocks never need less memory, so those that fit are a prefix of 0..most.
+  int64_t lo = 0, hi = most;  // lo fits (or is 0), hi + 1 does not
+  RP_ASSIGN_OR_RETURN(const bool all, fits(most));
+  if (all) {
+    lo = most;
+  } else {
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      RP_ASSIGN_OR_RETURN(const bool ok, fits(mid));
+      (ok ? lo : hi) = mid;
+    }
+  }
+  c->schedule.kept_blocks = lo;
+  return Status::Ok();
 }
 
 Status ResolveMlpTile(JobConfig* c, int workers) {

@@ -108,6 +108,14 @@ double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int
 inline constexpr int64_t kSmallestAutoMlpTile = 512;
 Status ResolveMlpTile(JobConfig* config, int workers);
 
+// schedule.kept_blocks = kKeptBlocksAuto (-1): the most blocks that let the job's plan fit
+// schedule.gpu_memory_gb on its one worker (a plan of partition = "auto" chosen with them), by the
+// FLOP cost model like ResolveMlpTile and after it (the tile is chosen without kept blocks, which
+// then take what memory is left), written into `config`. None (0) with several workers or nodes,
+// with train.layer_recompute, or past the first mixture-of-experts block below the tail. Any other
+// value is left as it is.
+Status ResolveKeptBlocks(JobConfig* config, int workers);
+
 // The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner
 // chooses tail size and cuts for `workers` workers first (ChoosePlan). Every process computes
 // the same plan from the same inputs.

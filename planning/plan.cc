@@ -88,8 +88,8 @@ StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {
   p.tail_start = L + 1 - static_cast<int>(c.schedule.tail_blocks);
   const int t = p.tail_start;
   // The planner's probes try shorter pre-tail ranges than the job's; the embedding is never kept.
-  p.kept_start = std::max(1, t - static_cast<int>(c.schedule.kept_blocks));
-  if (c.schedule.kept_blocks == 0) p.kept_start = t;
+  // kKeptBlocksAuto not yet resolved (ResolveMlpTile's probes, before ResolveKeptBlocks): none.
+  p.kept_start = c.schedule.kept_blocks > 0 ? std::max(1, t - static_cast<int>(c.schedule.kept_blocks)) : t;
 
   auto starts_from = [&](const std::vector<int64_t>& cuts, int64_t count) {
     std::vector<int> starts;

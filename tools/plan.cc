@@ -46,6 +46,10 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
     f.why = "device memory (" + s.message() + ")";
     return f;
   }
+  if (auto s = rp::core::ResolveKeptBlocks(&c, gpus); !s.ok()) {
+    f.why = s.message();
+    return f;
+  }
   f.mlp_tile_tokens = c.train.mlp_tile_tokens;
   auto costs = rp::core::PlanningProfile(c);
   if (!costs.ok()) {
@@ -202,6 +206,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
     return rp::kExitBadConfig;
   }
+  const bool kept_chosen = cfg->schedule.kept_blocks == rp::core::kKeptBlocksAuto;
+  if (auto s = rp::core::ResolveKeptBlocks(&*cfg, gpus); !s.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
+    return rp::kExitBadConfig;
+  }
   auto costs = rp::core::PlanningProfile(*cfg);
   if (!costs.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
@@ -255,6 +264,8 @@ int main(int argc, char** argv) {
     out["costs"] = choice->cost_source;
     out["mlp_tile_tokens"] = cfg->train.mlp_tile_tokens;
     out["mlp_tile_chosen"] = tile_chosen;
+    out["kept_blocks"] = cfg->schedule.kept_blocks;
+    out["kept_blocks_chosen"] = kept_chosen;
     if (own) out["job_plan"] = to_json(*own);
     std::printf("%s\n", out.dump().c_str());
     return 0;
@@ -282,6 +293,9 @@ int main(int argc, char** argv) {
     std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n", cfg->schedule.gpu_memory_gb,
                 cfg->train.mlp_tile_tokens == 0 ? "untiled (the whole microbatch fits)"
                                                  : (std::to_string(cfg->train.mlp_tile_tokens) + " tokens").c_str());
+  if (kept_chosen)
+    std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n", cfg->schedule.gpu_memory_gb,
+                static_cast<long long>(cfg->schedule.kept_blocks));
   print(("auto plan for " + std::to_string(gpus) + " workers" +
          (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string()))
             .c_str(),
