@@ -161,6 +161,10 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
                 static_cast<long long>(core::StepMicrobatch(cfg, 0, share - 1)),
                 static_cast<long long>(core::GlobalRound(cfg).microbatches));
   }
+  if (plan->kept_start < plan->tail_start)
+    std::printf("kept blocks: %d (layers %d-%d keep their forward graphs on the device for their backward "
+                "instead of being recomputed)\n",
+                plan->tail_start - plan->kept_start, plan->kept_start, plan->tail_start - 1);
   if (auto costs = core::PlanningProfile(cfg); costs.ok()) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
     std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",

@@ -187,6 +187,20 @@ TEST(JobConfig, AnAutoMlpTileNeedsTheDeviceMemoryToFit) {
   ExpectError(kValid, "train.mlp_tile_tokens", {"train.mlp_tile_tokens=-2", "schedule.gpu_memory_gb=40"});
 }
 
+TEST(JobConfig, KeptBlocksAreChecked) {
+  // The default model: 4 blocks, none in the tail, so 4 precede it.
+  EXPECT_TRUE(Parse(kValid, {"schedule.kept_blocks=4"}).ok());
+  ExpectError(kValid, "schedule.kept_blocks: 4 kept blocks, but only 3", {"schedule.kept_blocks=4", "schedule.tail_blocks=1"});
+  ExpectError(kValid, "schedule.kept_blocks", {"schedule.kept_blocks=2", "train.layer_recompute=true"});
+  ExpectError(kValid, "schedule.kept_blocks = -1", {"schedule.kept_blocks=-1"});
+  auto c = Parse(kValid, {"schedule.kept_blocks=-1", "schedule.gpu_memory_gb=40"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->schedule.kept_blocks, kKeptBlocksAuto);
+  const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=16",
+                                        "schedule.kept_blocks=1"};
+  ExpectError(kValid, "schedule.kept_blocks: block 3 is a mixture-of-experts block", moe);
+}
+
 TEST(JobConfig, LoraKeysAreChecked) {
   const std::string lora = std::string(kValid) + "[lora]\nrank = 4\n";
   ExpectError(lora + "target_modules = [\"qproj\"]\n", "lora.target_modules: \"qproj\"");

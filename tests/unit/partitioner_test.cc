@@ -390,6 +390,54 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
   EXPECT_EQ(fixed.train.mlp_tile_tokens, 777);
 }
 
+TEST(Partitioner, KeptBlocksAreCountedAndChosenToFitTheBudget) {
+  JobConfig c = OneStageOfEachKind(12);  // F[0,12) T[12,14) B[0,12): 11 blocks before the tail
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 1024;
+  auto estimate = [&](int64_t kept) {
+    JobConfig t = c;
+    t.schedule.kept_blocks = kept;
+    auto plan = BuildPlan(t);
+    EXPECT_TRUE(plan.ok());
+    return EstimateMemory(t, *plan, 1);
+  };
+  // Kept blocks: every microbatch's graph of each, its weights and sums, on top of the rest;
+  // the backward stage recomputes only the layers below them.
+  const MemoryEstimate none = estimate(0), three = estimate(3), four = estimate(4);
+  EXPECT_EQ(none.kept, 0.0);
+  EXPECT_GT(three.kept, 0.0);
+  EXPECT_NEAR(four.kept / three.kept, 4.0 / 3.0, 1e-9);
+  EXPECT_DOUBLE_EQ(three.total - none.total, three.kept);
+  {
+    JobConfig t = c;
+    t.schedule.kept_blocks = 3;
+    auto plan = BuildPlan(t);
+    ASSERT_TRUE(plan.ok());
+    EXPECT_EQ(plan->kept_start, 9);
+    EXPECT_TRUE(plan->KeepsGraph(9) && plan->KeepsGraph(11));
+    EXPECT_FALSE(plan->KeepsGraph(8) || plan->KeepsGraph(12));
+    const Profile profile = DefaultCostModel(t);
+    EXPECT_LT(PredictPlan(t, *plan, profile, 1).step_seconds, PredictPlan(c, *BuildPlan(c), profile, 1).step_seconds);
+  }
+  // -1: the most that fit the budget, found by bisection: between the estimates of k and k + 1
+  // kept blocks it chooses k; with several workers none.
+  auto resolve = [&](double limit, int workers) {
+    JobConfig t = c;
+    t.schedule.kept_blocks = kKeptBlocksAuto;
+    t.schedule.gpu_memory_gb = limit / 1e9;
+    EXPECT_TRUE(ResolveKeptBlocks(&t, workers).ok());
+    return t.schedule.kept_blocks;
+  };
+  for (int64_t k = 0; k < 11; ++k)
+    EXPECT_EQ(resolve((estimate(k).total + estimate(k + 1).total) / 2, 1), k) << k;
+  EXPECT_EQ(resolve(estimate(11).total * 1.01, 1), 11);
+  EXPECT_EQ(resolve(estimate(11).total * 1.01, 2), 0);
+  JobConfig fixed = c;
+  fixed.schedule.kept_blocks = 5;
+  ASSERT_TRUE(ResolveKeptBlocks(&fixed, 2).ok());
+  EXPECT_EQ(fixed.schedule.kept_blocks, 5);  // refused later, by the launcher, naming the key
+}
+
 TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
   JobConfig c = OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks
   c.data.seq_len = 4096;
