@@ -430,7 +430,7 @@ const std::vector<KeySpec>& Table() {
           "does not recompute them: device memory for every microbatch's activations of these "
           "blocks for a whole round, for a faster backward. Needs --gpus 1 (the graphs stay in the "
           "worker that ran the forward; a replaced worker recomputes from the checkpoints); not "
-          "with train.layer_recompute or mixture-of-experts blocks. -1: as many as let the plan fit "
+          "with train.layer_recompute, tiled MLPs or mixture-of-experts blocks. -1: as many as let the plan fit "
           "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
           "the number), none with several workers"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
@@ -492,7 +492,8 @@ const std::vector<KeySpec>& Table() {
             "Several nodes: the bandwidth between nodes (GB/s, each direction) the planner and rp-plan "
             "--nnodes assume for the cross-node gradient sums; 0 = free"),
       Float("schedule", "gpu_memory_gb", F(schedule.gpu_memory_gb), 0.0, 0.0, 1e6,
-            "Per-worker memory limit the auto planner respects, against its estimate of the "
+            "Per-worker memory limit the auto planner, train.mlp_tile_tokens = -1 and "
+            "schedule.kept_blocks = -1 respect, against the planner's estimate of the "
             "tensors allocated at the peak (rp-plan prints its parts; measured on the H200: 1.7B "
             "job +25-28%, 4B job -1%); leave room for the CUDA context and the allocator's cache "
             "(~1-2 GB); 0 = unlimited"),
@@ -771,6 +772,10 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("schedule.kept_blocks: " + std::to_string(c.schedule.kept_blocks) +
                                    " kept blocks, but only " + std::to_string(tail_start - 1) +
                                    " blocks precede the fused tail (model.num_layers - schedule.tail_blocks)");
+  if (c.schedule.kept_blocks > 0 && c.train.mlp_tile_tokens != 0)
+    return Status::InvalidArgument("schedule.kept_blocks: a tiled MLP (train.mlp_tile_tokens) recomputes its tiles "
+                                   "from weights the job that kept the graph no longer holds; not implemented "
+                                   "together (kept_blocks = -1 keeps none when a tile is chosen)");
   if (c.schedule.kept_blocks > 0 && c.train.layer_recompute)
     return Status::InvalidArgument("schedule.kept_blocks: keeps forward graphs for the backward, "
                                    "train.layer_recompute rebuilds them; choose one");

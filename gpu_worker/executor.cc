@@ -276,8 +276,9 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   stage_ = plan_.stages[job.stage];
   current_ = std::move(next_);
   if (stage_.kind == core::StageKind::kForward && KeptFrom(stage_) < stage_.end) {
-    // Graphs of earlier steps nobody adopted (their backward ran elsewhere) and this job's own
-    // from an attempt that did not finish.
+    // Defensive: graphs of earlier steps nobody adopted and this job's own from an earlier attempt.
+    // Neither happens while the one worker runs every job in step order (a failed job ends the
+    // process, and its graphs with it), but a leftover must not hold device memory for good.
     for (auto it = kept_.begin(); it != kept_.end();) {
       const auto& [step, call, layer] = it->first;
       const bool own = step == job.step && call == job.call && layer >= stage_.begin && layer < stage_.end;

@@ -156,7 +156,11 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
                                  // gradient in the compute dtype unless summed into a sink
     double mapped = 0.0;  // elements of the mapped embedding, when the stage has it
     double sums = 0.0;    // the job's fp32 gradient sums
+    // A backward stage's kept layers come with their graphs, weights and sums (counted below as
+    // `kept`): it fetches, recomputes and sums only the layers under them.
+    const bool adopts = st.kind == StageKind::kBackward;
     for (int l = st.begin; l < st.end; ++l) {
+      if (adopts && plan.KeepsGraph(l)) continue;
       if (mapped_param >= 0 && l == 0) {
         mapped = static_cast<double>(spec.params[mapped_param].numel);
         continue;
@@ -173,7 +177,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // (no graph): one block's working set. train.layer_recompute: a gradient stage keeps each
     // block's input and one block's graph at a time. A fused tail counts its head's loss chunk
     // (below) beside the working set, though the two are not alive at once: the fit absorbed it.
-    const double blocks = static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1)));
+    const int kept_here = adopts ? std::max(0, std::min(st.end, plan.tail_start) - std::max(st.begin, plan.kept_start)) : 0;
+    const double blocks =
+        static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1) - kept_here));
     const double stage_working = blocks > 0 ? working : 0.0;
     const double kept_inputs = blocks * tokens * H * elem;
     double acts = stage_working + (!grads                       ? 0.0
@@ -192,6 +198,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
       double measured = 0.0, largest = 0.0;
       bool all = true;
       for (int l = std::max(st.begin, 1); l < std::min(st.end, plan.num_layers - 1); ++l) {
+        if (adopts && plan.KeepsGraph(l)) continue;
         all = all && profile->layers[l].saved_bytes >= 0;
         measured += profile->layers[l].saved_bytes;
         largest = std::max(largest, profile->layers[l].saved_bytes);
@@ -410,7 +417,8 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
 Status ResolveKeptBlocks(JobConfig* c, int workers) {
   if (c->schedule.kept_blocks != kKeptBlocksAuto) return Status::Ok();
   c->schedule.kept_blocks = 0;
-  if (workers != 1 || c->nodes.count > 1 || c->train.layer_recompute) return Status::Ok();
+  if (workers != 1 || c->nodes.count > 1 || c->train.layer_recompute || c->train.mlp_tile_tokens != 0)
+    return Status::Ok();
   // Blocks just before the tail, up to the first sparse one (kept blocks must be dense).
   int64_t most = 0;
   for (int64_t b = c->model.num_layers - c->schedule.tail_blocks - 1; b >= 0 && !SparseBlock(c->model, b); --b) ++most;
@@ -423,7 +431,7 @@ Status ResolveKeptBlocks(JobConfig* c, int workers) {
     return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <= c->schedule.gpu_memory_gb * 1e9;
   };
   // More kept blocks never need less memory, so those that fit are a prefix of 0..most.
-  int64_t lo = 0, hi = most;  // lo fits (or is 0), hi + 1 does not
+  int64_t lo = 0, hi = most;  // lo fits (or is 0); once bisecting, hi does not
   RP_ASSIGN_OR_RETURN(const bool all, fits(most));
   if (all) {
     lo = most;

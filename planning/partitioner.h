@@ -112,8 +112,8 @@ Status ResolveMlpTile(JobConfig* config, int workers);
 // schedule.gpu_memory_gb on its one worker (a plan of partition = "auto" chosen with them), by the
 // FLOP cost model like ResolveMlpTile and after it (the tile is chosen without kept blocks, which
 // then take what memory is left), written into `config`. None (0) with several workers or nodes,
-// with train.layer_recompute, or past the first mixture-of-experts block below the tail. Any other
-// value is left as it is.
+// with train.layer_recompute or a tiled MLP, or past the first mixture-of-experts block below the
+// tail. Any other value is left as it is.
 Status ResolveKeptBlocks(JobConfig* config, int workers);
 
 // The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner

@@ -39,8 +39,8 @@ struct PipelinePlan {
   int tail_start = 0;
   // Layers [kept_start, tail_start) keep their forward graphs until their backward
   // (schedule.kept_blocks): their forward stage runs them with autograd and the backward stages
-  // backpropagate through those graphs instead of recomputing. tail_start when none.
-  int kept_start = 0;
+  // backpropagate through those graphs instead of recomputing. tail_start (or above) when none.
+  int kept_start = 1 << 30;
   std::vector<Stage> stages;             // chain order: forward, tail, backward
   std::vector<int> hidden_boundaries;    // boundaries stored in activation slots, ascending
   std::vector<int> grad_boundaries;      // boundaries whose input-gradient crosses stages

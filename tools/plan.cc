@@ -34,6 +34,7 @@ struct LengthFit {
   rp::core::PlanChoice choice;
   double host_bytes = 0.0;
   int64_t mlp_tile_tokens = 0;  // as resolved at this length
+  int64_t kept_blocks = 0;      // likewise
 };
 
 LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_limit) {
@@ -50,6 +51,7 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
     f.why = s.message();
     return f;
   }
+  f.kept_blocks = c.schedule.kept_blocks;
   f.mlp_tile_tokens = c.train.mlp_tile_tokens;
   auto costs = rp::core::PlanningProfile(c);
   if (!costs.ok()) {
@@ -141,6 +143,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
                                        {"predicted_tokens_per_s", tokens / best.choice.step_seconds},
                                        {"costs", best.choice.cost_source},
                                        {"mlp_tile_tokens", best.mlp_tile_tokens},
+                                       {"kept_blocks", best.kept_blocks},
                                        {"next_length_limited_by", limit}}
                              .dump()
                              .c_str());
@@ -152,6 +155,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
               best.choice.plan.Describe().c_str(), best.choice.peak_memory_bytes / 1e9, cfg.schedule.gpu_memory_gb,
               best.host_bytes / 1e9, host_limit / 1e9);
   if (best.mlp_tile_tokens > 0) std::printf("  MLP tile: %lld tokens\n", static_cast<long long>(best.mlp_tile_tokens));
+  if (best.kept_blocks > 0) std::printf("  kept blocks: %lld\n", static_cast<long long>(best.kept_blocks));
   std::printf("  predicted step %.3f s, %.0f tokens/s (%s costs)\n", best.choice.step_seconds,
               tokens / best.choice.step_seconds, best.choice.cost_source.c_str());
   return 0;
@@ -254,7 +258,7 @@ int main(int argc, char** argv) {
                             {"staging", c.memory.staging},
                             {"gradients_waiting_for_slots", c.held_grad_bytes},
                             {"gradients_waiting_for_norm", c.memory.held_gradients},
-                            {"kept_blocks", c.memory.kept}}}};
+                            {"kept_graphs", c.memory.kept}}}};
   };
   if (json) {
     nlohmann::json out = to_json(*choice);

@@ -192,6 +192,7 @@ TEST(JobConfig, KeptBlocksAreChecked) {
   EXPECT_TRUE(Parse(kValid, {"schedule.kept_blocks=4"}).ok());
   ExpectError(kValid, "schedule.kept_blocks: 4 kept blocks, but only 3", {"schedule.kept_blocks=4", "schedule.tail_blocks=1"});
   ExpectError(kValid, "schedule.kept_blocks", {"schedule.kept_blocks=2", "train.layer_recompute=true"});
+  ExpectError(kValid, "schedule.kept_blocks: a tiled MLP", {"schedule.kept_blocks=2", "train.mlp_tile_tokens=8"});
   ExpectError(kValid, "schedule.kept_blocks = -1", {"schedule.kept_blocks=-1"});
   auto c = Parse(kValid, {"schedule.kept_blocks=-1", "schedule.gpu_memory_gb=40"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
