@@ -371,14 +371,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
     const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
     std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
     // Kept blocks under this tail cost their backward only: the backward cuts balance that.
-    {
-      JobConfig shape = probe;
-      shape.schedule.forward_stages = shape.schedule.backward_stages = 1;
-      shape.schedule.forward_cuts.clear();
-      shape.schedule.backward_cuts.clear();
-      if (auto plan = BuildPlan(shape); plan.ok())
-        for (int l = std::max(0, plan->kept_start); l < t; ++l) b_layers[l] = profile.layers[l].backward_s;
-    }
+    for (int l = KeptStart(probe, t); l < t; ++l) b_layers[l] = profile.layers[l].backward_s;
     for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true))
       for (const auto& bc : SideCandidates(b_layers, 3 * workers + 3)) {
         // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.

@@ -81,19 +81,21 @@ std::string PipelinePlan::Describe() const {
   return out;
 }
 
+int KeptStart(const JobConfig& c, int tail_start) {
+  // kKeptBlocksAuto not yet resolved (ResolveMlpTile's probes, before ResolveKeptBlocks): none.
+  int start = c.schedule.kept_blocks > 0 ? std::max(1, tail_start - static_cast<int>(c.schedule.kept_blocks)) : tail_start;
+  for (int l = start; l < tail_start; ++l)
+    if (SparseBlock(c.model, l - 1)) start = l + 1;
+  return start;
+}
+
 StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {
   PipelinePlan p;
   const int L = static_cast<int>(c.model.num_layers);
   p.num_layers = L + 2;
   p.tail_start = L + 1 - static_cast<int>(c.schedule.tail_blocks);
   const int t = p.tail_start;
-  // The planner's probes try shorter pre-tail ranges than the job's; the embedding is never kept,
-  // nor a mixture-of-experts block (the probes' tails move the range onto blocks the job's own
-  // check did not see). kKeptBlocksAuto not yet resolved (ResolveMlpTile's probes, before
-  // ResolveKeptBlocks): none.
-  p.kept_start = c.schedule.kept_blocks > 0 ? std::max(1, t - static_cast<int>(c.schedule.kept_blocks)) : t;
-  for (int l = p.kept_start; l < t; ++l)
-    if (SparseBlock(c.model, l - 1)) p.kept_start = l + 1;
+  p.kept_start = KeptStart(c, t);
 
   auto starts_from = [&](const std::vector<int64_t>& cuts, int64_t count) {
     std::vector<int> starts;

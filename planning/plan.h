@@ -63,6 +63,11 @@ struct PipelinePlan {
   std::string Describe() const;
 };
 
+// PipelinePlan::kept_start for a tail starting at layer `tail_start`: schedule.kept_blocks layers
+// below it, never the embedding nor a mixture-of-experts block (the planner's probes move the tail,
+// and with it the range, onto blocks the job's own check did not see).
+int KeptStart(const JobConfig& config, int tail_start);
+
 // The plan for the config's explicit cuts or equal stage counts (what "auto" evaluates; the
 // plan of a job is planning/partitioner.h's MakePlan). Never drops or duplicates a layer: each of
 // forward and backward covers [0, tail_start) exactly once.

@@ -325,11 +325,10 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     std::vector<bool> owner(plan.num_layers, false);
     for (int l = s.begin; l < s.end; ++l) {
       const LayerCost& lc = profile.layers[l];
-      // A kept layer (schedule.kept_blocks) backpropagates through its forward's graph.
-      const bool recomputes = s.kind == StageKind::kBackward && !plan.KeepsGraph(l);
-      st.compute_s += s.kind == StageKind::kForward ? lc.forward_s
-                                                    : (recomputes || s.kind == StageKind::kFusedTail ? lc.recompute_s : 0.0) +
-                                                          lc.backward_s;
+      // A kept layer (schedule.kept_blocks) backpropagates through its forward's graph, with the
+      // forward's weights.
+      const bool adopted = s.kind == StageKind::kBackward && plan.KeepsGraph(l);
+      st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : (adopted ? 0.0 : lc.recompute_s) + lc.backward_s;
       // train.layer_recompute: a gradient stage first runs its layers (not the head) without
       // autograd, then rebuilds each one's graph.
       if (grads && c.train.layer_recompute && l < plan.num_layers - 1) st.compute_s += lc.forward_s;
@@ -349,7 +348,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
         f.bytes = 0.0;
         f.owners = {in.lookup_owner};
       }
-      if (!recomputes && s.kind == StageKind::kBackward) f.bytes = 0.0;  // the kept graph holds them
+      if (adopted) f.bytes = 0.0;
       st.weight_bytes += f.bytes;
       st.fetches.push_back(std::move(f));
     }
