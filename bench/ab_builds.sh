@@ -29,7 +29,8 @@ t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*" >&2; }
 
 build() {  # $1 tree
-  local tree=$1 log=$1/$build_name.log
+  local tree=$1 log=$1/$build_name/ab-build.log
+  mkdir -p "$tree/$build_name"
   say "building $tree"
   # shellcheck disable=SC2086  # RP_CMAKE_ARGS is a list of arguments
   if ! { cmake -S "$tree" -B "$tree/$build_name" -G Ninja -DCMAKE_BUILD_TYPE=Release ${RP_CMAKE_ARGS:-} &&
