@@ -333,7 +333,8 @@ inline bool UpdatesWaitForNorm(const JobConfig& c) {
 // arena. Each worker writes the squared sums of its gradients' optimizer chunks into the state
 // segment; the coordinator adds them up in the optimizer's order, and only then grants the step's
 // commits, which stream through an arena sized as without clipping, each parameter updated as its
-// gradient lands. Validated to need a norm to wait for, one commit per gradient slot and step, and
+// gradient lands; the activation slots get a second parity (ActivationParities). Validated to
+// need a norm to wait for, one commit per gradient slot and step, and
 // no parameter shared between layers.
 inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.gradients_wait_in == GradientsWait::kWorkers; }
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.

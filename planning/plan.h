@@ -108,10 +108,17 @@ inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t mic
          stage.end - stage.begin > 1 && microbatches > 1;
 }
 
-// Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains,
-// except exact mode with one call per step, where no two calls' activations are ever in flight.
+// Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains.
+// Exact mode with one call per step has one: the next step's first forward needs this step's
+// update, which comes after this step's last job is done. Not with gradients waiting in the
+// workers (core::GradientsWaitInWorkers): there a job is done only after its commit, the commits
+// follow the norm through the arena, the first layers' first, and the tail's (the largest) comes
+// last, after most of the update; with one set the next step's tokens could not go in before
+// then, so its forward could not start behind the first layers' updates. A slot is reused only
+// when every job that read it is done, so a replacement worker can re-run any of them.
 inline int ActivationParities(const JobConfig& c) {
-  return c.optimizer.mode == core::OptimizerMode::kExact && core::Round(c).calls == 1 ? 1 : 2;
+  return c.optimizer.mode == core::OptimizerMode::kExact && core::Round(c).calls == 1 && !GradientsWaitInWorkers(c) ? 1
+                                                                                                                  : 2;
 }
 
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {

@@ -55,6 +55,25 @@ TEST_F(HeldGradientsTest, WorkersHoldingGradientsForTheNormGiveTheHostHeldRunBit
   }
 }
 
+TEST_F(HeldGradientsTest, AHungWorkerHoldingGradientsIsReplacedWithTheSameResult) {
+  // The next step's tokens and checkpoints go into the other slot set while this step's commits
+  // wait for the norm (core::ActivationParities), so a replacement can still re-run any job whose
+  // commit had not landed: losses, norms and weights equal the fault-free run's.
+  const std::vector<std::string> job = {"model.tie_embeddings=false", "train.accum_calls=1", "train.microbatches=4",
+                                        "train.steps=8", "train.grad_clip=1.0", "checkpoint.export_hf=hf",
+                                        "job.worker_timeout_s=2", "optimizer.gradients_wait_in=\"workers\""};
+  auto clean = Launch(2, tmp_ + "/clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto env = Env();
+  env.push_back("RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker");
+  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang", job), 120, env);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(Summary(tmp_ + "/hang")["worker_replacements"], 1) << Summary(tmp_ + "/hang").dump();
+  EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
+  EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl", "grad_norm"), Losses(tmp_ + "/clean/metrics.jsonl", "grad_norm"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/hang/hf/model.safetensors") == ReadBytes(tmp_ + "/clean/hf/model.safetensors"));
+}
+
 TEST_F(HeldGradientsTest, LoraOnATiedModelHoldsItsAdaptersInTheWorkers) {
   // LoRA freezes the tied embedding: every trainable parameter (an adapter) is in one layer.
   const std::vector<std::string> job = {"lora.rank=4", "train.accum_calls=1", "train.steps=6", "train.grad_clip=0.05"};

@@ -166,6 +166,12 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_TRUE(GradientsWaitInWorkers(*c));
+  // Its commits come after the norm, the tail's last: the next step's tokens and checkpoints go
+  // into a second slot set instead of waiting for them (the host-held exact run keeps one).
+  EXPECT_EQ(ActivationParities(*c), 2);
+  auto host = Parse(kValid, {"model.tie_embeddings=false", "train.accum_calls=1"});
+  ASSERT_TRUE(host.ok()) << host.status().message();
+  EXPECT_EQ(ActivationParities(*host), 1);
   // Exact mode merges the calls into one round: allowed with accumulation calls too.
   EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"}).ok());
   ExpectError(kValid, "optimizer.gradients_wait_in",
