@@ -64,9 +64,7 @@ TEST_F(HeldGradientsTest, AHungWorkerHoldingGradientsIsReplacedWithTheSameResult
                                         "job.worker_timeout_s=2", "optimizer.gradients_wait_in=\"workers\""};
   auto clean = Launch(2, tmp_ + "/clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
-  auto env = Env();
-  env.push_back("RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker");
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang", job), 120, env);
+  auto r = LaunchWithHookOnce(2, tmp_ + "/hang", job, "RP_TEST_HANG_ONCE");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(Summary(tmp_ + "/hang")["worker_replacements"], 1) << Summary(tmp_ + "/hang").dump();
   EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));

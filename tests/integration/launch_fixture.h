@@ -93,6 +93,14 @@ class LaunchTest : public ::testing::Test {
   // with the test hook `hook` (an environment variable naming a marker file) armed in one worker:
   // the armed run must say `fired`, lose that worker to hang detection, replace it, and end with
   // the fault-free run's losses and checkpoint. Returns the job's overrides.
+  // A launch with the test hook `hook` armed for one firing (its marker file beside `out`).
+  testing::ProcessResult LaunchWithHookOnce(int workers, const std::string& out, const std::vector<std::string>& job,
+                                            const std::string& hook) {
+    auto env = Env();
+    env.push_back(hook + "=" + out + "-marker");
+    return testing::RunProcess(LaunchArgs(workers, out, job), 120, env);
+  }
+
   std::vector<std::string> ExpectHungWorkerReplaced(const std::string& tag, int steps, const std::string& hook,
                                                     const std::string& fired) {
     const std::string n = std::to_string(steps);
@@ -100,9 +108,7 @@ class LaunchTest : public ::testing::Test {
                                           "checkpoint.every=" + n, "job.worker_timeout_s=2"};
     auto clean = Launch(2, tmp_ + "/" + tag + "-clean", job);
     EXPECT_EQ(clean.code, 0) << clean.output;
-    auto env = Env();
-    env.push_back(hook + "=" + tmp_ + "/" + tag + "-marker");
-    auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/" + tag, job), 120, env);
+    auto r = LaunchWithHookOnce(2, tmp_ + "/" + tag, job, hook);
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find(fired), std::string::npos) << r.output;
     const auto summary = nlohmann::json::parse(testing::ReadFile(tmp_ + "/" + tag + "/summary.json"));

@@ -173,9 +173,7 @@ TEST_F(LaunchTest, KeptBlocksSurviveAReplacedWorkerWithTheSameResults) {
                                         "checkpoint.every=4", "job.worker_timeout_s=2", "schedule.kept_blocks=2"};
   auto clean = Launch(1, tmp_ + "/kept-clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
-  auto env = Env();
-  env.push_back("RP_TEST_DEVICE_HANG_ONCE=" + tmp_ + "/kept-marker");
-  auto r = testing::RunProcess(LaunchArgs(1, tmp_ + "/kept-hang", job), 120, env);
+  auto r = LaunchWithHookOnce(1, tmp_ + "/kept-hang", job, "RP_TEST_DEVICE_HANG_ONCE");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto summary = Summary(tmp_ + "/kept-hang");
   EXPECT_EQ(summary["worker_replacements"], 1) << summary.dump();
@@ -920,10 +918,8 @@ TEST_F(LaunchTest, HungWorkerIsKilledAndReplaced) {
   const auto job = ExpectHungWorkerReplaced("hang", 20, "RP_TEST_HANG_ONCE", "hanging on purpose");
   auto no_restart = job;
   no_restart.push_back("job.max_worker_restarts=0");
-  auto env = Env();
-  env.push_back("RP_TEST_HANG_ONCE=" + tmp_ + "/hang-marker2");
   const auto t0 = std::chrono::steady_clock::now();
-  auto stopped = testing::RunProcess(LaunchArgs(2, tmp_ + "/hang-stop", no_restart), 120, env);
+  auto stopped = LaunchWithHookOnce(2, tmp_ + "/hang-stop", no_restart, "RP_TEST_HANG_ONCE");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(stopped.code, 0);
   const auto summary = Summary(tmp_ + "/hang-stop");
