@@ -385,8 +385,9 @@ const std::vector<KeySpec>& Table() {
            "on the workers that computed them (device memory), which report their squared sums; the "
            "commits follow the norm and stream through an arena sized as without clipping, and the "
            "next step's activations take a second set of host slots (its forward then starts behind "
-           "the first layers' updates instead of the last commit). workers needs train.grad_clip > 0, one accumulation round per step, no tied embedding (unless "
-           "LoRA freezes it) and one node"),
+           "the first layers' updates instead of the last commit). workers needs train.grad_clip > "
+           "0, one accumulation round per step, no tied embedding (unless LoRA freezes it) and one "
+           "node"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
           "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "

@@ -89,10 +89,6 @@ class LaunchTest : public ::testing::Test {
     return testing::RunProcess(args, 240, EnvWith(sets));
   }
 
-  // A two-worker run of `steps` steps (a checkpoint at the end, hang timeout 2 s), fault-free and
-  // with the test hook `hook` (an environment variable naming a marker file) armed in one worker:
-  // the armed run must say `fired`, lose that worker to hang detection, replace it, and end with
-  // the fault-free run's losses and checkpoint. Returns the job's overrides.
   // A launch with the test hook `hook` armed for one firing (its marker file beside `out`).
   testing::ProcessResult LaunchWithHookOnce(int workers, const std::string& out, const std::vector<std::string>& job,
                                             const std::string& hook) {
@@ -101,6 +97,10 @@ class LaunchTest : public ::testing::Test {
     return testing::RunProcess(LaunchArgs(workers, out, job), 120, env);
   }
 
+  // A two-worker run of `steps` steps (a checkpoint at the end, hang timeout 2 s), fault-free and
+  // with the test hook `hook` (an environment variable naming a marker file) armed in one worker:
+  // the armed run must say `fired`, lose that worker to hang detection, replace it, and end with
+  // the fault-free run's losses and checkpoint. Returns the job's overrides.
   std::vector<std::string> ExpectHungWorkerReplaced(const std::string& tag, int steps, const std::string& hook,
                                                     const std::string& fired) {
     const std::string n = std::to_string(steps);
