@@ -94,6 +94,11 @@ SimResult Simulate(const SimInput& in) {
     double from, to, bytes;
   };
   std::vector<std::vector<Held>> held(N);
+  struct WaitingCommit {
+    int stage, worker;
+    double job_end;
+  };
+  std::vector<WaitingCommit> waiting;  // SimInput::commits_wait_for_norm: this step's, in job order
   int updates_done_for = -1;
   for (int t = 0; t < T; ++t) {
     const int need = t - in.version_lag;  // the step whose updates this step's weights include
@@ -175,7 +180,9 @@ SimResult Simulate(const SimInput& in) {
       }
       compute_free[w] = last_end[w] = now;
       double done = std::max(now, outputs_done);
-      if (st.grad_bytes > 0) {
+      if (st.grad_bytes > 0 && in.commits_wait_for_norm) {
+        waiting.push_back({s, w, now});
+      } else if (st.grad_bytes > 0) {
         // A gradient slot of step t is free once step t - 1's update of its layer has read it
         // (stale1: the update runs during this step). Exact mode's second passes, which hold the
         // slots after the layer is published, are not modelled: the profile's rate is the first
@@ -198,6 +205,28 @@ SimResult Simulate(const SimInput& in) {
         }
       }
       r.step_done[t] = std::max(r.step_done[t], done);
+    }
+    if (!waiting.empty()) {
+      // Commits waiting for the norm: it is known when the step's last gradient job has ended;
+      // then the step's commits go last stage first, each on its worker's gradient stream.
+      double norm_at = 0.0;
+      for (const WaitingCommit& wc : waiting) norm_at = std::max(norm_at, wc.job_end);
+      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
+        const SimStage& st = in.stages[it->stage];
+        double slot_free = 0.0;
+        if (t > 0)
+          for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
+        const double start = std::max({norm_at, grads_free[it->worker], slot_free});
+        const double end = start + (in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0);
+        grads_free[it->worker] = end;
+        held[it->worker].push_back({it->job_end, end, st.grad_bytes});
+        for (int o : st.owners) {
+          final_at[t][o] = std::max(final_at[t][o], end);
+          has_grad[t][o] = true;
+        }
+        r.step_done[t] = std::max(r.step_done[t], end);
+      }
+      waiting.clear();
     }
   }
   while (updates_done_for < T - 1) run_updates(++updates_done_for);
@@ -290,7 +319,11 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
   in.version_lag = c.optimizer.mode == core::OptimizerMode::kStale1 ? 2 : 1;
-  in.updates_wait_for_norm = core::UpdatesWaitForNorm(c);
+  // Gradients waiting in the workers: the norm comes from their squares before any commit, and
+  // each parameter is updated as its commit lands (coordinator::AsyncOptimizer), with no norm
+  // pass on the host.
+  in.commits_wait_for_norm = core::GradientsWaitInWorkers(c);
+  in.updates_wait_for_norm = core::UpdatesWaitForNorm(c) && !in.commits_wait_for_norm;
   in.copies_overlap = c.job.device != core::DeviceKind::kCpu;  // as WorkloadKey() tells the two kinds apart
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
   in.layer_major = c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
@@ -391,7 +424,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0
                                ? touched_rows * static_cast<double>(ps.shape[1]) * 12.0
                                : static_cast<double>(ps.numel) * 4.0 * slots[p];
-      in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
+      if (!in.commits_wait_for_norm) in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
     }
   }
   if (ShardedState(c)) {

@@ -17,7 +17,9 @@
 //    stream, overlapping the next job (calls after the first of a step also read the slot's
 //    current value first, to add on the device), once the slot is free: step t - 1's update of
 //    the layer has read it. Until then the gradients wait on the device. A layer's gradient is
-//    final when the last job of the step that writes it has finished that copy.
+//    final when the last job of the step that writes it has finished that copy. With gradients
+//    waiting in the workers for the norm (SimInput::commits_wait_for_norm) the copies start
+//    after the step's last gradient job, last stage first.
 //  * Optimizer: one server (the coordinator's pool) updating one owner layer at a time: without
 //    clipping each layer as soon as final, with clipping (the global norm is needed) all layers
 //    after the step's last final gradient, ascending. Step t reads weights updated through step
@@ -26,7 +28,9 @@
 //  * Several nodes: each simulates its own share of the step (the same on every node), with the
 //    cross-node sum of each job's gradients before their write-back (SimInput::nodes).
 //  * Not modelled: activation slot reuse across calls, a streamed gradient arena's capacity
-//    (slots wait only for the previous step's update, as when the arena holds every gradient), several workers
+//    (slots wait only for the previous step's update, as when the arena holds every gradient:
+//    with commits waiting for the norm a small arena also makes each commit wait for earlier
+//    stages' updates, which is left out), several workers
 //    sharing one GPU's link or compute, message latency (folded into a measured overhead).
 // Pure and deterministic.
 #pragma once
@@ -82,6 +86,11 @@ struct SimInput {
   std::vector<double> norm_s;
   int version_lag = 1;
   bool updates_wait_for_norm = false;
+  // Gradients waiting in the workers (core::GradientsWaitInWorkers): no job's commit starts
+  // before the step's last gradient job has ended (the norm, from the workers' squares); then
+  // the step's commits go last stage first, and each layer is updated once final, as without
+  // clipping (updates_wait_for_norm false, no norm work on the host).
+  bool commits_wait_for_norm = false;
   // CUDA workers: activation copies run on their own streams and the worker does not wait
   // between microbatches, so a microbatch's input copy overlaps the previous one's compute
   // (only the first of a job is exposed) and its output copy the next one's (a consumer waits

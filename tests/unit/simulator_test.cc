@@ -389,6 +389,50 @@ TEST(Simulator, NormsRunBeforeTheUpdatesByHand) {
   EXPECT_DOUBLE_EQ(Simulate(in).makespan, 4.5);
 }
 
+TEST(Simulator, CommitsWaitingForTheNormGoLastStageFirstByHand) {
+  // The two stages above with 0.5 s commits. Streamed: layer 1's commit [1, 1.5), layer 0's
+  // [2, 2.5); updates [1.5, 2.5) and [2.5, 3.5). Waiting for the norm (known at 2, the last job's
+  // end): layer 0's commit [2, 2.5), layer 1's [2.5, 3); updates as each lands, [2.5, 3.5) and
+  // [3.5, 4.5). Layer 1's gradients stay on the device from 1 to 3, beside layer 0's.
+  SimInput in = TwoStagesBackwardOrder();
+  in.d2h_bytes_per_s = 2.0;
+  auto streamed = Simulate(in);
+  EXPECT_DOUBLE_EQ(streamed.makespan, 3.5);
+  EXPECT_DOUBLE_EQ(streamed.peak_held_grad_bytes[0], 1.0);
+  in.commits_wait_for_norm = true;
+  auto waiting = Simulate(in);
+  EXPECT_DOUBLE_EQ(waiting.step_done[0], 3.0);
+  EXPECT_DOUBLE_EQ(waiting.makespan, 4.5);
+  EXPECT_DOUBLE_EQ(waiting.peak_held_grad_bytes[0], 2.0);
+}
+
+TEST(Simulator, GradientsWaitingInWorkersAreSimulatedSo) {
+  // optimizer.gradients_wait_in = "workers": the commits wait for the norm, the updates do not
+  // (each parameter is updated as its commit lands), and the host takes no norm.
+  JobConfig c;
+  c.model.num_layers = 4;
+  c.model.tie_embeddings = false;
+  c.schedule.forward_stages = 1;
+  c.schedule.backward_stages = 2;
+  c.schedule.tail_blocks = 1;
+  c.train.grad_clip = 1.0;
+  auto plan = MakePlan(c);
+  ASSERT_TRUE(plan.ok());
+  const ModelSpec spec = BuildModelSpec(c.model);
+  const Profile profile = CostModelProfile(c, 1e12, 1e10, 1e9);
+  auto host = BuildSimInput(c, spec, *plan, profile, 1, 3);
+  EXPECT_TRUE(host.updates_wait_for_norm);
+  EXPECT_FALSE(host.commits_wait_for_norm);
+  c.optimizer.gradients_wait_in = GradientsWait::kWorkers;
+  auto workers = BuildSimInput(c, spec, *plan, profile, 1, 3);
+  EXPECT_FALSE(workers.updates_wait_for_norm);
+  EXPECT_TRUE(workers.commits_wait_for_norm);
+  for (double n : workers.norm_s) EXPECT_EQ(n, 0.0);
+  double host_norms = 0.0;
+  for (double n : host.norm_s) host_norms += n;
+  EXPECT_GT(host_norms, 0.0);
+}
+
 TEST(Simulator, InterleavedCallsKeepUpWithTheOptimizer) {
   // One worker, exact mode with clipping, K = 2 calls of F_a F_b B_b B_a (1 s per microbatch,
   // M = 1), layers 0 and 1 updated in 2 s each after the step's last gradient.
