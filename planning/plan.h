@@ -117,8 +117,8 @@ inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t mic
 // then, so its forward could not start behind the first layers' updates. A slot is reused only
 // when every job that read it is done, so a replacement worker can re-run any of them.
 inline int ActivationParities(const JobConfig& c) {
-  return c.optimizer.mode == core::OptimizerMode::kExact && core::Round(c).calls == 1 && !GradientsWaitInWorkers(c) ? 1
-                                                                                                                  : 2;
+  if (c.optimizer.mode != core::OptimizerMode::kExact || core::Round(c).calls > 1) return 2;
+  return GradientsWaitInWorkers(c) ? 2 : 1;
 }
 
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {

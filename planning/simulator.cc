@@ -94,11 +94,36 @@ SimResult Simulate(const SimInput& in) {
     double from, to, bytes;
   };
   std::vector<std::vector<Held>> held(N);
-  struct WaitingCommit {
-    int stage, worker;
-    double job_end;
+  struct GradientJob {
+    int stage, call, worker;
+    double end;  // its last microbatch's
   };
-  std::vector<WaitingCommit> waiting;  // SimInput::commits_wait_for_norm: this step's, in job order
+  // Writes back job g's gradients of step t, starting no earlier than `earliest`, on its worker's
+  // gradient stream; returns when its layers' gradients are final. A gradient slot of step t is
+  // free once step t - 1's update of its layer has read it (stale1: the update runs during this
+  // step). Exact mode's second passes, which hold the slots after the layer is published, are
+  // not modelled: the profile's rate is the first pass's, and the second passes run well ahead of
+  // the next step's commits on the H200 (a slot that waited would show as a later commit and
+  // more gradients held on device).
+  auto commit = [&](int t, const GradientJob& g, double earliest) {
+    const SimStage& st = in.stages[g.stage];
+    double slot_free = 0.0;
+    if (t > 0)
+      for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
+    const double start = std::max({earliest, grads_free[g.worker], slot_free});
+    double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
+    if (g.call > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
+    copy += NodeSumSeconds(in, st.grad_bytes);
+    const double end = grads_free[g.worker] = start + copy;
+    // The job's fp32 gradients stay on the device from its end until the copy is done.
+    held[g.worker].push_back({g.end, end, st.grad_bytes});
+    for (int o : st.owners) {
+      final_at[t][o] = std::max(final_at[t][o], end);
+      has_grad[t][o] = true;
+    }
+    return end;
+  };
+  std::vector<GradientJob> waiting;  // SimInput::commits_wait_for_norm: this step's, in job order
   int updates_done_for = -1;
   for (int t = 0; t < T; ++t) {
     const int need = t - in.version_lag;  // the step whose updates this step's weights include
@@ -181,28 +206,9 @@ SimResult Simulate(const SimInput& in) {
       compute_free[w] = last_end[w] = now;
       double done = std::max(now, outputs_done);
       if (st.grad_bytes > 0 && in.commits_wait_for_norm) {
-        waiting.push_back({s, w, now});
+        waiting.push_back({s, c, w, now});
       } else if (st.grad_bytes > 0) {
-        // A gradient slot of step t is free once step t - 1's update of its layer has read it
-        // (stale1: the update runs during this step). Exact mode's second passes, which hold the
-        // slots after the layer is published, are not modelled: the profile's rate is the first
-        // pass's, and the second passes run well ahead of the next step's commits on the H200
-        // (a slot that waited would show as a later commit and more gradients held on device).
-        double slot_free = 0.0;
-        if (t > 0)
-          for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
-        const double start = std::max({now, grads_free[w], slot_free});
-        double copy = in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0;
-        if (c > 0 && in.h2d_bytes_per_s > 0) copy += st.grad_bytes / in.h2d_bytes_per_s;
-        copy += NodeSumSeconds(in, st.grad_bytes);
-        grads_free[w] = start + copy;
-        done = grads_free[w];
-        // The job's fp32 gradients stay on the device from its end until the copy is done.
-        held[w].push_back({now, done, st.grad_bytes});
-        for (int o : st.owners) {
-          final_at[t][o] = std::max(final_at[t][o], done);
-          has_grad[t][o] = true;
-        }
+        done = commit(t, {s, c, w, now}, now);
       }
       r.step_done[t] = std::max(r.step_done[t], done);
     }
@@ -210,22 +216,9 @@ SimResult Simulate(const SimInput& in) {
       // Commits waiting for the norm: it is known when the step's last gradient job has ended;
       // then the step's commits go last stage first, each on its worker's gradient stream.
       double norm_at = 0.0;
-      for (const WaitingCommit& wc : waiting) norm_at = std::max(norm_at, wc.job_end);
-      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) {
-        const SimStage& st = in.stages[it->stage];
-        double slot_free = 0.0;
-        if (t > 0)
-          for (int o : st.owners) slot_free = std::max(slot_free, updated[t - 1][o]);
-        const double start = std::max({norm_at, grads_free[it->worker], slot_free});
-        const double end = start + (in.d2h_bytes_per_s > 0 ? st.grad_bytes / in.d2h_bytes_per_s : 0.0);
-        grads_free[it->worker] = end;
-        held[it->worker].push_back({it->job_end, end, st.grad_bytes});
-        for (int o : st.owners) {
-          final_at[t][o] = std::max(final_at[t][o], end);
-          has_grad[t][o] = true;
-        }
-        r.step_done[t] = std::max(r.step_done[t], end);
-      }
+      for (const GradientJob& g : waiting) norm_at = std::max(norm_at, g.end);
+      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it)
+        r.step_done[t] = std::max(r.step_done[t], commit(t, *it, norm_at));
       waiting.clear();
     }
   }
