@@ -84,6 +84,9 @@ print(json.dumps({
                                      for l in open(log) if "device memory peak" in l],
   "plan": summ.get("plan"), "prediction": summ.get("prediction"),
   "losses": [round(s["loss"], 4) for s in every_step],
+  # Per step of this command: profiled steps (prediction.profiled_steps) time every layer and run
+  # slower, so a short run's steady window may hold one.
+  "step_times_s": [round(s["step_time_s"], 3) for s in steps],
 }))
 PY
 [ -n "${RP_BENCH_KEEP:-}" ] && cp -r "$out/run" "$RP_BENCH_KEEP"
