@@ -435,6 +435,12 @@ const std::vector<KeySpec>& Table() {
           "with train.layer_recompute, tiled MLPs or mixture-of-experts blocks. -1: as many as let the plan fit "
           "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
           "the number), none with several workers"),
+      Bool("schedule", "frozen_on_device", F(schedule.frozen_on_device), false,
+           "LoRA: every worker keeps the frozen base weights on its device after their first "
+           "fetch, so later jobs copy only the adapters over the host link. Costs the whole base "
+           "in the compute dtype on each worker's device (rp-plan prints it); exact mode's next "
+           "forward then no longer waits for the base to stream in behind the update. Needs "
+           "lora.rank > 0"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),
@@ -719,6 +725,9 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
                                    "set lora.rank to train adapters");
   }
+  if (c.schedule.frozen_on_device && !c.lora.enabled())
+    return Status::InvalidArgument("schedule.frozen_on_device: set, but lora.rank = 0: a full fine-tune has no "
+                                   "frozen weights to keep on the device");
   if (c.schedule.kept_blocks == kKeptBlocksAuto && !(c.schedule.gpu_memory_gb > 0.0))
     return Status::InvalidArgument("schedule.kept_blocks = -1 (as many as fit) needs schedule.gpu_memory_gb, "
                                    "the device memory per worker the kept graphs must fit in");

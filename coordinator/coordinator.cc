@@ -443,13 +443,15 @@ Status Coordinator::MaybeReplan() {
 int64_t Coordinator::StepH2dBytes() const {
   // What the workers' executors read from host memory in one step: each job's stage weights
   // once, and per microbatch its inputs (tokens or a hidden state; labels for the tail; the
-  // incoming gradient for backward stages).
+  // incoming gradient for backward stages). A frozen base kept on the devices
+  // (core::FrozenOnDevice) is copied once, in a worker's first jobs, and not counted.
   int64_t h2d = 0;
+  const int frozen_elem = core::FrozenOnDevice(cfg_) ? 0 : layout_.compute_elem_bytes;
   const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
   for (const auto& st : plan_.stages) {
     for (int l = st.begin; l < st.end; ++l)
-      h2d += spec_.LayerWeightBytes(l, layout_.weights_elem_bytes, layout_.compute_elem_bytes);
+      h2d += spec_.LayerWeightBytes(l, layout_.weights_elem_bytes, frozen_elem);
     // Activations kept in the worker (schedule.activations) or moved between activation pools
     // never cross the host link.
     const int64_t hidden = ActivationsInWorkers() ? 0 : act;

@@ -45,7 +45,8 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       store_dtype_(StoredDtype(cfg.train.dtype)),
       act_dtype_(store_dtype_ == at::kHalf && device.torch_device().is_cpu() ? at::kFloat : store_dtype_),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : store_dtype_),
-      emulate_half_(store_dtype_ == at::kHalf && act_dtype_ == at::kFloat) {
+      emulate_half_(store_dtype_ == at::kHalf && act_dtype_ == at::kFloat),
+      frozen_on_device_(core::FrozenOnDevice(cfg)) {
   if (core::FusedKernelsApply(cfg)) {
     math_.UseFusedKernels(device.fused_kernels());
     math_.UseFusedNorms(cfg.bench.fused_norms);
@@ -158,8 +159,9 @@ std::vector<at::Tensor> Executor::EmptyLayer(int l) {
   std::vector<at::Tensor> out;
   for (const auto& use : spec_.layer_uses[l])
     out.push_back(device_.EmptyWeights(spec_.params[use.param].shape, act_dtype_));
-  for (const auto& use : spec_.layer_frozen[l])
-    out.push_back(device_.EmptyWeights(spec_.frozen[use.param].shape, act_dtype_));
+  if (!frozen_on_device_)
+    for (const auto& use : spec_.layer_frozen[l])
+      out.push_back(device_.EmptyWeights(spec_.frozen[use.param].shape, act_dtype_));
   return out;
 }
 
@@ -190,8 +192,21 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
     lw.emplace(use.role, t);
   }
   for (const auto& use : spec_.layer_frozen[l]) {  // LoRA's base: one buffer, never a gradient
-    at::Tensor t = dst.at(next_dst++);
-    device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], store_dtype_);
+    at::Tensor t;
+    if (frozen_on_device_) {
+      // The first fetch copies it on the weights stream like any weight (the job that fetched it
+      // waits for that copy before computing); every later one finds it complete.
+      auto kept = frozen_kept_.find(use.param);
+      if (kept == frozen_kept_.end()) {
+        t = device_.EmptyWeights(spec_.frozen[use.param].shape, act_dtype_);
+        device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], store_dtype_);
+        kept = frozen_kept_.emplace(use.param, t).first;
+      }
+      t = kept->second;
+    } else {
+      t = dst.at(next_dst++);
+      device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], store_dtype_);
+    }
     lw.emplace(use.role, t);
   }
   return lw;

@@ -147,6 +147,12 @@ class Executor {
   // would, but only in the forward, where the device holds the least.
   Status Reserve(const proto::RunJob& job);
   bool LayerMajorBegun() const { return lm_.job; }
+  // Bytes of frozen weights kept on the device (core::FrozenOnDevice); 0 otherwise.
+  int64_t FrozenKeptBytes() const {
+    int64_t n = 0;
+    for (const auto& [param, t] : frozen_kept_) n += static_cast<int64_t>(t.nbytes());
+    return n;
+  }
   // A begun layer-major job with layers still to copy: the next job's prefetch waits, so that a
   // layer published now goes first on the weights stream (its copy is what the job waits for).
   bool LayerMajorCopying() const {
@@ -324,6 +330,11 @@ class Executor {
   at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
   bool emulate_half_ = false;     // fp16 on a CPU worker (above)
   bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
+  // core::FrozenOnDevice: each frozen tensor, copied at its first fetch and kept (by frozen
+  // parameter index); EmptyLayer then makes no destination for it. Read-only for the math, so
+  // every job and eval that reads it shares the one copy.
+  const bool frozen_on_device_;
+  std::map<int, at::Tensor> frozen_kept_;
 
   proto::RunJob job_{};
   core::Stage stage_{};

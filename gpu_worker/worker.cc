@@ -98,6 +98,7 @@ class Worker {
   struct Logged {
     bool layer_major = false;           // the first layer-major job is logged once
     bool layer_major_profiled = false;  // and the first profiled one
+    bool frozen_kept = false;           // the frozen base first kept on the device
   } logged_;
   int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
   double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
@@ -286,6 +287,11 @@ StatusOr<bool> Worker::Progress() {
       if (Status r = exec_->Reserve(queue_[1].job); !r.ok()) return Fail(queue_[1].job.job_index, r);
     a.fetch_end_us = WallMicros();
     a.begun = true;
+    if (!logged_.frozen_kept && exec_->FrozenKeptBytes() > 0) {
+      RP_LOG(INFO) << "keeps the frozen base weights on its device once fetched (schedule.frozen_on_device); "
+                   << "later jobs copy only the trainable weights";
+      logged_.frozen_kept = true;
+    }
   }
   // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
   // runs on the low-priority stream while this job computes.

@@ -133,6 +133,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
   // a microbatch's beside the job's sum.
   const int mapped_param = LookupInPlaceParam(c, spec);
+  const bool frozen_on_device = FrozenOnDevice(c);
   // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
   // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
   const bool fused_cuda = core::FusedKernelsApply(c) && c.job.device != core::DeviceKind::kCpu;
@@ -166,6 +167,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
         continue;
       }
       params += static_cast<double>(spec.LayerWeightElems(l));
+      if (frozen_on_device)  // counted once, as `frozen`, below
+        for (const auto& use : spec.layer_frozen[l]) params -= static_cast<double>(spec.frozen[use.param].numel);
       for (const auto& use : spec.layer_uses[l]) {
         const double per_elem = fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
         grads_of_uses += static_cast<double>(spec.params[use.param].numel) * per_elem;
@@ -295,11 +298,14 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     }
     kept = calls_in_flight * per_call;
   }
+  // The frozen base every worker keeps once fetched (FrozenOnDevice): all of it, since round-robin
+  // gives every worker every stage.
+  out.frozen = frozen_on_device ? static_cast<double>(spec.FrozenParams()) * elem : 0.0;
   out.resident = resident;
   out.staging = staging;
   out.held_gradients = held;
   out.kept = kept;
-  out.total = worst + resident + staging + held + kept;
+  out.total = worst + resident + staging + held + kept + out.frozen;
   return out;
 }
 

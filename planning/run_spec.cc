@@ -78,7 +78,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients
                                    beta2, eps, momentum, grad_buffer_mb)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
                                    export_dir)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, kept_blocks, activations,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, kept_blocks,
+                                   frozen_on_device, activations,
                                    weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
                                    gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb)

@@ -360,7 +360,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       if (grads && c.train.layer_recompute && l < plan.num_layers - 1) st.compute_s += lc.forward_s;
       if (s.kind == StageKind::kForward) st.layer_compute_s.push_back(lc.forward_s);
       SimFetch f;  // the worker copies each layer as soon as its weights are published
-      f.bytes = static_cast<double>(spec.LayerWeightBytes(l, weight_elem, static_cast<int>(elem)));
+      // Steady state: the frozen base is on the device since the first step (FrozenOnDevice).
+      f.bytes = static_cast<double>(
+          spec.LayerWeightBytes(l, weight_elem, FrozenOnDevice(c) ? 0 : static_cast<int>(elem)));
       for (const auto& use : spec.layer_uses[l]) {
         // A compact lookup slot (CompactLookupRows) commits the rows of the step's tokens only.
         const ParamSpec& ps = spec.params[use.param];

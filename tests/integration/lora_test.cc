@@ -62,6 +62,29 @@ TEST_F(LoraTest, PipelineMatchesTheReferenceInBothModes) {
   ExpectClose(Losses(tmp_ + "/stale1/metrics.jsonl"), Losses(tmp_ + "/ref-stale1/metrics.jsonl"), "stale1, N=2");
 }
 
+std::string FileBytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// schedule.frozen_on_device: the workers keep the base after its first fetch and copy only the
+// adapters afterwards; the same bits as fetching it for every job.
+TEST_F(LoraTest, TheFrozenBaseKeptOnTheWorkersChangesNoBit) {
+  auto fetched = Launch(2, tmp_ + "/fetched", kLora);
+  ASSERT_EQ(fetched.code, 0) << fetched.output;
+  auto kept = Launch(2, tmp_ + "/kept", With(kLora, {"schedule.frozen_on_device=true"}));
+  ASSERT_EQ(kept.code, 0) << kept.output;
+  const std::string said = "keeps the frozen base weights on its device";
+  EXPECT_NE(kept.output.find(said), std::string::npos) << kept.output;
+  EXPECT_EQ(fetched.output.find(said), std::string::npos);
+  const auto want = Losses(tmp_ + "/fetched/metrics.jsonl");
+  ASSERT_EQ(want.size(), 20u);
+  EXPECT_EQ(Losses(tmp_ + "/kept/metrics.jsonl"), want);
+  const std::string adapter = "/adapter/adapter_model.safetensors";
+  ASSERT_TRUE(fs::exists(tmp_ + "/fetched" + adapter));
+  EXPECT_EQ(FileBytes(tmp_ + "/kept" + adapter), FileBytes(tmp_ + "/fetched" + adapter));
+}
+
 TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   // With evaluations every 3 steps: the resumed run evaluates at the same steps, bit for bit.
   const auto job = With(kLora, {"checkpoint.every=20", "train.eval_every=3", "data.eval_fraction=0.1"});

@@ -195,6 +195,8 @@ TEST(JobConfig, AnAutoMlpTileNeedsTheDeviceMemoryToFit) {
 
 TEST(JobConfig, KeptBlocksAreChecked) {
   // The default model: 4 blocks, none in the tail, so 4 precede it.
+  ExpectError(kValid, "schedule.frozen_on_device: set, but lora.rank = 0", {"schedule.frozen_on_device=true"});
+  EXPECT_TRUE(Parse(kValid, {"schedule.frozen_on_device=true", "lora.rank=4"}).ok());
   EXPECT_TRUE(Parse(kValid, {"schedule.kept_blocks=4"}).ok());
   ExpectError(kValid, "schedule.kept_blocks: 4 kept blocks, but only 3", {"schedule.kept_blocks=4", "schedule.tail_blocks=1"});
   ExpectError(kValid, "schedule.kept_blocks", {"schedule.kept_blocks=2", "train.layer_recompute=true"});

@@ -275,6 +275,43 @@ TEST(Partitioner, MemoryEstimateCountsCpuAttentionScores) {
   EXPECT_GE(m.total - cuda.total, m.attention_scores);  // the CPU also keeps fp32 head logits
 }
 
+// schedule.frozen_on_device: the LoRA base counts once, whole, in the memory estimate instead of
+// in each job's weights, and the simulated fetches carry the trainable weights only.
+TEST(Partitioner, AFrozenBaseKeptOnTheDeviceCountsOnceAndIsNotFetched) {
+  JobConfig c = OneStageOfEachKind(8);
+  c.lora.rank = 4;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
+  const Profile profile = DefaultCostModel(c);
+  const MemoryEstimate streamed = EstimateMemory(c, *plan, 1);
+  const SimInput streamed_in = BuildSimInput(c, spec, *plan, profile, 1, 1);
+  c.schedule.frozen_on_device = true;
+  const MemoryEstimate kept = EstimateMemory(c, *plan, 1);
+  const SimInput kept_in = BuildSimInput(c, spec, *plan, profile, 1, 1);
+  const double elem = static_cast<double>(ComputeElemBytes(c));
+  EXPECT_EQ(streamed.frozen, 0.0);
+  EXPECT_DOUBLE_EQ(kept.frozen, static_cast<double>(spec.FrozenParams()) * elem);
+  ASSERT_EQ(kept.stage, streamed.stage);
+  const Stage& peak = plan->stages[kept.stage];
+  double peak_frozen = 0.0;
+  for (int l = peak.begin; l < peak.end; ++l)
+    for (const auto& use : spec.layer_frozen[l]) peak_frozen += static_cast<double>(spec.frozen[use.param].numel) * elem;
+  ASSERT_GT(peak_frozen, 0.0);
+  EXPECT_NEAR(streamed.weights - kept.weights, peak_frozen, 1e-9 * peak_frozen);
+  EXPECT_DOUBLE_EQ(kept.gradients, streamed.gradients);
+  ASSERT_EQ(kept_in.stages.size(), streamed_in.stages.size());
+  for (size_t i = 0; i < kept_in.stages.size(); ++i) {
+    const Stage& st = plan->stages[i];
+    ASSERT_EQ(kept_in.stages[i].fetches.size(), static_cast<size_t>(st.end - st.begin));
+    for (int l = st.begin; l < st.end; ++l) {
+      const double trainable = static_cast<double>(spec.LayerWeightBytes(l, static_cast<int>(elem), 0));
+      EXPECT_DOUBLE_EQ(kept_in.stages[i].fetches[l - st.begin].bytes, trainable) << st.Describe() << " layer " << l;
+      EXPECT_GT(streamed_in.stages[i].fetches[l - st.begin].bytes, trainable) << st.Describe() << " layer " << l;
+    }
+  }
+}
+
 // train.mlp_tile_tokens: a backward stage's blocks keep no MLP intermediates (each tile is
 // recomputed in the backward), and the block being computed holds one tile's instead of the
 // microbatch's; nothing else of the estimate changes.
