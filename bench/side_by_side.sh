@@ -13,6 +13,7 @@
 # Env: RP_COMMIT and RP_MACHINE (stamped on our lines, as gpu_bench.sh does), RP_PUBLISHED_DIR
 # (the published system's checkout, for bench/published_roundpipe.py).
 set -uo pipefail
+set -f  # plan lines carry TOML arrays such as [1,2,3]: no filename expansion
 if [ $# -ne 3 ]; then
   sed -n '2,16p' "$0" >&2
   exit 2
