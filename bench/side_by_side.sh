@@ -21,7 +21,7 @@ fi
 build=$1; out=$(realpath -m "$2"); plan=$3
 here=$(cd "$(dirname "$0")" && pwd)
 [ -x "$build/bin/rp-launch" ] || { echo "side_by_side: no $build/bin/rp-launch (build first)" >&2; exit 2; }
-[ -f "$plan" ] || { echo "side_by_side: no plan file $plan" >&2; exit 2; }
+[ -r "$plan" ] || { echo "side_by_side: cannot read the plan file $plan" >&2; exit 2; }
 mkdir -p "$out"
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*" >&2; }
