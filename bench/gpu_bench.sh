@@ -46,7 +46,11 @@ first, last = summ.get("first_step", 1), summ.get("last_step", len(every_step))
 steps = [s for s in every_step if first <= s["step"] <= last]
 # Short runs (2-3 steps, e.g. the 8B) still drop the first step, whose start-up would otherwise
 # dominate; one-step runs keep it (and say so through "steps").
-steady = steps[2:] if len(steps) > 3 else steps[1:] if len(steps) > 1 else steps
+# A step's time runs from the previous step's report to its own, and steps overlap (stale1 most:
+# the next step's first jobs run before this step's last), so each interval holds part of the
+# next step's work, except the last step's: runs of 5 steps or more leave it out (in stale1 it
+# measured 30% shorter than the others, lifting a 3-step window by 10%).
+steady = steps[2:-1] if len(steps) >= 5 else steps[2:] if len(steps) > 3 else steps[1:] if len(steps) > 1 else steps
 tok = sum(s["tokens"] for s in steady); t = sum(s["step_time_s"] for s in steady)
 params = summ["trainable_params"]
 total = params + summ.get("frozen_params", 0)  # LoRA: the frozen base computes too
@@ -60,6 +64,7 @@ print(json.dumps({
   "date": datetime.date.today().isoformat(), "commit": os.environ.get("RP_COMMIT", "?"),
   "machine": os.environ.get("RP_MACHINE", gpu), "command": cmd, "workload": os.path.basename(job),
   "workers": int(n), "steps": len(steps), "first_step": first,
+  "steady_steps": [steady[0]["step"], steady[-1]["step"]],
   "tokens_per_s_steady": round(tps, 1), "tokens_per_s_whole_run": round(summ["tokens_per_s"], 1),
   "mfu_steady": round(6 * total * tps / (790e12 * int(n)), 4),  # per GPU, all model parameters
   # The same with causal attention's matmuls (QK^T and PV over s/2 keys on average, forward and
