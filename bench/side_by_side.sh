@@ -48,6 +48,7 @@ while read -r kind name limit rest; do
   fi
   s=$(date +%s)
   line=""
+  shm_before=$(ls /dev/shm 2>/dev/null | grep -E '^rp-' || true)
   if [ "$kind" = ours ]; then
     runs=$(mktemp -d /tmp/rp-sbs-XXXXXX)
     # shellcheck disable=SC2086  # the job and its --set arguments are words of the plan line
@@ -74,8 +75,11 @@ while read -r kind name limit rest; do
     say "$name: no result after $(( $(date +%s) - s )) s (see $out/$name.$([ "$kind" = ours ] && echo err || echo log))"
     missing=$((missing + 1))
   fi
-  # A run killed by its time limit may leave its shared-memory segments behind.
-  ls /dev/shm 2>/dev/null | grep -E '^rp-' | while read -r seg; do rm -f "/dev/shm/$seg"; done
+  # A run stopped at its time limit may leave its shared-memory segments behind: remove those
+  # that appeared during it, not another run's.
+  ls /dev/shm 2>/dev/null | grep -E '^rp-' | while read -r seg; do
+    grep -qxF "$seg" <<< "$shm_before" || rm -f "/dev/shm/$seg"
+  done
 done < "$plan"
 say "done: rows in $out/rows.jsonl"
 exit $(( missing > 100 ? 100 : missing ))

@@ -90,9 +90,33 @@ void Executor::DropNext() {
   next_ = StageWeights();
 }
 
+Status Executor::KeepFrozenBase() {
+  if (!frozen_on_device_ || !frozen_kept_.empty() || spec_.frozen.empty()) return Status::Ok();
+  int64_t bytes = 0;
+  for (const auto& p : spec_.frozen) bytes += p.numel * static_cast<int64_t>(c10::elementSize(act_dtype_));
+  try {
+    // All of it at the first fetch, before any compute is queued: the destinations then wait for
+    // nothing (Device::EmptyWeights) and the base is allocated before any passing tensor; the
+    // first job's fence covers these copies, being taken after them on the weights stream.
+    for (size_t p = 0; p < spec_.frozen.size(); ++p) {
+      at::Tensor t = device_.EmptyWeights(spec_.frozen[p].shape, act_dtype_);
+      device_.CopyWeights(t, segment_.data() + layout_.frozen[p], store_dtype_);
+      frozen_kept_.emplace(static_cast<int>(p), std::move(t));
+    }
+  } catch (const std::exception& e) {
+    frozen_kept_.clear();
+    return Status::Unavailable("schedule.frozen_on_device: keeping the frozen base (" +
+                               std::to_string(static_cast<double>(bytes) / 1e9) + " GB) on " +
+                               device_.Describe() + " failed (" + e.what() +
+                               "); leave the option off, or give each worker a device of its own");
+  }
+  return Status::Ok();
+}
+
 Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
   *complete = false;
   RP_RETURN_IF_ERROR(Validate(job));
+  RP_RETURN_IF_ERROR(KeepFrozenBase());
   if (next_.job_index != job.job_index) {
     DropNext();
     next_.job_index = job.job_index;
@@ -194,15 +218,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
   for (const auto& use : spec_.layer_frozen[l]) {  // LoRA's base: one buffer, never a gradient
     at::Tensor t;
     if (frozen_on_device_) {
-      // The first fetch copies it on the weights stream like any weight (the job that fetched it
-      // waits for that copy before computing); every later one finds it complete.
-      auto kept = frozen_kept_.find(use.param);
-      if (kept == frozen_kept_.end()) {
-        t = device_.EmptyWeights(spec_.frozen[use.param].shape, act_dtype_);
-        device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], store_dtype_);
-        kept = frozen_kept_.emplace(use.param, t).first;
-      }
-      t = kept->second;
+      t = frozen_kept_.at(use.param);  // KeepFrozenBase ran before any fetch
     } else {
       t = dst.at(next_dst++);
       device_.CopyWeights(t, segment_.data() + layout_.frozen[use.param], store_dtype_);
@@ -230,6 +246,7 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
   if (job.weights_version < 0)
     return Status::ProtocolError("RunEval " + std::to_string(job.job_index) + " asks for weights version " +
                                  std::to_string(job.weights_version));
+  RP_RETURN_IF_ERROR(KeepFrozenBase());
   const auto* versions = segment_.At<std::atomic<uint64_t>>(layout_.layer_versions);
   MicrobatchResult r;
   Status s = Guarded([&] { return "eval job " + std::to_string(job.job_index); }, [&] {

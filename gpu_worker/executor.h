@@ -293,6 +293,9 @@ class Executor {
   void StartSinks();
   // Forgets next_ (another job's fetch, partial or unused) safely for the device allocator.
   void DropNext();
+  // core::FrozenOnDevice: copies the whole frozen base into frozen_kept_ once, at the worker's
+  // first fetch or eval; Unavailable naming the option when the device cannot hold it.
+  Status KeepFrozenBase();
   // Whether every weight layer `l` reads holds `version` updates.
   bool LayerReady(int l, int64_t version) const;
   // Layer `layer`'s weights at `weights_version`, copied into `dst` (EmptyLayer's tensors; made
@@ -330,9 +333,9 @@ class Executor {
   at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
   bool emulate_half_ = false;     // fp16 on a CPU worker (above)
   bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
-  // core::FrozenOnDevice: each frozen tensor, copied at its first fetch and kept (by frozen
-  // parameter index); EmptyLayer then makes no destination for it. Read-only for the math, so
-  // every job and eval that reads it shares the one copy.
+  // core::FrozenOnDevice: every frozen tensor, by frozen parameter index (KeepFrozenBase);
+  // EmptyLayer then makes no destination for them. Read-only for the math, so every job and
+  // eval shares the one copy.
   const bool frozen_on_device_;
   std::map<int, at::Tensor> frozen_kept_;
 

@@ -390,6 +390,12 @@ int RunSession(const LaunchOptions& o) {
                            "at most %d per GPU\n", o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
       return kExitBadConfig;
     }
+    if (const int visible = VisibleGpus(); core::FrozenOnDevice(*cfg) && visible > 0 && o.gpus > visible) {
+      std::fprintf(stderr, "rp-launch: schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
+                           "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
+                           "worker per GPU or leave the option off\n", o.gpus, visible, visible == 1 ? "" : "s");
+      return kExitBadConfig;
+    }
   }
   // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||

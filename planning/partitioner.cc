@@ -293,13 +293,15 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     double per_call = static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
     for (int l = plan.kept_start; l < plan.tail_start; ++l) {
       per_call += static_cast<double>(spec.LayerWeightElems(l)) * elem;
+      if (frozen_on_device)  // in `frozen`
+        for (const auto& use : spec.layer_frozen[l]) per_call -= static_cast<double>(spec.frozen[use.param].numel) * elem;
       for (const auto& use : spec.layer_uses[l])
         per_call += static_cast<double>(spec.params[use.param].numel) * (fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
     }
     kept = calls_in_flight * per_call;
   }
-  // The frozen base every worker keeps once fetched (FrozenOnDevice): all of it, since round-robin
-  // gives every worker every stage.
+  // The frozen base every worker keeps (FrozenOnDevice): all of it, copied at its first fetch,
+  // whichever stages it runs (evaluations read every layer).
   out.frozen = frozen_on_device ? static_cast<double>(spec.FrozenParams()) * elem : 0.0;
   out.resident = resident;
   out.staging = staging;

@@ -607,7 +607,8 @@ TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   const auto& parts = j["peak_memory_parts"];
   double sum = 0.0;
   for (const char* k : {"weights", "next_job_weights", "gradients", "activations", "resident_activation_slots",
-                        "staging", "gradients_waiting_for_slots"})
+                        "staging", "gradients_waiting_for_slots", "gradients_waiting_for_norm", "kept_graphs",
+                        "frozen_on_device"})
     sum += parts[k].get<double>();
   EXPECT_NEAR(sum, j["peak_memory_bytes_per_worker"].get<double>(), 1.0) << parts.dump();
   EXPECT_NE(j["plan"].get<std::string>().find(parts["stage"].get<std::string>()), std::string::npos) << parts.dump();

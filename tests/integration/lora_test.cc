@@ -67,22 +67,52 @@ std::string FileBytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-// schedule.frozen_on_device: the workers keep the base after its first fetch and copy only the
-// adapters afterwards; the same bits as fetching it for every job.
+// schedule.frozen_on_device: the workers keep the base from their first fetch on and copy only
+// the adapters afterwards; the same bits as fetching it for every job, in both modes, with fp16
+// (emulated on CPU workers), evaluations, layer-major forward stages, and a worker replaced
+// after a hang (its replacement keeps the base anew).
 TEST_F(LoraTest, TheFrozenBaseKeptOnTheWorkersChangesNoBit) {
-  auto fetched = Launch(2, tmp_ + "/fetched", kLora);
-  ASSERT_EQ(fetched.code, 0) << fetched.output;
-  auto kept = Launch(2, tmp_ + "/kept", With(kLora, {"schedule.frozen_on_device=true"}));
-  ASSERT_EQ(kept.code, 0) << kept.output;
   const std::string said = "keeps the frozen base weights on its device";
-  EXPECT_NE(kept.output.find(said), std::string::npos) << kept.output;
-  EXPECT_EQ(fetched.output.find(said), std::string::npos);
-  const auto want = Losses(tmp_ + "/fetched/metrics.jsonl");
-  ASSERT_EQ(want.size(), 20u);
-  EXPECT_EQ(Losses(tmp_ + "/kept/metrics.jsonl"), want);
   const std::string adapter = "/adapter/adapter_model.safetensors";
-  ASSERT_TRUE(fs::exists(tmp_ + "/fetched" + adapter));
-  EXPECT_EQ(FileBytes(tmp_ + "/kept" + adapter), FileBytes(tmp_ + "/fetched" + adapter));
+  const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
+      {"exact", {}},
+      {"stale1", {"optimizer.mode=stale1"}},
+      {"fp16", {"train.dtype=fp16"}},
+      {"eval", {"train.eval_every=5", "data.eval_fraction=0.1"}},
+      {"layer-major", {"RP_LAYER_MAJOR_FORWARD=always"}},
+  };
+  for (const auto& [tag, sets] : variants) {
+    const auto job = With(kLora, With(sets, {"train.steps=8"}));
+    auto fetched = Launch(2, tmp_ + "/fetched-" + tag, job);
+    ASSERT_EQ(fetched.code, 0) << tag << "\n" << fetched.output;
+    auto kept = Launch(2, tmp_ + "/kept-" + tag, With(job, {"schedule.frozen_on_device=true"}));
+    ASSERT_EQ(kept.code, 0) << tag << "\n" << kept.output;
+    EXPECT_NE(kept.output.find(said), std::string::npos) << tag << "\n" << kept.output;
+    EXPECT_EQ(fetched.output.find(said), std::string::npos) << tag;
+    const auto want = Losses(tmp_ + "/fetched-" + tag + "/metrics.jsonl");
+    ASSERT_EQ(want.size(), 8u) << tag;
+    EXPECT_EQ(Losses(tmp_ + "/kept-" + tag + "/metrics.jsonl"), want) << tag;
+    ASSERT_TRUE(fs::exists(tmp_ + "/fetched-" + tag + adapter)) << tag;
+    EXPECT_EQ(FileBytes(tmp_ + "/kept-" + tag + adapter), FileBytes(tmp_ + "/fetched-" + tag + adapter)) << tag;
+  }
+  const auto eval_losses = [](const std::string& metrics) {
+    std::vector<double> out;
+    std::ifstream f(metrics);
+    for (std::string line; std::getline(f, line);)
+      if (auto j = nlohmann::json::parse(line); j.contains("eval_loss")) out.push_back(j["eval_loss"].get<double>());
+    return out;
+  };
+  const auto evals = eval_losses(tmp_ + "/fetched-eval/metrics.jsonl");
+  EXPECT_FALSE(evals.empty());
+  EXPECT_EQ(eval_losses(tmp_ + "/kept-eval/metrics.jsonl"), evals);
+  const auto hang_job = With(kLora, {"train.steps=6", "job.worker_timeout_s=2", "schedule.frozen_on_device=true"});
+  auto clean = Launch(2, tmp_ + "/kept-clean", hang_job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto hung = LaunchWithHookOnce(2, tmp_ + "/kept-hung", hang_job, "RP_TEST_HANG_ONCE");
+  ASSERT_EQ(hung.code, 0) << hung.output;
+  EXPECT_NE(hung.output.find("hanging on purpose"), std::string::npos) << hung.output;
+  EXPECT_EQ(Summary(tmp_ + "/kept-hung")["worker_replacements"], 1);
+  EXPECT_EQ(Losses(tmp_ + "/kept-hung/metrics.jsonl"), Losses(tmp_ + "/kept-clean/metrics.jsonl"));
 }
 
 TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
