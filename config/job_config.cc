@@ -436,11 +436,11 @@ const std::vector<KeySpec>& Table() {
           "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
           "the number), none with several workers"),
       Bool("schedule", "frozen_on_device", F(schedule.frozen_on_device), false,
-           "LoRA: every worker keeps the frozen base weights on its device after their first "
-           "fetch, so later jobs copy only the adapters over the host link. Costs the whole base "
+           "LoRA: every worker copies the whole frozen base to its device at its first fetch and "
+           "keeps it, so its jobs copy only the adapters over the host link. Costs the whole base "
            "in the compute dtype on each worker's device (rp-plan prints it); exact mode's next "
            "forward then no longer waits for the base to stream in behind the update. Needs "
-           "lora.rank > 0"),
+           "lora.rank > 0 and, with CUDA workers, one worker per GPU"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

@@ -215,8 +215,8 @@ struct ScheduleConfig {
   int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
   int64_t kept_blocks = 0;       // blocks before the tail whose forward graphs wait on the device;
                                  // kKeptBlocksAuto = as many as fit gpu_memory_gb
-  bool frozen_on_device = false;  // LoRA: each worker keeps the frozen base on its device once
-                                  // fetched (FrozenOnDevice)
+  bool frozen_on_device = false;  // LoRA: each worker keeps the whole frozen base on its device
+                                  // (FrozenOnDevice)
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing
   // worker's pool, mapped by its consumers (ActivationsInPools)
   Activations activations = Activations::kHost;
@@ -381,8 +381,9 @@ inline bool ShardedState(const JobConfig& c) {
          (c.nodes.count > 1 || (c.nodes.count == 1 && TestNodeSumsAlone()));
 }
 
-// schedule.frozen_on_device: a worker copies a frozen (LoRA base) tensor once and keeps it on its
-// device; a stage's fetch is then its trainable weights only (planner, simulator, worker).
+// schedule.frozen_on_device: a worker copies the whole frozen (LoRA base) weights to its device at
+// its first fetch and keeps them; a stage's fetch is then its trainable weights only (planner,
+// simulator, worker).
 inline bool FrozenOnDevice(const JobConfig& c) { return c.schedule.frozen_on_device && c.lora.enabled(); }
 
 inline bool LookupFromHost(const JobConfig& c) {

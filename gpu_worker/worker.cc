@@ -288,8 +288,8 @@ StatusOr<bool> Worker::Progress() {
     a.fetch_end_us = WallMicros();
     a.begun = true;
     if (!logged_.frozen_kept && exec_->FrozenKeptBytes() > 0) {
-      RP_LOG(INFO) << "keeps the frozen base weights on its device once fetched (schedule.frozen_on_device); "
-                   << "later jobs copy only the trainable weights";
+      RP_LOG(INFO) << "keeps the frozen base weights on its device (schedule.frozen_on_device, "
+                   << exec_->FrozenKeptBytes() / 1000000 << " MB); its jobs copy only the trainable weights";
       logged_.frozen_kept = true;
     }
   }
