@@ -166,9 +166,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
         mapped = static_cast<double>(spec.params[mapped_param].numel);
         continue;
       }
-      params += static_cast<double>(spec.LayerWeightElems(l));
-      if (frozen_on_device)  // counted once, as `frozen`, below
-        for (const auto& use : spec.layer_frozen[l]) params -= static_cast<double>(spec.frozen[use.param].numel);
+      // A base kept on the device counts once, as `frozen`, below.
+      params += static_cast<double>(spec.LayerWeightBytes(l, 1, frozen_on_device ? 0 : 1));
       for (const auto& use : spec.layer_uses[l]) {
         const double per_elem = fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
         grads_of_uses += static_cast<double>(spec.params[use.param].numel) * per_elem;
@@ -292,9 +291,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     const double graph = tokens * (8.6 * H + 3.0 * static_cast<double>(c.model.intermediate_size)) * elem;
     double per_call = static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
     for (int l = plan.kept_start; l < plan.tail_start; ++l) {
-      per_call += static_cast<double>(spec.LayerWeightElems(l)) * elem;
-      if (frozen_on_device)  // in `frozen`
-        for (const auto& use : spec.layer_frozen[l]) per_call -= static_cast<double>(spec.frozen[use.param].numel) * elem;
+      per_call += static_cast<double>(spec.LayerWeightBytes(l, 1, frozen_on_device ? 0 : 1)) * elem;
       for (const auto& use : spec.layer_uses[l])
         per_call += static_cast<double>(spec.params[use.param].numel) * (fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
     }

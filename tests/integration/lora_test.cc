@@ -62,11 +62,6 @@ TEST_F(LoraTest, PipelineMatchesTheReferenceInBothModes) {
   ExpectClose(Losses(tmp_ + "/stale1/metrics.jsonl"), Losses(tmp_ + "/ref-stale1/metrics.jsonl"), "stale1, N=2");
 }
 
-std::string FileBytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 // schedule.frozen_on_device: the workers keep the base from their first fetch on and copy only
 // the adapters afterwards; the same bits as fetching it for every job, in both modes, with fp16
 // (emulated on CPU workers), evaluations, layer-major forward stages, and a worker replaced
@@ -93,7 +88,7 @@ TEST_F(LoraTest, TheFrozenBaseKeptOnTheWorkersChangesNoBit) {
     ASSERT_EQ(want.size(), 8u) << tag;
     EXPECT_EQ(Losses(tmp_ + "/kept-" + tag + "/metrics.jsonl"), want) << tag;
     ASSERT_TRUE(fs::exists(tmp_ + "/fetched-" + tag + adapter)) << tag;
-    EXPECT_EQ(FileBytes(tmp_ + "/kept-" + tag + adapter), FileBytes(tmp_ + "/fetched-" + tag + adapter)) << tag;
+    EXPECT_EQ(ReadBytes(tmp_ + "/kept-" + tag + adapter), ReadBytes(tmp_ + "/fetched-" + tag + adapter)) << tag;
   }
   const auto eval_losses = [](const std::string& metrics) {
     std::vector<double> out;

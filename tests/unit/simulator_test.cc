@@ -37,16 +37,22 @@ TEST(Simulator, ManyCallsAmortizeFill) {
   EXPECT_NEAR(many.makespan, 8 * 6 * 4 / 3.0 + 2.0, 1e-9);  // busy/N + one fill
 }
 
+// A job of `layers` blocks cut into equal forward and backward stages and a tail of `tail` blocks.
+JobConfig StagedJob(int64_t layers, int64_t forward, int64_t backward, int64_t tail) {
+  JobConfig c;
+  c.model.num_layers = layers;
+  c.schedule.forward_stages = forward;
+  c.schedule.backward_stages = backward;
+  c.schedule.tail_blocks = tail;
+  return c;
+}
+
 // On the CPU (explicit attention, which keeps its probabilities) a backward stage costs three
 // times its forward: the recompute and the backward's two products per forward product. On the
 // GPU the fused attention backward also recomputes the scores, so more.
 TEST(Simulator, CostModelWeighsBackwardThreeTimes) {
-  JobConfig c;
+  JobConfig c = StagedJob(4, 1, 1, 0);
   c.job.device = DeviceKind::kCpu;
-  c.model.num_layers = 4;
-  c.schedule.forward_stages = 1;
-  c.schedule.backward_stages = 1;
-  c.schedule.tail_blocks = 0;
   auto plan = MakePlan(c);
   ASSERT_TRUE(plan.ok());
   // At 1 FLOP/s with free links the stages' compute seconds are their FLOPs.
@@ -409,12 +415,8 @@ TEST(Simulator, CommitsWaitingForTheNormGoLastStageFirstByHand) {
 TEST(Simulator, GradientsWaitingInWorkersAreSimulatedSo) {
   // optimizer.gradients_wait_in = "workers": the commits wait for the norm, the updates do not
   // (each parameter is updated as its commit lands), and the host takes no norm.
-  JobConfig c;
-  c.model.num_layers = 4;
+  JobConfig c = StagedJob(4, 1, 2, 1);
   c.model.tie_embeddings = false;
-  c.schedule.forward_stages = 1;
-  c.schedule.backward_stages = 2;
-  c.schedule.tail_blocks = 1;
   c.train.grad_clip = 1.0;
   auto plan = MakePlan(c);
   ASSERT_TRUE(plan.ok());
