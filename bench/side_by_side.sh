@@ -6,8 +6,9 @@
 #   ours LABEL TIMEOUT_S JOB.toml [--set key=value ...]   (bench/gpu_bench.sh BUILD_DIR 1 ...)
 #   published LABEL TIMEOUT_S ARGS...                    (bench/published_roundpipe.py ARGS...)
 # Every run's JSON line goes to OUT_DIR/rows.jsonl with "label" added. Our runs also leave
-# metrics.jsonl, summary.json, profile.json and a gzipped trace.json in OUT_DIR/LABEL/, for
-# bench/boundary_profile.py and a look at where a step's idle time went; the published runs leave
+# metrics.jsonl, summary.json, profile.json, the launcher's log (launch.log) and a gzipped
+# trace.json in OUT_DIR/LABEL/, for bench/boundary_profile.py and a look at where a step's idle
+# time went (and, in the log, how long start-up took); the published runs leave
 # their log in OUT_DIR/LABEL.log. A run that fails or runs out of time is reported on stderr and
 # the next one runs. Exit status: the number of runs that gave no line (at most 100).
 # Env: RP_COMMIT and RP_MACHINE (stamped on our lines, as gpu_bench.sh does), RP_PUBLISHED_DIR
@@ -15,7 +16,7 @@
 set -uo pipefail
 set -f  # plan lines carry TOML arrays such as [1,2,3]: no filename expansion
 if [ $# -ne 3 ]; then
-  sed -n '2,16p' "$0" >&2
+  sed -n '2,15p' "$0" >&2
   exit 2
 fi
 build=$1; out=$(realpath -m "$2"); plan=$3
@@ -56,6 +57,7 @@ while read -r kind name limit rest; do
     line=$(tail -1 "$runs/line")
     mkdir -p "$out/$name"
     for f in metrics.jsonl summary.json profile.json; do [ -f "$runs/run/$f" ] && cp "$runs/run/$f" "$out/$name/"; done
+    [ -f "$runs/log" ] && cp "$runs/log" "$out/$name/launch.log"
     [ -f "$runs/run/trace.json" ] && gzip -c "$runs/run/trace.json" > "$out/$name/trace.json.gz"
     [ -f "$runs/run/trace.json" ] && python3 "$here/boundary_profile.py" "$runs/run" > "$out/$name/boundary.json" 2>/dev/null
     rm -rf "$runs"
