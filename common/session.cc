@@ -27,6 +27,8 @@ void BindLifetimeToLauncher() {
   if (::getppid() != launcher && ::kill(launcher, 0) != 0) std::_Exit(10);
 }
 
+bool StartedByLauncher() { return LauncherPid() > 0; }
+
 bool LauncherGone() {
   pid_t launcher = LauncherPid();
   return launcher > 0 && ::getppid() != launcher && ::kill(launcher, 0) != 0;

@@ -15,6 +15,13 @@
 
 namespace rp {
 
+// The milliseconds an environment variable names, in seconds; 0 when it is unset or not positive.
+inline double DelaySecondsFromEnv(const char* env_var) {
+  const char* v = std::getenv(env_var);
+  const double ms = v == nullptr ? 0.0 : std::strtod(v, nullptr);
+  return ms > 0 ? ms * 1e-3 : 0.0;
+}
+
 inline bool ClaimTestHookOnce(const char* env_var) {
   const char* path = std::getenv(env_var);
   if (path == nullptr) return false;
@@ -71,12 +78,7 @@ inline double TestSlowdownSeconds(int64_t step) {
 
 // RP_TEST_SLOW_EVAL_MS="<ms>": every eval job takes <ms> milliseconds longer (widens the window
 // in which later steps' gradients complete while an evaluation is pending). 0 when unset.
-inline double TestEvalDelaySeconds() {
-  const char* v = std::getenv("RP_TEST_SLOW_EVAL_MS");
-  if (v == nullptr) return 0.0;
-  const double ms = std::strtod(v, nullptr);
-  return ms > 0 ? ms * 1e-3 : 0.0;
-}
+inline double TestEvalDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_EVAL_MS"); }
 
 // RP_TEST_SLOW_CHECKPOINT_MS="<ms>": the coordinator takes <ms> milliseconds longer over each
 // training-state checkpoint write (on its loop, or on the background writer's thread), as a slow
@@ -85,12 +87,7 @@ inline double TestEvalDelaySeconds() {
 // copy for a background write would fit (what a host short of memory does).
 inline bool TestCheckpointOnLoop() { return std::getenv("RP_TEST_CHECKPOINT_ON_LOOP") != nullptr; }
 
-inline double TestCheckpointDelaySeconds() {
-  const char* v = std::getenv("RP_TEST_SLOW_CHECKPOINT_MS");
-  if (v == nullptr) return 0.0;
-  const double ms = std::strtod(v, nullptr);
-  return ms > 0 ? ms * 1e-3 : 0.0;
-}
+inline double TestCheckpointDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_CHECKPOINT_MS"); }
 
 // RP_TEST_NAN_AT_STEP="<step>": the loss scale of every microbatch of that step (0-based) is NaN
 // in the workers and rp-train-ref, so its gradients are: a run that diverges. -1 when unset.
@@ -113,6 +110,17 @@ inline bool TestOverflowAt(int64_t step) {
     p = *end == ',' ? end + 1 : end;
   }
   return false;
+}
+
+// RP_TEST_SLOW_FILL_MS="<ms>": the coordinator takes <ms> milliseconds longer to fill the run's
+// shared state, as a large model's initialization or checkpoint read would. 0 when unset.
+inline double TestFillDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_FILL_MS"); }
+
+// RP_TEST_WELCOME_TIMEOUT_S="<s>": a worker waits that long for the coordinator's Welcome instead
+// of its --hello-timeout-s (so a test of a slow fill needs no minutes-long wait). -1 when unset.
+inline int TestWelcomeTimeoutSeconds() {
+  const char* v = std::getenv("RP_TEST_WELCOME_TIMEOUT_S");
+  return v == nullptr ? -1 : static_cast<int>(std::strtol(v, nullptr, 10));
 }
 
 }  // namespace rp

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "common/logging.h"
 #include "common/session.h"
 #include "common/stop_agreement.h"
+#include "common/test_hooks.h"
 #include "common/time_util.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
@@ -251,6 +253,8 @@ Status Coordinator::StartParts() {
   RP_ASSIGN_OR_RETURN(host_, HostState::Create(cfg_, spec_, plan_, layout_, opts_.session, opts_.num_workers));
   RP_RETURN_IF_ERROR(host_->Fill(ckpt_.resume_from, ckpt_.state_hash, window_.first_step,
                                  eval_data_ ? &*eval_data_ : nullptr));
+  if (const double delay = TestFillDelaySeconds(); delay > 0)
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
   if (!channel_) {
     RP_ASSIGN_OR_RETURN(auto ch, proto::RouterChannel::Bind(ControlEndpoint(opts_.runtime_dir)));
     router_.emplace(std::move(ch));

@@ -14,6 +14,7 @@
 #include "common/exit_status.h"
 #include "common/logging.h"
 #include "common/session.h"
+#include "common/test_hooks.h"
 #include "gpu_worker/worker.h"
 
 namespace {
@@ -49,7 +50,7 @@ int main(int argc, char** argv) {
   app.add_option("--gpus", o.num_workers, "number of workers")->required();
   app.add_option("--session", o.session, "session id")->required();
   app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();
-  app.add_option("--hello-timeout-s", o.welcome_timeout_s, "how long to wait for the coordinator's Welcome");
+  app.add_option("--hello-timeout-s", o.welcome_timeout_s, "how long to wait for the coordinator's Welcome once it listens");
   app.add_option("-v", verbosity, "verbosity");
   try {
     app.parse(argc, argv);
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : rp::kExitBadConfig;
   }
   rp::InitLogging(argv[0], "worker " + std::to_string(o.rank));
+  if (const int t = rp::TestWelcomeTimeoutSeconds(); t >= 0) o.welcome_timeout_s = t;
   if (std::getenv("RP_DEBUG_PAUSE") != nullptr) {
     // --debug-worker: let any debugger of this user attach (Yama ptrace scope) and wait, before
     // touching the GPU, until one is attached and lets the process run, or until SIGUSR1. Not a

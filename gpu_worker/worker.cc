@@ -660,11 +660,29 @@ Status Worker::Run() {
   RP_RETURN_IF_ERROR(channel_->Send(proto::Hello{opts_.rank, static_cast<int32_t>(::getpid()), layout_.hash,
                                                 use_cuda_ ? opts_.rank % gpus : -1, 0}));
 
-  const double deadline = MonoSeconds() + opts_.welcome_timeout_s;
+  // The coordinator binds its control socket only once the run's shared state is filled: tens of
+  // GB initialized or read from a checkpoint, minutes for a large model. Until then the Hello
+  // waits in the socket's queue and the launcher, which ends the run if the coordinator dies,
+  // bounds the wait; the deadline for Welcome counts from the bind. A worker started without
+  // rp-launch has no such guard and counts from its Hello.
+  const double waiting_since = MonoSeconds();
+  const std::string control_socket = ControlSocketPath(opts_.runtime_dir);
+  std::optional<double> deadline;
+  double next_note = waiting_since + 60.0;
   while (!segment_) {
     if (g_stop) return Status::Cancelled("stopped by signal before joining");
     if (LauncherGone()) return Status::Unavailable("launcher is gone");
-    if (MonoSeconds() > deadline) return Status::DeadlineExceeded("no Welcome from the coordinator");
+    const double now = MonoSeconds();
+    if (!deadline && (!StartedByLauncher() || ::access(control_socket.c_str(), F_OK) == 0))
+      deadline = now + opts_.welcome_timeout_s;
+    if (deadline && now > *deadline)
+      return Status::DeadlineExceeded("no Welcome from the coordinator within " +
+                                      std::to_string(opts_.welcome_timeout_s) + " s of its control socket's bind");
+    if (!deadline && now > next_note) {
+      RP_LOG(INFO) << "waiting for the coordinator to fill the run's shared state ("
+                   << static_cast<int>(now - waiting_since) << " s so far)";
+      next_note = now + 60.0;
+    }
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(100));
     if (!m) continue;
     if (auto* s = std::get_if<proto::Shutdown>(&*m)) return Status::Cancelled("coordinator refused: shutdown " + std::to_string(s->exit_code));

@@ -23,6 +23,7 @@ struct WorkerOptions {
   int num_workers = 1;
   std::string session;
   std::string runtime_dir;
+  // How long to wait for Welcome once the coordinator listens (see RunWorker's join).
   int welcome_timeout_s = 120;
 };
 

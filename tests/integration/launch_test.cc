@@ -946,6 +946,22 @@ TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
   EXPECT_EQ(Losses(tmp_ + "/wrapped/metrics.jsonl").size(), 2u);
 }
 
+TEST_F(LaunchTest, WorkersWaitForACoordinatorStillFillingItsState) {
+  // A large model's shared state takes minutes to fill (a 30B model: over two), longer than a
+  // worker waits for Welcome. That wait counts from the coordinator's bind of its control socket,
+  // which follows the fill, so a fill four times longer than the wait costs no worker.
+  const std::string out = tmp_ + "/slow-fill";
+  std::vector<std::string> env = Env();
+  env.push_back("RP_TEST_SLOW_FILL_MS=4000");
+  env.push_back("RP_TEST_WELCOME_TIMEOUT_S=1");
+  auto r = testing::RunProcess(LaunchArgs(2, out, {"train.steps=2"}), 240, env);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find("no Welcome"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("starting a replacement"), std::string::npos) << r.output;
+  EXPECT_EQ(Summary(out)["worker_replacements"], 0);
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 2u);
+}
+
 TEST_F(LaunchTest, DebugWorkerWaitsForADebuggerAndTheRunCompletes) {
   // --debug-worker 1: the worker waits before touching the device; gdb attaches (batch mode),
   // lets it run, and the run completes under the debugger. The second run resumes by SIGUSR1.
