@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -240,6 +242,32 @@ TEST(Init, DeterministicAndScaled) {
   const double n = static_cast<double>(a2.size());
   EXPECT_NEAR(sum / n, 0.0, 0.002);
   EXPECT_NEAR(std::sqrt(sq / n), m.init_std, 0.002);
+  // Normal in shape, not only in its first two moments (over a 1M-value embedding): the share
+  // within one and two standard deviations, and the Box-Muller bound of the 24-bit uniforms.
+  ModelConfig wide = m;
+  wide.vocab_size = 8192;
+  const auto wide_spec = BuildModelSpec(wide);
+  std::vector<float> w(wide_spec.params[0].numel);
+  InitParam(wide_spec, 0, 7, w.data());
+  int64_t within1 = 0, within2 = 0;
+  float largest = 0.0f;
+  for (float x : w) {
+    const double z = std::fabs(x) / m.init_std;
+    within1 += z < 1.0;
+    within2 += z < 2.0;
+    largest = std::max(largest, static_cast<float>(z));
+  }
+  const double wn = static_cast<double>(w.size());
+  EXPECT_NEAR(within1 / wn, 0.6827, 0.002);
+  EXPECT_NEAR(within2 / wn, 0.9545, 0.001);
+  EXPECT_LT(largest, 5.9f);
+  EXPECT_GT(largest, 4.0f);
+  // An odd count ends on the first value of a pair: the same values as the longer tensor's.
+  ParamSpec odd = wide_spec.params[0];
+  odd.numel -= 1;
+  std::vector<float> shorter(odd.numel);
+  InitParam(odd, wide, 7, shorter.data());
+  EXPECT_TRUE(std::equal(shorter.begin(), shorter.end(), w.begin()));
   InitParam(spec, 0, 8, b2.data());
   EXPECT_NE(a2, b2);
   InitParam(spec, 1, 7, b.data());  // input_layernorm: ones
