@@ -440,7 +440,8 @@ const std::vector<KeySpec>& Table() {
            "keeps it, so its jobs copy only the adapters over the host link. Costs the whole base "
            "in the compute dtype on each worker's device (rp-plan prints it); exact mode's next "
            "forward then no longer waits for the base to stream in behind the update. Needs "
-           "lora.rank > 0 and, with CUDA workers, one worker per GPU"),
+           "lora.rank > 0 and, with CUDA workers, one worker per GPU; rp-plan and rp-launch --dry-run "
+           "print its prediction when it would be faster"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
                "1..num_layers = blocks)"),

@@ -173,6 +173,11 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
       std::printf("estimated device memory per worker: %.1f GiB (the planner's estimate; "
                   "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
                   p.peak_memory_bytes / (1ull << 30));
+    if (auto alt = cpu_workers ? std::nullopt : core::FrozenOnDeviceAlternative(cfg, gpus, *costs, p.step_seconds))
+      std::printf("schedule.frozen_on_device = true would keep the %.1f GiB frozen base on each GPU and fetch only "
+                  "the adapters: predicted step %.4f s (plan %s), estimated device memory %.1f GiB per worker\n",
+                  alt->memory.frozen / (1ull << 30), alt->step_seconds, alt->plan.Describe().c_str(),
+                  alt->peak_memory_bytes / (1ull << 30));
   }
   std::printf("workers fetch %s\n",
               !layout->masters_in_state         ? "a compute copy the optimizer writes"

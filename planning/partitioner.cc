@@ -522,6 +522,27 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   return Status::InvalidArgument(why + " (shorter sequences, train.layer_recompute or more workers may fit)");
 }
 
+std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int workers, const Profile& profile,
+                                                    double current_step_seconds) {
+  if (!c.lora.enabled() || c.schedule.frozen_on_device || c.job.device == DeviceKind::kCpu) return std::nullopt;
+  JobConfig kept = c;
+  kept.schedule.frozen_on_device = true;
+  std::optional<PlanChoice> alt;
+  if (kept.schedule.partition == Partition::kAuto) {
+    auto chosen = ChoosePlan(kept, workers, profile);
+    if (!chosen.ok()) return std::nullopt;  // no plan fits the memory budget with the base kept
+    alt = std::move(chosen).value();
+  } else {
+    auto plan = BuildPlan(kept);
+    if (!plan.ok()) return std::nullopt;
+    alt = PredictPlan(kept, *plan, profile, workers);
+    if (kept.schedule.gpu_memory_gb > 0 && alt->peak_memory_bytes > kept.schedule.gpu_memory_gb * 1e9)
+      return std::nullopt;
+  }
+  if (alt->step_seconds > 0.99 * current_step_seconds) return std::nullopt;
+  return alt;
+}
+
 StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
   if (c.schedule.partition != core::Partition::kAuto) return BuildPlan(c);
   RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));

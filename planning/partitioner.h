@@ -18,6 +18,7 @@
 // numbers), else from the FLOP cost model. Deterministic: every process gets the same plan.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,15 @@ Status ResolveMlpTile(JobConfig* config, int workers);
 // with train.layer_recompute or a tiled MLP, or past the first mixture-of-experts block below the
 // tail. Any other value is left as it is.
 Status ResolveKeptBlocks(JobConfig* config, int workers);
+
+// For a LoRA job whose CUDA workers fetch the frozen base with every job: the prediction with
+// schedule.frozen_on_device = true instead (ChoosePlan's plan then, under partition = "auto";
+// else the job's own plan), when it fits schedule.gpu_memory_gb (if set) and its step is predicted
+// at least 1% shorter than `current_step_seconds`. rp-plan and rp-launch --dry-run print it as a
+// suggestion; the job's setting is never changed for it. Nothing for CPU workers (their device
+// memory is the host memory the base is already in), full fine-tunes, or a base already kept.
+std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& config, int workers, const Profile& profile,
+                                                    double current_step_seconds);
 
 // The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner
 // chooses tail size and cuts for `workers` workers first (ChoosePlan). Every process computes

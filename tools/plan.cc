@@ -235,6 +235,9 @@ int main(int argc, char** argv) {
     }
     own = rp::core::PredictPlan(*cfg, *plan, *costs, gpus);
   }
+  // What the job would run (its own plan, else the auto one) against keeping a LoRA base on the GPU.
+  const auto frozen_alt =
+      rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, own ? own->step_seconds : choice->step_seconds);
   auto to_json = [&](const rp::core::PlanChoice& c) {
     nlohmann::json stages = nlohmann::json::array();
     for (const auto& s : c.plan.stages)
@@ -272,6 +275,7 @@ int main(int argc, char** argv) {
     out["kept_blocks"] = cfg->schedule.kept_blocks;
     out["kept_blocks_chosen"] = kept_chosen;
     if (own) out["job_plan"] = to_json(*own);
+    if (frozen_alt) out["frozen_on_device_alternative"] = to_json(*frozen_alt);
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
@@ -306,6 +310,9 @@ int main(int argc, char** argv) {
             .c_str(),
         *choice);
   if (own) print("the job's own plan", *own);
+  if (frozen_alt)
+    print("with schedule.frozen_on_device = true (the frozen base kept on each GPU, only the adapters fetched)",
+          *frozen_alt);
   std::printf("(%d candidate plans evaluated; use with [schedule] partition = \"auto\")\n",
               choice->candidates);
   return 0;

@@ -312,6 +312,57 @@ TEST(Partitioner, AFrozenBaseKeptOnTheDeviceCountsOnceAndIsNotFetched) {
   }
 }
 
+// rp-plan's and the dry run's suggestion: a LoRA job on CUDA workers that streams its base is
+// shown the prediction with the base kept, when that is faster and fits the memory budget; never
+// for CPU workers, a full fine-tune or a base already kept.
+TEST(Partitioner, KeepingTheFrozenBaseIsSuggestedWhereItFitsAndIsFaster) {
+  JobConfig c = Small(8);
+  c.job.device = DeviceKind::kCuda;
+  c.lora.rank = 4;
+  c.model.hidden_size = 1024;  // a base large enough that fetching it costs time
+  c.model.intermediate_size = 4096;
+  c.model.num_heads = 8;
+  c.model.num_kv_heads = 8;
+  c.model.head_dim = 128;
+  const Profile costs = DefaultCostModel(c);
+  auto current = ChoosePlan(c, 1, costs);
+  ASSERT_TRUE(current.ok()) << current.status().message();
+  const auto alt = FrozenOnDeviceAlternative(c, 1, costs, current->step_seconds);
+  ASSERT_TRUE(alt.has_value());
+  EXPECT_LT(alt->step_seconds, 0.99 * current->step_seconds);
+  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
+  EXPECT_DOUBLE_EQ(alt->memory.frozen, static_cast<double>(spec.FrozenParams()) * ComputeElemBytes(c));
+  // The same with the job's own plan, of stages small enough that keeping the whole base costs
+  // memory over fetching each stage's share.
+  JobConfig equal = c;
+  equal.schedule.partition = core::Partition::kEqual;
+  equal.schedule.tail_blocks = 1;
+  equal.schedule.forward_stages = 4;
+  equal.schedule.backward_stages = 4;
+  auto plan = BuildPlan(equal);
+  ASSERT_TRUE(plan.ok());
+  const PlanChoice own = PredictPlan(equal, *plan, costs, 1);
+  const auto own_alt = FrozenOnDeviceAlternative(equal, 1, costs, own.step_seconds);
+  ASSERT_TRUE(own_alt.has_value());
+  EXPECT_EQ(own_alt->plan.Describe(), plan->Describe());
+  // A budget that holds the streaming plan but not the base beside it.
+  ASSERT_GT(own_alt->peak_memory_bytes, own.peak_memory_bytes + 0.5 * own_alt->memory.frozen);
+  JobConfig tight = equal;
+  tight.schedule.gpu_memory_gb = own.peak_memory_bytes / 1e9 + 0.5 * alt->memory.frozen / 1e9;
+  EXPECT_FALSE(FrozenOnDeviceAlternative(tight, 1, costs, own.step_seconds).has_value());
+  tight.schedule.gpu_memory_gb = own_alt->peak_memory_bytes / 1e9 + 0.01;
+  EXPECT_TRUE(FrozenOnDeviceAlternative(tight, 1, costs, own.step_seconds).has_value());
+  // Never suggested where it does not apply, nor when it is predicted no faster.
+  JobConfig cpu = c, kept = c, full = c;
+  cpu.job.device = DeviceKind::kCpu;
+  kept.schedule.frozen_on_device = true;
+  full.lora.rank = 0;
+  EXPECT_FALSE(FrozenOnDeviceAlternative(cpu, 1, costs, current->step_seconds).has_value());
+  EXPECT_FALSE(FrozenOnDeviceAlternative(kept, 1, costs, current->step_seconds).has_value());
+  EXPECT_FALSE(FrozenOnDeviceAlternative(full, 1, costs, current->step_seconds).has_value());
+  EXPECT_FALSE(FrozenOnDeviceAlternative(c, 1, costs, alt->step_seconds).has_value());
+}
+
 // train.mlp_tile_tokens: a backward stage's blocks keep no MLP intermediates (each tile is
 // recomputed in the backward), and the block being computed holds one tile's instead of the
 // microbatch's; nothing else of the estimate changes.
