@@ -677,7 +677,8 @@ Status Worker::Run() {
       deadline = now + opts_.welcome_timeout_s;
     if (deadline && now > *deadline)
       return Status::DeadlineExceeded("no Welcome from the coordinator within " +
-                                      std::to_string(opts_.welcome_timeout_s) + " s of its control socket's bind");
+                                      std::to_string(opts_.welcome_timeout_s) + " s of " +
+                                      (StartedByLauncher() ? "its control socket's bind" : "this worker's Hello"));
     if (!deadline && now > next_note) {
       RP_LOG(INFO) << "waiting for the coordinator to fill the run's shared state ("
                    << static_cast<int>(now - waiting_since) << " s so far)";

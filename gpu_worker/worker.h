@@ -23,7 +23,7 @@ struct WorkerOptions {
   int num_workers = 1;
   std::string session;
   std::string runtime_dir;
-  // How long to wait for Welcome once the coordinator listens (see RunWorker's join).
+  // How long to wait for Welcome once the coordinator listens (the join in worker.cc says when).
   int welcome_timeout_s = 120;
 };
 
