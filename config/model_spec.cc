@@ -5,6 +5,7 @@
 #include <cmath>
 #include <thread>
 
+#include "common/cores.h"
 #include "common/rng.h"
 
 namespace rp::core {
@@ -238,7 +239,7 @@ void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, fl
       }
     }
   };
-  const int64_t threads = std::min<int64_t>(chunks, std::max(1u, std::thread::hardware_concurrency()));
+  const int64_t threads = std::min<int64_t>(chunks, UsableCores());
   if (threads <= 1) {
     fill(0, chunks);
     return;
