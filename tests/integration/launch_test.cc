@@ -591,7 +591,7 @@ TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   const auto& pred = summary["prediction"];
   EXPECT_EQ(pred["costs"], "measured");
   EXPECT_GT(pred["predicted_step_s"].get<double>(), 0.0);
-  EXPECT_EQ(pred["measured_steps"].get<int>(), 5);  // steps 4..8
+  EXPECT_EQ(pred["measured_steps"].get<int>(), 4);  // steps 4..7: the run's last step reads short
   // How close the prediction is, is a benchmark's business (bench/results.jsonl); here only
   // that it is the same order of magnitude.
   const double ratio = pred["measured_over_predicted"].get<double>();
