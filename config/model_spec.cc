@@ -3,9 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <thread>
 
 #include "common/cores.h"
+#include "common/parallel.h"
 #include "common/rng.h"
 
 namespace rp::core {
@@ -217,37 +217,25 @@ void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, fl
   const bool uniform = ps.init == InitKind::kUniformFanIn;
   const double bound = uniform ? 1.0 / std::sqrt(static_cast<double>(ps.shape.at(1))) : 0.0;
   const float std = static_cast<float>(config.init_std);
-  auto fill = [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      CounterRng rng(HashKey({seed, 0x1417u, ps.init_key, static_cast<uint64_t>(c)}));
-      const int64_t end = std::min(ps.numel, (c + 1) * kChunk);
-      if (uniform) {
-        for (int64_t i = c * kChunk; i < end; ++i)
-          out[i] = static_cast<float>((2.0 * rng.NextUniform() - 1.0) * bound);
-      } else {
-        int64_t i = c * kChunk;
-        float a = 0.0f, b = 0.0f;
-        for (; i + 1 < end; i += 2) {
-          rng.NextNormalPair(&a, &b);
-          out[i] = a * std;
-          out[i + 1] = b * std;
-        }
-        if (i < end) {
-          rng.NextNormalPair(&a, &b);
-          out[i] = a * std;
-        }
-      }
+  ParallelFor(chunks, UsableCores(), [&](int64_t c) {
+    CounterRng rng(HashKey({seed, 0x1417u, ps.init_key, static_cast<uint64_t>(c)}));
+    const int64_t end = std::min(ps.numel, (c + 1) * kChunk);
+    if (uniform) {
+      for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>((2.0 * rng.NextUniform() - 1.0) * bound);
+      return;
     }
-  };
-  const int64_t threads = std::min<int64_t>(chunks, UsableCores());
-  if (threads <= 1) {
-    fill(0, chunks);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (int64_t t = 0; t < threads; ++t)
-    pool.emplace_back(fill, chunks * t / threads, chunks * (t + 1) / threads);
-  for (auto& th : pool) th.join();
+    int64_t i = c * kChunk;
+    float a = 0.0f, b = 0.0f;
+    for (; i + 1 < end; i += 2) {
+      rng.NextNormalPair(&a, &b);
+      out[i] = a * std;
+      out[i + 1] = b * std;
+    }
+    if (i < end) {
+      rng.NextNormalPair(&a, &b);
+      out[i] = a * std;
+    }
+  });
 }
 
 }  // namespace rp::core

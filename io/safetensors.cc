@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/cores.h"
+#include "common/parallel.h"
 #include "io/run_output.h"
 
 namespace rp::core {
@@ -153,24 +155,33 @@ const SafetensorInfo* SafetensorsFile::Find(const std::string& name) const {
 Status SafetensorsFile::ReadAsFloat(const SafetensorInfo& t, float* out) const {
   const uint8_t* p = Data(t);
   const int64_t n = t.Numel();
-  if (t.dtype == "F32") {
-    std::memcpy(out, p, static_cast<size_t>(n) * 4);
-  } else if (t.dtype == "BF16") {
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t h;
-      std::memcpy(&h, p + 2 * i, 2);
-      const uint32_t bits = static_cast<uint32_t>(h) << 16;
-      std::memcpy(out + i, &bits, 4);
-    }
-  } else if (t.dtype == "F16") {
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t h;
-      std::memcpy(&h, p + 2 * i, 2);
-      out[i] = HalfToFloat(h);
-    }
-  } else {
+  if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
     return Bad(path_, "tensor \"" + t.name + "\" has dtype " + t.dtype + ", not a floating type (F32, BF16, F16)");
-  }
+  // A large model's checkpoint is tens of GB read once at start-up: every core takes chunks of
+  // each tensor (the mapped file's page faults and the conversion both spread), each element
+  // converted on its own, so the result does not depend on the split.
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  const int threads = n >= 4 * kChunk ? UsableCores() : 1;
+  const bool f32 = t.dtype == "F32", bf16 = t.dtype == "BF16";
+  ParallelFor((n + kChunk - 1) / kChunk, threads, [&](int64_t c) {
+    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+    if (f32) {
+      std::memcpy(out + begin, p + 4 * begin, static_cast<size_t>(end - begin) * 4);
+    } else if (bf16) {
+      for (int64_t i = begin; i < end; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(out + i, &bits, 4);
+      }
+    } else {
+      for (int64_t i = begin; i < end; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        out[i] = HalfToFloat(h);
+      }
+    }
+  });
   return Status::Ok();
 }
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // AdamW on flat fp32 arrays (torch.optim.AdamW semantics: decoupled weight decay, bias
-// correction), plus a parallel-for used to spread parameter updates over threads.
+// correction); updates are spread over threads with common/parallel.h's ParallelFor.
 //
 // Contract: AdamWUpdate() makes one pass over n elements: reads master, m, v and grad (times
 // grad_scale, which carries gradient clipping), writes master, m, v and the compute copy (fp32 or
@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <functional>
+
+#include "common/parallel.h"
 
 namespace rp::coord {
 
@@ -81,8 +83,6 @@ void FloatsToHalves(const float* in, uint16_t* out, int64_t n);
 void ToComputeCopy(const float* in, void* out, int64_t n, ComputeDtype dtype);
 void FromComputeCopy(const void* in, float* out, int64_t n, ComputeDtype dtype);
 
-// Runs fn(i) for i in [0, n) on up to `threads` threads (work-stealing by an atomic counter, so
-// a few huge tasks and many tiny ones both balance).
-void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn);
+using ::rp::ParallelFor;  // common/parallel.h
 
 }  // namespace rp::coord

@@ -81,6 +81,40 @@ TEST_F(SafetensorsTest, ReadsAFileWrittenByAnIndependentTool) {
   EXPECT_FALSE(f->ReadAsFloat(*d, cv.data()).ok());
 }
 
+// Tensors of millions of elements are converted by every core in chunks: the same values as
+// converting one element after another (BF16 widened by its bits, F16 as a small tensor of the
+// same halves reads, F32 copied), an odd tail included.
+TEST_F(SafetensorsTest, LargeTensorsReadTheSameOnEveryCore) {
+  const int64_t n = (int64_t{5} << 20) + 3;
+  std::mt19937 rng(9);
+  std::vector<uint16_t> halves(n);
+  for (auto& x : halves) x = static_cast<uint16_t>(rng());
+  std::vector<float> floats(n);
+  for (auto& x : floats) x = std::normal_distribution<float>()(rng);
+  const int64_t piece = 1000;
+  const std::string path = dir_ + "/large.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, {{"bf16", "BF16", {n}, halves.data(), static_cast<uint64_t>(n) * 2},
+                                      {"f16", "F16", {n}, halves.data(), static_cast<uint64_t>(n) * 2},
+                                      {"f16_tail", "F16", {piece}, halves.data() + n - piece, piece * 2},
+                                      {"f32", "F32", {n}, floats.data(), static_cast<uint64_t>(n) * 4}})
+                  .ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  std::vector<float> out(n);
+  ASSERT_TRUE(f->ReadAsFloat(*f->Find("bf16"), out.data()).ok());
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &out[i], 4);
+    ASSERT_EQ(bits, static_cast<uint32_t>(halves[i]) << 16) << "element " << i;
+  }
+  ASSERT_TRUE(f->ReadAsFloat(*f->Find("f16"), out.data()).ok());
+  std::vector<float> tail(piece);
+  ASSERT_TRUE(f->ReadAsFloat(*f->Find("f16_tail"), tail.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data() + n - piece, tail.data(), piece * 4), 0);
+  ASSERT_TRUE(f->ReadAsFloat(*f->Find("f32"), out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), floats.data(), static_cast<size_t>(n) * 4), 0);
+}
+
 TEST_F(SafetensorsTest, WriteThenReadRoundTripsBitForBit) {
   std::mt19937 rng(5);
   std::vector<float> w(37);
