@@ -13,8 +13,8 @@ Needs Python with torch, transformers and peft (the GPU host). Steps:
      and transformers loads the merged directory; all three losses are compared;
   4. with --cuda, rp-launch computes step 3 on a CUDA worker in bf16 against peft in bf16;
   5. with --fixture DIR, peft itself creates a random adapter (init_lora_weights=False) on that
-     base, saves it with save_pretrained into DIR with the batch's tokens and its loss
-     (expected.json): a fixture written by an independent tool, which the C++ tests load.
+     base, saves it with save_pretrained into DIR with the base (base/), the batch's tokens and
+     its loss (expected.json): a fixture written by an independent tool, which the C++ tests load.
 Prints one JSON line; exits 1 when fp32 differs by more than 1e-4 relative or bf16 by more than 2e-2.
 """
 import argparse
@@ -52,7 +52,7 @@ def main():
     tokens = write_tokens(work)
     bins = os.path.abspath(os.path.join(a.build_dir, "bin"))
 
-    # lr = 0: the exported base is the seeded init, which the C++ fixture test rebuilds from the seed.
+    # lr = 0: the exported base is the seeded init; --fixture copies it into the fixture.
     run([bins + "/rp-train-ref", write_job(work, "base", "cpu", "fp32", export="hf", lr=0.0)])
     base = os.path.join(work, "base", "hf")
     train = write_job(work, "train", "cpu", "fp32", steps=3, lr=2e-2, export="merged", model_path=base,
@@ -93,6 +93,7 @@ def main():
         fx = os.path.abspath(a.fixture)
         shutil.rmtree(fx, ignore_errors=True)
         pm.save_pretrained(os.path.join(fx, "adapter"))
+        shutil.copytree(base, os.path.join(fx, "base"))
         for name in ("tokens.bin", "tokens.bin.json"):
             shutil.copy(os.path.join(work, name), os.path.join(fx, name))
         fixture_loss = loss_of(pm, tokens, "cpu")
@@ -101,7 +102,7 @@ def main():
                        "peft": peft.__version__, "transformers": transformers.__version__,
                        "torch": torch.__version__,
                        "made_by": "tools/peft_check.py --fixture (peft save_pretrained on the "
-                                  "seeded base of its job)"}, f, indent=2)
+                                  "seeded base in base/)"}, f, indent=2)
         r["fixture_loss"] = fixture_loss
     r.update({"peft": peft.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
               "ok": ok})
