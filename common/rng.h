@@ -31,20 +31,12 @@ class CounterRng {
  public:
   explicit CounterRng(uint64_t key, uint64_t start = 0) : key_(key), i_(start) {}
   uint64_t NextU64() { return SplitMix64(key_ ^ SplitMix64(i_++)); }
-  // Uniform in (0, 1): never exactly 0.
+  // Uniform in (0, 1): never exactly 0, so log() in Normal() is finite.
   double NextUniform() { return (static_cast<double>(NextU64() >> 11) + 0.5) * 0x1.0p-53; }
-  // Two independent standard normals from one draw, by Box-Muller in float: two 24-bit uniforms
-  // in (0, 1), so log() is finite and |value| < 5.9. Seeding a large model's weights is most of its
-  // start-up: one double-precision draw per value took about 60 ns on one core of a 2-core CI-class
-  // machine, this about 18 ns per value.
-  void NextNormalPair(float* first, float* second) {
-    const uint64_t bits = NextU64();
-    const float u1 = (static_cast<float>(bits >> 40) + 0.5f) * 0x1.0p-24f;
-    const float u2 = (static_cast<float>((bits >> 16) & 0xFFFFFFu) + 0.5f) * 0x1.0p-24f;
-    const float radius = std::sqrt(-2.0f * std::log(u1));
-    const float angle = 6.28318531f * u2;
-    *first = radius * std::cos(angle);
-    *second = radius * std::sin(angle);
+  // Standard normal by Box-Muller (one value per two uniforms; simple beats fast here).
+  double NextNormal() {
+    double u1 = NextUniform(), u2 = NextUniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
   }
   uint64_t NextBelow(uint64_t n) { return NextU64() % n; }
 

@@ -224,17 +224,7 @@ void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, fl
       for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>((2.0 * rng.NextUniform() - 1.0) * bound);
       return;
     }
-    int64_t i = c * kChunk;
-    float a = 0.0f, b = 0.0f;
-    for (; i + 1 < end; i += 2) {
-      rng.NextNormalPair(&a, &b);
-      out[i] = a * std;
-      out[i + 1] = b * std;
-    }
-    if (i < end) {
-      rng.NextNormalPair(&a, &b);
-      out[i] = a * std;
-    }
+    for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>(rng.NextNormal()) * std;
   });
 }
 

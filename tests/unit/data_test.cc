@@ -243,7 +243,7 @@ TEST(Init, DeterministicAndScaled) {
   EXPECT_NEAR(sum / n, 0.0, 0.002);
   EXPECT_NEAR(std::sqrt(sq / n), m.init_std, 0.002);
   // Normal in shape, not only in its first two moments (over a 1M-value embedding): the share
-  // within one and two standard deviations, and the Box-Muller bound of the 24-bit uniforms.
+  // within one and two standard deviations, and tails neither cut short nor too long.
   ModelConfig wide = m;
   wide.vocab_size = 8192;
   const auto wide_spec = BuildModelSpec(wide);
@@ -260,9 +260,9 @@ TEST(Init, DeterministicAndScaled) {
   const double wn = static_cast<double>(w.size());
   EXPECT_NEAR(within1 / wn, 0.6827, 0.002);
   EXPECT_NEAR(within2 / wn, 0.9545, 0.001);
-  EXPECT_LT(largest, 5.9f);
+  EXPECT_LT(largest, 6.5f);
   EXPECT_GT(largest, 4.0f);
-  // An odd count ends on the first value of a pair: the same values as the longer tensor's.
+  // A count that ends inside a chunk: the same values as the longer tensor's.
   ParamSpec odd = wide_spec.params[0];
   odd.numel -= 1;
   std::vector<float> shorter(odd.numel);
