@@ -65,7 +65,7 @@ TEST_F(LaunchTest, RopeParametersTrainExactlyLikeTopLevelRopeTheta) {
 // Every config.json value that shapes the model, given a wrong type and a value out of range (or
 // asking for math the runtime does not implement): rp-launch refuses the job with exit 2 within
 // a second, naming the key, before any process, log directory or segment exists.
-TEST_F(LaunchTest, EveryConfigJsonKeyWithAWrongTypeOrRangeExits2WithinASecondNamingIt) {
+TEST_F(LaunchTest, EveryConfigJsonKeyWithAWrongTypeOrRangeExits2BeforeAnythingStartsNamingIt) {
   using nlohmann::json;
   struct Case {
     std::string key;  // "a" or "a.b" (inside an object)
@@ -109,7 +109,10 @@ TEST_F(LaunchTest, EveryConfigJsonKeyWithAWrongTypeOrRangeExits2WithinASecondNam
     const std::string says = c.says.empty() ? c.key : c.says;
     EXPECT_EQ(r.code, 2) << c.key << " = " << c.value.dump() << ": " << r.output;
     EXPECT_NE(r.output.find(says), std::string::npos) << c.key << " = " << c.value.dump() << ": " << r.output;
-    EXPECT_LT(secs, 1.0) << c.key << " = " << c.value.dump();
+    // Refused by rp-launch itself: no coordinator filled a state, no worker waited for one (that
+    // takes the 30 s limit). Far under a second on an idle machine; 5 s leaves room for a loaded
+    // 2-core CI machine, where 1.04 s was seen.
+    EXPECT_LT(secs, 5.0) << c.key << " = " << c.value.dump();
     EXPECT_FALSE(fs::exists(out)) << c.key << " = " << c.value.dump();
   }
 }
