@@ -225,6 +225,23 @@ struct AddRowGradFn : public torch::autograd::Function<AddRowGradFn> {
   }
 };
 
+// The stacked expert weights unchanged; in the backward, the gradient of every expert without
+// rows in this product (has_tokens false) is exactly zero. Why: the grouped GEMM's weight
+// gradient for an empty group is zero on Hopper but was reported not to be on Blackwell, and an
+// expert that no token chose must get exactly zero (its moments decay, as torch's AdamW does on
+// a fused expert tensor). A select, not a product: zero times a garbage NaN would stay NaN.
+struct EmptyExpertsZeroGradFn : public torch::autograd::Function<EmptyExpertsZeroGradFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& w, const at::Tensor& has_tokens) {
+    ctx->saved_data["has_tokens"] = has_tokens;
+    return w.view_as(w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor has = ctx->saved_data["has_tokens"].toTensor().view({-1, 1, 1});
+    return {at::where(has, grads[0], at::zeros({}, grads[0].options())), at::Tensor()};
+  }
+};
+
 // x W^T whose weight gradient goes into `sink` (fp32, W's shape) instead of W.grad: the kernel
 // adds dy^T x, accumulated in fp32, to the sink in the GEMM's own epilogue. The input gradient
 // is autograd's (dy W).
@@ -540,18 +557,18 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   // Grouped: the rows of each expert are contiguous (the stable sort), so one GEMM per projection
   // takes every expert at once, each row block with its own expert's matrix (group ends `offs`);
   // the counts never leave the device. Its kernels take bf16 with rows of 16-byte multiples.
-  // Frozen experts only (LoRA): the kernel's weight gradient for an expert without tokens is zero
-  // on Hopper but was reported not to be on Blackwell, and a trained expert must get exactly zero.
-  const bool experts_frozen = !Get(w, "experts.gate_up").requires_grad() && !Get(w, "experts.down").requires_grad();
+  // Trained experts (a full fine-tune) enter through EmptyExpertsZeroGradFn: an expert without
+  // tokens gets exactly zero gradient whatever the kernel leaves for an empty group.
   // Expert adapters join the grouped GEMMs when their rank's rows are 16-byte multiples.
   const ExpertAdapter& any_lora = gate_up_lora.defined() ? gate_up_lora : down_lora;
   const bool adapters_align = !any_lora.defined() || any_lora.a_stacked.size(1) % 8 == 0;
-  if (grouped_experts_ && experts_frozen && adapters_align && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
-      H % 8 == 0 && I % 8 == 0) {
+  if (grouped_experts_ && adapters_align && x.is_cuda() && x.scalar_type() == at::kBFloat16 && H % 8 == 0 &&
+      I % 8 == 0) {
     const at::Tensor offs = at::cumsum(on_device, 0, at::kInt);
     const at::Tensor has_tokens = on_device.gt(0);
     auto grouped = [&](const at::Tensor& in, const at::Tensor& weight, const ExpertAdapter& a) {
-      at::Tensor out = at::_grouped_mm(in, weight.transpose(-2, -1), offs);
+      const at::Tensor used = weight.requires_grad() ? EmptyExpertsZeroGradFn::apply(weight, has_tokens) : weight;
+      at::Tensor out = at::_grouped_mm(in, used.transpose(-2, -1), offs);
       if (!a.defined()) return out;
       // An expert without tokens must get exactly zero adapter gradients; the kernel's gradient
       // for an empty group is not guaranteed on every architecture, so those experts' matrices

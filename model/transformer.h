@@ -108,10 +108,11 @@ class Transformer {
   // norm) use them (FusedKernels::AddRmsNorm) or LibTorch's fused rms_norm; for A/B runs
   // (bench.fused_norms).
   void UseFusedNorms(bool on) { fused_norms_ = on; }
-  // Frozen experts of bf16 CUDA tensors (LoRA, LibTorch >= 2.8): one grouped GEMM per projection
-  // over every expert's tokens (at::_grouped_mm) instead of a loop over the experts with tokens,
-  // with no read of the token counts on the host; expert adapters join it when the rank is a
-  // multiple of 8 (two more grouped GEMMs per projection); for A/B runs (bench.grouped_experts).
+  // Experts of bf16 CUDA tensors (LibTorch >= 2.8), frozen or trained: one grouped GEMM per
+  // projection over every expert's tokens (at::_grouped_mm) instead of a loop over the experts
+  // with tokens, with no read of the token counts on the host; a trained expert without tokens
+  // gets exactly zero gradient; expert adapters join it when the rank is a multiple of 8 (two
+  // more grouped GEMMs per projection); for A/B runs (bench.grouped_experts).
   void UseGroupedExperts(bool on) { grouped_experts_ = on; }
   // train.dtype = "fp8": blocks' projections of bf16 CUDA tensors (k and n multiples of 16)
   // multiply in e4m3 through the fused kernels (model/fp8.h; the caller has checked
