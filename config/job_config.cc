@@ -388,6 +388,13 @@ const std::vector<KeySpec>& Table() {
            "the first layers' updates instead of the last commit). workers needs train.grad_clip > "
            "0, one accumulation round per step, no tied embedding (unless LoRA freezes it) and one "
            "node"),
+      Bool("optimizer", "speculative_update", F(optimizer.speculative_update), false,
+           "Exact mode with clipping: while the backward runs, write each parameter's next weights as "
+           "if the step were not clipped, into a second buffer (2 bytes per parameter of host memory, "
+           "4 where workers fetch the fp32 masters). A step whose norm stays at or under "
+           "train.grad_clip then starts the next step's forward at once instead of behind the "
+           "updates; a clipped step runs its update again, as without the key. The same bits either "
+           "way. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and no fp16"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
           "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
@@ -765,6 +772,21 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument(key + "needs every trainable parameter in one layer: the tied embedding's "
                                            "gradient is the lookup's plus the head's, summed on the host "
                                            "(model.tie_embeddings = true); use \"host\"");
+  }
+  if (SpeculatesUnclippedUpdate(c)) {
+    const std::string key = "optimizer.speculative_update: ";
+    if (c.optimizer.mode != OptimizerMode::kExact)
+      return Status::InvalidArgument(key + "speculates past exact mode's wait for the norm; stale1 does not wait");
+    if (c.optimizer.name != OptimizerName::kAdamW)
+      return Status::InvalidArgument(key + "needs optimizer.name = \"adamw\"");
+    if (!(c.train.grad_clip > 0.0))
+      return Status::InvalidArgument(key + "guesses that a step is not clipped, but train.grad_clip = 0 never "
+                                           "clips: updates then start as gradients land without it");
+    if (GradientsWaitInWorkers(c))
+      return Status::InvalidArgument(key + "needs the gradients on the host before the norm "
+                                           "(optimizer.gradients_wait_in = \"host\")");
+    if (ScalesLoss(c))
+      return Status::InvalidArgument(key + "is not implemented with fp16's loss scaling (train.dtype = \"fp16\")");
   }
   if ((c.train.dtype == TrainDtype::kBf16 || c.train.dtype == TrainDtype::kFp8) && c.job.device == DeviceKind::kCpu)
     return Status::InvalidArgument(std::string("train.dtype: \"") + EnumName(c.train.dtype) +

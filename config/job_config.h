@@ -177,6 +177,7 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double momentum = 0.9;         // SGD only
   int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
+  bool speculative_update = false;  // SpeculatesUnclippedUpdate
 };
 
 // LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets
@@ -339,6 +340,14 @@ inline bool UpdatesWaitForNorm(const JobConfig& c) {
 // need a norm to wait for, one commit per gradient slot and step, and
 // no parameter shared between layers.
 inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.gradients_wait_in == GradientsWait::kWorkers; }
+// optimizer.speculative_update: in exact mode with clipping, the optimizer writes each parameter's
+// next weights as if the step were not clipped while the backward still runs, into a second
+// buffer of what workers fetch (shm::ArenaLayout::compute_buffers = 2: 2 or 4 more bytes per
+// parameter of host memory). If the norm then leaves the step unclipped, those weights are the
+// update's exactly (a clip scale of 1 multiplies by 1) and the next step starts at once;
+// otherwise the update runs again with the clip scale, as without the key. Validated to need
+// AdamW, exact mode, train.grad_clip > 0, gradients waiting on the host and no loss scaling.
+inline bool SpeculatesUnclippedUpdate(const JobConfig& c) { return c.optimizer.speculative_update; }
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
 inline int ComputeElemBytes(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp32 ? 4 : 2; }
 // Whether CUDA workers run the project's fused kernels: bench.fused_kernels, and a dtype they take

@@ -279,6 +279,8 @@ Status Coordinator::StartParts() {
   optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(), host_->optim().data(),
                                                 &host_->grad_arena(), threads, [wake] { wake->Wake(); });
   RP_RETURN_IF_ERROR(optimizer_->StartAfter(window_.first_step));
+  // The last stage's layers are the first the next step needs and the last whose gradients land.
+  if (!plan_.stages.empty()) optimizer_->SpeculateFromLayer(plan_.stages.back().end);
   evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
   dispatch_ = std::make_unique<StepDispatch>(StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(),
                                                                  *data_, host_->grad_arena(), *optimizer_, *workers_,
@@ -710,6 +712,10 @@ Status Coordinator::Finish(Status st) {
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();
     // What the run did, for whoever checks it (tests, scripts) without reading logs.
     summary["workers_fetch"] = layout_.masters_in_state ? "masters" : "compute_copy";
+    if (optimizer_ && core::SpeculatesUnclippedUpdate(cfg_)) {
+      const auto spec = optimizer_->Speculation();
+      summary["speculative_updates"] = {{"confirmed", spec.confirmed}, {"redone", spec.redone}};
+    }
     summary["activations"] = layout_.activations_in_worker ? "worker" : layout_.activations_in_pools ? "cuda_ipc" : "host";
     if (workers_) {
       summary["worker_replacements"] = workers_->replacements();

@@ -49,7 +49,8 @@ StatusOr<std::unique_ptr<HostState>> HostState::Create(const core::JobConfig& cf
 }
 
 const float* HostState::Weights(int p, int64_t version) const {
-  if (layout_.masters_in_state) return state_->At<const float>(layout_.master[p]);
+  if (layout_.masters_in_state)  // the masters holding `version` updates (one buffer, or version % 2)
+    return state_->At<const float>(layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
   if (!layout_.sharded) return optim_->At<const float>(layout_.master[p]);
   return state_->At<const float>(layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
 }

@@ -21,7 +21,7 @@ static_assert(sizeof(ModelConfig) == 312);
 static_assert(sizeof(DataConfig) == 96);
 static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 136);
-static_assert(sizeof(OptimizerConfig) == 80);
+static_assert(sizeof(OptimizerConfig) == 88);
 static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 168);
 static_assert(sizeof(CheckpointConfig) == 88);
@@ -31,7 +31,7 @@ static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 88);
 
 namespace {
-constexpr int kSpecVersion = 2;
+constexpr int kSpecVersion = 3;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -75,7 +75,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum
                                    microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after, eval_every,
                                    eval_microbatches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, warmup_steps, weight_decay, beta1,
-                                   beta2, eps, momentum, grad_buffer_mb)
+                                   beta2, eps, momentum, grad_buffer_mb, speculative_update)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
                                    export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, kept_blocks,

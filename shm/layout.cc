@@ -163,7 +163,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = PackWeights(spec.params, a.weights_elem_bytes, pos, &a.compute);
   a.compute_end = pos;
   if (a.masters_in_state) a.master = a.compute;
-  a.compute_buffers = c.optimizer.mode == core::OptimizerMode::kStale1 ? 2 : 1;
+  // stale1 reads the previous version while the optimizer writes the next; a speculative update
+  // writes the next while the step still reads the current one.
+  a.compute_buffers =
+      c.optimizer.mode == core::OptimizerMode::kStale1 || core::SpeculatesUnclippedUpdate(c) ? 2 : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
   // frozen base out: it is reloaded from its source on resume.

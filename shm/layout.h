@@ -25,9 +25,12 @@
 //                        coordinator before it grants the commit that fills the slot.
 //   compute copies       per parameter, in parameter order (so one layer's weights are one
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
-//                        mode a second such region follows (double buffer by version parity).
+//                        mode and with optimizer.speculative_update a second such region
+//                        follows (double buffer by version parity).
 //                        When workers fetch the masters (core::WorkersFetchMasters) this region
-//                        holds the fp32 masters instead, and there is no compute copy anywhere
+//                        holds the fp32 masters instead, and there is no compute copy anywhere;
+//                        with two buffers (core::SpeculatesUnclippedUpdate) the masters holding
+//                        v updates are in buffer v % 2, and the update reads one and writes the other
 //   frozen weights       LoRA only: the base model's compute copies (dtype = train.dtype), one
 //                        buffer, written once at start and never updated (no version, no master)
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
@@ -190,7 +193,7 @@ struct ArenaLayout {
   uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
   bool grads_streamed = false;                    // arena smaller than every slot at once
   uint64_t compute_begin = 0, compute_end = 0;    // the compute-copy region (buffer 0)
-  int compute_buffers = 1;                        // 2 in stale1 mode: version v in v % 2
+  int compute_buffers = 1;                        // 2 in stale1 mode or with a speculative update: version v in v % 2
   std::vector<uint64_t> frozen;                   // per frozen parameter (LoRA base), state segment
   uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
@@ -234,7 +237,7 @@ struct ArenaLayout {
   uint64_t ShareElem(const std::vector<uint64_t>& base, int p, int64_t e) const {
     return base[p] + static_cast<uint64_t>(e - share[p].begin) * 4;
   }
-  // Compute copy of parameter p in buffer b (0 in exact mode; version % 2 in stale1 mode).
+  // Compute copy of parameter p in buffer b (version % compute_buffers).
   uint64_t ComputeCopy(int p, int buffer) const {
     return compute[p] + static_cast<uint64_t>(buffer) * (compute_end - compute_begin);
   }

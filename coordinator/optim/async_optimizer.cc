@@ -40,6 +40,9 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       workers_norm_(core::GradientsWaitInWorkers(cfg)),
       shard_grads_(layout.sharded_grads),
       norm_first_(core::UpdatesWaitForNorm(cfg) && !workers_norm_),
+      // The two passes keep the step's inputs (gradient, master, moments) until every first pass
+      // is done, so a clipped step can run its first passes again over the same inputs.
+      speculate_(core::SpeculatesUnclippedUpdate(cfg) && norm_first_ && two_passes_ && layout.compute_buffers == 2),
       layer_start_us_(spec.NumLayers()) {
   if (layout.loss_scaling != 0) scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
   cur_.slots_left.assign(spec.params.size(), 0);
@@ -81,6 +84,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     if (geo_.lookup_slot[p] == slots[0]) std::swap(slots[0], slots[1]);
   }
   cur_.partial.assign(geo_.chunks.size(), 0.0);
+  cur_.speculated.assign(geo_.chunks.size(), 0);
   cur_.param_squares.assign(spec.params.size(), 0.0);
   for (size_t p = 0; p < spec.params.size(); ++p)
     RP_CHECK(!shard_grads_ || geo_.param_slots[p].size() == 1)
@@ -177,6 +181,7 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
         << "optimizer step " << step << " began before step " << step - 2 << " was fully updated";
     cur_.params_rest_left[step & 1].store(static_cast<int>(spec_.params.size()));
     std::fill(cur_.early.begin(), cur_.early.end(), 0);
+    std::fill(cur_.speculated.begin(), cur_.speculated.end(), 0);
     for (auto& g : cur_.chunk_gate) g.store(2);
     double given = 0.0;
     {
@@ -290,6 +295,12 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
       for (int64_t i = 0; i < n; ++i) g[i] += o[i];
     }
     cur_.partial[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
+    if (Speculates(c.param)) {
+      // Before the count below: OnNormsDone, on whichever thread counts last, reads the flag.
+      WaitIfHeld(step);
+      UpdateElems(step, c.param, c.begin, c.end, UpdateWrites::kFetched, Unclipped(step));
+      cur_.speculated[chunk] = 1;
+    }
   }
   // Counted before the update: without clipping the update may publish the step's last layer,
   // after which the next step may begin and reset the counter.
@@ -308,11 +319,47 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   TakeNorm(step, total);
   Progress();
   if (!norm_first_) return;  // already updated chunk by chunk
+  // A speculated chunk's first pass is this update's when the step turned out unclipped: the
+  // same operations on the same inputs with the same constants. Otherwise it runs again below.
+  bool any = false;
+  for (char s : cur_.speculated) any = any || s;
+  const StepUpdate& u = cur_.update[step & 1];
+  const StepUpdate unclipped = Unclipped(step);
+  const bool confirmed = any && !u.skip && u.grad_scale == unclipped.grad_scale && u.adam_step == unclipped.adam_step;
+  if (any) (confirmed ? spec_confirmed_ : spec_redone_).fetch_add(1);
+  if (!confirmed) std::fill(cur_.speculated.begin(), cur_.speculated.end(), 0);
+  // Published before anything is queued: the next step's forward may start on those layers now.
+  int64_t now_us = WallMicros();
+  for (size_t c = 0; c < geo_.chunks.size(); ++c) {
+    if (!cur_.speculated[c]) continue;
+    const int param = geo_.chunks[c].param;
+    int64_t unset = 0;
+    layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, now_us);
+    if (cur_.param_chunks_left[param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamPublished(step, param);
+  }
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
   if (SubmitRowsFirst(step, writes)) return;
   for (size_t c = 0; c < geo_.chunks.size(); ++c)
-    Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+    if (!cur_.speculated[c]) Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+}
+
+bool AsyncOptimizer::Speculates(int param) const {
+  // Not the row-summed (tied) parameters, whose squares and first pass come in row order (rows
+  // first), nor the layers below spec_from_layer_, whose gradients land last: speculating on them
+  // would hold up the norm by as much as it saves.
+  return speculate_ && !last_clipped_.load(std::memory_order_relaxed) && geo_.row_elems[param] == 0 &&
+         param != geo_.lookup_param && spec_.params[param].owner_layer >= spec_from_layer_.load();
+}
+
+AsyncOptimizer::StepUpdate AsyncOptimizer::Unclipped(int64_t step) const {
+  // What TakeNorm sets for a step whose norm is at or under train.grad_clip (no loss scaling
+  // here: validated).
+  StepUpdate u;
+  u.grad_scale = 1.0f;  // ClipScale 1 over a loss scale of 1
+  u.skip = false;
+  u.adam_step = step + 1;
+  return u;
 }
 
 void AsyncOptimizer::TakeNorm(int64_t step, double total) {
@@ -343,6 +390,9 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
   u.adam_step = step + 1 - (scaling_ ? scaler_.skipped : 0);
   const double clip_scale = cfg_.train.grad_clip > 0.0 && !u.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
   u.grad_scale = static_cast<float>(clip_scale / scaling.scale);
+  // The next step speculates only after an unclipped one: a run that clips keeps clipping for a
+  // while, and each refuted guess costs a first pass.
+  last_clipped_.store(clip_scale != 1.0, std::memory_order_relaxed);
 }
 
 bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
@@ -390,7 +440,8 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
   for (auto& t : first)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, true, writes); });
   for (size_t c = 0; c < geo_.chunks.size(); ++c)
-    if (geo_.chunks[c].param != geo_.lookup_param) Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+    if (geo_.chunks[c].param != geo_.lookup_param && !cur_.speculated[c])
+      Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
   for (auto& t : rest)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, false, writes); });
   return true;
@@ -430,6 +481,11 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   int64_t unset = 0;
   if (writes != UpdateWrites::kRest)
     layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, WallMicros());
+  UpdateElems(step, param, begin, end, writes, cur_.update[step & 1]);
+}
+
+void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes,
+                                 const StepUpdate& u) {
   // Sharded state: only this node's share; the other nodes update theirs with the same
   // gradient (summed across the nodes), and the workers gather the shares.
   begin = std::max(begin, layout_.share[param].begin);
@@ -437,20 +493,23 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   if (begin >= end) return;
   const auto& ps = spec_.params[param];
   const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
-  const StepUpdate& u = cur_.update[step & 1];
   const float scale = norm_first_ || workers_norm_ ? u.grad_scale : 1.0f;
+  const int into = static_cast<int>((step + 1) % layout_.compute_buffers);
   // Masters the workers fetch are whole parameters in the state segment; the optimizer
   // segment's arrays hold the share.
   float* master = layout_.masters_in_state
-                      ? reinterpret_cast<float*>(state_ + layout_.master[param]) + begin
+                      ? reinterpret_cast<float*>(state_ + layout_.ComputeCopy(param, static_cast<int>(step % layout_.compute_buffers))) + begin
                       : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.master, param, begin));
   // Workers that fetch the masters need no compute copy: passing the master as its own fp32
-  // copy makes the update skip the write.
+  // copy makes the update skip the write. With two buffers the next master goes to the other
+  // one as an fp32 copy; the second pass then writes only the moments (the master passed as its
+  // own copy), so the buffer the step read is never written.
   void* compute = master;
   ComputeDtype compute_dtype = ComputeDtype::kFloat32;
+  if (layout_.masters_in_state && layout_.compute_buffers == 2 && writes != UpdateWrites::kRest)
+    compute = reinterpret_cast<float*>(state_ + layout_.ComputeCopy(param, into)) + begin;
   if (!layout_.masters_in_state) {
-    compute = state_ + layout_.ComputeCopy(param, static_cast<int>((step + 1) % layout_.compute_buffers)) +
-              begin * layout_.weights_elem_bytes;
+    compute = state_ + layout_.ComputeCopy(param, into) + begin * layout_.weights_elem_bytes;
     compute_dtype = dtype;
   }
   if (u.skip) {

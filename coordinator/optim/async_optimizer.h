@@ -54,6 +54,15 @@
 //    step). AdamW's step count is the number of updates applied, as torch's when GradScaler skips
 //    optimizer.step(). The gradients are multiplied by clip scale / loss scale in the update: for
 //    a power-of-two scale (the defaults keep it one) the bits of unscaling, then clipping.
+//  * Speculative updates (core::SpeculatesUnclippedUpdate: clipping, two passes, two buffers of
+//    what workers fetch): as a parameter's chunk is squared, its first pass also runs with the
+//    constants of an unclipped step (Unclipped), writing the next version's buffer, which no job
+//    of this step reads. When the norm leaves the step unclipped (grad_scale exactly 1, as those
+//    constants have it) the chunk counts as updated without running again: its layers publish at
+//    once. Otherwise every first pass runs as without speculation and overwrites them. Not the
+//    row-summed parameters and not the layers below SpeculateFromLayer; paused after a clipped
+//    step. With the masters as what workers fetch, the update reads the masters of buffer
+//    step % 2 and writes those of (step + 1) % 2; its second pass writes only the moments.
 //  * Gradients waiting in the workers (core::GradientsWaitInWorkers): the norm comes from
 //    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
 //    is updated, clipped, as soon as its slots are final, as without clipping; no squares are
@@ -155,6 +164,16 @@ class AsyncOptimizer {
   // thread.
   void HoldUpdatesFrom(int64_t step);
   void ReleaseUpdates();
+  // optimizer.speculative_update: parameters of layers below `layer` are not speculated on (the
+  // coordinator passes the end of the last backward stage: their gradients land last, and their
+  // first passes would hold up the norm). Call before the first SlotFinal.
+  void SpeculateFromLayer(int layer) { spec_from_layer_.store(layer); }
+  // Steps whose speculative first passes were the update's (confirmed) and steps that ran them
+  // again with the clip scale (redone).
+  struct SpeculationCounts {
+    int64_t confirmed = 0, redone = 0;
+  };
+  SpeculationCounts Speculation() const { return {spec_confirmed_.load(), spec_redone_.load()}; }
 
  private:
   struct Chunk {
@@ -175,7 +194,7 @@ class AsyncOptimizer {
   // The chunk's folded squared sum by rows (optimizer_step.h: RowwiseSquaredSum).
   double RowSummedChunk(int64_t step, const Chunk& c);
   void UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes);
-  // The update of elements [begin, end) of `param` (no counting).
+  // The update of elements [begin, end) of `param` (no counting), with the step's constants.
   void UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes);
   // Rows first: submits the first passes in that order when the next step's rows are known;
   // false (nothing submitted) otherwise.
@@ -225,6 +244,10 @@ class AsyncOptimizer {
   const bool workers_norm_;                    // core::GradientsWaitInWorkers
   const bool shard_grads_;                     // core::ShardedGradients: slots hold the share
   const bool norm_first_;                      // updates wait for a norm taken here
+  const bool speculate_;                       // core::SpeculatesUnclippedUpdate
+  std::atomic<bool> last_clipped_{false};      // the last step whose norm is known was clipped
+  std::atomic<int> spec_from_layer_{0};
+  std::atomic<int64_t> spec_confirmed_{0}, spec_redone_{0};
   // fp16: the state segment's record (null without loss scaling), and the scaler's state after
   // the last step whose norm is known (written by TakeNorm only, which steps reach in order).
   shm::LossScaleRecord* scaling_ = nullptr;
@@ -237,11 +260,20 @@ class AsyncOptimizer {
     bool skip = false;        // fp16: gradients not all finite, nothing updated
     int64_t adam_step = 0;    // 1-based count of updates applied, this one included
   };
+  // The same with explicit constants (a speculative first pass: Unclipped).
+  void UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes, const StepUpdate& u);
+  // Whether `param`'s chunks get a speculative first pass as their norms are taken (NormChunk).
+  bool Speculates(int param) const;
+  // What TakeNorm sets for `step` when its norm does not clip it.
+  StepUpdate Unclipped(int64_t step) const;
   // The current step's counters (and the previous step's second passes, by parity).
   struct StepCounters {
     int64_t step = -1;
     std::vector<int> slots_left;   // per parameter
     std::vector<double> partial;   // per chunk
+    // Per chunk: its first pass ran speculatively, unclipped (read by OnNormsDone, written
+    // before the chunk's norm is counted).
+    std::vector<char> speculated;
     std::vector<double> param_squares;  // per parameter: the workers' squares (sharded slots)
     // Row-summed parameters whose dense slot was final first this step: their row squares run
     // early; a chunk's norm task starts when both its rows are squared and the last slot is

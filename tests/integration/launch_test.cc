@@ -247,6 +247,49 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   EXPECT_TRUE(ReadBytes(ckpt) == before);
 }
 
+TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
+  // Clipping at 2.0: the parity job's norms start above it and fall under it, so the first
+  // step's speculative first passes are run again with the clip scale and later steps' are
+  // confirmed. With the masters double-buffered (2 workers), a compute copy (3 workers) and a
+  // stop and resume (1 worker): the losses and the exported model of the run without the key.
+  const std::vector<std::string> job = {"train.steps=10", "train.grad_clip=2.0", "checkpoint.export_hf=hf"};
+  const std::string base = tmp_ + "/waiting";
+  auto waiting = Launch(2, base, job);
+  ASSERT_EQ(waiting.code, 0) << waiting.output;
+  EXPECT_FALSE(Summary(base).contains("speculative_updates"));
+  const auto expected = Losses(base + "/metrics.jsonl");
+  const std::string model = ReadBytes(base + "/hf/model.safetensors");
+  ASSERT_FALSE(model.empty());
+  auto same = [&](const std::string& out) {
+    EXPECT_EQ(Losses(out + "/metrics.jsonl"), expected) << out;
+    EXPECT_TRUE(ReadBytes(out + "/hf/model.safetensors") == model) << out;
+  };
+  const std::string masters = tmp_ + "/masters";
+  auto m = Launch(2, masters, With(job, {"optimizer.speculative_update=true"}));
+  ASSERT_EQ(m.code, 0) << m.output;
+  same(masters);
+  const auto counts = Summary(masters)["speculative_updates"];
+  EXPECT_GE(counts["confirmed"].get<int>(), 3) << counts.dump();
+  EXPECT_GE(counts["redone"].get<int>(), 1) << counts.dump();
+  EXPECT_EQ(Summary(masters)["workers_fetch"], "masters");
+
+  const std::string copy = tmp_ + "/copy";
+  auto c = Launch(3, copy, With(job, {"optimizer.speculative_update=true", "schedule.weights_source=\"compute_copy\""}));
+  ASSERT_EQ(c.code, 0) << c.output;
+  same(copy);
+
+  // Both buffers are in the checkpoint: a resume continues with the same bits.
+  const std::vector<std::string> resumable = With(job, {"optimizer.speculative_update=true", "checkpoint.every=3"});
+  const std::string pieces = tmp_ + "/pieces";
+  auto first = Launch(1, pieces, With(resumable, {"train.stop_after=5"}));
+  ASSERT_EQ(first.code, 0) << first.output;
+  auto args = LaunchArgs(1, pieces, resumable);
+  args.push_back("--resume");
+  auto second = testing::RunProcess(args, 240, Env());
+  ASSERT_EQ(second.code, 0) << second.output;
+  same(pieces);
+}
+
 TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
   // stale1: step t computes with the weights before step t - 1's update; the reference does the
   // same with a second weight set. The two must agree, and differ from exact mode.

@@ -185,6 +185,21 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
                              "train.dtype=fp16"}).ok());
 }
 
+TEST(JobConfig, ASpeculativeUpdateNeedsAClippedExactAdamWStepOnTheHost) {
+  auto c = Parse(kValid, {"optimizer.speculative_update=true", "train.grad_clip=1.0"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_TRUE(SpeculatesUnclippedUpdate(*c));
+  EXPECT_FALSE(SpeculatesUnclippedUpdate(*Parse(kValid, {"train.grad_clip=1.0"})));
+  const std::string key = "optimizer.speculative_update";
+  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=0"});
+  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "optimizer.mode=stale1"});
+  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "optimizer.name=sgd"});
+  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0",
+                            "optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"});
+  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "train.dtype=fp16",
+                            "job.device=cuda"});
+}
+
 TEST(JobConfig, AnAutoMlpTileNeedsTheDeviceMemoryToFit) {
   ExpectError(kValid, "train.mlp_tile_tokens = -1", {"train.mlp_tile_tokens=-1"});
   auto c = Parse(kValid, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=40"});

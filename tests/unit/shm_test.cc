@@ -120,6 +120,20 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   ASSERT_TRUE(stale.ok());
   EXPECT_FALSE(stale->masters_in_state);
   EXPECT_EQ(stale->compute_buffers, 2);
+
+  // A speculative update writes the next version beside the one the step reads: two buffers of
+  // what workers fetch, 4 more bytes per parameter where that is the masters.
+  cfg.optimizer.mode = core::OptimizerMode::kExact;
+  cfg.optimizer.speculative_update = true;
+  auto speculative = ComputeLayout(cfg, spec, *plan);
+  ASSERT_TRUE(speculative.ok());
+  EXPECT_TRUE(speculative->masters_in_state);
+  EXPECT_EQ(speculative->compute_buffers, 2);
+  EXPECT_NE(speculative->hash, masters->hash);
+  const double more = static_cast<double>(speculative->total_bytes) - static_cast<double>(masters->total_bytes);
+  EXPECT_NEAR(more / params, 4.0, 0.1);
+  EXPECT_EQ(speculative->ComputeCopy(0, 1) - speculative->ComputeCopy(0, 0),
+            speculative->compute_end - speculative->compute_begin);
 }
 
 TEST(SharedMemoryRoom, ARequestLargerThanDevShmIsRefusedNamingTheFix) {
