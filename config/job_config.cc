@@ -393,8 +393,10 @@ const std::vector<KeySpec>& Table() {
            "if the step were not clipped, into a second buffer (2 bytes per parameter of host memory, "
            "4 where workers fetch the fp32 masters). A step whose norm stays at or under "
            "train.grad_clip then starts the next step's forward at once instead of behind the "
-           "updates; a clipped step runs its update again, as without the key. The same bits either "
-           "way. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and no fp16"),
+           "updates; a clipped step runs its update again, as without the key, and speculation pauses "
+           "until a step is unclipped. The same bits either way. For jobs whose steps are mostly "
+           "unclipped. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and "
+           "no fp16"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
           "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
