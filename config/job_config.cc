@@ -1023,6 +1023,9 @@ Status CheckNodes(const JobConfig& c) {
         "train.microbatches: a step's " + std::to_string(g.microbatches) + " microbatches per round" +
         (g.merged_calls > 1 ? " (train.accum_calls x train.microbatches, the calls run merged)" : std::string()) +
         " do not split evenly over " + std::to_string(n) + " nodes; make it a multiple of the node count");
+  if (SpeculatesUnclippedUpdate(c))
+    return Status::InvalidArgument("optimizer.speculative_update: not supported with several nodes; leave it "
+                                   "false");
   if (GradientsWaitInWorkers(c))
     return Status::InvalidArgument("optimizer.gradients_wait_in: \"workers\" with several nodes is not "
                                    "supported (each node's norm would need the summed gradients first); use "

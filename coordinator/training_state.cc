@@ -430,6 +430,21 @@ StatusOr<nlohmann::json> CheckedHeader(int fd, const std::string& path, uint64_t
                                    ", this job keeps " + where(masters_in_state) +
                                    "; resume it with the checkpoint's setting");
   }
+  // Exact mode keeps two buffers of the weights workers fetch only with a speculative update
+  // (stale1 always has two, and a change of mode fails the hash below): name the key.
+  for (const auto& [name, want] : sections) {
+    if (name != "compute" || !header["sections"].is_array()) continue;
+    for (const auto& e : header["sections"])
+      if (e.is_object() && e.value("name", "") == name && e.contains("bytes") && e["bytes"].is_number_unsigned()) {
+        const uint64_t got = e["bytes"].get<uint64_t>();
+        if (got != want && (got == 2 * want || 2 * got == want))
+          return Status::InvalidArgument("checkpoint " + path + " holds " + (got > want ? "two buffers" : "one buffer") +
+                                         " of the weights workers fetch, this job " +
+                                         (got > want ? "one" : "two") +
+                                         ": in exact mode two come with optimizer.speculative_update = true; resume "
+                                         "it with the checkpoint's setting");
+      }
+  }
   if (header["state_hash"] != std::to_string(state_hash))
     return Status::InvalidArgument("checkpoint " + path + " was written for a different model, "
                                    "compute dtype, optimizer or optimizer mode than this job's");

@@ -288,6 +288,19 @@ TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
   auto second = testing::RunProcess(args, 240, Env());
   ASSERT_EQ(second.code, 0) << second.output;
   same(pieces);
+
+  // A resume with the other setting is refused naming the key, and the checkpoint is kept.
+  std::string latest;
+  for (const auto& e : fs::directory_iterator(pieces + "/checkpoints"))
+    if (e.path().extension() == ".rpstate") latest = std::max(latest, e.path().string());
+  ASSERT_FALSE(latest.empty());
+  const std::string before = ReadBytes(latest);
+  auto flipped = LaunchArgs(1, pieces, With(job, {"checkpoint.every=3", "train.steps=12"}));
+  flipped.push_back("--resume");
+  auto refused = testing::RunProcess(flipped, 120, Env());
+  EXPECT_NE(refused.code, 0);
+  EXPECT_NE(refused.output.find("optimizer.speculative_update = true"), std::string::npos) << refused.output;
+  EXPECT_TRUE(ReadBytes(latest) == before);
 }
 
 TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {

@@ -198,6 +198,12 @@ TEST(JobConfig, ASpeculativeUpdateNeedsAClippedExactAdamWStepOnTheHost) {
                             "optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"});
   ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "train.dtype=fp16",
                             "job.device=cuda"});
+  JobConfig nodes = *c;
+  nodes.nodes.count = 2;
+  nodes.train.microbatches = 4;
+  const Status several = CheckNodes(nodes);
+  EXPECT_FALSE(several.ok());
+  EXPECT_EQ(several.message().rfind(key, 0), 0u) << several.message();
 }
 
 TEST(JobConfig, AnAutoMlpTileNeedsTheDeviceMemoryToFit) {
