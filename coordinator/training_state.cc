@@ -438,9 +438,9 @@ StatusOr<nlohmann::json> CheckedHeader(int fd, const std::string& path, uint64_t
       if (e.is_object() && e.value("name", "") == name && e.contains("bytes") && e["bytes"].is_number_unsigned()) {
         const uint64_t got = e["bytes"].get<uint64_t>();
         if (got != want && (got == 2 * want || 2 * got == want))
-          return Status::InvalidArgument("checkpoint " + path + " holds " + (got > want ? "two buffers" : "one buffer") +
-                                         " of the weights workers fetch, this job " +
-                                         (got > want ? "one" : "two") +
+          return Status::InvalidArgument("checkpoint " + path + " holds " +
+                                         (got > want ? "two buffers" : "one buffer") +
+                                         " of the weights workers fetch, this job " + (got > want ? "one" : "two") +
                                          ": in exact mode two come with optimizer.speculative_update = true; resume "
                                          "it with the checkpoint's setting");
       }

@@ -497,8 +497,9 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   const int into = static_cast<int>((step + 1) % layout_.compute_buffers);
   // Masters the workers fetch are whole parameters in the state segment; the optimizer
   // segment's arrays hold the share.
+  const int from = static_cast<int>(step % layout_.compute_buffers);
   float* master = layout_.masters_in_state
-                      ? reinterpret_cast<float*>(state_ + layout_.ComputeCopy(param, static_cast<int>(step % layout_.compute_buffers))) + begin
+                      ? reinterpret_cast<float*>(state_ + layout_.ComputeCopy(param, from)) + begin
                       : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.master, param, begin));
   // Workers that fetch the masters need no compute copy: passing the master as its own fp32
   // copy makes the update skip the write. With two buffers the next master goes to the other
