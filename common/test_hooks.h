@@ -55,6 +55,14 @@ inline double TestLateCompletionSeconds() {
 // its loop keeps running).
 inline bool TestDeviceHangOnce() { return ClaimTestHookOnce("RP_TEST_DEVICE_HANG_ONCE"); }
 
+// RP_TEST_DEVICE_UPDATE_NUDGE=1: the weights a worker's device update computes
+// (optimizer.device_update_blocks) are scaled by 1 + 2^-7 before any stage uses them, so a test can
+// see that forward stages did use them (the run's losses then leave the host-updated run's).
+inline bool TestDeviceUpdateNudge() {
+  const char* v = std::getenv("RP_TEST_DEVICE_UPDATE_NUDGE");
+  return v != nullptr && v[0] == '1' && v[1] == '\0';
+}
+
 // RP_TEST_ALWAYS_REPLAN (any value): every profile of an auto-partitioned run asks for a re-plan,
 // as profiles too noisy to agree would (the launcher's limit on re-plans).
 inline bool TestAlwaysReplan() { return std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr; }

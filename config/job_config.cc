@@ -397,6 +397,15 @@ const std::vector<KeySpec>& Table() {
            "until a step is unclipped. The same bits either way. For jobs whose steps are mostly "
            "unclipped. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and "
            "no fp16"),
+      Int("optimizer", "device_update_blocks", F(optimizer.device_update_blocks), 0, 0, 4096,
+          "Exact mode with clipping: blocks 1..N are also updated on the worker's GPU at each step "
+          "boundary (the same bits as the host's update), and the next step's forward uses those "
+          "weights at once while the host updates the other blocks first. The worker reads the "
+          "blocks' masters and moments (12 bytes per parameter, read-only from host shared memory) "
+          "while the backward runs and keeps them, their gradients and the new weights on "
+          "the device: about 18 bytes per covered parameter of device memory. 0 = off. Needs adamw, "
+          "train.grad_clip > 0, train.dtype = \"bf16\" or \"fp32\", one accumulation round per step, "
+          "one worker and one node, and no speculative_update or LoRA"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
           "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
@@ -790,6 +799,31 @@ Status CrossValidate(const JobConfig& c) {
     if (ScalesLoss(c))
       return Status::InvalidArgument(key + "is not implemented with fp16's loss scaling (train.dtype = \"fp16\")");
   }
+  if (DeviceUpdateBlocks(c) > 0) {
+    const std::string key = "optimizer.device_update_blocks: ";
+    if (c.optimizer.mode != OptimizerMode::kExact)
+      return Status::InvalidArgument(key + "updates the blocks the next step needs first, which only exact mode waits "
+                                           "for; stale1 does not wait");
+    if (c.optimizer.name != OptimizerName::kAdamW)
+      return Status::InvalidArgument(key + "needs optimizer.name = \"adamw\"");
+    if (!(c.train.grad_clip > 0.0))
+      return Status::InvalidArgument(key + "needs train.grad_clip > 0: without clipping each parameter is updated as "
+                                           "its gradient lands, and no step boundary waits for the first blocks");
+    if (SpeculatesUnclippedUpdate(c))
+      return Status::InvalidArgument(key + "and optimizer.speculative_update both change where the next weights come "
+                                           "from; use one");
+    if (Round(c).calls > 1)
+      return Status::InvalidArgument(key + "needs one accumulation round per step (train.accum_calls = 1): with "
+                                           "several, no worker holds a whole gradient");
+    if (c.lora.enabled())
+      return Status::InvalidArgument(key + "is not implemented for LoRA adapters");
+    if (c.train.dtype == TrainDtype::kFp16 || c.train.dtype == TrainDtype::kFp8)
+      return Status::InvalidArgument(std::string(key) + "is implemented for train.dtype = \"bf16\" and \"fp32\", not \"" +
+                                     EnumName(c.train.dtype) + "\"");
+    if (DeviceUpdateBlocks(c) > m.num_layers)
+      return Status::InvalidArgument(key + std::to_string(DeviceUpdateBlocks(c)) + " is more than the model's " +
+                                     std::to_string(m.num_layers) + " blocks");
+  }
   if ((c.train.dtype == TrainDtype::kBf16 || c.train.dtype == TrainDtype::kFp8) && c.job.device == DeviceKind::kCpu)
     return Status::InvalidArgument(std::string("train.dtype: \"") + EnumName(c.train.dtype) +
                                    "\" needs job.device = \"cuda\" or \"auto\"; CPU workers compute in fp32");
@@ -1026,6 +1060,8 @@ Status CheckNodes(const JobConfig& c) {
   if (SpeculatesUnclippedUpdate(c))
     return Status::InvalidArgument("optimizer.speculative_update: not supported with several nodes; leave it "
                                    "false");
+  if (DeviceUpdateBlocks(c) > 0)
+    return Status::InvalidArgument("optimizer.device_update_blocks: not supported with several nodes; leave it 0");
   if (GradientsWaitInWorkers(c))
     return Status::InvalidArgument("optimizer.gradients_wait_in: \"workers\" with several nodes is not "
                                    "supported (each node's norm would need the summed gradients first); use "

@@ -178,6 +178,7 @@ struct OptimizerConfig {
   double momentum = 0.9;         // SGD only
   int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
   bool speculative_update = false;  // SpeculatesUnclippedUpdate
+  int64_t device_update_blocks = 0;  // DeviceUpdateBlocks
 };
 
 // LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets
@@ -348,6 +349,14 @@ inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.grad
 // otherwise the update runs again with the clip scale, as without the key. Validated to need
 // AdamW, exact mode, train.grad_clip > 0, gradients waiting on the host and no loss scaling.
 inline bool SpeculatesUnclippedUpdate(const JobConfig& c) { return c.optimizer.speculative_update; }
+// optimizer.device_update_blocks = N: blocks 1..N (pipeline layers) are updated twice per step
+// with the same bits: on the worker's device, into the weights the next step's stages use there
+// (gpu_worker/device_update.h), and on the host as always, which stays the state's only owner.
+// The host does those blocks after every other parameter's first pass, so the next step's
+// forward runs its first N blocks while the host updates the rest. Validated to need AdamW,
+// exact mode, train.grad_clip > 0, bf16 or fp32 compute, one accumulation round, one worker,
+// one node, no speculation and no LoRA.
+inline int DeviceUpdateBlocks(const JobConfig& c) { return static_cast<int>(c.optimizer.device_update_blocks); }
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
 inline int ComputeElemBytes(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp32 ? 4 : 2; }
 // Whether CUDA workers run the project's fused kernels: bench.fused_kernels, and a dtype they take

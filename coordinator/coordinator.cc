@@ -109,6 +109,9 @@ class Coordinator {
   // Several nodes: reads the agreed stop step once the launcher wrote it, stops there and
   // dispatches what the wait held back.
   Status PollAgreedStop();
+  // Device updates (core::DeviceUpdateBlocks): each step's update constants to the workers, once
+  // the optimizer has the step's norm.
+  Status SendStepUpdates();
   int64_t StepH2dBytes() const;
   // Activations live in workers (schedule.activations = "worker", or activation pools) and a
   // worker is gone (`what` happened): the run stops.
@@ -394,9 +397,20 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kShutdown:
     case proto::MsgType::kRunEval:
     case proto::MsgType::kActivationPool:  // only during registration
+    case proto::MsgType::kStepUpdate:
       RP_LOG(WARNING) << "dropped coordinator-bound " << proto::MsgTypeName(proto::TypeOfMessage(m)) << " from worker "
                       << rank;
       return Status::Ok();
+  }
+  return Status::Ok();
+}
+
+Status Coordinator::SendStepUpdates() {
+  if (core::DeviceUpdateBlocks(cfg_) == 0) return Status::Ok();
+  for (const auto& k : optimizer_->TakeStepConstants()) {
+    // Every worker: a replacement that holds none of the step's gradients ignores it.
+    for (int rank = 0; rank < workers_->size(); ++rank)
+      RP_RETURN_IF_ERROR(workers_->Send(rank, proto::StepUpdate{k.step, k.adam_step, k.lr, k.grad_scale, 0}));
   }
   return Status::Ok();
 }
@@ -618,6 +632,7 @@ Status Coordinator::Loop() {
     RP_RETURN_IF_ERROR(workers_->CheckHung());
     // A commit may have been waiting for the optimizer to give slots back (StepDispatch).
     RP_RETURN_IF_ERROR(dispatch_->TryCommits());
+    RP_RETURN_IF_ERROR(SendStepUpdates());
     RP_RETURN_IF_ERROR(ReportSteps());
     RP_RETURN_IF_ERROR(profiler_->MaybeFinish(window_.next_to_report, *optimizer_));
     RP_RETURN_IF_ERROR(MaybeReplan());

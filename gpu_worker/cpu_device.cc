@@ -150,6 +150,19 @@ class CpuDevice final : public Device {
   }
   void ClearMarks() override { marks_.clear(); }
 
+  Status PinReadOnly(const void*, uint64_t) override { return Status::Ok(); }
+  // The coordinator's own loop (coord::AdamWUpdate), so the bits are its bits by construction.
+  void AdamWComputeCopy(const coord::AdamWHyper& h, float grad_scale, const at::Tensor& grad,
+                        const at::Tensor& master, const at::Tensor& m, const at::Tensor& v,
+                        const at::Tensor& out) override {
+    const coord::ComputeDtype dtype =
+        out.scalar_type() == at::kBFloat16 ? coord::ComputeDtype::kBFloat16 : coord::ComputeDtype::kFloat32;
+    // With a compute copy apart from the master, kFetched writes only the copy: master, m and v
+    // are read, never written.
+    coord::AdamWUpdate(h, grad_scale, grad.data_ptr<float>(), master.data_ptr<float>(), m.data_ptr<float>(),
+                       v.data_ptr<float>(), out.numel(), out.data_ptr(), dtype, coord::UpdateWrites::kFetched);
+  }
+
   // A CPU worker's "transfers" are the copies FetchWeights/FetchActivation/Store make.
   StatusOr<LinkRates> ProbeLink(const void* src, uint64_t bytes) override {
     std::vector<char> a(bytes), b(bytes);

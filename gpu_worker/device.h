@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "coordinator/optim/adamw.h"
 #include "model/fused_kernels.h"
 #include "nodes/node_reduction.h"
 
@@ -127,6 +128,19 @@ class Device {
   };
   virtual uint64_t StartChunkSquares(std::vector<SquaresItem> items, int64_t chunk) = 0;
   virtual bool SquaresDone(uint64_t ticket) = 0;
+
+  // Device updates (optimizer.device_update_blocks, gpu_worker/device_update.h).
+  // PinReadOnly() makes [base, base + bytes) of a read-only mapping (the optimizer segment) fast to
+  // copy from for as long as the device lives (CUDA: registered for DMA, read-only; CPU: nothing
+  // to do); FetchWeights() with stored == dtype == kFloat then copies its fp32 arrays.
+  // AdamWComputeCopy() queues on the compute stream what coord::AdamWUpdate writes into a compute
+  // copy with UpdateWrites::kFetched: `out` (bf16 or fp32) gets the updated master, bit for bit.
+  // grad, master, m and v are contiguous fp32 tensors on this device with out's element count; none
+  // of them is written.
+  virtual Status PinReadOnly(const void* base, uint64_t bytes) = 0;
+  virtual void AdamWComputeCopy(const coord::AdamWHyper& h, float grad_scale, const at::Tensor& grad,
+                                const at::Tensor& master, const at::Tensor& m, const at::Tensor& v,
+                                const at::Tensor& out) = 0;
 
   // Profiling (planning/profile.h). Mark() records how far the compute stream has got and returns
   // the mark's index; MarkSeconds(a, b) is the device time between two marks (it waits for mark

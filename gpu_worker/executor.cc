@@ -70,7 +70,12 @@ Status Executor::Validate(const proto::RunJob& job) const {
   return Status::Ok();
 }
 
-bool Executor::LayerReady(int l, int64_t version) const {
+bool Executor::LayerReady(int l, int64_t version, bool device_weights) const {
+  if (device_weights && device_update_ && device_update_->CoversLayer(l)) {
+    bool all = true;
+    for (const auto& use : spec_.layer_uses[l]) all = all && device_update_->Weights(use.param, version) != nullptr;
+    if (all && spec_.layer_frozen[l].empty()) return true;
+  }
   if (MapsLookup(l))
     return segment_.At<std::atomic<uint64_t>>(layout_.lookup_version)->load(std::memory_order_acquire) >=
            static_cast<uint64_t>(version);
@@ -137,6 +142,14 @@ Status Executor::FetchReady(const proto::RunJob& job, bool* complete) {
     }
     if (!all) return Status::Ok();
     next_.complete = true;
+    // A gradient job has checked its layers' host versions: their state is there to prefetch.
+    if (device_update_ && st.kind != core::StageKind::kForward) {
+      s = Guarded([] { return std::string("prefetching the device update's state"); }, [&] {
+        for (int l = st.begin; l < FetchEnd(st, next_); ++l) device_update_->Prefetch(job.weights_version, l);
+        return Status::Ok();
+      });
+      if (!s.ok()) return s;
+    }
   }
   *complete = true;
   return Status::Ok();
@@ -158,8 +171,10 @@ Status Executor::Reserve(const proto::RunJob& job) {
 
 bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, bool grads, StageWeights* w) {
   bool copied = false;
+  // Forward stages may take the device update's weights (UseDeviceUpdate).
+  const bool device_weights = !grads;
   for (int l = st.begin + static_cast<int>(w->layers.size()); l < FetchEnd(st, *w); ++l) {
-    if (!LayerReady(l, weights_version)) break;
+    if (!LayerReady(l, weights_version, device_weights)) break;
     // Every destination of the stage at once, while the compute stream has queued only what
     // comes before this stage (Device::EmptyWeights): made layer by layer, each copy of a
     // layer-major stage would wait for the stage's previous layer over every microbatch.
@@ -167,7 +182,7 @@ bool Executor::CopyReadyLayers(const core::Stage& st, int64_t weights_version, b
     // A forward stage's kept layers train through the graphs they keep.
     const bool layer_grads = grads || (st.kind == core::StageKind::kForward && plan_.KeepsGraph(l));
     w->layers.push_back(FetchLayer(l, weights_version, layer_grads, w, std::move(w->empty[l - st.begin]),
-                                   /*map_lookup=*/true));
+                                   /*map_lookup=*/true, device_weights));
     copied = true;
   }
   return copied;
@@ -190,7 +205,7 @@ std::vector<at::Tensor> Executor::EmptyLayer(int l) {
 }
 
 model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool grads, StageWeights* into,
-                                         std::vector<at::Tensor> dst, bool map_lookup) {
+                                         std::vector<at::Tensor> dst, bool map_lookup, bool device_weights) {
   const bool mapped = map_lookup && MapsLookup(l);
   if (dst.empty() && !mapped) dst = EmptyLayer(l);
   size_t next_dst = 0;
@@ -198,8 +213,14 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
   const int buffer = static_cast<int>(weights_version % layout_.compute_buffers);
   for (const auto& use : spec_.layer_uses[l]) {
     const uint8_t* src = segment_.data() + layout_.ComputeCopy(use.param, buffer);
+    const at::Tensor* computed =
+        device_weights && device_update_ ? device_update_->Weights(use.param, weights_version) : nullptr;
     at::Tensor t;
-    if (mapped) {
+    if (computed) {
+      // On the compute stream, behind the update that wrote them.
+      t = dst.at(next_dst++);
+      t.copy_(*computed);
+    } else if (mapped) {
       // The lookup reads its rows from the masters in place (core::LookupFromHost).
       t = device_.MapWeights(src, spec_.params[use.param].shape, weights_dtype_);
     } else {
@@ -872,12 +893,26 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
         items.push_back({g.accum, segment_.At<float>(off)});
       }
     }
+    if (device_update_)
+      for (const auto& g : it->second)
+        if (g.accum.defined()) device_update_->Hold(spec_.grad_slots[g.grad_slot].param, g.accum);
     held_.erase(it);
     ticket = device_.StartCommit(std::move(items), accumulate);
     return Status::Ok();
   });
   if (!s.ok()) return s;
   return ticket;
+}
+
+Status Executor::ApplyStepUpdate(const proto::StepUpdate& u) {
+  if (!device_update_) return Status::ProtocolError("StepUpdate for step " + std::to_string(u.step) +
+                                                    ", but this worker updates no blocks on its device");
+  return Guarded([&] { return "updating blocks 1.." + std::to_string(core::DeviceUpdateBlocks(cfg_)) +
+                              " on the device for step " + std::to_string(u.step); },
+                 [&] {
+                   device_update_->Apply(u);
+                   return Status::Ok();
+                 });
 }
 
 StatusOr<at::Tensor> Executor::GatherHeld(int64_t job_index) {

@@ -47,6 +47,7 @@
 #include "config/model_spec.h"
 #include "planning/plan.h"
 #include "gpu_worker/device.h"
+#include "gpu_worker/device_update.h"
 #include "model/transformer.h"
 #include "protocol/messages.h"
 #include "shm/layout.h"
@@ -186,6 +187,15 @@ class Executor {
   // StartCommit(job_index, ...): the commit grant may arrive while the next job computes.
   void Detach();
   StatusOr<uint64_t> StartCommit(int64_t job_index, bool accumulate);
+  // optimizer.device_update_blocks: `update` (owned by the worker, outliving this) prefetches
+  // the covered layers' state when a gradient job's weights are all copied, holds their
+  // gradients at its commit, and its weights serve forward stages and evals of the next version
+  // (backward stages and the tail fetch the host's, whose version also says the state is there).
+  void UseDeviceUpdate(DeviceUpdate* update) { device_update_ = update; }
+  // The dtype of the weights a job computes with (what the device update writes).
+  at::ScalarType weights_dtype() const { return act_dtype_; }
+  // StepUpdate: the covered layers' next weights from the step's held gradients.
+  Status ApplyStepUpdate(const proto::StepUpdate& u);
   // Several nodes: the held gradients of `job_index` gathered into one fp32 tensor, which they
   // then view (a parameter the job did not reach holds zeros), so summing it across the nodes
   // in place sums what StartCommit writes. On the worker's device (CPU, or its GPU).
@@ -296,14 +306,18 @@ class Executor {
   // core::FrozenOnDevice: copies the whole frozen base into frozen_kept_ once, at the worker's
   // first fetch or eval; Unavailable naming the option when the device cannot hold it.
   Status KeepFrozenBase();
-  // Whether every weight layer `l` reads holds `version` updates.
-  bool LayerReady(int l, int64_t version) const;
+  // Whether every weight layer `l` reads holds `version` updates (with `device_weights`, weights
+  // the device update kept at that version count).
+  bool LayerReady(int l, int64_t version, bool device_weights = false) const;
   // Layer `layer`'s weights at `weights_version`, copied into `dst` (EmptyLayer's tensors; made
   // here if empty); with `grads`, trainable ones require gradients and are recorded in `into`
   // (which may be null without `grads`). With `map_lookup` (a stage job's fetch) the embedding
   // layer is mapped (MapsLookup), not copied.
+  // With `device_weights`, a weight the device update kept at `weights_version` is copied from
+  // there instead of the segment.
   model::LayerWeights FetchLayer(int layer, int64_t weights_version, bool grads, StageWeights* into,
-                                 std::vector<at::Tensor> dst = {}, bool map_lookup = false);
+                                 std::vector<at::Tensor> dst = {}, bool map_lookup = false,
+                                 bool device_weights = false);
   // Whether a stage job reads layer `l`'s weights in place instead of copying them: the
   // embedding's table under core::LookupFromHost (Device::MapWeights). Its readiness is then the
   // lookup version (shm/layout.h), and it has no destination.
@@ -350,6 +364,7 @@ class Executor {
     at::TensorOptions options;
   };
   std::map<int64_t, std::vector<HeldGrad>> held_;  // by job index
+  DeviceUpdate* device_update_ = nullptr;          // UseDeviceUpdate
   // schedule.activations = "worker": what the hidden-state and input-gradient slots hold, as
   // tensors on the device, keyed like the shared-memory slots (parity, microbatch, slot index),
   // so the coordinator's slot-reuse rules apply unchanged. A stored tensor aliases the computed

@@ -24,6 +24,7 @@
 #include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "gpu_worker/device.h"
+#include "gpu_worker/device_update.h"
 #include "gpu_worker/executor.h"
 #include "gpu_worker/kernel_trace.h"
 #include "gpu_worker/guarded.h"
@@ -76,6 +77,9 @@ class Worker {
   std::optional<proto::DealerChannel> channel_;
   std::optional<shm::Segment> segment_;
   bool use_cuda_ = false;
+  // optimizer.device_update_blocks: before the device, which pins part of its read-only mapping
+  // of the optimizer segment until the device goes.
+  std::unique_ptr<DeviceUpdate> device_update_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Executor> exec_;
   // Sharded optimizer state: gathers the other nodes' shares of this rank's layers (its thread
@@ -213,6 +217,11 @@ Status Worker::Handle(const proto::Message& m) {
     case proto::MsgType::kCommitGrads: {
       const auto& c = std::get<proto::CommitGrads>(m);
       commit_granted_[c.job_index] = c.accumulate != 0;
+      return Status::Ok();
+    }
+    case proto::MsgType::kStepUpdate: {
+      const auto& u = std::get<proto::StepUpdate>(m);
+      if (Status s = exec_->ApplyStepUpdate(u); !s.ok()) return Fail(-1, s);
       return Status::Ok();
     }
     case proto::MsgType::kShutdown:
@@ -706,6 +715,11 @@ Status Worker::Run() {
                                    "products (at::_scaled_mm; compute capability 8.9 or newer, LibTorch 2.5 or "
                                    "newer); a test product failed on " + device_->Describe());
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
+  if (core::DeviceUpdateBlocks(cfg_) > 0) {
+    RP_ASSIGN_OR_RETURN(device_update_, DeviceUpdate::Create(cfg_, spec_, layout_, *segment_, *device_,
+                                                             exec_->weights_dtype()));
+    exec_->UseDeviceUpdate(device_update_.get());
+  }
   // The loop's own rule: no heartbeat while the device has stopped completing work.
   exec_->SetBetweenLayers([this] {
     if (!DeviceStalled()) BeatIfDue();

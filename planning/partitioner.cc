@@ -304,7 +304,17 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   out.staging = staging;
   out.held_gradients = held;
   out.kept = kept;
-  out.total = worst + resident + staging + held + kept + out.frozen;
+  // Device updates: the covered blocks' fp32 masters and moments (prefetched during the backward)
+  // and their fp32 gradients wait on the device for the step's constants, then their new weights
+  // in the compute dtype stay until the next step's update replaces them. Taken as held at once.
+  double device_update = 0.0;
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    const int owner = spec.params[p].owner_layer;
+    if (owner >= 1 && owner <= DeviceUpdateBlocks(c))
+      device_update += static_cast<double>(spec.params[p].numel) * (16.0 + elem);
+  }
+  out.device_update = device_update;
+  out.total = worst + resident + staging + held + kept + out.frozen + device_update;
   return out;
 }
 

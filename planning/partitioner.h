@@ -49,6 +49,9 @@ struct MemoryEstimate {
   // schedule.frozen_on_device: the whole frozen base in the compute dtype, kept on the device
   // (and left out of `weights` and `next_weights`).
   double frozen = 0.0;
+  // optimizer.device_update_blocks: the covered blocks' state, gradients and next weights
+  // (16 bytes plus the compute dtype's per parameter).
+  double device_update = 0.0;
 };
 
 struct PlanChoice {

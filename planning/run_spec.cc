@@ -21,7 +21,7 @@ static_assert(sizeof(ModelConfig) == 312);
 static_assert(sizeof(DataConfig) == 96);
 static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 136);
-static_assert(sizeof(OptimizerConfig) == 88);
+static_assert(sizeof(OptimizerConfig) == 96);
 static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 168);
 static_assert(sizeof(CheckpointConfig) == 88);
@@ -75,7 +75,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum
                                    microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after, eval_every,
                                    eval_microbatches)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, warmup_steps, weight_decay, beta1,
-                                   beta2, eps, momentum, grad_buffer_mb, speculative_update)
+                                   beta2, eps, momentum, grad_buffer_mb, speculative_update,
+                                   device_update_blocks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
                                    export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, kept_blocks,
@@ -111,6 +112,10 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
+  if (spec.job.optimizer.device_update_blocks > 0 && workers != 1)
+    return Status::InvalidArgument("optimizer.device_update_blocks: needs one worker (--gpus 1): the worker that "
+                                   "holds a step's gradients must also run the next step's first stages, and with " +
+                                   std::to_string(workers) + " workers they take turns");
   RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
   spec.workers = workers;
   return spec;

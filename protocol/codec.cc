@@ -23,6 +23,7 @@ const char* MsgTypeName(MsgType t) {
     case MsgType::kRunEval: return "RunEval";
     case MsgType::kEvalDone: return "EvalDone";
     case MsgType::kActivationPool: return "ActivationPool";
+    case MsgType::kStepUpdate: return "StepUpdate";
   }
   return "?";
 }
@@ -45,6 +46,7 @@ size_t PayloadBytes(MsgType t) {
     case MsgType::kRunEval: return sizeof(RunEval);
     case MsgType::kEvalDone: return sizeof(EvalDone);
     case MsgType::kActivationPool: return sizeof(ActivationPool);
+    case MsgType::kStepUpdate: return sizeof(StepUpdate);
   }
   return 0;
 }
@@ -123,6 +125,7 @@ StatusOr<Message> Decode(std::string_view frame) {
     case MsgType::kRunEval: m = DecodeAs<RunEval>(payload); break;
     case MsgType::kEvalDone: m = DecodeAs<EvalDone>(payload); break;
     case MsgType::kActivationPool: m = DecodeAs<ActivationPool>(payload); break;
+    case MsgType::kStepUpdate: m = DecodeAs<StepUpdate>(payload); break;
   }
   if (!m.ok()) return m;
   if (auto* w = std::get_if<Welcome>(&m.value()); w && !Terminated(w->segment_name))

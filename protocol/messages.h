@@ -37,6 +37,8 @@
 //                                       queued in job order like RunJob; its tokens are in eval
 //                                       slot `slot`)
 //   worker -> EvalDone(job, loss)      (summed cross-entropy and target count of that microbatch)
+//   coord  -> StepUpdate(step)         (optimizer.device_update_blocks: the constants of the step's
+//                                       update, once its norm is known, to every worker)
 //   coord  -> Shutdown
 #pragma once
 
@@ -48,7 +50,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 9;
+inline constexpr uint16_t kProtocolVersion = 10;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -67,9 +69,10 @@ enum class MsgType : uint16_t {
   kRunEval = 14,
   kEvalDone = 15,
   kActivationPool = 16,
+  kStepUpdate = 17,
 };
 inline constexpr uint16_t kMinMsgType = 1;
-inline constexpr uint16_t kMaxMsgType = 16;
+inline constexpr uint16_t kMaxMsgType = 17;
 const char* MsgTypeName(MsgType t);
 
 struct FrameHeader {
@@ -246,9 +249,20 @@ struct ActivationPool {
 };
 static_assert(sizeof(ActivationPool) == 80);
 
+// optimizer.device_update_blocks: what step `step`'s AdamW update uses, the same values the
+// coordinator's optimizer uses (gpu_worker/device_update.h). Sent once the step's norm is known.
+struct StepUpdate {
+  int64_t step;
+  int64_t adam_step;      // 1-based count of updates applied, this one included
+  double lr;
+  float grad_scale;       // clip scale: what the update multiplies gradients by
+  uint32_t reserved;
+};
+static_assert(sizeof(StepUpdate) == 32);
+
 using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone, GradsReady,
                              CommitGrads, JobDone, JobFailed, Shutdown, Heartbeat, LinkProbe,
-                             LayerTime, RunEval, EvalDone, ActivationPool>;
+                             LayerTime, RunEval, EvalDone, ActivationPool, StepUpdate>;
 
 template <typename T>
 constexpr MsgType TypeOf();
@@ -268,5 +282,6 @@ template <> constexpr MsgType TypeOf<LayerTime>() { return MsgType::kLayerTime; 
 template <> constexpr MsgType TypeOf<RunEval>() { return MsgType::kRunEval; }
 template <> constexpr MsgType TypeOf<EvalDone>() { return MsgType::kEvalDone; }
 template <> constexpr MsgType TypeOf<ActivationPool>() { return MsgType::kActivationPool; }
+template <> constexpr MsgType TypeOf<StepUpdate>() { return MsgType::kStepUpdate; }
 
 }  // namespace rp::proto

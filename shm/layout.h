@@ -66,8 +66,9 @@
 //                        squares from a job whose layers hold weights that followed that
 //                        parameter's update of step t, which follows the read.
 //
-// Segment "rp-<session>-optim" (coordinator only; workers never map it, so they can neither pin
-// nor corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
+// Segment "rp-<session>-optim" (written by the coordinator only; workers map it only with
+// optimizer.device_update_blocks, read-only, and pin just the covered blocks' arrays, so they
+// cannot corrupt it): fp32 masters (unless workers fetch them, above), then the optimizer state
 // (AdamW m and v; SGD momentum in m). With sharded state each holds only this node's share of
 // each parameter (core::ShardOf), element e of the parameter at (e - share.begin) * 4.
 //
@@ -290,6 +291,14 @@ inline int GatheringWorker(int layer, int workers) { return layer % workers; }
 
 inline std::string StateSegmentName(const std::string& session) { return "rp-" + session + "-state"; }
 inline std::string OptimSegmentName(const std::string& session) { return "rp-" + session + "-optim"; }
+// The optimizer segment of the run whose state segment is `state_name` (StateSegmentName); empty
+// for a name of another form.
+inline std::string OptimSegmentOf(const std::string& state_name) {
+  const std::string suffix = "-state";
+  if (state_name.size() <= suffix.size() || state_name.compare(state_name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return "";
+  return state_name.substr(0, state_name.size() - suffix.size()) + "-optim";
+}
 // A CPU worker's activation pool (ArenaLayout::activations_in_pools): created by worker `rank`,
 // mapped by its peers; a kHeaderBytes header (the run's layout hash) precedes the slots.
 inline std::string PoolSegmentName(const std::string& session, int rank) {

@@ -167,6 +167,22 @@ StatusOr<Segment> Segment::Open(const std::string& name, uint64_t expected_layou
   return seg;
 }
 
+StatusOr<Segment> Segment::OpenReadOnly(const std::string& name, uint64_t expected_bytes) {
+  std::unique_ptr<Impl> impl;
+  try {
+    impl = std::make_unique<Impl>();
+    impl->object = bip::shared_memory_object(bip::open_only, name.c_str(), bip::read_only);
+    impl->region = bip::mapped_region(impl->object, bip::read_only);
+  } catch (const bip::interprocess_exception& e) {
+    return Status::IoError("opening shared memory /dev/shm/" + name + " read-only: " + e.what());
+  }
+  Segment seg(std::move(impl), name);
+  if (seg.size() != expected_bytes)
+    return Status::ProtocolError("segment " + name + " has " + std::to_string(seg.size()) + " bytes, this job's layout " +
+                                 std::to_string(expected_bytes));
+  return seg;
+}
+
 bool RemoveSharedMemory(const std::string& name) {
   try {
     return bip::shared_memory_object::remove(name.c_str());

@@ -38,6 +38,10 @@ class Segment {
   static StatusOr<Segment> CreateStamped(const std::string& name, uint64_t bytes, uint64_t layout_hash);
   // Opens and checks magic, version, size and layout hash.
   static StatusOr<Segment> Open(const std::string& name, uint64_t expected_layout_hash);
+  // Maps an existing object that has no header (the optimizer segment) for reading only: the
+  // mapping is PROT_READ, so this process cannot write it. Fails unless it holds exactly
+  // `expected_bytes`.
+  static StatusOr<Segment> OpenReadOnly(const std::string& name, uint64_t expected_bytes);
 
   Segment(Segment&&) noexcept;
   Segment& operator=(Segment&&) noexcept;

@@ -123,9 +123,7 @@ inline uint16_t ToBf16Branchless(float f) {
   return static_cast<uint16_t>(is_nan ? nan : rounded);
 }
 
-struct AdamWConsts {
-  float grad_scale, decay, b1, b2, one_minus_b1, one_minus_b2, step_size, bc2_sqrt, eps;
-};
+using AdamWConsts = AdamWConstants;
 
 // The oracle: one element. Same operation order as torch.optim.AdamW's single-tensor path, so
 // results agree with it to rounding. Every SIMD path below performs exactly these operations.
@@ -340,13 +338,10 @@ SimdLevel BestSimdLevel() {
   return level;
 }
 
-void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, const float* grad,
-                     float* master, float* m, float* v, int64_t n, void* compute,
-                     ComputeDtype compute_dtype, UpdateWrites writes) {
-  if (static_cast<int>(level) > static_cast<int>(BestSimdLevel())) level = BestSimdLevel();
+AdamWConstants MakeAdamWConstants(const AdamWHyper& h, float grad_scale) {
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  AdamWConsts k;
+  AdamWConstants k;
   k.grad_scale = grad_scale;
   k.step_size = static_cast<float>(h.lr / bc1);
   k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
@@ -356,6 +351,14 @@ void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, con
   k.one_minus_b1 = static_cast<float>(1.0 - h.beta1);
   k.one_minus_b2 = static_cast<float>(1.0 - h.beta2);
   k.eps = static_cast<float>(h.eps);
+  return k;
+}
+
+void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, const float* grad,
+                     float* master, float* m, float* v, int64_t n, void* compute,
+                     ComputeDtype compute_dtype, UpdateWrites writes) {
+  if (static_cast<int>(level) > static_cast<int>(BestSimdLevel())) level = BestSimdLevel();
+  const AdamWConsts k = MakeAdamWConstants(h, grad_scale);
   WithWrites(compute, master, compute_dtype, writes, [&](auto* out, auto wm, auto wmo) {
     using Out = std::remove_pointer_t<decltype(out)>;
     constexpr bool kM = decltype(wm)::value, kMo = decltype(wmo)::value;

@@ -15,6 +15,7 @@
 #include <functional>
 
 #include "common/parallel.h"
+#include "coordinator/optim/adamw_constants.h"
 
 namespace rp::coord {
 
@@ -46,6 +47,10 @@ enum class SimdLevel : uint8_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 const char* SimdLevelName(SimdLevel level);
 // What this CPU supports, capped by the RP_SIMD environment variable; computed once.
 SimdLevel BestSimdLevel();
+
+// The fp32 constants AdamWUpdate uses for `h` and `grad_scale` (adamw_constants.h): for updates
+// computed elsewhere (a worker's device) that must give the same bits.
+AdamWConstants MakeAdamWConstants(const AdamWHyper& h, float grad_scale);
 
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
                  float* v, int64_t n, void* compute, ComputeDtype compute_dtype,

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "common/logging.h"
 #include "common/time_util.h"
@@ -95,7 +96,16 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       const int p = spec.grad_slots[use.grad_slot].param;
       last_use[p] = std::max(last_use[p], l);
     }
-  for (size_t p = 0; p < spec.params.size(); ++p) geo_.rest_order.push_back(static_cast<int>(p));
+  // Blocks 1..N (pipeline layers) are updated on the worker's device too (DeviceUpdateBlocks).
+  geo_.device_param.assign(spec.params.size(), 0);
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    const int owner = spec.params[p].owner_layer;
+    geo_.device_param[p] = owner >= 1 && owner <= core::DeviceUpdateBlocks(cfg) ? 1 : 0;
+    if (!geo_.device_param[p]) {
+      geo_.rest_order.push_back(static_cast<int>(p));
+      geo_.two_pass_params++;
+    }
+  }
   std::stable_sort(geo_.rest_order.begin(), geo_.rest_order.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
   if (layout.lookup_from_host) {
@@ -175,6 +185,7 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     }
     cur_.chunks_norm_left.store(static_cast<int64_t>(geo_.chunks.size()));
     cur_.params_left.store(static_cast<int>(spec_.params.size()));
+    cur_.fetched_left.store(geo_.two_pass_params);
     // Step - 1's second passes may still run, on the other parity's counter; step - 2's are all
     // counted (their slots came back before this step's were final).
     RP_CHECK(cur_.params_rest_left[step & 1].load() == 0)
@@ -305,7 +316,16 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   // Counted before the update: without clipping the update may publish the step's last layer,
   // after which the next step may begin and reset the counter.
   if (cur_.chunks_norm_left.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
-  if (then_update) UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
+  if (!then_update) return;
+  if (geo_.device_param[c.param]) {
+    SubmitDeviceChunk(step, chunk);
+  } else {
+    UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
+  }
+}
+
+void AsyncOptimizer::SubmitDeviceChunk(int64_t step, size_t chunk) {
+  pool_->SubmitRest({[this, step, chunk] { UpdateChunk(step, chunk, UpdateWrites::kAll); }});
 }
 
 void AsyncOptimizer::OnNormsDone(int64_t step) {
@@ -339,9 +359,12 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   }
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
-  if (SubmitRowsFirst(step, writes)) return;
+  if (!SubmitRowsFirst(step, writes))
+    for (size_t c = 0; c < geo_.chunks.size(); ++c)
+      if (!cur_.speculated[c] && !geo_.device_param[geo_.chunks[c].param])
+        Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
   for (size_t c = 0; c < geo_.chunks.size(); ++c)
-    if (!cur_.speculated[c]) Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
+    if (geo_.device_param[geo_.chunks[c].param]) SubmitDeviceChunk(step, c);
 }
 
 bool AsyncOptimizer::Speculates(int param) const {
@@ -393,6 +416,16 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
   // The next step speculates only after an unclipped one: a run that clips keeps clipping for a
   // while, and each refuted guess costs a first pass.
   last_clipped_.store(clip_scale != 1.0, std::memory_order_relaxed);
+  if (core::DeviceUpdateBlocks(cfg_) > 0) {
+    // The caller wakes the coordinator's loop (Progress), which sends them to the workers.
+    std::lock_guard<std::mutex> l(reported_.mu);
+    reported_.constants.push_back({step, u.adam_step, LearningRate(step), u.grad_scale});
+  }
+}
+
+std::vector<AsyncOptimizer::StepConstants> AsyncOptimizer::TakeStepConstants() {
+  std::lock_guard<std::mutex> l(reported_.mu);
+  return std::exchange(reported_.constants, {});
 }
 
 bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
@@ -440,7 +473,7 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
   for (auto& t : first)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, true, writes); });
   for (size_t c = 0; c < geo_.chunks.size(); ++c)
-    if (geo_.chunks[c].param != geo_.lookup_param && !cur_.speculated[c])
+    if (geo_.chunks[c].param != geo_.lookup_param && !cur_.speculated[c] && !geo_.device_param[geo_.chunks[c].param])
       Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
   for (auto& t : rest)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, false, writes); });
@@ -545,7 +578,8 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes
 void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
   // One pass: the update is complete. Its slots go back before the version is published, so the
   // next step's first commit finds them free.
-  if (!two_passes_)
+  const bool one_pass = OnePass(param);
+  if (one_pass)
     for (int slot : geo_.param_slots[param]) grads_->Release(slot);
   // Counted before the layer's version is stored: a worker that sees the version may bring the
   // next step's first SlotFinal, which checks this.
@@ -559,17 +593,18 @@ void AsyncOptimizer::OnParamPublished(int64_t step, int param) {
     std::lock_guard<std::mutex> l(reported_.mu);
     reported_.spans.push_back({step, layer, layer_start_us_[layer].load(), WallMicros()});
   }
-  if (!two_passes_) {
+  if (one_pass) {
     CountUpdated(step);
     Progress();
   } else if (!norm_first_) {
     // Without clipping parameters are updated as their gradients become final (backward order,
     // already the order the next step needs them back).
     SubmitRest(step, {param});
-  } else if (last) {
-    // With clipping every first pass comes before any second pass, and those go in geo_.rest_order.
-    SubmitRest(step, geo_.rest_order);
   }
+  // With clipping every first pass comes before any second pass, and those go in geo_.rest_order
+  // (the device-updated parameters' one passes, queued at the norm, run before them).
+  if (!one_pass && norm_first_ && cur_.fetched_left.fetch_sub(1, std::memory_order_acq_rel) == 1)
+    SubmitRest(step, geo_.rest_order);
 }
 
 void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {

@@ -63,6 +63,13 @@
 //    row-summed parameters and not the layers below SpeculateFromLayer; paused after a clipped
 //    step. With the masters as what workers fetch, the update reads the masters of buffer
 //    step % 2 and writes those of (step + 1) % 2; its second pass writes only the moments.
+//  * Device updates (core::DeviceUpdateBlocks = N): the parameters of blocks 1..N are updated
+//    in one pass (masters, moments and what workers fetch together), queued behind every other
+//    parameter's first pass (on the rest threads, ahead of the second passes): the worker holding
+//    their gradients computes the same weights on its device (TakeStepConstants gives it each
+//    step's constants), and the next step's forward uses those, so the host's copy is wanted only
+//    by the next backward. Their layer versions are published after that one pass; a version
+//    >= t + 1 then means masters and moments hold step t too (what the worker reads for t + 1).
 //  * Gradients waiting in the workers (core::GradientsWaitInWorkers): the norm comes from
 //    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
 //    is updated, clipped, as soon as its slots are final, as without clipping; no squares are
@@ -134,6 +141,15 @@ class AsyncOptimizer {
   // clips each parameter's update as soon as its gradient lands (nothing waits for a host norm).
   void SetNormSquares(int64_t step, double squares);
   std::optional<double> GradNorm(int64_t step) const;
+  // Device updates: the constants of each step's update whose norm became known since the last
+  // call (ascending steps), each returned once. Any thread.
+  struct StepConstants {
+    int64_t step = 0;
+    int64_t adam_step = 0;
+    double lr = 0.0;
+    float grad_scale = 1.0f;
+  };
+  std::vector<StepConstants> TakeStepConstants();
   // fp16: the scale step `step`'s loss was multiplied by, whether the step was skipped, and the
   // scale after it; known with the norm. Without loss scaling: scale 1, never skipped.
   struct StepScaling {
@@ -208,6 +224,9 @@ class AsyncOptimizer {
   // advanced (its record written), the norm and scaling reported, and where updates wait for the
   // norm the clip scale, skip and AdamW count they use. Before any update of the step runs.
   void TakeNorm(int64_t step, double total);
+  // Device updates: queues `chunk`'s one pass on the rest threads (behind the first passes).
+  void SubmitDeviceChunk(int64_t step, size_t chunk);
+  bool OnePass(int param) const { return !two_passes_ || geo_.device_param[param]; }
   void OnParamPublished(int64_t step, int param);
   void OnParamUpdated(int64_t step, int param);  // second pass done: counted, slots back
   void CountUpdated(int64_t step);
@@ -238,6 +257,8 @@ class AsyncOptimizer {
     int lookup_param = -1;
     int64_t lookup_cols = 0;
     std::vector<int> rest_order;  // second passes: last using layer, descending
+    std::vector<char> device_param;  // per parameter: owned by a block the worker updates too
+    int two_pass_params = 0;         // parameters outside device_param
   };
   Geometry geo_;
   const bool two_passes_;                      // exact mode, arena holds every slot
@@ -284,6 +305,7 @@ class AsyncOptimizer {
     std::vector<std::atomic<int64_t>> param_chunks_left;
     std::vector<std::atomic<int>> layer_params_left;
     std::atomic<int> params_left{0};  // first passes left (the only pass in stale1)
+    std::atomic<int> fetched_left{0};  // first passes of the two-pass parameters left
     std::vector<std::atomic<int64_t>> param_rest_chunks_left;
     // Second passes left, by step parity: step t's may still run once step t + 1 has begun.
     std::atomic<int> params_rest_left[2] = {0, 0};
@@ -301,6 +323,7 @@ class AsyncOptimizer {
     std::map<int64_t, double> given_squares;                                 // GUARDED_BY(mu)
     std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> touched;  // GUARDED_BY(mu)
     std::vector<LayerSpan> spans;                                            // GUARDED_BY(mu)
+    std::vector<StepConstants> constants;                                    // GUARDED_BY(mu)
   };
   Reported reported_;
   std::atomic<int64_t> published_through_{-1};

@@ -65,6 +65,11 @@ class HostRegistration {
     RP_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
     return HostRegistration(base);
   }
+  // A mapping the process may only read (PROT_READ): DMA reads it, nothing writes it.
+  static StatusOr<HostRegistration> CreateReadOnly(void* base, uint64_t bytes) {
+    RP_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly));
+    return HostRegistration(base);
+  }
   HostRegistration(HostRegistration&& o) noexcept : base_(o.base_) { o.base_ = nullptr; }
   HostRegistration(const HostRegistration&) = delete;
   HostRegistration& operator=(const HostRegistration&) = delete;
@@ -529,6 +534,31 @@ class CudaDevice final : public Device {
 
   // Copies the probe through the same paths the worker uses: registered segment -> device on a
   // copy stream, device -> a pinned private buffer. Best of three repetitions.
+  Status PinReadOnly(const void* base, uint64_t bytes) override {
+    // Whole pages: registrations of one page would overlap, and CUDA refuses a second one.
+    const auto page = static_cast<uintptr_t>(4096);
+    const auto begin = reinterpret_cast<uintptr_t>(base) & ~(page - 1);
+    const auto end = (reinterpret_cast<uintptr_t>(base) + bytes + page - 1) & ~(page - 1);
+    RP_ASSIGN_OR_RETURN(auto reg, HostRegistration::CreateReadOnly(reinterpret_cast<void*>(begin), end - begin));
+    read_only_pins_.push_back(std::move(reg));
+    return Status::Ok();
+  }
+
+  void AdamWComputeCopy(const coord::AdamWHyper& h, float grad_scale, const at::Tensor& grad,
+                        const at::Tensor& master, const at::Tensor& m, const at::Tensor& v,
+                        const at::Tensor& out) override {
+    const int64_t n = out.numel();
+    for (const at::Tensor* t : {&grad, &master, &m, &v})
+      if (t->numel() != n || t->scalar_type() != at::kFloat || !t->is_contiguous() || !t->is_cuda())
+        throw std::runtime_error("AdamWComputeCopy: grad, master and moments must be contiguous fp32 tensors on "
+                                 "the device with the output's " + std::to_string(n) + " elements");
+    const kernels::Dtype dtype = out.scalar_type() == at::kBFloat16 ? kernels::Dtype::kBFloat16 : kernels::Dtype::kFloat32;
+    ThrowIfError(kernels::AdamWComputeCopy(coord::MakeAdamWConstants(h, grad_scale), grad.data_ptr<float>(),
+                                           master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                                           out.data_ptr(), dtype, n, kComputeStream),
+                 "AdamWComputeCopy");
+  }
+
   StatusOr<LinkRates> ProbeLink(const void* src, uint64_t bytes) override {
     void* dev = nullptr;
     void* host = nullptr;
@@ -666,6 +696,7 @@ class CudaDevice final : public Device {
 
   int index_;
   HostRegistration registration_;
+  std::vector<HostRegistration> read_only_pins_;  // PinReadOnly
   // The owners first: every handle below (and the committer's) is destroyed after its holders.
   CudaStream weights_stream_, acts_stream_, d2h_stream_, grads_stream_;
   EventPool events_{cudaEventDisableTiming};

@@ -615,6 +615,27 @@ __global__ void RoundToBFloat16TailKernel(const float* src, uint16_t* dst, int64
   if (i < n) dst[i] = static_cast<uint16_t>(RoundBits(__float_as_uint(src[i])));
 }
 
+// The CPU loops' operations in their order (adamw_constants.h); _rn intrinsics are never
+// contracted into fused multiply-adds, and the sqrt and division are correctly rounded.
+template <bool kBf16>
+__global__ void AdamWComputeCopyKernel(coord::AdamWConstants k, const float* grad, const float* master,
+                                       const float* m, const float* v, void* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = __fmul_rn(grad[i], k.grad_scale);
+    float p = __fmul_rn(master[i], k.decay);
+    const float mi = __fadd_rn(__fmul_rn(m[i], k.b1), __fmul_rn(g, k.one_minus_b1));
+    const float vi = __fadd_rn(__fmul_rn(v[i], k.b2), __fmul_rn(__fmul_rn(g, g), k.one_minus_b2));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.bc2_sqrt), k.eps);
+    p = __fsub_rn(p, __fmul_rn(k.step_size, __fdiv_rn(mi, denom)));
+    if constexpr (kBf16) {
+      static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(RoundBits(__float_as_uint(p)));
+    } else {
+      static_cast<float*>(out)[i] = p;
+    }
+  }
+}
+
 }  // namespace
 
 cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
@@ -631,6 +652,20 @@ cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStre
   if (rest > 0) {
     RoundToBFloat16TailKernel<<<static_cast<unsigned>((rest + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
         src + quads * 4, dst + quads * 4, rest);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t AdamWComputeCopy(const coord::AdamWConstants& k, const float* grad, const float* master,
+                             const float* m, const float* v, void* out, Dtype out_dtype, int64_t n,
+                             cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 32));
+  if (out_dtype == Dtype::kBFloat16) {
+    AdamWComputeCopyKernel<true><<<blocks, kThreads, 0, stream>>>(k, grad, master, m, v, out, n);
+  } else {
+    AdamWComputeCopyKernel<false><<<blocks, kThreads, 0, stream>>>(k, grad, master, m, v, out, n);
   }
   return cudaGetLastError();
 }

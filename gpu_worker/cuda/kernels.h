@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "coordinator/optim/adamw_constants.h"
+
 namespace rp::worker::kernels {
 
 enum class Dtype { kFloat32, kBFloat16 };
@@ -91,5 +93,12 @@ cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scal
 // quiet), bit for bit as the coordinator's FloatToBFloat16: what a worker fetching the fp32
 // masters does to each chunk of weights. `dst` holds the raw bf16 bits.
 cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream);
+
+// One AdamW step's compute copy of n elements (adamw_constants.h's operations, each rounded to
+// fp32 with the _rn intrinsics so nvcc fuses none of them): out[i] is the updated master, as fp32
+// or rounded to bf16 like RoundToBFloat16. grad, master, m and v are only read.
+cudaError_t AdamWComputeCopy(const coord::AdamWConstants& k, const float* grad, const float* master,
+                             const float* m, const float* v, void* out, Dtype out_dtype, int64_t n,
+                             cudaStream_t stream);
 
 }  // namespace rp::worker::kernels

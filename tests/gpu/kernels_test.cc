@@ -9,11 +9,14 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "config/job_config.h"
 #include "config/model_spec.h"
+#include "coordinator/optim/adamw.h"
 #include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/device.h"
 #include "model/fp8.h"
@@ -644,6 +647,42 @@ TEST(BlockE4m3Projections, FollowTheBf16BlockThroughAutograd) {
   }
   std::printf("e4m3 block against bf16: output %.4f, input gradient %.4f relative (Frobenius)\n", out_err,
               rel(g8["x"], g16["x"]));
+}
+
+// optimizer.device_update_blocks: the CUDA backend's AdamW compute copy must give the CPU's scalar
+// loop's bits (the host updates the same blocks, and a backward recomputes with the host's copy),
+// for both output dtypes, clipped and unclipped, with zero second moments and spread magnitudes.
+TEST(DeviceAdamW, CudaComputeCopyHasTheCpuScalarLoopsBits) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  constexpr uint64_t kPinned = 1 << 20;  // the device pins a segment; any page-aligned buffer
+  std::unique_ptr<void, decltype(&std::free)> pinned(std::aligned_alloc(4096, kPinned), &std::free);
+  auto device = worker::MakeCudaDevice(0, pinned.get(), kPinned);
+  ASSERT_TRUE(device.ok()) << device.status().ToString();
+  at::manual_seed(3);
+  const int64_t n = (1 << 20) + 7;
+  const at::Tensor magnitude = at::pow(10.0, at::rand({n}) * 8.0 - 6.0);
+  const at::Tensor grad = at::randn({n}) * magnitude;
+  const at::Tensor master = at::randn({n}) * 0.05;
+  const at::Tensor m = at::randn({n}) * magnitude * 0.1;
+  at::Tensor v = at::rand({n}) * magnitude * magnitude * 0.01;
+  v.narrow(0, 0, 1000).zero_();
+  auto cuda = [](const at::Tensor& t) { return t.to(at::kCUDA); };
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kFloat}) {
+    for (const float grad_scale : {1.0f, 0.3172f}) {
+      const coord::AdamWHyper h{3e-4, 0.9, 0.95, 1e-8, 0.1, 7};
+      at::Tensor want = at::empty({n}, dtype);
+      at::Tensor mc = master.clone(), m1 = m.clone(), v1 = v.clone();
+      coord::AdamWUpdateWith(coord::SimdLevel::kScalar, h, grad_scale, grad.data_ptr<float>(), mc.data_ptr<float>(),
+                             m1.data_ptr<float>(), v1.data_ptr<float>(), n, want.data_ptr(),
+                             dtype == at::kFloat ? coord::ComputeDtype::kFloat32 : coord::ComputeDtype::kBFloat16,
+                             coord::UpdateWrites::kFetched);
+      at::Tensor got = at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCUDA));
+      (*device)->AdamWComputeCopy(h, grad_scale, cuda(grad), cuda(master), cuda(m), cuda(v), got);
+      const at::ScalarType bits = dtype == at::kFloat ? at::kInt : at::kShort;
+      const at::Tensor differ = want.view(bits).ne(got.cpu().view(bits));
+      EXPECT_EQ(differ.sum().item<int64_t>(), 0) << c10::toString(dtype) << ", grad_scale " << grad_scale;
+    }
+  }
 }
 
 }  // namespace

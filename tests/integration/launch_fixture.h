@@ -81,6 +81,19 @@ class LaunchTest : public ::testing::Test {
     return testing::RunProcess(LaunchArgs(n, out, sets), timeout, EnvWith(sets));
   }
 
+  // A run of `job` stopped with a checkpoint after `stop_after` steps, then resumed to its end in
+  // the same output directory; false (with the output in a test failure) if either part fails.
+  bool LaunchStoppedAndResumed(int n, const std::string& out, const std::vector<std::string>& job, int stop_after) {
+    auto first = Launch(n, out, With(job, {"train.stop_after=" + std::to_string(stop_after)}));
+    EXPECT_EQ(first.code, 0) << first.output;
+    if (first.code != 0) return false;
+    auto args = LaunchArgs(n, out, job);
+    args.push_back("--resume");
+    auto second = testing::RunProcess(args, 240, EnvWith(job));
+    EXPECT_EQ(second.code, 0) << second.output;
+    return second.code == 0;
+  }
+
   // rp-train-ref, the oracle, on the same job with the same overrides.
   testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets = {}) {
     std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + out};

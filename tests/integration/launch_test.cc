@@ -281,12 +281,7 @@ TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
   // Both buffers are in the checkpoint: a resume continues with the same bits.
   const std::vector<std::string> resumable = With(job, {"optimizer.speculative_update=true", "checkpoint.every=3"});
   const std::string pieces = tmp_ + "/pieces";
-  auto first = Launch(1, pieces, With(resumable, {"train.stop_after=5"}));
-  ASSERT_EQ(first.code, 0) << first.output;
-  auto args = LaunchArgs(1, pieces, resumable);
-  args.push_back("--resume");
-  auto second = testing::RunProcess(args, 240, Env());
-  ASSERT_EQ(second.code, 0) << second.output;
+  ASSERT_TRUE(LaunchStoppedAndResumed(1, pieces, resumable, 5));
   same(pieces);
 
   // A resume with the other setting is refused naming the key, and the checkpoint is kept.

@@ -185,6 +185,33 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
                              "train.dtype=fp16"}).ok());
 }
 
+TEST(JobConfig, DeviceUpdatesNeedAClippedExactAdamWStepInOneRound) {
+  auto c = Parse(kValid, {"optimizer.device_update_blocks=2", "train.grad_clip=1.0", "train.accum_calls=1"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(DeviceUpdateBlocks(*c), 2);
+  const std::string key = "optimizer.device_update_blocks";
+  const std::vector<std::string> on = {"optimizer.device_update_blocks=2", "train.grad_clip=1.0", "train.accum_calls=1"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), on.begin(), on.end());
+    return more;
+  };
+  ExpectError(kValid, key, with({"train.grad_clip=0"}));
+  ExpectError(kValid, key, with({"optimizer.mode=stale1"}));
+  ExpectError(kValid, key, with({"optimizer.name=sgd"}));
+  ExpectError(kValid, key, with({"optimizer.speculative_update=true"}));
+  // Exact mode merges accumulation calls into one round: accepted.
+  EXPECT_TRUE(Parse(kValid, with({"train.accum_calls=2"})).ok());
+  ExpectError(kValid, key, with({"lora.rank=4"}));
+  ExpectError(kValid, key, with({"train.dtype=fp16", "job.device=cuda"}));
+  ExpectError(kValid, key, with({"optimizer.device_update_blocks=4096"}));
+  JobConfig nodes = *c;
+  nodes.nodes.count = 2;
+  nodes.train.microbatches = 4;
+  const Status several = CheckNodes(nodes);
+  EXPECT_FALSE(several.ok());
+  EXPECT_NE(several.message().find(key), std::string::npos) << several.message();
+}
+
 TEST(JobConfig, ASpeculativeUpdateNeedsAClippedExactAdamWStepOnTheHost) {
   auto c = Parse(kValid, {"optimizer.speculative_update=true", "train.grad_clip=1.0"});
   ASSERT_TRUE(c.ok()) << c.status().message();

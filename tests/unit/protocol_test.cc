@@ -26,7 +26,7 @@ TEST(Codec, RoundTripsEveryMessage) {
                               LinkProbe{5e10, 4e10, 1 << 20},
                               LayerTime{17, 2, 5, 2, 0, 0.001, 4096},
                               RunEval{40, 9, 10, 2, 0}, EvalDone{40, 123.5, 256, 5, 9},
-                              ActivationPool{1, 0, 1 << 30, {}}};
+                              ActivationPool{1, 0, 1 << 30, {}}, StepUpdate{3, 4, 1e-5, 0.5f, 0}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
     std::string frame = Encode(m);
