@@ -160,10 +160,20 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
   // Gradients waiting in the workers are all ready once the norm is known (one round per step):
   // granted from the last stage back, so the first layers, which the next step's forward needs
   // first, are committed and updated first.
+  // With device updates (core::DeviceUpdateBlocks) the stages inside blocks 1..N go after all
+  // others: the worker updates those blocks itself, and the host's copy is wanted later.
   const bool first_layers_first = core::GradientsWaitInWorkers(parts_.cfg);
   if (first_layers_first && !NormFromWorkers(step)) return Status::Ok();
-  for (int i = 0; i < positions; ++i) {
-    const int pos = first_layers_first ? positions - 1 - i : i;
+  const int device_blocks = core::DeviceUpdateBlocks(parts_.cfg);
+  auto device_updated = [&](int pos) {
+    const core::Stage& st = parts_.plan.stages[pos % S];
+    return st.begin >= 1 && st.end - 1 <= device_blocks;
+  };
+  std::vector<int> order;
+  for (int i = 0; i < positions; ++i) order.push_back(first_layers_first ? positions - 1 - i : i);
+  if (first_layers_first && device_blocks > 0)
+    std::stable_partition(order.begin(), order.end(), [&](int pos) { return !device_updated(pos); });
+  for (const int pos : order) {
     auto it = jobs_.find(steps_.at(step).job_at[pos]);
     if (it == jobs_.end()) continue;
     StageJob& j = it->second;

@@ -19,7 +19,9 @@
 //    stage's slots back (in stale1 mode, and before a checkpoint, once the whole previous update
 //    is done), and only when the gradient arena has room; with gradients waiting in the workers
 //    (core::GradientsWaitInWorkers), none of a step's before every gradient job of it has written
-//    its squares and the optimizer has the norm. Called on every loop turn.
+//    its squares and the optimizer has the norm, and then first layers first, except that stages
+//    inside the device-updated blocks (core::DeviceUpdateBlocks) go last. Called on every loop
+//    turn.
 //  * OnJobDone() checks and marks a job done and returns it; the coordinator acts on its
 //    finality (checkpoint, final slots), then calls Retire(), which says whether the step is done.
 //  * Resend() gives a replacement worker its rank's unfinished jobs and eval jobs in index order,

@@ -831,7 +831,7 @@ void MicrobatchResult::Resolve(Device& device) {
   pending_loss = at::Tensor();
 }
 
-void Executor::Detach() {
+Status Executor::Detach() {
   std::vector<HeldGrad> held;
   for (auto& g : current_.grads) {
     if (g.grad_slot == layout_.compact_lookup_slot) {
@@ -859,8 +859,19 @@ void Executor::Detach() {
     }
     held.push_back({g.accum, g.grad_slot, g.weight.sizes().vec(), g.weight.options().dtype(at::kFloat)});
   }
+  // The device update holds its blocks' gradients now: complete (their work is queued), and
+  // before any commit, which a step's update may no longer wait for (gradients waiting in the
+  // worker are committed covered blocks last).
+  Status s = Status::Ok();
+  if (device_update_)
+    s = Guarded([] { return std::string("holding gradients for the device update"); }, [&] {
+      for (const auto& g : held)
+        if (g.accum.defined()) device_update_->Hold(spec_.grad_slots[g.grad_slot].param, g.accum);
+      return Status::Ok();
+    });
   held_[job_.job_index] = std::move(held);
   End();
+  return s;
 }
 
 StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
@@ -893,9 +904,6 @@ StatusOr<uint64_t> Executor::StartCommit(int64_t job_index, bool accumulate) {
         items.push_back({g.accum, segment_.At<float>(off)});
       }
     }
-    if (device_update_)
-      for (const auto& g : it->second)
-        if (g.accum.defined()) device_update_->Hold(spec_.grad_slots[g.grad_slot].param, g.accum);
     held_.erase(it);
     ticket = device_.StartCommit(std::move(items), accumulate);
     return Status::Ok();

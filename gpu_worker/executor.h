@@ -185,11 +185,12 @@ class Executor {
   // device.CommitDone(ticket) is true.
   // Ends a finished tail/backward job but keeps its gradients (on the device) for a later
   // StartCommit(job_index, ...): the commit grant may arrive while the next job computes.
-  void Detach();
+  // Fails only where the device update cannot hold the job's gradients (UseDeviceUpdate).
+  Status Detach();
   StatusOr<uint64_t> StartCommit(int64_t job_index, bool accumulate);
   // optimizer.device_update_blocks: `update` (owned by the worker, outliving this) prefetches
   // the covered layers' state when a gradient job's weights are all copied, holds their
-  // gradients at its commit, and its weights serve forward stages and evals of the next version
+  // gradients when the job is detached (before its commit), and its weights serve forward stages and evals of the next version
   // (backward stages and the tail fetch the host's, whose version also says the state is there).
   void UseDeviceUpdate(DeviceUpdate* update) { device_update_ = update; }
   // The dtype of the weights a job computes with (what the device update writes).

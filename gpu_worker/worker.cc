@@ -362,8 +362,11 @@ StatusOr<bool> Worker::Progress() {
   // Every microbatch is enqueued: the next job may begin while these finish on the device.
   // A gradient job's gradients wait (on the device) for the commit grant in the finishing list.
   const bool grads = exec_->HasGrads();
-  if (grads) exec_->Detach();
-  else exec_->End();
+  if (grads) {
+    if (Status d = exec_->Detach(); !d.ok()) return Fail(id, d);
+  } else {
+    exec_->End();
+  }
   Finishing f;
   f.job = a;
   f.has_grads = grads;

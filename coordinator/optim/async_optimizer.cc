@@ -317,10 +317,12 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
   // after which the next step may begin and reset the counter.
   if (cur_.chunks_norm_left.fetch_sub(1, std::memory_order_acq_rel) == 1) OnNormsDone(step);
   if (!then_update) return;
-  if (geo_.device_param[c.param]) {
+  // Gradients waiting in the workers: the covered blocks' commits come last already
+  // (StepDispatch), so their one pass runs as they land, on any thread.
+  if (geo_.device_param[c.param] && !workers_norm_) {
     SubmitDeviceChunk(step, chunk);
   } else {
-    UpdateChunk(step, chunk, two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll);
+    UpdateChunk(step, chunk, OnePass(c.param) ? UpdateWrites::kAll : UpdateWrites::kFetched);
   }
 }
 

@@ -65,8 +65,9 @@
 //    step % 2 and writes those of (step + 1) % 2; its second pass writes only the moments.
 //  * Device updates (core::DeviceUpdateBlocks = N): the parameters of blocks 1..N are updated
 //    in one pass (masters, moments and what workers fetch together), queued behind every other
-//    parameter's first pass (on the rest threads, ahead of the second passes): the worker holding
-//    their gradients computes the same weights on its device (TakeStepConstants gives it each
+//    parameter's first pass (on the rest threads, ahead of the second passes; with gradients
+//    waiting in the workers their commits come last instead, and each runs as it lands): the
+//    worker holding their gradients computes the same weights on its device (TakeStepConstants gives it each
 //    step's constants), and the next step's forward uses those, so the host's copy is wanted only
 //    by the next backward. Their layer versions are published after that one pass; a version
 //    >= t + 1 then means masters and moments hold step t too (what the worker reads for t + 1).

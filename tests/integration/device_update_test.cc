@@ -60,6 +60,11 @@ TEST_F(DeviceUpdateTest, BlocksUpdatedOnTheWorkerGiveTheHostUpdatedRunBitForBit)
   auto hd = Launch(1, held_dev, With(untied, on));
   ASSERT_EQ(hd.code, 0) << hd.output;
   expect_same(held_dev, held);
+  const std::string held_nudged = tmp_ + "/held-nudged";
+  auto hn = Launch(1, held_nudged, With(untied, With(on, {"RP_TEST_DEVICE_UPDATE_NUDGE=1"})));
+  ASSERT_EQ(hn.code, 0) << hn.output;
+  EXPECT_NE(Losses(held_nudged + "/metrics.jsonl"), Losses(held + "/metrics.jsonl"))
+      << "no forward stage used the device's weights";
 
   // A stop and resume: the replacement worker holds no device weights for its first step and
   // fetches the host's, which are the same.
