@@ -141,6 +141,10 @@ bool StepDispatch::FirstCommitMayGo(int64_t step, int stage) const {
   if ((parts_.cfg.optimizer.mode != core::OptimizerMode::kExact || PeriodicCheckpointAfter(parts_.cfg, step - 1)) &&
       !parts_.optimizer.Updated(step - 1))
     return false;
+  // Device updates: the step's forward took the covered blocks from the worker, not from the
+  // host's update, so nothing else orders this commit after that update; the optimizer takes a
+  // step's first slot only once the previous step is published.
+  if (core::DeviceUpdateBlocks(parts_.cfg) > 0 && !parts_.optimizer.Published(step - 1)) return false;
   // Also when Updated: the optimizer counts a parameter just before it gives its slots back.
   for (int slot : StageGradSlots(stage))
     if (parts_.grads.IsPlaced(slot)) return false;

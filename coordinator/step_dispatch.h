@@ -17,7 +17,8 @@
 //  * TryCommits() grants CommitGrads: per stage in call order (the first overwrites, later ones
 //    add); a step's first commit of a stage only once the previous step's update has given that
 //    stage's slots back (in stale1 mode, and before a checkpoint, once the whole previous update
-//    is done), and only when the gradient arena has room; with gradients waiting in the workers
+//    is done; with device updates, once its first passes are all done), and only when the
+//    gradient arena has room; with gradients waiting in the workers
 //    (core::GradientsWaitInWorkers), none of a step's before every gradient job of it has written
 //    its squares and the optimizer has the norm, and then first layers first, except that stages
 //    inside the device-updated blocks (core::DeviceUpdateBlocks) go last. Called on every loop
