@@ -23,10 +23,14 @@ SimResult Simulate(const SimInput& in) {
     for (int o : st.owners) owners = std::max(owners, o + 1);
   owners = std::max(owners, static_cast<int>(in.update_s.size()));
   owners = std::max(owners, in.lookup_owner + 1);
+  if (in.device_blocks > 0) owners = std::max(owners, in.device_owner_base + in.device_blocks);
   // final_at[t][o]: layer o's gradient of step t is final; updated[t][o]: its update is published.
   std::vector<std::vector<double>> final_at(T, std::vector<double>(owners, 0.0));
   std::vector<std::vector<double>> updated(T, std::vector<double>(owners, 0.0));
   std::vector<std::vector<bool>> has_grad(T, std::vector<bool>(owners, false));
+  // When each step's norm is known: set by run_updates (host norm) or where commits wait for it.
+  std::vector<double> norm_known(T, 0.0);
+  auto device_updated_owner = [&](int o) { return o >= 1 && o <= in.device_blocks; };
   double optimizer_free = 0.0;
   auto run_updates = [&](int t) {
     std::vector<int> order;
@@ -53,6 +57,13 @@ SimResult Simulate(const SimInput& in) {
       optimizer_free = updated[t][in.lookup_owner];
       order.erase(order.begin());
       order.push_back(0);
+    }
+    if (in.device_blocks > 0) {
+      // The worker's copies are there at the norm; the host does those layers after all others
+      // (the tied embedding's other rows included).
+      if (in.updates_wait_for_norm) norm_known[t] = all_final;
+      for (int l = 1; l <= in.device_blocks; ++l) updated[t][in.device_owner_base + l - 1] = norm_known[t];
+      std::stable_partition(order.begin(), order.end(), [&](int o) { return !device_updated_owner(o); });
     }
     for (int o : order) {
       const double ready = in.updates_wait_for_norm ? all_final : normed[o];
@@ -217,8 +228,12 @@ SimResult Simulate(const SimInput& in) {
       // then the step's commits go last stage first, each on its worker's gradient stream.
       double norm_at = 0.0;
       for (const GradientJob& g : waiting) norm_at = std::max(norm_at, g.end);
-      for (auto it = waiting.rbegin(); it != waiting.rend(); ++it)
-        r.step_done[t] = std::max(r.step_done[t], commit(t, *it, norm_at));
+      norm_known[t] = norm_at;
+      // Device updates: stages inside the covered blocks after all others.
+      std::vector<GradientJob> ordered(waiting.rbegin(), waiting.rend());
+      std::stable_partition(ordered.begin(), ordered.end(),
+                            [&](const GradientJob& g) { return !in.stages[g.stage].device_updated; });
+      for (const GradientJob& g : ordered) r.step_done[t] = std::max(r.step_done[t], commit(t, g, norm_at));
       waiting.clear();
     }
   }
@@ -345,6 +360,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     in.lookup_owner = plan.num_layers;
     in.lookup_fraction = touched_rows / vocab;
   }
+  in.device_blocks = DeviceUpdateBlocks(c);
+  in.device_owner_base = plan.num_layers + 1;
+  auto device_updated = [&](int l) { return l >= 1 && l <= in.device_blocks; };
   for (const auto& s : plan.stages) {
     SimStage st;
     const bool grads = s.kind != StageKind::kForward;
@@ -376,12 +394,18 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
         f.bytes = 0.0;
         f.owners = {in.lookup_owner};
       }
+      if (device_updated(l) && !grads) {
+        f.bytes = 0.0;  // the worker's own weights: a copy on the device
+        f.owners = {in.device_owner_base + l - 1};
+      }
       if (adopted) f.bytes = 0.0;
       st.weight_bytes += f.bytes;
       st.fetches.push_back(std::move(f));
     }
     for (int l = 0; l < plan.num_layers; ++l)
       if (owner[l]) st.owners.push_back(l);
+    st.device_updated = grads && !st.owners.empty() &&
+                        std::all_of(st.owners.begin(), st.owners.end(), device_updated);
     st.compute_s += profile.microbatch_overhead_s;
     switch (s.kind) {
       case StageKind::kForward:
@@ -413,7 +437,10 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     for (const auto& g : spec.grad_slots) slots[g.param]++;
     for (size_t p = 0; p < spec.params.size(); ++p) {
       const ParamSpec& ps = spec.params[p];
-      in.update_s[ps.owner_layer] += static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
+      // A device-updated layer's host update is one whole pass: masters and moments written too.
+      const double whole = 28.0 + (WorkersFetchMasters(c) ? 0.0 : elem);
+      const double pass = device_updated(ps.owner_layer) && !in.commits_wait_for_norm ? whole / pass_bytes : 1.0;
+      in.update_s[ps.owner_layer] += pass * static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
       // A tied embedding squares its head slot's rows before its lookup slot is final; at the
       // end it folds (reads both, writes one) and squares the rows of the step's tokens only.
       const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0

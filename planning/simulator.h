@@ -30,7 +30,8 @@
 //  * Not modelled: activation slot reuse across calls, a streamed gradient arena's capacity
 //    (slots wait only for the previous step's update, as when the arena holds every gradient:
 //    with commits waiting for the norm a small arena also makes each commit wait for earlier
-//    stages' updates, which is left out), several workers
+//    stages' updates, which is left out), the optimizer's second passes (and, with device
+//    updates, that the host's passes over the covered layers delay them), several workers
 //    sharing one GPU's link or compute, message latency (folded into a measured overhead).
 // Pure and deterministic.
 #pragma once
@@ -58,6 +59,9 @@ struct SimStage {
   double weight_bytes = 0.0;  // per job
   double grad_bytes = 0.0;    // per job, written back after the last microbatch (0: none)
   std::vector<int> owners;    // owner layers whose weights it reads (and gradients it writes)
+  // Device updates (SimInput::device_blocks): every owner it writes is one of those blocks; with
+  // commits waiting for the norm such stages commit after all others.
+  bool device_updated = false;
   // Per layer in copy order (the worker's Executor::FetchReady); empty: weight_bytes in one copy
   // after every owner's update.
   std::vector<SimFetch> fetches;
@@ -84,6 +88,16 @@ struct SimInput {
   // parameter's slots, squaring), on the optimizer's threads before its update; with clipping
   // every update waits for every norm. Empty: free.
   std::vector<double> norm_s;
+  // Device updates (core::DeviceUpdateBlocks): owner layers 1..device_blocks are also updated on
+  // the worker's device. A forward stage's fetch of one of them names pseudo owner
+  // device_owner_base + layer - 1, published once the step's norm is known (the device's update
+  // takes milliseconds: left out; so is the first step's copy of them from the host); the host
+  // updates those layers after every other owner.
+  // Backward stages fetch the host's copy. Left out: the state the worker copies in during the
+  // backward (12 bytes per covered parameter), which waits for nothing and nothing waits for
+  // until the boundary, beside the weight copies on the link.
+  int device_blocks = 0;
+  int device_owner_base = -1;
   int version_lag = 1;
   bool updates_wait_for_norm = false;
   // Gradients waiting in the workers (core::GradientsWaitInWorkers): no job's commit starts

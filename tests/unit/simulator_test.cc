@@ -371,6 +371,40 @@ SimInput TwoStagesBackwardOrder() {
   return in;
 }
 
+TEST(Simulator, DeviceUpdatedLayersAreFetchableAtTheNormAndUpdatedLastByHand) {
+  // One worker, clipping, 10 B per layer over a 10 B/s link, 1 s of compute per stage, 1 s
+  // updates. A forward stage over layers 1 and 2, then a backward stage over both. Without device
+  // updates: step 0's copies [0, 2), compute [2, 3), backward copies [2, 4), compute [4, 5); the
+  // norm at 5, updates of layer 1 [5, 6) and layer 2 [6, 7). Step 1's forward copies layer 1
+  // [6, 7) and layer 2 [7, 8), computes [8, 9); its backward copies [8, 10), computes [10, 11).
+  SimInput in;
+  SimStage fwd, bwd;
+  fwd.compute_s = bwd.compute_s = 1.0;
+  fwd.weight_bytes = bwd.weight_bytes = 20.0;
+  fwd.fetches = bwd.fetches = {{{1}, 10.0}, {{2}, 10.0}};
+  fwd.owners = bwd.owners = {1, 2};
+  bwd.grad_bytes = 1.0;
+  in.stages = {fwd, bwd};
+  in.steps = 2;
+  in.h2d_bytes_per_s = 10.0;
+  in.update_s = {0.0, 1.0, 1.0};
+  in.updates_wait_for_norm = true;
+  auto host = Simulate(in);
+  EXPECT_DOUBLE_EQ(host.step_done[0], 5.0);
+  EXPECT_DOUBLE_EQ(host.step_done[1], 11.0);
+  // Layer 1 updated on the device (pseudo owner 3): the forward copies nothing for it and takes
+  // it at the norm. Step 0: layer 2's copy [0, 1), compute [1, 2), backward [1, 3) and [3, 4);
+  // the norm at 4, and the host updates layer 2 first [4, 5), then layer 1 [5, 6). Step 1's
+  // forward: layer 2's copy [5, 6), compute [6, 7); the backward copies the host's layer 1 [6, 7)
+  // and layer 2 [7, 8), computes [8, 9).
+  in.device_blocks = 1;
+  in.device_owner_base = 3;
+  in.stages[0].fetches = {{{3}, 0.0}, {{2}, 10.0}};
+  auto device = Simulate(in);
+  EXPECT_DOUBLE_EQ(device.step_done[0], 4.0);
+  EXPECT_DOUBLE_EQ(device.step_done[1], 9.0);
+}
+
 TEST(Simulator, ClippingStartsUpdatesAfterTheLastGradient) {
   // Two stages on one worker, backward order: layer 1's gradient is final at 1, layer 0's at 2.
   // Updates of 1 s each. Without clipping layer 1 updates in [1, 2) and layer 0 in [2, 3);
