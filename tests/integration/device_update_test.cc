@@ -3,7 +3,7 @@
 // and the next step's forward stages use them, while the host updates those blocks last. The run
 // must be the run without the key bit for bit (losses, gradient norms, exported weights): with
 // the masters as what workers fetch and with a compute copy, with gradients waiting on the host
-// and in the worker, and across a stop and resume. A nudge of the device's weights must change
+// and in the worker, across a stop and resume, and when the worker is replaced. A nudge of the device's weights must change
 // the losses, which shows that the forward stages did use them.
 #include <gtest/gtest.h>
 
@@ -72,6 +72,23 @@ TEST_F(DeviceUpdateTest, BlocksUpdatedOnTheWorkerGiveTheHostUpdatedRunBitForBit)
   const std::string pieces = tmp_ + "/pieces";
   ASSERT_TRUE(LaunchStoppedAndResumed(1, pieces, resumable, 5));
   expect_same(pieces, tmp_ + "/host-auto");
+}
+
+TEST_F(DeviceUpdateTest, AReplacedWorkerGivesTheSameResults) {
+  // The worker hangs in its second step (its 20th microbatch) and is replaced: the replacement
+  // holds no weights of its own for the step it re-runs and fetches the host's, then updates
+  // blocks on its device again from the next step on.
+  const std::vector<std::string> job = {"train.steps=6", "train.accum_calls=1", "train.microbatches=4",
+                                        "train.grad_clip=1.0", "checkpoint.every=6", "job.worker_timeout_s=2",
+                                        "optimizer.device_update_blocks=2"};
+  auto clean = Launch(1, tmp_ + "/clean", job);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  auto r = LaunchWithHookOnce(1, tmp_ + "/hang", job, "RP_TEST_DEVICE_HANG_ONCE");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(Summary(tmp_ + "/hang")["worker_replacements"], 1) << Summary(tmp_ + "/hang").dump();
+  EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
+  const std::string state = "/checkpoints/step-00000006.rpstate";
+  EXPECT_TRUE(ReadBytes(tmp_ + "/hang" + state) == ReadBytes(tmp_ + "/clean" + state));
 }
 
 TEST_F(DeviceUpdateTest, SeveralWorkersAreRefusedNamingTheKey) {
