@@ -81,14 +81,9 @@ TEST_F(DeviceUpdateTest, AReplacedWorkerGivesTheSameResults) {
   const std::vector<std::string> job = {"train.steps=6", "train.accum_calls=1", "train.microbatches=4",
                                         "train.grad_clip=1.0", "checkpoint.every=6", "job.worker_timeout_s=2",
                                         "optimizer.device_update_blocks=2"};
-  auto clean = Launch(1, tmp_ + "/clean", job);
-  ASSERT_EQ(clean.code, 0) << clean.output;
-  auto r = LaunchWithHookOnce(1, tmp_ + "/hang", job, "RP_TEST_DEVICE_HANG_ONCE");
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(Summary(tmp_ + "/hang")["worker_replacements"], 1) << Summary(tmp_ + "/hang").dump();
-  EXPECT_EQ(Losses(tmp_ + "/hang/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
+  const auto [clean, hang] = ExpectReplacementChangesNothing("device", 1, job, "RP_TEST_DEVICE_HANG_ONCE");
   const std::string state = "/checkpoints/step-00000006.rpstate";
-  EXPECT_TRUE(ReadBytes(tmp_ + "/hang" + state) == ReadBytes(tmp_ + "/clean" + state));
+  EXPECT_TRUE(ReadBytes(hang + state) == ReadBytes(clean + state));
 }
 
 TEST_F(DeviceUpdateTest, SeveralWorkersAreRefusedNamingTheKey) {

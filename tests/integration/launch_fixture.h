@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/testing/process_harness.h"
@@ -132,6 +133,25 @@ class LaunchTest : public ::testing::Test {
     const std::string state = "/checkpoints/step-" + std::string(8 - n.size(), '0') + n + ".rpstate";
     EXPECT_TRUE(ReadBytes(tmp_ + "/" + tag + state) == ReadBytes(tmp_ + "/" + tag + "-clean" + state)) << tag;
     return job;
+  }
+
+  // `job` on `workers` workers, fault-free (TAG-clean) and with `hook` armed once (TAG-hang):
+  // the armed run replaces one worker and ends with the fault-free run's losses and gradient
+  // norms. Returns the two output directories, for the caller to compare what else its job
+  // writes.
+  std::pair<std::string, std::string> ExpectReplacementChangesNothing(const std::string& tag, int workers,
+                                                                      const std::vector<std::string>& job,
+                                                                      const std::string& hook) {
+    const std::string clean = tmp_ + "/" + tag + "-clean", hang = tmp_ + "/" + tag + "-hang";
+    auto c = Launch(workers, clean, job);
+    EXPECT_EQ(c.code, 0) << c.output;
+    auto r = LaunchWithHookOnce(workers, hang, job, hook);
+    EXPECT_EQ(r.code, 0) << r.output;
+    if (c.code != 0 || r.code != 0) return {clean, hang};
+    EXPECT_EQ(Summary(hang)["worker_replacements"], 1) << Summary(hang).dump();
+    EXPECT_EQ(testing::Losses(hang + "/metrics.jsonl"), testing::Losses(clean + "/metrics.jsonl"));
+    EXPECT_EQ(testing::Losses(hang + "/metrics.jsonl", "grad_norm"), testing::Losses(clean + "/metrics.jsonl", "grad_norm"));
+    return {clean, hang};
   }
 
   // What the run's summary.json says about how it went (docs/features.md lists the fields).

@@ -171,15 +171,9 @@ TEST_F(LaunchTest, KeptBlocksSurviveAReplacedWorkerWithTheSameResults) {
   // jobs it re-runs that need them and recomputes from the checkpoints; the results do not change.
   const std::vector<std::string> job = {"train.steps=4", "train.accum_calls=1", "train.microbatches=4",
                                         "checkpoint.every=4", "job.worker_timeout_s=2", "schedule.kept_blocks=2"};
-  auto clean = Launch(1, tmp_ + "/kept-clean", job);
-  ASSERT_EQ(clean.code, 0) << clean.output;
-  auto r = LaunchWithHookOnce(1, tmp_ + "/kept-hang", job, "RP_TEST_DEVICE_HANG_ONCE");
-  ASSERT_EQ(r.code, 0) << r.output;
-  const auto summary = Summary(tmp_ + "/kept-hang");
-  EXPECT_EQ(summary["worker_replacements"], 1) << summary.dump();
-  EXPECT_EQ(Losses(tmp_ + "/kept-hang/metrics.jsonl"), Losses(tmp_ + "/kept-clean/metrics.jsonl"));
+  const auto [clean, hang] = ExpectReplacementChangesNothing("kept", 1, job, "RP_TEST_DEVICE_HANG_ONCE");
   const std::string state = "/checkpoints/step-00000004.rpstate";
-  EXPECT_TRUE(ReadBytes(tmp_ + "/kept-hang" + state) == ReadBytes(tmp_ + "/kept-clean" + state));
+  EXPECT_TRUE(ReadBytes(hang + state) == ReadBytes(clean + state));
 }
 
 TEST_F(LaunchTest, KeptBlocksAreRefusedWithSeveralWorkers) {
