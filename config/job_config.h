@@ -357,6 +357,8 @@ inline bool SpeculatesUnclippedUpdate(const JobConfig& c) { return c.optimizer.s
 // exact mode, train.grad_clip > 0, bf16 or fp32 compute, one accumulation round, one worker,
 // one node, no speculation and no LoRA.
 inline int DeviceUpdateBlocks(const JobConfig& c) { return static_cast<int>(c.optimizer.device_update_blocks); }
+// Whether pipeline layer `layer` is one of the blocks DeviceUpdateBlocks covers (1..N).
+inline bool DeviceUpdatesLayer(const JobConfig& c, int layer) { return layer >= 1 && layer <= DeviceUpdateBlocks(c); }
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
 inline int ComputeElemBytes(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp32 ? 4 : 2; }
 // Whether CUDA workers run the project's fused kernels: bench.fused_kernels, and a dtype they take

@@ -171,7 +171,7 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
   const int device_blocks = core::DeviceUpdateBlocks(parts_.cfg);
   auto device_updated = [&](int pos) {
     const core::Stage& st = parts_.plan.stages[pos % S];
-    return st.begin >= 1 && st.end - 1 <= device_blocks;
+    return core::DeviceUpdatesLayer(parts_.cfg, st.begin) && core::DeviceUpdatesLayer(parts_.cfg, st.end - 1);
   };
   std::vector<int> order;
   for (int i = 0; i < positions; ++i) order.push_back(first_layers_first ? positions - 1 - i : i);

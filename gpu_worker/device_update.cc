@@ -49,7 +49,6 @@ DeviceUpdate::DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& sp
       optim_(std::move(optim)),
       device_(device),
       weights_dtype_(weights_dtype),
-      blocks_(core::DeviceUpdateBlocks(cfg)),
       nudge_(TestDeviceUpdateNudge()) {}
 
 const float* DeviceUpdate::MasterOf(int param, int64_t step) const {

@@ -57,7 +57,7 @@ class DeviceUpdate {
                                                         const shm::ArenaLayout& layout, const shm::Segment& state,
                                                         Device& device, at::ScalarType weights_dtype);
 
-  bool CoversLayer(int layer) const { return layer >= 1 && layer <= blocks_; }
+  bool CoversLayer(int layer) const { return core::DeviceUpdatesLayer(cfg_, layer); }
   void Prefetch(int64_t step, int layer);
   void Hold(int param, const at::Tensor& grad);
   void Apply(const proto::StepUpdate& u);
@@ -76,7 +76,6 @@ class DeviceUpdate {
   const shm::Segment optim_;  // read-only mapping
   Device& device_;
   const at::ScalarType weights_dtype_;
-  const int blocks_;
   const bool nudge_;  // RP_TEST_DEVICE_UPDATE_NUDGE (common/test_hooks.h)
   struct Pending {
     int64_t step = -1;

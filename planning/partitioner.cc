@@ -309,8 +309,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // in the compute dtype stay until the next step's update replaces them. Taken as held at once.
   double device_update = 0.0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    const int owner = spec.params[p].owner_layer;
-    if (owner >= 1 && owner <= DeviceUpdateBlocks(c))
+    if (DeviceUpdatesLayer(c, spec.params[p].owner_layer))
       device_update += static_cast<double>(spec.params[p].numel) * (16.0 + elem);
   }
   out.device_update = device_update;

@@ -362,7 +362,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   }
   in.device_blocks = DeviceUpdateBlocks(c);
   in.device_owner_base = plan.num_layers + 1;
-  auto device_updated = [&](int l) { return l >= 1 && l <= in.device_blocks; };
+  auto device_updated = [&](int l) { return DeviceUpdatesLayer(c, l); };
   for (const auto& s : plan.stages) {
     SimStage st;
     const bool grads = s.kind != StageKind::kForward;

@@ -99,8 +99,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   // Blocks 1..N (pipeline layers) are updated on the worker's device too (DeviceUpdateBlocks).
   geo_.device_param.assign(spec.params.size(), 0);
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    const int owner = spec.params[p].owner_layer;
-    geo_.device_param[p] = owner >= 1 && owner <= core::DeviceUpdateBlocks(cfg) ? 1 : 0;
+    geo_.device_param[p] = core::DeviceUpdatesLayer(cfg, spec.params[p].owner_layer) ? 1 : 0;
     if (!geo_.device_param[p]) {
       geo_.rest_order.push_back(static_cast<int>(p));
       geo_.two_pass_params++;
