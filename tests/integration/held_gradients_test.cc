@@ -6,8 +6,13 @@
 // arena must be streamed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/integration/launch_fixture.h"
 #include "tests/testing/process_harness.h"
@@ -52,6 +57,44 @@ TEST_F(HeldGradientsTest, WorkersHoldingGradientsForTheNormGiveTheHostHeldRunBit
     ASSERT_EQ(l.code, 0) << l.output;
     EXPECT_EQ(Losses(late + "/metrics.jsonl", "grad_norm"), norms) << mode << ", reported late";
     EXPECT_TRUE(ReadBytes(late + "/hf/model.safetensors") == ReadBytes(host + "/hf/model.safetensors")) << mode;
+  }
+}
+
+TEST_F(HeldGradientsTest, AFullArenaKeepsTheCommitsInGrantOrder) {
+  // Six blocks, backward stages [0,1) [1,2) [2,4) [4,6) and the tail [6,8) (block 6, the head),
+  // granted first layers first; an arena of 7 MiB holds the embedding's and block 1's slots but
+  // not blocks 2-3's (6.3 MB) beside them, while the tail's 3.4 MB would fit. The tail must still
+  // wait its turn: its layers are updated after every block before it, in each step.
+  const std::vector<std::string> job = {"model.tie_embeddings=false", "model.num_layers=6", "model.hidden_size=256",
+                                        "model.intermediate_size=768", "model.head_dim=64", "train.accum_calls=1",
+                                        "train.microbatches=4", "train.steps=4", "train.grad_clip=1.0",
+                                        "schedule.tail_blocks=1", "schedule.backward_cuts=[1,2,4]",
+                                        "optimizer.gradients_wait_in=\"workers\""};
+  const std::string roomy = tmp_ + "/roomy";
+  auto r = Launch(1, roomy, job);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string full = tmp_ + "/full";
+  auto f = Launch(1, full, With(job, {"optimizer.grad_buffer_mb=7"}));
+  ASSERT_EQ(f.code, 0) << f.output;
+  EXPECT_EQ(Losses(full + "/metrics.jsonl"), Losses(roomy + "/metrics.jsonl"));
+  EXPECT_EQ(Summary(full)["grad_arena_bytes"].get<int64_t>(), int64_t{7} << 20);
+  std::map<int64_t, std::map<int, int64_t>> start;  // step -> layer -> its update's first start
+  const auto trace = nlohmann::json::parse(testing::ReadFile(full + "/trace.json"));
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("cat", "") != "optimizer") continue;
+    const int64_t step = e["args"]["step"].get<int64_t>();
+    const int layer = e["args"]["layer"].get<int>();
+    const int64_t ts = e["ts"].get<int64_t>();
+    auto [it, fresh] = start[step].emplace(layer, ts);
+    if (!fresh) it->second = std::min(it->second, ts);
+  }
+  ASSERT_EQ(start.size(), 4u);
+  for (const auto& [step, layers] : start) {
+    ASSERT_EQ(layers.size(), 8u) << "step " << step;
+    int64_t blocks_last = 0, tail_first = INT64_MAX;
+    for (const auto& [layer, ts] : layers) (layer < 6 ? blocks_last = std::max(blocks_last, ts)
+                                                      : tail_first = std::min(tail_first, ts));
+    EXPECT_GT(tail_first, blocks_last) << "step " << step << ": the tail's update started before a block's";
   }
 }
 
