@@ -307,14 +307,48 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // Device updates: the covered blocks' fp32 masters and moments (prefetched during the backward)
   // and their fp32 gradients wait on the device for the step's constants, then their new weights
   // in the compute dtype stay until the next step's update replaces them. Taken as held at once.
-  double device_update = 0.0;
+  // With gradients waiting in the workers a covered gradient is one of the held ones.
+  const double state_bytes = GradientsWaitInWorkers(c) ? 12.0 : 16.0;
+  double device_update = 0.0, device_update_weights = 0.0;
+  bool covered_kept = false;
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    if (DeviceUpdatesLayer(c, spec.params[p].owner_layer))
-      device_update += static_cast<double>(spec.params[p].numel) * (16.0 + elem);
+    const int layer = spec.params[p].owner_layer;
+    if (!DeviceUpdatesLayer(c, layer)) continue;
+    device_update += static_cast<double>(spec.params[p].numel) * (state_bytes + elem);
+    device_update_weights += static_cast<double>(spec.params[p].numel) * elem;
+    covered_kept = covered_kept || plan.KeepsGraph(layer);
   }
   out.device_update = device_update;
-  out.total = worst + resident + staging + held + kept + out.frozen + device_update;
+  out.device_update_weights = device_update_weights;
+  // The kept blocks end where the tail begins, so while all their graphs are there only the
+  // tail's gradients are held; the covered blocks' state arrives with their own backward stages,
+  // after the kept graphs are gone, unless a covered block is itself kept.
+  out.kept_apart = GradientsWaitInWorkers(c) && !covered_kept;
+  for (size_t i = 0; i < plan.stages.size(); ++i)
+    if (out.kept_apart && plan.stages[i].kind == StageKind::kFusedTail) out.held_with_kept += sum_bytes[i];
+  out.total = PeakMemory(c, &out, 0.0);
   return out;
+}
+
+double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) {
+  const double common =
+      m->weights + m->next_weights + m->gradients + m->activations + m->resident + m->staging + m->frozen;
+  const double parts = common + m->kept + m->held_gradients + simulated_held + m->device_update;
+  double peak = parts;
+  if (GradientsWaitInWorkers(c)) {
+    const double held = std::max(m->held_gradients, simulated_held);
+    peak = common + m->kept + held + m->device_update;
+    if (m->kept_apart) {
+      // At the forward's end: every kept graph, the tail's gradients, the covered blocks' weights
+      // of the last update. At the backward's end: every held gradient and the covered blocks'
+      // state, the kept graphs gone.
+      const double forward_end = m->kept + std::min(m->held_with_kept, held) + m->device_update_weights;
+      const double backward_end = held + m->device_update;
+      peak = std::min(peak, common + std::max(forward_end, backward_end));
+    }
+  }
+  m->not_at_once = parts - peak;
+  return peak;
 }
 
 double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
@@ -342,7 +376,7 @@ PlanChoice PredictPlan(const JobConfig& c, const PipelinePlan& plan, const Profi
   out.imbalance_ratio = first.imbalance_ratio;
   out.memory = EstimateMemory(c, plan, workers, &profile);
   out.held_grad_bytes = MaxOf(steady.peak_held_grad_bytes);
-  out.peak_memory_bytes = out.memory.total + out.held_grad_bytes;
+  out.peak_memory_bytes = PeakMemory(c, &out.memory, out.held_grad_bytes);
   return out;
 }
 
@@ -396,12 +430,13 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
         auto plan = BuildPlan(probe);
         if (!plan.ok()) continue;
         candidates++;
-        const double mem = EstimatePeakMemory(probe, *plan, workers, &profile);
+        MemoryEstimate estimate = EstimateMemory(probe, *plan, workers, &profile);
+        const double mem = estimate.total;
         // Over before any gradient waits: skip the simulation unless nothing has fit so far (the
         // error then names the smallest complete estimate, not a partial one).
         if (limit > 0 && mem > limit && mem >= smallest_memory) continue;
         auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
-        const double total_mem = mem + MaxOf(sim.peak_held_grad_bytes);
+        const double total_mem = PeakMemory(probe, &estimate, MaxOf(sim.peak_held_grad_bytes));
         smallest_memory = std::min(smallest_memory, total_mem);
         if (limit > 0 && total_mem > limit) continue;
         tail_best = std::min(tail_best, sim.steady_step_s);

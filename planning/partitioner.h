@@ -31,7 +31,7 @@ namespace rp::core {
 
 // What the memory estimate is made of, for the job on which it peaks (bytes per worker).
 struct MemoryEstimate {
-  double total = 0.0;         // the sum of the parts below
+  double total = 0.0;         // the peak: the sum of the parts below less not_at_once
   int stage = -1;             // the stage of that job (-1 only for a plan without stages)
   double weights = 0.0;       // its weights on the device, in the compute dtype
   double next_weights = 0.0;  // its worker's next job's, prefetched meanwhile
@@ -50,8 +50,19 @@ struct MemoryEstimate {
   // (and left out of `weights` and `next_weights`).
   double frozen = 0.0;
   // optimizer.device_update_blocks: the covered blocks' state, gradients and next weights
-  // (16 bytes plus the compute dtype's per parameter).
+  // (16 bytes plus the compute dtype's per parameter; 12 plus the dtype's when their gradients
+  // are among held_gradients), and of that, the next weights alone.
   double device_update = 0.0;
+  double device_update_weights = 0.0;
+  // Gradients waiting in the workers: the kept graphs (freed by the first backward stages after
+  // the tail) and the gradients held for the norm (complete only at the backward's end) peak at
+  // different times. held_with_kept is what is held while every kept graph is still there (the
+  // tail's sums); not_at_once what the sum of the parts (with the simulated gradients waiting
+  // for slots, PlanChoice::held_grad_bytes) counts beyond the larger of the two moments.
+  // kept_apart says that order holds (no covered block is kept).
+  bool kept_apart = false;
+  double held_with_kept = 0.0;
+  double not_at_once = 0.0;
 };
 
 struct PlanChoice {
@@ -60,7 +71,7 @@ struct PlanChoice {
   double bubble_ratio = 0.0;       // predicted, steady state
   double first_step_seconds = 0.0; // predicted, one step from idle
   double fill_ratio = 0.0, drain_ratio = 0.0, imbalance_ratio = 0.0;  // one step from idle
-  double peak_memory_bytes = 0.0;  // estimated, per worker: memory.total + held_grad_bytes
+  double peak_memory_bytes = 0.0;  // estimated, per worker: PeakMemory(memory, held_grad_bytes)
   MemoryEstimate memory;           // EstimateMemory's parts
   double held_grad_bytes = 0.0;    // the simulated peak of finished jobs' gradients waiting for
                                    // write-back
@@ -99,6 +110,11 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers);
 // no layer-major forward job (which reserves it).
 MemoryEstimate EstimateMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                               const Profile* profile = nullptr);
+// The peak of `m` (an EstimateMemory result for `config`) with `simulated_held` bytes of
+// gradients waiting for write-back (the simulator's peak); sets m->not_at_once. With gradients
+// waiting in the workers, the simulated wait includes the wait for the norm: the two are one
+// set of tensors, counted once (the larger). EstimateMemory's total is this with none simulated.
+double PeakMemory(const JobConfig& config, MemoryEstimate* m, double simulated_held);
 // EstimateMemory(...).total.
 double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int workers,
                           const Profile* profile = nullptr);

@@ -263,7 +263,8 @@ int main(int argc, char** argv) {
                             {"gradients_waiting_for_norm", c.memory.held_gradients},
                             {"kept_graphs", c.memory.kept},
                             {"frozen_on_device", c.memory.frozen},
-                            {"device_update", c.memory.device_update}}}};
+                            {"device_update", c.memory.device_update},
+                            {"not_at_once", c.memory.not_at_once}}}};
   };
   if (json) {
     nlohmann::json out = to_json(*choice);
@@ -292,10 +293,10 @@ int main(int argc, char** argv) {
     const auto& m = c.memory;
     std::printf("    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
                 "gradients waiting for slots %.2f, for the norm %.2f, resident activation slots %.2f, staging %.2f, "
-                "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB\n",
+                "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never at once %.2f GB\n",
                 m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9, m.next_weights / 1e9,
                 m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9, m.held_gradients / 1e9, m.resident / 1e9,
-                m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9, m.device_update / 1e9);
+                m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9, m.device_update / 1e9, m.not_at_once / 1e9);
   };
   std::printf("costs: %s%s%s\n", choice->cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());

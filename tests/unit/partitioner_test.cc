@@ -655,6 +655,63 @@ TEST(Partitioner, MemoryEstimateCountsGradientsWaitingInTheWorkersForTheNorm) {
   EXPECT_LT(EstimateMemory(held, *plan, 2).held_gradients, workers.held_gradients);
 }
 
+TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOnTheDeviceTogether) {
+  // Gradients waiting in the workers, blocks kept before the tail, device-updated first blocks:
+  // the kept graphs are whole only until the backward stages after the tail, the held gradients
+  // complete and the covered blocks' state arrives at the backward's end.
+  JobConfig c = OneStageOfEachKind(12);  // F[0,12) T[12,14) B[0,12)
+  c.job.device = DeviceKind::kCuda;
+  c.model.tie_embeddings = false;
+  c.train.accum_calls = 1;
+  c.train.grad_clip = 1.0;
+  c.optimizer.gradients_wait_in = core::GradientsWait::kWorkers;
+  c.schedule.kept_blocks = 4;  // blocks 7..10 (the tail starts at 12 with one block)
+  c.schedule.backward_cuts = {3, 7};
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  MemoryEstimate m = EstimateMemory(c, *plan, 1);
+  ASSERT_GT(m.kept, 0.0);
+  ASSERT_GT(m.held_gradients, 0.0);
+  ASSERT_TRUE(m.kept_apart);
+  ASSERT_GT(m.held_with_kept, 0.0);
+  EXPECT_LT(m.held_with_kept, m.held_gradients);
+  const double common = m.weights + m.next_weights + m.gradients + m.activations + m.resident + m.staging + m.frozen;
+  EXPECT_DOUBLE_EQ(m.total, common + std::max(m.kept + m.held_with_kept, m.held_gradients));
+  EXPECT_DOUBLE_EQ(m.total + m.not_at_once, common + m.kept + m.held_gradients);
+  // The simulator's gradients waiting for slots are the held ones again: counted once, the larger.
+  const double simulated = 1.5 * m.held_gradients;
+  EXPECT_DOUBLE_EQ(PeakMemory(c, &m, simulated), common + std::max(m.kept + m.held_with_kept, simulated));
+  EXPECT_DOUBLE_EQ(PeakMemory(c, &m, 0.5 * m.held_gradients), m.total);
+
+  // Blocks 1..3 updated on the device: their state (12 bytes per parameter; their gradients are
+  // among the held ones) at the backward's end, their weights at both ends.
+  JobConfig u = c;
+  u.optimizer.device_update_blocks = 3;
+  MemoryEstimate d = EstimateMemory(u, *plan, 1);
+  const core::ModelSpec spec = core::BuildModelSpec(u.model, u.lora);
+  double covered = 0.0;
+  for (const auto& p : spec.params)
+    if (core::DeviceUpdatesLayer(u, p.owner_layer)) covered += static_cast<double>(p.numel);
+  ASSERT_GT(covered, 0.0);
+  const double elem = static_cast<double>(core::ComputeElemBytes(u));
+  EXPECT_DOUBLE_EQ(d.device_update, covered * (12.0 + elem));
+  EXPECT_DOUBLE_EQ(d.device_update_weights, covered * elem);
+  EXPECT_DOUBLE_EQ(d.total, common + std::max(d.kept + d.held_with_kept + d.device_update_weights,
+                                              d.held_gradients + d.device_update));
+  // A covered block that is also kept: no order to rely on, everything at once.
+  JobConfig overlap = u;
+  overlap.optimizer.device_update_blocks = 8;
+  MemoryEstimate o = EstimateMemory(overlap, *plan, 1);
+  EXPECT_FALSE(o.kept_apart);
+  EXPECT_DOUBLE_EQ(o.not_at_once, 0.0);
+  // Gradients waiting on the host: the parts add up, as before.
+  JobConfig host = c;
+  host.optimizer.gradients_wait_in = core::GradientsWait::kHost;
+  MemoryEstimate h = EstimateMemory(host, *plan, 1);
+  EXPECT_DOUBLE_EQ(h.not_at_once, 0.0);
+  EXPECT_DOUBLE_EQ(PeakMemory(host, &h, 1e9), h.total + 1e9);
+}
+
 TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) {
   // F[0,6) T[6,8) B[0,6), one call per step, one worker: while B runs, its worker's next job is
   // the next step's F. In exact mode with clipping F's weights wait for this step's update, which
