@@ -191,10 +191,10 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
     }
     // The first call's commit places the stage's slots in the gradient arena; with the arena
     // full it waits for an update to release space. Gradients waiting in the workers keep their
-    // grant order then: a smaller stage further down the order would take the space first and
-    // have its layers updated before the ones the next forward needs sooner (a Qwen3-8B trace:
-    // the fused tail, with the head the tail stage waits for, committed last, behind the
-    // device-updated blocks).
+    // grant order then: otherwise a smaller stage further down the order takes the space first
+    // and its layers are updated before those the next forward needs sooner (with device
+    // updates, the covered blocks' stages would push the fused tail's, whose head the next tail
+    // stage waits for, to the end).
     if (j.call == 0 && !j.slots_placed) {
       if (!parts_.grads.Place(StageGradSlots(j.stage))) {
         if (first_layers_first) break;

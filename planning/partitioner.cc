@@ -306,8 +306,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   out.kept = kept;
   // Device updates: the covered blocks' fp32 masters and moments (prefetched during the backward)
   // and their fp32 gradients wait on the device for the step's constants, then their new weights
-  // in the compute dtype stay until the next step's update replaces them. Taken as held at once.
-  // With gradients waiting in the workers a covered gradient is one of the held ones.
+  // in the compute dtype stay until the next step's update replaces them (PeakMemory says when
+  // they are there with what). With gradients waiting in the workers a covered gradient is one
+  // of the held ones.
   const double state_bytes = GradientsWaitInWorkers(c) ? 12.0 : 16.0;
   double device_update = 0.0, device_update_weights = 0.0;
   bool covered_kept = false;
@@ -322,8 +323,10 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   out.device_update_weights = device_update_weights;
   // The kept blocks end where the tail begins, so while all their graphs are there only the
   // tail's gradients are held; the covered blocks' state arrives with their own backward stages,
-  // after the kept graphs are gone, unless a covered block is itself kept.
-  out.kept_apart = GradientsWaitInWorkers(c) && !covered_kept;
+  // after the kept graphs are gone, unless a covered block is itself kept. Exact mode only: in
+  // stale1 the previous step's gradients may still wait while this step's forward runs.
+  out.kept_apart =
+      GradientsWaitInWorkers(c) && c.optimizer.mode == core::OptimizerMode::kExact && !covered_kept;
   for (size_t i = 0; i < plan.stages.size(); ++i)
     if (out.kept_apart && plan.stages[i].kind == StageKind::kFusedTail) out.held_with_kept += sum_bytes[i];
   out.total = PeakMemory(c, &out, 0.0);
