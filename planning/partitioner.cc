@@ -327,8 +327,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // stale1 the previous step's gradients may still wait while this step's forward runs.
   out.kept_apart =
       GradientsWaitInWorkers(c) && c.optimizer.mode == core::OptimizerMode::kExact && !covered_kept;
-  for (size_t i = 0; i < plan.stages.size(); ++i)
-    if (out.kept_apart && plan.stages[i].kind == StageKind::kFusedTail) out.held_with_kept += sum_bytes[i];
+  if (out.kept_apart)
+    for (size_t i = 0; i < plan.stages.size(); ++i)
+      if (plan.stages[i].kind == StageKind::kFusedTail) out.held_with_kept += sum_bytes[i];
   out.total = PeakMemory(c, &out, 0.0);
   return out;
 }
@@ -340,15 +341,12 @@ double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) 
   double peak = parts;
   if (GradientsWaitInWorkers(c)) {
     const double held = std::max(m->held_gradients, simulated_held);
-    peak = common + m->kept + held + m->device_update;
-    if (m->kept_apart) {
-      // At the forward's end: every kept graph, the tail's gradients, the covered blocks' weights
-      // of the last update. At the backward's end: every held gradient and the covered blocks'
-      // state, the kept graphs gone.
-      const double forward_end = m->kept + std::min(m->held_with_kept, held) + m->device_update_weights;
-      const double backward_end = held + m->device_update;
-      peak = std::min(peak, common + std::max(forward_end, backward_end));
-    }
+    // kept_apart: at the forward's end every kept graph, the tail's gradients and the covered
+    // blocks' weights of the last update; at the backward's end every held gradient and the
+    // covered blocks' state, the kept graphs gone. Otherwise all at once.
+    const double forward_end = m->kept + std::min(m->held_with_kept, held) + m->device_update_weights;
+    const double backward_end = held + m->device_update;
+    peak = common + (m->kept_apart ? std::max(forward_end, backward_end) : m->kept + held + m->device_update);
   }
   m->not_at_once = parts - peak;
   return peak;
