@@ -11,11 +11,12 @@
 # summary per job spec (median steady tokens/s of each side, new / base) goes to stdout.
 # Env: RP_AB_BASE_COMMIT, RP_COMMIT (the commits the lines name), RP_MACHINE, RP_CMAKE_ARGS
 # (passed to both configures), RP_AB_BUILD (build directory name inside each tree, default
-# build-ab; an existing build is reused after an incremental build), RP_AB_TIMEOUT (seconds per
-# run, default 600).
+# build-ab; an existing build is reused after an incremental build), RP_AB_BUILT=1 (run the
+# binaries already in both build directories, for example copied from an earlier host of the
+# same image, without configuring or building), RP_AB_TIMEOUT (seconds per run, default 600).
 set -uo pipefail
 if [ $# -lt 4 ]; then
-  sed -n '2,17p' "$0" >&2
+  sed -n '2,18p' "$0" >&2
   exit 2
 fi
 base_tree=$(realpath "$1"); rounds=$2; out=$(realpath -m "$3"); shift 3
@@ -30,6 +31,14 @@ say() { echo "[$(( $(date +%s) - t0 )) s] $*" >&2; }
 
 build() {  # $1 tree
   local tree=$1 log=$1/$build_name/ab-build.log
+  if [ "${RP_AB_BUILT:-0}" = 1 ]; then
+    local b
+    for b in rp-launch rp-coordinator rp-worker; do
+      [ -x "$tree/$build_name/bin/$b" ] || { echo "ab_builds: RP_AB_BUILT=1 but $tree/$build_name/bin/$b is missing" >&2; return 1; }
+    done
+    say "using the binaries in $tree/$build_name/bin"
+    return 0
+  fi
   mkdir -p "$tree/$build_name"
   say "building $tree"
   # shellcheck disable=SC2086  # RP_CMAKE_ARGS is a list of arguments
