@@ -684,7 +684,8 @@ TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOn
   EXPECT_DOUBLE_EQ(PeakMemory(c, &m, 0.5 * m.held_gradients), m.total);
 
   // Blocks 1..3 updated on the device: their state (12 bytes per parameter; their gradients are
-  // among the held ones) at the backward's end, their weights at both ends.
+  // among the held ones) at the backward's end, their weights at both ends, and their fp32
+  // gradients of the previous step (committed last) while the kept graphs fill.
   JobConfig u = c;
   u.optimizer.device_update_blocks = 3;
   MemoryEstimate d = EstimateMemory(u, *plan, 1);
@@ -696,7 +697,9 @@ TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOn
   const double elem = static_cast<double>(core::ComputeElemBytes(u));
   EXPECT_DOUBLE_EQ(d.device_update, covered * (12.0 + elem));
   EXPECT_DOUBLE_EQ(d.device_update_weights, covered * elem);
-  EXPECT_DOUBLE_EQ(d.total, common + std::max(d.kept + d.held_with_kept + d.device_update_weights,
+  EXPECT_DOUBLE_EQ(d.held_with_kept, m.held_with_kept + covered * 4.0);
+  EXPECT_DOUBLE_EQ(d.total, common + std::max(d.kept + std::min(d.held_with_kept, d.held_gradients) +
+                                                  d.device_update_weights,
                                               d.held_gradients + d.device_update));
   // A covered block that is also kept: no order to rely on, everything at once.
   JobConfig overlap = u;
