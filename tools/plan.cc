@@ -2,7 +2,9 @@
 // rp-plan job.toml --gpus N [--nnodes N] [--profile out/profile.json] [--set section.key=value ...] [--json]
 // Prints the plan schedule.partition = "auto" would run, with the simulator's predictions from
 // a measured profile (--profile, or schedule.profile) or the FLOP cost model. With
-// partition = "equal" in the job it also shows the job's own plan under the same costs.
+// partition = "equal" in the job it also shows the job's own plan under the same costs, and
+// then no auto plan under schedule.gpu_memory_gb is no error: it says why in place of that plan
+// (--json: "auto_plan_error" in place of its fields).
 // --json prints one JSON object and nothing else.
 //
 // --max-seq: the longest data.seq_len (a multiple of --seq-step) whose plan fits
@@ -220,8 +222,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
     return rp::kExitBadConfig;
   }
+  // No auto plan under schedule.gpu_memory_gb is an error only when the job asks for one; a job
+  // with its own plan still runs that, so its prediction is shown with the reason.
   auto choice = rp::core::ChoosePlan(*cfg, gpus, *costs);
-  if (!choice.ok()) {
+  if (!choice.ok() && cfg->schedule.partition == rp::core::Partition::kAuto) {
     std::fprintf(stderr, "rp-plan: %s\n", choice.status().message().c_str());
     return rp::kExitBadConfig;
   }
@@ -236,8 +240,8 @@ int main(int argc, char** argv) {
     own = rp::core::PredictPlan(*cfg, *plan, *costs, gpus);
   }
   // What the job would run (its own plan, else the auto one) against keeping a LoRA base on the GPU.
-  const auto frozen_alt =
-      rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, own ? own->step_seconds : choice->step_seconds);
+  const rp::core::PlanChoice& runs = own ? *own : *choice;
+  const auto frozen_alt = rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, runs.step_seconds);
   auto to_json = [&](const rp::core::PlanChoice& c) {
     nlohmann::json stages = nlohmann::json::array();
     for (const auto& s : c.plan.stages)
@@ -267,11 +271,11 @@ int main(int argc, char** argv) {
                             {"not_at_once", c.memory.not_at_once}}}};
   };
   if (json) {
-    nlohmann::json out = to_json(*choice);
+    nlohmann::json out = choice.ok() ? to_json(*choice) : nlohmann::json{{"auto_plan_error", choice.status().message()}};
     out["workers"] = gpus;
     out["nodes"] = nnodes;
-    out["candidates"] = choice->candidates;
-    out["costs"] = choice->cost_source;
+    out["candidates"] = choice.ok() ? choice->candidates : 0;
+    out["costs"] = runs.cost_source;
     out["mlp_tile_tokens"] = cfg->train.mlp_tile_tokens;
     out["mlp_tile_chosen"] = tile_chosen;
     out["kept_blocks"] = cfg->schedule.kept_blocks;
@@ -298,7 +302,7 @@ int main(int argc, char** argv) {
                 m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9, m.held_gradients / 1e9, m.resident / 1e9,
                 m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9, m.device_update / 1e9, m.not_at_once / 1e9);
   };
-  std::printf("costs: %s%s%s\n", choice->cost_source.c_str(),
+  std::printf("costs: %s%s%s\n", runs.cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());
   if (tile_chosen)
     std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n", cfg->schedule.gpu_memory_gb,
@@ -307,15 +311,17 @@ int main(int argc, char** argv) {
   if (kept_chosen)
     std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n", cfg->schedule.gpu_memory_gb,
                 static_cast<long long>(cfg->schedule.kept_blocks));
-  print(("auto plan for " + std::to_string(gpus) + " workers" +
-         (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string()))
-            .c_str(),
-        *choice);
+  const std::string auto_title = "auto plan for " + std::to_string(gpus) + " workers" +
+                                 (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string());
+  if (choice.ok())
+    print(auto_title.c_str(), *choice);
+  else
+    std::printf("%s: none (%s)\n", auto_title.c_str(), choice.status().message().c_str());
   if (own) print("the job's own plan", *own);
   if (frozen_alt)
     print("with schedule.frozen_on_device = true (the frozen base kept on each GPU, only the adapters fetched)",
           *frozen_alt);
-  std::printf("(%d candidate plans evaluated; use with [schedule] partition = \"auto\")\n",
-              choice->candidates);
+  if (choice.ok())
+    std::printf("(%d candidate plans evaluated; use with [schedule] partition = \"auto\")\n", choice->candidates);
   return 0;
 }

@@ -610,6 +610,29 @@ TEST_F(LaunchTest, PlanFindsTheLongestSequenceThatFitsTheMemory) {
   EXPECT_NE(unbounded.output.find("needs schedule.gpu_memory_gb"), std::string::npos) << unbounded.output;
 }
 
+TEST_F(LaunchTest, PlanShowsTheJobsOwnPlanWhenNoAutoPlanFitsTheMemory) {
+  // A job with its own plan runs it whatever the auto planner finds, so a budget no auto plan
+  // fits still gets that plan's prediction, with the reason in place of the auto plan; a job
+  // that asks for the auto plan gets the error.
+  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set",
+                                         "schedule.gpu_memory_gb=0.000001"};
+  auto own = testing::RunProcess(With(base, {"--json"}), 60, Env());
+  ASSERT_EQ(own.code, 0) << own.output;
+  const auto j = nlohmann::json::parse(own.output);
+  EXPECT_NE(j["auto_plan_error"].get<std::string>().find("no plan fits"), std::string::npos) << own.output;
+  EXPECT_FALSE(j.contains("plan")) << own.output;
+  EXPECT_GT(j["job_plan"]["predicted_step_s"].get<double>(), 0.0);
+  EXPECT_GT(j["job_plan"]["peak_memory_bytes_per_worker"].get<double>(), 0.000001e9);
+  auto text = testing::RunProcess(base, 60, Env());
+  ASSERT_EQ(text.code, 0) << text.output;
+  EXPECT_NE(text.output.find("auto plan for 2 workers: none (schedule.gpu_memory_gb"), std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find("the job's own plan: "), std::string::npos) << text.output;
+  auto wanted = testing::RunProcess(With(base, {"--set", "schedule.partition=auto"}), 60, Env());
+  EXPECT_EQ(wanted.code, 2) << wanted.output;
+  EXPECT_NE(wanted.output.find("no plan fits"), std::string::npos) << wanted.output;
+}
+
 TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   // The steps after a warm-up step are timed layer by layer; profile.json holds every layer and
   // the host link; summary.json sets the prediction made from it against the measured steps;
