@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "planning/grad_arena.h"
+
 namespace rp::core {
 
 double TransferSeconds(const SimStage& st, double h2d, double d2h) {
@@ -233,7 +235,41 @@ SimResult Simulate(const SimInput& in) {
       std::vector<GradientJob> ordered(waiting.rbegin(), waiting.rend());
       std::stable_partition(ordered.begin(), ordered.end(),
                             [&](const GradientJob& g) { return !in.stages[g.stage].device_updated; });
-      for (const GradientJob& g : ordered) r.step_done[t] = std::max(r.step_done[t], commit(t, g, norm_at));
+      // A streamed arena: a commit waits for room, which the host's updates of earlier commits'
+      // layers release, one commit after another from where the previous step's updates left
+      // the optimizer (run_updates' order: the commits' grant order, covered layers last). A
+      // tied layer's update waits for its last commit; its slots are not in arena_bytes.
+      std::vector<int> last_commit(owners, -1);
+      for (size_t i = 0; i < ordered.size(); ++i)
+        for (int o : in.stages[ordered[i].stage].owners) last_commit[o] = static_cast<int>(i);
+      std::vector<std::pair<double, double>> placed;  // (released at, bytes) per layer, in update order
+      double host_free = optimizer_free;
+      for (size_t i = 0; i < ordered.size(); ++i) {
+        const SimStage& st = in.stages[ordered[i].stage];
+        double start = norm_at;
+        if (in.arena_bytes > 0) {
+          double used = 0.0;
+          for (const auto& [released, bytes] : placed)
+            if (released > start) used += bytes;
+          for (const auto& [released, bytes] : placed) {
+            if (used + st.arena_bytes <= in.arena_bytes) break;
+            if (released > start) {
+              start = released;
+              used -= bytes;
+            }
+          }
+        }
+        const double end = commit(t, ordered[i], start);
+        r.step_done[t] = std::max(r.step_done[t], end);
+        if (in.arena_bytes <= 0) continue;
+        for (size_t j = 0; j < st.owners.size(); ++j) {
+          const int o = st.owners[j];
+          const double bytes = j < st.owner_arena_bytes.size() ? st.owner_arena_bytes[j] : 0.0;
+          if (last_commit[o] != static_cast<int>(i)) continue;  // updated after a later commit
+          host_free = std::max(host_free, end) + (o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0);
+          if (bytes > 0) placed.push_back({host_free, bytes});
+        }
+      }
       waiting.clear();
     }
   }
@@ -363,9 +399,19 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.device_blocks = DeviceUpdateBlocks(c);
   in.device_owner_base = plan.num_layers + 1;
   auto device_updated = [&](int l) { return DeviceUpdatesLayer(c, l); };
-  for (const auto& s : plan.stages) {
+  // A streamed arena delays the commits that wait for the norm (SimInput::arena_bytes); when it
+  // holds every gradient, or its size is refused (the run would not start), room is left out.
+  if (in.commits_wait_for_norm) {
+    auto sizing = SizeGradArena(c, spec, plan);
+    if (sizing.ok() && sizing->chosen < sizing->all_slots)
+      in.arena_bytes = static_cast<double>(sizing->chosen - sizing->shared);
+  }
+  for (size_t i = 0; i < plan.stages.size(); ++i) {
+    const Stage& s = plan.stages[i];
     SimStage st;
     const bool grads = s.kind != StageKind::kForward;
+    const std::vector<uint64_t> arena_by_owner =
+        in.arena_bytes > 0 ? StageArenaBytesByOwner(c, spec, plan, static_cast<int>(i)) : std::vector<uint64_t>();
     std::vector<bool> owner(plan.num_layers, false);
     for (int l = s.begin; l < s.end; ++l) {
       const LayerCost& lc = profile.layers[l];
@@ -403,7 +449,13 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       st.fetches.push_back(std::move(f));
     }
     for (int l = 0; l < plan.num_layers; ++l)
-      if (owner[l]) st.owners.push_back(l);
+      if (owner[l]) {
+        st.owners.push_back(l);
+        if (!arena_by_owner.empty()) {
+          st.owner_arena_bytes.push_back(static_cast<double>(arena_by_owner[static_cast<size_t>(l)]));
+          st.arena_bytes += st.owner_arena_bytes.back();
+        }
+      }
     st.device_updated = grads && !st.owners.empty() &&
                         std::all_of(st.owners.begin(), st.owners.end(), device_updated);
     st.compute_s += profile.microbatch_overhead_s;

@@ -27,12 +27,14 @@
 //  * Layer-major forward stages: see SimInput::layer_major.
 //  * Several nodes: each simulates its own share of the step (the same on every node), with the
 //    cross-node sum of each job's gradients before their write-back (SimInput::nodes).
-//  * Not modelled: activation slot reuse across calls, a streamed gradient arena's capacity
-//    (slots wait only for the previous step's update, as when the arena holds every gradient:
-//    with commits waiting for the norm a small arena also makes each commit wait for earlier
-//    stages' updates, which is left out), the optimizer's second passes (and, with device
-//    updates, that the host's passes over the covered layers delay them), several workers
-//    sharing one GPU's link or compute, message latency (folded into a measured overhead).
+//  * A streamed gradient arena (SimInput::arena_bytes, with commits waiting for the norm): a
+//    commit is granted once the earlier commits' slots the host has not yet released leave room
+//    for its own; the host releases each layer's slots when it has updated that layer.
+//  * Not modelled: activation slot reuse across calls, a streamed arena's capacity without
+//    commits waiting for the norm (slots wait only for the previous step's update, as when the
+//    arena holds every gradient), the optimizer's second passes (and, with device updates, that
+//    the host's passes over the covered layers delay them), several workers sharing one GPU's
+//    link or compute, message latency (folded into a measured overhead).
 // Pure and deterministic.
 #pragma once
 
@@ -58,6 +60,8 @@ struct SimStage {
   double out_bytes = 0.0;     // per microbatch, device -> host after compute
   double weight_bytes = 0.0;  // per job
   double grad_bytes = 0.0;    // per job, written back after the last microbatch (0: none)
+  double arena_bytes = 0.0;   // per job, what its commit places in the arena (SimInput::arena_bytes)
+  std::vector<double> owner_arena_bytes;  // of those, per entry of `owners` (released with its update)
   std::vector<int> owners;    // owner layers whose weights it reads (and gradients it writes)
   // Device updates (SimInput::device_blocks): every owner it writes is one of those blocks; with
   // commits waiting for the norm such stages commit after all others.
@@ -105,6 +109,9 @@ struct SimInput {
   // the step's commits go last stage first, and each layer is updated once final, as without
   // clipping (updates_wait_for_norm false, no norm work on the host).
   bool commits_wait_for_norm = false;
+  // With commits_wait_for_norm: the arena's bytes for stage commits (core::SizeGradArena's chosen
+  // less its shared slots), each commit placing its stage's arena_bytes; 0: room for every one.
+  double arena_bytes = 0.0;
   // CUDA workers: activation copies run on their own streams and the worker does not wait
   // between microbatches, so a microbatch's input copy overlaps the previous one's compute
   // (only the first of a job is exposed) and its output copy the next one's (a consumer waits

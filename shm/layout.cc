@@ -9,15 +9,6 @@ namespace rp::shm {
 
 namespace {
 uint64_t Align(uint64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArenaAlign; }
-// fp32 bytes of gradient slot `slot`, 256-aligned: what the arena places for it (a compact
-// lookup slot holds only its rows, CompactLookupRows).
-uint64_t GradSlotBytes(const core::JobConfig& c, const core::ModelSpec& spec, int slot) {
-  const auto& p = spec.params[spec.grad_slots[slot].param];
-  const int64_t rows = core::CompactLookupRows(c, spec, slot);
-  int64_t numel = rows > 0 ? rows * p.shape[1] : p.numel;
-  if (core::ShardedGradients(c)) numel = core::ShardOf(p.numel, c.nodes.count, c.nodes.rank).size();
-  return (static_cast<uint64_t>(numel) * 4 + 255) / 256 * 256;
-}
 // Packs one region of weight copies from `pos` (256-byte aligned inside, so a layer's weights
 // form one run a worker can fetch with a single copy); returns the 4 KiB-aligned end.
 uint64_t PackWeights(const std::vector<core::ParamSpec>& params, int elem_bytes, uint64_t pos,
@@ -93,55 +84,9 @@ uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
   return input_grad + GradInRegion(*this, parity, mb, idx);
 }
 
-StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& c, const core::ModelSpec& spec,
-                                        const core::PipelinePlan& plan) {
-  GradArenaSizing s;
-  std::vector<int> uses(spec.params.size(), 0);
-  for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
-    s.all_slots += GradSlotBytes(c, spec, static_cast<int>(g));
-    uses[spec.grad_slots[g].param]++;
-  }
-  // Slots of parameters used by several layers (tied embeddings) stay until the last use.
-  uint64_t shared_uses = 0, largest_stage = 0;
-  for (size_t g = 0; g < spec.grad_slots.size(); ++g)
-    if (uses[spec.grad_slots[g].param] > 1) shared_uses += GradSlotBytes(c, spec, static_cast<int>(g));
-  for (const auto& st : plan.stages) {
-    if (st.kind == core::StageKind::kForward) continue;
-    uint64_t bytes = 0;
-    for (int l = st.begin; l < st.end; ++l)
-      for (const auto& use : spec.layer_uses[l])
-        if (uses[use.param] == 1) bytes += GradSlotBytes(c, spec, use.grad_slot);  // shared ones counted above
-    largest_stage = std::max(largest_stage, bytes);
-  }
-  // Gradients that wait for the norm on the workers reach the arena after it: streamed.
-  s.must_hold_all = (core::UpdatesWaitForNorm(c) && !core::GradientsWaitInWorkers(c)) || core::Round(c).calls > 1;
-  s.minimum = s.must_hold_all ? s.all_slots : std::min(s.all_slots, largest_stage + shared_uses);
-  const uint64_t requested = static_cast<uint64_t>(c.optimizer.grad_buffer_mb) << 20;
-  if (requested == 0) {
-    s.chosen = s.must_hold_all ? s.all_slots : std::min(s.all_slots, 2 * largest_stage + shared_uses);
-  } else if (requested < s.minimum) {
-    const std::string why = s.must_hold_all
-        ? std::string(core::UpdatesWaitForNorm(c)
-                          ? "train.grad_clip > 0 or train.dtype = \"fp16\" (no update may start before the "
-                            "global gradient norm is known)"
-                          : "train.accum_calls > 1 (every slot takes a commit per call)") +
-              ", so every gradient is held at once"
-        : std::string("the largest stage's gradients") +
-              (shared_uses > 0 ? " plus the tied parameters' (held until their last use)" : "") +
-              " must fit";
-    return Status::InvalidArgument("optimizer.grad_buffer_mb: " + std::to_string(c.optimizer.grad_buffer_mb) +
-                                   " MiB is below the " + std::to_string((s.minimum + (1 << 20) - 1) >> 20) +
-                                   " MiB this job needs: " + why);
-  } else {
-    s.chosen = std::min(requested, s.all_slots);
-  }
-  s.chosen = Align(s.chosen);
-  return s;
-}
-
 StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
                                     const core::PipelinePlan& plan) {
-  RP_ASSIGN_OR_RETURN(GradArenaSizing sizing, SizeGradArena(c, spec, plan));
+  RP_ASSIGN_OR_RETURN(core::GradArenaSizing sizing, core::SizeGradArena(c, spec, plan));
   ArenaLayout a;
   a.compute_elem_bytes = core::ComputeElemBytes(c);
   uint64_t pos = kHeaderBytes;
@@ -173,7 +118,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.frozen_begin = pos;
   pos = a.frozen_end = PackWeights(spec.frozen, a.compute_elem_bytes, pos, &a.frozen);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
-    a.grad_slot_bytes.push_back(GradSlotBytes(c, spec, static_cast<int>(g)));
+    a.grad_slot_bytes.push_back(core::GradSlotBytes(c, spec, static_cast<int>(g)));
     if (core::CompactLookupRows(c, spec, static_cast<int>(g)) > 0) a.compact_lookup_slot = static_cast<int>(g);
   }
   a.sharded_grads = core::ShardedGradients(c);

@@ -90,6 +90,7 @@
 #include "common/status.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
+#include "planning/grad_arena.h"
 #include "planning/plan.h"
 
 namespace rp::shm {
@@ -98,6 +99,7 @@ inline constexpr uint64_t kSegmentMagic = 0x3174536550695052ull;  // "RPiPeSt1"
 inline constexpr uint32_t kSegmentVersion = 4;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
+static_assert(kArenaAlign == core::kGradArenaAlign, "the gradient arena is sized in the segment's placement unit");
 // The optimizer's chunk of a parameter that is not row-summed (coordinator/optim/optimizer_step.h
 // checks that they agree): the unit of the gradient squares' table.
 inline constexpr int64_t kSquareChunkElems = int64_t{1} << 20;
@@ -261,24 +263,7 @@ struct ArenaLayout {
   uint64_t EvalLabelSlot(int slot) const;
 };
 
-// Gradient arena sizing. A slot is placed when the commit that first writes it in a step is
-// granted and released when its parameter's update is done. The arena must hold every slot at
-// once when a slot stays live across the whole step: with gradient clipping (no update may start
-// before the global norm, i.e. before the last gradient) or with K > 1 accumulation calls (a
-// stage's slots take a commit per call). Otherwise updates follow the backward pass layer by
-// layer and the arena needs only the largest stage's slots plus the slots a tied parameter keeps
-// until its last use (the LM head's gradient waits for the embedding's); `auto` doubles that so
-// one stage can commit while the previous stage's update runs.
-struct GradArenaSizing {
-  uint64_t all_slots = 0;   // every slot at once (no streaming)
-  uint64_t minimum = 0;     // smallest arena that always makes progress
-  uint64_t chosen = 0;      // what the layout uses
-  bool must_hold_all = false;
-};
-StatusOr<GradArenaSizing> SizeGradArena(const core::JobConfig& config, const core::ModelSpec& spec,
-                                        const core::PipelinePlan& plan);
-
-// Fails only where SizeGradArena does (an explicit optimizer.grad_buffer_mb below the minimum).
+// Fails only where core::SizeGradArena does (an explicit optimizer.grad_buffer_mb below the minimum).
 StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& config, const core::ModelSpec& spec,
                                     const core::PipelinePlan& plan);
 

@@ -168,7 +168,7 @@ TEST(Layout, GradientArenaStreamsOnlyWhenNothingMustBeHeld) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  auto sizing = SizeGradArena(cfg, spec, *plan);
+  auto sizing = core::SizeGradArena(cfg, spec, *plan);
   ASSERT_TRUE(sizing.ok());
   EXPECT_FALSE(sizing->must_hold_all);
   EXPECT_LT(sizing->chosen, sizing->all_slots);
@@ -176,12 +176,12 @@ TEST(Layout, GradientArenaStreamsOnlyWhenNothingMustBeHeld) {
   EXPECT_TRUE(ComputeLayout(cfg, spec, *plan)->grads_streamed);
 
   cfg.train.grad_clip = 1.0;  // the global norm needs every gradient before any update
-  sizing = SizeGradArena(cfg, spec, *plan);
+  sizing = core::SizeGradArena(cfg, spec, *plan);
   ASSERT_TRUE(sizing.ok());
   EXPECT_TRUE(sizing->must_hold_all);
   EXPECT_GE(sizing->chosen, sizing->all_slots);
   cfg.optimizer.grad_buffer_mb = 1;
-  auto small = SizeGradArena(cfg, spec, *plan);
+  auto small = core::SizeGradArena(cfg, spec, *plan);
   if (sizing->all_slots > (1u << 20)) {
     ASSERT_FALSE(small.ok());
     EXPECT_NE(small.status().message().find("optimizer.grad_buffer_mb"), std::string::npos);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <gtest/gtest.h>
 
+#include "planning/grad_arena.h"
 #include "planning/partitioner.h"
 #include "planning/simulator.h"
 
@@ -444,6 +445,62 @@ TEST(Simulator, CommitsWaitingForTheNormGoLastStageFirstByHand) {
   EXPECT_DOUBLE_EQ(waiting.step_done[0], 3.0);
   EXPECT_DOUBLE_EQ(waiting.makespan, 4.5);
   EXPECT_DOUBLE_EQ(waiting.peak_held_grad_bytes[0], 2.0);
+}
+
+TEST(Simulator, ASmallArenaMakesCommitsWaitForEarlierUpdatesByHand) {
+  // The commits above, waiting for the norm, through an arena with room for one stage: layer
+  // 0's commit [2, 2.5), its update [2.5, 3.5) releases its slots; layer 1's commit waits for
+  // that: [3.5, 4), update [4, 5). Its gradients stay on the device from 1 to 4. With room for
+  // both stages nothing waits (as without an arena).
+  SimInput in = TwoStagesBackwardOrder();
+  in.d2h_bytes_per_s = 2.0;
+  in.commits_wait_for_norm = true;
+  for (auto& st : in.stages) {
+    st.arena_bytes = 1.0;
+    st.owner_arena_bytes = {1.0};
+  }
+  in.arena_bytes = 1.0;
+  auto one = Simulate(in);
+  EXPECT_DOUBLE_EQ(one.step_done[0], 4.0);
+  EXPECT_DOUBLE_EQ(one.makespan, 5.0);
+  EXPECT_DOUBLE_EQ(one.peak_held_grad_bytes[0], 2.0);
+  in.arena_bytes = 2.0;
+  auto two = Simulate(in);
+  EXPECT_DOUBLE_EQ(two.step_done[0], 3.0);
+  EXPECT_DOUBLE_EQ(two.makespan, 4.5);
+}
+
+TEST(Simulator, AStreamedArenaIsPassedOnOnlyWhereCommitsWaitForTheNorm) {
+  // BuildSimInput: gradients waiting in the workers stream through an arena of two stages (the
+  // default) less the tied slots; each stage's commit places its layers' slots. Gradients waiting
+  // on the host need an arena holding every slot: no room to model.
+  JobConfig c = StagedJob(4, 1, 2, 1);
+  c.model.tie_embeddings = false;
+  c.train.grad_clip = 1.0;
+  c.schedule.backward_stages = 4;
+  auto plan = MakePlan(c);
+  ASSERT_TRUE(plan.ok());
+  const ModelSpec spec = BuildModelSpec(c.model);
+  const Profile profile = CostModelProfile(c, 1e12, 1e10, 1e9);
+  EXPECT_EQ(BuildSimInput(c, spec, *plan, profile, 1, 3).arena_bytes, 0.0);
+  c.optimizer.gradients_wait_in = GradientsWait::kWorkers;
+  const SimInput in = BuildSimInput(c, spec, *plan, profile, 1, 3);
+  auto sizing = SizeGradArena(c, spec, *plan);
+  ASSERT_TRUE(sizing.ok());
+  ASSERT_LT(sizing->chosen, sizing->all_slots);
+  EXPECT_DOUBLE_EQ(in.arena_bytes, static_cast<double>(sizing->chosen - sizing->shared));
+  double largest = 0.0, all = 0.0;
+  for (const auto& st : in.stages) {
+    ASSERT_EQ(st.owner_arena_bytes.size(), st.owners.size());
+    double sum = 0.0;
+    for (double b : st.owner_arena_bytes) sum += b;
+    EXPECT_DOUBLE_EQ(sum, st.arena_bytes);
+    EXPECT_EQ(st.arena_bytes > 0, st.grad_bytes > 0);
+    largest = std::max(largest, st.arena_bytes);
+    all += st.arena_bytes;
+  }
+  EXPECT_GE(in.arena_bytes, largest);
+  EXPECT_LT(in.arena_bytes, all);
 }
 
 TEST(Simulator, GradientsWaitingInWorkersAreSimulatedSo) {
