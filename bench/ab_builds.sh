@@ -16,7 +16,7 @@
 # same image, without configuring or building), RP_AB_TIMEOUT (seconds per run, default 600).
 set -uo pipefail
 if [ $# -lt 4 ]; then
-  sed -n '2,18p' "$0" >&2
+  sed -n '2,16p' "$0" >&2
   exit 2
 fi
 base_tree=$(realpath "$1"); rounds=$2; out=$(realpath -m "$3"); shift 3
