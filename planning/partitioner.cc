@@ -336,7 +336,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   if (out.kept_apart) {
     for (size_t i = 0; i < plan.stages.size(); ++i)
       if (plan.stages[i].kind == StageKind::kFusedTail) out.held_with_kept += sum_bytes[i];
-    out.held_with_kept += covered_gradients;
+    out.covered_waiting = covered_gradients;
   }
   out.total = PeakMemory(c, &out, 0.0);
   return out;
@@ -349,10 +349,12 @@ double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) 
   double peak = parts;
   if (GradientsWaitInWorkers(c)) {
     const double held = std::max(m->held_gradients, simulated_held);
-    // kept_apart: at the forward's end every kept graph, the tail's gradients and the covered
-    // blocks' weights of the last update; at the backward's end every held gradient and the
-    // covered blocks' state, the kept graphs gone. Otherwise all at once.
-    const double forward_end = m->kept + std::min(m->held_with_kept, held) + m->device_update_weights;
+    // kept_apart: at the forward's end every kept graph, the tail's gradients (among this step's
+    // held ones), the covered blocks' weights of the last update and their gradients of the
+    // previous step; at the backward's end every held gradient and the covered blocks' state,
+    // the kept graphs gone. Otherwise all at once.
+    const double forward_end =
+        m->kept + std::min(m->held_with_kept, held) + m->covered_waiting + m->device_update_weights;
     const double backward_end = held + m->device_update;
     peak = common + (m->kept_apart ? std::max(forward_end, backward_end) : m->kept + held + m->device_update);
   }

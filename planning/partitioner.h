@@ -56,13 +56,15 @@ struct MemoryEstimate {
   double device_update_weights = 0.0;
   // Gradients waiting in the workers: the kept graphs (freed by the first backward stages after
   // the tail) and the gradients held for the norm (complete only at the backward's end) peak at
-  // different times. held_with_kept is what is held while every kept graph is still there (the
-  // tail's sums, and the covered blocks' fp32 gradients of the previous step, whose commits come
-  // last and may still wait through the next forward); not_at_once what the sum of the parts
-  // (with the simulated gradients waiting for slots, PlanChoice::held_grad_bytes) counts beyond
-  // the larger of the two moments. kept_apart says that order holds (no covered block is kept).
+  // different times. held_with_kept is what this step holds while every kept graph is still
+  // there (the tail's sums), covered_waiting the covered blocks' fp32 gradients of the previous
+  // step, whose commits come last and may still wait through this forward; not_at_once what the
+  // sum of the parts (with the simulated gradients waiting for slots,
+  // PlanChoice::held_grad_bytes) counts beyond the larger of the two moments. kept_apart says
+  // that order holds (no covered block is kept).
   bool kept_apart = false;
   double held_with_kept = 0.0;
+  double covered_waiting = 0.0;
   double not_at_once = 0.0;
 };
 

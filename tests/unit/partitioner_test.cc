@@ -697,10 +697,12 @@ TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOn
   const double elem = static_cast<double>(core::ComputeElemBytes(u));
   EXPECT_DOUBLE_EQ(d.device_update, covered * (12.0 + elem));
   EXPECT_DOUBLE_EQ(d.device_update_weights, covered * elem);
-  EXPECT_DOUBLE_EQ(d.held_with_kept, m.held_with_kept + covered * 4.0);
-  EXPECT_DOUBLE_EQ(d.total, common + std::max(d.kept + std::min(d.held_with_kept, d.held_gradients) +
-                                                  d.device_update_weights,
-                                              d.held_gradients + d.device_update));
+  EXPECT_DOUBLE_EQ(d.held_with_kept, m.held_with_kept);
+  EXPECT_DOUBLE_EQ(d.covered_waiting, covered * 4.0);
+  const double forward_end = d.kept + d.held_with_kept + d.covered_waiting + d.device_update_weights;
+  // Here the forward's end is the peak, the previous step's covered gradients in it.
+  ASSERT_GT(forward_end, d.held_gradients + d.device_update);
+  EXPECT_DOUBLE_EQ(d.total, common + forward_end);
   // A covered block that is also kept: no order to rely on, everything at once.
   JobConfig overlap = u;
   overlap.optimizer.device_update_blocks = 8;
