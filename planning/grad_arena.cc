@@ -3,17 +3,11 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 namespace rp::core {
 
 namespace {
-// How many grad slots each parameter has (more than one: a tied parameter).
-std::vector<int> SlotsPerParam(const ModelSpec& spec) {
-  std::vector<int> uses(spec.params.size(), 0);
-  for (const auto& g : spec.grad_slots) uses[g.param]++;
-  return uses;
-}
-
 std::vector<uint64_t> ByOwner(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan, const Stage& st,
                               const std::vector<int>& uses) {
   std::vector<uint64_t> bytes(static_cast<size_t>(plan.num_layers), 0);
@@ -34,24 +28,25 @@ uint64_t GradSlotBytes(const JobConfig& c, const ModelSpec& spec, int slot) {
   return (static_cast<uint64_t>(numel) * 4 + 255) / 256 * 256;
 }
 
-std::vector<uint64_t> StageArenaBytesByOwner(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
-                                             int stage) {
-  return ByOwner(c, spec, plan, plan.stages[stage], SlotsPerParam(spec));
-}
-
-StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan) {
+StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
+                                        std::vector<std::vector<uint64_t>>* stage_bytes_by_owner) {
   GradArenaSizing s;
-  const std::vector<int> uses = SlotsPerParam(spec);
+  // How many grad slots each parameter has (more than one: a tied parameter).
+  std::vector<int> uses(spec.params.size(), 0);
+  for (const auto& g : spec.grad_slots) uses[g.param]++;
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
     const uint64_t bytes = GradSlotBytes(c, spec, static_cast<int>(g));
     s.all_slots += bytes;
     if (uses[spec.grad_slots[g].param] > 1) s.shared += bytes;
   }
   uint64_t largest_stage = 0;
+  if (stage_bytes_by_owner) stage_bytes_by_owner->clear();
   for (const auto& st : plan.stages) {
+    std::vector<uint64_t> by_owner = ByOwner(c, spec, plan, st, uses);
     uint64_t bytes = 0;
-    for (uint64_t b : ByOwner(c, spec, plan, st, uses)) bytes += b;
+    for (uint64_t b : by_owner) bytes += b;
     largest_stage = std::max(largest_stage, bytes);
+    if (stage_bytes_by_owner) stage_bytes_by_owner->push_back(std::move(by_owner));
   }
   // Gradients that wait for the norm on the workers reach the arena after it: streamed.
   s.must_hold_all = (UpdatesWaitForNorm(c) && !GradientsWaitInWorkers(c)) || Round(c).calls > 1;

@@ -31,13 +31,6 @@ inline constexpr uint64_t kGradArenaAlign = 4096;
 // lookup slot holds only its rows, CompactLookupRows; sharded gradients this node's share).
 uint64_t GradSlotBytes(const JobConfig& config, const ModelSpec& spec, int slot);
 
-// Bytes the commit of `stage` (a gradient stage of `plan`) places in the arena, leaving out the
-// slots of parameters used by several layers (GradArenaSizing::shared), per owner layer (the
-// host releases them with that layer's update; plan.num_layers entries). Zeros for a forward
-// stage.
-std::vector<uint64_t> StageArenaBytesByOwner(const JobConfig& config, const ModelSpec& spec, const PipelinePlan& plan,
-                                             int stage);
-
 struct GradArenaSizing {
   uint64_t all_slots = 0;   // every slot at once (no streaming)
   uint64_t minimum = 0;     // smallest arena that always makes progress
@@ -45,7 +38,11 @@ struct GradArenaSizing {
   uint64_t shared = 0;      // of those, the tied parameters' slots, held until their last use
   bool must_hold_all = false;
 };
-// Fails for an explicit optimizer.grad_buffer_mb below the minimum, naming why.
-StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& config, const ModelSpec& spec, const PipelinePlan& plan);
+// Fails for an explicit optimizer.grad_buffer_mb below the minimum, naming why. With
+// `stage_bytes_by_owner`, also what each stage's commit places in the arena (leaving out
+// `shared`), per owner layer (the host releases them with that layer's update): one row of
+// plan.num_layers entries per stage, zeros for a forward stage.
+StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& config, const ModelSpec& spec, const PipelinePlan& plan,
+                                        std::vector<std::vector<uint64_t>>* stage_bytes_by_owner = nullptr);
 
 }  // namespace rp::core

@@ -240,8 +240,9 @@ SimResult Simulate(const SimInput& in) {
       // the optimizer (run_updates' order: the commits' grant order, covered layers last). A
       // tied layer's update waits for its last commit; its slots are not in arena_bytes.
       std::vector<int> last_commit(owners, -1);
-      for (size_t i = 0; i < ordered.size(); ++i)
-        for (int o : in.stages[ordered[i].stage].owners) last_commit[o] = static_cast<int>(i);
+      if (in.arena_bytes > 0)
+        for (size_t i = 0; i < ordered.size(); ++i)
+          for (int o : in.stages[ordered[i].stage].owners) last_commit[o] = static_cast<int>(i);
       std::vector<std::pair<double, double>> placed;  // (released at, bytes) per layer, in update order
       double host_free = optimizer_free;
       for (size_t i = 0; i < ordered.size(); ++i) {
@@ -401,8 +402,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   auto device_updated = [&](int l) { return DeviceUpdatesLayer(c, l); };
   // A streamed arena delays the commits that wait for the norm (SimInput::arena_bytes); when it
   // holds every gradient, or its size is refused (the run would not start), room is left out.
+  std::vector<std::vector<uint64_t>> arena_by_owner;  // per stage, per owner layer
   if (in.commits_wait_for_norm) {
-    auto sizing = SizeGradArena(c, spec, plan);
+    auto sizing = SizeGradArena(c, spec, plan, &arena_by_owner);
     if (sizing.ok() && sizing->chosen < sizing->all_slots)
       in.arena_bytes = static_cast<double>(sizing->chosen - sizing->shared);
   }
@@ -410,8 +412,6 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     const Stage& s = plan.stages[i];
     SimStage st;
     const bool grads = s.kind != StageKind::kForward;
-    const std::vector<uint64_t> arena_by_owner =
-        in.arena_bytes > 0 ? StageArenaBytesByOwner(c, spec, plan, static_cast<int>(i)) : std::vector<uint64_t>();
     std::vector<bool> owner(plan.num_layers, false);
     for (int l = s.begin; l < s.end; ++l) {
       const LayerCost& lc = profile.layers[l];
@@ -451,8 +451,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     for (int l = 0; l < plan.num_layers; ++l)
       if (owner[l]) {
         st.owners.push_back(l);
-        if (!arena_by_owner.empty()) {
-          st.owner_arena_bytes.push_back(static_cast<double>(arena_by_owner[static_cast<size_t>(l)]));
+        if (in.arena_bytes > 0) {
+          st.owner_arena_bytes.push_back(static_cast<double>(arena_by_owner[i][static_cast<size_t>(l)]));
           st.arena_bytes += st.owner_arena_bytes.back();
         }
       }
