@@ -120,6 +120,10 @@ const EnumNames<DeviceKind> kDeviceNames = {{DeviceKind::kAuto, "auto"}, {Device
                                             {DeviceKind::kCuda, "cuda"}};
 const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"}, {DataFormat::kTokens, "tokens"},
                                             {DataFormat::kJsonl, "jsonl"}, {DataFormat::kRandom, "random"}};
+const EnumNames<DataPacking> kPackingNames = {{DataPacking::kAuto, "auto"}, {DataPacking::kStream, "stream"},
+                                              {DataPacking::kDocuments, "documents"}, {DataPacking::kPad, "pad"}};
+const EnumNames<LongRecords> kLongRecordNames = {{LongRecords::kSplit, "split"}, {LongRecords::kTruncate, "truncate"},
+                                                 {LongRecords::kDrop, "drop"}};
 const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"},
                                            {TrainDtype::kFp16, "fp16"}, {TrainDtype::kFp8, "fp8"}};
 const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
@@ -297,6 +301,16 @@ const std::vector<KeySpec>& Table() {
       Float("data", "eval_fraction", F(data.eval_fraction), 0.0, 0.0, 0.5,
             "Instead of eval_path: hold out this fraction of data.path's windows (the last ones "
             "in file order, at least one), which training then never reads"),
+      Enum("data", "packing", F(data.packing), DataPacking::kAuto, kPackingNames,
+           "How records share a window. documents: whole records packed into windows, each attending "
+           "only to itself with RoPE positions restarting at its first token (no cross-record "
+           "context); pad: one record per window; stream: records concatenated and cut every "
+           "seq_len tokens, attention across them (pretraining). auto: documents for jsonl, "
+           "stream for bytes, tokens and random"),
+      Enum("data", "long_records", F(data.long_records), LongRecords::kSplit, kLongRecordNames,
+           "Packing documents or pad: a record longer than seq_len is split into seq_len pieces "
+           "(each its own document, positions continuing), truncated to its first seq_len tokens, "
+           "or dropped; the counts are logged"),
 
       Int("train", "steps", F(train.steps), 20, 1, kMax, "Optimizer steps"),
       Int("train", "seed", F(train.seed), 1234, 0, kMax, "Seed of init and data order"),
@@ -652,6 +666,10 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
                                      std::to_string(c.data.seq_len + 1) + " bytes");
   }
+  if (c.data.packing != DataPacking::kStream && c.data.format != DataFormat::kJsonl)
+    return Status::InvalidArgument(std::string("data.packing: \"") + EnumName(c.data.packing) + "\" needs records; data.format = \"" +
+                                   EnumName(c.data.format) + "\" is one stream without document boundaries "
+                                   "(use data.format = \"jsonl\", or data.packing = \"stream\")");
   if (!c.data.eval_path.empty() && c.data.eval_fraction > 0.0)
     return Status::InvalidArgument("data.eval_fraction: set together with data.eval_path; choose one");
   if (c.data.eval_fraction > 0.0 && c.data.format == DataFormat::kRandom)
@@ -958,6 +976,8 @@ std::vector<KeyDoc> DocumentedKeys() {
 
 const char* EnumName(DeviceKind v) { return NameIn(kDeviceNames, v); }
 const char* EnumName(DataFormat v) { return NameIn(kFormatNames, v); }
+const char* EnumName(DataPacking v) { return NameIn(kPackingNames, v); }
+const char* EnumName(LongRecords v) { return NameIn(kLongRecordNames, v); }
 const char* EnumName(TrainDtype v) { return NameIn(kDtypeNames, v); }
 const char* EnumName(OptimizerName v) { return NameIn(kOptimizerNames, v); }
 const char* EnumName(OptimizerMode v) { return NameIn(kModeNames, v); }
@@ -988,6 +1008,7 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   for (auto& s : Table()) known[s.doc.section][s.doc.key] = &s;
 
   JobConfig cfg;
+  cfg.data.packing = DataPacking::kAuto;  // resolved below, once data.format is known
   for (auto& [sec_name, sec_node] : root) {
     std::string sec(sec_name.str());
     auto it = known.find(sec);
@@ -1010,6 +1031,8 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
   cfg.lora.init_from = Join(base_dir, cfg.lora.init_from);
   cfg.data.eval_path = Join(base_dir, cfg.data.eval_path);
+  if (cfg.data.packing == DataPacking::kAuto)
+    cfg.data.packing = cfg.data.format == DataFormat::kJsonl ? DataPacking::kDocuments : DataPacking::kStream;
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     cfg.model.path = Join(base_dir, cfg.model.path);

@@ -26,6 +26,9 @@ namespace rp::core {
 // (job_config.cc), which maps them once; EnumName() gives them back for logs and output files.
 enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };              // job.device
 enum class DataFormat : uint8_t { kBytes, kTokens, kJsonl, kRandom };  // data.format
+// data.packing: kAuto is resolved when the job is parsed (documents for jsonl, stream otherwise).
+enum class DataPacking : uint8_t { kAuto, kStream, kDocuments, kPad };
+enum class LongRecords : uint8_t { kSplit, kTruncate, kDrop };      // data.long_records
 enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16, kFp8 };        // train.dtype
 enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
@@ -40,6 +43,8 @@ enum class Tristate : uint8_t { kAuto, kAlways, kNever };
 
 const char* EnumName(DeviceKind v);
 const char* EnumName(DataFormat v);
+const char* EnumName(DataPacking v);
+const char* EnumName(LongRecords v);
 const char* EnumName(TrainDtype v);
 const char* EnumName(OptimizerName v);
 const char* EnumName(OptimizerMode v);
@@ -127,6 +132,13 @@ struct DataConfig {
   bool shuffle = true;
   std::string eval_path;         // held-out corpus in data.format; "" = none
   double eval_fraction = 0.0;    // or: the last fraction of data.path's windows, never trained on
+  // How records share a window (io/data.h): "stream" cuts the concatenated records into windows
+  // and attends across them; "documents" packs whole records, each attending only to itself with
+  // RoPE positions restarting at its first token; "pad" puts one record in each window.
+  // A parsed job never holds kAuto (ParseJobConfig resolves it); a JobConfig built in code
+  // starts with stream.
+  DataPacking packing = DataPacking::kStream;
+  LongRecords long_records = LongRecords::kSplit;  // records longer than seq_len ("documents", "pad")
 };
 
 // fp16's dynamic loss scaling (torch.amp.GradScaler's rule): each step's loss is multiplied by

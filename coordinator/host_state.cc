@@ -183,7 +183,8 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
   int64_t eval_targets = 0;
   for (int k = 0; k < layout_.eval_slots; ++k) {
     int64_t* labels = state_->At<int64_t>(layout_.EvalLabelSlot(k));
-    eval_data->FillEval(k, state_->At<int64_t>(layout_.EvalTokenSlot(k)), labels);
+    eval_data->FillEval(k, state_->At<int64_t>(layout_.EvalTokenSlot(k)), labels,
+                        state_->At<int64_t>(layout_.EvalPositionSlot(k)));
     for (uint64_t i = 0; i < layout_.tokens_per_mb; ++i) eval_targets += labels[i] != core::kIgnoreIndex;
   }
   if (layout_.eval_slots > 0 && eval_targets == 0)

@@ -65,7 +65,8 @@ Status StepDispatch::FeedCall(int64_t g) {
   std::vector<const int64_t*> call_tokens;
   for (int mb = 0; mb < parts_.round.microbatches; ++mb) {
     int64_t* tokens = parts_.state.At<int64_t>(parts_.layout.TokenSlot(parity, mb));
-    parts_.data.Fill(step, call, mb, tokens, parts_.state.At<int64_t>(parts_.layout.LabelSlot(parity, mb)));
+    parts_.data.Fill(step, call, mb, tokens, parts_.state.At<int64_t>(parts_.layout.LabelSlot(parity, mb)),
+                     parts_.state.At<int64_t>(parts_.layout.PositionSlot(parity, mb)));
     call_tokens.push_back(tokens);
   }
   // Every row the embedding's lookup gradient can touch this step, given before any of its jobs

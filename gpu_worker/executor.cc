@@ -273,6 +273,7 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
   Status s = Guarded([&] { return "eval job " + std::to_string(job.job_index); }, [&] {
     c10::NoGradGuard no_grad;
     math_.SetTraining(false);
+    math_.SetDocuments(DocumentsAt(layout_.EvalPositionSlot(job.slot)));
     const std::vector<int64_t> shape = {cfg_.train.microbatch_size, cfg_.data.seq_len};
     at::Tensor x = device_.FetchActivation(segment_.data() + layout_.EvalTokenSlot(job.slot), shape, at::kLong);
     at::Tensor labels = device_.FetchActivation(segment_.data() + layout_.EvalLabelSlot(job.slot), shape, at::kLong);
@@ -440,7 +441,7 @@ StatusOr<std::vector<MicrobatchResult>> Executor::ForwardLayers(const std::map<i
     for (; lm_.next_layer < copied_end; ++lm_.next_layer) {
       const int l = lm_.next_layer;
       for (int mb = 0; mb < M; ++mb) {
-        SetDropoutKeyFor(mb);
+        SetMicrobatchFor(mb);
         at::Tensor x;
         if (l > stage_.begin) {
           x = lm_.hidden[mb];
@@ -537,8 +538,23 @@ at::Tensor Executor::StageInput(int mb) {
   return stage_.begin == 0 ? Tokens(mb, false) : Hidden(mb, stage_.begin);
 }
 
-void Executor::SetDropoutKeyFor(int mb) {
+void Executor::SetMicrobatchFor(int mb) {
   math_.SetDropoutKey(model::DropoutKey(cfg_.train.seed, job_.step, core::StepMicrobatch(cfg_, job_.call, mb)));
+  const auto key = std::make_tuple(job_.step, job_.call, mb);
+  auto it = documents_.find(key);
+  if (it == documents_.end()) {
+    for (auto old = documents_.begin(); old != documents_.end();)
+      old = std::get<0>(old->first) + 1 < job_.step ? documents_.erase(old) : std::next(old);
+    it = documents_.emplace(key, DocumentsAt(layout_.PositionSlot(job_.parity, mb))).first;
+  }
+  math_.SetDocuments(it->second);
+}
+
+model::Documents Executor::DocumentsAt(uint64_t positions) {
+  return model::MakeDocuments(segment_.At<int64_t>(positions), cfg_.train.microbatch_size, cfg_.data.seq_len,
+                              [this](const int64_t* host, int64_t n) {
+                                return device_.FetchActivation(host, {n}, at::kLong);
+                              });
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
@@ -793,7 +809,7 @@ StatusOr<MicrobatchResult> Executor::Microbatch(int mb, InputSources from) {
   MicrobatchResult r;
   Status s = Guarded([&] { return "job " + std::to_string(job_.job_index) + " microbatch " + std::to_string(mb); }, [&] {
     pending_marks_.clear();
-    SetDropoutKeyFor(mb);
+    SetMicrobatchFor(mb);
     math_.SetRouterAuxGrad({});  // one that an exception left set belongs to another microbatch
     switch (stage_.kind) {
       case core::StageKind::kForward: r = RunForward(mb); break;

@@ -220,8 +220,12 @@ class Executor {
   // The stage's input for microbatch `mb`: its token slot (a stage from the embedding) or the
   // hidden state at the stage's first layer (from from_'s producer).
   at::Tensor StageInput(int mb);
-  // LoRA dropout masks for microbatch `mb` of the current job (model::DropoutKey).
-  void SetDropoutKeyFor(int mb);
+  // What the layer math needs to know of microbatch `mb` of the current job: its LoRA dropout
+  // masks' key (model::DropoutKey) and its documents (model/documents.h, built once per
+  // microbatch and kept while its step may still run here).
+  void SetMicrobatchFor(int mb);
+  // The documents of the microbatch whose positions are at `positions` in the state segment.
+  model::Documents DocumentsAt(uint64_t positions);
   at::Tensor InputGrad(int mb, int boundary);
   void StoreHidden(int mb, int boundary, const at::Tensor& t);
   // The routers' load-balancing loss (shm::ArenaLayout router statistics): a forward of sparse
@@ -355,6 +359,9 @@ class Executor {
   std::map<int, at::Tensor> frozen_kept_;
 
   proto::RunJob job_{};
+  // SetMicrobatchFor's documents by (step, call, microbatch); entries of steps before the
+  // previous one are dropped.
+  std::map<std::tuple<int64_t, int64_t, int>, model::Documents> documents_;
   core::Stage stage_{};
   InputSources from_{};  // the microbatch being computed's
   StageWeights current_, next_;

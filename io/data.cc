@@ -19,6 +19,8 @@ StatusOr<Dataset> Dataset::OpenFile(const JobConfig& c, const std::string& key) 
   Dataset d;
   d.config_ = c;
   d.key_ = key;
+  if (c.data.packing == core::DataPacking::kAuto)
+    return Status::Internal("data.packing: \"auto\" reached the dataset unresolved (ParseJobConfig resolves it)");
   if (c.data.format == core::DataFormat::kBytes) {
     std::ifstream in(c.data.path, std::ios::binary);
     if (!in) return Status::InvalidArgument(d.key_ + ": cannot read " + c.data.path);
@@ -151,22 +153,99 @@ Status Dataset::OpenJsonl() {
       }
     }
     // Position i predicts the record's token i + 1 (or its label); the last predicts nothing.
+    std::vector<int32_t> record(n), targets(n);
     for (size_t i = 0; i < n; ++i) {
       int64_t t = kIgnoreIndex;
       if (i + 1 < n) {
         if (has_labels) t = j["labels"][i + 1].get<int64_t>();
         else if (!has_mask || j["loss_mask"][i + 1].get<int64_t>() == 1) t = ids[i + 1].get<int64_t>();
       }
-      packed_tokens_.push_back(static_cast<int32_t>(ids[i].get<int64_t>()));
-      packed_targets_.push_back(static_cast<int32_t>(t));
+      record[i] = static_cast<int32_t>(ids[i].get<int64_t>());
+      targets[i] = static_cast<int32_t>(t);
     }
+    PackRecord(std::move(record), std::move(targets));
   }
+  if (config_.data.packing != core::DataPacking::kStream) PadToWindowEnd();
   const int64_t S = config_.data.seq_len;
   windows_ = static_cast<int64_t>(packed_tokens_.size()) / S;
   if (windows_ == 0)
     return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(packed_tokens_.size()) +
-                                   " tokens, fewer than one sequence of seq_len " + std::to_string(S));
+                                   " tokens" + (stats_.dropped > 0 ? " after dropping " + std::to_string(stats_.dropped) +
+                                   " records longer than seq_len" : std::string()) +
+                                   ", fewer than one sequence of seq_len " + std::to_string(S));
   return Status::Ok();
+}
+
+void Dataset::PadToWindowEnd() {
+  const size_t S = static_cast<size_t>(config_.data.seq_len);
+  // Padding is a document of its own: positions from 0, so it starts one wherever it begins.
+  for (int32_t pos = 0; packed_tokens_.size() % S != 0; ++pos) {
+    packed_tokens_.push_back(0);
+    packed_targets_.push_back(static_cast<int32_t>(kIgnoreIndex));
+    packed_positions_.push_back(pos);
+    ++stats_.padding;
+  }
+}
+
+void Dataset::PackRecord(std::vector<int32_t> tokens, std::vector<int32_t> targets) {
+  const auto packing = config_.data.packing;
+  const size_t S = static_cast<size_t>(config_.data.seq_len);
+  ++stats_.records;
+  if (packing == core::DataPacking::kStream) {
+    stats_.tokens += static_cast<int64_t>(tokens.size());
+    packed_tokens_.insert(packed_tokens_.end(), tokens.begin(), tokens.end());
+    packed_targets_.insert(packed_targets_.end(), targets.begin(), targets.end());
+    return;
+  }
+  if (tokens.size() > S) {
+    switch (config_.data.long_records) {
+      case core::LongRecords::kDrop:
+        ++stats_.dropped;
+        return;
+      case core::LongRecords::kTruncate:
+        // As a record of seq_len tokens: its last position predicts nothing.
+        ++stats_.truncated;
+        tokens.resize(S);
+        targets.resize(S);
+        targets.back() = static_cast<int32_t>(kIgnoreIndex);
+        break;
+      case core::LongRecords::kSplit:
+        ++stats_.split;
+        break;
+    }
+  }
+  stats_.tokens += static_cast<int64_t>(tokens.size());
+  const bool split = tokens.size() > S;
+  for (size_t first = 0; first < tokens.size(); first += S) {
+    const size_t n = std::min(S, tokens.size() - first);
+    const size_t room = S - packed_tokens_.size() % S;
+    // A record starts a window in "pad" packing; a piece of a split record always starts one;
+    // in "documents" packing a record that does not fit the room left starts the next window.
+    if (packed_tokens_.size() % S != 0 && (packing == core::DataPacking::kPad || split || n > room)) PadToWindowEnd();
+    packed_tokens_.insert(packed_tokens_.end(), tokens.begin() + first, tokens.begin() + first + n);
+    packed_targets_.insert(packed_targets_.end(), targets.begin() + first, targets.begin() + first + n);
+    for (size_t i = 0; i < n; ++i) packed_positions_.push_back(static_cast<int32_t>(first + i));
+  }
+}
+
+std::string Dataset::PackingSummary() const {
+  if (config_.data.format == core::DataFormat::kRandom) return "";
+  const int64_t S = config_.data.seq_len;
+  std::ostringstream o;
+  o << key_ << ": ";
+  if (config_.data.format == core::DataFormat::kJsonl) o << stats_.records << " records, " << stats_.tokens << " tokens, ";
+  o << windows_ << " windows of " << S << " tokens (" << EnumName(config_.data.packing) << " packing";
+  const int64_t all = static_cast<int64_t>(packed_tokens_.size());
+  if (all > 0 && stats_.padding > 0) {
+    o.setf(std::ios::fixed);
+    o.precision(1);
+    o << ", " << 100.0 * static_cast<double>(all - stats_.padding) / static_cast<double>(all) << "% of the tokens are records'";
+  }
+  o << ")";
+  if (stats_.split + stats_.truncated + stats_.dropped > 0)
+    o << "; records longer than seq_len: " << stats_.split << " split, " << stats_.truncated << " truncated, "
+      << stats_.dropped << " dropped";
+  return o.str();
 }
 
 int64_t Dataset::TokenAt(int64_t i) const {
@@ -194,11 +273,11 @@ const std::vector<int64_t>& Dataset::Permutation(int64_t epoch) {
   return perm_;
 }
 
-void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels) {
-  FillStepMicrobatch(step, StepMicrobatch(config_, call, mb), tokens, labels);
+void Dataset::Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels, int64_t* positions) {
+  FillStepMicrobatch(step, StepMicrobatch(config_, call, mb), tokens, labels, positions);
 }
 
-void Dataset::FillStepMicrobatch(int64_t step, int64_t first, int64_t* tokens, int64_t* labels) {
+void Dataset::FillStepMicrobatch(int64_t step, int64_t first, int64_t* tokens, int64_t* labels, int64_t* positions) {
   const auto& t = config_.train;
   const RoundShape whole = GlobalRound(config_);
   const int64_t step_microbatches = whole.calls * whole.microbatches;
@@ -207,15 +286,15 @@ void Dataset::FillStepMicrobatch(int64_t step, int64_t first, int64_t* tokens, i
     const int64_t g = (step * step_microbatches + first) * t.microbatch_size + i;
     if (config_.data.format == core::DataFormat::kRandom) {
       FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0x5EEDu, static_cast<uint64_t>(g)}),
-                 tokens + i * S, labels + i * S);
+                 tokens + i * S, labels + i * S, positions ? positions + i * S : nullptr);
       continue;
     }
     const int64_t epoch = g / windows_;
-    FillWindow(Permutation(epoch)[g % windows_], tokens + i * S, labels + i * S);
+    FillWindow(Permutation(epoch)[g % windows_], tokens + i * S, labels + i * S, positions ? positions + i * S : nullptr);
   }
 }
 
-void Dataset::FillEval(int64_t index, int64_t* tokens, int64_t* labels) {
+void Dataset::FillEval(int64_t index, int64_t* tokens, int64_t* labels, int64_t* positions) {
   const auto& t = config_.train;
   const int64_t S = config_.data.seq_len;
   for (int64_t i = 0; i < t.microbatch_size; ++i) {
@@ -223,14 +302,16 @@ void Dataset::FillEval(int64_t index, int64_t* tokens, int64_t* labels) {
     if (config_.data.format == core::DataFormat::kRandom) {
       // A stream of its own: no training draw (salt 0x5EED) repeats it.
       FillRandom(HashKey({static_cast<uint64_t>(config_.train.seed), 0xE7A1u, static_cast<uint64_t>(g)}),
-                 tokens + i * S, labels + i * S);
+                 tokens + i * S, labels + i * S, positions ? positions + i * S : nullptr);
       continue;
     }
-    FillWindow(first_window_ + g % windows_, tokens + i * S, labels + i * S);
+    FillWindow(first_window_ + g % windows_, tokens + i * S, labels + i * S, positions ? positions + i * S : nullptr);
   }
 }
 
-void Dataset::FillRandom(uint64_t key, int64_t* tok, int64_t* lab) const {
+void Dataset::FillRandom(uint64_t key, int64_t* tok, int64_t* lab, int64_t* pos) const {
+  if (pos != nullptr)
+    for (int64_t j = 0; j < config_.data.seq_len; ++j) pos[j] = j;
   CounterRng rng(key);
   const uint64_t V = static_cast<uint64_t>(config_.model.vocab_size);
   int64_t prev = static_cast<int64_t>(rng.NextBelow(V));
@@ -242,8 +323,10 @@ void Dataset::FillRandom(uint64_t key, int64_t* tok, int64_t* lab) const {
   }
 }
 
-void Dataset::FillWindow(int64_t w, int64_t* tok, int64_t* lab) const {
+void Dataset::FillWindow(int64_t w, int64_t* tok, int64_t* lab, int64_t* pos) const {
   const int64_t S = config_.data.seq_len;
+  if (pos != nullptr)
+    for (int64_t j = 0; j < S; ++j) pos[j] = packed_positions_.empty() ? j : packed_positions_[w * S + j];
   if (!packed_tokens_.empty()) {
     for (int64_t j = 0; j < S; ++j) {
       tok[j] = packed_tokens_[w * S + j];

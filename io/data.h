@@ -6,10 +6,24 @@
 // "vocab_size": N}; memory-mapped, every id checked against model.vocab_size when opened),
 // "jsonl" (one JSON object per line: "input_ids", optional "labels" (same length, -100 = ignore,
 // Hugging Face alignment: the model predicts labels[j + 1] at position j) or "loss_mask" (0/1 per
-// token); records are packed back to back into seq_len windows, and a record's last position
-// predicts nothing, so no target crosses a record boundary), "random" (synthetic). "bytes" and
-// "tokens" are cut into non-overlapping windows of seq_len + 1 tokens (stride seq_len). Windows
-// are visited in a per-epoch order shuffled by the seed.
+// token); a record's last position predicts nothing, so no target crosses a record boundary),
+// "random" (synthetic). Windows are visited in a per-epoch order shuffled by the seed.
+//
+// Packing (data.packing) decides what a window of seq_len tokens holds and what each token sees:
+//  * "stream": "bytes" and "tokens" are cut into non-overlapping windows of seq_len + 1 tokens
+//    (stride seq_len); "jsonl" records are concatenated and cut every seq_len tokens. Positions
+//    run 0..seq_len-1 in every window: attention crosses record boundaries.
+//  * "documents" ("jsonl" only): records in file order, each whole record placed in the current
+//    window if it fits in the room left, else in a new one (the rest of the old one padded).
+//    Every record is a document: its RoPE positions start at 0 and its tokens attend to its own
+//    earlier tokens only.
+//  * "pad" ("jsonl" only): one record per window, the rest padded.
+//  Padding is token 0 with no target, a document of its own. A record longer than seq_len
+//  (data.long_records): "split" into seq_len pieces, each starting a window, positions
+//  continuing across the pieces (a piece attends to itself only); "truncate" to its first
+//  seq_len tokens; "drop". Documents are told apart by their positions alone: a document begins
+//  at a window's first token and wherever a position is not its predecessor's plus one
+//  (model/documents.h).
 //
 // Eval set (train.eval_every): data.eval_path (a file in data.format), or the last
 // data.eval_fraction of data.path's windows, which the training view then never visits; for
@@ -17,7 +31,8 @@
 // windows in file order (no shuffling), so every evaluation sees the same set.
 //
 // Contract: Fill(step, call, mb) writes this node's microbatch `mb` of round `call` of optimizer
-// step `step` as int64 token ids and labels ([microbatch_size, seq_len] each, row-major). The
+// step `step` as int64 token ids, labels and RoPE positions ([microbatch_size, seq_len] each,
+// row-major; positions may be null when the caller does not need them). The
 // result is a pure function of (config, seed, step, StepMicrobatch(call, mb)): the pipelined
 // coordinator and rp-train-ref draw identical batches, and a step draws the same sequences
 // whatever the node count. Labels use -100 for ignored positions.
@@ -44,22 +59,40 @@ class Dataset {
   // The eval view (see above).
   static StatusOr<Dataset> OpenEval(const JobConfig& config);
 
-  void Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels);
+  void Fill(int64_t step, int64_t call, int64_t mb, int64_t* tokens, int64_t* labels,
+            int64_t* positions = nullptr);
   // Microbatch `index` of step `step` counted over the whole step, every node's microbatches
   // (core::StepMicrobatch): Fill(step, call, mb) is FillStepMicrobatch(step, StepMicrobatch(...)).
-  void FillStepMicrobatch(int64_t step, int64_t index, int64_t* tokens, int64_t* labels);
-  void FillEval(int64_t index, int64_t* tokens, int64_t* labels);
+  void FillStepMicrobatch(int64_t step, int64_t index, int64_t* tokens, int64_t* labels,
+                          int64_t* positions = nullptr);
+  void FillEval(int64_t index, int64_t* tokens, int64_t* labels, int64_t* positions = nullptr);
   // Number of labels != kIgnoreIndex in one optimizer step, over every node's microbatches (the
   // loss normalizer).
   int64_t CountStepTargets(int64_t step);
   int64_t NumWindows() const { return windows_; }
 
+  // What the file held and how it was packed (this view's windows only in `windows`).
+  struct PackingStats {
+    int64_t records = 0;
+    int64_t tokens = 0;           // records' tokens after splitting, truncating and dropping
+    int64_t padding = 0;          // padding tokens in the packed stream
+    int64_t split = 0, truncated = 0, dropped = 0;  // records longer than seq_len
+  };
+  const PackingStats& stats() const { return stats_; }
+  // One line for the log: records, tokens, windows, packing and the share of real tokens, and the
+  // records longer than seq_len; "" for synthetic data.
+  std::string PackingSummary() const;
+
  private:
   Dataset() = default;
   // Opens data.path of `config`; `key` names the file's key in errors.
   static StatusOr<Dataset> OpenFile(const JobConfig& config, const std::string& key);
-  void FillWindow(int64_t w, int64_t* tokens, int64_t* labels) const;
-  void FillRandom(uint64_t key, int64_t* tokens, int64_t* labels) const;
+  void FillWindow(int64_t w, int64_t* tokens, int64_t* labels, int64_t* positions) const;
+  void FillRandom(uint64_t key, int64_t* tokens, int64_t* labels, int64_t* positions) const;
+  // Appends one record (its tokens and per-position targets) to the packed stream as
+  // data.packing and data.long_records say.
+  void PackRecord(std::vector<int32_t> tokens, std::vector<int32_t> targets);
+  void PadToWindowEnd();
   const std::vector<int64_t>& Permutation(int64_t epoch);
   Status OpenTokens();
   Status OpenJsonl();
@@ -72,6 +105,8 @@ class Dataset {
   const uint8_t* tokens_ = nullptr;
   int token_bytes_ = 0;                      // 2 or 4
   std::vector<int32_t> packed_tokens_, packed_targets_;  // "jsonl": the packed stream
+  std::vector<int32_t> packed_positions_;                // with its RoPE positions
+  PackingStats stats_;
   int64_t windows_ = 0;       // windows this view visits, from first_window_
   int64_t first_window_ = 0;
   std::string key_ = "data.path";

@@ -2,6 +2,8 @@
 #include "model/transformer.h"
 
 #include <ATen/core/Reduction.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -417,6 +419,51 @@ at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight
   return bias.defined() ? y + bias : y;
 }
 
+namespace {
+// Softmax attention of q over k and v (as many heads each), fp32 scores and softmax; `blocked`
+// (broadcast to [B, heads, S, S]) is true where a query may not see a key.
+at::Tensor MaskedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocked) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(at::kFloat) * scale;
+  scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
+  at::Tensor probs = at::softmax(scores, -1).to(q.scalar_type());
+  return at::matmul(probs, v);
+}
+
+#if TORCH_VERSION_MAJOR >= 2
+// Causal flash attention over variable-length sequences packed back to back: q [tokens, nh, D],
+// k and v [tokens, nkv, D], sequence d = tokens [cu[d], cu[d + 1]). LibTorch's
+// aten::_flash_attention_forward (differentiable; its backward is the flash backward), called
+// through the dispatcher by name so that the arguments later LibTorch versions added after the
+// first ten take their schema's defaults.
+at::Tensor VarlenFlashAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& cu_seqlens, int64_t max_length) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::_flash_attention_forward", "");
+  const auto& args = op.schema().arguments();
+  torch::jit::Stack stack;
+  stack.emplace_back(q);
+  stack.emplace_back(k);
+  stack.emplace_back(v);
+  stack.emplace_back(cu_seqlens);
+  stack.emplace_back(cu_seqlens);
+  stack.emplace_back(max_length);
+  stack.emplace_back(max_length);
+  stack.emplace_back(0.0);    // dropout_p
+  stack.emplace_back(true);   // is_causal
+  stack.emplace_back(false);  // return_debug_mask
+  for (size_t i = stack.size(); i < args.size(); ++i) {
+    if (!args[i].default_value())
+      throw std::runtime_error("aten::_flash_attention_forward: argument " + args[i].name() +
+                               " has no default in this LibTorch (" + c10::toString(op.schema()) + ")");
+    stack.push_back(*args[i].default_value());
+  }
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+#endif
+}  // namespace
+
 at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D]. Expand kv heads for grouped-query attention.
   const int64_t groups = config_.num_heads / config_.num_kv_heads;
@@ -433,12 +480,32 @@ at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, cons
   if (q.is_cuda()) return at::scaled_dot_product_attention(q, ke, ve, {}, 0.0, /*is_causal=*/true);
 #endif
   const int64_t S = q.size(2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q, ke.transpose(-2, -1)).to(at::kFloat) * scale;
-  at::Tensor mask = at::ones({S, S}, scores.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  at::Tensor probs = at::softmax(scores, -1).to(q.scalar_type());
-  return at::matmul(probs, ve);
+  return MaskedAttention(q, ke, ve, at::ones({S, S}, q.options().dtype(at::kBool)).triu(1));
+}
+
+at::Tensor Transformer::DocumentAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+  // q: [B, nh, S, D]; k, v: [B, nkv, S, D].
+  const int64_t B = q.size(0), nh = q.size(1), S = q.size(2), D = q.size(3), nkv = k.size(1);
+  const int64_t groups = nh / nkv;
+#if TORCH_VERSION_MAJOR >= 2
+  if (q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf)) {
+    // The flash kernel over the documents as variable-length sequences of the B * S tokens
+    // (documents never cross rows), shared kv heads indexed by the kernel itself.
+    auto flat = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * S, t.size(1), D}); };
+    at::Tensor out = VarlenFlashAttention(flat(q), flat(k), flat(v), documents_.cu_seqlens, documents_.max_length);
+    return out.view({B, S, nh, D}).transpose(1, 2);
+  }
+#endif
+  // Token i sees token j when both are in one document and j <= i.
+  const at::Tensor& seg = documents_.segments;
+  at::Tensor causal = at::ones({S, S}, seg.options().dtype(at::kBool)).tril();
+  at::Tensor allowed = (seg.unsqueeze(2) == seg.unsqueeze(1)).logical_and_(causal).unsqueeze(1);  // [B, 1, S, S]
+  at::Tensor ke = groups > 1 ? k.repeat_interleave(groups, 1) : k;
+  at::Tensor ve = groups > 1 ? v.repeat_interleave(groups, 1) : v;
+#if TORCH_VERSION_MAJOR >= 2
+  if (q.is_cuda()) return at::scaled_dot_product_attention(q, ke, ve, allowed, 0.0, /*is_causal=*/false);
+#endif
+  return MaskedAttention(q, ke, ve, allowed.logical_not());
 }
 
 at::Tensor Transformer::Embed(const LayerWeights& w, const at::Tensor& tokens) const {
@@ -457,7 +524,17 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   at::Tensor v = Proj(w, "v_proj", h, layer, 2).view({B, S, nkv, D});
   e4m3_input_ = {};
   at::Tensor cos, sin;
-  RopeTables(S, q, &cos, &sin);
+  const bool documents = documents_.defined();
+  RopeTables(documents ? std::max(S, documents_.max_position + 1) : S, q, &cos, &sin);
+  if (documents) {
+    // Each token's own row of the tables, [B * S, D]: the kernels then take the microbatch as one
+    // sequence of B * S tokens, and the composite path broadcasts over the heads.
+    const at::Tensor rows = documents_.positions.reshape({B * S});
+    cos = cos.index_select(0, rows);
+    sin = sin.index_select(0, rows);
+  }
+  auto one_sequence = [&](const at::Tensor& t) { return documents ? t.reshape({1, B * S, t.size(2), D}) : t; };
+  auto per_row = [&](const at::Tensor& t) { return documents ? t.view({B, S, t.size(2), D}) : t; };
   // Qwen3's per-head norm and the rotation in one kernel where the head size allows.
   const bool norm_in_rope = config_.qk_norm && Fused(q) && fused_->HeadNormRopeSupports(D);
   if (config_.qk_norm && !norm_in_rope) {
@@ -467,17 +544,20 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   if (norm_in_rope) {
     // In [B, S, heads, D] order, where the projections left them contiguous; the attention
     // takes the transposed views as they are.
-    q = HeadNormRopeFn::apply(q, Get(w, "q_norm"), cos, sin, fused_, config_.rms_norm_eps).transpose(1, 2);
-    k = HeadNormRopeFn::apply(k, Get(w, "k_norm"), cos, sin, fused_, config_.rms_norm_eps).transpose(1, 2);
+    q = per_row(HeadNormRopeFn::apply(one_sequence(q), Get(w, "q_norm"), cos, sin, fused_, config_.rms_norm_eps))
+            .transpose(1, 2);
+    k = per_row(HeadNormRopeFn::apply(one_sequence(k), Get(w, "k_norm"), cos, sin, fused_, config_.rms_norm_eps))
+            .transpose(1, 2);
   } else if (Fused(q)) {
-    q = FusedRopeFn::apply(q, cos, sin, fused_).transpose(1, 2);
-    k = FusedRopeFn::apply(k, cos, sin, fused_).transpose(1, 2);
+    q = per_row(FusedRopeFn::apply(one_sequence(q), cos, sin, fused_)).transpose(1, 2);
+    k = per_row(FusedRopeFn::apply(one_sequence(k), cos, sin, fused_)).transpose(1, 2);
   } else {
-    q = Rope(q.transpose(1, 2), cos, sin);
-    k = Rope(k.transpose(1, 2), cos, sin);
+    const at::Tensor c = documents ? cos.view({B, 1, S, D}) : cos, s = documents ? sin.view({B, 1, S, D}) : sin;
+    q = Rope(q.transpose(1, 2), c, s);
+    k = Rope(k.transpose(1, 2), c, s);
   }
   v = v.transpose(1, 2);
-  at::Tensor attn = Attention(q, k, v).transpose(1, 2).reshape({B, S, nh * D});
+  at::Tensor attn = (documents ? DocumentAttention(q, k, v) : Attention(q, k, v)).transpose(1, 2).reshape({B, S, nh * D});
   at::Tensor o = Proj(w, "o_proj", attn, layer, 3);
   e4m3_input_ = {};
   const int64_t tokens = B * S, tile = mlp_tile_tokens_;

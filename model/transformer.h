@@ -31,6 +31,7 @@
 #include <string>
 
 #include "config/job_config.h"
+#include "model/documents.h"
 #include "model/fused_kernels.h"
 
 namespace rp::model {
@@ -66,6 +67,12 @@ class Transformer {
   // The key of the next microbatch's LoRA dropout masks (see DropoutKey); unused without dropout.
   void SetDropoutKey(uint64_t key) { dropout_key_ = key; }
   uint64_t dropout_key() const { return dropout_key_; }
+  // The documents of the next microbatch (model/documents.h): each block's attention stays
+  // inside a document and its RoPE positions come from Documents::positions. Undefined (the
+  // default): one causal sequence per row at positions 0..seq-1. On a CUDA bf16/fp16 tensor the
+  // attention is the variable-length flash kernel over the documents (no seq x seq mask); fp32
+  // and the CPU mask the scores.
+  void SetDocuments(Documents documents) { documents_ = std::move(documents); }
   // Off for evaluation: no dropout (as a model in eval mode).
   void SetTraining(bool training) { training_ = training; }
   // Dense blocks' post-attention norm and MLP over the microbatch's tokens (flattened, in order)
@@ -177,6 +184,8 @@ class Transformer {
   }
   at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const;
   at::Tensor Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
+  // Attention inside each of documents_'s documents (same shapes as Attention).
+  at::Tensor DocumentAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
   // A sparse block's MLP (Qwen3-MoE): h [B, S, H] -> the routed experts' weighted sum. Reads the
   // per-expert token counts back to the host (one synchronization per block on a GPU).
   at::Tensor Experts(const LayerWeights& w, const at::Tensor& h, int layer);
@@ -219,6 +228,7 @@ class Transformer {
   int64_t loss_chunk_tokens_;
   int64_t mlp_tile_tokens_ = 0;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
+  Documents documents_;
 };
 
 const at::Tensor& Get(const LayerWeights& w, const std::string& role);

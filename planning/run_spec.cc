@@ -18,7 +18,7 @@ namespace rp::core {
 static_assert(sizeof(RopeConfig) == 80);
 static_assert(sizeof(MoeConfig) == 72);
 static_assert(sizeof(ModelConfig) == 312);
-static_assert(sizeof(DataConfig) == 96);
+static_assert(sizeof(DataConfig) == 104);
 static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 136);
 static_assert(sizeof(OptimizerConfig) == 96);
@@ -31,7 +31,7 @@ static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 88);
 
 namespace {
-constexpr int kSpecVersion = 3;
+constexpr int kSpecVersion = 4;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -48,6 +48,8 @@ constexpr int kSpecVersion = 3;
   }
 RP_SPEC_ENUM(DeviceKind, EnumName)
 RP_SPEC_ENUM(DataFormat, EnumName)
+RP_SPEC_ENUM(DataPacking, EnumName)
+RP_SPEC_ENUM(LongRecords, EnumName)
 RP_SPEC_ENUM(TrainDtype, EnumName)
 RP_SPEC_ENUM(OptimizerName, EnumName)
 RP_SPEC_ENUM(OptimizerMode, EnumName)
@@ -69,7 +71,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hi
                                    num_layers, num_heads, num_kv_heads, head_dim, rope, rms_norm_eps, qk_norm,
                                    qkv_bias, o_bias, mlp_bias, tie_embeddings, sliding_window,
                                    max_position_embeddings, init_std, moe)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction, packing,
+                                   long_records)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LossScaling, init, growth_factor, backoff_factor, growth_interval)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls,
                                    microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after, eval_every,

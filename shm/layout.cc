@@ -55,11 +55,17 @@ uint64_t ArenaLayout::TokenSlot(int parity, int mb) const {
 uint64_t ArenaLayout::LabelSlot(int parity, int mb) const {
   return labels + (static_cast<uint64_t>(parity) * microbatches + mb) * Align(tokens_per_mb * 8);
 }
+uint64_t ArenaLayout::PositionSlot(int parity, int mb) const {
+  return positions + (static_cast<uint64_t>(parity) * microbatches + mb) * Align(tokens_per_mb * 8);
+}
 uint64_t ArenaLayout::EvalTokenSlot(int slot) const {
   return eval_tokens + static_cast<uint64_t>(slot) * Align(tokens_per_mb * 8);
 }
 uint64_t ArenaLayout::EvalLabelSlot(int slot) const {
   return eval_labels + static_cast<uint64_t>(slot) * Align(tokens_per_mb * 8);
+}
+uint64_t ArenaLayout::EvalPositionSlot(int slot) const {
+  return eval_positions + static_cast<uint64_t>(slot) * Align(tokens_per_mb * 8);
 }
 // Offset of input-gradient slot (parity, mb, idx) from the start of the input-gradient region.
 static uint64_t GradInRegion(const ArenaLayout& a, int parity, int mb, int idx) {
@@ -134,10 +140,14 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos += slots * Align(a.tokens_per_mb * 8);
   a.labels = pos;
   pos += slots * Align(a.tokens_per_mb * 8);
+  a.positions = pos;
+  pos += slots * Align(a.tokens_per_mb * 8);
   a.eval_slots = c.train.eval_every > 0 ? static_cast<int>(c.train.eval_microbatches) : 0;
   a.eval_tokens = pos;
   pos += static_cast<uint64_t>(a.eval_slots) * Align(a.tokens_per_mb * 8);
   a.eval_labels = pos;
+  pos += static_cast<uint64_t>(a.eval_slots) * Align(a.tokens_per_mb * 8);
+  a.eval_positions = pos;
   pos += static_cast<uint64_t>(a.eval_slots) * Align(a.tokens_per_mb * 8);
   a.act_elems = a.tokens_per_mb * static_cast<uint64_t>(c.model.hidden_size);
   a.act_slot_bytes = Align(a.act_elems * a.compute_elem_bytes);

@@ -36,9 +36,12 @@
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
 //                        and released when the parameter's update is done, so only the layers
 //                        in flight hold host memory (gradient streaming; see GradArenaBytes)
-//   token / label slots  int64 [P parities][M microbatches][microbatch_size * seq_len]
-//   eval slots           int64 tokens, then labels [train.eval_microbatches][microbatch_size *
-//                        seq_len] when train.eval_every > 0 (RunEval jobs)
+//   token / label / position slots
+//                        int64 [P parities][M microbatches][microbatch_size * seq_len] each;
+//                        positions are the tokens' RoPE positions, which also tell the packed
+//                        documents apart (io/data.h, model/documents.h)
+//   eval slots           int64 tokens, then labels, then positions [train.eval_microbatches]
+//                        [microbatch_size * seq_len] when train.eval_every > 0 (RunEval jobs)
 //   hidden slots         [P][M][plan.hidden_boundaries][microbatch_size * seq_len * hidden]
 //   input-grad slots     [P][M][2][microbatch_size * seq_len * hidden]: boundary index i of
 //                        plan.grad_boundaries uses slot i % 2. A microbatch's backward chain is
@@ -206,8 +209,8 @@ struct ArenaLayout {
   uint64_t fetch_versions = 0;
   uint64_t lookup_version = 0;                    // std::atomic<uint64_t> (see above)
   bool lookup_from_host = false;                  // core::LookupInPlaceParam >= 0
-  uint64_t tokens = 0, labels = 0, hidden = 0, input_grad = 0;
-  uint64_t eval_tokens = 0, eval_labels = 0;
+  uint64_t tokens = 0, labels = 0, positions = 0, hidden = 0, input_grad = 0;
+  uint64_t eval_tokens = 0, eval_labels = 0, eval_positions = 0;
   int eval_slots = 0;
   uint64_t tokens_per_mb = 0;        // elements per token slot
   uint64_t act_elems = 0;            // elements per hidden / input-grad slot
@@ -252,6 +255,7 @@ struct ArenaLayout {
   }
   uint64_t TokenSlot(int parity, int mb) const;
   uint64_t LabelSlot(int parity, int mb) const;
+  uint64_t PositionSlot(int parity, int mb) const;
   uint64_t HiddenSlot(int parity, int mb, int idx) const;
   uint64_t InputGradSlot(int parity, int mb, int idx) const;
   uint64_t PoolHiddenSlot(int parity, int mb, int idx) const;
@@ -261,6 +265,7 @@ struct ArenaLayout {
   uint64_t RouterStatsSlot(int parity, int mb, int block) const;
   uint64_t EvalTokenSlot(int slot) const;
   uint64_t EvalLabelSlot(int slot) const;
+  uint64_t EvalPositionSlot(int slot) const;
 };
 
 // Fails only where core::SizeGradArena does (an explicit optimizer.grad_buffer_mb below the minimum).

@@ -38,6 +38,7 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   if (cfg.train.dtype != rp::core::TrainDtype::kFp32)
     return rp::Status::InvalidArgument("train.dtype: rp-train-ref runs fp32 only");
   RP_ASSIGN_OR_RETURN(rp::core::Dataset data, rp::core::Dataset::Open(cfg));
+  if (const std::string packing = data.PackingSummary(); !packing.empty()) RP_LOG(INFO) << packing;
   std::optional<rp::core::Dataset> eval_data;
   if (cfg.train.eval_every > 0) {
     RP_ASSIGN_OR_RETURN(auto e, rp::core::Dataset::OpenEval(cfg));
@@ -94,6 +95,12 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
 
   const int64_t B = cfg.train.microbatch_size, S = cfg.data.seq_len;
   at::Tensor tokens = at::empty({B, S}, at::kLong), labels = at::empty({B, S}, at::kLong);
+  at::Tensor positions = at::empty({B, S}, at::kLong);
+  auto set_documents = [&] {
+    math.SetDocuments(rp::model::MakeDocuments(positions.data_ptr<int64_t>(), B, S, [](const int64_t* host, int64_t n) {
+      return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
+    }));
+  };
   const int L = static_cast<int>(cfg.model.num_layers);
   for (int64_t step = 0; step < cfg.train.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
@@ -102,7 +109,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     int64_t targets = 0;
     for (int64_t c = 0; c < rp::core::Round(cfg).calls; ++c)
       for (int64_t mb = 0; mb < rp::core::Round(cfg).microbatches; ++mb) {
-        data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
+        data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(), positions.data_ptr<int64_t>());
+        set_documents();
         math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * rp::core::Round(cfg).microbatches + mb));
         // The routers' load-balancing loss: its gradient, set before the forward, is filled
         // once every sparse block has routed, before the backward reads it.
@@ -162,7 +170,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
         for (auto& use : spec.layer_frozen[l]) current[l].emplace(use.role, frozen[use.param]);
       }
       for (int64_t k = 0; k < cfg.train.eval_microbatches; ++k) {
-        eval_data->FillEval(k, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>());
+        eval_data->FillEval(k, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(), positions.data_ptr<int64_t>());
+        set_documents();
         at::Tensor x = math.Embed(current[0], tokens);
         for (int l = 1; l <= L; ++l) x = math.Block(current[l], x, l);
         auto r = math.HeadForwardBackward(current[L + 1], x, labels, 1.0, /*backward=*/false);

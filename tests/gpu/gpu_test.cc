@@ -98,6 +98,47 @@ TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
   std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
 }
 
+TEST_F(GpuTest, CudaDocumentPackingMatchesCpuReferenceAndOneRecordPerWindow) {
+  // Twelve records that fill four windows of 32 exactly when packed whole (10 12 10 | 8 8 16 |
+  // 20 12 | 5 7 9 11); every step sees all of them, packed (4 windows) or one per window (12).
+  const std::string path = tmp_ + "/records.jsonl";
+  {
+    std::ofstream f(path);
+    int k = 0;
+    for (int n : {10, 12, 10, 8, 8, 16, 20, 12, 5, 7, 9, 11}) {
+      f << "{\"input_ids\": [";
+      for (int i = 0; i < n; ++i) f << (i ? ", " : "") << (37 * k++ + 11 * n) % 256;
+      f << "]}\n";
+    }
+  }
+  const std::vector<std::string> data = {"data.format=\"jsonl\"", "data.path=\"" + path + "\"", "data.shuffle=false",
+                                         "model.head_dim=64", "train.steps=8"};
+  std::vector<std::string> packed = data, alone = data;
+  for (const std::string s : {"data.packing=\"documents\"", "train.microbatch_size=2", "train.microbatches=2", "train.accum_calls=1"})
+    packed.push_back(s);
+  for (const std::string s : {"data.packing=\"pad\"", "train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2"})
+    alone.push_back(s);
+  auto cuda = [](std::vector<std::string> sets, const std::string& dtype) {
+    sets.push_back("job.device=\"cuda\"");
+    sets.push_back("train.dtype=\"" + dtype + "\"");
+    return sets;
+  };
+  // fp32: the masked scores, and the fused per-head norm + RoPE kernels at the documents' positions.
+  const auto expected = Losses(RefMetrics("documents-ref", packed));
+  std::printf("cuda fp32 documents vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(Launch(2, "documents-fp32", cuda(packed, "fp32")), expected));
+  // bf16: the variable-length flash kernel, against the same records one per window (plain
+  // causal attention), both on the GPU.
+  const auto bf16_packed = Launch(1, "documents-bf16", cuda(packed, "bf16"));
+  const auto bf16_alone = Launch(1, "alone-bf16", cuda(alone, "bf16"));
+  ASSERT_EQ(bf16_packed.size(), bf16_alone.size());
+  double worst = 0.0;
+  for (size_t s = 0; s < bf16_alone.size(); ++s) worst = std::max(worst, std::abs(bf16_packed[s] - bf16_alone[s]) / bf16_alone[s]);
+  EXPECT_LE(worst, 1e-2) << "bf16 documents packing against one record per window";
+  EXPECT_LT(bf16_packed.back(), bf16_packed.front());
+  std::printf("cuda bf16 documents vs one record per window: max relative loss difference %.3g\n", worst);
+}
+
 TEST_F(GpuTest, CudaFusedHeadNormRopeMatchesCpuReference) {
   // The parity job's head size (16) keeps the composite q/k norm; 64 takes the fused per-head
   // norm + RoPE kernels inside a whole run (and SwiGLU's, as every CUDA run does).

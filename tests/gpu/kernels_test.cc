@@ -326,6 +326,86 @@ TEST_P(BlockFusedNorms, MatchLibTorchsNormsThroughAutograd) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, BlockFusedNorms, ::testing::Values(at::kFloat, at::kBFloat16));
 
+// Document-isolated packing on the device: a block run on two packed rows of documents (bf16:
+// the variable-length flash kernel; fp32: the masked scores) gives each document's output, input
+// gradient and the summed weight gradients of the same documents run alone, through the fused
+// per-head norm + RoPE kernel (qk_norm) and the fused RoPE kernel (no qk_norm).
+class BlockDocuments : public ::testing::TestWithParam<std::tuple<at::ScalarType, bool>> {};
+
+TEST_P(BlockDocuments, PackedRowsGiveEachDocumentAlone) {
+  if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
+  const auto [dtype, qk_norm] = GetParam();
+  core::ModelConfig mc;
+  mc.hidden_size = 256;
+  mc.intermediate_size = 512;
+  mc.num_heads = 4;
+  mc.num_kv_heads = 2;
+  mc.head_dim = 64;
+  mc.qk_norm = qk_norm;
+  const core::ModelSpec spec = core::BuildModelSpec(mc);
+  at::manual_seed(41);
+  auto dev = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+  model::LayerWeights w = BlockWeights(spec, dev);
+  // Row 0: documents of 20, 17 and 11 tokens; row 1: 30 tokens, then 18 (a split record's piece
+  // whose positions continue from 30).
+  const int64_t S = 48;
+  const std::vector<std::pair<int64_t, int64_t>> docs = {{0, 20}, {20, 17}, {37, 11}, {48, 30}, {78, 18}};
+  const std::vector<int64_t> first_position = {0, 0, 0, 0, 30};
+  std::vector<int64_t> positions;
+  for (size_t d = 0; d < docs.size(); ++d)
+    for (int64_t i = 0; i < docs[d].second; ++i) positions.push_back(first_position[d] + i);
+  at::Tensor x = at::randn({2, S, mc.hidden_size}, dev), dy = at::randn({2, S, mc.hidden_size}, dev);
+  auto to_device = [](const int64_t* host, int64_t n) {
+    return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).to(at::kCUDA);
+  };
+  auto run = [&](const at::Tensor& in, const at::Tensor& grad_out, model::Documents documents, at::Tensor* dx) {
+    model::Transformer m(mc);
+    m.UseFusedKernels(&rp::worker::CudaKernels());
+    m.SetDocuments(std::move(documents));
+    at::Tensor xi = in.detach().requires_grad_(true);
+    at::Tensor out = m.Block(w, xi, 1);
+    out.backward(grad_out);
+    *dx = xi.grad();
+    return out.detach();
+  };
+  auto grads = [&] {
+    std::map<std::string, at::Tensor> g;
+    for (auto& [role, t] : w) {
+      g[role] = t.grad().to(at::kFloat).clone();
+      t.mutable_grad().reset();
+    }
+    return g;
+  };
+  at::Tensor packed_dx;
+  const at::Tensor packed = run(x, dy, model::MakeDocuments(positions.data(), 2, S, to_device), &packed_dx);
+  const auto packed_grads = grads();
+  std::map<std::string, at::Tensor> alone_grads;
+  const bool f32 = dtype == at::kFloat;
+  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -6)) * r.abs().max().item<double>(); };
+  for (size_t d = 0; d < docs.size(); ++d) {
+    auto slice = [&](const at::Tensor& t) {
+      return t.view({2 * S, mc.hidden_size}).narrow(0, docs[d].first, docs[d].second).unsqueeze(0);
+    };
+    // Alone from position 0, or, for the piece, at its own positions (a one-row microbatch
+    // whose positions are not 0..n-1 is a document too).
+    std::vector<int64_t> own(positions.begin() + docs[d].first, positions.begin() + docs[d].first + docs[d].second);
+    at::Tensor dx;
+    const at::Tensor out = run(slice(x), slice(dy), model::MakeDocuments(own.data(), 1, docs[d].second, to_device), &dx);
+    EXPECT_LE(MaxAbs(slice(packed), out), tol(out)) << "document " << d << " output";
+    EXPECT_LE(MaxAbs(slice(packed_dx), dx), tol(dx)) << "document " << d << " input gradient";
+    for (auto& [role, g] : grads()) alone_grads[role] = alone_grads.count(role) ? alone_grads[role] + g : g;
+  }
+  for (auto& [role, g] : alone_grads) EXPECT_LE(MaxAbs(packed_grads.at(role), g), tol(g)) << role;
+  // The same rows without documents are not the documents alone.
+  at::Tensor crossing_dx;
+  const at::Tensor crossing = run(x, dy, model::Documents{}, &crossing_dx);
+  grads();
+  EXPECT_GT(MaxAbs(crossing, packed), 10 * tol(packed));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndNorms, BlockDocuments,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16), ::testing::Bool()));
+
 // SwiGLU against silu(gate) * up and its autograd gradients: separate tensors (packed rows),
 // the two halves of one [rows, 2 * cols] tensor (strided rows), and an odd width (scalar path).
 class FusedSwiGlu : public ::testing::TestWithParam<std::tuple<at::ScalarType, int64_t, bool>> {};

@@ -188,6 +188,7 @@ TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
   c.data.seq_len = 4;
   c.data.shuffle = false;
   c.train.microbatch_size = 1;
+  c.data.packing = core::DataPacking::kStream;
   c.data.path = dir + "/d.jsonl";
   std::ofstream(c.data.path) << R"({"input_ids": [1, 2, 3]})" << "\n"
                              << R"({"input_ids": [4, 5, 6], "loss_mask": [1, 0, 1]})" << "\n\n"
@@ -199,9 +200,11 @@ TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
   d->Fill(0, 0, 0, tok.data(), lab.data());
   EXPECT_EQ(tok, (std::vector<int64_t>{1, 2, 3, 4}));
   EXPECT_EQ(lab, (std::vector<int64_t>{2, 3, kIgnoreIndex, kIgnoreIndex}));  // 4 predicts masked 5
-  d->Fill(0, 0, 1, tok.data(), lab.data());
+  std::vector<int64_t> pos(4);
+  d->Fill(0, 0, 1, tok.data(), lab.data(), pos.data());
   EXPECT_EQ(tok, (std::vector<int64_t>{5, 6, 7, 8}));
   EXPECT_EQ(lab, (std::vector<int64_t>{6, kIgnoreIndex, 9, kIgnoreIndex}));
+  EXPECT_EQ(pos, (std::vector<int64_t>{0, 1, 2, 3}));  // stream: one sequence per window
   struct Bad { std::string text, expect; };
   for (const auto& b : std::vector<Bad>{{"[1,2]", ":1: not a JSON object"},
                                         {R"({"input_ids": [1, 99]})", "input_ids[1]"},
@@ -215,6 +218,98 @@ TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+}
+
+// The packed stream of a file of records, window by window: tokens, labels, positions.
+struct Packed {
+  std::vector<std::vector<int64_t>> tokens, labels, positions;
+  Dataset::PackingStats stats;
+  std::string summary;
+};
+StatusOr<Packed> PackRecords(DataPacking packing, LongRecords long_records, int64_t seq_len, const std::string& text) {
+  const std::string dir = testing::MakeTempDir("rp-packing-");
+  JobConfig c;
+  c.model.vocab_size = 50;
+  c.data.format = core::DataFormat::kJsonl;
+  c.data.packing = packing;
+  c.data.long_records = long_records;
+  c.data.seq_len = seq_len;
+  c.data.shuffle = false;
+  c.train.microbatch_size = 1;
+  c.train.microbatches = 1;
+  c.train.accum_calls = 1;
+  c.data.path = dir + "/d.jsonl";
+  std::ofstream(c.data.path) << text;
+  auto d = Dataset::Open(c);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (!d.ok()) return d.status();
+  Packed p;
+  for (int64_t w = 0; w < d->NumWindows(); ++w) {
+    std::vector<int64_t> tok(seq_len), lab(seq_len), pos(seq_len);
+    d->Fill(w, 0, 0, tok.data(), lab.data(), pos.data());
+    p.tokens.push_back(tok);
+    p.labels.push_back(lab);
+    p.positions.push_back(pos);
+  }
+  p.stats = d->stats();
+  p.summary = d->PackingSummary();
+  return p;
+}
+
+constexpr int64_t X = kIgnoreIndex;
+using Rows = std::vector<std::vector<int64_t>>;
+
+TEST(Dataset, DocumentPackingKeepsRecordsWholeWithTheirOwnPositions) {
+  const std::string records = R"({"input_ids": [1, 2, 3]})" "\n" R"({"input_ids": [4, 5]})" "\n"
+                              R"({"input_ids": [6, 7, 8, 9], "loss_mask": [1, 1, 0, 1]})" "\n" R"({"input_ids": [10]})" "\n";
+  auto p = PackRecords(DataPacking::kDocuments, LongRecords::kSplit, 6, records);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  // [1 2 3][4 5] fit one window; [6 7 8 9] does not fit the one token left, so it starts the
+  // next, and [10] fills after it; padding (token 0, no target, positions from 0) ends each.
+  EXPECT_EQ(p->tokens, (Rows{{1, 2, 3, 4, 5, 0}, {6, 7, 8, 9, 10, 0}}));
+  EXPECT_EQ(p->labels, (Rows{{2, 3, X, 5, X, X}, {7, X, 9, X, X, X}}));
+  EXPECT_EQ(p->positions, (Rows{{0, 1, 2, 0, 1, 0}, {0, 1, 2, 3, 0, 0}}));
+  EXPECT_EQ(p->stats.records, 4);
+  EXPECT_EQ(p->stats.tokens, 10);
+  EXPECT_EQ(p->stats.padding, 2);
+  EXPECT_NE(p->summary.find("4 records, 10 tokens, 2 windows of 6 tokens (documents packing, 83.3%"), std::string::npos)
+      << p->summary;
+
+  auto pad = PackRecords(DataPacking::kPad, LongRecords::kSplit, 6, records);
+  ASSERT_TRUE(pad.ok()) << pad.status().message();
+  EXPECT_EQ(pad->tokens, (Rows{{1, 2, 3, 0, 0, 0}, {4, 5, 0, 0, 0, 0}, {6, 7, 8, 9, 0, 0}, {10, 0, 0, 0, 0, 0}}));
+  EXPECT_EQ(pad->positions[1], (std::vector<int64_t>{0, 1, 0, 1, 2, 3}));
+}
+
+TEST(Dataset, RecordsLongerThanAWindowAreSplitTruncatedOrDropped) {
+  const std::string records = R"({"input_ids": [1, 2]})" "\n" R"({"input_ids": [3, 4, 5, 6, 7, 8, 9]})" "\n"
+                              R"({"input_ids": [10, 11]})" "\n";
+  auto split = PackRecords(DataPacking::kDocuments, LongRecords::kSplit, 3, records);
+  ASSERT_TRUE(split.ok()) << split.status().message();
+  // Each piece starts a window, positions continue across the pieces, and a piece's last
+  // position still predicts the record's next token.
+  EXPECT_EQ(split->tokens, (Rows{{1, 2, 0}, {3, 4, 5}, {6, 7, 8}, {9, 10, 11}}));
+  EXPECT_EQ(split->labels, (Rows{{2, X, X}, {4, 5, 6}, {7, 8, 9}, {X, 11, X}}));
+  EXPECT_EQ(split->positions, (Rows{{0, 1, 0}, {0, 1, 2}, {3, 4, 5}, {6, 0, 1}}));
+  EXPECT_EQ(split->stats.split, 1);
+
+  auto truncated = PackRecords(DataPacking::kDocuments, LongRecords::kTruncate, 3, records);
+  ASSERT_TRUE(truncated.ok()) << truncated.status().message();
+  EXPECT_EQ(truncated->tokens, (Rows{{1, 2, 0}, {3, 4, 5}, {10, 11, 0}}));
+  EXPECT_EQ(truncated->labels, (Rows{{2, X, X}, {4, 5, X}, {11, X, X}}));  // a truncated record's last predicts nothing
+  EXPECT_EQ(truncated->stats.truncated, 1);
+  EXPECT_NE(truncated->summary.find("0 split, 1 truncated, 0 dropped"), std::string::npos) << truncated->summary;
+
+  auto dropped = PackRecords(DataPacking::kDocuments, LongRecords::kDrop, 3, records);
+  ASSERT_TRUE(dropped.ok()) << dropped.status().message();
+  EXPECT_EQ(dropped->tokens, (Rows{{1, 2, 0}, {10, 11, 0}}));
+  EXPECT_EQ(dropped->stats.dropped, 1);
+
+  auto nothing_left = PackRecords(DataPacking::kDocuments, LongRecords::kDrop, 3, R"({"input_ids": [1, 2, 3, 4]})" "\n");
+  ASSERT_FALSE(nothing_left.ok());
+  EXPECT_NE(nothing_left.status().message().find("after dropping 1 records longer than seq_len"), std::string::npos)
+      << nothing_left.status().message();
 }
 
 TEST(LearningRate, WarmupThenCosineToMin) {

@@ -3,9 +3,13 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <vector>
+
 #include <c10/core/GradMode.h>
 
 #include "config/model_spec.h"
+#include "model/documents.h"
 #include "model/transformer.h"
 
 namespace rp::model {
@@ -272,6 +276,149 @@ TEST(Transformer, CausalAttentionIgnoresTheFuture) {
   at::Tensor a = t.Block(f.layers[1], x, 1), b = t.Block(f.layers[1], y, 1);
   EXPECT_TRUE(at::allclose(a.narrow(1, 0, 6), b.narrow(1, 0, 6)));
   EXPECT_FALSE(at::allclose(a.narrow(1, 6, 4), b.narrow(1, 6, 4)));
+}
+
+TEST(Documents, ReadFromPositionsAlone) {
+  // Row 0: documents of 3 and 2 tokens, then a split record's piece starting at position 7;
+  // row 1: one sequence 0..5 (a row start always starts a document).
+  const std::vector<int64_t> pos = {0, 1, 2, 0, 1, 7, 0, 1, 2, 3, 4, 5};
+  const DocumentBounds b = FindDocuments(pos.data(), 2, 6);
+  EXPECT_FALSE(b.plain);
+  EXPECT_EQ(b.starts, (std::vector<int64_t>{0, 3, 5, 6, 12}));
+  EXPECT_EQ(b.max_length, 6);
+  EXPECT_EQ(b.max_position, 7);
+  const std::vector<int64_t> plain = {0, 1, 2, 0, 1, 2};
+  EXPECT_TRUE(FindDocuments(plain.data(), 2, 3).plain);
+  auto on_cpu = [](const int64_t* host, int64_t n) { return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone(); };
+  EXPECT_FALSE(MakeDocuments(plain.data(), 2, 3, on_cpu).defined());
+  const Documents d = MakeDocuments(pos.data(), 2, 6, on_cpu);
+  ASSERT_TRUE(d.defined());
+  EXPECT_TRUE(at::equal(d.segments, at::tensor({0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3}, at::kLong).view({2, 6})));
+  EXPECT_TRUE(at::equal(d.cu_seqlens, at::tensor({0, 3, 5, 6, 12}, at::kInt)));
+}
+
+// Summed token loss of tokens/labels [rows, seq] through fixture f's model with `documents`
+// set, and its gradients (zeros where a parameter got none).
+struct DocumentRun {
+  double loss_sum = 0.0;
+  std::vector<at::Tensor> grads;
+};
+DocumentRun RunDocuments(Fixture& f, const at::Tensor& tokens, const at::Tensor& labels, Documents documents,
+                         bool backward = true) {
+  f.ZeroGrads();
+  Transformer math(f.cfg);
+  math.SetDocuments(std::move(documents));
+  at::Tensor x = math.Embed(f.layers[0], tokens);
+  for (int l = 1; l <= f.cfg.num_layers; ++l) x = math.Block(f.layers[l], x, l);
+  DocumentRun r;
+  r.loss_sum = math.HeadForwardBackward(f.layers[f.cfg.num_layers + 1], x, labels, 1.0, backward).loss_sum;
+  if (backward)
+    for (auto& p : f.params) r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+  return r;
+}
+
+at::Tensor Ids(const std::vector<int64_t>& v, int64_t rows) {
+  return at::tensor(v, at::kLong).view({rows, static_cast<int64_t>(v.size()) / rows});
+}
+
+Documents OnCpu(const std::vector<int64_t>& positions, int64_t rows) {
+  return MakeDocuments(positions.data(), rows, static_cast<int64_t>(positions.size()) / rows,
+                       [](const int64_t* host, int64_t n) { return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone(); });
+}
+
+// The largest difference between a and b, relative to b's largest element.
+double MaxDiff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0.0, scale = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+    scale = std::max(scale, b[i].abs().max().item<double>());
+  }
+  return worst / scale;
+}
+
+// Document-isolated packing in the layer math: a window of several documents gives, per
+// document, the loss and the gradients of the same documents run alone; a broken mask does not.
+class PackedDocuments : public ::testing::Test {
+ protected:
+  static constexpr int64_t kIgnore = -100;
+  // Two rows of 12: documents of 4, 5 and 3 tokens; documents of 6 and 4 tokens, then 2 tokens
+  // of padding (token 0, no target, a document of its own), as io/data.cc packs them.
+  std::vector<std::vector<int64_t>> docs = {{3, 17, 9, 41}, {8, 8, 30, 2, 11}, {45, 6, 19}, {1, 2, 3, 4, 5, 6}, {33, 21, 7, 9}};
+  std::vector<int64_t> tokens, labels, positions;
+  std::vector<std::pair<int64_t, int64_t>> where;  // each document's first token and length
+  void SetUp() override {
+    for (size_t d = 0; d < docs.size(); ++d) {
+      where.push_back({static_cast<int64_t>(tokens.size()), static_cast<int64_t>(docs[d].size())});
+      for (size_t i = 0; i < docs[d].size(); ++i) {
+        tokens.push_back(docs[d][i]);
+        labels.push_back(i + 1 < docs[d].size() ? docs[d][i + 1] : kIgnore);
+        positions.push_back(static_cast<int64_t>(i));
+      }
+    }
+    for (int64_t i = 0; i < 2; ++i) {
+      tokens.push_back(0);
+      labels.push_back(kIgnore);
+      positions.push_back(i);
+    }
+  }
+  // The labels of document d alone, every other target ignored.
+  std::vector<int64_t> LabelsOf(size_t d) const {
+    std::vector<int64_t> l(labels.size(), kIgnore);
+    std::copy_n(labels.begin() + where[d].first, where[d].second, l.begin() + where[d].first);
+    return l;
+  }
+};
+
+TEST_F(PackedDocuments, EachDocumentGivesItsLossAndGradientsAlone) {
+  Fixture f(/*tied=*/true);
+  // Alone: each document its own microbatch of one row, plain causal attention from position 0.
+  std::vector<double> alone_loss;
+  std::vector<at::Tensor> alone_grads;
+  for (size_t d = 0; d < docs.size(); ++d) {
+    std::vector<int64_t> lab(docs[d].begin() + 1, docs[d].end());
+    lab.push_back(kIgnore);
+    auto r = RunDocuments(f, Ids(docs[d], 1), Ids(lab, 1), Documents{});
+    alone_loss.push_back(r.loss_sum);
+    if (alone_grads.empty()) alone_grads = r.grads;
+    else for (size_t p = 0; p < r.grads.size(); ++p) alone_grads[p] += r.grads[p];
+  }
+  double alone_total = 0.0;
+  for (double l : alone_loss) alone_total += l;
+
+  const Documents packed = OnCpu(positions, 2);
+  ASSERT_TRUE(packed.defined());
+  auto whole = RunDocuments(f, Ids(tokens, 2), Ids(labels, 2), packed);
+  EXPECT_NEAR(whole.loss_sum, alone_total, 1e-6 * alone_total);
+  EXPECT_LE(MaxDiff(whole.grads, alone_grads), 1e-6);
+  for (size_t d = 0; d < docs.size(); ++d) {
+    auto one = RunDocuments(f, Ids(tokens, 2), Ids(LabelsOf(d), 2), packed, /*backward=*/false);
+    EXPECT_NEAR(one.loss_sum, alone_loss[d], 1e-6 * alone_loss[d]) << "document " << d;
+  }
+
+  // What the comparison catches. Attention across the documents (plain causal rows):
+  auto crossing = RunDocuments(f, Ids(tokens, 2), Ids(labels, 2), Documents{});
+  EXPECT_GT(std::abs(crossing.loss_sum - alone_total), 1e-3);
+  EXPECT_GT(MaxDiff(crossing.grads, alone_grads), 1e-3);
+  // Isolated attention at positions that do not restart: RoPE's scores depend on position
+  // differences only, so a document at any offset is the same math up to rounding. The mask is
+  // what isolates; restarting the positions (as Hugging Face's position_ids do) is for the
+  // tables' rounding and for models whose positions are absolute.
+  Documents no_reset = packed;
+  no_reset.positions = at::arange(12, at::kLong).repeat({2, 1}) + 1000;
+  no_reset.max_position = 1011;
+  auto shifted = RunDocuments(f, Ids(tokens, 2), Ids(labels, 2), no_reset);
+  EXPECT_NEAR(shifted.loss_sum, alone_total, 1e-5 * alone_total);
+  // Positions that do reach the rotation: every token of a document at its own position 0.
+  Documents unrotated = packed;
+  unrotated.positions = at::zeros({2, 12}, at::kLong);
+  auto flat = RunDocuments(f, Ids(tokens, 2), Ids(labels, 2), unrotated);
+  EXPECT_GT(std::abs(flat.loss_sum - alone_total), 1e-3);
+  // Restarted positions but a mask that lets each row's documents see each other:
+  Documents one_mask = packed;
+  one_mask.segments = at::arange(2, at::kLong).view({2, 1}).expand({2, 12}).contiguous();
+  auto leaking = RunDocuments(f, Ids(tokens, 2), Ids(labels, 2), one_mask);
+  EXPECT_GT(std::abs(leaking.loss_sum - alone_total), 1e-3);
+  EXPECT_GT(MaxDiff(leaking.grads, alone_grads), 1e-3);
 }
 
 }  // namespace
