@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "config/hf_config.h"
 
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -383,6 +386,58 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
     c["max_window_layers"] = m.sliding_window > 0 ? 0 : m.num_layers;
   }
   return c;
+}
+
+std::string HubCacheDir() {
+  auto env = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v != nullptr ? v : "";
+  };
+  if (!env("HF_HUB_CACHE").empty()) return env("HF_HUB_CACHE");
+  if (!env("HF_HOME").empty()) return env("HF_HOME") + "/hub";
+  if (!env("XDG_CACHE_HOME").empty()) return env("XDG_CACHE_HOME") + "/huggingface/hub";
+  return env("HOME") + "/.cache/huggingface/hub";
+}
+
+namespace {
+// "org/name" with huggingface_hub's characters (letters, digits, '-', '_', '.'), neither part
+// starting with '.', or "" when `id` is not of that form.
+bool IsModelId(const std::string& id) {
+  const size_t slash = id.find('/');
+  if (slash == std::string::npos || slash == 0 || slash + 1 == id.size() || id.find('/', slash + 1) != std::string::npos)
+    return false;
+  if (id[0] == '.' || id[slash + 1] == '.') return false;
+  for (char ch : id)
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.' && ch != '/') return false;
+  return true;
+}
+}  // namespace
+
+StatusOr<std::string> ResolveModelPath(const std::string& path, const std::string& base_dir) {
+  namespace fs = std::filesystem;
+  if (path.empty()) return path;
+  const fs::path local = fs::path(path).is_absolute() ? fs::path(path) : fs::path(base_dir) / path;
+  std::error_code ec;
+  const std::string at = path.substr(0, path.find('@'));
+  const std::string revision = path.find('@') == std::string::npos ? "main" : path.substr(path.find('@') + 1);
+  if (fs::is_directory(local, ec) || !IsModelId(at) || revision.empty() || revision.find("..") != std::string::npos)
+    return local.lexically_normal().string();
+  const std::string cache = HubCacheDir();
+  const std::string repo = cache + "/models--" + at.substr(0, at.find('/')) + "--" + at.substr(at.find('/') + 1);
+  const std::string download = "hf download " + at + (revision == "main" ? "" : " --revision " + revision) +
+                               " (huggingface_hub; `huggingface-cli download` in versions before 0.34)";
+  std::string commit = revision;
+  if (std::ifstream ref(repo + "/refs/" + revision); ref) {
+    std::getline(ref, commit);
+    if (commit.empty()) return Status::InvalidArgument("model.path: " + repo + "/refs/" + revision + " is empty");
+  }
+  const std::string snapshot = repo + "/snapshots/" + commit;
+  if (!fs::is_regular_file(snapshot + "/config.json", ec))
+    return Status::InvalidArgument("model.path: \"" + path + "\" is not a directory (" + local.lexically_normal().string() +
+                                   ") and not in the Hugging Face cache (" +
+                                   (fs::is_directory(repo, ec) ? snapshot + "/config.json is missing" : repo + " does not exist") +
+                                   "); nothing is downloaded here: fetch it with `" + download + "` or set HF_HUB_CACHE / HF_HOME");
+  return snapshot;
 }
 
 }  // namespace rp::core

@@ -15,6 +15,13 @@
 //  * HfConfigJson() is the config.json an export writes: it loads in transformers 5 as the same
 //    model, with the RoPE base both in rope_parameters and at the top level for older readers.
 //  * ReadJsonObject() reads a JSON object file (config.json, a shard index), errors naming it.
+//  * ResolveModelPath() turns model.path into the directory to read: a directory (relative to
+//    the job file's directory `base_dir`) when one exists there; else a Hugging Face model id
+//    ("org/name", or "org/name@revision" with a branch, tag or commit) found in the local hub
+//    cache as huggingface_hub lays it out (models--org--name/refs/<revision> names the commit,
+//    snapshots/<commit>/ holds the files). The cache is $HF_HUB_CACHE, else $HF_HOME/hub, else
+//    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub; nothing is downloaded. A
+//    model in neither place is an error giving the download command.
 #pragma once
 
 #include <string>
@@ -29,5 +36,8 @@ namespace rp::core {
 Status ApplyHfConfig(const std::string& dir, ModelConfig* model);
 StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& model);
 StatusOr<nlohmann::json> ReadJsonObject(const std::string& path);
+StatusOr<std::string> ResolveModelPath(const std::string& path, const std::string& base_dir);
+// The hub cache ResolveModelPath() searches, from the environment.
+std::string HubCacheDir();
 
 }  // namespace rp::core

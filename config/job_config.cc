@@ -249,7 +249,9 @@ const std::vector<KeySpec>& Table() {
             "it; also the bound on the rendezvous and on each cross-node reduction"),
 
       Str("model", "path", F(model.path), "",
-          "Hugging Face model directory (Llama, Qwen2, Qwen3 or Mistral; relative to the job file): its "
+          "Hugging Face model directory (Llama, Qwen2, Qwen3 or Mistral; relative to the job file), or a model "
+          "id (org/name, org/name@revision) in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME; never "
+          "downloaded): its "
           "config.json (docs/model-config.md) replaces the [model] architecture keys and its "
           "safetensors (single or sharded; fp32, bf16 or fp16) are the initial weights"),
       Int("model", "vocab_size", F(model.vocab_size), 256, 2, 1 << 24, "Vocabulary size"),
@@ -289,7 +291,7 @@ const std::vector<KeySpec>& Table() {
            "tokens: a flat file of uint16/uint32 token ids with a JSON sidecar <path>.json "
            "{\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}; "
            "jsonl: one {\"input_ids\": [...]} per line, optional \"labels\" (-100 ignored) or "
-           "\"loss_mask\" (0/1), records packed into seq_len windows, no target across records; "
+           "\"loss_mask\" (0/1), records packed into seq_len windows as data.packing says, no target across records; "
            "random: uniform synthetic tokens from train.seed (benchmarks)"),
       Str("data", "path", F(data.path), "", "Corpus for format = bytes, tokens or jsonl; relative to the job file"),
       Int("data", "seq_len", F(data.seq_len), 64, 2, 1 << 20, "Tokens per sequence"),
@@ -1035,7 +1037,7 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     cfg.data.packing = cfg.data.format == DataFormat::kJsonl ? DataPacking::kDocuments : DataPacking::kStream;
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
-    cfg.model.path = Join(base_dir, cfg.model.path);
+    RP_ASSIGN_OR_RETURN(cfg.model.path, ResolveModelPath(cfg.model.path, base_dir));
     RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
   } else {
     // A model from job keys is written out as the family its q/k norm and experts name.

@@ -437,5 +437,70 @@ TEST(JobConfig, ShippedConfigsAreValid) {
   EXPECT_GE(checked, 5);
 }
 
+// model.path as a Hugging Face model id, found in a hub cache laid out as huggingface_hub lays it
+// out: refs/<revision> names a commit, snapshots/<commit>/ holds the files (links into blobs/).
+TEST(JobConfig, ModelIdsResolveInTheHubCache) {
+  namespace fs = std::filesystem;
+  const std::string cache = testing::MakeTempDir("rp-hub-");
+  const std::string repo = cache + "/models--tiny-org--Tiny.Llama-1";
+  const std::string fixture = testing::SourceDir() + "/tests/testdata/hf_fixtures/llama3/config.json";
+  for (const std::string commit : {"1111aaaa", "2222bbbb"}) {
+    fs::create_directories(repo + "/snapshots/" + commit);
+    fs::create_directories(repo + "/blobs");
+    fs::copy_file(fixture, repo + "/blobs/" + commit, fs::copy_options::overwrite_existing);
+    fs::create_symlink("../../blobs/" + commit, repo + "/snapshots/" + commit + "/config.json");
+  }
+  fs::create_directories(repo + "/refs");
+  std::ofstream(repo + "/refs/main") << "1111aaaa";
+  std::ofstream(repo + "/refs/v2") << "2222bbbb\n";
+  ScopedEnv hub("HF_HUB_CACHE=" + cache);
+  auto job = [](const std::string& path) { return std::string(kValid) + "[model]\npath = \"" + path + "\"\n"; };
+  auto main = Parse(job("tiny-org/Tiny.Llama-1"));
+  ASSERT_TRUE(main.ok()) << main.status().message();
+  EXPECT_EQ(main->model.path, repo + "/snapshots/1111aaaa");
+  EXPECT_EQ(main->model.model_type, "llama");  // its config.json was read
+  auto tag = Parse(job("tiny-org/Tiny.Llama-1@v2"));
+  ASSERT_TRUE(tag.ok()) << tag.status().message();
+  EXPECT_EQ(tag->model.path, repo + "/snapshots/2222bbbb");
+  auto commit = Parse(job("tiny-org/Tiny.Llama-1@2222bbbb"));
+  ASSERT_TRUE(commit.ok()) << commit.status().message();
+  EXPECT_EQ(commit->model.path, repo + "/snapshots/2222bbbb");
+  // HF_HOME/hub when HF_HUB_CACHE is unset.
+  {
+    ScopedEnv no_cache("HF_HUB_CACHE=");
+    ::unsetenv("HF_HUB_CACHE");
+    const std::string home = testing::MakeTempDir("rp-hf-home-");
+    fs::create_symlink(cache, home + "/hub");
+    ScopedEnv hf_home("HF_HOME=" + home);
+    auto via_home = Parse(job("tiny-org/Tiny.Llama-1"));
+    ASSERT_TRUE(via_home.ok()) << via_home.status().message();
+    EXPECT_EQ(via_home->model.path, home + "/hub/models--tiny-org--Tiny.Llama-1/snapshots/1111aaaa");
+    fs::remove_all(home);
+  }
+  ::setenv("HF_HUB_CACHE", cache.c_str(), 1);
+  // Missing: the message says where it looked and how to fetch it.
+  auto missing = Parse(job("Qwen/Qwen3-0.6B"));
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("models--Qwen--Qwen3-0.6B does not exist"), std::string::npos)
+      << missing.status().message();
+  EXPECT_NE(missing.status().message().find("hf download Qwen/Qwen3-0.6B"), std::string::npos) << missing.status().message();
+  auto no_revision = Parse(job("tiny-org/Tiny.Llama-1@v9"));
+  ASSERT_FALSE(no_revision.ok());
+  EXPECT_NE(no_revision.status().message().find("snapshots/v9/config.json is missing"), std::string::npos)
+      << no_revision.status().message();
+  EXPECT_NE(no_revision.status().message().find("--revision v9"), std::string::npos) << no_revision.status().message();
+  // A directory of that name relative to the job file wins over the cache.
+  const std::string job_dir = testing::MakeTempDir("rp-job-dir-");
+  const std::string local = job_dir + "/tiny-org/Tiny.Llama-1";
+  fs::create_directories(local);
+  fs::copy_file(fixture, local + "/config.json");
+  auto dir = ParseJobConfig("[data]\npath = \"" + CorpusDir() + "/tiny_corpus.txt\"\nseq_len = 16\n"
+                            "[model]\npath = \"tiny-org/Tiny.Llama-1\"\n", job_dir, {});
+  fs::remove_all(job_dir);
+  ASSERT_TRUE(dir.ok()) << dir.status().message();
+  EXPECT_EQ(dir->model.path, local);
+  fs::remove_all(cache);
+}
+
 }  // namespace
 }  // namespace rp::core
