@@ -10,6 +10,7 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <sstream>
 #include <stdexcept>
 
 #include "common/rng.h"
@@ -453,9 +454,12 @@ at::Tensor VarlenFlashAttention(const at::Tensor& q, const at::Tensor& k, const 
   stack.emplace_back(true);   // is_causal
   stack.emplace_back(false);  // return_debug_mask
   for (size_t i = stack.size(); i < args.size(); ++i) {
-    if (!args[i].default_value())
+    if (!args[i].default_value()) {
+      std::ostringstream schema;
+      schema << op.schema();
       throw std::runtime_error("aten::_flash_attention_forward: argument " + args[i].name() +
-                               " has no default in this LibTorch (" + c10::toString(op.schema()) + ")");
+                               " has no default in this LibTorch (" + schema.str() + ")");
+    }
     stack.push_back(*args[i].default_value());
   }
   op.callBoxed(&stack);
