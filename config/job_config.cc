@@ -6,6 +6,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <cstdlib>
 #include <fstream>
@@ -127,6 +128,8 @@ const EnumNames<LongRecords> kLongRecordNames = {{LongRecords::kSplit, "split"},
 const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"},
                                            {TrainDtype::kFp16, "fp16"}, {TrainDtype::kFp8, "fp8"}};
 const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
+const EnumNames<LrSchedule> kLrScheduleNames = {{LrSchedule::kCosine, "cosine"}, {LrSchedule::kLinear, "linear"},
+                                                {LrSchedule::kConstant, "constant"}};
 const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
 const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
                                                {OptimizerState::kSharded, "sharded"}};
@@ -315,6 +318,11 @@ const std::vector<KeySpec>& Table() {
            "or dropped; the counts are logged"),
 
       Int("train", "steps", F(train.steps), 20, 1, kMax, "Optimizer steps"),
+      Float("train", "epochs", F(train.epochs), 0.0, 0.0, 1e6,
+            "Instead of train.steps (giving both is refused): passes over data.path's training "
+            "windows, fractions allowed; steps = ceil(epochs x windows / sequences per step), "
+            "printed by rp-launch --dry-run. The last step of an epoch takes the next epoch's "
+            "first windows. 0 = train.steps decides"),
       Int("train", "seed", F(train.seed), 1234, 0, kMax, "Seed of init and data order"),
       Int("train", "microbatches", F(train.microbatches), 3, 1, 4096,
           "M: microbatches per accumulation call (>= GPUs + 1 keeps the pipeline full)"),
@@ -385,9 +393,17 @@ const std::vector<KeySpec>& Table() {
            "must share; they resume on any node count. One node: no difference"),
       Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
       Float("optimizer", "min_lr", F(optimizer.min_lr), 3e-4, 0.0, 10.0,
-            "Learning rate at the end of the cosine decay"),
+            "Learning rate at the last step of the cosine or linear schedule"),
+      Enum("optimizer", "lr_schedule", F(optimizer.lr_schedule), LrSchedule::kCosine, kLrScheduleNames,
+           "After warmup: cosine (half a cosine from lr down to min_lr at the last step), linear "
+           "(a line from lr down to min_lr at the last step; min_lr = 0 is Hugging Face's "
+           "\"linear\") or constant (lr throughout)"),
       Int("optimizer", "warmup_steps", F(optimizer.warmup_steps), 2, 0, kMax,
-          "Linear warmup steps before the cosine decay"),
+          "Linear warmup steps before the schedule (step t of the warmup runs at lr x (t+1) / "
+          "warmup_steps)"),
+      Float("optimizer", "warmup_ratio", F(optimizer.warmup_ratio), 0.0, 0.0, 1.0,
+            "Instead of warmup_steps (giving both is refused): warmup_steps = ceil(warmup_ratio x "
+            "train.steps), as Hugging Face's warmup_ratio; 0 = warmup_steps decides"),
       Float("optimizer", "weight_decay", F(optimizer.weight_decay), 0.1, 0.0, 10.0,
             "Decoupled weight decay (applied to matrices, not to norm weights)"),
       Float("optimizer", "beta1", F(optimizer.beta1), 0.9, 0.0, 0.999999, "Adam beta1"),
@@ -893,7 +909,7 @@ Status CrossValidate(const JobConfig& c) {
                                    "schedule.forward_cuts and schedule.backward_cuts");
   RP_RETURN_IF_ERROR(CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
   RP_RETURN_IF_ERROR(CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
-  if (c.train.stop_after > c.train.steps)
+  if (c.train.epochs == 0 && c.train.stop_after > c.train.steps)
     return Status::InvalidArgument("train.stop_after: " + std::to_string(c.train.stop_after) +
                                    " is past train.steps (" + std::to_string(c.train.steps) + ")");
   return Status::Ok();
@@ -984,12 +1000,19 @@ const char* EnumName(TrainDtype v) { return NameIn(kDtypeNames, v); }
 const char* EnumName(OptimizerName v) { return NameIn(kOptimizerNames, v); }
 const char* EnumName(OptimizerMode v) { return NameIn(kModeNames, v); }
 const char* EnumName(OptimizerState v) { return NameIn(kStateNames, v); }
+const char* EnumName(LrSchedule v) { return NameIn(kLrScheduleNames, v); }
 const char* EnumName(GradientsWait v) { return NameIn(kGradientsWaitNames, v); }
 const char* EnumName(Activations v) { return NameIn(kActivationNames, v); }
 const char* EnumName(WeightsSource v) { return NameIn(kWeightsNames, v); }
 const char* EnumName(EmbeddingLookup v) { return NameIn(kLookupNames, v); }
 const char* EnumName(Partition v) { return NameIn(kPartitionNames, v); }
 const char* EnumName(Tristate v) { return NameIn(kTristateNames, v); }
+
+void ResolveWarmup(JobConfig* c) {
+  if (c->optimizer.warmup_ratio > 0)
+    c->optimizer.warmup_steps = static_cast<int64_t>(
+        std::ceil(c->optimizer.warmup_ratio * static_cast<double>(c->train.steps) - 1e-9));
+}
 
 Status CheckModelValue(const std::string& key, double value, const std::string& name) {
   for (const auto& s : Table()) {
@@ -1027,6 +1050,22 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
       RP_RETURN_IF_ERROR(kit->second->set(node, cfg, sec + "." + key));
     }
   }
+  // Keys that say the same thing two ways: the job gives one of them.
+  auto given = [&root](const char* section, const char* key) {
+    const toml::table* t = root[section].as_table();
+    return t != nullptr && t->contains(key);
+  };
+  if (cfg.train.epochs > 0 && given("train", "steps"))
+    return Status::InvalidArgument("train.epochs and train.steps: both given; give one (epochs derives the "
+                                   "steps from the data's windows)");
+  if (cfg.train.epochs > 0 && cfg.data.format == DataFormat::kRandom)
+    return Status::InvalidArgument("train.epochs: data.format = \"random\" is an endless synthetic stream "
+                                   "without epochs; give train.steps");
+  if (cfg.optimizer.warmup_ratio > 0 && given("optimizer", "warmup_steps"))
+    return Status::InvalidArgument("optimizer.warmup_ratio and optimizer.warmup_steps: both given; give one");
+  // With epochs the steps, and so a warmup ratio's steps, are known once the data is read
+  // (ResolveTrainingLength).
+  if (cfg.train.epochs == 0) ResolveWarmup(&cfg);
   cfg.data.path = Join(base_dir, cfg.data.path);
   if (cfg.job.output_dir.empty())
     return Status::InvalidArgument("job.output_dir: empty; name the directory the run's outputs go to");

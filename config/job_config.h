@@ -33,6 +33,7 @@ enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16, kFp8 };        // train.d
 enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
 enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
+enum class LrSchedule : uint8_t { kCosine, kLinear, kConstant };     // optimizer.lr_schedule
 enum class GradientsWait : uint8_t { kHost, kWorkers };               // optimizer.gradients_wait_in
 enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };        // schedule.activations
 enum class WeightsSource : uint8_t { kAuto, kComputeCopy };           // schedule.weights_source
@@ -49,6 +50,7 @@ const char* EnumName(TrainDtype v);
 const char* EnumName(OptimizerName v);
 const char* EnumName(OptimizerMode v);
 const char* EnumName(OptimizerState v);
+const char* EnumName(LrSchedule v);
 const char* EnumName(GradientsWait v);
 const char* EnumName(Activations v);
 const char* EnumName(WeightsSource v);
@@ -157,7 +159,8 @@ inline constexpr int64_t kMlpTileAuto = -1;  // train.mlp_tile_tokens chosen by 
 inline constexpr int64_t kKeptBlocksAuto = -1;  // schedule.kept_blocks: as many as fit (core::ResolveKeptBlocks)
 
 struct TrainConfig {
-  int64_t steps = 20;
+  int64_t steps = 20;            // resolved from epochs when epochs > 0 (core::ResolveTrainingLength)
+  double epochs = 0;             // passes over data.path's windows; 0 = train.steps decides
   int64_t seed = 1234;
   int64_t microbatches = 3;      // M per accumulation call, as the job file says
   int64_t accum_calls = 2;       // K calls per optimizer step, as the job file says (Round below)
@@ -182,7 +185,9 @@ struct OptimizerConfig {
   GradientsWait gradients_wait_in = GradientsWait::kHost;  // GradientsWaitInWorkers
   double lr = 3e-3;
   double min_lr = 3e-4;
-  int64_t warmup_steps = 2;
+  LrSchedule lr_schedule = LrSchedule::kCosine;  // after warmup, toward min_lr (config/lr_schedule.h)
+  int64_t warmup_steps = 2;      // resolved from warmup_ratio when it is > 0
+  double warmup_ratio = 0;       // warmup as a share of train.steps; 0 = warmup_steps decides
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
@@ -317,6 +322,10 @@ struct JobConfig {
 // Parses `path`, applies overrides ("section.key=value"; the value is TOML, or a bare string),
 // validates. The returned message names the key and the problem.
 StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides);
+// optimizer.warmup_ratio > 0: warmup_steps = ceil(ratio x train.steps). LoadJobConfig does it when
+// train.steps is given; with train.epochs, core::ResolveTrainingLength (io/data.h) once the steps
+// are known.
+void ResolveWarmup(JobConfig* c);
 // Same from TOML text (tests); `base_dir` resolves relative paths.
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
                                    const std::vector<std::string>& overrides);
@@ -489,6 +498,10 @@ inline RoundShape Round(const JobConfig& c) {
 inline bool ShardedGradients(const JobConfig& c) {
   return ShardedState(c) && !UpdatesWaitForNorm(c) && Round(c).calls == 1 &&
          !(c.model.tie_embeddings && !c.lora.enabled());
+}
+// Sequences (windows of data.seq_len) one optimizer step reads over every node.
+inline int64_t SequencesPerStep(const JobConfig& c) {
+  return c.train.accum_calls * c.train.microbatches * c.train.microbatch_size;
 }
 // The index within its step of this node's microbatch `mb` of round `call`: the key of its data
 // and its dropout masks, the same for every node count.

@@ -188,6 +188,7 @@ Status Coordinator::Setup() {
   times_.h2d_bytes_per_step = StepH2dBytes();
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   if (const std::string packing = data.PackingSummary(); !packing.empty()) RP_LOG(INFO) << packing;
+  if (const std::string length = data.LengthSummary(); !length.empty()) RP_LOG(INFO) << length;
   data_.emplace(std::move(data));
   if (cfg_.train.eval_every > 0) {
     RP_ASSIGN_OR_RETURN(auto eval, core::Dataset::OpenEval(cfg_));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -248,6 +249,20 @@ std::string Dataset::PackingSummary() const {
   return o.str();
 }
 
+std::string Dataset::LengthSummary() const {
+  if (config_.data.format == core::DataFormat::kRandom || windows_ == 0) return "";
+  const int64_t per_step = SequencesPerStep(config_);
+  const double steps_per_epoch = static_cast<double>(windows_) / static_cast<double>(per_step);
+  const double epochs = static_cast<double>(config_.train.steps) / steps_per_epoch;
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(2);
+  o << windows_ << " windows per epoch, " << per_step << " per step: " << steps_per_epoch << " steps per epoch; "
+    << config_.train.steps << " steps = " << epochs << " epochs"
+    << (config_.train.epochs > 0 ? " (train.epochs)" : " (train.steps)");
+  return o.str();
+}
+
 int64_t Dataset::TokenAt(int64_t i) const {
   if (token_bytes_ == 2) {
     uint16_t v;
@@ -357,6 +372,19 @@ int64_t Dataset::CountStepTargets(int64_t step) {
     for (auto l : lab) count += l != kIgnoreIndex;
   }
   return count;
+}
+
+Status ResolveTrainingLength(JobConfig* c) {
+  if (c->train.epochs == 0) return Status::Ok();
+  RP_ASSIGN_OR_RETURN(Dataset data, Dataset::Open(*c));
+  const double sequences = c->train.epochs * static_cast<double>(data.NumWindows());
+  c->train.steps = std::max<int64_t>(
+      1, static_cast<int64_t>(std::ceil(sequences / static_cast<double>(SequencesPerStep(*c)) - 1e-9)));
+  ResolveWarmup(c);
+  if (c->train.stop_after > c->train.steps)
+    return Status::InvalidArgument("train.stop_after: " + std::to_string(c->train.stop_after) + " is past the " +
+                                   std::to_string(c->train.steps) + " steps of train.epochs");
+  return Status::Ok();
 }
 
 std::vector<int64_t> SortedTokenRows(const std::vector<const int64_t*>& slots, int64_t per_slot, int64_t vocab) {

@@ -82,6 +82,9 @@ class Dataset {
   // One line for the log: records, tokens, windows, packing and the share of real tokens, and the
   // records longer than seq_len; "" for synthetic data.
   std::string PackingSummary() const;
+  // One line: windows per epoch, sequences per step, steps per epoch and train.steps in epochs;
+  // "" for synthetic data.
+  std::string LengthSummary() const;
 
  private:
   Dataset() = default;
@@ -113,6 +116,12 @@ class Dataset {
   int64_t cached_epoch_ = -1;
   std::vector<int64_t> perm_;
 };
+
+// train.epochs > 0: opens the training view of data.path and sets train.steps = ceil(epochs x
+// its windows / SequencesPerStep), then the warmup of optimizer.warmup_ratio (ResolveWarmup), and
+// refuses a train.stop_after past those steps (at least one step). Called once on a freshly loaded job by ResolveRun (rp-launch) and rp-train-ref;
+// train.epochs = 0: nothing to do.
+Status ResolveTrainingLength(JobConfig* c);
 
 // The rows of an embedding of `vocab` rows that the tokens of `slots` (each `per_slot` ids)
 // look up: ascending, each once; ids outside [0, vocab) are not rows. The coordinator

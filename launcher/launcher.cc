@@ -28,6 +28,7 @@
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "coordinator/training_state.h"
+#include "io/data.h"
 #include "io/peft.h"
 #include "planning/partitioner.h"
 #include "launcher/node_link.h"
@@ -451,7 +452,21 @@ int RunSession(const LaunchOptions& o) {
     cpu_worker = core::EstimateMemory(as_run, run.plan, o.gpus);
   }
   if (o.dry_run) {
+    // The data as the coordinator will read it: a malformed record is refused here, not at launch.
+    auto data = core::Dataset::Open(*cfg);
+    if (!data.ok()) {
+      std::fprintf(stderr, "rp-launch: %s\n", data.status().message().c_str());
+      return kExitBadConfig;
+    }
+    if (cfg->train.eval_every > 0) {
+      if (auto eval = core::Dataset::OpenEval(*cfg); !eval.ok()) {
+        std::fprintf(stderr, "rp-launch: %s\n", eval.status().message().c_str());
+        return kExitBadConfig;
+      }
+    }
     PrintDryRun(*cfg, run.plan, o.gpus, cpu_workers);
+    if (const std::string packing = data->PackingSummary(); !packing.empty()) std::printf("%s\n", packing.c_str());
+    if (const std::string length = data->LengthSummary(); !length.empty()) std::printf("%s\n", length.c_str());
     if (cpu_worker) {
       std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
                   "scores, which grow with the square of data.seq_len)\n",

@@ -489,10 +489,11 @@ at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, cons
 
 at::Tensor Transformer::DocumentAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D].
-  const int64_t B = q.size(0), nh = q.size(1), S = q.size(2), D = q.size(3), nkv = k.size(1);
+  const int64_t nh = q.size(1), S = q.size(2), nkv = k.size(1);
   const int64_t groups = nh / nkv;
 #if TORCH_VERSION_MAJOR >= 2
   if (q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf)) {
+    const int64_t B = q.size(0), D = q.size(3);
     // The flash kernel over the documents as variable-length sequences of the B * S tokens
     // (documents never cross rows), shared kv heads indexed by the kernel itself.
     auto flat = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * S, t.size(1), D}); };

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/data.h"
 #include "io/run_output.h"
 #include "planning/partitioner.h"
 
@@ -20,8 +21,8 @@ static_assert(sizeof(MoeConfig) == 72);
 static_assert(sizeof(ModelConfig) == 312);
 static_assert(sizeof(DataConfig) == 104);
 static_assert(sizeof(LossScaling) == 32);
-static_assert(sizeof(TrainConfig) == 136);
-static_assert(sizeof(OptimizerConfig) == 96);
+static_assert(sizeof(TrainConfig) == 144);
+static_assert(sizeof(OptimizerConfig) == 112);
 static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 168);
 static_assert(sizeof(CheckpointConfig) == 88);
@@ -31,7 +32,7 @@ static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 88);
 
 namespace {
-constexpr int kSpecVersion = 4;
+constexpr int kSpecVersion = 5;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -54,6 +55,7 @@ RP_SPEC_ENUM(TrainDtype, EnumName)
 RP_SPEC_ENUM(OptimizerName, EnumName)
 RP_SPEC_ENUM(OptimizerMode, EnumName)
 RP_SPEC_ENUM(OptimizerState, EnumName)
+RP_SPEC_ENUM(LrSchedule, EnumName)
 RP_SPEC_ENUM(Activations, EnumName)
 RP_SPEC_ENUM(WeightsSource, EnumName)
 RP_SPEC_ENUM(EmbeddingLookup, EnumName)
@@ -74,10 +76,11 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hi
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction, packing,
                                    long_records)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LossScaling, init, growth_factor, backoff_factor, growth_interval)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, seed, microbatches, accum_calls,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, epochs, seed, microbatches, accum_calls,
                                    microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after, eval_every,
                                    eval_microbatches)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, warmup_steps, weight_decay, beta1,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, lr_schedule, warmup_steps,
+                                   warmup_ratio, weight_decay, beta1,
                                    beta2, eps, momentum, grad_buffer_mb, speculative_update,
                                    device_update_blocks)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
@@ -105,6 +108,7 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   RP_ASSIGN_OR_RETURN(spec.job, LoadJobConfig(job_path, overrides));
   spec.job.nodes = nodes;
   RP_RETURN_IF_ERROR(CheckNodes(spec.job));
+  RP_RETURN_IF_ERROR(ResolveTrainingLength(&spec.job));
   if (nodes.count > 1) {
     spec.job.job.max_worker_restarts = 0;
     if (nodes.rank > 0) {

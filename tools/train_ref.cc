@@ -35,10 +35,12 @@ namespace {
 
 rp::Status Train(const std::string& job, const std::vector<std::string>& overrides) {
   RP_ASSIGN_OR_RETURN(rp::core::JobConfig cfg, rp::core::LoadJobConfig(job, overrides));
+  RP_RETURN_IF_ERROR(rp::core::ResolveTrainingLength(&cfg));
   if (cfg.train.dtype != rp::core::TrainDtype::kFp32)
     return rp::Status::InvalidArgument("train.dtype: rp-train-ref runs fp32 only");
   RP_ASSIGN_OR_RETURN(rp::core::Dataset data, rp::core::Dataset::Open(cfg));
   if (const std::string packing = data.PackingSummary(); !packing.empty()) RP_LOG(INFO) << packing;
+  if (const std::string length = data.LengthSummary(); !length.empty()) RP_LOG(INFO) << length;
   std::optional<rp::core::Dataset> eval_data;
   if (cfg.train.eval_every > 0) {
     RP_ASSIGN_OR_RETURN(auto e, rp::core::Dataset::OpenEval(cfg));

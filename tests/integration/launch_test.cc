@@ -582,6 +582,17 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("plan: F[0,2) F[2,4) T[4,6) B[2,4) B[0,2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("predicted bubble ratio"), std::string::npos);
+  EXPECT_NE(r.output.find("windows per epoch"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
+
+  // The data is read as the coordinator will read it: a malformed record is refused here.
+  const std::string bad = tmp_ + "/bad.jsonl";
+  std::ofstream(bad) << "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": \"1 2 3\"}\n";
+  auto refused = testing::RunProcess(
+      With(LaunchArgs(3, tmp_ + "/dry", {"data.format=\"jsonl\"", "data.path=\"" + bad + "\""}), {"--dry-run"}), 30,
+      Env());
+  EXPECT_EQ(refused.code, kExitBadConfig) << refused.output;
+  EXPECT_NE(refused.output.find("bad.jsonl:2: no non-empty \"input_ids\""), std::string::npos) << refused.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
 }
 

@@ -324,6 +324,75 @@ TEST(LearningRate, WarmupThenCosineToMin) {
   for (int s = 5; s < 20; ++s) EXPECT_LE(LearningRate(o, s, 20), LearningRate(o, s - 1, 20));
 }
 
+TEST(LearningRate, LinearAndConstantAfterWarmup) {
+  OptimizerConfig o;
+  o.lr = 1.0;
+  o.min_lr = 0.2;
+  o.warmup_steps = 2;
+  o.lr_schedule = LrSchedule::kLinear;
+  EXPECT_DOUBLE_EQ(LearningRate(o, 0, 7), 0.5);
+  EXPECT_DOUBLE_EQ(LearningRate(o, 1, 7), 1.0);
+  EXPECT_DOUBLE_EQ(LearningRate(o, 2, 7), 1.0);  // the first step after warmup runs at lr
+  EXPECT_NEAR(LearningRate(o, 4, 7), 0.6, 1e-12);  // halfway along the line
+  EXPECT_NEAR(LearningRate(o, 6, 7), 0.2, 1e-12);  // the last step at min_lr
+  o.lr_schedule = LrSchedule::kConstant;
+  EXPECT_DOUBLE_EQ(LearningRate(o, 0, 7), 0.5);
+  for (int s = 1; s < 7; ++s) EXPECT_DOUBLE_EQ(LearningRate(o, s, 7), 1.0);
+  o.lr_schedule = LrSchedule::kCosine;
+  EXPECT_NEAR(LearningRate(o, 4, 7), 0.6, 1e-12);  // a cosine's middle is the line's
+  EXPECT_GT(LearningRate(o, 3, 7), 0.6 + 0.2 * 0.25);  // and above it before
+}
+
+// train.epochs derives the steps from the data's windows (and a warmup ratio its steps); a job
+// that says the same thing two ways is refused.
+TEST(TrainingLength, EpochsDeriveTheStepsFromTheWindows) {
+  const std::string base = testing::SourceDir() + "/data";
+  const std::string job = "[data]\npath = \"tiny_corpus.txt\"\nseq_len = 32\n"
+                          "[train]\nmicrobatch_size = 2\nmicrobatches = 3\naccum_calls = 2\n";
+  auto plain = ParseJobConfig(job, base, {});
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  auto windows = Dataset::Open(*plain);
+  ASSERT_TRUE(windows.ok());
+  const int64_t w = windows->NumWindows();  // 5127 bytes in windows of 33: 155
+  ASSERT_GT(w, 100);
+
+  auto c = ParseJobConfig(job, base, {"train.epochs=2.5", "optimizer.warmup_ratio=0.1"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  ASSERT_TRUE(ResolveTrainingLength(&*c).ok());
+  const int64_t steps = (5 * w + 23) / 24;  // ceil(2.5 w / 12 sequences per step)
+  EXPECT_EQ(c->train.steps, steps);
+  EXPECT_EQ(c->optimizer.warmup_steps, (steps + 9) / 10);
+  auto d = Dataset::Open(*c);
+  ASSERT_TRUE(d.ok());
+  EXPECT_NE(d->LengthSummary().find(std::to_string(steps) + " steps = 2.5"), std::string::npos) << d->LengthSummary();
+
+  // One epoch of whole steps covers every window; the step before the last leaves some unread.
+  auto one = ParseJobConfig(job, base, {"train.epochs=1"});
+  ASSERT_TRUE(one.ok() && ResolveTrainingLength(&*one).ok());
+  EXPECT_GE(one->train.steps * 12, w);
+  EXPECT_LT((one->train.steps - 1) * 12, w);
+
+  // Without epochs a warmup ratio counts train.steps at parse time.
+  auto ratio = ParseJobConfig(job, base, {"train.steps=30", "optimizer.warmup_ratio=0.05"});
+  ASSERT_TRUE(ratio.ok());
+  EXPECT_EQ(ratio->optimizer.warmup_steps, 2);
+
+  auto refused = [&](std::vector<std::string> sets, const std::string& words) {
+    auto r = ParseJobConfig(job, base, sets);
+    if (r.ok()) {
+      const Status s = ResolveTrainingLength(&*r);
+      ASSERT_FALSE(s.ok()) << words;
+      EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
+      return;
+    }
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().message();
+  };
+  refused({"train.epochs=1", "train.steps=5"}, "train.epochs and train.steps: both given");
+  refused({"optimizer.warmup_ratio=0.1", "optimizer.warmup_steps=3"}, "warmup_ratio and optimizer.warmup_steps");
+  refused({"train.epochs=1", "data.format=\"random\""}, "endless synthetic stream");
+  refused({"train.epochs=0.1", "train.stop_after=100"}, "train.stop_after: 100 is past the");
+}
+
 TEST(Init, DeterministicAndScaled) {
   ModelConfig m;
   auto spec = BuildModelSpec(m);
