@@ -225,6 +225,14 @@ Status ReadMoe(const nlohmann::json& j, const ConfigReader& top, int64_t layers,
 
 }  // namespace
 
+std::string HfBaseDtype(const std::string& dir) {
+  auto j = ReadJsonObject((std::filesystem::path(dir) / "config.json").string());
+  if (!j.ok()) return "";
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (j->contains(key) && (*j)[key].is_string()) return (*j)[key].get<std::string>();
+  return "";
+}
+
 Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
   RP_ASSIGN_OR_RETURN(auto j, ReadJsonObject(path));

@@ -34,6 +34,9 @@
 namespace rp::core {
 
 Status ApplyHfConfig(const std::string& dir, ModelConfig* model);
+// The dtype <dir>/config.json names ("dtype", as transformers 5 writes it, else "torch_dtype");
+// "" when it names none or cannot be read.
+std::string HfBaseDtype(const std::string& dir);
 StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& model);
 StatusOr<nlohmann::json> ReadJsonObject(const std::string& path);
 StatusOr<std::string> ResolveModelPath(const std::string& path, const std::string& base_dir);

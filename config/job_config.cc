@@ -3,6 +3,7 @@
 
 #include "config/hf_config.h"
 
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -130,6 +131,8 @@ const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDt
 const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
 const EnumNames<LrSchedule> kLrScheduleNames = {{LrSchedule::kCosine, "cosine"}, {LrSchedule::kLinear, "linear"},
                                                 {LrSchedule::kConstant, "constant"}};
+const EnumNames<ExportDtype> kExportDtypeNames = {{ExportDtype::kAuto, "auto"}, {ExportDtype::kFloat32, "float32"},
+                                                  {ExportDtype::kBfloat16, "bfloat16"}, {ExportDtype::kFloat16, "float16"}};
 const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
 const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
                                                {OptimizerState::kSharded, "sharded"}};
@@ -563,10 +566,16 @@ const std::vector<KeySpec>& Table() {
           "rp-launch --resume continues from the newest one with identical results"),
       Str("checkpoint", "export_hf", F(checkpoint.export_hf), "",
           "After the last step, write the trained model as a Hugging Face directory (config.json + "
-          "model.safetensors, fp32) here, relative to job.output_dir; empty = no export"),
+          "model.safetensors in checkpoint.export_dtype, with the base's tokenizer files, "
+          "generation_config.json and special-token ids) here, relative to job.output_dir; empty = "
+          "no export"),
       Int("checkpoint", "export_shard_mb", F(checkpoint.export_shard_mb), 5000, 0, 1 << 30,
           "Largest safetensors file of export_hf in MiB: a bigger model is written as shards "
           "model-0000i-of-0000N.safetensors with model.safetensors.index.json; 0 = one file"),
+      Enum("checkpoint", "export_dtype", F(checkpoint.export_dtype), ExportDtype::kAuto, kExportDtypeNames,
+           "Tensors of checkpoint.export_hf (rounded to nearest even from the fp32 masters). auto: "
+           "the base's dtype as its config.json names it (bfloat16 for the published Qwen3 and "
+           "Llama checkpoints), float32 without a base"),
       Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
           "Checkpoint directory, relative to job.output_dir"),
       Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,
@@ -684,10 +693,12 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
                                      std::to_string(c.data.seq_len + 1) + " bytes");
   }
-  if (c.data.packing != DataPacking::kStream && c.data.format != DataFormat::kJsonl)
+  if (c.data.packing != DataPacking::kStream && c.data.format != DataFormat::kJsonl &&
+      !(c.data.format == DataFormat::kTokens && TokenFileHasDocuments(c.data.path)))
     return Status::InvalidArgument(std::string("data.packing: \"") + EnumName(c.data.packing) + "\" needs records; data.format = \"" +
                                    EnumName(c.data.format) + "\" is one stream without document boundaries "
-                                   "(use data.format = \"jsonl\", or data.packing = \"stream\")");
+                                   "(use data.format = \"jsonl\", a token file with a document index as "
+                                   "tools/prepare_data.py writes it, or data.packing = \"stream\")");
   if (!c.data.eval_path.empty() && c.data.eval_fraction > 0.0)
     return Status::InvalidArgument("data.eval_fraction: set together with data.eval_path; choose one");
   if (c.data.eval_fraction > 0.0 && c.data.format == DataFormat::kRandom)
@@ -1001,12 +1012,22 @@ const char* EnumName(OptimizerName v) { return NameIn(kOptimizerNames, v); }
 const char* EnumName(OptimizerMode v) { return NameIn(kModeNames, v); }
 const char* EnumName(OptimizerState v) { return NameIn(kStateNames, v); }
 const char* EnumName(LrSchedule v) { return NameIn(kLrScheduleNames, v); }
+const char* EnumName(ExportDtype v) { return NameIn(kExportDtypeNames, v); }
 const char* EnumName(GradientsWait v) { return NameIn(kGradientsWaitNames, v); }
 const char* EnumName(Activations v) { return NameIn(kActivationNames, v); }
 const char* EnumName(WeightsSource v) { return NameIn(kWeightsNames, v); }
 const char* EnumName(EmbeddingLookup v) { return NameIn(kLookupNames, v); }
 const char* EnumName(Partition v) { return NameIn(kPartitionNames, v); }
 const char* EnumName(Tristate v) { return NameIn(kTristateNames, v); }
+
+bool TokenFileHasDocuments(const std::string& path) {
+  std::ifstream in(path + ".json");
+  if (!in) return false;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  return j.is_object() && j.contains("documents");
+}
 
 void ResolveWarmup(JobConfig* c) {
   if (c->optimizer.warmup_ratio > 0)
@@ -1073,15 +1094,30 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   cfg.lora.init_from = Join(base_dir, cfg.lora.init_from);
   cfg.data.eval_path = Join(base_dir, cfg.data.eval_path);
   if (cfg.data.packing == DataPacking::kAuto)
-    cfg.data.packing = cfg.data.format == DataFormat::kJsonl ? DataPacking::kDocuments : DataPacking::kStream;
+    cfg.data.packing = cfg.data.format == DataFormat::kJsonl ||
+                               (cfg.data.format == DataFormat::kTokens && TokenFileHasDocuments(cfg.data.path))
+                           ? DataPacking::kDocuments
+                           : DataPacking::kStream;
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     RP_ASSIGN_OR_RETURN(cfg.model.path, ResolveModelPath(cfg.model.path, base_dir));
     RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
+    if (cfg.checkpoint.export_dtype == ExportDtype::kAuto) {
+      // The export is served as the base was: in the dtype its config.json names.
+      const std::string base = HfBaseDtype(cfg.model.path);
+      if (base.empty() || base == "float32") cfg.checkpoint.export_dtype = ExportDtype::kFloat32;
+      else if (base == "bfloat16") cfg.checkpoint.export_dtype = ExportDtype::kBfloat16;
+      else if (base == "float16") cfg.checkpoint.export_dtype = ExportDtype::kFloat16;
+      else
+        return Status::InvalidArgument("checkpoint.export_dtype: \"auto\" takes the base's dtype, and " +
+                                       cfg.model.path + "/config.json names \"" + base +
+                                       "\"; set \"float32\", \"bfloat16\" or \"float16\"");
+    }
   } else {
     // A model from job keys is written out as the family its q/k norm and experts name.
     cfg.model.model_type = cfg.model.moe.num_experts > 0 ? "qwen3_moe" : cfg.model.qk_norm ? "qwen3" : "llama";
   }
+  if (cfg.checkpoint.export_dtype == ExportDtype::kAuto) cfg.checkpoint.export_dtype = ExportDtype::kFloat32;
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {

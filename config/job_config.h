@@ -34,6 +34,7 @@ enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimiz
 enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
 enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
 enum class LrSchedule : uint8_t { kCosine, kLinear, kConstant };     // optimizer.lr_schedule
+enum class ExportDtype : uint8_t { kAuto, kFloat32, kBfloat16, kFloat16 };  // checkpoint.export_dtype
 enum class GradientsWait : uint8_t { kHost, kWorkers };               // optimizer.gradients_wait_in
 enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };        // schedule.activations
 enum class WeightsSource : uint8_t { kAuto, kComputeCopy };           // schedule.weights_source
@@ -51,6 +52,7 @@ const char* EnumName(OptimizerName v);
 const char* EnumName(OptimizerMode v);
 const char* EnumName(OptimizerState v);
 const char* EnumName(LrSchedule v);
+const char* EnumName(ExportDtype v);
 const char* EnumName(GradientsWait v);
 const char* EnumName(Activations v);
 const char* EnumName(WeightsSource v);
@@ -258,6 +260,8 @@ struct CheckpointConfig {
   int64_t keep = 2;              // newest checkpoints kept
   std::string export_hf;         // HF directory written after the last step (relative to output_dir)
   int64_t export_shard_mb = 5000;  // export_hf shards above this size; 0 = one file
+  // The export's tensors; a parsed job holds kAuto resolved (the base's dtype, else float32).
+  ExportDtype export_dtype = ExportDtype::kAuto;
 };
 
 struct MetricsConfig {
@@ -326,6 +330,10 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std
 // train.steps is given; with train.epochs, core::ResolveTrainingLength (io/data.h) once the steps
 // are known.
 void ResolveWarmup(JobConfig* c);
+// Whether the sidecar of the token file `path` (<path>.json) names a document index (io/data.h):
+// such a file is records, packed as "documents" by default. False when there is no readable
+// sidecar (the dataset then says what is wrong).
+bool TokenFileHasDocuments(const std::string& path);
 // Same from TOML text (tests); `base_dir` resolves relative paths.
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
                                    const std::vector<std::string>& overrides);

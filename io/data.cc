@@ -90,6 +90,14 @@ Status Dataset::OpenTokens() {
   if (j.is_discarded() || !j.is_object() || !j.contains("dtype") || !j["dtype"].is_string() ||
       !j.contains("vocab_size") || !j["vocab_size"].is_number_integer())
     return Status::InvalidArgument(key_ + ": " + sidecar + " must be {\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}");
+  // Every key is known: one this reader does not implement would change what is trained on.
+  static const char* const kKeys[] = {"dtype", "vocab_size", "documents", "loss_mask", "tokens", "trained_tokens",
+                                      "tokenizer", "source"};
+  for (const auto& [k, v] : j.items())
+    if (std::find_if(std::begin(kKeys), std::end(kKeys), [&](const char* n) { return k == n; }) == std::end(kKeys))
+      return Status::InvalidArgument(key_ + ": " + sidecar + ": unknown key \"" + k +
+                                     "\" (known: dtype, vocab_size, documents, loss_mask, tokens, trained_tokens, "
+                                     "tokenizer, source)");
   const std::string dtype = j["dtype"].get<std::string>();
   token_bytes_ = dtype == "uint16" ? 2 : dtype == "uint32" ? 4 : 0;
   if (token_bytes_ == 0) return Status::InvalidArgument(key_ + ": " + sidecar + ": dtype \"" + dtype + "\" is not uint16 or uint32");
@@ -105,17 +113,82 @@ Status Dataset::OpenTokens() {
   tokens_map_ = std::make_shared<const MappedFile>(std::move(file));
   tokens_ = tokens_map_->data();
   const int64_t n = static_cast<int64_t>(size) / token_bytes_;
-  const int64_t S = config_.data.seq_len;
-  if (n < S + 1)
-    return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(n) +
-                                   " tokens, fewer than seq_len + 1 = " + std::to_string(S + 1));
+  if (j.contains("tokens") && (!j["tokens"].is_number_integer() || j["tokens"].get<int64_t>() != n))
+    return Status::InvalidArgument(key_ + ": " + sidecar + " says tokens " + j["tokens"].dump() + ", " + path +
+                                   " holds " + std::to_string(n) + " (an interrupted or mixed-up write?)");
   for (int64_t i = 0; i < n; ++i)
     if (TokenAt(i) >= config_.model.vocab_size)
       return Status::InvalidArgument(key_ + ": " + path + ": token " + std::to_string(TokenAt(i)) +
                                      " at position " + std::to_string(i) + " is not below model.vocab_size " +
                                      std::to_string(config_.model.vocab_size));
-  windows_ = (n - 1) / S;
-  return Status::Ok();
+  // The loss mask: one byte per token, 1 where the token is a target (predicted by the one before).
+  std::shared_ptr<const MappedFile> mask;
+  if (j.contains("loss_mask")) {
+    if (!j["loss_mask"].is_boolean())
+      return Status::InvalidArgument(key_ + ": " + sidecar + ": loss_mask must be true or false");
+    if (j["loss_mask"].get<bool>()) {
+      RP_ASSIGN_OR_RETURN(MappedFile m, MappedFile::Open(path + ".mask", key_ + " loss mask"));
+      if (static_cast<int64_t>(m.size()) != n)
+        return Status::InvalidArgument(key_ + ": " + path + ".mask holds " + std::to_string(m.size()) +
+                                       " bytes, one per token would be " + std::to_string(n));
+      for (int64_t i = 0; i < n; ++i)
+        if (m.data()[i] > 1)
+          return Status::InvalidArgument(key_ + ": " + path + ".mask: byte " + std::to_string(i) + " is " +
+                                         std::to_string(m.data()[i]) + ", not 0 or 1");
+      mask = std::make_shared<const MappedFile>(std::move(m));
+    }
+  }
+  const int64_t S = config_.data.seq_len;
+  if (!j.contains("documents")) {
+    if (config_.data.packing != core::DataPacking::kStream)
+      return Status::InvalidArgument(key_ + ": data.packing = \"" + std::string(EnumName(config_.data.packing)) +
+                                     "\" needs document boundaries, and " + sidecar + " names no document index");
+    if (n < S + 1)
+      return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(n) +
+                                     " tokens, fewer than seq_len + 1 = " + std::to_string(S + 1));
+    mask_map_ = std::move(mask);
+    windows_ = (n - 1) / S;
+    return Status::Ok();
+  }
+  // Records: <path>.docs holds documents + 1 little-endian uint64 offsets, from 0 to the token
+  // count, each document at least one token. They pack as JSONL records do.
+  if (!j["documents"].is_number_integer() || j["documents"].get<int64_t>() < 1)
+    return Status::InvalidArgument(key_ + ": " + sidecar + ": documents must be a count of at least 1");
+  const int64_t docs = j["documents"].get<int64_t>();
+  RP_ASSIGN_OR_RETURN(MappedFile index, MappedFile::Open(path + ".docs", key_ + " document index"));
+  if (index.size() != static_cast<uint64_t>(docs + 1) * 8)
+    return Status::InvalidArgument(key_ + ": " + path + ".docs holds " + std::to_string(index.size()) + " bytes; " +
+                                   std::to_string(docs) + " documents need " + std::to_string((docs + 1) * 8) +
+                                   " (documents + 1 uint64 offsets)");
+  auto offset = [&index](int64_t d) {
+    uint64_t v;
+    std::memcpy(&v, index.data() + 8 * d, 8);
+    return v;
+  };
+  if (offset(0) != 0 || offset(docs) != static_cast<uint64_t>(n))
+    return Status::InvalidArgument(key_ + ": " + path + ".docs must run from 0 to the token count " +
+                                   std::to_string(n) + "; it runs from " + std::to_string(offset(0)) + " to " +
+                                   std::to_string(offset(docs)));
+  for (int64_t d = 0; d < docs; ++d) {
+    const uint64_t begin = offset(d), end = offset(d + 1);
+    if (end <= begin)
+      return Status::InvalidArgument(key_ + ": " + path + ".docs: document " + std::to_string(d) +
+                                     " is empty or runs backwards (offsets " + std::to_string(begin) + ", " +
+                                     std::to_string(end) + ")");
+    const size_t len = static_cast<size_t>(end - begin);
+    std::vector<int32_t> record(len), targets(len);
+    for (size_t i = 0; i < len; ++i) {
+      const int64_t at = static_cast<int64_t>(begin + i);
+      record[i] = static_cast<int32_t>(TokenAt(at));
+      targets[i] = i + 1 < len && (!mask || mask->data()[at + 1] == 1) ? static_cast<int32_t>(TokenAt(at + 1))
+                                                                       : static_cast<int32_t>(kIgnoreIndex);
+    }
+    PackRecord(std::move(record), std::move(targets));
+  }
+  // The packed stream holds everything now.
+  tokens_map_.reset();
+  tokens_ = nullptr;
+  return FinishPacking();
 }
 
 Status Dataset::OpenJsonl() {
@@ -166,11 +239,15 @@ Status Dataset::OpenJsonl() {
     }
     PackRecord(std::move(record), std::move(targets));
   }
+  return FinishPacking();
+}
+
+Status Dataset::FinishPacking() {
   if (config_.data.packing != core::DataPacking::kStream) PadToWindowEnd();
   const int64_t S = config_.data.seq_len;
   windows_ = static_cast<int64_t>(packed_tokens_.size()) / S;
   if (windows_ == 0)
-    return Status::InvalidArgument(key_ + ": " + path + " holds " + std::to_string(packed_tokens_.size()) +
+    return Status::InvalidArgument(key_ + ": " + config_.data.path + " holds " + std::to_string(packed_tokens_.size()) +
                                    " tokens" + (stats_.dropped > 0 ? " after dropping " + std::to_string(stats_.dropped) +
                                    " records longer than seq_len" : std::string()) +
                                    ", fewer than one sequence of seq_len " + std::to_string(S));
@@ -234,7 +311,7 @@ std::string Dataset::PackingSummary() const {
   const int64_t S = config_.data.seq_len;
   std::ostringstream o;
   o << key_ << ": ";
-  if (config_.data.format == core::DataFormat::kJsonl) o << stats_.records << " records, " << stats_.tokens << " tokens, ";
+  if (stats_.records > 0) o << stats_.records << " records, " << stats_.tokens << " tokens, ";
   o << windows_ << " windows of " << S << " tokens (" << EnumName(config_.data.packing) << " packing";
   const int64_t all = static_cast<int64_t>(packed_tokens_.size());
   if (all > 0 && stats_.padding > 0) {
@@ -350,7 +427,7 @@ void Dataset::FillWindow(int64_t w, int64_t* tok, int64_t* lab, int64_t* pos) co
   } else if (tokens_ != nullptr) {
     for (int64_t j = 0; j < S; ++j) {
       tok[j] = TokenAt(w * S + j);
-      lab[j] = TokenAt(w * S + j + 1);
+      lab[j] = !mask_map_ || mask_map_->data()[w * S + j + 1] == 1 ? TokenAt(w * S + j + 1) : kIgnoreIndex;
     }
   } else {
     const uint8_t* src = bytes_.data() + w * S;

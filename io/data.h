@@ -3,21 +3,27 @@
 //
 // Formats (data.format): "bytes" (a text file, one token per byte), "tokens" (a flat file of
 // uint16 or uint32 token ids with a JSON sidecar <path>.json: {"dtype": "uint16"|"uint32",
-// "vocab_size": N}; memory-mapped, every id checked against model.vocab_size when opened),
+// "vocab_size": N}; memory-mapped, every id checked against model.vocab_size when opened; the
+// sidecar may add "documents": D, a document index <path>.docs of D + 1 little-endian uint64
+// token offsets from 0 to the token count, which makes the file D records packed as JSONL records
+// are, and "loss_mask": true, <path>.mask holding one byte per token, 1 where the token is a
+// target; "tokens", "trained_tokens", "tokenizer" and "source" are checked or informational, any
+// other key is refused; tools/prepare_data.py writes all of them),
 // "jsonl" (one JSON object per line: "input_ids", optional "labels" (same length, -100 = ignore,
 // Hugging Face alignment: the model predicts labels[j + 1] at position j) or "loss_mask" (0/1 per
 // token); a record's last position predicts nothing, so no target crosses a record boundary),
 // "random" (synthetic). Windows are visited in a per-epoch order shuffled by the seed.
 //
 // Packing (data.packing) decides what a window of seq_len tokens holds and what each token sees:
-//  * "stream": "bytes" and "tokens" are cut into non-overlapping windows of seq_len + 1 tokens
-//    (stride seq_len); "jsonl" records are concatenated and cut every seq_len tokens. Positions
-//    run 0..seq_len-1 in every window: attention crosses record boundaries.
-//  * "documents" ("jsonl" only): records in file order, each whole record placed in the current
+//  * "stream": "bytes" and "tokens" without a document index are cut into non-overlapping
+//    windows of seq_len + 1 tokens (stride seq_len); records ("jsonl", indexed "tokens") are
+//    concatenated and cut every seq_len tokens. Positions run 0..seq_len-1 in every window:
+//    attention crosses record boundaries.
+//  * "documents" (records only): records in file order, each whole record placed in the current
 //    window if it fits in the room left, else in a new one (the rest of the old one padded).
 //    Every record is a document: its RoPE positions start at 0 and its tokens attend to its own
 //    earlier tokens only.
-//  * "pad" ("jsonl" only): one record per window, the rest padded.
+//  * "pad" (records only): one record per window, the rest padded.
 //  Padding is token 0 with no target, a document of its own. A record longer than seq_len
 //  (data.long_records): "split" into seq_len pieces, each starting a window, positions
 //  continuing across the pieces (a piece attends to itself only); "truncate" to its first
@@ -96,6 +102,9 @@ class Dataset {
   // data.packing and data.long_records say.
   void PackRecord(std::vector<int32_t> tokens, std::vector<int32_t> targets);
   void PadToWindowEnd();
+  // After the last record: pads the last window (documents, pad), counts the windows and refuses
+  // data without one whole window.
+  Status FinishPacking();
   const std::vector<int64_t>& Permutation(int64_t epoch);
   Status OpenTokens();
   Status OpenJsonl();
@@ -105,6 +114,7 @@ class Dataset {
   JobConfig config_;
   std::vector<uint8_t> bytes_;
   std::shared_ptr<const MappedFile> tokens_map_;  // "tokens": the mapped file, shared by copies
+  std::shared_ptr<const MappedFile> mask_map_;    // "tokens" streamed with a loss mask: <path>.mask
   const uint8_t* tokens_ = nullptr;
   int token_bytes_ = 0;                      // 2 or 4
   std::vector<int32_t> packed_tokens_, packed_targets_;  // "jsonl": the packed stream

@@ -111,35 +111,91 @@ Status HfWeights::Load(const ParamSpec& p, float* out) const {
   return Status::Ok();
 }
 
+Status CopyBaseFiles(const std::string& base_dir, const std::string& dir, bool generation) {
+  static const char* const kTokenizerFiles[] = {
+      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+      "merges.txt",     "added_tokens.json",     "chat_template.jinja",     "chat_template.json"};
+  std::vector<std::string> names(std::begin(kTokenizerFiles), std::end(kTokenizerFiles));
+  if (generation) names.push_back("generation_config.json");
+  for (const auto& name : names) {
+    const fs::path from = fs::path(base_dir) / name;
+    std::error_code ec;
+    if (!fs::is_regular_file(from, ec)) continue;
+    std::ifstream in(from, std::ios::binary);
+    std::stringstream bytes;
+    if (!(bytes << in.rdbuf()) && fs::file_size(from, ec) > 0)
+      return Status::IoError("export: cannot read " + from.string());
+    RP_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / name).string(), bytes.str()));
+  }
+  return Status::Ok();
+}
+
 Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& spec,
-                const std::function<const float*(int)>& master, uint64_t shard_bytes) {
+                const std::function<const float*(int)>& master, const HfExport& how) {
+  if (how.dtype == ExportDtype::kAuto) return Status::Internal("ExportHf: the export dtype reached it unresolved");
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("export directory " + dir + ": " + ec.message());
   RP_ASSIGN_OR_RETURN(nlohmann::ordered_json c, HfConfigJson(m));
+  c["dtype"] = EnumName(how.dtype);
+  c["torch_dtype"] = EnumName(how.dtype);
+  if (!how.base_dir.empty()) {
+    // The base's special tokens: generation stops where the base's would.
+    std::ifstream base_config(fs::path(how.base_dir) / "config.json");
+    const auto base = nlohmann::json::parse(base_config, nullptr, /*allow_exceptions=*/false);
+    if (base.is_object())
+      for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+        if (base.contains(key)) c[key] = base[key];
+    RP_RETURN_IF_ERROR(CopyBaseFiles(how.base_dir, dir, /*generation=*/true));
+  }
   RP_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(), c.dump(2) + "\n"));
-  // Shards: consecutive tensors while they fit the limit.
-  std::vector<std::vector<SafetensorToWrite>> shards(1);
+  // Shards: consecutive tensors while they fit the limit. Each tensor is one or more pieces (an
+  // expert parameter is one tensor per expert and projection), converted a shard at a time.
+  struct Piece {
+    std::string name;
+    std::vector<int64_t> shape;
+    const float* values;
+    int64_t numel;
+  };
+  const bool f32 = how.dtype == ExportDtype::kFloat32;
+  const uint64_t elem = f32 ? 4 : 2;
+  const char* dtype = f32 ? "F32" : how.dtype == ExportDtype::kBfloat16 ? "BF16" : "F16";
+  std::vector<std::vector<Piece>> shards(1);
   uint64_t in_shard = 0, total = 0;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     const auto& ps = spec.params[p];
-    const uint64_t bytes = static_cast<uint64_t>(ps.numel) * 4;
-    if (shard_bytes > 0 && in_shard > 0 && in_shard + bytes > shard_bytes) {
+    const uint64_t bytes = static_cast<uint64_t>(ps.numel) * elem;
+    if (how.shard_bytes > 0 && in_shard > 0 && in_shard + bytes > how.shard_bytes) {
       shards.emplace_back();
       in_shard = 0;
     }
     const float* values = master(static_cast<int>(p));
     const auto pieces = ExpertPieces(ps);
     if (pieces.empty()) {
-      shards.back().push_back({ps.name, "F32", ps.shape, values, bytes});
+      shards.back().push_back({ps.name, ps.shape, values, ps.numel});
     } else {
       for (const auto& piece : pieces)
-        shards.back().push_back({piece.name, "F32", piece.shape, values + piece.offset,
-                                 static_cast<uint64_t>(piece.shape[0] * piece.shape[1]) * 4});
+        shards.back().push_back({piece.name, piece.shape, values + piece.offset, piece.shape[0] * piece.shape[1]});
     }
     in_shard += bytes;
     total += bytes;
   }
+  auto write_shard = [&](const std::string& path, const std::vector<Piece>& pieces) {
+    std::vector<std::vector<uint16_t>> converted;
+    std::vector<SafetensorToWrite> tensors;
+    for (const auto& piece : pieces) {
+      const uint64_t bytes = static_cast<uint64_t>(piece.numel) * elem;
+      if (f32) {
+        tensors.push_back({piece.name, dtype, piece.shape, piece.values, bytes});
+        continue;
+      }
+      converted.emplace_back(static_cast<size_t>(piece.numel));
+      if (how.dtype == ExportDtype::kBfloat16) FloatToBf16(piece.values, piece.numel, converted.back().data());
+      else FloatToHalf(piece.values, piece.numel, converted.back().data());
+      tensors.push_back({piece.name, dtype, piece.shape, converted.back().data(), bytes});
+    }
+    return WriteSafetensors(path, tensors, {{"format", "pt"}});
+  };
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   auto is_shard = [](const fs::path& f) {
@@ -149,14 +205,14 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
   };
   std::vector<fs::path> written;
   if (shards.size() == 1) {
-    RP_RETURN_IF_ERROR(WriteSafetensors(single.string(), shards[0], {{"format", "pt"}}));
+    RP_RETURN_IF_ERROR(write_shard(single.string(), shards[0]));
     written.push_back(single);
   } else {
     nlohmann::ordered_json map = nlohmann::ordered_json::object();
     char name[64];
     for (size_t i = 0; i < shards.size(); ++i) {
       std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
-      RP_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / name).string(), shards[i], {{"format", "pt"}}));
+      RP_RETURN_IF_ERROR(write_shard((fs::path(dir) / name).string(), shards[i]));
       written.push_back(fs::path(dir) / name);
       for (const auto& t : shards[i]) map[t.name] = name;
     }

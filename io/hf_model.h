@@ -11,8 +11,11 @@
 //    experts load from transformers 5's fused tensors (mlp.experts.gate_up_proj, down_proj) or
 //    from one tensor per expert and projection (mlp.experts.<e>.gate_proj.weight, ...: the
 //    layout of the published Qwen3-MoE checkpoints), whichever the directory has.
-//  * ExportHf() writes a directory that transformers loads: config.json and fp32 tensors under
-//    the spec's (Hugging Face) names, each file written atomically; experts one tensor per expert
+//  * ExportHf() writes a directory that transformers loads: config.json and tensors in
+//    HfExport::dtype (rounded to nearest even from fp32) under the spec's (Hugging Face) names,
+//    each file written atomically; config.json names that dtype and, from the base's config.json,
+//    its bos/eos/pad token ids; the base's tokenizer files and generation_config.json are copied
+//    (CopyBaseFiles); experts one tensor per expert
 //    and projection, the layout every transformers version reads. Up to `shard_bytes` of tensors
 //    (0: no limit) it is one model.safetensors; beyond, shards model-0000i-of-0000N.safetensors
 //    (tensors in spec order, a tensor larger than the limit alone in its shard) and
@@ -62,8 +65,20 @@ struct ExpertPiece {
 };
 std::vector<ExpertPiece> ExpertPieces(const ParamSpec& param);
 
+struct HfExport {
+  uint64_t shard_bytes = 0;                      // 0: one file
+  ExportDtype dtype = ExportDtype::kFloat32;     // resolved (never kAuto)
+  std::string base_dir;                          // the base model's directory; "" = none
+};
+
 // `master(p)` returns parameter p's fp32 values (numel floats).
 Status ExportHf(const std::string& dir, const ModelConfig& model, const ModelSpec& spec,
-                const std::function<const float*(int)>& master, uint64_t shard_bytes = 0);
+                const std::function<const float*(int)>& master, const HfExport& how = {});
+
+// Copies into `dir` what of the base model's directory a loader needs besides weights and
+// config.json: the tokenizer's files (tokenizer.json, tokenizer_config.json,
+// special_tokens_map.json, tokenizer.model, vocab.json, merges.txt, added_tokens.json, chat
+// template files) and, with `generation`, generation_config.json; each atomically, those it has.
+Status CopyBaseFiles(const std::string& base_dir, const std::string& dir, bool generation);
 
 }  // namespace rp::core

@@ -182,16 +182,20 @@ Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::stri
 Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
                           const std::function<const float*(int)>& master,
                           const std::function<void(int, float*)>& frozen) {
-  const uint64_t shard_bytes = static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20;
+  const HfExport how{static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20, cfg.checkpoint.export_dtype,
+                     cfg.model.path};
   const std::string hf_dir =
       cfg.checkpoint.export_hf.empty() ? "" : (fs::path(cfg.job.output_dir) / cfg.checkpoint.export_hf).string();
   if (!spec.lora.enabled()) {
     if (hf_dir.empty()) return Status::Ok();
-    return ExportHf(hf_dir, cfg.model, spec, master, shard_bytes);
+    return ExportHf(hf_dir, cfg.model, spec, master, how);
   }
-  if (!cfg.lora.export_dir.empty())
-    RP_RETURN_IF_ERROR(ExportPeft((fs::path(cfg.job.output_dir) / cfg.lora.export_dir).string(), spec,
-                                  cfg.model.path, master));
+  if (!cfg.lora.export_dir.empty()) {
+    const std::string adapter_dir = (fs::path(cfg.job.output_dir) / cfg.lora.export_dir).string();
+    RP_RETURN_IF_ERROR(ExportPeft(adapter_dir, spec, cfg.model.path, master));
+    // As trainers save an adapter: with the base's tokenizer, so the directory is all a user loads.
+    if (!cfg.model.path.empty()) RP_RETURN_IF_ERROR(CopyBaseFiles(cfg.model.path, adapter_dir, /*generation=*/false));
+  }
   if (hf_dir.empty()) return Status::Ok();
   // The full model's spec lists the base weights in the order and under the names of `frozen`.
   const ModelSpec full = BuildModelSpec(spec.config);
@@ -228,8 +232,7 @@ Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
     }
     ++p;  // its lora_B
   }
-  return ExportHf(hf_dir, cfg.model, full, [&](int f) -> const float* { return merged[f].data(); },
-                  shard_bytes);
+  return ExportHf(hf_dir, cfg.model, full, [&](int f) -> const float* { return merged[f].data(); }, how);
 }
 
 Status CheckInitialWeights(const JobConfig& cfg, const ModelSpec& spec, bool resume) {

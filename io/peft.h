@@ -52,8 +52,11 @@ Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::stri
 Status CheckInitialWeights(const JobConfig& cfg, const ModelSpec& spec, bool resume);
 
 // Writes what a finished run leaves behind. Full fine-tune: checkpoint.export_hf (if set) from
-// the masters. LoRA: lora.export (if set) in PEFT's layout, and checkpoint.export_hf (if set) as
-// the merged model W + alpha/rank * B A (fp32; the base as the run computed with it).
+// the masters, in checkpoint.export_dtype with the base's tokenizer, generation config and
+// special-token ids (ExportHf). LoRA: lora.export (if set) in PEFT's layout (fp32) with the
+// base's tokenizer files, and checkpoint.export_hf (if set) as the merged model
+// W + alpha/rank * B A (summed in fp32 from the base as the run computed with it, then rounded to
+// checkpoint.export_dtype).
 // `master(p)` is trainable parameter p; `frozen(f, out)` writes frozen parameter f as fp32.
 Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
                           const std::function<const float*(int)>& master,

@@ -43,6 +43,45 @@ float HalfToFloat(uint16_t h) {
 
 }  // namespace
 
+void FloatToBf16(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, in + i, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+      out[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);  // a quiet NaN
+      continue;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    out[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+void FloatToHalf(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, in + i, 4);
+    const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+    const uint32_t abs = bits & 0x7fffffffu;
+    if (abs > 0x7f800000u) {  // NaN
+      out[i] = static_cast<uint16_t>(sign | 0x7e00u);
+    } else if (abs >= 0x477ff000u) {  // rounds to beyond 65504: infinity
+      out[i] = static_cast<uint16_t>(sign | 0x7c00u);
+    } else if (abs >= 0x38800000u) {  // a normal half: rebias, round the 13 dropped bits to even
+      const uint32_t r = abs - 0x38000000u;
+      out[i] = static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+    } else if (abs >= 0x33000000u) {  // a subnormal half: shift the implicit-1 mantissa, round to even
+      const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+      const int shift = 126 - static_cast<int>(abs >> 23);  // 14..24
+      const uint32_t half_ulp = 1u << (shift - 1), low = mant & ((1u << shift) - 1);
+      uint32_t h = mant >> shift;
+      if (low > half_ulp || (low == half_ulp && (h & 1u))) ++h;
+      out[i] = static_cast<uint16_t>(sign | h);
+    } else {
+      out[i] = sign;  // below half the smallest subnormal: zero
+    }
+  }
+}
+
 int SafetensorsDtypeBytes(const std::string& d) {
   if (d == "F64" || d == "I64" || d == "U64") return 8;
   if (d == "F32" || d == "I32" || d == "U32") return 4;

@@ -82,4 +82,9 @@ struct SafetensorToWrite {
 Status WriteSafetensors(const std::string& path, const std::vector<SafetensorToWrite>& tensors,
                         const std::map<std::string, std::string>& metadata = {});
 
+// fp32 to bfloat16 / IEEE half, rounded to nearest even as torch's .to() rounds (NaN stays NaN,
+// beyond the range gives infinity), for n values.
+void FloatToBf16(const float* in, int64_t n, uint16_t* out);
+void FloatToHalf(const float* in, int64_t n, uint16_t* out);
+
 }  // namespace rp::core

@@ -3,10 +3,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "io/data.h"
 #include "config/lr_schedule.h"
@@ -226,6 +229,8 @@ struct Packed {
   Dataset::PackingStats stats;
   std::string summary;
 };
+StatusOr<Packed> PackWindows(const JobConfig& c);
+
 StatusOr<Packed> PackRecords(DataPacking packing, LongRecords long_records, int64_t seq_len, const std::string& text) {
   const std::string dir = testing::MakeTempDir("rp-packing-");
   JobConfig c;
@@ -240,9 +245,16 @@ StatusOr<Packed> PackRecords(DataPacking packing, LongRecords long_records, int6
   c.train.accum_calls = 1;
   c.data.path = dir + "/d.jsonl";
   std::ofstream(c.data.path) << text;
-  auto d = Dataset::Open(c);
+  auto p = PackWindows(c);
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+  return p;
+}
+
+// Every window of `c`'s data in file order.
+StatusOr<Packed> PackWindows(const JobConfig& c) {
+  const int64_t seq_len = c.data.seq_len;
+  auto d = Dataset::Open(c);
   if (!d.ok()) return d.status();
   Packed p;
   for (int64_t w = 0; w < d->NumWindows(); ++w) {
@@ -310,6 +322,145 @@ TEST(Dataset, RecordsLongerThanAWindowAreSplitTruncatedOrDropped) {
   ASSERT_FALSE(nothing_left.ok());
   EXPECT_NE(nothing_left.status().message().find("after dropping 1 records longer than seq_len"), std::string::npos)
       << nothing_left.status().message();
+}
+
+// A token file with a document index and a loss mask (tools/prepare_data.py's output) is the
+// same records as JSONL with loss masks: the same windows in every packing; a broken index, mask
+// or sidecar is refused naming what is wrong.
+TEST(Dataset, IndexedTokenFilesAreTheSameRecordsAsJsonl) {
+  const std::string dir = testing::MakeTempDir("rp-indexed-");
+  const std::vector<std::vector<uint32_t>> records = {{1, 2, 3}, {4, 5, 6, 7, 8}, {9, 10}, {11, 12, 13, 14, 15, 16, 17}};
+  const std::vector<std::vector<uint8_t>> masks = {{0, 1, 1}, {0, 0, 1, 1, 1}, {1, 1}, {0, 1, 0, 1, 1, 1, 1}};
+  std::string jsonl, tokens, mask, index;
+  auto put64 = [&index](uint64_t v) { index.append(reinterpret_cast<const char*>(&v), 8); };
+  put64(0);
+  uint64_t n = 0;
+  for (size_t r = 0; r < records.size(); ++r) {
+    jsonl += "{\"input_ids\": [";
+    std::string m = "], \"loss_mask\": [";
+    for (size_t i = 0; i < records[r].size(); ++i) {
+      jsonl += (i ? ", " : "") + std::to_string(records[r][i]);
+      m += (i ? ", " : "") + std::to_string(masks[r][i]);
+      tokens.append(reinterpret_cast<const char*>(&records[r][i]), 2);
+      mask.push_back(static_cast<char>(masks[r][i]));
+    }
+    jsonl += m + "]}\n";
+    n += records[r].size();
+    put64(n);
+  }
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    std::ofstream(dir + "/" + name, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  write("d.jsonl", jsonl);
+  write("d.bin", tokens);
+  write("d.bin.docs", index);
+  write("d.bin.mask", mask);
+  const std::string sidecar = R"({"dtype": "uint16", "vocab_size": 50, "documents": 4, "loss_mask": true, "tokens": 17)";
+  write("d.bin.json", sidecar + "}");
+  JobConfig c;
+  c.model.vocab_size = 50;
+  c.data.seq_len = 6;
+  c.data.shuffle = false;
+  c.train.microbatch_size = 1;
+  c.train.microbatches = 1;
+  c.train.accum_calls = 1;
+  for (DataPacking packing : {DataPacking::kDocuments, DataPacking::kPad, DataPacking::kStream}) {
+    c.data.packing = packing;
+    c.data.format = core::DataFormat::kJsonl;
+    c.data.path = dir + "/d.jsonl";
+    auto from_jsonl = PackWindows(c);
+    c.data.format = core::DataFormat::kTokens;
+    c.data.path = dir + "/d.bin";
+    auto from_tokens = PackWindows(c);
+    ASSERT_TRUE(from_jsonl.ok() && from_tokens.ok()) << from_tokens.status().message();
+    EXPECT_EQ(from_tokens->tokens, from_jsonl->tokens) << EnumName(packing);
+    EXPECT_EQ(from_tokens->labels, from_jsonl->labels) << EnumName(packing);
+    EXPECT_EQ(from_tokens->positions, from_jsonl->positions) << EnumName(packing);
+    EXPECT_EQ(from_tokens->stats.records, 4);
+  }
+  // The job file's default packing for such a file is "documents".
+  write("job.toml", "[data]\nformat = \"tokens\"\npath = \"d.bin\"\nseq_len = 6\n[model]\nvocab_size = 50\n");
+  auto job = LoadJobConfig(dir + "/job.toml", {});
+  ASSERT_TRUE(job.ok()) << job.status().message();
+  EXPECT_EQ(job->data.packing, DataPacking::kDocuments);
+
+  c.data.packing = DataPacking::kDocuments;
+  struct Bad { std::string what, file, bytes, expect; };
+  std::string backwards = index;
+  std::memcpy(&backwards[16], &backwards[8], 8);  // document 1 empty
+  const std::vector<Bad> bad = {
+      {"an index too short", "d.bin.docs", index.substr(8), "4 documents need 40"},
+      {"an index not ending at the token count", "d.bin.docs", index.substr(0, 32) + std::string(8, '\0'),
+       "from 0 to the token count 17"},
+      {"an empty document", "d.bin.docs", backwards, "document 1 is empty"},
+      {"a mask byte of 2", "d.bin.mask", std::string(16, '\1') + "\2", "byte 16 is 2"},
+      {"a mask too short", "d.bin.mask", mask.substr(1), "one per token would be 17"},
+      {"an unknown sidecar key", "d.bin.json", sidecar + R"(, "bos": true})", "unknown key \"bos\""},
+      {"a wrong token count", "d.bin.json", R"({"dtype": "uint16", "vocab_size": 50, "documents": 4, "tokens": 18})",
+       "says tokens 18"},
+  };
+  for (const auto& b : bad) {
+    write(b.file, b.bytes);
+    c.data.path = dir + "/d.bin";
+    auto d = Dataset::Open(c);
+    ASSERT_FALSE(d.ok()) << b.what;
+    EXPECT_NE(d.status().message().find(b.expect), std::string::npos) << b.what << ": " << d.status().message();
+    write("d.bin.docs", index);
+    write("d.bin.mask", mask);
+    write("d.bin.json", sidecar + "}");
+  }
+  // Without an index a token file is one stream: documents packing is refused, a mask still applies.
+  write("d.bin.json", R"({"dtype": "uint16", "vocab_size": 50, "loss_mask": true})");
+  auto unindexed = Dataset::Open(c);
+  ASSERT_FALSE(unindexed.ok());
+  EXPECT_NE(unindexed.status().message().find("names no document index"), std::string::npos)
+      << unindexed.status().message();
+  c.data.packing = DataPacking::kStream;
+  auto stream = PackWindows(c);
+  ASSERT_TRUE(stream.ok()) << stream.status().message();
+  EXPECT_EQ(stream->tokens[0], (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(stream->labels[0], (std::vector<int64_t>{2, 3, X, X, 6, 7}));  // mask of the next token
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+// tests/testdata/chat: tools/prepare_data.py's output for chats.jsonl with the fixture tokenizer
+// (tools/make_chat_fixtures.py, which checked it against transformers there). Read one record
+// per window, each window is the conversation's tokens as transformers renders them, and the
+// targets are exactly the tokens of transformers' assistant mask.
+TEST(Dataset, PreparedChatsAreTransformersTokensAndAssistantMasks) {
+  const std::string dir = testing::SourceDir() + "/tests/testdata/chat";
+  const auto expected = nlohmann::json::parse(testing::ReadFile(dir + "/expected.json"))["chatml"];
+  JobConfig c;
+  c.model.vocab_size = 383;
+  c.data.format = core::DataFormat::kTokens;
+  c.data.path = dir + "/chatml.bin";
+  c.data.packing = DataPacking::kPad;
+  c.data.seq_len = 128;
+  c.data.shuffle = false;
+  c.train.microbatch_size = 1;
+  c.train.microbatches = 1;
+  c.train.accum_calls = 1;
+  auto windows = PackWindows(c);
+  ASSERT_TRUE(windows.ok()) << windows.status().message();
+  ASSERT_EQ(windows->tokens.size(), expected.size());
+  for (size_t r = 0; r < expected.size(); ++r) {
+    const auto ids = expected[r]["input_ids"].get<std::vector<int64_t>>();
+    const auto mask = expected[r]["assistant_masks"].get<std::vector<int64_t>>();
+    ASSERT_LE(ids.size(), 128u);
+    std::vector<int64_t> want_tokens(128, 0), want_labels(128, X);
+    for (size_t j = 0; j < ids.size(); ++j) {
+      want_tokens[j] = ids[j];
+      if (j + 1 < ids.size() && mask[j + 1] == 1) want_labels[j] = ids[j + 1];
+    }
+    EXPECT_EQ(windows->tokens[r], want_tokens) << "conversation " << r;
+    EXPECT_EQ(windows->labels[r], want_labels) << "conversation " << r;
+  }
+  // The same file in a model with a smaller vocabulary is refused by its sidecar.
+  c.model.vocab_size = 300;
+  auto small = Dataset::Open(c);
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.status().message().find("vocab_size 383"), std::string::npos) << small.status().message();
 }
 
 TEST(LearningRate, WarmupThenCosineToMin) {

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -12,7 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/job_config.h"
 #include "config/rope.h"
+#include "io/safetensors.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::core {
@@ -73,6 +77,17 @@ ModelConfig Small(const std::string& type, bool tied) {
   }
   return m;
 }
+// Standard-normal values for every parameter of `spec`.
+std::vector<std::vector<float>> RandomMasters(const ModelSpec& spec, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<float>> masters;
+  for (const auto& p : spec.params) {
+    masters.emplace_back(p.numel);
+    for (auto& x : masters.back()) x = std::normal_distribution<float>()(rng);
+  }
+  return masters;
+}
+
 ModelConfig Small(bool qwen3, bool tied) { return Small(std::string(qwen3 ? "qwen3" : "llama"), tied); }
 
 void ExpectSameArchitecture(const ModelConfig& a, const ModelConfig& b) {
@@ -117,12 +132,7 @@ TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
   const auto [type, tied] = GetParam();
   const ModelConfig m = Small(type, tied);
   const ModelSpec spec = BuildModelSpec(m);
-  std::mt19937 rng(3);
-  std::vector<std::vector<float>> masters;
-  for (const auto& p : spec.params) {
-    masters.emplace_back(p.numel);
-    for (auto& x : masters.back()) x = std::normal_distribution<float>()(rng);
-  }
+  const auto masters = RandomMasters(spec, 3);
   ASSERT_TRUE(ExportHf(dir_, m, spec, [&](int p) { return masters[p].data(); }).ok());
   // The base is written twice: in rope_parameters for transformers 5, at the top for older readers.
   auto json = nlohmann::json::parse(testing::ReadFile(dir_ + "/config.json"));
@@ -163,7 +173,7 @@ TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
   auto master = [&](int p) { return masters[p].data(); };
   // First a single-file export, then a sharded one into the same directory.
   ASSERT_TRUE(ExportHf(dir, m, spec, master).ok());
-  ASSERT_TRUE(ExportHf(dir, m, spec, master, largest).ok());
+  ASSERT_TRUE(ExportHf(dir, m, spec, master, HfExport{largest}).ok());
   EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors")) << "the old layout is gone";
   auto index = nlohmann::json::parse(testing::ReadFile(dir + "/model.safetensors.index.json"));
   std::set<std::string> files;
@@ -497,6 +507,99 @@ TEST(HfModel, EveryReadKeyWithAWrongTypeIsRefusedByName) {
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
+}
+
+// fp32 -> bf16 / half as torch rounds: random values over many scales, ties, the range's ends.
+TEST(HfExport, RoundsToBf16AndHalfAsTorchDoes) {
+  std::mt19937 rng(5);
+  std::vector<float> v;
+  for (int i = 0; i < 20000; ++i)
+    v.push_back(std::normal_distribution<float>()(rng) * std::pow(2.0f, std::uniform_int_distribution<int>(-30, 20)(rng)));
+  for (float x : {0.0f, -0.0f, 1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 65504.0f, 65519.0f, 65520.0f, 1e30f, -1e30f,
+                  5.96e-8f, 2.9e-8f, 3.0e-8f, 6.1e-5f, 1e-45f, std::numeric_limits<float>::infinity()})
+    v.push_back(x);
+  for (uint32_t bits : {0x3f808000u, 0x3f818000u, 0x33000000u, 0x33000001u, 0x387fe000u, 0x387ff000u}) {
+    float x;
+    std::memcpy(&x, &bits, 4);
+    v.push_back(x);
+  }
+  const int64_t n = static_cast<int64_t>(v.size());
+  const at::Tensor t = at::from_blob(v.data(), {n}, at::kFloat);
+  std::vector<uint16_t> bf(n), half(n);
+  FloatToBf16(v.data(), n, bf.data());
+  FloatToHalf(v.data(), n, half.data());
+  const at::Tensor tb = t.to(at::kBFloat16), th = t.to(at::kHalf);
+  int64_t wrong_bf = 0, wrong_half = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    wrong_bf += bf[i] != tb.data_ptr<at::BFloat16>()[i].x;
+    wrong_half += half[i] != th.data_ptr<at::Half>()[i].x;
+  }
+  EXPECT_EQ(wrong_bf, 0);
+  EXPECT_EQ(wrong_half, 0);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  uint16_t b, h;
+  FloatToBf16(&nan, 1, &b);
+  FloatToHalf(&nan, 1, &h);
+  EXPECT_TRUE((b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0);
+  EXPECT_TRUE((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0);
+}
+
+// An export in the base's dtype carries what a server needs from the base: its special-token ids,
+// tokenizer and generation config; a job's export_dtype "auto" reads the base's dtype.
+TEST(HfExport, InTheBasesDtypeWithItsTokenizerAndSpecialTokens) {
+  const std::string base = testing::MakeTempDir("rp-base-"), out = testing::MakeTempDir("rp-export-");
+  const ModelConfig m = Small(std::string("qwen3"), false);
+  const ModelSpec spec = BuildModelSpec(m);
+  const auto masters = RandomMasters(spec, 9);
+  auto master = [&](int p) { return masters[p].data(); };
+  ASSERT_TRUE(ExportHf(base, m, spec, master, HfExport{0, ExportDtype::kBfloat16}).ok());
+  auto config = nlohmann::json::parse(testing::ReadFile(base + "/config.json"));
+  config["eos_token_id"] = 151645;
+  config["bos_token_id"] = nullptr;
+  config["pad_token_id"] = 151643;
+  std::ofstream(base + "/config.json") << config.dump();
+  std::ofstream(base + "/tokenizer.json") << R"({"model": {"type": "BPE"}})";
+  std::ofstream(base + "/tokenizer_config.json") << R"({"eos_token": "<|im_end|>"})";
+  std::ofstream(base + "/generation_config.json") << R"({"eos_token_id": [151645, 151643], "temperature": 0.6})";
+
+  // The job resolves "auto" to the base's bfloat16.
+  auto job = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n", base, {});
+  ASSERT_TRUE(job.ok()) << job.status().message();
+  EXPECT_EQ(job->checkpoint.export_dtype, ExportDtype::kBfloat16);
+  auto chosen = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n[checkpoint]\nexport_dtype = \"float32\"\n", base, {});
+  ASSERT_TRUE(chosen.ok());
+  EXPECT_EQ(chosen->checkpoint.export_dtype, ExportDtype::kFloat32);
+  config["torch_dtype"] = config["dtype"] = "float8_e4m3fn";
+  std::ofstream(base + "/config.json") << config.dump();
+  auto odd = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n", base, {});
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("checkpoint.export_dtype"), std::string::npos) << odd.status().message();
+  config["torch_dtype"] = config["dtype"] = "bfloat16";
+  std::ofstream(base + "/config.json") << config.dump();
+
+  ASSERT_TRUE(ExportHf(out, m, spec, master, HfExport{0, job->checkpoint.export_dtype, base}).ok());
+  const auto exported = nlohmann::json::parse(testing::ReadFile(out + "/config.json"));
+  EXPECT_EQ(exported["dtype"], "bfloat16");
+  EXPECT_EQ(exported["torch_dtype"], "bfloat16");
+  EXPECT_EQ(exported["eos_token_id"], 151645);
+  EXPECT_TRUE(exported["bos_token_id"].is_null());
+  EXPECT_EQ(exported["pad_token_id"], 151643);
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
+    EXPECT_EQ(testing::ReadFile(out + "/" + f), testing::ReadFile(base + "/" + f)) << f;
+  EXPECT_FALSE(fs::exists(out + "/special_tokens_map.json"));
+  // The tensors are BF16 on disk and read back as the bf16 rounding of the masters.
+  auto weights = HfWeights::Open(out);
+  ASSERT_TRUE(weights.ok()) << weights.status().message();
+  for (size_t p = 0; p < spec.params.size(); ++p) {
+    std::vector<float> back(spec.params[p].numel);
+    ASSERT_TRUE(weights->Load(spec.params[p], back.data()).ok());
+    const at::Tensor want = at::from_blob(const_cast<float*>(masters[p].data()), {spec.params[p].numel}, at::kFloat).to(at::kBFloat16).to(at::kFloat);
+    EXPECT_TRUE(at::equal(at::from_blob(back.data(), {spec.params[p].numel}, at::kFloat), want)) << spec.params[p].name;
+  }
+  EXPECT_LT(fs::file_size(out + "/model.safetensors"), fs::file_size(base + "/model.safetensors") + 4096);
+  std::error_code ec;
+  fs::remove_all(base, ec);
+  fs::remove_all(out, ec);
 }
 
 }  // namespace
