@@ -576,6 +576,10 @@ const std::vector<KeySpec>& Table() {
            "Tensors of checkpoint.export_hf (rounded to nearest even from the fp32 masters). auto: "
            "the base's dtype as its config.json names it (bfloat16 for the published Qwen3 and "
            "Llama checkpoints), float32 without a base"),
+      Int("checkpoint", "export_every", F(checkpoint.export_every), 0, 0, kMax,
+          "Also write the exports after every this many steps, into <export_hf>-step-<N> and "
+          "<lora.export>-step-<N> (training pauses while they are written); 0 = only after the "
+          "last step"),
       Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
           "Checkpoint directory, relative to job.output_dir"),
       Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,
@@ -920,6 +924,10 @@ Status CrossValidate(const JobConfig& c) {
                                    "schedule.forward_cuts and schedule.backward_cuts");
   RP_RETURN_IF_ERROR(CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
   RP_RETURN_IF_ERROR(CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
+  if (c.checkpoint.export_every > 0 && c.checkpoint.export_hf.empty() &&
+      !(c.lora.enabled() && !c.lora.export_dir.empty()))
+    return Status::InvalidArgument("checkpoint.export_every: nothing to export; set checkpoint.export_hf (or, "
+                                   "with LoRA, lora.export)");
   if (c.train.epochs == 0 && c.train.stop_after > c.train.steps)
     return Status::InvalidArgument("train.stop_after: " + std::to_string(c.train.stop_after) +
                                    " is past train.steps (" + std::to_string(c.train.steps) + ")");
@@ -1166,6 +1174,9 @@ Status CheckNodes(const JobConfig& c) {
     return Status::InvalidArgument("optimizer.gradients_wait_in: \"workers\" with several nodes is not "
                                    "supported (each node's norm would need the summed gradients first); use "
                                    "\"host\"");
+  if (ShardedState(c) && c.checkpoint.export_every > 0)
+    return Status::InvalidArgument("checkpoint.export_every: with optimizer.state = \"sharded\" no node holds "
+                                   "every weight while training goes on; export at the end only (0)");
   if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32 && !WorkersFetchMasters(c))
     return Status::InvalidArgument("optimizer.state: \"sharded\" with train.dtype = \"" +
                                    std::string(EnumName(c.train.dtype)) + "\" and schedule.weights_source = \"" +

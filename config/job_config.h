@@ -262,6 +262,7 @@ struct CheckpointConfig {
   int64_t export_shard_mb = 5000;  // export_hf shards above this size; 0 = one file
   // The export's tensors; a parsed job holds kAuto resolved (the base's dtype, else float32).
   ExportDtype export_dtype = ExportDtype::kAuto;
+  int64_t export_every = 0;      // also export after every this many steps, beside the final one
 };
 
 struct MetricsConfig {

@@ -95,6 +95,10 @@ class Coordinator {
   // Writes the training state after `t + 1` steps if a checkpoint is due then. Called before the
   // optimizer sees step t + 1's first gradient, so masters and moments hold exactly t + 1 updates.
   Status MaybeCheckpoint(int64_t t);
+  // Writes the exports after `t + 1` steps into <export_hf>-step-<t + 1> (and the adapter's
+  // likewise) if checkpoint.export_every asks for them then; called where MaybeCheckpoint is, so
+  // the weights hold exactly t + 1 updates. Training waits for the write.
+  Status MaybeExport(int64_t t);
   void MaybeStartSnapshot();
   // The run's stop when step `step` (0-based) turned out non-finite, naming the step and the
   // newest checkpoint, which holds only finite weights.
@@ -135,6 +139,7 @@ class Coordinator {
     std::optional<StateFile> resume_from;
     uint64_t state_hash = 0;
     int64_t requested = -1;  // steps done in the newest checkpoint this invocation asked for
+    int64_t exported = -1;   // steps done in the newest intermediate export
   } ckpt_;
   std::optional<core::SummaryFile> summary_;  // reserved at the start, written on every path
   std::unique_ptr<ProgressBeacon> beacon_;  // the launcher's sign that this process progresses
@@ -227,6 +232,9 @@ Status Coordinator::Setup() {
   }
   RP_ASSIGN_OR_RETURN(auto summary, core::SummaryFile::Reserve(cfg_.job.output_dir + "/summary.json"));
   summary_.emplace(std::move(summary));
+  // The run as resolved, beside its checkpoints: what rp-export reads them with.
+  if (WritesOutputs())
+    RP_RETURN_IF_ERROR(core::WriteRunSpec(cfg_.job.output_dir + "/run-spec.json", {cfg_, plan_, opts_.num_workers}));
   RP_LOG(INFO) << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
                << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
                << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
@@ -330,6 +338,7 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   // The last call's commit of a stage makes its layers' gradients final for the step.
   if (stage.kind != core::StageKind::kForward && job.call == round_.calls - 1 && job.step < window_.stop_step) {
     if (job.step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(job.step - 1));
+    if (job.step > 0) RP_RETURN_IF_ERROR(MaybeExport(job.step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
       for (const auto& use : spec_.layer_uses[l]) evals_->FinalizeSlot(job.step, use.grad_slot);
   }
@@ -504,6 +513,27 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
   // only waits for the copy, which the loop started when step t's update was done.
   const ProgressBeacon::Working writing(*beacon_);
   return writer_->Write(done);
+}
+
+Status Coordinator::MaybeExport(int64_t t) {
+  const int64_t done = t + 1, every = cfg_.checkpoint.export_every;
+  if (every <= 0 || !WritesOutputs() || done % every != 0 || done >= cfg_.train.steps || done <= ckpt_.exported ||
+      t < window_.first_step)
+    return Status::Ok();
+  ckpt_.exported = done;
+  if (!optimizer_->Updated(t))
+    return Status::Internal("export after step " + std::to_string(done) + " requested before its update finished");
+  // A step whose gradients were not finite is reported (and stops the run) on its own path.
+  if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm)) return Status::Ok();
+  core::JobConfig at = cfg_;
+  const std::string suffix = "-step-" + std::to_string(done);
+  if (!at.checkpoint.export_hf.empty()) at.checkpoint.export_hf += suffix;
+  if (!at.lora.export_dir.empty()) at.lora.export_dir += suffix;
+  const ProgressBeacon::Working writing(*beacon_);
+  RP_RETURN_IF_ERROR(core::ExportTrainedModel(
+      at, spec_, [&](int p) { return host_->Weights(p, done); }, [&](int f, float* out) { host_->ReadFrozen(f, out); }));
+  RP_LOG(INFO) << "exported the model after step " << done << " (" << suffix.substr(1) << ")";
+  return Status::Ok();
 }
 
 // A periodic checkpoint after step t is due and t's update is done: the copy can start while the

@@ -394,12 +394,27 @@ Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId
 }
 
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir) {
+  return FindTrainingState(dir, -1);
+}
+
+StatusOr<StateFile> FindTrainingState(const std::string& dir, int64_t steps_done) {
   const auto complete = CompleteCheckpoints(dir);
   if (complete.empty())
     return Status::NotFound("no complete training checkpoint (step-*.rpstate, or every step-*.shard-*.rpstate "
                             "of one step) in " + dir);
+  auto chosen = complete.rbegin();
+  if (steps_done >= 0) {
+    auto it = complete.find(steps_done);
+    if (it == complete.end()) {
+      std::string held;
+      for (const auto& [steps, paths] : complete) held += (held.empty() ? "" : ", ") + std::to_string(steps);
+      return Status::NotFound("no complete checkpoint after step " + std::to_string(steps_done) + " in " + dir +
+                              " (it holds steps " + held + ")");
+    }
+    chosen = std::make_reverse_iterator(std::next(it));
+  }
   StateFile f;
-  f.paths = complete.rbegin()->second;
+  f.paths = chosen->second;
   f.path = f.paths[0];
   RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(f.path));
   std::error_code ec;

@@ -125,6 +125,8 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
 Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId shard);
 // NotFound when the directory holds no checkpoint.
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
+// The complete checkpoint after `steps_done` steps; NotFound naming the steps the directory holds.
+StatusOr<StateFile> FindTrainingState(const std::string& dir, int64_t steps_done);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections);
 // Any checkpoint (whole or shards of any count) into this job's segments (ShareSections), with

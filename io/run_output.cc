@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 Status CheckNoPlantedLinks(const JobConfig& c) {
   const fs::path dir(c.job.output_dir);
   std::vector<std::string> ours = {"logs", "metrics.jsonl", "summary.json", "trace.json", "profile.json",
-                                   c.checkpoint.dir};
+                                   "run-spec.json", c.checkpoint.dir};
   if (!c.checkpoint.export_hf.empty()) ours.push_back(c.checkpoint.export_hf);
   if (!c.lora.export_dir.empty()) ours.push_back(c.lora.export_dir);
   for (const auto& name : ours) {

@@ -241,6 +241,62 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   EXPECT_TRUE(ReadBytes(ckpt) == before);
 }
 
+TEST_F(LaunchTest, IntermediateExportsHoldTheirStepsWeights) {
+  // checkpoint.export_every = 2 over 6 steps: hf-step-2 and hf-step-4 beside the final hf, each
+  // bit for bit what the same job stopped after that step exports (the same schedule and data).
+  const std::vector<std::string> job = {"train.steps=6", "checkpoint.export_hf=hf"};
+  const std::string a = tmp_ + "/every", b = tmp_ + "/stopped";
+  auto every = Launch(2, a, With(job, {"checkpoint.export_every=2"}));
+  ASSERT_EQ(every.code, 0) << every.output;
+  ASSERT_TRUE(fs::exists(a + "/hf-step-2/model.safetensors"));
+  ASSERT_TRUE(fs::exists(a + "/hf-step-4/model.safetensors"));
+  EXPECT_TRUE(fs::exists(a + "/hf/model.safetensors"));
+  EXPECT_FALSE(fs::exists(a + "/hf-step-6"));
+  auto stopped = Launch(2, b, With(job, {"train.stop_after=4"}));
+  ASSERT_EQ(stopped.code, 0) << stopped.output;
+  EXPECT_TRUE(ReadBytes(a + "/hf-step-4/model.safetensors") == ReadBytes(b + "/hf/model.safetensors"));
+  EXPECT_FALSE(ReadBytes(a + "/hf-step-2/model.safetensors") == ReadBytes(a + "/hf-step-4/model.safetensors"));
+  // Nothing to export is refused.
+  auto nothing = Launch(2, tmp_ + "/nothing", {"checkpoint.export_every=2"});
+  EXPECT_EQ(nothing.code, kExitBadConfig);
+  EXPECT_NE(nothing.output.find("checkpoint.export_every: nothing to export"), std::string::npos) << nothing.output;
+}
+
+TEST_F(LaunchTest, ExportingACheckpointGivesTheRunsOwnExport) {
+  // rp-export of the newest checkpoint (after the last step) is the run's final export bit for
+  // bit, of the one after step 4 its intermediate export; a LoRA run's gives its adapter.
+  const std::string a = tmp_ + "/run";
+  auto run = Launch(2, a, {"train.steps=6", "checkpoint.every=2", "checkpoint.keep=3", "checkpoint.export_hf=hf",
+                           "checkpoint.export_every=2"});
+  ASSERT_EQ(run.code, 0) << run.output;
+  const std::string tool = testing::BinDir() + "/rp-export";
+  auto newest = testing::RunProcess({tool, a}, 120, Env());
+  ASSERT_EQ(newest.code, 0) << newest.output;
+  EXPECT_TRUE(ReadBytes(a + "/export-step-6/model.safetensors") == ReadBytes(a + "/hf/model.safetensors"));
+  EXPECT_TRUE(ReadBytes(a + "/export-step-6/config.json") == ReadBytes(a + "/hf/config.json"));
+  auto four = testing::RunProcess({tool, a, "--step", "4", "--out", tmp_ + "/four"}, 120, Env());
+  ASSERT_EQ(four.code, 0) << four.output;
+  EXPECT_TRUE(ReadBytes(tmp_ + "/four/model.safetensors") == ReadBytes(a + "/hf-step-4/model.safetensors"));
+  // Nothing is overwritten; a step without a checkpoint names those there are.
+  auto again = testing::RunProcess({tool, a, "--step", "4", "--out", tmp_ + "/four"}, 120, Env());
+  EXPECT_EQ(again.code, kExitBadConfig);
+  EXPECT_NE(again.output.find("overwrites nothing"), std::string::npos) << again.output;
+  auto missing = testing::RunProcess({tool, a, "--step", "3"}, 120, Env());
+  EXPECT_NE(missing.code, 0);
+  EXPECT_NE(missing.output.find("it holds steps 2, 4, 6"), std::string::npos) << missing.output;
+
+  const std::string l = tmp_ + "/lora";
+  auto lora = Launch(2, l, {"train.steps=4", "checkpoint.every=4", "lora.rank=4", "lora.alpha=8"});
+  ASSERT_EQ(lora.code, 0) << lora.output;
+  auto adapter = testing::RunProcess({tool, l, "--out", tmp_ + "/adapter"}, 120, Env());
+  ASSERT_EQ(adapter.code, 0) << adapter.output;
+  EXPECT_TRUE(ReadBytes(tmp_ + "/adapter/adapter_model.safetensors") == ReadBytes(l + "/adapter/adapter_model.safetensors"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/adapter/adapter_config.json") == ReadBytes(l + "/adapter/adapter_config.json"));
+  auto merged = testing::RunProcess({tool, l, "--merged", "--out", tmp_ + "/merged"}, 120, Env());
+  EXPECT_EQ(merged.code, kExitBadConfig);
+  EXPECT_NE(merged.output.find("seeded random init"), std::string::npos) << merged.output;
+}
+
 TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
   // Clipping at 2.0: the parity job's norms start above it and fall under it, so the first
   // step's speculative first passes are run again with the clip scale and later steps' are

@@ -173,7 +173,9 @@ TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
   auto master = [&](int p) { return masters[p].data(); };
   // First a single-file export, then a sharded one into the same directory.
   ASSERT_TRUE(ExportHf(dir, m, spec, master).ok());
-  ASSERT_TRUE(ExportHf(dir, m, spec, master, HfExport{largest}).ok());
+  HfExport sharded;
+  sharded.shard_bytes = largest;
+  ASSERT_TRUE(ExportHf(dir, m, spec, master, sharded).ok());
   EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors")) << "the old layout is gone";
   auto index = nlohmann::json::parse(testing::ReadFile(dir + "/model.safetensors.index.json"));
   std::set<std::string> files;
@@ -552,7 +554,9 @@ TEST(HfExport, InTheBasesDtypeWithItsTokenizerAndSpecialTokens) {
   const ModelSpec spec = BuildModelSpec(m);
   const auto masters = RandomMasters(spec, 9);
   auto master = [&](int p) { return masters[p].data(); };
-  ASSERT_TRUE(ExportHf(base, m, spec, master, HfExport{0, ExportDtype::kBfloat16}).ok());
+  HfExport bf16;
+  bf16.dtype = ExportDtype::kBfloat16;
+  ASSERT_TRUE(ExportHf(base, m, spec, master, bf16).ok());
   auto config = nlohmann::json::parse(testing::ReadFile(base + "/config.json"));
   config["eos_token_id"] = 151645;
   config["bos_token_id"] = nullptr;
@@ -577,7 +581,7 @@ TEST(HfExport, InTheBasesDtypeWithItsTokenizerAndSpecialTokens) {
   config["torch_dtype"] = config["dtype"] = "bfloat16";
   std::ofstream(base + "/config.json") << config.dump();
 
-  ASSERT_TRUE(ExportHf(out, m, spec, master, HfExport{0, job->checkpoint.export_dtype, base}).ok());
+  ASSERT_TRUE(ExportHf(out, m, spec, master, HfExport{.dtype = job->checkpoint.export_dtype, .base_dir = base}).ok());
   const auto exported = nlohmann::json::parse(testing::ReadFile(out + "/config.json"));
   EXPECT_EQ(exported["dtype"], "bfloat16");
   EXPECT_EQ(exported["torch_dtype"], "bfloat16");
