@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "config/job_config.h"
+#include "io/data.h"
 #include "config/model_spec.h"
 #include "planning/partitioner.h"
 #include "planning/plan.h"
@@ -439,6 +440,42 @@ TEST(JobConfig, ShippedConfigsAreValid) {
 
 // model.path as a Hugging Face model id, found in a hub cache laid out as huggingface_hub lays it
 // out: refs/<revision> names a commit, snapshots/<commit>/ holds the files (links into blobs/).
+// Every shipped fine-tuning job (configs/sft) is a valid job once its model is in the cache and
+// its data prepared: here a hub cache holding the publishers' config.json (Qwen3-8B's for every
+// Qwen3 id) and the chat fixtures' token file as the data; its epochs give steps.
+TEST(JobConfig, FineTuningJobsParseWithTheirModelInTheCache) {
+  namespace fs = std::filesystem;
+  const std::string cache = testing::MakeTempDir("rp-hub-");
+  const std::string configs = testing::SourceDir() + "/tests/testdata/publisher_configs/";
+  auto put = [&](const std::string& id, const std::string& publisher) {
+    std::string dir = "models--" + id;
+    dir.replace(dir.find('/'), 1, "--");
+    const std::string snapshot = cache + "/" + dir + "/snapshots/0000";
+    fs::create_directories(snapshot);
+    fs::create_directories(cache + "/" + dir + "/refs");
+    fs::copy_file(configs + publisher + "/config.json", snapshot + "/config.json");
+    std::ofstream(cache + "/" + dir + "/refs/main") << "0000";
+  };
+  for (const char* id : {"Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"}) put(id, "Qwen3-8B");
+  put("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B");
+  ScopedEnv hub("HF_HUB_CACHE=" + cache);
+  int jobs = 0;
+  for (const auto& e : fs::directory_iterator(testing::SourceDir() + "/configs/sft")) {
+    const std::string data = testing::SourceDir() + "/tests/testdata/chat/chatml.bin";
+    auto job = LoadJobConfig(e.path().string(), {"data.path=\"" + data + "\"", "data.seq_len=64"});
+    ASSERT_TRUE(job.ok()) << e.path() << ": " << job.status().message();
+    EXPECT_EQ(job->data.packing, DataPacking::kDocuments) << e.path();
+    EXPECT_EQ(job->checkpoint.export_dtype, ExportDtype::kBfloat16) << e.path();
+    EXPECT_EQ(job->train.epochs, 3.0) << e.path();
+    EXPECT_EQ(job->lora.enabled(), e.path().string().find("-lora") != std::string::npos) << e.path();
+    ASSERT_TRUE(ResolveTrainingLength(&*job).ok()) << e.path();
+    EXPECT_GE(job->train.steps, 1);
+    ++jobs;
+  }
+  EXPECT_EQ(jobs, 8);
+  fs::remove_all(cache);
+}
+
 TEST(JobConfig, ModelIdsResolveInTheHubCache) {
   namespace fs = std::filesystem;
   const std::string cache = testing::MakeTempDir("rp-hub-");
