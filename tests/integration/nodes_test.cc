@@ -406,6 +406,11 @@ TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
   EXPECT_TRUE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.shard-0-of-2.rpstate"));
   EXPECT_TRUE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.shard-1-of-2.rpstate"));
   EXPECT_FALSE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.rpstate"));
+  // rp-export reads both shards back as one node: the export the stopped run wrote, bit for bit.
+  auto exported = testing::RunProcess(
+      {testing::BinDir() + "/rp-export", tmp_ + "/half", "--out", tmp_ + "/half-export"}, 120, Env());
+  ASSERT_EQ(exported.code, 0) << exported.output;
+  EXPECT_TRUE(ReadBytes(tmp_ + "/half-export/model.safetensors") == ReadBytes(tmp_ + "/half/hf/model.safetensors"));
   for (const std::string to : {"on2", "on3", "on1", "rep3", "lost"})
     fs::copy(tmp_ + "/half", tmp_ + "/" + to, fs::copy_options::recursive);
 
