@@ -83,7 +83,9 @@ Status Dataset::OpenTokens() {
   const std::string& path = config_.data.path;
   const std::string sidecar = path + ".json";
   std::ifstream side(sidecar);
-  if (!side) return Status::InvalidArgument(key_ + ": " + sidecar + " (the dtype/vocab_size sidecar of " + path + ") is missing");
+  if (!side)
+    return Status::InvalidArgument(key_ + ": " + sidecar + " (the dtype/vocab_size sidecar of " + path +
+                                   ") is missing; tools/prepare_data.py writes a token file with its sidecar");
   std::stringstream ss;
   ss << side.rdbuf();
   auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
