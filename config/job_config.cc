@@ -15,6 +15,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace rp::core {
@@ -1053,10 +1054,53 @@ Status CheckModelValue(const std::string& key, double value, const std::string& 
   return Status::Internal("CheckModelValue: model." + key + " is not a numeric job key");
 }
 
+namespace {
+
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// "; did you mean X?" for the known key a mistyped one most likely meant: the same key in another
+// section, else the closest section.key within a third of its length (at least 2 edits); "" when
+// none is that close.
+std::string Suggestion(const std::vector<KeySpec>& table, const std::string& section, const std::string& key) {
+  const std::string name = section + "." + key;
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const auto& s : table) {
+    const std::string candidate = s.doc.section + "." + s.doc.key;
+    if (s.doc.key == key) return "; did you mean " + candidate + "?";
+    if (const size_t d = EditDistance(name, candidate); d < best_distance) {
+      best_distance = d;
+      best = candidate;
+    }
+  }
+  return best.empty() ? "" : "; did you mean " + best + "?";
+}
+
+}  // namespace
+
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
                                    const std::vector<std::string>& overrides) {
   RP_ASSIGN_OR_RETURN(toml::table root, ParseText(toml_text, base_dir + "/<job>"));
-  for (auto& o : overrides) RP_RETURN_IF_ERROR(ApplyOverride(root, o));
+  // Keys given by --set are named as such in errors (LoadJobConfig then names no file).
+  std::set<std::string> from_set;
+  for (auto& o : overrides) {
+    RP_RETURN_IF_ERROR(ApplyOverride(root, o));
+    from_set.insert(o.substr(0, o.find('=')));
+  }
+  auto named = [&from_set](const std::string& name) { return from_set.count(name) ? "--set " + name : name; };
 
   std::map<std::string, std::map<std::string, const KeySpec*>> known;
   for (auto& s : Table()) known[s.doc.section][s.doc.key] = &s;
@@ -1066,17 +1110,22 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   for (auto& [sec_name, sec_node] : root) {
     std::string sec(sec_name.str());
     auto it = known.find(sec);
-    if (it == known.end())
-      return Status::InvalidArgument(sec + ": unknown section (known: job, model, data, train, "
+    if (it == known.end()) {
+      const bool set = std::any_of(from_set.begin(), from_set.end(),
+                                   [&sec](const std::string& k) { return k.rfind(sec + ".", 0) == 0; });
+      return Status::InvalidArgument((set ? "--set " : "") + sec +
+                                     ": unknown section (known: job, model, data, train, "
                                      "optimizer, lora, schedule, checkpoint, metrics)");
+    }
     const toml::table* tbl = sec_node.as_table();
     if (!tbl) return Status::InvalidArgument(sec + ": must be a [" + sec + "] table");
     for (auto& [key_name, node] : *tbl) {
       std::string key(key_name.str());
       auto kit = it->second.find(key);
       if (kit == it->second.end())
-        return Status::InvalidArgument(sec + "." + key + ": unknown key (see configs/README.md)");
-      RP_RETURN_IF_ERROR(kit->second->set(node, cfg, sec + "." + key));
+        return Status::InvalidArgument(named(sec + "." + key) + ": unknown key" + Suggestion(Table(), sec, key) +
+                                       " (every key: configs/README.md, rp-launch --print-keys)");
+      RP_RETURN_IF_ERROR(kit->second->set(node, cfg, named(sec + "." + key)));
     }
   }
   // Keys that say the same thing two ways: the job gives one of them.
@@ -1148,7 +1197,12 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path,
   ss << in.rdbuf();
   fs::path abs = fs::absolute(path, ec).lexically_normal();
   auto cfg = ParseJobConfig(ss.str(), abs.parent_path().string(), overrides);
-  if (!cfg.ok()) return Status::InvalidArgument(path + ": " + cfg.status().message());
+  if (!cfg.ok()) {
+    const std::string& message = cfg.status().message();
+    // A --set value is not the file's fault.
+    if (message.rfind("--set ", 0) == 0) return Status::InvalidArgument(message);
+    return Status::InvalidArgument(path + ": " + message);
+  }
   cfg->source_path = abs.string();
   return cfg;
 }

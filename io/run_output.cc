@@ -78,6 +78,17 @@ Status PrepareOutputDirForResume(const JobConfig& c, int64_t steps_done) {
 }
 
 StatusOr<MetricsWriter> MetricsWriter::OpenForAppend(const std::string& path) {
+  // The clock continues from the last line that has one.
+  double elapsed_before = 0.0;
+  {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("elapsed_s") && j["elapsed_s"].is_number())
+        elapsed_before = j["elapsed_s"].get<double>();
+    }
+  }
   int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (fd < 0) return Status::FromErrno("opening " + path + " to append", errno);
   std::FILE* f = ::fdopen(fd, "a");
@@ -85,7 +96,7 @@ StatusOr<MetricsWriter> MetricsWriter::OpenForAppend(const std::string& path) {
     ::close(fd);
     return Status::FromErrno("fdopen " + path, errno);
   }
-  return MetricsWriter(f);
+  return MetricsWriter(f, elapsed_before);
 }
 
 StatusOr<MetricsWriter> MetricsWriter::Open(const std::string& path) {
@@ -132,6 +143,9 @@ Status MetricsWriter::Append(const StepMetrics& m) {
     j["skipped"] = m.skipped;
   }
   for (const auto& c : m.checkpoints) j["checkpoints"].push_back(CheckpointJson(c));
+  const auto wall = std::chrono::system_clock::now().time_since_epoch();
+  j["time"] = static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(wall).count()) / 1e3;
+  j["elapsed_s"] = elapsed_before_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   std::string line = j.dump() + "\n";
   if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
     return Status::FromErrno("writing metrics", errno);

@@ -11,6 +11,7 @@
 // MetricsWriter flushes each line as it is written, so a crash loses at most the current step.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -65,20 +66,28 @@ struct StepMetrics {
 // A checkpoint record as metrics.jsonl and summary.json write it.
 nlohmann::json CheckpointJson(const StepMetrics::Checkpoint& c);
 
+// metrics.jsonl: one JSON object per step. Every line also holds "time" (Unix seconds, the wall
+// clock when it was written) and "elapsed_s" (seconds since the writer was opened, plus, when
+// appending, the last line's elapsed_s already in the file: a resumed run's clock continues).
 class MetricsWriter {
  public:
   static StatusOr<MetricsWriter> Open(const std::string& path);
   // Appends to an existing file (resume).
   static StatusOr<MetricsWriter> OpenForAppend(const std::string& path);
-  MetricsWriter(MetricsWriter&& o) noexcept : f_(o.f_) { o.f_ = nullptr; }
+  MetricsWriter(MetricsWriter&& o) noexcept : f_(o.f_), start_(o.start_), elapsed_before_(o.elapsed_before_) {
+    o.f_ = nullptr;
+  }
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
   ~MetricsWriter();
   Status Append(const StepMetrics& m);
 
  private:
-  explicit MetricsWriter(std::FILE* f) : f_(f) {}
+  explicit MetricsWriter(std::FILE* f, double elapsed_before = 0.0)
+      : f_(f), start_(std::chrono::steady_clock::now()), elapsed_before_(elapsed_before) {}
   std::FILE* f_;
+  std::chrono::steady_clock::time_point start_;
+  double elapsed_before_;
 };
 
 // summary.json, with its room taken when the run starts: a disk that fills up during the run

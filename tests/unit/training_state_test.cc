@@ -5,13 +5,16 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "io/run_output.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp::coord {
@@ -155,6 +158,47 @@ TEST(ShardOf, SharesCoverEachParameterOnceInAlignedRuns) {
       EXPECT_EQ(next, numel) << numel << " over " << nodes;
     }
   }
+}
+
+// metrics.jsonl lines carry the wall clock and an elapsed clock that a resumed run continues.
+TEST(MetricsWriter, LinesCarryWallTimeAndAnElapsedClockThatResumeContinues) {
+  const std::string dir = testing::MakeTempDir("rp-metrics-"), path = dir + "/metrics.jsonl";
+  auto now = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  const double before = now();
+  {
+    auto w = core::MetricsWriter::Open(path);
+    ASSERT_TRUE(w.ok()) << w.status().message();
+    core::StepMetrics m;
+    m.step = 1;
+    ASSERT_TRUE(w->Append(m).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    m.step = 2;
+    ASSERT_TRUE(w->Append(m).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  {
+    auto w = core::MetricsWriter::OpenForAppend(path);
+    ASSERT_TRUE(w.ok()) << w.status().message();
+    core::StepMetrics m;
+    m.step = 3;
+    ASSERT_TRUE(w->Append(m).ok());
+  }
+  const double after = now();
+  std::ifstream in(path);
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 3u);
+  for (const auto& j : lines) {
+    EXPECT_GE(j["time"].get<double>(), before - 0.01);
+    EXPECT_LE(j["time"].get<double>(), after + 0.01);
+  }
+  EXPECT_GE(lines[1]["elapsed_s"].get<double>() - lines[0]["elapsed_s"].get<double>(), 0.025);
+  // The resumed writer starts from the last line's clock, not from zero (nor counts the pause).
+  EXPECT_GE(lines[2]["elapsed_s"].get<double>(), lines[1]["elapsed_s"].get<double>());
+  EXPECT_LT(lines[2]["elapsed_s"].get<double>(), lines[1]["elapsed_s"].get<double>() + 0.025);
+  fs::remove_all(dir);
 }
 
 }  // namespace
