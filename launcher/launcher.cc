@@ -238,7 +238,10 @@ int VisibleGpus() {
 // The newest training checkpoint of the output directory fits this job (header checks; the
 // coordinator verifies every byte's checksum when it loads it).
 Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout) {
-  RP_ASSIGN_OR_RETURN(coord::StateFile found, coord::FindLatestTrainingState(coord::CheckpointDir(cfg)));
+  auto latest = coord::FindLatestTrainingState(coord::CheckpointDir(cfg));
+  // No checkpoint to resume is the user's situation, not a fault: said as one.
+  if (!latest.ok()) return Status::InvalidArgument(latest.status().message());
+  const coord::StateFile& found = *latest;
   if (found.steps_done >= cfg.train.steps)
     return Status::InvalidArgument(found.path + " already holds all " + std::to_string(cfg.train.steps) +
                                    " steps of this job");

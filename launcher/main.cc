@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <stdexcept>
+#include <string>
 
 #include "common/exit_codes.h"
 #include "common/logging.h"
@@ -16,8 +18,21 @@ int main(int argc, char** argv) {
   rp::launch::LaunchOptions o;
   using rp::launch::NodeFlags;
   CLI::App app{"RoundPipe launcher: one coordinator and one worker per GPU"};
+  const CLI::Validator worker_count(
+      [](std::string& text) -> std::string {
+        size_t used = 0;
+        long value = 0;
+        try {
+          value = std::stol(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == text.size() && used > 0 && value >= 1 && value <= 4096) return "";
+        return "\"" + text + "\" is not a number of workers (a whole number from 1 to 4096)";
+      },
+      "1..4096");
   app.add_option("--gpus", o.gpus, "workers to start (one per GPU; CPU workers when job.device = cpu)")
-      ->check(CLI::Range(1, 4096));
+      ->check(worker_count);
   app.add_option("job", o.job_path, "job file (TOML)");
   app.add_option("--set", o.overrides, "override a job key: section.key=value (repeatable)");
   app.add_option("-v", o.verbosity, "log verbosity (0 = info)");

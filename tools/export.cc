@@ -43,7 +43,12 @@ struct ExportOptions {
 };
 
 Status Export(const ExportOptions& o) {
-  RP_ASSIGN_OR_RETURN(rp::core::RunSpec run, rp::core::ReadRunSpec((fs::path(o.run_dir) / "run-spec.json").string()));
+  const std::string spec_path = (fs::path(o.run_dir) / "run-spec.json").string();
+  std::error_code ec;
+  if (!fs::is_regular_file(spec_path, ec))
+    return Status::InvalidArgument(spec_path + " does not exist: RUN_DIR is the job.output_dir of an rp-launch run, "
+                                   "where the coordinator keeps the run as resolved");
+  RP_ASSIGN_OR_RETURN(rp::core::RunSpec run, rp::core::ReadRunSpec(spec_path));
   rp::core::JobConfig cfg = run.job;
   // Read as one node reads any checkpoint (whole, or every node's shares) back, from the
   // directory given, wherever the run wrote it.
@@ -62,11 +67,11 @@ Status Export(const ExportOptions& o) {
     else return Status::InvalidArgument("--dtype: \"" + o.dtype + "\" is not float32, bfloat16 or float16");
   }
   RP_ASSIGN_OR_RETURN(const rp::shm::ArenaLayout layout, rp::shm::ComputeLayout(cfg, spec, run.plan));
-  RP_ASSIGN_OR_RETURN(const rp::coord::StateFile file,
-                      rp::coord::FindTrainingState(rp::coord::CheckpointDir(cfg), o.step));
+  auto found = rp::coord::FindTrainingState(rp::coord::CheckpointDir(cfg), o.step);
+  if (!found.ok()) return Status::InvalidArgument(found.status().message());  // said to the user as it is
+  const rp::coord::StateFile file = *found;
   const fs::path out = o.out.empty() ? fs::path(o.run_dir) / ("export-step-" + std::to_string(file.steps_done))
                                      : fs::path(o.out);
-  std::error_code ec;
   if (fs::exists(out, ec))
     return Status::InvalidArgument(out.string() + " exists; rp-export writes a new directory and overwrites nothing");
   // The segments as the run held them, filled from the checkpoint (pages only where it writes).

@@ -282,8 +282,11 @@ TEST_F(LaunchTest, ExportingACheckpointGivesTheRunsOwnExport) {
   EXPECT_EQ(again.code, kExitBadConfig);
   EXPECT_NE(again.output.find("overwrites nothing"), std::string::npos) << again.output;
   auto missing = testing::RunProcess({tool, a, "--step", "3"}, 120, Env());
-  EXPECT_NE(missing.code, 0);
-  EXPECT_NE(missing.output.find("it holds steps 2, 4, 6"), std::string::npos) << missing.output;
+  EXPECT_EQ(missing.code, kExitBadConfig);
+  EXPECT_NE(missing.output.find("it holds steps 2, 4, 6)\n"), std::string::npos) << missing.output;
+  auto not_a_run = testing::RunProcess({tool, tmp_}, 120, Env());
+  EXPECT_EQ(not_a_run.code, kExitBadConfig);
+  EXPECT_NE(not_a_run.output.find("run-spec.json does not exist"), std::string::npos) << not_a_run.output;
 
   const std::string l = tmp_ + "/lora";
   auto lora = Launch(2, l, {"train.steps=4", "checkpoint.every=4", "lora.rank=4", "lora.alpha=8"});
@@ -472,6 +475,7 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
   auto none = testing::RunProcess(args, 120, Env());
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.output.find("no complete training checkpoint"), std::string::npos) << none.output;
+  EXPECT_EQ(none.output.find(".cc:"), std::string::npos) << "a source location for the user: " << none.output;
   auto stopped = Launch(1, out, {"train.steps=6", "train.stop_after=3"});
   ASSERT_EQ(stopped.code, 0) << stopped.output;
   const std::string ckpt = out + "/checkpoints/step-00000003.rpstate";
@@ -626,6 +630,9 @@ TEST_F(LaunchTest, BadConfigFailsBeforeAnythingStarts) {
   auto r2 = Launch(2, out, {"model.num_kv_heads=3"});
   EXPECT_EQ(r2.code, kExitBadConfig);
   EXPECT_NE(r2.output.find("model.num_kv_heads"), std::string::npos) << r2.output;
+  auto words = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "two", Job()}, 30, Env());
+  EXPECT_EQ(words.code, kExitBadConfig);
+  EXPECT_NE(words.output.find("--gpus: \"two\" is not a number of workers"), std::string::npos) << words.output;
   auto r3 = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", tmp_ + "/missing.toml"}, 30, Env());
   EXPECT_EQ(r3.code, kExitBadConfig);
   EXPECT_NE(r3.output.find("no such file"), std::string::npos) << r3.output;
