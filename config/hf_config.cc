@@ -432,8 +432,8 @@ StatusOr<std::string> ResolveModelPath(const std::string& path, const std::strin
     return local.lexically_normal().string();
   const std::string cache = HubCacheDir();
   const std::string repo = cache + "/models--" + at.substr(0, at.find('/')) + "--" + at.substr(at.find('/') + 1);
-  const std::string download = "hf download " + at + (revision == "main" ? "" : " --revision " + revision) +
-                               " (huggingface_hub; `huggingface-cli download` in versions before 0.34)";
+  const std::string download = "`hf download " + at + (revision == "main" ? "" : " --revision " + revision) +
+                               "` (huggingface_hub; `huggingface-cli download` in versions before 0.34)";
   std::string commit = revision;
   if (std::ifstream ref(repo + "/refs/" + revision); ref) {
     std::getline(ref, commit);
@@ -444,7 +444,7 @@ StatusOr<std::string> ResolveModelPath(const std::string& path, const std::strin
     return Status::InvalidArgument("model.path: \"" + path + "\" is not a directory (" + local.lexically_normal().string() +
                                    ") and not in the Hugging Face cache (" +
                                    (fs::is_directory(repo, ec) ? snapshot + "/config.json is missing" : repo + " does not exist") +
-                                   "); nothing is downloaded here: fetch it with `" + download + "` or set HF_HUB_CACHE / HF_HOME");
+                                   "); nothing is downloaded here: fetch it with " + download + ", or set HF_HUB_CACHE / HF_HOME");
   return snapshot;
 }
 

@@ -321,6 +321,8 @@ def main(argv=None):
     ap.add_argument("--text-key", default="text")
     a = ap.parse_args(argv)
     try:
+        if not os.path.isfile(a.input):
+            raise PrepareError(f"{a.input}: no such file (the JSONL or text to prepare)")
         tok = ByteTokenizer() if a.tokenizer == "bytes" else HfTokenizer.load(a.tokenizer)
         docs, tokens, trained = prepare(tok, a)
     except (PrepareError, OSError) as e:
