@@ -11,6 +11,8 @@ find_package(cppzmq REQUIRED)
 find_package(tomlplusplus REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 REQUIRED)
+# TensorBoard event files (io/tensorboard.h): the Event and Summary messages through protoc.
+find_package(Protobuf REQUIRED)
 find_package(Torch REQUIRED)
 
 # LibTorch's exported flags (ABI define) apply only to targets that use torch; keep them out of

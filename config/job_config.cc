@@ -24,10 +24,13 @@ namespace {
 namespace fs = std::filesystem;
 
 using Setter = std::function<Status(const toml::node&, JobConfig&, const std::string& name)>;
+// Puts the key's value in `config` into its section's table, as a job file would spell it.
+using Getter = std::function<void(JobConfig& config, toml::table& section, const std::string& key)>;
 
 struct KeySpec {
   KeyDoc doc;
   Setter set;
+  Getter get;
 };
 
 std::string TypeOf(const toml::node& n) {
@@ -63,6 +66,7 @@ KeySpec Int(std::string section, std::string key, Field field, int64_t def, int6
     field(c) = *v;
     return Status::Ok();
   };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) { t.insert_or_assign(k, field(c)); };
   return s;
 }
 
@@ -86,6 +90,9 @@ KeySpec Float(std::string section, std::string key, Field field, double def, dou
     field(c) = *v;
     return Status::Ok();
   };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) {
+    t.insert_or_assign(k, static_cast<double>(field(c)));
+  };
   return s;
 }
 
@@ -99,6 +106,7 @@ KeySpec Bool(std::string section, std::string key, Field field, bool def, std::s
     field(c) = *v;
     return Status::Ok();
   };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) { t.insert_or_assign(k, field(c)); };
   return s;
 }
 
@@ -113,6 +121,7 @@ KeySpec Str(std::string section, std::string key, Field field, std::string def,
     field(c) = *v;
     return Status::Ok();
   };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) { t.insert_or_assign(k, field(c)); };
   return s;
 }
 
@@ -189,6 +198,9 @@ KeySpec Enum(std::string section, std::string key, Field field, E def, const Enu
     field(c) = e;
     return Status::Ok();
   };
+  s.get = [field, &names](JobConfig& c, toml::table& t, const std::string& k) {
+    t.insert_or_assign(k, std::string(NameIn(names, field(c))));
+  };
   return s;
 }
 
@@ -207,6 +219,11 @@ KeySpec IntArray(std::string section, std::string key, Field field, std::string 
     }
     field(c) = out;
     return Status::Ok();
+  };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) {
+    toml::array a;
+    for (const auto& v : field(c)) a.push_back(v);
+    t.insert_or_assign(k, std::move(a));
   };
   return s;
 }
@@ -227,6 +244,11 @@ KeySpec StrArray(std::string section, std::string key, Field field, std::string 
     }
     field(c) = out;
     return Status::Ok();
+  };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) {
+    toml::array a;
+    for (const auto& v : field(c)) a.push_back(v);
+    t.insert_or_assign(k, std::move(a));
   };
   return s;
 }
@@ -587,6 +609,9 @@ const std::vector<KeySpec>& Table() {
           "Newest training-state checkpoints kept; older ones are deleted after a new one is safely on disk"),
 
       Bool("metrics", "trace", F(metrics.trace), true, "Write trace.json (Chrome/Perfetto format)"),
+      Bool("metrics", "tensorboard", F(metrics.tensorboard), true,
+           "Write each step's scalars (loss, eval loss, lr, grad norm, tokens/s, step time, bubble, loss scale, "
+           "H2D GB/s, device and host memory) as TensorBoard event files under OUTPUT/tb"),
   };
   return table;
 }
@@ -1012,6 +1037,30 @@ std::vector<KeyDoc> DocumentedKeys() {
   return out;
 }
 
+std::string JobToml(const JobConfig& config) {
+  JobConfig c = config;  // the getters take the fields by reference
+  const bool from_checkpoint = !c.model.path.empty();
+  toml::table root;
+  for (const auto& s : Table()) {
+    const std::string name = s.doc.section + "." + s.doc.key;
+    if (from_checkpoint && s.doc.section == "model" && s.doc.key != "path" && s.doc.key != "init_std") continue;
+    // A dense model's expert keys hold nothing (0) once resolved: left to their defaults.
+    if (c.model.moe.num_experts == 0 && s.doc.section == "model" &&
+        (s.doc.key == "experts_per_token" || s.doc.key == "expert_intermediate_size" ||
+         s.doc.key == "norm_topk_prob" || s.doc.key == "sparse_step" || s.doc.key == "router_aux_loss_coef"))
+      continue;
+    if (name == "train.steps" && c.train.epochs > 0) continue;
+    if (name == "optimizer.warmup_steps" && c.optimizer.warmup_ratio > 0) continue;
+    if (!root.contains(s.doc.section)) root.insert_or_assign(s.doc.section, toml::table{});
+    s.get(c, *root[s.doc.section].as_table(), s.doc.key);
+  }
+  std::ostringstream out;
+  out << "# The job as rp-launch resolved it: every key, defaults included (paths absolute).\n"
+         "# Loadable as a job file; rp-launch --resume DIR reads the copy in the run's directory.\n\n"
+      << toml::toml_formatter(root) << "\n";
+  return out.str();
+}
+
 const char* EnumName(DeviceKind v) { return NameIn(kDeviceNames, v); }
 const char* EnumName(DataFormat v) { return NameIn(kFormatNames, v); }
 const char* EnumName(DataPacking v) { return NameIn(kPackingNames, v); }
@@ -1089,6 +1138,33 @@ std::string Suggestion(const std::vector<KeySpec>& table, const std::string& sec
   return best.empty() ? "" : "; did you mean " + best + "?";
 }
 
+// With model.path, config.json decides the architecture: a [model] key the job gives must say
+// what config.json says, or the job is refused naming both (never silently replaced).
+template <typename Given, typename Named>
+Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& given, const Named& named) {
+  const bool dense = resolved.model.moe.num_experts == 0;
+  for (const auto& s : Table()) {
+    if (s.doc.section != "model" || s.doc.key == "path" || s.doc.key == "init_std") continue;
+    if (!given("model", s.doc.key.c_str())) continue;
+    // A dense checkpoint has no expert settings to disagree with.
+    if (dense && s.doc.key != "num_experts" && s.doc.key.find("expert") != std::string::npos) continue;
+    if (dense && (s.doc.key == "norm_topk_prob" || s.doc.key == "sparse_step" || s.doc.key == "router_aux_loss_coef"))
+      continue;
+    toml::table mine, theirs;
+    s.get(as_given, mine, s.doc.key);
+    s.get(resolved, theirs, s.doc.key);
+    if (mine == theirs) continue;
+    std::ostringstream m;
+    m << named("model." + s.doc.key) << " = " << toml::toml_formatter(*mine.get(s.doc.key))
+      << " and model.path: " << resolved.model.path << "/config.json gives "
+      << toml::toml_formatter(*theirs.get(s.doc.key))
+      << "; a checkpoint's config.json decides the architecture, so remove model." << s.doc.key
+      << " (or leave model.path out to build the model from the job's keys)";
+    return Status::InvalidArgument(m.str());
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
@@ -1158,7 +1234,9 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     RP_ASSIGN_OR_RETURN(cfg.model.path, ResolveModelPath(cfg.model.path, base_dir));
+    JobConfig as_given = cfg;
     RP_RETURN_IF_ERROR(ApplyHfConfig(cfg.model.path, &cfg.model));
+    RP_RETURN_IF_ERROR(CheckModelKeysAgree(as_given, cfg, given, named));
     if (cfg.checkpoint.export_dtype == ExportDtype::kAuto) {
       // The export is served as the base was: in the dtype its config.json names.
       const std::string base = HfBaseDtype(cfg.model.path);

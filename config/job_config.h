@@ -267,6 +267,7 @@ struct CheckpointConfig {
 
 struct MetricsConfig {
   bool trace = true;             // write trace.json
+  bool tensorboard = true;       // write TensorBoard event files under OUTPUT/tb (io/tensorboard.h)
 };
 
 // Switches for A/B benchmarks and tests, not job keys: each picks between implementations that
@@ -348,6 +349,14 @@ struct KeyDoc {
   std::string meaning;
 };
 std::vector<KeyDoc> DocumentedKeys();
+
+// `config` as a job file: every key of the table, defaults included, with its value in `config`,
+// under the job keys' names, so that loading the text gives `config` back. Keys that another key
+// decides are left out, as a job file must: the architecture keys when model.path is set (its
+// config.json decides them), a dense model's expert keys, train.steps when train.epochs does,
+// optimizer.warmup_steps when optimizer.warmup_ratio does. Every run keeps this as
+// OUTPUT/job.toml (rp-launch --resume RUN_DIR reads it); --dry-run prints it.
+std::string JobToml(const JobConfig& config);
 
 // Checks `value` against the range of the numeric job key model.<key>, with that key's message
 // under `name` ("<dir>/config.json: num_hidden_layers: must be in [1, 4096], got 100000"): values

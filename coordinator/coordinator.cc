@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -38,6 +40,7 @@
 #include "io/hf_model.h"
 #include "io/peft.h"
 #include "io/run_output.h"
+#include "io/tensorboard.h"
 #include "planning/plan.h"
 #include "planning/run_spec.h"
 #include "protocol/channel.h"
@@ -60,6 +63,21 @@ constexpr int kLoopWaitMs = 200;
 constexpr double kLowestLossScale = 0x1p-24;
 
 using proto::Message;
+
+// This process's anonymous resident memory (RssAnon of /proc/self/status), or -1 if unreadable.
+int64_t AnonymousResidentBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "RssAnon:") {
+      int64_t kb = -1;
+      in >> kb;
+      return kb < 0 ? -1 : kb * 1024;
+    }
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return -1;
+}
 
 // The run's clocks and per-step constants for metrics.jsonl and summary.json.
 struct RunTimes {
@@ -134,6 +152,8 @@ class Coordinator {
   RunWindow window_;
   std::optional<core::Dataset> data_, eval_data_;
   std::optional<core::MetricsWriter> metrics_;
+  std::optional<core::TensorBoardWriter> tensorboard_;  // metrics.tensorboard: the same lines as events
+  int64_t device_peak_bytes_ = -1;                      // the highest any worker has reported
   std::optional<RunTrace> trace_;  // the run's timeline (trace.json)
   struct Checkpoints {
     std::optional<StateFile> resume_from;
@@ -222,6 +242,11 @@ Status Coordinator::Setup() {
     RP_RETURN_IF_ERROR(core::PrepareOutputDirForResume(cfg_, window_.first_step));
     RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::OpenForAppend(cfg_.job.output_dir + "/metrics.jsonl"));
     metrics_.emplace(std::move(mw));
+    if (cfg_.metrics.tensorboard) {
+      RP_ASSIGN_OR_RETURN(auto tb, core::TensorBoardWriter::Rebuild(cfg_.job.output_dir + "/tb",
+                                                                    cfg_.job.output_dir + "/metrics.jsonl"));
+      tensorboard_.emplace(std::move(tb));
+    }
   } else {
     core::JobConfig fresh = cfg_;
     // Checkpoint.dir is node 0's, which a resumed run reads from: only this node's files count.
@@ -229,12 +254,19 @@ Status Coordinator::Setup() {
     RP_RETURN_IF_ERROR(core::PrepareOutputDir(fresh));
     RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::Open(cfg_.job.output_dir + "/metrics.jsonl"));
     metrics_.emplace(std::move(mw));
+    if (cfg_.metrics.tensorboard) {
+      RP_ASSIGN_OR_RETURN(auto tb, core::TensorBoardWriter::Create(cfg_.job.output_dir + "/tb"));
+      tensorboard_.emplace(std::move(tb));
+    }
   }
   RP_ASSIGN_OR_RETURN(auto summary, core::SummaryFile::Reserve(cfg_.job.output_dir + "/summary.json"));
   summary_.emplace(std::move(summary));
   // The run as resolved, beside its checkpoints: what rp-export reads them with.
   if (WritesOutputs())
     RP_RETURN_IF_ERROR(core::WriteRunSpec(cfg_.job.output_dir + "/run-spec.json", {cfg_, plan_, opts_.num_workers}));
+  // The job as a job file (rp-launch --resume RUN_DIR).
+  if (WritesOutputs())
+    RP_RETURN_IF_ERROR(core::WriteFileAtomically(cfg_.job.output_dir + "/job.toml", core::JobToml(cfg_)));
   RP_LOG(INFO) << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
                << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
                << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
@@ -331,6 +363,7 @@ Status Coordinator::DispatchStep(int64_t step) {
 }
 
 Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
+  device_peak_bytes_ = std::max(device_peak_bytes_, d.device_peak_bytes);
   RP_ASSIGN_OR_RETURN(StageJob job, dispatch_->OnJobDone(rank, d));
   trace_->AddJob({job.index, job.step, job.call, job.stage, job.worker, workers_->pid(job.worker), job.start_us,
                   job.fetch_end_us, job.end_us, job.mb_times});
@@ -607,7 +640,12 @@ Status Coordinator::ReportSteps() {
     } else if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       return Diverged(s);
     }
-    RP_RETURN_IF_ERROR(metrics_->Append(m));
+    m.device_peak_bytes = device_peak_bytes_;
+    const int64_t anon = AnonymousResidentBytes();
+    if (anon >= 0) m.host_bytes = static_cast<int64_t>(shm::SharedMemoryBytes(layout_, cfg_, opts_.num_workers)) + anon;
+    nlohmann::json line;
+    RP_RETURN_IF_ERROR(metrics_->Append(m, &line));
+    if (tensorboard_) RP_RETURN_IF_ERROR(tensorboard_->Append(line));
     // An evaluation's time lands in its step and the next one: not a drift of the plan.
     profiler_->OnStepReported(s, m.step_time_s, m.bubble_ratio, evals_->Due(s) || (s > 0 && evals_->Due(s - 1)),
                               window_.next_to_dispatch, window_.stop_step);

@@ -150,6 +150,8 @@ class Device {
   virtual void ClearMarks() = 0;
   // Bytes of device memory held by live tensors now, or -1 where not tracked (CPU).
   virtual int64_t AllocatedBytes() { return -1; }
+  // The peak of AllocatedBytes() since the process started, or -1 where not tracked.
+  virtual int64_t PeakAllocatedBytes() { return -1; }
   // Peak device memory so far, for the log; empty where not tracked.
   virtual std::string MemoryReport() { return ""; }
   // Host-link bandwidth in bytes per second each way, measured by copying `bytes` of `src`

@@ -623,7 +623,8 @@ StatusOr<bool> Worker::StartReduction(Finishing& f) {
 }
 
 proto::JobDone Worker::DoneMessage(const Finishing& f) const {
-  proto::JobDone d{f.job.job.job_index, f.job.start_us, f.job.fetch_end_us, WallMicros(), 0.0, 0};
+  proto::JobDone d{f.job.job.job_index, f.job.start_us, f.job.fetch_end_us, WallMicros(), 0.0, 0,
+                   device_->PeakAllocatedBytes()};
   if (f.loss.defined()) {
     d.nodes_loss_sum = f.loss[0].item<double>();
     d.nodes_targets = static_cast<int64_t>(f.loss[1].item<double>());

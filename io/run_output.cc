@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 Status CheckNoPlantedLinks(const JobConfig& c) {
   const fs::path dir(c.job.output_dir);
   std::vector<std::string> ours = {"logs", "metrics.jsonl", "summary.json", "trace.json", "profile.json",
-                                   "run-spec.json", c.checkpoint.dir};
+                                   "run-spec.json", "job.toml", "tb", c.checkpoint.dir};
   if (!c.checkpoint.export_hf.empty()) ours.push_back(c.checkpoint.export_hf);
   if (!c.lora.export_dir.empty()) ours.push_back(c.lora.export_dir);
   for (const auto& name : ours) {
@@ -120,7 +120,7 @@ nlohmann::json CheckpointJson(const StepMetrics::Checkpoint& c) {
           {"background", c.background}};
 }
 
-Status MetricsWriter::Append(const StepMetrics& m) {
+Status MetricsWriter::Append(const StepMetrics& m, nlohmann::json* written) {
   nlohmann::json j;
   j["step"] = m.step;
   j["loss"] = m.loss;
@@ -142,6 +142,9 @@ Status MetricsWriter::Append(const StepMetrics& m) {
     j["loss_scale"] = m.loss_scale;
     j["skipped"] = m.skipped;
   }
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  if (m.device_peak_bytes >= 0) j["device_peak_gib"] = static_cast<double>(m.device_peak_bytes) / kGiB;
+  if (m.host_bytes >= 0) j["host_gib"] = static_cast<double>(m.host_bytes) / kGiB;
   for (const auto& c : m.checkpoints) j["checkpoints"].push_back(CheckpointJson(c));
   const auto wall = std::chrono::system_clock::now().time_since_epoch();
   j["time"] = static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(wall).count()) / 1e3;
@@ -149,6 +152,7 @@ Status MetricsWriter::Append(const StepMetrics& m) {
   std::string line = j.dump() + "\n";
   if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
     return Status::FromErrno("writing metrics", errno);
+  if (written) *written = std::move(j);
   return Status::Ok();
 }
 

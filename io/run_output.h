@@ -52,6 +52,11 @@ struct StepMetrics {
   // loss_scale < 0.
   double loss_scale = -1.0;
   bool skipped = false;
+  // Peak device memory held by tensors on any worker so far (CUDA workers), and the host memory the
+  // run holds (its /dev/shm segments plus the coordinator's anonymous resident memory); written in
+  // GiB as device_peak_gib and host_gib, omitted when < 0.
+  int64_t device_peak_bytes = -1;
+  int64_t host_bytes = -1;
   // Training checkpoints whose write completed since the previous line.
   struct Checkpoint {
     int64_t after_step = 0;
@@ -80,7 +85,8 @@ class MetricsWriter {
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
   ~MetricsWriter();
-  Status Append(const StepMetrics& m);
+  // Writes one line; `line`, when given, receives the object written (what TensorBoard gets).
+  Status Append(const StepMetrics& m, nlohmann::json* line = nullptr);
 
  private:
   explicit MetricsWriter(std::FILE* f, double elapsed_before = 0.0)

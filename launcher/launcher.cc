@@ -477,7 +477,8 @@ int RunSession(const LaunchOptions& o) {
       if (std::string why = CpuWorkersOverHostMemory(*cfg, shared_bytes, o.gpus, *cpu_worker); !why.empty())
         std::printf("a launch would be refused: %s\n", why.c_str());
     }
-    std::printf("resolved run spec (what the coordinator and workers read):\n%s", core::RunSpecJson(run).c_str());
+    std::printf("the job as resolved (a job file; the run keeps it as %s/job.toml):\n%s", cfg->job.output_dir.c_str(),
+                core::JobToml(*cfg).c_str());
     return kExitOk;
   }
   if (Status s = o.resume ? core::CheckNoPlantedLinks(*cfg) : core::CheckOutputDir(*cfg); !s.ok()) {

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // rp-launch --gpus N job.toml [--set section.key=value ...] [-v N] [--dry-run]
+// rp-launch --gpus N RUN_DIR --resume   (the job the run keeps as RUN_DIR/job.toml)
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
@@ -33,13 +35,14 @@ int main(int argc, char** argv) {
       "1..4096");
   app.add_option("--gpus", o.gpus, "workers to start (one per GPU; CPU workers when job.device = cpu)")
       ->check(worker_count);
-  app.add_option("job", o.job_path, "job file (TOML)");
+  app.add_option("job", o.job_path, "job file (TOML); with --resume, or the run's output directory");
   app.add_option("--set", o.overrides, "override a job key: section.key=value (repeatable)");
   app.add_option("-v", o.verbosity, "log verbosity (0 = info)");
   app.add_flag("--dry-run", o.dry_run, "validate the job, print the plan and memory, start nothing");
   app.add_flag("--resume", o.resume,
-               "continue the run in job.output_dir from its newest training checkpoint "
-               "(checkpoint.every, train.stop_after); the results equal an uninterrupted run's");
+               "continue the run in job.output_dir (or the run directory given instead of the job file) from "
+               "its newest training checkpoint (checkpoint.every, train.stop_after); the results equal an "
+               "uninterrupted run's");
   app.add_option("--debug-worker", o.debug_worker,
                  "start this worker stopped and print how to attach a debugger to it");
   app.add_option("--worker-wrapper", o.worker_wrapper,
@@ -70,6 +73,23 @@ int main(int argc, char** argv) {
   if (o.job_path.empty()) {
     std::fprintf(stderr, "rp-launch: a job file is required (rp-launch --help)\n");
     return rp::kExitBadConfig;
+  }
+  // --resume RUN_DIR: the job is the one the run keeps beside its outputs, and its outputs are
+  // where the directory is now (it may have been moved).
+  if (std::error_code dir_ec; std::filesystem::is_directory(o.job_path, dir_ec)) {
+    const std::string dir = std::filesystem::absolute(o.job_path).lexically_normal().string();
+    if (!o.resume) {
+      std::fprintf(stderr, "rp-launch: %s is a directory; give a job file, or --resume to continue the run in it\n",
+                   o.job_path.c_str());
+      return rp::kExitBadConfig;
+    }
+    o.job_path = dir + "/job.toml";
+    if (!std::filesystem::is_regular_file(o.job_path, dir_ec)) {
+      std::fprintf(stderr, "rp-launch: --resume %s: it holds no job.toml (a run writes it when it starts); give "
+                           "the job file the run started with: rp-launch JOB.toml --resume\n", dir.c_str());
+      return rp::kExitBadConfig;
+    }
+    o.overrides.insert(o.overrides.begin(), "job.output_dir=" + nlohmann::json(dir).dump());
   }
   auto world = rp::launch::ResolveNodeWorld(nodes, rp::launch::ProcessEnv);
   if (!world.ok()) {

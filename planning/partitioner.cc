@@ -366,8 +366,8 @@ double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int work
   return EstimateMemory(c, plan, workers, profile).total;
 }
 
-StatusOr<Profile> PlanningProfile(const JobConfig& c) {
-  if (c.schedule.profile.empty()) return DefaultCostModel(c);
+StatusOr<Profile> PlanningProfile(const JobConfig& c, const DeviceModel& device) {
+  if (c.schedule.profile.empty()) return DefaultCostModel(c, device);
   return LoadProfile(c.schedule.profile, c);
 }
 

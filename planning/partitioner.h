@@ -86,8 +86,9 @@ struct PlanChoice {
 // `candidates`).
 PlanChoice PredictPlan(const JobConfig& config, const PipelinePlan& plan, const Profile& profile,
                        int workers);
-// The profile the planner uses for `config`: schedule.profile if set, else the cost model.
-StatusOr<Profile> PlanningProfile(const JobConfig& config);
+// The profile the planner uses for `config`: schedule.profile if set, else the cost model of
+// `device` (CUDA workers).
+StatusOr<Profile> PlanningProfile(const JobConfig& config, const DeviceModel& device = H200Model());
 StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers, const Profile& profile);
 
 // The fused tail sizes ChoosePlan may try for a model of `blocks` decoder blocks, ascending. With a

@@ -104,7 +104,42 @@ Profile CostModelProfile(const JobConfig& c, double flops_per_s, double link_byt
   return p;
 }
 
-Profile DefaultCostModel(const JobConfig& c) {
+DeviceModel H200Model() {
+  DeviceModel d;
+  d.name = "h200";
+  d.bf16_flops_per_s = 790e12;
+  d.fp32_flops_per_s = 67e12;
+  d.link_bytes_per_s = 55e9;
+  d.optimizer_params_per_s = 6.7e9;
+  d.memory_gb = 141.0;
+  d.source = "one H200: bf16 products at the 790 TFLOP/s its kernels reach, fp32 67 TFLOP/s, host link 55 GB/s "
+             "measured, AdamW 6.7e9 parameters/s on 16 cores";
+  return d;
+}
+
+DeviceModel H100Model() {
+  // The H100 SXM's datasheet matches the H200's in dense bf16 (989 TFLOP/s) and fp32 (67): the
+  // H200 differs in memory size and bandwidth, which this model does not time. So the products
+  // run at the share of the datasheet the H200's kernels reach (790); the host link is the H100
+  // host's own probe (PCIe 5 x16: 53.9 GB/s in, 55.3 out). Memory: 80 GB.
+  DeviceModel d = H200Model();
+  d.name = "h100";
+  d.link_bytes_per_s = 53.9e9;
+  d.memory_gb = 80.0;
+  d.source = "one H100 SXM: its datasheet's dense bf16 and fp32 rates equal the H200's, so bf16 products at the "
+             "790 TFLOP/s the H200's kernels reach, fp32 67 TFLOP/s, host link 53.9 GB/s (its link probe), AdamW "
+             "6.7e9 parameters/s on 16 cores";
+  return d;
+}
+
+StatusOr<DeviceModel> DeviceModelNamed(const std::string& name) {
+  if (name == "h200") return H200Model();
+  if (name == "h100") return H100Model();
+  return Status::InvalidArgument("--device: \"" + name + "\" is not a device the cost model knows (h200, h100, or "
+                                 "custom with --tflops and --h2d-gbs)");
+}
+
+Profile DefaultCostModel(const JobConfig& c, const DeviceModel& device) {
   // CPU workers: a few tens of GFLOP/s each, copies at memory speed. GPU: 70% of the H200's
   // peak for the dtype, the share its kernels reached per layer at the Qwen3-1.7B job's shapes
   // (bench/profiles/qwen3-1.7b-h200-mb4-host-lookup.json: forward 0.78, recompute 0.73,
@@ -116,8 +151,8 @@ Profile DefaultCostModel(const JobConfig& c) {
   if (c.job.device == core::DeviceKind::kCpu) return CostModelProfile(c, 2e10, 0.0, 0.0);
   // fp16 and fp8: bf16's tensor-core peak. fp8's faster products are not modelled here; a run's
   // measured profile (schedule.profile_steps) times them as they run.
-  const double peak = c.train.dtype == core::TrainDtype::kFp32 ? 67e12 : 790e12;
-  return CostModelProfile(c, 0.7 * peak, 55e9, 6.7e9);
+  const double peak = c.train.dtype == core::TrainDtype::kFp32 ? device.fp32_flops_per_s : device.bf16_flops_per_s;
+  return CostModelProfile(c, 0.7 * peak, device.link_bytes_per_s, device.optimizer_params_per_s);
 }
 
 std::string ProfileToJson(const Profile& p) {

@@ -67,8 +67,25 @@ double Median(std::vector<double> v);
 // host links at the given rates, the optimizer at `optimizer_params_per_s`.
 Profile CostModelProfile(const JobConfig& config, double flops_per_s, double link_bytes_per_s,
                          double optimizer_params_per_s);
-// The default cost model for the config's device kind (used without a measured profile).
-Profile DefaultCostModel(const JobConfig& config);
+// The GPU the cost model assumes for CUDA workers (rp-plan --device). The layers are assumed to
+// reach 0.7 of `bf16_flops_per_s` (bf16, fp16, fp8) or of `fp32_flops_per_s`, the host link to
+// run at `link_bytes_per_s` each way, the coordinator's AdamW at `optimizer_params_per_s`.
+struct DeviceModel {
+  std::string name;
+  double bf16_flops_per_s = 0.0;
+  double fp32_flops_per_s = 0.0;
+  double link_bytes_per_s = 0.0;
+  double optimizer_params_per_s = 0.0;
+  double memory_gb = 0.0;  // what the device holds (for the reader; budgets are schedule.gpu_memory_gb)
+  std::string source;      // where the numbers come from, in words
+};
+DeviceModel H200Model();
+DeviceModel H100Model();
+// "h200" or "h100"; anything else is an error naming the choices.
+StatusOr<DeviceModel> DeviceModelNamed(const std::string& name);
+// The default cost model for the config's device kind (used without a measured profile): CPU
+// workers' rates, or `device`'s for CUDA workers.
+Profile DefaultCostModel(const JobConfig& config, const DeviceModel& device = H200Model());
 
 // Reads and validates a profile: format version, workload key (must equal the config's), one
 // entry per pipeline layer, finite non-negative numbers. Errors name the file and the field.

@@ -30,9 +30,10 @@ static_assert(sizeof(BenchKnobs) == 24);
 static_assert(sizeof(JobOptions) == 96);
 static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 88);
+static_assert(sizeof(MetricsConfig) == 2);
 
 namespace {
-constexpr int kSpecVersion = 5;
+constexpr int kSpecVersion = 6;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -92,7 +93,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stag
                                    gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb, export_dtype,
                                    export_every)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace, tensorboard)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,
                                    fused_norms, grouped_experts, optimizer_threads, optimizer_rest_threads)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s,

@@ -50,7 +50,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 10;
+inline constexpr uint16_t kProtocolVersion = 11;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -168,8 +168,9 @@ struct JobDone {
   // (summed token cross-entropy, non-ignored labels); the step's loss is their sum. 0 otherwise.
   double nodes_loss_sum;
   int64_t nodes_targets;
+  int64_t device_peak_bytes;  // the worker's peak of device memory held by tensors so far; -1: not tracked
 };
-static_assert(sizeof(JobDone) == 48);
+static_assert(sizeof(JobDone) == 56);
 
 struct JobFailed {
   int64_t job_index;

@@ -5,9 +5,9 @@
 # then copy DIR to the GPU host (or keep it in the checkout, ignored by git) and there:
 #   source DIR/offline-env.sh
 #   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release $RP_CMAKE_ARGS && cmake --build build-cuda
-# The host needs CUDA, a C++20 compiler, CMake, Boost headers, GoogleTest and python3 with a CUDA
-# torch wheel (its LibTorch is what we link). Bookworm's libraries (glibc 2.36) run on newer
-# glibc hosts such as Ubuntu 24.04.
+# The host needs CUDA, a C++20 compiler, CMake, Boost headers, GoogleTest, protobuf 3 (libprotobuf-dev
+# and protobuf-compiler) and python3 with a CUDA torch wheel (its LibTorch is what we link).
+# Bookworm's libraries (glibc 2.36) run on newer glibc hosts such as Ubuntu 24.04.
 set -euo pipefail
 dir=${1:?usage: pack-offline-deps.sh DIR}
 mkdir -p "$dir/debs"

@@ -39,7 +39,8 @@ struct LengthFit {
   int64_t kept_blocks = 0;      // likewise
 };
 
-LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_limit) {
+LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_limit,
+                const rp::core::DeviceModel& device) {
   LengthFit f;
   const bool measured_length = seq_len == c.data.seq_len;
   c.data.seq_len = seq_len;
@@ -55,7 +56,7 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
   }
   f.kept_blocks = c.schedule.kept_blocks;
   f.mlp_tile_tokens = c.train.mlp_tile_tokens;
-  auto costs = rp::core::PlanningProfile(c);
+  auto costs = rp::core::PlanningProfile(c, device);
   if (!costs.ok()) {
     f.why = costs.status().message();
     return f;
@@ -94,7 +95,8 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
   return f;
 }
 
-int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_memory_gb, bool json) {
+int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_memory_gb, bool json,
+           const rp::core::DeviceModel& device) {
   if (cfg.schedule.gpu_memory_gb <= 0) {
     std::fprintf(stderr, "rp-plan: --max-seq needs schedule.gpu_memory_gb, the device memory per worker to fit "
                          "(--set schedule.gpu_memory_gb=...)\n");
@@ -107,7 +109,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   int64_t lo = 0, hi = 0;
   LengthFit best;
   for (int64_t l = step; l <= kLongest; l *= 2) {
-    LengthFit f = FitAt(cfg, l, gpus, host_limit);
+    LengthFit f = FitAt(cfg, l, gpus, host_limit, device);
     if (!f.fits) {
       hi = l;
       break;
@@ -117,13 +119,13 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   }
   if (lo == 0) {
     std::fprintf(stderr, "rp-plan: not even %lld tokens per sequence fit (%s)\n", static_cast<long long>(step),
-                 FitAt(cfg, step, gpus, host_limit).why.c_str());
+                 FitAt(cfg, step, gpus, host_limit, device).why.c_str());
     return rp::kExitBadConfig;
   }
   if (hi == 0) hi = kLongest + step;  // the longest searched fits
   while (hi - lo > step) {
     const int64_t mid = lo + (hi - lo) / 2 / step * step;
-    LengthFit f = FitAt(cfg, mid, gpus, host_limit);
+    LengthFit f = FitAt(cfg, mid, gpus, host_limit, device);
     if (f.fits) {
       lo = mid;
       best = f;
@@ -133,7 +135,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   }
   const rp::core::RoundShape whole = rp::core::GlobalRound(cfg);
   const double tokens = static_cast<double>(whole.calls * whole.microbatches * cfg.train.microbatch_size * lo);
-  const std::string limit = FitAt(cfg, lo + step, gpus, host_limit).why;
+  const std::string limit = FitAt(cfg, lo + step, gpus, host_limit, device).why;
   if (json) {
     std::printf("%s\n", nlohmann::json{{"max_seq_len", lo},
                                        {"plan", best.choice.plan.Describe()},
@@ -144,6 +146,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
                                        {"predicted_step_s", best.choice.step_seconds},
                                        {"predicted_tokens_per_s", tokens / best.choice.step_seconds},
                                        {"costs", best.choice.cost_source},
+                                       {"device", device.name},
                                        {"mlp_tile_tokens", best.mlp_tile_tokens},
                                        {"kept_blocks", best.kept_blocks},
                                        {"next_length_limited_by", limit}}
@@ -160,6 +163,8 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   if (best.kept_blocks > 0) std::printf("  kept blocks: %lld\n", static_cast<long long>(best.kept_blocks));
   std::printf("  predicted step %.3f s, %.0f tokens/s (%s costs)\n", best.choice.step_seconds,
               tokens / best.choice.step_seconds, best.choice.cost_source.c_str());
+  if (cfg.schedule.profile.empty() && cfg.job.device != rp::core::DeviceKind::kCpu)
+    std::printf("  device assumed: %s (--device %s)\n", device.source.c_str(), device.name.c_str());
   return 0;
 }
 
@@ -191,7 +196,43 @@ int main(int argc, char** argv) {
   app.add_option("--host-memory-gb", host_memory_gb,
                  "--max-seq: shared memory the run may take (default: this host's available memory)")
       ->check(CLI::Range(0.0, 1e9));
+  std::string device_name = "h200";
+  double tflops = 0.0, h2d_gbs = 0.0;
+  app.add_option("--device", device_name,
+                 "the GPU the cost model assumes: h200 (default), h100, or custom (with --tflops and --h2d-gbs); "
+                 "a measured --profile or schedule.profile replaces its rates");
+  app.add_option("--tflops", tflops, "--device custom: the dense bf16 TFLOP/s the GPU's matrix products reach")
+      ->check(CLI::Range(0.001, 1e6));
+  app.add_option("--h2d-gbs", h2d_gbs, "--device custom: host-to-device GB/s of its link")->check(CLI::Range(0.001, 1e6));
   CLI11_PARSE(app, argc, argv);
+  rp::core::DeviceModel device;
+  if (device_name == "custom") {
+    if (tflops <= 0 || h2d_gbs <= 0) {
+      std::fprintf(stderr, "rp-plan: --device custom needs --tflops and --h2d-gbs\n");
+      return rp::kExitBadConfig;
+    }
+    device = rp::core::H200Model();  // fp32 and the optimizer's rate scale with the products
+    device.name = "custom";
+    device.fp32_flops_per_s = device.fp32_flops_per_s * tflops * 1e12 / device.bf16_flops_per_s;
+    device.bf16_flops_per_s = tflops * 1e12;
+    device.link_bytes_per_s = h2d_gbs * 1e9;
+    device.memory_gb = 0.0;
+    char text[160];
+    std::snprintf(text, sizeof(text), "custom: bf16 products at %g TFLOP/s, host link %g GB/s, AdamW 6.7e9 "
+                  "parameters/s", tflops, h2d_gbs);
+    device.source = text;
+  } else {
+    if (tflops > 0 || h2d_gbs > 0) {
+      std::fprintf(stderr, "rp-plan: --tflops and --h2d-gbs go with --device custom\n");
+      return rp::kExitBadConfig;
+    }
+    auto named = rp::core::DeviceModelNamed(device_name);
+    if (!named.ok()) {
+      std::fprintf(stderr, "rp-plan: %s\n", named.status().message().c_str());
+      return rp::kExitBadConfig;
+    }
+    device = *named;
+  }
   auto cfg = rp::core::LoadJobConfig(job, overrides);
   if (!cfg.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", cfg.status().message().c_str());
@@ -206,7 +247,7 @@ int main(int argc, char** argv) {
   const double step_tokens = static_cast<double>(rp::core::GlobalRound(*cfg).calls * rp::core::GlobalRound(*cfg).microbatches *
                                                  cfg->TokensPerMicrobatch());
   if (!profile.empty()) cfg->schedule.profile = profile;
-  if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json);
+  if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json, device);
   const bool tile_chosen = cfg->train.mlp_tile_tokens == rp::core::kMlpTileAuto;
   if (auto s = rp::core::ResolveMlpTile(&*cfg, gpus); !s.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
@@ -217,7 +258,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
     return rp::kExitBadConfig;
   }
-  auto costs = rp::core::PlanningProfile(*cfg);
+  auto costs = rp::core::PlanningProfile(*cfg, device);
   if (!costs.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
     return rp::kExitBadConfig;
@@ -276,6 +317,8 @@ int main(int argc, char** argv) {
     out["nodes"] = nnodes;
     out["candidates"] = choice.ok() ? choice->candidates : 0;
     out["costs"] = runs.cost_source;
+    out["device"] = device.name;
+    out["device_model"] = device.source;
     out["mlp_tile_tokens"] = cfg->train.mlp_tile_tokens;
     out["mlp_tile_chosen"] = tile_chosen;
     out["kept_blocks"] = cfg->schedule.kept_blocks;
@@ -304,6 +347,8 @@ int main(int argc, char** argv) {
   };
   std::printf("costs: %s%s%s\n", runs.cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());
+  if (cfg->schedule.profile.empty() && cfg->job.device != rp::core::DeviceKind::kCpu)
+    std::printf("device assumed: %s (--device %s)\n", device.source.c_str(), device.name.c_str());
   if (tile_chosen)
     std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n", cfg->schedule.gpu_memory_gb,
                 cfg->train.mlp_tile_tokens == 0 ? "untiled (the whole microbatch fits)"

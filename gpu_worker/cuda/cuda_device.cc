@@ -519,6 +519,15 @@ class CudaDevice final : public Device {
 #endif
   }
 
+  int64_t PeakAllocatedBytes() override {
+#if RP_HAVE_CUDA_LIBTORCH
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
+    return stats.allocated_bytes[0].peak;
+#else
+    return -1;
+#endif
+  }
+
   std::string MemoryReport() override {
 #if RP_HAVE_CUDA_LIBTORCH
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -50,6 +51,24 @@ class LaunchTest : public ::testing::Test {
   }
   std::vector<std::string> Env() const { return {"XDG_RUNTIME_DIR=" + runtime_}; }
   std::string Job() const { return testing::SourceDir() + "/tests/testdata/parity.toml"; }
+  // The job for `sets`: with model.path among them, parity.toml without its [model] keys (a
+  // checkpoint's config.json decides the architecture, and a job key that disagrees is refused).
+  std::string JobFor(const std::vector<std::string>& sets) const {
+    const bool from_checkpoint =
+        std::any_of(sets.begin(), sets.end(), [](const std::string& s) { return s.rfind("model.path=", 0) == 0; });
+    if (!from_checkpoint) return Job();
+    const std::string path = tmp_ + "/parity-from-checkpoint.toml";
+    std::ifstream in(Job());
+    std::ofstream out(path);
+    bool in_model = false;
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line[0] == '[') in_model = line == "[model]";
+      if (in_model) continue;
+      if (line.rfind("path = \"../../", 0) == 0) line = "path = \"" + testing::SourceDir() + "/" + line.substr(14);
+      out << line << "\n";
+    }
+    return path;
+  }
 
   // Overrides: "section.key=value" become --set arguments; "RP_NAME=value" entries are
   // environment variables instead (the bench and test switches, core::BenchKnobs).
@@ -67,7 +86,7 @@ class LaunchTest : public ::testing::Test {
   }
 
   std::vector<std::string> LaunchArgs(int n, const std::string& out, std::vector<std::string> sets = {}) {
-    std::vector<std::string> a = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), Job(),
+    std::vector<std::string> a = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), JobFor(sets),
                                   "--set", "job.output_dir=" + out};
     for (auto& s : sets) {
       if (IsEnv(s)) continue;
@@ -97,7 +116,7 @@ class LaunchTest : public ::testing::Test {
 
   // rp-train-ref, the oracle, on the same job with the same overrides.
   testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets = {}) {
-    std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + out};
+    std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", JobFor(sets), "--set", "job.output_dir=" + out};
     for (const auto& s : sets)
       if (!IsEnv(s)) args.insert(args.end(), {"--set", s});
     return testing::RunProcess(args, 240, EnvWith(sets));

@@ -27,6 +27,7 @@
 #include "protocol/codec.h"
 #include "protocol/messages.h"
 #include "tests/integration/launch_fixture.h"
+#include "tests/testing/event_file_reader.h"
 #include "tests/testing/process_harness.h"
 
 namespace rp {
@@ -417,8 +418,9 @@ bool WaitForSteps(const std::string& metrics, long n, double timeout_s = 60) {
 }
 
 TEST_F(LaunchTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
-  // 10 steps, stop (checkpoint), --resume, 10 more: the same losses and the same final state
-  // bits as 20 steps in one go (fp32, CPU, N = 2). Then stale1 mode, N = 3, stopped after 7.
+  // 10 steps, stop (checkpoint), rp-launch RUN_DIR --resume, 10 more: the same losses and the same
+  // final state bits as 20 steps in one go (fp32, CPU, N = 2). Then stale1 mode, N = 3, stopped
+  // after 7.
   for (const bool stale1 : {false, true}) {
   SCOPED_TRACE(stale1 ? "stale1" : "exact");
   const int n = stale1 ? 3 : 2, stop = stale1 ? 7 : 10;
@@ -432,20 +434,27 @@ TEST_F(LaunchTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   char name[64];
   std::snprintf(name, sizeof(name), "/checkpoints/step-%08d.rpstate", stop);
   ASSERT_TRUE(fs::exists(b + name));
-  auto args = LaunchArgs(n, b, {"checkpoint.every=20", mode});
-  args.push_back("--resume");
-  auto second = testing::RunProcess(args, 240, Env());
+  // Resumed from the run directory alone (the job.toml it keeps); the stale1 run's directory is
+  // moved first, and its outputs follow it.
+  std::string dir = b;
+  if (stale1) {
+    dir = b + "-moved";
+    fs::rename(b, dir);
+  }
+  auto second = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), dir, "--resume"},
+                                    240, Env());
   ASSERT_EQ(second.code, 0) << second.output;
-  const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(b + "/metrics.jsonl");
+  const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(dir + "/metrics.jsonl");
   ASSERT_EQ(got.size(), 20u);
   for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
   const std::string sa = ReadBytes(a + "/checkpoints/step-00000020.rpstate");
-  const std::string sb = ReadBytes(b + "/checkpoints/step-00000020.rpstate");
+  const std::string sb = ReadBytes(dir + "/checkpoints/step-00000020.rpstate");
   ASSERT_GT(sa.size(), 4096u);
   EXPECT_TRUE(sa == sb) << "final training state differs between the resumed and the whole run";
+  EXPECT_EQ(testing::EventsMatchMetrics(dir + "/tb", dir + "/metrics.jsonl"), "");
   // keep = 2: the stop's checkpoint is still there beside step 20's.
-  EXPECT_TRUE(fs::exists(b + name));
-  for (auto& e : fs::recursive_directory_iterator(b))
+  EXPECT_TRUE(fs::exists(dir + name));
+  for (auto& e : fs::recursive_directory_iterator(dir))
     EXPECT_NE(e.path().extension(), ".safetensors") << "training state must not use the HF extension";
   }
 }
@@ -647,6 +656,16 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   EXPECT_NE(r.output.find("predicted bubble ratio"), std::string::npos);
   EXPECT_NE(r.output.find("windows per epoch"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
+  // The job as resolved, in the job file's names (lora.export, not the struct's export_dir): the
+  // text after the heading launches as it is.
+  const std::string heading = "/job.toml):\n";
+  const auto at = r.output.find(heading);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("export_dir"), std::string::npos) << r.output;
+  std::ofstream(tmp_ + "/resolved.toml") << r.output.substr(at + heading.size());
+  auto again = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "3", tmp_ + "/resolved.toml", "--dry-run"}, 30, Env());
+  EXPECT_EQ(again.code, 0) << again.output;
+  EXPECT_EQ(again.output.substr(again.output.find("plan: ")), r.output.substr(r.output.find("plan: ")));
 
   // The data is read as the coordinator will read it: a malformed record is refused here.
   const std::string bad = tmp_ + "/bad.jsonl";
@@ -682,6 +701,36 @@ TEST_F(LaunchTest, PlanFindsTheLongestSequenceThatFitsTheMemory) {
   auto unbounded = testing::RunProcess({BinDir() + "/rp-plan", Job(), "--max-seq"}, 60, Env());
   EXPECT_EQ(unbounded.code, 2);
   EXPECT_NE(unbounded.output.find("needs schedule.gpu_memory_gb"), std::string::npos) << unbounded.output;
+}
+
+TEST_F(LaunchTest, PlanSaysWhichDeviceItAssumes) {
+  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set", "job.device=\"cuda\""};
+  auto step_of = [](const std::string& out) {
+    const std::string said = "predicted step (steady state): ";
+    const auto at = out.find(said);
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + said.size()));
+  };
+  auto h200 = testing::RunProcess(base, 60, Env());
+  ASSERT_EQ(h200.code, 0) << h200.output;
+  EXPECT_NE(h200.output.find("device assumed: one H200"), std::string::npos) << h200.output;
+  EXPECT_NE(h200.output.find("(--device h200)"), std::string::npos) << h200.output;
+  auto h100 = testing::RunProcess(With(base, {"--device", "h100"}), 60, Env());
+  ASSERT_EQ(h100.code, 0) << h100.output;
+  EXPECT_NE(h100.output.find("device assumed: one H100"), std::string::npos) << h100.output;
+  // Half the H200's product rate and link: every part of the step takes longer.
+  auto custom = testing::RunProcess(With(base, {"--device", "custom", "--tflops", "395", "--h2d-gbs", "27.5"}), 60, Env());
+  ASSERT_EQ(custom.code, 0) << custom.output;
+  EXPECT_NE(custom.output.find("custom: bf16 products at 395 TFLOP/s, host link 27.5 GB/s"), std::string::npos)
+      << custom.output;
+  EXPECT_GT(step_of(custom.output), 1.5 * step_of(h200.output)) << custom.output << h200.output;
+  auto unknown = testing::RunProcess(With(base, {"--device", "a100"}), 60, Env());
+  EXPECT_EQ(unknown.code, kExitBadConfig);
+  EXPECT_NE(unknown.output.find("\"a100\" is not a device the cost model knows (h200, h100, or custom"),
+            std::string::npos) << unknown.output;
+  auto incomplete = testing::RunProcess(With(base, {"--device", "custom", "--tflops", "100"}), 60, Env());
+  EXPECT_EQ(incomplete.code, kExitBadConfig);
+  EXPECT_NE(incomplete.output.find("--device custom needs --tflops and --h2d-gbs"), std::string::npos)
+      << incomplete.output;
 }
 
 TEST_F(LaunchTest, PlanShowsTheJobsOwnPlanWhenNoAutoPlanFitsTheMemory) {
@@ -980,6 +1029,10 @@ TEST_F(LaunchTest, KilledCoordinatorIsNamedAndResumeReproducesTheRun) {
   EXPECT_EQ(got, expected);
   EXPECT_TRUE(ReadBytes(out + "/checkpoints/step-00000016.rpstate") ==
               ReadBytes(whole + "/checkpoints/step-00000016.rpstate"));
+  // The TensorBoard events follow metrics.jsonl: the steps after the checkpoint that the killed
+  // run had reported are not repeated.
+  EXPECT_EQ(testing::EventsMatchMetrics(out + "/tb", out + "/metrics.jsonl"), "");
+  EXPECT_EQ(testing::EventsMatchMetrics(whole + "/tb", whole + "/metrics.jsonl"), "");
 }
 
 class LaunchFuzzTest : public LaunchTest {
@@ -1405,10 +1458,13 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   fs::create_directories(tmp_ + "/dir-weights/model.safetensors");
   cases.push_back({1, {"model.path=" + tmp_ + "/no-weights"}, "has neither model.safetensors"});
   cases.push_back({1, {"model.path=" + tmp_ + "/dir-weights"}, "is not a regular file"});
+  // A job key that disagrees with the checkpoint's config.json, which decides the architecture.
+  cases.push_back({1, {"model.path=" + fixture, "model.hidden_size=128"},
+                   "--set model.hidden_size = 128 and model.path: " + fixture + "/config.json gives"});
   int n = 0;
   for (const auto& c : cases) {
     const std::string out = tmp_ + "/refused-" + std::to_string(n++);
-    std::vector<std::string> args = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(c.gpus), Job()};
+    std::vector<std::string> args = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(c.gpus), JobFor(c.sets)};
     if (c.sets.empty() || c.sets[0].rfind("job.output_dir", 0) != 0) args.insert(args.end(), {"--set", "job.output_dir=" + out});
     for (const auto& s : c.sets) args.insert(args.end(), {"--set", s});
     const auto t0 = std::chrono::steady_clock::now();

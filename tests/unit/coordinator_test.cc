@@ -162,7 +162,7 @@ class SimulatedWorker {
         }
         if (!committed_.count(job.job_index)) return true;
       }
-      ch_.FromWorker(rank_, proto::JobDone{job.job_index, WallMicros(), WallMicros(), WallMicros(), 0.0, 0});
+      ch_.FromWorker(rank_, proto::JobDone{job.job_index, WallMicros(), WallMicros(), WallMicros(), 0.0, 0, -1});
       queue_.pop_front();
       next_mb_ = 0;
       grads_ready_sent_ = false;
@@ -186,7 +186,7 @@ class SimulatedWorker {
       } else if (const auto* r = std::get_if<proto::RunJob>(&*m)) {
         if (fault_.silent) continue;
         if (fault_.bogus_job_done) {
-          ch_.FromWorker(rank_, proto::JobDone{999, 0, 0, 0, 0.0, 0});
+          ch_.FromWorker(rank_, proto::JobDone{999, 0, 0, 0, 0.0, 0, -1});
           continue;
         }
         if (fault_.fail_in_latin1) {

@@ -21,7 +21,7 @@ TEST(Codec, RoundTripsEveryMessage) {
                               RunJob{17, 3, 1, 4, 1, 5, 0.25, 3, 1, 0},
                               InputReady{17, 2, 1, kFromHostSlot, 0},
                               MicrobatchDone{17, 2, kMicrobatchLayerMajor, 1.5, 64, 10, 20},
-                              GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3, 0.5, 4}, f,
+                              GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3, 0.5, 4, 5}, f,
                               Shutdown{0, 0}, Heartbeat{123},
                               LinkProbe{5e10, 4e10, 1 << 20},
                               LayerTime{17, 2, 5, 2, 0, 0.001, 4096},
@@ -66,7 +66,7 @@ TEST(Codec, RejectsMalformedFrames) {
   // A payload of the wrong size for its type, with a consistent header.
   std::string wrong_size = Encode(InputReady{1, 2, kFromHostSlot, kFromHostSlot, 0});
   wrong_size[6] = static_cast<char>(MsgType::kJobDone);
-  expect_bad(wrong_size, "expected 48");
+  expect_bad(wrong_size, "expected 56");
   Welcome w{};
   std::memset(w.segment_name, 'a', sizeof(w.segment_name));
   expect_bad(Encode(w), "NUL");

@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -49,6 +52,51 @@ TEST(RunSpec, WrittenAndReadBackIsTheSameRun) {
   auto planned = MakePlan(run.job, 2);
   ASSERT_TRUE(planned.ok());
   EXPECT_EQ(back->plan.Describe(), planned->Describe());
+  fs::remove_all(dir);
+}
+
+TEST(RunSpec, TheJobTomlOfEveryShippedJobResolvesToTheSameRun) {
+  // JobToml (what every run keeps as OUTPUT/job.toml) loaded as a job file gives the run it was
+  // written from: the same resolved spec, and the same text again.
+  const std::string dir = testing::MakeTempDir("rp-jobtoml-");
+  int jobs = 0;
+  std::vector<std::pair<std::string, std::vector<std::string>>> cases;
+  for (const auto& e : fs::directory_iterator(testing::SourceDir() + "/configs"))
+    if (e.path().extension() == ".toml") cases.push_back({e.path().string(), {}});
+  // Keys that another key decides (the tiny job by epochs and a warmup ratio), and a model from a
+  // checkpoint.
+  {
+    std::ifstream in(testing::SourceDir() + "/configs/tiny.toml");
+    std::ofstream out(dir + "/epochs.toml");
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("steps", 0) == 0 || line.rfind("warmup_steps", 0) == 0) continue;
+      if (line.rfind("path", 0) == 0) line = "path = \"" + testing::SourceDir() + "/data/tiny_corpus.txt\"";
+      out << line << "\n";
+    }
+  }
+  cases.push_back({dir + "/epochs.toml", {"train.epochs=0.5", "optimizer.warmup_ratio=0.2"}});
+  cases.push_back({dir + "/llama.toml", {}});
+  std::ofstream(dir + "/llama.toml") << "[model]\npath = \"" << testing::SourceDir()
+                                     << "/tests/testdata/hf_fixtures/llama3\"\n[data]\nformat = \"random\"\n"
+                                        "seq_len = 64\n[job]\noutput_dir = \"out\"\n";
+  for (const auto& [path, overrides] : cases) {
+    SCOPED_TRACE(path);
+    auto run = ResolveRun(path, overrides, 2);
+    if (!run.ok()) {
+      // Jobs too large for this machine's planner budget are not what this test is about.
+      EXPECT_NE(path.find("30b"), std::string::npos) << run.status().message();
+      continue;
+    }
+    const std::string text = JobToml(run->job);
+    std::ofstream(dir + "/job.toml") << text;
+    auto again = ResolveRun(dir + "/job.toml", {}, 2);
+    ASSERT_TRUE(again.ok()) << again.status().message() << "\n" << text;
+    again->job.source_path = run->job.source_path;  // where each was read from
+    EXPECT_EQ(RunSpecJson(*again), RunSpecJson(*run));
+    EXPECT_EQ(JobToml(again->job), text);
+    ++jobs;
+  }
+  EXPECT_GE(jobs, 10);
   fs::remove_all(dir);
 }
 
