@@ -2,6 +2,7 @@
 #include "config/job_config.h"
 
 #include "config/hf_config.h"
+#include "common/closest_match.h"
 
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
@@ -46,7 +47,14 @@ std::string TypeOf(const toml::node& n) {
 }
 
 Status WrongType(const std::string& name, const char* want, const toml::node& n) {
-  return Status::InvalidArgument(name + ": expected " + want + ", got " + TypeOf(n));
+  // The value as given, so that a long file's mistake can be found.
+  std::ostringstream given;
+  n.visit([&given](const auto& v) {
+    if constexpr (toml::is_value<decltype(v)>) given << " " << v;
+  });
+  std::string text = given.str();
+  if (text.size() > 64) text = text.substr(0, 60) + " ...";
+  return Status::InvalidArgument(name + ": expected " + want + ", got " + TypeOf(n) + text);
 }
 
 template <typename Field>
@@ -180,7 +188,19 @@ template <typename E>
 StatusOr<E> ParseEnum(const EnumNames<E>& names, const std::string& text, const std::string& name) {
   for (const auto& [e, n] : names)
     if (text == n) return e;
-  return Status::InvalidArgument(name + ": must be one of " + ListOf(names) + ", got \"" + text + "\"");
+  std::vector<std::string> spelled;
+  for (const auto& [e, n] : names) spelled.push_back(n);
+  // Other tools' spellings of the same modes, then the closest name.
+  static const std::vector<std::pair<std::string, std::string>> kOtherSpellings = {
+      {"gpu", "cuda"},       {"bfloat16", "bf16"}, {"float16", "fp16"}, {"half", "fp16"},
+      {"float32", "fp32"},   {"float", "fp32"},    {"adamw_torch", "adamw"}, {"cosine_with_min_lr", "cosine"},
+      {"bf16", "bfloat16"},  {"fp16", "float16"},  {"fp32", "float32"}};
+  std::string close;
+  for (const auto& [other, ours] : kOtherSpellings)
+    if (text == other && std::find(spelled.begin(), spelled.end(), ours) != spelled.end()) close = ours;
+  if (close.empty()) close = ClosestMatch(text, spelled);
+  return Status::InvalidArgument(name + ": must be one of " + ListOf(names) + ", got \"" + text + "\"" +
+                                 (close.empty() ? "" : "; did you mean \"" + close + "\"?"));
 }
 
 template <typename Field, typename E>
@@ -974,9 +994,18 @@ StatusOr<toml::table> ParseText(const std::string& text, const std::string& orig
 Status ApplyOverride(toml::table& root, const std::string& assignment) {
   auto eq = assignment.find('=');
   auto dot = assignment.find('.');
-  if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq) {
+    // A key without its section: name the section it belongs to.
+    if (eq != std::string::npos && (dot == std::string::npos || dot > eq)) {
+      const std::string key = assignment.substr(0, eq);
+      for (const auto& s : Table())
+        if (s.doc.key == key)
+          return Status::InvalidArgument("--set " + assignment + ": expected section.key=value; did you mean --set " +
+                                         s.doc.section + "." + assignment + "?");
+    }
     return Status::InvalidArgument("--set " + assignment +
                                    ": expected section.key=value (for example train.steps=5)");
+  }
   std::string section = assignment.substr(0, dot);
   std::string key = assignment.substr(dot + 1, eq - dot - 1);
   std::string value = assignment.substr(eq + 1);
@@ -1105,36 +1134,44 @@ Status CheckModelValue(const std::string& key, double value, const std::string& 
 
 namespace {
 
-size_t EditDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
+// The names of Hugging Face's Trainer, TRL and PEFT arguments that a job file spells otherwise.
+const std::vector<std::pair<const char*, const char*>> kPeerNames = {
+    {"learning_rate", "optimizer.lr"},
+    {"lr_scheduler_type", "optimizer.lr_schedule"},
+    {"warmup_ratio", "optimizer.warmup_ratio"},
+    {"num_train_epochs", "train.epochs"},
+    {"max_steps", "train.steps"},
+    {"per_device_train_batch_size", "train.microbatch_size"},
+    {"gradient_accumulation_steps", "train.accum_calls"},
+    {"max_grad_norm", "train.grad_clip"},
+    {"max_seq_length", "data.seq_len"},
+    {"max_length", "data.seq_len"},
+    {"packing", "data.packing"},
+    {"eval_steps", "train.eval_every"},
+    {"save_steps", "checkpoint.every"},
+    {"save_total_limit", "checkpoint.keep"},
+    {"output_dir", "job.output_dir"},
+    {"r", "lora.rank"},
+    {"lora_r", "lora.rank"},
+    {"lora_alpha", "lora.alpha"},
+    {"lora_dropout", "lora.dropout"},
+    {"model_name_or_path", "model.path"},
+    {"bf16", "train.dtype"},
+    {"fp16", "train.dtype"},
+};
 
 // "; did you mean X?" for the known key a mistyped one most likely meant: the same key in another
-// section, else the closest section.key within a third of its length (at least 2 edits); "" when
-// none is that close.
+// section, the job key of a Trainer/TRL/PEFT argument name, else the closest section.key; "" when
+// none is close.
 std::string Suggestion(const std::vector<KeySpec>& table, const std::string& section, const std::string& key) {
-  const std::string name = section + "." + key;
-  std::string best;
-  size_t best_distance = std::max<size_t>(2, name.size() / 3) + 1;
+  std::vector<std::string> names;
   for (const auto& s : table) {
-    const std::string candidate = s.doc.section + "." + s.doc.key;
-    if (s.doc.key == key) return "; did you mean " + candidate + "?";
-    if (const size_t d = EditDistance(name, candidate); d < best_distance) {
-      best_distance = d;
-      best = candidate;
-    }
+    if (s.doc.key == key) return "; did you mean " + s.doc.section + "." + s.doc.key + "?";
+    names.push_back(s.doc.section + "." + s.doc.key);
   }
+  for (const auto& [peer, ours] : kPeerNames)
+    if (key == peer) return std::string("; did you mean ") + ours + "?";
+  const std::string best = ClosestMatch(section + "." + key, names);
   return best.empty() ? "" : "; did you mean " + best + "?";
 }
 
@@ -1189,9 +1226,13 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     if (it == known.end()) {
       const bool set = std::any_of(from_set.begin(), from_set.end(),
                                    [&sec](const std::string& k) { return k.rfind(sec + ".", 0) == 0; });
-      return Status::InvalidArgument((set ? "--set " : "") + sec +
-                                     ": unknown section (known: job, model, data, train, "
-                                     "optimizer, lora, schedule, checkpoint, metrics)");
+      std::vector<std::string> sections;
+      for (const auto& [name, keys] : known) sections.push_back(name);
+      const std::string close = ClosestMatch(sec, sections);
+      return Status::InvalidArgument((set ? "--set " : "") + sec + ": unknown section" +
+                                     (close.empty() ? "" : "; did you mean [" + close + "]?") +
+                                     " (known: job, model, data, train, optimizer, lora, schedule, checkpoint, "
+                                     "metrics)");
     }
     const toml::table* tbl = sec_node.as_table();
     if (!tbl) return Status::InvalidArgument(sec + ": must be a [" + sec + "] table");

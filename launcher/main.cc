@@ -5,11 +5,13 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
 
+#include "common/closest_match.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "config/job_config.h"
@@ -57,6 +59,21 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    // An unknown flag is named with the flag it most likely meant.
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      std::vector<std::string> flags;
+      for (const CLI::Option* opt : app.get_options())
+        for (const auto& name : opt->get_lnames()) flags.push_back("--" + name);
+      for (int i = 1; i < argc; ++i) {
+        std::string arg = argv[i];
+        arg = arg.substr(0, arg.find('='));
+        if (arg.rfind("--", 0) != 0 || std::find(flags.begin(), flags.end(), arg) != flags.end()) continue;
+        const std::string close = rp::ClosestMatch(arg, flags);
+        std::fprintf(stderr, "rp-launch: %s: unknown flag%s (rp-launch --help lists them)\n", arg.c_str(),
+                     close.empty() ? "" : ("; did you mean " + close + "?").c_str());
+        return rp::kExitBadConfig;
+      }
+    }
     int rc = app.exit(e);
     return rc == 0 ? 0 : rp::kExitBadConfig;
   }

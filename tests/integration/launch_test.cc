@@ -647,6 +647,60 @@ TEST_F(LaunchTest, BadConfigFailsBeforeAnythingStarts) {
   EXPECT_NE(r3.output.find("no such file"), std::string::npos) << r3.output;
 }
 
+TEST_F(LaunchTest, MistakesAreNamedAsGivenWithTheClosestKnownName) {
+  // Each mistake: a job file's extra lines (or none: parity.toml), the arguments after the job, what
+  // the message must quote of the input, and the suggestion (empty: none expected).
+  struct Mistake {
+    std::string job_lines;
+    std::vector<std::string> args;
+    std::string says;
+    std::string suggests;
+  };
+  const std::vector<Mistake> mistakes = {
+      {"[optimizer]\nlearning_rate = 1e-4\n", {}, "optimizer.learning_rate: unknown key", "did you mean optimizer.lr?"},
+      {"[optimiser]\nlr = 1e-4\n", {}, "optimiser: unknown section", "did you mean [optimizer]?"},
+      {"[training]\nsteps = 5\n", {}, "training: unknown section", "did you mean [train]?"},
+      {"[train]\nstep = 5\n", {}, "train.step: unknown key", "did you mean train.steps?"},
+      {"[lora]\nlora_alpha = 16\n", {}, "lora.lora_alpha: unknown key", "did you mean lora.alpha?"},
+      {"[optimizer]\nmode = \"exakt\"\n", {}, "optimizer.mode: must be one of", "got \"exakt\"; did you mean \"exact\"?"},
+      {"[train]\nsteps = \"ten\"\n", {}, "train.steps: expected an integer, got string 'ten'", ""},
+      {"[train]\nmicrobatch_size = 2.5\n", {}, "train.microbatch_size: expected an integer, got float 2.5", ""},
+      {"", {"--set", "train.step=5"}, "--set train.step: unknown key", "did you mean train.steps?"},
+      {"", {"--set", "model.num_layer=2"}, "--set model.num_layer: unknown key", "did you mean model.num_layers?"},
+      {"", {"--set", "steps=5"}, "--set steps=5: expected section.key=value", "did you mean --set train.steps=5?"},
+      {"", {"--set", "train.steps"}, "--set train.steps: expected section.key=value", ""},
+      {"", {"--set", "optimizer.lr_schedule=cosin"}, "--set optimizer.lr_schedule: must be one of",
+       "got \"cosin\"; did you mean \"cosine\"?"},
+      {"", {"--set", "train.dtype=bfloat16"}, "--set train.dtype: must be one of", "did you mean \"bf16\"?"},
+      {"", {"--set", "job.device=gpu"}, "--set job.device: must be one of", "did you mean \"cuda\"?"},
+      {"", {"--set", "data.packing=document"}, "--set data.packing: must be one of", "did you mean \"documents\"?"},
+      {"", {"--set", "lora.rank=eight"}, "--set lora.rank: expected an integer, got string 'eight'", ""},
+      {"", {"--gpu", "2"}, "--gpu: unknown flag", "did you mean --gpus?"},
+      {"", {"--dryrun"}, "--dryrun: unknown flag", "did you mean --dry-run?"},
+      {"", {"--reume"}, "--reume: unknown flag", "did you mean --resume?"},
+  };
+  ASSERT_GE(mistakes.size(), 15u);
+  int n = 0;
+  for (const auto& m : mistakes) {
+    SCOPED_TRACE(m.says);
+    std::string job = Job();
+    if (!m.job_lines.empty()) {
+      job = tmp_ + "/mistake-" + std::to_string(n) + ".toml";
+      std::ofstream(job) << "[job]\noutput_dir = \"out\"\n[data]\nformat = \"random\"\nseq_len = 32\n" << m.job_lines;
+    }
+    std::vector<std::string> args = {BinDir() + "/rp-launch", "--gpus", "1", job, "--set",
+                                     "job.output_dir=" + tmp_ + "/m" + std::to_string(n++), "--dry-run"};
+    args.insert(args.end(), m.args.begin(), m.args.end());
+    auto r = testing::RunProcess(args, 30, Env());
+    EXPECT_EQ(r.code, kExitBadConfig) << r.output;
+    EXPECT_NE(r.output.find(m.says), std::string::npos) << r.output;
+    if (!m.suggests.empty()) EXPECT_NE(r.output.find(m.suggests), std::string::npos) << r.output;
+    else EXPECT_EQ(r.output.find("did you mean"), std::string::npos) << r.output;
+    // Meant for users: no source locations.
+    EXPECT_EQ(r.output.find(".cc:"), std::string::npos) << r.output;
+  }
+}
+
 TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   auto args = LaunchArgs(3, tmp_ + "/dry");
   args.push_back("--dry-run");

@@ -343,7 +343,10 @@ TEST(JobConfig, Overrides) {
   ExpectError(kValid, "--set train.lr: unknown key; did you mean optimizer.lr?", {"train.lr=1e-3"});
   ExpectError(std::string(kValid) + "[optimizer]\nwarmup_step = 3\n",
               "optimizer.warmup_step: unknown key; did you mean optimizer.warmup_steps?");
-  ExpectError(std::string(kValid) + "[optimizer]\nlearning_rate = 1e-3\n", "optimizer.learning_rate: unknown key (every key");
+  // Trainer's name for it.
+  ExpectError(std::string(kValid) + "[optimizer]\nlearning_rate = 1e-3\n",
+              "optimizer.learning_rate: unknown key; did you mean optimizer.lr?");
+  ExpectError(kValid, "--set trian: unknown section; did you mean [train]?", {"trian.steps=3"});
 }
 
 TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
