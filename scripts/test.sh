@@ -3,7 +3,8 @@
 # run on a CUDA build: ctest --test-dir build-cuda -L gpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+# Chromium: tests/tools/report_browser_test.py renders rp-report's page in it.
+RP_EXTRA_PACKAGES="chromium fonts-dejavu-core" scripts/setup.sh
 export OPENBLAS_NUM_THREADS=1
 # Serial on purpose: integration tests start several processes each and assert on timing bounds.
 ctest --test-dir build -L "unit|integration" --output-on-failure --timeout 900

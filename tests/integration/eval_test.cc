@@ -56,7 +56,7 @@ TEST_F(EvalTest, HeldOutFractionExactMode) {
   // rp-report draws the eval losses over the training curve, one marker per evaluation.
   auto report = testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/fraction"}, 60);
   ASSERT_EQ(report.code, 0) << report.output;
-  const std::string svg = testing::ReadFile(tmp_ + "/fraction/loss.svg");
+  const std::string svg = testing::ReadFile(tmp_ + "/fraction/report/loss.svg");
   EXPECT_NE(svg.find("eval loss"), std::string::npos);
   size_t markers = 0;
   for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++markers;

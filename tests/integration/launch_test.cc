@@ -616,13 +616,14 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
   // rp-report draws the same trace: one row per worker, one box per microbatch.
   auto rep = testing::RunProcess({BinDir() + "/rp-report", out}, 60);
   ASSERT_EQ(rep.code, 0) << rep.output;
-  const std::string svg = testing::ReadFile(out + "/timeline.svg");
+  const std::string svg = testing::ReadFile(out + "/report/timeline.svg");
   size_t rows = 0, mbs = 0;
   for (size_t p = svg.find("data-worker="); p != std::string::npos; p = svg.find("data-worker=", p + 1)) rows++;
   for (size_t p = svg.find("class=\"mb\""); p != std::string::npos; p = svg.find("class=\"mb\"", p + 1)) mbs++;
   EXPECT_EQ(rows, 3u);
   EXPECT_EQ(mbs, 15u * 6u);
-  EXPECT_TRUE(fs::exists(out + "/loss.svg"));
+  EXPECT_TRUE(fs::exists(out + "/report/loss.svg"));
+  EXPECT_TRUE(fs::exists(out + "/report/report.html"));
   EXPECT_EQ(testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/nothing-here"}, 60).code, kExitBadConfig);
   // The coordinator cannot run layer compute: it does not even link LibTorch.
   auto ldd = testing::RunProcess({"/usr/bin/ldd", BinDir() + "/rp-coordinator"}, 30);
