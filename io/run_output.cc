@@ -57,13 +57,21 @@ Status PrepareOutputDir(const JobConfig& c) {
   return Status::Ok();
 }
 
-Status PrepareOutputDirForResume(const JobConfig& c, int64_t steps_done) {
+Status CheckOutputDirForResume(const JobConfig& c) {
   RP_RETURN_IF_ERROR(CheckNoPlantedLinks(c));
   const fs::path metrics = fs::path(c.job.output_dir) / "metrics.jsonl";
-  std::ifstream in(metrics);
-  if (!in)
+  std::error_code ec;
+  if (!fs::is_regular_file(metrics, ec))
     return Status::InvalidArgument("--resume: " + metrics.string() + " does not exist; resume "
                                    "needs the output directory of the interrupted run");
+  return Status::Ok();
+}
+
+Status PrepareOutputDirForResume(const JobConfig& c, int64_t steps_done) {
+  RP_RETURN_IF_ERROR(CheckOutputDirForResume(c));
+  const fs::path metrics = fs::path(c.job.output_dir) / "metrics.jsonl";
+  std::ifstream in(metrics);
+  if (!in) return Status::IoError("--resume: cannot read " + metrics.string());
   std::string kept, dropped, line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);

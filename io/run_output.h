@@ -29,6 +29,9 @@ Status CheckOutputDir(const JobConfig& config);  // no side effects
 // Only the link check (what --resume needs of a directory that holds a run).
 Status CheckNoPlantedLinks(const JobConfig& config);
 Status PrepareOutputDir(const JobConfig& config);
+// What --resume needs of the directory (no side effects): no planted links, and the interrupted
+// run's metrics.jsonl.
+Status CheckOutputDirForResume(const JobConfig& config);
 // For --resume after `steps_done` steps: the directory must exist; metrics.jsonl keeps the lines
 // of steps <= steps_done (rewritten atomically; the lines of later steps, which the resumed run
 // recomputes, are kept in metrics.interrupted-<steps_done>.jsonl) and is then appended to.

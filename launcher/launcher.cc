@@ -199,9 +199,6 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
               layout->grads_streamed ? " streamed" : " holding every gradient",
               static_cast<double>(acts) / (1 << 20),
               static_cast<double>(layout->optim_total_bytes) / (1 << 20));
-  if (Status room = shm::CheckSharedMemoryRoom(shm::SharedMemoryBytes(*layout, cfg, gpus), "this job");
-      !room.ok())
-    std::printf("will not start here: %s\n", room.message().c_str());
 }
 
 
@@ -454,40 +451,57 @@ int RunSession(const LaunchOptions& o) {
     as_run.job.device = core::DeviceKind::kCpu;
     cpu_worker = core::EstimateMemory(as_run, run.plan, o.gpus);
   }
-  if (o.dry_run) {
-    // The data as the coordinator will read it: a malformed record is refused here, not at launch.
+  // Every check a launch makes before starting anything, the dry run makes too, with the same
+  // exit code and message: the data as the coordinator will read it, the output directory, the
+  // host's memory.
+  std::string packing_summary, length_summary;
+  {
     auto data = core::Dataset::Open(*cfg);
     if (!data.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", data.status().message().c_str());
       return kExitBadConfig;
     }
+    packing_summary = data->PackingSummary();
+    length_summary = data->LengthSummary();
     if (cfg->train.eval_every > 0) {
       if (auto eval = core::Dataset::OpenEval(*cfg); !eval.ok()) {
         std::fprintf(stderr, "rp-launch: %s\n", eval.status().message().c_str());
         return kExitBadConfig;
       }
     }
-    PrintDryRun(*cfg, run.plan, o.gpus, cpu_workers);
-    if (const std::string packing = data->PackingSummary(); !packing.empty()) std::printf("%s\n", packing.c_str());
-    if (const std::string length = data->LengthSummary(); !length.empty()) std::printf("%s\n", length.c_str());
-    if (cpu_worker) {
-      std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
-                  "scores, which grow with the square of data.seq_len)\n",
-                  cpu_worker->total / (1ull << 30), cpu_worker->attention_scores / (1ull << 30));
-      if (std::string why = CpuWorkersOverHostMemory(*cfg, shared_bytes, o.gpus, *cpu_worker); !why.empty())
-        std::printf("a launch would be refused: %s\n", why.c_str());
-    }
-    std::printf("the job as resolved (a job file; the run keeps it as %s/job.toml):\n%s", cfg->job.output_dir.c_str(),
-                core::JobToml(*cfg).c_str());
-    return kExitOk;
   }
-  if (Status s = o.resume ? core::CheckNoPlantedLinks(*cfg) : core::CheckOutputDir(*cfg); !s.ok()) {
+  // Not a refusal: training past the pretraining context is what long-sequence runs do.
+  if (!cfg->model.path.empty() && cfg->data.seq_len > cfg->model.max_position_embeddings)
+    std::fprintf(stderr, "rp-launch: warning: data.seq_len = %lld is above %s/config.json's "
+                         "max_position_embeddings (%lld): the model was not pretrained at these positions\n",
+                 static_cast<long long>(cfg->data.seq_len), cfg->model.path.c_str(),
+                 static_cast<long long>(cfg->model.max_position_embeddings));
+  // A node that joins a resumed run (more nodes than before) starts its own directory, as the
+  // coordinator does.
+  std::error_code joins_ec;
+  const bool node_joins = cfg->nodes.rank > 0 && !fs::exists(cfg->job.output_dir + "/metrics.jsonl", joins_ec);
+  if (Status s = !o.resume   ? core::CheckOutputDir(*cfg)
+                 : node_joins ? core::CheckNoPlantedLinks(*cfg)
+                              : core::CheckOutputDirForResume(*cfg);
+      !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
   }
   if (Status s = CheckHostMemory(*cfg, shared_bytes, o.gpus, cpu_worker); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
     return kExitBadConfig;
+  }
+  if (o.dry_run) {
+    PrintDryRun(*cfg, run.plan, o.gpus, cpu_workers);
+    if (!packing_summary.empty()) std::printf("%s\n", packing_summary.c_str());
+    if (!length_summary.empty()) std::printf("%s\n", length_summary.c_str());
+    if (cpu_worker)
+      std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
+                  "scores, which grow with the square of data.seq_len)\n",
+                  cpu_worker->total / (1ull << 30), cpu_worker->attention_scores / (1ull << 30));
+    std::printf("the job as resolved (a job file; the run keeps it as %s/job.toml):\n%s", cfg->job.output_dir.c_str(),
+                core::JobToml(*cfg).c_str());
+    return kExitOk;
   }
   const std::string coord_bin = o.bin_dir + "/rp-coordinator";
   const std::string worker_bin = o.bin_dir + "/rp-worker";

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <regex>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -472,9 +473,10 @@ TEST_F(LaunchTest, AJobLargerThanSharedMemoryIsRefusedBeforeAnythingStarts) {
   EXPECT_NE(r.output.find("--shm-size"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("coordinator"), std::string::npos) << "nothing should have started: " << r.output;
   EXPECT_FALSE(fs::exists(out + "/metrics.jsonl"));
+  // The dry run refuses it alike.
   auto dry = testing::RunProcess(With(LaunchArgs(1, out, huge), {"--dry-run"}), 60, Env());
-  EXPECT_EQ(dry.code, 0) << dry.output;
-  EXPECT_NE(dry.output.find("will not start here"), std::string::npos) << dry.output;
+  EXPECT_EQ(dry.code, kExitBadConfig) << dry.output;
+  EXPECT_NE(dry.output.find("of shared memory, but /dev/shm has"), std::string::npos) << dry.output;
 }
 
 TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
@@ -730,6 +732,18 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
       Env());
   EXPECT_EQ(refused.code, kExitBadConfig) << refused.output;
   EXPECT_NE(refused.output.find("bad.jsonl:2: no non-empty \"input_ids\""), std::string::npos) << refused.output;
+  // Sequences past the checkpoint's pretraining context: said, not refused.
+  const std::string fixture = testing::SourceDir() + "/tests/testdata/hf_fixtures/qwen3";
+  const auto config = nlohmann::json::parse(testing::ReadFile(fixture + "/config.json"));
+  const int64_t context = config["max_position_embeddings"].get<int64_t>();
+  auto past = testing::RunProcess(
+      With(LaunchArgs(1, tmp_ + "/dry", {"model.path=" + fixture, "data.seq_len=" + std::to_string(2 * context)}),
+           {"--dry-run"}),
+      30, Env());
+  EXPECT_EQ(past.code, 0) << past.output;
+  EXPECT_NE(past.output.find("warning: data.seq_len = " + std::to_string(2 * context) + " is above " + fixture +
+                             "/config.json's max_position_embeddings (" + std::to_string(context) + ")"),
+            std::string::npos) << past.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
 }
 
@@ -1486,10 +1500,12 @@ namespace {
 
 TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   // Each exits 2 at once and creates nothing: no output directory, no runtime directory entry.
+  // The dry run of each is refused too, with the same exit code and the same first line.
   struct Case {
     int gpus;
     std::vector<std::string> sets;
     std::string says;
+    bool resume = false;
   };
   std::vector<Case> cases = {
       {1, {"job.output_dir=\"\""}, "job.output_dir: empty"},
@@ -1516,18 +1532,55 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   // A job key that disagrees with the checkpoint's config.json, which decides the architecture.
   cases.push_back({1, {"model.path=" + fixture, "model.hidden_size=128"},
                    "--set model.hidden_size = 128 and model.path: " + fixture + "/config.json gives"});
+  // What the coordinator would refuse once started: the data (a malformed record, a token id past
+  // the vocabulary), and what it needs of the output directory.
+  const std::string bad = tmp_ + "/bad.jsonl", big_id = tmp_ + "/big-id.jsonl";
+  std::ofstream(bad) << "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": \"1 2 3\"}\n";
+  std::ofstream(big_id) << "{\"input_ids\": [1, 2, 300]}\n";
+  cases.push_back({1, {"data.format=\"jsonl\"", "data.path=\"" + bad + "\""}, "bad.jsonl:2: no non-empty \"input_ids\""});
+  cases.push_back({1, {"data.format=\"jsonl\"", "data.path=\"" + big_id + "\""},
+                   "input_ids[2] is not a token id below model.vocab_size 256"});
+  const std::string previous = tmp_ + "/previous";
+  fs::create_directories(previous);
+  std::ofstream(previous + "/metrics.jsonl") << "{\"step\": 1, \"loss\": 5}\n";
+  cases.push_back({1, {"job.output_dir=" + previous}, "holds a previous run's metrics"});
+  const std::string no_checkpoint = tmp_ + "/no-checkpoint";
+  fs::create_directories(no_checkpoint);
+  std::ofstream(no_checkpoint + "/metrics.jsonl") << "{\"step\": 1, \"loss\": 5}\n";
+  cases.push_back({1, {"job.output_dir=" + no_checkpoint}, "no complete training checkpoint", true});
+  // The host's memory: segments larger than /dev/shm, and CPU workers' attention scores.
+  cases.push_back({1, {"model.vocab_size=16777216", "model.hidden_size=65536", "model.num_heads=512",
+                       "model.num_kv_heads=8", "model.head_dim=128", "model.intermediate_size=4096"},
+                   "of shared memory, but /dev/shm has"});
+  cases.push_back({2, {"data.format=\"random\"", "train.microbatches=2", "train.accum_calls=1", "train.microbatch_size=1",
+                       "data.seq_len=131072"},
+                   "attention scores"});
+  // What needs one worker.
+  cases.push_back({2, {"schedule.activations=\"worker\""}, "needs --gpus 1"});
+  cases.push_back({2, {"schedule.kept_blocks=1"}, "set it to 0"});
+  cases.push_back({2, {"optimizer.device_update_blocks=1"}, "needs one worker (--gpus 1)"});
+  // The host's free memory moves between the two runs: its figures are left out of the comparison.
+  auto first_line = [](const std::string& text) {
+    return std::regex_replace(text.substr(0, text.find('\n')), std::regex("[0-9.]+ (GiB|GB|MiB)"), "N $1");
+  };
   int n = 0;
   for (const auto& c : cases) {
+    SCOPED_TRACE(c.says);
     const std::string out = tmp_ + "/refused-" + std::to_string(n++);
     std::vector<std::string> args = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(c.gpus), JobFor(c.sets)};
-    if (c.sets.empty() || c.sets[0].rfind("job.output_dir", 0) != 0) args.insert(args.end(), {"--set", "job.output_dir=" + out});
+    const bool own_dir = c.sets.empty() || c.sets[0].rfind("job.output_dir", 0) != 0;
+    if (own_dir) args.insert(args.end(), {"--set", "job.output_dir=" + out});
     for (const auto& s : c.sets) args.insert(args.end(), {"--set", s});
+    if (c.resume) args.push_back("--resume");
     const auto t0 = std::chrono::steady_clock::now();
     auto r = testing::RunProcess(args, 60, Env());
     EXPECT_EQ(r.code, 2) << c.says << ": " << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << c.says;
-    EXPECT_FALSE(fs::exists(out)) << c.says;
+    if (own_dir) EXPECT_FALSE(fs::exists(out)) << c.says;
+    auto dry = testing::RunProcess(With(args, {"--dry-run"}), 60, Env());
+    EXPECT_EQ(dry.code, r.code) << dry.output;
+    EXPECT_EQ(first_line(dry.output), first_line(r.output));
   }
   EXPECT_TRUE(fs::is_empty(tmp_ + "/victim"));
   // --resume from a FIFO where the newest checkpoint belongs: refused at once, not waited on.
