@@ -396,8 +396,8 @@ const std::vector<KeySpec>& Table() {
            "forward per layer. The same result; for long sequences"),
       Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
            "Compute dtype of the weight copy workers read; masters and moments are fp32. fp16 scales "
-           "the loss dynamically (train.loss_scale_*); CPU workers emulate it (fp32 arithmetic on "
-           "weights and stage inputs rounded to fp16). fp8: bf16, with the blocks' projections multiplied "
+           "the loss dynamically (train.loss_scale_*); CPU workers emulate fp16 and bf16 (fp32 arithmetic on "
+           "weights and stage inputs rounded to the 16-bit type). fp8: bf16, with the blocks' projections multiplied "
            "in e4m3 with power-of-two scales per row (forward and input gradient; the weight gradient "
            "stays bf16); CUDA workers on a GPU where LibTorch runs row-scaled e4m3 products (the worker tries one)"),
       Float("train", "loss_scale_init", F(train.loss_scaling.init), 65536.0, 1e-30, 1e30,
@@ -921,9 +921,9 @@ Status CrossValidate(const JobConfig& c) {
       return Status::InvalidArgument(key + std::to_string(DeviceUpdateBlocks(c)) + " is more than the model's " +
                                      std::to_string(m.num_layers) + " blocks");
   }
-  if ((c.train.dtype == TrainDtype::kBf16 || c.train.dtype == TrainDtype::kFp8) && c.job.device == DeviceKind::kCpu)
-    return Status::InvalidArgument(std::string("train.dtype: \"") + EnumName(c.train.dtype) +
-                                   "\" needs job.device = \"cuda\" or \"auto\"; CPU workers compute in fp32");
+  if (c.train.dtype == TrainDtype::kFp8 && c.job.device == DeviceKind::kCpu)
+    return Status::InvalidArgument("train.dtype: \"fp8\" needs job.device = \"cuda\" or \"auto\"; CPU workers have no "
+                                   "e4m3 products");
   if (Fp8Matmuls(c) && !c.bench.fused_kernels)
     return Status::InvalidArgument("train.dtype: \"fp8\" multiplies through the fused kernels' path; "
                                    "RP_FUSED_KERNELS=0 leaves no fp8 product");

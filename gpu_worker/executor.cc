@@ -43,9 +43,9 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       device_(device),
       math_(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora),
       store_dtype_(StoredDtype(cfg.train.dtype)),
-      act_dtype_(store_dtype_ == at::kHalf && device.torch_device().is_cpu() ? at::kFloat : store_dtype_),
+      act_dtype_(store_dtype_ != at::kFloat && device.torch_device().is_cpu() ? at::kFloat : store_dtype_),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : store_dtype_),
-      emulate_half_(store_dtype_ == at::kHalf && act_dtype_ == at::kFloat),
+      emulate_half_(store_dtype_ != at::kFloat && act_dtype_ == at::kFloat),
       frozen_on_device_(core::FrozenOnDevice(cfg)) {
   if (core::FusedKernelsApply(cfg)) {
     math_.UseFusedKernels(device.fused_kernels());
@@ -55,7 +55,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
   }
   math_.SetEmbedDtype(act_dtype_);
   // Rows looked up in place from the fp32 masters (core::LookupFromHost) are what fp16 would hold.
-  if (emulate_half_) math_.SetEmbedRounding(at::kHalf);
+  if (emulate_half_) math_.SetEmbedRounding(store_dtype_);
   math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
   math_.UseGroupedExperts(cfg.bench.grouped_experts);
 }
@@ -226,8 +226,8 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
     } else {
       t = dst.at(next_dst++);
       device_.CopyWeights(t, src, weights_dtype_);
-      // Emulated fp16 from fp32 masters: the values an fp16 copy would hold.
-      if (emulate_half_ && weights_dtype_ == at::kFloat) t.copy_(t.to(at::kHalf));
+      // Emulated fp16 or bf16 from fp32 masters: the values a 16-bit copy would hold.
+      if (emulate_half_ && weights_dtype_ == at::kFloat) t.copy_(t.to(store_dtype_));
     }
     if (grads) {
       t.requires_grad_(true);

@@ -345,12 +345,13 @@ class Executor {
   Device& device_;
   model::Transformer math_;
   // What shared memory and activation pools hold (train.dtype), and what the math runs in: the
-  // same, except fp16 on a CPU worker, which emulates it (LibTorch's CPU kernels lack fp16 math):
-  // fp32 arithmetic on weights rounded to fp16 and on stage inputs and gradients stored as fp16.
+  // same, except fp16 and bf16 on a CPU worker, which emulates them (LibTorch's CPU kernels lack
+  // fp16 math and run bf16 slowly): fp32 arithmetic on weights rounded to the 16-bit type and on
+  // stage inputs and gradients stored in it.
   at::ScalarType store_dtype_;
   at::ScalarType act_dtype_;
   at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
-  bool emulate_half_ = false;     // fp16 on a CPU worker (above)
+  bool emulate_half_ = false;     // fp16 or bf16 on a CPU worker (above)
   bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
   // core::FrozenOnDevice: every frozen tensor, by frozen parameter index (KeepFrozenBase);
   // EmptyLayer then makes no destination for them. Read-only for the math, so every job and

@@ -645,7 +645,7 @@ Status Worker::Run() {
   if (use_cuda_ && gpus == 0)
     return Status::InvalidArgument("job.device: \"cuda\" requested, but no CUDA device is usable "
                                    "by this build");
-  if (!use_cuda_ && (cfg_.train.dtype == core::TrainDtype::kBf16 || core::Fp8Matmuls(cfg_)))
+  if (!use_cuda_ && core::Fp8Matmuls(cfg_))
     return Status::InvalidArgument(std::string("train.dtype: \"") + core::EnumName(cfg_.train.dtype) +
                                    "\" needs CUDA workers");
   // Decided once: whether this worker sums its gradients across the nodes. A test hook forms a

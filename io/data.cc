@@ -104,6 +104,9 @@ Status Dataset::OpenTokens() {
   token_bytes_ = dtype == "uint16" ? 2 : dtype == "uint32" ? 4 : 0;
   if (token_bytes_ == 0) return Status::InvalidArgument(key_ + ": " + sidecar + ": dtype \"" + dtype + "\" is not uint16 or uint32");
   const int64_t vocab = j["vocab_size"].get<int64_t>();
+  if (vocab < 1)
+    return Status::InvalidArgument(key_ + ": " + sidecar + " says vocab_size " + std::to_string(vocab) +
+                                   "; a vocabulary has at least one token");
   if (vocab > config_.model.vocab_size)
     return Status::InvalidArgument(key_ + ": " + sidecar + " says vocab_size " + std::to_string(vocab) +
                                    ", more than model.vocab_size " + std::to_string(config_.model.vocab_size));
@@ -118,11 +121,14 @@ Status Dataset::OpenTokens() {
   if (j.contains("tokens") && (!j["tokens"].is_number_integer() || j["tokens"].get<int64_t>() != n))
     return Status::InvalidArgument(key_ + ": " + sidecar + " says tokens " + j["tokens"].dump() + ", " + path +
                                    " holds " + std::to_string(n) + " (an interrupted or mixed-up write?)");
+  // Below the tokenizer's vocabulary (the sidecar's), which is at most the model's: an id past it
+  // means the file and its sidecar do not belong together.
   for (int64_t i = 0; i < n; ++i)
-    if (TokenAt(i) >= config_.model.vocab_size)
-      return Status::InvalidArgument(key_ + ": " + path + ": token " + std::to_string(TokenAt(i)) +
-                                     " at position " + std::to_string(i) + " is not below model.vocab_size " +
-                                     std::to_string(config_.model.vocab_size));
+    if (TokenAt(i) >= vocab)
+      return Status::InvalidArgument(key_ + ": " + path + ": token " + std::to_string(TokenAt(i)) + " at position " +
+                                     std::to_string(i) + " is not below the vocab_size " + std::to_string(vocab) +
+                                     " that " + sidecar + " says (model.vocab_size " +
+                                     std::to_string(config_.model.vocab_size) + ")");
   // The loss mask: one byte per token, 1 where the token is a target (predicted by the one before).
   std::shared_ptr<const MappedFile> mask;
   if (j.contains("loss_mask")) {

@@ -151,6 +151,26 @@ TEST_F(Fp16Test, UnscaledNormsTrackTheFp32Run) {
   }
 }
 
+TEST_F(Fp16Test, Bf16OnCpuWorkersIsEmulatedNearTheFp32Run) {
+  // CPU workers emulate bf16 as they do fp16 (fp32 arithmetic on values rounded to bf16): close to
+  // the fp32 run, not equal to it, and the same whether the workers round the masters or read a
+  // bf16 compute copy.
+  auto fp32 = Launch(2, tmp_ + "/fp32", {"train.steps=6"});
+  ASSERT_EQ(fp32.code, 0) << fp32.output;
+  const std::vector<std::string> job = {"train.steps=6", "train.dtype=\"bf16\""};
+  auto bf16 = Launch(2, tmp_ + "/bf16", job);
+  ASSERT_EQ(bf16.code, 0) << bf16.output;
+  auto copy = Launch(2, tmp_ + "/copy", With(job, {"schedule.weights_source=\"compute_copy\""}));
+  ASSERT_EQ(copy.code, 0) << copy.output;
+  const auto a = testing::Losses(tmp_ + "/fp32/metrics.jsonl"), b = testing::Losses(tmp_ + "/bf16/metrics.jsonl");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t s = 0; s < a.size(); ++s) {
+    EXPECT_NEAR(b[s], a[s], 0.02 * a[s]) << "step " << s + 1;
+    EXPECT_NE(b[s], a[s]) << "step " << s + 1 << ": bf16 rounding changed nothing";
+  }
+  EXPECT_EQ(testing::Losses(tmp_ + "/copy/metrics.jsonl"), b);
+}
+
 TEST_F(Fp16Test, EmulatedWeightsFromTheMastersAreTheFp16CopysValues) {
   // Exact mode's workers read the fp32 masters (the embedding's rows in place) and round them;
   // with a compute copy the optimizer rounds them into fp16. The same values either way: the same

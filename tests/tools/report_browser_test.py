@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """rp-report's page in a real browser: trains the demo job (configs/tiny.toml, 2 CPU workers, with
-an eval split), writes its report whole and zoomed to two steps, renders both in headless
+an eval split), writes its report whole, zoomed to two steps and as of a run in progress (the
+first steps of metrics.jsonl, no trace.json), renders each in headless
 Chromium and checks the rendered page by DOM queries: no console errors; each chart with both
 axes' tick labels and titles, grid lines and a legend; no two tick labels of an axis overlapping;
 no text under 10 px; the timeline with one lane per worker plus the optimizer's, a boundary per
@@ -97,7 +98,7 @@ def render(chrome, page, tmp):
     return r.stdout, r.stderr
 
 
-def check(chrome, report_dir, tmp, want_steps, problems):
+def check(chrome, report_dir, tmp, want_steps, problems, timeline=True):
     page = os.path.join(report_dir, "report.html")
     html = open(page).read()
     # Self-contained: no scripts, styles or images from elsewhere, no script at all.
@@ -141,6 +142,10 @@ def check(chrome, report_dir, tmp, want_steps, problems):
     if r["minFont"] < 10:
         problems.append(f"{where}: text of {r['minFont']} px: {r['smallText'][:5]}")
     t = r["timeline"]
+    if not timeline:
+        if t is not None or 'id="no-timeline"' not in html:
+            problems.append(f"{where}: a run in progress should get the charts and say why there is no timeline")
+        return
     if t is None:
         problems.append(f"{where}: no timeline")
         return
@@ -171,14 +176,22 @@ def main():
          "--set", "data.eval_fraction=0.1"])
     run([os.path.join(BIN, "rp-report"), run_dir, "--out", os.path.join(tmp, "whole")])
     run([os.path.join(BIN, "rp-report"), run_dir, "--out", os.path.join(tmp, "zoom"), "--steps", "2..3"])
+    # A run in progress: metrics.jsonl so far (a torn last line included), no trace.json yet.
+    partial = os.path.join(tmp, "partial")
+    os.makedirs(partial)
+    lines = open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()
+    with open(os.path.join(partial, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    run([os.path.join(BIN, "rp-report"), partial, "--out", os.path.join(tmp, "running")])
     problems = []
     check(chrome, os.path.join(tmp, "whole"), tmp, list(range(1, STEPS + 1)), problems)
     check(chrome, os.path.join(tmp, "zoom"), tmp, [2, 3], problems)
+    check(chrome, os.path.join(tmp, "running"), tmp, [], problems, timeline=False)
     if problems:
         print("report_browser_test: " + "\n  ".join(problems))
         sys.exit(1)
     shutil.rmtree(tmp, ignore_errors=True)
-    print("report_browser_test: both pages render with every check met")
+    print("report_browser_test: the three pages render with every check met")
 
 
 if __name__ == "__main__":

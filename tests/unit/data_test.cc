@@ -170,6 +170,11 @@ TEST(Dataset, TokenFilesWithASidecar) {
       {"big.bin", ids(100, 2, 300), R"({"dtype": "uint16", "vocab_size": 5000})", "more than model.vocab_size"},
       {"id.bin", ids(400, 2, 301), R"({"dtype": "uint16", "vocab_size": 300})", "at position 300"},
       {"short.bin", ids(5, 2, 300), R"({"dtype": "uint16", "vocab_size": 300})", "fewer than seq_len + 1"},
+      // The sidecar and the file must agree: ids up to 255 with a vocabulary of 100, and no vocabulary.
+      {"sidecar-vocab.bin", ids(400, 2, 256), R"({"dtype": "uint16", "vocab_size": 100})",
+       "token 100 at position 100 is not below the vocab_size 100 that"},
+      {"negative-vocab.bin", ids(100, 2, 300), R"({"dtype": "uint16", "vocab_size": -5})",
+       "says vocab_size -5; a vocabulary has at least one token"},
   };
   for (const auto& b : bad) {
     c.data.path = write(b.file, b.bytes, b.sidecar);
