@@ -406,6 +406,12 @@ int RunSession(const LaunchOptions& o) {
   // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
                            (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() == 0);
+  if (cpu_workers && core::Fp8Matmuls(*cfg)) {
+    std::fprintf(stderr, "rp-launch: train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
+                         "workers here (%s)\n", core::EnumName(cfg->job.device),
+                 RP_WITH_CUDA ? "no GPU is visible" : "this build has no CUDA backend");
+    return kExitBadConfig;
+  }
   const int max_cpu_workers = 4 * UsableCores();
   if (cpu_workers && o.gpus > max_cpu_workers) {
     std::fprintf(stderr, "rp-launch: --gpus %d CPU workers on %d usable cores; at most %d (4 per core)\n", o.gpus,
@@ -705,7 +711,10 @@ int RunSession(const LaunchOptions& o) {
       // A worker died mid-run: start a replacement with the same rank while restarts remain. The
       // coordinator re-dispatches the dead worker's unfinished jobs when the replacement says Hello.
       const int rank = static_cast<int>(&c - &children[0]) - 1;
-      if (!is_coord && !children[0].exit_info() && !graceful && restarts < cfg->job.max_worker_restarts) {
+      // A worker that refused the run's spec (exit 2) would be refused again by any replacement.
+      const bool refused = !e.signaled && e.code == kExitBadConfig;
+      if (!is_coord && !refused && !children[0].exit_info() && !graceful &&
+          restarts < cfg->job.max_worker_restarts) {
         restarts++;
         std::fprintf(stderr, "rp-launch: %s (pid %d) %s; starting a replacement (restart %lld of %lld)\n",
                      c.role().c_str(), c.pid(), e.Describe().c_str(), static_cast<long long>(restarts),
@@ -721,7 +730,7 @@ int RunSession(const LaunchOptions& o) {
       if (failure.empty()) {
         failed_role = c.role();
         failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
-        exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : kExitPeerLost;
+        exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : refused ? kExitBadConfig : kExitPeerLost;
       }
     }
     if (all_done) break;

@@ -1512,7 +1512,11 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
       {1, {"lora.rank=1000", "lora.target_modules=[\"q_proj\"]"}, "lora.rank: 1000 exceeds q_proj"},
       {4096, {"job.device=\"cpu\""}, "CPU workers on"},
   };
-  if (!RP_WITH_CUDA) cases.push_back({1, {"job.device=\"cuda\""}, "this build has no CUDA backend"});
+  if (!RP_WITH_CUDA) {
+    cases.push_back({1, {"job.device=\"cuda\""}, "this build has no CUDA backend"});
+    // Without a GPU, "auto" gives CPU workers, which have no e4m3 products.
+    cases.push_back({1, {"job.device=\"auto\"", "train.dtype=\"fp8\""}, "train.dtype = \"fp8\" needs CUDA workers"});
+  }
   // A planted link where the run writes (logs here; every output name is checked alike).
   const std::string planted = tmp_ + "/planted";
   fs::create_directories(planted);
