@@ -22,6 +22,17 @@ using testing::SourceDir;
 
 using testing::Losses;
 
+// The first GPU's memory in GiB as nvidia-smi reports it (0 when it cannot say): decided without
+// touching CUDA in this process.
+double DeviceMemoryGiB() {
+  auto r = testing::RunProcess({"/bin/sh", "-c", "nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits"}, 30);
+  try {
+    return r.code == 0 ? std::stod(r.output) / 1024.0 : 0.0;
+  } catch (const std::exception&) {
+    return 0.0;
+  }
+}
+
 class GpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -330,6 +341,10 @@ TEST_F(GpuTest, InjectedCudaFaultIsSurvivedByAReplacementWorker) {
 // workers share the one GPU, and fp32 attention with grouped-query heads takes the kernel that
 // holds every score (16 GiB per worker at 32K with this job's 4 heads).
 TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
+  // The untiled 32K run holds about 80 GiB (measured on an H100: out of memory at 65 GiB in use
+  // with 16 GiB more asked for); an H200's 141 GB holds it.
+  if (const double gib = DeviceMemoryGiB(); gib < 100)
+    GTEST_SKIP() << "the untiled 32K-token run needs a GPU of about 100 GiB or more; this one has " << gib << " GiB";
   auto job = [](int64_t seq_len) {
     return std::vector<std::string>{"job.device=\"cuda\"", "data.format=\"random\"",
                                     "data.seq_len=" + std::to_string(seq_len), "train.steps=3",
