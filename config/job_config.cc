@@ -34,6 +34,13 @@ struct KeySpec {
   Getter get;
 };
 
+// The [model] keys that only a mixture-of-experts model uses (num_experts itself decides whether
+// it is one).
+bool ExpertSettingKey(const std::string& key) {
+  return key == "experts_per_token" || key == "expert_intermediate_size" || key == "norm_topk_prob" ||
+         key == "sparse_step" || key == "router_aux_loss_coef";
+}
+
 std::string TypeOf(const toml::node& n) {
   switch (n.type()) {
     case toml::node_type::string: return "string";
@@ -1074,10 +1081,7 @@ std::string JobToml(const JobConfig& config) {
     const std::string name = s.doc.section + "." + s.doc.key;
     if (from_checkpoint && s.doc.section == "model" && s.doc.key != "path" && s.doc.key != "init_std") continue;
     // A dense model's expert keys hold nothing (0) once resolved: left to their defaults.
-    if (c.model.moe.num_experts == 0 && s.doc.section == "model" &&
-        (s.doc.key == "experts_per_token" || s.doc.key == "expert_intermediate_size" ||
-         s.doc.key == "norm_topk_prob" || s.doc.key == "sparse_step" || s.doc.key == "router_aux_loss_coef"))
-      continue;
+    if (c.model.moe.num_experts == 0 && s.doc.section == "model" && ExpertSettingKey(s.doc.key)) continue;
     if (name == "train.steps" && c.train.epochs > 0) continue;
     if (name == "optimizer.warmup_steps" && c.optimizer.warmup_ratio > 0) continue;
     if (!root.contains(s.doc.section)) root.insert_or_assign(s.doc.section, toml::table{});
@@ -1184,9 +1188,7 @@ Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& 
     if (s.doc.section != "model" || s.doc.key == "path" || s.doc.key == "init_std") continue;
     if (!given("model", s.doc.key.c_str())) continue;
     // A dense checkpoint has no expert settings to disagree with.
-    if (dense && s.doc.key != "num_experts" && s.doc.key.find("expert") != std::string::npos) continue;
-    if (dense && (s.doc.key == "norm_topk_prob" || s.doc.key == "sparse_step" || s.doc.key == "router_aux_loss_coef"))
-      continue;
+    if (dense && ExpertSettingKey(s.doc.key)) continue;
     toml::table mine, theirs;
     s.get(as_given, mine, s.doc.key);
     s.get(resolved, theirs, s.doc.key);
