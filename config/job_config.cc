@@ -1073,7 +1073,9 @@ std::vector<KeyDoc> DocumentedKeys() {
   return out;
 }
 
-std::string JobToml(const JobConfig& config) {
+namespace {
+// Every key of the table with its value in `config`, as JobToml writes them.
+toml::table ResolvedTable(const JobConfig& config) {
   JobConfig c = config;  // the getters take the fields by reference
   const bool from_checkpoint = !c.model.path.empty();
   toml::table root;
@@ -1087,6 +1089,79 @@ std::string JobToml(const JobConfig& config) {
     if (!root.contains(s.doc.section)) root.insert_or_assign(s.doc.section, toml::table{});
     s.get(c, *root[s.doc.section].as_table(), s.doc.key);
   }
+  return root;
+}
+
+// The shortest decimal that reads back as `v`.
+std::string ShortestDecimal(double v) {
+  char buf[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+// The keys of the run-defining sections that do not decide the trajectory: its length and
+// cadence, where its files are, and how fast it goes.
+bool LeavesTrajectoryAlone(const std::string& name) {
+  static const char* const kKeys[] = {
+      "model.path",          "data.eval_path",         "train.steps",         "train.epochs",
+      "train.stop_after",    "train.eval_every",       "train.eval_microbatches", "train.loss_chunk_tokens",
+      "train.mlp_tile_tokens", "train.layer_recompute", "optimizer.gradients_wait_in",
+      "optimizer.speculative_update", "optimizer.device_update_blocks", "optimizer.grad_buffer_mb",
+      "lora.export"};
+  return std::find(std::begin(kKeys), std::end(kKeys), name) != std::end(kKeys);
+}
+}  // namespace
+
+RunRecord RunDefiningValues(const JobConfig& config) {
+  RunRecord out;
+  const toml::table root = ResolvedTable(config);
+  for (const char* section : {"model", "data", "train", "optimizer", "lora"}) {
+    const toml::table* t = root[section].as_table();
+    if (t == nullptr) continue;
+    for (const auto& [key, node] : *t) {
+      const std::string name = std::string(section) + "." + std::string(key.str());
+      if (LeavesTrajectoryAlone(name)) continue;
+      std::ostringstream value;
+      if (auto f = node.value_exact<double>()) {
+        value << ShortestDecimal(*f);  // 0.003, not 0.0030000000000000001
+      } else {
+        node.visit([&value](const auto& v) { value << v; });
+      }
+      out[name] = value.str();
+    }
+  }
+  // The data by name and size, not by path: a run directory and its data may move.
+  if (!config.data.path.empty()) {
+    std::error_code ec;
+    const auto bytes = fs::file_size(config.data.path, ec);
+    out["data.path"] = fs::path(config.data.path).filename().string() +
+                       (ec ? std::string() : " (" + std::to_string(bytes) + " bytes)");
+  }
+  return out;
+}
+
+std::vector<std::string> RunDifferences(const RunRecord& checkpoint, const RunRecord& job) {
+  std::vector<std::string> out;
+  auto said = [](const RunRecord& r, const std::string& k) {
+    auto it = r.find(k);
+    return it == r.end() ? std::string("(not set)") : it->second;
+  };
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : checkpoint) keys.push_back(k);
+  for (const auto& [k, v] : job)
+    if (!checkpoint.count(k)) keys.push_back(k);
+  std::sort(keys.begin(), keys.end());
+  for (const auto& k : keys)
+    if (said(checkpoint, k) != said(job, k))
+      out.push_back(k + " " + said(checkpoint, k) + " there, " + said(job, k) + " here");
+  return out;
+}
+
+std::string JobToml(const JobConfig& config) {
+  const toml::table root = ResolvedTable(config);
   std::ostringstream out;
   out << "# The job as rp-launch resolved it: every key, defaults included (paths absolute).\n"
          "# Loadable as a job file; rp-launch --resume DIR reads the copy in the run's directory.\n\n"

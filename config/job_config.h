@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -357,6 +358,18 @@ std::vector<KeyDoc> DocumentedKeys();
 // optimizer.warmup_steps when optimizer.warmup_ratio does. Every run keeps this as
 // OUTPUT/job.toml (rp-launch --resume RUN_DIR reads it); --dry-run prints it.
 std::string JobToml(const JobConfig& config);
+
+// The values of the keys that decide a run's trajectory, as "section.key" -> the value as a job
+// file spells it: the model, data, training, optimizer and adapter keys, less the run's length
+// (train.steps, train.epochs, train.stop_after), its evaluation cadence, file locations and the
+// keys that change only speed. data.path is recorded by file name and size (a run and its data
+// may move). Every training checkpoint records them; --resume refuses another run's checkpoint
+// by comparing them.
+using RunRecord = std::map<std::string, std::string>;
+RunRecord RunDefiningValues(const JobConfig& config);
+// One line per key whose value differs, or that only one side records:
+// "optimizer.lr 0.0001 there, 0.0003 here" (there: the checkpoint's run; here: the job's).
+std::vector<std::string> RunDifferences(const RunRecord& checkpoint, const RunRecord& job);
 
 // Checks `value` against the range of the numeric job key model.<key>, with that key's message
 // under `name` ("<dir>/config.json: num_hidden_layers: must be in [1, 4096], got 100000"): values

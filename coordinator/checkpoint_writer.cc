@@ -132,7 +132,7 @@ Status CheckpointWriter::Write(int64_t steps_done) {
   RP_RETURN_IF_ERROR(Poll());
   if (copies_.empty()) {
     WriteStats w;
-    RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, live_,
+    RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, setup_.run, live_,
                                           setup_.keep, 0, &w, setup_.shard));
     SlowDiskForTest(&w);
     written_ = steps_done;
@@ -169,7 +169,7 @@ Status CheckpointWriter::Write(int64_t steps_done) {
     // One file at a time: in step order, and a second writer would only share the disk.
     std::lock_guard<std::mutex> one_at_a_time(*disk);
     WriteStats w;
-    Status s = WriteTrainingState(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, sections,
+    Status s = WriteTrainingState(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, setup.run, sections,
                                   setup.keep, setup.checksum_threads, &w, setup.shard);
     SlowDiskForTest(&w);
     if (s.ok()) LogWrite(steps_done, setup.dir, w, true);

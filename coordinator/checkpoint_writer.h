@@ -49,6 +49,7 @@ class CheckpointWriter {
     std::string dir;
     uint64_t state_hash = 0;
     bool masters_in_state = false;
+    core::RunRecord run;  // the job's run-defining values, recorded in every file
     int keep = 0;
     int copy_threads = 8;      // the snapshot's memcpy
     int checksum_threads = 2;  // a background write's CRCs: cores the optimizer keeps

@@ -339,6 +339,7 @@ Status Coordinator::StartParts() {
   writer.dir = CheckpointDir(cfg_);
   writer.state_hash = ckpt_.state_hash;
   writer.masters_in_state = layout_.masters_in_state;
+  writer.run = core::RunDefiningValues(cfg_);
   writer.keep = static_cast<int>(cfg_.checkpoint.keep);
   // Else only a final checkpoint, written on the loop.
   writer.background = cfg_.checkpoint.every > 0 && WritesCheckpoints();

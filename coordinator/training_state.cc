@@ -311,7 +311,8 @@ std::vector<ExpectedSection> ShareSections(const core::JobConfig& c, const core:
 }
 
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          bool masters_in_state, const std::vector<StateSection>& given, int keep,
+                          bool masters_in_state, const core::RunRecord& run,
+                          const std::vector<StateSection>& given, int keep,
                           int checksum_threads, WriteStats* stats, ShardId shard) {
   const auto t0 = std::chrono::steady_clock::now();
   auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
@@ -333,7 +334,7 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
   }
   nlohmann::json header = {{"version", kFormatVersion}, {"steps_done", steps_done},
                            {"state_hash", std::to_string(state_hash)},
-                           {"masters_in_state", masters_in_state}};
+                           {"masters_in_state", masters_in_state}, {"run", run}};
   if (shard.count > 1) {
     header["shard"] = shard.rank;
     header["shards"] = shard.count;
@@ -423,6 +424,23 @@ StatusOr<StateFile> FindTrainingState(const std::string& dir, int64_t steps_done
   f.steps_done = header["steps_done"].get<int64_t>();
   if (f.steps_done <= 0) return Status::InvalidArgument("checkpoint " + f.path + " records no completed step");
   return f;
+}
+
+StatusOr<core::RunRecord> ReadRunRecord(const StateFile& file) {
+  RP_ASSIGN_OR_RETURN(UniqueFd fd, OpenStateFile(file.path));
+  std::error_code ec;
+  const uint64_t size = fs::file_size(file.path, ec);
+  RP_ASSIGN_OR_RETURN(auto header, ReadHeader(fd.get(), file.path, size));
+  core::RunRecord run;
+  if (!header.contains("run")) return run;
+  const auto& j = header["run"];
+  if (!j.is_object()) return Status::InvalidArgument("checkpoint " + file.path + " has a malformed JSON header (run)");
+  for (const auto& [key, value] : j.items()) {
+    if (!value.is_string())
+      return Status::InvalidArgument("checkpoint " + file.path + " has a malformed JSON header (run." + key + ")");
+    run[key] = value.get<std::string>();
+  }
+  return run;
 }
 
 namespace {

@@ -5,10 +5,11 @@
 // kept for Hugging Face / PEFT exports):
 //   bytes [0, 8)     magic "RPSTATE1"
 //   bytes [8, 16)    little-endian uint64 H: length of the JSON header that follows
-//   bytes [16, 16+H) JSON: {"version", "steps_done", "state_hash", "masters_in_state",
+//   bytes [16, 16+H) JSON: {"version", "steps_done", "state_hash", "masters_in_state", "run",
 //                    "sections": [{"name", "offset", "bytes", "crc32_chunk_bytes", "crc32"}]};
 //                    offsets are absolute and 4096-aligned; "crc32" lists the CRC-32 of each
-//                    64 MiB chunk of the section; "masters_in_state" and the checksums are
+//                    64 MiB chunk of the section; "run" holds the run-defining key values
+//                    (core::RunDefiningValues); "masters_in_state", "run" and the checksums are
 //                    absent in older files
 //   sections         raw bytes: "optim" (the optimizer segment: moments, and the masters unless
 //                    workers fetch them) and "compute" (every compute-copy buffer, so stale1's
@@ -116,8 +117,10 @@ struct WriteStats {
 };
 // `masters_in_state`: shm::ArenaLayout::masters_in_state of the writing (reading) job.
 // `checksum_threads` (0: every core) compute the chunks' CRCs in parallel.
+// `run`: the job's core::RunDefiningValues, kept in the header for --resume to compare.
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
-                          bool masters_in_state, const std::vector<StateSection>& sections, int keep,
+                          bool masters_in_state, const core::RunRecord& run,
+                          const std::vector<StateSection>& sections, int keep,
                           int checksum_threads = 0, WriteStats* stats = nullptr, ShardId shard = {});
 // Removes shard `shard`'s files of steps after `steps_done` from `dir`: what a resumed run's node
 // does first, so a file of the run it continues (a step that never completed) cannot later make
@@ -127,6 +130,9 @@ Status RemoveLaterShardFiles(const std::string& dir, int64_t steps_done, ShardId
 StatusOr<StateFile> FindLatestTrainingState(const std::string& dir);
 // The complete checkpoint after `steps_done` steps; NotFound naming the steps the directory holds.
 StatusOr<StateFile> FindTrainingState(const std::string& dir, int64_t steps_done);
+// The run-defining values the checkpoint's run recorded (core::RunDefiningValues); empty for a
+// file written before checkpoints recorded them.
+StatusOr<core::RunRecord> ReadRunRecord(const StateFile& file);
 Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool masters_in_state,
                          const std::vector<StateSection>& sections);
 // Any checkpoint (whole or shards of any count) into this job's segments (ShareSections), with

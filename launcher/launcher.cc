@@ -233,8 +233,10 @@ int VisibleGpus() {
 }
 
 // The newest training checkpoint of the output directory fits this job (header checks; the
-// coordinator verifies every byte's checksum when it loads it).
-Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout) {
+// coordinator verifies every byte's checksum when it loads it) and was written by this run: its
+// run-defining values equal the job's, or `force` and the differences are logged.
+Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
+                      bool force) {
   auto latest = coord::FindLatestTrainingState(coord::CheckpointDir(cfg));
   // No checkpoint to resume is the user's situation, not a fault: said as one.
   if (!latest.ok()) return Status::InvalidArgument(latest.status().message());
@@ -242,8 +244,21 @@ Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, c
   if (found.steps_done >= cfg.train.steps)
     return Status::InvalidArgument(found.path + " already holds all " + std::to_string(cfg.train.steps) +
                                    " steps of this job");
-  return coord::ReadTrainingStateShares(found, cfg, spec, layout, coord::TrainingStateHash(cfg, spec, layout),
-                                        /*optim=*/nullptr, /*state=*/nullptr);
+  RP_RETURN_IF_ERROR(coord::ReadTrainingStateShares(found, cfg, spec, layout,
+                                                    coord::TrainingStateHash(cfg, spec, layout),
+                                                    /*optim=*/nullptr, /*state=*/nullptr));
+  RP_ASSIGN_OR_RETURN(const core::RunRecord recorded, coord::ReadRunRecord(found));
+  if (recorded.empty()) return Status::Ok();  // written before checkpoints recorded their run
+  const std::vector<std::string> differences = core::RunDifferences(recorded, core::RunDefiningValues(cfg));
+  if (differences.empty()) return Status::Ok();
+  std::string listed;
+  for (const auto& d : differences) listed += "\n  " + d;
+  if (!force)
+    return Status::InvalidArgument(found.path + " is another run's checkpoint: " +
+                                   std::to_string(differences.size()) + " key(s) that decide the training differ" +
+                                   listed + "\n(--force-resume continues from it anyway)");
+  RP_LOG(WARNING) << "--force-resume: " << found.path << " was written by a run whose keys differ:" << listed;
+  return Status::Ok();
 }
 
 // Seconds since the coordinator's last beat; 0 before its first (the file does not exist yet).
@@ -446,7 +461,7 @@ int RunSession(const LaunchOptions& o) {
     return kExitBadConfig;
   }
   if (o.resume) {
-    if (Status s = CheckResumable(*cfg, spec, *layout); !s.ok()) {
+    if (Status s = CheckResumable(*cfg, spec, *layout, o.force_resume); !s.ok()) {
       std::fprintf(stderr, "rp-launch: --resume: %s\n", s.message().c_str());
       return kExitBadConfig;
     }

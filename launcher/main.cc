@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
                "continue the run in job.output_dir (or the run directory given instead of the job file) from "
                "its newest training checkpoint (checkpoint.every, train.stop_after); the results equal an "
                "uninterrupted run's");
+  app.add_flag("--force-resume", o.force_resume,
+               "with --resume: continue from a checkpoint whose run differs from the job in keys that decide "
+               "the training (optimizer.lr, train.seed, ...; otherwise refused naming them), logging the "
+               "differences");
   app.add_option("--debug-worker", o.debug_worker,
                  "start this worker stopped and print how to attach a debugger to it");
   app.add_option("--worker-wrapper", o.worker_wrapper,
@@ -86,6 +90,10 @@ int main(int argc, char** argv) {
                   k.default_value.c_str(), k.meaning.c_str());
     }
     return 0;
+  }
+  if (o.force_resume && !o.resume) {
+    std::fprintf(stderr, "rp-launch: --force-resume goes with --resume\n");
+    return rp::kExitBadConfig;
   }
   if (o.job_path.empty()) {
     std::fprintf(stderr, "rp-launch: a job file is required (rp-launch --help)\n");

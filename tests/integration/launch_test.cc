@@ -521,6 +521,42 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
   EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 3u);
 }
 
+TEST_F(LaunchTest, AnotherRunsCheckpointIsRefusedNamingTheKeysUnlessForced) {
+  // Same shapes, another seed and learning rate: the checkpoint is another run's. --resume refuses
+  // it (exit 2, both keys with both values, launch and dry run alike) and starts nothing;
+  // --force-resume continues it, logging the differences. A longer run (train.steps) is the same run.
+  const std::string out = tmp_ + "/foreign";
+  auto first = Launch(1, out, {"train.steps=6", "train.stop_after=3", "checkpoint.every=3", "train.seed=1",
+                               "optimizer.lr=0.001"});
+  ASSERT_EQ(first.code, 0) << first.output;
+  const std::vector<std::string> other = {"train.steps=6", "checkpoint.every=3", "train.seed=7", "optimizer.lr=0.003"};
+  for (const bool dry : {false, true}) {
+    auto args = With(LaunchArgs(1, out, other), {"--resume"});
+    if (dry) args.push_back("--dry-run");
+    auto refused = testing::RunProcess(args, 120, Env());
+    EXPECT_EQ(refused.code, kExitBadConfig) << refused.output;
+    EXPECT_NE(refused.output.find("is another run's checkpoint"), std::string::npos) << refused.output;
+    EXPECT_NE(refused.output.find("train.seed 1 there, 7 here"), std::string::npos) << refused.output;
+    EXPECT_NE(refused.output.find("optimizer.lr 0.001 there, 0.003 here"), std::string::npos) << refused.output;
+    EXPECT_NE(refused.output.find("--force-resume"), std::string::npos) << refused.output;
+    EXPECT_EQ(refused.output.find("coordinator"), std::string::npos) << "nothing should have started: " << refused.output;
+  }
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 3u);
+  auto stray = testing::RunProcess(With(LaunchArgs(1, out, other), {"--force-resume"}), 60, Env());
+  EXPECT_EQ(stray.code, kExitBadConfig) << stray.output;
+  EXPECT_NE(stray.output.find("--force-resume goes with --resume"), std::string::npos) << stray.output;
+  auto forced = testing::RunProcess(With(LaunchArgs(1, out, other), {"--resume", "--force-resume"}), 240, Env());
+  ASSERT_EQ(forced.code, 0) << forced.output;
+  EXPECT_NE(forced.output.find("train.seed 1 there, 7 here"), std::string::npos) << forced.output;
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 6u);
+  // The forced run's checkpoint records its own keys: a longer run of the same job resumes it.
+  auto longer = testing::RunProcess(With(LaunchArgs(1, out, {"train.steps=8", "checkpoint.every=3", "train.seed=7",
+                                                             "optimizer.lr=0.003"}),
+                                         {"--resume"}), 240, Env());
+  ASSERT_EQ(longer.code, 0) << longer.output;
+  EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 8u);
+}
+
 TEST_F(LaunchTest, HuggingFaceExportLoadsBackIntoThePipelineAndTheReference) {
   // Train 5 steps and export an HF directory; start new runs from it (model.path). With lr = 0
   // the weights must come back out bit for bit (from the pipeline and from rp-train-ref), and

@@ -100,6 +100,39 @@ TEST(RunSpec, TheJobTomlOfEveryShippedJobResolvesToTheSameRun) {
   fs::remove_all(dir);
 }
 
+TEST(RunSpec, TheRunRecordHoldsWhatDecidesTheTrainingAndNothingElse) {
+  // What a checkpoint records for --resume to compare: a changed learning rate, seed, data
+  // length, adapter or mode is another run; a longer run, another cadence, other output or
+  // speed keys are the same run. Each key is changed alone from the same job.
+  const std::string dir = testing::MakeTempDir("rp-record-");
+  const std::string job = "[data]\nformat = \"random\"\nseq_len = 64\n[train]\nsteps = 10\n";
+  std::ofstream(dir + "/job.toml") << job;
+  auto record = [&](const std::string& change) {
+    auto c = LoadJobConfig(dir + "/job.toml", change.empty() ? std::vector<std::string>{}
+                                                             : std::vector<std::string>{change});
+    EXPECT_TRUE(c.ok()) << change << ": " << c.status().message();
+    return c.ok() ? RunDefiningValues(*c) : RunRecord{};
+  };
+  const RunRecord base = record("");
+  EXPECT_EQ(base.at("optimizer.lr"), "0.003");  // the shortest decimal, not 17 digits
+  for (const char* other : {"optimizer.lr=0.001", "train.seed=7", "data.seq_len=32", "optimizer.mode=\"stale1\"",
+                            "lora.rank=4", "train.grad_clip=0.5", "model.intermediate_size=256", "data.shuffle=false",
+                            "optimizer.warmup_steps=3", "train.microbatches=2", "train.dtype=\"bf16\""}) {
+    const auto d = RunDifferences(base, record(other));
+    ASSERT_EQ(d.size(), 1u) << other;
+    const std::string key = std::string(other).substr(0, std::string(other).find('='));
+    EXPECT_EQ(d[0].rfind(key + " ", 0), 0u) << d[0];
+  }
+  for (const char* same : {"train.steps=20", "train.stop_after=3", "train.eval_every=5", "checkpoint.every=2",
+                           "job.output_dir=\"elsewhere\"", "schedule.forward_stages=2",
+                           "optimizer.speculative_update=false", "train.loss_chunk_tokens=16",
+                           "metrics.tensorboard=false", "job.worker_timeout_s=9"})
+    EXPECT_EQ(RunDifferences(base, record(same)), std::vector<std::string>{}) << same;
+  EXPECT_EQ(RunDifferences({{"a.b", "1"}}, {{"a.c", "2"}}),
+            (std::vector<std::string>{"a.b 1 there, (not set) here", "a.c (not set) there, 2 here"}));
+  fs::remove_all(dir);
+}
+
 TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   const std::string dir = testing::MakeTempDir("rp-spec-bad-");
   const RunSpec run = Resolve(dir);

@@ -43,7 +43,7 @@ class TrainingStateTest : public ::testing::Test {
 };
 
 TEST_F(TrainingStateTest, AFlippedByteOrExtraBytesAreRefusedNamingTheSection) {
-  ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, Sections(optim_, compute_), 2).ok());
+  ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, {}, Sections(optim_, compute_), 2).ok());
   const std::string path = dir_ + "/step-00000002.rpstate";
   std::vector<uint8_t> a(optim_.size()), b(compute_.size());
   ASSERT_TRUE(ReadTrainingState({path, 2, {}}, 77, false, Sections(a, b)).ok());
@@ -99,7 +99,7 @@ TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
 // whatever the other nodes have written.
 TEST_F(TrainingStateTest, ShardFilesMakeACheckpointOnlyTogetherAndArePrunedPerShard) {
   auto write = [&](int64_t step, int rank) {
-    return WriteTrainingState(dir_, step, 77, false, Sections(optim_, compute_), /*keep=*/1, 0, nullptr,
+    return WriteTrainingState(dir_, step, 77, false, {}, Sections(optim_, compute_), /*keep=*/1, 0, nullptr,
                               ShardId{rank, 2});
   };
   auto shard = [&](int64_t step, int rank) {
@@ -131,7 +131,7 @@ TEST_F(TrainingStateTest, ShardFilesMakeACheckpointOnlyTogetherAndArePrunedPerSh
 TEST_F(TrainingStateTest, AResumedNodeRemovesItsOwnLaterShardFilesOnly) {
   for (int64_t step : {1, 2, 3})
     for (int rank : {0, 1})
-      ASSERT_TRUE(WriteTrainingState(dir_, step, 77, false, Sections(optim_, compute_), 0, 0, nullptr, ShardId{rank, 2})
+      ASSERT_TRUE(WriteTrainingState(dir_, step, 77, false, {}, Sections(optim_, compute_), 0, 0, nullptr, ShardId{rank, 2})
                       .ok());
   ASSERT_TRUE(RemoveLaterShardFiles(dir_, 1, ShardId{0, 2}).ok());
   EXPECT_TRUE(fs::exists(dir_ + "/step-00000001.shard-0-of-2.rpstate"));
