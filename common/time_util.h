@@ -4,10 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace rp {
 // Microseconds since the Unix epoch (comparable across processes on one host).
 int64_t WallMicros();
 // Monotonic seconds, for durations inside one process.
 double MonoSeconds();
+// Seconds for a message: "2", "2.5", "45.3" (one decimal, none when whole).
+std::string FormatSeconds(double s);
 }  // namespace rp

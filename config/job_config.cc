@@ -299,6 +299,11 @@ const std::vector<KeySpec>& Table() {
             "A worker that sends nothing (not even its once-a-second heartbeat) for this long is "
             "declared hung: the coordinator kills it and, while restarts remain, its replacement "
             "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
+      Float("job", "stopped_timeout_s", F(job.stopped_timeout_s), 600.0, 0.0, 1e9,
+            "A worker or coordinator that stops answering because it is stopped (SIGSTOP, Ctrl-Z, a "
+            "debugger holding it: state T in /proc) is waited for up to this long, with a log line "
+            "every job.worker_timeout_s, and the run goes on unchanged once it continues; past it, "
+            "it is treated as hung. 0 = treated as hung at once"),
       Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 5.0, 86400.0,
             "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
             "this long (process killed, host gone, network cut) stops every other node, each naming "

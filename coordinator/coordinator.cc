@@ -317,6 +317,7 @@ Status Coordinator::StartParts() {
   table.segment_bytes = layout_.total_bytes;
   table.max_restarts = static_cast<int>(cfg_.job.max_worker_restarts);
   table.timeout_s = cfg_.job.worker_timeout_s;
+  table.stopped_timeout_s = cfg_.job.stopped_timeout_s;
   table.grace_s = opts_.hello_timeout_s;
   workers_ = std::make_unique<WorkerTable>(*channel_, table);
   const int threads = OptimizerThreads(opts_, cfg_);

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // ProgressBeacon: how the launcher knows the coordinator is alive and not stuck. A thread touches
 // <runtime dir>/coordinator.alive every half second while the coordinator makes progress; the
-// launcher ends the run when the file is older than job.worker_timeout_s (a coordinator stopped
-// by SIGSTOP, or stuck).
+// launcher ends the run when the file is older than job.worker_timeout_s and the coordinator is
+// running (stuck), or once it has been stopped (SIGSTOP, a debugger) for job.stopped_timeout_s.
 //
 // Contract:
 //  * Outside the event loop (start-up, the end) every beat is sent.

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "common/logging.h"
+#include "common/process_state.h"
 #include "common/time_util.h"
 #include "protocol/codec.h"
 
@@ -16,7 +17,8 @@ WorkerTable::WorkerTable(proto::CoordinatorChannel& channel, Setup setup)
       setup_(std::move(setup)),
       pids_(setup_.workers, 0),
       welcomed_(setup_.workers, false),
-      pools_(setup_.workers) {}
+      pools_(setup_.workers),
+      stopped_since_(setup_.workers, -1.0) {}
 
 bool WorkerTable::PoolsMissing() const {
   return setup_.activation_pools &&
@@ -114,13 +116,14 @@ StatusOr<std::optional<proto::Envelope>> WorkerTable::Receive(int timeout_ms) {
   liveness_->Listening(MonoSeconds());
   auto env = channel_.Receive(timeout_ms);
   const double now = MonoSeconds();
-  liveness_->ListenedUntil(now);
+  liveness_->ListenedUntil(now, timeout_ms * 1e-3, /*caught_up=*/env.ok() && !*env);
   if (!env.ok() || !*env) return env;
   if ((*env)->rank >= setup_.workers) {
     RP_LOG(WARNING) << "dropped a message from unknown worker " << (*env)->rank;
     return std::optional<proto::Envelope>();
   }
   liveness_->Heard((*env)->rank, now);
+  stopped_since_[(*env)->rank] = -1.0;
   return env;
 }
 
@@ -147,12 +150,33 @@ Status WorkerTable::CheckHung() {
   for (const auto& v : liveness_->Hung(now, setup_.grace_s)) {
     const int r = v.rank;
     const std::string who = "worker " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
+    std::string why = "sent nothing for " + std::to_string(static_cast<int>(v.silent_s)) +
+                      " s (job.worker_timeout_s = " + FormatSeconds(liveness_->timeout_s()) + ")";
+    const bool stopped = pids_[r] > 0 && ProcessStopped(pids_[r]);
+    if (stopped || stopped_since_[r] >= 0) {
+      if (stopped_since_[r] < 0) stopped_since_[r] = now - v.silent_s;
+      const double waited = now - stopped_since_[r];
+      if (!stopped) {
+        // Running again and not heard yet: a whole timeout to speak from now.
+        RP_LOG(WARNING) << who << " continues after " << FormatSeconds(waited) << " s stopped";
+        stopped_since_[r] = -1.0;
+        liveness_->Excuse(r, now);
+        continue;
+      }
+      if (waited <= setup_.stopped_timeout_s) {
+        RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) and has sent nothing for "
+                        << FormatSeconds(waited) << " s; waiting for it to continue, up to job.stopped_timeout_s = "
+                        << FormatSeconds(setup_.stopped_timeout_s) << " s";
+        liveness_->Excuse(r, now);
+        continue;
+      }
+      why = "has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " + std::to_string(static_cast<int>(waited)) +
+            " s, past job.stopped_timeout_s = " + FormatSeconds(setup_.stopped_timeout_s) + " s";
+      stopped_since_[r] = -1.0;
+    }
     hung_++;
-    if (!restarts_allowed())
-      return Status::Unavailable(who + " sent nothing for " + std::to_string(static_cast<int>(v.silent_s)) +
-                                 " s (job.worker_timeout_s = " + std::to_string(liveness_->timeout_s()) + "): hung");
-    RP_LOG(ERROR) << who << " sent nothing for " << v.silent_s << " s (job.worker_timeout_s = "
-                  << liveness_->timeout_s() << "); killing it (hung), its replacement takes over";
+    if (!restarts_allowed()) return Status::Unavailable(who + " " + why + ": hung");
+    RP_LOG(ERROR) << who << " " << why << "; killing it (hung), its replacement takes over";
     if (pids_[r] > 0) ::kill(pids_[r], SIGKILL);
   }
   return Status::Ok();

@@ -15,7 +15,10 @@
 //    no error: its replacement gets the worker's jobs again. Without restarts it is the run's.
 //  * Replace() welcomes a replacement that said Hello mid-run (same rank, same layout hash).
 //  * CheckHung() SIGKILLs workers silent past job.worker_timeout_s (only real pids > 0), whose
-//    replacements then take over; without restarts a hung worker ends the run.
+//    replacements then take over; without restarts a hung worker ends the run. A silent worker
+//    that is stopped (common/process_state.h) is waited for instead, for up to
+//    job.stopped_timeout_s, with a warning each time the timeout passes again; once it runs
+//    again it has a whole timeout to be heard. Past that bound it is hung, named as stopped.
 //  * Not thread-safe: the coordinator's loop owns it; the channel's Wake() is the exception.
 #pragma once
 
@@ -43,6 +46,7 @@ class WorkerTable {
     uint64_t segment_bytes = 0;
     int max_restarts = 0;
     double timeout_s = 0.0;    // job.worker_timeout_s
+    double stopped_timeout_s = 0.0;  // job.stopped_timeout_s
     double grace_s = 120.0;    // a replacement's start-up before it can be judged hung
   };
   WorkerTable(proto::CoordinatorChannel& channel, Setup setup);
@@ -77,6 +81,8 @@ class WorkerTable {
   std::vector<bool> welcomed_;
   std::vector<std::optional<proto::ActivationPool>> pools_;
   std::optional<WorkerLiveness> liveness_;
+  // Per worker: when it was first found stopped while silent; < 0 when it was not at the last look.
+  std::vector<double> stopped_since_;
   int replacements_ = 0, hung_ = 0;
 };
 

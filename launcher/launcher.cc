@@ -23,6 +23,8 @@
 #include "common/cores.h"
 #include "common/exit_codes.h"
 #include "common/logging.h"
+#include "common/process_state.h"
+#include "common/time_util.h"
 #include "common/stop_agreement.h"
 #include "common/unique_fd.h"
 #include "config/job_config.h"
@@ -688,6 +690,10 @@ int RunSession(const LaunchOptions& o) {
   int64_t restarts = 0;           // replacement workers started
   std::string failure, failed_role;
   auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
+  // The coordinator found stopped (SIGSTOP, a debugger) while quiet: since when, and when it was
+  // last said; it is waited for up to job.stopped_timeout_s, and its quiet counts from when it
+  // last was seen stopped.
+  double coordinator_stopped_since = -1.0, coordinator_stopped_said = -1.0, coordinator_last_stopped = -1.0;
   while (exit_code == kExitOk && !interrupted) {
     timespec ts{0, 100 * 1000 * 1000};
     int sig = sigtimedwait(&set, nullptr, &ts);
@@ -804,16 +810,44 @@ int RunSession(const LaunchOptions& o) {
         stop_agreed = agreed.ok() && agreed->has_value();
       }
     }
-    // A coordinator that stopped making progress (SIGSTOP, a hang) beats no more
-    // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever.
-    if (failure.empty() && !children[0].exit_info()) {
-      if (const double quiet = SecondsSinceBeat(dir + "/coordinator.alive");
-          cfg->job.worker_timeout_s > 0 && quiet > cfg->job.worker_timeout_s) {
+    // A coordinator that stopped making progress (a hang) beats no more
+    // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever. One
+    // that is stopped (SIGSTOP, Ctrl-Z, a debugger) is waited for, up to job.stopped_timeout_s.
+    if (failure.empty() && !children[0].exit_info() && cfg->job.worker_timeout_s > 0) {
+      const double now = MonoSeconds();
+      const std::string who = "coordinator (pid " + std::to_string(children[0].pid()) + ")";
+      if (coordinator_stopped_since >= 0 && !ProcessStopped(children[0].pid())) {
+        RP_LOG(WARNING) << who << " continues after " << FormatSeconds(now - coordinator_stopped_since)
+                        << " s stopped";
+        coordinator_stopped_since = coordinator_stopped_said = -1.0;
+      }
+      double quiet = SecondsSinceBeat(dir + "/coordinator.alive");
+      if (coordinator_last_stopped >= 0) quiet = std::min(quiet, now - coordinator_last_stopped);
+      if (coordinator_stopped_since >= 0 ||
+          (quiet > cfg->job.worker_timeout_s && ProcessStopped(children[0].pid()))) {
+        if (coordinator_stopped_since < 0) coordinator_stopped_since = now - quiet;
+        coordinator_last_stopped = now;
+        const double stopped_for = now - coordinator_stopped_since;
+        if (stopped_for > cfg->job.stopped_timeout_s) {
+          failed_role = children[0].role();
+          failure = who + " has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
+                    std::to_string(static_cast<int>(stopped_for)) + " s, past job.stopped_timeout_s = " +
+                    FormatSeconds(cfg->job.stopped_timeout_s) + " s; ending the run";
+          exit_code = kExitPeerLost;
+          for (auto& c : children) c.Signal(SIGKILL);
+          break;
+        }
+        if (coordinator_stopped_said < 0 || now - coordinator_stopped_said >= cfg->job.worker_timeout_s) {
+          RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) for " << FormatSeconds(stopped_for)
+                          << " s; waiting for it to continue, up to job.stopped_timeout_s = "
+                          << FormatSeconds(cfg->job.stopped_timeout_s) << " s";
+          coordinator_stopped_said = now;
+        }
+      } else if (quiet > cfg->job.worker_timeout_s) {
         failed_role = children[0].role();
-        failure = "coordinator (pid " + std::to_string(children[0].pid()) + ") made no progress for " +
-                  std::to_string(static_cast<int>(quiet)) + " s (job.worker_timeout_s = " +
-                  std::to_string(static_cast<int>(cfg->job.worker_timeout_s)) +
-                  "): stopped (SIGSTOP?) or stuck; ending the run";
+        failure = who + " made no progress for " + std::to_string(static_cast<int>(quiet)) +
+                  " s (job.worker_timeout_s = " + FormatSeconds(cfg->job.worker_timeout_s) +
+                  "): stuck; ending the run";
         exit_code = kExitPeerLost;
         for (auto& c : children) c.Signal(SIGKILL);
         break;
