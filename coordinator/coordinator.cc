@@ -846,7 +846,7 @@ Status Coordinator::Finish(Status st) {
 
 Status Coordinator::Run() {
   RP_RETURN_IF_ERROR(Setup());
-  beacon_ = std::make_unique<ProgressBeacon>(opts_.runtime_dir + "/coordinator.alive", cfg_.job.worker_timeout_s);
+  beacon_ = std::make_unique<ProgressBeacon>(opts_.runtime_dir + "/" + kBeaconFile, cfg_.job.worker_timeout_s);
   Status st = StartParts();
   if (st.ok()) st = Loop();
   // From here on nothing waits on the channel; a signal must not reach it once it is destroyed.

@@ -2,12 +2,16 @@
 // rp-coordinator: normally started by rp-launch, which passes every flag below.
 #include <signal.h>
 
+#include <string>
+#include <vector>
+
 #include <CLI/CLI.hpp>
 
 #include "common/exit_status.h"
 #include "common/logging.h"
 #include "common/session.h"
 #include "coordinator/coordinator.h"
+#include "shm/layout.h"
 
 namespace {
 void OnSignal(int sig) {
@@ -17,7 +21,8 @@ void OnSignal(int sig) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  rp::BindLifetimeToLauncher();
+  // SIGHUP, not SIGKILL, when the launcher dies: this process then removes the run's names.
+  rp::BindLifetimeToLauncher(SIGHUP);
   rp::coord::CoordinatorOptions o;
   int verbosity = 0;
   CLI::App app{"RoundPipe coordinator (started by rp-launch)"};
@@ -34,6 +39,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     int rc = app.exit(e);
     return rc == 0 ? 0 : rp::kExitBadConfig;
+  }
+  {
+    // A SIGKILLed launcher cannot remove the run's shared memory and runtime directory; the
+    // coordinator, told by SIGHUP, does (workers die with the launcher and need no cleanup).
+    std::vector<std::string> names = {rp::shm::StateSegmentName(o.session), rp::shm::OptimSegmentName(o.session)};
+    for (int r = 0; r < o.num_workers; ++r) names.push_back(rp::shm::PoolSegmentName(o.session, r));
+    std::vector<std::string> paths;
+    for (const auto& n : names) paths.push_back("/dev/shm/" + n);
+    for (const auto& f : rp::RuntimeFileNames()) paths.push_back(o.runtime_dir + "/" + f);
+    rp::RemoveOnLauncherDeath(paths, o.runtime_dir);
   }
   rp::InitLogging(argv[0], "coordinator");
   rp::SetVerbosity(verbosity);

@@ -24,6 +24,7 @@
 #include "common/exit_codes.h"
 #include "common/logging.h"
 #include "common/process_state.h"
+#include "common/session.h"
 #include "common/time_util.h"
 #include "common/stop_agreement.h"
 #include "common/unique_fd.h"
@@ -73,7 +74,7 @@ std::string RuntimeBase() {
 class OwnerLock {
  public:
   static StatusOr<OwnerLock> Take(const std::string& dir) {
-    const std::string tmp = dir + "/owner.tmp", path = dir + "/owner";
+    const std::string path = dir + "/" + kOwnerFile, tmp = path + ".tmp";
     OwnerLock l;
     l.fd_ = UniqueFd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (l.fd_.get() < 0) return Status::FromErrno("creating " + tmp, errno);
@@ -96,7 +97,7 @@ void ReclaimDeadRuns(const std::string& base) {
   for (const auto& e : fs::directory_iterator(base, ec)) {
     const std::string name = e.path().filename().string();
     if (name.size() != 23 || name.rfind("rp-", 0) != 0 || e.is_symlink(ec) || !e.is_directory(ec)) continue;
-    const UniqueFd owner(::open((e.path() / "owner").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    const UniqueFd owner(::open((e.path() / kOwnerFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
     if (owner.get() < 0) continue;
     if (::flock(owner.get(), LOCK_EX | LOCK_NB) == 0) {
       int names = 0;
@@ -585,7 +586,7 @@ int RunSession(const LaunchOptions& o) {
   }
 
   if (o.debug_worker >= 0) run.job.job.worker_timeout_s = 0;  // a worker in a debugger sends no heartbeats
-  const std::string spec_path = dir + "/run-spec.json";
+  const std::string spec_path = dir + "/" + kRunSpecFile;
   if (Status s = core::WriteRunSpec(spec_path, run); !s.ok()) {
     std::fprintf(stderr, "rp-launch: writing %s: %s\n", spec_path.c_str(), s.message().c_str());
     return kExitError;
@@ -821,7 +822,7 @@ int RunSession(const LaunchOptions& o) {
                         << " s stopped";
         coordinator_stopped_since = coordinator_stopped_said = -1.0;
       }
-      double quiet = SecondsSinceBeat(dir + "/coordinator.alive");
+      double quiet = SecondsSinceBeat(dir + "/" + kBeaconFile);
       if (coordinator_last_stopped >= 0) quiet = std::min(quiet, now - coordinator_last_stopped);
       if (coordinator_stopped_since >= 0 ||
           (quiet > cfg->job.worker_timeout_s && ProcessStopped(children[0].pid()))) {

@@ -5,7 +5,8 @@
 //  * The job file and overrides are validated before any process, directory or segment exists;
 //    a bad job exits kExitBadConfig with one message naming the key.
 //  * Children are direct children (posix_spawn, no shell). They die with the launcher
-//    (PR_SET_PDEATHSIG) even if it is SIGKILLed.
+//    (PR_SET_PDEATHSIG) even if it is SIGKILLed; the coordinator first removes the run's names
+//    (common/session.h RemoveOnLauncherDeath).
 //  * The first failure decides the outcome: which process, its pid, exit code or signal. The
 //    others are then stopped (SIGTERM, then SIGKILL).
 //  * SIGINT/SIGTERM are forwarded to every child; the launcher then exits kExitInterrupted.

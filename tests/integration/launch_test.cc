@@ -1000,6 +1000,13 @@ TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
 // Waits until the launcher has started its coordinator and n workers; returns their pids.
 // The launcher's children once at least `n` run one of the run's programs: a child just
 // spawned is a copy of rp-launch until its exec.
+// The pid of the process among `kids` whose command line names `program`.
+pid_t ChildRunning(const std::vector<pid_t>& kids, const std::string& program) {
+  for (pid_t k : kids)
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find(program) != std::string::npos) return k;
+  return -1;
+}
+
 std::vector<pid_t> WaitForChildren(pid_t launcher, size_t n) {
   for (int i = 0; i < 600; ++i) {
     std::vector<pid_t> kids;
@@ -1309,9 +1316,10 @@ TEST_F(LaunchTest, DebugWorkerWaitsForADebuggerAndTheRunCompletes) {
 }
 
 TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUntouched) {
-  // Launcher A is SIGKILLed mid-run: its children die with it, its runtime directory and shared
-  // memory stay. The next launch, B, removes them as it starts; a launch C while B runs leaves
-  // everything of B's alone.
+  // Launcher A and its coordinator are SIGKILLed together mid-run (a scheduler killing the
+  // job's every process): its workers die with it, its runtime directory and shared memory stay.
+  // The next launch, B, removes them as it starts; a launch C while B runs leaves everything of
+  // B's alone.
   auto names_of = [](const std::string& session_dir) {
     const std::string id = fs::path(session_dir).filename().string();
     std::vector<std::string> out;
@@ -1340,6 +1348,9 @@ TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUnt
   wait_for_segments();
   const auto dirs_a = session_dirs();
   ASSERT_EQ(dirs_a.size(), 1u);
+  for (pid_t k : a_kids)
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") != std::string::npos)
+      ::kill(k, SIGKILL);
   ::kill(a.pid(), SIGKILL);
   a.Wait(30);
   for (int i = 0; i < 200 && std::any_of(a_kids.begin(), a_kids.end(), Alive); ++i)
@@ -1368,6 +1379,49 @@ TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUnt
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ::kill(b.pid(), SIGINT);
   EXPECT_EQ(b.Wait(60).code, kExitInterrupted);
+}
+
+TEST_F(LaunchTest, AKilledLauncherCoordinatorOrWorkerLeavesNothingBehind) {
+  // SIGKILL, in turn, the launcher, the coordinator and a worker of a running job (no restarts):
+  // once the processes are gone, nothing of the run is in /dev/shm or in the runtime directory,
+  // with no later rp-launch to reclaim it. The launcher's runs once under /tmp (no
+  // XDG_RUNTIME_DIR), where a job on a shared node would leave its directory.
+  struct Case {
+    std::string victim;
+    bool in_tmp;
+  };
+  for (const Case& c : {Case{"rp-launch", false}, Case{"rp-launch", true}, Case{"rp-coordinator", false},
+                        Case{"rp-worker", false}}) {
+    SCOPED_TRACE(c.victim + (c.in_tmp ? " (runtime directory in /tmp)" : ""));
+    const std::string out = tmp_ + "/killed-" + c.victim + (c.in_tmp ? "-tmp" : "");
+    std::vector<std::string> env = Env();
+    if (c.in_tmp) env = {"XDG_RUNTIME_DIR="};
+    testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}), env);
+    auto kids = WaitForChildren(launcher.pid(), 3);
+    ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
+    ASSERT_TRUE(WaitForSteps(out + "/metrics.jsonl", 1, 60)) << launcher.OutputSoFar();
+    // The run's names: its session id is its log directory's name.
+    std::string session;
+    for (const auto& e : fs::directory_iterator(out + "/logs")) session = e.path().filename().string();
+    ASSERT_EQ(session.size(), 20u);
+    const std::string runtime_dir = (c.in_tmp ? std::string("/tmp") : runtime_) + "/rp-" + session;
+    auto ours = [&] {
+      std::vector<std::string> left;
+      for (const auto& n : testing::LeftoverSegments())
+        if (n.rfind("rp-" + session + "-", 0) == 0) left.push_back("/dev/shm/" + n);
+      if (fs::exists(runtime_dir)) left.push_back(runtime_dir);
+      return left;
+    };
+    ASSERT_GE(ours().size(), 3u) << "the state and optimizer segments and the runtime directory while it runs";
+    const pid_t victim = c.victim == "rp-launch" ? launcher.pid() : ChildRunning(kids, c.victim);
+    ASSERT_GT(victim, 0);
+    ::kill(victim, SIGKILL);
+    launcher.Wait(60);
+    for (int i = 0; i < 200 && std::any_of(kids.begin(), kids.end(), Alive); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
+    EXPECT_EQ(ours(), std::vector<std::string>{});
+  }
 }
 
 TEST_F(LaunchTest, SigintStopsEverythingAndCleansUp) {
@@ -1665,13 +1719,6 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   EXPECT_NE(r.output.find("is not a regular file"), std::string::npos) << r.output;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
   EXPECT_FALSE(fs::exists(fifo_run + "/logs"));
-}
-
-// The pid of the child of `launcher` whose command line names `program`.
-pid_t ChildRunning(const std::vector<pid_t>& kids, const std::string& program) {
-  for (pid_t k : kids)
-    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find(program) != std::string::npos) return k;
-  return -1;
 }
 
 TEST_F(LaunchTest, AStoppedCoordinatorOrWorkerIsWaitedForAndTheRunGoesOnUnchanged) {
