@@ -95,8 +95,9 @@ Status Dataset::OpenTokens() {
   // Every key is known: one this reader does not implement would change what is trained on.
   static const char* const kKeys[] = {"dtype", "vocab_size", "documents", "loss_mask", "tokens", "trained_tokens",
                                       "tokenizer", "source"};
-  for (const auto& [k, v] : j.items())
-    if (std::find_if(std::begin(kKeys), std::end(kKeys), [&](const char* n) { return k == n; }) == std::end(kKeys))
+  for (const auto& item : j.items())
+    if (const std::string k = item.key();
+        std::find_if(std::begin(kKeys), std::end(kKeys), [&](const char* n) { return k == n; }) == std::end(kKeys))
       return Status::InvalidArgument(key_ + ": " + sidecar + ": unknown key \"" + k +
                                      "\" (known: dtype, vocab_size, documents, loss_mask, tokens, trained_tokens, "
                                      "tokenizer, source)");
@@ -179,10 +180,11 @@ Status Dataset::OpenTokens() {
                                    std::to_string(offset(docs)));
   for (int64_t d = 0; d < docs; ++d) {
     const uint64_t begin = offset(d), end = offset(d + 1);
-    if (end <= begin)
+    if (end <= begin || end > static_cast<uint64_t>(n))
       return Status::InvalidArgument(key_ + ": " + path + ".docs: document " + std::to_string(d) +
-                                     " is empty or runs backwards (offsets " + std::to_string(begin) + ", " +
-                                     std::to_string(end) + ")");
+                                     (end > static_cast<uint64_t>(n) ? " ends past the token count " + std::to_string(n)
+                                                                      : std::string(" is empty or runs backwards")) +
+                                     " (offsets " + std::to_string(begin) + ", " + std::to_string(end) + ")");
     const size_t len = static_cast<size_t>(end - begin);
     std::vector<int32_t> record(len), targets(len);
     for (size_t i = 0; i < len; ++i) {

@@ -13,6 +13,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include "rp_config.h"
 #include "tests/integration/launch_fixture.h"
@@ -455,6 +456,27 @@ TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {
   procs[2]->Wait(10);
   // Node 2's workers died with its launcher and its coordinator removed the node's shared memory
   // and runtime directory: TearDown finds nothing of any node left, with no later rp-launch.
+}
+
+TEST_F(NodesTest, AStoppedNodeLauncherIsWaitedForAndTheRunGoesOnUnchanged) {
+  // Node 1's rp-launch SIGSTOPped for 3.5x job.worker_timeout_s (its coordinator and workers run
+  // on), then SIGCONT: both nodes complete with the uninterrupted run's losses bit for bit, and
+  // no worker is replaced.
+  const auto job = With(kJob, {"train.steps=16", "job.worker_timeout_s=2", "job.max_worker_restarts=0",
+                               "RP_TEST_SLOW_FROM_STEP=0:30"});
+  auto clean = LaunchNodes(2, 1, tmp_ + "/clean", job);
+  for (const auto& r : clean) ASSERT_EQ(r.code, 0) << Outputs(clean);
+  auto procs = StartNodes(2, 1, tmp_ + "/stopped", job);
+  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/stopped/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+  ASSERT_GE(testing::Losses(tmp_ + "/stopped/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
+  ::kill(procs[1]->pid(), SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(7000));
+  ::kill(procs[1]->pid(), SIGCONT);
+  std::vector<testing::ProcessResult> results;
+  for (auto& p : procs) results.push_back(p->Wait(120));
+  for (const auto& r : results) EXPECT_EQ(r.code, 0) << Outputs(results);
+  EXPECT_EQ(testing::Losses(tmp_ + "/stopped/metrics.jsonl"), testing::Losses(tmp_ + "/clean/metrics.jsonl"));
+  EXPECT_EQ(Summary(tmp_ + "/stopped")["worker_replacements"], 0);
 }
 
 // An interrupt of one node stops every node after one agreed step (common/stop_agreement.h):

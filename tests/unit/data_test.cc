@@ -393,11 +393,15 @@ TEST(Dataset, IndexedTokenFilesAreTheSameRecordsAsJsonl) {
   struct Bad { std::string what, file, bytes, expect; };
   std::string backwards = index;
   std::memcpy(&backwards[16], &backwards[8], 8);  // document 1 empty
+  std::string past = index;  // document 0 ends at 1000, past the 17 tokens (read before the next is checked)
+  const uint64_t far = 1000;
+  std::memcpy(&past[8], &far, 8);
   const std::vector<Bad> bad = {
       {"an index too short", "d.bin.docs", index.substr(8), "4 documents need 40"},
       {"an index not ending at the token count", "d.bin.docs", index.substr(0, 32) + std::string(8, '\0'),
        "from 0 to the token count 17"},
       {"an empty document", "d.bin.docs", backwards, "document 1 is empty"},
+      {"a document past the end", "d.bin.docs", past, "document 0 ends past the token count 17"},
       {"a mask byte of 2", "d.bin.mask", std::string(16, '\1') + "\2", "byte 16 is 2"},
       {"a mask too short", "d.bin.mask", mask.substr(1), "one per token would be 17"},
       {"an unknown sidecar key", "d.bin.json", sidecar + R"(, "bos": true})", "unknown key \"bos\""},
