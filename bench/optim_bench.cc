@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/optim/adamw.h"
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/adamw.h"
+#include "optim/optimizer_step.h"
 
 namespace {
 // Fastest of `reps` timed runs after a warm-up (first touch of the pages): on a shared machine

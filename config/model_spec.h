@@ -89,7 +89,7 @@ struct ModelSpec {
   int64_t LayerWeightBytes(int l, int trainable_elem_bytes, int frozen_elem_bytes) const;
   // Row length of trainable parameter `p` when it is a tied matrix (exactly two gradient slots:
   // the tied embedding's input lookup and head), else 0. The optimizer sums its norm by rows and
-  // the layout may keep its lookup slot compact (coordinator/optim/optimizer_step.h,
+  // the layout may keep its lookup slot compact (optim/optimizer_step.h,
   // core::CompactLookupRows).
   int64_t TiedRowElems(int p) const;
 };

@@ -37,8 +37,8 @@
 #include <vector>
 
 #include "common/status.h"
-#include "coordinator/optim/async_optimizer.h"
-#include "coordinator/training_state.h"
+#include "optim/async_optimizer.h"
+#include "optim/training_state.h"
 #include "io/run_output.h"
 
 namespace rp::coord {

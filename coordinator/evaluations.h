@@ -29,7 +29,7 @@
 
 #include "common/status.h"
 #include "config/job_config.h"
-#include "coordinator/optim/async_optimizer.h"
+#include "optim/async_optimizer.h"
 #include "coordinator/run_window.h"
 #include "coordinator/worker_table.h"
 #include "protocol/messages.h"

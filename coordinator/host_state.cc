@@ -11,8 +11,8 @@
 
 #include "common/cores.h"
 #include "common/logging.h"
-#include "coordinator/optim/adamw.h"
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/adamw.h"
+#include "optim/optimizer_step.h"
 #include "io/hf_model.h"
 #include "io/peft.h"
 #include "protocol/codec.h"

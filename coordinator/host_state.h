@@ -24,8 +24,8 @@
 #include "common/status.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
-#include "coordinator/grad_arena.h"
-#include "coordinator/training_state.h"
+#include "optim/grad_arena.h"
+#include "optim/training_state.h"
 #include "io/data.h"
 #include "planning/plan.h"
 #include "shm/layout.h"
@@ -52,7 +52,7 @@ class HostState {
   const float* Weights(int p, int64_t version) const;
   // Frozen parameter f (LoRA base) as fp32, from its compute copy.
   void ReadFrozen(int f, float* out) const;
-  // What a training checkpoint holds (coordinator/training_state.h).
+  // What a training checkpoint holds (optim/training_state.h).
   std::vector<StateSection> Sections();
 
   shm::Segment& state() { return *state_; }

@@ -35,7 +35,7 @@
 #include "common/status.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
-#include "coordinator/optim/async_optimizer.h"
+#include "optim/async_optimizer.h"
 #include "planning/partitioner.h"
 #include "planning/plan.h"
 #include "planning/profile.h"

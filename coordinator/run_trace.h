@@ -23,7 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "coordinator/optim/async_optimizer.h"
+#include "optim/async_optimizer.h"
 #include "planning/plan.h"
 
 namespace rp::coord {

@@ -8,7 +8,7 @@
 
 #include "config/job_config.h"
 #include "config/model_spec.h"
-#include "coordinator/training_state.h"
+#include "optim/training_state.h"
 #include "fuzz/fuzz_files.h"
 #include "planning/partitioner.h"
 #include "shm/layout.h"

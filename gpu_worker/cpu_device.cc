@@ -3,7 +3,7 @@
 #include "rp_config.h"
 #include "common/logging.h"
 #include "common/test_hooks.h"
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/optimizer_step.h"
 #include "gpu_worker/device.h"
 
 #include <algorithm>

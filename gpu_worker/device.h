@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "coordinator/optim/adamw.h"
+#include "optim/adamw.h"
 #include "model/fused_kernels.h"
 #include "nodes/node_reduction.h"
 

@@ -6,7 +6,7 @@
 // consumes them. For blocks 1..N the worker that holds their gradients computes the next weights
 // on its own device (a few milliseconds there), and the next step's forward stages use those at
 // once, while the host updates the other blocks first. The host still updates blocks 1..N itself
-// (coordinator/optim/async_optimizer.h): it stays the only owner of masters and moments, and the
+// (optim/async_optimizer.h): it stays the only owner of masters and moments, and the
 // device's weights are a cache that a replacement worker simply lacks.
 //
 // Contract:

@@ -30,7 +30,7 @@
 #include "common/unique_fd.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
-#include "coordinator/training_state.h"
+#include "optim/training_state.h"
 #include "io/data.h"
 #include "io/peft.h"
 #include "planning/partitioner.h"

@@ -103,7 +103,7 @@ inline constexpr uint32_t kSegmentVersion = 4;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
 static_assert(kArenaAlign == core::kGradArenaAlign, "the gradient arena is sized in the segment's placement unit");
-// The optimizer's chunk of a parameter that is not row-summed (coordinator/optim/optimizer_step.h
+// The optimizer's chunk of a parameter that is not row-summed (optim/optimizer_step.h
 // checks that they agree): the unit of the gradient squares' table.
 inline constexpr int64_t kSquareChunkElems = int64_t{1} << 20;
 
@@ -141,7 +141,7 @@ struct LossScalerState {
 static_assert(sizeof(LossScalerState) == 32);
 
 // fp16's loss scales in the state segment, by step % kLossScaleRing. The coordinator's optimizer
-// writes them (coordinator/optim/async_optimizer.h says when); workers read only step_scale.
+// writes them (optim/async_optimizer.h says when); workers read only step_scale.
 //  * step_scale[s % ring]: what step s multiplies its loss by. Written when step s - 1 (exact) or
 //    s - 2 (stale1) has its norm, before any weights step s fetches are published (release), so a
 //    worker that has fetched them reads it (acquire). A slot is rewritten for step s + ring only

@@ -21,7 +21,7 @@
 #include "common/exit_status.h"
 #include "common/logging.h"
 #include "common/test_hooks.h"
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/optimizer_step.h"
 #include "io/data.h"
 #include "config/job_config.h"
 #include "config/lr_schedule.h"

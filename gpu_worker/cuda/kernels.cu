@@ -590,7 +590,7 @@ cudaError_t LaunchSwiGlu(const void* gate, const void* up, int64_t ld, const voi
   return cudaGetLastError();
 }
 
-// The bit-pattern rounding of the coordinator's FloatToBFloat16 (coordinator/optim/adamw.cc),
+// The bit-pattern rounding of the coordinator's FloatToBFloat16 (optim/adamw.cc),
 // not the hardware conversion: the two sources of bf16 weights (a compute copy the optimizer
 // wrote, or a master rounded here) must agree bit for bit, NaN payloads included.
 __device__ __forceinline__ uint32_t RoundBits(uint32_t bits) {

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "coordinator/optim/adamw_constants.h"
+#include "optim/adamw_constants.h"
 
 namespace rp::worker::kernels {
 

@@ -16,7 +16,7 @@
 
 #include "config/job_config.h"
 #include "config/model_spec.h"
-#include "coordinator/optim/adamw.h"
+#include "optim/adamw.h"
 #include "gpu_worker/cuda/fused_kernels.h"
 #include "gpu_worker/device.h"
 #include "model/fp8.h"

@@ -4,7 +4,7 @@
 #   tests/tools/include_order_test.sh SOURCE_DIR
 set -euo pipefail
 cd "$1"
-ORDER=(common config io planning protocol model shm nodes coordinator gpu_worker launcher tools bench tests)
+ORDER=(common config io planning protocol model shm nodes optim coordinator gpu_worker launcher tools bench tests fuzz)
 rank() {
   local i
   for i in "${!ORDER[@]}"; do [ "${ORDER[$i]}" = "$1" ] && { echo "$i"; return; }; done
@@ -22,6 +22,19 @@ for dir in "${ORDER[@]}"; do
       r=$(rank "$top")
       [ "$r" -lt 0 ] && continue   # not a project folder (a system or third-party header)
       if [ "$r" -gt "$mine" ]; then bad+="$f includes $inc ($top is above $dir)"$'\n'; fi
+    done < <(sed -n 's/^#include "\([a-z_]*\/[^"]*\)".*/\1/p' "$f")
+  done < <(find "$dir" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \) -print0)
+done
+# The programs' folders are peers, not layers: none includes another's headers (what two of them
+# share lives in a folder below them, as the optimizer and the training state in optim/).
+PROGRAMS=(coordinator gpu_worker launcher)
+for dir in "${PROGRAMS[@]}"; do
+  while IFS= read -r -d '' f; do
+    while IFS= read -r inc; do
+      top=${inc%%/*}
+      for other in "${PROGRAMS[@]}"; do
+        if [ "$top" = "$other" ] && [ "$other" != "$dir" ]; then bad+="$f includes $inc (program folders are peers)"$'\n'; fi
+      done
     done < <(sed -n 's/^#include "\([a-z_]*\/[^"]*\)".*/\1/p' "$f")
   done < <(find "$dir" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \) -print0)
 done

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/optim/adamw.h"
-#include "coordinator/optim/loss_scaler.h"
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/adamw.h"
+#include "optim/loss_scaler.h"
+#include "optim/optimizer_step.h"
 
 namespace rp::coord {
 namespace {

@@ -16,9 +16,9 @@
 #include <tuple>
 #include <vector>
 
-#include "coordinator/grad_arena.h"
-#include "coordinator/optim/async_optimizer.h"
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/grad_arena.h"
+#include "optim/async_optimizer.h"
+#include "optim/optimizer_step.h"
 #include "config/lr_schedule.h"
 #include "planning/partitioner.h"
 #include "planning/plan.h"

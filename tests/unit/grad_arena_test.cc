@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "coordinator/grad_arena.h"
+#include "optim/grad_arena.h"
 
 #include <gtest/gtest.h>
 

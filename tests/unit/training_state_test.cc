@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Training-state checkpoints in-process: checksums catch damage anywhere in a section, appended
 // or cut bytes are refused, and files written before checksums existed still load.
-#include "coordinator/training_state.h"
+#include "optim/training_state.h"
 
 #include <gtest/gtest.h>
 

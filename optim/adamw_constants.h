@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// AdamWConstants: the fp32 constants of one AdamW step (coordinator/optim/adamw.h makes them from
+// AdamWConstants: the fp32 constants of one AdamW step (optim/adamw.h makes them from
 // the step's hyperparameters). A POD with no includes beyond <cstdint>, so nvcc-compiled kernels
 // take the very values the CPU loops use.
 //

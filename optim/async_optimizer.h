@@ -100,9 +100,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "coordinator/grad_arena.h"
-#include "coordinator/optim/optimizer_step.h"
-#include "coordinator/optim/task_pool.h"
+#include "optim/grad_arena.h"
+#include "optim/optimizer_step.h"
+#include "optim/task_pool.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "shm/layout.h"

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "coordinator/optim/task_pool.h"
+#include "optim/task_pool.h"
 
 #include <algorithm>
 

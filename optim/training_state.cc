@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "coordinator/training_state.h"
+#include "optim/training_state.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "coordinator/optim/adamw.h"
+#include "optim/adamw.h"
 
 #include <atomic>
 #include <cmath>

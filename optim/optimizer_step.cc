@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "coordinator/optim/optimizer_step.h"
+#include "optim/optimizer_step.h"
 
 #include <cmath>
 

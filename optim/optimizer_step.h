@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "coordinator/optim/adamw.h"
+#include "optim/adamw.h"
 #include "config/job_config.h"
 #include "shm/layout.h"
 

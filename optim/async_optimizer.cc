@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "coordinator/optim/async_optimizer.h"
+#include "optim/async_optimizer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "common/logging.h"
 #include "common/time_util.h"
 #include "config/lr_schedule.h"
-#include "coordinator/optim/loss_scaler.h"
+#include "optim/loss_scaler.h"
 
 namespace rp::coord {
 

@@ -15,7 +15,7 @@
 #include <functional>
 
 #include "common/parallel.h"
-#include "coordinator/optim/adamw_constants.h"
+#include "optim/adamw_constants.h"
 
 namespace rp::coord {
 
