@@ -66,11 +66,13 @@ print(json.dumps({
   "workers": int(n), "steps": len(steps), "first_step": first,
   "steady_steps": [steady[0]["step"], steady[-1]["step"]],
   "tokens_per_s_steady": round(tps, 1), "tokens_per_s_whole_run": round(summ["tokens_per_s"], 1),
-  "mfu_steady": round(6 * total * tps / (790e12 * int(n)), 4),  # per GPU, all model parameters
+  # MFU on the H100/H200 dense bf16 peak papers use (989 TFLOP/s), said in the row.
+  "mfu_peak_tflops": 989,
+  "mfu_steady": round(6 * total * tps / (989e12 * int(n)), 4),  # per GPU, all model parameters
   # The same with causal attention's matmuls (QK^T and PV over s/2 keys on average, forward and
   # backward): 6 N + 6 L s d_attn per token; long sequences are judged by this one.
   "mfu_attention_steady": round((6 * total + 6 * summ.get("num_layers", 0) * summ.get("seq_len", 0) *
-                                 summ.get("attention_dim", 0)) * tps / (790e12 * int(n)), 4),
+                                 summ.get("attention_dim", 0)) * tps / (989e12 * int(n)), 4),
   "bubble_ratio_steady": round(sum(s.get("bubble_ratio", 0) for s in steady) / len(steady), 4),
   "h2d_gb_per_s_steady": round(sum(s.get("h2d_bytes", 0) for s in steady) / t / 1e9, 2),
   "step_time_s_steady": round(t / len(steady), 3), "trainable_params": params, "model_params": total,

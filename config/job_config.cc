@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <optional>
+#include <regex>
 #include <functional>
 #include <limits>
 #include <map>
@@ -1097,25 +1098,29 @@ toml::table ResolvedTable(const JobConfig& config) {
   return root;
 }
 
-// The shortest decimal that reads back as `v`.
+// The shortest decimal that reads back as `v`: positional (600, 0.003) between 1e-4 and 1e15,
+// with an exponent (1e-06) outside.
 std::string ShortestDecimal(double v) {
-  char buf[40];
-  for (int digits = 1; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+  char buf[64];
+  const double magnitude = std::fabs(v);
+  const bool positional = magnitude == 0.0 || (magnitude >= 1e-4 && magnitude < 1e15);
+  for (int digits = positional ? 0 : 1; digits <= 24; ++digits) {
+    std::snprintf(buf, sizeof(buf), positional ? "%.*f" : "%.*g", digits, v);
     if (std::strtod(buf, nullptr) == v) break;
   }
   return buf;
 }
 
 // The keys of the run-defining sections that do not decide the trajectory: its length and
-// cadence, where its files are, and how fast it goes.
+// cadence, where its files are, how fast it goes and where the optimizer state lives (sharded
+// across nodes or replicated: the same bits).
 bool LeavesTrajectoryAlone(const std::string& name) {
   static const char* const kKeys[] = {
       "model.path",          "data.eval_path",         "train.steps",         "train.epochs",
       "train.stop_after",    "train.eval_every",       "train.eval_microbatches", "train.loss_chunk_tokens",
       "train.mlp_tile_tokens", "train.layer_recompute", "optimizer.gradients_wait_in",
       "optimizer.speculative_update", "optimizer.device_update_blocks", "optimizer.grad_buffer_mb",
-      "lora.export"};
+      "optimizer.state", "lora.export"};
   return std::find(std::begin(kKeys), std::end(kKeys), name) != std::end(kKeys);
 }
 }  // namespace
@@ -1167,10 +1172,24 @@ std::vector<std::string> RunDifferences(const RunRecord& checkpoint, const RunRe
 
 std::string JobToml(const JobConfig& config) {
   const toml::table root = ResolvedTable(config);
+  std::ostringstream text;
+  text << toml::toml_formatter(root);
+  // toml++ writes every float with 17 significant digits (lr = 0.0030000000000000001); each is
+  // written as the shortest decimal that reads back as the same double, still a TOML float.
+  static const std::regex kFloatLine(R"(^(\s*[A-Za-z0-9_]+ = )([-+]?[0-9]+(\.[0-9]+)?(e[-+]?[0-9]+)?)$)");
   std::ostringstream out;
   out << "# The job as rp-launch resolved it: every key, defaults included (paths absolute).\n"
-         "# Loadable as a job file; rp-launch --resume DIR reads the copy in the run's directory.\n\n"
-      << toml::toml_formatter(root) << "\n";
+         "# Loadable as a job file; rp-launch --resume DIR reads the copy in the run's directory.\n\n";
+  std::istringstream lines(text.str());
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, kFloatLine) && (m[3].matched || m[4].matched)) {
+      std::string shortest = ShortestDecimal(std::strtod(m[2].str().c_str(), nullptr));
+      if (shortest.find_first_of(".e") == std::string::npos) shortest += ".0";
+      line = m[1].str() + shortest;
+    }
+    out << line << "\n";
+  }
   return out.str();
 }
 

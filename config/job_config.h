@@ -362,10 +362,10 @@ std::string JobToml(const JobConfig& config);
 
 // The values of the keys that decide a run's trajectory, as "section.key" -> the value as a job
 // file spells it: the model, data, training, optimizer and adapter keys, less the run's length
-// (train.steps, train.epochs, train.stop_after), its evaluation cadence, file locations and the
-// keys that change only speed. data.path is recorded by file name and size (a run and its data
-// may move). Every training checkpoint records them; --resume refuses another run's checkpoint
-// by comparing them.
+// (train.steps, train.epochs, train.stop_after), its evaluation cadence, file locations, the
+// keys that change only speed and where the optimizer state lives. data.path is recorded by file
+// name and size (a run and its data may move). Every training checkpoint records them; --resume
+// refuses another run's checkpoint by comparing them.
 using RunRecord = std::map<std::string, std::string>;
 RunRecord RunDefiningValues(const JobConfig& config);
 // One line per key whose value differs, or that only one side records:
