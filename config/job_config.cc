@@ -305,6 +305,10 @@ const std::vector<KeySpec>& Table() {
             "debugger holding it: state T in /proc) is waited for up to this long, with a log line "
             "every job.worker_timeout_s, and the run goes on unchanged once it continues; past it, "
             "it is treated as hung. 0 = treated as hung at once"),
+      Float("job", "device_memory_limit_gib", F(job.device_memory_limit_gib), 0.0, 0.0, 1e6,
+            "Caps each CUDA worker's caching allocator at this many GiB (a per-process memory "
+            "fraction), and the planner plans for it (schedule.gpu_memory_gb becomes at most this): a "
+            "smaller card on a larger one. 0 = the whole device. CUDA workers only"),
       Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 5.0, 86400.0,
             "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
             "this long (process killed, host gone, network cut) stops every other node, each naming "
@@ -713,6 +717,9 @@ Status ReadBenchKnobs(BenchKnobs* k) {
 }
 
 Status CrossValidate(const JobConfig& c) {
+  if (c.job.device_memory_limit_gib > 0 && c.job.device == DeviceKind::kCpu)
+    return Status::InvalidArgument("job.device_memory_limit_gib: caps a CUDA worker's device memory, and "
+                                   "job.device = \"cpu\" has none; leave it 0 or use CUDA workers");
   const auto& m = c.model;
   if (m.moe.num_experts > 0 && m.path.empty()) {
     if (m.moe.experts_per_token > m.moe.num_experts)
@@ -1395,6 +1402,11 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     cfg.model.model_type = cfg.model.moe.num_experts > 0 ? "qwen3_moe" : cfg.model.qk_norm ? "qwen3" : "llama";
   }
   if (cfg.checkpoint.export_dtype == ExportDtype::kAuto) cfg.checkpoint.export_dtype = ExportDtype::kFloat32;
+  // A device memory limit is a smaller card: the planner plans for it, decided here once.
+  if (cfg.job.device_memory_limit_gib > 0) {
+    const double limit_gb = cfg.job.device_memory_limit_gib * 1073741824.0 / 1e9;
+    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > limit_gb) cfg.schedule.gpu_memory_gb = limit_gb;
+  }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {

@@ -293,6 +293,7 @@ struct JobOptions {
   int64_t max_worker_restarts = 3;  // replacements the launcher starts for dead workers
   double worker_timeout_s = 60.0;   // a worker silent this long is declared hung; 0 = never
   double stopped_timeout_s = 600.0; // a stopped (SIGSTOP, debugger) process is waited for this long
+  double device_memory_limit_gib = 0.0;  // each CUDA worker's allocator cap; 0 = the whole device
   double node_timeout_s = 60.0;     // several nodes: a node silent this long stops the others
 };
 

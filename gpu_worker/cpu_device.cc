@@ -216,7 +216,7 @@ std::unique_ptr<Device> MakeCpuDevice() { return std::make_unique<CpuDevice>(); 
 
 #if !RP_WITH_CUDA
 int CudaDeviceCount() { return 0; }
-StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, void*, uint64_t) {
+StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, void*, uint64_t, uint64_t) {
   return Status::InvalidArgument("job.device: \"cuda\" requested, but this build has no CUDA "
                                  "backend (configure against a CUDA LibTorch with the CUDA toolkit)");
 }

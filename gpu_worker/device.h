@@ -169,7 +169,10 @@ std::unique_ptr<Device> MakeCpuDevice();
 int CudaDeviceCount();
 // The CUDA backend for device `index`, with the shared segment [base, base + bytes) pinned for
 // DMA. Unavailable in builds without CUDA.
-StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes);
+// `memory_limit_bytes` > 0 caps LibTorch's caching allocator on the device at that many bytes
+// (job.device_memory_limit_gib); a limit above the device's memory is refused.
+StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes,
+                                                 uint64_t memory_limit_bytes = 0);
 
 // Several nodes with CUDA workers: worker `worker_rank`'s group for `purpose` over NCCL (c10d's
 // ProcessGroupNCCL), its tensors on GPU `device_index`, on the store nodes::NodeReduction::Join

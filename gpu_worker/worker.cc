@@ -709,7 +709,8 @@ Status Worker::Run() {
   }
   if (use_cuda_) {
     // Worker i uses GPU i mod the device count; N workers may share one GPU.
-    RP_ASSIGN_OR_RETURN(device_, MakeCudaDevice(opts_.rank % gpus, segment_->data(), segment_->size()));
+    RP_ASSIGN_OR_RETURN(device_, MakeCudaDevice(opts_.rank % gpus, segment_->data(), segment_->size(),
+                                                    static_cast<uint64_t>(cfg_.job.device_memory_limit_gib * 1073741824.0)));
   } else {
     device_ = MakeCpuDevice();
   }

@@ -27,13 +27,13 @@ static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 168);
 static_assert(sizeof(CheckpointConfig) == 104);
 static_assert(sizeof(BenchKnobs) == 24);
-static_assert(sizeof(JobOptions) == 104);
+static_assert(sizeof(JobOptions) == 112);
 static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 88);
 static_assert(sizeof(MetricsConfig) == 2);
 
 namespace {
-constexpr int kSpecVersion = 7;
+constexpr int kSpecVersion = 8;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -97,7 +97,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace, tensorboard)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,
                                    fused_norms, grouped_experts, optimizer_threads, optimizer_rest_threads)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s,
-                                   stopped_timeout_s, node_timeout_s)
+                                   stopped_timeout_s, device_memory_limit_gib, node_timeout_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodesConfig, count, rank, store_host, store_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule, checkpoint,
                                    metrics, bench, nodes, source_path)

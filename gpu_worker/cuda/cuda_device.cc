@@ -757,10 +757,23 @@ int CudaDeviceCount() {
   return n;
 }
 
-StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes) {
+StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes, uint64_t memory_limit_bytes) {
   if (!at::hasCUDA())
     return Status::Internal("LibTorch reports no CUDA support (is libtorch_cuda linked?)");
   RP_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
+  if (memory_limit_bytes > 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    RP_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (memory_limit_bytes > total_bytes)
+      return Status::InvalidArgument("job.device_memory_limit_gib: " + std::to_string(memory_limit_bytes >> 20) +
+                                     " MiB is more than GPU " + std::to_string(index) + "'s " +
+                                     std::to_string(total_bytes >> 20) + " MiB");
+    // The allocator refuses (out of memory) past this share of the device, as a smaller card would.
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(
+        static_cast<double>(memory_limit_bytes) / static_cast<double>(total_bytes), static_cast<c10::DeviceIndex>(index));
+    RP_LOG(INFO) << "device memory capped at " << (memory_limit_bytes >> 20) << " MiB of " << (total_bytes >> 20)
+                 << " MiB (job.device_memory_limit_gib)";
+  }
   RP_ASSIGN_OR_RETURN(auto reg, HostRegistration::Create(base, bytes));
   auto dev = std::make_unique<CudaDevice>(index, std::move(reg));
   RP_RETURN_IF_ERROR(dev->Init());

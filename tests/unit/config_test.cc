@@ -165,6 +165,24 @@ TEST(JobConfig, Fp8IsBf16WithE4m3ProductsOnCudaWorkers) {
   ExpectError(kValid, "train.dtype: \"fp8\" multiplies", {"train.dtype=fp8", "job.device=cuda"});
 }
 
+TEST(JobConfig, ADeviceMemoryLimitIsTheBudgetThePlannerPlansFor) {
+  // 22 GiB is 23.62 GB: the planner's budget where none was given, or where a larger one was;
+  // a smaller budget stays. CPU workers have no device memory to cap.
+  auto c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 22 * 1.073741824, 1e-9);
+  c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=80"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 22 * 1.073741824, 1e-9);
+  c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=20"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->schedule.gpu_memory_gb, 20);
+  c = Parse(kValid, {"job.device=cuda"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->schedule.gpu_memory_gb, 0);
+  ExpectError(kValid, "job.device_memory_limit_gib: caps a CUDA worker's", {"job.device=cpu", "job.device_memory_limit_gib=22"});
+}
+
 TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
