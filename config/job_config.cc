@@ -595,7 +595,9 @@ const std::vector<KeySpec>& Table() {
            "tail size (up to 3 blocks; with schedule.gpu_memory_gb, up to every block, beyond 8 in steps "
            "of about a third) "
            "and both partitions minimizing the simulated step time (from the measured "
-           "profile when there is one, else a FLOP cost model; rp-plan shows its choice)"),
+           "profile when there is one, else a FLOP cost model; rp-plan shows its choice); where no "
+           "split into a few stages fits schedule.gpu_memory_gb, finer ones, down to a block per "
+           "stage"),
       Str("schedule", "profile", F(schedule.profile), "",
           "Measured profile (profile.json) the auto planner uses; empty: rp-launch uses "
           "<output_dir>/profile.json when it exists and matches the workload, else the FLOP "

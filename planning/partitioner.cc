@@ -26,7 +26,7 @@ constexpr int kFrontStageLayers = 6;
 // layers are few (the search is then exact), else the equal and the min-max split for each stage
 // count up to max_parts (and with `front_loaded`, the same after each short first stage).
 std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, int max_parts,
-                                             bool front_loaded = false) {
+                                             bool front_loaded = false, bool finer = false) {
   const int t = static_cast<int>(costs.size());
   std::vector<std::vector<int>> out;
   if (t <= kExhaustiveLayers) {
@@ -42,7 +42,22 @@ std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, i
     out.push_back(EqualCuts(t, p));
     out.push_back(MinMaxPartition(costs, p));
   }
-  if (!front_loaded) return out;
+  // Finer: more stages than the pipeline needs, for a budget that the coarse splits' working sets
+  // overflow (a stage's recompute holds every block's activations at once). Steps of about a
+  // third up to one layer per stage, which is the smallest working set a split can have.
+  if (finer)
+    for (int p = max_parts; p < t;) {
+      p = std::min(t, std::max(p + 1, p * 4 / 3));
+      out.push_back(EqualCuts(t, p));
+      out.push_back(MinMaxPartition(costs, p));
+    }
+  if (!front_loaded) {
+    if (finer) {
+      std::sort(out.begin(), out.end());
+      out.erase(std::unique(out.begin(), out.end()), out.end());
+    }
+    return out;
+  }
   // A short first stage, then the equal and min-max splits of the rest: in exact mode the next
   // step's first stage waits for the update of all its layers after the step's last gradient,
   // while later stages find theirs done (the optimizer runs ahead of the forward), so a short
@@ -422,6 +437,10 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   double smallest_memory = std::numeric_limits<double>::infinity();
   JobConfig probe = c;
   probe.schedule.partition = core::Partition::kEqual;
+  // One search over tails and both sides' splits; `finer` adds stage counts beyond the
+  // pipeline's needs (SideCandidates), tried only when no coarse plan fits the budget, so a job
+  // that fits keeps the plan it had and its search time.
+  auto search = [&](bool finer) {
   double previous_tail_best = std::numeric_limits<double>::infinity();
   for (int tail : TailCandidates(L, limit > 0)) {
     const int t = L + 1 - tail;  // layers before the tail
@@ -431,8 +450,8 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
     std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
     // Kept blocks under this tail cost their backward only: the backward cuts balance that.
     for (int l = KeptStart(probe, t); l < t; ++l) b_layers[l] = profile.layers[l].backward_s;
-    for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true))
-      for (const auto& bc : SideCandidates(b_layers, 3 * workers + 3)) {
+    for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true, finer))
+      for (const auto& bc : SideCandidates(b_layers, 3 * workers + 3, /*front_loaded=*/false, finer)) {
         // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
         probe.schedule.forward_stages = static_cast<int>(fc.size());
         probe.schedule.backward_stages = static_cast<int>(bc.size());
@@ -467,6 +486,9 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
     if (L > kEveryTailUpTo && tail > kTailsWithoutBudget && !(tail_best < previous_tail_best)) break;
     previous_tail_best = tail_best;
   }
+  };
+  search(/*finer=*/false);
+  if (best_jobs == std::numeric_limits<int>::max() && limit > 0) search(/*finer=*/true);
   if (best_jobs == std::numeric_limits<int>::max())
     return Status::InvalidArgument(
         "schedule.gpu_memory_gb: no plan fits in " + std::to_string(c.schedule.gpu_memory_gb) +

@@ -11,7 +11,10 @@
 // simulates the round-robin schedule (planning/simulator.h) with per-layer costs, drops plans
 // whose estimated per-worker memory exceeds schedule.gpu_memory_gb, and keeps the one with the
 // shortest steady-state step (fewer stages on ties). Forward cuts are split on forward costs,
-// backward cuts on recompute + backward costs.
+// backward cuts on recompute + backward costs. Stage counts go up to what keeps the workers busy
+// (2W + 2 forward, 3W + 3 backward); only when none of those plans fits the budget does a second
+// search add counts up to a layer per stage, the smallest working set a split can have (a deep
+// model on a small card).
 //
 // Costs come from the measured profile named by schedule.profile (planning/profile.h; the launcher
 // points it at a copy of <output_dir>/profile.json so every process of a run reads the same

@@ -244,6 +244,53 @@ TEST(Partitioner, LongerTailsAreSearchedWhileTheyPay) {
   EXPECT_LE(unbounded->plan.num_layers - 1 - unbounded->plan.tail_start, 3) << unbounded->plan.Describe();
 }
 
+// A deep model under a budget that every split into the pipeline's few stages overflows (a stage's
+// recompute holds all its blocks' activations at once): the planner splits finer, down to a
+// block per stage if need be, and its plan fits; a budget below the one-block-per-stage plan is
+// still refused, naming the smallest estimate.
+TEST(Partitioner, ABudgetOnlyFineSplitsMeetIsMetBySplittingFiner) {
+  JobConfig c = Small(24);
+  // CUDA's fused attention keeps no scores; long microbatches and a small head: the blocks'
+  // recompute activations dominate, as in a 32B-class LoRA job on a 24 GB card.
+  c.job.device = core::DeviceKind::kCuda;
+  c.model.vocab_size = 256;
+  c.data.seq_len = 512;
+  c.train.microbatch_size = 8;
+  JobConfig finest = c;
+  finest.schedule.partition = core::Partition::kEqual;
+  finest.schedule.tail_blocks = 0;
+  finest.schedule.forward_stages = 25;
+  finest.schedule.backward_stages = 25;
+  auto finest_plan = BuildPlan(finest);
+  ASSERT_TRUE(finest_plan.ok()) << finest_plan.status().ToString();
+  const double finest_peak = PredictPlan(finest, *finest_plan, DefaultCostModel(c), 1).peak_memory_bytes;
+  // The smallest peak among the splits into at most 6 backward stages (what the coarse search
+  // tries with one worker): the budget sits between it and the finest plan's.
+  double coarse_smallest = std::numeric_limits<double>::infinity();
+  for (int b = 1; b <= 6; ++b)
+    for (int f = 1; f <= 4; ++f)
+      for (int tail = 0; tail <= 8; ++tail) {
+        finest.schedule.tail_blocks = tail;
+        finest.schedule.forward_stages = f;
+        finest.schedule.backward_stages = b;
+        auto plan = BuildPlan(finest);
+        ASSERT_TRUE(plan.ok());
+        coarse_smallest = std::min(coarse_smallest, PredictPlan(finest, *plan, DefaultCostModel(c), 1).peak_memory_bytes);
+      }
+  ASSERT_LT(finest_peak * 1.2, coarse_smallest) << "the case does not need finer splits";
+  c.schedule.gpu_memory_gb = (finest_peak + coarse_smallest) / 2 / 1e9;
+  auto choice = ChoosePlan(c, 1);
+  ASSERT_TRUE(choice.ok()) << choice.status().ToString();
+  EXPECT_LE(choice->peak_memory_bytes, c.schedule.gpu_memory_gb * 1e9) << choice->plan.Describe();
+  int backward_stages = 0;
+  for (const auto& s : choice->plan.stages) backward_stages += s.kind == StageKind::kBackward;
+  EXPECT_GT(backward_stages, 6) << choice->plan.Describe();
+  c.schedule.gpu_memory_gb = finest_peak * 0.9 / 1e9;
+  auto refused = ChoosePlan(c, 1);
+  ASSERT_FALSE(refused.ok()) << refused->plan.Describe();
+  EXPECT_NE(refused.status().message().find("no plan fits"), std::string::npos) << refused.status().ToString();
+}
+
 // Small(layers) as one forward stage, a tail of one block and one backward stage, equal cuts.
 JobConfig OneStageOfEachKind(int layers) {
   JobConfig c = Small(layers);
