@@ -339,17 +339,26 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
     header["shard"] = shard.rank;
     header["shards"] = shard.count;
   }
-  // Offsets depend on the header's length, which depends on the offsets' digits: reserve room.
-  uint64_t offset = AlignUp(16 + 4096 + 128 * sections.size());
   nlohmann::json list = nlohmann::json::array();
-  for (const auto& s : sections) {
-    list.push_back({{"name", s.name}, {"offset", offset}, {"bytes", s.bytes},
+  for (const auto& s : sections)
+    list.push_back({{"name", s.name}, {"offset", 0}, {"bytes", s.bytes},
                     {"crc32_chunk_bytes", kCrcChunk}, {"crc32", ChunkCrcs(s.data, s.bytes, checksum_threads)}});
-    offset = AlignUp(offset + s.bytes);
-  }
   if (stats) stats->checksum_s = since();
-  header["sections"] = list;
-  const std::string text = header.dump();
+  // The sections start after the header, whose length (a checksum per chunk: 16 KB for a 98 GB
+  // state) depends on the offsets' digits: placed after the header as it would be, until the
+  // offsets no longer lengthen it.
+  uint64_t first = 0, offset = 0;
+  std::string text;
+  for (uint64_t room = 0; first == 0 || 16 + text.size() > first; room = 16 + text.size()) {
+    first = AlignUp(room + 1);
+    offset = first;
+    for (auto& e : list) {
+      e["offset"] = offset;
+      offset = AlignUp(offset + e["bytes"].get<uint64_t>());
+    }
+    header["sections"] = list;
+    text = header.dump();
+  }
   const std::string final_path = (fs::path(dir) / FileName(steps_done, shard)).string();
   {
     RP_ASSIGN_OR_RETURN(core::AtomicFile f, core::AtomicFile::Create(final_path, 0600));

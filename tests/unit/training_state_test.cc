@@ -71,6 +71,25 @@ TEST_F(TrainingStateTest, AFlippedByteOrExtraBytesAreRefusedNamingTheSection) {
   EXPECT_TRUE(Read(path).ok());
 }
 
+// The header grows with the state: one checksum per 64 MiB chunk (a 98 GB state lists about
+// 1,500 of them, 16 KB of header) and the run's recorded keys. However long it is, the sections
+// start after it, so every byte of both reads back.
+TEST_F(TrainingStateTest, AHeaderLongerThanAPageIsNotOverwrittenByTheSections) {
+  core::RunRecord run;
+  for (int i = 0; i < 400; ++i) run["key." + std::to_string(i)] = std::string(60, static_cast<char>('a' + i % 26));
+  ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, run, Sections(optim_, compute_), 2).ok());
+  const std::string path = dir_ + "/step-00000002.rpstate";
+  auto file = FindLatestTrainingState(dir_);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  auto read_run = ReadRunRecord(*file);
+  ASSERT_TRUE(read_run.ok()) << read_run.status().ToString();
+  EXPECT_EQ(*read_run, run);
+  std::vector<uint8_t> a(optim_.size()), b(compute_.size());
+  ASSERT_TRUE(ReadTrainingState(*file, 77, false, Sections(a, b)).ok());
+  EXPECT_EQ(a, optim_);
+  EXPECT_EQ(b, compute_);
+}
+
 TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
   // The layout before checksums: the same header without them.
   const uint64_t off = 4096, end = 4096 * ((off + optim_.size() + 4095) / 4096);
