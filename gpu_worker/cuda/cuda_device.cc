@@ -768,6 +768,9 @@ StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t
       return Status::InvalidArgument("job.device_memory_limit_gib: " + std::to_string(memory_limit_bytes >> 20) +
                                      " MiB is more than GPU " + std::to_string(index) + "'s " +
                                      std::to_string(total_bytes >> 20) + " MiB");
+    // The caching allocator is set up by LibTorch's lazy CUDA initialization, which the first
+    // tensor on the device runs; a fraction set before it is refused.
+    (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index))));
     // The allocator refuses (out of memory) past this share of the device, as a smaller card would.
     c10::cuda::CUDACachingAllocator::setMemoryFraction(
         static_cast<double>(memory_limit_bytes) / static_cast<double>(total_bytes), static_cast<c10::DeviceIndex>(index));
