@@ -307,8 +307,9 @@ const std::vector<KeySpec>& Table() {
             "it is treated as hung. 0 = treated as hung at once"),
       Float("job", "device_memory_limit_gib", F(job.device_memory_limit_gib), 0.0, 0.0, 1e6,
             "Caps each CUDA worker's caching allocator at this many GiB (a per-process memory "
-            "fraction), and the planner plans for it (schedule.gpu_memory_gb becomes at most this): a "
-            "smaller card on a larger one. 0 = the whole device. CUDA workers only"),
+            "fraction), and the planner plans for it (schedule.gpu_memory_gb becomes at most 85% of it, "
+            "the rest left for what its estimate leaves out): a smaller card on a larger one. 0 = the "
+            "whole device. CUDA workers only"),
       Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 5.0, 86400.0,
             "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
             "this long (process killed, host gone, network cut) stops every other node, each naming "
@@ -1404,10 +1405,13 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     cfg.model.model_type = cfg.model.moe.num_experts > 0 ? "qwen3_moe" : cfg.model.qk_norm ? "qwen3" : "llama";
   }
   if (cfg.checkpoint.export_dtype == ExportDtype::kAuto) cfg.checkpoint.export_dtype = ExportDtype::kFloat32;
-  // A device memory limit is a smaller card: the planner plans for it, decided here once.
+  // A device memory limit is a smaller card: the planner plans for it, decided here once. The
+  // allocator refuses past the limit itself, so the plan keeps a share of it for what the
+  // planner's estimate leaves out (the allocator's fragmentation, short-lived temporaries).
   if (cfg.job.device_memory_limit_gib > 0) {
-    const double limit_gb = cfg.job.device_memory_limit_gib * 1073741824.0 / 1e9;
-    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > limit_gb) cfg.schedule.gpu_memory_gb = limit_gb;
+    constexpr double kPlannedShareOfLimit = 0.85;
+    const double planned_gb = kPlannedShareOfLimit * cfg.job.device_memory_limit_gib * 1073741824.0 / 1e9;
+    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > planned_gb) cfg.schedule.gpu_memory_gb = planned_gb;
   }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));

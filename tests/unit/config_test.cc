@@ -166,14 +166,14 @@ TEST(JobConfig, Fp8IsBf16WithE4m3ProductsOnCudaWorkers) {
 }
 
 TEST(JobConfig, ADeviceMemoryLimitIsTheBudgetThePlannerPlansFor) {
-  // 22 GiB is 23.62 GB: the planner's budget where none was given, or where a larger one was;
-  // a smaller budget stays. CPU workers have no device memory to cap.
+  // 22 GiB is 23.62 GB, of which the planner plans for 85% where no budget was given, or where a
+  // larger one was; a smaller budget stays. CPU workers have no device memory to cap.
   auto c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22"});
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_NEAR(c->schedule.gpu_memory_gb, 22 * 1.073741824, 1e-9);
-  c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=80"});
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 22 * 1.073741824, 1e-9);
+  c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=23"});
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_NEAR(c->schedule.gpu_memory_gb, 22 * 1.073741824, 1e-9);
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 22 * 1.073741824, 1e-9);
   c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=20"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->schedule.gpu_memory_gb, 20);
