@@ -647,6 +647,15 @@ const std::vector<KeySpec>& Table() {
           "Checkpoint directory, relative to job.output_dir"),
       Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,
           "Newest training-state checkpoints kept; older ones are deleted after a new one is safely on disk"),
+      Float("checkpoint", "memory_gb", F(checkpoint.memory_gb), -1.0, -1.0, 1e6,
+            "Host memory (GB) that periodic checkpoints' copies of the training state may take, so "
+            "they are written while training goes on: two whole copies where they fit, else one, "
+            "else one partial copy: the parameters updated first are copied and the rest are "
+            "written from the live state in update order, each one's next update waiting until "
+            "its bytes are in the file (the same file and bits either way; never slower than "
+            "writing on the loop). -1 = from the host's available memory (whole copies with a "
+            "quarter to spare, else half of it); 0 = nothing copied. Sharded state (several "
+            "nodes) is copied whole or written on the loop"),
 
       Bool("metrics", "trace", F(metrics.trace), true, "Write trace.json (Chrome/Perfetto format)"),
       Bool("metrics", "tensorboard", F(metrics.tensorboard), true,

@@ -259,6 +259,7 @@ struct CheckpointConfig {
   int64_t every = 0;             // steps between checkpoints; 0 = none (but see train.stop_after)
   std::string dir = "checkpoints";
   int64_t keep = 2;              // newest checkpoints kept
+  double memory_gb = -1.0;       // host memory for the background copy; < 0 = from MemAvailable
   std::string export_hf;         // HF directory written after the last step (relative to output_dir)
   int64_t export_shard_mb = 5000;  // export_hf shards above this size; 0 = one file
   // The export's tensors; a parsed job holds kAuto resolved (the base's dtype, else float32).

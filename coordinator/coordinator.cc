@@ -345,13 +345,17 @@ Status Coordinator::StartParts() {
   // Else only a final checkpoint, written on the loop.
   writer.background = cfg_.checkpoint.every > 0 && WritesCheckpoints();
   if (layout_.sharded) writer.shard = {static_cast<int>(cfg_.nodes.rank), static_cast<int>(cfg_.nodes.count)};
+  if (cfg_.checkpoint.memory_gb >= 0) writer.memory_bytes = static_cast<int64_t>(cfg_.checkpoint.memory_gb * 1e9);
+  writer.params = host_->Placements();
+  writer.update_order = optimizer_->UpdateOrder();
   writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
   if (cfg_.checkpoint.every > 0)
     RP_LOG(INFO) << "checkpoints are written "
-                 << (writer_->copies() > 0 ? "from " + std::to_string(writer_->copies()) +
-                                                 " copies of the state, in the background"
-                                           : std::string("on the coordinator's loop (a copy of the state would not fit "
-                                                         "the host's available memory)"));
+                 << (writer_->in_place_bytes() > 0 ? std::string("from a partial copy of the state and the live state")
+                     : writer_->copies() > 0       ? "from " + std::to_string(writer_->copies()) +
+                                                   " copies of the state, in the background"
+                                                   : std::string("on the coordinator's loop (a copy of the state would not "
+                                                                 "fit checkpoint.memory_gb or the host's available memory)"));
   return Status::Ok();
 }
 

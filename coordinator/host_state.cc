@@ -119,6 +119,22 @@ std::vector<StateSection> HostState::Sections() {
   return sections;
 }
 
+std::vector<std::vector<CheckpointWriter::Placement>> HostState::Placements() const {
+  if (layout_.sharded) return {};
+  std::vector<std::vector<CheckpointWriter::Placement>> out(spec_.params.size());
+  const uint64_t region = layout_.compute_end - layout_.compute_begin;
+  for (size_t p = 0; p < spec_.params.size(); ++p) {
+    const uint64_t n = static_cast<uint64_t>(spec_.params[p].numel) * 4;
+    if (!layout_.masters_in_state) out[p].push_back({0, layout_.master[p], n});
+    if (!layout_.adam_m.empty()) out[p].push_back({0, layout_.adam_m[p], n});
+    if (!layout_.adam_v.empty()) out[p].push_back({0, layout_.adam_v[p], n});
+    const uint64_t weights = static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
+    for (int b = 0; b < layout_.compute_buffers; ++b)
+      out[p].push_back({1, layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region, weights});
+  }
+  return out;
+}
+
 namespace {
 
 // ToComputeCopy over every core: at start-up a large model's compute copy is the first write to

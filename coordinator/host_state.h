@@ -24,6 +24,7 @@
 #include "common/status.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
+#include "coordinator/checkpoint_writer.h"
 #include "optim/grad_arena.h"
 #include "optim/training_state.h"
 #include "io/data.h"
@@ -54,6 +55,10 @@ class HostState {
   void ReadFrozen(int f, float* out) const;
   // What a training checkpoint holds (optim/training_state.h).
   std::vector<StateSection> Sections();
+  // Per parameter, where its bytes lie in Sections() (master, moments, each compute-copy buffer):
+  // what a partial checkpoint copy holds back parameter by parameter. Empty with sharded state,
+  // whose compute shares are packed.
+  std::vector<std::vector<CheckpointWriter::Placement>> Placements() const;
 
   shm::Segment& state() { return *state_; }
   shm::Segment& optim() { return *optim_; }

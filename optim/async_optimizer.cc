@@ -48,6 +48,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   if (layout.loss_scaling != 0) scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
   cur_.slots_left.assign(spec.params.size(), 0);
   cur_.param_chunks_left = std::vector<std::atomic<int64_t>>(spec.params.size());
+  hold_.held = std::vector<std::atomic<uint8_t>>(spec.params.size());
   cur_.layer_params_left = std::vector<std::atomic<int>>(spec.NumLayers());
   cur_.param_rest_chunks_left = std::vector<std::atomic<int64_t>>(spec.params.size());
   geo_.param_chunks.resize(spec.params.size());
@@ -307,7 +308,7 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
     cur_.partial[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
     if (Speculates(c.param)) {
       // Before the count below: OnNormsDone, on whichever thread counts last, reads the flag.
-      WaitIfHeld(step);
+      WaitIfHeld(step, c.param);
       UpdateElems(step, c.param, c.begin, c.end, UpdateWrites::kFetched, Unclipped(step));
       cur_.speculated[chunk] = 1;
     }
@@ -482,7 +483,7 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
 }
 
 void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows, UpdateWrites writes) {
-  WaitIfHeld(step);
+  WaitIfHeld(step, geo_.lookup_param);
   for (const auto& [begin, end] : ranges) UpdateElems(step, geo_.lookup_param, begin, end, writes);
   if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) StoreLookupVersion(step);
   if (cur_.param_chunks_left[geo_.lookup_param].fetch_sub(1, std::memory_order_acq_rel) == 1)
@@ -495,20 +496,59 @@ void AsyncOptimizer::StoreLookupVersion(int64_t step) {
   version->store(static_cast<uint64_t>(step + 1), std::memory_order_release);
 }
 
-void AsyncOptimizer::HoldUpdatesFrom(int64_t step) { hold_.from.store(step, std::memory_order_release); }
+void AsyncOptimizer::HoldUpdatesFrom(int64_t step) {
+  std::lock_guard<std::mutex> l(hold_.mu);
+  hold_.every_param.store(true, std::memory_order_release);
+  hold_.from.store(step, std::memory_order_release);
+}
+
+void AsyncOptimizer::HoldOnly(const std::vector<uint8_t>& params) {
+  {
+    // The flags first, then the narrowing: a thread that sees every_param false reads them set.
+    std::lock_guard<std::mutex> l(hold_.mu);
+    for (size_t p = 0; p < hold_.held.size(); ++p)
+      hold_.held[p].store(p < params.size() && params[p] ? 1 : 0, std::memory_order_relaxed);
+    hold_.every_param.store(false, std::memory_order_release);
+  }
+  hold_.cv.notify_all();
+}
+
+void AsyncOptimizer::ReleaseParam(int param) {
+  {
+    std::lock_guard<std::mutex> l(hold_.mu);
+    hold_.held[param].store(0, std::memory_order_release);
+  }
+  hold_.cv.notify_all();
+}
 
 void AsyncOptimizer::ReleaseUpdates() {
   {
     std::lock_guard<std::mutex> l(hold_.mu);
     hold_.from.store(std::numeric_limits<int64_t>::max(), std::memory_order_release);
+    hold_.every_param.store(true, std::memory_order_release);
   }
   hold_.cv.notify_all();
 }
 
-void AsyncOptimizer::WaitIfHeld(int64_t step) {
-  if (step < hold_.from.load(std::memory_order_acquire)) return;
+bool AsyncOptimizer::Held(int64_t step, int param) const {
+  if (step < hold_.from.load(std::memory_order_acquire)) return false;
+  return hold_.every_param.load(std::memory_order_acquire) || hold_.held[param].load(std::memory_order_acquire) != 0;
+}
+
+void AsyncOptimizer::WaitIfHeld(int64_t step, int param) {
+  if (!Held(step, param)) return;
   std::unique_lock<std::mutex> l(hold_.mu);
-  hold_.cv.wait(l, [&] { return step < hold_.from.load(std::memory_order_acquire); });
+  hold_.cv.wait(l, [&] { return !Held(step, param); });
+}
+
+std::vector<int> AsyncOptimizer::UpdateOrder() const {
+  std::vector<int> order(spec_.params.size());
+  for (size_t p = 0; p < order.size(); ++p) order[p] = static_cast<int>(p);
+  if (!norm_first_)
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return spec_.params[a].owner_layer > spec_.params[b].owner_layer;
+    });
+  return order;
 }
 
 void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes) {
@@ -566,8 +606,8 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
 }
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
-  WaitIfHeld(step);
   const Chunk& c = geo_.chunks[chunk];
+  WaitIfHeld(step, c.param);
   UpdateElems(step, c.param, c.begin, c.end, writes);
   if (writes == UpdateWrites::kRest) {
     if (cur_.param_rest_chunks_left[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);

@@ -177,10 +177,17 @@ class AsyncOptimizer {
   std::vector<LayerSpan> SpansOfStep(int64_t step) const;
   // Checkpoints (coordinator/checkpoint_writer.h): from HoldUpdatesFrom(step) until
   // ReleaseUpdates(), no update of a step >= `step` writes masters, moments or compute copies;
-  // pool threads that reach one wait (norms and folds, which read only gradients, go on). Any
-  // thread.
+  // pool threads that reach one wait (norms and folds, which read only gradients, go on).
+  // HoldOnly(params) narrows a hold to those parameters (a 0/1 flag per parameter), which
+  // ReleaseParam then lets go one at a time; the hold ends with ReleaseUpdates(). Any thread.
   void HoldUpdatesFrom(int64_t step);
+  void HoldOnly(const std::vector<uint8_t>& params);
+  void ReleaseParam(int param);
   void ReleaseUpdates();
+  // The parameters in the order this job's updates reach them: with a norm first (clipping, loss
+  // scaling) parameter order, as the chunks are queued once the norm is known; otherwise as their
+  // gradients become final, the last layer's first (the backward's order).
+  std::vector<int> UpdateOrder() const;
   // optimizer.speculative_update: parameters of layers below `layer` are not speculated on (the
   // coordinator passes the end of the last backward stage: their gradients land last, and their
   // first passes would hold up the norm). Call before the first SlotFinal.
@@ -334,11 +341,14 @@ class AsyncOptimizer {
   // The checkpoint copy's hold (HoldUpdatesFrom): updates of steps >= `from` wait.
   struct Hold {
     std::atomic<int64_t> from{std::numeric_limits<int64_t>::max()};
+    std::atomic<bool> every_param{true};         // false after HoldOnly: `held` says which
+    std::vector<std::atomic<uint8_t>> held;      // per parameter
     std::mutex mu;
     std::condition_variable cv;
   };
   Hold hold_;
-  void WaitIfHeld(int64_t step);
+  bool Held(int64_t step, int param) const;
+  void WaitIfHeld(int64_t step, int param);
 
   std::unique_ptr<TaskPool> pool_;  // last: drained and stopped before the state above
 };

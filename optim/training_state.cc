@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <thread>
 #include <vector>
@@ -314,24 +315,52 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
                           bool masters_in_state, const core::RunRecord& run,
                           const std::vector<StateSection>& given, int keep,
                           int checksum_threads, WriteStats* stats, ShardId shard) {
+  // Each section (or each piece of one) is an extent of its own, written in section order.
+  std::vector<SectionShape> shapes;
+  std::vector<SourcedExtent> extents;
+  for (const auto& s : given) {
+    const int section = static_cast<int>(shapes.size());
+    shapes.push_back({s.name, s.bytes});
+    ForEachPiece(s, [&](const uint8_t* from, uint64_t n, uint64_t at) {
+      if (n > 0) extents.push_back({section, at, n, from, -1});
+    });
+  }
+  return WriteTrainingStateExtents(dir, steps_done, state_hash, masters_in_state, run, shapes, extents, keep,
+                                   checksum_threads, stats, shard);
+}
+
+Status WriteTrainingStateExtents(const std::string& dir, int64_t steps_done, uint64_t state_hash,
+                                 bool masters_in_state, const core::RunRecord& run,
+                                 const std::vector<SectionShape>& shapes, const std::vector<SourcedExtent>& extents,
+                                 int keep, int checksum_threads, WriteStats* stats, ShardId shard,
+                                 const std::function<void(int)>& written) {
   const auto t0 = std::chrono::steady_clock::now();
   auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  // The extents tile every section exactly once.
+  {
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> spans(shapes.size());
+    for (const auto& e : extents) {
+      if (e.section < 0 || e.section >= static_cast<int>(shapes.size()))
+        return Status::Internal("checkpoint writer: an extent names section " + std::to_string(e.section) + " of " +
+                                std::to_string(shapes.size()));
+      spans[e.section].emplace_back(e.offset, e.bytes);
+    }
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      std::sort(spans[i].begin(), spans[i].end());
+      uint64_t at = 0;
+      for (const auto& [offset, bytes] : spans[i]) {
+        if (offset != at) break;
+        at += bytes;
+      }
+      if (at != shapes[i].bytes)
+        return Status::Internal("checkpoint writer: the extents of section \"" + shapes[i].name + "\" cover bytes [0, " +
+                                std::to_string(at) + ") without a gap or overlap, not all " +
+                                std::to_string(shapes[i].bytes));
+    }
+  }
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("checkpoint directory " + dir + ": " + ec.message());
-  // Sections of pieces (written from the live state on the loop) are packed first.
-  std::vector<std::vector<uint8_t>> packed;
-  std::vector<StateSection> sections;
-  for (const auto& s : given) {
-    if (s.pieces.empty()) {
-      sections.push_back({s.name, s.data, s.bytes});
-      continue;
-    }
-    packed.emplace_back(s.bytes);
-    uint8_t* to = packed.back().data();
-    ForEachPiece(s, [&](const uint8_t* from, uint64_t n, uint64_t at) { std::memcpy(to + at, from, n); });
-    sections.push_back({s.name, to, s.bytes});
-  }
   nlohmann::json header = {{"version", kFormatVersion}, {"steps_done", steps_done},
                            {"state_hash", std::to_string(state_hash)},
                            {"masters_in_state", masters_in_state}, {"run", run}};
@@ -339,44 +368,102 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
     header["shard"] = shard.rank;
     header["shards"] = shard.count;
   }
+  // The checksums are known only once every byte is written, so the sections are placed after a
+  // header whose every checksum has the most digits; the real one is no longer. Its length (a
+  // checksum per chunk: 16 KB for a 98 GB state) depends on the offsets' digits too: placed
+  // after the header as it would be, until the offsets no longer lengthen it.
   nlohmann::json list = nlohmann::json::array();
-  for (const auto& s : sections)
-    list.push_back({{"name", s.name}, {"offset", 0}, {"bytes", s.bytes},
-                    {"crc32_chunk_bytes", kCrcChunk}, {"crc32", ChunkCrcs(s.data, s.bytes, checksum_threads)}});
-  if (stats) stats->checksum_s = since();
-  // The sections start after the header, whose length (a checksum per chunk: 16 KB for a 98 GB
-  // state) depends on the offsets' digits: placed after the header as it would be, until the
-  // offsets no longer lengthen it.
-  uint64_t first = 0, offset = 0;
-  std::string text;
-  for (uint64_t room = 0; first == 0 || 16 + text.size() > first; room = 16 + text.size()) {
+  for (const auto& sh : shapes)
+    list.push_back({{"name", sh.name}, {"offset", 0}, {"bytes", sh.bytes}, {"crc32_chunk_bytes", kCrcChunk},
+                    {"crc32", std::vector<uint32_t>((sh.bytes + kCrcChunk - 1) / kCrcChunk, 0xffffffffu)}});
+  uint64_t first = 0, end = 0;
+  for (uint64_t room = 0; first == 0 || room > first;) {
     first = AlignUp(room + 1);
-    offset = first;
+    end = first;
     for (auto& e : list) {
-      e["offset"] = offset;
-      offset = AlignUp(offset + e["bytes"].get<uint64_t>());
+      e["offset"] = end;
+      end = AlignUp(end + e["bytes"].get<uint64_t>());
     }
     header["sections"] = list;
-    text = header.dump();
+    room = 16 + header.dump().size();
   }
+  // Per section and chunk, the CRC-32 of each piece written (offset in the chunk, bytes, CRC).
+  struct Piece {
+    uint64_t at, bytes;
+    uint32_t crc;
+  };
+  std::vector<std::vector<std::vector<Piece>>> pieces(shapes.size());
+  for (size_t i = 0; i < shapes.size(); ++i) pieces[i].resize((shapes[i].bytes + kCrcChunk - 1) / kCrcChunk);
+  std::vector<size_t> last_of_group;
+  for (size_t k = 0; k < extents.size(); ++k)
+    if (extents[k].group >= 0) {
+      if (static_cast<size_t>(extents[k].group) >= last_of_group.size()) last_of_group.resize(extents[k].group + 1, 0);
+      last_of_group[extents[k].group] = k;
+    }
+  const uint64_t cores = checksum_threads > 0 ? static_cast<uint64_t>(checksum_threads)
+                                              : std::max(1u, std::thread::hardware_concurrency());
+  double checksum_s = 0.0;
   const std::string final_path = (fs::path(dir) / FileName(steps_done, shard)).string();
   {
     RP_ASSIGN_OR_RETURN(core::AtomicFile f, core::AtomicFile::Create(final_path, 0600));
+    for (size_t k = 0; k < extents.size(); ++k) {
+      const SourcedExtent& e = extents[k];
+      // Its pieces within the section's chunks, checksummed in parallel, then written.
+      std::vector<std::pair<uint64_t, uint64_t>> cut;  // (offset in the section, bytes)
+      for (uint64_t at = e.offset; at < e.offset + e.bytes;) {
+        const uint64_t n = std::min(e.offset + e.bytes, (at / kCrcChunk + 1) * kCrcChunk) - at;
+        cut.emplace_back(at, n);
+        at += n;
+      }
+      std::vector<uint32_t> crcs(cut.size());
+      const double c0 = since();
+      const uint64_t threads = std::min<uint64_t>(cut.size(), cores);
+      auto work = [&](uint64_t t) {
+        for (uint64_t i = t; i < cut.size(); i += threads)
+          crcs[i] = static_cast<uint32_t>(crc32_z(crc32_z(0L, Z_NULL, 0), e.src + (cut[i].first - e.offset),
+                                                  static_cast<size_t>(cut[i].second)));
+      };
+      std::vector<std::thread> pool;
+      for (uint64_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+      if (threads > 0) work(0);
+      for (auto& th : pool) th.join();
+      checksum_s += since() - c0;
+      for (size_t i = 0; i < cut.size(); ++i)
+        pieces[e.section][cut[i].first / kCrcChunk].push_back({cut[i].first % kCrcChunk, cut[i].second, crcs[i]});
+      RP_RETURN_IF_ERROR(f.WriteAt(list[e.section]["offset"].get<uint64_t>() + e.offset, e.src, e.bytes));
+      // The kernel holds the bytes now: the source may change.
+      if (e.group >= 0 && last_of_group[e.group] == k && written) written(e.group);
+    }
+    // Each chunk's CRC from its pieces', in order (zlib's combination of adjacent CRCs).
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      std::vector<uint32_t> chunk_crcs;
+      for (auto& chunk : pieces[i]) {
+        std::sort(chunk.begin(), chunk.end(), [](const Piece& a, const Piece& b) { return a.at < b.at; });
+        uLong crc = crc32_z(0L, Z_NULL, 0);
+        for (const Piece& piece : chunk) crc = crc32_combine(crc, piece.crc, static_cast<z_off_t>(piece.bytes));
+        chunk_crcs.push_back(static_cast<uint32_t>(crc));
+      }
+      list[i]["crc32"] = chunk_crcs;
+    }
+    header["sections"] = list;
+    const std::string text = header.dump();
+    if (16 + text.size() > first)
+      return Status::Internal("checkpoint writer: the header (" + std::to_string(text.size()) +
+                              " bytes) outgrew the room before the first section");
     uint8_t head[16];
     std::memcpy(head, kMagic, 8);
     const uint64_t len = text.size();
     std::memcpy(head + 8, &len, 8);
-    RP_RETURN_IF_ERROR(f.Append(head, 16));
-    RP_RETURN_IF_ERROR(f.Append(text.data(), len));
-    for (size_t i = 0; i < sections.size(); ++i)
-      RP_RETURN_IF_ERROR(f.WriteAt(list[i]["offset"].get<uint64_t>(), sections[i].data, sections[i].bytes));
-    RP_RETURN_IF_ERROR(f.Truncate(offset));
+    RP_RETURN_IF_ERROR(f.WriteAt(0, head, 16));
+    RP_RETURN_IF_ERROR(f.WriteAt(16, text.data(), len));
+    RP_RETURN_IF_ERROR(f.Truncate(end));
     RP_RETURN_IF_ERROR(f.Commit());
   }
   if (stats) {
+    stats->checksum_s = checksum_s;
     stats->total_s = since();
     stats->bytes = 0;
-    for (const auto& sec : sections) stats->bytes += sec.bytes;
+    for (const auto& sh : shapes) stats->bytes += sh.bytes;
   }
   if (shard.count > 1) {
     // A shard's writer: its own files of steps older than the newest `keep` complete checkpoints.

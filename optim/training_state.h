@@ -122,6 +122,30 @@ Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t s
                           bool masters_in_state, const core::RunRecord& run,
                           const std::vector<StateSection>& sections, int keep,
                           int checksum_threads = 0, WriteStats* stats = nullptr, ShardId shard = {});
+// One contiguous run of a checkpoint's bytes and where they come from: bytes [offset, offset +
+// bytes) of section `section`, read from `src`. Extents of one `group` (>= 0) share a source that
+// may change once all of them are written; -1: no such group.
+struct SourcedExtent {
+  int section;
+  uint64_t offset, bytes;
+  const uint8_t* src;
+  int group = -1;
+};
+struct SectionShape {
+  std::string name;
+  uint64_t bytes;
+};
+// WriteTrainingState from extents that tile each section exactly once (an Internal error names
+// the section otherwise), in the order given: each extent is checksummed just before its bytes go
+// to the file, and once the last extent of a group is written (the kernel has its bytes)
+// `written(group)` is called on the writing thread, so its source may change from then on. The
+// same file, atomicity and pruning as WriteTrainingState, which is this with one extent per
+// section (or per piece).
+Status WriteTrainingStateExtents(const std::string& dir, int64_t steps_done, uint64_t state_hash,
+                                 bool masters_in_state, const core::RunRecord& run,
+                                 const std::vector<SectionShape>& shapes, const std::vector<SourcedExtent>& extents,
+                                 int keep, int checksum_threads = 0, WriteStats* stats = nullptr,
+                                 ShardId shard = {}, const std::function<void(int)>& written = {});
 // Removes shard `shard`'s files of steps after `steps_done` from `dir`: what a resumed run's node
 // does first, so a file of the run it continues (a step that never completed) cannot later make
 // a checkpoint together with the new run's files.

@@ -25,7 +25,7 @@ static_assert(sizeof(TrainConfig) == 144);
 static_assert(sizeof(OptimizerConfig) == 112);
 static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 168);
-static_assert(sizeof(CheckpointConfig) == 104);
+static_assert(sizeof(CheckpointConfig) == 112);
 static_assert(sizeof(BenchKnobs) == 24);
 static_assert(sizeof(JobOptions) == 112);
 static_assert(sizeof(NodesConfig) == 56);
@@ -33,7 +33,7 @@ static_assert(sizeof(PipelinePlan) == 88);
 static_assert(sizeof(MetricsConfig) == 2);
 
 namespace {
-constexpr int kSpecVersion = 8;
+constexpr int kSpecVersion = 9;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -91,7 +91,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stag
                                    frozen_on_device, activations,
                                    weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
                                    gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, export_hf, export_shard_mb, export_dtype,
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, memory_gb, export_hf, export_shard_mb, export_dtype,
                                    export_every)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace, tensorboard)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,

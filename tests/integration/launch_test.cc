@@ -1585,6 +1585,41 @@ TEST_F(LaunchTest, CheckpointsOnASlowDiskKillNoWorker) {
   EXPECT_TRUE(ReadBytes(tmp_ + "/slow" + last) == ReadBytes(tmp_ + "/fast" + last));
 }
 
+TEST_F(LaunchTest, CheckpointsWithinAMemoryBudgetAreTheWholeCopysBitForBit) {
+  // checkpoint.memory_gb below the state's size (about 190 MB): one partial copy holds the
+  // parameters updated first, the rest are written from the live state while the next step runs,
+  // each one's update waiting for its bytes. On a slow disk (50 MB/s, so a write spans the next
+  // step) every checkpoint, and the losses, are bit for bit those of whole copies: no update
+  // reached a parameter before its bytes were in the file. Exact mode without clipping (updates
+  // in the backward's order), then with clipping (parameter order after the norm) and nothing
+  // copied at all.
+  const std::vector<std::string> job = {
+      "train.steps=4", "checkpoint.every=1", "checkpoint.keep=4", "model.vocab_size=4096", "model.hidden_size=512",
+      "model.intermediate_size=1536", "model.num_layers=3", "model.num_heads=8", "model.num_kv_heads=4",
+      "model.head_dim=64", "train.microbatches=2", "train.accum_calls=1", "train.microbatch_size=1"};
+  for (const std::vector<std::string>& variant :
+       {std::vector<std::string>{"checkpoint.memory_gb=0.08"},
+        std::vector<std::string>{"checkpoint.memory_gb=0", "train.grad_clip=0.5"}}) {
+    std::vector<std::string> budget = With(job, variant);
+    std::vector<std::string> whole = job;
+    for (const auto& v : variant)
+      if (v.rfind("checkpoint.", 0) != 0) whole.push_back(v);
+    const std::string a = tmp_ + "/whole-" + variant.back(), b = tmp_ + "/budget-" + variant.back();
+    auto full = Launch(2, a, whole);
+    ASSERT_EQ(full.code, 0) << full.output;
+    auto env = EnvWith(budget);
+    env.insert(env.end(), {"LD_PRELOAD=" + testing::BinDir() + "/librp_slow_disk.so", "RP_SLOW_DISK_MB_S=50"});
+    auto part = testing::RunProcess(LaunchArgs(2, b, budget), 400, env);
+    ASSERT_EQ(part.code, 0) << part.output;
+    EXPECT_NE(part.output.find("GB written from the live state"), std::string::npos) << part.output;
+    EXPECT_EQ(Losses(b + "/metrics.jsonl"), Losses(a + "/metrics.jsonl"));
+    for (int step = 1; step <= 4; ++step) {
+      const std::string f = "/checkpoints/step-0000000" + std::to_string(step) + ".rpstate";
+      EXPECT_TRUE(ReadBytes(b + f) == ReadBytes(a + f)) << variant.back() << ": " << f << " differs";
+    }
+  }
+}
+
 TEST_F(LaunchTest, ADivergedStepStopsTheRunAndResumeFromTheLastGoodCheckpointWorks) {
   // Step 5's gradients are NaN (a test hook in the workers): the run stops with the documented
   // exit code, naming the step, writes no checkpoint from it on, and the newest checkpoint (after

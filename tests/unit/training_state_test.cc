@@ -90,6 +90,34 @@ TEST_F(TrainingStateTest, AHeaderLongerThanAPageIsNotOverwrittenByTheSections) {
   EXPECT_EQ(b, compute_);
 }
 
+// Extents in any order, from any sources, make the same file as the sections written whole; a
+// group's source may change as soon as it is reported written, and extents that leave a gap or
+// overlap are refused naming the section.
+TEST_F(TrainingStateTest, ExtentsInAnyOrderMakeTheSameFileAndReportEachGroupOnceWritten) {
+  ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, {}, Sections(optim_, compute_), 2).ok());
+  const std::string whole = testing::ReadFile(dir_ + "/step-00000002.rpstate");
+  fs::remove(dir_ + "/step-00000002.rpstate");
+  // Copies of the state as the sources: group g's bytes are scribbled over once reported.
+  std::vector<uint8_t> optim = optim_, compute = compute_;
+  const std::vector<SectionShape> shapes = {{"optim", optim.size()}, {"compute", compute.size()}};
+  std::vector<SourcedExtent> extents = {
+      {1, 0, 1000, compute.data(), 0},               {0, 200000, 100000, optim.data() + 200000, 1},
+      {0, 0, 70000, optim.data(), -1},               {0, 70000, 130000, optim.data() + 70000, 1}};
+  std::vector<int> reported;
+  auto scribble = [&](int group) {
+    reported.push_back(group);
+    for (const auto& e : extents)
+      if (e.group == group) std::memset(const_cast<uint8_t*>(e.src), 0xAB, e.bytes);
+  };
+  ASSERT_TRUE(WriteTrainingStateExtents(dir_, 2, 77, false, {}, shapes, extents, 2, 3, nullptr, {}, scribble).ok());
+  EXPECT_EQ(reported, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(testing::ReadFile(dir_ + "/step-00000002.rpstate") == whole);
+  extents.pop_back();
+  const Status gap = WriteTrainingStateExtents(dir_, 3, 77, false, {}, shapes, extents, 2);
+  EXPECT_NE(gap.message().find("section \"optim\" cover bytes [0, 70000)"), std::string::npos) << gap.message();
+  EXPECT_FALSE(fs::exists(dir_ + "/step-00000003.rpstate"));
+}
+
 TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
   // The layout before checksums: the same header without them.
   const uint64_t off = 4096, end = 4096 * ((off + optim_.size() + 4095) / 4096);
