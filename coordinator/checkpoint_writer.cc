@@ -261,12 +261,14 @@ void CheckpointWriter::Launch(Copy& c, int64_t steps_done) {
   const std::string how = partial ? "in the background, " + std::to_string(partial_.in_place_bytes >> 20) +
                                         " MiB of it from the live state"
                                   : std::string("in the background");
-  c.file = std::async(std::launch::async, [this, setup = setup_, shapes = std::move(shapes), extents = std::move(extents),
+  // setup_ does not change after construction: the thread reads it in place.
+  c.file = std::async(std::launch::async, [this, shapes = std::move(shapes), extents = std::move(extents),
                                            steps_done, partial, how, threads = std::move(c.copy_threads), disk = disk_]() mutable {
     for (auto& t : threads) t.join();
     // One file at a time: in step order, and a second writer would only share the disk.
     std::lock_guard<std::mutex> one_at_a_time(*disk);
     WriteStats w;
+    const Setup& setup = setup_;
     Status s = WriteTrainingStateExtents(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, setup.run,
                                          shapes, extents, setup.keep, setup.checksum_threads, &w, setup.shard,
                                          [this](int param) { optimizer_.ReleaseParam(param); });

@@ -50,24 +50,29 @@ uint64_t AlignUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 // threads so a 100 GB checkpoint is not held back by one core.
 constexpr uint64_t kCrcChunk = uint64_t{64} << 20;
 
-std::vector<uint32_t> ChunkCrcs(const uint8_t* data, uint64_t bytes, int max_threads = 0) {
-  const uint64_t chunks = (bytes + kCrcChunk - 1) / kCrcChunk;
-  std::vector<uint32_t> crcs(chunks);
+// The CRC-32 of each piece (offset from `base`, bytes), the pieces spread over threads.
+std::vector<uint32_t> PieceCrcs(const uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& pieces,
+                                int max_threads = 0) {
+  std::vector<uint32_t> crcs(pieces.size());
   const uint64_t cores = max_threads > 0 ? static_cast<uint64_t>(max_threads) : std::max(1u, std::thread::hardware_concurrency());
-  const uint64_t threads = std::min<uint64_t>(chunks, cores);
+  const uint64_t threads = std::min<uint64_t>(pieces.size(), cores);
   auto work = [&](uint64_t t) {
-    for (uint64_t c = t; c < chunks; c += threads) {
-      // zlib's CRC-32 (the same polynomial and bits as Boost.CRC's crc_32_type, which earlier files
-      // were checked with; about 9x faster per core).
-      crcs[c] = static_cast<uint32_t>(
-          crc32_z(crc32_z(0L, Z_NULL, 0), data + c * kCrcChunk, static_cast<size_t>(std::min(kCrcChunk, bytes - c * kCrcChunk))));
-    }
+    // zlib's CRC-32 (the same polynomial and bits as Boost.CRC's crc_32_type, which earlier files
+    // were checked with; about 9x faster per core).
+    for (uint64_t i = t; i < pieces.size(); i += threads)
+      crcs[i] = static_cast<uint32_t>(crc32_z(crc32_z(0L, Z_NULL, 0), base + pieces[i].first, static_cast<size_t>(pieces[i].second)));
   };
   std::vector<std::thread> pool;
   for (uint64_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
   if (threads > 0) work(0);
   for (auto& th : pool) th.join();
   return crcs;
+}
+
+std::vector<uint32_t> ChunkCrcs(const uint8_t* data, uint64_t bytes, int max_threads = 0) {
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;
+  for (uint64_t at = 0; at < bytes; at += kCrcChunk) chunks.emplace_back(at, std::min(kCrcChunk, bytes - at));
+  return PieceCrcs(data, chunks, max_threads);
 }
 
 Status ReadAll(int fd, uint8_t* p, uint64_t n, uint64_t offset, const std::string& path) {
@@ -400,8 +405,6 @@ Status WriteTrainingStateExtents(const std::string& dir, int64_t steps_done, uin
       if (static_cast<size_t>(extents[k].group) >= last_of_group.size()) last_of_group.resize(extents[k].group + 1, 0);
       last_of_group[extents[k].group] = k;
     }
-  const uint64_t cores = checksum_threads > 0 ? static_cast<uint64_t>(checksum_threads)
-                                              : std::max(1u, std::thread::hardware_concurrency());
   double checksum_s = 0.0;
   const std::string final_path = (fs::path(dir) / FileName(steps_done, shard)).string();
   {
@@ -415,18 +418,10 @@ Status WriteTrainingStateExtents(const std::string& dir, int64_t steps_done, uin
         cut.emplace_back(at, n);
         at += n;
       }
-      std::vector<uint32_t> crcs(cut.size());
       const double c0 = since();
-      const uint64_t threads = std::min<uint64_t>(cut.size(), cores);
-      auto work = [&](uint64_t t) {
-        for (uint64_t i = t; i < cut.size(); i += threads)
-          crcs[i] = static_cast<uint32_t>(crc32_z(crc32_z(0L, Z_NULL, 0), e.src + (cut[i].first - e.offset),
-                                                  static_cast<size_t>(cut[i].second)));
-      };
-      std::vector<std::thread> pool;
-      for (uint64_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
-      if (threads > 0) work(0);
-      for (auto& th : pool) th.join();
+      std::vector<std::pair<uint64_t, uint64_t>> in_extent = cut;
+      for (auto& piece : in_extent) piece.first -= e.offset;
+      const std::vector<uint32_t> crcs = PieceCrcs(e.src, in_extent, checksum_threads);
       checksum_s += since() - c0;
       for (size_t i = 0; i < cut.size(); ++i)
         pieces[e.section][cut[i].first / kCrcChunk].push_back({cut[i].first % kCrcChunk, cut[i].second, crcs[i]});
