@@ -7,6 +7,7 @@ find_package(Threads REQUIRED)
 find_package(glog REQUIRED)
 find_package(Boost 1.74 REQUIRED)
 find_package(ZLIB REQUIRED)  # CRC-32 of checkpoint chunks
+find_package(OpenSSL REQUIRED COMPONENTS Crypto)  # HMAC-SHA256 of the node store's values
 find_package(cppzmq REQUIRED)
 find_package(tomlplusplus REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)

@@ -30,6 +30,7 @@
 #include "gpu_worker/guarded.h"
 #include "gpu_worker/share_gatherer.h"
 #include "nodes/node_reduction.h"
+#include "nodes/store_seal.h"
 #include "protocol/channel.h"
 #include "protocol/codec.h"
 #include "shm/layout.h"
@@ -654,6 +655,8 @@ Status Worker::Run() {
   if (sums_) {
     nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
                            cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
+    // The run's secret comes from rp-launch through the environment, never through a file.
+    if (const char* secret = std::getenv(nodes::kRunSecretVariable)) group.secret = secret;
     const int rank = opts_.rank;
     // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
     const int device = use_cuda_ ? opts_.rank % gpus : -1;

@@ -35,6 +35,7 @@
 #include "io/peft.h"
 #include "planning/partitioner.h"
 #include "launcher/node_link.h"
+#include "launcher/run_secret.h"
 #include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "planning/profile.h"
@@ -571,11 +572,22 @@ int RunSession(const LaunchOptions& o) {
   // node 0's store serves from a thread of its own, which must not take the signals the
   // supervision loop waits for.
   std::unique_ptr<NodeLink> link;
+  std::optional<RunSecret> node_secret;
   if (cfg->nodes.count > 1) {
-    std::fprintf(stderr, "rp-launch: node %lld of %lld (%s), node store %s:%lld; waiting for the other nodes\n",
+    auto secret = ResolveRunSecret(core::SharedOutputDir(*cfg), ProcessEnv);
+    if (!secret.ok()) {
+      std::fprintf(stderr, "rp-launch: the run's node secret: %s\n", secret.status().message().c_str());
+      pthread_sigmask(SIG_SETMASK, &old, nullptr);
+      return secret.status().code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitError;
+    }
+    node_secret = std::move(secret).value();
+    std::fprintf(stderr,
+                 "rp-launch: node %lld of %lld (%s), node store %s:%lld sealed with the secret from %s; waiting for "
+                 "the other nodes\n",
                  static_cast<long long>(cfg->nodes.rank), static_cast<long long>(cfg->nodes.count),
-                 o.world.source.c_str(), cfg->nodes.store_host.c_str(), static_cast<long long>(cfg->nodes.store_port));
-    auto opened = NodeLink::Open(*cfg);
+                 o.world.source.c_str(), cfg->nodes.store_host.c_str(), static_cast<long long>(cfg->nodes.store_port),
+                 node_secret->source.c_str());
+    auto opened = NodeLink::Open(*cfg, nodes::StoreSeal(node_secret->value));
     Status met = opened.ok() ? (*opened)->Meet(NodeRunFingerprint(run, o.resume)) : opened.status();
     if (!met.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", met.message().c_str());
@@ -598,6 +610,9 @@ int RunSession(const LaunchOptions& o) {
                                   "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
   // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
   if (!std::getenv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=1");
+  // The workers' cross-node groups seal their store traffic with the run's secret.
+  if (node_secret && !node_secret->from_env)
+    env.push_back(std::string(nodes::kRunSecretVariable) + "=" + node_secret->value);
   if (o.debug_worker >= 0) {
     // A paused worker must not make the coordinator give up waiting for it.
     common.push_back("--hello-timeout-s");

@@ -17,11 +17,12 @@ constexpr double kBeatSeconds = 1.0;
 constexpr double kDiagnoseSeconds = 3.0;
 }  // namespace
 
-StatusOr<std::unique_ptr<NodeLink>> NodeLink::Open(const core::JobConfig& job) {
+StatusOr<std::unique_ptr<NodeLink>> NodeLink::Open(const core::JobConfig& job, const nodes::StoreSeal& seal) {
   const auto& n = job.nodes;
-  auto store = n.rank == 0 ? nodes::NodeStore::Host(n.store_host, static_cast<int>(n.store_port), job.job.node_timeout_s)
+  auto store = n.rank == 0 ? nodes::NodeStore::Host(n.store_host, static_cast<int>(n.store_port),
+                                                    job.job.node_timeout_s, seal)
                            : nodes::NodeStore::Connect(n.store_host, static_cast<int>(n.store_port),
-                                                       job.job.node_timeout_s);
+                                                       job.job.node_timeout_s, seal);
   if (!store.ok()) return store.status();
   return std::unique_ptr<NodeLink>(new NodeLink(std::move(store).value(), job));
 }
@@ -47,7 +48,8 @@ Status NodeLink::Meet(const std::string& plan) {
     }
     return Status::Unavailable("nodes " + (missing.empty() ? std::string("?") : missing) + " did not arrive at " +
                                where_ + " within job.node_timeout_s = " + std::to_string(static_cast<int>(timeout_s_)) +
-                               " s: " + s.message());
+                               " s (nodes meet only when they share the run's secret: the same RP_NODE_SECRET on "
+                               "every node, or job.output_dir on a file system they all see): " + s.message());
   }
   Status verdict;
   for (int r = 0; r < nodes_ && verdict.ok(); ++r) {
@@ -69,7 +71,7 @@ Status NodeLink::Meet(const std::string& plan) {
   RP_RETURN_IF_ERROR(verdict);
   const double now = MonoSeconds();
   for (int r = 0; r < nodes_; ++r)
-    if (r != rank_) seen_[r] = Seen{-1, now, false};
+    if (r != rank_) seen_[r] = Seen{"", now, false};
   return Status::Ok();
 }
 
@@ -86,13 +88,21 @@ Status NodeLink::Look(double now) {
       RP_ASSIGN_OR_RETURN(auto flag, store_->TryGet(Key("interrupt", r)));
       if (flag) interrupted_by_ = r;
     }
-    RP_ASSIGN_OR_RETURN(int64_t beats, store_->Add(Key("beat", r), 0));
-    if (beats != seen.beats) {
-      seen.beats = beats;
+    RP_ASSIGN_OR_RETURN(auto beat, store_->TryGet(Key("beat", r)));
+    if (beat && *beat != seen.beat) {
+      seen.beat = *beat;
       seen.at = now;
     }
   }
   return Status::Ok();
+}
+
+Status NodeLink::Beat() { return store_->Set(Key("beat", rank_), std::to_string(++beats_)); }
+
+std::string NodeLink::StoreLost(const Status& s) const {
+  if (s.code() == StatusCode::kProtocolError) return "the node store at " + where_ + ": " + s.message();
+  return "lost the node store at " + where_ + " (node 0's rp-launch): node 0 is gone or unreachable (" + s.message() +
+         ")";
 }
 
 std::optional<std::string> NodeLink::FailedPeer() {
@@ -116,12 +126,8 @@ std::optional<std::string> NodeLink::Tick() {
   const double now = MonoSeconds();
   if (now - last_beat_ < kBeatSeconds) return std::nullopt;
   last_beat_ = now;
-  if (auto b = store_->Add(Key("beat", rank_), 1); !b.ok())
-    return "lost the node store at " + where_ + " (node 0's rp-launch): node 0 is gone or unreachable (" +
-           b.status().message() + ")";
-  if (Status s = Look(now); !s.ok())
-    return "lost the node store at " + where_ + " (node 0's rp-launch): node 0 is gone or unreachable (" + s.message() +
-           ")";
+  if (Status b = Beat(); !b.ok()) return StoreLost(b);
+  if (Status s = Look(now); !s.ok()) return StoreLost(s);
   // A failed node may itself be the echo of one that is gone: Diagnose() tells them apart.
   if (auto failed = FailedPeer()) return Diagnose().value_or(*failed);
   for (const auto& [r, seen] : seen_)
@@ -136,17 +142,19 @@ std::optional<std::string> NodeLink::Diagnose() {
   // A node that is gone is the cause; a node that failed on its own account comes next; the
   // others, reacting to either, fail alike and are its echo.
   const double start = MonoSeconds();
-  std::map<int, int64_t> first;
+  std::map<int, std::string> first;
   while (MonoSeconds() - start < kDiagnoseSeconds) {
-    (void)store_->Add(Key("beat", rank_), 1);  // the others diagnose too: this node is alive
+    (void)Beat();  // the others diagnose too: this node is alive
     if (Status s = Look(MonoSeconds()); !s.ok())
-      return "node 0 (which hosts the node store at " + where_ + ") is gone or unreachable";
+      return s.code() == StatusCode::kProtocolError
+                 ? StoreLost(s)
+                 : "node 0 (which hosts the node store at " + where_ + ") is gone or unreachable";
     for (const auto& [r, seen] : seen_)
-      if (!first.count(r)) first[r] = seen.beats;
+      if (!first.count(r)) first[r] = seen.beat;
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
   }
   for (const auto& [r, seen] : seen_)
-    if (!seen.ended && seen.beats == first[r])
+    if (!seen.ended && seen.beat == first[r])
       return "node " + std::to_string(r) + " stopped beating (its rp-launch was killed, or its host is gone)";
   return FailedPeer();
 }
@@ -208,7 +216,7 @@ void NodeLink::End(int exit_code, const std::string& failure) {
   // The others use the store until they end (their last sums, their end key): keep it up while
   // any of them still beats and has not ended.
   for (;;) {
-    (void)store_->Add(Key("beat", rank_), 1);
+    (void)Beat();
     bool all = true;
     for (int r = 1; r < nodes_ && all; ++r) {
       auto end = store_->TryGet(Key("end", r));

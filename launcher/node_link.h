@@ -2,14 +2,16 @@
 // NodeLink: one node's rp-launch in touch with the other nodes' (multi-node runs).
 //
 // Contract:
-//  * Open() hosts the node store (node 0) or connects to it (the others), then Meet() waits, up
+//  * Open() hosts the node store (node 0) or connects to it (the others), sealed with the run's
+//    secret (nodes/store_seal.h; launcher/run_secret.h), then Meet() waits, up
 //    to job.node_timeout_s, until every node has arrived with the same run (the caller's
 //    fingerprint of the resolved spec: plan, workers, first step, keys); a node that resolved
 //    another (other flags, another job file, a stored profile of its own, --resume on some
 //    nodes only) is refused, naming it.
 //  * Tick(), called by the supervision loop, beats once a second and watches the others: a node
 //    that ended with a failure, or gave no beat for job.node_timeout_s (killed, host gone,
-//    network cut), or a store that vanished (node 0 gone) yields the message naming it.
+//    network cut), or a store that vanished (node 0 gone) yields the message naming it; so does
+//    a value of the store that fails authentication (someone without the secret wrote it).
 //  * Failing() tells the others at once that this node's run failed (they stop, naming it).
 //    Diagnose() is for a run that failed here: it watches the others for a few seconds for a node
 //    that is gone, else one that failed on its own, so the report names the cause, not its echo.
@@ -38,7 +40,7 @@ namespace rp::launch {
 
 class NodeLink {
  public:
-  static StatusOr<std::unique_ptr<NodeLink>> Open(const core::JobConfig& job);
+  static StatusOr<std::unique_ptr<NodeLink>> Open(const core::JobConfig& job, const nodes::StoreSeal& seal);
   Status Meet(const std::string& plan);
   std::optional<std::string> Tick();
   void Failing(const std::string& failure);
@@ -52,8 +54,12 @@ class NodeLink {
  private:
   NodeLink(std::unique_ptr<nodes::NodeStore> store, const core::JobConfig& job);
   std::string Key(const std::string& what, int node) const;
-  // The others' beat counters now; a node whose counter moved is seen alive at `now`.
+  // The others' beats now; a node whose beat moved is seen alive at `now`.
   Status Look(double now);
+  // Posts this node's next beat.
+  Status Beat();
+  // What Tick() and Diagnose() say of a store error: tampering as itself, else node 0 lost.
+  std::string StoreLost(const Status& s) const;
   std::optional<std::string> FailedPeer();
 
   std::unique_ptr<nodes::NodeStore> store_;
@@ -61,8 +67,9 @@ class NodeLink {
   double timeout_s_;
   std::string where_;  // "host:port" of the store
   double last_beat_ = -1.0;
+  int64_t beats_ = 0;  // this node's beats posted
   struct Seen {
-    int64_t beats = -1;
+    std::string beat;  // the newest beat read (empty: none yet)
     double at = 0.0;
     bool ended = false;
   };

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "nodes/node_group.h"
+#include "nodes/sealed_store.h"
 #endif
 #if RP_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -40,12 +41,16 @@ StatusOr<c10::intrusive_ptr<c10d::Store>> GroupStore(const NodeGroup& g, int wor
     if (g.nodes == 1) {
       store = c10::make_intrusive<c10d::HashStore>();
     } else {
+      if (g.secret.empty())
+        return Status::InvalidArgument("joining " + GroupName(g, worker_rank, purpose) + ": no run secret (" +
+                                       kRunSecretVariable + ", which rp-launch passes to its processes)");
       c10d::TCPStoreOptions so;
       so.port = static_cast<uint16_t>(g.store_port);
       so.isServer = false;
       so.waitWorkers = false;
       so.timeout = join_timeout;
-      store = c10::make_intrusive<c10d::TCPStore>(g.store_host, so);
+      store = c10::make_intrusive<SealedStore>(c10::make_intrusive<c10d::TCPStore>(g.store_host, so),
+                                               StoreSeal(g.secret));
     }
     store->setTimeout(join_timeout);
     return c10::intrusive_ptr<c10d::Store>(

@@ -43,6 +43,9 @@ struct NodeGroup {
   std::string store_host;
   int store_port = 0;
   double timeout_s = 60.0;
+  // The run's secret (several nodes): the group's store traffic is sealed with it
+  // (nodes/store_seal.h).
+  std::string secret;
 };
 
 class NodeReduction {

@@ -9,7 +9,10 @@
 //  * Every call is bounded by the timeout given at creation (c10d's own timeout, never infinite)
 //    and returns a Status instead of throwing: a store that vanished (its host is gone, the
 //    network is cut) is an Unavailable naming the address and the key.
-//  * Keys are the caller's; nothing here interprets them. Not thread-safe: one owner.
+//  * Keys are the caller's names; each is stored under the run's secret prefix and every value
+//    is sealed (nodes/store_seal.h): TryGet() of a value that fails authentication is a
+//    ProtocolError naming the key and tampering, never the value. There are no counters: c10d's
+//    carry no tag. Not thread-safe: one owner.
 //  * Available() is false in a build whose LibTorch has no c10d: then Host() and Connect() fail
 //    saying so.
 #pragma once
@@ -22,14 +25,17 @@
 #include <vector>
 
 #include "common/status.h"
+#include "nodes/store_seal.h"
 
 namespace rp::nodes {
 
 class NodeStore {
  public:
   static bool Available();
-  static StatusOr<std::unique_ptr<NodeStore>> Host(const std::string& host, int port, double timeout_s);
-  static StatusOr<std::unique_ptr<NodeStore>> Connect(const std::string& host, int port, double timeout_s);
+  static StatusOr<std::unique_ptr<NodeStore>> Host(const std::string& host, int port, double timeout_s,
+                                                   const StoreSeal& seal);
+  static StatusOr<std::unique_ptr<NodeStore>> Connect(const std::string& host, int port, double timeout_s,
+                                                      const StoreSeal& seal);
   ~NodeStore();
   NodeStore(const NodeStore&) = delete;
   NodeStore& operator=(const NodeStore&) = delete;
@@ -37,18 +43,18 @@ class NodeStore {
   Status Set(const std::string& key, const std::string& value);
   // The value if the key exists now; never waits for it.
   StatusOr<std::optional<std::string>> TryGet(const std::string& key);
-  // Adds `delta` to the counter `key` (created at 0) and returns the new value; Add(key, 0) reads.
-  StatusOr<int64_t> Add(const std::string& key, int64_t delta);
-  // Waits (up to the timeout) until every key exists.
+  // Waits (up to the timeout, then a DeadlineExceeded naming the first key) until every key exists.
   Status Wait(const std::vector<std::string>& keys);
   const std::string& address() const { return address_; }
 
   struct Impl;
 
  private:
-  NodeStore(std::unique_ptr<Impl> impl, std::string address);
+  NodeStore(std::unique_ptr<Impl> impl, std::string address, double timeout_s, const StoreSeal& seal);
   std::unique_ptr<Impl> impl_;
+  StoreSeal seal_;
   std::string address_;  // "host:port", for messages
+  double timeout_s_;
 };
 
 }  // namespace rp::nodes

@@ -131,6 +131,11 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   return spec;
 }
 
+std::string SharedOutputDir(const JobConfig& job) {
+  if (job.nodes.count > 1 && job.nodes.rank > 0) return std::filesystem::path(job.job.output_dir).parent_path().string();
+  return job.job.output_dir;
+}
+
 std::string RunSpecJson(const RunSpec& spec) {
   const nlohmann::json j = {{"version", kSpecVersion}, {"workers", spec.workers}, {"job", spec.job},
                             {"plan", spec.plan}};

@@ -33,6 +33,9 @@ struct RunSpec {
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
                              int workers, const NodesConfig& nodes = {});
+// The output directory every node of a resolved job shares: node 0's, in which ResolveRun puts
+// node r > 0's own outputs as node-r.
+std::string SharedOutputDir(const JobConfig& job);
 std::string RunSpecJson(const RunSpec& spec);
 StatusOr<RunSpec> ParseRunSpec(const std::string& json, const std::string& what);
 Status WriteRunSpec(const std::string& path, const RunSpec& spec);

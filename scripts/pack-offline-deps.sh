@@ -14,7 +14,7 @@ mkdir -p "$dir/debs"
 dir=$(cd "$dir" && pwd)
 pkgs=(libzmq5 libzmq3-dev cppzmq-dev libsodium23 libpgm-5.3-0 libnorm1
       libgoogle-glog0v6 libgoogle-glog-dev libgflags2.2 libgflags-dev libunwind8 libunwind-dev liblzma-dev
-      libtomlplusplus3 libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g zlib1g-dev)
+      libtomlplusplus3 libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g zlib1g-dev libssl3 libssl-dev)
 (cd "$dir/debs" && apt-get download "${pkgs[@]}" 2>&1 | grep -v '^W: ' || true)
 cp "$(dirname "$0")/offline-env.sh" "$dir/offline-env.sh"
 echo "packed $(ls "$dir/debs" | wc -l) packages into $dir ($(du -sh "$dir" | cut -f1))"

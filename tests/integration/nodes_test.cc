@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <atomic>
 #include <future>
 #include <map>
 #include <memory>
@@ -17,24 +18,16 @@
 
 #include "rp_config.h"
 #include "tests/integration/launch_fixture.h"
+#if RP_WITH_C10D
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "nodes/store_seal.h"
+#endif
 
 namespace rp {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A port nothing listens on now (the kernel's choice for port 0).
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Every fp32 tensor of a safetensors file, by name.
 std::map<std::string, std::vector<float>> ReadTensors(const std::string& path) {
@@ -65,7 +58,8 @@ class NodesTest : public LaunchTest {
   // Starts `nodes` rp-launch processes of `workers` CPU workers each, meeting at a fresh port.
   std::vector<std::unique_ptr<testing::Process>> StartNodes(int nodes, int workers, const std::string& out,
                                                             const std::vector<std::string>& sets, bool resume = false) {
-    const std::string master = "127.0.0.1:" + std::to_string(FreePort());
+    port_ = testing::FreePort();
+    const std::string master = "127.0.0.1:" + std::to_string(port_);
     std::vector<std::unique_ptr<testing::Process>> procs;
     for (int r = 0; r < nodes; ++r) {
       auto args = LaunchArgs(workers, out, sets);
@@ -127,6 +121,7 @@ class NodesTest : public LaunchTest {
     LaunchTest::SetUp();
     if (!RP_WITH_GLOO) GTEST_SKIP() << "this build's LibTorch has no c10d Gloo";
   }
+  int port_ = 0;  // the node store's port of the last StartNodes
 };
 
 // Six microbatches per step: they split over 2 and over 3 nodes.
@@ -531,7 +526,7 @@ TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
   const std::vector<std::pair<std::vector<std::string>, int>> differences = {
       {{"--set", "schedule.forward_stages=1"}, 2}, {{}, 1}};
   for (const auto& [difference, workers] : differences) {
-    const std::string master = "127.0.0.1:" + std::to_string(FreePort());
+    const std::string master = "127.0.0.1:" + std::to_string(testing::FreePort());
     std::vector<std::unique_ptr<testing::Process>> procs;
     for (int r = 0; r < 2; ++r) {
       auto args = LaunchArgs(r == 1 ? workers : 2, tmp_ + "/mismatch", With(kJob, {"job.node_timeout_s=20"}));
@@ -547,6 +542,27 @@ TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
   }
 }
 
+// Nodes holding different secrets name different keys, so they never see each other: each stops
+// within job.node_timeout_s (polled, never c10d's wait, which on LibTorch 1.13 outlasts its
+// timeout for a key never set), naming the nodes missing and the secret they must share.
+TEST_F(NodesTest, NodesWithDifferentSecretsNeverMeetAndSaySo) {
+  const std::string master = "127.0.0.1:" + std::to_string(testing::FreePort());
+  std::vector<std::unique_ptr<testing::Process>> procs;
+  for (int r = 0; r < 2; ++r) {
+    auto args = LaunchArgs(1, tmp_ + "/strangers", With(kJob, {"job.node_timeout_s=5"}));
+    args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+    procs.push_back(std::make_unique<testing::Process>(
+        args, NodeEnv({"RP_NODE_SECRET=the secret of node " + std::to_string(r) + " alone"})));
+  }
+  for (auto& p : procs) {
+    auto res = p->Wait(60);
+    EXPECT_FALSE(res.timed_out) << res.output;
+    EXPECT_EQ(res.code, 10) << res.output;
+    EXPECT_NE(res.output.find("did not arrive"), std::string::npos) << res.output;
+    EXPECT_NE(res.output.find("share the run's secret"), std::string::npos) << res.output;
+  }
+}
+
 TEST_F(NodesTest, AStepThatDoesNotSplitIsRefused) {
   auto r = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/uneven", {"train.microbatches=3", "train.accum_calls=1"}),
                                     {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
@@ -554,6 +570,116 @@ TEST_F(NodesTest, AStepThatDoesNotSplitIsRefused) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("do not split evenly over 2 nodes"), std::string::npos) << r.output;
 }
+
+#if RP_WITH_C10D
+namespace rogue {
+
+// A raw TCP connection to the store's port (-1 if refused).
+int Connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// What anyone who reaches the store's port can do without the run's secret, until `done`: write
+// and delete the keys the run would use were there no secret prefix (and, given `prefix`, those
+// it does use, as a client that listed them), bump counters, hold connections open and send
+// bytes that are no store protocol. Every c10d error is the store refusing it; it goes on.
+void Disturb(int port, const std::string& prefix, const std::atomic<bool>& done) {
+  std::vector<int> held;
+  std::vector<std::string> names;
+  for (const std::string what : {"plan", "met", "beat", "end", "failing", "interrupt", "stop"})
+    for (int r = 0; r < 2; ++r) names.push_back(prefix + "rp/" + what + "/" + std::to_string(r));
+  for (const std::string purpose : {"reduce", "gather"})
+    for (const std::string key : {"0", "1", "rank_0", "rank_1"}) names.push_back(prefix + "rp/" + purpose + "/0/" + key);
+  const std::vector<uint8_t> junk = {'1', ' ', 'x', 0, 0xff};
+  uint32_t lcg = 12345;
+  while (!done) {
+    try {
+      c10d::TCPStoreOptions o;
+      o.port = static_cast<uint16_t>(port);
+      o.isServer = false;
+      o.waitWorkers = false;
+      o.timeout = std::chrono::milliseconds(2000);
+      auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+      for (const auto& n : names) {
+        store->set(n, junk);
+        (void)store->add(n + "/counter", 7);
+        // Plain names are deleted again; forged values under the run's names are left to be read.
+        if (prefix.empty()) (void)store->deleteKey(n);
+      }
+      (void)store->getNumKeys();
+    } catch (const std::exception&) {
+    }
+    if (held.size() < 16)
+      if (const int fd = Connect(port); fd >= 0) held.push_back(fd);
+    // Bytes that are no query, on a connection then closed.
+    if (const int fd = Connect(port); fd >= 0) {
+      char bytes[64];
+      for (char& b : bytes) b = static_cast<char>((lcg = lcg * 1664525u + 1013904223u) >> 24);
+      (void)::send(fd, bytes, sizeof(bytes), MSG_NOSIGNAL);
+      ::close(fd);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (int fd : held) ::close(fd);
+}
+
+}  // namespace rogue
+
+// A client of node 0's store port that knows no secret writes, deletes and counts keys, holds
+// connections and sends garbage for the whole run: the run's keys are under its secret's prefix
+// and its values sealed, so it ends as the undisturbed run, bit for bit.
+TEST_F(NodesTest, ARogueClientOnTheStorePortChangesNothing) {
+  const auto job = With(kJob, {"train.steps=12", "job.node_timeout_s=20"});
+  auto clean = LaunchNodes(2, 1, tmp_ + "/clean", job);
+  for (const auto& r : clean) ASSERT_EQ(r.code, 0) << Outputs(clean);
+  auto procs = StartNodes(2, 1, tmp_ + "/rogue", job);
+  std::atomic<bool> done{false};
+  std::thread disturb(rogue::Disturb, port_, "", std::cref(done));
+  std::vector<testing::ProcessResult> results;
+  for (auto& p : procs) results.push_back(p->Wait(240));
+  done = true;
+  disturb.join();
+  for (const auto& r : results) EXPECT_EQ(r.code, 0) << Outputs(results);
+  EXPECT_EQ(testing::Losses(tmp_ + "/rogue/metrics.jsonl", "loss"), testing::Losses(tmp_ + "/clean/metrics.jsonl", "loss"));
+  EXPECT_EQ(testing::Losses(tmp_ + "/rogue/metrics.jsonl", "grad_norm"),
+            testing::Losses(tmp_ + "/clean/metrics.jsonl", "grad_norm"));
+}
+
+// The same client, given the run's key names (as one that lists the store's keys would have
+// them) but not its secret: its first forged value stops both nodes within job.node_timeout_s,
+// naming the tampering, never a silent change and never a hang.
+TEST_F(NodesTest, AForgedValueUnderTheRunsKeysStopsTheRunNamingTheTampering) {
+  const std::string secret = "a secret of this test's run";
+  const auto job = With(kJob, {"train.steps=400", "job.node_timeout_s=10", "RP_NODE_SECRET=" + secret});
+  auto procs = StartNodes(2, 1, tmp_ + "/forged", job);
+  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/forged/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+  ASSERT_GE(testing::Losses(tmp_ + "/forged/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
+  const auto forged_at = std::chrono::steady_clock::now();
+  std::atomic<bool> done{false};
+  std::thread disturb(rogue::Disturb, port_, nodes::StoreSeal(secret).prefix(), std::cref(done));
+  std::vector<testing::ProcessResult> results;
+  for (auto& p : procs) results.push_back(p->Wait(120));
+  done = true;
+  disturb.join();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - forged_at).count();
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.timed_out) << Outputs(results);
+    EXPECT_NE(r.code, 0) << Outputs(results);
+  }
+  EXPECT_NE(Outputs(results).find("fails authentication"), std::string::npos) << Outputs(results);
+  EXPECT_LT(took, 10 + 30) << "the nodes stopped " << took << " s after the first forged value";
+  EXPECT_LT(testing::Losses(tmp_ + "/forged/metrics.jsonl").size(), 400u);
+}
+#endif
 
 }  // namespace
 }  // namespace rp

@@ -22,6 +22,8 @@ std::string BinDir();
 std::string SourceDir();
 // A fresh temporary directory under /tmp (not removed automatically).
 std::string MakeTempDir(const std::string& prefix);
+// A loopback TCP port nothing listens on now (the kernel's choice for port 0).
+int FreePort();
 
 class Process {
  public:
