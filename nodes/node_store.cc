@@ -27,6 +27,8 @@ Status Guard(const std::string& what, F&& f) {
   try {
     f();
     return Status::Ok();
+  } catch (const c10::Error& e) {
+    return Status::Unavailable(what + ": " + e.what_without_backtrace());
   } catch (const std::exception& e) {
     return Status::Unavailable(what + ": " + e.what());
   }

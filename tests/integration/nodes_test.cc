@@ -563,6 +563,81 @@ TEST_F(NodesTest, NodesWithDifferentSecretsNeverMeetAndSaySo) {
   }
 }
 
+// Two network namespaces joined by a veth pair: two hosts on one machine, whose link can be cut.
+// Needs root (CI runs as root). Removed, with the pair, on destruction.
+class NetworkPair {
+ public:
+  NetworkPair() : tag_(std::to_string(::getpid() % 100000)) {
+    ok_ = Ip({"netns", "add", ns(0)}) && Ip({"netns", "add", ns(1)}) &&
+          Ip({"link", "add", dev(0), "netns", ns(0), "type", "veth", "peer", "name", dev(1), "netns", ns(1)});
+    for (int r = 0; r < 2 && ok_; ++r)
+      ok_ = Ip({"-n", ns(r), "addr", "add", address(r) + "/24", "dev", dev(r)}) &&
+            Ip({"-n", ns(r), "link", "set", "lo", "up"}) && Ip({"-n", ns(r), "link", "set", dev(r), "up"});
+  }
+  ~NetworkPair() {
+    for (int r = 0; r < 2; ++r) (void)Ip({"netns", "del", ns(r)});
+  }
+  bool ok() const { return ok_; }
+  const std::string& error() const { return error_; }
+  std::string ns(int r) const { return "rp-net" + std::to_string(r) + "-" + tag_; }
+  std::string dev(int r) const { return "rpv" + std::to_string(r) + "-" + tag_; }
+  std::string address(int r) const { return "10.201.0." + std::to_string(r + 1); }
+  // Node r's side of the link down: packets vanish, no connection is reset.
+  bool Cut() { return Ip({"-n", ns(0), "link", "set", dev(0), "down"}); }
+
+ private:
+  bool Ip(std::vector<std::string> args) {
+    args.insert(args.begin(), "/usr/sbin/ip");
+    auto r = testing::RunProcess(args, 30);
+    if (r.code != 0) error_ += r.output;
+    return r.code == 0;
+  }
+  std::string tag_, error_;
+  bool ok_ = false;
+};
+
+// A network cut between two nodes mid-run stops both within job.node_timeout_s, each naming the
+// other, with nothing left behind; --resume on every node afterwards continues from the newest
+// checkpoint with the uninterrupted run's losses.
+TEST_F(NodesTest, ANetworkCutStopsBothNodesNamingTheOtherAndTheRunResumes) {
+  if (::geteuid() != 0) {
+    if (const char* ci = std::getenv("CI"); ci && std::string(ci) == "true") FAIL() << "CI runs as root";
+    GTEST_SKIP() << "network namespaces need root";
+  }
+  NetworkPair net;
+  ASSERT_TRUE(net.ok()) << net.error();
+  const auto job = With(kJob, {"train.steps=40", "checkpoint.every=5", "job.node_timeout_s=10",
+                               "RP_TEST_SLOW_FROM_STEP=0:20"});
+  auto clean = LaunchNodes(2, 1, tmp_ + "/clean", job);
+  for (const auto& r : clean) ASSERT_EQ(r.code, 0) << Outputs(clean);
+  const std::string out = tmp_ + "/cut", master = net.address(0) + ":" + std::to_string(testing::FreePort());
+  std::vector<std::unique_ptr<testing::Process>> procs;
+  for (int r = 0; r < 2; ++r) {
+    auto args = LaunchArgs(1, out, job);
+    args.insert(args.begin(), {"/usr/sbin/ip", "netns", "exec", net.ns(r)});
+    args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+    auto env = EnvWith(job);
+    env.push_back("GLOO_SOCKET_IFNAME=" + net.dev(r));
+    procs.push_back(std::make_unique<testing::Process>(args, env));
+  }
+  for (int i = 0; i < 600 && testing::Losses(out + "/metrics.jsonl").size() < 12; ++i) ::usleep(100 * 1000);
+  ASSERT_GE(testing::Losses(out + "/metrics.jsonl").size(), 12u) << procs[0]->OutputSoFar();
+  const auto cut_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(net.Cut()) << net.error();
+  std::vector<testing::ProcessResult> ends;
+  for (auto& p : procs) ends.push_back(p->Wait(120));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at).count();
+  for (const auto& e : ends) {
+    EXPECT_FALSE(e.timed_out) << Outputs(ends);
+    EXPECT_EQ(e.code, 10) << Outputs(ends);
+  }
+  EXPECT_NE(ends[0].output.find("node 1 gave no sign of life"), std::string::npos) << Outputs(ends);
+  EXPECT_NE(ends[1].output.find("node 0 is gone or unreachable"), std::string::npos) << Outputs(ends);
+  EXPECT_LT(took, 10 + 15) << "the nodes stopped " << took << " s after the cut";
+  ASSERT_LT(testing::Losses(out + "/metrics.jsonl").size(), 40u) << "the run ended before the cut";
+  ExpectResumed(2, out, job, testing::Losses(tmp_ + "/clean/metrics.jsonl"), "resumed after the cut");
+}
+
 TEST_F(NodesTest, AStepThatDoesNotSplitIsRefused) {
   auto r = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/uneven", {"train.microbatches=3", "train.accum_calls=1"}),
                                     {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
