@@ -285,9 +285,9 @@ Status Coordinator::Setup() {
 }
 
 // The optimizer's pool size: --optimizer-threads, else RP_OPTIMIZER_THREADS, else every core this
-// process may run on. Leaving a core to each GPU worker's launch thread was measured on the H200
-// host and made no difference (21,886 and 22,172 tokens/s against 21,857 and 22,112 with all 16
-// cores, alternated on one host), so the pool takes them all.
+// process may run on. Leaving a core to each GPU worker's launch thread made no measurable
+// difference (docs/benchmarks.md, "Measurements behind the code's choices"), so the pool takes
+// them all.
 int OptimizerThreads(const CoordinatorOptions& o, const core::JobConfig& cfg) {
   if (o.optimizer_threads > 0) return o.optimizer_threads;
   if (cfg.bench.optimizer_threads > 0) return static_cast<int>(cfg.bench.optimizer_threads);

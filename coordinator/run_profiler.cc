@@ -147,8 +147,8 @@ void RunProfiler::OnStepReported(int64_t step, double step_time_s, double bubble
   if (!prediction_ || step < predicted_from_) return;
   // A step's time runs from the previous step's report to its own, so it holds part of the next
   // step's work (stale1 overlaps them; exact mode starts the next forward behind the update),
-  // except for the last step of the run: measured alone it reads short (2.83 s against 3.55 s on
-  // the Qwen3-30B-A3B LoRA job in stale1), so it joins the medians only when nothing else did.
+  // except for the last step of the run: measured alone it reads short (about a fifth, on a
+  // stale1 job), so it joins the medians only when nothing else did.
   if (step + 1 == stop_step && !measured_step_s_.empty()) return;
   measured_bubble_.push_back(bubble_ratio);
   if (eval_nearby || pending_) return;

@@ -91,9 +91,8 @@ class RunProfiler {
   int drift_streak_ = 0;
   int profiles_written_ = 0;
   // The planner's search over every plan for the newest profile (partition = auto). It runs on
-  // its own thread: about 0.1 s of a core for the Qwen3-1.7B job's 1,428 plans, which, run on
-  // the loop, held back the workers' next inputs and commits that long (a 56-92 ms gap in the
-  // step after the profile on the H200 host, in auto runs only).
+  // its own thread: a search over a real job's thousand-odd plans takes a tenth of a second of a
+  // core, which, run on the loop, held back the workers' next inputs and commits that long.
   // The result is set before on_search_done runs, so the woken loop finds it.
   std::future<StatusOr<core::PlanChoice>> search_;
   std::thread search_thread_;

@@ -148,9 +148,8 @@ class Transformer {
   // weight.grad alone. Keyed by the weight tensor's TensorImpl; only weights whose role is
   // SinkableRole may have one (every use of them goes through Proj or the head). Why: the worker
   // sums a job's gradients over its microbatches in fp32 anyway; adding in the GEMM itself skips
-  // writing, rounding to bf16 and re-reading each microbatch's gradient (H200, rp-block-bench:
-  // a Qwen3-1.7B block 6.207 -> 6.028 ms per microbatch), and the sum is no longer rounded to
-  // bf16 per microbatch.
+  // writing, rounding to bf16 and re-reading each microbatch's gradient (a few percent of a
+  // block's time in rp-block-bench), and the sum is no longer rounded to bf16 per microbatch.
   using WeightGradSinks = std::map<const c10::TensorImpl*, at::Tensor>;
   void SetWeightGradSinks(WeightGradSinks sinks) { sinks_ = std::move(sinks); }
   void AddWeightGradSink(const at::Tensor& weight, at::Tensor sum) { sinks_[weight.unsafeGetTensorImpl()] = std::move(sum); }

@@ -207,9 +207,9 @@ __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // Software prefetch distance of the AVX-512 loop, in elements (0 = none): see adamw.h. 512
-// (2 KiB ahead on each stream) measured best on the H200 host (rp-optim-bench, 16 threads: the
-// first of exact mode's two passes 0.172 -> 0.137 s per 10^9 parameters, a whole update 0.211 ->
-// 0.183); the hardware prefetchers stop at each 4 KiB page, software prefetches do not.
+// (2 KiB ahead on each stream) measured best with rp-optim-bench (docs/benchmarks.md, "The CPU
+// optimizer alone"): the hardware prefetchers stop at each 4 KiB page, software prefetches do
+// not.
 std::atomic<int64_t> prefetch_elements{[] {
   const char* e = std::getenv("RP_OPTIM_PREFETCH");
   return e ? std::atoll(e) : int64_t{512};

@@ -33,8 +33,8 @@
 //    then the other parameters, then the embedding's other rows. The lookup version in shared
 //    memory becomes step + 1 when those rows are done; the embedding layer's version when every
 //    row is. Why: the next step's first stage looks up only those rows (from host memory), so
-//    it starts after about a third of the embedding's pass (a 1.7B model's: 57 ms at the H200
-//    host's ~150 GB/s). Each row's update is the same computation either way: the same bits.
+//    it starts after about a third of the embedding's pass, tens of milliseconds earlier for a
+//    1.7B model. Each row's update is the same computation either way: the same bits.
 //    Without the rows (or without clipping) the lookup version follows the layer's.
 //  * A parameter's gradient slots go back to the arena when its update is complete (gradient
 //    streaming: the next stage's commit may reuse the space at once). The next step's commit of a

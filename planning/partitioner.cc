@@ -109,11 +109,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const double elem = static_cast<double>(core::ComputeElemBytes(c));
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double H = static_cast<double>(c.model.hidden_size);
-  // What a block holds, per token of the microbatch, in two parts (fitted to the H200's
-  // allocator peaks of the Qwen3-1.7B at 524,288 tokens with 262,144-token tiles and fused tails
-  // of 4 and 7 blocks, 93.3 and 143.6 GB: +0.5% and +0.3%; checked on the 8B LoRA at 262,144
-  // tokens with 4,096-token tiles, 111.4 GB: +4.7%, and the 1.7B at 65,536 tokens untiled with an
-  // 8-block tail, 45.4 GB: +5.9%):
+  // What a block holds, per token of the microbatch, in two parts (fitted to the allocator's
+  // peaks at long sequences, tiled and untiled; docs/benchmarks.md, "Planner accuracy", has the
+  // fit's errors):
   //  * kept: what a block's graph saves for its backward: about 7.5 hidden-sized tensors, tiled
   //    or not (the checks above did not separate the normed sequence an untiled block also
   //    keeps), and, untiled, its MLP's three intermediate-sized ones (a tiled block recomputes
@@ -156,10 +154,9 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // every head, [microbatch_size, heads, seq, seq], and a causal mask of a byte per pair. Two
   // such tensors are alive at once besides what a graph keeps (an operation's input and output;
   // in a softmax's backward, the probabilities' gradient and the scores'), and a gradient stage's
-  // graph keeps each block's probabilities and mask. Quadratic in the sequence: the parity job
-  // (4 heads) with one 8K-token sequence per microbatch measured 4.38 GiB of worker RSS, where
-  // this counts 4.19 GiB for its two-block backward stage; at 32K one head's scores alone are
-  // 4 GiB. CUDA's fused kernels keep no score.
+  // graph keeps each block's probabilities and mask. Quadratic in the sequence (checked against a
+  // CPU worker's resident memory at 8K tokens; at 32K one head's scores alone are 4 GiB). CUDA's
+  // fused kernels keep no score.
   double scores = 0.0, mask = 0.0;
   if (c.job.device == core::DeviceKind::kCpu) {
     const double s = static_cast<double>(c.data.seq_len);
@@ -296,9 +293,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // Kept blocks: a whole round's graphs and the blocks' weights in the compute dtype with their
   // fp32 sums; twice over with interleaved calls, whose forward stages both run (each with its
   // own weights) before the first call's backward. A kept block's graph holds about 8.6
-  // hidden-sized and three intermediate-sized tensors per token: fitted to the H200's allocator
-  // peaks of the Qwen3-1.7B job with 12 and 20 kept blocks (40.3 GB apart, 5.04 GB per block of
-  // eight 8,192-token microbatches), more than a gradient stage's 7.5 (the kept part above).
+  // hidden-sized and three intermediate-sized tensors per token (fitted to the allocator's peaks
+  // with two counts of kept blocks), more than a gradient stage's 7.5 (the kept part above).
   double kept = 0.0;
   const int kept_blocks = std::max(0, plan.tail_start - plan.kept_start);
   if (kept_blocks > 0) {
@@ -342,8 +338,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // after the kept graphs are gone, unless a covered block is itself kept. The previous step's
   // covered gradients are committed after every other stage's (the host updates those blocks
   // last, while the next backward runs), so through a small arena they may still wait on the
-  // device while the kept graphs fill: the Qwen3-8B with clipping and 12 covered blocks peaked
-  // 13.9 GB (allocated) above the same run without, their weights and fp32 gradients. Exact mode
+  // device while the kept graphs fill: with clipping, the covered blocks' weights and fp32
+  // gradients show in the peak on top of the kept graphs. Exact mode
   // only: in stale1 every gradient of the previous step may still wait while this step's forward
   // runs.
   out.kept_apart =

@@ -85,7 +85,7 @@ Profile CostModelProfile(const JobConfig& c, double flops_per_s, double link_byt
   // weight's). The GPU's fused attention backward also recomputes the scores it did not keep:
   // five products of the core's size to the forward's two. The CPU's explicit attention keeps
   // its probabilities: four. At long sequences the core is most of a block's FLOPs, and counting
-  // it at 2x left 256K-token steps 12-14% longer than predicted on the H200.
+  // it at 2x left 256K-token steps over a tenth longer than predicted.
   const double attention_backward = c.job.device == core::DeviceKind::kCpu ? 2.0 : 2.5;
   for (int l = 0; l < layers; ++l) {
     LayerCost lc;
@@ -118,10 +118,9 @@ DeviceModel H200Model() {
 }
 
 DeviceModel H100Model() {
-  // The H100 SXM's datasheet matches the H200's in dense bf16 (989 TFLOP/s) and fp32 (67): the
-  // H200 differs in memory size and bandwidth, which this model does not time. So the products
-  // run at the share of the datasheet the H200's kernels reach (790); the host link is the H100
-  // host's own probe (PCIe 5 x16: 53.9 GB/s in, 55.3 out). Memory: 80 GB.
+  // The H100 SXM's datasheet matches the H200's in dense bf16 and fp32: the H200 differs in
+  // memory size and bandwidth, which this model does not time. So the products run at the H200's
+  // rates; the host link is the H100 host's own probe. The figures are in `source` below.
   DeviceModel d = H200Model();
   d.name = "h100";
   d.link_bytes_per_s = 53.9e9;
@@ -140,14 +139,12 @@ StatusOr<DeviceModel> DeviceModelNamed(const std::string& name) {
 }
 
 Profile DefaultCostModel(const JobConfig& c, const DeviceModel& device) {
-  // CPU workers: a few tens of GFLOP/s each, copies at memory speed. GPU: 70% of the H200's
+  // CPU workers: a few tens of GFLOP/s each, copies at memory speed. GPU: 70% of the device's
   // peak for the dtype, the share its kernels reached per layer at the Qwen3-1.7B job's shapes
-  // (bench/profiles/qwen3-1.7b-h200-mb4-host-lookup.json: forward 0.78, recompute 0.73,
-  // backward 0.70, head 0.80 of 790 TFLOP/s in bf16; fp32, which runs without tensor cores, is
-  // assumed to reach the same share of its 67 TFLOP/s, unmeasured), pinned host links at their
-  // measured 55 GB/s, the coordinator's AdamW at the 6.7e9 parameters/s of that profile (16
-  // cores). Until 0.5 of the bf16 peak and 4.5e9: the 1.7B job's step was predicted 2.378 s
-  // against 1.77 measured.
+  // in a stored profile (bench/profiles/qwen3-1.7b-h200-mb4-host-lookup.json; fp32, which runs
+  // without tensor cores, is assumed to reach the same share, unmeasured), the host links and
+  // the coordinator's AdamW at the device model's rates. docs/benchmarks.md ("Measurements
+  // behind the code's choices") has the per-layer shares and what a lower share predicted.
   if (c.job.device == core::DeviceKind::kCpu) return CostModelProfile(c, 2e10, 0.0, 0.0);
   // fp16 and fp8: bf16's tensor-core peak. fp8's faster products are not modelled here; a run's
   // measured profile (schedule.profile_steps) times them as they run.

@@ -345,10 +345,10 @@ double NodeGatherSeconds(const SimInput& in, double bytes) {
   return wire + (n - 1.0) * in.node_hop_s;
 }
 
-// One hop of a cross-node sum between hosts: a TCP round trip and Gloo's own work, taken as
-// 50 us. An assumption for real networks: on the loopback of a 2-core machine rp-node-bench
-// measured 0.17-0.25 ms per hop (a 256-byte sum of 2 ranks in 0.33-0.50 ms), mostly thread
-// wake-ups on oversubscribed cores (bench/results.jsonl).
+// One hop of a cross-node sum between hosts: a TCP round trip and Gloo's own work. An assumption
+// for real networks, not a measurement: the loopback of a 2-core machine, the only place it was
+// measured (rp-node-bench; docs/benchmarks.md, "Several nodes"), times mostly thread wake-ups
+// on oversubscribed cores.
 constexpr double kNodeHopSeconds = 50e-6;
 
 SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,

@@ -218,10 +218,10 @@ class CudaDevice final : public Device {
       throw std::runtime_error(std::string("CopyWeights: no conversion from ") + c10::toString(stored) +
                                " to " + c10::toString(dtype));
     // fp32 masters for bf16 compute: each chunk lands in one staging buffer and is rounded into
-    // t, both on the weights stream. The next chunk's copy waits for the rounding (about 30 us of
-    // memory traffic against 1.2 ms for a 64 MiB copy, though the kernel shares the SMs with the
-    // compute stream's), so one buffer is enough and nothing syncs the host. Measured: no
-    // slowdown against fetching a bf16 copy (bench/results.jsonl, 544a817).
+    // t, both on the weights stream. The next chunk's copy waits for the rounding, a few percent
+    // of the copy's time in memory traffic (though the kernel shares the SMs with the compute
+    // stream's), so one buffer is enough and nothing syncs the host; it is no slower than
+    // fetching a bf16 copy (docs/benchmarks.md, "Measurements behind the code's choices").
     constexpr int64_t kChunkElems = static_cast<int64_t>(kChunkBytes / sizeof(float));
     if (!staging_.defined()) {
       OnStream on_weights(weights_, index_);  // only the weights stream ever touches it

@@ -474,9 +474,9 @@ cudaError_t LaunchRmsNorm(const void* x, const void* res, const void* w, void* s
   // The forward takes the packed layout whenever the row arrays (not the weight: read by
   // element) allow 16-byte accesses; rows then start aligned too, every size being a multiple of
   // 256 elements. A null pointer is an unused one. The backward keeps the scalar layout: a packed
-  // one measured slower on the H200 (rp-block-bench, Qwen3-4B block: 9.134 ms of recompute and
-  // backward against LibTorch's 8.983, where the scalar kernel was level with it; the 1.7B's
-  // level), its per-column weight-gradient sums taking more registers per thread.
+  // one was slower than LibTorch's on a Qwen3-4B block where the scalar one is level with it
+  // (rp-block-bench; docs/benchmarks.md), its per-column weight-gradient sums taking more
+  // registers per thread.
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   static_assert(kRowThreads * kPer % kPackedRowElems == 0, "whole packs per thread");
   if (!backward && aligned(x) && aligned(res) && aligned(sum) && aligned(y))
