@@ -621,7 +621,8 @@ const std::vector<KeySpec>& Table() {
             "schedule.kept_blocks = -1 respect, against the planner's estimate of the "
             "tensors allocated at the peak (rp-plan prints its parts; measured on the H200: 1.7B "
             "job +25-28%, 4B job -1%); leave room for the CUDA context and the allocator's cache "
-            "(~1-2 GB); 0 = unlimited"),
+            "(~1-2 GB); 0 = for CUDA workers, 85% of the smallest visible GPU's memory as nvidia-smi "
+            "reports it to rp-launch (unlimited where it reports none)"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "
@@ -1325,7 +1326,7 @@ Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& 
 }  // namespace
 
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
-                                   const std::vector<std::string>& overrides) {
+                                   const std::vector<std::string>& overrides, const HostFacts& host) {
   RP_ASSIGN_OR_RETURN(toml::table root, ParseText(toml_text, base_dir + "/<job>"));
   // Keys given by --set are named as such in errors (LoadJobConfig then names no file).
   std::set<std::string> from_set;
@@ -1417,10 +1418,15 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   // A device memory limit is a smaller card: the planner plans for it, decided here once. The
   // allocator refuses past the limit itself, so the plan keeps a share of it for what the
   // planner's estimate leaves out (the allocator's fragmentation, short-lived temporaries).
+  // Without a limit or a budget, CUDA workers plan for the card itself the same way; a budget
+  // the user gave is kept.
+  constexpr double kPlannedShareOfCard = 0.85;
+  const auto planned_gb = [&](double gib) { return kPlannedShareOfCard * gib * 1073741824.0 / 1e9; };
   if (cfg.job.device_memory_limit_gib > 0) {
-    constexpr double kPlannedShareOfLimit = 0.85;
-    const double planned_gb = kPlannedShareOfLimit * cfg.job.device_memory_limit_gib * 1073741824.0 / 1e9;
-    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > planned_gb) cfg.schedule.gpu_memory_gb = planned_gb;
+    const double limit_gb = planned_gb(cfg.job.device_memory_limit_gib);
+    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > limit_gb) cfg.schedule.gpu_memory_gb = limit_gb;
+  } else if (!(cfg.schedule.gpu_memory_gb > 0) && host.gpu_memory_gib > 0 && cfg.job.device != DeviceKind::kCpu) {
+    cfg.schedule.gpu_memory_gb = planned_gb(host.gpu_memory_gib);
   }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
@@ -1434,8 +1440,8 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   return cfg;
 }
 
-StatusOr<JobConfig> LoadJobConfig(const std::string& path,
-                                  const std::vector<std::string>& overrides) {
+StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides,
+                                  const HostFacts& host) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) return Status::InvalidArgument("job file: no such file: " + path);
   std::ifstream in(path);
@@ -1443,7 +1449,7 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path,
   std::stringstream ss;
   ss << in.rdbuf();
   fs::path abs = fs::absolute(path, ec).lexically_normal();
-  auto cfg = ParseJobConfig(ss.str(), abs.parent_path().string(), overrides);
+  auto cfg = ParseJobConfig(ss.str(), abs.parent_path().string(), overrides, host);
   if (!cfg.ok()) {
     const std::string& message = cfg.status().message();
     // A --set value is not the file's fault.

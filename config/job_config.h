@@ -329,9 +329,18 @@ struct JobConfig {
   int64_t TokensPerMicrobatch() const { return train.microbatch_size * data.seq_len; }
 };
 
+// What the launching host offers a job that leaves it to the host: the memory of its smallest
+// visible GPU in GiB (0 = none or unknown). CUDA workers with neither schedule.gpu_memory_gb nor
+// job.device_memory_limit_gib plan for 85% of it, as for a memory limit, so a plan never
+// outgrows the card unnoticed.
+struct HostFacts {
+  double gpu_memory_gib = 0.0;
+};
+
 // Parses `path`, applies overrides ("section.key=value"; the value is TOML, or a bare string),
 // validates. The returned message names the key and the problem.
-StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides);
+StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides,
+                                  const HostFacts& host = {});
 // optimizer.warmup_ratio > 0: warmup_steps = ceil(ratio x train.steps). LoadJobConfig does it when
 // train.steps is given; with train.epochs, core::ResolveTrainingLength (io/data.h) once the steps
 // are known.
@@ -342,7 +351,7 @@ void ResolveWarmup(JobConfig* c);
 bool TokenFileHasDocuments(const std::string& path);
 // Same from TOML text (tests); `base_dir` resolves relative paths.
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
-                                   const std::vector<std::string>& overrides);
+                                   const std::vector<std::string>& overrides, const HostFacts& host = {});
 
 // One documented key: the table that drives parsing, validation and configs/README.md.
 struct KeyDoc {

@@ -36,6 +36,7 @@
 #include "planning/partitioner.h"
 #include "launcher/node_link.h"
 #include "launcher/run_secret.h"
+#include "launcher/host_gpus.h"
 #include "planning/run_spec.h"
 #include "planning/plan.h"
 #include "planning/profile.h"
@@ -378,7 +379,10 @@ int RunSession(const LaunchOptions& o) {
   nodes.rank = o.world.rank;
   nodes.store_host = o.world.store_host;
   nodes.store_port = o.world.store_port;
-  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes);
+  // A job without a device memory budget plans for the host's smallest GPU (config/job_config.h).
+  core::HostFacts host;
+  if (VisibleGpus() > 0) host.gpu_memory_gib = QueryGpuMemoryGib(ProcessEnv);
+  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes, host);
   if (!resolved.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", resolved.status().message().c_str());
     return kExitBadConfig;

@@ -106,9 +106,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_st
                                    grad_boundaries)
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
-                             int workers, const NodesConfig& nodes) {
+                             int workers, const NodesConfig& nodes, const HostFacts& host) {
   RunSpec spec;
-  RP_ASSIGN_OR_RETURN(spec.job, LoadJobConfig(job_path, overrides));
+  RP_ASSIGN_OR_RETURN(spec.job, LoadJobConfig(job_path, overrides, host));
   spec.job.nodes = nodes;
   RP_RETURN_IF_ERROR(CheckNodes(spec.job));
   RP_RETURN_IF_ERROR(ResolveTrainingLength(&spec.job));

@@ -183,6 +183,35 @@ TEST(JobConfig, ADeviceMemoryLimitIsTheBudgetThePlannerPlansFor) {
   ExpectError(kValid, "job.device_memory_limit_gib: caps a CUDA worker's", {"job.device=cpu", "job.device_memory_limit_gib=22"});
 }
 
+TEST(JobConfig, WithoutABudgetCudaWorkersPlanForTheHostsSmallestGpu) {
+  // rp-launch found an 80 GiB card: 85% of it, as for a limit; a limit or a budget given wins,
+  // and CPU workers plan with none. Without a card (0), nothing changes.
+  const HostFacts h100{80.0};
+  auto plan_for = [&](std::vector<std::string> sets, const HostFacts& host) {
+    return ParseJobConfig(kValid, CorpusDir(), sets, host);
+  };
+  auto c = plan_for({"job.device=cuda"}, h100);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 80 * 1.073741824, 1e-9);
+  c = plan_for({"job.device=auto"}, h100);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 80 * 1.073741824, 1e-9);
+  c = plan_for({"job.device=cuda", "schedule.gpu_memory_gb=120"}, h100);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->schedule.gpu_memory_gb, 120);  // the user's, even above the card
+  c = plan_for({"job.device=cuda", "job.device_memory_limit_gib=22"}, h100);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 22 * 1.073741824, 1e-9);
+  c = plan_for({"job.device=cpu"}, h100);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->schedule.gpu_memory_gb, 0);
+  c = plan_for({"job.device=cuda"}, HostFacts{});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->schedule.gpu_memory_gb, 0);
+  // A planner choice that needs a budget is then allowed without one given.
+  EXPECT_TRUE(plan_for({"job.device=cuda", "schedule.kept_blocks=-1"}, h100).ok());
+}
+
 TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();

@@ -4,6 +4,7 @@
 
 #include <map>
 
+#include "launcher/host_gpus.h"
 #include "launcher/node_world.h"
 
 namespace rp::launch {
@@ -128,6 +129,25 @@ TEST(NodeWorld, HostLists) {
     auto got = ExpandHostList(bad);
     EXPECT_FALSE(got.ok()) << bad;
   }
+}
+
+}  // namespace
+}  // namespace rp::launch
+
+namespace rp::launch {
+namespace {
+
+TEST(HostGpus, TheSmallestVisibleGpuInGib) {
+  const std::string smi = "81559\n143771\n81559\n40960\n";
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib(smi, std::nullopt), 40.0);
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib(smi, std::string("1")), 143771 / 1024.0);
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib(smi, std::string("1,2")), 81559 / 1024.0);
+  // Indices past the list are ignored; UUIDs are not mapped, so every GPU counts.
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib(smi, std::string("1,9")), 143771 / 1024.0);
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib(smi, std::string("GPU-5e1f0c2a,1")), 40.0);
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib("", std::nullopt), 0.0);
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib("No devices were found\n", std::nullopt), 0.0);
+  EXPECT_DOUBLE_EQ(SmallestGpuMemoryGib("[N/A]\n81559\n", std::nullopt), 81559 / 1024.0);
 }
 
 }  // namespace
