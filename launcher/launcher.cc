@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdarg>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -371,7 +372,22 @@ std::string NodeRunFingerprint(const core::RunSpec& run, bool resume) {
          std::to_string(first_step) + " (job " + hash + ")";
 }
 
-int RunSession(const LaunchOptions& o) {
+// A refusal before anything exists (exit 2): an InvalidArgument with a printf-style message.
+Status Refusal(const char* format, ...) __attribute__((format(printf, 1, 2)));
+Status Refusal(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  char text[1024];
+  std::vsnprintf(text, sizeof(text), format, args);
+  va_end(args);
+  return Status::InvalidArgument(text);
+}
+
+// The run resolved and every check a launch makes before anything exists: the build, the
+// workers' count for the device, the files it reads first, the data, the output directory and
+// the host's memory. The dry run makes the same checks with the same messages and then prints
+// the plan here. A refusal is a Status whose message the caller prints after "rp-launch: ".
+StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   // The run's decisions, made once here; the coordinator and the workers read them from the
   // runtime directory (planning/run_spec.h).
   core::NodesConfig nodes;
@@ -383,31 +399,25 @@ int RunSession(const LaunchOptions& o) {
   core::HostFacts host;
   if (VisibleGpus() > 0) host.gpu_memory_gib = QueryGpuMemoryGib(ProcessEnv);
   auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes, host);
-  if (!resolved.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", resolved.status().message().c_str());
-    return kExitBadConfig;
-  }
-  core::RunSpec& run = *resolved;
+  if (!resolved.ok()) return resolved.status();
+  core::RunSpec run = std::move(resolved).value();
   const core::JobConfig* cfg = &run.job;
   // Refused here, before any process exists, not by the workers once everything started.
   if (cfg->job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
-    std::fprintf(stderr, "rp-launch: job.device = \"cuda\", but this build has no CUDA backend "
-                         "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build\n");
-    return kExitBadConfig;
+    return Refusal("job.device = \"cuda\", but this build has no CUDA backend "
+                         "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build");
   }
   if (cfg->nodes.count > 1) {
     // The workers sum across the nodes with Gloo (CPU workers) or NCCL (CUDA workers).
     const bool cuda = RP_WITH_CUDA && (cfg->job.device == core::DeviceKind::kCuda ||
                                        (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() != 0));
     if (cuda && !RP_WITH_NCCL) {
-      std::fprintf(stderr, "rp-launch: several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
-                           "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"\n");
-      return kExitBadConfig;
+      return Refusal("several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
+                           "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"");
     }
     if (!cuda && !RP_WITH_GLOO) {
-      std::fprintf(stderr, "rp-launch: several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
-                           "build lacks (Debian: install libgloo-dev and rebuild)\n");
-      return kExitBadConfig;
+      return Refusal("several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
+                           "build lacks (Debian: install libgloo-dev and rebuild)");
     }
   }
   // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
@@ -415,63 +425,54 @@ int RunSession(const LaunchOptions& o) {
   if (cfg->job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
     constexpr int kWorkersPerGpu = 4;
     if (const int visible = VisibleGpus(); visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
-      std::fprintf(stderr, "rp-launch: --gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
-                           "at most %d per GPU\n", o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
-      return kExitBadConfig;
+      return Refusal("--gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+                           "at most %d per GPU", o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
     }
     if (const int visible = VisibleGpus(); core::FrozenOnDevice(*cfg) && visible > 0 && o.gpus > visible) {
-      std::fprintf(stderr, "rp-launch: schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
+      return Refusal("schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
                            "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
-                           "worker per GPU or leave the option off\n", o.gpus, visible, visible == 1 ? "" : "s");
-      return kExitBadConfig;
+                           "worker per GPU or leave the option off", o.gpus, visible, visible == 1 ? "" : "s");
     }
   }
   // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
                            (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() == 0);
   if (cpu_workers && core::Fp8Matmuls(*cfg)) {
-    std::fprintf(stderr, "rp-launch: train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
-                         "workers here (%s)\n", core::EnumName(cfg->job.device),
+    return Refusal("train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
+                         "workers here (%s)", core::EnumName(cfg->job.device),
                  RP_WITH_CUDA ? "no GPU is visible" : "this build has no CUDA backend");
-    return kExitBadConfig;
   }
   const int max_cpu_workers = 4 * UsableCores();
   if (cpu_workers && o.gpus > max_cpu_workers) {
-    std::fprintf(stderr, "rp-launch: --gpus %d CPU workers on %d usable cores; at most %d (4 per core)\n", o.gpus,
+    return Refusal("--gpus %d CPU workers on %d usable cores; at most %d (4 per core)", o.gpus,
                  UsableCores(), max_cpu_workers);
-    return kExitBadConfig;
   }
   if (cfg->schedule.activations == core::Activations::kWorker && o.gpus != 1) {
-    std::fprintf(stderr, "rp-launch: schedule.activations = \"worker\" keeps activations in the one worker's "
-                         "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"\n", o.gpus);
-    return kExitBadConfig;
+    return Refusal("schedule.activations = \"worker\" keeps activations in the one worker's "
+                         "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"", o.gpus);
   }
   if (cfg->schedule.kept_blocks > 0 && (o.gpus != 1 || cfg->nodes.count > 1)) {
-    std::fprintf(stderr, "rp-launch: schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
+    return Refusal("schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
                          "the forward, for its backward, and needs one worker in the run (this launch asks for "
-                         "%d on %lld node(s)); set it to 0\n",
+                         "%d on %lld node(s)); set it to 0",
                  static_cast<long long>(cfg->schedule.kept_blocks), o.gpus, static_cast<long long>(cfg->nodes.count));
-    return kExitBadConfig;
   }
   uint64_t shared_bytes = 0;
   const core::ModelSpec spec = core::BuildModelSpec(cfg->model, cfg->lora);
   auto layout = shm::ComputeLayout(*cfg, spec, run.plan);
   if (!layout.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", layout.status().message().c_str());
-    return kExitBadConfig;
+    return layout.status();
   }
   shared_bytes = shm::SharedMemoryBytes(*layout, *cfg, o.gpus);
   // The files the run reads at its start, checked here (headers only) so a bad path is refused
   // before anything exists: the weights of model.path and lora.init_from, and with --resume the
   // newest checkpoint's header against this job.
   if (Status s = core::CheckInitialWeights(*cfg, spec, o.resume); !s.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
-    return kExitBadConfig;
+    return s;
   }
   if (o.resume) {
     if (Status s = CheckResumable(*cfg, spec, *layout, o.force_resume); !s.ok()) {
-      std::fprintf(stderr, "rp-launch: --resume: %s\n", s.message().c_str());
-      return kExitBadConfig;
+      return Status::InvalidArgument("--resume: " + s.message());
     }
   }
   std::optional<core::MemoryEstimate> cpu_worker;
@@ -487,15 +488,13 @@ int RunSession(const LaunchOptions& o) {
   {
     auto data = core::Dataset::Open(*cfg);
     if (!data.ok()) {
-      std::fprintf(stderr, "rp-launch: %s\n", data.status().message().c_str());
-      return kExitBadConfig;
+      return data.status();
     }
     packing_summary = data->PackingSummary();
     length_summary = data->LengthSummary();
     if (cfg->train.eval_every > 0) {
       if (auto eval = core::Dataset::OpenEval(*cfg); !eval.ok()) {
-        std::fprintf(stderr, "rp-launch: %s\n", eval.status().message().c_str());
-        return kExitBadConfig;
+        return eval.status();
       }
     }
   }
@@ -513,12 +512,10 @@ int RunSession(const LaunchOptions& o) {
                  : node_joins ? core::CheckNoPlantedLinks(*cfg)
                               : core::CheckOutputDirForResume(*cfg);
       !s.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
-    return kExitBadConfig;
+    return s;
   }
   if (Status s = CheckHostMemory(*cfg, shared_bytes, o.gpus, cpu_worker); !s.ok()) {
-    std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
-    return kExitBadConfig;
+    return s;
   }
   if (o.dry_run) {
     PrintDryRun(*cfg, run.plan, o.gpus, cpu_workers);
@@ -530,8 +527,19 @@ int RunSession(const LaunchOptions& o) {
                   cpu_worker->total / (1ull << 30), cpu_worker->attention_scores / (1ull << 30));
     std::printf("the job as resolved (a job file; the run keeps it as %s/job.toml):\n%s", cfg->job.output_dir.c_str(),
                 core::JobToml(*cfg).c_str());
-    return kExitOk;
   }
+  return run;
+}
+
+int RunSession(const LaunchOptions& o) {
+  auto checked = ResolveAndCheck(o);
+  if (!checked.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", checked.status().message().c_str());
+    return kExitBadConfig;
+  }
+  if (o.dry_run) return kExitOk;
+  core::RunSpec& run = *checked;
+  const core::JobConfig* cfg = &run.job;
   const std::string coord_bin = o.bin_dir + "/rp-coordinator";
   const std::string worker_bin = o.bin_dir + "/rp-worker";
   for (const auto& b : {coord_bin, worker_bin})
