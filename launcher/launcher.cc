@@ -12,6 +12,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -104,10 +105,12 @@ void ReclaimDeadRuns(const std::string& base) {
     if (owner.get() < 0) continue;
     if (::flock(owner.get(), LOCK_EX | LOCK_NB) == 0) {
       int names = 0;
-      for (const auto& m : fs::directory_iterator("/dev/shm", ec))
-        if (m.path().filename().string().rfind(name + "-", 0) == 0 &&
-            ::shm_unlink(("/" + m.path().filename().string()).c_str()) == 0)
-          ++names;
+      for (const auto& m : fs::directory_iterator("/dev/shm", ec)) {
+        const std::string segment = m.path().filename().string();
+        std::string shm_name = "/";
+        shm_name += segment;
+        if (segment.rfind(name + "-", 0) == 0 && ::shm_unlink(shm_name.c_str()) == 0) ++names;
+      }
       fs::remove_all(e.path(), ec);
       std::fprintf(stderr, "rp-launch: reclaimed %s and %d shared-memory names left by a launcher that was killed\n",
                    e.path().c_str(), names);
@@ -372,6 +375,373 @@ std::string NodeRunFingerprint(const core::RunSpec& run, bool resume) {
          std::to_string(first_step) + " (job " + hash + ")";
 }
 
+// Blocks `signals` in this thread (and the threads it starts afterwards) for its lifetime, so
+// they are taken synchronously (sigtimedwait); the previous mask comes back on destruction.
+class SignalMask {
+ public:
+  explicit SignalMask(std::initializer_list<int> signals) {
+    sigemptyset(&blocked_);
+    for (int s : signals) sigaddset(&blocked_, s);
+    pthread_sigmask(SIG_BLOCK, &blocked_, &previous_);
+  }
+  ~SignalMask() { pthread_sigmask(SIG_SETMASK, &previous_, nullptr); }
+  SignalMask(const SignalMask&) = delete;
+  SignalMask& operator=(const SignalMask&) = delete;
+  const sigset_t& blocked() const { return blocked_; }
+
+ private:
+  sigset_t blocked_, previous_;
+};
+
+// Several nodes: this node's secret, then every node arrives at node 0's store with the same run
+// before anything starts. kExitOk with `link` set, else the exit code after saying why.
+int MeetTheOtherNodes(const LaunchOptions& o, const core::RunSpec& run, std::unique_ptr<NodeLink>* link,
+                      std::optional<RunSecret>* node_secret) {
+  const core::JobConfig& cfg = run.job;
+  auto secret = ResolveRunSecret(core::SharedOutputDir(cfg), ProcessEnv);
+  if (!secret.ok()) {
+    std::fprintf(stderr, "rp-launch: the run's node secret: %s\n", secret.status().message().c_str());
+    return secret.status().code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitError;
+  }
+  *node_secret = std::move(secret).value();
+  std::fprintf(stderr,
+               "rp-launch: node %lld of %lld (%s), node store %s:%lld sealed with the secret from %s; waiting for "
+               "the other nodes\n",
+               static_cast<long long>(cfg.nodes.rank), static_cast<long long>(cfg.nodes.count), o.world.source.c_str(),
+               cfg.nodes.store_host.c_str(), static_cast<long long>(cfg.nodes.store_port),
+               (*node_secret)->source.c_str());
+  auto opened = NodeLink::Open(cfg, nodes::StoreSeal((*node_secret)->value));
+  Status met = opened.ok() ? (*opened)->Meet(NodeRunFingerprint(run, o.resume)) : opened.status();
+  if (!met.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", met.message().c_str());
+    return met.code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitPeerLost;
+  }
+  *link = std::move(opened).value();
+  return kExitOk;
+}
+
+// A log pipe per process of the run (the coordinator's, then worker r's at r + 1), each drained
+// by `pump` into its file under `log_dir`; the write ends, for the children.
+StatusOr<std::vector<int>> OpenLogPipes(LogPump* pump, const std::string& log_dir, int workers) {
+  std::vector<std::string> roles = {"coordinator"};
+  for (int r = 0; r < workers; ++r) roles.push_back("worker " + std::to_string(r));
+  std::vector<int> out_fds;
+  for (const auto& role : roles) {
+    std::string file = role;
+    for (auto& ch : file)
+      if (ch == ' ') ch = '-';
+    auto fd = pump->Pipe(role, log_dir + "/" + file + ".log");
+    if (!fd.ok()) {
+      for (int f : out_fds) ::close(f);
+      return fd.status();
+    }
+    out_fds.push_back(*fd);
+  }
+  return out_fds;
+}
+
+// The launcher's exit code once the children are gone, with what the user does next: an
+// interrupt (stopped at once, or `checkpointed` after a graceful stop), a re-plan, or the run's
+// own code.
+int EndOfRunCode(const core::JobConfig& cfg, bool interrupted, bool checkpointed, bool replan, int exit_code) {
+  if (interrupted) {
+    std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");
+    return kExitInterrupted;
+  }
+  if (checkpointed) {
+    // checkpoint.dir is relative to the output directory, or absolute (node 0's, on the others).
+    const std::string checkpoints = (fs::path(cfg.job.output_dir) / cfg.checkpoint.dir).string();
+    if (core::ShardedState(cfg))
+      // Every node wrote its own part after the step the nodes agreed on.
+      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step and wrote its part of a "
+                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
+                   checkpoints.c_str());
+    else if (cfg.nodes.count > 1)
+      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step, node 0 wrote a "
+                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
+                   checkpoints.c_str());
+    else
+      std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s, `rp-launch --resume` continues the run\n",
+                   checkpoints.c_str());
+    return kExitInterrupted;
+  }
+  if (replan && exit_code == kExitOk) return kExitReplan;
+  return exit_code;
+}
+
+// How the run's processes start: their programs, arguments and environment, decided once.
+class ChildCommands {
+ public:
+  ChildCommands(const LaunchOptions& o, const std::string& session, const std::string& dir,
+                const std::string& spec_path, const std::optional<RunSecret>& node_secret)
+      : coordinator_bin_(o.bin_dir + "/rp-coordinator"), worker_bin_(o.bin_dir + "/rp-worker"), resume_(o.resume) {
+    common_ = {"--spec", spec_path, "--gpus", std::to_string(o.gpus), "--session", session, "--runtime-dir", dir,
+               "-v", std::to_string(o.verbosity)};
+    env_ = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()), "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
+    // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
+    if (!std::getenv("OPENBLAS_NUM_THREADS")) env_.push_back("OPENBLAS_NUM_THREADS=1");
+    // The workers' cross-node groups seal their store traffic with the run's secret.
+    if (node_secret && !node_secret->from_env)
+      env_.push_back(std::string(nodes::kRunSecretVariable) + "=" + node_secret->value);
+    if (o.debug_worker >= 0) {
+      // A paused worker must not make the coordinator give up waiting for it.
+      common_.push_back("--hello-timeout-s");
+      common_.push_back("86400");
+    }
+    std::istringstream words(o.worker_wrapper);
+    for (std::string w; words >> w;) wrapper_.push_back(w);
+  }
+
+  StatusOr<ChildProcess> Coordinator(int out_fd) const {
+    std::vector<std::string> argv = {coordinator_bin_};
+    argv.insert(argv.end(), common_.begin(), common_.end());
+    if (resume_) argv.push_back("--resume");
+    return ChildProcess::Spawn("coordinator", argv, env_, out_fd);
+  }
+  // Worker `rank` (a replacement too); `debug_pause`: it waits for a debugger or SIGUSR1.
+  StatusOr<ChildProcess> Worker(int rank, int out_fd, bool debug_pause) const {
+    std::vector<std::string> argv = wrapper_;
+    argv.push_back(worker_bin_);
+    argv.insert(argv.end(), {"--rank", std::to_string(rank)});
+    argv.insert(argv.end(), common_.begin(), common_.end());
+    auto env = env_;
+    env.push_back("RP_RANK=" + std::to_string(rank));
+    if (debug_pause) env.push_back("RP_DEBUG_PAUSE=1");
+    return ChildProcess::Spawn("worker " + std::to_string(rank), argv, env, out_fd);
+  }
+
+ private:
+  std::string coordinator_bin_, worker_bin_;
+  bool resume_;
+  std::vector<std::string> common_, env_, wrapper_;  // every child's arguments and environment; the worker's wrapper
+};
+
+// The supervision loop of a launch: signals, the children's exits (with replacement workers), the
+// other nodes and the coordinator's progress, each a part that says whether the loop ends now.
+// What it leaves in its public fields is how the run ended, for RunSession's report.
+class Supervision {
+ public:
+  using SpawnWorker = std::function<StatusOr<ChildProcess>(int rank, int out_fd, bool debug_pause)>;
+  Supervision(const core::JobConfig& cfg, std::vector<ChildProcess>& children, NodeLink* link, std::string dir,
+              SpawnWorker spawn_worker, const std::vector<int>& respawn_fds, int exit_code_so_far)
+      : exit_code(exit_code_so_far),
+        cfg_(cfg),
+        children_(children),
+        link_(link),
+        dir_(std::move(dir)),
+        spawn_worker_(std::move(spawn_worker)),
+        respawn_fds_(respawn_fds) {}
+
+  // Until every child is done, a failure, or a second interrupt.
+  void Run(const sigset_t& signals) {
+    while (exit_code == kExitOk && !interrupted) {
+      timespec ts{0, 100 * 1000 * 1000};
+      if (OnSignal(sigtimedwait(&signals, nullptr, &ts))) break;
+      if (ReapChildren()) break;
+      if (link_ && failure.empty() && NodeLost()) break;
+      if (link_ && failure.empty() && !children_[0].exit_info() && StopAgreementFailed()) break;
+      if (failure.empty() && !children_[0].exit_info() && cfg_.job.worker_timeout_s > 0 && CoordinatorGone()) break;
+      // Workers get a grace period to leave after the coordinator finished the job.
+      if (std::chrono::steady_clock::now() - coordinator_done_at_ > std::chrono::seconds(10)) {
+        RP_LOG(WARNING) << "workers still running 10 s after the coordinator finished; stopping them";
+        break;
+      }
+    }
+  }
+
+  int exit_code;
+  bool interrupted = false;    // stopped at once (second signal)
+  bool graceful = false;       // first SIGINT/SIGTERM: the coordinator stops with a checkpoint
+  bool graceful_done = false;  // ... and it did (exit code 3)
+  bool replan = false;         // the coordinator checkpointed to be resumed on a new plan
+  std::string failure, failed_role;
+
+ private:
+  // The first SIGINT/SIGTERM asks the coordinator for a graceful stop; the second stops
+  // everything at once (true).
+  bool OnSignal(int sig) {
+    if ((sig == SIGINT || sig == SIGTERM) && !graceful && !children_[0].exit_info()) {
+      graceful = true;
+      std::fprintf(stderr, "rp-launch: stopping after the step in flight and writing a checkpoint "
+                           "(interrupt again to stop at once)\n");
+      if (link_) {
+        if (Status told = link_->Interrupt(); !told.ok()) std::fprintf(stderr, "rp-launch: %s\n", told.message().c_str());
+      }
+      children_[0].Signal(SIGINT);
+    } else if (sig == SIGINT || sig == SIGTERM) {
+      interrupted = true;
+      for (auto& c : children_) c.Signal(SIGTERM);
+      return true;
+    }
+    return false;
+  }
+
+  // Reaps the children that ended: a worker that died mid-run is replaced while restarts remain,
+  // anything else that ended badly is the run's failure. True when every child is done.
+  bool ReapChildren() {
+    bool all_done = true;
+    for (auto& c : children_) {
+      if (!c.TryReap()) {
+        all_done = false;
+        continue;
+      }
+      const ExitInfo& e = *c.exit_info();
+      const bool is_coord = &c == &children_[0];
+      const bool graceful_exit = graceful && !e.signaled && e.code == kExitInterrupted;
+      if (is_coord && !e.signaled && (e.code == 0 || graceful_exit || (e.code == kExitReplan && !graceful))) {
+        graceful_done = graceful_exit;
+        replan = e.code == kExitReplan;
+        if (coordinator_done_at_ == std::chrono::steady_clock::time_point::max())
+          coordinator_done_at_ = std::chrono::steady_clock::now();
+        continue;
+      }
+      // A worker exits 0 only after the coordinator's Shutdown{0}, i.e. at the end of a good run,
+      // possibly before the launcher has seen the coordinator's own exit (3 after a graceful stop).
+      if (!is_coord && !e.signaled && (e.code == 0 || graceful_exit)) continue;
+      // A worker died mid-run: start a replacement with the same rank while restarts remain. The
+      // coordinator re-dispatches the dead worker's unfinished jobs when the replacement says Hello.
+      const int rank = static_cast<int>(&c - &children_[0]) - 1;
+      // A worker that refused the run's spec (exit 2) would be refused again by any replacement.
+      const bool refused = !e.signaled && e.code == kExitBadConfig;
+      if (!is_coord && !refused && !children_[0].exit_info() && !graceful &&
+          restarts_ < cfg_.job.max_worker_restarts) {
+        restarts_++;
+        std::fprintf(stderr, "rp-launch: %s (pid %d) %s; starting a replacement (restart %lld of %lld)\n",
+                     c.role().c_str(), c.pid(), e.Describe().c_str(), static_cast<long long>(restarts_),
+                     static_cast<long long>(cfg_.job.max_worker_restarts));
+        auto fresh = spawn_worker_(rank, respawn_fds_[rank], false);
+        if (fresh.ok()) {
+          c = std::move(fresh).value();
+          all_done = false;
+          continue;
+        }
+        std::fprintf(stderr, "rp-launch: %s\n", fresh.status().message().c_str());
+      }
+      if (failure.empty()) {
+        failed_role = c.role();
+        failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
+        exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : refused ? kExitBadConfig : kExitPeerLost;
+      }
+    }
+    return all_done;
+  }
+
+  // Beats go on through a graceful stop (its checkpoint may take a while). Once this node's
+  // coordinator is done, the others ending is their reaction to this node's stop, not a failure.
+  bool NodeLost() {
+    auto lost = link_->Tick();
+    if (!lost || children_[0].exit_info()) return false;
+    failure = graceful ? *lost + "; this node was stopping after an interrupt, and its stop step needs the other "
+                                 "nodes: no checkpoint at the interrupt (resume from the newest periodic one)"
+                       : *lost;
+    exit_code = kExitPeerLost;
+    return true;
+  }
+
+  // An interrupt agreed across the nodes (common/stop_agreement.h): one node's interrupt
+  // interrupts every node's coordinator; each proposes a stop step, and all stop after the
+  // largest. True when the agreement failed.
+  bool StopAgreementFailed() {
+    if (!graceful) {
+      if (auto by = link_->InterruptedElsewhere()) {
+        graceful = true;
+        std::fprintf(stderr, "rp-launch: node %d was interrupted: every node stops after an agreed step with a "
+                             "checkpoint\n", *by);
+        children_[0].Signal(SIGINT);
+      }
+    }
+    if (!stop_proposed_) {
+      // Also a coordinator interrupted without this launcher (a signal sent to it alone): its
+      // proposal interrupts the other nodes too.
+      auto proposal = ReadStepFile(dir_ + "/" + kStopProposalFile);
+      if (!proposal.ok()) {
+        failure = proposal.status().message();
+        exit_code = kExitProtocolError;
+        return true;
+      }
+      if (*proposal) {
+        Status posted = graceful ? Status::Ok() : link_->Interrupt();
+        if (posted.ok()) posted = link_->Propose(**proposal);
+        graceful = true;
+        if (!posted.ok()) {
+          failure = posted.message();
+          exit_code = kExitPeerLost;
+          return true;
+        }
+        stop_proposed_ = true;
+      }
+    }
+    if (stop_proposed_ && !stop_agreed_) {
+      auto agreed = link_->Agreed();
+      Status written = agreed.ok() && *agreed ? WriteStepFile(dir_ + "/" + kStopAgreedFile, **agreed) : agreed.status();
+      if (!written.ok()) {
+        failure = "agreeing on a stop step with the other nodes: " + written.message();
+        exit_code = agreed.ok() ? kExitProtocolError : kExitPeerLost;
+        return true;
+      }
+      stop_agreed_ = agreed.ok() && agreed->has_value();
+    }
+    return false;
+  }
+
+  // A coordinator that stopped making progress (a hang) beats no more
+  // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever. One that
+  // is stopped (SIGSTOP, Ctrl-Z, a debugger) is waited for, up to job.stopped_timeout_s. True
+  // when the run ends for either.
+  bool CoordinatorGone() {
+    const double now = MonoSeconds();
+    const std::string who = "coordinator (pid " + std::to_string(children_[0].pid()) + ")";
+    if (stopped_since_ >= 0 && !ProcessStopped(children_[0].pid())) {
+      RP_LOG(WARNING) << who << " continues after " << FormatSeconds(now - stopped_since_) << " s stopped";
+      stopped_since_ = stopped_said_ = -1.0;
+    }
+    double quiet = SecondsSinceBeat(dir_ + "/" + kBeaconFile);
+    if (last_stopped_ >= 0) quiet = std::min(quiet, now - last_stopped_);
+    if (stopped_since_ >= 0 || (quiet > cfg_.job.worker_timeout_s && ProcessStopped(children_[0].pid()))) {
+      if (stopped_since_ < 0) stopped_since_ = now - quiet;
+      last_stopped_ = now;
+      const double stopped_for = now - stopped_since_;
+      if (stopped_for > cfg_.job.stopped_timeout_s) {
+        failed_role = children_[0].role();
+        failure = who + " has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
+                  std::to_string(static_cast<int>(stopped_for)) + " s, past job.stopped_timeout_s = " +
+                  FormatSeconds(cfg_.job.stopped_timeout_s) + " s; ending the run";
+        exit_code = kExitPeerLost;
+        for (auto& c : children_) c.Signal(SIGKILL);
+        return true;
+      }
+      if (stopped_said_ < 0 || now - stopped_said_ >= cfg_.job.worker_timeout_s) {
+        RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) for " << FormatSeconds(stopped_for)
+                        << " s; waiting for it to continue, up to job.stopped_timeout_s = "
+                        << FormatSeconds(cfg_.job.stopped_timeout_s) << " s";
+        stopped_said_ = now;
+      }
+    } else if (quiet > cfg_.job.worker_timeout_s) {
+      failed_role = children_[0].role();
+      failure = who + " made no progress for " + std::to_string(static_cast<int>(quiet)) +
+                " s (job.worker_timeout_s = " + FormatSeconds(cfg_.job.worker_timeout_s) + "): stuck; ending the run";
+      exit_code = kExitPeerLost;
+      for (auto& c : children_) c.Signal(SIGKILL);
+      return true;
+    }
+    return false;
+  }
+
+  const core::JobConfig& cfg_;
+  std::vector<ChildProcess>& children_;  // the coordinator first, then worker r at r + 1
+  NodeLink* link_;                       // several nodes; null on one
+  const std::string dir_;                // the runtime directory
+  SpawnWorker spawn_worker_;
+  const std::vector<int>& respawn_fds_;  // each worker rank's log pipe, for its replacements
+  int64_t restarts_ = 0;                 // replacement workers started
+  bool stop_proposed_ = false;           // several nodes: this node's stop step is in the node store
+  bool stop_agreed_ = false;             // ... and the agreed one is in the coordinator's runtime dir
+  std::chrono::steady_clock::time_point coordinator_done_at_ = std::chrono::steady_clock::time_point::max();
+  // The coordinator found stopped (SIGSTOP, a debugger) while quiet: since when, when it was last
+  // said, and when it was last seen stopped (its quiet counts from then).
+  double stopped_since_ = -1.0, stopped_said_ = -1.0, last_stopped_ = -1.0;
+};
+
 // A refusal before anything exists (exit 2): an InvalidArgument with a printf-style message.
 Status Refusal(const char* format, ...) __attribute__((format(printf, 1, 2)));
 Status Refusal(const char* format, ...) {
@@ -540,9 +910,7 @@ int RunSession(const LaunchOptions& o) {
   if (o.dry_run) return kExitOk;
   core::RunSpec& run = *checked;
   const core::JobConfig* cfg = &run.job;
-  const std::string coord_bin = o.bin_dir + "/rp-coordinator";
-  const std::string worker_bin = o.bin_dir + "/rp-worker";
-  for (const auto& b : {coord_bin, worker_bin})
+  for (const auto& b : {o.bin_dir + "/rp-coordinator", o.bin_dir + "/rp-worker"})
     if (::access(b.c_str(), X_OK) != 0) {
       std::fprintf(stderr, "rp-launch: cannot execute %s\n", b.c_str());
       return kExitError;
@@ -573,40 +941,14 @@ int RunSession(const LaunchOptions& o) {
 
   // Signals are taken synchronously (sigtimedwait) so the supervision loop is the only place
   // that reacts to them; children get the default dispositions back via posix_spawn's exec.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGCHLD);
-  sigset_t old;
-  pthread_sigmask(SIG_BLOCK, &set, &old);
+  const SignalMask mask({SIGINT, SIGTERM, SIGCHLD});
   // Several nodes: every node arrives with the same plan before anything starts. After the mask:
   // node 0's store serves from a thread of its own, which must not take the signals the
   // supervision loop waits for.
   std::unique_ptr<NodeLink> link;
   std::optional<RunSecret> node_secret;
   if (cfg->nodes.count > 1) {
-    auto secret = ResolveRunSecret(core::SharedOutputDir(*cfg), ProcessEnv);
-    if (!secret.ok()) {
-      std::fprintf(stderr, "rp-launch: the run's node secret: %s\n", secret.status().message().c_str());
-      pthread_sigmask(SIG_SETMASK, &old, nullptr);
-      return secret.status().code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitError;
-    }
-    node_secret = std::move(secret).value();
-    std::fprintf(stderr,
-                 "rp-launch: node %lld of %lld (%s), node store %s:%lld sealed with the secret from %s; waiting for "
-                 "the other nodes\n",
-                 static_cast<long long>(cfg->nodes.rank), static_cast<long long>(cfg->nodes.count),
-                 o.world.source.c_str(), cfg->nodes.store_host.c_str(), static_cast<long long>(cfg->nodes.store_port),
-                 node_secret->source.c_str());
-    auto opened = NodeLink::Open(*cfg, nodes::StoreSeal(node_secret->value));
-    Status met = opened.ok() ? (*opened)->Meet(NodeRunFingerprint(run, o.resume)) : opened.status();
-    if (!met.ok()) {
-      std::fprintf(stderr, "rp-launch: %s\n", met.message().c_str());
-      pthread_sigmask(SIG_SETMASK, &old, nullptr);
-      return met.code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitPeerLost;
-    }
-    link = std::move(opened).value();
+    if (const int code = MeetTheOtherNodes(o, run, &link, &node_secret); code != kExitOk) return code;
   }
 
   if (o.debug_worker >= 0) run.job.job.worker_timeout_s = 0;  // a worker in a debugger sends no heartbeats
@@ -615,76 +957,33 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: writing %s: %s\n", spec_path.c_str(), s.message().c_str());
     return kExitError;
   }
-  std::vector<std::string> common = {"--spec", spec_path, "--gpus", std::to_string(o.gpus),
-                                     "--session", session, "--runtime-dir", dir,
-                                     "-v", std::to_string(o.verbosity)};
-  std::vector<std::string> env = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()),
-                                  "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
-  // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
-  if (!std::getenv("OPENBLAS_NUM_THREADS")) env.push_back("OPENBLAS_NUM_THREADS=1");
-  // The workers' cross-node groups seal their store traffic with the run's secret.
-  if (node_secret && !node_secret->from_env)
-    env.push_back(std::string(nodes::kRunSecretVariable) + "=" + node_secret->value);
-  if (o.debug_worker >= 0) {
-    // A paused worker must not make the coordinator give up waiting for it.
-    common.push_back("--hello-timeout-s");
-    common.push_back("86400");
-  }
+  const ChildCommands commands(o, session, dir, spec_path, node_secret);
   // Logs of this run: one file per process, never overwriting an earlier run's.
   const std::string log_dir = cfg->job.output_dir + "/logs/" + session;
   if (Status s = MakeLogDir(cfg->job.output_dir, log_dir); !s.ok()) {
     std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
     return kExitBadConfig;
   }
   LogPump pump;  // declared before the children: it outlives them and drains their pipes
-  std::vector<std::string> roles = {"coordinator"};
-  for (int r = 0; r < o.gpus; ++r) roles.push_back("worker " + std::to_string(r));
-  std::vector<int> out_fds;
-  for (const auto& role : roles) {
-    std::string file = role;
-    for (auto& ch : file)
-      if (ch == ' ') ch = '-';
-    auto fd = pump.Pipe(role, log_dir + "/" + file + ".log");
-    if (!fd.ok()) {
-      std::fprintf(stderr, "rp-launch: %s\n", fd.status().message().c_str());
-      for (int f : out_fds) ::close(f);
-      pthread_sigmask(SIG_SETMASK, &old, nullptr);
-      return kExitError;
-    }
-    out_fds.push_back(*fd);
+  auto pipes = OpenLogPipes(&pump, log_dir, o.gpus);
+  if (!pipes.ok()) {
+    std::fprintf(stderr, "rp-launch: %s\n", pipes.status().message().c_str());
+    return kExitError;
   }
+  std::vector<int>& out_fds = *pipes;
   pump.Start();
-  std::vector<std::string> wrapper;
-  {
-    std::istringstream words(o.worker_wrapper);
-    for (std::string w; words >> w;) wrapper.push_back(w);
-  }
   std::vector<ChildProcess> children;
   int exit_code = kExitOk;
   {
-    std::vector<std::string> argv = {coord_bin};
-    argv.insert(argv.end(), common.begin(), common.end());
-    if (o.resume) argv.push_back("--resume");
-    auto c = ChildProcess::Spawn("coordinator", argv, env, out_fds[0]);
+    auto c = commands.Coordinator(out_fds[0]);
     if (!c.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", c.status().message().c_str());
       for (int f : out_fds) ::close(f);
-      pthread_sigmask(SIG_SETMASK, &old, nullptr);
       return kExitError;
     }
     children.push_back(std::move(c).value());
   }
-  auto spawn_worker = [&](int r, int out_fd, bool debug_pause) {
-    std::vector<std::string> argv = wrapper;
-    argv.push_back(worker_bin);
-    argv.insert(argv.end(), {"--rank", std::to_string(r)});
-    argv.insert(argv.end(), common.begin(), common.end());
-    auto e = env;
-    e.push_back("RP_RANK=" + std::to_string(r));
-    if (debug_pause) e.push_back("RP_DEBUG_PAUSE=1");
-    return ChildProcess::Spawn("worker " + std::to_string(r), argv, e, out_fd);
-  };
+  auto spawn_worker = [&commands](int r, int out_fd, bool debug_pause) { return commands.Worker(r, out_fd, debug_pause); };
   for (int r = 0; r < o.gpus && exit_code == kExitOk; ++r) {
     auto c = spawn_worker(r, out_fds[r + 1], r == o.debug_worker);
     if (!c.ok()) {
@@ -709,184 +1008,13 @@ int RunSession(const LaunchOptions& o) {
   RP_LOG(INFO) << "session " << session << ": coordinator pid " << children[0].pid() << ", "
                << o.gpus << " workers";
 
-  bool interrupted = false;       // stopped at once (second signal)
-  bool graceful = false;          // first SIGINT/SIGTERM: the coordinator stops with a checkpoint
-  bool graceful_done = false;     // ... and it did (exit code 3)
-  bool replan = false;            // the coordinator checkpointed to be resumed on a new plan
-  bool stop_proposed = false;     // several nodes: this node's stop step is in the node store
-  bool stop_agreed = false;       // ... and the agreed one is in the coordinator's runtime dir
-  int64_t restarts = 0;           // replacement workers started
-  std::string failure, failed_role;
-  auto coordinator_done_at = std::chrono::steady_clock::time_point::max();
-  // The coordinator found stopped (SIGSTOP, a debugger) while quiet: since when, and when it was
-  // last said; it is waited for up to job.stopped_timeout_s, and its quiet counts from when it
-  // last was seen stopped.
-  double coordinator_stopped_since = -1.0, coordinator_stopped_said = -1.0, coordinator_last_stopped = -1.0;
-  while (exit_code == kExitOk && !interrupted) {
-    timespec ts{0, 100 * 1000 * 1000};
-    int sig = sigtimedwait(&set, nullptr, &ts);
-    if ((sig == SIGINT || sig == SIGTERM) && !graceful && !children[0].exit_info()) {
-      graceful = true;
-      std::fprintf(stderr, "rp-launch: stopping after the step in flight and writing a checkpoint "
-                           "(interrupt again to stop at once)\n");
-      if (link) {
-        if (Status told = link->Interrupt(); !told.ok()) std::fprintf(stderr, "rp-launch: %s\n", told.message().c_str());
-      }
-      children[0].Signal(SIGINT);
-    } else if (sig == SIGINT || sig == SIGTERM) {
-      interrupted = true;
-      for (auto& c : children) c.Signal(SIGTERM);
-      break;
-    }
-    bool all_done = true;
-    for (auto& c : children) {
-      if (!c.TryReap()) {
-        all_done = false;
-        continue;
-      }
-      const ExitInfo& e = *c.exit_info();
-      const bool is_coord = &c == &children[0];
-      const bool graceful_exit = graceful && !e.signaled && e.code == kExitInterrupted;
-      if (is_coord && !e.signaled && (e.code == 0 || graceful_exit || (e.code == kExitReplan && !graceful))) {
-        graceful_done = graceful_exit;
-        replan = e.code == kExitReplan;
-        if (coordinator_done_at == std::chrono::steady_clock::time_point::max())
-          coordinator_done_at = std::chrono::steady_clock::now();
-        continue;
-      }
-      // A worker exits 0 only after the coordinator's Shutdown{0}, i.e. at the end of a good run,
-      // possibly before the launcher has seen the coordinator's own exit (3 after a graceful stop).
-      if (!is_coord && !e.signaled && (e.code == 0 || graceful_exit)) continue;
-      // A worker died mid-run: start a replacement with the same rank while restarts remain. The
-      // coordinator re-dispatches the dead worker's unfinished jobs when the replacement says Hello.
-      const int rank = static_cast<int>(&c - &children[0]) - 1;
-      // A worker that refused the run's spec (exit 2) would be refused again by any replacement.
-      const bool refused = !e.signaled && e.code == kExitBadConfig;
-      if (!is_coord && !refused && !children[0].exit_info() && !graceful &&
-          restarts < cfg->job.max_worker_restarts) {
-        restarts++;
-        std::fprintf(stderr, "rp-launch: %s (pid %d) %s; starting a replacement (restart %lld of %lld)\n",
-                     c.role().c_str(), c.pid(), e.Describe().c_str(), static_cast<long long>(restarts),
-                     static_cast<long long>(cfg->job.max_worker_restarts));
-        auto fresh = spawn_worker(rank, respawn_fds[rank], false);
-        if (fresh.ok()) {
-          c = std::move(fresh).value();
-          all_done = false;
-          continue;
-        }
-        std::fprintf(stderr, "rp-launch: %s\n", fresh.status().message().c_str());
-      }
-      if (failure.empty()) {
-        failed_role = c.role();
-        failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
-        exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : refused ? kExitBadConfig : kExitPeerLost;
-      }
-    }
-    if (all_done) break;
-    // Beats go on through a graceful stop (its checkpoint may take a while). Once this node's
-    // coordinator is done, the others ending is their reaction to this node's stop, not a failure.
-    if (link && failure.empty()) {
-      if (auto lost = link->Tick(); lost && !children[0].exit_info()) {
-        failure = graceful ? *lost + "; this node was stopping after an interrupt, and its stop step needs the other "
-                                     "nodes: no checkpoint at the interrupt (resume from the newest periodic one)"
-                           : *lost;
-        exit_code = kExitPeerLost;
-        break;
-      }
-    }
-    // An interrupt agreed across the nodes (common/stop_agreement.h): one node's interrupt
-    // interrupts every node's coordinator; each proposes a stop step, and all stop after the
-    // largest.
-    if (link && failure.empty() && !children[0].exit_info()) {
-      if (!graceful) {
-        if (auto by = link->InterruptedElsewhere()) {
-          graceful = true;
-          std::fprintf(stderr, "rp-launch: node %d was interrupted: every node stops after an agreed step with a "
-                               "checkpoint\n", *by);
-          children[0].Signal(SIGINT);
-        }
-      }
-      if (!stop_proposed) {
-        // Also a coordinator interrupted without this launcher (a signal sent to it alone): its
-        // proposal interrupts the other nodes too.
-        auto proposal = ReadStepFile(dir + "/" + kStopProposalFile);
-        if (!proposal.ok()) {
-          failure = proposal.status().message();
-          exit_code = kExitProtocolError;
-          break;
-        }
-        if (*proposal) {
-          Status posted = graceful ? Status::Ok() : link->Interrupt();
-          if (posted.ok()) posted = link->Propose(**proposal);
-          graceful = true;
-          if (!posted.ok()) {
-            failure = posted.message();
-            exit_code = kExitPeerLost;
-            break;
-          }
-          stop_proposed = true;
-        }
-      }
-      if (stop_proposed && !stop_agreed) {
-        auto agreed = link->Agreed();
-        Status written = agreed.ok() && *agreed ? WriteStepFile(dir + "/" + kStopAgreedFile, **agreed) : agreed.status();
-        if (!written.ok()) {
-          failure = "agreeing on a stop step with the other nodes: " + written.message();
-          exit_code = agreed.ok() ? kExitProtocolError : kExitPeerLost;
-          break;
-        }
-        stop_agreed = agreed.ok() && agreed->has_value();
-      }
-    }
-    // A coordinator that stopped making progress (a hang) beats no more
-    // (coordinator/progress_beacon.h): the run ends with it rather than waiting forever. One
-    // that is stopped (SIGSTOP, Ctrl-Z, a debugger) is waited for, up to job.stopped_timeout_s.
-    if (failure.empty() && !children[0].exit_info() && cfg->job.worker_timeout_s > 0) {
-      const double now = MonoSeconds();
-      const std::string who = "coordinator (pid " + std::to_string(children[0].pid()) + ")";
-      if (coordinator_stopped_since >= 0 && !ProcessStopped(children[0].pid())) {
-        RP_LOG(WARNING) << who << " continues after " << FormatSeconds(now - coordinator_stopped_since)
-                        << " s stopped";
-        coordinator_stopped_since = coordinator_stopped_said = -1.0;
-      }
-      double quiet = SecondsSinceBeat(dir + "/" + kBeaconFile);
-      if (coordinator_last_stopped >= 0) quiet = std::min(quiet, now - coordinator_last_stopped);
-      if (coordinator_stopped_since >= 0 ||
-          (quiet > cfg->job.worker_timeout_s && ProcessStopped(children[0].pid()))) {
-        if (coordinator_stopped_since < 0) coordinator_stopped_since = now - quiet;
-        coordinator_last_stopped = now;
-        const double stopped_for = now - coordinator_stopped_since;
-        if (stopped_for > cfg->job.stopped_timeout_s) {
-          failed_role = children[0].role();
-          failure = who + " has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
-                    std::to_string(static_cast<int>(stopped_for)) + " s, past job.stopped_timeout_s = " +
-                    FormatSeconds(cfg->job.stopped_timeout_s) + " s; ending the run";
-          exit_code = kExitPeerLost;
-          for (auto& c : children) c.Signal(SIGKILL);
-          break;
-        }
-        if (coordinator_stopped_said < 0 || now - coordinator_stopped_said >= cfg->job.worker_timeout_s) {
-          RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) for " << FormatSeconds(stopped_for)
-                          << " s; waiting for it to continue, up to job.stopped_timeout_s = "
-                          << FormatSeconds(cfg->job.stopped_timeout_s) << " s";
-          coordinator_stopped_said = now;
-        }
-      } else if (quiet > cfg->job.worker_timeout_s) {
-        failed_role = children[0].role();
-        failure = who + " made no progress for " + std::to_string(static_cast<int>(quiet)) +
-                  " s (job.worker_timeout_s = " + FormatSeconds(cfg->job.worker_timeout_s) +
-                  "): stuck; ending the run";
-        exit_code = kExitPeerLost;
-        for (auto& c : children) c.Signal(SIGKILL);
-        break;
-      }
-    }
-    // Workers get a grace period to leave after the coordinator finished the job.
-    if (std::chrono::steady_clock::now() - coordinator_done_at > std::chrono::seconds(10)) {
-      RP_LOG(WARNING) << "workers still running 10 s after the coordinator finished; stopping them";
-      break;
-    }
-  }
+  Supervision supervision(*cfg, children, link.get(), dir, spawn_worker, respawn_fds, exit_code);
+  supervision.Run(mask.blocked());
+  exit_code = supervision.exit_code;
+  const bool interrupted = supervision.interrupted, graceful_done = supervision.graceful_done,
+             replan = supervision.replan;
+  std::string failure = supervision.failure;
+  const std::string failed_role = supervision.failed_role;
   if (link && !failure.empty() && !failed_role.empty()) {
     // A failure here may be the echo of another node's (a reduction whose peer vanished).
     link->Failing(failure);
@@ -912,30 +1040,7 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: last lines of %s (all logs in %s):\n%s", failed_role.c_str(),
                  log_dir.c_str(), pump.LastLines(failed_role).c_str());
   }
-  pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  if (interrupted) {
-    std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");
-    return kExitInterrupted;
-  }
-  if (graceful_done && failure.empty()) {
-    // checkpoint.dir is relative to the output directory, or absolute (node 0's, on the others).
-    const std::string checkpoints = (fs::path(cfg->job.output_dir) / cfg->checkpoint.dir).string();
-    if (core::ShardedState(*cfg))
-      // Every node wrote its own part after the step the nodes agreed on.
-      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step and wrote its part of a "
-                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
-                   checkpoints.c_str());
-    else if (cfg->nodes.count > 1)
-      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step, node 0 wrote a "
-                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
-                   checkpoints.c_str());
-    else
-      std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s, `rp-launch --resume` continues the run\n",
-                   checkpoints.c_str());
-    return kExitInterrupted;
-  }
-  if (replan && exit_code == kExitOk) return kExitReplan;
-  return exit_code;
+  return EndOfRunCode(*cfg, interrupted, graceful_done && failure.empty(), replan, exit_code);
 }
 
 // With schedule.partition = "auto" and no schedule.profile, the plan comes from the run's
