@@ -46,7 +46,8 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
       act_dtype_(store_dtype_ != at::kFloat && device.torch_device().is_cpu() ? at::kFloat : store_dtype_),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : store_dtype_),
       emulate_half_(store_dtype_ != at::kFloat && act_dtype_ == at::kFloat),
-      frozen_on_device_(core::FrozenOnDevice(cfg)) {
+      frozen_on_device_(core::FrozenOnDevice(cfg)),
+      activations_(MakeActivationStore(layout, segment, device, ActivationShape(), store_dtype_)) {
   if (core::FusedKernelsApply(cfg)) {
     math_.UseFusedKernels(device.fused_kernels());
     math_.UseFusedNorms(cfg.bench.fused_norms);
@@ -500,37 +501,10 @@ at::Tensor Executor::Tokens(int mb, bool labels) {
   return device_.FetchActivation(segment_.data() + off, {cfg_.train.microbatch_size, cfg_.data.seq_len}, at::kLong);
 }
 
-at::Tensor Executor::Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key,
-                              const char* what) const {
-  auto it = slots.find(key);
-  if (it == slots.end())
-    throw std::runtime_error(std::string(what) + " slot " + std::to_string(std::get<2>(key)) + " of microbatch " +
-                             std::to_string(std::get<1>(key)) + " (parity " + std::to_string(std::get<0>(key)) +
-                             ") was never written in this worker (schedule.activations = \"worker\")");
-  // A new handle on the same storage: the reader may make it a leaf that requires grad.
-  return it->second.detach();
-}
-
-// A pool-held input must come with the rank holding it (InputReady); a missing one is the
-// coordinator's protocol error, reported as such rather than read from the wrong pool.
-static int PoolRank(int rank, const char* what, int64_t job, int mb) {
-  if (rank < 0)
-    throw std::runtime_error(std::string("InputReady for job ") + std::to_string(job) + " microbatch " +
-                             std::to_string(mb) + " names no pool holding its " + what);
-  return rank;
-}
-
 at::Tensor Executor::Hidden(int mb, int boundary) {
-  const int slot = plan_.HiddenSlot(boundary);
-  if (layout_.activations_in_worker)
-    return Resident(resident_hidden_, {job_.parity, mb, slot}, "hidden-state").to(act_dtype_);
-  if (layout_.activations_in_pools)
-    return device_
-        .FetchFromPool(PoolRank(from_.hidden_rank, "hidden state", job_.job_index, mb),
-                       layout_.PoolHiddenSlot(job_.parity, mb, slot), ActivationShape(), store_dtype_)
-        .to(act_dtype_);
-  return device_
-      .FetchActivation(segment_.data() + layout_.HiddenSlot(job_.parity, mb, slot), ActivationShape(), store_dtype_)
+  return activations_
+      ->Read(ActivationStore::Kind::kHidden, job_.parity, mb, plan_.HiddenSlot(boundary), from_.hidden_rank,
+             job_.job_index)
       .to(act_dtype_);
 }
 
@@ -558,46 +532,18 @@ model::Documents Executor::DocumentsAt(uint64_t positions) {
 }
 
 at::Tensor Executor::InputGrad(int mb, int boundary) {
-  const int slot = plan_.GradSlot(boundary);
-  if (layout_.activations_in_worker)
-    return Resident(resident_grads_, {job_.parity, mb, slot % layout_.grad_slots_per_mb}, "input-gradient")
-        .to(act_dtype_);
-  if (layout_.activations_in_pools)
-    return device_
-        .FetchFromPool(PoolRank(from_.grad_rank, "input gradient", job_.job_index, mb),
-                       layout_.PoolInputGradSlot(job_.parity, mb, slot), ActivationShape(), store_dtype_)
-        .to(act_dtype_);
-  return device_
-      .FetchActivation(segment_.data() + layout_.InputGradSlot(job_.parity, mb, slot), ActivationShape(),
-                       store_dtype_)
+  return activations_
+      ->Read(ActivationStore::Kind::kInputGrad, job_.parity, mb, plan_.GradSlot(boundary), from_.grad_rank,
+             job_.job_index)
       .to(act_dtype_);
 }
 
 void Executor::StoreHidden(int mb, int boundary, const at::Tensor& t) {
-  if (layout_.activations_in_worker) {
-    resident_hidden_[{job_.parity, mb, plan_.HiddenSlot(boundary)}] = t.detach().to(store_dtype_);
-    return;
-  }
-  if (layout_.activations_in_pools) {
-    device_.StoreToPool(t, layout_.PoolHiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)), store_dtype_);
-    return;
-  }
-  device_.Store(t, segment_.data() + layout_.HiddenSlot(job_.parity, mb, plan_.HiddenSlot(boundary)),
-                store_dtype_);
+  activations_->Write(ActivationStore::Kind::kHidden, job_.parity, mb, plan_.HiddenSlot(boundary), t);
 }
 
 void Executor::StoreInputGrad(int mb, int boundary, const at::Tensor& t) {
-  if (layout_.activations_in_worker) {
-    resident_grads_[{job_.parity, mb, plan_.GradSlot(boundary) % layout_.grad_slots_per_mb}] =
-        t.detach().to(store_dtype_);
-    return;
-  }
-  if (layout_.activations_in_pools) {
-    device_.StoreToPool(t, layout_.PoolInputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)), store_dtype_);
-    return;
-  }
-  device_.Store(t, segment_.data() + layout_.InputGradSlot(job_.parity, mb, plan_.GradSlot(boundary)),
-                store_dtype_);
+  activations_->Write(ActivationStore::Kind::kInputGrad, job_.parity, mb, plan_.GradSlot(boundary), t);
 }
 
 void Executor::StoreRouterStats(int mb, int l) {

@@ -46,6 +46,7 @@
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "planning/plan.h"
+#include "gpu_worker/activation_store.h"
 #include "gpu_worker/device.h"
 #include "gpu_worker/device_update.h"
 #include "model/transformer.h"
@@ -358,6 +359,8 @@ class Executor {
   // eval shares the one copy.
   const bool frozen_on_device_;
   std::map<int, at::Tensor> frozen_kept_;
+  // Where the tensors between stages live (schedule.activations), chosen once.
+  std::unique_ptr<ActivationStore> activations_;
 
   proto::RunJob job_{};
   // SetMicrobatchFor's documents by (step, call, microbatch); entries of steps before the
@@ -374,12 +377,6 @@ class Executor {
   };
   std::map<int64_t, std::vector<HeldGrad>> held_;  // by job index
   DeviceUpdate* device_update_ = nullptr;          // UseDeviceUpdate
-  // schedule.activations = "worker": what the hidden-state and input-gradient slots hold, as
-  // tensors on the device, keyed like the shared-memory slots (parity, microbatch, slot index),
-  // so the coordinator's slot-reuse rules apply unchanged. A stored tensor aliases the computed
-  // one (it is already in the compute dtype), so nothing may modify either in place.
-  using SlotKey = std::tuple<int, int, int>;
-  std::map<SlotKey, at::Tensor> resident_hidden_, resident_grads_;
   // The begun layer-major job's state (ForwardLayers): the next layer to enqueue, every
   // microbatch's hidden state after the layers enqueued so far, whether the last call found a
   // layer unpublished, and when waiting last ended.
@@ -393,7 +390,6 @@ class Executor {
     std::vector<std::vector<MicrobatchResult::PendingMarks>> layer_marks;  // profiled: per microbatch
   };
   LayerMajor lm_;
-  at::Tensor Resident(const std::map<SlotKey, at::Tensor>& slots, const SlotKey& key, const char* what) const;
 };
 
 }  // namespace rp::worker

@@ -653,10 +653,11 @@ Status Worker::Run() {
   // group of this node alone, which runs every sum through the whole path and must change nothing.
   sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
   if (sums_) {
-    nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
-                           cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s};
     // The run's secret comes from rp-launch through the environment, never through a file.
-    if (const char* secret = std::getenv(nodes::kRunSecretVariable)) group.secret = secret;
+    const char* secret = std::getenv(nodes::kRunSecretVariable);
+    nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
+                           cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s,
+                           secret != nullptr ? secret : ""};
     const int rank = opts_.rank;
     // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
     const int device = use_cuda_ ? opts_.rank % gpus : -1;
