@@ -557,7 +557,7 @@ class Supervision {
   std::string failure, failed_role;
 
  private:
-  // The first SIGINT/SIGTERM asks the coordinator for a graceful stop; the second stops
+  // The first SIGINT or SIGTERM asks the coordinator for a graceful stop; another one ends
   // everything at once (true).
   bool OnSignal(int sig) {
     if ((sig == SIGINT || sig == SIGTERM) && !graceful && !children_[0].exit_info()) {
