@@ -2,14 +2,13 @@
 #include "launcher/run_secret.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/random.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "common/unique_fd.h"
 #include "nodes/store_seal.h"
@@ -68,10 +67,25 @@ StatusOr<RunSecret> ResolveRunSecret(const std::string& output_dir, const EnvLoo
   if (ec) return Status::IoError("creating " + output_dir + " (job.output_dir): " + ec.message());
   const std::string path = (fs::path(output_dir) / kNodeSecretFile).string();
   RP_RETURN_IF_ERROR(CreateIfAbsent(path));
-  std::ifstream in(path);
-  if (!in) return Status::IoError("reading " + path + ": cannot open it");
-  std::string hex;
-  std::getline(in, hex);
+  // Only a file this user alone can read is a secret: not a link planted in a shared directory,
+  // not someone else's file, not one others may read or write.
+  const std::string refused = path + " is not a node secret of this user's alone (a regular file of yours, mode "
+                                     "0600, not a link); delete it and every node of the next run makes a new one, "
+                                     "or set " + std::string(nodes::kRunSecretVariable);
+  const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (fd.get() < 0) {
+    if (errno == ELOOP) return Status::InvalidArgument(refused);
+    return Status::FromErrno("reading " + path, errno);
+  }
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return Status::FromErrno("reading " + path, errno);
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 0077) != 0)
+    return Status::InvalidArgument(refused);
+  char text[kFileSecretHex + 2] = {};
+  const ssize_t got = ::read(fd.get(), text, sizeof(text) - 1);
+  if (got < 0) return Status::FromErrno("reading " + path, errno);
+  std::string hex(text, static_cast<size_t>(got));
+  if (!hex.empty() && hex.back() == '\n') hex.pop_back();
   if (hex.size() != kFileSecretHex || !IsHex(hex))
     return Status::InvalidArgument(path + " is not a node secret (64 hex digits); delete it and every node of the "
                                    "next run makes a new one, or set " + std::string(nodes::kRunSecretVariable));

@@ -11,7 +11,8 @@
 //         under a temporary name and linked into place, so a reader sees all of it or none. It
 //         is kept for later runs of the directory. This needs `output_dir` on a file system the
 //         nodes share; where it is not, each node makes its own and the nodes never meet.
-//  * A short RP_NODE_SECRET, or a `node-secret` file that is not 64 hex digits, is an
+//  * A short RP_NODE_SECRET, or a `node-secret` file that is not 64 hex digits, or not a regular
+//    file of this user's with mode 0600 (a link, another user's, readable by others), is an
 //    InvalidArgument naming it; a file that cannot be made or read is an IoError naming it.
 //  * The environment comes in through `env` (launcher/node_world.h).
 #pragma once

@@ -195,12 +195,27 @@ TEST_F(RunSecretTest, NodesSharingTheOutputDirectoryAgreeAndEachAllocationDiffer
 
 TEST_F(RunSecretTest, AFileThatIsNoSecretIsRefusedNamingIt) {
   fs::create_directories(dir_);
-  std::ofstream(dir_ / kNodeSecretFile) << "not hex\n";
-  auto bad = ResolveRunSecret(dir_.string(), Env({}));
-  ASSERT_FALSE(bad.ok());
-  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find((dir_ / kNodeSecretFile).string()), std::string::npos)
-      << bad.status().message();
+  const fs::path file = dir_ / kNodeSecretFile;
+  auto refused = [&](const std::string& what) {
+    auto bad = ResolveRunSecret(dir_.string(), Env({}));
+    ASSERT_FALSE(bad.ok()) << what;
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(bad.status().message().find(file.string()), std::string::npos) << what << ": " << bad.status().message();
+  };
+  std::ofstream(file) << "not hex\n";
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write);
+  refused("not hex");
+  // A good secret that others may read is no secret.
+  std::ofstream(file) << std::string(64, 'a') << "\n";
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read);
+  refused("readable by others");
+  // A link planted where the file goes, to a file whose contents someone else chose.
+  fs::remove(file);
+  const fs::path chosen = dir_ / "chosen";
+  std::ofstream(chosen) << std::string(64, 'b') << "\n";
+  fs::permissions(chosen, fs::perms::owner_read | fs::perms::owner_write);
+  fs::create_symlink(chosen, file);
+  refused("a symbolic link");
 }
 
 }  // namespace
