@@ -38,7 +38,9 @@ double SmallestGpuMemoryGib(const std::string& nvidia_smi_csv, const std::option
 }
 
 double QueryGpuMemoryGib(const EnvLookup& env) {
-  FILE* pipe = ::popen("nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null", "r");
+  // Bounded: a driver in trouble can keep nvidia-smi waiting, and the launch must not wait with it.
+  FILE* pipe =
+      ::popen("timeout 10 nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null", "r");
   if (pipe == nullptr) return 0.0;
   std::string out;
   char buf[256];

@@ -8,8 +8,8 @@
 //    nounits` output (MiB, one line per GPU in index order) and returns the smallest among the
 //    GPUs CUDA_VISIBLE_DEVICES (`visible`) names by index; all of them when it is unset or names
 //    GPUs by UUID or MIG instance. In GiB; 0 when no line parses. Pure.
-//  * QueryGpuMemoryGib() runs nvidia-smi when it is on PATH and parses its output; 0 when it is
-//    missing or fails (the job then plans without a budget, as before).
+//  * QueryGpuMemoryGib() runs nvidia-smi when it is on PATH (for at most 10 s) and parses its
+//    output; 0 when it is missing, fails or takes longer (the job then plans without a budget).
 #pragma once
 
 #include <optional>
