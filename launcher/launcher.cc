@@ -767,7 +767,8 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   nodes.store_port = o.world.store_port;
   // A job without a device memory budget plans for the host's smallest GPU (config/job_config.h).
   core::HostFacts host;
-  if (VisibleGpus() > 0) host.gpu_memory_gib = QueryGpuMemoryGib(ProcessEnv);
+  const int visible = VisibleGpus();  // read once: -1 when nothing says
+  if (visible > 0) host.gpu_memory_gib = QueryGpuMemoryGib(ProcessEnv);
   auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes, host);
   if (!resolved.ok()) return resolved.status();
   core::RunSpec run = std::move(resolved).value();
@@ -780,7 +781,7 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   if (cfg->nodes.count > 1) {
     // The workers sum across the nodes with Gloo (CPU workers) or NCCL (CUDA workers).
     const bool cuda = RP_WITH_CUDA && (cfg->job.device == core::DeviceKind::kCuda ||
-                                       (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() != 0));
+                                       (cfg->job.device == core::DeviceKind::kAuto && visible != 0));
     if (cuda && !RP_WITH_NCCL) {
       return Refusal("several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
                            "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"");
@@ -794,11 +795,11 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   // (docs/features.md); beyond that they only contend for its memory and its queue.
   if (cfg->job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
     constexpr int kWorkersPerGpu = 4;
-    if (const int visible = VisibleGpus(); visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
+    if (visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
       return Refusal("--gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
                            "at most %d per GPU", o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
     }
-    if (const int visible = VisibleGpus(); core::FrozenOnDevice(*cfg) && visible > 0 && o.gpus > visible) {
+    if (core::FrozenOnDevice(*cfg) && visible > 0 && o.gpus > visible) {
       return Refusal("schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
                            "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
                            "worker per GPU or leave the option off", o.gpus, visible, visible == 1 ? "" : "s");
@@ -806,7 +807,7 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   }
   // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
-                           (cfg->job.device == core::DeviceKind::kAuto && VisibleGpus() == 0);
+                           (cfg->job.device == core::DeviceKind::kAuto && visible == 0);
   if (cpu_workers && core::Fp8Matmuls(*cfg)) {
     return Refusal("train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
                          "workers here (%s)", core::EnumName(cfg->job.device),

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <filesystem>
 
 #include "common/unique_fd.h"
@@ -28,13 +27,7 @@ Status CreateIfAbsent(const std::string& path) {
   unsigned char bytes[kFileSecretHex / 2];
   if (::getrandom(bytes, sizeof(bytes), 0) != static_cast<ssize_t>(sizeof(bytes)))
     return Status::FromErrno("random bytes for " + path, errno);
-  std::string hex;
-  char two[3];
-  for (unsigned char b : bytes) {
-    std::snprintf(two, sizeof(two), "%02x", b);
-    hex += two;
-  }
-  hex += "\n";
+  const std::string hex = nodes::HexOf(std::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes))) + "\n";
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
     UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));

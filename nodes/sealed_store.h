@@ -9,7 +9,7 @@
 //    fails authentication (c10d reports everything by throwing; the callers turn it into a
 //    Status). add() is forwarded unsealed under the prefix (a counter has no room for a tag).
 //  * Thread-safety: as the wrapped store's.
-//  * Included only by nodes/node_reduction.cc (it includes c10d).
+//  * Included by nodes/node_reduction.cc and its tests only (it includes c10d).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -5,7 +5,6 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
-#include <cstdio>
 
 namespace rp::nodes {
 namespace {
@@ -18,23 +17,24 @@ std::string Hmac(std::string_view key, std::string_view message) {
   return std::string(reinterpret_cast<const char*>(out), len);
 }
 
-std::string Hex(std::string_view bytes) {
+}  // namespace
+
+std::string HexOf(std::string_view bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
   std::string out;
-  char two[3];
+  out.reserve(2 * bytes.size());
   for (unsigned char c : bytes) {
-    std::snprintf(two, sizeof(two), "%02x", c);
-    out += two;
+    out += kDigits[c >> 4];
+    out += kDigits[c & 15];
   }
   return out;
 }
-
-}  // namespace
 
 // Two keys from one secret, each for one use: the prefix is public to anyone who can list the
 // store's keys, so it must reveal nothing about the key that makes the tags.
 StoreSeal::StoreSeal(std::string_view secret)
     : mac_key_(Hmac(secret, "rp node store: value tags")),
-      prefix_("rp-" + Hex(Hmac(secret, "rp node store: key prefix")).substr(0, 16) + "/") {}
+      prefix_("rp-" + HexOf(Hmac(secret, "rp node store: key prefix")).substr(0, 16) + "/") {}
 
 std::string StoreSeal::Tag(std::string_view key, std::string_view value) const {
   // The key's length first, so no other split of the same bytes into key and value tags alike.

@@ -29,6 +29,9 @@ namespace rp::nodes {
 // to choose it, and by rp-launch for its coordinator and workers.
 inline constexpr char kRunSecretVariable[] = "RP_NODE_SECRET";
 
+// `bytes` as lowercase hex, two digits a byte (the key prefix; a generated secret's text).
+std::string HexOf(std::string_view bytes);
+
 class StoreSeal {
  public:
   // The tag's length: an HMAC-SHA256.
