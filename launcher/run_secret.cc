@@ -52,7 +52,10 @@ StatusOr<RunSecret> ResolveRunSecret(const std::string& output_dir, const EnvLoo
   if (auto given = env(nodes::kRunSecretVariable); given && !given->empty()) {
     if (given->size() < kMinUserSecret)
       return Status::InvalidArgument(std::string(nodes::kRunSecretVariable) + " has " + std::to_string(given->size()) +
-                                     " characters; a run's secret needs at least " + std::to_string(kMinUserSecret));
+                                     " characters; a run's secret needs at least " + std::to_string(kMinUserSecret) +
+                                     ", the same on every node (for example `export " + nodes::kRunSecretVariable +
+                                     "=$(openssl rand -hex 32)` where the job is submitted), or unset it to use the "
+                                     "node-secret file in the shared output directory");
     return RunSecret{*given, nodes::kRunSecretVariable, true};
   }
   std::error_code ec;
