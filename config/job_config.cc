@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <cstdlib>
 #include <fstream>
@@ -1425,8 +1426,20 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
   if (cfg.job.device_memory_limit_gib > 0) {
     const double limit_gb = planned_gb(cfg.job.device_memory_limit_gib);
     if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > limit_gb) cfg.schedule.gpu_memory_gb = limit_gb;
-  } else if (!(cfg.schedule.gpu_memory_gb > 0) && host.gpu_memory_gib > 0 && cfg.job.device != DeviceKind::kCpu) {
-    cfg.schedule.gpu_memory_gb = planned_gb(host.gpu_memory_gib);
+  } else if (host.gpu_memory_gib > 0 && cfg.job.device != DeviceKind::kCpu) {
+    // A budget above the card's whole memory plans what cannot run: the workers would fail out
+    // of memory one replacement after another. Said here, before anything starts.
+    const double card_gb = host.gpu_memory_gib * 1073741824.0 / 1e9;
+    if (cfg.schedule.gpu_memory_gb > card_gb) {
+      char msg[320];
+      std::snprintf(msg, sizeof msg,
+                    "schedule.gpu_memory_gb = %g is more than this host's smallest visible GPU holds "
+                    "(%.1f GB, %.1f GiB); leave it out to plan for 85%% of the card (%.1f GB), or set "
+                    "it lower",
+                    cfg.schedule.gpu_memory_gb, card_gb, host.gpu_memory_gib, planned_gb(host.gpu_memory_gib));
+      return Status::InvalidArgument(msg);
+    }
+    if (!(cfg.schedule.gpu_memory_gb > 0)) cfg.schedule.gpu_memory_gb = planned_gb(host.gpu_memory_gib);
   }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));

@@ -196,9 +196,16 @@ TEST(JobConfig, WithoutABudgetCudaWorkersPlanForTheHostsSmallestGpu) {
   c = plan_for({"job.device=auto"}, h100);
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 80 * 1.073741824, 1e-9);
-  c = plan_for({"job.device=cuda", "schedule.gpu_memory_gb=120"}, h100);
+  c = plan_for({"job.device=cuda", "schedule.gpu_memory_gb=70"}, h100);
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_EQ(c->schedule.gpu_memory_gb, 120);  // the user's, even above the card
+  EXPECT_EQ(c->schedule.gpu_memory_gb, 70);  // the user's budget, within the card
+  // A budget above the card (an H200 job file on an 80 GiB card) is refused naming both.
+  c = plan_for({"job.device=cuda", "schedule.gpu_memory_gb=130"}, h100);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("schedule.gpu_memory_gb = 130"), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("85.9 GB, 80.0 GiB"), std::string::npos) << c.status().message();
+  // CPU workers have no card to outgrow.
+  EXPECT_TRUE(plan_for({"job.device=cpu", "schedule.gpu_memory_gb=130"}, h100).ok());
   c = plan_for({"job.device=cuda", "job.device_memory_limit_gib=22"}, h100);
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 22 * 1.073741824, 1e-9);
