@@ -43,8 +43,9 @@ LayerWeights MakeWeights(const rp::core::ModelSpec& spec, int l, at::TensorOptio
   LayerWeights w;
   for (const auto& use : spec.layer_uses[l]) {
     const auto& shape = spec.params[use.param].shape;
-    at::Tensor t = shape.size() == 1 ? at::ones(shape, opts)
-                                     : at::randn(shape, opts).div_(std::sqrt(static_cast<double>(shape[1])));
+    at::Tensor t = shape.size() == 1
+                       ? at::ones(shape, opts)
+                       : at::randn(shape, opts).div_(std::sqrt(static_cast<double>(shape[1])));
     w.emplace(use.role, t.requires_grad_(true));
   }
   return w;
@@ -90,11 +91,14 @@ nlohmann::json TopKernels(const std::map<std::string, KernelTime>& kernels, size
   std::vector<std::pair<std::string, KernelTime>> v(kernels.begin(), kernels.end());
   double total = 0.0;
   for (const auto& [n, k] : v) total += k.us;
-  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.us > b.second.us; });
+  std::sort(v.begin(), v.end(),
+            [](const auto& a, const auto& b) { return a.second.us > b.second.us; });
   nlohmann::json j = nlohmann::json::array();
   for (size_t i = 0; i < v.size() && i < top; ++i)
-    j.push_back({{"kernel", v[i].first.substr(0, 120)}, {"us", std::round(v[i].second.us * 10) / 10},
-                 {"count", v[i].second.count}, {"share", std::round(v[i].second.us / total * 1000) / 1000}});
+    j.push_back({{"kernel", v[i].first.substr(0, 120)},
+                 {"us", std::round(v[i].second.us * 10) / 10},
+                 {"count", v[i].second.count},
+                 {"share", std::round(v[i].second.us / total * 1000) / 1000}});
   j.push_back({{"kernel", "(all kernels)"}, {"us", std::round(total * 10) / 10}});
   return j;
 }
@@ -133,8 +137,9 @@ int main(int argc, char** argv) {
   app.add_option("--reps", reps, "timed repetitions per phase")->check(CLI::Range(1, 10000));
   app.add_flag("--profile", profile, "list the kernels that took the most device time per phase");
   bool no_sinks = false;
-  app.add_flag("--no-weight-grad-sinks", no_sinks,
-               "fold bf16 weight gradients as the worker did before its sinks (for a same-run comparison)");
+  app.add_flag(
+      "--no-weight-grad-sinks", no_sinks,
+      "fold bf16 weight gradients as the worker did before its sinks (for a same-run comparison)");
   app.add_option("--attention", attention, "comma-separated attention backends to try");
   CLI11_PARSE(app, argc, argv);
 
@@ -149,7 +154,9 @@ int main(int argc, char** argv) {
   // The CUDA backend pins a host region; this tool moves nothing through it.
   std::vector<char> unused(1 << 20);
   std::unique_ptr<rp::worker::Device> device;
-  const bool want_cuda = cfg.job.device == rp::core::DeviceKind::kCuda || (cfg.job.device == rp::core::DeviceKind::kAuto && rp::worker::CudaDeviceCount() > 0);
+  const bool want_cuda =
+      cfg.job.device == rp::core::DeviceKind::kCuda ||
+      (cfg.job.device == rp::core::DeviceKind::kAuto && rp::worker::CudaDeviceCount() > 0);
   if (want_cuda) {
     auto d = rp::worker::MakeCudaDevice(0, unused.data(), unused.size());
     if (!d.ok()) {
@@ -165,7 +172,8 @@ int main(int argc, char** argv) {
   const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
   if (rp::core::Fp8Matmuls(cfg) &&
       (device->fused_kernels() == nullptr || !device->fused_kernels()->E4m3MatmulSupported())) {
-    std::fprintf(stderr, "rp-block-bench: train.dtype = \"fp8\": %s runs no row-scaled e4m3 products\n",
+    std::fprintf(stderr,
+                 "rp-block-bench: train.dtype = \"fp8\": %s runs no row-scaled e4m3 products\n",
                  device->Describe().c_str());
     return rp::kExitBadConfig;
   }
@@ -183,9 +191,11 @@ int main(int argc, char** argv) {
   const at::Tensor x = at::randn({B, S, H}, opts);
   const at::Tensor grad_y = at::randn({B, S, H}, opts).mul_(1e-3);
   const at::Tensor labels =
-      at::randint(cfg.model.vocab_size, {B, S}, at::TensorOptions().device(device->torch_device()).dtype(at::kLong));
+      at::randint(cfg.model.vocab_size, {B, S},
+                  at::TensorOptions().device(device->torch_device()).dtype(at::kLong));
   std::map<std::string, at::Tensor> accum;
-  for (const auto& [role, t] : block) accum[role] = at::zeros(t.sizes(), t.options().dtype(at::kFloat));
+  for (const auto& [role, t] : block)
+    accum[role] = at::zeros(t.sizes(), t.options().dtype(at::kFloat));
   // As the worker does (executor.cc): with the device's fused kernels the projections and the
   // LM head add their gradients into fp32 sums inside the backward GEMM; the fold below then
   // covers only the other weights (the norms).
@@ -193,7 +203,8 @@ int main(int argc, char** argv) {
   if (sinks) {
     rp::model::Transformer::WeightGradSinks s;
     for (const auto& [role, t] : block)
-      if (rp::model::Transformer::SinkableRole(role)) s.emplace(t.unsafeGetTensorImpl(), accum[role]);
+      if (rp::model::Transformer::SinkableRole(role))
+        s.emplace(t.unsafeGetTensorImpl(), accum[role]);
     for (const auto& [role, t] : head)
       if (rp::model::Transformer::SinkableRole(role))
         s.emplace(t.unsafeGetTensorImpl(), at::zeros(t.sizes(), t.options().dtype(at::kFloat)));
@@ -206,7 +217,8 @@ int main(int argc, char** argv) {
   double proj = 0.0;
   for (const auto& [role, t] : block)
     if (t.dim() == 2) proj += static_cast<double>(t.numel());
-  const double attn = 2.0 * 2.0 * B * static_cast<double>(S) * S / 2.0 * cfg.model.num_heads * cfg.model.head_dim;
+  const double attn =
+      2.0 * 2.0 * B * static_cast<double>(S) * S / 2.0 * cfg.model.num_heads * cfg.model.head_dim;
   const double block_fwd = 2.0 * tokens * proj + attn;
   const double head_fb = 3.0 * 2.0 * tokens * static_cast<double>(cfg.model.vocab_size) * H;
 
@@ -231,7 +243,8 @@ int main(int argc, char** argv) {
        [&] {
          // The executor's per-microbatch fold of bf16 gradients into fp32 accumulators.
          for (auto& [role, a] : accum)
-           if (!sinks || !rp::model::Transformer::SinkableRole(role)) a.add_(block.at(role).detach());
+           if (!sinks || !rp::model::Transformer::SinkableRole(role))
+             a.add_(block.at(role).detach());
        }},
       {"head_forward_backward", head_fb,
        [&] {
@@ -250,10 +263,17 @@ int main(int argc, char** argv) {
   }
   int failures = 0;
   for (const auto& backend : backends) {
-    nlohmann::json line = {{"tool", "rp-block-bench"}, {"job", job_path}, {"overrides", overrides},
-                           {"device", device->Describe()}, {"dtype", rp::core::EnumName(cfg.train.dtype)},
-                           {"microbatch", {B, S}}, {"fused_kernels", cfg.bench.fused_kernels}, {"fused_norms", cfg.bench.fused_norms},
-                           {"attention", backend}, {"torch", TORCH_VERSION}, {"reps", reps},
+    nlohmann::json line = {{"tool", "rp-block-bench"},
+                           {"job", job_path},
+                           {"overrides", overrides},
+                           {"device", device->Describe()},
+                           {"dtype", rp::core::EnumName(cfg.train.dtype)},
+                           {"microbatch", {B, S}},
+                           {"fused_kernels", cfg.bench.fused_kernels},
+                           {"fused_norms", cfg.bench.fused_norms},
+                           {"attention", backend},
+                           {"torch", TORCH_VERSION},
+                           {"reps", reps},
                            {"weight_grad_sinks", sinks}};
     if (!SelectAttention(backend)) {
       line["error"] = "this LibTorch cannot select that attention backend";

@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Time the workers' cross-node gradient sum over loopback"};
   app.add_option("--nodes", nodes, "ranks (threads) in the sum")->check(CLI::Range(2, 16));
   app.add_option("--port", port, "node store port")->check(CLI::Range(1, 65535));
-  app.add_option("--iters", iters, "timed sums per size (after one warm-up)")->check(CLI::Range(1, 1000));
+  app.add_option("--iters", iters, "timed sums per size (after one warm-up)")
+      ->check(CLI::Range(1, 1000));
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);
   // The sums are timed as runs do them: over the sealed store (its cost is the join's only).
@@ -65,7 +66,8 @@ int main(int argc, char** argv) {
             std::this_thread::sleep_for(std::chrono::microseconds(20));  // as a worker's loop polls
           }
           if (r == 0 && i > 0)
-            times[s].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            times[s].push_back(
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
       }
     });

@@ -31,7 +31,8 @@ double Seconds(const std::function<void()>& f, int reps) {
   for (int r = 0; r < reps; ++r) {
     auto t0 = std::chrono::steady_clock::now();
     f();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return best;
 }
@@ -52,17 +53,22 @@ int main(int argc, char** argv) {
   const int64_t chunks = (n + rp::coord::kOptimizerChunk - 1) / rp::coord::kOptimizerChunk;
   rp::coord::AdamWHyper h{1e-4, 0.9, 0.95, 1e-8, 0.1, 1};
   auto time_path = [&](rp::coord::SimdLevel level) {
-    return Seconds([&] {
-      rp::coord::ParallelFor(chunks, threads, [&](int64_t c) {
-        const int64_t b = c * rp::coord::kOptimizerChunk, e = std::min(n, b + rp::coord::kOptimizerChunk);
-        rp::coord::AdamWUpdateWith(level, h, 1.0f, grad.data() + b, master.data() + b, m.data() + b,
-                                   v.data() + b, e - b, bf16.data() + b, rp::coord::ComputeDtype::kBFloat16);
-      });
-    }, reps);
+    return Seconds(
+        [&] {
+          rp::coord::ParallelFor(chunks, threads, [&](int64_t c) {
+            const int64_t b = c * rp::coord::kOptimizerChunk,
+                          e = std::min(n, b + rp::coord::kOptimizerChunk);
+            rp::coord::AdamWUpdateWith(level, h, 1.0f, grad.data() + b, master.data() + b,
+                                       m.data() + b, v.data() + b, e - b, bf16.data() + b,
+                                       rp::coord::ComputeDtype::kBFloat16);
+          });
+        },
+        reps);
   };
   // Every implementation this CPU has; the headline figure is the one the runtime picks.
   std::string by_path;
-  for (auto level : {rp::coord::SimdLevel::kScalar, rp::coord::SimdLevel::kAvx2, rp::coord::SimdLevel::kAvx512}) {
+  for (auto level : {rp::coord::SimdLevel::kScalar, rp::coord::SimdLevel::kAvx2,
+                     rp::coord::SimdLevel::kAvx512}) {
     if (static_cast<int>(level) > static_cast<int>(rp::coord::BestSimdLevel())) continue;
     const double s = time_path(level);
     by_path += std::string(by_path.empty() ? "" : ", ") + "\"" + rp::coord::SimdLevelName(level) +
@@ -80,16 +86,22 @@ int main(int argc, char** argv) {
     for (auto [name, writes] : {std::pair{"all", rp::coord::UpdateWrites::kAll},
                                 std::pair{"fetched", rp::coord::UpdateWrites::kFetched},
                                 std::pair{"rest", rp::coord::UpdateWrites::kRest}}) {
-      const double s = Seconds([&] {
-        rp::coord::ParallelFor(chunks, threads, [&](int64_t c) {
-          const int64_t b = c * rp::coord::kOptimizerChunk, e = std::min(n, b + rp::coord::kOptimizerChunk);
-          rp::coord::AdamWUpdate(h, 1.0f, grad.data() + b, master.data() + b, m.data() + b, v.data() + b, e - b,
-                                 master.data() + b, rp::coord::ComputeDtype::kFloat32, writes);
-        });
-      }, reps);
-      row += std::string(row.empty() ? "" : ", ") + "\"" + name + "\": " + std::to_string(s * 1e9 / static_cast<double>(n));
+      const double s = Seconds(
+          [&] {
+            rp::coord::ParallelFor(chunks, threads, [&](int64_t c) {
+              const int64_t b = c * rp::coord::kOptimizerChunk,
+                            e = std::min(n, b + rp::coord::kOptimizerChunk);
+              rp::coord::AdamWUpdate(h, 1.0f, grad.data() + b, master.data() + b, m.data() + b,
+                                     v.data() + b, e - b, master.data() + b,
+                                     rp::coord::ComputeDtype::kFloat32, writes);
+            });
+          },
+          reps);
+      row += std::string(row.empty() ? "" : ", ") + "\"" + name +
+             "\": " + std::to_string(s * 1e9 / static_cast<double>(n));
     }
-    passes += std::string(passes.empty() ? "" : ", ") + "\"" + std::to_string(pf) + "\": {" + row + "}";
+    passes +=
+        std::string(passes.empty() ? "" : ", ") + "\"" + std::to_string(pf) + "\": {" + row + "}";
   }
   rp::coord::SetAdamWPrefetchDistance(0);
 
@@ -97,17 +109,20 @@ int main(int argc, char** argv) {
   const int64_t copy_bytes = n * 15;
   std::vector<char> src(copy_bytes, 1), dst(copy_bytes, 0);
   const int64_t copy_chunks = (copy_bytes + (16 << 20) - 1) / (16 << 20);
-  const double copy_s = Seconds([&] {
-    rp::coord::ParallelFor(copy_chunks, threads, [&](int64_t c) {
-      const int64_t b = c * (16 << 20), e = std::min(copy_bytes, b + (16 << 20));
-      std::memcpy(dst.data() + b, src.data() + b, e - b);
-    });
-  }, reps);
+  const double copy_s = Seconds(
+      [&] {
+        rp::coord::ParallelFor(copy_chunks, threads, [&](int64_t c) {
+          const int64_t b = c * (16 << 20), e = std::min(copy_bytes, b + (16 << 20));
+          std::memcpy(dst.data() + b, src.data() + b, e - b);
+        });
+      },
+      reps);
 
   at::set_num_threads(threads);
   at::Tensor p = at::full({n}, 0.5f).set_requires_grad(true);
   p.mutable_grad() = at::full({n}, 1e-3f);
-  torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-4).betas({0.9, 0.95}).weight_decay(0.1));
+  torch::optim::AdamW opt({p},
+                          torch::optim::AdamWOptions(1e-4).betas({0.9, 0.95}).weight_decay(0.1));
   const double torch_s = Seconds([&] { opt.step(); }, reps);
 
   const double bytes = 30.0 * static_cast<double>(n);

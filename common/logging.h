@@ -32,7 +32,7 @@ int Verbosity();
 #define RP_VLOG(level) \
   (::rp::Verbosity() < (level)) ? (void)0 : ::google::LogMessageVoidify() & RP_LOG_INFO
 
-#define RP_CHECK(cond)                                            \
-  (cond) ? (void)0                                                \
-         : ::google::LogMessageVoidify() &                        \
-               ::google::LogMessageFatal(__FILE__, __LINE__).stream() << "Check failed: " #cond " "
+#define RP_CHECK(cond)                                                                            \
+  (cond) ? (void)0                                                                                \
+         : ::google::LogMessageVoidify() & ::google::LogMessageFatal(__FILE__, __LINE__).stream() \
+                                               << "Check failed: " #cond " "

@@ -13,7 +13,8 @@ namespace rp {
 StatusOr<MappedFile> MappedFile::Open(const std::string& path, const std::string& what) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return Status::FromErrno(what + ": opening " + path, errno);
-  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(what + ": " + path + " is not a regular file");
+  if (!S_ISREG(st.st_mode))
+    return Status::InvalidArgument(what + ": " + path + " is not a regular file");
   MappedFile f;
   f.path_ = path;
   if (st.st_size == 0) return f;

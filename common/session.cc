@@ -59,8 +59,8 @@ void RemoveOnLauncherDeath(const std::vector<std::string>& paths, const std::str
 }
 
 std::vector<std::string> RuntimeFileNames() {
-  std::vector<std::string> names = {kOwnerFile, std::string(kOwnerFile) + ".tmp", "control.sock", kRunSpecFile,
-                                    kBeaconFile};
+  std::vector<std::string> names = {kOwnerFile, std::string(kOwnerFile) + ".tmp", "control.sock",
+                                    kRunSpecFile, kBeaconFile};
   for (const char* f : {kStopProposalFile, kStopAgreedFile}) {
     names.push_back(f);
     names.push_back(std::string(f) + ".tmp");

@@ -16,9 +16,13 @@ inline constexpr char kBeaconFile[] = "coordinator.alive";
 std::vector<std::string> RuntimeFileNames();
 // The coordinator's control socket inside the private runtime directory. It appears when the
 // coordinator binds it, which is once the run's shared state is filled.
-inline std::string ControlSocketPath(const std::string& runtime_dir) { return runtime_dir + "/control.sock"; }
+inline std::string ControlSocketPath(const std::string& runtime_dir) {
+  return runtime_dir + "/control.sock";
+}
 // ipc:// endpoint of that socket.
-inline std::string ControlEndpoint(const std::string& runtime_dir) { return "ipc://" + ControlSocketPath(runtime_dir); }
+inline std::string ControlEndpoint(const std::string& runtime_dir) {
+  return "ipc://" + ControlSocketPath(runtime_dir);
+}
 // If this process was started by rp-launch (RP_LAUNCHER_PID set), arranges to get `death_signal`
 // when the launcher dies (SIGKILL: to die with it) and exits at once if it is already gone. Call
 // first thing in main().

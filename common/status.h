@@ -24,13 +24,13 @@ enum class StatusCode : unsigned char {
   kInvalidArgument,  // bad config, CLI, dataset, or message contents
   kNotFound,
   kAlreadyExists,
-  kIoError,          // syscall, shm, socket failures
-  kProtocolError,    // malformed or unexpected control message
-  kUnavailable,      // peer died or went away
+  kIoError,        // syscall, shm, socket failures
+  kProtocolError,  // malformed or unexpected control message
+  kUnavailable,    // peer died or went away
   kDeadlineExceeded,
-  kInternal,         // broken invariant reported as a value (e.g. a caught c10::Error)
+  kInternal,  // broken invariant reported as a value (e.g. a caught c10::Error)
   kCancelled,
-  kNonFinite,        // a loss or gradient norm that is not finite: training diverged
+  kNonFinite,  // a loss or gradient norm that is not finite: training diverged
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -109,10 +109,10 @@ Status ToStatus(const StatusOr<T>& s) {
 #define RP_STRINGIFY(x) RP_STRINGIFY_INNER(x)
 #define RP_LOC " @ " __FILE__ ":" RP_STRINGIFY(__LINE__)
 
-#define RP_RETURN_IF_ERROR(expr)                                   \
-  do {                                                             \
-    ::rp::Status _rp_st = ::rp::detail::ToStatus((expr));          \
-    if (!_rp_st.ok()) return ::rp::detail::Trail(_rp_st, RP_LOC);  \
+#define RP_RETURN_IF_ERROR(expr)                                  \
+  do {                                                            \
+    ::rp::Status _rp_st = ::rp::detail::ToStatus((expr));         \
+    if (!_rp_st.ok()) return ::rp::detail::Trail(_rp_st, RP_LOC); \
   } while (0)
 
 #define RP_CONCAT_INNER(a, b) a##b

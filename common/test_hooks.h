@@ -95,7 +95,9 @@ inline double TestEvalDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_
 // copy for a background write would fit (what a host short of memory does).
 inline bool TestCheckpointOnLoop() { return std::getenv("RP_TEST_CHECKPOINT_ON_LOOP") != nullptr; }
 
-inline double TestCheckpointDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_CHECKPOINT_MS"); }
+inline double TestCheckpointDelaySeconds() {
+  return DelaySecondsFromEnv("RP_TEST_SLOW_CHECKPOINT_MS");
+}
 
 // RP_TEST_NAN_AT_STEP="<step>": the loss scale of every microbatch of that step (0-based) is NaN
 // in the workers and rp-train-ref, so its gradients are: a run that diverges. -1 when unset.

@@ -18,7 +18,8 @@ StatusOr<nlohmann::json> ReadJsonObject(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument("model.path: " + path + " is not a JSON object");
+  if (j.is_discarded() || !j.is_object())
+    return Status::InvalidArgument("model.path: " + path + " is not a JSON object");
   return j;
 }
 
@@ -46,7 +47,8 @@ class ConfigReader {
   // A number in (lo, hi]; `*out` keeps its value when absent.
   // A number of any value, for values whose range is the job key's (CheckModelValue).
   Status Number(const char* key, double* out) const {
-    return Number(key, out, -std::numeric_limits<double>::max(), std::numeric_limits<double>::max());
+    return Number(key, out, -std::numeric_limits<double>::max(),
+                  std::numeric_limits<double>::max());
   }
   Status Number(const char* key, double* out, double lo, double hi) const {
     if (!Has(key)) return Status::Ok();
@@ -104,15 +106,19 @@ Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::str
   RP_RETURN_IF_ERROR(in.String("rope_type", &type));
   for (auto it = r.begin(); it != r.end(); ++it)
     if (it.value().is_object())
-      return in.Error(it.key(), "per-layer-type RoPE parameters are not supported (one RoPE for every layer)");
+      return in.Error(
+          it.key(), "per-layer-type RoPE parameters are not supported (one RoPE for every layer)");
   RP_RETURN_IF_ERROR(in.Number("rope_theta", &rope->theta));
   double partial = 1.0;
   RP_RETURN_IF_ERROR(in.Number("partial_rotary_factor", &partial, 0.0, 1.0));
-  if (partial != 1.0) return in.Error("partial_rotary_factor", "rotating part of each head is not supported (only 1.0)");
+  if (partial != 1.0)
+    return in.Error("partial_rotary_factor",
+                    "rotating part of each head is not supported (only 1.0)");
   // transformers takes a top-level original_max_position_embeddings over the dictionary's.
   auto original = [&]() -> Status {
     rope->original_max_position = max_position;
-    RP_RETURN_IF_ERROR(in.PositiveInt("original_max_position_embeddings", &rope->original_max_position, false));
+    RP_RETURN_IF_ERROR(
+        in.PositiveInt("original_max_position_embeddings", &rope->original_max_position, false));
     return top.PositiveInt("original_max_position_embeddings", &rope->original_max_position, false);
   };
   constexpr double kBig = 1e9;
@@ -135,15 +141,19 @@ Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::str
   } else if (type == "yarn") {
     rope->type = RopeConfig::Type::kYarn;
     RP_RETURN_IF_ERROR(original());
-    rope->factor = static_cast<double>(max_position) / static_cast<double>(rope->original_max_position);
+    rope->factor =
+        static_cast<double>(max_position) / static_cast<double>(rope->original_max_position);
     RP_RETURN_IF_ERROR(in.Number("factor", &rope->factor, 0.0, kBig));
     // transformers: 0.1 * mscale * ln(factor) + 1 (1 at factor <= 1), the ratio of two such
     // terms when mscale and mscale_all_dim are both set and non-zero, unless stated outright.
-    auto m = [&](double scale) { return rope->factor <= 1.0 ? 1.0 : 0.1 * scale * std::log(rope->factor) + 1.0; };
+    auto m = [&](double scale) {
+      return rope->factor <= 1.0 ? 1.0 : 0.1 * scale * std::log(rope->factor) + 1.0;
+    };
     double mscale = 0.0, mscale_all_dim = 0.0;
     RP_RETURN_IF_ERROR(in.Number("mscale", &mscale, -kBig, kBig));
     RP_RETURN_IF_ERROR(in.Number("mscale_all_dim", &mscale_all_dim, -kBig, kBig));
-    rope->attention_factor = mscale != 0.0 && mscale_all_dim != 0.0 ? m(mscale) / m(mscale_all_dim) : m(1.0);
+    rope->attention_factor =
+        mscale != 0.0 && mscale_all_dim != 0.0 ? m(mscale) / m(mscale_all_dim) : m(1.0);
     RP_RETURN_IF_ERROR(in.Number("attention_factor", &rope->attention_factor, 0.0, kBig));
     // A zero beta means the default in transformers (`or 32`, `or 1`).
     double fast = 0.0, slow = 0.0;
@@ -151,10 +161,12 @@ Status ReadRope(const nlohmann::json& j, const ConfigReader& top, const std::str
     RP_RETURN_IF_ERROR(in.Number("beta_slow", &slow, -kBig, kBig));
     if (fast != 0.0) rope->beta_fast = fast;
     if (slow != 0.0) rope->beta_slow = slow;
-    if (rope->beta_fast <= 0.0 || rope->beta_slow <= 0.0) return in.Error("beta_fast", "beta_fast and beta_slow must be positive");
+    if (rope->beta_fast <= 0.0 || rope->beta_slow <= 0.0)
+      return in.Error("beta_fast", "beta_fast and beta_slow must be positive");
     RP_RETURN_IF_ERROR(in.Bool("truncate", &rope->truncate));
   } else {
-    return in.Error("rope_type", "\"" + type + "\" is not supported (default, linear, llama3, yarn)");
+    return in.Error("rope_type",
+                    "\"" + type + "\" is not supported (default, linear, llama3, yarn)");
   }
   return Status::Ok();
 }
@@ -171,7 +183,9 @@ StatusOr<bool> QwenUsesWindow(const nlohmann::json& j, const ConfigReader& top, 
     for (const auto& t : j["layer_types"]) {
       if (t == "sliding_attention") any_sliding = true;
       else if (t != "full_attention")
-        return top.Error("layer_types", "entry " + t.dump() + " is not supported (full_attention, sliding_attention)");
+        return top.Error(
+            "layer_types",
+            "entry " + t.dump() + " is not supported (full_attention, sliding_attention)");
     }
   }
   int64_t full_layers = 28;  // transformers' default max_window_layers
@@ -193,18 +207,22 @@ Status ReadMoe(const nlohmann::json& j, const ConfigReader& top, int64_t layers,
     int64_t local = 0;
     RP_RETURN_IF_ERROR(top.PositiveInt("num_local_experts", &local, false));
     if (top.Has("num_experts") && local != moe->num_experts)
-      return top.Error("num_local_experts", "disagrees with num_experts (" + std::to_string(moe->num_experts) + ")");
+      return top.Error("num_local_experts",
+                       "disagrees with num_experts (" + std::to_string(moe->num_experts) + ")");
     moe->num_experts = local;
   }
   RP_RETURN_IF_ERROR(top.PositiveInt("num_experts_per_tok", &moe->experts_per_token, false));
   if (moe->experts_per_token > moe->num_experts)
-    return top.Error("num_experts_per_tok", std::to_string(moe->experts_per_token) + " is more than the " +
+    return top.Error("num_experts_per_tok", std::to_string(moe->experts_per_token) +
+                                                " is more than the " +
                                                 std::to_string(moe->num_experts) + " experts");
-  RP_RETURN_IF_ERROR(top.PositiveInt("moe_intermediate_size", &moe->expert_intermediate_size, false));
+  RP_RETURN_IF_ERROR(
+      top.PositiveInt("moe_intermediate_size", &moe->expert_intermediate_size, false));
   RP_RETURN_IF_ERROR(top.Bool("norm_topk_prob", &moe->norm_topk_prob));
   RP_RETURN_IF_ERROR(top.PositiveInt("decoder_sparse_step", &moe->sparse_step, false));
   if (top.Has("mlp_only_layers")) {
-    if (!j["mlp_only_layers"].is_array()) return top.Error("mlp_only_layers", "must be a list of layer indices");
+    if (!j["mlp_only_layers"].is_array())
+      return top.Error("mlp_only_layers", "must be a list of layer indices");
     for (const auto& v : j["mlp_only_layers"]) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= layers)
         return top.Error("mlp_only_layers", "entry " + v.dump() + " is not a layer index in [0, " +
@@ -244,15 +262,18 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   c.init_std = m->init_std;
   RP_RETURN_IF_ERROR(top.String("model_type", &c.model_type));
   const std::string& type = c.model_type;
-  if (type != "llama" && type != "qwen2" && type != "qwen3" && type != "qwen3_moe" && type != "mistral")
-    return top.Error("model_type", "\"" + type + "\" is not supported (llama, qwen2, qwen3, qwen3_moe, mistral)");
+  if (type != "llama" && type != "qwen2" && type != "qwen3" && type != "qwen3_moe" &&
+      type != "mistral")
+    return top.Error("model_type",
+                     "\"" + type + "\" is not supported (llama, qwen2, qwen3, qwen3_moe, mistral)");
   const bool qwen3_family = type == "qwen3" || type == "qwen3_moe";
   if (top.Has("architectures")) {
     if (!j["architectures"].is_array()) return top.Error("architectures", "must be a list");
     for (const auto& a : j["architectures"]) {
       const std::string name = a.is_string() ? a.get<std::string>() : a.dump();
       if (!name.ends_with("ForCausalLM"))
-        return top.Error("architectures", "\"" + name + "\" is not a causal language model head (...ForCausalLM)");
+        return top.Error("architectures",
+                         "\"" + name + "\" is not a causal language model head (...ForCausalLM)");
     }
   }
   RP_RETURN_IF_ERROR(top.PositiveInt("vocab_size", &c.vocab_size, true));
@@ -266,21 +287,28 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   c.head_dim = type == "qwen3" && !j.contains("head_dim") ? 128 : c.hidden_size / c.num_heads;
   RP_RETURN_IF_ERROR(top.PositiveInt("head_dim", &c.head_dim, false));
   // The same ranges as the job's [model] keys.
-  const std::pair<const char*, int64_t*> sizes[] = {
-      {"vocab_size", &c.vocab_size}, {"hidden_size", &c.hidden_size}, {"intermediate_size", &c.intermediate_size},
-      {"num_layers", &c.num_layers}, {"num_heads", &c.num_heads}, {"num_kv_heads", &c.num_kv_heads},
-      {"head_dim", &c.head_dim}};
-  const char* const hf_names[] = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                  "num_attention_heads", "num_key_value_heads", "head_dim"};
+  const std::pair<const char*, int64_t*> sizes[] = {{"vocab_size", &c.vocab_size},
+                                                    {"hidden_size", &c.hidden_size},
+                                                    {"intermediate_size", &c.intermediate_size},
+                                                    {"num_layers", &c.num_layers},
+                                                    {"num_heads", &c.num_heads},
+                                                    {"num_kv_heads", &c.num_kv_heads},
+                                                    {"head_dim", &c.head_dim}};
+  const char* const hf_names[] = {"vocab_size",        "hidden_size",         "intermediate_size",
+                                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim"};
   for (size_t i = 0; i < std::size(sizes); ++i)
     RP_RETURN_IF_ERROR(CheckModelValue(sizes[i].first, static_cast<double>(*sizes[i].second),
                                        path + ": " + hf_names[i]));
   RP_RETURN_IF_ERROR(top.PositiveInt("max_position_embeddings", &c.max_position_embeddings, false));
   RP_RETURN_IF_ERROR(ReadRope(j, top, path, c.max_position_embeddings, &c.rope));
-  RP_RETURN_IF_ERROR(CheckModelValue("rope_theta", c.rope.theta, path + ": RoPE base (rope_theta)"));
+  RP_RETURN_IF_ERROR(
+      CheckModelValue("rope_theta", c.rope.theta, path + ": RoPE base (rope_theta)"));
   double partial = 1.0;
   RP_RETURN_IF_ERROR(top.Number("partial_rotary_factor", &partial, 0.0, 1.0));
-  if (partial != 1.0) return top.Error("partial_rotary_factor", "rotating part of each head is not supported (only 1.0)");
+  if (partial != 1.0)
+    return top.Error("partial_rotary_factor",
+                     "rotating part of each head is not supported (only 1.0)");
   c.rms_norm_eps = 1e-6;
   RP_RETURN_IF_ERROR(top.Number("rms_norm_eps", &c.rms_norm_eps));
   RP_RETURN_IF_ERROR(CheckModelValue("rms_norm_eps", c.rms_norm_eps, path + ": rms_norm_eps"));
@@ -299,11 +327,14 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
   c.mlp_bias = type == "llama" && mlp_bias;
   std::string act = "silu";
   RP_RETURN_IF_ERROR(top.String("hidden_act", &act));
-  if (act != "silu") return top.Error("hidden_act", "\"" + act + "\" is not supported (silu: SwiGLU)");
+  if (act != "silu")
+    return top.Error("hidden_act", "\"" + act + "\" is not supported (silu: SwiGLU)");
   double dropout = 0.0;
   RP_RETURN_IF_ERROR(top.Number("attention_dropout", &dropout, -1.0, 1.0));
-  if (dropout != 0.0) return top.Error("attention_dropout", "dropout on attention weights is not supported (only 0)");
-  if (top.Has("quantization_config")) return top.Error("quantization_config", "quantized checkpoints are not supported");
+  if (dropout != 0.0)
+    return top.Error("attention_dropout", "dropout on attention weights is not supported (only 0)");
+  if (top.Has("quantization_config"))
+    return top.Error("quantization_config", "quantized checkpoints are not supported");
   // Sliding windows: Mistral's applies to every layer (4096 when the key is absent, none when
   // null); Qwen2/Qwen3's only with use_sliding_window. Windows no shorter than the sequence are
   // plain causal attention, which CrossValidate checks against data.seq_len.
@@ -327,10 +358,14 @@ Status ApplyHfConfig(const std::string& dir, ModelConfig* m) {
 StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
   const std::string& type = m.model_type;
   static const std::map<std::string, const char*> kArchitecture = {
-      {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"},
-      {"qwen3", "Qwen3ForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"mistral", "MistralForCausalLM"}};
+      {"llama", "LlamaForCausalLM"},
+      {"qwen2", "Qwen2ForCausalLM"},
+      {"qwen3", "Qwen3ForCausalLM"},
+      {"qwen3_moe", "Qwen3MoeForCausalLM"},
+      {"mistral", "MistralForCausalLM"}};
   auto arch = kArchitecture.find(type);
-  if (arch == kArchitecture.end()) return Status::InvalidArgument("export: model_type \"" + type + "\" is unknown");
+  if (arch == kArchitecture.end())
+    return Status::InvalidArgument("export: model_type \"" + type + "\" is unknown");
   // What each family can express (ApplyHfConfig's rules read backwards).
   const bool qwen3_family = type == "qwen3" || type == "qwen3_moe";
   const bool qk_norm_ok = m.qk_norm == qwen3_family;
@@ -339,16 +374,16 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
                        : qwen3_family      ? m.qkv_bias == m.o_bias && !m.mlp_bias
                                            : m.qkv_bias == m.o_bias;
   if (!qk_norm_ok || !bias_ok)
-    return Status::InvalidArgument("export: the model's q/k norm and biases cannot be written as model_type \"" + type + "\"");
+    return Status::InvalidArgument(
+        "export: the model's q/k norm and biases cannot be written as model_type \"" + type + "\"");
   if ((m.moe.num_experts > 0) != (type == "qwen3_moe"))
-    return Status::InvalidArgument("export: experts can be written as model_type \"qwen3_moe\" only, not \"" + type + "\"");
-  nlohmann::ordered_json rope = {{"rope_type", RopeTypeName(m.rope.type)}, {"rope_theta", m.rope.theta}};
+    return Status::InvalidArgument(
+        "export: experts can be written as model_type \"qwen3_moe\" only, not \"" + type + "\"");
+  nlohmann::ordered_json rope = {{"rope_type", RopeTypeName(m.rope.type)},
+                                 {"rope_theta", m.rope.theta}};
   switch (m.rope.type) {
-    case RopeConfig::Type::kDefault:
-      break;
-    case RopeConfig::Type::kLinear:
-      rope["factor"] = m.rope.factor;
-      break;
+    case RopeConfig::Type::kDefault: break;
+    case RopeConfig::Type::kLinear: rope["factor"] = m.rope.factor; break;
     case RopeConfig::Type::kLlama3:
       rope["factor"] = m.rope.factor;
       rope["low_freq_factor"] = m.rope.low_freq_factor;
@@ -364,17 +399,26 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
       rope["truncate"] = m.rope.truncate;
       break;
   }
-  nlohmann::ordered_json c = {
-      {"architectures", {arch->second}}, {"model_type", type},
-      {"vocab_size", m.vocab_size}, {"hidden_size", m.hidden_size},
-      {"intermediate_size", m.intermediate_size}, {"num_hidden_layers", m.num_layers},
-      {"num_attention_heads", m.num_heads}, {"num_key_value_heads", m.num_kv_heads},
-      {"head_dim", m.head_dim}, {"hidden_act", "silu"}, {"rms_norm_eps", m.rms_norm_eps},
-      {"tie_word_embeddings", m.tie_embeddings}, {"max_position_embeddings", m.max_position_embeddings},
-      // Both spellings of the base: transformers 5 reads rope_parameters, older readers the
-      // top-level key.
-      {"rope_theta", m.rope.theta}, {"rope_parameters", rope}, {"attention_dropout", 0.0},
-      {"dtype", "float32"}, {"torch_dtype", "float32"}};
+  nlohmann::ordered_json c = {{"architectures", {arch->second}},
+                              {"model_type", type},
+                              {"vocab_size", m.vocab_size},
+                              {"hidden_size", m.hidden_size},
+                              {"intermediate_size", m.intermediate_size},
+                              {"num_hidden_layers", m.num_layers},
+                              {"num_attention_heads", m.num_heads},
+                              {"num_key_value_heads", m.num_kv_heads},
+                              {"head_dim", m.head_dim},
+                              {"hidden_act", "silu"},
+                              {"rms_norm_eps", m.rms_norm_eps},
+                              {"tie_word_embeddings", m.tie_embeddings},
+                              {"max_position_embeddings", m.max_position_embeddings},
+                              // Both spellings of the base: transformers 5 reads rope_parameters,
+                              // older readers the top-level key.
+                              {"rope_theta", m.rope.theta},
+                              {"rope_parameters", rope},
+                              {"attention_dropout", 0.0},
+                              {"dtype", "float32"},
+                              {"torch_dtype", "float32"}};
   if (type == "llama" || qwen3_family) c["attention_bias"] = m.qkv_bias;
   if (type == "qwen3_moe") {
     c["num_experts"] = m.moe.num_experts;
@@ -387,10 +431,13 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
     c["router_aux_loss_coef"] = m.moe.aux_loss_weight > 0.0 ? m.moe.aux_loss_weight : 0.001;
   }
   if (type == "llama") c["mlp_bias"] = m.mlp_bias;
-  if (type == "mistral") c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();
+  if (type == "mistral")
+    c["sliding_window"] =
+        m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();
   if (type == "qwen2" || qwen3_family) {
     c["use_sliding_window"] = m.sliding_window > 0;
-    c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();
+    c["sliding_window"] =
+        m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json();
     c["max_window_layers"] = m.sliding_window > 0 ? 0 : m.num_layers;
   }
   return c;
@@ -412,11 +459,14 @@ namespace {
 // starting with '.', or "" when `id` is not of that form.
 bool IsModelId(const std::string& id) {
   const size_t slash = id.find('/');
-  if (slash == std::string::npos || slash == 0 || slash + 1 == id.size() || id.find('/', slash + 1) != std::string::npos)
+  if (slash == std::string::npos || slash == 0 || slash + 1 == id.size() ||
+      id.find('/', slash + 1) != std::string::npos)
     return false;
   if (id[0] == '.' || id[slash + 1] == '.') return false;
   for (char ch : id)
-    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.' && ch != '/') return false;
+    if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.' &&
+        ch != '/')
+      return false;
   return true;
 }
 }  // namespace
@@ -427,24 +477,32 @@ StatusOr<std::string> ResolveModelPath(const std::string& path, const std::strin
   const fs::path local = fs::path(path).is_absolute() ? fs::path(path) : fs::path(base_dir) / path;
   std::error_code ec;
   const std::string at = path.substr(0, path.find('@'));
-  const std::string revision = path.find('@') == std::string::npos ? "main" : path.substr(path.find('@') + 1);
-  if (fs::is_directory(local, ec) || !IsModelId(at) || revision.empty() || revision.find("..") != std::string::npos)
+  const std::string revision =
+      path.find('@') == std::string::npos ? "main" : path.substr(path.find('@') + 1);
+  if (fs::is_directory(local, ec) || !IsModelId(at) || revision.empty() ||
+      revision.find("..") != std::string::npos)
     return local.lexically_normal().string();
   const std::string cache = HubCacheDir();
-  const std::string repo = cache + "/models--" + at.substr(0, at.find('/')) + "--" + at.substr(at.find('/') + 1);
-  const std::string download = "`hf download " + at + (revision == "main" ? "" : " --revision " + revision) +
-                               "` (huggingface_hub; `huggingface-cli download` in versions before 0.34)";
+  const std::string repo =
+      cache + "/models--" + at.substr(0, at.find('/')) + "--" + at.substr(at.find('/') + 1);
+  const std::string download =
+      "`hf download " + at + (revision == "main" ? "" : " --revision " + revision) +
+      "` (huggingface_hub; `huggingface-cli download` in versions before 0.34)";
   std::string commit = revision;
   if (std::ifstream ref(repo + "/refs/" + revision); ref) {
     std::getline(ref, commit);
-    if (commit.empty()) return Status::InvalidArgument("model.path: " + repo + "/refs/" + revision + " is empty");
+    if (commit.empty())
+      return Status::InvalidArgument("model.path: " + repo + "/refs/" + revision + " is empty");
   }
   const std::string snapshot = repo + "/snapshots/" + commit;
   if (!fs::is_regular_file(snapshot + "/config.json", ec))
-    return Status::InvalidArgument("model.path: \"" + path + "\" is not a directory (" + local.lexically_normal().string() +
-                                   ") and not in the Hugging Face cache (" +
-                                   (fs::is_directory(repo, ec) ? snapshot + "/config.json is missing" : repo + " does not exist") +
-                                   "); nothing is downloaded here: fetch it with " + download + ", or set HF_HUB_CACHE / HF_HOME");
+    return Status::InvalidArgument(
+        "model.path: \"" + path + "\" is not a directory (" + local.lexically_normal().string() +
+        ") and not in the Hugging Face cache (" +
+        (fs::is_directory(repo, ec) ? snapshot + "/config.json is missing"
+                                    : repo + " does not exist") +
+        "); nothing is downloaded here: fetch it with " + download +
+        ", or set HF_HUB_CACHE / HF_HOME");
   return snapshot;
 }
 

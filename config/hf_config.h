@@ -4,11 +4,11 @@
 //
 // Contract:
 //  * ApplyHfConfig() reads <dir>/config.json and replaces every architecture value of `model`
-//    with it (model_type "llama", "qwen2", "qwen3", "qwen3_moe" or "mistral"), from wherever transformers 4.x
-//    and 5.x put a value (RoPE base at the top level or inside rope_parameters / rope_scaling),
-//    and with transformers' per-family default where a key is absent. Every value read is
-//    type- and range-checked (the ranges of the job's [model] keys). A key whose value changes
-//    the math and that this runtime does not implement (another rope_type, a partial rotary
+//    with it (model_type "llama", "qwen2", "qwen3", "qwen3_moe" or "mistral"), from wherever
+//    transformers 4.x and 5.x put a value (RoPE base at the top level or inside rope_parameters /
+//    rope_scaling), and with transformers' per-family default where a key is absent. Every value
+//    read is type- and range-checked (the ranges of the job's [model] keys). A key whose value
+//    changes the math and that this runtime does not implement (another rope_type, a partial rotary
 //    factor, attention dropout, another activation, a quantized checkpoint, per-layer RoPE) is
 //    refused naming the file and the key; keys that do not change the math are ignored.
 //    docs/model-config.md lists every key.

@@ -39,8 +39,8 @@ struct KeySpec {
 // The [model] keys that only a mixture-of-experts model uses (num_experts itself decides whether
 // it is one).
 bool ExpertSettingKey(const std::string& key) {
-  return key == "experts_per_token" || key == "expert_intermediate_size" || key == "norm_topk_prob" ||
-         key == "sparse_step" || key == "router_aux_loss_coef";
+  return key == "experts_per_token" || key == "expert_intermediate_size" ||
+         key == "norm_topk_prob" || key == "sparse_step" || key == "router_aux_loss_coef";
 }
 
 std::string TypeOf(const toml::node& n) {
@@ -70,9 +70,9 @@ template <typename Field>
 KeySpec Int(std::string section, std::string key, Field field, int64_t def, int64_t lo, int64_t hi,
             std::string meaning) {
   KeySpec s;
-  std::string range = "range [" + std::to_string(lo) + ", " +
-                      (hi == std::numeric_limits<int64_t>::max() ? std::string("inf")
-                                                                  : std::to_string(hi)) + "]";
+  std::string range =
+      "range [" + std::to_string(lo) + ", " +
+      (hi == std::numeric_limits<int64_t>::max() ? std::string("inf") : std::to_string(hi)) + "]";
   s.doc = {section, key, "int", std::to_string(def), meaning + " (" + range + ")"};
   s.set = [field, lo, hi](const toml::node& n, JobConfig& c, const std::string& name) -> Status {
     auto v = n.value_exact<int64_t>();
@@ -83,7 +83,9 @@ KeySpec Int(std::string section, std::string key, Field field, int64_t def, int6
     field(c) = *v;
     return Status::Ok();
   };
-  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) { t.insert_or_assign(k, field(c)); };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) {
+    t.insert_or_assign(k, field(c));
+  };
   return s;
 }
 
@@ -123,7 +125,9 @@ KeySpec Bool(std::string section, std::string key, Field field, bool def, std::s
     field(c) = *v;
     return Status::Ok();
   };
-  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) { t.insert_or_assign(k, field(c)); };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) {
+    t.insert_or_assign(k, field(c));
+  };
   return s;
 }
 
@@ -138,41 +142,58 @@ KeySpec Str(std::string section, std::string key, Field field, std::string def,
     field(c) = *v;
     return Status::Ok();
   };
-  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) { t.insert_or_assign(k, field(c)); };
+  s.get = [field](JobConfig& c, toml::table& t, const std::string& k) {
+    t.insert_or_assign(k, field(c));
+  };
   return s;
 }
 
 // Each mode's spellings in job files, the one place they appear.
 template <typename E>
 using EnumNames = std::vector<std::pair<E, const char*>>;
-const EnumNames<DeviceKind> kDeviceNames = {{DeviceKind::kAuto, "auto"}, {DeviceKind::kCpu, "cpu"},
-                                            {DeviceKind::kCuda, "cuda"}};
-const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"}, {DataFormat::kTokens, "tokens"},
-                                            {DataFormat::kJsonl, "jsonl"}, {DataFormat::kRandom, "random"}};
-const EnumNames<DataPacking> kPackingNames = {{DataPacking::kAuto, "auto"}, {DataPacking::kStream, "stream"},
-                                              {DataPacking::kDocuments, "documents"}, {DataPacking::kPad, "pad"}};
-const EnumNames<LongRecords> kLongRecordNames = {{LongRecords::kSplit, "split"}, {LongRecords::kTruncate, "truncate"},
+const EnumNames<DeviceKind> kDeviceNames = {
+    {DeviceKind::kAuto, "auto"}, {DeviceKind::kCpu, "cpu"}, {DeviceKind::kCuda, "cuda"}};
+const EnumNames<DataFormat> kFormatNames = {{DataFormat::kBytes, "bytes"},
+                                            {DataFormat::kTokens, "tokens"},
+                                            {DataFormat::kJsonl, "jsonl"},
+                                            {DataFormat::kRandom, "random"}};
+const EnumNames<DataPacking> kPackingNames = {{DataPacking::kAuto, "auto"},
+                                              {DataPacking::kStream, "stream"},
+                                              {DataPacking::kDocuments, "documents"},
+                                              {DataPacking::kPad, "pad"}};
+const EnumNames<LongRecords> kLongRecordNames = {{LongRecords::kSplit, "split"},
+                                                 {LongRecords::kTruncate, "truncate"},
                                                  {LongRecords::kDrop, "drop"}};
-const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"}, {TrainDtype::kBf16, "bf16"},
-                                           {TrainDtype::kFp16, "fp16"}, {TrainDtype::kFp8, "fp8"}};
-const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"}, {OptimizerName::kSgd, "sgd"}};
-const EnumNames<LrSchedule> kLrScheduleNames = {{LrSchedule::kCosine, "cosine"}, {LrSchedule::kLinear, "linear"},
+const EnumNames<TrainDtype> kDtypeNames = {{TrainDtype::kFp32, "fp32"},
+                                           {TrainDtype::kBf16, "bf16"},
+                                           {TrainDtype::kFp16, "fp16"},
+                                           {TrainDtype::kFp8, "fp8"}};
+const EnumNames<OptimizerName> kOptimizerNames = {{OptimizerName::kAdamW, "adamw"},
+                                                  {OptimizerName::kSgd, "sgd"}};
+const EnumNames<LrSchedule> kLrScheduleNames = {{LrSchedule::kCosine, "cosine"},
+                                                {LrSchedule::kLinear, "linear"},
                                                 {LrSchedule::kConstant, "constant"}};
-const EnumNames<ExportDtype> kExportDtypeNames = {{ExportDtype::kAuto, "auto"}, {ExportDtype::kFloat32, "float32"},
-                                                  {ExportDtype::kBfloat16, "bfloat16"}, {ExportDtype::kFloat16, "float16"}};
-const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"}, {OptimizerMode::kStale1, "stale1"}};
+const EnumNames<ExportDtype> kExportDtypeNames = {{ExportDtype::kAuto, "auto"},
+                                                  {ExportDtype::kFloat32, "float32"},
+                                                  {ExportDtype::kBfloat16, "bfloat16"},
+                                                  {ExportDtype::kFloat16, "float16"}};
+const EnumNames<OptimizerMode> kModeNames = {{OptimizerMode::kExact, "exact"},
+                                             {OptimizerMode::kStale1, "stale1"}};
 const EnumNames<OptimizerState> kStateNames = {{OptimizerState::kReplicated, "replicated"},
                                                {OptimizerState::kSharded, "sharded"}};
 const EnumNames<GradientsWait> kGradientsWaitNames = {{GradientsWait::kHost, "host"},
                                                       {GradientsWait::kWorkers, "workers"}};
-const EnumNames<Activations> kActivationNames = {{Activations::kHost, "host"}, {Activations::kWorker, "worker"},
+const EnumNames<Activations> kActivationNames = {{Activations::kHost, "host"},
+                                                 {Activations::kWorker, "worker"},
                                                  {Activations::kCudaIpc, "cuda_ipc"}};
 const EnumNames<WeightsSource> kWeightsNames = {{WeightsSource::kAuto, "auto"},
                                                 {WeightsSource::kComputeCopy, "compute_copy"}};
-const EnumNames<EmbeddingLookup> kLookupNames = {{EmbeddingLookup::kAuto, "auto"}, {EmbeddingLookup::kCopy, "copy"}};
-const EnumNames<Partition> kPartitionNames = {{Partition::kEqual, "equal"}, {Partition::kAuto, "auto"}};
-const EnumNames<Tristate> kTristateNames = {{Tristate::kAuto, "auto"}, {Tristate::kAlways, "always"},
-                                            {Tristate::kNever, "never"}};
+const EnumNames<EmbeddingLookup> kLookupNames = {{EmbeddingLookup::kAuto, "auto"},
+                                                 {EmbeddingLookup::kCopy, "copy"}};
+const EnumNames<Partition> kPartitionNames = {{Partition::kEqual, "equal"},
+                                              {Partition::kAuto, "auto"}};
+const EnumNames<Tristate> kTristateNames = {
+    {Tristate::kAuto, "auto"}, {Tristate::kAlways, "always"}, {Tristate::kNever, "never"}};
 
 template <typename E>
 const char* NameIn(const EnumNames<E>& names, E v) {
@@ -201,15 +222,19 @@ StatusOr<E> ParseEnum(const EnumNames<E>& names, const std::string& text, const 
   for (const auto& [e, n] : names) spelled.push_back(n);
   // Other tools' spellings of the same modes, then the closest name.
   static const std::vector<std::pair<std::string, std::string>> kOtherSpellings = {
-      {"gpu", "cuda"},       {"bfloat16", "bf16"}, {"float16", "fp16"}, {"half", "fp16"},
-      {"float32", "fp32"},   {"float", "fp32"},    {"adamw_torch", "adamw"}, {"cosine_with_min_lr", "cosine"},
-      {"bf16", "bfloat16"},  {"fp16", "float16"},  {"fp32", "float32"}};
+      {"gpu", "cuda"},          {"bfloat16", "bf16"},
+      {"float16", "fp16"},      {"half", "fp16"},
+      {"float32", "fp32"},      {"float", "fp32"},
+      {"adamw_torch", "adamw"}, {"cosine_with_min_lr", "cosine"},
+      {"bf16", "bfloat16"},     {"fp16", "float16"},
+      {"fp32", "float32"}};
   std::string close;
   for (const auto& [other, ours] : kOtherSpellings)
-    if (text == other && std::find(spelled.begin(), spelled.end(), ours) != spelled.end()) close = ours;
+    if (text == other && std::find(spelled.begin(), spelled.end(), ours) != spelled.end())
+      close = ours;
   if (close.empty()) close = ClosestMatch(text, spelled);
-  return Status::InvalidArgument(name + ": must be one of " + ListOf(names) + ", got \"" + text + "\"" +
-                                 (close.empty() ? "" : "; did you mean \"" + close + "\"?"));
+  return Status::InvalidArgument(name + ": must be one of " + ListOf(names) + ", got \"" + text +
+                                 "\"" + (close.empty() ? "" : "; did you mean \"" + close + "\"?"));
 }
 
 template <typename Field, typename E>
@@ -282,7 +307,8 @@ KeySpec StrArray(std::string section, std::string key, Field field, std::string 
   return s;
 }
 
-#define F(member) [](JobConfig& c) -> auto& { return c.member; }
+#define F(member) \
+  [](JobConfig & c) -> auto& { return c.member; }
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 
 const std::vector<KeySpec>& Table() {
@@ -297,28 +323,35 @@ const std::vector<KeySpec>& Table() {
           "Replacement workers the launcher starts, over the whole run, for workers that die; the "
           "coordinator re-dispatches the dead worker's unfinished jobs to its replacement, so the "
           "result is unchanged. 0: the first death stops the run (exit code 10)"),
-      Float("job", "worker_timeout_s", F(job.worker_timeout_s), 60.0, 0.0, 1e9,
-            "A worker that sends nothing (not even its once-a-second heartbeat) for this long is "
-            "declared hung: the coordinator kills it and, while restarts remain, its replacement "
-            "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
-      Float("job", "stopped_timeout_s", F(job.stopped_timeout_s), 600.0, 0.0, 1e9,
-            "A worker or coordinator that stops answering because it is stopped (SIGSTOP, Ctrl-Z, a "
-            "debugger holding it: state T in /proc) is waited for up to this long, with a log line "
-            "every job.worker_timeout_s, and the run goes on unchanged once it continues; past it, "
-            "it is treated as hung. 0 = treated as hung at once"),
+      Float(
+          "job", "worker_timeout_s", F(job.worker_timeout_s), 60.0, 0.0, 1e9,
+          "A worker that sends nothing (not even its once-a-second heartbeat) for this long is "
+          "declared hung: the coordinator kills it and, while restarts remain, its replacement "
+          "takes over; else the run stops naming it. 0 = never (rp-launch --debug-worker sets 0)"),
+      Float(
+          "job", "stopped_timeout_s", F(job.stopped_timeout_s), 600.0, 0.0, 1e9,
+          "A worker or coordinator that stops answering because it is stopped (SIGSTOP, Ctrl-Z, a "
+          "debugger holding it: state T in /proc) is waited for up to this long, with a log line "
+          "every job.worker_timeout_s, and the run goes on unchanged once it continues; past it, "
+          "it is treated as hung. 0 = treated as hung at once"),
       Float("job", "device_memory_limit_gib", F(job.device_memory_limit_gib), 0.0, 0.0, 1e6,
             "Caps each CUDA worker's caching allocator at this many GiB (a per-process memory "
-            "fraction), and the planner plans for it (schedule.gpu_memory_gb becomes at most 85% of it, "
-            "the rest left for what its estimate leaves out): a smaller card on a larger one. 0 = the "
+            "fraction), and the planner plans for it (schedule.gpu_memory_gb becomes at most 85% "
+            "of it, "
+            "the rest left for what its estimate leaves out): a smaller card on a larger one. 0 = "
+            "the "
             "whole device. CUDA workers only"),
-      Float("job", "node_timeout_s", F(job.node_timeout_s), 60.0, 5.0, 86400.0,
-            "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
-            "this long (process killed, host gone, network cut) stops every other node, each naming "
-            "it; also the bound on the rendezvous and on each cross-node reduction"),
+      Float(
+          "job", "node_timeout_s", F(job.node_timeout_s), 60.0, 5.0, 86400.0,
+          "Several nodes (rp-launch --nnodes): a node whose rp-launch gives no sign of life for "
+          "this long (process killed, host gone, network cut) stops every other node, each naming "
+          "it; also the bound on the rendezvous and on each cross-node reduction"),
 
       Str("model", "path", F(model.path), "",
-          "Hugging Face model directory (Llama, Qwen2, Qwen3 or Mistral; relative to the job file), or a model "
-          "id (org/name, org/name@revision) in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME; never "
+          "Hugging Face model directory (Llama, Qwen2, Qwen3 or Mistral; relative to the job "
+          "file), or a model "
+          "id (org/name, org/name@revision) in the local Hugging Face cache (HF_HUB_CACHE, "
+          "HF_HOME; never "
           "downloaded): its "
           "config.json (docs/model-config.md) replaces the [model] architecture keys and its "
           "safetensors (single or sharded; fp32, bf16 or fp16) are the initial weights"),
@@ -330,7 +363,8 @@ const std::vector<KeySpec>& Table() {
       Int("model", "num_heads", F(model.num_heads), 4, 1, 4096, "Query heads"),
       Int("model", "num_kv_heads", F(model.num_kv_heads), 2, 1, 4096,
           "Key/value heads (GQA); must divide num_heads"),
-      Int("model", "head_dim", F(model.head_dim), 32, 2, 4096, "Per-head width; must be even (RoPE)"),
+      Int("model", "head_dim", F(model.head_dim), 32, 2, 4096,
+          "Per-head width; must be even (RoPE)"),
       Float("model", "rope_theta", F(model.rope.theta), 10000.0, 1.0, 1e12, "RoPE base"),
       Float("model", "rms_norm_eps", F(model.rms_norm_eps), 1e-6, 0.0, 1.0, "RMSNorm epsilon"),
       Bool("model", "qk_norm", F(model.qk_norm), true, "Per-head RMSNorm on q and k (Qwen3)"),
@@ -339,29 +373,33 @@ const std::vector<KeySpec>& Table() {
       Float("model", "init_std", F(model.init_std), 0.02, 0.0, 10.0,
             "Std of the normal init of matrices (norm weights start at 1)"),
       Int("model", "num_experts", F(model.moe.num_experts), 0, 0, 1 << 16,
-          "Mixture of experts (Qwen3-MoE, model_type qwen3_moe): experts per sparse block; 0 = every "
+          "Mixture of experts (Qwen3-MoE, model_type qwen3_moe): experts per sparse block; 0 = "
+          "every "
           "block has a dense MLP. With model.path, config.json decides (num_experts), as for every "
           "architecture key"),
       Int("model", "experts_per_token", F(model.moe.experts_per_token), 8, 1, 1 << 16,
           "Experts each token is routed to (num_experts_per_tok); at most model.num_experts"),
-      Int("model", "expert_intermediate_size", F(model.moe.expert_intermediate_size), 768, 1, 1 << 22,
-          "Each expert's SwiGLU width (moe_intermediate_size)"),
+      Int("model", "expert_intermediate_size", F(model.moe.expert_intermediate_size), 768, 1,
+          1 << 22, "Each expert's SwiGLU width (moe_intermediate_size)"),
       Bool("model", "norm_topk_prob", F(model.moe.norm_topk_prob), false,
            "Renormalize the chosen experts' router probabilities to sum to 1 (norm_topk_prob)"),
       Int("model", "sparse_step", F(model.moe.sparse_step), 1, 1, 4096,
           "Every this many blocks is sparse, the others dense (decoder_sparse_step)"),
-      Float("model", "router_aux_loss_coef", F(model.moe.aux_loss_weight), 0.0, 0.0, 1e6,
-            "Weight of the routers' load-balancing loss in the objective (router_aux_loss_coef with "
-            "output_router_logits = true); 0 = not in the objective"),
+      Float(
+          "model", "router_aux_loss_coef", F(model.moe.aux_loss_weight), 0.0, 0.0, 1e6,
+          "Weight of the routers' load-balancing loss in the objective (router_aux_loss_coef with "
+          "output_router_logits = true); 0 = not in the objective"),
 
       Enum("data", "format", F(data.format), DataFormat::kBytes, kFormatNames,
            "bytes: the file at data.path, one token per byte (vocab_size >= 256); "
            "tokens: a flat file of uint16/uint32 token ids with a JSON sidecar <path>.json "
            "{\"dtype\": \"uint16\"|\"uint32\", \"vocab_size\": N}; "
            "jsonl: one {\"input_ids\": [...]} per line, optional \"labels\" (-100 ignored) or "
-           "\"loss_mask\" (0/1), records packed into seq_len windows as data.packing says, no target across records; "
+           "\"loss_mask\" (0/1), records packed into seq_len windows as data.packing says, no "
+           "target across records; "
            "random: uniform synthetic tokens from train.seed (benchmarks)"),
-      Str("data", "path", F(data.path), "", "Corpus for format = bytes, tokens or jsonl; relative to the job file"),
+      Str("data", "path", F(data.path), "",
+          "Corpus for format = bytes, tokens or jsonl; relative to the job file"),
       Int("data", "seq_len", F(data.seq_len), 64, 2, 1 << 20, "Tokens per sequence"),
       Bool("data", "shuffle", F(data.shuffle), true,
            "Visit the corpus windows in a seeded random order each epoch"),
@@ -372,7 +410,8 @@ const std::vector<KeySpec>& Table() {
             "Instead of eval_path: hold out this fraction of data.path's windows (the last ones "
             "in file order, at least one), which training then never reads"),
       Enum("data", "packing", F(data.packing), DataPacking::kAuto, kPackingNames,
-           "How records share a window. documents: whole records packed into windows, each attending "
+           "How records share a window. documents: whole records packed into windows, each "
+           "attending "
            "only to itself with RoPE positions restarting at its first token (no cross-record "
            "context); pad: one record per window; stream: records concatenated and cut every "
            "seq_len tokens, attention across them (pretraining). auto: documents for jsonl, "
@@ -409,26 +448,35 @@ const std::vector<KeySpec>& Table() {
           "schedule.gpu_memory_gb (rp-launch --dry-run and rp-plan print it). The same result up "
           "to rounding; rp-train-ref always runs untiled"),
       Bool("train", "layer_recompute", F(train.layer_recompute), false,
-           "Backward stages (and the tail's blocks) first run their layers without autograd, keeping "
+           "Backward stages (and the tail's blocks) first run their layers without autograd, "
+           "keeping "
            "only each layer's input, then rebuild and backpropagate one layer's graph at a time: "
            "device memory for one block's intermediates instead of the stage's, for one more "
            "forward per layer. The same result; for long sequences"),
       Enum("train", "dtype", F(train.dtype), TrainDtype::kFp32, kDtypeNames,
-           "Compute dtype of the weight copy workers read; masters and moments are fp32. fp16 scales "
-           "the loss dynamically (train.loss_scale_*); CPU workers emulate fp16 and bf16 (fp32 arithmetic on "
-           "weights and stage inputs rounded to the 16-bit type). fp8: bf16, with the blocks' projections multiplied "
-           "in e4m3 with power-of-two scales per row (forward and input gradient; the weight gradient "
-           "stays bf16); CUDA workers on a GPU where LibTorch runs row-scaled e4m3 products (the worker tries one)"),
+           "Compute dtype of the weight copy workers read; masters and moments are fp32. fp16 "
+           "scales "
+           "the loss dynamically (train.loss_scale_*); CPU workers emulate fp16 and bf16 (fp32 "
+           "arithmetic on "
+           "weights and stage inputs rounded to the 16-bit type). fp8: bf16, with the blocks' "
+           "projections multiplied "
+           "in e4m3 with power-of-two scales per row (forward and input gradient; the weight "
+           "gradient "
+           "stays bf16); CUDA workers on a GPU where LibTorch runs row-scaled e4m3 products (the "
+           "worker tries one)"),
       Float("train", "loss_scale_init", F(train.loss_scaling.init), 65536.0, 1e-30, 1e30,
             "fp16: the loss scale of the first step (torch.amp.GradScaler's init_scale)"),
       Float("train", "loss_scale_growth_factor", F(train.loss_scaling.growth_factor), 2.0, 1.0, 1e6,
-            "fp16: the scale's multiplier after train.loss_scale_growth_interval finite steps in a row "
+            "fp16: the scale's multiplier after train.loss_scale_growth_interval finite steps in a "
+            "row "
             "(> 1)"),
-      Float("train", "loss_scale_backoff_factor", F(train.loss_scaling.backoff_factor), 0.5, 1e-6, 1.0,
-            "fp16: the scale's multiplier after a step whose gradients were not all finite, which is "
-            "skipped (< 1)"),
-      Int("train", "loss_scale_growth_interval", F(train.loss_scaling.growth_interval), 2000, 1, kMax,
-          "fp16: finite steps in a row before the scale grows"),
+      Float(
+          "train", "loss_scale_backoff_factor", F(train.loss_scaling.backoff_factor), 0.5, 1e-6,
+          1.0,
+          "fp16: the scale's multiplier after a step whose gradients were not all finite, which is "
+          "skipped (< 1)"),
+      Int("train", "loss_scale_growth_interval", F(train.loss_scaling.growth_interval), 2000, 1,
+          kMax, "fp16: finite steps in a row before the scale grows"),
       Float("train", "grad_clip", F(train.grad_clip), 1.0, 0.0, 1e30,
             "Clip the global gradient L2 norm to this; 0 disables"),
       Int("train", "eval_every", F(train.eval_every), 0, 0, kMax,
@@ -447,7 +495,9 @@ const std::vector<KeySpec>& Table() {
            "adamw: decoupled weight decay, bias correction (state m, v); sgd: momentum with "
            "coupled weight decay as torch.optim.SGD (state: one momentum buffer)"),
       Enum("optimizer", "mode", F(optimizer.mode), OptimizerMode::kExact, kModeNames,
-           "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: step t+1 reads the weights before step t's update, which then overlaps all of step t+1 (the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
+           "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: "
+           "step t+1 reads the weights before step t's update, which then overlaps all of step t+1 "
+           "(the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
       Enum("optimizer", "state", F(optimizer.state), OptimizerState::kReplicated, kStateNames,
            "Several nodes (rp-launch --nnodes N): replicated: every node keeps the whole optimizer "
            "state and makes the whole update; sharded: each node keeps the fp32 masters and "
@@ -459,7 +509,8 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "lr", F(optimizer.lr), 3e-3, 0.0, 10.0, "Peak learning rate"),
       Float("optimizer", "min_lr", F(optimizer.min_lr), 3e-4, 0.0, 10.0,
             "Learning rate at the last step of the cosine or linear schedule"),
-      Enum("optimizer", "lr_schedule", F(optimizer.lr_schedule), LrSchedule::kCosine, kLrScheduleNames,
+      Enum("optimizer", "lr_schedule", F(optimizer.lr_schedule), LrSchedule::kCosine,
+           kLrScheduleNames,
            "After warmup: cosine (half a cosine from lr down to min_lr at the last step), linear "
            "(a line from lr down to min_lr at the last step; min_lr = 0 is Hugging Face's "
            "\"linear\") or constant (lr throughout)"),
@@ -475,57 +526,68 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "beta2", F(optimizer.beta2), 0.95, 0.0, 0.9999999, "Adam beta2"),
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
-      Enum("optimizer", "gradients_wait_in", F(optimizer.gradients_wait_in), GradientsWait::kHost,
-           kGradientsWaitNames,
-           "With clipping, where a step's gradients wait for its global norm. host: in the host's "
-           "gradient arena (4 bytes per parameter of host memory: every gradient is held). workers: "
-           "on the workers that computed them (device memory), which report their squared sums; the "
-           "commits follow the norm and stream through an arena sized as without clipping, and the "
-           "next step's activations take a second set of host slots (its forward then starts behind "
-           "the first layers' updates instead of the last commit). workers needs train.grad_clip > "
-           "0, one accumulation round per step, no tied embedding (unless LoRA freezes it) and one "
-           "node"),
-      Bool("optimizer", "speculative_update", F(optimizer.speculative_update), false,
-           "Exact mode with clipping: while the backward runs, write each parameter's next weights as "
-           "if the step were not clipped, into a second buffer (2 bytes per parameter of host memory, "
-           "4 where workers fetch the fp32 masters). A step whose norm stays at or under "
-           "train.grad_clip then starts the next step's forward at once instead of behind the "
-           "updates; a clipped step runs its update again, as without the key, and speculation pauses "
-           "until a step is unclipped. The same bits either way. For jobs whose steps are mostly "
-           "unclipped. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and "
-           "no fp16"),
+      Enum(
+          "optimizer", "gradients_wait_in", F(optimizer.gradients_wait_in), GradientsWait::kHost,
+          kGradientsWaitNames,
+          "With clipping, where a step's gradients wait for its global norm. host: in the host's "
+          "gradient arena (4 bytes per parameter of host memory: every gradient is held). workers: "
+          "on the workers that computed them (device memory), which report their squared sums; the "
+          "commits follow the norm and stream through an arena sized as without clipping, and the "
+          "next step's activations take a second set of host slots (its forward then starts behind "
+          "the first layers' updates instead of the last commit). workers needs train.grad_clip > "
+          "0, one accumulation round per step, no tied embedding (unless LoRA freezes it) and one "
+          "node"),
+      Bool(
+          "optimizer", "speculative_update", F(optimizer.speculative_update), false,
+          "Exact mode with clipping: while the backward runs, write each parameter's next weights "
+          "as "
+          "if the step were not clipped, into a second buffer (2 bytes per parameter of host "
+          "memory, "
+          "4 where workers fetch the fp32 masters). A step whose norm stays at or under "
+          "train.grad_clip then starts the next step's forward at once instead of behind the "
+          "updates; a clipped step runs its update again, as without the key, and speculation "
+          "pauses "
+          "until a step is unclipped. The same bits either way. For jobs whose steps are mostly "
+          "unclipped. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and "
+          "no fp16"),
       Int("optimizer", "device_update_blocks", F(optimizer.device_update_blocks), 0, 0, 4096,
           "Exact mode with clipping: blocks 1..N are also updated on the worker's GPU at each step "
           "boundary (the same bits as the host's update), and the next step's forward uses those "
           "weights at once while the host updates the other blocks first. The worker reads the "
           "blocks' masters and moments (12 bytes per parameter, read-only from host shared memory) "
           "while the backward runs and keeps them, their gradients and the new weights on "
-          "the device: about 18 bytes per covered parameter of device memory. 0 = off. Needs adamw, "
-          "train.grad_clip > 0, train.dtype = \"bf16\" or \"fp32\", one accumulation round per step, "
+          "the device: about 18 bytes per covered parameter of device memory. 0 = off. Needs "
+          "adamw, "
+          "train.grad_clip > 0, train.dtype = \"bf16\" or \"fp32\", one accumulation round per "
+          "step, "
           "one worker and one node, and no speculative_update or LoRA"),
       Int("optimizer", "grad_buffer_mb", F(optimizer.grad_buffer_mb), 0, 0, int64_t{1} << 30,
           "Host gradient arena in MiB; 0 = auto: every gradient when train.grad_clip > 0, "
-          "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's last commit or the global "
+          "train.dtype = \"fp16\" or train.accum_calls > 1 (each must be held until the step's "
+          "last commit or the global "
           "norm), else twice the largest stage's gradients, so gradients are streamed: a layer's "
           "buffer is reused as soon as its update is done. Smaller than the job needs is an error"),
 
       Int("lora", "rank", F(lora.rank), 0, 0, 65536,
-          "LoRA rank r; 0 = full fine-tuning. With r > 0 only the adapters train (masters, moments, "
+          "LoRA rank r; 0 = full fine-tuning. With r > 0 only the adapters train (masters, "
+          "moments, "
           "gradients); the base weights stay frozen as the compute copy alone"),
       Float("lora", "alpha", F(lora.alpha), 8.0, 0.0, 1e9,
             "LoRA alpha: the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)"),
       Float("lora", "dropout", F(lora.dropout), 0.0, 0.0, 0.99,
             "Dropout on the adapter's input (PEFT's lora_dropout); the mask is a pure function of "
-            "(seed, step, call, microbatch, layer, module), so recompute and rp-train-ref see the same one"),
+            "(seed, step, call, microbatch, layer, module), so recompute and rp-train-ref see the "
+            "same one"),
       StrArray("lora", "target_modules", F(lora.target_modules), "[\"q_proj\", \"v_proj\"]",
                "Projections that get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj, "
                "gate_proj, up_proj, down_proj; may be empty when lora.target_parameters is not"),
-      StrArray("lora", "target_parameters", F(lora.target_parameters), "[]",
-               "Mixture-of-experts tensors that get adapters, by PEFT's target_parameters names: "
-               "mlp.experts.gate_up_proj, mlp.experts.down_proj (or a suffix after a dot, as PEFT "
-               "matches). One adapter per tensor covers every "
-               "expert (PEFT's layout: lora_A [r x experts, in] expert-major, lora_B [out, r x experts] "
-               "rank-major); needs lora.dropout = 0, as PEFT"),
+      StrArray(
+          "lora", "target_parameters", F(lora.target_parameters), "[]",
+          "Mixture-of-experts tensors that get adapters, by PEFT's target_parameters names: "
+          "mlp.experts.gate_up_proj, mlp.experts.down_proj (or a suffix after a dot, as PEFT "
+          "matches). One adapter per tensor covers every "
+          "expert (PEFT's layout: lora_A [r x experts, in] expert-major, lora_B [out, r x experts] "
+          "rank-major); needs lora.dropout = 0, as PEFT"),
       Str("lora", "init_from", F(lora.init_from), "",
           "PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from, "
           "relative to the job file; its rank and targets must equal this job's; empty = A "
@@ -538,7 +600,8 @@ const std::vector<KeySpec>& Table() {
       Int("schedule", "forward_stages", F(schedule.forward_stages), 2, 1, 4096,
           "Forward stages, equal layer counts (ignored when forward_cuts is set)"),
       Int("schedule", "backward_stages", F(schedule.backward_stages), 2, 1, 4096,
-          "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is set)"),
+          "Backward stages after the fused tail, equal layer counts (ignored when backward_cuts is "
+          "set)"),
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
       Int("schedule", "kept_blocks", F(schedule.kept_blocks), 0, -1, 4096,
@@ -547,7 +610,8 @@ const std::vector<KeySpec>& Table() {
           "does not recompute them: device memory for every microbatch's activations of these "
           "blocks for a whole round, for a faster backward. Needs --gpus 1 (the graphs stay in the "
           "worker that ran the forward; a replaced worker recomputes from the checkpoints); not "
-          "with train.layer_recompute, tiled MLPs or mixture-of-experts blocks. -1: as many as let the plan fit "
+          "with train.layer_recompute, tiled MLPs or mixture-of-experts blocks. -1: as many as let "
+          "the plan fit "
           "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
           "the number), none with several workers"),
       Bool("schedule", "frozen_on_device", F(schedule.frozen_on_device), false,
@@ -555,7 +619,8 @@ const std::vector<KeySpec>& Table() {
            "keeps it, so its jobs copy only the adapters over the host link. Costs the whole base "
            "in the compute dtype on each worker's device (rp-plan prints it); exact mode's next "
            "forward then no longer waits for the base to stream in behind the update. Needs "
-           "lora.rank > 0 and, with CUDA workers, one worker per GPU; rp-plan and rp-launch --dry-run "
+           "lora.rank > 0 and, with CUDA workers, one worker per GPU; rp-plan and rp-launch "
+           "--dry-run "
            "print its prediction when it would be faster"),
       IntArray("schedule", "forward_cuts", F(schedule.forward_cuts),
                "Explicit first layers of forward stages 2.. (ascending; layer 0 = embedding, "
@@ -575,14 +640,16 @@ const std::vector<KeySpec>& Table() {
            "the slots' size per worker in device memory, and a worker that dies stops the run. "
            "CPU workers stand in with a named shared-memory pool per worker (the same protocol, "
            "what CI tests)"),
-      Enum("schedule", "weights_source", F(schedule.weights_source), WeightsSource::kAuto, kWeightsNames,
+      Enum("schedule", "weights_source", F(schedule.weights_source), WeightsSource::kAuto,
+           kWeightsNames,
            "What workers fetch a layer's weights from. auto: in exact mode the fp32 masters "
            "themselves, rounded to train.dtype on the worker (no host compute copy: 2 bytes per "
            "parameter less host memory in bf16, 4 in fp32, and no copy for the optimizer to "
            "write; twice the weight bytes over the host link in bf16); in stale1, which must keep "
            "the previous version readable while the masters change, a compute copy. "
            "compute_copy: always a separate copy in train.dtype that the optimizer writes"),
-      Enum("schedule", "embedding_lookup", F(schedule.embedding_lookup), EmbeddingLookup::kAuto, kLookupNames,
+      Enum("schedule", "embedding_lookup", F(schedule.embedding_lookup), EmbeddingLookup::kAuto,
+           kLookupNames,
            "How a stage with the embedding gets the rows it looks up. auto, where workers fetch "
            "the masters (schedule.weights_source) and the embedding is trained: its lookup reads "
            "the rows of its tokens straight from the fp32 masters in host memory (mapped, no copy "
@@ -594,7 +661,8 @@ const std::vector<KeySpec>& Table() {
            "device once its update is complete"),
       Enum("schedule", "partition", F(schedule.partition), Partition::kEqual, kPartitionNames,
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
-           "tail size (up to 3 blocks; with schedule.gpu_memory_gb, up to every block, beyond 8 in steps "
+           "tail size (up to 3 blocks; with schedule.gpu_memory_gb, up to every block, beyond 8 in "
+           "steps "
            "of about a third) "
            "and both partitions minimizing the simulated step time (from the measured "
            "profile when there is one, else a FLOP cost model; rp-plan shows its choice); where no "
@@ -605,7 +673,8 @@ const std::vector<KeySpec>& Table() {
           "<output_dir>/profile.json when it exists and matches the workload, else the FLOP "
           "cost model"),
       Int("schedule", "profile_steps", F(schedule.profile_steps), 2, 0, kMax,
-          "Steps whose layers are timed (after one warm-up step) to write <output_dir>/profile.json "
+          "Steps whose layers are timed (after one warm-up step) to write "
+          "<output_dir>/profile.json "
           "and the step-time prediction; 0 = no profiling"),
       Float("schedule", "replan_gain", F(schedule.replan_gain), 0.05, 0.0, 1.0,
             "With partition = auto: when a fresh profile makes the planner predict a step this "
@@ -615,15 +684,17 @@ const std::vector<KeySpec>& Table() {
             "After profiling, measured step times off the prediction by more than this fraction "
             "for 3 steps in a row trigger a new profile (and a re-plan check); 0 = never"),
       Float("schedule", "node_link_gb_s", F(schedule.node_link_gb_s), 10.0, 0.0, 1e6,
-            "Several nodes: the bandwidth between nodes (GB/s, each direction) the planner and rp-plan "
+            "Several nodes: the bandwidth between nodes (GB/s, each direction) the planner and "
+            "rp-plan "
             "--nnodes assume for the cross-node gradient sums; 0 = free"),
-      Float("schedule", "gpu_memory_gb", F(schedule.gpu_memory_gb), 0.0, 0.0, 1e6,
-            "Per-worker memory limit the auto planner, train.mlp_tile_tokens = -1 and "
-            "schedule.kept_blocks = -1 respect, against the planner's estimate of the "
-            "tensors allocated at the peak (rp-plan prints its parts; measured on the H200: 1.7B "
-            "job +25-28%, 4B job -1%); leave room for the CUDA context and the allocator's cache "
-            "(~1-2 GB); 0 = for CUDA workers, 85% of the smallest visible GPU's memory as nvidia-smi "
-            "reports it to rp-launch (unlimited where it reports none)"),
+      Float(
+          "schedule", "gpu_memory_gb", F(schedule.gpu_memory_gb), 0.0, 0.0, 1e6,
+          "Per-worker memory limit the auto planner, train.mlp_tile_tokens = -1 and "
+          "schedule.kept_blocks = -1 respect, against the planner's estimate of the "
+          "tensors allocated at the peak (rp-plan prints its parts; measured on the H200: 1.7B "
+          "job +25-28%, 4B job -1%); leave room for the CUDA context and the allocator's cache "
+          "(~1-2 GB); 0 = for CUDA workers, 85% of the smallest visible GPU's memory as nvidia-smi "
+          "reports it to rp-launch (unlimited where it reports none)"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "
@@ -637,7 +708,8 @@ const std::vector<KeySpec>& Table() {
       Int("checkpoint", "export_shard_mb", F(checkpoint.export_shard_mb), 5000, 0, 1 << 30,
           "Largest safetensors file of export_hf in MiB: a bigger model is written as shards "
           "model-0000i-of-0000N.safetensors with model.safetensors.index.json; 0 = one file"),
-      Enum("checkpoint", "export_dtype", F(checkpoint.export_dtype), ExportDtype::kAuto, kExportDtypeNames,
+      Enum("checkpoint", "export_dtype", F(checkpoint.export_dtype), ExportDtype::kAuto,
+           kExportDtypeNames,
            "Tensors of checkpoint.export_hf (rounded to nearest even from the fp32 masters). auto: "
            "the base's dtype as its config.json names it (bfloat16 for the published Qwen3 and "
            "Llama checkpoints), float32 without a base"),
@@ -648,7 +720,8 @@ const std::vector<KeySpec>& Table() {
       Str("checkpoint", "dir", F(checkpoint.dir), "checkpoints",
           "Checkpoint directory, relative to job.output_dir"),
       Int("checkpoint", "keep", F(checkpoint.keep), 2, 1, 1000000,
-          "Newest training-state checkpoints kept; older ones are deleted after a new one is safely on disk"),
+          "Newest training-state checkpoints kept; older ones are deleted after a new one is "
+          "safely on disk"),
       Float("checkpoint", "memory_gb", F(checkpoint.memory_gb), -1.0, -1.0, 1e6,
             "Host memory (GB) that periodic checkpoints' copies of the training state may take, so "
             "they are written while training goes on: two whole copies where they fit, else one, "
@@ -661,7 +734,8 @@ const std::vector<KeySpec>& Table() {
 
       Bool("metrics", "trace", F(metrics.trace), true, "Write trace.json (Chrome/Perfetto format)"),
       Bool("metrics", "tensorboard", F(metrics.tensorboard), true,
-           "Write each step's scalars (loss, eval loss, lr, grad norm, tokens/s, step time, bubble, loss scale, "
+           "Write each step's scalars (loss, eval loss, lr, grad norm, tokens/s, step time, "
+           "bubble, loss scale, "
            "H2D GB/s, device and host memory) as TensorBoard event files under OUTPUT/tb"),
   };
   return table;
@@ -675,13 +749,14 @@ std::string Join(const std::string& dir, const std::string& p) {
   return (fs::path(dir) / path).lexically_normal().string();
 }
 
-Status CheckCuts(const std::string& name, const std::vector<int64_t>& cuts, int64_t lo, int64_t hi) {
+Status CheckCuts(const std::string& name, const std::vector<int64_t>& cuts, int64_t lo,
+                 int64_t hi) {
   int64_t prev = lo - 1;
   for (size_t i = 0; i < cuts.size(); ++i) {
     if (cuts[i] < lo || cuts[i] > hi)
       return Status::InvalidArgument(name + "[" + std::to_string(i) + "]: layer " +
-                                     std::to_string(cuts[i]) + " is outside [" + std::to_string(lo) +
-                                     ", " + std::to_string(hi) + "]");
+                                     std::to_string(cuts[i]) + " is outside [" +
+                                     std::to_string(lo) + ", " + std::to_string(hi) + "]");
     if (cuts[i] <= prev)
       return Status::InvalidArgument(name + ": must be strictly ascending, got " +
                                      std::to_string(cuts[i]) + " after " + std::to_string(prev));
@@ -700,7 +775,8 @@ Status ReadBenchKnobs(BenchKnobs* k) {
   auto flag = [&](const char* var, bool* out) -> Status {
     auto v = text(var);
     if (!v) return Status::Ok();
-    if (*v != "0" && *v != "1") return Status::InvalidArgument(std::string(var) + ": must be 0 or 1, got \"" + *v + "\"");
+    if (*v != "0" && *v != "1")
+      return Status::InvalidArgument(std::string(var) + ": must be 0 or 1, got \"" + *v + "\"");
     *out = *v == "1";
     return Status::Ok();
   };
@@ -710,7 +786,8 @@ Status ReadBenchKnobs(BenchKnobs* k) {
     char* end = nullptr;
     const long long n = std::strtoll(v->c_str(), &end, 10);
     if (*end != '\0' || n < 0 || n > 4096)
-      return Status::InvalidArgument(std::string(var) + ": must be an integer in [0, 4096], got \"" + *v + "\"");
+      return Status::InvalidArgument(std::string(var) +
+                                     ": must be an integer in [0, 4096], got \"" + *v + "\"");
     *out = n;
     return Status::Ok();
   };
@@ -732,19 +809,23 @@ Status ReadBenchKnobs(BenchKnobs* k) {
 
 Status CrossValidate(const JobConfig& c) {
   if (c.job.device_memory_limit_gib > 0 && c.job.device == DeviceKind::kCpu)
-    return Status::InvalidArgument("job.device_memory_limit_gib: caps a CUDA worker's device memory, and "
-                                   "job.device = \"cpu\" has none; leave it 0 or use CUDA workers");
+    return Status::InvalidArgument(
+        "job.device_memory_limit_gib: caps a CUDA worker's device memory, and "
+        "job.device = \"cpu\" has none; leave it 0 or use CUDA workers");
   const auto& m = c.model;
   if (m.moe.num_experts > 0 && m.path.empty()) {
     if (m.moe.experts_per_token > m.moe.num_experts)
-      return Status::InvalidArgument("model.experts_per_token: " + std::to_string(m.moe.experts_per_token) +
-                                     " is more than the " + std::to_string(m.moe.num_experts) + " experts");
+      return Status::InvalidArgument(
+          "model.experts_per_token: " + std::to_string(m.moe.experts_per_token) +
+          " is more than the " + std::to_string(m.moe.num_experts) + " experts");
     if (!m.qk_norm)
-      return Status::InvalidArgument("model.num_experts: experts are Qwen3-MoE's, whose attention has a q/k "
-                                     "norm; set model.qk_norm = true");
+      return Status::InvalidArgument(
+          "model.num_experts: experts are Qwen3-MoE's, whose attention has a q/k "
+          "norm; set model.qk_norm = true");
   }
   if (m.moe.num_experts == 0 && m.moe.aux_loss_weight > 0.0)
-    return Status::InvalidArgument("model.router_aux_loss_coef: the model has no routers (model.num_experts = 0)");
+    return Status::InvalidArgument(
+        "model.router_aux_loss_coef: the model has no routers (model.num_experts = 0)");
   if (m.num_heads % m.num_kv_heads != 0)
     return Status::InvalidArgument("model.num_kv_heads: must divide model.num_heads (" +
                                    std::to_string(m.num_heads) + "), got " +
@@ -753,15 +834,16 @@ Status CrossValidate(const JobConfig& c) {
     return Status::InvalidArgument("model.head_dim: must be even for rotary embeddings, got " +
                                    std::to_string(m.head_dim));
   if (m.sliding_window > 0 && c.data.seq_len > m.sliding_window)
-    return Status::InvalidArgument("data.seq_len: " + std::to_string(c.data.seq_len) + " is longer than the model's " +
-                                   "sliding attention window (" + std::to_string(m.sliding_window) + " tokens, " +
-                                   m.path + "/config.json: sliding_window), which is not implemented; sequences "
-                                   "up to the window are exact");
+    return Status::InvalidArgument(
+        "data.seq_len: " + std::to_string(c.data.seq_len) + " is longer than the model's " +
+        "sliding attention window (" + std::to_string(m.sliding_window) + " tokens, " + m.path +
+        "/config.json: sliding_window), which is not implemented; sequences "
+        "up to the window are exact");
   if (c.data.format == DataFormat::kTokens || c.data.format == DataFormat::kJsonl) {
     std::error_code ec;
     if (c.data.path.empty() || !fs::is_regular_file(c.data.path, ec))
-      return Status::InvalidArgument("data.path: no such file: \"" + c.data.path + "\" (data.format = \"" +
-                                     EnumName(c.data.format) + "\")");
+      return Status::InvalidArgument("data.path: no such file: \"" + c.data.path +
+                                     "\" (data.format = \"" + EnumName(c.data.format) + "\")");
   }
   if (c.data.format == DataFormat::kBytes) {
     if (c.data.path.empty())
@@ -770,76 +852,97 @@ Status CrossValidate(const JobConfig& c) {
     if (!fs::is_regular_file(c.data.path, ec))
       return Status::InvalidArgument("data.path: no such file: " + c.data.path);
     if (m.vocab_size < 256)
-      return Status::InvalidArgument("model.vocab_size: must be >= 256 for data.format = "
-                                     "\"bytes\", got " + std::to_string(m.vocab_size));
+      return Status::InvalidArgument(
+          "model.vocab_size: must be >= 256 for data.format = "
+          "\"bytes\", got " +
+          std::to_string(m.vocab_size));
     auto size = fs::file_size(c.data.path, ec);
     if (ec || static_cast<int64_t>(size) < c.data.seq_len + 1)
-      return Status::InvalidArgument("data.path: " + c.data.path + " holds fewer than seq_len + 1 = " +
-                                     std::to_string(c.data.seq_len + 1) + " bytes");
+      return Status::InvalidArgument(
+          "data.path: " + c.data.path +
+          " holds fewer than seq_len + 1 = " + std::to_string(c.data.seq_len + 1) + " bytes");
   }
   if (c.data.packing != DataPacking::kStream && c.data.format != DataFormat::kJsonl &&
       !(c.data.format == DataFormat::kTokens && TokenFileHasDocuments(c.data.path)))
-    return Status::InvalidArgument(std::string("data.packing: \"") + EnumName(c.data.packing) + "\" needs records; data.format = \"" +
-                                   EnumName(c.data.format) + "\" is one stream without document boundaries "
-                                   "(use data.format = \"jsonl\", a token file with a document index as "
-                                   "tools/prepare_data.py writes it, or data.packing = \"stream\")");
+    return Status::InvalidArgument(
+        std::string("data.packing: \"") + EnumName(c.data.packing) +
+        "\" needs records; data.format = \"" + EnumName(c.data.format) +
+        "\" is one stream without document boundaries "
+        "(use data.format = \"jsonl\", a token file with a document index as "
+        "tools/prepare_data.py writes it, or data.packing = \"stream\")");
   if (!c.data.eval_path.empty() && c.data.eval_fraction > 0.0)
-    return Status::InvalidArgument("data.eval_fraction: set together with data.eval_path; choose one");
+    return Status::InvalidArgument(
+        "data.eval_fraction: set together with data.eval_path; choose one");
   if (c.data.eval_fraction > 0.0 && c.data.format == DataFormat::kRandom)
-    return Status::InvalidArgument("data.eval_fraction: data.format = \"random\" evaluates on its own "
-                                   "held-out synthetic stream; remove data.eval_fraction");
+    return Status::InvalidArgument(
+        "data.eval_fraction: data.format = \"random\" evaluates on its own "
+        "held-out synthetic stream; remove data.eval_fraction");
   if (!c.data.eval_path.empty()) {
     std::error_code ec;
     if (!fs::is_regular_file(c.data.eval_path, ec))
       return Status::InvalidArgument("data.eval_path: no such file: " + c.data.eval_path);
     if (c.data.format == DataFormat::kRandom)
-      return Status::InvalidArgument("data.eval_path: data.format = \"random\" evaluates on its own "
-                                     "held-out synthetic stream; remove data.eval_path");
+      return Status::InvalidArgument(
+          "data.eval_path: data.format = \"random\" evaluates on its own "
+          "held-out synthetic stream; remove data.eval_path");
   }
   if (c.train.eval_every > 0 && c.data.format != DataFormat::kRandom && c.data.eval_path.empty() &&
       c.data.eval_fraction <= 0.0)
-    return Status::InvalidArgument("train.eval_every: needs an eval set: set data.eval_path or "
-                                   "data.eval_fraction");
+    return Status::InvalidArgument(
+        "train.eval_every: needs an eval set: set data.eval_path or "
+        "data.eval_fraction");
   if (c.lora.enabled()) {
     if (c.lora.target_modules.empty() && c.lora.target_parameters.empty())
-      return Status::InvalidArgument("lora.target_modules: empty; name at least one of q_proj, "
-                                     "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert "
-                                     "tensors in lora.target_parameters)");
+      return Status::InvalidArgument(
+          "lora.target_modules: empty; name at least one of q_proj, "
+          "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert "
+          "tensors in lora.target_parameters)");
     std::vector<std::string> seen_params;
     bool sparse = false;
     for (int64_t b = 0; b < m.num_layers; ++b) sparse = sparse || SparseBlock(m, b);
     for (const auto& name : c.lora.target_parameters) {
       const std::string t = CanonicalLoraParameter(name);
       if (t.empty())
-        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" is not a tensor this runtime "
-                                       "adapts (mlp.experts.gate_up_proj, mlp.experts.down_proj, or a suffix of "
-                                       "them after a dot, as PEFT matches)");
+        return Status::InvalidArgument(
+            "lora.target_parameters: \"" + name +
+            "\" is not a tensor this runtime "
+            "adapts (mlp.experts.gate_up_proj, mlp.experts.down_proj, or a suffix of "
+            "them after a dot, as PEFT matches)");
       if (std::find(seen_params.begin(), seen_params.end(), t) != seen_params.end())
-        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names " + t + " twice");
+        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names " + t +
+                                       " twice");
       seen_params.push_back(t);
       if (m.moe.num_experts == 0)
-        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names expert tensors, and this "
+        return Status::InvalidArgument("lora.target_parameters: \"" + name +
+                                       "\" names expert tensors, and this "
                                        "model has no experts; use lora.target_modules");
       if (!sparse)
-        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names expert tensors, and no "
-                                       "block of this model is sparse (mlp_only_layers / sparse_step)");
+        return Status::InvalidArgument(
+            "lora.target_parameters: \"" + name +
+            "\" names expert tensors, and no "
+            "block of this model is sparse (mlp_only_layers / sparse_step)");
       // PEFT adapts a whole tensor by adding B A to the weight before the product, so it cannot
       // drop out the adapter's input alone (and refuses dropout there); the same math here.
       if (c.lora.dropout > 0.0)
-        return Status::InvalidArgument("lora.dropout: must be 0 with lora.target_parameters (an adapter on "
-                                       "expert tensors has no input of its own to drop, as in PEFT)");
-      const int64_t in = t == "mlp.experts.gate_up_proj" ? m.hidden_size : m.moe.expert_intermediate_size;
-      const int64_t out = t == "mlp.experts.gate_up_proj" ? 2 * m.moe.expert_intermediate_size : m.hidden_size;
+        return Status::InvalidArgument(
+            "lora.dropout: must be 0 with lora.target_parameters (an adapter on "
+            "expert tensors has no input of its own to drop, as in PEFT)");
+      const int64_t in =
+          t == "mlp.experts.gate_up_proj" ? m.hidden_size : m.moe.expert_intermediate_size;
+      const int64_t out =
+          t == "mlp.experts.gate_up_proj" ? 2 * m.moe.expert_intermediate_size : m.hidden_size;
       if (c.lora.rank > std::min(in, out))
-        return Status::InvalidArgument("lora.rank: " + std::to_string(c.lora.rank) + " exceeds " + t + "'s " +
-                                       std::to_string(out) + " x " + std::to_string(in) +
-                                       " per-expert rank bound " + std::to_string(std::min(in, out)));
+        return Status::InvalidArgument("lora.rank: " + std::to_string(c.lora.rank) + " exceeds " +
+                                       t + "'s " + std::to_string(out) + " x " +
+                                       std::to_string(in) + " per-expert rank bound " +
+                                       std::to_string(std::min(in, out)));
     }
     std::vector<std::string> seen;
     for (const auto& t : c.lora.target_modules) {
       const auto& ok = LoraTargetableModules();
       if (std::find(ok.begin(), ok.end(), t) == ok.end())
-        return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is not a projection this "
+        return Status::InvalidArgument("lora.target_modules: \"" + t +
+                                       "\" is not a projection this "
                                        "runtime adapts (q_proj, k_proj, v_proj, o_proj, gate_proj, "
                                        "up_proj, down_proj)");
       if (std::find(seen.begin(), seen.end(), t) != seen.end())
@@ -849,19 +952,24 @@ Status CrossValidate(const JobConfig& c) {
       // the transformers version (each expert a module of its own in 4, fused expert tensors
       // that module names do not reach in 5): refused, the experts take target_parameters.
       if (m.moe.num_experts > 0 && (t == "gate_proj" || t == "up_proj" || t == "down_proj"))
-        return Status::InvalidArgument("lora.target_modules: \"" + t + "\" on a mixture-of-experts model: "
-                                       "the experts are adapted through lora.target_parameters "
-                                       "(mlp.experts.gate_up_proj, mlp.experts.down_proj), as PEFT names them");
+        return Status::InvalidArgument(
+            "lora.target_modules: \"" + t +
+            "\" on a mixture-of-experts model: "
+            "the experts are adapted through lora.target_parameters "
+            "(mlp.experts.gate_up_proj, mlp.experts.down_proj), as PEFT names them");
       // B A has rank at most min(in, out): a larger rank adds parameters and no expressiveness.
       const int64_t q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
       const int64_t in = t == "o_proj" ? q : t == "down_proj" ? m.intermediate_size : m.hidden_size;
-      const int64_t out = t == "q_proj" ? q : (t == "k_proj" || t == "v_proj") ? kv
-                        : (t == "gate_proj" || t == "up_proj") ? m.intermediate_size : m.hidden_size;
+      const int64_t out = t == "q_proj"                          ? q
+                          : (t == "k_proj" || t == "v_proj")     ? kv
+                          : (t == "gate_proj" || t == "up_proj") ? m.intermediate_size
+                                                                 : m.hidden_size;
       if (c.lora.rank > std::min(in, out))
-        return Status::InvalidArgument("lora.rank: " + std::to_string(c.lora.rank) + " exceeds " + t + "'s " +
-                                       std::to_string(out) + " x " + std::to_string(in) +
-                                       " weight's rank bound " + std::to_string(std::min(in, out)) +
-                                       "; lower lora.rank or leave " + t + " out of lora.target_modules");
+        return Status::InvalidArgument(
+            "lora.rank: " + std::to_string(c.lora.rank) + " exceeds " + t + "'s " +
+            std::to_string(out) + " x " + std::to_string(in) + " weight's rank bound " +
+            std::to_string(std::min(in, out)) + "; lower lora.rank or leave " + t +
+            " out of lora.target_modules");
     }
     if (!c.lora.init_from.empty()) {
       std::error_code ec;
@@ -869,98 +977,129 @@ Status CrossValidate(const JobConfig& c) {
         return Status::InvalidArgument("lora.init_from: no such directory: " + c.lora.init_from);
     }
   } else if (!c.lora.init_from.empty()) {
-    return Status::InvalidArgument("lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
-                                   "set lora.rank to the adapter's rank");
+    return Status::InvalidArgument(
+        "lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
+        "set lora.rank to the adapter's rank");
   } else if (!c.lora.target_parameters.empty()) {
-    return Status::InvalidArgument("lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
-                                   "set lora.rank to train adapters");
+    return Status::InvalidArgument(
+        "lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
+        "set lora.rank to train adapters");
   }
   if (c.schedule.frozen_on_device && !c.lora.enabled())
-    return Status::InvalidArgument("schedule.frozen_on_device: set, but lora.rank = 0: a full fine-tune has no "
-                                   "frozen weights to keep on the device");
+    return Status::InvalidArgument(
+        "schedule.frozen_on_device: set, but lora.rank = 0: a full fine-tune has no "
+        "frozen weights to keep on the device");
   if (c.schedule.kept_blocks == kKeptBlocksAuto && !(c.schedule.gpu_memory_gb > 0.0))
-    return Status::InvalidArgument("schedule.kept_blocks = -1 (as many as fit) needs schedule.gpu_memory_gb, "
-                                   "the device memory per worker the kept graphs must fit in");
+    return Status::InvalidArgument(
+        "schedule.kept_blocks = -1 (as many as fit) needs schedule.gpu_memory_gb, "
+        "the device memory per worker the kept graphs must fit in");
   if (c.train.mlp_tile_tokens == kMlpTileAuto && !(c.schedule.gpu_memory_gb > 0.0))
-    return Status::InvalidArgument("train.mlp_tile_tokens = -1 (chosen by the planner) needs schedule.gpu_memory_gb, "
-                                   "the device memory per worker the plan must fit");
+    return Status::InvalidArgument(
+        "train.mlp_tile_tokens = -1 (chosen by the planner) needs schedule.gpu_memory_gb, "
+        "the device memory per worker the plan must fit");
   if (c.optimizer.min_lr > c.optimizer.lr)
     return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
   {
     const LossScaling& ls = c.train.loss_scaling;
     if (!(ls.growth_factor > 1.0))
-      return Status::InvalidArgument("train.loss_scale_growth_factor: must be > 1 (a scale that never grows "
-                                     "stays as low as its last overflow left it)");
+      return Status::InvalidArgument(
+          "train.loss_scale_growth_factor: must be > 1 (a scale that never grows "
+          "stays as low as its last overflow left it)");
     if (!(ls.backoff_factor < 1.0))
-      return Status::InvalidArgument("train.loss_scale_backoff_factor: must be < 1 (the scale must fall after "
-                                     "an overflow)");
+      return Status::InvalidArgument(
+          "train.loss_scale_backoff_factor: must be < 1 (the scale must fall after "
+          "an overflow)");
     const LossScaling defaults;
     if (!ScalesLoss(c) && (ls.init != defaults.init || ls.growth_factor != defaults.growth_factor ||
                            ls.backoff_factor != defaults.backoff_factor ||
                            ls.growth_interval != defaults.growth_interval))
       return Status::InvalidArgument(std::string("train.loss_scale_*: set, but train.dtype = \"") +
-                                     EnumName(c.train.dtype) + "\" does not scale its loss; only \"fp16\" does");
+                                     EnumName(c.train.dtype) +
+                                     "\" does not scale its loss; only \"fp16\" does");
   }
   if (GradientsWaitInWorkers(c)) {
     const std::string key = "optimizer.gradients_wait_in: \"workers\" ";
     if (!UpdatesWaitForNorm(c))
-      return Status::InvalidArgument(key + "holds gradients for the clipping norm, but train.grad_clip = 0 streams "
-                                           "them without one; use \"host\"");
+      return Status::InvalidArgument(
+          key +
+          "holds gradients for the clipping norm, but train.grad_clip = 0 streams "
+          "them without one; use \"host\"");
     if (Round(c).calls > 1)
-      return Status::InvalidArgument(key + "needs one accumulation round per step (train.accum_calls = 1, or "
-                                           "exact mode, which merges the calls): with several, each round adds "
-                                           "into the host's slots and no worker holds a whole gradient");
+      return Status::InvalidArgument(
+          key +
+          "needs one accumulation round per step (train.accum_calls = 1, or "
+          "exact mode, which merges the calls): with several, each round adds "
+          "into the host's slots and no worker holds a whole gradient");
     if (m.tie_embeddings && !c.lora.enabled())
-      return Status::InvalidArgument(key + "needs every trainable parameter in one layer: the tied embedding's "
-                                           "gradient is the lookup's plus the head's, summed on the host "
-                                           "(model.tie_embeddings = true); use \"host\"");
+      return Status::InvalidArgument(
+          key +
+          "needs every trainable parameter in one layer: the tied embedding's "
+          "gradient is the lookup's plus the head's, summed on the host "
+          "(model.tie_embeddings = true); use \"host\"");
   }
   if (SpeculatesUnclippedUpdate(c)) {
     const std::string key = "optimizer.speculative_update: ";
     if (c.optimizer.mode != OptimizerMode::kExact)
-      return Status::InvalidArgument(key + "speculates past exact mode's wait for the norm; stale1 does not wait");
+      return Status::InvalidArgument(
+          key + "speculates past exact mode's wait for the norm; stale1 does not wait");
     if (c.optimizer.name != OptimizerName::kAdamW)
       return Status::InvalidArgument(key + "needs optimizer.name = \"adamw\"");
     if (!(c.train.grad_clip > 0.0))
-      return Status::InvalidArgument(key + "guesses that a step is not clipped, but train.grad_clip = 0 never "
-                                           "clips: updates then start as gradients land without it");
+      return Status::InvalidArgument(
+          key +
+          "guesses that a step is not clipped, but train.grad_clip = 0 never "
+          "clips: updates then start as gradients land without it");
     if (GradientsWaitInWorkers(c))
-      return Status::InvalidArgument(key + "needs the gradients on the host before the norm "
-                                           "(optimizer.gradients_wait_in = \"host\")");
+      return Status::InvalidArgument(key +
+                                     "needs the gradients on the host before the norm "
+                                     "(optimizer.gradients_wait_in = \"host\")");
     if (ScalesLoss(c))
-      return Status::InvalidArgument(key + "is not implemented with fp16's loss scaling (train.dtype = \"fp16\")");
+      return Status::InvalidArgument(
+          key + "is not implemented with fp16's loss scaling (train.dtype = \"fp16\")");
   }
   if (DeviceUpdateBlocks(c) > 0) {
     const std::string key = "optimizer.device_update_blocks: ";
     if (c.optimizer.mode != OptimizerMode::kExact)
-      return Status::InvalidArgument(key + "updates the blocks the next step needs first, which only exact mode waits "
-                                           "for; stale1 does not wait");
+      return Status::InvalidArgument(
+          key +
+          "updates the blocks the next step needs first, which only exact mode waits "
+          "for; stale1 does not wait");
     if (c.optimizer.name != OptimizerName::kAdamW)
       return Status::InvalidArgument(key + "needs optimizer.name = \"adamw\"");
     if (!(c.train.grad_clip > 0.0))
-      return Status::InvalidArgument(key + "needs train.grad_clip > 0: without clipping each parameter is updated as "
-                                           "its gradient lands, and no step boundary waits for the first blocks");
+      return Status::InvalidArgument(
+          key +
+          "needs train.grad_clip > 0: without clipping each parameter is updated as "
+          "its gradient lands, and no step boundary waits for the first blocks");
     if (SpeculatesUnclippedUpdate(c))
-      return Status::InvalidArgument(key + "and optimizer.speculative_update both change where the next weights come "
-                                           "from; use one");
+      return Status::InvalidArgument(
+          key +
+          "and optimizer.speculative_update both change where the next weights come "
+          "from; use one");
     if (Round(c).calls > 1)
-      return Status::InvalidArgument(key + "needs one accumulation round per step (train.accum_calls = 1): with "
-                                           "several, no worker holds a whole gradient");
+      return Status::InvalidArgument(
+          key +
+          "needs one accumulation round per step (train.accum_calls = 1): with "
+          "several, no worker holds a whole gradient");
     if (c.lora.enabled())
       return Status::InvalidArgument(key + "is not implemented for LoRA adapters");
     if (c.train.dtype == TrainDtype::kFp16 || c.train.dtype == TrainDtype::kFp8)
-      return Status::InvalidArgument(std::string(key) + "is implemented for train.dtype = \"bf16\" and \"fp32\", not \"" +
-                                     EnumName(c.train.dtype) + "\"");
+      return Status::InvalidArgument(
+          std::string(key) + "is implemented for train.dtype = \"bf16\" and \"fp32\", not \"" +
+          EnumName(c.train.dtype) + "\"");
     if (DeviceUpdateBlocks(c) > m.num_layers)
-      return Status::InvalidArgument(key + std::to_string(DeviceUpdateBlocks(c)) + " is more than the model's " +
-                                     std::to_string(m.num_layers) + " blocks");
+      return Status::InvalidArgument(key + std::to_string(DeviceUpdateBlocks(c)) +
+                                     " is more than the model's " + std::to_string(m.num_layers) +
+                                     " blocks");
   }
   if (c.train.dtype == TrainDtype::kFp8 && c.job.device == DeviceKind::kCpu)
-    return Status::InvalidArgument("train.dtype: \"fp8\" needs job.device = \"cuda\" or \"auto\"; CPU workers have no "
-                                   "e4m3 products");
+    return Status::InvalidArgument(
+        "train.dtype: \"fp8\" needs job.device = \"cuda\" or \"auto\"; CPU workers have no "
+        "e4m3 products");
   if (Fp8Matmuls(c) && !c.bench.fused_kernels)
-    return Status::InvalidArgument("train.dtype: \"fp8\" multiplies through the fused kernels' path; "
-                                   "RP_FUSED_KERNELS=0 leaves no fp8 product");
+    return Status::InvalidArgument(
+        "train.dtype: \"fp8\" multiplies through the fused kernels' path; "
+        "RP_FUSED_KERNELS=0 leaves no fp8 product");
   // Pipeline layers: 0 = embedding, 1..L = blocks, L+1 = head. The tail holds the head and
   // tail_blocks blocks, so forward stages cover [0, tail_start).
   const int64_t L = m.num_layers;
@@ -970,44 +1109,50 @@ Status CrossValidate(const JobConfig& c) {
                                    std::to_string(c.schedule.tail_blocks));
   const int64_t tail_start = L + 1 - c.schedule.tail_blocks;
   if (c.schedule.kept_blocks > tail_start - 1)
-    return Status::InvalidArgument("schedule.kept_blocks: " + std::to_string(c.schedule.kept_blocks) +
-                                   " kept blocks, but only " + std::to_string(tail_start - 1) +
-                                   " blocks precede the fused tail (model.num_layers - schedule.tail_blocks)");
+    return Status::InvalidArgument(
+        "schedule.kept_blocks: " + std::to_string(c.schedule.kept_blocks) +
+        " kept blocks, but only " + std::to_string(tail_start - 1) +
+        " blocks precede the fused tail (model.num_layers - schedule.tail_blocks)");
   if (c.schedule.kept_blocks > 0 && c.train.mlp_tile_tokens != 0)
-    return Status::InvalidArgument("schedule.kept_blocks: a tiled MLP (train.mlp_tile_tokens) recomputes its tiles "
-                                   "from weights the job that kept the graph no longer holds; not implemented "
-                                   "together (kept_blocks = -1 keeps none when a tile is chosen)");
+    return Status::InvalidArgument(
+        "schedule.kept_blocks: a tiled MLP (train.mlp_tile_tokens) recomputes its tiles "
+        "from weights the job that kept the graph no longer holds; not implemented "
+        "together (kept_blocks = -1 keeps none when a tile is chosen)");
   if (c.schedule.kept_blocks > 0 && c.train.layer_recompute)
-    return Status::InvalidArgument("schedule.kept_blocks: keeps forward graphs for the backward, "
-                                   "train.layer_recompute rebuilds them; choose one");
+    return Status::InvalidArgument(
+        "schedule.kept_blocks: keeps forward graphs for the backward, "
+        "train.layer_recompute rebuilds them; choose one");
   if (c.schedule.kept_blocks > 0) {
     for (int64_t b = tail_start - 1 - c.schedule.kept_blocks; b < tail_start - 1; ++b)
       if (SparseBlock(m, b))
-        return Status::InvalidArgument("schedule.kept_blocks: block " + std::to_string(b) +
-                                       " is a mixture-of-experts block, whose backward needs the "
-                                       "load-balancing loss's gradient when its graph is built (known "
-                                       "only after the tail); not implemented for kept blocks");
+        return Status::InvalidArgument(
+            "schedule.kept_blocks: block " + std::to_string(b) +
+            " is a mixture-of-experts block, whose backward needs the "
+            "load-balancing loss's gradient when its graph is built (known "
+            "only after the tail); not implemented for kept blocks");
   }
   if (c.schedule.forward_cuts.empty() && c.schedule.forward_stages > tail_start)
-    return Status::InvalidArgument("schedule.forward_stages: " +
-                                   std::to_string(c.schedule.forward_stages) +
-                                   " stages for only " + std::to_string(tail_start) +
-                                   " forward layers");
+    return Status::InvalidArgument(
+        "schedule.forward_stages: " + std::to_string(c.schedule.forward_stages) +
+        " stages for only " + std::to_string(tail_start) + " forward layers");
   if (c.schedule.backward_cuts.empty() && c.schedule.backward_stages > tail_start)
-    return Status::InvalidArgument("schedule.backward_stages: " +
-                                   std::to_string(c.schedule.backward_stages) +
-                                   " stages for only " + std::to_string(tail_start) +
-                                   " backward layers");
+    return Status::InvalidArgument(
+        "schedule.backward_stages: " + std::to_string(c.schedule.backward_stages) +
+        " stages for only " + std::to_string(tail_start) + " backward layers");
   if (c.schedule.partition == Partition::kAuto &&
       (!c.schedule.forward_cuts.empty() || !c.schedule.backward_cuts.empty()))
-    return Status::InvalidArgument("schedule.partition: \"auto\" chooses the cuts itself; remove "
-                                   "schedule.forward_cuts and schedule.backward_cuts");
-  RP_RETURN_IF_ERROR(CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
-  RP_RETURN_IF_ERROR(CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
+    return Status::InvalidArgument(
+        "schedule.partition: \"auto\" chooses the cuts itself; remove "
+        "schedule.forward_cuts and schedule.backward_cuts");
+  RP_RETURN_IF_ERROR(
+      CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
+  RP_RETURN_IF_ERROR(
+      CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
   if (c.checkpoint.export_every > 0 && c.checkpoint.export_hf.empty() &&
       !(c.lora.enabled() && !c.lora.export_dir.empty()))
-    return Status::InvalidArgument("checkpoint.export_every: nothing to export; set checkpoint.export_hf (or, "
-                                   "with LoRA, lora.export)");
+    return Status::InvalidArgument(
+        "checkpoint.export_every: nothing to export; set checkpoint.export_hf (or, "
+        "with LoRA, lora.export)");
   if (c.train.epochs == 0 && c.train.stop_after > c.train.steps)
     return Status::InvalidArgument("train.stop_after: " + std::to_string(c.train.stop_after) +
                                    " is past train.steps (" + std::to_string(c.train.steps) + ")");
@@ -1034,7 +1179,8 @@ Status ApplyOverride(toml::table& root, const std::string& assignment) {
       const std::string key = assignment.substr(0, eq);
       for (const auto& s : Table())
         if (s.doc.key == key)
-          return Status::InvalidArgument("--set " + assignment + ": expected section.key=value; did you mean --set " +
+          return Status::InvalidArgument("--set " + assignment +
+                                         ": expected section.key=value; did you mean --set " +
                                          s.doc.section + "." + assignment + "?");
     }
     return Status::InvalidArgument("--set " + assignment +
@@ -1082,13 +1228,15 @@ const std::vector<std::string>& LoraTargetableModules() {
 }
 
 const std::vector<std::string>& LoraTargetableParameters() {
-  static const std::vector<std::string> tensors = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  static const std::vector<std::string> tensors = {"mlp.experts.gate_up_proj",
+                                                   "mlp.experts.down_proj"};
   return tensors;
 }
 
 std::string CanonicalLoraParameter(const std::string& name) {
   for (const auto& full : LoraTargetableParameters())
-    if (full == name || (full.size() > name.size() && full.compare(full.size() - name.size(), name.size(), name) == 0 &&
+    if (full == name || (full.size() > name.size() &&
+                         full.compare(full.size() - name.size(), name.size(), name) == 0 &&
                          full[full.size() - name.size() - 1] == '.'))
       return full;
   return "";
@@ -1108,9 +1256,12 @@ toml::table ResolvedTable(const JobConfig& config) {
   toml::table root;
   for (const auto& s : Table()) {
     const std::string name = s.doc.section + "." + s.doc.key;
-    if (from_checkpoint && s.doc.section == "model" && s.doc.key != "path" && s.doc.key != "init_std") continue;
+    if (from_checkpoint && s.doc.section == "model" && s.doc.key != "path" &&
+        s.doc.key != "init_std")
+      continue;
     // A dense model's expert keys hold nothing (0) once resolved: left to their defaults.
-    if (c.model.moe.num_experts == 0 && s.doc.section == "model" && ExpertSettingKey(s.doc.key)) continue;
+    if (c.model.moe.num_experts == 0 && s.doc.section == "model" && ExpertSettingKey(s.doc.key))
+      continue;
     if (name == "train.steps" && c.train.epochs > 0) continue;
     if (name == "optimizer.warmup_steps" && c.optimizer.warmup_ratio > 0) continue;
     if (!root.contains(s.doc.section)) root.insert_or_assign(s.doc.section, toml::table{});
@@ -1136,12 +1287,22 @@ std::string ShortestDecimal(double v) {
 // cadence, where its files are, how fast it goes and where the optimizer state lives (sharded
 // across nodes or replicated: the same bits).
 bool LeavesTrajectoryAlone(const std::string& name) {
-  static const char* const kKeys[] = {
-      "model.path",          "data.eval_path",         "train.steps",         "train.epochs",
-      "train.stop_after",    "train.eval_every",       "train.eval_microbatches", "train.loss_chunk_tokens",
-      "train.mlp_tile_tokens", "train.layer_recompute", "optimizer.gradients_wait_in",
-      "optimizer.speculative_update", "optimizer.device_update_blocks", "optimizer.grad_buffer_mb",
-      "optimizer.state", "lora.export"};
+  static const char* const kKeys[] = {"model.path",
+                                      "data.eval_path",
+                                      "train.steps",
+                                      "train.epochs",
+                                      "train.stop_after",
+                                      "train.eval_every",
+                                      "train.eval_microbatches",
+                                      "train.loss_chunk_tokens",
+                                      "train.mlp_tile_tokens",
+                                      "train.layer_recompute",
+                                      "optimizer.gradients_wait_in",
+                                      "optimizer.speculative_update",
+                                      "optimizer.device_update_blocks",
+                                      "optimizer.grad_buffer_mb",
+                                      "optimizer.state",
+                                      "lora.export"};
   return std::find(std::begin(kKeys), std::end(kKeys), name) != std::end(kKeys);
 }
 }  // namespace
@@ -1197,10 +1358,12 @@ std::string JobToml(const JobConfig& config) {
   text << toml::toml_formatter(root);
   // toml++ writes every float with 17 significant digits (lr = 0.0030000000000000001); each is
   // written as the shortest decimal that reads back as the same double, still a TOML float.
-  static const std::regex kFloatLine(R"(^(\s*[A-Za-z0-9_]+ = )([-+]?[0-9]+(\.[0-9]+)?(e[-+]?[0-9]+)?)$)");
+  static const std::regex kFloatLine(
+      R"(^(\s*[A-Za-z0-9_]+ = )([-+]?[0-9]+(\.[0-9]+)?(e[-+]?[0-9]+)?)$)");
   std::ostringstream out;
   out << "# The job as rp-launch resolved it: every key, defaults included (paths absolute).\n"
-         "# Loadable as a job file; rp-launch --resume DIR reads the copy in the run's directory.\n\n";
+         "# Loadable as a job file; rp-launch --resume DIR reads the copy in the run's "
+         "directory.\n\n";
   std::istringstream lines(text.str());
   for (std::string line; std::getline(lines, line);) {
     std::smatch m;
@@ -1250,7 +1413,8 @@ Status CheckModelValue(const std::string& key, double value, const std::string& 
   for (const auto& s : Table()) {
     if (s.doc.section != "model" || s.doc.key != key) continue;
     JobConfig scratch;
-    if (s.doc.type == "int") return s.set(toml::value<int64_t>(static_cast<int64_t>(value)), scratch, name);
+    if (s.doc.type == "int")
+      return s.set(toml::value<int64_t>(static_cast<int64_t>(value)), scratch, name);
     return s.set(toml::value<double>(value), scratch, name);
   }
   return Status::Internal("CheckModelValue: model." + key + " is not a numeric job key");
@@ -1287,7 +1451,8 @@ const std::vector<std::pair<const char*, const char*>> kPeerNames = {
 // "; did you mean X?" for the known key a mistyped one most likely meant: the same key in another
 // section, the job key of a Trainer/TRL/PEFT argument name, else the closest section.key; "" when
 // none is close.
-std::string Suggestion(const std::vector<KeySpec>& table, const std::string& section, const std::string& key) {
+std::string Suggestion(const std::vector<KeySpec>& table, const std::string& section,
+                       const std::string& key) {
   std::vector<std::string> names;
   for (const auto& s : table) {
     if (s.doc.key == key) return "; did you mean " + s.doc.section + "." + s.doc.key + "?";
@@ -1302,7 +1467,8 @@ std::string Suggestion(const std::vector<KeySpec>& table, const std::string& sec
 // With model.path, config.json decides the architecture: a [model] key the job gives must say
 // what config.json says, or the job is refused naming both (never silently replaced).
 template <typename Given, typename Named>
-Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& given, const Named& named) {
+Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& given,
+                           const Named& named) {
   const bool dense = resolved.model.moe.num_experts == 0;
   for (const auto& s : Table()) {
     if (s.doc.section != "model" || s.doc.key == "path" || s.doc.key == "init_std") continue;
@@ -1327,7 +1493,8 @@ Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& 
 }  // namespace
 
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
-                                   const std::vector<std::string>& overrides, const HostFacts& host) {
+                                   const std::vector<std::string>& overrides,
+                                   const HostFacts& host) {
   RP_ASSIGN_OR_RETURN(toml::table root, ParseText(toml_text, base_dir + "/<job>"));
   // Keys given by --set are named as such in errors (LoadJobConfig then names no file).
   std::set<std::string> from_set;
@@ -1335,7 +1502,9 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     RP_RETURN_IF_ERROR(ApplyOverride(root, o));
     from_set.insert(o.substr(0, o.find('=')));
   }
-  auto named = [&from_set](const std::string& name) { return from_set.count(name) ? "--set " + name : name; };
+  auto named = [&from_set](const std::string& name) {
+    return from_set.count(name) ? "--set " + name : name;
+  };
 
   std::map<std::string, std::map<std::string, const KeySpec*>> known;
   for (auto& s : Table()) known[s.doc.section][s.doc.key] = &s;
@@ -1346,15 +1515,17 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     std::string sec(sec_name.str());
     auto it = known.find(sec);
     if (it == known.end()) {
-      const bool set = std::any_of(from_set.begin(), from_set.end(),
-                                   [&sec](const std::string& k) { return k.rfind(sec + ".", 0) == 0; });
+      const bool set = std::any_of(from_set.begin(), from_set.end(), [&sec](const std::string& k) {
+        return k.rfind(sec + ".", 0) == 0;
+      });
       std::vector<std::string> sections;
       for (const auto& [name, keys] : known) sections.push_back(name);
       const std::string close = ClosestMatch(sec, sections);
-      return Status::InvalidArgument((set ? "--set " : "") + sec + ": unknown section" +
-                                     (close.empty() ? "" : "; did you mean [" + close + "]?") +
-                                     " (known: job, model, data, train, optimizer, lora, schedule, checkpoint, "
-                                     "metrics)");
+      return Status::InvalidArgument(
+          (set ? "--set " : "") + sec + ": unknown section" +
+          (close.empty() ? "" : "; did you mean [" + close + "]?") +
+          " (known: job, model, data, train, optimizer, lora, schedule, checkpoint, "
+          "metrics)");
     }
     const toml::table* tbl = sec_node.as_table();
     if (!tbl) return Status::InvalidArgument(sec + ": must be a [" + sec + "] table");
@@ -1362,7 +1533,8 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
       std::string key(key_name.str());
       auto kit = it->second.find(key);
       if (kit == it->second.end())
-        return Status::InvalidArgument(named(sec + "." + key) + ": unknown key" + Suggestion(Table(), sec, key) +
+        return Status::InvalidArgument(named(sec + "." + key) + ": unknown key" +
+                                       Suggestion(Table(), sec, key) +
                                        " (every key: configs/README.md, rp-launch --print-keys)");
       RP_RETURN_IF_ERROR(kit->second->set(node, cfg, named(sec + "." + key)));
     }
@@ -1373,27 +1545,32 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
     return t != nullptr && t->contains(key);
   };
   if (cfg.train.epochs > 0 && given("train", "steps"))
-    return Status::InvalidArgument("train.epochs and train.steps: both given; give one (epochs derives the "
-                                   "steps from the data's windows)");
+    return Status::InvalidArgument(
+        "train.epochs and train.steps: both given; give one (epochs derives the "
+        "steps from the data's windows)");
   if (cfg.train.epochs > 0 && cfg.data.format == DataFormat::kRandom)
-    return Status::InvalidArgument("train.epochs: data.format = \"random\" is an endless synthetic stream "
-                                   "without epochs; give train.steps");
+    return Status::InvalidArgument(
+        "train.epochs: data.format = \"random\" is an endless synthetic stream "
+        "without epochs; give train.steps");
   if (cfg.optimizer.warmup_ratio > 0 && given("optimizer", "warmup_steps"))
-    return Status::InvalidArgument("optimizer.warmup_ratio and optimizer.warmup_steps: both given; give one");
+    return Status::InvalidArgument(
+        "optimizer.warmup_ratio and optimizer.warmup_steps: both given; give one");
   // With epochs the steps, and so a warmup ratio's steps, are known once the data is read
   // (ResolveTrainingLength).
   if (cfg.train.epochs == 0) ResolveWarmup(&cfg);
   cfg.data.path = Join(base_dir, cfg.data.path);
   if (cfg.job.output_dir.empty())
-    return Status::InvalidArgument("job.output_dir: empty; name the directory the run's outputs go to");
+    return Status::InvalidArgument(
+        "job.output_dir: empty; name the directory the run's outputs go to");
   cfg.job.output_dir = Join(base_dir, cfg.job.output_dir);
   cfg.lora.init_from = Join(base_dir, cfg.lora.init_from);
   cfg.data.eval_path = Join(base_dir, cfg.data.eval_path);
   if (cfg.data.packing == DataPacking::kAuto)
-    cfg.data.packing = cfg.data.format == DataFormat::kJsonl ||
-                               (cfg.data.format == DataFormat::kTokens && TokenFileHasDocuments(cfg.data.path))
-                           ? DataPacking::kDocuments
-                           : DataPacking::kStream;
+    cfg.data.packing =
+        cfg.data.format == DataFormat::kJsonl ||
+                (cfg.data.format == DataFormat::kTokens && TokenFileHasDocuments(cfg.data.path))
+            ? DataPacking::kDocuments
+            : DataPacking::kStream;
   if (!cfg.model.path.empty()) {
     // The checkpoint's config.json decides the architecture; every process reads the same file.
     RP_ASSIGN_OR_RETURN(cfg.model.path, ResolveModelPath(cfg.model.path, base_dir));
@@ -1407,56 +1584,68 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
       else if (base == "bfloat16") cfg.checkpoint.export_dtype = ExportDtype::kBfloat16;
       else if (base == "float16") cfg.checkpoint.export_dtype = ExportDtype::kFloat16;
       else
-        return Status::InvalidArgument("checkpoint.export_dtype: \"auto\" takes the base's dtype, and " +
-                                       cfg.model.path + "/config.json names \"" + base +
-                                       "\"; set \"float32\", \"bfloat16\" or \"float16\"");
+        return Status::InvalidArgument(
+            "checkpoint.export_dtype: \"auto\" takes the base's dtype, and " + cfg.model.path +
+            "/config.json names \"" + base + "\"; set \"float32\", \"bfloat16\" or \"float16\"");
     }
   } else {
     // A model from job keys is written out as the family its q/k norm and experts name.
-    cfg.model.model_type = cfg.model.moe.num_experts > 0 ? "qwen3_moe" : cfg.model.qk_norm ? "qwen3" : "llama";
+    cfg.model.model_type = cfg.model.moe.num_experts > 0 ? "qwen3_moe"
+                           : cfg.model.qk_norm           ? "qwen3"
+                                                         : "llama";
   }
-  if (cfg.checkpoint.export_dtype == ExportDtype::kAuto) cfg.checkpoint.export_dtype = ExportDtype::kFloat32;
+  if (cfg.checkpoint.export_dtype == ExportDtype::kAuto)
+    cfg.checkpoint.export_dtype = ExportDtype::kFloat32;
   // A device memory limit is a smaller card: the planner plans for it, decided here once. The
   // allocator refuses past the limit itself, so the plan keeps a share of it for what the
   // planner's estimate leaves out (the allocator's fragmentation, short-lived temporaries).
   // Without a limit or a budget, CUDA workers plan for the card itself the same way; a budget
   // the user gave is kept.
   constexpr double kPlannedShareOfCard = 0.85;
-  const auto planned_gb = [&](double gib) { return kPlannedShareOfCard * gib * 1073741824.0 / 1e9; };
+  const auto planned_gb = [&](double gib) {
+    return kPlannedShareOfCard * gib * 1073741824.0 / 1e9;
+  };
   if (cfg.job.device_memory_limit_gib > 0) {
     const double limit_gb = planned_gb(cfg.job.device_memory_limit_gib);
-    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > limit_gb) cfg.schedule.gpu_memory_gb = limit_gb;
+    if (!(cfg.schedule.gpu_memory_gb > 0) || cfg.schedule.gpu_memory_gb > limit_gb)
+      cfg.schedule.gpu_memory_gb = limit_gb;
   } else if (host.gpu_memory_gib > 0 && cfg.job.device != DeviceKind::kCpu) {
     // A budget above the card's whole memory plans what cannot run: the workers would fail out
     // of memory one replacement after another. Said here, before anything starts.
     const double card_gb = host.gpu_memory_gib * 1073741824.0 / 1e9;
     if (cfg.schedule.gpu_memory_gb > card_gb) {
       char msg[320];
-      std::snprintf(msg, sizeof msg,
-                    "schedule.gpu_memory_gb = %g is more than this host's smallest visible GPU holds "
-                    "(%.1f GB, %.1f GiB); leave it out to plan for 85%% of the card (%.1f GB), or set "
-                    "it lower",
-                    cfg.schedule.gpu_memory_gb, card_gb, host.gpu_memory_gib, planned_gb(host.gpu_memory_gib));
+      std::snprintf(
+          msg, sizeof msg,
+          "schedule.gpu_memory_gb = %g is more than this host's smallest visible GPU holds "
+          "(%.1f GB, %.1f GiB); leave it out to plan for 85%% of the card (%.1f GB), or set "
+          "it lower",
+          cfg.schedule.gpu_memory_gb, card_gb, host.gpu_memory_gib,
+          planned_gb(host.gpu_memory_gib));
       return Status::InvalidArgument(msg);
     }
-    if (!(cfg.schedule.gpu_memory_gb > 0)) cfg.schedule.gpu_memory_gb = planned_gb(host.gpu_memory_gib);
+    if (!(cfg.schedule.gpu_memory_gb > 0))
+      cfg.schedule.gpu_memory_gb = planned_gb(host.gpu_memory_gib);
   }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {
     if (cfg.train.microbatches * cfg.train.accum_calls > 4096)
-      return Status::InvalidArgument("RP_MERGE_CALLS: train.accum_calls x train.microbatches = " +
-                                     std::to_string(cfg.train.microbatches * cfg.train.accum_calls) +
-                                     " microbatches in one round, above train.microbatches' limit of 4096 "
-                                     "(RP_MERGE_CALLS=never keeps the calls)");
+      return Status::InvalidArgument(
+          "RP_MERGE_CALLS: train.accum_calls x train.microbatches = " +
+          std::to_string(cfg.train.microbatches * cfg.train.accum_calls) +
+          " microbatches in one round, above train.microbatches' limit of 4096 "
+          "(RP_MERGE_CALLS=never keeps the calls)");
   }
   return cfg;
 }
 
-StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides,
+StatusOr<JobConfig> LoadJobConfig(const std::string& path,
+                                  const std::vector<std::string>& overrides,
                                   const HostFacts& host) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return Status::InvalidArgument("job file: no such file: " + path);
+  if (!fs::is_regular_file(path, ec))
+    return Status::InvalidArgument("job file: no such file: " + path);
   std::ifstream in(path);
   if (!in) return Status::InvalidArgument("job file: cannot read " + path);
   std::stringstream ss;
@@ -1476,35 +1665,43 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std
 Status CheckNodes(const JobConfig& c) {
   const int64_t n = c.nodes.count;
   if (n < 1 || c.nodes.rank < 0 || c.nodes.rank >= n)
-    return Status::InvalidArgument("nodes: rank " + std::to_string(c.nodes.rank) + " of " + std::to_string(n) +
-                                   " nodes is not a node of the run");
+    return Status::InvalidArgument("nodes: rank " + std::to_string(c.nodes.rank) + " of " +
+                                   std::to_string(n) + " nodes is not a node of the run");
   if (n == 1) return Status::Ok();
   const RoundShape g = GlobalRound(c);
   if (g.microbatches % n != 0)
     return Status::InvalidArgument(
-        "train.microbatches: a step's " + std::to_string(g.microbatches) + " microbatches per round" +
-        (g.merged_calls > 1 ? " (train.accum_calls x train.microbatches, the calls run merged)" : std::string()) +
-        " do not split evenly over " + std::to_string(n) + " nodes; make it a multiple of the node count");
+        "train.microbatches: a step's " + std::to_string(g.microbatches) +
+        " microbatches per round" +
+        (g.merged_calls > 1 ? " (train.accum_calls x train.microbatches, the calls run merged)"
+                            : std::string()) +
+        " do not split evenly over " + std::to_string(n) +
+        " nodes; make it a multiple of the node count");
   if (SpeculatesUnclippedUpdate(c))
-    return Status::InvalidArgument("optimizer.speculative_update: not supported with several nodes; leave it "
-                                   "false");
+    return Status::InvalidArgument(
+        "optimizer.speculative_update: not supported with several nodes; leave it "
+        "false");
   if (DeviceUpdateBlocks(c) > 0)
-    return Status::InvalidArgument("optimizer.device_update_blocks: not supported with several nodes; leave it 0");
+    return Status::InvalidArgument(
+        "optimizer.device_update_blocks: not supported with several nodes; leave it 0");
   if (GradientsWaitInWorkers(c))
-    return Status::InvalidArgument("optimizer.gradients_wait_in: \"workers\" with several nodes is not "
-                                   "supported (each node's norm would need the summed gradients first); use "
-                                   "\"host\"");
+    return Status::InvalidArgument(
+        "optimizer.gradients_wait_in: \"workers\" with several nodes is not "
+        "supported (each node's norm would need the summed gradients first); use "
+        "\"host\"");
   if (ShardedState(c) && c.checkpoint.export_every > 0)
-    return Status::InvalidArgument("checkpoint.export_every: with optimizer.state = \"sharded\" no node holds "
-                                   "every weight while training goes on; export at the end only (0)");
+    return Status::InvalidArgument(
+        "checkpoint.export_every: with optimizer.state = \"sharded\" no node holds "
+        "every weight while training goes on; export at the end only (0)");
   if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32 && !WorkersFetchMasters(c))
-    return Status::InvalidArgument("optimizer.state: \"sharded\" with train.dtype = \"" +
-                                   std::string(EnumName(c.train.dtype)) + "\" and schedule.weights_source = \"" +
-                                   std::string(EnumName(c.schedule.weights_source)) + "\" in " +
-                                   std::string(EnumName(c.optimizer.mode)) +
-                                   " mode: the export at the end reads the gathered weights, which hold the fp32 "
-                                   "masters only where workers fetch them (exact mode, weights_source \"auto\") or "
-                                   "in fp32; use \"replicated\"");
+    return Status::InvalidArgument(
+        "optimizer.state: \"sharded\" with train.dtype = \"" +
+        std::string(EnumName(c.train.dtype)) + "\" and schedule.weights_source = \"" +
+        std::string(EnumName(c.schedule.weights_source)) + "\" in " +
+        std::string(EnumName(c.optimizer.mode)) +
+        " mode: the export at the end reads the gathered weights, which hold the fp32 "
+        "masters only where workers fetch them (exact mode, weights_source \"auto\") or "
+        "in fp32; use \"replicated\"");
   return Status::Ok();
 }
 

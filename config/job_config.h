@@ -25,22 +25,27 @@ namespace rp::core {
 
 // Every mode a job file names, as a type: the strings exist only in the key table
 // (job_config.cc), which maps them once; EnumName() gives them back for logs and output files.
-enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };              // job.device
+enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };                // job.device
 enum class DataFormat : uint8_t { kBytes, kTokens, kJsonl, kRandom };  // data.format
 // data.packing: kAuto is resolved when the job is parsed (documents for jsonl, stream otherwise).
 enum class DataPacking : uint8_t { kAuto, kStream, kDocuments, kPad };
-enum class LongRecords : uint8_t { kSplit, kTruncate, kDrop };      // data.long_records
-enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16, kFp8 };        // train.dtype
-enum class OptimizerName : uint8_t { kAdamW, kSgd };                  // optimizer.name
-enum class OptimizerMode : uint8_t { kExact, kStale1 };               // optimizer.mode
-enum class OptimizerState : uint8_t { kReplicated, kSharded };        // optimizer.state
-enum class LrSchedule : uint8_t { kCosine, kLinear, kConstant };     // optimizer.lr_schedule
-enum class ExportDtype : uint8_t { kAuto, kFloat32, kBfloat16, kFloat16 };  // checkpoint.export_dtype
-enum class GradientsWait : uint8_t { kHost, kWorkers };               // optimizer.gradients_wait_in
-enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };        // schedule.activations
-enum class WeightsSource : uint8_t { kAuto, kComputeCopy };           // schedule.weights_source
-enum class EmbeddingLookup : uint8_t { kAuto, kCopy };                // schedule.embedding_lookup
-enum class Partition : uint8_t { kEqual, kAuto };                     // schedule.partition
+enum class LongRecords : uint8_t { kSplit, kTruncate, kDrop };    // data.long_records
+enum class TrainDtype : uint8_t { kFp32, kBf16, kFp16, kFp8 };    // train.dtype
+enum class OptimizerName : uint8_t { kAdamW, kSgd };              // optimizer.name
+enum class OptimizerMode : uint8_t { kExact, kStale1 };           // optimizer.mode
+enum class OptimizerState : uint8_t { kReplicated, kSharded };    // optimizer.state
+enum class LrSchedule : uint8_t { kCosine, kLinear, kConstant };  // optimizer.lr_schedule
+enum class ExportDtype : uint8_t {
+  kAuto,
+  kFloat32,
+  kBfloat16,
+  kFloat16
+};                                                              // checkpoint.export_dtype
+enum class GradientsWait : uint8_t { kHost, kWorkers };         // optimizer.gradients_wait_in
+enum class Activations : uint8_t { kHost, kWorker, kCudaIpc };  // schedule.activations
+enum class WeightsSource : uint8_t { kAuto, kComputeCopy };     // schedule.weights_source
+enum class EmbeddingLookup : uint8_t { kAuto, kCopy };          // schedule.embedding_lookup
+enum class Partition : uint8_t { kEqual, kAuto };               // schedule.partition
 // Bench and test switches (BenchKnobs below), not job keys.
 enum class Tristate : uint8_t { kAuto, kAlways, kNever };
 
@@ -68,13 +73,13 @@ struct RopeConfig {
   enum class Type : uint8_t { kDefault, kLinear, kLlama3, kYarn };
   Type type = Type::kDefault;
   double theta = 10000.0;
-  double factor = 1.0;                     // linear, llama3, yarn
-  double low_freq_factor = 1.0;            // llama3
-  double high_freq_factor = 4.0;           // llama3
-  int64_t original_max_position = 0;       // llama3, yarn: the pretraining context
-  double attention_factor = 1.0;           // yarn: cos and sin are multiplied by it (resolved)
+  double factor = 1.0;                       // linear, llama3, yarn
+  double low_freq_factor = 1.0;              // llama3
+  double high_freq_factor = 4.0;             // llama3
+  int64_t original_max_position = 0;         // llama3, yarn: the pretraining context
+  double attention_factor = 1.0;             // yarn: cos and sin are multiplied by it (resolved)
   double beta_fast = 32.0, beta_slow = 1.0;  // yarn: the ramp's rotation bounds
-  bool truncate = true;                    // yarn: round the ramp's bounds to whole dimensions
+  bool truncate = true;                      // yarn: round the ramp's bounds to whole dimensions
 };
 const char* RopeTypeName(RopeConfig::Type t);
 
@@ -84,11 +89,11 @@ const char* RopeTypeName(RopeConfig::Type t);
 // of intermediate_size. No experts: every block is dense.
 struct MoeConfig {
   int64_t num_experts = 0;
-  int64_t experts_per_token = 0;        // num_experts_per_tok
-  int64_t expert_intermediate_size = 0; // moe_intermediate_size
+  int64_t experts_per_token = 0;         // num_experts_per_tok
+  int64_t expert_intermediate_size = 0;  // moe_intermediate_size
   bool norm_topk_prob = false;
-  int64_t sparse_step = 1;              // decoder_sparse_step
-  std::vector<int64_t> dense_layers;    // mlp_only_layers (0-based decoder indices)
+  int64_t sparse_step = 1;            // decoder_sparse_step
+  std::vector<int64_t> dense_layers;  // mlp_only_layers (0-based decoder indices)
   // The routers' load-balancing loss in the objective: router_aux_loss_coef when
   // output_router_logits is true (transformers adds it exactly then), else 0. Each microbatch's
   // loss is transformers' for one forward over it; a step adds their mean (RouterAuxWeight).
@@ -104,16 +109,16 @@ struct ModelConfig {
   int64_t vocab_size = 256;
   int64_t hidden_size = 128;
   int64_t intermediate_size = 384;
-  int64_t num_layers = 4;        // decoder blocks
+  int64_t num_layers = 4;  // decoder blocks
   int64_t num_heads = 4;
-  int64_t num_kv_heads = 2;      // grouped-query attention when < num_heads
+  int64_t num_kv_heads = 2;  // grouped-query attention when < num_heads
   int64_t head_dim = 32;
-  RopeConfig rope;               // model.rope_theta is rope.theta; config.json sets all of it
+  RopeConfig rope;  // model.rope_theta is rope.theta; config.json sets all of it
   double rms_norm_eps = 1e-6;
-  bool qk_norm = true;           // Qwen3's per-head RMSNorm on q and k
-  bool qkv_bias = false;         // biases on q/k/v_proj (Qwen2; Llama's attention_bias)
-  bool o_bias = false;           // bias on o_proj (Llama's attention_bias)
-  bool mlp_bias = false;         // biases on gate/up/down_proj (Llama's mlp_bias)
+  bool qk_norm = true;    // Qwen3's per-head RMSNorm on q and k
+  bool qkv_bias = false;  // biases on q/k/v_proj (Qwen2; Llama's attention_bias)
+  bool o_bias = false;    // bias on o_proj (Llama's attention_bias)
+  bool mlp_bias = false;  // biases on gate/up/down_proj (Llama's mlp_bias)
   bool tie_embeddings = true;
   // Attention window in tokens (0: none). Sequences no longer than it see plain causal
   // attention, so a job whose data.seq_len fits is exact; a longer one is refused.
@@ -132,18 +137,19 @@ inline int64_t SparseBlocks(const ModelConfig& m) { return SparseBlocksBefore(m,
 
 struct DataConfig {
   DataFormat format = DataFormat::kBytes;  // bytes: UTF-8 file as byte tokens; random: synthetic
-  std::string path;              // resolved to an absolute path
+  std::string path;                        // resolved to an absolute path
   int64_t seq_len = 64;
   bool shuffle = true;
-  std::string eval_path;         // held-out corpus in data.format; "" = none
-  double eval_fraction = 0.0;    // or: the last fraction of data.path's windows, never trained on
+  std::string eval_path;       // held-out corpus in data.format; "" = none
+  double eval_fraction = 0.0;  // or: the last fraction of data.path's windows, never trained on
   // How records share a window (io/data.h): "stream" cuts the concatenated records into windows
   // and attends across them; "documents" packs whole records, each attending only to itself with
   // RoPE positions restarting at its first token; "pad" puts one record in each window.
   // A parsed job never holds kAuto (ParseJobConfig resolves it); a JobConfig built in code
   // starts with stream.
   DataPacking packing = DataPacking::kStream;
-  LongRecords long_records = LongRecords::kSplit;  // records longer than seq_len ("documents", "pad")
+  LongRecords long_records =
+      LongRecords::kSplit;  // records longer than seq_len ("documents", "pad")
 };
 
 // fp16's dynamic loss scaling (torch.amp.GradScaler's rule): each step's loss is multiplied by
@@ -159,45 +165,50 @@ struct LossScaling {
 };
 
 inline constexpr int64_t kMlpTileAuto = -1;  // train.mlp_tile_tokens chosen by the planner
-inline constexpr int64_t kKeptBlocksAuto = -1;  // schedule.kept_blocks: as many as fit (core::ResolveKeptBlocks)
+inline constexpr int64_t kKeptBlocksAuto =
+    -1;  // schedule.kept_blocks: as many as fit (core::ResolveKeptBlocks)
 
 struct TrainConfig {
-  int64_t steps = 20;            // resolved from epochs when epochs > 0 (core::ResolveTrainingLength)
-  double epochs = 0;             // passes over data.path's windows; 0 = train.steps decides
+  int64_t steps = 20;  // resolved from epochs when epochs > 0 (core::ResolveTrainingLength)
+  double epochs = 0;   // passes over data.path's windows; 0 = train.steps decides
   int64_t seed = 1234;
-  int64_t microbatches = 3;      // M per accumulation call, as the job file says
-  int64_t accum_calls = 2;       // K calls per optimizer step, as the job file says (Round below)
-  int64_t microbatch_size = 2;   // sequences per microbatch
+  int64_t microbatches = 3;     // M per accumulation call, as the job file says
+  int64_t accum_calls = 2;      // K calls per optimizer step, as the job file says (Round below)
+  int64_t microbatch_size = 2;  // sequences per microbatch
   TrainDtype dtype = TrainDtype::kFp32;  // compute dtype; masters are fp32
   LossScaling loss_scaling;              // fp16 only
-  double grad_clip = 1.0;        // global L2 norm; 0 disables
-  int64_t loss_chunk_tokens = 4096;  // head + loss computed this many tokens at a time
+  double grad_clip = 1.0;                // global L2 norm; 0 disables
+  int64_t loss_chunk_tokens = 4096;      // head + loss computed this many tokens at a time
   // Dense MLPs computed (and recomputed) this many tokens at a time; 0 = all; kMlpTileAuto = the
   // planner chooses (core::ResolveMlpTile, before anything else reads it).
   int64_t mlp_tile_tokens = 0;
-  bool layer_recompute = false;  // backward stages rebuild one layer's graph at a time (long sequences)
-  int64_t stop_after = 0;        // stop (with a checkpoint) once this many steps are done; 0 = train.steps
-  int64_t eval_every = 0;        // eval loss after every this many steps and after the last; 0 = never
-  int64_t eval_microbatches = 4; // the eval set: this many microbatches of microbatch_size sequences
+  bool layer_recompute =
+      false;  // backward stages rebuild one layer's graph at a time (long sequences)
+  int64_t stop_after =
+      0;  // stop (with a checkpoint) once this many steps are done; 0 = train.steps
+  int64_t eval_every = 0;  // eval loss after every this many steps and after the last; 0 = never
+  int64_t eval_microbatches =
+      4;  // the eval set: this many microbatches of microbatch_size sequences
 };
 
 struct OptimizerConfig {
   OptimizerName name = OptimizerName::kAdamW;
   OptimizerMode mode = OptimizerMode::kExact;
-  OptimizerState state = OptimizerState::kReplicated;  // several nodes only; see ShardedState
+  OptimizerState state = OptimizerState::kReplicated;      // several nodes only; see ShardedState
   GradientsWait gradients_wait_in = GradientsWait::kHost;  // GradientsWaitInWorkers
   double lr = 3e-3;
   double min_lr = 3e-4;
-  LrSchedule lr_schedule = LrSchedule::kCosine;  // after warmup, toward min_lr (config/lr_schedule.h)
-  int64_t warmup_steps = 2;      // resolved from warmup_ratio when it is > 0
-  double warmup_ratio = 0;       // warmup as a share of train.steps; 0 = warmup_steps decides
+  LrSchedule lr_schedule =
+      LrSchedule::kCosine;   // after warmup, toward min_lr (config/lr_schedule.h)
+  int64_t warmup_steps = 2;  // resolved from warmup_ratio when it is > 0
+  double warmup_ratio = 0;   // warmup as a share of train.steps; 0 = warmup_steps decides
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double momentum = 0.9;         // SGD only
-  int64_t grad_buffer_mb = 0;    // gradient arena in MiB; 0 = auto (shm/layout.h)
-  bool speculative_update = false;  // SpeculatesUnclippedUpdate
+  double momentum = 0.9;             // SGD only
+  int64_t grad_buffer_mb = 0;        // gradient arena in MiB; 0 = auto (shm/layout.h)
+  bool speculative_update = false;   // SpeculatesUnclippedUpdate
   int64_t device_update_blocks = 0;  // DeviceUpdateBlocks
 };
 
@@ -205,14 +216,14 @@ struct OptimizerConfig {
 // trainable A [rank, in] and B [out, rank]; the layer computes x W^T + scale * drop(x) A^T B^T
 // with scale = alpha / rank. Everything else is frozen (kept only as the compute copy).
 struct LoraConfig {
-  int64_t rank = 0;              // 0: full fine-tuning
+  int64_t rank = 0;  // 0: full fine-tuning
   double alpha = 8.0;
-  double dropout = 0.0;          // on the adapter's input, as PEFT's lora_dropout
+  double dropout = 0.0;  // on the adapter's input, as PEFT's lora_dropout
   std::vector<std::string> target_modules = {"q_proj", "v_proj"};
   // Whole tensors that get adapters, as PEFT's target_parameters names them: a mixture-of-experts
   // model's fused expert tensors (LoraTargetableParameters), one adapter over every expert.
   std::vector<std::string> target_parameters;
-  std::string init_from;         // PEFT adapter directory to start from; "" = A random, B zero
+  std::string init_from;  // PEFT adapter directory to start from; "" = A random, B zero
   std::string export_dir = "adapter";  // PEFT directory written after the last step (in output_dir)
 
   bool enabled() const { return rank > 0; }
@@ -232,11 +243,11 @@ const std::vector<std::string>& LoraTargetableParameters();
 std::string CanonicalLoraParameter(const std::string& name);
 
 struct ScheduleConfig {
-  int64_t forward_stages = 2;    // equal split of the forward layers when forward_cuts is empty
-  int64_t backward_stages = 2;   // equal split of the non-tail backward layers
-  int64_t tail_blocks = 0;       // decoder blocks fused into the tail with norm + head + loss
-  int64_t kept_blocks = 0;       // blocks before the tail whose forward graphs wait on the device;
-                                 // kKeptBlocksAuto = as many as fit gpu_memory_gb
+  int64_t forward_stages = 2;     // equal split of the forward layers when forward_cuts is empty
+  int64_t backward_stages = 2;    // equal split of the non-tail backward layers
+  int64_t tail_blocks = 0;        // decoder blocks fused into the tail with norm + head + loss
+  int64_t kept_blocks = 0;        // blocks before the tail whose forward graphs wait on the device;
+                                  // kKeptBlocksAuto = as many as fit gpu_memory_gb
   bool frozen_on_device = false;  // LoRA: each worker keeps the whole frozen base on its device
                                   // (FrozenOnDevice)
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing
@@ -244,32 +255,32 @@ struct ScheduleConfig {
   Activations activations = Activations::kHost;
   WeightsSource weights_source = WeightsSource::kAuto;        // WorkersFetchMasters
   EmbeddingLookup embedding_lookup = EmbeddingLookup::kAuto;  // LookupFromHost
-  std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
-  std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
+  std::vector<int64_t> forward_cuts;        // explicit stage start layers (layer 0 = embedding)
+  std::vector<int64_t> backward_cuts;       // explicit stage start layers of the backward stages
   Partition partition = Partition::kEqual;  // equal: stage counts or explicit cuts; auto: planner
-  double gpu_memory_gb = 0.0;       // per-worker memory limit for "auto"; 0 = unlimited
-  std::string profile;              // measured profile for "auto" (planning/profile.h); "" = cost model
-  int64_t profile_steps = 2;        // steps timed per layer after a warm-up step; 0 = none
-  double replan_gain = 0.05;        // predicted speed-up that justifies restarting on a new plan
-  double drift = 0.2;               // measured/predicted step mismatch that triggers re-profiling
-  double node_link_gb_s = 10.0;     // several nodes: the planner's bandwidth between nodes
+  double gpu_memory_gb = 0.0;               // per-worker memory limit for "auto"; 0 = unlimited
+  std::string profile;        // measured profile for "auto" (planning/profile.h); "" = cost model
+  int64_t profile_steps = 2;  // steps timed per layer after a warm-up step; 0 = none
+  double replan_gain = 0.05;  // predicted speed-up that justifies restarting on a new plan
+  double drift = 0.2;         // measured/predicted step mismatch that triggers re-profiling
+  double node_link_gb_s = 10.0;  // several nodes: the planner's bandwidth between nodes
 };
 
 struct CheckpointConfig {
-  int64_t every = 0;             // steps between checkpoints; 0 = none (but see train.stop_after)
+  int64_t every = 0;  // steps between checkpoints; 0 = none (but see train.stop_after)
   std::string dir = "checkpoints";
-  int64_t keep = 2;              // newest checkpoints kept
-  double memory_gb = -1.0;       // host memory for the background copy; < 0 = from MemAvailable
-  std::string export_hf;         // HF directory written after the last step (relative to output_dir)
+  int64_t keep = 2;         // newest checkpoints kept
+  double memory_gb = -1.0;  // host memory for the background copy; < 0 = from MemAvailable
+  std::string export_hf;    // HF directory written after the last step (relative to output_dir)
   int64_t export_shard_mb = 5000;  // export_hf shards above this size; 0 = one file
   // The export's tensors; a parsed job holds kAuto resolved (the base's dtype, else float32).
   ExportDtype export_dtype = ExportDtype::kAuto;
-  int64_t export_every = 0;      // also export after every this many steps, beside the final one
+  int64_t export_every = 0;  // also export after every this many steps, beside the final one
 };
 
 struct MetricsConfig {
-  bool trace = true;             // write trace.json
-  bool tensorboard = true;       // write TensorBoard event files under OUTPUT/tb (io/tensorboard.h)
+  bool trace = true;        // write trace.json
+  bool tensorboard = true;  // write TensorBoard event files under OUTPUT/tb (io/tensorboard.h)
 };
 
 // Switches for A/B benchmarks and tests, not job keys: each picks between implementations that
@@ -277,14 +288,16 @@ struct MetricsConfig {
 // needs them. Read from the environment (RP_<NAME>, e.g. RP_MERGE_CALLS=never) by ParseJobConfig;
 // rp-launch's children inherit it, so every process of a run reads the same values.
 struct BenchKnobs {
-  bool interleave_calls = true;              // RP_INTERLEAVE_CALLS=0|1: core::StepJobOrder
-  Tristate merge_calls = Tristate::kAuto;     // RP_MERGE_CALLS=auto|always|never: MergeCalls
+  bool interleave_calls = true;                    // RP_INTERLEAVE_CALLS=0|1: core::StepJobOrder
+  Tristate merge_calls = Tristate::kAuto;          // RP_MERGE_CALLS=auto|always|never: MergeCalls
   Tristate layer_major_forward = Tristate::kAuto;  // RP_LAYER_MAJOR_FORWARD: worker::Executor
   bool fused_kernels = true;  // RP_FUSED_KERNELS=0|1: GPU workers use the project's kernels
   bool fused_norms = true;    // RP_FUSED_NORMS=0|1: ... including its RMSNorm (+ add) kernel
-  bool grouped_experts = true;  // RP_GROUPED_EXPERTS=0|1: model::Transformer::Experts' grouped GEMMs
-  int64_t optimizer_threads = 0;       // RP_OPTIMIZER_THREADS: pool size; 0 = every usable core
-  int64_t optimizer_rest_threads = 0;  // RP_OPTIMIZER_REST_THREADS: exact mode's second passes; 0 = a quarter
+  bool grouped_experts =
+      true;  // RP_GROUPED_EXPERTS=0|1: model::Transformer::Experts' grouped GEMMs
+  int64_t optimizer_threads = 0;  // RP_OPTIMIZER_THREADS: pool size; 0 = every usable core
+  int64_t optimizer_rest_threads =
+      0;  // RP_OPTIMIZER_REST_THREADS: exact mode's second passes; 0 = a quarter
 };
 
 struct JobOptions {
@@ -293,9 +306,10 @@ struct JobOptions {
   DeviceKind device = DeviceKind::kAuto;
   int64_t max_worker_restarts = 3;  // replacements the launcher starts for dead workers
   double worker_timeout_s = 60.0;   // a worker silent this long is declared hung; 0 = never
-  double stopped_timeout_s = 600.0; // a stopped (SIGSTOP, debugger) process is waited for this long
+  double stopped_timeout_s =
+      600.0;  // a stopped (SIGSTOP, debugger) process is waited for this long
   double device_memory_limit_gib = 0.0;  // each CUDA worker's allocator cap; 0 = the whole device
-  double node_timeout_s = 60.0;     // several nodes: a node silent this long stops the others
+  double node_timeout_s = 60.0;          // several nodes: a node silent this long stops the others
 };
 
 // Data-parallel nodes (rp-launch --nnodes, or torchrun's or Slurm's environment): one rp-launch
@@ -322,7 +336,7 @@ struct JobConfig {
   BenchKnobs bench;
   NodesConfig nodes;
 
-  std::string source_path;       // the job file, absolute
+  std::string source_path;  // the job file, absolute
 
   // Derived: layers in the pipeline = embedding + blocks + head.
   int64_t TotalLayers() const { return model.num_layers + 2; }
@@ -339,7 +353,8 @@ struct HostFacts {
 
 // Parses `path`, applies overrides ("section.key=value"; the value is TOML, or a bare string),
 // validates. The returned message names the key and the problem.
-StatusOr<JobConfig> LoadJobConfig(const std::string& path, const std::vector<std::string>& overrides,
+StatusOr<JobConfig> LoadJobConfig(const std::string& path,
+                                  const std::vector<std::string>& overrides,
                                   const HostFacts& host = {});
 // optimizer.warmup_ratio > 0: warmup_steps = ceil(ratio x train.steps). LoadJobConfig does it when
 // train.steps is given; with train.epochs, core::ResolveTrainingLength (io/data.h) once the steps
@@ -351,13 +366,14 @@ void ResolveWarmup(JobConfig* c);
 bool TokenFileHasDocuments(const std::string& path);
 // Same from TOML text (tests); `base_dir` resolves relative paths.
 StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
-                                   const std::vector<std::string>& overrides, const HostFacts& host = {});
+                                   const std::vector<std::string>& overrides,
+                                   const HostFacts& host = {});
 
 // One documented key: the table that drives parsing, validation and configs/README.md.
 struct KeyDoc {
   std::string section;
   std::string key;
-  std::string type;     // "int" | "float" | "bool" | "string" | "int array" | "enum"
+  std::string type;  // "int" | "float" | "bool" | "string" | "int array" | "enum"
   std::string default_value;
   std::string meaning;
 };
@@ -404,7 +420,9 @@ inline bool UpdatesWaitForNorm(const JobConfig& c) {
 // gradient lands; the activation slots get a second parity (ActivationParities). Validated to
 // need a norm to wait for, one commit per gradient slot and step, and
 // no parameter shared between layers.
-inline bool GradientsWaitInWorkers(const JobConfig& c) { return c.optimizer.gradients_wait_in == GradientsWait::kWorkers; }
+inline bool GradientsWaitInWorkers(const JobConfig& c) {
+  return c.optimizer.gradients_wait_in == GradientsWait::kWorkers;
+}
 // optimizer.speculative_update: in exact mode with clipping, the optimizer writes each parameter's
 // next weights as if the step were not clipped while the backward still runs, into a second
 // buffer of what workers fetch (shm::ArenaLayout::compute_buffers = 2: 2 or 4 more bytes per
@@ -420,14 +438,22 @@ inline bool SpeculatesUnclippedUpdate(const JobConfig& c) { return c.optimizer.s
 // forward runs its first N blocks while the host updates the rest. Validated to need AdamW,
 // exact mode, train.grad_clip > 0, bf16 or fp32 compute, one accumulation round, one worker,
 // one node, no speculation and no LoRA.
-inline int DeviceUpdateBlocks(const JobConfig& c) { return static_cast<int>(c.optimizer.device_update_blocks); }
+inline int DeviceUpdateBlocks(const JobConfig& c) {
+  return static_cast<int>(c.optimizer.device_update_blocks);
+}
 // Whether pipeline layer `layer` is one of the blocks DeviceUpdateBlocks covers (1..N).
-inline bool DeviceUpdatesLayer(const JobConfig& c, int layer) { return layer >= 1 && layer <= DeviceUpdateBlocks(c); }
+inline bool DeviceUpdatesLayer(const JobConfig& c, int layer) {
+  return layer >= 1 && layer <= DeviceUpdateBlocks(c);
+}
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
-inline int ComputeElemBytes(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp32 ? 4 : 2; }
+inline int ComputeElemBytes(const JobConfig& c) {
+  return c.train.dtype == TrainDtype::kFp32 ? 4 : 2;
+}
 // Whether CUDA workers run the project's fused kernels: bench.fused_kernels, and a dtype they take
 // (fp32, bf16, fp8; fp16 runs LibTorch's own operators).
-inline bool FusedKernelsApply(const JobConfig& c) { return c.bench.fused_kernels && c.train.dtype != TrainDtype::kFp16; }
+inline bool FusedKernelsApply(const JobConfig& c) {
+  return c.bench.fused_kernels && c.train.dtype != TrainDtype::kFp16;
+}
 // train.dtype = "fp8": weights, activations and gradients are bf16 as with "bf16", and the
 // blocks' projections multiply in e4m3 (model/fp8.h): the forward product and the input gradient
 // from row-scaled e4m3 operands, the weight gradient in bf16 with fp32 sums. The head, the router,
@@ -441,7 +467,8 @@ inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype:
 // masters change only after every job of the step that reads them has run. stale1 cannot: the
 // next step reads version t while the optimizer writes version t + 1.
 inline bool WorkersFetchMasters(const JobConfig& c) {
-  return c.schedule.weights_source == WeightsSource::kAuto && c.optimizer.mode == OptimizerMode::kExact;
+  return c.schedule.weights_source == WeightsSource::kAuto &&
+         c.optimizer.mode == OptimizerMode::kExact;
 }
 
 // schedule.embedding_lookup resolved: true when the embedding's lookup reads the rows it needs
@@ -468,11 +495,13 @@ inline bool ShardedState(const JobConfig& c) {
 // schedule.frozen_on_device: a worker copies the whole frozen (LoRA base) weights to its device at
 // its first fetch and keeps them; a stage's fetch is then its trainable weights only (planner,
 // simulator, worker).
-inline bool FrozenOnDevice(const JobConfig& c) { return c.schedule.frozen_on_device && c.lora.enabled(); }
+inline bool FrozenOnDevice(const JobConfig& c) {
+  return c.schedule.frozen_on_device && c.lora.enabled();
+}
 
 inline bool LookupFromHost(const JobConfig& c) {
-  return c.schedule.embedding_lookup == EmbeddingLookup::kAuto && WorkersFetchMasters(c) && !c.lora.enabled() &&
-         !ShardedState(c);
+  return c.schedule.embedding_lookup == EmbeddingLookup::kAuto && WorkersFetchMasters(c) &&
+         !c.lora.enabled() && !ShardedState(c);
 }
 
 // The elements [begin, end) of a parameter of `numel` elements that node `rank` of `nodes` owns
@@ -490,9 +519,9 @@ inline ElemRange ShardOf(int64_t numel, int64_t nodes, int64_t rank) {
   return {begin, std::min(numel, begin + share)};
 }
 
-// RP_MERGE_CALLS (BenchKnobs) resolved on the job file's values: whether the K accumulation calls of a
-// step run as one round of K x M microbatches. The math is the same (the step's loss scale is one
-// over the step's targets either way, the data index of microbatch m of call c is c x M + m in
+// RP_MERGE_CALLS (BenchKnobs) resolved on the job file's values: whether the K accumulation calls
+// of a step run as one round of K x M microbatches. The math is the same (the step's loss scale is
+// one over the step's targets either way, the data index of microbatch m of call c is c x M + m in
 // both, and gradients are summed over every microbatch in fp32; only the order of that sum
 // differs), but each stage's weights are fetched once per step instead of K times, and each
 // stage's gradients are committed once instead of K times (no accumulating commit reading the
@@ -554,7 +583,8 @@ inline int64_t StepMicrobatch(const JobConfig& c, int64_t call, int64_t mb) {
 // The weight of one microbatch's router load-balancing loss in the step's objective: the
 // loss's weight over the step's microbatches (every node's), so the step adds their mean.
 inline double RouterAuxWeight(const JobConfig& c) {
-  return c.model.moe.aux_loss_weight / static_cast<double>(c.train.microbatches * c.train.accum_calls);
+  return c.model.moe.aux_loss_weight /
+         static_cast<double>(c.train.microbatches * c.train.accum_calls);
 }
 // Several nodes split the evaluation too when its microbatches divide evenly: node r evaluates
 // the r-th block of train.eval_microbatches and the workers sum each eval job's loss across the
@@ -573,6 +603,8 @@ Status CheckNodes(const JobConfig& c);
 // copy them from the producer's pool, instead of staging them in the state segment's slots.
 // The default stays with the host slots: a pool per worker costs device memory the slots do not,
 // and a worker that dies takes its pool with it (the run stops instead of re-running its jobs).
-inline bool ActivationsInPools(const JobConfig& c) { return c.schedule.activations == Activations::kCudaIpc; }
+inline bool ActivationsInPools(const JobConfig& c) {
+  return c.schedule.activations == Activations::kCudaIpc;
+}
 
 }  // namespace rp::core

@@ -48,14 +48,16 @@ int64_t CompactLookupRows(const JobConfig& c, const ModelSpec& spec, int slot) {
   // Several nodes sum the slot across them: its rows must mean the same everywhere, so it holds
   // every row there, not this node's tokens' rows.
   if (c.nodes.count > 1) return 0;
-  if (core::Round(c).calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer || g.layer != 0) return 0;
+  if (core::Round(c).calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer ||
+      g.layer != 0)
+    return 0;
   const int64_t tokens = core::Round(c).microbatches * c.train.microbatch_size * c.data.seq_len;
   return std::min(p.shape[0], tokens);
 }
 
 bool SinkableRole(const std::string& role) {
-  static const char* const kRoles[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                       "up_proj", "down_proj", "lm_head"};
+  static const char* const kRoles[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
+                                       "gate_proj", "up_proj", "down_proj", "lm_head"};
   for (const char* r : kRoles)
     if (role == r) return true;
   return false;
@@ -132,8 +134,10 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
     const auto& t = lora.target_modules;
     if (std::find(t.begin(), t.end(), role) == t.end()) return;
     const int base = static_cast<int>(s.frozen.size()) - (bias ? 2 : 1);
-    ParamSpec a = make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, adapter_key);
-    ParamSpec b = make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, adapter_key + 1);
+    ParamSpec a =
+        make(layer, name + ".lora_A.weight", {lora.rank, in}, InitKind::kUniformFanIn, adapter_key);
+    ParamSpec b =
+        make(layer, name + ".lora_B.weight", {out, lora.rank}, InitKind::kZeros, adapter_key + 1);
     a.adapts = b.adapts = base;
     add_trainable(std::move(a), role + ".lora_A");
     add_trainable(std::move(b), role + ".lora_B");
@@ -159,15 +163,25 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
       // gate first) and its down matrix ([E, H, I]); io/hf_model.h maps per-expert files to it.
       const int64_t E = c.moe.num_experts, EI = c.moe.expert_intermediate_size;
       add(layer, pre + "mlp.gate.weight", {E, H}, "router", InitKind::kNormal);
-      const int gate_up = add(layer, pre + "mlp.experts.gate_up_proj", {E, 2 * EI, H}, "experts.gate_up", InitKind::kNormal);
-      const int down = add(layer, pre + "mlp.experts.down_proj", {E, H, EI}, "experts.down", InitKind::kNormal);
+      const int gate_up = add(layer, pre + "mlp.experts.gate_up_proj", {E, 2 * EI, H},
+                              "experts.gate_up", InitKind::kNormal);
+      const int down =
+          add(layer, pre + "mlp.experts.down_proj", {E, H, EI}, "experts.down", InitKind::kNormal);
       if (!adapters) continue;
-      struct Target { const char* tensor; const char* role; int base; int64_t out, in; };
+      struct Target {
+        const char* tensor;
+        const char* role;
+        int base;
+        int64_t out, in;
+      };
       std::vector<Target> targets;
-      for (const Target& t : {Target{"mlp.experts.gate_up_proj", "experts.gate_up", gate_up, 2 * EI, H},
-                              Target{"mlp.experts.down_proj", "experts.down", down, H, EI}}) {
+      for (const Target& t :
+           {Target{"mlp.experts.gate_up_proj", "experts.gate_up", gate_up, 2 * EI, H},
+            Target{"mlp.experts.down_proj", "experts.down", down, H, EI}}) {
         const auto& tp = lora.target_parameters;
-        if (std::any_of(tp.begin(), tp.end(), [&](const std::string& n) { return CanonicalLoraParameter(n) == t.tensor; }))
+        if (std::any_of(tp.begin(), tp.end(), [&](const std::string& n) {
+              return CanonicalLoraParameter(n) == t.tensor;
+            }))
           targets.push_back(t);
       }
       for (size_t n = 0; n < targets.size(); ++n) {
@@ -175,8 +189,10 @@ ModelSpec BuildModelSpec(const ModelConfig& c, const LoraConfig& lora) {
         std::string name = pre + "mlp.experts.";
         for (size_t outer = n + 1; outer < targets.size(); ++outer) name += "base_layer.";
         const uint64_t key = kAdapterKeyBase + 2 * s.frozen[t.base].init_key;
-        ParamSpec a = make(layer, name + "lora_A.weight", {lora.rank * E, t.in}, InitKind::kUniformFanIn, key);
-        ParamSpec b = make(layer, name + "lora_B.weight", {t.out, lora.rank * E}, InitKind::kZeros, key + 1);
+        ParamSpec a = make(layer, name + "lora_A.weight", {lora.rank * E, t.in},
+                           InitKind::kUniformFanIn, key);
+        ParamSpec b =
+            make(layer, name + "lora_B.weight", {t.out, lora.rank * E}, InitKind::kZeros, key + 1);
         for (ParamSpec* m : {&a, &b}) {
           m->adapts = t.base;
           m->experts = E;
@@ -221,7 +237,8 @@ void InitParam(const ParamSpec& ps, const ModelConfig& config, uint64_t seed, fl
     CounterRng rng(HashKey({seed, 0x1417u, ps.init_key, static_cast<uint64_t>(c)}));
     const int64_t end = std::min(ps.numel, (c + 1) * kChunk);
     if (uniform) {
-      for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>((2.0 * rng.NextUniform() - 1.0) * bound);
+      for (int64_t i = c * kChunk; i < end; ++i)
+        out[i] = static_cast<float>((2.0 * rng.NextUniform() - 1.0) * bound);
       return;
     }
     for (int64_t i = c * kChunk; i < end; ++i) out[i] = static_cast<float>(rng.NextNormal()) * std;

@@ -45,15 +45,15 @@ struct ParamSpec {
 
 // A frozen parameter's use by a layer (LoRA's base weights): fetched, never updated, no gradient.
 struct FrozenUse {
-  int param = 0;       // index into ModelSpec::frozen
+  int param = 0;  // index into ModelSpec::frozen
   std::string role;
 };
 
 // One use of a parameter by a layer, with the gradient slot it accumulates into.
 struct ParamUse {
-  int param = 0;       // index into ModelSpec::params
-  int grad_slot = 0;   // index into ModelSpec::grad_slots
-  std::string role;    // "embed", "q_proj", ... : what the layer code looks it up by
+  int param = 0;      // index into ModelSpec::params
+  int grad_slot = 0;  // index into ModelSpec::grad_slots
+  std::string role;   // "embed", "q_proj", ... : what the layer code looks it up by
 };
 
 struct GradSlot {
@@ -75,8 +75,8 @@ struct ModelSpec {
   LoraConfig lora;
   std::vector<ParamSpec> params;
   std::vector<GradSlot> grad_slots;
-  std::vector<std::vector<ParamUse>> layer_uses;  // per pipeline layer, in a fixed order
-  std::vector<ParamSpec> frozen;                  // empty unless LoRA
+  std::vector<std::vector<ParamUse>> layer_uses;     // per pipeline layer, in a fixed order
+  std::vector<ParamSpec> frozen;                     // empty unless LoRA
   std::vector<std::vector<FrozenUse>> layer_frozen;  // per pipeline layer
 
   int NumLayers() const { return static_cast<int>(layer_uses.size()); }

@@ -23,14 +23,13 @@ std::vector<double> RopeInvFreq(const RopeConfig& rope, int64_t head_dim) {
   for (int64_t i = 0; i < half; ++i) rate[i] = 1.0 / std::pow(rope.theta, 2.0 * i / d);
   constexpr double kTwoPi = 6.283185307179586476925286766559;
   switch (rope.type) {
-    case RopeConfig::Type::kDefault:
-      break;
+    case RopeConfig::Type::kDefault: break;
     case RopeConfig::Type::kLinear:
       for (double& r : rate) r /= rope.factor;
       break;
     case RopeConfig::Type::kLlama3: {
       const double ctx = static_cast<double>(rope.original_max_position);
-      const double long_wave = ctx / rope.low_freq_factor;   // beyond it: fully scaled
+      const double long_wave = ctx / rope.low_freq_factor;    // beyond it: fully scaled
       const double short_wave = ctx / rope.high_freq_factor;  // below it: unchanged
       for (double& r : rate) {
         const double wavelength = kTwoPi / r;

@@ -22,17 +22,18 @@ void SlowDiskForTest(WriteStats* w) {
   }
 }
 
-void LogWrite(int64_t steps_done, const std::string& dir, const WriteStats& w, const std::string& how) {
+void LogWrite(int64_t steps_done, const std::string& dir, const WriteStats& w,
+              const std::string& how) {
   RP_LOG(INFO) << "checkpoint after step " << steps_done << " written to " << dir << ": "
                << static_cast<double>(w.bytes) / 1e9 << " GB in " << w.total_s << " s ("
-               << static_cast<double>(w.bytes) / 1e9 / std::max(w.total_s, 1e-9) << " GB/s; checksums "
-               << w.checksum_s << " s), " << how;
+               << static_cast<double>(w.bytes) / 1e9 / std::max(w.total_s, 1e-9)
+               << " GB/s; checksums " << w.checksum_s << " s), " << how;
 }
 
 }  // namespace
 
-CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live, AsyncOptimizer& optimizer,
-                                   int64_t written)
+CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live,
+                                   AsyncOptimizer& optimizer, int64_t written)
     : setup_(std::move(setup)), live_(std::move(live)), optimizer_(optimizer), written_(written) {
   for (const auto& s : live_) bytes_ += s.bytes;
   // Whole copies where they fit the budget, by default the host's available memory with a quarter
@@ -43,7 +44,8 @@ CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live, 
   int n = 0;
   if (setup_.background && !TestCheckpointOnLoop()) {
     for (int want = 2; want > 0 && n == 0; --want)
-      if (fixed ? bytes_ * want <= budget : avail > 0 && (bytes_ + bytes_ / 4) * want < avail) n = want;
+      if (fixed ? bytes_ * want <= budget : avail > 0 && (bytes_ + bytes_ / 4) * want < avail)
+        n = want;
     if (n == 0 && !setup_.params.empty()) {
       PlanPartialCopy(fixed ? budget : avail / 2);
       partial_copy_ = true;
@@ -66,11 +68,12 @@ CheckpointWriter::CheckpointWriter(Setup setup, std::vector<StateSection> live, 
     for (auto& th : touch) th.join();
   }
   if (partial_copy_)
-    RP_LOG(INFO) << "checkpoints: " << static_cast<double>(partial_.copy_bytes) / 1e9 << " of "
-                 << static_cast<double>(bytes_) / 1e9 << " GB copied ("
-                 << (fixed ? "checkpoint.memory_gb" : "half of the host's available memory") << "), "
-                 << static_cast<double>(partial_.in_place_bytes) / 1e9
-                 << " GB written from the live state, each parameter's next update waiting for its bytes";
+    RP_LOG(INFO)
+        << "checkpoints: " << static_cast<double>(partial_.copy_bytes) / 1e9 << " of "
+        << static_cast<double>(bytes_) / 1e9 << " GB copied ("
+        << (fixed ? "checkpoint.memory_gb" : "half of the host's available memory") << "), "
+        << static_cast<double>(partial_.in_place_bytes) / 1e9
+        << " GB written from the live state, each parameter's next update waiting for its bytes";
 }
 
 void CheckpointWriter::PlanPartialCopy(uint64_t budget) {
@@ -89,7 +92,8 @@ void CheckpointWriter::PlanPartialCopy(uint64_t budget) {
       if (offset > at) unowned.push_back({static_cast<int>(sec), at, offset - at});
       at = std::max(at, offset + bytes);
     }
-    if (live_[sec].bytes > at) unowned.push_back({static_cast<int>(sec), at, live_[sec].bytes - at});
+    if (live_[sec].bytes > at)
+      unowned.push_back({static_cast<int>(sec), at, live_[sec].bytes - at});
   }
   uint64_t used = 0;
   auto copy = [&](const Placement& pl) {
@@ -164,15 +168,15 @@ void CheckpointWriter::StartCopy(Copy& c, int64_t steps_done) {
         uint64_t base = 0;
         for (const auto& s : live_) {
           // A section of pieces is packed into the copy in order.
-          ForEachPiece(s, [&](const uint8_t* from, uint64_t bytes, uint64_t at) { copy(from, bytes, base + at); });
+          ForEachPiece(s, [&](const uint8_t* from, uint64_t bytes, uint64_t at) {
+            copy(from, bytes, base + at);
+          });
           base += s.bytes;
         }
       }
       if (copy_threads_left_.fetch_sub(1) == 1) {
-        if (partial_copy_)
-          optimizer_.HoldOnly(partial_.in_place);
-        else
-          optimizer_.ReleaseUpdates();
+        if (partial_copy_) optimizer_.HoldOnly(partial_.in_place);
+        else optimizer_.ReleaseUpdates();
       }
     });
 }
@@ -212,8 +216,9 @@ Status CheckpointWriter::Write(int64_t steps_done) {
   RP_RETURN_IF_ERROR(Poll());
   if (copies_.empty()) {
     WriteStats w;
-    RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash, setup_.masters_in_state, setup_.run, live_,
-                                          setup_.keep, 0, &w, setup_.shard));
+    RP_RETURN_IF_ERROR(WriteTrainingState(setup_.dir, steps_done, setup_.state_hash,
+                                          setup_.masters_in_state, setup_.run, live_, setup_.keep,
+                                          0, &w, setup_.shard));
     SlowDiskForTest(&w);
     written_ = steps_done;
     completed_.push_back({steps_done, w.bytes, w.total_s, w.checksum_s, false});
@@ -232,7 +237,8 @@ Status CheckpointWriter::Write(int64_t steps_done) {
         if (!c || x.steps < c->steps) c = &x;
       RP_RETURN_IF_ERROR(Collect(*c));
       RP_LOG(WARNING) << "checkpoint after step " << steps_done << ": waited " << MonoSeconds() - t0
-                      << " s for the previous checkpoint's write (the disk is slower than checkpoint.every steps)";
+                      << " s for the previous checkpoint's write (the disk is slower than "
+                         "checkpoint.every steps)";
     }
     StartCopy(*c, steps_done);
   }
@@ -248,36 +254,42 @@ void CheckpointWriter::Launch(Copy& c, int64_t steps_done) {
   if (partial_copy_) {
     extents = partial_.extents;
     for (size_t k = 0; k < extents.size(); ++k)
-      extents[k].src = partial_.copy_at[k] >= 0 ? c.bytes.get() + partial_.copy_at[k]
-                                                : live_[extents[k].section].data + extents[k].offset;
+      extents[k].src = partial_.copy_at[k] >= 0
+                           ? c.bytes.get() + partial_.copy_at[k]
+                           : live_[extents[k].section].data + extents[k].offset;
   } else {
     uint64_t base = 0;
     for (size_t i = 0; i < live_.size(); ++i) {
-      if (live_[i].bytes > 0) extents.push_back({static_cast<int>(i), 0, live_[i].bytes, c.bytes.get() + base, -1});
+      if (live_[i].bytes > 0)
+        extents.push_back({static_cast<int>(i), 0, live_[i].bytes, c.bytes.get() + base, -1});
       base += live_[i].bytes;
     }
   }
   const bool partial = partial_copy_;
-  const std::string how = partial ? "in the background, " + std::to_string(partial_.in_place_bytes >> 20) +
+  const std::string how = partial ? "in the background, " +
+                                        std::to_string(partial_.in_place_bytes >> 20) +
                                         " MiB of it from the live state"
                                   : std::string("in the background");
   // setup_ does not change after construction: the thread reads it in place.
-  c.file = std::async(std::launch::async, [this, shapes = std::move(shapes), extents = std::move(extents),
-                                           steps_done, partial, how, threads = std::move(c.copy_threads), disk = disk_]() mutable {
-    for (auto& t : threads) t.join();
-    // One file at a time: in step order, and a second writer would only share the disk.
-    std::lock_guard<std::mutex> one_at_a_time(*disk);
-    WriteStats w;
-    const Setup& setup = setup_;
-    Status s = WriteTrainingStateExtents(setup.dir, steps_done, setup.state_hash, setup.masters_in_state, setup.run,
-                                         shapes, extents, setup.keep, setup.checksum_threads, &w, setup.shard,
-                                         [this](int param) { optimizer_.ReleaseParam(param); });
-    // Written or not, no update waits for this file any longer.
-    if (partial) optimizer_.ReleaseUpdates();
-    SlowDiskForTest(&w);
-    if (s.ok()) LogWrite(steps_done, setup.dir, w, how);
-    return std::make_pair(s, w);
-  });
+  c.file = std::async(std::launch::async,
+                      [this, shapes = std::move(shapes), extents = std::move(extents), steps_done,
+                       partial, how, threads = std::move(c.copy_threads), disk = disk_]() mutable {
+                        for (auto& t : threads) t.join();
+                        // One file at a time: in step order, and a second writer would only share
+                        // the disk.
+                        std::lock_guard<std::mutex> one_at_a_time(*disk);
+                        WriteStats w;
+                        const Setup& setup = setup_;
+                        Status s = WriteTrainingStateExtents(
+                            setup.dir, steps_done, setup.state_hash, setup.masters_in_state,
+                            setup.run, shapes, extents, setup.keep, setup.checksum_threads, &w,
+                            setup.shard, [this](int param) { optimizer_.ReleaseParam(param); });
+                        // Written or not, no update waits for this file any longer.
+                        if (partial) optimizer_.ReleaseUpdates();
+                        SlowDiskForTest(&w);
+                        if (s.ok()) LogWrite(steps_done, setup.dir, w, how);
+                        return std::make_pair(s, w);
+                      });
   c.copy_threads.clear();
 }
 

@@ -75,7 +75,8 @@ class CheckpointWriter {
   };
   // `live`: the sections of the running state (HostState::Sections()); `written`: the steps of
   // the newest checkpoint already on disk (resume), else -1.
-  CheckpointWriter(Setup setup, std::vector<StateSection> live, AsyncOptimizer& optimizer, int64_t written);
+  CheckpointWriter(Setup setup, std::vector<StateSection> live, AsyncOptimizer& optimizer,
+                   int64_t written);
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -109,7 +110,7 @@ class CheckpointWriter {
       uint64_t offset, at, bytes;
     };
     std::vector<Run> copied;
-    std::vector<uint8_t> in_place;  // per parameter
+    std::vector<uint8_t> in_place;       // per parameter
     std::vector<SourcedExtent> extents;  // src: null here, filled per copy
     std::vector<int64_t> copy_at;        // per extent: offset in the copy, or -1 (live)
     uint64_t copy_bytes = 0, in_place_bytes = 0;
@@ -119,17 +120,19 @@ class CheckpointWriter {
   Copy* CopyOf(int64_t steps_done);
   void StartCopy(Copy& c, int64_t steps_done);
   void Launch(Copy& c, int64_t steps_done);  // hands the copy to a file thread
-  Status Collect(Copy& c);  // waits for its file; frees it
+  Status Collect(Copy& c);                   // waits for its file; frees it
 
   Setup setup_;
   std::vector<StateSection> live_;
   AsyncOptimizer& optimizer_;
   uint64_t bytes_ = 0;
-  std::vector<Copy> copies_;             // empty: written on the loop
-  bool partial_copy_ = false;            // copies_ holds one partial copy (partial_)
+  std::vector<Copy> copies_;   // empty: written on the loop
+  bool partial_copy_ = false;  // copies_ holds one partial copy (partial_)
   Partial partial_;
-  std::atomic<int> copy_threads_left_{0};  // the one copy under way; its last thread releases the hold
-  std::shared_ptr<std::mutex> disk_ = std::make_shared<std::mutex>();  // held by the file thread writing
+  std::atomic<int> copy_threads_left_{
+      0};  // the one copy under way; its last thread releases the hold
+  std::shared_ptr<std::mutex> disk_ =
+      std::make_shared<std::mutex>();  // held by the file thread writing
   int64_t written_ = -1;
   std::vector<core::StepMetrics::Checkpoint> completed_, all_;
 };

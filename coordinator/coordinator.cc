@@ -92,7 +92,8 @@ struct RunTimes {
 // means for checkpoints, evaluations and the next step, and reports steps.
 class Coordinator {
  public:
-  Coordinator(CoordinatorOptions o, proto::CoordinatorChannel* channel) : opts_(std::move(o)), channel_(channel) {}
+  Coordinator(CoordinatorOptions o, proto::CoordinatorChannel* channel)
+      : opts_(std::move(o)), channel_(channel) {}
   Status Run();
   // The run stopped early (with a checkpoint) to be resumed on a better plan.
   bool replan_requested() const { return replan_to_.has_value(); }
@@ -137,7 +138,9 @@ class Coordinator {
   int64_t StepH2dBytes() const;
   // Activations live in workers (schedule.activations = "worker", or activation pools) and a
   // worker is gone (`what` happened): the run stops.
-  bool ActivationsInWorkers() const { return layout_.activations_in_worker || layout_.activations_in_pools; }
+  bool ActivationsInWorkers() const {
+    return layout_.activations_in_worker || layout_.activations_in_pools;
+  }
   Status ActivationsLost(const std::string& what) const;
   Status Finish(Status st);
 
@@ -152,9 +155,10 @@ class Coordinator {
   RunWindow window_;
   std::optional<core::Dataset> data_, eval_data_;
   std::optional<core::MetricsWriter> metrics_;
-  std::optional<core::TensorBoardWriter> tensorboard_;  // metrics.tensorboard: the same lines as events
-  int64_t device_peak_bytes_ = -1;                      // the highest any worker has reported
-  std::optional<RunTrace> trace_;  // the run's timeline (trace.json)
+  std::optional<core::TensorBoardWriter>
+      tensorboard_;                 // metrics.tensorboard: the same lines as events
+  int64_t device_peak_bytes_ = -1;  // the highest any worker has reported
+  std::optional<RunTrace> trace_;   // the run's timeline (trace.json)
   struct Checkpoints {
     std::optional<StateFile> resume_from;
     uint64_t state_hash = 0;
@@ -162,7 +166,7 @@ class Coordinator {
     int64_t exported = -1;   // steps done in the newest intermediate export
   } ckpt_;
   std::optional<core::SummaryFile> summary_;  // reserved at the start, written on every path
-  std::unique_ptr<ProgressBeacon> beacon_;  // the launcher's sign that this process progresses
+  std::unique_ptr<ProgressBeacon> beacon_;    // the launcher's sign that this process progresses
   std::unique_ptr<HostState> host_;
   std::unique_ptr<WorkerTable> workers_;
   std::unique_ptr<RunProfiler> profiler_;
@@ -171,14 +175,14 @@ class Coordinator {
   std::unique_ptr<Evaluations> evals_;
   std::unique_ptr<StepDispatch> dispatch_;
   RunTimes times_;
-  int64_t skipped_steps_ = 0;             // fp16 steps skipped for gradients not finite
-  bool graceful_ = false;                 // a graceful stop moved stop_step (SIGINT)
+  int64_t skipped_steps_ = 0;  // fp16 steps skipped for gradients not finite
+  bool graceful_ = false;      // a graceful stop moved stop_step (SIGINT)
   // Several nodes, interrupted (common/stop_agreement.h): the step this node proposed to stop
   // after, which no dispatch passes until the nodes agree (-1: not waiting for an agreement), and
   // whether a dispatch was held back meanwhile.
   int64_t stop_hold_ = -1;
   bool dispatch_deferred_ = false;
-  bool agreed_stop_ = false;  // the run stops after the step the nodes agreed on
+  bool agreed_stop_ = false;              // the run stops after the step the nodes agreed on
   std::optional<std::string> replan_to_;  // the plan the run stopped to resume on
   // Node 0 alone writes checkpoints and exports: the replicas hold the same state.
   bool WritesOutputs() const { return cfg_.nodes.rank == 0; }
@@ -190,12 +194,13 @@ class Coordinator {
 };
 
 Status Coordinator::ActivationsLost(const std::string& what) const {
-  const char* setting =
-      layout_.activations_in_worker ? "schedule.activations = \"worker\"" : "schedule.activations = \"cuda_ipc\"";
-  return Status::Unavailable(what + "; with " + setting +
-                             " the step's hidden states and input gradients lived in that worker's memory, so its "
-                             "jobs cannot be re-run: resume from the last checkpoint (rp-launch --resume), or use "
-                             "schedule.activations = \"host\" to survive worker faults");
+  const char* setting = layout_.activations_in_worker ? "schedule.activations = \"worker\""
+                                                      : "schedule.activations = \"cuda_ipc\"";
+  return Status::Unavailable(
+      what + "; with " + setting +
+      " the step's hidden states and input gradients lived in that worker's memory, so its "
+      "jobs cannot be re-run: resume from the last checkpoint (rp-launch --resume), or use "
+      "schedule.activations = \"host\" to survive worker faults");
 }
 
 Status Coordinator::Setup() {
@@ -207,9 +212,10 @@ Status Coordinator::Setup() {
   trace_.emplace(cfg_.metrics.trace, plan_, round_.microbatches, opts_.num_workers);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   if (layout_.activations_in_worker && opts_.num_workers != 1)
-    return Status::InvalidArgument("schedule.activations = \"worker\" keeps activations in the one worker's "
-                                   "memory and needs --gpus 1 (this run has " +
-                                   std::to_string(opts_.num_workers) + " workers); use \"host\"");
+    return Status::InvalidArgument(
+        "schedule.activations = \"worker\" keeps activations in the one worker's "
+        "memory and needs --gpus 1 (this run has " +
+        std::to_string(opts_.num_workers) + " workers); use \"host\"");
   times_.h2d_bytes_per_step = StepH2dBytes();
   RP_ASSIGN_OR_RETURN(auto data, core::Dataset::Open(cfg_));
   if (const std::string packing = data.PackingSummary(); !packing.empty()) RP_LOG(INFO) << packing;
@@ -229,7 +235,8 @@ Status Coordinator::Setup() {
     if (window_.first_step >= cfg_.train.steps)
       return Status::InvalidArgument("--resume: " + found->path + " already holds all " +
                                      std::to_string(cfg_.train.steps) + " steps of this job");
-    if (window_.first_step >= window_.stop_step) window_.stop_step = cfg_.train.steps;  // the stop that wrote it
+    if (window_.first_step >= window_.stop_step)
+      window_.stop_step = cfg_.train.steps;  // the stop that wrote it
     if (layout_.sharded)
       RP_RETURN_IF_ERROR(RemoveLaterShardFiles(
           CheckpointDir(cfg_), window_.first_step,
@@ -237,14 +244,17 @@ Status Coordinator::Setup() {
   }
   // A node that joins a resumed run (more nodes than before) starts its own output directory.
   std::error_code ec;
-  const bool node_joins = cfg_.nodes.rank > 0 && !std::filesystem::exists(cfg_.job.output_dir + "/metrics.jsonl", ec);
+  const bool node_joins =
+      cfg_.nodes.rank > 0 && !std::filesystem::exists(cfg_.job.output_dir + "/metrics.jsonl", ec);
   if (opts_.resume && !node_joins) {
     RP_RETURN_IF_ERROR(core::PrepareOutputDirForResume(cfg_, window_.first_step));
-    RP_ASSIGN_OR_RETURN(auto mw, core::MetricsWriter::OpenForAppend(cfg_.job.output_dir + "/metrics.jsonl"));
+    RP_ASSIGN_OR_RETURN(auto mw,
+                        core::MetricsWriter::OpenForAppend(cfg_.job.output_dir + "/metrics.jsonl"));
     metrics_.emplace(std::move(mw));
     if (cfg_.metrics.tensorboard) {
-      RP_ASSIGN_OR_RETURN(auto tb, core::TensorBoardWriter::Rebuild(cfg_.job.output_dir + "/tb",
-                                                                    cfg_.job.output_dir + "/metrics.jsonl"));
+      RP_ASSIGN_OR_RETURN(auto tb,
+                          core::TensorBoardWriter::Rebuild(cfg_.job.output_dir + "/tb",
+                                                           cfg_.job.output_dir + "/metrics.jsonl"));
       tensorboard_.emplace(std::move(tb));
     }
   } else {
@@ -259,28 +269,32 @@ Status Coordinator::Setup() {
       tensorboard_.emplace(std::move(tb));
     }
   }
-  RP_ASSIGN_OR_RETURN(auto summary, core::SummaryFile::Reserve(cfg_.job.output_dir + "/summary.json"));
+  RP_ASSIGN_OR_RETURN(auto summary,
+                      core::SummaryFile::Reserve(cfg_.job.output_dir + "/summary.json"));
   summary_.emplace(std::move(summary));
   // The run as resolved, beside its checkpoints: what rp-export reads them with.
   if (WritesOutputs())
-    RP_RETURN_IF_ERROR(core::WriteRunSpec(cfg_.job.output_dir + "/run-spec.json", {cfg_, plan_, opts_.num_workers}));
+    RP_RETURN_IF_ERROR(core::WriteRunSpec(cfg_.job.output_dir + "/run-spec.json",
+                                          {cfg_, plan_, opts_.num_workers}));
   // The job as a job file (rp-launch --resume RUN_DIR).
   if (WritesOutputs())
-    RP_RETURN_IF_ERROR(core::WriteFileAtomically(cfg_.job.output_dir + "/job.toml", core::JobToml(cfg_)));
-  RP_LOG(INFO) << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
-               << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
-               << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
-               << layout_.grad_arena_bytes / (1 << 20) << " MiB"
-               << (layout_.grads_streamed ? ", streamed" : ", every gradient") << "), optimizer "
-               << layout_.optim_total_bytes / (1 << 20) << " MiB; workers fetch "
-               << (layout_.masters_in_state ? "the fp32 masters (no compute copy)" : "a compute copy")
-               << "; activations "
-               << (layout_.activations_in_worker ? "kept in the worker's memory"
-                   : layout_.activations_in_pools
-                       ? "in each worker's activation pool (" + std::to_string(layout_.pool_bytes >> 10) +
-                             " KiB per worker, activations = cuda_ipc)"
-                       : "in shared-memory slots (" + std::to_string((layout_.total_bytes - layout_.hidden) >> 10) +
-                             " KiB)");
+    RP_RETURN_IF_ERROR(
+        core::WriteFileAtomically(cfg_.job.output_dir + "/job.toml", core::JobToml(cfg_)));
+  RP_LOG(INFO)
+      << "model: " << spec_.params.size() << " tensors, " << spec_.TrainableParams()
+      << " trainable parameters; plan " << plan_.Describe() << "; " << opts_.num_workers
+      << " workers; segments: state " << layout_.total_bytes / (1 << 20) << " MiB (gradient arena "
+      << layout_.grad_arena_bytes / (1 << 20) << " MiB"
+      << (layout_.grads_streamed ? ", streamed" : ", every gradient") << "), optimizer "
+      << layout_.optim_total_bytes / (1 << 20) << " MiB; workers fetch "
+      << (layout_.masters_in_state ? "the fp32 masters (no compute copy)" : "a compute copy")
+      << "; activations "
+      << (layout_.activations_in_worker ? "kept in the worker's memory"
+          : layout_.activations_in_pools
+              ? "in each worker's activation pool (" + std::to_string(layout_.pool_bytes >> 10) +
+                    " KiB per worker, activations = cuda_ipc)"
+              : "in shared-memory slots (" +
+                    std::to_string((layout_.total_bytes - layout_.hidden) >> 10) + " KiB)");
   return Status::Ok();
 }
 
@@ -295,7 +309,8 @@ int OptimizerThreads(const CoordinatorOptions& o, const core::JobConfig& cfg) {
 }
 
 Status Coordinator::StartParts() {
-  RP_ASSIGN_OR_RETURN(host_, HostState::Create(cfg_, spec_, plan_, layout_, opts_.session, opts_.num_workers));
+  RP_ASSIGN_OR_RETURN(
+      host_, HostState::Create(cfg_, spec_, plan_, layout_, opts_.session, opts_.num_workers));
   RP_RETURN_IF_ERROR(host_->Fill(ckpt_.resume_from, ckpt_.state_hash, window_.first_step,
                                  eval_data_ ? &*eval_data_ : nullptr));
   if (const double delay = TestFillDelaySeconds(); delay > 0)
@@ -307,7 +322,8 @@ Status Coordinator::StartParts() {
   }
   g_channel.store(channel_);
   proto::CoordinatorChannel* wake = channel_;
-  profiler_ = std::make_unique<RunProfiler>(cfg_, spec_, plan_, opts_.num_workers, [wake] { wake->Wake(); });
+  profiler_ = std::make_unique<RunProfiler>(cfg_, spec_, plan_, opts_.num_workers,
+                                            [wake] { wake->Wake(); });
   WorkerTable::Setup table;
   table.workers = opts_.num_workers;
   table.layout_hash = layout_.hash;
@@ -322,15 +338,16 @@ Status Coordinator::StartParts() {
   workers_ = std::make_unique<WorkerTable>(*channel_, table);
   const int threads = OptimizerThreads(opts_, cfg_);
   RP_LOG(INFO) << "optimizer: " << threads << " threads";
-  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(), host_->optim().data(),
-                                                &host_->grad_arena(), threads, [wake] { wake->Wake(); });
+  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(),
+                                                host_->optim().data(), &host_->grad_arena(),
+                                                threads, [wake] { wake->Wake(); });
   RP_RETURN_IF_ERROR(optimizer_->StartAfter(window_.first_step));
   // The last stage's layers are the first the next step needs and the last whose gradients land.
   if (!plan_.stages.empty()) optimizer_->SpeculateFromLayer(plan_.stages.back().end);
   evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
-  dispatch_ = std::make_unique<StepDispatch>(StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(),
-                                                                 *data_, host_->grad_arena(), *optimizer_, *workers_,
-                                                                 *profiler_, window_});
+  dispatch_ = std::make_unique<StepDispatch>(
+      StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(), *data_,
+                          host_->grad_arena(), *optimizer_, *workers_, *profiler_, window_});
   RP_RETURN_IF_ERROR(workers_->Register(
       opts_.hello_timeout_s, [] { return g_stop || g_graceful_stop; },
       [this](int rank, const proto::LinkProbe& p) { profiler_->OnLinkProbe(rank, p); }));
@@ -344,18 +361,23 @@ Status Coordinator::StartParts() {
   writer.keep = static_cast<int>(cfg_.checkpoint.keep);
   // Else only a final checkpoint, written on the loop.
   writer.background = cfg_.checkpoint.every > 0 && WritesCheckpoints();
-  if (layout_.sharded) writer.shard = {static_cast<int>(cfg_.nodes.rank), static_cast<int>(cfg_.nodes.count)};
-  if (cfg_.checkpoint.memory_gb >= 0) writer.memory_bytes = static_cast<int64_t>(cfg_.checkpoint.memory_gb * 1e9);
+  if (layout_.sharded)
+    writer.shard = {static_cast<int>(cfg_.nodes.rank), static_cast<int>(cfg_.nodes.count)};
+  if (cfg_.checkpoint.memory_gb >= 0)
+    writer.memory_bytes = static_cast<int64_t>(cfg_.checkpoint.memory_gb * 1e9);
   writer.params = host_->Placements();
   writer.update_order = optimizer_->UpdateOrder();
-  writer_ = std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
+  writer_ =
+      std::make_unique<CheckpointWriter>(writer, host_->Sections(), *optimizer_, ckpt_.requested);
   if (cfg_.checkpoint.every > 0)
     RP_LOG(INFO) << "checkpoints are written "
-                 << (writer_->in_place_bytes() > 0 ? std::string("from a partial copy of the state and the live state")
-                     : writer_->copies() > 0       ? "from " + std::to_string(writer_->copies()) +
-                                                   " copies of the state, in the background"
-                                                   : std::string("on the coordinator's loop (a copy of the state would not "
-                                                                 "fit checkpoint.memory_gb or the host's available memory)"));
+                 << (writer_->in_place_bytes() > 0
+                         ? std::string("from a partial copy of the state and the live state")
+                     : writer_->copies() > 0
+                         ? "from " + std::to_string(writer_->copies()) +
+                               " copies of the state, in the background"
+                         : std::string("on the coordinator's loop (a copy of the state would not "
+                                       "fit checkpoint.memory_gb or the host's available memory)"));
   return Status::Ok();
 }
 
@@ -371,11 +393,12 @@ Status Coordinator::DispatchStep(int64_t step) {
 Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
   device_peak_bytes_ = std::max(device_peak_bytes_, d.device_peak_bytes);
   RP_ASSIGN_OR_RETURN(StageJob job, dispatch_->OnJobDone(rank, d));
-  trace_->AddJob({job.index, job.step, job.call, job.stage, job.worker, workers_->pid(job.worker), job.start_us,
-                  job.fetch_end_us, job.end_us, job.mb_times});
+  trace_->AddJob({job.index, job.step, job.call, job.stage, job.worker, workers_->pid(job.worker),
+                  job.start_us, job.fetch_end_us, job.end_us, job.mb_times});
   const auto& stage = plan_.stages[job.stage];
   // The last call's commit of a stage makes its layers' gradients final for the step.
-  if (stage.kind != core::StageKind::kForward && job.call == round_.calls - 1 && job.step < window_.stop_step) {
+  if (stage.kind != core::StageKind::kForward && job.call == round_.calls - 1 &&
+      job.step < window_.stop_step) {
     if (job.step > 0) RP_RETURN_IF_ERROR(MaybeCheckpoint(job.step - 1));
     if (job.step > 0) RP_RETURN_IF_ERROR(MaybeExport(job.step - 1));
     for (int l = stage.begin; l < stage.end; ++l)
@@ -387,10 +410,8 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
       RP_RETURN_IF_ERROR(evals_->Dispatch(job.step, [this] { return dispatch_->TakeJobIndex(); }));
     // Two steps in flight: the one draining and the next one.
     if (window_.next_to_dispatch < window_.stop_step) {
-      if (stop_hold_ >= 0 && window_.next_to_dispatch >= stop_hold_)
-        dispatch_deferred_ = true;
-      else
-        RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
+      if (stop_hold_ >= 0 && window_.next_to_dispatch >= stop_hold_) dispatch_deferred_ = true;
+      else RP_RETURN_IF_ERROR(DispatchStep(window_.next_to_dispatch));
     }
   }
   return dispatch_->TryFeed();
@@ -398,35 +419,41 @@ Status Coordinator::OnJobDone(int rank, const proto::JobDone& d) {
 
 Status Coordinator::OnJobFailed(int rank, const proto::JobFailed& f) {
   // Job -1: the worker's setup failed (its activation pools); a replacement would fail alike.
-  if (f.job_index < 0) return Status::Unavailable("worker " + std::to_string(rank) + " failed to set up: " + f.message);
+  if (f.job_index < 0)
+    return Status::Unavailable("worker " + std::to_string(rank) +
+                               " failed to set up: " + f.message);
   // The worker exits after JobFailed; with restarts allowed its replacement re-runs the job,
   // unless the step's activations lived in it.
   if (ActivationsInWorkers())
-    return ActivationsLost("worker " + std::to_string(rank) + " failed job " + std::to_string(f.job_index) + ": " +
-                           f.message);
+    return ActivationsLost("worker " + std::to_string(rank) + " failed job " +
+                           std::to_string(f.job_index) + ": " + f.message);
   if (workers_->restarts_allowed()) {
     RP_LOG(WARNING) << "worker " << rank << " failed job " << f.job_index << ": " << f.message
                     << " (waiting for its replacement)";
     return Status::Ok();
   }
-  return Status::Unavailable("worker " + std::to_string(rank) + " failed job " + std::to_string(f.job_index) + ": " +
-                             f.message);
+  return Status::Unavailable("worker " + std::to_string(rank) + " failed job " +
+                             std::to_string(f.job_index) + ": " + f.message);
 }
 
 Status Coordinator::OnReplacement(int rank, const proto::Hello& hello) {
   if (!workers_->restarts_allowed()) {
-    RP_LOG(WARNING) << "worker " << rank << " said Hello again mid-run; ignored (job.max_worker_restarts = 0)";
+    RP_LOG(WARNING) << "worker " << rank
+                    << " said Hello again mid-run; ignored (job.max_worker_restarts = 0)";
     return Status::Ok();
   }
-  if (ActivationsInWorkers()) return ActivationsLost("worker " + std::to_string(rank) + " was replaced");
+  if (ActivationsInWorkers())
+    return ActivationsLost("worker " + std::to_string(rank) + " was replaced");
   RP_RETURN_IF_ERROR(workers_->Replace(rank, hello));
   return dispatch_->Resend(rank, evals_->Unfinished(rank));
 }
 
 Status Coordinator::Handle(int rank, const Message& m) {
   switch (proto::TypeOfMessage(m)) {
-    case proto::MsgType::kMicrobatchDone: return dispatch_->OnMicrobatchDone(rank, std::get<proto::MicrobatchDone>(m));
-    case proto::MsgType::kGradsReady: return dispatch_->OnGradsReady(rank, std::get<proto::GradsReady>(m));
+    case proto::MsgType::kMicrobatchDone:
+      return dispatch_->OnMicrobatchDone(rank, std::get<proto::MicrobatchDone>(m));
+    case proto::MsgType::kGradsReady:
+      return dispatch_->OnGradsReady(rank, std::get<proto::GradsReady>(m));
     case proto::MsgType::kJobDone: return OnJobDone(rank, std::get<proto::JobDone>(m));
     case proto::MsgType::kJobFailed: return OnJobFailed(rank, std::get<proto::JobFailed>(m));
     case proto::MsgType::kHello: return OnReplacement(rank, std::get<proto::Hello>(m));
@@ -448,8 +475,8 @@ Status Coordinator::Handle(int rank, const Message& m) {
     case proto::MsgType::kRunEval:
     case proto::MsgType::kActivationPool:  // only during registration
     case proto::MsgType::kStepUpdate:
-      RP_LOG(WARNING) << "dropped coordinator-bound " << proto::MsgTypeName(proto::TypeOfMessage(m)) << " from worker "
-                      << rank;
+      RP_LOG(WARNING) << "dropped coordinator-bound " << proto::MsgTypeName(proto::TypeOfMessage(m))
+                      << " from worker " << rank;
       return Status::Ok();
   }
   return Status::Ok();
@@ -460,7 +487,8 @@ Status Coordinator::SendStepUpdates() {
   for (const auto& k : optimizer_->TakeStepConstants()) {
     // Every worker: a replacement that holds none of the step's gradients ignores it.
     for (int rank = 0; rank < workers_->size(); ++rank)
-      RP_RETURN_IF_ERROR(workers_->Send(rank, proto::StepUpdate{k.step, k.adam_step, k.lr, k.grad_scale, 0}));
+      RP_RETURN_IF_ERROR(
+          workers_->Send(rank, proto::StepUpdate{k.step, k.adam_step, k.lr, k.grad_scale, 0}));
   }
   return Status::Ok();
 }
@@ -472,7 +500,8 @@ Status Coordinator::PollAgreedStop() {
     return Status::ProtocolError("the nodes agreed to stop after step " + std::to_string(*agreed) +
                                  ", before this node's proposal " + std::to_string(stop_hold_));
   window_.stop_step = std::min(window_.stop_step, *agreed);
-  RP_LOG(WARNING) << "interrupted: the nodes stop after step " << window_.stop_step << " with a checkpoint";
+  RP_LOG(WARNING) << "interrupted: the nodes stop after step " << window_.stop_step
+                  << " with a checkpoint";
   stop_hold_ = -1;
   agreed_stop_ = true;
   if (dispatch_deferred_ && window_.next_to_dispatch < window_.stop_step)
@@ -491,22 +520,24 @@ Status Coordinator::MaybeReplan() {
   auto better = profiler_->TakeBetterPlan();
   if (!better) return Status::Ok();
   if (cfg_.nodes.count > 1) {
-    RP_LOG(INFO) << "the profile favours " << better->plan.Describe() << " (predicted step " << better->step_seconds
+    RP_LOG(INFO) << "the profile favours " << better->plan.Describe() << " (predicted step "
+                 << better->step_seconds
                  << " s); the nodes of a multi-node run keep the plan they share";
     return Status::Ok();
   }
   // Restarting costs a checkpoint and a start-up: only worth it with steps left to gain on.
   const int64_t stop_after = EarliestStop();
   if (window_.stop_step - stop_after < 3) {
-    RP_LOG(INFO) << "the profile favours " << better->plan.Describe() << " (predicted step " << better->step_seconds
-                 << " s); too few steps remain to re-plan this run";
+    RP_LOG(INFO) << "the profile favours " << better->plan.Describe() << " (predicted step "
+                 << better->step_seconds << " s); too few steps remain to re-plan this run";
     return Status::Ok();
   }
   replan_to_ = better->plan.Describe();
   window_.stop_step = std::min(window_.stop_step, stop_after);
-  RP_LOG(WARNING) << "re-planning: " << better->plan.Describe() << " predicts " << better->step_seconds
-                  << " s per step against " << profiler_->predicted_step_s() << " s for " << plan_.Describe()
-                  << "; stopping after step " << window_.stop_step << " with a checkpoint to resume on it";
+  RP_LOG(WARNING) << "re-planning: " << better->plan.Describe() << " predicts "
+                  << better->step_seconds << " s per step against " << profiler_->predicted_step_s()
+                  << " s for " << plan_.Describe() << "; stopping after step " << window_.stop_step
+                  << " with a checkpoint to resume on it";
   return Status::Ok();
 }
 
@@ -535,18 +566,23 @@ int64_t Coordinator::StepH2dBytes() const {
 
 Status Coordinator::MaybeCheckpoint(int64_t t) {
   const int64_t done = t + 1;
-  if (!WritesCheckpoints() || t < window_.first_step || done <= ckpt_.requested) return Status::Ok();
+  if (!WritesCheckpoints() || t < window_.first_step || done <= ckpt_.requested)
+    return Status::Ok();
   const bool periodic = PeriodicCheckpointAfter(cfg_, t);
-  const bool last = done == window_.stop_step && (cfg_.checkpoint.every > 0 || window_.stop_step < cfg_.train.steps);
+  const bool last = done == window_.stop_step &&
+                    (cfg_.checkpoint.every > 0 || window_.stop_step < cfg_.train.steps);
   if (!periodic && !last) return Status::Ok();
   if (!optimizer_->Updated(t))
-    return Status::Internal("checkpoint after step " + std::to_string(done) + " requested before its update finished");
+    return Status::Internal("checkpoint after step " + std::to_string(done) +
+                            " requested before its update finished");
   // Weights updated with a non-finite gradient are no checkpoint to resume from (a step fp16's
   // scaler skipped updated nothing).
-  if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm) && !SkippedStep(t)) return Diverged(t);
+  if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm) && !SkippedStep(t))
+    return Diverged(t);
   if (evals_->last_final_step() > t)
-    return Status::Internal("checkpoint after step " + std::to_string(done) + " requested after step " +
-                            std::to_string(evals_->last_final_step() + 1) + "'s gradients reached the optimizer");
+    return Status::Internal(
+        "checkpoint after step " + std::to_string(done) + " requested after step " +
+        std::to_string(evals_->last_final_step() + 1) + "'s gradients reached the optimizer");
   ckpt_.requested = done;
   // On the loop (no room for a copy) the write keeps the beacon beating; in the background it
   // only waits for the copy, which the loop started when step t's update was done.
@@ -556,12 +592,13 @@ Status Coordinator::MaybeCheckpoint(int64_t t) {
 
 Status Coordinator::MaybeExport(int64_t t) {
   const int64_t done = t + 1, every = cfg_.checkpoint.export_every;
-  if (every <= 0 || !WritesOutputs() || done % every != 0 || done >= cfg_.train.steps || done <= ckpt_.exported ||
-      t < window_.first_step)
+  if (every <= 0 || !WritesOutputs() || done % every != 0 || done >= cfg_.train.steps ||
+      done <= ckpt_.exported || t < window_.first_step)
     return Status::Ok();
   ckpt_.exported = done;
   if (!optimizer_->Updated(t))
-    return Status::Internal("export after step " + std::to_string(done) + " requested before its update finished");
+    return Status::Internal("export after step " + std::to_string(done) +
+                            " requested before its update finished");
   // A step whose gradients were not finite is reported (and stops the run) on its own path.
   if (const auto norm = optimizer_->GradNorm(t); norm && !std::isfinite(*norm)) return Status::Ok();
   core::JobConfig at = cfg_;
@@ -570,7 +607,8 @@ Status Coordinator::MaybeExport(int64_t t) {
   if (!at.lora.export_dir.empty()) at.lora.export_dir += suffix;
   const ProgressBeacon::Working writing(*beacon_);
   RP_RETURN_IF_ERROR(core::ExportTrainedModel(
-      at, spec_, [&](int p) { return host_->Weights(p, done); }, [&](int f, float* out) { host_->ReadFrozen(f, out); }));
+      at, spec_, [&](int p) { return host_->Weights(p, done); },
+      [&](int f, float* out) { host_->ReadFrozen(f, out); }));
   RP_LOG(INFO) << "exported the model after step " << done << " (" << suffix.substr(1) << ")";
   return Status::Ok();
 }
@@ -581,7 +619,9 @@ void Coordinator::MaybeStartSnapshot() {
   if (cfg_.checkpoint.every <= 0 || !WritesCheckpoints()) return;
   const int64_t every = cfg_.checkpoint.every;
   const int64_t done = (std::max(ckpt_.requested, window_.first_step) / every + 1) * every;
-  if (done > window_.stop_step || !optimizer_->Updated(done - 1) || evals_->last_final_step() >= done) return;
+  if (done > window_.stop_step || !optimizer_->Updated(done - 1) ||
+      evals_->last_final_step() >= done)
+    return;
   writer_->Snapshot(done);
 }
 
@@ -595,11 +635,12 @@ Status Coordinator::Diverged(int64_t step) {
   std::string newest = "none (rp-launch starts over)";
   if (const int64_t written = writer_ ? writer_->written() : ckpt_.requested; written > 0)
     newest = "the one after step " + std::to_string(written);
-  return Status::NonFinite("step " + std::to_string(step + 1) + ": the gradient norm is " +
-                           (norm ? std::to_string(*norm) : std::string("unknown")) +
-                           " (not finite): training diverged, so the run stops and writes no checkpoint from this "
-                           "step on. Newest checkpoint: " + newest +
-                           "; rp-launch --resume continues from it (with a lower optimizer.lr, say)");
+  return Status::NonFinite(
+      "step " + std::to_string(step + 1) + ": the gradient norm is " +
+      (norm ? std::to_string(*norm) : std::string("unknown")) +
+      " (not finite): training diverged, so the run stops and writes no checkpoint from this "
+      "step on. Newest checkpoint: " +
+      newest + "; rp-launch --resume continues from it (with a lower optimizer.lr, say)");
 }
 
 Status Coordinator::ReportSteps() {
@@ -620,7 +661,8 @@ Status Coordinator::ReportSteps() {
     m.loss = st->loss_sum / static_cast<double>(st->targets);
     m.lr = optimizer_->LearningRate(s);
     m.grad_norm = *norm;
-    m.tokens = round_.calls * round_.microbatches * cfg_.TokensPerMicrobatch() * cfg_.nodes.count;  // every node's
+    m.tokens = round_.calls * round_.microbatches * cfg_.TokensPerMicrobatch() *
+               cfg_.nodes.count;  // every node's
     m.step_time_s = now - times_.last_report;
     m.bubble_ratio = std::max(0.0, 1.0 - st->busy_s / (m.step_time_s * opts_.num_workers));
     m.h2d_bytes = times_.h2d_bytes_per_step;
@@ -641,26 +683,30 @@ Status Coordinator::ReportSteps() {
     if (m.skipped) {
       skipped_steps_++;
       if (scaling->scale_after < kLowestLossScale) return Diverged(s);
-      RP_LOG(WARNING) << "step " << m.step << ": gradients not finite at loss scale " << m.loss_scale
-                      << "; step skipped, scale now " << scaling->scale_after;
+      RP_LOG(WARNING) << "step " << m.step << ": gradients not finite at loss scale "
+                      << m.loss_scale << "; step skipped, scale now " << scaling->scale_after;
     } else if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
       return Diverged(s);
     }
     m.device_peak_bytes = device_peak_bytes_;
     const int64_t anon = AnonymousResidentBytes();
-    if (anon >= 0) m.host_bytes = static_cast<int64_t>(shm::SharedMemoryBytes(layout_, cfg_, opts_.num_workers)) + anon;
+    if (anon >= 0)
+      m.host_bytes =
+          static_cast<int64_t>(shm::SharedMemoryBytes(layout_, cfg_, opts_.num_workers)) + anon;
     nlohmann::json line;
     RP_RETURN_IF_ERROR(metrics_->Append(m, &line));
     if (tensorboard_) RP_RETURN_IF_ERROR(tensorboard_->Append(line));
     // An evaluation's time lands in its step and the next one: not a drift of the plan.
-    profiler_->OnStepReported(s, m.step_time_s, m.bubble_ratio, evals_->Due(s) || (s > 0 && evals_->Due(s - 1)),
+    profiler_->OnStepReported(s, m.step_time_s, m.bubble_ratio,
+                              evals_->Due(s) || (s > 0 && evals_->Due(s - 1)),
                               window_.next_to_dispatch, window_.stop_step);
-    RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr " << m.lr
-                 << " grad_norm " << m.grad_norm
-                 << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string()) << " "
-                 << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s) << " tokens/s bubble "
-                 << static_cast<int>(m.bubble_ratio * 100) << "% ETA "
-                 << static_cast<int64_t>((now - times_.start) / static_cast<double>(m.step - window_.first_step) *
+    RP_LOG(INFO) << "step " << m.step << "/" << cfg_.train.steps << " loss " << m.loss << " lr "
+                 << m.lr << " grad_norm " << m.grad_norm
+                 << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string())
+                 << " " << static_cast<int64_t>(static_cast<double>(m.tokens) / m.step_time_s)
+                 << " tokens/s bubble " << static_cast<int>(m.bubble_ratio * 100) << "% ETA "
+                 << static_cast<int64_t>((now - times_.start) /
+                                         static_cast<double>(m.step - window_.first_step) *
                                          static_cast<double>(window_.stop_step - m.step))
                  << " s";
     dispatch_->Forget(s);
@@ -676,15 +722,20 @@ Status Coordinator::Loop() {
   // The first step of a start is warm-up (allocator, kernel selection, page faults): timed only
   // when it is the only one.
   if (cfg_.schedule.profile_steps > 0)
-    profiler_->StartWindow(window_.stop_step - window_.first_step >= 2 ? window_.first_step + 1 : window_.first_step,
-                           window_.stop_step);
+    profiler_->StartWindow(
+        window_.stop_step - window_.first_step >= 2 ? window_.first_step + 1 : window_.first_step,
+        window_.stop_step);
   RP_RETURN_IF_ERROR(DispatchStep(window_.first_step));
-  if (window_.first_step + 1 < window_.stop_step) RP_RETURN_IF_ERROR(DispatchStep(window_.first_step + 1));
+  if (window_.first_step + 1 < window_.stop_step)
+    RP_RETURN_IF_ERROR(DispatchStep(window_.first_step + 1));
   // Done when every step is reported and the last update is in shared memory (the final drain).
   beacon_->EnterLoop(MonoSeconds());
-  while (window_.next_to_report < window_.stop_step || !optimizer_->Updated(window_.stop_step - 1)) {
+  while (window_.next_to_report < window_.stop_step ||
+         !optimizer_->Updated(window_.stop_step - 1)) {
     beacon_->LoopTurned(MonoSeconds());
-    if (g_stop) return Status::Cancelled("stopped by signal at step " + std::to_string(window_.next_to_report + 1));
+    if (g_stop)
+      return Status::Cancelled("stopped by signal at step " +
+                               std::to_string(window_.next_to_report + 1));
     if (g_graceful_stop && !graceful_) {
       graceful_ = true;
       if (cfg_.nodes.count > 1) {
@@ -699,7 +750,8 @@ Status Coordinator::Loop() {
         // Finish the step being drained; a step already dispatched behind it is abandoned (its
         // gradients never reach the optimizer), then the checkpoint below the loop is written.
         window_.stop_step = std::min(window_.stop_step, EarliestStop());
-        RP_LOG(WARNING) << "interrupted: stopping after step " << window_.stop_step << " with a checkpoint";
+        RP_LOG(WARNING) << "interrupted: stopping after step " << window_.stop_step
+                        << " with a checkpoint";
       }
     }
     if (stop_hold_ >= 0) RP_RETURN_IF_ERROR(PollAgreedStop());
@@ -739,11 +791,13 @@ Status Coordinator::AwaitGathered(int64_t version) {
   for (const auto& p : spec_.params) {
     const int l = p.owner_layer;
     while (gathered[l].load(std::memory_order_acquire) < static_cast<uint64_t>(version)) {
-      if (g_stop) return Status::Cancelled("stopped by signal while the workers gathered the last update");
+      if (g_stop)
+        return Status::Cancelled("stopped by signal while the workers gathered the last update");
       if (MonoSeconds() > deadline)
-        return Status::DeadlineExceeded("layer " + std::to_string(l) + "'s shares of the update after step " +
-                                        std::to_string(version) + " were not gathered from the other nodes within " +
-                                        std::to_string(cfg_.job.node_timeout_s + 60.0) + " s");
+        return Status::DeadlineExceeded(
+            "layer " + std::to_string(l) + "'s shares of the update after step " +
+            std::to_string(version) + " were not gathered from the other nodes within " +
+            std::to_string(cfg_.job.node_timeout_s + 60.0) + " s");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
@@ -760,7 +814,8 @@ Status Coordinator::Finish(Status st) {
     if (!gathered.ok()) st = gathered;
   }
   // Workers exit with the run's code: 3 after a (graceful) interrupt, which the launcher expects.
-  if (workers_) workers_->ShutdownAll(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
+  if (workers_)
+    workers_->ShutdownAll(st.ok() ? 0 : st.code() == StatusCode::kCancelled ? kExitInterrupted : 1);
   // Outputs that fail to write after the training itself succeeded (a full disk) still fail the
   // run, and summary.json (whose room was reserved at the start) names them.
   std::vector<std::string> write_errors;
@@ -773,28 +828,42 @@ Status Coordinator::Finish(Status st) {
     }
   }
   if (st.ok() && WritesOutputs() &&
-      (!cfg_.checkpoint.export_hf.empty() || (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
+      (!cfg_.checkpoint.export_hf.empty() ||
+       (spec_.lora.enabled() && !cfg_.lora.export_dir.empty()))) {
     st = core::ExportTrainedModel(
         cfg_, spec_, [&](int p) { return host_->Weights(p, window_.stop_step); },
         [&](int f, float* out) { host_->ReadFrozen(f, out); });
     if (st.ok()) RP_LOG(INFO) << "exported the trained model to " << cfg_.job.output_dir;
   }
   if (st.ok() && !write_errors.empty())
-    st = Status::IoError("training finished, but writing its outputs failed: " + write_errors.front());
+    st = Status::IoError("training finished, but writing its outputs failed: " +
+                         write_errors.front());
   if (summary_) {
     nlohmann::json summary = {
-        {"status", st.ok() ? "ok" : st.code() == StatusCode::kCancelled ? "interrupted" : "failed"},
-        {"steps", cfg_.train.steps}, {"first_step", window_.first_step + 1},
-        {"last_step", window_.next_to_report}, {"num_workers", opts_.num_workers}, {"plan", plan_.Describe()},
-        {"trainable_params", spec_.TrainableParams()}, {"frozen_params", spec_.FrozenParams()},
-        {"segment_bytes", layout_.total_bytes}, {"optim_segment_bytes", layout_.optim_total_bytes},
-        {"grad_arena_bytes", layout_.grad_arena_bytes}, {"grads_streamed", layout_.grads_streamed},
+        {"status", st.ok()                               ? "ok"
+                   : st.code() == StatusCode::kCancelled ? "interrupted"
+                                                         : "failed"},
+        {"steps", cfg_.train.steps},
+        {"first_step", window_.first_step + 1},
+        {"last_step", window_.next_to_report},
+        {"num_workers", opts_.num_workers},
+        {"plan", plan_.Describe()},
+        {"trainable_params", spec_.TrainableParams()},
+        {"frozen_params", spec_.FrozenParams()},
+        {"segment_bytes", layout_.total_bytes},
+        {"optim_segment_bytes", layout_.optim_total_bytes},
+        {"grad_arena_bytes", layout_.grad_arena_bytes},
+        {"grads_streamed", layout_.grads_streamed},
         // RP_MERGE_CALLS: the job file's calls that ran as this one round (1 = as written).
-        {"merged_calls", round_.merged_calls}, {"nodes", cfg_.nodes.count}, {"node_rank", cfg_.nodes.rank},
+        {"merged_calls", round_.merged_calls},
+        {"nodes", cfg_.nodes.count},
+        {"node_rank", cfg_.nodes.rank},
         // The shape attention's FLOPs grow with (bench/gpu_bench.sh's MFU counting them).
-        {"seq_len", cfg_.data.seq_len}, {"num_layers", cfg_.model.num_layers},
+        {"seq_len", cfg_.data.seq_len},
+        {"num_layers", cfg_.model.num_layers},
         {"attention_dim", cfg_.model.num_heads * cfg_.model.head_dim}};
-    if (cfg_.train.eval_every > 0)  // several nodes may split the eval set (core::EvalSplitAcrossNodes)
+    if (cfg_.train.eval_every >
+        0)  // several nodes may split the eval set (core::EvalSplitAcrossNodes)
       summary["eval_microbatches_here"] = core::EvalSplitAcrossNodes(cfg_)
                                               ? cfg_.train.eval_microbatches / cfg_.nodes.count
                                               : cfg_.train.eval_microbatches;
@@ -807,7 +876,9 @@ Status Coordinator::Finish(Status st) {
       const auto spec = optimizer_->Speculation();
       summary["speculative_updates"] = {{"confirmed", spec.confirmed}, {"redone", spec.redone}};
     }
-    summary["activations"] = layout_.activations_in_worker ? "worker" : layout_.activations_in_pools ? "cuda_ipc" : "host";
+    summary["activations"] = layout_.activations_in_worker  ? "worker"
+                             : layout_.activations_in_pools ? "cuda_ipc"
+                                                            : "host";
     if (workers_) {
       summary["worker_replacements"] = workers_->replacements();
       summary["workers_hung"] = workers_->hung();
@@ -820,24 +891,27 @@ Status Coordinator::Finish(Status st) {
     if (writer_) {
       writer_->TakeCompleted();
       auto all = writer_->all_completed();
-      std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.after_step < b.after_step; });
+      std::sort(all.begin(), all.end(),
+                [](const auto& a, const auto& b) { return a.after_step < b.after_step; });
       for (const auto& c : all) summary["checkpoints"].push_back(core::CheckpointJson(c));
     }
     if (st.ok()) {
       const double wall = times_.makespan_s;
-      const int64_t tokens = (window_.stop_step - window_.first_step) * round_.calls * round_.microbatches *
-                             cfg_.TokensPerMicrobatch() * cfg_.nodes.count;
+      const int64_t tokens = (window_.stop_step - window_.first_step) * round_.calls *
+                             round_.microbatches * cfg_.TokensPerMicrobatch() * cfg_.nodes.count;
       summary["last_step"] = window_.stop_step;
       summary["wall_s"] = wall;
       summary["tokens_per_s"] = static_cast<double>(tokens) / wall;
       summary["busy_s"] = times_.busy_s;
       if (core::ScalesLoss(cfg_)) summary["skipped_steps"] = skipped_steps_;
-      if (auto prediction = profiler_->Summary(); !prediction.is_null()) summary["prediction"] = prediction;
+      if (auto prediction = profiler_->Summary(); !prediction.is_null())
+        summary["prediction"] = prediction;
       if (replan_to_) summary["replan_to"] = *replan_to_;
     }
     // Error text can carry bytes from anywhere (a worker's message cut mid-character, a path):
     // invalid UTF-8 is replaced, never thrown on.
-    if (Status w = summary_->Write(summary.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+    if (Status w = summary_->Write(
+            summary.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
         !w.ok()) {
       RP_LOG(ERROR) << w.message();
       if (st.ok()) st = w;
@@ -850,7 +924,8 @@ Status Coordinator::Finish(Status st) {
 
 Status Coordinator::Run() {
   RP_RETURN_IF_ERROR(Setup());
-  beacon_ = std::make_unique<ProgressBeacon>(opts_.runtime_dir + "/" + kBeaconFile, cfg_.job.worker_timeout_s);
+  beacon_ = std::make_unique<ProgressBeacon>(opts_.runtime_dir + "/" + kBeaconFile,
+                                             cfg_.job.worker_timeout_s);
   Status st = StartParts();
   if (st.ok()) st = Loop();
   // From here on nothing waits on the channel; a signal must not reach it once it is destroyed.
@@ -870,7 +945,8 @@ void RequestGracefulStop() {
   if (auto* c = g_channel.load()) c->Wake();
 }
 
-Status RunCoordinator(const CoordinatorOptions& options, bool* replan, proto::CoordinatorChannel* channel) {
+Status RunCoordinator(const CoordinatorOptions& options, bool* replan,
+                      proto::CoordinatorChannel* channel) {
   Coordinator c(options, channel);
   Status s = c.Run();
   if (replan) *replan = s.ok() && c.replan_requested();

@@ -32,9 +32,9 @@ struct CoordinatorOptions {
   int num_workers = 1;
   std::string session;
   std::string runtime_dir;
-  int optimizer_threads = 0;      // 0: hardware concurrency
-  int hello_timeout_s = 120;      // how long to wait for every worker to connect
-  bool resume = false;            // continue from the newest training-state checkpoint
+  int optimizer_threads = 0;  // 0: hardware concurrency
+  int hello_timeout_s = 120;  // how long to wait for every worker to connect
+  bool resume = false;        // continue from the newest training-state checkpoint
 };
 
 // Runs the whole job. Returns OK after the last step's metrics are written. With several nodes,

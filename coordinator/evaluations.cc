@@ -7,13 +7,14 @@
 
 namespace rp::coord {
 
-Evaluations::Evaluations(const core::JobConfig& cfg, const shm::ArenaLayout& layout, const RunWindow& window,
-                         AsyncOptimizer& optimizer, WorkerTable& workers)
+Evaluations::Evaluations(const core::JobConfig& cfg, const shm::ArenaLayout& layout,
+                         const RunWindow& window, AsyncOptimizer& optimizer, WorkerTable& workers)
     : cfg_(cfg), layout_(layout), window_(window), optimizer_(optimizer), workers_(workers) {}
 
 bool Evaluations::Due(int64_t step) const {
   const int64_t every = cfg_.train.eval_every;
-  return every > 0 && step < window_.stop_step && ((step + 1) % every == 0 || step + 1 == cfg_.train.steps);
+  return every > 0 && step < window_.stop_step &&
+         ((step + 1) % every == 0 || step + 1 == cfg_.train.steps);
 }
 
 Status Evaluations::Dispatch(int64_t step, const std::function<int64_t()>& next_job_index) {
@@ -41,9 +42,9 @@ Status Evaluations::OnEvalDone(int rank, const proto::EvalDone& d) {
     if (it == e.jobs.end()) continue;
     EvalJob& j = it->second;
     if (j.worker != rank || j.done)
-      return Status::ProtocolError("EvalDone for eval job " + std::to_string(d.job_index) + " from worker " +
-                                   std::to_string(rank) +
-                                   (j.done ? ", which is already done" : ", which does not run it"));
+      return Status::ProtocolError(
+          "EvalDone for eval job " + std::to_string(d.job_index) + " from worker " +
+          std::to_string(rank) + (j.done ? ", which is already done" : ", which does not run it"));
     j.done = true;
     j.loss_sum = d.loss_sum;
     j.targets = d.targets;

@@ -19,8 +19,9 @@
 
 namespace rp::coord {
 
-HostState::HostState(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
-                     const shm::ArenaLayout& layout, const std::string& run_id)
+HostState::HostState(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                     const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+                     const std::string& run_id)
     : cfg_(cfg),
       spec_(spec),
       plan_(plan),
@@ -28,17 +29,22 @@ HostState::HostState(const core::JobConfig& cfg, const core::ModelSpec& spec, co
       state_unlinker_(shm::StateSegmentName(run_id)),
       optim_unlinker_(shm::OptimSegmentName(run_id)) {}
 
-StatusOr<std::unique_ptr<HostState>> HostState::Create(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                                                       const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+StatusOr<std::unique_ptr<HostState>> HostState::Create(const core::JobConfig& cfg,
+                                                       const core::ModelSpec& spec,
+                                                       const core::PipelinePlan& plan,
+                                                       const shm::ArenaLayout& layout,
                                                        const std::string& run_id, int workers) {
   RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(shm::SharedMemoryBytes(layout, cfg, workers),
                                                 "this job (state and optimizer segments)"));
   std::unique_ptr<HostState> h(new HostState(cfg, spec, plan, layout, run_id));
-  RP_ASSIGN_OR_RETURN(auto state, shm::Segment::Create(shm::StateSegmentName(run_id), layout.total_bytes));
+  RP_ASSIGN_OR_RETURN(auto state,
+                      shm::Segment::Create(shm::StateSegmentName(run_id), layout.total_bytes));
   h->state_.emplace(std::move(state));
-  RP_ASSIGN_OR_RETURN(auto optim, shm::Segment::Create(shm::OptimSegmentName(run_id), layout.optim_total_bytes));
+  RP_ASSIGN_OR_RETURN(
+      auto optim, shm::Segment::Create(shm::OptimSegmentName(run_id), layout.optim_total_bytes));
   h->optim_.emplace(std::move(optim));
-  h->grad_arena_ = std::make_unique<GradArena>(layout, h->state_->At<std::atomic<uint64_t>>(layout.grad_table));
+  h->grad_arena_ =
+      std::make_unique<GradArena>(layout, h->state_->At<std::atomic<uint64_t>>(layout.grad_table));
   auto* header = h->state_->header();
   std::memset(static_cast<void*>(header), 0, sizeof(*header));
   h->state_->StampHeader(layout.hash);
@@ -49,10 +55,13 @@ StatusOr<std::unique_ptr<HostState>> HostState::Create(const core::JobConfig& cf
 }
 
 const float* HostState::Weights(int p, int64_t version) const {
-  if (layout_.masters_in_state)  // the masters holding `version` updates (one buffer, or version % 2)
-    return state_->At<const float>(layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
+  if (layout_
+          .masters_in_state)  // the masters holding `version` updates (one buffer, or version % 2)
+    return state_->At<const float>(
+        layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
   if (!layout_.sharded) return optim_->At<const float>(layout_.master[p]);
-  return state_->At<const float>(layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
+  return state_->At<const float>(
+      layout_.ComputeCopy(p, static_cast<int>(version % layout_.compute_buffers)));
 }
 
 void HostState::ReadFrozen(int f, float* out) const {
@@ -70,7 +79,8 @@ struct Extent {
 };
 
 std::function<std::string(uint64_t, uint64_t)> Describer(std::vector<Extent> extents) {
-  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  std::sort(extents.begin(), extents.end(),
+            [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
   auto shared = std::make_shared<const std::vector<Extent>>(std::move(extents));
   return [shared](uint64_t begin, uint64_t end) {
     std::vector<std::string> hit;
@@ -93,9 +103,12 @@ std::vector<StateSection> HostState::Sections() {
   for (size_t p = 0; p < spec_.params.size(); ++p) {
     const uint64_t n = static_cast<uint64_t>(layout_.share[p].size()) * 4;
     const std::string& name = spec_.params[p].name;
-    if (!layout_.masters_in_state) optim.push_back({layout_.master[p], layout_.master[p] + n, "master of " + name});
-    if (!layout_.adam_m.empty()) optim.push_back({layout_.adam_m[p], layout_.adam_m[p] + n, "first moment of " + name});
-    if (has_v) optim.push_back({layout_.adam_v[p], layout_.adam_v[p] + n, "second moment of " + name});
+    if (!layout_.masters_in_state)
+      optim.push_back({layout_.master[p], layout_.master[p] + n, "master of " + name});
+    if (!layout_.adam_m.empty())
+      optim.push_back({layout_.adam_m[p], layout_.adam_m[p] + n, "first moment of " + name});
+    if (has_v)
+      optim.push_back({layout_.adam_v[p], layout_.adam_v[p] + n, "second moment of " + name});
   }
   // The compute-copy region, once per buffer (stale1 keeps two); with sharded state this node's
   // shares of it, packed.
@@ -104,14 +117,19 @@ std::vector<StateSection> HostState::Sections() {
   uint64_t packed = 0;
   for (int b = 0; b < layout_.compute_buffers; ++b)
     for (size_t p = 0; p < spec_.params.size(); ++p) {
-      const uint64_t whole = static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
-      const uint64_t share = static_cast<uint64_t>(layout_.share[p].size()) * layout_.weights_elem_bytes;
+      const uint64_t whole =
+          static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
+      const uint64_t share =
+          static_cast<uint64_t>(layout_.share[p].size()) * layout_.weights_elem_bytes;
       const uint64_t at = layout_.sharded ? packed
-                                          : layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region;
+                                          : layout_.compute[p] - layout_.compute_begin +
+                                                static_cast<uint64_t>(b) * region;
       packed += share;
-      compute.push_back({at, at + (layout_.sharded ? share : whole),
-                         (layout_.masters_in_state ? "master of " : "weights (buffer " + std::to_string(b) + ") of ") +
-                             spec_.params[p].name});
+      compute.push_back(
+          {at, at + (layout_.sharded ? share : whole),
+           (layout_.masters_in_state ? "master of "
+                                     : "weights (buffer " + std::to_string(b) + ") of ") +
+               spec_.params[p].name});
     }
   std::vector<StateSection> sections = CheckpointSections(layout_, optim_->data(), state_->data());
   sections[0].describe = Describer(std::move(optim));
@@ -128,9 +146,12 @@ std::vector<std::vector<CheckpointWriter::Placement>> HostState::Placements() co
     if (!layout_.masters_in_state) out[p].push_back({0, layout_.master[p], n});
     if (!layout_.adam_m.empty()) out[p].push_back({0, layout_.adam_m[p], n});
     if (!layout_.adam_v.empty()) out[p].push_back({0, layout_.adam_v[p], n});
-    const uint64_t weights = static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
+    const uint64_t weights =
+        static_cast<uint64_t>(spec_.params[p].numel) * layout_.weights_elem_bytes;
     for (int b = 0; b < layout_.compute_buffers; ++b)
-      out[p].push_back({1, layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region, weights});
+      out[p].push_back(
+          {1, layout_.compute[p] - layout_.compute_begin + static_cast<uint64_t>(b) * region,
+           weights});
   }
   return out;
 }
@@ -143,17 +164,16 @@ namespace {
 void ToComputeCopyOnAllCores(const float* in, uint8_t* out, int64_t n, ComputeDtype dtype) {
   constexpr int64_t kChunk = int64_t{1} << 22;
   const size_t width = dtype == ComputeDtype::kFloat32 ? 4 : 2;
-  ParallelFor((n + kChunk - 1) / kChunk, UsableCores(),
-              [&](int64_t c) {
-                const int64_t begin = c * kChunk;
-                ToComputeCopy(in + begin, out + begin * width, std::min(kChunk, n - begin), dtype);
-              });
+  ParallelFor((n + kChunk - 1) / kChunk, UsableCores(), [&](int64_t c) {
+    const int64_t begin = c * kChunk;
+    ToComputeCopy(in + begin, out + begin * width, std::min(kChunk, n - begin), dtype);
+  });
 }
 
 }  // namespace
 
-Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash, int64_t first_step,
-                       core::Dataset* eval_data) {
+Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t state_hash,
+                       int64_t first_step, core::Dataset* eval_data) {
   const ComputeDtype dtype = ComputeDtypeOf(cfg_.train.dtype);
   // LoRA's frozen base, on resume too (checkpoints leave it out): the checkpoint (model.path)
   // or the seeded init, straight into its compute copy.
@@ -171,17 +191,19 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
                           : state_->At<float>(layout_.frozen[f]);
       if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, dst));
       else core::InitParam(ps, spec_.config, static_cast<uint64_t>(cfg_.train.seed), dst);
-      if (narrow) ToComputeCopyOnAllCores(dst, state_->At<uint8_t>(layout_.frozen[f]), ps.numel, dtype);
+      if (narrow)
+        ToComputeCopyOnAllCores(dst, state_->At<uint8_t>(layout_.frozen[f]), ps.numel, dtype);
     }
   }
   if (resume_from) {
     // Masters, moments and every compute-copy buffer as they were after first_step updates: a
     // whole file straight into a replicated run's segments, else share by share.
     if (resume_from->paths.size() <= 1 && !layout_.sharded)
-      RP_RETURN_IF_ERROR(ReadTrainingState(*resume_from, state_hash, layout_.masters_in_state, Sections()));
-    else
       RP_RETURN_IF_ERROR(
-          ReadTrainingStateShares(*resume_from, cfg_, spec_, layout_, state_hash, optim_->data(), state_->data()));
+          ReadTrainingState(*resume_from, state_hash, layout_.masters_in_state, Sections()));
+    else
+      RP_RETURN_IF_ERROR(ReadTrainingStateShares(*resume_from, cfg_, spec_, layout_, state_hash,
+                                                 optim_->data(), state_->data()));
     auto* versions = state_->At<std::atomic<uint64_t>>(layout_.layer_versions);
     for (int l = 0; l < plan_.num_layers; ++l)
       versions[l].store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
@@ -189,7 +211,8 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
         ->store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
     if (layout_.sharded) {
       auto* gathered = state_->At<std::atomic<uint64_t>>(layout_.gathered_versions);
-      for (int l = 0; l < plan_.num_layers; ++l) gathered[l].store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
+      for (int l = 0; l < plan_.num_layers; ++l)
+        gathered[l].store(static_cast<uint64_t>(first_step), std::memory_order_relaxed);
     }
     RP_LOG(INFO) << "resumed from " << resume_from->path << " after step " << first_step;
   } else {
@@ -201,12 +224,14 @@ Status HostState::Fill(const std::optional<StateFile>& resume_from, uint64_t sta
     int64_t* labels = state_->At<int64_t>(layout_.EvalLabelSlot(k));
     eval_data->FillEval(k, state_->At<int64_t>(layout_.EvalTokenSlot(k)), labels,
                         state_->At<int64_t>(layout_.EvalPositionSlot(k)));
-    for (uint64_t i = 0; i < layout_.tokens_per_mb; ++i) eval_targets += labels[i] != core::kIgnoreIndex;
+    for (uint64_t i = 0; i < layout_.tokens_per_mb; ++i)
+      eval_targets += labels[i] != core::kIgnoreIndex;
   }
   if (layout_.eval_slots > 0 && eval_targets == 0)
-    return Status::InvalidArgument(std::string(cfg_.data.eval_path.empty() ? "data.eval_fraction" : "data.eval_path") +
-                                   ": the eval set (" + std::to_string(layout_.eval_slots) +
-                                   " microbatches) has no target tokens");
+    return Status::InvalidArgument(
+        std::string(cfg_.data.eval_path.empty() ? "data.eval_fraction" : "data.eval_path") +
+        ": the eval set (" + std::to_string(layout_.eval_slots) +
+        " microbatches) has no target tokens");
   state_->header()->ready.store(1, std::memory_order_release);
   return Status::Ok();
 }
@@ -248,10 +273,12 @@ Status HostState::FillFresh() {
     if (layout_.masters_in_state) continue;  // workers fetch the master itself: no compute copy
     if (layout_.sharded) {
       const core::ElemRange r = layout_.share[p];
-      std::memcpy(optim_->At<float>(layout_.ShareElem(layout_.master, static_cast<int>(p), r.begin)), whole + r.begin,
-                  static_cast<size_t>(r.size()) * sizeof(float));
+      std::memcpy(
+          optim_->At<float>(layout_.ShareElem(layout_.master, static_cast<int>(p), r.begin)),
+          whole + r.begin, static_cast<size_t>(r.size()) * sizeof(float));
     }
-    ToComputeCopyOnAllCores(whole, state_->At<uint8_t>(layout_.compute[p]), n, ComputeDtypeOf(cfg_.train.dtype));
+    ToComputeCopyOnAllCores(whole, state_->At<uint8_t>(layout_.compute[p]), n,
+                            ComputeDtypeOf(cfg_.train.dtype));
   }
   return Status::Ok();
 }

@@ -37,8 +37,10 @@ namespace rp::coord {
 class HostState {
  public:
   // `cfg`, `spec`, `plan` and `layout` must outlive the HostState.
-  static StatusOr<std::unique_ptr<HostState>> Create(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                                                     const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+  static StatusOr<std::unique_ptr<HostState>> Create(const core::JobConfig& cfg,
+                                                     const core::ModelSpec& spec,
+                                                     const core::PipelinePlan& plan,
+                                                     const shm::ArenaLayout& layout,
                                                      const std::string& run_id, int workers);
 
   // `resume_from`: the checkpoint to load (its hash must be `state_hash`), holding `first_step`

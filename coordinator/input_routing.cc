@@ -3,7 +3,8 @@
 
 namespace rp::coord {
 
-InputRouting::InputRouting(const core::PipelinePlan& plan, const shm::ArenaLayout& layout, int microbatches)
+InputRouting::InputRouting(const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
+                           int microbatches)
     : plan_(plan), layout_(layout), microbatches_(microbatches) {
   if (!layout_.activations_in_pools) return;
   const size_t per_parity = static_cast<size_t>(layout_.parities) * microbatches_;
@@ -21,9 +22,11 @@ void InputRouting::Recorded(const proto::RunJob& run, int mb, int rank) {
   const size_t base = Base(run, mb);
   if (st.kind == core::StageKind::kForward) {
     for (int l = st.begin; l < st.end; ++l)
-      if (const int slot = plan_.HiddenSlot(l + 1); slot >= 0) hidden_owner_[base * layout_.num_hidden + slot] = rank;
+      if (const int slot = plan_.HiddenSlot(l + 1); slot >= 0)
+        hidden_owner_[base * layout_.num_hidden + slot] = rank;
   } else if (st.begin > 0) {  // the tail and backward stages above the embedding
-    grad_owner_[base * layout_.grad_slots_per_mb + plan_.GradSlot(st.begin) % layout_.grad_slots_per_mb] = rank;
+    grad_owner_[base * layout_.grad_slots_per_mb +
+                plan_.GradSlot(st.begin) % layout_.grad_slots_per_mb] = rank;
   }
 }
 
@@ -32,9 +35,11 @@ proto::InputReady InputRouting::For(const proto::RunJob& run, int mb) const {
   if (!layout_.activations_in_pools) return r;
   const core::Stage& st = plan_.stages[run.stage];
   const size_t base = Base(run, mb);
-  if (st.begin > 0) r.hidden_rank = hidden_owner_[base * layout_.num_hidden + plan_.HiddenSlot(st.begin)];
+  if (st.begin > 0)
+    r.hidden_rank = hidden_owner_[base * layout_.num_hidden + plan_.HiddenSlot(st.begin)];
   if (st.kind == core::StageKind::kBackward)
-    r.grad_rank = grad_owner_[base * layout_.grad_slots_per_mb + plan_.GradSlot(st.end) % layout_.grad_slots_per_mb];
+    r.grad_rank = grad_owner_[base * layout_.grad_slots_per_mb +
+                              plan_.GradSlot(st.end) % layout_.grad_slots_per_mb];
   return r;
 }
 

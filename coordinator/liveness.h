@@ -34,7 +34,8 @@ class WorkerLiveness {
   // work that kept the loop deaf.
   static constexpr double kMaxListenGapS = 0.5;
 
-  WorkerLiveness(int workers, double timeout_s, double now, double max_listen_gap_s = kMaxListenGapS);
+  WorkerLiveness(int workers, double timeout_s, double now,
+                 double max_listen_gap_s = kMaxListenGapS);
 
   void Heard(int rank, double now);
   void Listening(double now);
@@ -56,9 +57,9 @@ class WorkerLiveness {
   // Shifts every worker's last sign of life by `deaf_s` during which nobody could be heard.
   void Deaf(double deaf_s);
 
-  double last_turn_;  // when the loop last listened
-  double wait_began_;  // when the current wait began
-  double caught_up_;  // when the loop last had read every message
+  double last_turn_;               // when the loop last listened
+  double wait_began_;              // when the current wait began
+  double caught_up_;               // when the loop last had read every message
   std::vector<double> last_seen_;  // per worker: when last heard, shifted by deaf intervals
 };
 

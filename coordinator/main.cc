@@ -27,11 +27,14 @@ int main(int argc, char** argv) {
   int verbosity = 0;
   CLI::App app{"RoundPipe coordinator (started by rp-launch)"};
   app.add_option("--spec", o.spec_path, "the run spec rp-launch wrote (run-spec.json)")->required();
-  app.add_option("--gpus", o.num_workers, "number of workers")->required()->check(CLI::Range(1, 4096));
+  app.add_option("--gpus", o.num_workers, "number of workers")
+      ->required()
+      ->check(CLI::Range(1, 4096));
   app.add_option("--session", o.session, "session id")->required();
   app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();
   app.add_option("--optimizer-threads", o.optimizer_threads, "CPU optimizer threads (0 = all)");
-  app.add_option("--hello-timeout-s", o.hello_timeout_s, "how long to wait for every worker to connect");
+  app.add_option("--hello-timeout-s", o.hello_timeout_s,
+                 "how long to wait for every worker to connect");
   app.add_flag("--resume", o.resume, "continue from the newest training checkpoint");
   app.add_option("-v", verbosity, "verbosity");
   try {
@@ -43,7 +46,8 @@ int main(int argc, char** argv) {
   {
     // A SIGKILLed launcher cannot remove the run's shared memory and runtime directory; the
     // coordinator, told by SIGHUP, does (workers die with the launcher and need no cleanup).
-    std::vector<std::string> names = {rp::shm::StateSegmentName(o.session), rp::shm::OptimSegmentName(o.session)};
+    std::vector<std::string> names = {rp::shm::StateSegmentName(o.session),
+                                      rp::shm::OptimSegmentName(o.session)};
     for (int r = 0; r < o.num_workers; ++r) names.push_back(rp::shm::PoolSegmentName(o.session, r));
     std::vector<std::string> paths;
     for (const auto& n : names) paths.push_back("/dev/shm/" + n);

@@ -11,7 +11,8 @@
 
 namespace rp::coord {
 
-ProgressBeacon::ProgressBeacon(std::string path, double timeout_s) : path_(std::move(path)), timeout_s_(timeout_s) {
+ProgressBeacon::ProgressBeacon(std::string path, double timeout_s)
+    : path_(std::move(path)), timeout_s_(timeout_s) {
   if (timeout_s_ <= 0) return;
   thread_ = std::thread([this] { Run(); });
 }

@@ -12,15 +12,17 @@
 
 namespace rp::coord {
 
-RunProfiler::RunProfiler(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
-                         int workers, std::function<void()> on_search_done)
+RunProfiler::RunProfiler(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                         const core::PipelinePlan& plan, int workers,
+                         std::function<void()> on_search_done)
     : cfg_(cfg),
       spec_(spec),
       plan_(plan),
       workers_(workers),
       on_search_done_(std::move(on_search_done)),
       builder_(plan.num_layers),
-      sim_stages_(core::BuildSimInput(cfg, spec, plan, core::DefaultCostModel(cfg), workers, 1).stages) {}
+      sim_stages_(
+          core::BuildSimInput(cfg, spec, plan, core::DefaultCostModel(cfg), workers, 1).stages) {}
 
 RunProfiler::~RunProfiler() { WaitForSearch(); }
 
@@ -37,28 +39,32 @@ void RunProfiler::StartWindow(int64_t begin, int64_t stop_step) {
                  << cfg_.job.output_dir << "/profile.json)";
 }
 
-Status RunProfiler::OnLayerTime(const proto::RunJob& job, int microbatches, const proto::LayerTime& t) {
+Status RunProfiler::OnLayerTime(const proto::RunJob& job, int microbatches,
+                                const proto::LayerTime& t) {
   const core::Stage& stage = plan_.stages[job.stage];
   if (!job.profile || t.layer < stage.begin || t.layer >= stage.end || t.microbatch < 0 ||
       t.microbatch >= microbatches || !(t.seconds >= 0))
     return Status::ProtocolError("LayerTime for job " + std::to_string(t.job_index) + " layer " +
-                                 std::to_string(t.layer) + " microbatch " + std::to_string(t.microbatch) +
+                                 std::to_string(t.layer) + " microbatch " +
+                                 std::to_string(t.microbatch) +
                                  " does not fit the job (not profiled, or out of range)");
   builder_.AddLayer(t.layer, t.phase, t.seconds, static_cast<double>(t.saved_bytes));
   mb_layer_seconds_[{t.job_index, t.microbatch}] += t.seconds;
   return Status::Ok();
 }
 
-void RunProfiler::OnMicrobatch(const proto::RunJob& job, int mb, double interval_s, bool layer_major) {
+void RunProfiler::OnMicrobatch(const proto::RunJob& job, int mb, double interval_s,
+                               bool layer_major) {
   if (!job.profile) return;
   // A layer-major job's microbatches have no intervals of their own to take the overhead from;
   // the term then comes from the other stages' microbatches (with auto's plans on the H200
   // profiles: tail and backward stages only) and is applied to every stage.
   const auto key = std::make_pair(job.job_index, mb);
   if (!layer_major)
-    builder_.AddMicrobatch(interval_s, mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[job.stage],
-                                                                                      builder_.H2dBytesPerS(),
-                                                                                      builder_.D2hBytesPerS()));
+    builder_.AddMicrobatch(interval_s,
+                           mb_layer_seconds_[key] + core::TransferSeconds(sim_stages_[job.stage],
+                                                                          builder_.H2dBytesPerS(),
+                                                                          builder_.D2hBytesPerS()));
   mb_layer_seconds_.erase(key);
 }
 
@@ -69,7 +75,8 @@ void RunProfiler::OnLinkProbe(int rank, const proto::LinkProbe& p) {
   }
   builder_.AddLink(p.h2d_bytes_per_s, p.d2h_bytes_per_s);
   RP_LOG(INFO) << "worker " << rank << " host link: " << p.h2d_bytes_per_s / 1e9 << " GB/s in, "
-               << p.d2h_bytes_per_s / 1e9 << " GB/s out (" << (p.probe_bytes >> 20) << " MiB probe)";
+               << p.d2h_bytes_per_s / 1e9 << " GB/s out (" << (p.probe_bytes >> 20)
+               << " MiB probe)";
 }
 
 Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& optimizer) {
@@ -81,7 +88,8 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
   for (const auto& p : spec_.params) owned[p.owner_layer] += static_cast<double>(p.numel);
   for (int64_t t = begin_; t < end_; ++t) {
     auto spans = optimizer.SpansOfStep(t);
-    std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    std::sort(spans.begin(), spans.end(),
+              [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
     double busy = 0.0, params = 0.0;
     int64_t covered = std::numeric_limits<int64_t>::min();
     for (const auto& sp : spans) {
@@ -107,17 +115,18 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
   measured_step_s_.clear();
   measured_bubble_.clear();
   drift_streak_ = 0;
-  RP_LOG(INFO) << "profile of steps " << begin_ + 1 << "-" << end_ << " written to " << path << "; prediction for "
-               << plan_.Describe() << ": step " << prediction_->step_seconds << " s, bubble "
-               << 100.0 * prediction_->bubble_ratio << "%, peak memory per worker "
+  RP_LOG(INFO) << "profile of steps " << begin_ + 1 << "-" << end_ << " written to " << path
+               << "; prediction for " << plan_.Describe() << ": step " << prediction_->step_seconds
+               << " s, bubble " << 100.0 * prediction_->bubble_ratio << "%, peak memory per worker "
                << prediction_->peak_memory_bytes / 1e9 << " GB";
-  if (cfg_.schedule.partition != core::Partition::kAuto || cfg_.schedule.replan_gain <= 0) return Status::Ok();
+  if (cfg_.schedule.partition != core::Partition::kAuto || cfg_.schedule.replan_gain <= 0)
+    return Status::Ok();
   // A search for an older profile (drift) is waited for and dropped: the new one supersedes it.
   WaitForSearch();
   std::promise<StatusOr<core::PlanChoice>> result;
   search_ = result.get_future();
-  search_thread_ = std::thread([result = std::move(result), cfg = cfg_, workers = workers_, p = *profile,
-                                done = on_search_done_]() mutable {
+  search_thread_ = std::thread([result = std::move(result), cfg = cfg_, workers = workers_,
+                                p = *profile, done = on_search_done_]() mutable {
     try {
       result.set_value(core::ChoosePlan(cfg, workers, p));
     } catch (const std::exception& e) {
@@ -129,21 +138,23 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
 }
 
 std::optional<core::PlanChoice> RunProfiler::TakeBetterPlan() {
-  if (!search_.valid() || search_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return std::nullopt;
+  if (!search_.valid() || search_.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
+    return std::nullopt;
   StatusOr<core::PlanChoice> best = search_.get();
   if (!best.ok()) {
     RP_LOG(WARNING) << "no re-plan check for the new profile: " << best.status().message();
     return std::nullopt;
   }
   const bool always = TestAlwaysReplan() || TestReplanOnce();
-  if (!always && (best->plan.Describe() == plan_.Describe() ||
-                  best->step_seconds >= prediction_->step_seconds * (1.0 - cfg_.schedule.replan_gain)))
+  if (!always &&
+      (best->plan.Describe() == plan_.Describe() ||
+       best->step_seconds >= prediction_->step_seconds * (1.0 - cfg_.schedule.replan_gain)))
     return std::nullopt;
   return std::move(best).value();
 }
 
-void RunProfiler::OnStepReported(int64_t step, double step_time_s, double bubble_ratio, bool eval_nearby,
-                                 int64_t next_to_dispatch, int64_t stop_step) {
+void RunProfiler::OnStepReported(int64_t step, double step_time_s, double bubble_ratio,
+                                 bool eval_nearby, int64_t next_to_dispatch, int64_t stop_step) {
   if (!prediction_ || step < predicted_from_) return;
   // A step's time runs from the previous step's report to its own, so it holds part of the next
   // step's work (stale1 overlaps them; exact mode starts the next forward behind the update),
@@ -158,7 +169,8 @@ void RunProfiler::OnStepReported(int64_t step, double step_time_s, double bubble
   drift_streak_ = off > cfg_.schedule.drift ? drift_streak_ + 1 : 0;
   if (drift_streak_ < 3) return;
   RP_LOG(WARNING) << "step times drifted from the prediction (" << step_time_s << " s measured, "
-                  << prediction_->step_seconds << " s predicted, 3 steps in a row): profiling again";
+                  << prediction_->step_seconds
+                  << " s predicted, 3 steps in a row): profiling again";
   builder_.Clear();
   StartWindow(next_to_dispatch, stop_step);
 }
@@ -167,9 +179,9 @@ nlohmann::json RunProfiler::Summary() const {
   if (!prediction_) return nullptr;
   const double measured = core::Median(measured_step_s_);
   if (measured > 0)
-    RP_LOG(INFO) << "step time: measured " << measured << " s (median of " << measured_step_s_.size()
-                 << " steps), predicted " << prediction_->step_seconds << " s ("
-                 << 100.0 * (measured / prediction_->step_seconds - 1.0) << "%)";
+    RP_LOG(INFO) << "step time: measured " << measured << " s (median of "
+                 << measured_step_s_.size() << " steps), predicted " << prediction_->step_seconds
+                 << " s (" << 100.0 * (measured / prediction_->step_seconds - 1.0) << "%)";
   return {{"plan", prediction_->plan.Describe()},
           {"costs", prediction_->cost_source},
           {"profiled_steps", {predicted_window_.first + 1, predicted_window_.second}},

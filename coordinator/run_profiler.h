@@ -46,8 +46,8 @@ namespace rp::coord {
 
 class RunProfiler {
  public:
-  RunProfiler(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan, int workers,
-              std::function<void()> on_search_done);
+  RunProfiler(const core::JobConfig& cfg, const core::ModelSpec& spec,
+              const core::PipelinePlan& plan, int workers, std::function<void()> on_search_done);
   ~RunProfiler();  // waits for a search still running
 
   void StartWindow(int64_t begin, int64_t stop_step);
@@ -86,7 +86,8 @@ class RunProfiler {
   std::map<std::pair<int64_t, int>, double> mb_layer_seconds_;  // (job, mb) -> timed compute
   std::optional<core::PlanChoice> prediction_;  // the plan in use, from the newest profile
   int64_t predicted_from_ = -1;                 // steps from here on are compared with it
-  std::pair<int64_t, int64_t> predicted_window_{-1, -1};  // the steps its profile timed, [begin, end)
+  std::pair<int64_t, int64_t> predicted_window_{-1,
+                                                -1};  // the steps its profile timed, [begin, end)
   std::vector<double> measured_step_s_, measured_bubble_;
   int drift_streak_ = 0;
   int profiles_written_ = 0;

@@ -42,11 +42,13 @@ struct TracedJob {
 
 class RunTrace {
  public:
-  RunTrace(bool enabled, const core::PipelinePlan& plan, int64_t microbatches_per_round, int workers);
+  RunTrace(bool enabled, const core::PipelinePlan& plan, int64_t microbatches_per_round,
+           int workers);
 
   void AddJob(const TracedJob& job);
   void AddOptimizerSpans(const std::vector<AsyncOptimizer::LayerSpan>& spans);
-  Status Write(const std::string& path, int coordinator_pid, const std::vector<int>& worker_pids) const;
+  Status Write(const std::string& path, int coordinator_pid,
+               const std::vector<int>& worker_pids) const;
 
   bool enabled() const { return enabled_; }
   size_t events() const { return events_.size(); }

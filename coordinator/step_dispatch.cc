@@ -10,7 +10,8 @@
 namespace rp::coord {
 
 StepDispatch::StepDispatch(Parts parts)
-    : parts_(parts), routing_(parts.plan, parts.layout, static_cast<int>(parts.round.microbatches)) {}
+    : parts_(parts),
+      routing_(parts.plan, parts.layout, static_cast<int>(parts.round.microbatches)) {}
 
 StepProgress* StepDispatch::Progress(int64_t step) {
   auto it = steps_.find(step);
@@ -20,18 +21,21 @@ StepProgress* StepDispatch::Progress(int64_t step) {
 StatusOr<StageJob*> StepDispatch::Find(int rank, int64_t index, const char* what) {
   auto it = jobs_.find(index);
   if (it == jobs_.end())
-    return Status::ProtocolError(std::string(what) + " from worker " + std::to_string(rank) + " names job " +
-                                 std::to_string(index) + ", which is not in flight");
+    return Status::ProtocolError(std::string(what) + " from worker " + std::to_string(rank) +
+                                 " names job " + std::to_string(index) +
+                                 ", which is not in flight");
   StageJob* j = &it->second;
   if (j->worker != rank)
-    return Status::ProtocolError(std::string(what) + " for job " + std::to_string(index) + " came from worker " +
-                                 std::to_string(rank) + ", but worker " + std::to_string(j->worker) + " runs it");
+    return Status::ProtocolError(std::string(what) + " for job " + std::to_string(index) +
+                                 " came from worker " + std::to_string(rank) + ", but worker " +
+                                 std::to_string(j->worker) + " runs it");
   return j;
 }
 
 Status StepDispatch::Dispatch(int64_t step) {
   const int64_t targets = parts_.data.CountStepTargets(step);
-  if (targets == 0) return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
+  if (targets == 0)
+    return Status::InvalidArgument("data: step " + std::to_string(step) + " has no target tokens");
   StepProgress& st = steps_[step];
   st.loss_scale = 1.0 / static_cast<double>(targets);
   const int K = static_cast<int>(parts_.round.calls);
@@ -39,8 +43,9 @@ Status StepDispatch::Dispatch(int64_t step) {
   st.job_at.assign(static_cast<size_t>(K) * S, -1);
   // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's update
   // overlaps all of step t.
-  const int64_t version =
-      parts_.cfg.optimizer.mode == core::OptimizerMode::kStale1 ? std::max<int64_t>(0, step - 1) : step;
+  const int64_t version = parts_.cfg.optimizer.mode == core::OptimizerMode::kStale1
+                              ? std::max<int64_t>(0, step - 1)
+                              : step;
   for (const auto [c, s] : core::StepJobOrder(parts_.plan, K, core::InterleaveCalls(parts_.cfg))) {
     StageJob j;
     j.index = TakeJobIndex();
@@ -48,9 +53,16 @@ Status StepDispatch::Dispatch(int64_t step) {
     j.call = c;
     j.stage = s;
     j.worker = core::WorkerForJob(stage_jobs_dispatched_++, 0, parts_.workers.size());
-    j.run = proto::RunJob{j.index, step, c, s, static_cast<int32_t>((step * K + c) % parts_.layout.parities),
-                          static_cast<int32_t>(parts_.round.microbatches), st.loss_scale, version,
-                          parts_.profiler.Profiled(step) ? 1 : 0, 0};
+    j.run = proto::RunJob{j.index,
+                          step,
+                          c,
+                          s,
+                          static_cast<int32_t>((step * K + c) % parts_.layout.parities),
+                          static_cast<int32_t>(parts_.round.microbatches),
+                          st.loss_scale,
+                          version,
+                          parts_.profiler.Profiled(step) ? 1 : 0,
+                          0};
     st.job_at[static_cast<size_t>(c) * S + s] = j.index;
     RP_RETURN_IF_ERROR(parts_.workers.Send(j.worker, j.run));
     jobs_.emplace(j.index, std::move(j));
@@ -65,7 +77,8 @@ Status StepDispatch::FeedCall(int64_t g) {
   std::vector<const int64_t*> call_tokens;
   for (int mb = 0; mb < parts_.round.microbatches; ++mb) {
     int64_t* tokens = parts_.state.At<int64_t>(parts_.layout.TokenSlot(parity, mb));
-    parts_.data.Fill(step, call, mb, tokens, parts_.state.At<int64_t>(parts_.layout.LabelSlot(parity, mb)),
+    parts_.data.Fill(step, call, mb, tokens,
+                     parts_.state.At<int64_t>(parts_.layout.LabelSlot(parity, mb)),
                      parts_.state.At<int64_t>(parts_.layout.PositionSlot(parity, mb)));
     call_tokens.push_back(tokens);
   }
@@ -73,7 +86,8 @@ Status StepDispatch::FeedCall(int64_t g) {
   // run. Collected call by call: with three calls or more a call's token slots are refilled (by
   // call + 2) before the step's last call is fed.
   if (call == 0) step_rows_.clear();
-  const auto rows = core::SortedTokenRows(call_tokens, parts_.cfg.TokensPerMicrobatch(), parts_.cfg.model.vocab_size);
+  const auto rows = core::SortedTokenRows(call_tokens, parts_.cfg.TokensPerMicrobatch(),
+                                          parts_.cfg.model.vocab_size);
   if (parts_.cfg.nodes.count > 1) {
     // The gradient summed across the nodes touches every node's rows.
     if (call == 0) parts_.optimizer.SetTouchedRows(step, StepRows(step));
@@ -82,7 +96,8 @@ Status StepDispatch::FeedCall(int64_t g) {
   } else {
     step_rows_.insert(rows.begin(), rows.end());
     if (call == K - 1)
-      parts_.optimizer.SetTouchedRows(step, std::vector<int64_t>(step_rows_.begin(), step_rows_.end()));
+      parts_.optimizer.SetTouchedRows(step,
+                                      std::vector<int64_t>(step_rows_.begin(), step_rows_.end()));
   }
   // Rows first (AsyncOptimizer): the next step's rows, known before this step's norm is.
   if (parts_.layout.lookup_from_host && call == K - 1 && step + 1 < parts_.window.stop_step)
@@ -100,7 +115,8 @@ std::vector<int64_t> StepDispatch::StepRows(int64_t step) {
   const int64_t per_mb = parts_.cfg.TokensPerMicrobatch();
   const core::RoundShape whole = core::GlobalRound(parts_.cfg);
   const int64_t count = whole.calls * whole.microbatches;
-  std::vector<int64_t> tokens(static_cast<size_t>(count * per_mb)), labels(static_cast<size_t>(per_mb));
+  std::vector<int64_t> tokens(static_cast<size_t>(count * per_mb)),
+      labels(static_cast<size_t>(per_mb));
   std::vector<const int64_t*> slots;
   for (int64_t i = 0; i < count; ++i) {
     int64_t* t = tokens.data() + i * per_mb;
@@ -139,13 +155,15 @@ bool StepDispatch::FirstCommitMayGo(int64_t step, int stage) const {
   // this step computes, and each slot comes back when its parameter's update is complete). In
   // stale1 mode, and before a checkpoint (which must hold step - 1 whole and nothing of this
   // step), the whole previous update must be complete.
-  if ((parts_.cfg.optimizer.mode != core::OptimizerMode::kExact || PeriodicCheckpointAfter(parts_.cfg, step - 1)) &&
+  if ((parts_.cfg.optimizer.mode != core::OptimizerMode::kExact ||
+       PeriodicCheckpointAfter(parts_.cfg, step - 1)) &&
       !parts_.optimizer.Updated(step - 1))
     return false;
   // Device updates: the step's forward took the covered blocks from the worker, not from the
   // host's update, so nothing else orders this commit after that update; the optimizer takes a
   // step's first slot only once the previous step is published.
-  if (core::DeviceUpdateBlocks(parts_.cfg) > 0 && !parts_.optimizer.Published(step - 1)) return false;
+  if (core::DeviceUpdateBlocks(parts_.cfg) > 0 && !parts_.optimizer.Published(step - 1))
+    return false;
   // Also when Updated: the optimizer counts a parameter just before it gives its slots back.
   for (int slot : StageGradSlots(stage))
     if (parts_.grads.IsPlaced(slot)) return false;
@@ -172,12 +190,14 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
   const int device_blocks = core::DeviceUpdateBlocks(parts_.cfg);
   auto device_updated = [&](int pos) {
     const core::Stage& st = parts_.plan.stages[pos % S];
-    return core::DeviceUpdatesLayer(parts_.cfg, st.begin) && core::DeviceUpdatesLayer(parts_.cfg, st.end - 1);
+    return core::DeviceUpdatesLayer(parts_.cfg, st.begin) &&
+           core::DeviceUpdatesLayer(parts_.cfg, st.end - 1);
   };
   std::vector<int> order;
   for (int i = 0; i < positions; ++i) order.push_back(first_layers_first ? positions - 1 - i : i);
   if (first_layers_first && device_blocks > 0)
-    std::stable_partition(order.begin(), order.end(), [&](int pos) { return !device_updated(pos); });
+    std::stable_partition(order.begin(), order.end(),
+                          [&](int pos) { return !device_updated(pos); });
   for (const int pos : order) {
     auto it = jobs_.find(steps_.at(step).job_at[pos]);
     if (it == jobs_.end()) continue;
@@ -204,7 +224,8 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
       j.slots_placed = true;
     }
     j.commit_sent = true;
-    RP_RETURN_IF_ERROR(parts_.workers.Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
+    RP_RETURN_IF_ERROR(
+        parts_.workers.Send(j.worker, proto::CommitGrads{j.index, j.call > 0 ? 1 : 0, 0}));
   }
   return Status::Ok();
 }
@@ -215,12 +236,14 @@ bool StepDispatch::NormFromWorkers(int64_t step) {
   for (int64_t index : st.job_at) {
     auto it = jobs_.find(index);
     // A gradient job leaves jobs_ only after its commit, which waits for this.
-    if (it == jobs_.end() || parts_.plan.stages[it->second.stage].kind == core::StageKind::kForward) continue;
+    if (it == jobs_.end() || parts_.plan.stages[it->second.stage].kind == core::StageKind::kForward)
+      continue;
     if (!it->second.grads_ready) return false;
   }
   const double* squares = parts_.layout.GradSquares(parts_.state.data(), step);
   double total = 0.0;
-  for (int64_t c = 0; c < parts_.layout.square_chunks; ++c) total += squares[c];  // the optimizer's order
+  for (int64_t c = 0; c < parts_.layout.square_chunks; ++c)
+    total += squares[c];  // the optimizer's order
   parts_.optimizer.SetNormSquares(step, total);
   st.norm_given = true;
   return true;
@@ -229,20 +252,22 @@ bool StepDispatch::NormFromWorkers(int64_t step) {
 Status StepDispatch::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) {
   RP_ASSIGN_OR_RETURN(StageJob * j, Find(rank, d.job_index, "MicrobatchDone"));
   if (d.microbatch != j->next_mb)
-    return Status::ProtocolError("worker " + std::to_string(rank) + " finished microbatch " +
-                                 std::to_string(d.microbatch) + " of job " + std::to_string(d.job_index) +
-                                 ", expected " + std::to_string(j->next_mb));
+    return Status::ProtocolError(
+        "worker " + std::to_string(rank) + " finished microbatch " + std::to_string(d.microbatch) +
+        " of job " + std::to_string(d.job_index) + ", expected " + std::to_string(j->next_mb));
   j->next_mb++;
   j->mb_times.emplace_back(d.start_us, d.end_us);
   if (d.microbatch < j->mb_hw) return Status::Ok();  // a replacement's replay: already counted
   j->mb_hw = j->next_mb;
   if (d.microbatch == 0 && (d.flags & proto::kMicrobatchLayerMajor) != 0) layer_major_jobs_++;
   const double interval_s = static_cast<double>(d.end_us - d.start_us) * 1e-6;
-  parts_.profiler.OnMicrobatch(j->run, d.microbatch, interval_s, (d.flags & proto::kMicrobatchLayerMajor) != 0);
+  parts_.profiler.OnMicrobatch(j->run, d.microbatch, interval_s,
+                               (d.flags & proto::kMicrobatchLayerMajor) != 0);
   StepProgress& st = steps_.at(j->step);
   st.busy_s += interval_s;
   // Several nodes: the tail's JobDone brings the loss summed over every node instead.
-  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail && parts_.cfg.nodes.count == 1) {
+  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail &&
+      parts_.cfg.nodes.count == 1) {
     st.loss_sum += d.loss_sum;
     st.targets += d.targets;
   }
@@ -256,7 +281,8 @@ Status StepDispatch::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) 
 
 Status StepDispatch::OnGradsReady(int rank, const proto::GradsReady& g) {
   RP_ASSIGN_OR_RETURN(StageJob * j, Find(rank, g.job_index, "GradsReady"));
-  if (parts_.plan.stages[j->stage].kind == core::StageKind::kForward || j->next_mb != parts_.round.microbatches)
+  if (parts_.plan.stages[j->stage].kind == core::StageKind::kForward ||
+      j->next_mb != parts_.round.microbatches)
     return Status::ProtocolError("unexpected GradsReady for job " + std::to_string(g.job_index));
   j->grads_ready = true;
   return TryCommitsOf(j->step);
@@ -268,7 +294,8 @@ StatusOr<StageJob> StepDispatch::OnJobDone(int rank, const proto::JobDone& d) {
   if (j->done || j->next_mb != parts_.round.microbatches || (needs_commit && !j->commit_sent))
     return Status::ProtocolError("premature JobDone for job " + std::to_string(d.job_index));
   j->done = true;
-  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail && parts_.cfg.nodes.count > 1) {
+  if (parts_.plan.stages[j->stage].kind == core::StageKind::kFusedTail &&
+      parts_.cfg.nodes.count > 1) {
     StepProgress& st = steps_.at(j->step);
     st.loss_sum += d.nodes_loss_sum;
     st.targets += d.nodes_targets;
@@ -284,7 +311,8 @@ StatusOr<bool> StepDispatch::Retire(const StageJob& job) {
   jobs_.erase(job.index);
   call_jobs_done_[job.step * parts_.round.calls + job.call]++;
   StepProgress& st = steps_.at(job.step);
-  if (++st.jobs_done < static_cast<int>(parts_.plan.stages.size() * parts_.round.calls)) return false;
+  if (++st.jobs_done < static_cast<int>(parts_.plan.stages.size() * parts_.round.calls))
+    return false;
   st.done_at = MonoSeconds();
   return true;
 }
@@ -311,9 +339,10 @@ Status StepDispatch::Resend(int rank, std::map<int64_t, const proto::RunEval*> e
     if (j.worker != rank || j.done) continue;
     RP_RETURN_IF_ERROR(send_evals_before(index));
     if (j.commit_sent && j.call > 0)
-      return Status::Unavailable("worker " + std::to_string(rank) + " died while adding job " + std::to_string(index) +
-                                 "'s gradients into the shared slots (accumulation call > 0); a partial sum "
-                                 "cannot be undone");
+      return Status::Unavailable(
+          "worker " + std::to_string(rank) + " died while adding job " + std::to_string(index) +
+          "'s gradients into the shared slots (accumulation call > 0); a partial sum "
+          "cannot be undone");
     j.next_mb = 0;
     j.grads_ready = j.commit_sent = false;
     j.mb_times.clear();
@@ -326,12 +355,13 @@ Status StepDispatch::Resend(int rank, std::map<int64_t, const proto::RunEval*> e
       auto prev = jobs_.find(JobIndex(j.step, j.call, j.stage - 1));
       ready = prev == jobs_.end() ? M : prev->second.mb_hw;
     }
-    for (int mb = 0; mb < ready; ++mb) RP_RETURN_IF_ERROR(parts_.workers.Send(rank, routing_.For(j.run, mb)));
+    for (int mb = 0; mb < ready; ++mb)
+      RP_RETURN_IF_ERROR(parts_.workers.Send(rank, routing_.For(j.run, mb)));
   }
   RP_RETURN_IF_ERROR(send_evals_before(std::numeric_limits<int64_t>::max()));
   jobs_redispatched_ += resent;
-  RP_LOG(WARNING) << "worker " << rank << " replaced by pid " << parts_.workers.pid(rank) << ": re-dispatched "
-                  << resent << " unfinished jobs";
+  RP_LOG(WARNING) << "worker " << rank << " replaced by pid " << parts_.workers.pid(rank)
+                  << ": re-dispatched " << resent << " unfinished jobs";
   return Status::Ok();
 }
 

@@ -58,12 +58,12 @@ namespace rp::coord {
 struct StageJob {
   int64_t index = 0;  // the run's job counter
   int64_t step = 0;
-  int call = 0;       // call inside the step
+  int call = 0;  // call inside the step
   int stage = 0;
   int worker = 0;
-  int next_mb = 0;    // microbatches reported done
-  int mb_hw = 0;      // most microbatches ever reported: a replacement re-running the job replays
-                      // [0, mb_hw) without counting or forwarding them again
+  int next_mb = 0;  // microbatches reported done
+  int mb_hw = 0;    // most microbatches ever reported: a replacement re-running the job replays
+                    // [0, mb_hw) without counting or forwarding them again
   bool slots_placed = false;  // its gradient slots are in the arena (placed once, kept on re-runs)
   proto::RunJob run{};        // as sent, for re-dispatch
   bool grads_ready = false;
@@ -81,7 +81,7 @@ struct StepProgress {
   int64_t targets = 0;
   int jobs_done = 0;
   double busy_s = 0.0;
-  double done_at = -1.0;  // all jobs done (monotonic seconds)
+  double done_at = -1.0;    // all jobs done (monotonic seconds)
   bool norm_given = false;  // gradients wait in the workers: the optimizer has the step's norm
 };
 

@@ -35,19 +35,22 @@ Status WorkerTable::Welcome(int rank) {
 
 Status WorkerTable::OnPool(int rank, const proto::ActivationPool& p) {
   if (!setup_.activation_pools || p.rank != rank || p.bytes != setup_.pool_bytes)
-    return Status::ProtocolError("worker " + std::to_string(rank) + " announced an activation pool (rank " +
-                                 std::to_string(p.rank) + ", " + std::to_string(p.bytes) + " bytes) that this run " +
-                                 (setup_.activation_pools ? "does not expect (" + std::to_string(setup_.pool_bytes) +
-                                                                " bytes per worker)"
-                                                          : std::string("does not use")));
+    return Status::ProtocolError(
+        "worker " + std::to_string(rank) + " announced an activation pool (rank " +
+        std::to_string(p.rank) + ", " + std::to_string(p.bytes) + " bytes) that this run " +
+        (setup_.activation_pools
+             ? "does not expect (" + std::to_string(setup_.pool_bytes) + " bytes per worker)"
+             : std::string("does not use")));
   if (pools_[rank])
-    return Status::ProtocolError("worker " + std::to_string(rank) + " announced its activation pool twice");
+    return Status::ProtocolError("worker " + std::to_string(rank) +
+                                 " announced its activation pool twice");
   pools_[rank] = p;
   return Status::Ok();
 }
 
-Status WorkerTable::Register(double timeout_s, const std::function<bool()>& should_stop,
-                             const std::function<void(int, const proto::LinkProbe&)>& on_link_probe) {
+Status WorkerTable::Register(
+    double timeout_s, const std::function<bool()>& should_stop,
+    const std::function<void(int, const proto::LinkProbe&)>& on_link_probe) {
   const int n = setup_.workers;
   int connected = 0;
   double deadline = MonoSeconds() + timeout_s;
@@ -55,10 +58,12 @@ Status WorkerTable::Register(double timeout_s, const std::function<bool()>& shou
     if (should_stop()) return Status::Cancelled("stopped by signal while waiting for workers");
     if (MonoSeconds() > deadline)
       return Status::DeadlineExceeded(
-          connected < n ? "only " + std::to_string(connected) + " of " + std::to_string(n) +
-                              " workers connected within " + std::to_string(static_cast<int>(timeout_s)) + " s"
-                        : "not every worker announced its activation pool within " +
-                              std::to_string(static_cast<int>(timeout_s)) + " s of the last connecting");
+          connected < n
+              ? "only " + std::to_string(connected) + " of " + std::to_string(n) +
+                    " workers connected within " + std::to_string(static_cast<int>(timeout_s)) +
+                    " s"
+              : "not every worker announced its activation pool within " +
+                    std::to_string(static_cast<int>(timeout_s)) + " s of the last connecting");
     RP_ASSIGN_OR_RETURN(auto env, channel_.Receive(100));
     if (!env) continue;
     const bool known = env->rank < n;
@@ -76,21 +81,23 @@ Status WorkerTable::Register(double timeout_s, const std::function<bool()>& shou
       continue;
     }
     if (const auto* failed = std::get_if<proto::JobFailed>(&env->message); failed && welcomed)
-      return Status::Unavailable("worker " + std::to_string(env->rank) + " could not set up its activation pool: " +
-                                 failed->message);
+      return Status::Unavailable("worker " + std::to_string(env->rank) +
+                                 " could not set up its activation pool: " + failed->message);
     const auto* hello = std::get_if<proto::Hello>(&env->message);
     if (!hello || !known || hello->rank != env->rank) {
-      RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message)) << " from peer w"
-                      << env->rank << " during registration";
+      RP_LOG(WARNING) << "ignored " << proto::MsgTypeName(proto::TypeOfMessage(env->message))
+                      << " from peer w" << env->rank << " during registration";
       continue;
     }
     if (hello->layout_hash != setup_.layout_hash)
-      return Status::ProtocolError("worker " + std::to_string(env->rank) +
-                                   " computed a different shared-memory layout from the run spec (a different build?)");
+      return Status::ProtocolError(
+          "worker " + std::to_string(env->rank) +
+          " computed a different shared-memory layout from the run spec (a different build?)");
     // A replacement would announce a new pool the others have not opened; nothing to re-run yet.
     if (welcomed)
-      return Status::Unavailable("worker " + std::to_string(env->rank) +
-                                 " restarted while the activation pools were being set up (its log says why)");
+      return Status::Unavailable(
+          "worker " + std::to_string(env->rank) +
+          " restarted while the activation pools were being set up (its log says why)");
     if (!welcomed_[env->rank]) {
       welcomed_[env->rank] = true;
       if (++connected == n) {
@@ -106,11 +113,14 @@ Status WorkerTable::Register(double timeout_s, const std::function<bool()>& shou
   for (int to = 0; to < n; ++to)
     for (int owner = 0; owner < n; ++owner)
       if (owner != to) RP_RETURN_IF_ERROR(channel_.Send(to, *pools_[owner]));
-  RP_LOG(INFO) << "activation pools: " << n << " x " << (setup_.pool_bytes >> 20) << " MiB, handles relayed";
+  RP_LOG(INFO) << "activation pools: " << n << " x " << (setup_.pool_bytes >> 20)
+               << " MiB, handles relayed";
   return Status::Ok();
 }
 
-void WorkerTable::StartWatching(double now) { liveness_.emplace(setup_.workers, setup_.timeout_s, now); }
+void WorkerTable::StartWatching(double now) {
+  liveness_.emplace(setup_.workers, setup_.timeout_s, now);
+}
 
 StatusOr<std::optional<proto::Envelope>> WorkerTable::Receive(int timeout_ms) {
   liveness_->Listening(MonoSeconds());
@@ -130,7 +140,8 @@ StatusOr<std::optional<proto::Envelope>> WorkerTable::Receive(int timeout_ms) {
 Status WorkerTable::Send(int rank, const proto::Message& m) {
   Status s = channel_.Send(rank, m);
   if (s.ok() || !restarts_allowed()) return s;
-  RP_VLOG(1) << "worker " << rank << " unreachable (" << s.message() << "); its replacement gets the job again";
+  RP_VLOG(1) << "worker " << rank << " unreachable (" << s.message()
+             << "); its replacement gets the job again";
   return Status::Ok();
 }
 
@@ -149,7 +160,8 @@ Status WorkerTable::CheckHung() {
   liveness_->Listening(now);
   for (const auto& v : liveness_->Hung(now, setup_.grace_s)) {
     const int r = v.rank;
-    const std::string who = "worker " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
+    const std::string who =
+        "worker " + std::to_string(r) + " (pid " + std::to_string(pids_[r]) + ")";
     std::string why = "sent nothing for " + std::to_string(static_cast<int>(v.silent_s)) +
                       " s (job.worker_timeout_s = " + FormatSeconds(liveness_->timeout_s()) + ")";
     const bool stopped = pids_[r] > 0 && ProcessStopped(pids_[r]);
@@ -164,13 +176,16 @@ Status WorkerTable::CheckHung() {
         continue;
       }
       if (waited <= setup_.stopped_timeout_s) {
-        RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) and has sent nothing for "
-                        << FormatSeconds(waited) << " s; waiting for it to continue, up to job.stopped_timeout_s = "
+        RP_LOG(WARNING) << who
+                        << " is stopped (SIGSTOP, Ctrl-Z or a debugger) and has sent nothing for "
+                        << FormatSeconds(waited)
+                        << " s; waiting for it to continue, up to job.stopped_timeout_s = "
                         << FormatSeconds(setup_.stopped_timeout_s) << " s";
         liveness_->Excuse(r, now);
         continue;
       }
-      why = "has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " + std::to_string(static_cast<int>(waited)) +
+      why = "has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
+            std::to_string(static_cast<int>(waited)) +
             " s, past job.stopped_timeout_s = " + FormatSeconds(setup_.stopped_timeout_s) + " s";
       stopped_since_[r] = -1.0;
     }

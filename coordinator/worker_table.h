@@ -45,9 +45,9 @@ class WorkerTable {
     std::string segment_name;  // the state segment every worker maps
     uint64_t segment_bytes = 0;
     int max_restarts = 0;
-    double timeout_s = 0.0;    // job.worker_timeout_s
+    double timeout_s = 0.0;          // job.worker_timeout_s
     double stopped_timeout_s = 0.0;  // job.stopped_timeout_s
-    double grace_s = 120.0;    // a replacement's start-up before it can be judged hung
+    double grace_s = 120.0;          // a replacement's start-up before it can be judged hung
   };
   WorkerTable(proto::CoordinatorChannel& channel, Setup setup);
 

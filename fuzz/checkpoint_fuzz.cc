@@ -51,8 +51,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!file.ok()) return 0;
   (void)rp::coord::ReadRunRecord(*file);
   std::vector<uint8_t> optim(job.layout.optim_total_bytes), state(job.layout.total_bytes);
-  (void)rp::coord::ReadTrainingStateShares(*file, job.config, job.spec, job.layout, job.hash, nullptr, nullptr);
-  (void)rp::coord::ReadTrainingStateShares(*file, job.config, job.spec, job.layout, job.hash, optim.data(),
-                                           state.data());
+  (void)rp::coord::ReadTrainingStateShares(*file, job.config, job.spec, job.layout, job.hash,
+                                           nullptr, nullptr);
+  (void)rp::coord::ReadTrainingStateShares(*file, job.config, job.spec, job.layout, job.hash,
+                                           optim.data(), state.data());
   return 0;
 }

@@ -25,7 +25,8 @@ inline const std::string& ScratchDir() {
 }
 
 inline void WriteFile(const std::string& path, std::string_view bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 // The input cut at each "\n--\n" into at most `n` parts (the last takes the rest; missing parts

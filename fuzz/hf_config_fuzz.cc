@@ -11,8 +11,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string& dir = rp::fuzz::ScratchDir();
   rp::fuzz::WriteFile(dir + "/config.json", {reinterpret_cast<const char*>(data), size});
   rp::core::ModelConfig model;
-  if (rp::core::ApplyHfConfig(dir, &model).ok() &&
-      (model.hidden_size < 1 || model.num_layers < 1 || model.vocab_size < 1 || model.num_heads < 1))
+  if (rp::core::ApplyHfConfig(dir, &model).ok() && (model.hidden_size < 1 || model.num_layers < 1 ||
+                                                    model.vocab_size < 1 || model.num_heads < 1))
     __builtin_trap();  // accepted values pass the job keys' ranges
   return 0;
 }

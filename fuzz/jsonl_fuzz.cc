@@ -12,11 +12,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = rp::fuzz::ScratchDir() + "/records.jsonl";
   rp::fuzz::WriteFile(path, {reinterpret_cast<const char*>(data), size});
   for (const char* packing : {"documents", "stream"}) {
-    auto config = rp::core::ParseJobConfig(std::string("[model]\nvocab_size = 300\n[data]\nformat = \"jsonl\"\n"
-                                                       "path = \"") + path + "\"\nseq_len = 16\npacking = \"" +
-                                               packing + "\"\n[train]\nmicrobatches = 1\naccum_calls = 1\n"
-                                               "microbatch_size = 2\n",
-                                           "/", {});
+    auto config = rp::core::ParseJobConfig(
+        std::string("[model]\nvocab_size = 300\n[data]\nformat = \"jsonl\"\n"
+                    "path = \"") +
+            path + "\"\nseq_len = 16\npacking = \"" + packing +
+            "\"\n[train]\nmicrobatches = 1\naccum_calls = 1\n"
+            "microbatch_size = 2\n",
+        "/", {});
     if (!config.ok()) __builtin_trap();  // the job itself is valid
     auto dataset = rp::core::Dataset::Open(*config);
     if (!dataset.ok()) continue;

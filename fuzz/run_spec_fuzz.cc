@@ -7,7 +7,8 @@
 #include "planning/run_spec.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  auto spec = rp::core::ParseRunSpec(std::string(reinterpret_cast<const char*>(data), size), "run-spec.json");
+  auto spec = rp::core::ParseRunSpec(std::string(reinterpret_cast<const char*>(data), size),
+                                     "run-spec.json");
   if (spec.ok()) (void)rp::core::RunSpecJson(*spec);
   return 0;
 }

@@ -16,10 +16,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   rp::fuzz::WriteFile(path, parts[1]);
   rp::fuzz::WriteFile(path + ".docs", parts[2]);
   rp::fuzz::WriteFile(path + ".mask", parts[3]);
-  auto config = rp::core::ParseJobConfig(std::string("[model]\nvocab_size = 300\n[data]\nformat = \"tokens\"\n"
-                                                     "path = \"") + path + "\"\nseq_len = 8\n[train]\n"
-                                             "microbatches = 1\naccum_calls = 1\nmicrobatch_size = 2\n",
-                                         "/", {});
+  auto config = rp::core::ParseJobConfig(
+      std::string("[model]\nvocab_size = 300\n[data]\nformat = \"tokens\"\n"
+                  "path = \"") +
+          path +
+          "\"\nseq_len = 8\n[train]\n"
+          "microbatches = 1\naccum_calls = 1\nmicrobatch_size = 2\n",
+      "/", {});
   if (!config.ok()) return 0;  // a sidecar whose document index decides the packing may refuse here
   auto dataset = rp::core::Dataset::Open(*config);
   if (!dataset.ok()) return 0;

@@ -38,8 +38,9 @@ class ActivationStore {
 };
 
 // `shape`: an activation's ([microbatch_size, seq_len, hidden]); `dtype`: what the slots hold.
-std::unique_ptr<ActivationStore> MakeActivationStore(const shm::ArenaLayout& layout, const shm::Segment& segment,
-                                                     Device& device, std::vector<int64_t> shape,
+std::unique_ptr<ActivationStore> MakeActivationStore(const shm::ArenaLayout& layout,
+                                                     const shm::Segment& segment, Device& device,
+                                                     std::vector<int64_t> shape,
                                                      at::ScalarType dtype);
 
 }  // namespace rp::worker

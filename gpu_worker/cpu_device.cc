@@ -42,7 +42,8 @@ class CpuDevice final : public Device {
   }
   uint64_t WeightsFence() override { return 0; }
   void WaitWeights(uint64_t) override {}
-  at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
+  at::Tensor FetchActivation(const void* src, at::IntArrayRef shape,
+                             at::ScalarType dtype) override {
     return View(src, shape, dtype).clone();
   }
   void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) override {
@@ -71,26 +72,34 @@ class CpuDevice final : public Device {
   StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t layout_hash,
                                   const std::string& name) override {
     PoolHandle h{};
-    if (name.size() >= h.size()) return Status::InvalidArgument("activation pool name too long: " + name);
-    if (pools_.count(rank)) return Status::Internal("activation pool of rank " + std::to_string(rank) + " exists");
-    RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(shm::kHeaderBytes + bytes, "worker " + std::to_string(rank) +
-                                                                             "'s activation pool"));
+    if (name.size() >= h.size())
+      return Status::InvalidArgument("activation pool name too long: " + name);
+    if (pools_.count(rank))
+      return Status::Internal("activation pool of rank " + std::to_string(rank) + " exists");
+    RP_RETURN_IF_ERROR(shm::CheckSharedMemoryRoom(
+        shm::kHeaderBytes + bytes, "worker " + std::to_string(rank) + "'s activation pool"));
     // The name is ours to remove only once we made it (create fails on an existing name).
-    RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::CreateStamped(name, shm::kHeaderBytes + bytes, layout_hash));
+    RP_ASSIGN_OR_RETURN(auto seg,
+                        shm::Segment::CreateStamped(name, shm::kHeaderBytes + bytes, layout_hash));
     own_unlinker_.emplace(name);
     pools_.emplace(rank, Pool{std::move(seg), bytes});
     own_rank_ = rank;
     std::memcpy(h.data(), name.c_str(), name.size() + 1);
     return h;
   }
-  Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes, uint64_t layout_hash) override {
+  Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes,
+                      uint64_t layout_hash) override {
     if (std::memchr(handle.data(), '\0', handle.size()) == nullptr)
-      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + ": the handle is not a name");
-    if (pools_.count(rank)) return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + " announced twice");
+      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) +
+                                   ": the handle is not a name");
+    if (pools_.count(rank))
+      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) +
+                                   " announced twice");
     RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Open(handle.data(), layout_hash));
     if (seg.size() != shm::kHeaderBytes + bytes)
-      return Status::ProtocolError("activation pool " + seg.name() + " holds " + std::to_string(seg.size()) +
-                                   " bytes, expected " + std::to_string(shm::kHeaderBytes + bytes));
+      return Status::ProtocolError("activation pool " + seg.name() + " holds " +
+                                   std::to_string(seg.size()) + " bytes, expected " +
+                                   std::to_string(shm::kHeaderBytes + bytes));
     pools_.emplace(rank, Pool{std::move(seg), bytes});
     return Status::Ok();
   }
@@ -103,7 +112,8 @@ class CpuDevice final : public Device {
       const float* p = flat.data_ptr<float>();
       const int64_t n = flat.numel();
       std::vector<double> sums;
-      for (int64_t b = 0; b < n; b += chunk) sums.push_back(coord::SquaredSum(p + b, std::min(chunk, n - b)));
+      for (int64_t b = 0; b < n; b += chunk)
+        sums.push_back(coord::SquaredSum(p + b, std::min(chunk, n - b)));
       if (late_s_ > 0.0) late.outs.emplace_back(it.out, std::move(sums));
       else std::copy(sums.begin(), sums.end(), it.out);
     }
@@ -116,13 +126,15 @@ class CpuDevice final : public Device {
   bool SquaresDone(uint64_t ticket) override {
     auto it = late_squares_.find(ticket);
     if (it == late_squares_.end()) return true;
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.started).count() < late_s_)
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - it->second.started)
+            .count() < late_s_)
       return false;
     for (const auto& [out, sums] : it->second.outs) std::copy(sums.begin(), sums.end(), out);
     late_squares_.erase(it);
     return true;
   }
-  at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
+  at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape,
+                           at::ScalarType dtype) override {
     uint64_t bytes = c10::elementSize(dtype);
     for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);
     return View(PoolBytes(rank, offset, bytes), shape, dtype).clone();
@@ -155,12 +167,14 @@ class CpuDevice final : public Device {
   void AdamWComputeCopy(const coord::AdamWHyper& h, float grad_scale, const at::Tensor& grad,
                         const at::Tensor& master, const at::Tensor& m, const at::Tensor& v,
                         const at::Tensor& out) override {
-    const coord::ComputeDtype dtype =
-        out.scalar_type() == at::kBFloat16 ? coord::ComputeDtype::kBFloat16 : coord::ComputeDtype::kFloat32;
+    const coord::ComputeDtype dtype = out.scalar_type() == at::kBFloat16
+                                          ? coord::ComputeDtype::kBFloat16
+                                          : coord::ComputeDtype::kFloat32;
     // With a compute copy apart from the master, kFetched writes only the copy: master, m and v
     // are read, never written.
-    coord::AdamWUpdate(h, grad_scale, grad.data_ptr<float>(), master.data_ptr<float>(), m.data_ptr<float>(),
-                       v.data_ptr<float>(), out.numel(), out.data_ptr(), dtype, coord::UpdateWrites::kFetched);
+    coord::AdamWUpdate(h, grad_scale, grad.data_ptr<float>(), master.data_ptr<float>(),
+                       m.data_ptr<float>(), v.data_ptr<float>(), out.numel(), out.data_ptr(), dtype,
+                       coord::UpdateWrites::kFetched);
   }
 
   // A CPU worker's "transfers" are the copies FetchWeights/FetchActivation/Store make.
@@ -173,8 +187,10 @@ class CpuDevice final : public Device {
       auto t1 = std::chrono::steady_clock::now();
       std::memcpy(b.data(), a.data(), bytes);
       auto t2 = std::chrono::steady_clock::now();
-      r.h2d_bytes_per_s = std::max(r.h2d_bytes_per_s, bytes / std::chrono::duration<double>(t1 - t0).count());
-      r.d2h_bytes_per_s = std::max(r.d2h_bytes_per_s, bytes / std::chrono::duration<double>(t2 - t1).count());
+      r.h2d_bytes_per_s =
+          std::max(r.h2d_bytes_per_s, bytes / std::chrono::duration<double>(t1 - t0).count());
+      r.d2h_bytes_per_s =
+          std::max(r.d2h_bytes_per_s, bytes / std::chrono::duration<double>(t2 - t1).count());
     }
     return r;
   }
@@ -187,10 +203,12 @@ class CpuDevice final : public Device {
   uint8_t* PoolBytes(int rank, uint64_t offset, uint64_t bytes) {
     auto it = pools_.find(rank);
     if (it == pools_.end())
-      throw std::runtime_error("no activation pool of worker " + std::to_string(rank) + " is open here");
+      throw std::runtime_error("no activation pool of worker " + std::to_string(rank) +
+                               " is open here");
     if (bytes > it->second.bytes || offset > it->second.bytes - bytes)
-      throw std::runtime_error("activation pool of worker " + std::to_string(rank) + ": " + std::to_string(bytes) +
-                               " bytes at offset " + std::to_string(offset) + " do not fit its " +
+      throw std::runtime_error("activation pool of worker " + std::to_string(rank) + ": " +
+                               std::to_string(bytes) + " bytes at offset " +
+                               std::to_string(offset) + " do not fit its " +
                                std::to_string(it->second.bytes));
     return it->second.segment.data() + shm::kHeaderBytes + offset;
   }
@@ -217,12 +235,15 @@ std::unique_ptr<Device> MakeCpuDevice() { return std::make_unique<CpuDevice>(); 
 #if !RP_WITH_CUDA
 int CudaDeviceCount() { return 0; }
 StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int, void*, uint64_t, uint64_t) {
-  return Status::InvalidArgument("job.device: \"cuda\" requested, but this build has no CUDA "
-                                 "backend (configure against a CUDA LibTorch with the CUDA toolkit)");
+  return Status::InvalidArgument(
+      "job.device: \"cuda\" requested, but this build has no CUDA "
+      "backend (configure against a CUDA LibTorch with the CUDA toolkit)");
 }
 bool NcclAvailable() { return false; }
-StatusOr<std::unique_ptr<nodes::NodeReduction>> JoinNcclGroup(const nodes::NodeGroup&, int, const std::string&, int) {
-  return Status::InvalidArgument("several nodes with CUDA workers need NCCL, and this build has no CUDA backend");
+StatusOr<std::unique_ptr<nodes::NodeReduction>> JoinNcclGroup(const nodes::NodeGroup&, int,
+                                                              const std::string&, int) {
+  return Status::InvalidArgument(
+      "several nodes with CUDA workers need NCCL, and this build has no CUDA backend");
 }
 #endif
 

@@ -49,7 +49,8 @@ class Device {
   // when workers fetch the fp32 masters (shm::ArenaLayout::masters_in_state) for bf16 compute:
   // the rounding is round-to-nearest-even, bit for bit what the optimizer writes into a compute
   // copy (so both sources give the same weights).
-  at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored, at::ScalarType dtype) {
+  at::Tensor FetchWeights(const void* src, at::IntArrayRef shape, at::ScalarType stored,
+                          at::ScalarType dtype) {
     at::Tensor t = EmptyWeights(shape, dtype);
     CopyWeights(t, src, stored);
     return t;
@@ -72,7 +73,8 @@ class Device {
   virtual uint64_t WeightsFence() = 0;
   virtual void WaitWeights(uint64_t fence) = 0;
 
-  virtual at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  virtual at::Tensor FetchActivation(const void* src, at::IntArrayRef shape,
+                                     at::ScalarType dtype) = 0;
   // Writes `t` converted to `dtype` to `dst`.
   virtual void Store(const at::Tensor& t, void* dst, at::ScalarType dtype) = 0;
   // Blocks until every Store() issued so far is in shared memory.
@@ -88,18 +90,20 @@ class Device {
   // a worker creates its own pool once and announces the returned handle; it opens each peer's
   // pool once from the handle the coordinator relays. Offsets are from a pool's base
   // (ArenaLayout::PoolHiddenSlot). StoreToPool() writes into this worker's pool and is complete
-  // once Synchronize() returns (or a later fence completes), like Store(); FetchFromPool() copies out of any opened pool (this
-  // worker's own included) into a new tensor the compute stream may use at once, like
-  // FetchActivation(), and has finished reading the pool once Synchronize() returns (or a later
-  // fence completes). CUDA: device memory exported with cudaIpcGetMemHandle, opened by peers on
-  // the same GPU or on GPUs with peer access. CPU: a named shared-memory object (`name`) whose
-  // header carries `layout_hash`, so a peer from another run or build is refused. Pools live as
-  // long as the device; an offset or rank outside them throws.
+  // once Synchronize() returns (or a later fence completes), like Store(); FetchFromPool() copies
+  // out of any opened pool (this worker's own included) into a new tensor the compute stream may
+  // use at once, like FetchActivation(), and has finished reading the pool once Synchronize()
+  // returns (or a later fence completes). CUDA: device memory exported with cudaIpcGetMemHandle,
+  // opened by peers on the same GPU or on GPUs with peer access. CPU: a named shared-memory object
+  // (`name`) whose header carries `layout_hash`, so a peer from another run or build is refused.
+  // Pools live as long as the device; an offset or rank outside them throws.
   using PoolHandle = std::array<char, 64>;
   virtual StatusOr<PoolHandle> CreatePool(int rank, uint64_t bytes, uint64_t layout_hash,
                                           const std::string& name) = 0;
-  virtual Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes, uint64_t layout_hash) = 0;
-  virtual at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) = 0;
+  virtual Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes,
+                              uint64_t layout_hash) = 0;
+  virtual at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape,
+                                   at::ScalarType dtype) = 0;
   virtual void StoreToPool(const at::Tensor& t, uint64_t offset, at::ScalarType dtype) = 0;
 
   // Gradient write-back, asynchronous so the next job can compute meanwhile: writes each fp32
@@ -138,8 +142,9 @@ class Device {
   // grad, master, m and v are contiguous fp32 tensors on this device with out's element count; none
   // of them is written.
   virtual Status PinReadOnly(const void* base, uint64_t bytes) = 0;
-  virtual void AdamWComputeCopy(const coord::AdamWHyper& h, float grad_scale, const at::Tensor& grad,
-                                const at::Tensor& master, const at::Tensor& m, const at::Tensor& v,
+  virtual void AdamWComputeCopy(const coord::AdamWHyper& h, float grad_scale,
+                                const at::Tensor& grad, const at::Tensor& master,
+                                const at::Tensor& m, const at::Tensor& v,
                                 const at::Tensor& out) = 0;
 
   // Profiling (planning/profile.h). Mark() records how far the compute stream has got and returns
@@ -179,7 +184,9 @@ StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t
 // uses (one node: an in-process store). Fails naming the group, or in a build without NCCL
 // saying so (NcclAvailable()).
 bool NcclAvailable();
-StatusOr<std::unique_ptr<nodes::NodeReduction>> JoinNcclGroup(const nodes::NodeGroup& group, int worker_rank,
-                                                              const std::string& purpose, int device_index);
+StatusOr<std::unique_ptr<nodes::NodeReduction>> JoinNcclGroup(const nodes::NodeGroup& group,
+                                                              int worker_rank,
+                                                              const std::string& purpose,
+                                                              int device_index);
 
 }  // namespace rp::worker

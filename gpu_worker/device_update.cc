@@ -12,15 +12,17 @@
 
 namespace rp::worker {
 
-StatusOr<std::unique_ptr<DeviceUpdate>> DeviceUpdate::Create(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                                                             const shm::ArenaLayout& layout, const shm::Segment& state,
-                                                             Device& device, at::ScalarType weights_dtype) {
+StatusOr<std::unique_ptr<DeviceUpdate>> DeviceUpdate::Create(
+    const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
+    const shm::Segment& state, Device& device, at::ScalarType weights_dtype) {
   const std::string name = shm::OptimSegmentOf(state.name());
   if (name.empty())
-    return Status::InvalidArgument("optimizer.device_update_blocks: the state segment " + state.name() +
-                                   " is not named like a run's, so its optimizer segment is unknown");
+    return Status::InvalidArgument(
+        "optimizer.device_update_blocks: the state segment " + state.name() +
+        " is not named like a run's, so its optimizer segment is unknown");
   RP_ASSIGN_OR_RETURN(auto optim, shm::Segment::OpenReadOnly(name, layout.optim_total_bytes));
-  std::unique_ptr<DeviceUpdate> u(new DeviceUpdate(cfg, spec, layout, state, std::move(optim), device, weights_dtype));
+  std::unique_ptr<DeviceUpdate> u(
+      new DeviceUpdate(cfg, spec, layout, state, std::move(optim), device, weights_dtype));
   // Each array's covered parameters are consecutive (parameters are in layer order): one range
   // per array to pin. The masters in the state segment are pinned with it already.
   std::vector<const std::vector<uint64_t>*> arrays = {&layout.adam_m, &layout.adam_v};
@@ -30,18 +32,21 @@ StatusOr<std::unique_ptr<DeviceUpdate>> DeviceUpdate::Create(const core::JobConf
     for (size_t p = 0; p < spec.params.size(); ++p) {
       if (!u->CoversLayer(spec.params[p].owner_layer)) continue;
       begin = std::min(begin, (*array)[p]);
-      end = std::max(end, (*array)[p] + static_cast<uint64_t>(spec.params[p].numel) * sizeof(float));
+      end =
+          std::max(end, (*array)[p] + static_cast<uint64_t>(spec.params[p].numel) * sizeof(float));
     }
     if (end == 0) continue;
     if (Status s = device.PinReadOnly(u->optim_.data() + begin, end - begin); !s.ok())
-      return Status::Unavailable("optimizer.device_update_blocks: pinning " + std::to_string(end - begin) +
-                                 " bytes of the optimizer segment for the covered blocks' state failed: " + s.message());
+      return Status::Unavailable(
+          "optimizer.device_update_blocks: pinning " + std::to_string(end - begin) +
+          " bytes of the optimizer segment for the covered blocks' state failed: " + s.message());
   }
   return u;
 }
 
-DeviceUpdate::DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
-                           const shm::Segment& state, shm::Segment optim, Device& device, at::ScalarType weights_dtype)
+DeviceUpdate::DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                           const shm::ArenaLayout& layout, const shm::Segment& state,
+                           shm::Segment optim, Device& device, at::ScalarType weights_dtype)
     : cfg_(cfg),
       spec_(spec),
       layout_(layout),
@@ -55,8 +60,9 @@ const float* DeviceUpdate::MasterOf(int param, int64_t step) const {
   // Workers that fetch the masters read them from the state segment, in the buffer of the
   // version they hold (the step's); otherwise they live in the optimizer segment.
   if (layout_.masters_in_state)
-    return reinterpret_cast<const float*>(state_.data() +
-                                          layout_.ComputeCopy(param, static_cast<int>(step % layout_.compute_buffers)));
+    return reinterpret_cast<const float*>(
+        state_.data() +
+        layout_.ComputeCopy(param, static_cast<int>(step % layout_.compute_buffers)));
   return MomentOf(layout_.master, param);
 }
 
@@ -74,9 +80,12 @@ void DeviceUpdate::Prefetch(int64_t step, int layer) {
     pending = Pending{};
     pending.step = step;
     const std::vector<int64_t> shape{ps.numel};
-    pending.master = device_.FetchWeights(MasterOf(static_cast<int>(p), step), shape, at::kFloat, at::kFloat);
-    pending.m = device_.FetchWeights(MomentOf(layout_.adam_m, static_cast<int>(p)), shape, at::kFloat, at::kFloat);
-    pending.v = device_.FetchWeights(MomentOf(layout_.adam_v, static_cast<int>(p)), shape, at::kFloat, at::kFloat);
+    pending.master =
+        device_.FetchWeights(MasterOf(static_cast<int>(p), step), shape, at::kFloat, at::kFloat);
+    pending.m = device_.FetchWeights(MomentOf(layout_.adam_m, static_cast<int>(p)), shape,
+                                     at::kFloat, at::kFloat);
+    pending.v = device_.FetchWeights(MomentOf(layout_.adam_v, static_cast<int>(p)), shape,
+                                     at::kFloat, at::kFloat);
     pending.fence = device_.WeightsFence();
   }
 }
@@ -99,8 +108,9 @@ void DeviceUpdate::Apply(const proto::StepUpdate& u) {
     }
     if (p.grad.defined()) {
       const auto& ps = spec_.params[it->first];
-      const coord::AdamWHyper h{u.lr, opt.beta1, opt.beta2, opt.eps, ps.weight_decay ? opt.weight_decay : 0.0,
-                                u.adam_step};
+      const coord::AdamWHyper h{
+          u.lr,       opt.beta1, opt.beta2, opt.eps, ps.weight_decay ? opt.weight_decay : 0.0,
+          u.adam_step};
       at::Tensor out = at::empty(ps.shape, p.grad.options().dtype(weights_dtype_));
       device_.AdamWComputeCopy(h, u.grad_scale, p.grad, p.master, p.m, p.v, out);
       if (nudge_) out.mul_(1.0 + 1.0 / 128);

@@ -53,9 +53,11 @@ class DeviceUpdate {
  public:
   // `state` is the mapped state segment (whose name gives the optimizer segment's), `weights_dtype`
   // the dtype of the weights the executor makes (what Apply writes).
-  static StatusOr<std::unique_ptr<DeviceUpdate>> Create(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                                                        const shm::ArenaLayout& layout, const shm::Segment& state,
-                                                        Device& device, at::ScalarType weights_dtype);
+  static StatusOr<std::unique_ptr<DeviceUpdate>> Create(const core::JobConfig& cfg,
+                                                        const core::ModelSpec& spec,
+                                                        const shm::ArenaLayout& layout,
+                                                        const shm::Segment& state, Device& device,
+                                                        at::ScalarType weights_dtype);
 
   bool CoversLayer(int layer) const { return core::DeviceUpdatesLayer(cfg_, layer); }
   void Prefetch(int64_t step, int layer);
@@ -64,8 +66,9 @@ class DeviceUpdate {
   const at::Tensor* Weights(int param, int64_t version) const;
 
  private:
-  DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
-               const shm::Segment& state, shm::Segment optim, Device& device, at::ScalarType weights_dtype);
+  DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& spec,
+               const shm::ArenaLayout& layout, const shm::Segment& state, shm::Segment optim,
+               Device& device, at::ScalarType weights_dtype);
   const float* MasterOf(int param, int64_t step) const;
   const float* MomentOf(const std::vector<uint64_t>& array, int param) const;
 

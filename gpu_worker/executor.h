@@ -112,7 +112,8 @@ class Executor {
   bool WeightsReady(const proto::RunEval& job) const;
   // `between_layers` runs after each layer (the worker's heartbeat: an eval of a large model on
   // a slow device can take longer than the hang timeout).
-  StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job, const std::function<void()>& between_layers);
+  StatusOr<MicrobatchResult> Evaluate(const proto::RunEval& job,
+                                      const std::function<void()>& between_layers);
   // Runs after each layer phase of a training microbatch: the worker's heartbeat. On a device
   // that computes as it is called (the CPU), one long stage (a long sequence) would otherwise
   // send nothing for longer than job.worker_timeout_s and be taken for a hung worker.
@@ -170,13 +171,14 @@ class Executor {
   // the computing between them as busy. Without the marks' figure the interval starts at
   // StallEndUs(): WallMicros() when the job last found its next layer published after waiting
   // for it (else when it began), which counts earlier layers' computing as idle too.
-  StatusOr<std::vector<MicrobatchResult>> ForwardLayers(const std::map<int, InputSources>& inputs, bool* done);
+  StatusOr<std::vector<MicrobatchResult>> ForwardLayers(const std::map<int, InputSources>& inputs,
+                                                        bool* done);
   int64_t StallEndUs() const { return lm_.stall_end_us; }
   // Device marks the begun layer-major job has made and not yet handed to a result: the
   // device's marks must not be cleared meanwhile.
   bool HoldsMarks() const {
-    return !lm_.busy_marks.empty() ||
-           std::any_of(lm_.layer_marks.begin(), lm_.layer_marks.end(), [](const auto& m) { return !m.empty(); });
+    return !lm_.busy_marks.empty() || std::any_of(lm_.layer_marks.begin(), lm_.layer_marks.end(),
+                                                  [](const auto& m) { return !m.empty(); });
   }
   // Enqueues microbatch `mb` and returns without waiting for the device (see MicrobatchResult);
   // the next microbatch, or the next job's, may be enqueued at once.
@@ -191,8 +193,9 @@ class Executor {
   StatusOr<uint64_t> StartCommit(int64_t job_index, bool accumulate);
   // optimizer.device_update_blocks: `update` (owned by the worker, outliving this) prefetches
   // the covered layers' state when a gradient job's weights are all copied, holds their
-  // gradients when the job is detached (before its commit), and its weights serve forward stages and evals of the next version
-  // (backward stages and the tail fetch the host's, whose version also says the state is there).
+  // gradients when the job is detached (before its commit), and its weights serve forward stages
+  // and evals of the next version (backward stages and the tail fetch the host's, whose version
+  // also says the state is there).
   void UseDeviceUpdate(DeviceUpdate* update) { device_update_ = update; }
   // The dtype of the weights a job computes with (what the device update writes).
   at::ScalarType weights_dtype() const { return act_dtype_; }
@@ -253,8 +256,8 @@ class Executor {
   // Profiling (RunJob.profile): device marks around each layer phase, read once the
   // microbatch's completion fence has passed (MicrobatchResult::Resolve).
   int MarkIfProfiling();
-  MicrobatchResult::PendingMarks LayerMarks(int layer, proto::LayerPhase phase, int mark_a, int mark_b,
-                                            int64_t saved_bytes, int mb) const;
+  MicrobatchResult::PendingMarks LayerMarks(int layer, proto::LayerPhase phase, int mark_a,
+                                            int mark_b, int64_t saved_bytes, int mb) const;
   // Adds the marks to pending_marks_ (the microbatch is filled in by Microbatch()).
   void Timed(int layer, proto::LayerPhase phase, int mark_a, int mark_b, int64_t saved_bytes);
   std::vector<MicrobatchResult::PendingMarks> pending_marks_;  // this microbatch's, so far
@@ -283,7 +286,8 @@ class Executor {
     // layer order (their gradients are in `grads`).
     bool kept_decided = false;
     int fetch_end = -1;
-    std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> kept_segments;  // [layer][mb]: (input, output)
+    std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>>
+        kept_segments;  // [layer][mb]: (input, output)
   };
   // One kept layer's forward (see the contract above): its trainable weights' gradient uses and
   // each microbatch's (input, output), filled as the forward stage computes them.
@@ -295,9 +299,13 @@ class Executor {
   using KeptKey = std::tuple<int64_t, int, int>;  // step, call, layer
   std::map<KeptKey, KeptLayer> kept_;
   // The first layer of `st` that keeps its graph (its end when none does).
-  int KeptFrom(const core::Stage& st) const { return std::clamp(plan_.kept_start, st.begin, st.end); }
+  int KeptFrom(const core::Stage& st) const {
+    return std::clamp(plan_.kept_start, st.begin, st.end);
+  }
   // The end of the layers a job of `st` fetches: below its adopted kept layers.
-  static int FetchEnd(const core::Stage& st, const StageWeights& w) { return w.fetch_end >= 0 ? w.fetch_end : st.end; }
+  static int FetchEnd(const core::Stage& st, const StageWeights& w) {
+    return w.fetch_end >= 0 ? w.fetch_end : st.end;
+  }
   // Runs kept layer `l` of the current forward job for microbatch `mb` with autograd and keeps
   // the graph; returns the output, detached.
   at::Tensor KeptLayerForward(int l, int mb, const at::Tensor& x);
@@ -351,8 +359,9 @@ class Executor {
   // stage inputs and gradients stored in it.
   at::ScalarType store_dtype_;
   at::ScalarType act_dtype_;
-  at::ScalarType weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
-  bool emulate_half_ = false;     // fp16 or bf16 on a CPU worker (above)
+  at::ScalarType
+      weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
+  bool emulate_half_ = false;       // fp16 or bf16 on a CPU worker (above)
   bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
   // core::FrozenOnDevice: every frozen tensor, by frozen parameter index (KeepFrozenBase);
   // EmptyLayer then makes no destination for them. Read-only for the math, so every job and
@@ -370,7 +379,8 @@ class Executor {
   InputSources from_{};  // the microbatch being computed's
   StageWeights current_, next_;
   struct HeldGrad {
-    at::Tensor accum;  // undefined if the stage never produced this gradient (a sink is always defined)
+    at::Tensor
+        accum;  // undefined if the stage never produced this gradient (a sink is always defined)
     int grad_slot;
     std::vector<int64_t> shape;
     at::TensorOptions options;
@@ -387,7 +397,8 @@ class Executor {
     bool stalled = false;
     int64_t stall_end_us = 0;
     std::vector<std::pair<int, int>> busy_marks;
-    std::vector<std::vector<MicrobatchResult::PendingMarks>> layer_marks;  // profiled: per microbatch
+    std::vector<std::vector<MicrobatchResult::PendingMarks>>
+        layer_marks;  // profiled: per microbatch
   };
   LayerMajor lm_;
 };

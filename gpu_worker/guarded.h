@@ -23,11 +23,12 @@ Status Guarded(Context&& context, Body&& body) {
   } catch (const c10::OutOfMemoryError& e) {
     // The plan's working set is larger than the device (or job.device_memory_limit_gib): say
     // what decides it, beside LibTorch's own account.
-    return Status::Internal(std::forward<Context>(context)() + ": " + e.what_without_backtrace() +
-                            " [the plan does not fit this device: rp-plan prints its estimated peak per worker "
-                            "and where it goes; with schedule.partition = \"auto\" set schedule.gpu_memory_gb "
-                            "(or job.device_memory_limit_gib) below the device's memory, or lower "
-                            "train.microbatch_size or data.seq_len]");
+    return Status::Internal(
+        std::forward<Context>(context)() + ": " + e.what_without_backtrace() +
+        " [the plan does not fit this device: rp-plan prints its estimated peak per worker "
+        "and where it goes; with schedule.partition = \"auto\" set schedule.gpu_memory_gb "
+        "(or job.device_memory_limit_gib) below the device's memory, or lower "
+        "train.microbatch_size or data.seq_len]");
   } catch (const c10::Error& e) {
     return Status::Internal(std::forward<Context>(context)() + ": " + e.what_without_backtrace());
   } catch (const std::exception& e) {

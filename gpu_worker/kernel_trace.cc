@@ -43,10 +43,11 @@ void KernelTrace::OnJobBegin(int64_t step) {
     return;
   }
   if (active_ || step != step_) return;
-  Status s = Guarded([] { return std::string("starting LibTorch's profiler"); }, [&] {
-    StartKineto();
-    return Status::Ok();
-  });
+  Status s = Guarded([] { return std::string("starting LibTorch's profiler"); },
+                     [&] {
+                       StartKineto();
+                       return Status::Ok();
+                     });
   if (!s.ok()) {
     RP_LOG(WARNING) << "RP_TRACE_KERNELS: " << s.message();
     done_ = true;
@@ -60,12 +61,13 @@ void KernelTrace::Stop() {
   if (!active_) return;
   active_ = false;
   done_ = true;
-  Status s = Guarded([&] { return "writing " + path_; }, [&] {
-    if (drain_) drain_();
-    auto result = StopKineto();
-    if (result) result->save(path_);
-    return Status::Ok();
-  });
+  Status s = Guarded([&] { return "writing " + path_; },
+                     [&] {
+                       if (drain_) drain_();
+                       auto result = StopKineto();
+                       if (result) result->save(path_);
+                       return Status::Ok();
+                     });
   if (s.ok()) RP_LOG(INFO) << "wrote the trace of step " << step_ << " to " << path_;
   else RP_LOG(WARNING) << "RP_TRACE_KERNELS: " << s.message();
 }

@@ -45,7 +45,7 @@ class KernelTrace {
   void Stop();
 
   std::function<void()> drain_;
-  std::string path_;   // empty: off
+  std::string path_;  // empty: off
   int64_t step_ = 3;
   bool active_ = false;
   bool done_ = false;

@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
   app.add_option("--gpus", o.num_workers, "number of workers")->required();
   app.add_option("--session", o.session, "session id")->required();
   app.add_option("--runtime-dir", o.runtime_dir, "private runtime directory")->required();
-  app.add_option("--hello-timeout-s", o.welcome_timeout_s, "how long to wait for the coordinator's Welcome once it listens");
+  app.add_option("--hello-timeout-s", o.welcome_timeout_s,
+                 "how long to wait for the coordinator's Welcome once it listens");
   app.add_option("-v", verbosity, "verbosity");
   try {
     app.parse(argc, argv);
@@ -77,7 +78,8 @@ int main(int argc, char** argv) {
   sa.sa_handler = OnSignal;
   sigaction(SIGTERM, &sa, nullptr);
   // Ctrl-C reaches the whole process group; stopping is the launcher's and the coordinator's call
-  // (a graceful stop needs the workers to finish the step), so workers leave on Shutdown or SIGTERM.
+  // (a graceful stop needs the workers to finish the step), so workers leave on Shutdown or
+  // SIGTERM.
   signal(SIGINT, SIG_IGN);
   rp::Status s = rp::worker::RunWorker(o);
   if (!s.ok()) {

@@ -13,17 +13,24 @@ namespace {
 constexpr auto kPoll = std::chrono::microseconds(200);
 }  // namespace
 
-std::unique_ptr<ShareGatherer> ShareGatherer::Start(const core::JobConfig& config, const core::ModelSpec& spec,
-                                                    const shm::ArenaLayout& layout, uint8_t* state, int worker_rank,
-                                                    int workers, Joiner join, at::Device buffers) {
-  return std::unique_ptr<ShareGatherer>(
-      new ShareGatherer(config, spec, layout, state, worker_rank, workers, std::move(join), buffers));
+std::unique_ptr<ShareGatherer> ShareGatherer::Start(const core::JobConfig& config,
+                                                    const core::ModelSpec& spec,
+                                                    const shm::ArenaLayout& layout, uint8_t* state,
+                                                    int worker_rank, int workers, Joiner join,
+                                                    at::Device buffers) {
+  return std::unique_ptr<ShareGatherer>(new ShareGatherer(config, spec, layout, state, worker_rank,
+                                                          workers, std::move(join), buffers));
 }
 
 ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec,
-                             const shm::ArenaLayout& layout, uint8_t* state, int worker_rank, int workers, Joiner join,
-                             at::Device buffers)
-    : cfg_(config), spec_(spec), layout_(layout), state_(state), rank_(worker_rank), join_(std::move(join)),
+                             const shm::ArenaLayout& layout, uint8_t* state, int worker_rank,
+                             int workers, Joiner join, at::Device buffers)
+    : cfg_(config),
+      spec_(spec),
+      layout_(layout),
+      state_(state),
+      rank_(worker_rank),
+      join_(std::move(join)),
       device_(buffers) {
   const int nodes = static_cast<int>(config.nodes.count);
   const uint64_t elem = static_cast<uint64_t>(layout.weights_elem_bytes);
@@ -37,8 +44,9 @@ ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpe
       for (int n = 0; n < nodes; ++n) {
         const core::ElemRange r = core::ShardOf(spec.params[p].numel, nodes, n);
         if (r.size() == 0) continue;
-        shares.pieces[n].emplace_back(layout.ComputeCopy(static_cast<int>(p), 0) + static_cast<uint64_t>(r.begin) * elem,
-                                      static_cast<uint64_t>(r.size()) * elem);
+        shares.pieces[n].emplace_back(
+            layout.ComputeCopy(static_cast<int>(p), 0) + static_cast<uint64_t>(r.begin) * elem,
+            static_cast<uint64_t>(r.size()) * elem);
         bytes[n] += static_cast<uint64_t>(r.size()) * elem;
       }
     }
@@ -54,7 +62,8 @@ ShareGatherer::ShareGatherer(const core::JobConfig& config, const core::ModelSpe
       mine_ = at::zeros({static_cast<int64_t>(most)}, opts);
       for (int n = 0; n < nodes; ++n) all_.push_back(at::empty({static_cast<int64_t>(most)}, opts));
       mine_dev_ = device_.is_cpu() ? mine_ : mine_.to(device_);
-      for (const at::Tensor& t : all_) all_dev_.push_back(device_.is_cpu() ? t : at::empty_like(t, opts.device(device_)));
+      for (const at::Tensor& t : all_)
+        all_dev_.push_back(device_.is_cpu() ? t : at::empty_like(t, opts.device(device_)));
       s = Run();
     } catch (const std::exception& e) {  // LibTorch's allocations and checks throw
       s = Status::Internal(std::string("gathering the other nodes' shares: ") + e.what());
@@ -79,9 +88,10 @@ std::optional<Status> ShareGatherer::Failed() const {
 Status ShareGatherer::Run() {
   if (layers_.empty()) return Status::Ok();
   RP_ASSIGN_OR_RETURN(auto gathers, join_());
-  RP_LOG(INFO) << "joined the cross-node gather group of worker " << rank_ << " (" << layers_.size() << " layers, "
-               << cfg_.nodes.count << " nodes)";
-  const auto* gathered = reinterpret_cast<const std::atomic<uint64_t>*>(state_ + layout_.gathered_versions);
+  RP_LOG(INFO) << "joined the cross-node gather group of worker " << rank_ << " (" << layers_.size()
+               << " layers, " << cfg_.nodes.count << " nodes)";
+  const auto* gathered =
+      reinterpret_cast<const std::atomic<uint64_t>*>(state_ + layout_.gathered_versions);
   // Every layer holds the same version at the start (a fresh state, or a checkpoint's).
   uint64_t version = gathered[layers_.front().layer].load(std::memory_order_acquire) + 1;
   while (!stop_.load()) {
@@ -133,8 +143,10 @@ StatusOr<bool> ShareGatherer::GatherLayer(nodes::NodeReduction& group, const Lay
     // A group of this node alone (the test hook): nothing comes from elsewhere, so check instead
     // that the collective and its staging gave this node's shares back unchanged.
     if (!device_.is_cpu()) all[me].copy_(all_dev[me]);
-    if (std::memcmp(all[me].data_ptr<uint8_t>(), mine.data_ptr<uint8_t>(), static_cast<size_t>(most)) != 0)
-      return Status::Internal("gathering layer " + std::to_string(layer) + " version " + std::to_string(version) +
+    if (std::memcmp(all[me].data_ptr<uint8_t>(), mine.data_ptr<uint8_t>(),
+                    static_cast<size_t>(most)) != 0)
+      return Status::Internal("gathering layer " + std::to_string(layer) + " version " +
+                              std::to_string(version) +
                               " in a group of one node did not give its shares back unchanged");
   }
   for (int n = 0; n < nodes; ++n) {

@@ -56,9 +56,11 @@ class ShareGatherer {
  public:
   using Joiner = std::function<StatusOr<std::unique_ptr<nodes::NodeReduction>>()>;
   // `state` is the mapped state segment; `layout`, `spec` and `config` must outlive the gatherer.
-  static std::unique_ptr<ShareGatherer> Start(const core::JobConfig& config, const core::ModelSpec& spec,
-                                              const shm::ArenaLayout& layout, uint8_t* state, int worker_rank,
-                                              int workers, Joiner join, at::Device buffers);
+  static std::unique_ptr<ShareGatherer> Start(const core::JobConfig& config,
+                                              const core::ModelSpec& spec,
+                                              const shm::ArenaLayout& layout, uint8_t* state,
+                                              int worker_rank, int workers, Joiner join,
+                                              at::Device buffers);
   ~ShareGatherer();
   ShareGatherer(const ShareGatherer&) = delete;
   ShareGatherer& operator=(const ShareGatherer&) = delete;
@@ -66,8 +68,9 @@ class ShareGatherer {
   std::optional<Status> Failed() const;
 
  private:
-  ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
-                uint8_t* state, int worker_rank, int workers, Joiner join, at::Device buffers);
+  ShareGatherer(const core::JobConfig& config, const core::ModelSpec& spec,
+                const shm::ArenaLayout& layout, uint8_t* state, int worker_rank, int workers,
+                Joiner join, at::Device buffers);
   Status Run();
 
   const core::JobConfig& cfg_;
@@ -87,7 +90,8 @@ class ShareGatherer {
   };
   std::vector<LayerShares> layers_;
   // Gathers `layer`'s shares of `version` through `group`; false when stopped first.
-  StatusOr<bool> GatherLayer(nodes::NodeReduction& group, const LayerShares& layer, uint64_t version);
+  StatusOr<bool> GatherLayer(nodes::NodeReduction& group, const LayerShares& layer,
+                             uint64_t version);
   // The gather's buffers, sized once for the largest layer: this node's shares, every node's; in
   // host memory, and on device_ too when that is a GPU (else the same tensors).
   at::Tensor mine_, mine_dev_;

@@ -44,8 +44,8 @@ constexpr uint64_t kLinkProbeBytes = 64ull << 20;  // long enough to reach the l
 std::atomic<bool> g_stop{false};
 
 struct ActiveJob {
-  proto::RunJob job;       // job.job_index orders the queue for eval jobs too
-  bool eval = false;       // a RunEval (fields in `run_eval`), not a stage job
+  proto::RunJob job;  // job.job_index orders the queue for eval jobs too
+  bool eval = false;  // a RunEval (fields in `run_eval`), not a stage job
   proto::RunEval run_eval{};
   int next_mb = 0;
   bool begun = false;
@@ -87,7 +87,8 @@ class Worker {
   // stops before the segment is unmapped: declared after it).
   ShareGatherer::Joiner join_gather_;  // forms the gathers' group (sharded state; set with sums_)
   std::unique_ptr<ShareGatherer> gatherer_;
-  std::optional<KernelTrace> trace_;  // RP_TRACE_KERNELS (kernel_trace.h); destroyed before the device
+  std::optional<KernelTrace>
+      trace_;  // RP_TRACE_KERNELS (kernel_trace.h); destroyed before the device
 
   std::deque<ActiveJob> queue_;
   // Microbatches enqueued on the device and not yet reported: MicrobatchDone goes out once the
@@ -105,7 +106,7 @@ class Worker {
     bool layer_major_profiled = false;  // and the first profiled one
     bool frozen_kept = false;           // the frozen base first kept on the device
   } logged_;
-  int64_t last_done_end_us_ = 0;  // end of the last microbatch reported
+  int64_t last_done_end_us_ = 0;    // end of the last microbatch reported
   double last_completion_s_ = 0.0;  // MonoSeconds() when the device last completed a microbatch
   // A device that stops completing work (a stuck kernel) would otherwise leave this loop
   // spinning and heartbeating forever: once the oldest microbatch in flight has made no progress
@@ -147,8 +148,8 @@ class Worker {
   // committed once summed and granted.
   std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_;
   std::unique_ptr<nodes::NodeReduction> reduction_;
-  bool sums_ = false;                // decided once in Run: this worker sums across the nodes
-  at::TensorOptions sums_options_;   // where its sums' tensors live: its GPU (NCCL) or host (Gloo)
+  bool sums_ = false;               // decided once in Run: this worker sums across the nodes
+  at::TensorOptions sums_options_;  // where its sums' tensors live: its GPU (NCCL) or host (Gloo)
   // core::EvalSplitAcrossNodes: the group that sums each eval job's loss across the nodes (its
   // own group, so eval sums keep their order beside the gradient sums).
   std::future<StatusOr<std::unique_ptr<nodes::NodeReduction>>> joining_eval_;
@@ -156,7 +157,8 @@ class Worker {
   // Sums an eval job's loss and target count across the nodes, beating while it waits.
   Status SumEvalAcrossNodes(double* loss_sum, int64_t* targets);
   void BeatIfDue();
-  std::map<int64_t, std::pair<double, int64_t>> job_loss_;  // several nodes: job -> this node's loss, targets
+  std::map<int64_t, std::pair<double, int64_t>>
+      job_loss_;  // several nodes: job -> this node's loss, targets
   // JobDone for `f`, with its loss summed over the nodes when it has one.
   proto::JobDone DoneMessage(const Finishing& f) const;
   // Starts the cross-node sum of the gradients of `f`; false while the group is still being
@@ -205,14 +207,17 @@ Status Worker::Handle(const proto::Message& m) {
     }
     case proto::MsgType::kActivationPool: {
       const auto& p = std::get<proto::ActivationPool>(m);
-      if (!layout_.activations_in_pools || p.rank < 0 || p.rank >= opts_.num_workers || p.rank == opts_.rank)
+      if (!layout_.activations_in_pools || p.rank < 0 || p.rank >= opts_.num_workers ||
+          p.rank == opts_.rank)
         return Status::ProtocolError("ActivationPool for worker " + std::to_string(p.rank) +
-                                     " does not fit this run (worker " + std::to_string(opts_.rank) + " of " +
+                                     " does not fit this run (worker " +
+                                     std::to_string(opts_.rank) + " of " +
                                      std::to_string(opts_.num_workers) + ")");
       Device::PoolHandle h;
       std::memcpy(h.data(), p.handle, h.size());
       // Reported as a setup failure (job -1), so the coordinator ends the run with the reason.
-      if (Status s = device_->OpenPeerPool(p.rank, h, p.bytes, layout_.hash); !s.ok()) return Fail(-1, s);
+      if (Status s = device_->OpenPeerPool(p.rank, h, p.bytes, layout_.hash); !s.ok())
+        return Fail(-1, s);
       return Status::Ok();
     }
     case proto::MsgType::kCommitGrads: {
@@ -247,7 +252,8 @@ Status Worker::Handle(const proto::Message& m) {
 
 Status Worker::CheckQueueOrder(const char* what, int64_t job_index) const {
   if (!queue_.empty() && job_index <= queue_.back().job.job_index)
-    return Status::ProtocolError(std::string(what) + " " + std::to_string(job_index) + " arrived out of order");
+    return Status::ProtocolError(std::string(what) + " " + std::to_string(job_index) +
+                                 " arrived out of order");
   return Status::Ok();
 }
 
@@ -282,7 +288,8 @@ StatusOr<bool> Worker::Progress() {
     if (Status f = exec_->FetchReady(a.job, &fetched); !f.ok()) return Fail(id, f);
     // A forward stage may begin layer-major once every microbatch's input is here.
     auto inputs = ready_.find(id);
-    const bool all_inputs = inputs != ready_.end() && static_cast<int>(inputs->second.size()) >= a.job.num_microbatches;
+    const bool all_inputs =
+        inputs != ready_.end() && static_cast<int>(inputs->second.size()) >= a.job.num_microbatches;
     if (!exec_->Startable(a.job, all_inputs)) {
       waiting_for_weights_ = true;
       return false;
@@ -294,18 +301,21 @@ StatusOr<bool> Worker::Progress() {
     Status s = exec_->Begin(a.job, all_inputs);
     if (!s.ok()) return Fail(id, s);
     if (exec_->LayerMajorBegun() && queue_.size() > 1 && !queue_[1].eval)
-      if (Status r = exec_->Reserve(queue_[1].job); !r.ok()) return Fail(queue_[1].job.job_index, r);
+      if (Status r = exec_->Reserve(queue_[1].job); !r.ok())
+        return Fail(queue_[1].job.job_index, r);
     a.fetch_end_us = WallMicros();
     a.begun = true;
     if (!logged_.frozen_kept && exec_->FrozenKeptBytes() > 0) {
       RP_LOG(INFO) << "keeps the frozen base weights on its device (schedule.frozen_on_device, "
-                   << exec_->FrozenKeptBytes() / 1000000 << " MB); its jobs copy only the trainable weights";
+                   << exec_->FrozenKeptBytes() / 1000000
+                   << " MB); its jobs copy only the trainable weights";
       logged_.frozen_kept = true;
     }
   }
   // Two jobs' weights on the device at most: the current one's and the next one's, whose copy
   // runs on the low-priority stream while this job computes.
-  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched && !exec_->LayerMajorCopying()) {
+  if (queue_.size() > 1 && !queue_[1].eval && !queue_[1].prefetched &&
+      !exec_->LayerMajorCopying()) {
     bool fetched = false;
     Status s = exec_->FetchReady(queue_[1].job, &fetched);
     if (!s.ok()) return Fail(queue_[1].job.job_index, s);
@@ -313,14 +323,17 @@ StatusOr<bool> Worker::Progress() {
   }
   if (a.next_mb == 0 && exec_->LayerMajorBegun()) {
     auto it = ready_.find(id);
-    if (it == ready_.end()) return Fail(id, Status::Internal("a layer-major job began without its inputs"));
+    if (it == ready_.end())
+      return Fail(id, Status::Internal("a layer-major job began without its inputs"));
     if (!logged_.layer_major) {
-      RP_LOG(INFO) << "job " << id << " (a forward stage) runs layer by layer over its " << a.job.num_microbatches
+      RP_LOG(INFO) << "job " << id << " (a forward stage) runs layer by layer over its "
+                   << a.job.num_microbatches
                    << " microbatches, each layer as soon as it is published";
       logged_.layer_major = true;
     }
     if (a.job.profile && !logged_.layer_major_profiled) {
-      RP_LOG(INFO) << "job " << id << " (profiled) runs layer by layer, each layer of each microbatch timed";
+      RP_LOG(INFO) << "job " << id
+                   << " (profiled) runs layer by layer, each layer of each microbatch timed";
       logged_.layer_major_profiled = true;
     }
     bool done = false;
@@ -386,7 +399,8 @@ void Worker::BeatIfDue() {
 
 Status Worker::SumEvalAcrossNodes(double* loss_sum, int64_t* targets) {
   if (!eval_sums_) {
-    while (joining_eval_.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) BeatIfDue();
+    while (joining_eval_.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready)
+      BeatIfDue();
     RP_ASSIGN_OR_RETURN(eval_sums_, joining_eval_.get());
   }
   at::Tensor sums = at::empty({2}, sums_options_.dtype(at::kDouble));
@@ -416,12 +430,14 @@ StatusOr<bool> Worker::RunEval(ActiveJob& a) {
   d.job_index = a.run_eval.job_index;
   // Test hook: one worker of the run fails its first eval job (the replacement must re-run it).
   if (ClaimTestHookOnce("RP_TEST_FAIL_EVAL_ONCE"))
-    return Fail(d.job_index, Status::Internal("RP_TEST_FAIL_EVAL_ONCE: failing an eval job on purpose"));
+    return Fail(d.job_index,
+                Status::Internal("RP_TEST_FAIL_EVAL_ONCE: failing an eval job on purpose"));
   d.start_us = WallMicros();
   auto r = exec_->Evaluate(a.run_eval, [this] { BeatIfDue(); });
   if (!r.ok()) return Fail(d.job_index, r.status());
   if (core::EvalSplitAcrossNodes(cfg_))
-    if (Status s = SumEvalAcrossNodes(&r->loss_sum, &r->targets); !s.ok()) return Fail(d.job_index, s);
+    if (Status s = SumEvalAcrossNodes(&r->loss_sum, &r->targets); !s.ok())
+      return Fail(d.job_index, s);
   if (const double slow = TestEvalDelaySeconds(); slow > 0)
     std::this_thread::sleep_for(std::chrono::duration<double>(slow));
   d.end_us = WallMicros();
@@ -437,24 +453,28 @@ StatusOr<bool> Worker::Finish() {
   while (!in_flight_.empty()) {
     InFlight& f = in_flight_.front();
     bool done = false;
-    Status s = Guarded([&] { return "microbatch " + std::to_string(f.done.microbatch); }, [&] {
-      done = device_->Completed(f.result.fence);
-      return Status::Ok();
-    });
+    Status s = Guarded([&] { return "microbatch " + std::to_string(f.done.microbatch); },
+                       [&] {
+                         done = device_->Completed(f.result.fence);
+                         return Status::Ok();
+                       });
     if (!s.ok()) return Fail(f.done.job_index, s);
     if (!done) break;
     last_completion_s_ = MonoSeconds();
-    s = Guarded([&] { return "reading microbatch " + std::to_string(f.done.microbatch) + "'s timings"; }, [&] {
-      f.result.Resolve(*device_);
-      return Status::Ok();
-    });
+    s = Guarded(
+        [&] { return "reading microbatch " + std::to_string(f.done.microbatch) + "'s timings"; },
+        [&] {
+          f.result.Resolve(*device_);
+          return Status::Ok();
+        });
     if (!s.ok()) return Fail(f.done.job_index, s);
     // The device runs microbatches back to back: this one started when it was enqueued or when
     // the one before it ended, whichever was later. The intervals then tile the device's busy
     // time (to within this loop's 1 ms poll) and the coordinator's bubble ratio stays true.
     const int64_t now_us = WallMicros();
     // A layer-major job's: the device computed it for busy_s, ending about now.
-    if (f.result.busy_s >= 0) f.done.start_us = now_us - static_cast<int64_t>(f.result.busy_s * 1e6);
+    if (f.result.busy_s >= 0)
+      f.done.start_us = now_us - static_cast<int64_t>(f.result.busy_s * 1e6);
     f.done.start_us = std::max(f.done.start_us, last_done_end_us_);
     f.done.end_us = std::max(now_us, f.done.start_us);
     last_done_end_us_ = f.done.end_us;
@@ -551,10 +571,11 @@ StatusOr<bool> Worker::Finish() {
       worked = true;
     }
     bool done = false;
-    Status s = Guarded([&] { return "committing job " + std::to_string(id) + "'s gradients"; }, [&] {
-      done = device_->CommitDone(it->ticket);
-      return Status::Ok();
-    });
+    Status s = Guarded([&] { return "committing job " + std::to_string(id) + "'s gradients"; },
+                       [&] {
+                         done = device_->CommitDone(it->ticket);
+                         return Status::Ok();
+                       });
     if (!s.ok()) return Fail(id, s);
     if (done) {
       auto summed = SquaresDone(*it);
@@ -573,8 +594,9 @@ StatusOr<bool> Worker::Finish() {
 }
 
 Status Worker::StartSquares(Finishing& f) {
-  RP_ASSIGN_OR_RETURN(f.squares_ticket,
-                      exec_->StartChunkSquares(f.job.job.job_index, layout_.GradSquares(segment_->data(), f.job.job.step)));
+  RP_ASSIGN_OR_RETURN(f.squares_ticket, exec_->StartChunkSquares(
+                                            f.job.job.job_index,
+                                            layout_.GradSquares(segment_->data(), f.job.job.step)));
   f.squaring = true;
   return Status::Ok();
 }
@@ -582,11 +604,14 @@ Status Worker::StartSquares(Finishing& f) {
 StatusOr<bool> Worker::SquaresDone(Finishing& f) {
   if (!f.squaring) return true;
   bool done = false;
-  Status s = Guarded([&] { return "summing the squares of job " + std::to_string(f.job.job.job_index) + "'s gradients"; },
-                     [&] {
-                       done = device_->SquaresDone(f.squares_ticket);
-                       return Status::Ok();
-                     });
+  Status s = Guarded(
+      [&] {
+        return "summing the squares of job " + std::to_string(f.job.job.job_index) + "'s gradients";
+      },
+      [&] {
+        done = device_->SquaresDone(f.squares_ticket);
+        return Status::Ok();
+      });
   if (!s.ok()) return s;
   if (done) f.squaring = false;
   return done;
@@ -608,8 +633,9 @@ StatusOr<bool> Worker::StartReduction(Finishing& f) {
   if (!reduction_) {
     if (joining_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
     RP_ASSIGN_OR_RETURN(reduction_, joining_.get());
-    RP_LOG(INFO) << "joined the cross-node reduction group of worker " << opts_.rank << " (" << cfg_.nodes.count
-                 << (cfg_.nodes.count == 1 ? " node, " : " nodes, ") << (use_cuda_ ? "NCCL" : "Gloo") << ")";
+    RP_LOG(INFO) << "joined the cross-node reduction group of worker " << opts_.rank << " ("
+                 << cfg_.nodes.count << (cfg_.nodes.count == 1 ? " node, " : " nodes, ")
+                 << (use_cuda_ ? "NCCL" : "Gloo") << ")";
   }
   RP_ASSIGN_OR_RETURN(at::Tensor flat, exec_->GatherHeld(f.job.job.job_index));
   if (plan_.stages[f.job.job.stage].kind == core::StageKind::kFusedTail) {
@@ -624,8 +650,9 @@ StatusOr<bool> Worker::StartReduction(Finishing& f) {
 }
 
 proto::JobDone Worker::DoneMessage(const Finishing& f) const {
-  proto::JobDone d{f.job.job.job_index, f.job.start_us, f.job.fetch_end_us, WallMicros(), 0.0, 0,
-                   device_->PeakAllocatedBytes()};
+  proto::JobDone d{
+      f.job.job.job_index,          f.job.start_us, f.job.fetch_end_us, WallMicros(), 0.0, 0,
+      device_->PeakAllocatedBytes()};
   if (f.loss.defined()) {
     d.nodes_loss_sum = f.loss[0].item<double>();
     d.nodes_targets = static_cast<int64_t>(f.loss[1].item<double>());
@@ -634,7 +661,8 @@ proto::JobDone Worker::DoneMessage(const Finishing& f) const {
 }
 
 Status Worker::Run() {
-  // The job and its plan as rp-launch resolved them: a worker neither parses the job file nor plans.
+  // The job and its plan as rp-launch resolved them: a worker neither parses the job file nor
+  // plans.
   RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
   plan_ = std::move(run.plan);
@@ -642,29 +670,36 @@ Status Worker::Run() {
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
   const int gpus = CudaDeviceCount();
-  use_cuda_ = cfg_.job.device == core::DeviceKind::kCuda || (cfg_.job.device == core::DeviceKind::kAuto && gpus > 0);
+  use_cuda_ = cfg_.job.device == core::DeviceKind::kCuda ||
+              (cfg_.job.device == core::DeviceKind::kAuto && gpus > 0);
   if (use_cuda_ && gpus == 0)
-    return Status::InvalidArgument("job.device: \"cuda\" requested, but no CUDA device is usable "
-                                   "by this build");
+    return Status::InvalidArgument(
+        "job.device: \"cuda\" requested, but no CUDA device is usable "
+        "by this build");
   if (!use_cuda_ && core::Fp8Matmuls(cfg_))
-    return Status::InvalidArgument(std::string("train.dtype: \"") + core::EnumName(cfg_.train.dtype) +
-                                   "\" needs CUDA workers");
+    return Status::InvalidArgument(std::string("train.dtype: \"") +
+                                   core::EnumName(cfg_.train.dtype) + "\" needs CUDA workers");
   // Decided once: whether this worker sums its gradients across the nodes. A test hook forms a
   // group of this node alone, which runs every sum through the whole path and must change nothing.
   sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
   if (sums_) {
     // The run's secret comes from rp-launch through the environment, never through a file.
     const char* secret = std::getenv(nodes::kRunSecretVariable);
-    nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count), static_cast<int>(cfg_.nodes.rank),
-                           cfg_.nodes.store_host, static_cast<int>(cfg_.nodes.store_port), cfg_.job.node_timeout_s,
+    nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count),
+                           static_cast<int>(cfg_.nodes.rank),
+                           cfg_.nodes.store_host,
+                           static_cast<int>(cfg_.nodes.store_port),
+                           cfg_.job.node_timeout_s,
                            secret != nullptr ? secret : ""};
     const int rank = opts_.rank;
     // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
     const int device = use_cuda_ ? opts_.rank % gpus : -1;
-    sums_options_ = at::TensorOptions().device(use_cuda_ ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))
-                                                         : at::Device(at::kCPU));
+    sums_options_ = at::TensorOptions().device(
+        use_cuda_ ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))
+                  : at::Device(at::kCPU));
     auto join = [group, rank, device](const std::string& purpose) {
-      return device >= 0 ? JoinNcclGroup(group, rank, purpose, device) : nodes::NodeReduction::Join(group, rank, purpose);
+      return device >= 0 ? JoinNcclGroup(group, rank, purpose, device)
+                         : nodes::NodeReduction::Join(group, rank, purpose);
     };
     join_gather_ = [join] { return join("gather"); };
     joining_ = std::async(std::launch::async, [join] { return join("reduce"); });
@@ -672,10 +707,12 @@ Status Worker::Run() {
       joining_eval_ = std::async(std::launch::async, [join] { return join("eval"); });
   }
 
-  RP_ASSIGN_OR_RETURN(auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
+  RP_ASSIGN_OR_RETURN(
+      auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
   channel_.emplace(std::move(ch));
-  RP_RETURN_IF_ERROR(channel_->Send(proto::Hello{opts_.rank, static_cast<int32_t>(::getpid()), layout_.hash,
-                                                use_cuda_ ? opts_.rank % gpus : -1, 0}));
+  RP_RETURN_IF_ERROR(
+      channel_->Send(proto::Hello{opts_.rank, static_cast<int32_t>(::getpid()), layout_.hash,
+                                  use_cuda_ ? opts_.rank % gpus : -1, 0}));
 
   // The coordinator binds its control socket only once the run's shared state is filled: tens of
   // GB initialized or read from a checkpoint, minutes for a large model. Until then the Hello
@@ -693,9 +730,9 @@ Status Worker::Run() {
     if (!deadline && (!StartedByLauncher() || ::access(control_socket.c_str(), F_OK) == 0))
       deadline = now + opts_.welcome_timeout_s;
     if (deadline && now > *deadline)
-      return Status::DeadlineExceeded("no Welcome from the coordinator within " +
-                                      std::to_string(opts_.welcome_timeout_s) + " s of " +
-                                      (StartedByLauncher() ? "its control socket's bind" : "this worker's Hello"));
+      return Status::DeadlineExceeded(
+          "no Welcome from the coordinator within " + std::to_string(opts_.welcome_timeout_s) +
+          " s of " + (StartedByLauncher() ? "its control socket's bind" : "this worker's Hello"));
     if (!deadline && now > next_note) {
       RP_LOG(INFO) << "waiting for the coordinator to fill the run's shared state ("
                    << static_cast<int>(now - waiting_since) << " s so far)";
@@ -703,7 +740,8 @@ Status Worker::Run() {
     }
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(100));
     if (!m) continue;
-    if (auto* s = std::get_if<proto::Shutdown>(&*m)) return Status::Cancelled("coordinator refused: shutdown " + std::to_string(s->exit_code));
+    if (auto* s = std::get_if<proto::Shutdown>(&*m))
+      return Status::Cancelled("coordinator refused: shutdown " + std::to_string(s->exit_code));
     auto* w = std::get_if<proto::Welcome>(&*m);
     if (!w) continue;
     RP_ASSIGN_OR_RETURN(auto seg, shm::Segment::Open(w->segment_name, layout_.hash));
@@ -713,20 +751,24 @@ Status Worker::Run() {
   }
   if (use_cuda_) {
     // Worker i uses GPU i mod the device count; N workers may share one GPU.
-    RP_ASSIGN_OR_RETURN(device_, MakeCudaDevice(opts_.rank % gpus, segment_->data(), segment_->size(),
-                                                    static_cast<uint64_t>(cfg_.job.device_memory_limit_gib * 1073741824.0)));
+    RP_ASSIGN_OR_RETURN(
+        device_,
+        MakeCudaDevice(opts_.rank % gpus, segment_->data(), segment_->size(),
+                       static_cast<uint64_t>(cfg_.job.device_memory_limit_gib * 1073741824.0)));
   } else {
     device_ = MakeCpuDevice();
   }
   if (core::Fp8Matmuls(cfg_) &&
       (device_->fused_kernels() == nullptr || !device_->fused_kernels()->E4m3MatmulSupported()))
-    return Status::InvalidArgument("train.dtype: \"fp8\" needs a GPU on which this LibTorch runs row-scaled e4m3 "
-                                   "products (at::_scaled_mm; compute capability 8.9 or newer, LibTorch 2.5 or "
-                                   "newer); a test product failed on " + device_->Describe());
+    return Status::InvalidArgument(
+        "train.dtype: \"fp8\" needs a GPU on which this LibTorch runs row-scaled e4m3 "
+        "products (at::_scaled_mm; compute capability 8.9 or newer, LibTorch 2.5 or "
+        "newer); a test product failed on " +
+        device_->Describe());
   exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
   if (core::DeviceUpdateBlocks(cfg_) > 0) {
-    RP_ASSIGN_OR_RETURN(device_update_, DeviceUpdate::Create(cfg_, spec_, layout_, *segment_, *device_,
-                                                             exec_->weights_dtype()));
+    RP_ASSIGN_OR_RETURN(device_update_, DeviceUpdate::Create(cfg_, spec_, layout_, *segment_,
+                                                             *device_, exec_->weights_dtype()));
     exec_->UseDeviceUpdate(device_update_.get());
   }
   // The loop's own rule: no heartbeat while the device has stopped completing work.
@@ -734,8 +776,8 @@ Status Worker::Run() {
     if (!DeviceStalled()) BeatIfDue();
   });
   if (layout_.sharded)
-    gatherer_ = ShareGatherer::Start(cfg_, spec_, layout_, segment_->data(), opts_.rank, opts_.num_workers,
-                                     join_gather_, sums_options_.device());
+    gatherer_ = ShareGatherer::Start(cfg_, spec_, layout_, segment_->data(), opts_.rank,
+                                     opts_.num_workers, join_gather_, sums_options_.device());
   // The trace stops at a job of a later step: first everything enqueued must have run, or the
   // traced step's last kernels would be missing.
   trace_.emplace(opts_.rank, [this] {
@@ -747,7 +789,9 @@ Status Worker::Run() {
     // Announced once; the coordinator relays every peer's handle before the first RunJob. A
     // failure is reported (job -1) so the coordinator ends the run with the reason.
     if (ClaimTestHookOnce("RP_TEST_FAIL_POOL_ONCE"))
-      return Fail(-1, Status::Internal("RP_TEST_FAIL_POOL_ONCE: failing the activation pool's setup on purpose"));
+      return Fail(-1,
+                  Status::Internal(
+                      "RP_TEST_FAIL_POOL_ONCE: failing the activation pool's setup on purpose"));
     auto handle = device_->CreatePool(opts_.rank, layout_.pool_bytes, layout_.hash,
                                       shm::PoolSegmentName(opts_.session, opts_.rank));
     if (!handle.ok()) return Fail(-1, handle.status());
@@ -783,11 +827,13 @@ Status Worker::Run() {
     // Poll while a gradient copy or a sum of squares is in flight (each completes without a
     // message) and while the next job's weights are still being published layer by layer (so
     // each is copied when it appears).
-    const bool prefetching = queue_.size() > 1 && queue_.front().begun && !queue_[1].eval && !queue_[1].prefetched;
-    const bool polling = waiting_for_weights_ || prefetching || !in_flight_.empty() ||
-                         std::any_of(finishing_.begin(), finishing_.end(),
-                                     [](const Finishing& f) { return f.committing || f.reducing || f.squaring; }) ||
-                         (sums_ && !finishing_.empty());
+    const bool prefetching =
+        queue_.size() > 1 && queue_.front().begun && !queue_[1].eval && !queue_[1].prefetched;
+    const bool polling =
+        waiting_for_weights_ || prefetching || !in_flight_.empty() ||
+        std::any_of(finishing_.begin(), finishing_.end(),
+                    [](const Finishing& f) { return f.committing || f.reducing || f.squaring; }) ||
+        (sums_ && !finishing_.empty());
     // Block only when nothing can move; otherwise just drain what has arrived.
     RP_ASSIGN_OR_RETURN(auto m, channel_->Receive(worked ? 0 : polling ? 1 : 100));
     while (m) {

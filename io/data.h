@@ -80,8 +80,8 @@ class Dataset {
   // What the file held and how it was packed (this view's windows only in `windows`).
   struct PackingStats {
     int64_t records = 0;
-    int64_t tokens = 0;           // records' tokens after splitting, truncating and dropping
-    int64_t padding = 0;          // padding tokens in the packed stream
+    int64_t tokens = 0;   // records' tokens after splitting, truncating and dropping
+    int64_t padding = 0;  // padding tokens in the packed stream
     int64_t split = 0, truncated = 0, dropped = 0;  // records longer than seq_len
   };
   const PackingStats& stats() const { return stats_; }
@@ -116,11 +116,11 @@ class Dataset {
   std::shared_ptr<const MappedFile> tokens_map_;  // "tokens": the mapped file, shared by copies
   std::shared_ptr<const MappedFile> mask_map_;    // "tokens" streamed with a loss mask: <path>.mask
   const uint8_t* tokens_ = nullptr;
-  int token_bytes_ = 0;                      // 2 or 4
+  int token_bytes_ = 0;                                  // 2 or 4
   std::vector<int32_t> packed_tokens_, packed_targets_;  // "jsonl": the packed stream
   std::vector<int32_t> packed_positions_;                // with its RoPE positions
   PackingStats stats_;
-  int64_t windows_ = 0;       // windows this view visits, from first_window_
+  int64_t windows_ = 0;  // windows this view visits, from first_window_
   int64_t first_window_ = 0;
   std::string key_ = "data.path";
   int64_t cached_epoch_ = -1;
@@ -129,14 +129,15 @@ class Dataset {
 
 // train.epochs > 0: opens the training view of data.path and sets train.steps = ceil(epochs x
 // its windows / SequencesPerStep), then the warmup of optimizer.warmup_ratio (ResolveWarmup), and
-// refuses a train.stop_after past those steps (at least one step). Called once on a freshly loaded job by ResolveRun (rp-launch) and rp-train-ref;
-// train.epochs = 0: nothing to do.
+// refuses a train.stop_after past those steps (at least one step). Called once on a freshly loaded
+// job by ResolveRun (rp-launch) and rp-train-ref; train.epochs = 0: nothing to do.
 Status ResolveTrainingLength(JobConfig* c);
 
 // The rows of an embedding of `vocab` rows that the tokens of `slots` (each `per_slot` ids)
 // look up: ascending, each once; ids outside [0, vocab) are not rows. The coordinator
 // (AsyncOptimizer::SetTouchedRows) and the worker (a compact lookup slot, core::CompactLookupRows)
 // both take the step's rows from here, so they agree on which row is where.
-std::vector<int64_t> SortedTokenRows(const std::vector<const int64_t*>& slots, int64_t per_slot, int64_t vocab);
+std::vector<int64_t> SortedTokenRows(const std::vector<const int64_t*>& slots, int64_t per_slot,
+                                     int64_t vocab);
 
 }  // namespace rp::core

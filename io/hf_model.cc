@@ -33,21 +33,26 @@ StatusOr<HfWeights> HfWeights::Open(const std::string& dir) {
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
       return Status::InvalidArgument(index.string() + ": no weight_map object");
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) return Status::InvalidArgument(index.string() + ": weight_map value is not a file name");
+      if (!it.value().is_string())
+        return Status::InvalidArgument(index.string() + ": weight_map value is not a file name");
       const std::string f = it.value().get<std::string>();
       if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
-        return Status::InvalidArgument(index.string() + ": shard name \"" + f + "\" is not a plain file name");
+        return Status::InvalidArgument(index.string() + ": shard name \"" + f +
+                                       "\" is not a plain file name");
       if (std::find(files.begin(), files.end(), (fs::path(dir) / f).string()) == files.end())
         files.push_back((fs::path(dir) / f).string());
     }
   } else {
-    return Status::InvalidArgument("model.path: " + dir + " has neither model.safetensors nor model.safetensors.index.json");
+    return Status::InvalidArgument(
+        "model.path: " + dir + " has neither model.safetensors nor model.safetensors.index.json");
   }
   for (const auto& f : files) {
     RP_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(f));
     w.files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
     for (const auto& t : w.files_.back()->tensors()) {
-      if (w.where_.count(t.name)) return Status::InvalidArgument(f + ": tensor \"" + t.name + "\" also appears in another shard");
+      if (w.where_.count(t.name))
+        return Status::InvalidArgument(f + ": tensor \"" + t.name +
+                                       "\" also appears in another shard");
       w.where_[t.name] = w.files_.back().get();
     }
   }
@@ -58,7 +63,8 @@ std::vector<ExpertPiece> ExpertPieces(const ParamSpec& p) {
   static const std::string kGateUp = ".mlp.experts.gate_up_proj", kDown = ".mlp.experts.down_proj";
   const bool gate_up = p.name.ends_with(kGateUp), down = p.name.ends_with(kDown);
   if ((!gate_up && !down) || p.shape.size() != 3) return {};
-  const std::string pre = p.name.substr(0, p.name.size() - (gate_up ? kGateUp : kDown).size()) + ".mlp.experts.";
+  const std::string pre =
+      p.name.substr(0, p.name.size() - (gate_up ? kGateUp : kDown).size()) + ".mlp.experts.";
   const int64_t E = p.shape[0], rows = p.shape[1], cols = p.shape[2];
   std::vector<ExpertPiece> out;
   for (int64_t e = 0; e < E; ++e) {
@@ -75,19 +81,21 @@ std::vector<ExpertPiece> ExpertPieces(const ParamSpec& p) {
 
 Status HfWeights::CheckTensor(const std::string& name, const std::vector<int64_t>& shape) const {
   auto it = where_.find(name);
-  if (it == where_.end()) return Status::InvalidArgument("model.path: no tensor \"" + name + "\" in the checkpoint");
+  if (it == where_.end())
+    return Status::InvalidArgument("model.path: no tensor \"" + name + "\" in the checkpoint");
   const SafetensorInfo* t = it->second->Find(name);
   if (t->shape != shape) {
     std::string got, want;
     for (auto d : t->shape) got += std::to_string(d) + " ";
     for (auto d : shape) want += std::to_string(d) + " ";
-    return Status::InvalidArgument(it->second->path() + ": tensor \"" + name + "\" has shape [ " + got +
-                                   "], the model needs [ " + want + "]");
+    return Status::InvalidArgument(it->second->path() + ": tensor \"" + name + "\" has shape [ " +
+                                   got + "], the model needs [ " + want + "]");
   }
   return Status::Ok();
 }
 
-Status HfWeights::LoadTensor(const std::string& name, const std::vector<int64_t>& shape, float* out) const {
+Status HfWeights::LoadTensor(const std::string& name, const std::vector<int64_t>& shape,
+                             float* out) const {
   RP_RETURN_IF_ERROR(CheckTensor(name, shape));
   const SafetensorsFile* file = where_.at(name);
   return file->ReadAsFloat(*file->Find(name), out);
@@ -98,7 +106,8 @@ Status HfWeights::Check(const ParamSpec& p) const {
   if (pieces.empty() || where_.count(p.name)) return CheckTensor(p.name, p.shape);
   for (const auto& piece : pieces) {
     Status s = CheckTensor(piece.name, piece.shape);
-    if (!s.ok()) return Status::InvalidArgument(s.message() + " (nor the fused \"" + p.name + "\")");
+    if (!s.ok())
+      return Status::InvalidArgument(s.message() + " (nor the fused \"" + p.name + "\")");
   }
   return Status::Ok();
 }
@@ -107,14 +116,21 @@ Status HfWeights::Load(const ParamSpec& p, float* out) const {
   const auto pieces = ExpertPieces(p);
   if (pieces.empty() || where_.count(p.name)) return LoadTensor(p.name, p.shape, out);
   RP_RETURN_IF_ERROR(Check(p));
-  for (const auto& piece : pieces) RP_RETURN_IF_ERROR(LoadTensor(piece.name, piece.shape, out + piece.offset));
+  for (const auto& piece : pieces)
+    RP_RETURN_IF_ERROR(LoadTensor(piece.name, piece.shape, out + piece.offset));
   return Status::Ok();
 }
 
 Status CopyBaseFiles(const std::string& base_dir, const std::string& dir, bool generation) {
-  static const char* const kTokenizerFiles[] = {
-      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-      "merges.txt",     "added_tokens.json",     "chat_template.jinja",     "chat_template.json"};
+  static const char* const kTokenizerFiles[] = {"tokenizer.json",
+                                                "tokenizer_config.json",
+                                                "special_tokens_map.json",
+                                                "tokenizer.model",
+                                                "vocab.json",
+                                                "merges.txt",
+                                                "added_tokens.json",
+                                                "chat_template.jinja",
+                                                "chat_template.json"};
   std::vector<std::string> names(std::begin(kTokenizerFiles), std::end(kTokenizerFiles));
   if (generation) names.push_back("generation_config.json");
   for (const auto& name : names) {
@@ -132,7 +148,8 @@ Status CopyBaseFiles(const std::string& base_dir, const std::string& dir, bool g
 
 Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& spec,
                 const std::function<const float*(int)>& master, const HfExport& how) {
-  if (how.dtype == ExportDtype::kAuto) return Status::Internal("ExportHf: the export dtype reached it unresolved");
+  if (how.dtype == ExportDtype::kAuto)
+    return Status::Internal("ExportHf: the export dtype reached it unresolved");
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("export directory " + dir + ": " + ec.message());
@@ -148,7 +165,8 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
         if (base.contains(key)) c[key] = base[key];
     RP_RETURN_IF_ERROR(CopyBaseFiles(how.base_dir, dir, /*generation=*/true));
   }
-  RP_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "config.json").string(), c.dump(2) + "\n"));
+  RP_RETURN_IF_ERROR(
+      WriteFileAtomically((fs::path(dir) / "config.json").string(), c.dump(2) + "\n"));
   // Shards: consecutive tensors while they fit the limit. Each tensor is one or more pieces (an
   // expert parameter is one tensor per expert and projection), converted a shard at a time.
   struct Piece {
@@ -175,7 +193,8 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
       shards.back().push_back({ps.name, ps.shape, values, ps.numel});
     } else {
       for (const auto& piece : pieces)
-        shards.back().push_back({piece.name, piece.shape, values + piece.offset, piece.shape[0] * piece.shape[1]});
+        shards.back().push_back(
+            {piece.name, piece.shape, values + piece.offset, piece.shape[0] * piece.shape[1]});
     }
     in_shard += bytes;
     total += bytes;
@@ -190,7 +209,8 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
         continue;
       }
       converted.emplace_back(static_cast<size_t>(piece.numel));
-      if (how.dtype == ExportDtype::kBfloat16) FloatToBf16(piece.values, piece.numel, converted.back().data());
+      if (how.dtype == ExportDtype::kBfloat16)
+        FloatToBf16(piece.values, piece.numel, converted.back().data());
       else FloatToHalf(piece.values, piece.numel, converted.back().data());
       tensors.push_back({piece.name, dtype, piece.shape, converted.back().data(), bytes});
     }
@@ -200,8 +220,8 @@ Status ExportHf(const std::string& dir, const ModelConfig& m, const ModelSpec& s
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   auto is_shard = [](const fs::path& f) {
     const std::string n = f.filename().string();
-    return n.rfind("model-", 0) == 0 && n.find("-of-") != std::string::npos &&
-           n.size() > 12 && n.substr(n.size() - 12) == ".safetensors";
+    return n.rfind("model-", 0) == 0 && n.find("-of-") != std::string::npos && n.size() > 12 &&
+           n.substr(n.size() - 12) == ".safetensors";
   };
   std::vector<fs::path> written;
   if (shards.size() == 1) {

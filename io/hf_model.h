@@ -39,7 +39,6 @@
 
 namespace rp::core {
 
-
 class HfWeights {
  public:
   static StatusOr<HfWeights> Open(const std::string& dir);
@@ -66,9 +65,9 @@ struct ExpertPiece {
 std::vector<ExpertPiece> ExpertPieces(const ParamSpec& param);
 
 struct HfExport {
-  uint64_t shard_bytes = 0;                      // 0: one file
-  ExportDtype dtype = ExportDtype::kFloat32;     // resolved (never kAuto)
-  std::string base_dir;                          // the base model's directory; "" = none
+  uint64_t shard_bytes = 0;                   // 0: one file
+  ExportDtype dtype = ExportDtype::kFloat32;  // resolved (never kAuto)
+  std::string base_dir;                       // the base model's directory; "" = none
 };
 
 // `master(p)` returns parameter p's fp32 values (numel floats).

@@ -29,7 +29,9 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 // Checks adapter_config.json against the job's [lora] section.
 Status CheckConfig(const std::string& path, const LoraConfig& lora) {
   std::ifstream in(path);
-  if (!in) return Status::InvalidArgument(path + ": cannot read (lora.init_from needs PEFT's adapter_config.json)");
+  if (!in)
+    return Status::InvalidArgument(
+        path + ": cannot read (lora.init_from needs PEFT's adapter_config.json)");
   std::stringstream ss;
   ss << in.rdbuf();
   nlohmann::json c;
@@ -42,19 +44,23 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
   auto fail = [&](const std::string& key, const std::string& why) {
     return Status::InvalidArgument(path + ": \"" + key + "\" " + why);
   };
-  if (!c.contains("peft_type") || !c["peft_type"].is_string() || c["peft_type"].get<std::string>() != "LORA")
-    return fail("peft_type", "must be \"LORA\", got " + (c.contains("peft_type") ? c["peft_type"].dump() : "nothing"));
+  if (!c.contains("peft_type") || !c["peft_type"].is_string() ||
+      c["peft_type"].get<std::string>() != "LORA")
+    return fail("peft_type", "must be \"LORA\", got " +
+                                 (c.contains("peft_type") ? c["peft_type"].dump() : "nothing"));
   if (!c.contains("r") || !c["r"].is_number_integer() || c["r"].get<int64_t>() != lora.rank)
     return fail("r", (c.contains("r") ? "is " + c["r"].dump() : "is missing") + "; lora.rank is " +
                          std::to_string(lora.rank));
   if (!c.contains("lora_alpha") || !c["lora_alpha"].is_number() ||
       c["lora_alpha"].get<double>() != lora.alpha) {
     std::ostringstream m;
-    m << (c.contains("lora_alpha") ? "is " + c["lora_alpha"].dump() : "is missing") << "; lora.alpha is " << lora.alpha;
+    m << (c.contains("lora_alpha") ? "is " + c["lora_alpha"].dump() : "is missing")
+      << "; lora.alpha is " << lora.alpha;
     return fail("lora_alpha", m.str());
   }
   if (!c.contains("target_modules") || !c["target_modules"].is_array())
-    return fail("target_modules", "must be a list of module names (a regular expression is not supported)");
+    return fail("target_modules",
+                "must be a list of module names (a regular expression is not supported)");
   std::set<std::string> theirs, ours(lora.target_modules.begin(), lora.target_modules.end());
   for (const auto& t : c["target_modules"]) {
     if (!t.is_string()) return fail("target_modules", "holds a non-string " + t.dump());
@@ -66,13 +72,15 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
     return j;
   };
   if (theirs != ours)
-    return fail("target_modules", "is [" + joined(theirs) + "]; lora.target_modules is [" + joined(ours) + "]");
+    return fail("target_modules",
+                "is [" + joined(theirs) + "]; lora.target_modules is [" + joined(ours) + "]");
   // Absent or null means none, as in PEFT; names compare as the tensors they name (PEFT matches a
   // suffix after a dot).
   std::set<std::string> their_params, our_params;
   for (const auto& t : lora.target_parameters) our_params.insert(CanonicalLoraParameter(t));
   if (c.contains("target_parameters") && !c["target_parameters"].is_null()) {
-    if (!c["target_parameters"].is_array()) return fail("target_parameters", "must be a list of parameter names");
+    if (!c["target_parameters"].is_array())
+      return fail("target_parameters", "must be a list of parameter names");
     for (const auto& t : c["target_parameters"]) {
       if (!t.is_string()) return fail("target_parameters", "holds a non-string " + t.dump());
       const std::string tensor = CanonicalLoraParameter(t.get<std::string>());
@@ -84,22 +92,26 @@ Status CheckConfig(const std::string& path, const LoraConfig& lora) {
       const std::string v = c["peft_version"].get<std::string>();
       int major = 0, minor = 0;
       if (std::sscanf(v.c_str(), "%d.%d", &major, &minor) == 2 && (major == 0 && minor < 19))
-        return fail("peft_version", "is " + v + "; adapters on expert tensors (target_parameters) are read in the "
-                                    "layout of peft 0.19 and later, which swapped in and out of [experts, out, in] "
-                                    "tensors");
+        return fail(
+            "peft_version",
+            "is " + v +
+                "; adapters on expert tensors (target_parameters) are read in the "
+                "layout of peft 0.19 and later, which swapped in and out of [experts, out, in] "
+                "tensors");
     }
   }
   if (their_params != our_params)
-    return fail("target_parameters", "is [" + joined(their_params) + "]; lora.target_parameters is [" +
-                                         joined(our_params) + "]");
+    return fail("target_parameters", "is [" + joined(their_params) +
+                                         "]; lora.target_parameters is [" + joined(our_params) +
+                                         "]");
   // Variants that change the math: refused by name rather than silently computed as plain LoRA.
   for (const char* key : {"use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "use_qalora"})
     if (c.contains(key) && c[key].is_boolean() && c[key].get<bool>())
       return fail(key, "is true; this runtime computes plain LoRA only");
   if (c.contains("bias") && c["bias"].is_string() && c["bias"].get<std::string>() != "none")
     return fail("bias", "is " + c["bias"].dump() + "; only \"none\" is supported");
-  for (const char* key : {"layers_to_transform", "modules_to_save", "layer_replication", "exclude_modules",
-                          "trainable_token_indices", "alora_invocation_tokens"})
+  for (const char* key : {"layers_to_transform", "modules_to_save", "layer_replication",
+                          "exclude_modules", "trainable_token_indices", "alora_invocation_tokens"})
     if (c.contains(key) && !c[key].is_null() && !(c[key].is_array() && c[key].empty()))
       return fail(key, "is set; this runtime adapts every layer and saves no extra modules");
   for (const char* key : {"rank_pattern", "alpha_pattern"})
@@ -140,19 +152,23 @@ StatusOr<PeftAdapter> PeftAdapter::Open(const std::string& dir, const ModelSpec&
     const SafetensorInfo* t = a.file_->Find(name);
     if (!t) return Status::InvalidArgument(path + ": no tensor \"" + name + "\"");
     if (t->shape != p.shape)
-      return Status::InvalidArgument(path + ": tensor \"" + name + "\" has shape " + ShapeText(t->shape) +
-                                     ", this job's adapter needs " + ShapeText(p.shape));
+      return Status::InvalidArgument(path + ": tensor \"" + name + "\" has shape " +
+                                     ShapeText(t->shape) + ", this job's adapter needs " +
+                                     ShapeText(p.shape));
   }
   for (const auto& t : a.file_->tensors())
     if (!expected.count(t.name))
-      return Status::InvalidArgument(path + ": tensor \"" + t.name +
-                                     "\" is not an adapter of this model, target_modules and target_parameters");
+      return Status::InvalidArgument(
+          path + ": tensor \"" + t.name +
+          "\" is not an adapter of this model, target_modules and target_parameters");
   return a;
 }
 
 Status PeftAdapter::Load(const ParamSpec& p, float* out) const {
   const SafetensorInfo* t = file_->Find(PeftTensorName(p.name));
-  if (!t) return Status::InvalidArgument(file_->path() + ": no tensor \"" + PeftTensorName(p.name) + "\"");
+  if (!t)
+    return Status::InvalidArgument(file_->path() + ": no tensor \"" + PeftTensorName(p.name) +
+                                   "\"");
   return file_->ReadAsFloat(*t, out);
 }
 
@@ -167,25 +183,39 @@ Status ExportPeft(const std::string& dir, const ModelSpec& spec, const std::stri
     tensors.push_back({PeftTensorName(ps.name), "F32", ps.shape, master(static_cast<int>(p)),
                        static_cast<uint64_t>(ps.numel) * 4});
   }
-  RP_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / kWeightsFile).string(), tensors, {{"format", "pt"}}));
+  RP_RETURN_IF_ERROR(
+      WriteSafetensors((fs::path(dir) / kWeightsFile).string(), tensors, {{"format", "pt"}}));
   const LoraConfig& l = spec.lora;
-  nlohmann::ordered_json c = {
-      {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"base_model_name_or_path", base_model},
-      {"r", l.rank}, {"lora_alpha", l.alpha}, {"lora_dropout", l.dropout},
-      {"target_modules", l.target_modules}, {"target_parameters", ExportedTargetParameters(l)}, {"bias", "none"}, {"fan_in_fan_out", false},
-      {"inference_mode", true}, {"init_lora_weights", true}, {"use_rslora", false},
-      {"use_dora", false}, {"modules_to_save", nullptr}, {"layers_to_transform", nullptr},
-      {"rank_pattern", nlohmann::ordered_json::object()}, {"alpha_pattern", nlohmann::ordered_json::object()}};
+  nlohmann::ordered_json c = {{"peft_type", "LORA"},
+                              {"task_type", "CAUSAL_LM"},
+                              {"base_model_name_or_path", base_model},
+                              {"r", l.rank},
+                              {"lora_alpha", l.alpha},
+                              {"lora_dropout", l.dropout},
+                              {"target_modules", l.target_modules},
+                              {"target_parameters", ExportedTargetParameters(l)},
+                              {"bias", "none"},
+                              {"fan_in_fan_out", false},
+                              {"inference_mode", true},
+                              {"init_lora_weights", true},
+                              {"use_rslora", false},
+                              {"use_dora", false},
+                              {"modules_to_save", nullptr},
+                              {"layers_to_transform", nullptr},
+                              {"rank_pattern", nlohmann::ordered_json::object()},
+                              {"alpha_pattern", nlohmann::ordered_json::object()}};
   return WriteFileAtomically((fs::path(dir) / kConfigFile).string(), c.dump(2) + "\n");
 }
 
 Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
                           const std::function<const float*(int)>& master,
                           const std::function<void(int, float*)>& frozen) {
-  const HfExport how{static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20, cfg.checkpoint.export_dtype,
-                     cfg.model.path};
+  const HfExport how{static_cast<uint64_t>(cfg.checkpoint.export_shard_mb) << 20,
+                     cfg.checkpoint.export_dtype, cfg.model.path};
   const std::string hf_dir =
-      cfg.checkpoint.export_hf.empty() ? "" : (fs::path(cfg.job.output_dir) / cfg.checkpoint.export_hf).string();
+      cfg.checkpoint.export_hf.empty()
+          ? ""
+          : (fs::path(cfg.job.output_dir) / cfg.checkpoint.export_hf).string();
   if (!spec.lora.enabled()) {
     if (hf_dir.empty()) return Status::Ok();
     return ExportHf(hf_dir, cfg.model, spec, master, how);
@@ -194,7 +224,8 @@ Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
     const std::string adapter_dir = (fs::path(cfg.job.output_dir) / cfg.lora.export_dir).string();
     RP_RETURN_IF_ERROR(ExportPeft(adapter_dir, spec, cfg.model.path, master));
     // As trainers save an adapter: with the base's tokenizer, so the directory is all a user loads.
-    if (!cfg.model.path.empty()) RP_RETURN_IF_ERROR(CopyBaseFiles(cfg.model.path, adapter_dir, /*generation=*/false));
+    if (!cfg.model.path.empty())
+      RP_RETURN_IF_ERROR(CopyBaseFiles(cfg.model.path, adapter_dir, /*generation=*/false));
   }
   if (hf_dir.empty()) return Status::Ok();
   // The full model's spec lists the base weights in the order and under the names of `frozen`.
@@ -232,7 +263,8 @@ Status ExportTrainedModel(const JobConfig& cfg, const ModelSpec& spec,
     }
     ++p;  // its lora_B
   }
-  return ExportHf(hf_dir, cfg.model, full, [&](int f) -> const float* { return merged[f].data(); }, how);
+  return ExportHf(
+      hf_dir, cfg.model, full, [&](int f) -> const float* { return merged[f].data(); }, how);
 }
 
 Status CheckInitialWeights(const JobConfig& cfg, const ModelSpec& spec, bool resume) {

@@ -9,11 +9,11 @@
 //    ...layers.0.mlp.experts.base_layer.lora_A.weight for gate_up_proj when both expert tensors
 //    are targeted (core::ModelSpec).
 //  * PeftAdapter::Open() checks adapter_config.json against the job (peft_type LORA, r,
-//    lora_alpha, the sets of target_modules and target_parameters; DoRA, rsLoRA, biases, fan_in_fan_out and
-//    per-layer patterns are refused because this runtime does not compute them) and that the
-//    safetensors file holds exactly the spec's adapter tensors with their shapes; every error
-//    names the directory or file and the problem. lora_dropout may differ (it only affects
-//    training; the job's value is used).
+//    lora_alpha, the sets of target_modules and target_parameters; DoRA, rsLoRA, biases,
+//    fan_in_fan_out and per-layer patterns are refused because this runtime does not compute them)
+//    and that the safetensors file holds exactly the spec's adapter tensors with their shapes;
+//    every error names the directory or file and the problem. lora_dropout may differ (it only
+//    affects training; the job's value is used).
 //  * ExportPeft() writes both files (each atomically); the tensors are fp32.
 #pragma once
 

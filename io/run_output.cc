@@ -18,16 +18,18 @@ namespace fs = std::filesystem;
 
 Status CheckNoPlantedLinks(const JobConfig& c) {
   const fs::path dir(c.job.output_dir);
-  std::vector<std::string> ours = {"logs", "metrics.jsonl", "summary.json", "trace.json", "profile.json",
-                                   "run-spec.json", "job.toml", "tb", c.checkpoint.dir};
+  std::vector<std::string> ours = {"logs",          "metrics.jsonl", "summary.json", "trace.json",
+                                   "profile.json",  "run-spec.json", "job.toml",     "tb",
+                                   c.checkpoint.dir};
   if (!c.checkpoint.export_hf.empty()) ours.push_back(c.checkpoint.export_hf);
   if (!c.lora.export_dir.empty()) ours.push_back(c.lora.export_dir);
   for (const auto& name : ours) {
     std::error_code ec;
     if (fs::is_symlink(dir / name, ec))
-      return Status::InvalidArgument("job.output_dir: " + (dir / name).string() +
-                                     " is a symbolic link; the run writes there and does not follow links it did not "
-                                     "create (remove it, or choose another output_dir)");
+      return Status::InvalidArgument(
+          "job.output_dir: " + (dir / name).string() +
+          " is a symbolic link; the run writes there and does not follow links it did not "
+          "create (remove it, or choose another output_dir)");
   }
   return Status::Ok();
 }
@@ -36,7 +38,8 @@ Status CheckOutputDir(const JobConfig& c) {
   std::error_code ec;
   const fs::path dir(c.job.output_dir);
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
-    return Status::InvalidArgument("job.output_dir: " + dir.string() + " exists and is not a directory");
+    return Status::InvalidArgument("job.output_dir: " + dir.string() +
+                                   " exists and is not a directory");
   RP_RETURN_IF_ERROR(CheckNoPlantedLinks(c));
   for (const char* name : {"metrics.jsonl", "summary.json"})
     if (fs::exists(dir / name, ec))
@@ -53,7 +56,9 @@ Status PrepareOutputDir(const JobConfig& c) {
   RP_RETURN_IF_ERROR(CheckOutputDir(c));
   std::error_code ec;
   fs::create_directories(c.job.output_dir, ec);
-  if (ec) return Status::IoError("job.output_dir: cannot create " + c.job.output_dir + ": " + ec.message());
+  if (ec)
+    return Status::IoError("job.output_dir: cannot create " + c.job.output_dir + ": " +
+                           ec.message());
   return Status::Ok();
 }
 
@@ -62,7 +67,8 @@ Status CheckOutputDirForResume(const JobConfig& c) {
   const fs::path metrics = fs::path(c.job.output_dir) / "metrics.jsonl";
   std::error_code ec;
   if (!fs::is_regular_file(metrics, ec))
-    return Status::InvalidArgument("--resume: " + metrics.string() + " does not exist; resume "
+    return Status::InvalidArgument("--resume: " + metrics.string() +
+                                   " does not exist; resume "
                                    "needs the output directory of the interrupted run");
   return Status::Ok();
 }
@@ -75,13 +81,16 @@ Status PrepareOutputDirForResume(const JobConfig& c, int64_t steps_done) {
   std::string kept, dropped, line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer()) continue;  // a torn last line
+    if (j.is_discarded() || !j.contains("step") || !j["step"].is_number_integer())
+      continue;  // a torn last line
     (j["step"].get<int64_t>() <= steps_done ? kept : dropped) += line + "\n";
   }
   if (!dropped.empty())
-    RP_RETURN_IF_ERROR(WriteFileAtomically(
-        (fs::path(c.job.output_dir) / ("metrics.interrupted-" + std::to_string(steps_done) + ".jsonl")).string(),
-        dropped));
+    RP_RETURN_IF_ERROR(
+        WriteFileAtomically((fs::path(c.job.output_dir) /
+                             ("metrics.interrupted-" + std::to_string(steps_done) + ".jsonl"))
+                                .string(),
+                            dropped));
   return WriteFileAtomically(metrics.string(), kept);
 }
 
@@ -124,7 +133,10 @@ MetricsWriter::~MetricsWriter() {
 }
 
 nlohmann::json CheckpointJson(const StepMetrics::Checkpoint& c) {
-  return {{"after_step", c.after_step}, {"bytes", c.bytes}, {"write_s", c.write_s}, {"checksum_s", c.checksum_s},
+  return {{"after_step", c.after_step},
+          {"bytes", c.bytes},
+          {"write_s", c.write_s},
+          {"checksum_s", c.checksum_s},
           {"background", c.background}};
 }
 
@@ -144,19 +156,24 @@ Status MetricsWriter::Append(const StepMetrics& m, nlohmann::json* written) {
   }
   if (m.h2d_bytes >= 0) {
     j["h2d_bytes"] = m.h2d_bytes;
-    if (m.step_time_s > 0) j["h2d_gb_per_s"] = static_cast<double>(m.h2d_bytes) / m.step_time_s / 1e9;
+    if (m.step_time_s > 0)
+      j["h2d_gb_per_s"] = static_cast<double>(m.h2d_bytes) / m.step_time_s / 1e9;
   }
   if (m.loss_scale >= 0) {
     j["loss_scale"] = m.loss_scale;
     j["skipped"] = m.skipped;
   }
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  if (m.device_peak_bytes >= 0) j["device_peak_gib"] = static_cast<double>(m.device_peak_bytes) / kGiB;
+  if (m.device_peak_bytes >= 0)
+    j["device_peak_gib"] = static_cast<double>(m.device_peak_bytes) / kGiB;
   if (m.host_bytes >= 0) j["host_gib"] = static_cast<double>(m.host_bytes) / kGiB;
   for (const auto& c : m.checkpoints) j["checkpoints"].push_back(CheckpointJson(c));
   const auto wall = std::chrono::system_clock::now().time_since_epoch();
-  j["time"] = static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(wall).count()) / 1e3;
-  j["elapsed_s"] = elapsed_before_ + std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  j["time"] =
+      static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(wall).count()) /
+      1e3;
+  j["elapsed_s"] = elapsed_before_ +
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   std::string line = j.dump() + "\n";
   if (std::fwrite(line.data(), 1, line.size(), f_) != line.size() || std::fflush(f_) != 0)
     return Status::FromErrno("writing metrics", errno);
@@ -185,7 +202,8 @@ AtomicFile::~AtomicFile() {
 Status AtomicFile::WriteAt(uint64_t offset, const void* data, uint64_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::pwrite(fd_, p, std::min<uint64_t>(bytes, 1 << 30), static_cast<off_t>(offset));
+    const ssize_t n =
+        ::pwrite(fd_, p, std::min<uint64_t>(bytes, 1 << 30), static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return Status::FromErrno("writing " + tmp_, n < 0 ? errno : EIO);
     p += n;
@@ -202,7 +220,8 @@ Status AtomicFile::Append(const void* data, uint64_t bytes) {
 }
 
 Status AtomicFile::Truncate(uint64_t bytes) {
-  if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) return Status::FromErrno("sizing " + tmp_, errno);
+  if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0)
+    return Status::FromErrno("sizing " + tmp_, errno);
   return Status::Ok();
 }
 
@@ -211,7 +230,8 @@ Status AtomicFile::Commit() {
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) return Status::FromErrno("closing " + tmp_, errno);
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) return Status::FromErrno("renaming " + tmp_ + " to " + path_, errno);
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+    return Status::FromErrno("renaming " + tmp_ + " to " + path_, errno);
   tmp_.clear();  // nothing left to remove
   // The rename itself survives a crash only once the directory is synced.
   const std::string dir = std::filesystem::path(path_).parent_path().string();
@@ -238,8 +258,10 @@ StatusOr<SummaryFile> SummaryFile::Reserve(const std::string& path, size_t bytes
   if (fd.get() < 0) return Status::IoError("creating " + path + ": " + std::strerror(errno));
   std::string placeholder = "{\"status\": \"running\"}\n";
   placeholder.resize(std::max(bytes, placeholder.size()), ' ');
-  if (::pwrite(fd.get(), placeholder.data(), placeholder.size(), 0) != static_cast<ssize_t>(placeholder.size()))
-    return Status::IoError("reserving " + std::to_string(bytes) + " bytes for " + path + ": " + std::strerror(errno));
+  if (::pwrite(fd.get(), placeholder.data(), placeholder.size(), 0) !=
+      static_cast<ssize_t>(placeholder.size()))
+    return Status::IoError("reserving " + std::to_string(bytes) + " bytes for " + path + ": " +
+                           std::strerror(errno));
   return SummaryFile(std::move(fd), path);
 }
 

@@ -38,7 +38,7 @@ Status CheckOutputDirForResume(const JobConfig& config);
 Status PrepareOutputDirForResume(const JobConfig& config, int64_t steps_done);
 
 struct StepMetrics {
-  int64_t step = 0;       // 1-based: the number of optimizer updates applied after this step
+  int64_t step = 0;  // 1-based: the number of optimizer updates applied after this step
   double loss = 0.0;
   double lr = 0.0;
   double grad_norm = 0.0;
@@ -82,7 +82,8 @@ class MetricsWriter {
   static StatusOr<MetricsWriter> Open(const std::string& path);
   // Appends to an existing file (resume).
   static StatusOr<MetricsWriter> OpenForAppend(const std::string& path);
-  MetricsWriter(MetricsWriter&& o) noexcept : f_(o.f_), start_(o.start_), elapsed_before_(o.elapsed_before_) {
+  MetricsWriter(MetricsWriter&& o) noexcept
+      : f_(o.f_), start_(o.start_), elapsed_before_(o.elapsed_before_) {
     o.f_ = nullptr;
   }
   MetricsWriter(const MetricsWriter&) = delete;
@@ -109,7 +110,8 @@ class SummaryFile {
   Status Write(const std::string& json);
 
  private:
-  explicit SummaryFile(UniqueFd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
+  explicit SummaryFile(UniqueFd fd, std::string path)
+      : fd_(std::move(fd)), path_(std::move(path)) {}
   UniqueFd fd_;
   std::string path_;
 };
@@ -134,7 +136,8 @@ class AtomicFile {
   Status Commit();
 
  private:
-  AtomicFile(std::string path, std::string tmp, int fd) : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
+  AtomicFile(std::string path, std::string tmp, int fd)
+      : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
   std::string path_, tmp_;
   int fd_ = -1;
   uint64_t append_at_ = 0;

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "io/safetensors.h"
 
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -69,7 +68,8 @@ void FloatToHalf(const float* in, int64_t n, uint16_t* out) {
     } else if (abs >= 0x38800000u) {  // a normal half: rebias, round the 13 dropped bits to even
       const uint32_t r = abs - 0x38000000u;
       out[i] = static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
-    } else if (abs >= 0x33000000u) {  // a subnormal half: shift the implicit-1 mantissa, round to even
+    } else if (abs >=
+               0x33000000u) {  // a subnormal half: shift the implicit-1 mantissa, round to even
       const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
       const int shift = 126 - static_cast<int>(abs >> 23);  // 14..24
       const uint32_t half_ulp = 1u << (shift - 1), low = mant & ((1u << shift) - 1);
@@ -110,7 +110,8 @@ Status ParseSafetensorsHeader(const std::string& what, const std::string& text, 
     if (name == "__metadata__") {
       if (!v.is_object()) return Bad(what, "__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) return Bad(what, "__metadata__ value of \"" + m.key() + "\" is not a string");
+        if (!m.value().is_string())
+          return Bad(what, "__metadata__ value of \"" + m.key() + "\" is not a string");
         (*metadata)[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -119,7 +120,8 @@ Status ParseSafetensorsHeader(const std::string& what, const std::string& text, 
     if (!v.is_object()) return Bad(what, t + " is not an object");
     if (!v.contains("dtype") || !v["dtype"].is_string()) return Bad(what, t + " has no dtype");
     if (!v.contains("shape") || !v["shape"].is_array()) return Bad(what, t + " has no shape");
-    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() ||
+        v["data_offsets"].size() != 2)
       return Bad(what, t + " has no [begin, end] data_offsets");
     SafetensorInfo info;
     info.name = name;
@@ -128,21 +130,26 @@ Status ParseSafetensorsHeader(const std::string& what, const std::string& text, 
     if (elem == 0) return Bad(what, t + " has unknown dtype \"" + info.dtype + "\"");
     uint64_t numel = 1;
     for (const auto& d : v["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) return Bad(what, t + " has a negative or non-integer dimension");
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        return Bad(what, t + " has a negative or non-integer dimension");
       const uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && numel > (uint64_t{1} << 62) / dim) return Bad(what, t + " has a shape whose size overflows");
+      if (dim != 0 && numel > (uint64_t{1} << 62) / dim)
+        return Bad(what, t + " has a shape whose size overflows");
       numel *= dim;
       info.shape.push_back(static_cast<int64_t>(dim));
     }
     for (const auto& o : v["data_offsets"])
-      if (!o.is_number_unsigned()) return Bad(what, t + " has a negative or non-integer data offset");
+      if (!o.is_number_unsigned())
+        return Bad(what, t + " has a negative or non-integer data offset");
     info.begin = v["data_offsets"][0].get<uint64_t>();
     info.end = v["data_offsets"][1].get<uint64_t>();
     if (info.begin > info.end || info.end > data_bytes)
-      return Bad(what, t + " has data_offsets [" + std::to_string(info.begin) + ", " + std::to_string(info.end) +
-                           "] outside the " + std::to_string(data_bytes) + "-byte data region (truncated file?)");
+      return Bad(what, t + " has data_offsets [" + std::to_string(info.begin) + ", " +
+                           std::to_string(info.end) + "] outside the " +
+                           std::to_string(data_bytes) + "-byte data region (truncated file?)");
     if (numel * static_cast<uint64_t>(elem) != info.end - info.begin)
-      return Bad(what, t + " has shape and dtype worth " + std::to_string(numel * static_cast<uint64_t>(elem)) +
+      return Bad(what, t + " has shape and dtype worth " +
+                           std::to_string(numel * static_cast<uint64_t>(elem)) +
                            " bytes but data_offsets span " + std::to_string(info.end - info.begin));
     tensors->push_back(std::move(info));
   }
@@ -154,28 +161,34 @@ Status ParseSafetensorsHeader(const std::string& what, const std::string& text, 
   });
   uint64_t pos = 0;
   for (const auto* t : by_offset) {
-    if (t->begin < pos) return Bad(what, "tensor \"" + t->name + "\" overlaps another tensor's data");
-    if (t->begin > pos) return Bad(what, "bytes [" + std::to_string(pos) + ", " + std::to_string(t->begin) +
-                                             ") of the data region belong to no tensor");
+    if (t->begin < pos)
+      return Bad(what, "tensor \"" + t->name + "\" overlaps another tensor's data");
+    if (t->begin > pos)
+      return Bad(what, "bytes [" + std::to_string(pos) + ", " + std::to_string(t->begin) +
+                           ") of the data region belong to no tensor");
     pos = t->end;
   }
   if (pos != data_bytes)
-    return Bad(what, "the data region has " + std::to_string(data_bytes - pos) + " trailing bytes no tensor uses");
-  std::sort(tensors->begin(), tensors->end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+    return Bad(what, "the data region has " + std::to_string(data_bytes - pos) +
+                         " trailing bytes no tensor uses");
+  std::sort(tensors->begin(), tensors->end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
   return Status::Ok();
 }
 
 StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   RP_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path, "safetensors"));
   const uint64_t size = file.size();
-  if (size < 8) return Bad(path, "shorter than the 8-byte header length (truncated or not safetensors)");
+  if (size < 8)
+    return Bad(path, "shorter than the 8-byte header length (truncated or not safetensors)");
   SafetensorsFile f;
   f.path_ = path;
   f.file_ = std::move(file);
   const uint8_t* bytes = f.file_.data();
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
-  if (n > kMaxHeaderBytes) return Bad(path, "header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n > kMaxHeaderBytes)
+    return Bad(path, "header length " + std::to_string(n) + " exceeds the 100 MiB limit");
   if (n > size - 8)
     return Bad(path, "header length " + std::to_string(n) + " runs past the end of the " +
                          std::to_string(size) + "-byte file (truncated?)");
@@ -186,8 +199,9 @@ StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
 }
 
 const SafetensorInfo* SafetensorsFile::Find(const std::string& name) const {
-  auto it = std::lower_bound(tensors_.begin(), tensors_.end(), name,
-                             [](const SafetensorInfo& t, const std::string& n) { return t.name < n; });
+  auto it =
+      std::lower_bound(tensors_.begin(), tensors_.end(), name,
+                       [](const SafetensorInfo& t, const std::string& n) { return t.name < n; });
   return it != tensors_.end() && it->name == name ? &*it : nullptr;
 }
 
@@ -195,7 +209,8 @@ Status SafetensorsFile::ReadAsFloat(const SafetensorInfo& t, float* out) const {
   const uint8_t* p = Data(t);
   const int64_t n = t.Numel();
   if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
-    return Bad(path_, "tensor \"" + t.name + "\" has dtype " + t.dtype + ", not a floating type (F32, BF16, F16)");
+    return Bad(path_, "tensor \"" + t.name + "\" has dtype " + t.dtype +
+                          ", not a floating type (F32, BF16, F16)");
   // A large model's checkpoint is tens of GB read once at start-up: every core takes chunks of
   // each tensor (the mapped file's page faults and the conversion both spread), each element
   // converted on its own, so the result does not depend on the split.
@@ -236,7 +251,8 @@ Status WriteSafetensors(const std::string& path, const std::vector<SafetensorToW
     if (elem == 0 || numel * static_cast<uint64_t>(elem) != t.bytes)
       return Status::InvalidArgument("writing " + path + ": tensor \"" + t.name + "\" has " +
                                      std::to_string(t.bytes) + " bytes, not its shape and dtype's");
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes}}};
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes}}};
     offset += t.bytes;
   }
   std::string text = header.dump();

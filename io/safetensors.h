@@ -34,9 +34,9 @@ inline constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 
 struct SafetensorInfo {
   std::string name;
-  std::string dtype;             // "F32", "BF16", "F16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL"
+  std::string dtype;  // "F32", "BF16", "F16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL"
   std::vector<int64_t> shape;
-  uint64_t begin = 0, end = 0;   // byte range inside the data region
+  uint64_t begin = 0, end = 0;  // byte range inside the data region
   int64_t Numel() const;
 };
 

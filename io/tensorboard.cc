@@ -46,8 +46,8 @@ double NowSeconds() {
 std::string EventFileName() {
   char host[256] = {};
   if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "host");
-  return "events.out.tfevents." + std::to_string(static_cast<int64_t>(NowSeconds())) + "." + host + "." +
-         std::to_string(::getpid());
+  return "events.out.tfevents." + std::to_string(static_cast<int64_t>(NowSeconds())) + "." + host +
+         "." + std::to_string(::getpid());
 }
 
 std::string Framed(const std::string& data) {
@@ -77,7 +77,8 @@ StatusOr<std::string> StepRecord(const nlohmann::json& line) {
     return Status::InvalidArgument("tensorboard: a metrics line without an integer \"step\"");
   tensorboard::Event e;
   e.set_step(line["step"].get<int64_t>());
-  e.set_wall_time(line.contains("time") && line["time"].is_number() ? line["time"].get<double>() : NowSeconds());
+  e.set_wall_time(line.contains("time") && line["time"].is_number() ? line["time"].get<double>()
+                                                                    : NowSeconds());
   auto* summary = e.mutable_summary();
   for (const auto& [tag, value] : TensorBoardScalars(line)) {
     auto* v = summary->add_value();
@@ -133,7 +134,8 @@ StatusOr<TensorBoardWriter> TensorBoardWriter::Create(const std::string& dir) {
   return w;
 }
 
-StatusOr<TensorBoardWriter> TensorBoardWriter::Rebuild(const std::string& dir, const std::string& metrics_jsonl) {
+StatusOr<TensorBoardWriter> TensorBoardWriter::Rebuild(const std::string& dir,
+                                                       const std::string& metrics_jsonl) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return Status::IoError("metrics.tensorboard: cannot create " + dir + ": " + ec.message());
@@ -144,7 +146,8 @@ StatusOr<TensorBoardWriter> TensorBoardWriter::Rebuild(const std::string& dir, c
     std::string text;
     while (std::getline(in, text)) {
       const auto line = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-      if (line.is_discarded() || !line.is_object() || !line.contains("step")) continue;  // a torn last line
+      if (line.is_discarded() || !line.is_object() || !line.contains("step"))
+        continue;  // a torn last line
       RP_ASSIGN_OR_RETURN(auto record, StepRecord(line));
       bytes += record;
     }
@@ -157,7 +160,8 @@ StatusOr<TensorBoardWriter> TensorBoardWriter::Rebuild(const std::string& dir, c
     if (out.get() < 0) return Status::FromErrno("creating " + tmp, errno);
     Status s = WriteAll(out.get(), bytes, tmp);
     if (s.ok() && ::fsync(out.get()) != 0) s = Status::FromErrno("fsync " + tmp, errno);
-    if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = Status::FromErrno("renaming " + tmp, errno);
+    if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0)
+      s = Status::FromErrno("renaming " + tmp, errno);
     if (!s.ok()) {
       ::unlink(tmp.c_str());
       return s;
@@ -165,7 +169,8 @@ StatusOr<TensorBoardWriter> TensorBoardWriter::Rebuild(const std::string& dir, c
   }
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (entry.path().string() != path && name.find("tfevents") != std::string::npos && entry.is_regular_file(ec))
+    if (entry.path().string() != path && name.find("tfevents") != std::string::npos &&
+        entry.is_regular_file(ec))
       fs::remove(entry.path(), ec);
   }
   UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC));
@@ -178,6 +183,8 @@ Status TensorBoardWriter::Append(const nlohmann::json& line) {
   return WriteRecord(record);
 }
 
-Status TensorBoardWriter::WriteRecord(const std::string& bytes) { return WriteAll(fd_.get(), bytes, path_); }
+Status TensorBoardWriter::WriteRecord(const std::string& bytes) {
+  return WriteAll(fd_.get(), bytes, path_);
+}
 
 }  // namespace rp::core

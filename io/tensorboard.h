@@ -43,7 +43,8 @@ class TensorBoardWriter {
   static StatusOr<TensorBoardWriter> Create(const std::string& dir);
   // A new event file in `dir` that starts with the events of every line of `metrics_jsonl`; the
   // directory's other event files are removed once it is complete.
-  static StatusOr<TensorBoardWriter> Rebuild(const std::string& dir, const std::string& metrics_jsonl);
+  static StatusOr<TensorBoardWriter> Rebuild(const std::string& dir,
+                                             const std::string& metrics_jsonl);
 
   TensorBoardWriter(TensorBoardWriter&&) noexcept = default;
   TensorBoardWriter(const TensorBoardWriter&) = delete;

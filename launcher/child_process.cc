@@ -16,7 +16,8 @@ namespace rp::launch {
 std::string ExitInfo::Describe() const {
   if (!signaled) return "exited with code " + std::to_string(code);
   const char* name = sigabbrev_np(code);
-  return "was killed by signal " + std::to_string(code) + (name ? std::string(" (SIG") + name + ")" : "");
+  return "was killed by signal " + std::to_string(code) +
+         (name ? std::string(" (SIG") + name + ")" : "");
 }
 
 StatusOr<ChildProcess> ChildProcess::Spawn(const std::string& role,

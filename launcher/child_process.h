@@ -22,7 +22,7 @@ namespace rp::launch {
 
 struct ExitInfo {
   bool signaled = false;
-  int code = 0;    // exit code, or signal number if signaled
+  int code = 0;  // exit code, or signal number if signaled
   std::string Describe() const;
 };
 
@@ -30,7 +30,8 @@ class ChildProcess {
  public:
   // `output_fd` >= 0 becomes the child's stdout and stderr.
   static StatusOr<ChildProcess> Spawn(const std::string& role, const std::vector<std::string>& argv,
-                                      const std::vector<std::string>& extra_env, int output_fd = -1);
+                                      const std::vector<std::string>& extra_env,
+                                      int output_fd = -1);
   ChildProcess(ChildProcess&& o) noexcept;
   ChildProcess& operator=(ChildProcess&& o) noexcept;
   ChildProcess(const ChildProcess&) = delete;

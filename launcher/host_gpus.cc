@@ -8,7 +8,8 @@
 
 namespace rp::launch {
 
-double SmallestGpuMemoryGib(const std::string& nvidia_smi_csv, const std::optional<std::string>& visible) {
+double SmallestGpuMemoryGib(const std::string& nvidia_smi_csv,
+                            const std::optional<std::string>& visible) {
   std::vector<double> mib;  // by GPU index; < 0 where a line does not parse
   std::istringstream lines(nvidia_smi_csv);
   for (std::string line; std::getline(lines, line);) {
@@ -39,8 +40,9 @@ double SmallestGpuMemoryGib(const std::string& nvidia_smi_csv, const std::option
 
 double QueryGpuMemoryGib(const EnvLookup& env) {
   // Bounded: a driver in trouble can keep nvidia-smi waiting, and the launch must not wait with it.
-  FILE* pipe =
-      ::popen("timeout 10 nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null", "r");
+  FILE* pipe = ::popen(
+      "timeout 10 nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null",
+      "r");
   if (pipe == nullptr) return 0.0;
   std::string out;
   char buf[256];

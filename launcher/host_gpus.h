@@ -19,7 +19,8 @@
 
 namespace rp::launch {
 
-double SmallestGpuMemoryGib(const std::string& nvidia_smi_csv, const std::optional<std::string>& visible);
+double SmallestGpuMemoryGib(const std::string& nvidia_smi_csv,
+                            const std::optional<std::string>& visible);
 double QueryGpuMemoryGib(const EnvLookup& env);
 
 }  // namespace rp::launch

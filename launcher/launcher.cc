@@ -80,10 +80,13 @@ class OwnerLock {
   static StatusOr<OwnerLock> Take(const std::string& dir) {
     const std::string path = dir + "/" + kOwnerFile, tmp = path + ".tmp";
     OwnerLock l;
-    l.fd_ = UniqueFd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+    l.fd_ =
+        UniqueFd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (l.fd_.get() < 0) return Status::FromErrno("creating " + tmp, errno);
-    if (::flock(l.fd_.get(), LOCK_EX | LOCK_NB) != 0) return Status::FromErrno("locking " + tmp, errno);
-    if (::rename(tmp.c_str(), path.c_str()) != 0) return Status::FromErrno("renaming " + tmp, errno);
+    if (::flock(l.fd_.get(), LOCK_EX | LOCK_NB) != 0)
+      return Status::FromErrno("locking " + tmp, errno);
+    if (::rename(tmp.c_str(), path.c_str()) != 0)
+      return Status::FromErrno("renaming " + tmp, errno);
     return l;
   }
 
@@ -100,8 +103,10 @@ void ReclaimDeadRuns(const std::string& base) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(base, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.size() != 23 || name.rfind("rp-", 0) != 0 || e.is_symlink(ec) || !e.is_directory(ec)) continue;
-    const UniqueFd owner(::open((e.path() / kOwnerFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (name.size() != 23 || name.rfind("rp-", 0) != 0 || e.is_symlink(ec) || !e.is_directory(ec))
+      continue;
+    const UniqueFd owner(
+        ::open((e.path() / kOwnerFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
     if (owner.get() < 0) continue;
     if (::flock(owner.get(), LOCK_EX | LOCK_NB) == 0) {
       int names = 0;
@@ -112,8 +117,10 @@ void ReclaimDeadRuns(const std::string& base) {
         if (segment.rfind(name + "-", 0) == 0 && ::shm_unlink(shm_name.c_str()) == 0) ++names;
       }
       fs::remove_all(e.path(), ec);
-      std::fprintf(stderr, "rp-launch: reclaimed %s and %d shared-memory names left by a launcher that was killed\n",
-                   e.path().c_str(), names);
+      std::fprintf(
+          stderr,
+          "rp-launch: reclaimed %s and %d shared-memory names left by a launcher that was killed\n",
+          e.path().c_str(), names);
     }
   }
 }
@@ -135,7 +142,8 @@ class RuntimeDir {
   std::string path_;
 };
 
-void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus, bool cpu_workers) {
+void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus,
+                 bool cpu_workers) {
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
   const core::PipelinePlan* plan = &resolved_plan;
   auto layout = shm::ComputeLayout(cfg, spec, *plan);
@@ -147,69 +155,87 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
   std::printf("job %s: %lld trainable parameters, %d workers\n", cfg.job.name.c_str(),
               static_cast<long long>(spec.TrainableParams()), gpus);
   if (spec.lora.enabled())
-    std::printf("LoRA rank %lld on %zu projection kinds and %zu expert tensors: %lld frozen base parameters "
-                "kept once as the compute copy (%.1f MiB, no master, moments or gradients)\n",
-                static_cast<long long>(spec.lora.rank), spec.lora.target_modules.size(),
-                spec.lora.target_parameters.size(),
-                static_cast<long long>(spec.FrozenParams()),
-                static_cast<double>(layout->frozen_end - layout->frozen_begin) / (1 << 20));
-  std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(), plan->stages.size());
+    std::printf(
+        "LoRA rank %lld on %zu projection kinds and %zu expert tensors: %lld frozen base "
+        "parameters "
+        "kept once as the compute copy (%.1f MiB, no master, moments or gradients)\n",
+        static_cast<long long>(spec.lora.rank), spec.lora.target_modules.size(),
+        spec.lora.target_parameters.size(), static_cast<long long>(spec.FrozenParams()),
+        static_cast<double>(layout->frozen_end - layout->frozen_begin) / (1 << 20));
+  std::printf("plan: %s (%zu stage jobs per call)\n", plan->Describe().c_str(),
+              plan->stages.size());
   if (cfg.train.mlp_tile_tokens > 0)
-    std::printf("dense MLPs in tiles of %lld tokens (train.mlp_tile_tokens, as the run spec below holds it)\n",
-                static_cast<long long>(cfg.train.mlp_tile_tokens));
+    std::printf(
+        "dense MLPs in tiles of %lld tokens (train.mlp_tile_tokens, as the run spec below holds "
+        "it)\n",
+        static_cast<long long>(cfg.train.mlp_tile_tokens));
   if (core::Round(cfg).merged_calls > 1)
-    std::printf("the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
-                "(RP_MERGE_CALLS=never runs them one after another)\n",
-                static_cast<long long>(cfg.train.accum_calls), static_cast<long long>(cfg.train.microbatches),
-                static_cast<long long>(core::GlobalRound(cfg).microbatches));
+    std::printf(
+        "the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
+        "(RP_MERGE_CALLS=never runs them one after another)\n",
+        static_cast<long long>(cfg.train.accum_calls),
+        static_cast<long long>(cfg.train.microbatches),
+        static_cast<long long>(core::GlobalRound(cfg).microbatches));
   if (cfg.nodes.count > 1) {
     const int64_t share = core::Round(cfg).microbatches;
-    std::printf("node %lld of %lld: microbatches %lld..%lld of each round of %lld run here; the plan and the "
-                "prediction below are this node's share\n",
-                static_cast<long long>(cfg.nodes.rank), static_cast<long long>(cfg.nodes.count),
-                static_cast<long long>(core::StepMicrobatch(cfg, 0, 0)),
-                static_cast<long long>(core::StepMicrobatch(cfg, 0, share - 1)),
-                static_cast<long long>(core::GlobalRound(cfg).microbatches));
+    std::printf(
+        "node %lld of %lld: microbatches %lld..%lld of each round of %lld run here; the plan and "
+        "the "
+        "prediction below are this node's share\n",
+        static_cast<long long>(cfg.nodes.rank), static_cast<long long>(cfg.nodes.count),
+        static_cast<long long>(core::StepMicrobatch(cfg, 0, 0)),
+        static_cast<long long>(core::StepMicrobatch(cfg, 0, share - 1)),
+        static_cast<long long>(core::GlobalRound(cfg).microbatches));
   }
   if (plan->kept_start < plan->tail_start)
-    std::printf("kept blocks: %d (layers %d-%d keep their forward graphs on the device for their backward "
-                "instead of being recomputed)\n",
-                plan->tail_start - plan->kept_start, plan->kept_start, plan->tail_start - 1);
+    std::printf(
+        "kept blocks: %d (layers %d-%d keep their forward graphs on the device for their backward "
+        "instead of being recomputed)\n",
+        plan->tail_start - plan->kept_start, plan->kept_start, plan->tail_start - 1);
   if (auto costs = core::PlanningProfile(cfg); costs.ok()) {
     auto p = core::PredictPlan(cfg, *plan, *costs, gpus);
-    std::printf("predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
-                p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
+    std::printf(
+        "predicted step %.4f s, predicted bubble ratio %.1f%% (%s costs; rp-plan shows more)\n",
+        p.step_seconds, 100.0 * p.bubble_ratio, p.cost_source.c_str());
     if (!cpu_workers)
-      std::printf("estimated device memory per worker: %.1f GiB (the planner's estimate; "
-                  "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
-                  p.peak_memory_bytes / (1ull << 30));
-    if (auto alt = cpu_workers ? std::nullopt : core::FrozenOnDeviceAlternative(cfg, gpus, *costs, p.step_seconds))
-      std::printf("schedule.frozen_on_device = true would keep the %.1f GiB frozen base on each GPU and fetch only "
-                  "the adapters: predicted step %.4f s (plan %s), estimated device memory %.1f GiB per worker\n",
-                  alt->memory.frozen / (1ull << 30), alt->step_seconds, alt->plan.Describe().c_str(),
-                  alt->peak_memory_bytes / (1ull << 30));
+      std::printf(
+          "estimated device memory per worker: %.1f GiB (the planner's estimate; "
+          "schedule.gpu_memory_gb bounds it for partition = \"auto\")\n",
+          p.peak_memory_bytes / (1ull << 30));
+    if (auto alt = cpu_workers ? std::nullopt
+                               : core::FrozenOnDeviceAlternative(cfg, gpus, *costs, p.step_seconds))
+      std::printf(
+          "schedule.frozen_on_device = true would keep the %.1f GiB frozen base on each GPU and "
+          "fetch only "
+          "the adapters: predicted step %.4f s (plan %s), estimated device memory %.1f GiB per "
+          "worker\n",
+          alt->memory.frozen / (1ull << 30), alt->step_seconds, alt->plan.Describe().c_str(),
+          alt->peak_memory_bytes / (1ull << 30));
   }
   std::printf("workers fetch %s\n",
-              !layout->masters_in_state         ? "a compute copy the optimizer writes"
-              : layout->compute_elem_bytes == 2 ? "the fp32 masters and round them to bf16 (no compute copy)"
-                                                : "the fp32 masters (no compute copy)");
+              !layout->masters_in_state ? "a compute copy the optimizer writes"
+              : layout->compute_elem_bytes == 2
+                  ? "the fp32 masters and round them to bf16 (no compute copy)"
+                  : "the fp32 masters (no compute copy)");
   if (layout->activations_in_pools)
-    std::printf("activations: in each worker's activation pool, %.1f MiB per worker (%s), copied device to "
-                "device by the consumer (activations = \"cuda_ipc\")\n",
-                static_cast<double>(layout->pool_bytes) / (1 << 20),
-                cfg.job.device == core::DeviceKind::kCpu ? "a shared-memory object per CPU worker" : "device memory");
+    std::printf(
+        "activations: in each worker's activation pool, %.1f MiB per worker (%s), copied device to "
+        "device by the consumer (activations = \"cuda_ipc\")\n",
+        static_cast<double>(layout->pool_bytes) / (1 << 20),
+        cfg.job.device == core::DeviceKind::kCpu ? "a shared-memory object per CPU worker"
+                                                 : "device memory");
   const uint64_t acts = layout->total_bytes - layout->tokens;
-  std::printf("shared memory: %.1f MiB = %.2f bytes per trainable parameter (state segment %.1f MiB: "
-              "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
-              static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / (1 << 20),
-              static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / params,
-              static_cast<double>(layout->total_bytes) / (1 << 20),
-              static_cast<double>(layout->grad_arena_bytes) / (1 << 20),
-              layout->grads_streamed ? " streamed" : " holding every gradient",
-              static_cast<double>(acts) / (1 << 20),
-              static_cast<double>(layout->optim_total_bytes) / (1 << 20));
+  std::printf(
+      "shared memory: %.1f MiB = %.2f bytes per trainable parameter (state segment %.1f MiB: "
+      "gradient arena %.1f MiB%s, activation slots %.1f MiB; optimizer segment %.1f MiB)\n",
+      static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / (1 << 20),
+      static_cast<double>(layout->total_bytes + layout->optim_total_bytes) / params,
+      static_cast<double>(layout->total_bytes) / (1 << 20),
+      static_cast<double>(layout->grad_arena_bytes) / (1 << 20),
+      layout->grads_streamed ? " streamed" : " holding every gradient",
+      static_cast<double>(acts) / (1 << 20),
+      static_cast<double>(layout->optim_total_bytes) / (1 << 20));
 }
-
 
 // The GPUs a CUDA worker may use: CUDA_VISIBLE_DEVICES's entries when it is set, else the
 // /dev/nvidia<N> device nodes; -1 when neither says (the workers' own start-up then decides).
@@ -244,29 +270,32 @@ int VisibleGpus() {
 // The newest training checkpoint of the output directory fits this job (header checks; the
 // coordinator verifies every byte's checksum when it loads it) and was written by this run: its
 // run-defining values equal the job's, or `force` and the differences are logged.
-Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
-                      bool force) {
+Status CheckResumable(const core::JobConfig& cfg, const core::ModelSpec& spec,
+                      const shm::ArenaLayout& layout, bool force) {
   auto latest = coord::FindLatestTrainingState(coord::CheckpointDir(cfg));
   // No checkpoint to resume is the user's situation, not a fault: said as one.
   if (!latest.ok()) return Status::InvalidArgument(latest.status().message());
   const coord::StateFile& found = *latest;
   if (found.steps_done >= cfg.train.steps)
-    return Status::InvalidArgument(found.path + " already holds all " + std::to_string(cfg.train.steps) +
-                                   " steps of this job");
+    return Status::InvalidArgument(found.path + " already holds all " +
+                                   std::to_string(cfg.train.steps) + " steps of this job");
   RP_RETURN_IF_ERROR(coord::ReadTrainingStateShares(found, cfg, spec, layout,
                                                     coord::TrainingStateHash(cfg, spec, layout),
                                                     /*optim=*/nullptr, /*state=*/nullptr));
   RP_ASSIGN_OR_RETURN(const core::RunRecord recorded, coord::ReadRunRecord(found));
   if (recorded.empty()) return Status::Ok();  // written before checkpoints recorded their run
-  const std::vector<std::string> differences = core::RunDifferences(recorded, core::RunDefiningValues(cfg));
+  const std::vector<std::string> differences =
+      core::RunDifferences(recorded, core::RunDefiningValues(cfg));
   if (differences.empty()) return Status::Ok();
   std::string listed;
   for (const auto& d : differences) listed += "\n  " + d;
   if (!force)
-    return Status::InvalidArgument(found.path + " is another run's checkpoint: " +
-                                   std::to_string(differences.size()) + " key(s) that decide the training differ" +
-                                   listed + "\n(--force-resume continues from it anyway)");
-  RP_LOG(WARNING) << "--force-resume: " << found.path << " was written by a run whose keys differ:" << listed;
+    return Status::InvalidArgument(
+        found.path + " is another run's checkpoint: " + std::to_string(differences.size()) +
+        " key(s) that decide the training differ" + listed +
+        "\n(--force-resume continues from it anyway)");
+  RP_LOG(WARNING) << "--force-resume: " << found.path
+                  << " was written by a run whose keys differ:" << listed;
   return Status::Ok();
 }
 
@@ -286,14 +315,18 @@ double SecondsSinceBeat(const std::string& path) {
 Status MakeLogDir(const std::string& output_dir, const std::string& log_dir) {
   std::error_code ec;
   fs::create_directories(output_dir, ec);
-  if (ec) return Status::InvalidArgument("cannot create job.output_dir " + output_dir + ": " + ec.message());
+  if (ec)
+    return Status::InvalidArgument("cannot create job.output_dir " + output_dir + ": " +
+                                   ec.message());
   const std::string logs = output_dir + "/logs";
   if (::mkdir(logs.c_str(), 0755) != 0 && errno != EEXIST)
     return Status::InvalidArgument("cannot create " + logs + ": " + std::strerror(errno));
   struct stat st {};
   if (::lstat(logs.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    return Status::InvalidArgument(logs + " is not a directory (a symbolic link or a file); the launcher does not "
-                                   "follow links it did not create");
+    return Status::InvalidArgument(
+        logs +
+        " is not a directory (a symbolic link or a file); the launcher does not "
+        "follow links it did not create");
   if (::mkdir(log_dir.c_str(), 0755) != 0)
     return Status::InvalidArgument("cannot create " + log_dir + ": " + std::strerror(errno));
   return Status::Ok();
@@ -313,16 +346,19 @@ std::string CpuWorkersOverHostMemory(const core::JobConfig& cfg, uint64_t bytes,
     return std::string(t);
   };
   std::string why = "job " + cfg.job.name + ": each of the " + std::to_string(workers) +
-                    " CPU workers needs about " + gib(cpu_worker.total) + " by the planner's estimate";
+                    " CPU workers needs about " + gib(cpu_worker.total) +
+                    " by the planner's estimate";
   if (cpu_worker.attention_scores > 0.5 * cpu_worker.total)
     why += " (" + gib(cpu_worker.attention_scores) +
-           " of it attention scores, which CPU workers keep for every pair of positions: they grow with the "
-           "square of data.seq_len = " + std::to_string(cfg.data.seq_len) + ")";
-  else
-    why += " (rp-plan prints its parts)";
-  return why + ", " + gib(need) + " with the shared memory, and the host (or its memory cgroup) has " +
-         gib(static_cast<double>(avail)) + " available; shorter sequences, fewer workers, train.layer_recompute " +
-         "or CUDA workers";
+           " of it attention scores, which CPU workers keep for every pair of positions: they grow "
+           "with the "
+           "square of data.seq_len = " +
+           std::to_string(cfg.data.seq_len) + ")";
+  else why += " (rp-plan prints its parts)";
+  return why + ", " + gib(need) +
+         " with the shared memory, and the host (or its memory cgroup) has " +
+         gib(static_cast<double>(avail)) +
+         " available; shorter sequences, fewer workers, train.layer_recompute " + "or CUDA workers";
 }
 
 // Before any process starts: the segments (`bytes`) must fit /dev/shm (a hard limit: tmpfs would
@@ -333,13 +369,16 @@ std::string CpuWorkersOverHostMemory(const core::JobConfig& cfg, uint64_t bytes,
 Status CheckHostMemory(const core::JobConfig& cfg, uint64_t bytes, int workers,
                        const std::optional<core::MemoryEstimate>& cpu_worker) {
   if (Status room = shm::CheckSharedMemoryRoom(bytes, "job " + cfg.job.name); !room.ok())
-    return Status::InvalidArgument(room.message() + " (rp-launch --dry-run shows where the bytes go)");
+    return Status::InvalidArgument(room.message() +
+                                   " (rp-launch --dry-run shows where the bytes go)");
   if (cpu_worker)
     if (std::string why = CpuWorkersOverHostMemory(cfg, bytes, workers, *cpu_worker); !why.empty())
       return Status::InvalidArgument(why);
   const uint64_t avail = shm::AvailableHostMemory();
   if (avail > 0 && bytes > avail)
-    std::fprintf(stderr, "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host (or its memory cgroup) has "
+    std::fprintf(stderr,
+                 "rp-launch: warning: job %s needs %.1f GiB of shared memory and the host (or its "
+                 "memory cgroup) has "
                  "%.1f GiB available; expect swapping, or the kernel's OOM killer\n",
                  cfg.job.name.c_str(), static_cast<double>(bytes) / (1ull << 30),
                  static_cast<double>(avail) / (1ull << 30));
@@ -395,21 +434,23 @@ class SignalMask {
 
 // Several nodes: this node's secret, then every node arrives at node 0's store with the same run
 // before anything starts. kExitOk with `link` set, else the exit code after saying why.
-int MeetTheOtherNodes(const LaunchOptions& o, const core::RunSpec& run, std::unique_ptr<NodeLink>* link,
-                      std::optional<RunSecret>* node_secret) {
+int MeetTheOtherNodes(const LaunchOptions& o, const core::RunSpec& run,
+                      std::unique_ptr<NodeLink>* link, std::optional<RunSecret>* node_secret) {
   const core::JobConfig& cfg = run.job;
   auto secret = ResolveRunSecret(core::SharedOutputDir(cfg), ProcessEnv);
   if (!secret.ok()) {
-    std::fprintf(stderr, "rp-launch: the run's node secret: %s\n", secret.status().message().c_str());
+    std::fprintf(stderr, "rp-launch: the run's node secret: %s\n",
+                 secret.status().message().c_str());
     return secret.status().code() == StatusCode::kInvalidArgument ? kExitBadConfig : kExitError;
   }
   *node_secret = std::move(secret).value();
   std::fprintf(stderr,
-               "rp-launch: node %lld of %lld (%s), node store %s:%lld sealed with the secret from %s; waiting for "
+               "rp-launch: node %lld of %lld (%s), node store %s:%lld sealed with the secret from "
+               "%s; waiting for "
                "the other nodes\n",
-               static_cast<long long>(cfg.nodes.rank), static_cast<long long>(cfg.nodes.count), o.world.source.c_str(),
-               cfg.nodes.store_host.c_str(), static_cast<long long>(cfg.nodes.store_port),
-               (*node_secret)->source.c_str());
+               static_cast<long long>(cfg.nodes.rank), static_cast<long long>(cfg.nodes.count),
+               o.world.source.c_str(), cfg.nodes.store_host.c_str(),
+               static_cast<long long>(cfg.nodes.store_port), (*node_secret)->source.c_str());
   auto opened = NodeLink::Open(cfg, nodes::StoreSeal((*node_secret)->value));
   Status met = opened.ok() ? (*opened)->Meet(NodeRunFingerprint(run, o.resume)) : opened.status();
   if (!met.ok()) {
@@ -443,7 +484,8 @@ StatusOr<std::vector<int>> OpenLogPipes(LogPump* pump, const std::string& log_di
 // The launcher's exit code once the children are gone, with what the user does next: an
 // interrupt (stopped at once, or `checkpointed` after a graceful stop), a re-plan, or the run's
 // own code.
-int EndOfRunCode(const core::JobConfig& cfg, bool interrupted, bool checkpointed, bool replan, int exit_code) {
+int EndOfRunCode(const core::JobConfig& cfg, bool interrupted, bool checkpointed, bool replan,
+                 int exit_code) {
   if (interrupted) {
     std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");
     return kExitInterrupted;
@@ -453,16 +495,21 @@ int EndOfRunCode(const core::JobConfig& cfg, bool interrupted, bool checkpointed
     const std::string checkpoints = (fs::path(cfg.job.output_dir) / cfg.checkpoint.dir).string();
     if (core::ShardedState(cfg))
       // Every node wrote its own part after the step the nodes agreed on.
-      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step and wrote its part of a "
-                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
-                   checkpoints.c_str());
+      std::fprintf(
+          stderr,
+          "rp-launch: interrupted; every node stopped after the same step and wrote its part of a "
+          "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
+          checkpoints.c_str());
     else if (cfg.nodes.count > 1)
-      std::fprintf(stderr, "rp-launch: interrupted; every node stopped after the same step, node 0 wrote a "
-                           "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
+      std::fprintf(stderr,
+                   "rp-launch: interrupted; every node stopped after the same step, node 0 wrote a "
+                   "checkpoint into %s; `rp-launch --resume` on every node continues the run\n",
                    checkpoints.c_str());
     else
-      std::fprintf(stderr, "rp-launch: interrupted; a checkpoint is in %s, `rp-launch --resume` continues the run\n",
-                   checkpoints.c_str());
+      std::fprintf(
+          stderr,
+          "rp-launch: interrupted; a checkpoint is in %s, `rp-launch --resume` continues the run\n",
+          checkpoints.c_str());
     return kExitInterrupted;
   }
   if (replan && exit_code == kExitOk) return kExitReplan;
@@ -474,10 +521,14 @@ class ChildCommands {
  public:
   ChildCommands(const LaunchOptions& o, const std::string& session, const std::string& dir,
                 const std::string& spec_path, const std::optional<RunSecret>& node_secret)
-      : coordinator_bin_(o.bin_dir + "/rp-coordinator"), worker_bin_(o.bin_dir + "/rp-worker"), resume_(o.resume) {
-    common_ = {"--spec", spec_path, "--gpus", std::to_string(o.gpus), "--session", session, "--runtime-dir", dir,
-               "-v", std::to_string(o.verbosity)};
-    env_ = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()), "RP_SESSION=" + session, "NCCL_NVLS_ENABLE=0"};
+      : coordinator_bin_(o.bin_dir + "/rp-coordinator"),
+        worker_bin_(o.bin_dir + "/rp-worker"),
+        resume_(o.resume) {
+    common_ = {
+        "--spec",        spec_path, "--gpus", std::to_string(o.gpus),     "--session", session,
+        "--runtime-dir", dir,       "-v",     std::to_string(o.verbosity)};
+    env_ = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()), "RP_SESSION=" + session,
+            "NCCL_NVLS_ENABLE=0"};
     // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
     if (!std::getenv("OPENBLAS_NUM_THREADS")) env_.push_back("OPENBLAS_NUM_THREADS=1");
     // The workers' cross-node groups seal their store traffic with the run's secret.
@@ -513,7 +564,8 @@ class ChildCommands {
  private:
   std::string coordinator_bin_, worker_bin_;
   bool resume_;
-  std::vector<std::string> common_, env_, wrapper_;  // every child's arguments and environment; the worker's wrapper
+  std::vector<std::string> common_, env_,
+      wrapper_;  // every child's arguments and environment; the worker's wrapper
 };
 
 // The supervision loop of a launch: signals, the children's exits (with replacement workers), the
@@ -522,8 +574,9 @@ class ChildCommands {
 class Supervision {
  public:
   using SpawnWorker = std::function<StatusOr<ChildProcess>(int rank, int out_fd, bool debug_pause)>;
-  Supervision(const core::JobConfig& cfg, std::vector<ChildProcess>& children, NodeLink* link, std::string dir,
-              SpawnWorker spawn_worker, const std::vector<int>& respawn_fds, int exit_code_so_far)
+  Supervision(const core::JobConfig& cfg, std::vector<ChildProcess>& children, NodeLink* link,
+              std::string dir, SpawnWorker spawn_worker, const std::vector<int>& respawn_fds,
+              int exit_code_so_far)
       : exit_code(exit_code_so_far),
         cfg_(cfg),
         children_(children),
@@ -540,10 +593,13 @@ class Supervision {
       if (ReapChildren()) break;
       if (link_ && failure.empty() && NodeLost()) break;
       if (link_ && failure.empty() && !children_[0].exit_info() && StopAgreementFailed()) break;
-      if (failure.empty() && !children_[0].exit_info() && cfg_.job.worker_timeout_s > 0 && CoordinatorGone()) break;
+      if (failure.empty() && !children_[0].exit_info() && cfg_.job.worker_timeout_s > 0 &&
+          CoordinatorGone())
+        break;
       // Workers get a grace period to leave after the coordinator finished the job.
       if (std::chrono::steady_clock::now() - coordinator_done_at_ > std::chrono::seconds(10)) {
-        RP_LOG(WARNING) << "workers still running 10 s after the coordinator finished; stopping them";
+        RP_LOG(WARNING)
+            << "workers still running 10 s after the coordinator finished; stopping them";
         break;
       }
     }
@@ -562,10 +618,12 @@ class Supervision {
   bool OnSignal(int sig) {
     if ((sig == SIGINT || sig == SIGTERM) && !graceful && !children_[0].exit_info()) {
       graceful = true;
-      std::fprintf(stderr, "rp-launch: stopping after the step in flight and writing a checkpoint "
-                           "(interrupt again to stop at once)\n");
+      std::fprintf(stderr,
+                   "rp-launch: stopping after the step in flight and writing a checkpoint "
+                   "(interrupt again to stop at once)\n");
       if (link_) {
-        if (Status told = link_->Interrupt(); !told.ok()) std::fprintf(stderr, "rp-launch: %s\n", told.message().c_str());
+        if (Status told = link_->Interrupt(); !told.ok())
+          std::fprintf(stderr, "rp-launch: %s\n", told.message().c_str());
       }
       children_[0].Signal(SIGINT);
     } else if (sig == SIGINT || sig == SIGTERM) {
@@ -588,7 +646,8 @@ class Supervision {
       const ExitInfo& e = *c.exit_info();
       const bool is_coord = &c == &children_[0];
       const bool graceful_exit = graceful && !e.signaled && e.code == kExitInterrupted;
-      if (is_coord && !e.signaled && (e.code == 0 || graceful_exit || (e.code == kExitReplan && !graceful))) {
+      if (is_coord && !e.signaled &&
+          (e.code == 0 || graceful_exit || (e.code == kExitReplan && !graceful))) {
         graceful_done = graceful_exit;
         replan = e.code == kExitReplan;
         if (coordinator_done_at_ == std::chrono::steady_clock::time_point::max())
@@ -599,16 +658,18 @@ class Supervision {
       // possibly before the launcher has seen the coordinator's own exit (3 after a graceful stop).
       if (!is_coord && !e.signaled && (e.code == 0 || graceful_exit)) continue;
       // A worker died mid-run: start a replacement with the same rank while restarts remain. The
-      // coordinator re-dispatches the dead worker's unfinished jobs when the replacement says Hello.
+      // coordinator re-dispatches the dead worker's unfinished jobs when the replacement says
+      // Hello.
       const int rank = static_cast<int>(&c - &children_[0]) - 1;
       // A worker that refused the run's spec (exit 2) would be refused again by any replacement.
       const bool refused = !e.signaled && e.code == kExitBadConfig;
       if (!is_coord && !refused && !children_[0].exit_info() && !graceful &&
           restarts_ < cfg_.job.max_worker_restarts) {
         restarts_++;
-        std::fprintf(stderr, "rp-launch: %s (pid %d) %s; starting a replacement (restart %lld of %lld)\n",
-                     c.role().c_str(), c.pid(), e.Describe().c_str(), static_cast<long long>(restarts_),
-                     static_cast<long long>(cfg_.job.max_worker_restarts));
+        std::fprintf(
+            stderr, "rp-launch: %s (pid %d) %s; starting a replacement (restart %lld of %lld)\n",
+            c.role().c_str(), c.pid(), e.Describe().c_str(), static_cast<long long>(restarts_),
+            static_cast<long long>(cfg_.job.max_worker_restarts));
         auto fresh = spawn_worker_(rank, respawn_fds_[rank], false);
         if (fresh.ok()) {
           c = std::move(fresh).value();
@@ -620,7 +681,9 @@ class Supervision {
       if (failure.empty()) {
         failed_role = c.role();
         failure = c.role() + " (pid " + std::to_string(c.pid()) + ") " + e.Describe();
-        exit_code = is_coord ? (e.signaled ? kExitPeerLost : e.code) : refused ? kExitBadConfig : kExitPeerLost;
+        exit_code = is_coord  ? (e.signaled ? kExitPeerLost : e.code)
+                    : refused ? kExitBadConfig
+                              : kExitPeerLost;
       }
     }
     return all_done;
@@ -631,9 +694,12 @@ class Supervision {
   bool NodeLost() {
     auto lost = link_->Tick();
     if (!lost || children_[0].exit_info()) return false;
-    failure = graceful ? *lost + "; this node was stopping after an interrupt, and its stop step needs the other "
-                                 "nodes: no checkpoint at the interrupt (resume from the newest periodic one)"
-                       : *lost;
+    failure =
+        graceful
+            ? *lost +
+                  "; this node was stopping after an interrupt, and its stop step needs the other "
+                  "nodes: no checkpoint at the interrupt (resume from the newest periodic one)"
+            : *lost;
     exit_code = kExitPeerLost;
     return true;
   }
@@ -645,8 +711,11 @@ class Supervision {
     if (!graceful) {
       if (auto by = link_->InterruptedElsewhere()) {
         graceful = true;
-        std::fprintf(stderr, "rp-launch: node %d was interrupted: every node stops after an agreed step with a "
-                             "checkpoint\n", *by);
+        std::fprintf(
+            stderr,
+            "rp-launch: node %d was interrupted: every node stops after an agreed step with a "
+            "checkpoint\n",
+            *by);
         children_[0].Signal(SIGINT);
       }
     }
@@ -673,7 +742,9 @@ class Supervision {
     }
     if (stop_proposed_ && !stop_agreed_) {
       auto agreed = link_->Agreed();
-      Status written = agreed.ok() && *agreed ? WriteStepFile(dir_ + "/" + kStopAgreedFile, **agreed) : agreed.status();
+      Status written = agreed.ok() && *agreed
+                           ? WriteStepFile(dir_ + "/" + kStopAgreedFile, **agreed)
+                           : agreed.status();
       if (!written.ok()) {
         failure = "agreeing on a stop step with the other nodes: " + written.message();
         exit_code = agreed.ok() ? kExitProtocolError : kExitPeerLost;
@@ -692,26 +763,30 @@ class Supervision {
     const double now = MonoSeconds();
     const std::string who = "coordinator (pid " + std::to_string(children_[0].pid()) + ")";
     if (stopped_since_ >= 0 && !ProcessStopped(children_[0].pid())) {
-      RP_LOG(WARNING) << who << " continues after " << FormatSeconds(now - stopped_since_) << " s stopped";
+      RP_LOG(WARNING) << who << " continues after " << FormatSeconds(now - stopped_since_)
+                      << " s stopped";
       stopped_since_ = stopped_said_ = -1.0;
     }
     double quiet = SecondsSinceBeat(dir_ + "/" + kBeaconFile);
     if (last_stopped_ >= 0) quiet = std::min(quiet, now - last_stopped_);
-    if (stopped_since_ >= 0 || (quiet > cfg_.job.worker_timeout_s && ProcessStopped(children_[0].pid()))) {
+    if (stopped_since_ >= 0 ||
+        (quiet > cfg_.job.worker_timeout_s && ProcessStopped(children_[0].pid()))) {
       if (stopped_since_ < 0) stopped_since_ = now - quiet;
       last_stopped_ = now;
       const double stopped_for = now - stopped_since_;
       if (stopped_for > cfg_.job.stopped_timeout_s) {
         failed_role = children_[0].role();
         failure = who + " has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
-                  std::to_string(static_cast<int>(stopped_for)) + " s, past job.stopped_timeout_s = " +
-                  FormatSeconds(cfg_.job.stopped_timeout_s) + " s; ending the run";
+                  std::to_string(static_cast<int>(stopped_for)) +
+                  " s, past job.stopped_timeout_s = " + FormatSeconds(cfg_.job.stopped_timeout_s) +
+                  " s; ending the run";
         exit_code = kExitPeerLost;
         for (auto& c : children_) c.Signal(SIGKILL);
         return true;
       }
       if (stopped_said_ < 0 || now - stopped_said_ >= cfg_.job.worker_timeout_s) {
-        RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) for " << FormatSeconds(stopped_for)
+        RP_LOG(WARNING) << who << " is stopped (SIGSTOP, Ctrl-Z or a debugger) for "
+                        << FormatSeconds(stopped_for)
                         << " s; waiting for it to continue, up to job.stopped_timeout_s = "
                         << FormatSeconds(cfg_.job.stopped_timeout_s) << " s";
         stopped_said_ = now;
@@ -719,7 +794,8 @@ class Supervision {
     } else if (quiet > cfg_.job.worker_timeout_s) {
       failed_role = children_[0].role();
       failure = who + " made no progress for " + std::to_string(static_cast<int>(quiet)) +
-                " s (job.worker_timeout_s = " + FormatSeconds(cfg_.job.worker_timeout_s) + "): stuck; ending the run";
+                " s (job.worker_timeout_s = " + FormatSeconds(cfg_.job.worker_timeout_s) +
+                "): stuck; ending the run";
       exit_code = kExitPeerLost;
       for (auto& c : children_) c.Signal(SIGKILL);
       return true;
@@ -734,9 +810,10 @@ class Supervision {
   SpawnWorker spawn_worker_;
   const std::vector<int>& respawn_fds_;  // each worker rank's log pipe, for its replacements
   int64_t restarts_ = 0;                 // replacement workers started
-  bool stop_proposed_ = false;           // several nodes: this node's stop step is in the node store
-  bool stop_agreed_ = false;             // ... and the agreed one is in the coordinator's runtime dir
-  std::chrono::steady_clock::time_point coordinator_done_at_ = std::chrono::steady_clock::time_point::max();
+  bool stop_proposed_ = false;  // several nodes: this node's stop step is in the node store
+  bool stop_agreed_ = false;    // ... and the agreed one is in the coordinator's runtime dir
+  std::chrono::steady_clock::time_point coordinator_done_at_ =
+      std::chrono::steady_clock::time_point::max();
   // The coordinator found stopped (SIGSTOP, a debugger) while quiet: since when, when it was last
   // said, and when it was last seen stopped (its quiet counts from then).
   double stopped_since_ = -1.0, stopped_said_ = -1.0, last_stopped_ = -1.0;
@@ -775,20 +852,24 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   const core::JobConfig* cfg = &run.job;
   // Refused here, before any process exists, not by the workers once everything started.
   if (cfg->job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
-    return Refusal("job.device = \"cuda\", but this build has no CUDA backend "
-                         "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build");
+    return Refusal(
+        "job.device = \"cuda\", but this build has no CUDA backend "
+        "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build");
   }
   if (cfg->nodes.count > 1) {
     // The workers sum across the nodes with Gloo (CPU workers) or NCCL (CUDA workers).
-    const bool cuda = RP_WITH_CUDA && (cfg->job.device == core::DeviceKind::kCuda ||
-                                       (cfg->job.device == core::DeviceKind::kAuto && visible != 0));
+    const bool cuda =
+        RP_WITH_CUDA && (cfg->job.device == core::DeviceKind::kCuda ||
+                         (cfg->job.device == core::DeviceKind::kAuto && visible != 0));
     if (cuda && !RP_WITH_NCCL) {
-      return Refusal("several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
-                           "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"");
+      return Refusal(
+          "several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
+          "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"");
     }
     if (!cuda && !RP_WITH_GLOO) {
-      return Refusal("several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
-                           "build lacks (Debian: install libgloo-dev and rebuild)");
+      return Refusal(
+          "several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
+          "build lacks (Debian: install libgloo-dev and rebuild)");
     }
   }
   // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
@@ -796,37 +877,47 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   if (cfg->job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
     constexpr int kWorkersPerGpu = 4;
     if (visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
-      return Refusal("--gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
-                           "at most %d per GPU", o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
+      return Refusal(
+          "--gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+          "at most %d per GPU",
+          o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
     }
     if (core::FrozenOnDevice(*cfg) && visible > 0 && o.gpus > visible) {
-      return Refusal("schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
-                           "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
-                           "worker per GPU or leave the option off", o.gpus, visible, visible == 1 ? "" : "s");
+      return Refusal(
+          "schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
+          "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
+          "worker per GPU or leave the option off",
+          o.gpus, visible, visible == 1 ? "" : "s");
     }
   }
   // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
                            (cfg->job.device == core::DeviceKind::kAuto && visible == 0);
   if (cpu_workers && core::Fp8Matmuls(*cfg)) {
-    return Refusal("train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
-                         "workers here (%s)", core::EnumName(cfg->job.device),
-                 RP_WITH_CUDA ? "no GPU is visible" : "this build has no CUDA backend");
+    return Refusal(
+        "train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
+        "workers here (%s)",
+        core::EnumName(cfg->job.device),
+        RP_WITH_CUDA ? "no GPU is visible" : "this build has no CUDA backend");
   }
   const int max_cpu_workers = 4 * UsableCores();
   if (cpu_workers && o.gpus > max_cpu_workers) {
     return Refusal("--gpus %d CPU workers on %d usable cores; at most %d (4 per core)", o.gpus,
-                 UsableCores(), max_cpu_workers);
+                   UsableCores(), max_cpu_workers);
   }
   if (cfg->schedule.activations == core::Activations::kWorker && o.gpus != 1) {
-    return Refusal("schedule.activations = \"worker\" keeps activations in the one worker's "
-                         "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"", o.gpus);
+    return Refusal(
+        "schedule.activations = \"worker\" keeps activations in the one worker's "
+        "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"",
+        o.gpus);
   }
   if (cfg->schedule.kept_blocks > 0 && (o.gpus != 1 || cfg->nodes.count > 1)) {
-    return Refusal("schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
-                         "the forward, for its backward, and needs one worker in the run (this launch asks for "
-                         "%d on %lld node(s)); set it to 0",
-                 static_cast<long long>(cfg->schedule.kept_blocks), o.gpus, static_cast<long long>(cfg->nodes.count));
+    return Refusal(
+        "schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
+        "the forward, for its backward, and needs one worker in the run (this launch asks for "
+        "%d on %lld node(s)); set it to 0",
+        static_cast<long long>(cfg->schedule.kept_blocks), o.gpus,
+        static_cast<long long>(cfg->nodes.count));
   }
   uint64_t shared_bytes = 0;
   const core::ModelSpec spec = core::BuildModelSpec(cfg->model, cfg->lora);
@@ -848,7 +939,8 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   }
   std::optional<core::MemoryEstimate> cpu_worker;
   if (cpu_workers) {
-    core::JobConfig as_run = *cfg;  // job.device = "auto" without a GPU: the workers compute on the CPU
+    core::JobConfig as_run =
+        *cfg;  // job.device = "auto" without a GPU: the workers compute on the CPU
     as_run.job.device = core::DeviceKind::kCpu;
     cpu_worker = core::EstimateMemory(as_run, run.plan, o.gpus);
   }
@@ -871,15 +963,18 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   }
   // Not a refusal: training past the pretraining context is what long-sequence runs do.
   if (!cfg->model.path.empty() && cfg->data.seq_len > cfg->model.max_position_embeddings)
-    std::fprintf(stderr, "rp-launch: warning: data.seq_len = %lld is above %s/config.json's "
-                         "max_position_embeddings (%lld): the model was not pretrained at these positions\n",
-                 static_cast<long long>(cfg->data.seq_len), cfg->model.path.c_str(),
-                 static_cast<long long>(cfg->model.max_position_embeddings));
+    std::fprintf(
+        stderr,
+        "rp-launch: warning: data.seq_len = %lld is above %s/config.json's "
+        "max_position_embeddings (%lld): the model was not pretrained at these positions\n",
+        static_cast<long long>(cfg->data.seq_len), cfg->model.path.c_str(),
+        static_cast<long long>(cfg->model.max_position_embeddings));
   // A node that joins a resumed run (more nodes than before) starts its own directory, as the
   // coordinator does.
   std::error_code joins_ec;
-  const bool node_joins = cfg->nodes.rank > 0 && !fs::exists(cfg->job.output_dir + "/metrics.jsonl", joins_ec);
-  if (Status s = !o.resume   ? core::CheckOutputDir(*cfg)
+  const bool node_joins =
+      cfg->nodes.rank > 0 && !fs::exists(cfg->job.output_dir + "/metrics.jsonl", joins_ec);
+  if (Status s = !o.resume    ? core::CheckOutputDir(*cfg)
                  : node_joins ? core::CheckNoPlantedLinks(*cfg)
                               : core::CheckOutputDirForResume(*cfg);
       !s.ok()) {
@@ -893,11 +988,13 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
     if (!packing_summary.empty()) std::printf("%s\n", packing_summary.c_str());
     if (!length_summary.empty()) std::printf("%s\n", length_summary.c_str());
     if (cpu_worker)
-      std::printf("estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it attention "
-                  "scores, which grow with the square of data.seq_len)\n",
-                  cpu_worker->total / (1ull << 30), cpu_worker->attention_scores / (1ull << 30));
-    std::printf("the job as resolved (a job file; the run keeps it as %s/job.toml):\n%s", cfg->job.output_dir.c_str(),
-                core::JobToml(*cfg).c_str());
+      std::printf(
+          "estimated memory per CPU worker: %.2f GiB (the planner's estimate; %.2f GiB of it "
+          "attention "
+          "scores, which grow with the square of data.seq_len)\n",
+          cpu_worker->total / (1ull << 30), cpu_worker->attention_scores / (1ull << 30));
+    std::printf("the job as resolved (a job file; the run keeps it as %s/job.toml):\n%s",
+                cfg->job.output_dir.c_str(), core::JobToml(*cfg).c_str());
   }
   return run;
 }
@@ -949,10 +1046,12 @@ int RunSession(const LaunchOptions& o) {
   std::unique_ptr<NodeLink> link;
   std::optional<RunSecret> node_secret;
   if (cfg->nodes.count > 1) {
-    if (const int code = MeetTheOtherNodes(o, run, &link, &node_secret); code != kExitOk) return code;
+    if (const int code = MeetTheOtherNodes(o, run, &link, &node_secret); code != kExitOk)
+      return code;
   }
 
-  if (o.debug_worker >= 0) run.job.job.worker_timeout_s = 0;  // a worker in a debugger sends no heartbeats
+  if (o.debug_worker >= 0)
+    run.job.job.worker_timeout_s = 0;  // a worker in a debugger sends no heartbeats
   const std::string spec_path = dir + "/" + kRunSpecFile;
   if (Status s = core::WriteRunSpec(spec_path, run); !s.ok()) {
     std::fprintf(stderr, "rp-launch: writing %s: %s\n", spec_path.c_str(), s.message().c_str());
@@ -984,7 +1083,9 @@ int RunSession(const LaunchOptions& o) {
     }
     children.push_back(std::move(c).value());
   }
-  auto spawn_worker = [&commands](int r, int out_fd, bool debug_pause) { return commands.Worker(r, out_fd, debug_pause); };
+  auto spawn_worker = [&commands](int r, int out_fd, bool debug_pause) {
+    return commands.Worker(r, out_fd, debug_pause);
+  };
   for (int r = 0; r < o.gpus && exit_code == kExitOk; ++r) {
     auto c = spawn_worker(r, out_fds[r + 1], r == o.debug_worker);
     if (!c.ok()) {
@@ -996,7 +1097,8 @@ int RunSession(const LaunchOptions& o) {
       std::fprintf(stderr,
                    "rp-launch: worker %d (pid %d) waits before touching the GPU. Attach with\n"
                    "    cuda-gdb -p %d      (or: gdb -p %d)\n"
-                   "set breakpoints, then `continue`: it runs once a debugger lets it. Or resume without one:\n"
+                   "set breakpoints, then `continue`: it runs once a debugger lets it. Or resume "
+                   "without one:\n"
                    "    kill -USR1 %d\n",
                    r, c->pid(), c->pid(), c->pid(), c->pid());
     children.push_back(std::move(c).value());
@@ -1004,7 +1106,8 @@ int RunSession(const LaunchOptions& o) {
   // Replacement workers write to their rank's log pipe too: keep a copy of each worker's write
   // end (closed before the pump drains, or it would never see end-of-file).
   std::vector<int> respawn_fds;
-  for (size_t i = 1; i < out_fds.size(); ++i) respawn_fds.push_back(::fcntl(out_fds[i], F_DUPFD_CLOEXEC, 0));
+  for (size_t i = 1; i < out_fds.size(); ++i)
+    respawn_fds.push_back(::fcntl(out_fds[i], F_DUPFD_CLOEXEC, 0));
   for (int f : out_fds) ::close(f);  // the children hold the write ends now
   RP_LOG(INFO) << "session " << session << ": coordinator pid " << children[0].pid() << ", "
                << o.gpus << " workers";
@@ -1036,8 +1139,10 @@ int RunSession(const LaunchOptions& o) {
     // Where it ran and how far the run got, then its own last words.
     const std::string device = pump.LastLineWith(failed_role, "joined: device");
     const std::string step = pump.LastLineWith("coordinator", "] step ");
-    if (!device.empty()) std::fprintf(stderr, "rp-launch: %s had %s", failed_role.c_str(), device.c_str());
-    std::fprintf(stderr, "rp-launch: last step reported: %s", step.empty() ? "none\n" : step.c_str());
+    if (!device.empty())
+      std::fprintf(stderr, "rp-launch: %s had %s", failed_role.c_str(), device.c_str());
+    std::fprintf(stderr, "rp-launch: last step reported: %s",
+                 step.empty() ? "none\n" : step.c_str());
     std::fprintf(stderr, "rp-launch: last lines of %s (all logs in %s):\n%s", failed_role.c_str(),
                  log_dir.c_str(), pump.LastLines(failed_role).c_str());
   }
@@ -1049,11 +1154,13 @@ int RunSession(const LaunchOptions& o) {
 // numbers while the coordinator may rewrite profile.json mid-run, so the launcher freezes a copy
 // (<output_dir>/plan-profile.json) and points schedule.profile at it. After a re-plan the fresh
 // profile wins over a schedule.profile the user gave: it is what the coordinator planned with.
-Status FreezeProfile(const LaunchOptions& o, bool after_replan, std::vector<std::string>* overrides) {
+Status FreezeProfile(const LaunchOptions& o, bool after_replan,
+                     std::vector<std::string>* overrides) {
   auto loaded = core::LoadJobConfig(o.job_path, o.overrides);
   if (!loaded.ok()) return Status::Ok();  // RunSession reports it, with its exit code
   const core::JobConfig& cfg = *loaded;
-  if (cfg.schedule.partition != core::Partition::kAuto || (!cfg.schedule.profile.empty() && !after_replan))
+  if (cfg.schedule.partition != core::Partition::kAuto ||
+      (!cfg.schedule.profile.empty() && !after_replan))
     return Status::Ok();
   const std::string stored = cfg.job.output_dir + "/profile.json";
   std::error_code ec;
@@ -1090,13 +1197,15 @@ int RunLauncher(const LaunchOptions& options) {
     const int rc = RunSession(run);
     if (rc != kExitReplan) return rc;
     if (replans > kMaxReplans) {  // re-planning was off: the coordinator broke its contract
-      std::fprintf(stderr, "rp-launch: the coordinator asked to re-plan with re-planning off; stopping "
-                           "(the checkpoint is kept: --resume continues)\n");
+      std::fprintf(stderr,
+                   "rp-launch: the coordinator asked to re-plan with re-planning off; stopping "
+                   "(the checkpoint is kept: --resume continues)\n");
       return kExitError;
     }
     if (replans == kMaxReplans) {
-      std::fprintf(stderr, "rp-launch: a third re-plan was asked for (each new profile favours another "
-                           "plan); finishing the run on the latest plan without re-planning\n");
+      std::fprintf(stderr,
+                   "rp-launch: a third re-plan was asked for (each new profile favours another "
+                   "plan); finishing the run on the latest plan without re-planning\n");
       o.overrides.push_back("schedule.replan_gain=0");
     } else {
       std::fprintf(stderr, "rp-launch: resuming the run on the plan made from its new profile\n");

@@ -32,10 +32,10 @@ struct LaunchOptions {
   std::vector<std::string> overrides;
   int verbosity = 0;
   bool dry_run = false;
-  bool resume = false;         // continue the run in job.output_dir from its newest checkpoint
-  bool force_resume = false;   // ... even one whose run-defining keys differ from the job's
-  std::string bin_dir;  // where rp-coordinator and rp-worker live (default: beside rp-launch)
-  int debug_worker = -1;       // this worker starts stopped, for a debugger to attach
+  bool resume = false;        // continue the run in job.output_dir from its newest checkpoint
+  bool force_resume = false;  // ... even one whose run-defining keys differ from the job's
+  std::string bin_dir;        // where rp-coordinator and rp-worker live (default: beside rp-launch)
+  int debug_worker = -1;      // this worker starts stopped, for a debugger to attach
   std::string worker_wrapper;  // a tool to run workers under, e.g. compute-sanitizer
   NodeWorld world;             // which node of how many this is (node_world.h)
 };

@@ -26,7 +26,8 @@ StatusOr<int> LogPump::Pipe(const std::string& role, const std::string& path) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return Status::FromErrno("pipe for " + role + " output", errno);
   // A new file in the run's own new directory: never an existing file, never through a link.
-  int file = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
+  int file =
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (file < 0) {
     Status s = Status::FromErrno("opening log file " + path, errno);
     ::close(fds[0]);

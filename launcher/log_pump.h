@@ -50,11 +50,12 @@ class LogPump {
     int read_fd = -1;
     int file_fd = -1;
     std::string partial;
-    std::deque<std::string> last;  // GUARDED_BY(mu_)
+    std::deque<std::string> last;                // GUARDED_BY(mu_)
     std::map<std::string, std::string> tracked;  // GUARDED_BY(mu_): needle -> newest line
   };
   bool console_is_tty_ = false;
-  bool progress_shown_ = false;    // pump thread only: the console's cursor sits after a progress line
+  bool progress_shown_ =
+      false;  // pump thread only: the console's cursor sits after a progress line
   void Loop();
   void Emit(Source& s, const std::string& line);
 

@@ -17,7 +17,8 @@ constexpr double kBeatSeconds = 1.0;
 constexpr double kDiagnoseSeconds = 3.0;
 }  // namespace
 
-StatusOr<std::unique_ptr<NodeLink>> NodeLink::Open(const core::JobConfig& job, const nodes::StoreSeal& seal) {
+StatusOr<std::unique_ptr<NodeLink>> NodeLink::Open(const core::JobConfig& job,
+                                                   const nodes::StoreSeal& seal) {
   const auto& n = job.nodes;
   auto store = n.rank == 0 ? nodes::NodeStore::Host(n.store_host, static_cast<int>(n.store_port),
                                                     job.job.node_timeout_s, seal)
@@ -34,7 +35,9 @@ NodeLink::NodeLink(std::unique_ptr<nodes::NodeStore> store, const core::JobConfi
       timeout_s_(job.job.node_timeout_s),
       where_(store_->address()) {}
 
-std::string NodeLink::Key(const std::string& what, int node) const { return "rp/" + what + "/" + std::to_string(node); }
+std::string NodeLink::Key(const std::string& what, int node) const {
+  return "rp/" + what + "/" + std::to_string(node);
+}
 
 Status NodeLink::Meet(const std::string& plan) {
   RP_RETURN_IF_ERROR(store_->Set(Key("plan", rank_), plan));
@@ -46,19 +49,21 @@ Status NodeLink::Meet(const std::string& plan) {
       auto v = store_->TryGet(Key("plan", r));
       if (v.ok() && !*v) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
-    return Status::Unavailable("nodes " + (missing.empty() ? std::string("?") : missing) + " did not arrive at " +
-                               where_ + " within job.node_timeout_s = " + std::to_string(static_cast<int>(timeout_s_)) +
-                               " s (nodes meet only when they share the run's secret: the same RP_NODE_SECRET on "
-                               "every node, or job.output_dir on a file system they all see): " + s.message());
+    return Status::Unavailable(
+        "nodes " + (missing.empty() ? std::string("?") : missing) + " did not arrive at " + where_ +
+        " within job.node_timeout_s = " + std::to_string(static_cast<int>(timeout_s_)) +
+        " s (nodes meet only when they share the run's secret: the same RP_NODE_SECRET on "
+        "every node, or job.output_dir on a file system they all see): " +
+        s.message());
   }
   Status verdict;
   for (int r = 0; r < nodes_ && verdict.ok(); ++r) {
     RP_ASSIGN_OR_RETURN(auto theirs, store_->TryGet(Key("plan", r)));
     if (theirs && *theirs != plan)
-      verdict = Status::InvalidArgument("node " + std::to_string(r) + " resolved \"" + *theirs + "\", this node \"" +
-                                        plan +
-                                        "\": every node must resolve the same run (the same job file and --set, "
-                                        "--gpus, and --resume on every node or none)");
+      verdict = Status::InvalidArgument(
+          "node " + std::to_string(r) + " resolved \"" + *theirs + "\", this node \"" + plan +
+          "\": every node must resolve the same run (the same job file and --set, "
+          "--gpus, and --resume on every node or none)");
   }
   // Node 0 hosts the store: it stays until every node has read the plans, so each gives the
   // verdict itself rather than finding the store gone.
@@ -100,9 +105,10 @@ Status NodeLink::Look(double now) {
 Status NodeLink::Beat() { return store_->Set(Key("beat", rank_), std::to_string(++beats_)); }
 
 std::string NodeLink::StoreLost(const Status& s) const {
-  if (s.code() == StatusCode::kProtocolError) return "the node store at " + where_ + ": " + s.message();
-  return "lost the node store at " + where_ + " (node 0's rp-launch): node 0 is gone or unreachable (" + s.message() +
-         ")";
+  if (s.code() == StatusCode::kProtocolError)
+    return "the node store at " + where_ + ": " + s.message();
+  return "lost the node store at " + where_ +
+         " (node 0's rp-launch): node 0 is gone or unreachable (" + s.message() + ")";
 }
 
 std::optional<std::string> NodeLink::FailedPeer() {
@@ -115,7 +121,8 @@ std::optional<std::string> NodeLink::FailedPeer() {
     // In an agreed stop the others end as this node will: interrupted, after the agreed step.
     if (stopping_ && text == std::to_string(kExitInterrupted) + " ") continue;
     if (text.rfind(std::to_string(kExitInterrupted) + " ", 0) == 0)
-      return "node " + std::to_string(r) + " was interrupted (SIGINT or SIGTERM); the newest complete checkpoint "
+      return "node " + std::to_string(r) +
+             " was interrupted (SIGINT or SIGTERM); the newest complete checkpoint "
              "resumes the run";
     return "node " + std::to_string(r) + " failed: " + text.substr(text.find(' ') + 1);
   }
@@ -132,7 +139,8 @@ std::optional<std::string> NodeLink::Tick() {
   if (auto failed = FailedPeer()) return Diagnose().value_or(*failed);
   for (const auto& [r, seen] : seen_)
     if (!seen.ended && now - seen.at > timeout_s_)
-      return "node " + std::to_string(r) + " gave no sign of life for " + std::to_string(static_cast<int>(now - seen.at)) +
+      return "node " + std::to_string(r) + " gave no sign of life for " +
+             std::to_string(static_cast<int>(now - seen.at)) +
              " s (job.node_timeout_s = " + std::to_string(static_cast<int>(timeout_s_)) +
              "): its rp-launch was killed, its host is gone or the network to it is cut";
   return std::nullopt;
@@ -155,14 +163,16 @@ std::optional<std::string> NodeLink::Diagnose() {
   }
   for (const auto& [r, seen] : seen_)
     if (!seen.ended && seen.beat == first[r])
-      return "node " + std::to_string(r) + " stopped beating (its rp-launch was killed, or its host is gone)";
+      return "node " + std::to_string(r) +
+             " stopped beating (its rp-launch was killed, or its host is gone)";
   return FailedPeer();
 }
 
 Status NodeLink::Interrupt() {
   stopping_ = true;
   Status s = store_->Set(Key("interrupt", rank_), "1");
-  if (!s.ok()) return Status::Unavailable("telling the other nodes of the interrupt: " + s.message());
+  if (!s.ok())
+    return Status::Unavailable("telling the other nodes of the interrupt: " + s.message());
   return Status::Ok();
 }
 
@@ -175,7 +185,9 @@ std::optional<int> NodeLink::InterruptedElsewhere() {
 Status NodeLink::Propose(int64_t step) {
   stopping_ = true;
   Status s = store_->Set(Key("stop", rank_), std::to_string(step));
-  if (!s.ok()) return Status::Unavailable("posting this node's stop step " + std::to_string(step) + ": " + s.message());
+  if (!s.ok())
+    return Status::Unavailable("posting this node's stop step " + std::to_string(step) + ": " +
+                               s.message());
   return Status::Ok();
 }
 
@@ -191,16 +203,17 @@ StatusOr<std::optional<int64_t>> NodeLink::Agreed() {
         continue;
       }
       if (end)
-        return Status::Unavailable("node " + std::to_string(r) + " ended (exit " + end->substr(0, end->find(' ')) +
-                                   ") before proposing a stop step, so the nodes cannot stop after the same step; "
-                                   "--resume continues from the newest complete checkpoint");
+        return Status::Unavailable(
+            "node " + std::to_string(r) + " ended (exit " + end->substr(0, end->find(' ')) +
+            ") before proposing a stop step, so the nodes cannot stop after the same step; "
+            "--resume continues from the newest complete checkpoint");
       return std::optional<int64_t>();
     }
     char* end = nullptr;
     const long long value = std::strtoll(step->c_str(), &end, 10);
     if (step->empty() || *end != '\0' || value < 0)
-      return Status::ProtocolError("node " + std::to_string(r) + " proposed to stop after \"" + *step +
-                                   "\", not a step count");
+      return Status::ProtocolError("node " + std::to_string(r) + " proposed to stop after \"" +
+                                   *step + "\", not a step count");
     most = std::max(most, static_cast<int64_t>(value));
   }
   return std::optional<int64_t>(most);
@@ -208,7 +221,9 @@ StatusOr<std::optional<int64_t>> NodeLink::Agreed() {
 
 // Its own key: node 0 keeps the store up until the others' final "end", which comes after their
 // diagnosis.
-void NodeLink::Failing(const std::string& failure) { (void)store_->Set(Key("failing", rank_), "1 " + failure); }
+void NodeLink::Failing(const std::string& failure) {
+  (void)store_->Set(Key("failing", rank_), "1 " + failure);
+}
 
 void NodeLink::End(int exit_code, const std::string& failure) {
   (void)store_->Set(Key("end", rank_), std::to_string(exit_code) + " " + failure);
@@ -226,7 +241,8 @@ void NodeLink::End(int exit_code, const std::string& failure) {
     // A node that stopped beating will never end.
     if (Status s = Look(MonoSeconds()); !s.ok()) return;
     bool stale = false;
-    for (const auto& [r, seen] : seen_) stale = stale || (!seen.ended && MonoSeconds() - seen.at > timeout_s_);
+    for (const auto& [r, seen] : seen_)
+      stale = stale || (!seen.ended && MonoSeconds() - seen.at > timeout_s_);
     if (stale) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }

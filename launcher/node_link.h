@@ -40,7 +40,8 @@ namespace rp::launch {
 
 class NodeLink {
  public:
-  static StatusOr<std::unique_ptr<NodeLink>> Open(const core::JobConfig& job, const nodes::StoreSeal& seal);
+  static StatusOr<std::unique_ptr<NodeLink>> Open(const core::JobConfig& job,
+                                                  const nodes::StoreSeal& seal);
   Status Meet(const std::string& plan);
   std::optional<std::string> Tick();
   void Failing(const std::string& failure);

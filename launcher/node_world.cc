@@ -13,12 +13,13 @@ StatusOr<int> ParseInt(const std::string& text, int lo, int hi, const std::strin
     return Status::InvalidArgument(what + ": \"" + text + "\" is not a non-negative integer");
   const long v = std::strtol(text.c_str(), nullptr, 10);
   if (v < lo || v > hi)
-    return Status::InvalidArgument(what + ": " + text + " is outside [" + std::to_string(lo) + ", " +
-                                   std::to_string(hi) + "]");
+    return Status::InvalidArgument(what + ": " + text + " is outside [" + std::to_string(lo) +
+                                   ", " + std::to_string(hi) + "]");
   return static_cast<int>(v);
 }
 
-StatusOr<std::string> Required(const EnvLookup& env, const std::string& name, const std::string& why) {
+StatusOr<std::string> Required(const EnvLookup& env, const std::string& name,
+                               const std::string& why) {
   auto v = env(name);
   if (!v || v->empty()) return Status::InvalidArgument(name + " is not set (" + why + ")");
   return *v;
@@ -26,8 +27,8 @@ StatusOr<std::string> Required(const EnvLookup& env, const std::string& name, co
 
 Status CheckRank(const NodeWorld& w, const std::string& rank_name, const std::string& size_name) {
   if (w.rank >= w.nodes)
-    return Status::InvalidArgument(rank_name + " = " + std::to_string(w.rank) + " is not below " + size_name + " = " +
-                                   std::to_string(w.nodes));
+    return Status::InvalidArgument(rank_name + " = " + std::to_string(w.rank) + " is not below " +
+                                   size_name + " = " + std::to_string(w.nodes));
   return Status::Ok();
 }
 
@@ -37,9 +38,11 @@ Status ParseMaster(const std::string& master, NodeWorld* w) {
   if (colon == std::string::npos || colon == 0)
     return Status::InvalidArgument("--master: \"" + master + "\" is not ADDR:PORT");
   std::string host = master.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   if (host.empty()) return Status::InvalidArgument("--master: \"" + master + "\" has no address");
-  RP_ASSIGN_OR_RETURN(w->store_port, ParseInt(master.substr(colon + 1), 1, 65535, "--master's port"));
+  RP_ASSIGN_OR_RETURN(w->store_port,
+                      ParseInt(master.substr(colon + 1), 1, 65535, "--master's port"));
   w->store_host = host;
   return Status::Ok();
 }
@@ -59,7 +62,8 @@ StatusOr<std::vector<std::string>> ExpandRanges(const std::string& body, const s
     if (!a.ok()) return a.status();
     if (!b.ok()) return b.status();
     if (*b < *a || *b - *a > 100000)
-      return Status::InvalidArgument("host list \"" + list + "\": range " + item + " is empty or too long");
+      return Status::InvalidArgument("host list \"" + list + "\": range " + item +
+                                     " is empty or too long");
     for (int v = *a; v <= *b; ++v) {
       std::string s = std::to_string(v);
       if (s.size() < lo.size()) s.insert(0, lo.size() - s.size(), '0');
@@ -88,22 +92,27 @@ StatusOr<std::vector<std::string>> ExpandHostList(const std::string& list) {
     for (; end < list.size(); ++end) {
       if (list[end] == '[') depth++;
       if (list[end] == ']') depth--;
-      if (depth < 0 || depth > 1) return Status::InvalidArgument("host list \"" + list + "\": unbalanced brackets");
+      if (depth < 0 || depth > 1)
+        return Status::InvalidArgument("host list \"" + list + "\": unbalanced brackets");
       if (list[end] == ',' && depth == 0) break;
     }
-    if (depth != 0) return Status::InvalidArgument("host list \"" + list + "\": unbalanced brackets");
+    if (depth != 0)
+      return Status::InvalidArgument("host list \"" + list + "\": unbalanced brackets");
     const std::string pattern = list.substr(pos, end - pos);
-    if (pattern.empty()) return Status::InvalidArgument("host list \"" + list + "\": an empty host name");
+    if (pattern.empty())
+      return Status::InvalidArgument("host list \"" + list + "\": an empty host name");
     // The cartesian product of its bracket groups, leftmost varying slowest.
     std::vector<std::string> expanded = {""};
     size_t p = 0;
     while (p < pattern.size()) {
       const size_t open = pattern.find('[', p);
-      const std::string literal = pattern.substr(p, open == std::string::npos ? std::string::npos : open - p);
+      const std::string literal =
+          pattern.substr(p, open == std::string::npos ? std::string::npos : open - p);
       for (auto& e : expanded) e += literal;
       if (open == std::string::npos) break;
       const size_t close = pattern.find(']', open);
-      RP_ASSIGN_OR_RETURN(auto items, ExpandRanges(pattern.substr(open + 1, close - open - 1), list));
+      RP_ASSIGN_OR_RETURN(auto items,
+                          ExpandRanges(pattern.substr(open + 1, close - open - 1), list));
       std::vector<std::string> next;
       for (const auto& e : expanded)
         for (const auto& i : items) next.push_back(e + i);
@@ -112,7 +121,8 @@ StatusOr<std::vector<std::string>> ExpandHostList(const std::string& list) {
     }
     hosts.insert(hosts.end(), expanded.begin(), expanded.end());
     pos = end + 1;
-    if (end + 1 == list.size()) return Status::InvalidArgument("host list \"" + list + "\" ends with a comma");
+    if (end + 1 == list.size())
+      return Status::InvalidArgument("host list \"" + list + "\" ends with a comma");
   }
   if (hosts.empty()) return Status::InvalidArgument("host list \"" + list + "\" names no host");
   return hosts;
@@ -124,13 +134,16 @@ StatusOr<NodeWorld> ResolveNodeWorld(const NodeFlags& flags, const EnvLookup& en
   if (flags.nnodes > 0 || flags.node_rank >= 0 || !flags.master.empty()) {
     w.source = "flags";
     w.nodes = flags.nnodes > 0 ? flags.nnodes : 1;
-    if (w.nodes > kMaxNodes) return Status::InvalidArgument("--nnodes: at most " + std::to_string(kMaxNodes));
+    if (w.nodes > kMaxNodes)
+      return Status::InvalidArgument("--nnodes: at most " + std::to_string(kMaxNodes));
     if (w.nodes == 1 && flags.node_rank <= 0 && flags.master.empty()) return NodeWorld{};
     if (flags.nnodes <= 0) return Status::InvalidArgument("--node-rank and --master need --nnodes");
-    if (flags.node_rank < 0) return Status::InvalidArgument("--nnodes " + std::to_string(w.nodes) + " needs --node-rank");
+    if (flags.node_rank < 0)
+      return Status::InvalidArgument("--nnodes " + std::to_string(w.nodes) + " needs --node-rank");
     if (flags.master.empty())
-      return Status::InvalidArgument("--nnodes " + std::to_string(w.nodes) +
-                                     " needs --master ADDR:PORT (node 0's address; its rp-launch listens there)");
+      return Status::InvalidArgument(
+          "--nnodes " + std::to_string(w.nodes) +
+          " needs --master ADDR:PORT (node 0's address; its rp-launch listens there)");
     w.rank = flags.node_rank;
     RP_RETURN_IF_ERROR(CheckRank(w, "--node-rank", "--nnodes"));
     RP_RETURN_IF_ERROR(ParseMaster(flags.master, &w));
@@ -142,9 +155,10 @@ StatusOr<NodeWorld> ResolveNodeWorld(const NodeFlags& flags, const EnvLookup& en
     RP_ASSIGN_OR_RETURN(w.rank, ParseInt(*env("RANK"), 0, kMaxNodes, "RANK"));
     RP_RETURN_IF_ERROR(CheckRank(w, "RANK", "WORLD_SIZE"));
     if (auto local = env("LOCAL_WORLD_SIZE"); local && *local != "1")
-      return Status::InvalidArgument("LOCAL_WORLD_SIZE = " + *local +
-                                     ": run torchrun with --nproc-per-node 1 (rp-launch starts the workers of its "
-                                     "node itself, one per GPU of --gpus)");
+      return Status::InvalidArgument(
+          "LOCAL_WORLD_SIZE = " + *local +
+          ": run torchrun with --nproc-per-node 1 (rp-launch starts the workers of its "
+          "node itself, one per GPU of --gpus)");
     if (w.nodes == 1) return NodeWorld{};
     RP_ASSIGN_OR_RETURN(w.store_host, Required(env, "MASTER_ADDR", "torchrun sets it"));
     if (auto own = env("RP_MASTER_PORT")) {
@@ -163,9 +177,10 @@ StatusOr<NodeWorld> ResolveNodeWorld(const NodeFlags& flags, const EnvLookup& en
     RP_RETURN_IF_ERROR(CheckRank(w, "SLURM_PROCID", "SLURM_NTASKS"));
     if (w.nodes == 1) return NodeWorld{};
     if (auto per = env("SLURM_NTASKS_PER_NODE"); per && *per != "1")
-      return Status::InvalidArgument("SLURM_NTASKS_PER_NODE = " + *per +
-                                     ": run one rp-launch per node (srun --ntasks-per-node 1); it starts the workers "
-                                     "of its node itself");
+      return Status::InvalidArgument(
+          "SLURM_NTASKS_PER_NODE = " + *per +
+          ": run one rp-launch per node (srun --ntasks-per-node 1); it starts the workers "
+          "of its node itself");
     if (auto addr = env("MASTER_ADDR"); addr && !addr->empty()) {
       w.store_host = *addr;
     } else {
@@ -174,7 +189,8 @@ StatusOr<NodeWorld> ResolveNodeWorld(const NodeFlags& flags, const EnvLookup& en
       if (!list || list->empty()) list = env("SLURM_JOB_NODELIST");
       if (!list || list->empty()) list = env("SLURM_NODELIST");
       if (!list || list->empty())
-        return Status::InvalidArgument("SLURM_JOB_NODELIST is not set (srun sets it; or set MASTER_ADDR)");
+        return Status::InvalidArgument(
+            "SLURM_JOB_NODELIST is not set (srun sets it; or set MASTER_ADDR)");
       RP_ASSIGN_OR_RETURN(auto hosts, ExpandHostList(*list));
       w.store_host = hosts.front();
     }

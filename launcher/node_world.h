@@ -27,9 +27,9 @@
 namespace rp::launch {
 
 struct NodeFlags {
-  int nnodes = 0;       // 0 = not given
-  int node_rank = -1;   // -1 = not given
-  std::string master;   // "ADDR:PORT" ("[v6addr]:PORT"); empty = not given
+  int nnodes = 0;      // 0 = not given
+  int node_rank = -1;  // -1 = not given
+  std::string master;  // "ADDR:PORT" ("[v6addr]:PORT"); empty = not given
 };
 
 struct NodeWorld {

@@ -21,12 +21,14 @@ DocumentBounds FindDocuments(const int64_t* positions, int64_t rows, int64_t seq
   return b;
 }
 
-Documents MakeDocuments(const int64_t* positions, int64_t rows, int64_t seq, const HostToDevice& to_device) {
+Documents MakeDocuments(const int64_t* positions, int64_t rows, int64_t seq,
+                        const HostToDevice& to_device) {
   const DocumentBounds b = FindDocuments(positions, rows, seq);
   if (b.plain) return {};
   std::vector<int64_t> segments(static_cast<size_t>(rows * seq));
   for (size_t d = 0; d + 1 < b.starts.size(); ++d)
-    std::fill(segments.begin() + b.starts[d], segments.begin() + b.starts[d + 1], static_cast<int64_t>(d));
+    std::fill(segments.begin() + b.starts[d], segments.begin() + b.starts[d + 1],
+              static_cast<int64_t>(d));
   Documents out;
   out.positions = to_device(positions, rows * seq).view({rows, seq});
   out.segments = to_device(segments.data(), rows * seq).view({rows, seq});

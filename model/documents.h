@@ -23,10 +23,11 @@
 namespace rp::model {
 
 struct DocumentBounds {
-  std::vector<int64_t> starts;  // each document's first token in the flattened rows x seq tokens, then rows x seq
-  int64_t max_length = 0;       // the longest document's tokens
-  int64_t max_position = 0;     // the largest RoPE position
-  bool plain = true;            // one document per row, at positions 0..seq-1
+  std::vector<int64_t>
+      starts;  // each document's first token in the flattened rows x seq tokens, then rows x seq
+  int64_t max_length = 0;    // the longest document's tokens
+  int64_t max_position = 0;  // the largest RoPE position
+  bool plain = true;         // one document per row, at positions 0..seq-1
 };
 DocumentBounds FindDocuments(const int64_t* positions, int64_t rows, int64_t seq);
 
@@ -45,6 +46,7 @@ using HostToDevice = std::function<at::Tensor(const int64_t* host, int64_t n)>;
 
 // The tensors of `bounds` for the microbatch whose host positions are `positions`; undefined
 // Documents when the microbatch is plain.
-Documents MakeDocuments(const int64_t* positions, int64_t rows, int64_t seq, const HostToDevice& to_device);
+Documents MakeDocuments(const int64_t* positions, int64_t rows, int64_t seq,
+                        const HostToDevice& to_device);
 
 }  // namespace rp::model

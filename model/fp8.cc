@@ -19,9 +19,11 @@ at::Tensor E4m3RowScales(const at::Tensor& x) {
   // amax = m 2^e with m in [0.5, 1); 448 = 0.875 2^9. amax / 2^(e-9) = m / 0.875 <= 1 exactly
   // when m <= 0.875, else one more binade is needed.
   auto [m, e] = at::frexp(amax);
-  at::Tensor k = e.to(at::kInt).sub(9).add(m.gt(0.875).to(at::kInt)).clamp(-126, 126);  // finite: k <= 120
+  at::Tensor k =
+      e.to(at::kInt).sub(9).add(m.gt(0.875).to(at::kInt)).clamp(-126, 126);  // finite: k <= 120
   at::Tensor scales = at::where(amax.eq(0), at::ones_like(amax), PowerOfTwo(k));
-  return at::where(at::isfinite(amax), scales, at::full_like(amax, std::numeric_limits<float>::quiet_NaN()));
+  return at::where(at::isfinite(amax), scales,
+                   at::full_like(amax, std::numeric_limits<float>::quiet_NaN()));
 }
 
 at::Tensor RoundToE4m3(const at::Tensor& v) {

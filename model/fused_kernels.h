@@ -48,10 +48,9 @@ class FusedKernels {
                                   const at::Tensor& sin_signed, double eps) const = 0;
   // From dL/dy (x's shape): {dL/dx, dL/dw} (dL/dw in w's dtype, summed in fp32; undefined
   // without `weight_grad`).
-  virtual std::pair<at::Tensor, at::Tensor> HeadNormRopeBackward(const at::Tensor& x, const at::Tensor& w,
-                                                                 const at::Tensor& cos, const at::Tensor& sin_signed,
-                                                                 double eps, const at::Tensor& dy,
-                                                                 bool weight_grad) const = 0;
+  virtual std::pair<at::Tensor, at::Tensor> HeadNormRopeBackward(
+      const at::Tensor& x, const at::Tensor& w, const at::Tensor& cos, const at::Tensor& sin_signed,
+      double eps, const at::Tensor& dy, bool weight_grad) const = 0;
 
   // RMSNorm of x [..., dim] (contiguous) with weight w [dim]: x / sqrt(mean(x^2) + eps) * w, fp32
   // statistics, one rounding. With `res` defined (x's shape and dtype) it normalizes the residual
@@ -63,22 +62,26 @@ class FusedKernels {
   // From dL/dy and s (what was normalized): {dL/ds + ds_other (ds_other: the gradient reaching s
   // from its other uses, or undefined), dL/dw in w's dtype, summed in fp32 (undefined without
   // `weight_grad`)}.
-  virtual std::pair<at::Tensor, at::Tensor> RmsNormBackward(const at::Tensor& s, const at::Tensor& w, double eps,
-                                                            const at::Tensor& dy, const at::Tensor& ds_other,
+  virtual std::pair<at::Tensor, at::Tensor> RmsNormBackward(const at::Tensor& s,
+                                                            const at::Tensor& w, double eps,
+                                                            const at::Tensor& dy,
+                                                            const at::Tensor& ds_other,
                                                             bool weight_grad) const = 0;
 
   // silu(gate) * up for gate, up [..., cols] with contiguous last dims and equal shapes (views
   // into one [..., 2 * cols] tensor are fine); the result is contiguous.
   virtual at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) const = 0;
   // From dL/dy: {dL/dgate, dL/dup}, contiguous.
-  virtual std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& gate, const at::Tensor& up,
+  virtual std::pair<at::Tensor, at::Tensor> SwiGluBackward(const at::Tensor& gate,
+                                                           const at::Tensor& up,
                                                            const at::Tensor& dy) const = 0;
 
   // sink += dy^T x for dy [rows, out] and x [rows, in], both contiguous and of one dtype, into a
   // contiguous float32 sink [out, in]: one matrix product whose products are summed in fp32 and
   // added to the sink in fp32 (no rounding to the inputs' dtype). What at::linear's backward
   // computes for its weight, without rounding it before the sum (Transformer::SetWeightGradSinks).
-  virtual void AddWeightGrad(const at::Tensor& sink, const at::Tensor& dy, const at::Tensor& x) const = 0;
+  virtual void AddWeightGrad(const at::Tensor& sink, const at::Tensor& dy,
+                             const at::Tensor& x) const = 0;
 
   // e4m3 matrix products (train.dtype = "fp8", model/fp8.h's scaling rule).
   // E4m3MatmulSupported: whether this device multiplies row-scaled e4m3 matrices (CUDA: one
@@ -92,8 +95,9 @@ class FusedKernels {
   // (a * a_scales) (b * b_scales)^T as bf16 [m, n], for a [m, k] and b [n, k] with their scales
   // as QuantizeRowsE4m3 returns them (k and n multiples of 16), the products summed in fp32.
   // `fast_accum`: the tensor cores' faster accumulation (partial sums promoted less often).
-  virtual at::Tensor MatmulE4m3(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
-                                const at::Tensor& b_scales, bool fast_accum) const = 0;
+  virtual at::Tensor MatmulE4m3(const at::Tensor& a, const at::Tensor& a_scales,
+                                const at::Tensor& b, const at::Tensor& b_scales,
+                                bool fast_accum) const = 0;
 };
 
 }  // namespace rp::model

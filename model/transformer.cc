@@ -50,9 +50,11 @@ at::Tensor Mix64(at::Tensor x) {
 }
 }  // namespace
 
-at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module, int64_t first_token) const {
+at::Tensor Transformer::LoraDropout(const at::Tensor& h, int layer, int module,
+                                    int64_t first_token) const {
   c10::NoGradGuard no_grad;  // the mask is a constant of the graph
-  const uint64_t key = HashKey({dropout_key_, static_cast<uint64_t>(layer), static_cast<uint64_t>(module)});
+  const uint64_t key =
+      HashKey({dropout_key_, static_cast<uint64_t>(layer), static_cast<uint64_t>(module)});
   const int64_t first = first_token * h.size(-1);
   at::Tensor bits = Mix64(at::arange(first, first + h.numel(), h.options().dtype(at::kLong))
                               .add_(static_cast<int64_t>(key)));
@@ -70,13 +72,15 @@ at::Tensor Transformer::Proj(const LayerWeights& w, const std::string& role, con
   const at::Tensor& b = Get(w, role + ".lora_B");
   // Kept elements scaled by 1 / (1 - p) in one rounding (the 0/1 mask product is exact), as
   // torch's dropout does; a bf16 mask holding the scale would round it first.
-  at::Tensor in = training_ && lora_dropout_ > 0.0
-                      ? (h * LoraDropout(h, layer, module, first_token)).mul_(1.0 / (1.0 - lora_dropout_))
-                      : h;
+  at::Tensor in =
+      training_ && lora_dropout_ > 0.0
+          ? (h * LoraDropout(h, layer, module, first_token)).mul_(1.0 / (1.0 - lora_dropout_))
+          : h;
   return y + at::linear(at::linear(in, a->second), b) * lora_scale_;
 }
 
-void Transformer::RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos, at::Tensor* sin) {
+void Transformer::RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* cos,
+                             at::Tensor* sin) {
   if (!cos_.defined() || cos_.size(0) != seq || cos_.device() != like.device() ||
       cos_.scalar_type() != like.scalar_type()) {
     c10::NoGradGuard no_grad;
@@ -97,7 +101,8 @@ void Transformer::RopeTables(int64_t seq, const at::Tensor& like, at::Tensor* co
   *sin = sin_;
 }
 
-at::Tensor Transformer::Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+at::Tensor Transformer::Rope(const at::Tensor& x, const at::Tensor& cos,
+                             const at::Tensor& sin) const {
   // x: [B, heads, S, D]; rotate-half convention (as Hugging Face Llama / Qwen3):
   // x * cos + cat(-x2, x1) * sin, written as x * cos + roll(x, D/2) * (sin with its first half
   // negated): three kernels instead of five, the same values (a sign flip is exact).
@@ -127,8 +132,9 @@ struct FusedRopeFn : public torch::autograd::Function<FusedRopeFn> {
 // statistics from the saved input, so nothing but the input (which the composite keeps too) is
 // saved.
 struct HeadNormRopeFn : public torch::autograd::Function<HeadNormRopeFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& cos, const at::Tensor& sin, const FusedKernels* k, double eps) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& cos, const at::Tensor& sin,
+                            const FusedKernels* k, double eps) {
     at::Tensor xc = x.contiguous();
     ctx->save_for_backward({xc, w});
     ctx->saved_data["cos"] = cos;
@@ -142,9 +148,9 @@ struct HeadNormRopeFn : public torch::autograd::Function<HeadNormRopeFn> {
     const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
     const auto saved = ctx->get_saved_variables();
     // A frozen norm weight (LoRA) needs no gradient: the kernel then skips its reduction.
-    auto [dx, dw] = k->HeadNormRopeBackward(saved[0], saved[1], ctx->saved_data["cos"].toTensor(),
-                                            ctx->saved_data["sin"].toTensor(), ctx->saved_data["eps"].toDouble(),
-                                            grads[0].contiguous(), ctx->needs_input_grad(1));
+    auto [dx, dw] = k->HeadNormRopeBackward(
+        saved[0], saved[1], ctx->saved_data["cos"].toTensor(), ctx->saved_data["sin"].toTensor(),
+        ctx->saved_data["eps"].toDouble(), grads[0].contiguous(), ctx->needs_input_grad(1));
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -153,8 +159,8 @@ struct HeadNormRopeFn : public torch::autograd::Function<HeadNormRopeFn> {
 // (LibTorch's fused rms_norm saves them, and its weight-gradient kernel took as long as its
 // input-gradient one in a traced step).
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const FusedKernels* k, double eps) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const FusedKernels* k, double eps) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
     ctx->saved_data["eps"] = eps;
@@ -164,8 +170,9 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
                                                  torch::autograd::variable_list grads) {
     const auto* k = reinterpret_cast<const FusedKernels*>(ctx->saved_data["kernels"].toInt());
     const auto saved = ctx->get_saved_variables();
-    auto [dx, dw] = k->RmsNormBackward(saved[0], saved[1], ctx->saved_data["eps"].toDouble(), grads[0].contiguous(),
-                                       at::Tensor(), ctx->needs_input_grad(1));
+    auto [dx, dw] =
+        k->RmsNormBackward(saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
+                           grads[0].contiguous(), at::Tensor(), ctx->needs_input_grad(1));
     return {dx, dw, at::Tensor(), at::Tensor()};
   }
 };
@@ -175,8 +182,9 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
 // dL/dx and dL/dres alike. Saves the add's pass over s forward and autograd's add of the two
 // gradients of s backward.
 struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const at::Tensor& res, const at::Tensor& w, const FusedKernels* k,
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& res,
+                                                const at::Tensor& w, const FusedKernels* k,
                                                 double eps) {
     auto [s, y] = k->AddRmsNorm(x, res, w, eps);
     ctx->save_for_backward({s, w});
@@ -190,8 +198,8 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor ds_other = grads[0].defined() ? grads[0].contiguous() : at::Tensor();
     at::Tensor dy = grads[1].defined() ? grads[1].contiguous() : at::zeros_like(saved[0]);
-    auto [ds, dw] = k->RmsNormBackward(saved[0], saved[1], ctx->saved_data["eps"].toDouble(), dy, ds_other,
-                                       ctx->needs_input_grad(2));
+    auto [ds, dw] = k->RmsNormBackward(saved[0], saved[1], ctx->saved_data["eps"].toDouble(), dy,
+                                       ds_other, ctx->needs_input_grad(2));
     return {ds, ds, dw, at::Tensor(), at::Tensor()};
   }
 };
@@ -199,8 +207,8 @@ struct AddRmsNormFn : public torch::autograd::Function<AddRmsNormFn> {
 // silu(gate) * up in one pass each way; saves the two inputs (the composite saves those and
 // silu(gate) as well).
 struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
-                            const FusedKernels* k) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                            const at::Tensor& up, const FusedKernels* k) {
     ctx->save_for_backward({gate, up});
     ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
     return k->SwiGlu(gate, up);
@@ -218,7 +226,8 @@ struct SwiGluFn : public torch::autograd::Function<SwiGluFn> {
 // the gradient of every row: the router load-balancing loss's gradient with respect to the
 // probabilities.
 struct AddRowGradFn : public torch::autograd::Function<AddRowGradFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& extra) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& extra) {
     ctx->saved_data["extra"] = extra;
     return x.clone();
   }
@@ -234,7 +243,8 @@ struct AddRowGradFn : public torch::autograd::Function<AddRowGradFn> {
 // expert that no token chose must get exactly zero (its moments decay, as torch's AdamW does on
 // a fused expert tensor). A select, not a product: zero times a garbage NaN would stay NaN.
 struct EmptyExpertsZeroGradFn : public torch::autograd::Function<EmptyExpertsZeroGradFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& w, const at::Tensor& has_tokens) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& w,
+                            const at::Tensor& has_tokens) {
     ctx->saved_data["has_tokens"] = has_tokens;
     return w.view_as(w);
   }
@@ -249,8 +259,8 @@ struct EmptyExpertsZeroGradFn : public torch::autograd::Function<EmptyExpertsZer
 // adds dy^T x, accumulated in fp32, to the sink in the GEMM's own epilogue. The input gradient
 // is autograd's (dy W).
 struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& sink, const FusedKernels* k) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor& sink, const FusedKernels* k) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["sink"] = sink;
     ctx->saved_data["kernels"] = reinterpret_cast<int64_t>(k);
@@ -279,11 +289,13 @@ struct LinearSinkFn : public torch::autograd::Function<LinearSinkFn> {
 struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
   // `sink`: null for autograd's weight gradient (an undefined tensor cannot be an argument).
   // `input`: the last quantized input, reused when it is x's (Transformer::E4m3Input).
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor* sink, const FusedKernels* k, Transformer::E4m3Input* input) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const at::Tensor* sink, const FusedKernels* k,
+                            Transformer::E4m3Input* input) {
     // What each gradient needs, as at::linear keeps it: x for the weight's, W for the input's (a
     // frozen base weight under LoRA keeps no input alive).
-    ctx->save_for_backward({w.requires_grad() ? x : at::Tensor(), x.requires_grad() ? w : at::Tensor()});
+    ctx->save_for_backward(
+        {w.requires_grad() ? x : at::Tensor(), x.requires_grad() ? w : at::Tensor()});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_sink"] = sink != nullptr;
     if (sink != nullptr) ctx->saved_data["sink"] = *sink;
@@ -311,14 +323,14 @@ struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
     if (ctx->needs_input_grad(0)) {
       auto [dq, ds] = k->QuantizeRowsE4m3(dy);
       auto [wtq, wts] = k->QuantizeRowsE4m3(w.t().contiguous());
-      dx = k->MatmulE4m3(dq, ds, wtq, wts, /*fast_accum=*/false).view(ctx->saved_data["x_sizes"].toIntVector());
+      dx = k->MatmulE4m3(dq, ds, wtq, wts, /*fast_accum=*/false)
+               .view(ctx->saved_data["x_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {  // a frozen weight's sum stays as it is
       const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
       if (ctx->saved_data["has_sink"].toBool())
         k->AddWeightGrad(ctx->saved_data["sink"].toTensor(), dy, x2);
-      else
-        dw = at::mm(dy.t(), x2);
+      else dw = at::mm(dy.t(), x2);
     }
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -330,8 +342,9 @@ struct E4m3LinearFn : public torch::autograd::Function<E4m3LinearFn> {
 // through it, so the weights' gradients (the norm's included) accumulate where the untiled
 // block's would (.grad or a sink) and only the input's gradient is returned.
 struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h, Transformer* math,
-                            const LayerWeights* w, int64_t layer, int64_t first_token) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
+                            Transformer* math, const LayerWeights* w, int64_t layer,
+                            int64_t first_token) {
     ctx->save_for_backward({h});
     ctx->saved_data["math"] = reinterpret_cast<int64_t>(math);
     ctx->saved_data["weights"] = reinterpret_cast<int64_t>(w);
@@ -350,7 +363,8 @@ struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
     at::Tensor y;
     {
       at::AutoGradMode grad_on(true);
-      y = math->NormMlp(*w, h, static_cast<int>(ctx->saved_data["layer"].toInt()), ctx->saved_data["first_token"].toInt());
+      y = math->NormMlp(*w, h, static_cast<int>(ctx->saved_data["layer"].toInt()),
+                        ctx->saved_data["first_token"].toInt());
     }
     math->SetDropoutKey(key);
     torch::autograd::backward({y}, {grads[0]});
@@ -359,7 +373,8 @@ struct MlpTileFn : public torch::autograd::Function<MlpTileFn> {
 };
 }  // namespace
 
-at::Tensor Transformer::Mlp(const LayerWeights& w, const at::Tensor& h, int layer, int64_t first_token) {
+at::Tensor Transformer::Mlp(const LayerWeights& w, const at::Tensor& h, int layer,
+                            int64_t first_token) {
   at::Tensor gate = Proj(w, "gate_proj", h, layer, 4, first_token);
   at::Tensor up = Proj(w, "up_proj", h, layer, 5, first_token);
   at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate, up, fused_) : at::silu(gate) * up;
@@ -368,7 +383,8 @@ at::Tensor Transformer::Mlp(const LayerWeights& w, const at::Tensor& h, int laye
   return out;
 }
 
-at::Tensor Transformer::NormMlp(const LayerWeights& w, const at::Tensor& x1, int layer, int64_t first_token) {
+at::Tensor Transformer::NormMlp(const LayerWeights& w, const at::Tensor& x1, int layer,
+                                int64_t first_token) {
   return Mlp(w, RmsNorm(x1, Get(w, "post_norm")), layer, first_token);
 }
 
@@ -385,7 +401,8 @@ at::Tensor Transformer::RmsNorm(const at::Tensor& x, const at::Tensor& weight) c
   return weight * normed.to(x.scalar_type());
 }
 
-std::pair<at::Tensor, at::Tensor> Transformer::AddRmsNorm(const at::Tensor& x, const at::Tensor& res,
+std::pair<at::Tensor, at::Tensor> Transformer::AddRmsNorm(const at::Tensor& x,
+                                                          const at::Tensor& res,
                                                           const at::Tensor& weight) const {
   if (FusedNorm(x) && res.is_contiguous() && res.sizes().equals(x.sizes())) {
     auto out = AddRmsNormFn::apply(x, res, weight, fused_, config_.rms_norm_eps);
@@ -402,7 +419,8 @@ const at::Tensor* Transformer::SinkOf(const at::Tensor& weight) const {
   return it == sinks_.end() ? nullptr : &it->second;
 }
 
-at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
+at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias) const {
   if (const at::Tensor* sink = Fused(x) ? SinkOf(weight) : nullptr) {
     at::Tensor y = LinearSinkFn::apply(x, weight, *sink, fused_);
     return bias.defined() ? y + bias : y;
@@ -410,11 +428,13 @@ at::Tensor Transformer::Linear(const at::Tensor& x, const at::Tensor& weight, co
   return at::linear(x, weight, bias);
 }
 
-at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const {
+at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight,
+                                   const at::Tensor& bias) const {
   // The e4m3 product takes operands whose inner and output sizes are multiples of 16; any other
   // projection stays bf16 (docs/features.md).
-  if (!e4m3_projections_ || !Fused(x) || x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
-      x.numel() == 0 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0)
+  if (!e4m3_projections_ || !Fused(x) || x.scalar_type() != at::kBFloat16 ||
+      weight.scalar_type() != at::kBFloat16 || x.numel() == 0 || weight.size(0) % 16 != 0 ||
+      weight.size(1) % 16 != 0)
     return Linear(x, weight, bias);
   at::Tensor y = E4m3LinearFn::apply(x, weight, SinkOf(weight), fused_, &e4m3_input_);
   return bias.defined() ? y + bias : y;
@@ -423,7 +443,8 @@ at::Tensor Transformer::ProjLinear(const at::Tensor& x, const at::Tensor& weight
 namespace {
 // Softmax attention of q over k and v (as many heads each), fp32 scores and softmax; `blocked`
 // (broadcast to [B, heads, S, S]) is true where a query may not see a key.
-at::Tensor MaskedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& blocked) {
+at::Tensor MaskedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& blocked) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(at::kFloat) * scale;
   scores = scores.masked_fill(blocked, -std::numeric_limits<float>::infinity());
@@ -468,7 +489,8 @@ at::Tensor VarlenFlashAttention(const at::Tensor& q, const at::Tensor& k, const 
 #endif
 }  // namespace
 
-at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v) const {
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D]. Expand kv heads for grouped-query attention.
   const int64_t groups = config_.num_heads / config_.num_kv_heads;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
@@ -487,7 +509,8 @@ at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k, cons
   return MaskedAttention(q, ke, ve, at::ones({S, S}, q.options().dtype(at::kBool)).triu(1));
 }
 
-at::Tensor Transformer::DocumentAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+at::Tensor Transformer::DocumentAttention(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v) const {
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D].
   const int64_t nh = q.size(1), S = q.size(2), nkv = k.size(1);
   const int64_t groups = nh / nkv;
@@ -496,26 +519,32 @@ at::Tensor Transformer::DocumentAttention(const at::Tensor& q, const at::Tensor&
     const int64_t B = q.size(0), D = q.size(3);
     // The flash kernel over the documents as variable-length sequences of the B * S tokens
     // (documents never cross rows), shared kv heads indexed by the kernel itself.
-    auto flat = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * S, t.size(1), D}); };
-    at::Tensor out = VarlenFlashAttention(flat(q), flat(k), flat(v), documents_.cu_seqlens, documents_.max_length);
+    auto flat = [&](const at::Tensor& t) {
+      return t.transpose(1, 2).reshape({B * S, t.size(1), D});
+    };
+    at::Tensor out = VarlenFlashAttention(flat(q), flat(k), flat(v), documents_.cu_seqlens,
+                                          documents_.max_length);
     return out.view({B, S, nh, D}).transpose(1, 2);
   }
 #endif
   // Token i sees token j when both are in one document and j <= i.
   const at::Tensor& seg = documents_.segments;
   at::Tensor causal = at::ones({S, S}, seg.options().dtype(at::kBool)).tril();
-  at::Tensor allowed = (seg.unsqueeze(2) == seg.unsqueeze(1)).logical_and_(causal).unsqueeze(1);  // [B, 1, S, S]
+  at::Tensor allowed =
+      (seg.unsqueeze(2) == seg.unsqueeze(1)).logical_and_(causal).unsqueeze(1);  // [B, 1, S, S]
   at::Tensor ke = groups > 1 ? k.repeat_interleave(groups, 1) : k;
   at::Tensor ve = groups > 1 ? v.repeat_interleave(groups, 1) : v;
 #if TORCH_VERSION_MAJOR >= 2
-  if (q.is_cuda()) return at::scaled_dot_product_attention(q, ke, ve, allowed, 0.0, /*is_causal=*/false);
+  if (q.is_cuda())
+    return at::scaled_dot_product_attention(q, ke, ve, allowed, 0.0, /*is_causal=*/false);
 #endif
   return MaskedAttention(q, ke, ve, allowed.logical_not());
 }
 
 at::Tensor Transformer::Embed(const LayerWeights& w, const at::Tensor& tokens) const {
   at::Tensor h = at::embedding(Get(w, "embed"), tokens);
-  if (embed_rounding_ && h.scalar_type() != *embed_rounding_) h = h.to(*embed_rounding_).to(h.scalar_type());
+  if (embed_rounding_ && h.scalar_type() != *embed_rounding_)
+    h = h.to(*embed_rounding_).to(h.scalar_type());
   return embed_dtype_ && h.scalar_type() != *embed_dtype_ ? h.to(*embed_dtype_) : h;
 }
 
@@ -538,7 +567,9 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
     cos = cos.index_select(0, rows);
     sin = sin.index_select(0, rows);
   }
-  auto one_sequence = [&](const at::Tensor& t) { return documents ? t.reshape({1, B * S, t.size(2), D}) : t; };
+  auto one_sequence = [&](const at::Tensor& t) {
+    return documents ? t.reshape({1, B * S, t.size(2), D}) : t;
+  };
   auto per_row = [&](const at::Tensor& t) { return documents ? t.view({B, S, t.size(2), D}) : t; };
   // Qwen3's per-head norm and the rotation in one kernel where the head size allows.
   const bool norm_in_rope = config_.qk_norm && Fused(q) && fused_->HeadNormRopeSupports(D);
@@ -549,20 +580,25 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
   if (norm_in_rope) {
     // In [B, S, heads, D] order, where the projections left them contiguous; the attention
     // takes the transposed views as they are.
-    q = per_row(HeadNormRopeFn::apply(one_sequence(q), Get(w, "q_norm"), cos, sin, fused_, config_.rms_norm_eps))
+    q = per_row(HeadNormRopeFn::apply(one_sequence(q), Get(w, "q_norm"), cos, sin, fused_,
+                                      config_.rms_norm_eps))
             .transpose(1, 2);
-    k = per_row(HeadNormRopeFn::apply(one_sequence(k), Get(w, "k_norm"), cos, sin, fused_, config_.rms_norm_eps))
+    k = per_row(HeadNormRopeFn::apply(one_sequence(k), Get(w, "k_norm"), cos, sin, fused_,
+                                      config_.rms_norm_eps))
             .transpose(1, 2);
   } else if (Fused(q)) {
     q = per_row(FusedRopeFn::apply(one_sequence(q), cos, sin, fused_)).transpose(1, 2);
     k = per_row(FusedRopeFn::apply(one_sequence(k), cos, sin, fused_)).transpose(1, 2);
   } else {
-    const at::Tensor c = documents ? cos.view({B, 1, S, D}) : cos, s = documents ? sin.view({B, 1, S, D}) : sin;
+    const at::Tensor c = documents ? cos.view({B, 1, S, D}) : cos,
+                     s = documents ? sin.view({B, 1, S, D}) : sin;
     q = Rope(q.transpose(1, 2), c, s);
     k = Rope(k.transpose(1, 2), c, s);
   }
   v = v.transpose(1, 2);
-  at::Tensor attn = (documents ? DocumentAttention(q, k, v) : Attention(q, k, v)).transpose(1, 2).reshape({B, S, nh * D});
+  at::Tensor attn = (documents ? DocumentAttention(q, k, v) : Attention(q, k, v))
+                        .transpose(1, 2)
+                        .reshape({B, S, nh * D});
   at::Tensor o = Proj(w, "o_proj", attn, layer, 3);
   e4m3_input_ = {};
   const int64_t tokens = B * S, tile = mlp_tile_tokens_;
@@ -595,8 +631,12 @@ struct ExpertAdapter {
   at::Tensor b_stacked;  // [out, r, E]: lora_B's columns, rank-major
   bool defined() const { return a_stacked.defined(); }
   // Views taken once, so autograd stacks the experts' gradients into one tensor.
-  std::vector<at::Tensor> PerExpertA() const { return defined() ? a_stacked.unbind(0) : std::vector<at::Tensor>{}; }
-  std::vector<at::Tensor> PerExpertB() const { return defined() ? b_stacked.unbind(2) : std::vector<at::Tensor>{}; }
+  std::vector<at::Tensor> PerExpertA() const {
+    return defined() ? a_stacked.unbind(0) : std::vector<at::Tensor>{};
+  }
+  std::vector<at::Tensor> PerExpertB() const {
+    return defined() ? b_stacked.unbind(2) : std::vector<at::Tensor>{};
+  }
 };
 
 ExpertAdapter ExpertLora(const LayerWeights& w, const std::string& role, int64_t experts) {
@@ -615,7 +655,8 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   // Routing as transformers: softmax in fp32 over every expert, the top k kept (in order of
   // probability), renormalized to sum 1 when norm_topk_prob, then in the compute dtype.
   at::Tensor probs = at::softmax(at::linear(flat, Get(w, "router")).to(at::kFloat), -1);
-  if (router_aux_grad_.defined() && probs.requires_grad()) probs = AddRowGradFn::apply(probs, router_aux_grad_);
+  if (router_aux_grad_.defined() && probs.requires_grad())
+    probs = AddRowGradFn::apply(probs, router_aux_grad_);
   auto [top, chosen] = at::topk(probs, k, -1);
   if (config_.moe.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
   top = top.to(h.scalar_type());
@@ -623,12 +664,14 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   // The (token, choice) pairs grouped by expert, tokens in order within an expert: each expert
   // runs once over a contiguous block of its tokens.
   at::Tensor expert_of = chosen.reshape({-1});
-  at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  at::Tensor order =
+      std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   at::Tensor token = at::div(order, k, "floor");
   at::Tensor on_device = at::bincount(expert_of, {}, E);
   if (config_.moe.aux_loss_weight > 0.0) {
     c10::NoGradGuard no_grad;
-    router_stats_[layer] = at::stack({on_device.to(at::kDouble), probs.sum(0).to(at::kDouble)}).to(at::kCPU);
+    router_stats_[layer] =
+        at::stack({on_device.to(at::kDouble), probs.sum(0).to(at::kDouble)}).to(at::kCPU);
   }
   at::Tensor x = flat.index_select(0, token);
   at::Tensor scale = top.reshape({-1}).index_select(0, order).unsqueeze(1);
@@ -647,12 +690,13 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   // Expert adapters join the grouped GEMMs when their rank's rows are 16-byte multiples.
   const ExpertAdapter& any_lora = gate_up_lora.defined() ? gate_up_lora : down_lora;
   const bool adapters_align = !any_lora.defined() || any_lora.a_stacked.size(1) % 8 == 0;
-  if (grouped_experts_ && adapters_align && x.is_cuda() && x.scalar_type() == at::kBFloat16 && H % 8 == 0 &&
-      I % 8 == 0) {
+  if (grouped_experts_ && adapters_align && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+      H % 8 == 0 && I % 8 == 0) {
     const at::Tensor offs = at::cumsum(on_device, 0, at::kInt);
     const at::Tensor has_tokens = on_device.gt(0);
     auto grouped = [&](const at::Tensor& in, const at::Tensor& weight, const ExpertAdapter& a) {
-      const at::Tensor used = weight.requires_grad() ? EmptyExpertsZeroGradFn::apply(weight, has_tokens) : weight;
+      const at::Tensor used =
+          weight.requires_grad() ? EmptyExpertsZeroGradFn::apply(weight, has_tokens) : weight;
       at::Tensor out = at::_grouped_mm(in, used.transpose(-2, -1), offs);
       if (!a.defined()) return out;
       // An expert without tokens must get exactly zero adapter gradients; the kernel's gradient
@@ -667,7 +711,8 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
     };
     at::Tensor gu = grouped(x, Get(w, "experts.gate_up"), gate_up_lora);
     at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);
-    at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_) : at::silu(gate) * up;
+    at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_)
+                                 : at::silu(gate) * up;
     at::Tensor y = grouped(act.contiguous(), Get(w, "experts.down"), down_lora) * scale;
     return at::zeros_like(flat).index_add(0, token, y).view(h.sizes());
   }
@@ -680,10 +725,12 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
   std::vector<at::Tensor> outs;
   int64_t begin = 0;
   const int64_t* n = counts.data_ptr<int64_t>();
-  const std::vector<at::Tensor> gate_up_a = gate_up_lora.PerExpertA(), gate_up_b = gate_up_lora.PerExpertB();
+  const std::vector<at::Tensor> gate_up_a = gate_up_lora.PerExpertA(),
+                                gate_up_b = gate_up_lora.PerExpertB();
   const std::vector<at::Tensor> down_a = down_lora.PerExpertA(), down_b = down_lora.PerExpertB();
-  auto project = [&](const at::Tensor& in, const at::Tensor& weight, const std::vector<at::Tensor>& a,
-                     const std::vector<at::Tensor>& b, int64_t e) {
+  auto project = [&](const at::Tensor& in, const at::Tensor& weight,
+                     const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                     int64_t e) {
     at::Tensor out = at::linear(in, weight);
     if (a.empty()) return out;
     return out + at::linear(at::linear(in, a[e]), b[e]) * lora_scale_;
@@ -692,7 +739,8 @@ at::Tensor Transformer::Experts(const LayerWeights& w, const at::Tensor& h, int 
     if (n[e] == 0) continue;
     at::Tensor gu = project(x.narrow(0, begin, n[e]), gate_up[e], gate_up_a, gate_up_b, e);
     at::Tensor gate = gu.narrow(-1, 0, I), up = gu.narrow(-1, I, I);
-    at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_) : at::silu(gate) * up;
+    at::Tensor act = Fused(gate) ? SwiGluFn::apply(gate.contiguous(), up.contiguous(), fused_)
+                                 : at::silu(gate) * up;
     outs.push_back(project(act, down[e], down_a, down_b, e));
     begin += n[e];
   }
@@ -721,8 +769,8 @@ RouterAux Transformer::WholeModelRouterAux(int64_t tokens, double weight) const 
   return RouterAuxLoss(sums.data(), sums.data() + E, E, blocks * tokens, weight);
 }
 
-RouterAux RouterAuxLoss(const double* choices, const double* prob_sums, int64_t experts, int64_t rows,
-                        double weight) {
+RouterAux RouterAuxLoss(const double* choices, const double* prob_sums, int64_t experts,
+                        int64_t rows, double weight) {
   RouterAux r;
   const double n = static_cast<double>(rows), e = static_cast<double>(experts);
   double dot = 0.0;

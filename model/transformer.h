@@ -13,10 +13,10 @@
 //  * A projection whose weights include "<role>.bias" adds it (x W^T + b: Qwen2's q/k/v, Llama's
 //    attention_bias and mlp_bias).
 //  * LoRA: a projection whose weights include "<role>.lora_A" and "<role>.lora_B" computes
-//    x W^T (+ b) + scale * drop(x) A^T B^T (PEFT's order of operations). The dropout mask comes from a
-//    counter-based hash of (SetDropoutKey's key, layer, module, element), computed with integer
-//    tensor ops on the tensor's own device: the forward stage, the recompute and rp-train-ref
-//    draw the same mask without sharing a generator.
+//    x W^T (+ b) + scale * drop(x) A^T B^T (PEFT's order of operations). The dropout mask comes
+//    from a counter-based hash of (SetDropoutKey's key, layer, module, element), computed with
+//    integer tensor ops on the tensor's own device: the forward stage, the recompute and
+//    rp-train-ref draw the same mask without sharing a generator.
 //  * Expert LoRA: a sparse block whose weights include "experts.gate_up.lora_A"/"_B" (or
 //    "experts.down.*") adds scale * (x A_e^T) B_e^T to expert e's product, A_e and B_e cut from
 //    the stacked matrices as core::ParamSpec::experts lays them out; PEFT merges s B_e A_e into
@@ -56,8 +56,8 @@ struct RouterAux {
   double value = 0.0;
   std::vector<float> grad;
 };
-RouterAux RouterAuxLoss(const double* choices, const double* prob_sums, int64_t experts, int64_t rows,
-                        double weight);
+RouterAux RouterAuxLoss(const double* choices, const double* prob_sums, int64_t experts,
+                        int64_t rows, double weight);
 
 class Transformer {
  public:
@@ -152,7 +152,9 @@ class Transformer {
   // block's time in rp-block-bench), and the sum is no longer rounded to bf16 per microbatch.
   using WeightGradSinks = std::map<const c10::TensorImpl*, at::Tensor>;
   void SetWeightGradSinks(WeightGradSinks sinks) { sinks_ = std::move(sinks); }
-  void AddWeightGradSink(const at::Tensor& weight, at::Tensor sum) { sinks_[weight.unsafeGetTensorImpl()] = std::move(sum); }
+  void AddWeightGradSink(const at::Tensor& weight, at::Tensor sum) {
+    sinks_[weight.unsafeGetTensorImpl()] = std::move(sum);
+  }
   static bool SinkableRole(const std::string& role);
 
   // Layer 0: tokens [B, S] int64 -> hidden [B, S, H].
@@ -200,13 +202,16 @@ class Transformer {
   bool Fused(const at::Tensor& t) const { return fused_ != nullptr && t.is_cuda(); }
   // at::linear(x, weight, bias), the weight's gradient through its sink when it has one
   // (SetWeightGradSinks); the bias (undefined: none) keeps autograd's gradient.
-  at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) const;
+  at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight,
+                    const at::Tensor& bias = {}) const;
   // The weight's gradient sink (SetWeightGradSinks), or null.
   const at::Tensor* SinkOf(const at::Tensor& weight) const;
   // Linear in e4m3 (UseE4m3Projections) where it applies to these operands, else Linear.
-  at::Tensor ProjLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) const;
+  at::Tensor ProjLinear(const at::Tensor& x, const at::Tensor& weight,
+                        const at::Tensor& bias) const;
   HeadResult FusedHead(const at::Tensor& flat, const at::Tensor& flat_labels,
-                       const at::Tensor& lm_head, double loss_scale, bool backward, bool defer_read) const;
+                       const at::Tensor& lm_head, double loss_scale, bool backward,
+                       bool defer_read) const;
 
   core::ModelConfig config_;
   const FusedKernels* fused_ = nullptr;

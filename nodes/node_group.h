@@ -30,10 +30,12 @@ using CollectiveGroup = c10d::ProcessGroup;
 // Where the group of `purpose` and worker `worker_rank` meets: node 0's store under a prefix of
 // its own, reached within timeout_s + 30 s; with one node (tests of the path on one machine), an
 // in-process store.
-StatusOr<c10::intrusive_ptr<c10d::Store>> GroupStore(const NodeGroup& g, int worker_rank, const std::string& purpose);
+StatusOr<c10::intrusive_ptr<c10d::Store>> GroupStore(const NodeGroup& g, int worker_rank,
+                                                     const std::string& purpose);
 // The group's name in messages.
 std::string GroupName(const NodeGroup& g, int worker_rank, const std::string& purpose);
 // A NodeReduction running on `group`.
-std::unique_ptr<NodeReduction> WrapGroup(c10::intrusive_ptr<CollectiveGroup> group, std::string name);
+std::unique_ptr<NodeReduction> WrapGroup(c10::intrusive_ptr<CollectiveGroup> group,
+                                         std::string name);
 
 }  // namespace rp::nodes

@@ -29,38 +29,43 @@ struct NodeReduction::Impl {
 };
 
 std::string GroupName(const NodeGroup& g, int worker_rank, const std::string& purpose) {
-  return "the " + purpose + " group of worker " + std::to_string(worker_rank) + " across " + std::to_string(g.nodes) +
+  return "the " + purpose + " group of worker " + std::to_string(worker_rank) + " across " +
+         std::to_string(g.nodes) +
          (g.nodes == 1 ? " node" : " nodes (this is node " + std::to_string(g.node_rank) + ")");
 }
 
-StatusOr<c10::intrusive_ptr<c10d::Store>> GroupStore(const NodeGroup& g, int worker_rank, const std::string& purpose) {
+StatusOr<c10::intrusive_ptr<c10d::Store>> GroupStore(const NodeGroup& g, int worker_rank,
+                                                     const std::string& purpose) {
   // Joining waits for the other nodes' workers (they may start later) up to timeout_s + 30 s.
-  const auto join_timeout = std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 30.0) * 1000.0));
+  const auto join_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 30.0) * 1000.0));
   try {
     c10::intrusive_ptr<c10d::Store> store;
     if (g.nodes == 1) {
       store = c10::make_intrusive<c10d::HashStore>();
     } else {
       if (g.secret.empty())
-        return Status::InvalidArgument("joining " + GroupName(g, worker_rank, purpose) + ": no run secret (" +
-                                       kRunSecretVariable + ", which rp-launch passes to its processes)");
+        return Status::InvalidArgument("joining " + GroupName(g, worker_rank, purpose) +
+                                       ": no run secret (" + kRunSecretVariable +
+                                       ", which rp-launch passes to its processes)");
       c10d::TCPStoreOptions so;
       so.port = static_cast<uint16_t>(g.store_port);
       so.isServer = false;
       so.waitWorkers = false;
       so.timeout = join_timeout;
-      store = c10::make_intrusive<SealedStore>(c10::make_intrusive<c10d::TCPStore>(g.store_host, so),
-                                               StoreSeal(g.secret));
+      store = c10::make_intrusive<SealedStore>(
+          c10::make_intrusive<c10d::TCPStore>(g.store_host, so), StoreSeal(g.secret));
     }
     store->setTimeout(join_timeout);
-    return c10::intrusive_ptr<c10d::Store>(
-        c10::make_intrusive<c10d::PrefixStore>("rp/" + purpose + "/" + std::to_string(worker_rank), store));
+    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(
+        "rp/" + purpose + "/" + std::to_string(worker_rank), store));
   } catch (const std::exception& e) {
     return Status::Unavailable("joining " + GroupName(g, worker_rank, purpose) + ": " + e.what());
   }
 }
 
-std::unique_ptr<NodeReduction> WrapGroup(c10::intrusive_ptr<CollectiveGroup> group, std::string name) {
+std::unique_ptr<NodeReduction> WrapGroup(c10::intrusive_ptr<CollectiveGroup> group,
+                                         std::string name) {
   auto impl = std::make_unique<NodeReduction::Impl>();
   impl->group = std::move(group);
   impl->name = std::move(name);
@@ -76,12 +81,13 @@ std::unique_ptr<NodeReduction> NodeReduction::FromImpl(std::unique_ptr<Impl> imp
 bool NodeReduction::Available() { return true; }
 
 StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g, int worker_rank,
-                                                            const std::string& purpose) {
+                                                             const std::string& purpose) {
   const std::string name = GroupName(g, worker_rank, purpose);
   // A sum may wait much longer for a peer that is alive but busy (an evaluation, a checkpoint on
   // its loop): lost nodes are the launchers' to notice (within timeout_s), so the collectives'
   // own bound is only a last resort, never infinite.
-  const auto op_timeout = std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 1800.0) * 1000.0));
+  const auto op_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>((g.timeout_s + 1800.0) * 1000.0));
   RP_ASSIGN_OR_RETURN(auto prefixed, GroupStore(g, worker_rank, purpose));
   try {
     auto opts = c10d::ProcessGroupGloo::Options::create(op_timeout);
@@ -90,19 +96,24 @@ StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g,
     if (const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME"); ifnames && *ifnames) {
       std::stringstream list(ifnames);
       for (std::string ifname; std::getline(list, ifname, ',');)
-        if (!ifname.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+        if (!ifname.empty())
+          opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
     }
-    if (opts->devices.empty()) opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    if (opts->devices.empty())
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     opts->threads = 1;  // one reduction at a time per worker: its commits are sequential anyway
-    return WrapGroup(c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, g.node_rank, g.nodes, opts), name);
+    return WrapGroup(
+        c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, g.node_rank, g.nodes, opts), name);
   } catch (const std::exception& e) {
     return Status::Unavailable("joining " + name + ": " + e.what());
   }
 }
 #else
 bool NodeReduction::Available() { return false; }
-StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup&, int, const std::string&) {
-  return Status::InvalidArgument("several nodes with CPU workers need LibTorch's c10d with Gloo, which this build lacks");
+StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup&, int,
+                                                             const std::string&) {
+  return Status::InvalidArgument(
+      "several nodes with CPU workers need LibTorch's c10d with Gloo, which this build lacks");
 }
 #endif
 
@@ -163,7 +174,9 @@ void NodeReduction::Abandon() {
 
 struct NodeReduction::Impl {};
 Status NodeReduction::Start(at::Tensor, at::Tensor) { return Status::Internal("no c10d Gloo"); }
-Status NodeReduction::StartGather(at::Tensor, std::vector<at::Tensor>) { return Status::Internal("no c10d"); }
+Status NodeReduction::StartGather(at::Tensor, std::vector<at::Tensor>) {
+  return Status::Internal("no c10d");
+}
 void NodeReduction::Abandon() {}
 StatusOr<bool> NodeReduction::Poll() { return true; }
 

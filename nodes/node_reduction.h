@@ -12,10 +12,12 @@
 //  * Join() forms the group of worker `worker_rank` of every node over Gloo (a store prefix per
 //    purpose and worker rank), waiting up to `timeout_s` + 30 s for the others; CUDA workers
 //    form theirs over NCCL behind the CUDA seam (worker::JoinNcclGroup), on the same stores. A
-//    group of one node (`nodes` 1) meets on an in-process store: what the path's tests run. Every collective is bounded too,
-//    by `timeout_s` + 30 min: a peer that is alive may be busy for long (an evaluation), and a
-//    lost node is for the launchers to notice, within `timeout_s`, and stop the run.
-//  * Start() begins summing `flat` (fp32, contiguous; CPU for Gloo, the group's GPU for NCCL) in place across the nodes when
+//    group of one node (`nodes` 1) meets on an in-process store: what the path's tests run. Every
+//    collective is bounded too, by `timeout_s` + 30 min: a peer that is alive may be busy for long
+//    (an evaluation), and a lost node is for the launchers to notice, within `timeout_s`, and stop
+//    the run.
+//  * Start() begins summing `flat` (fp32, contiguous; CPU for Gloo, the group's GPU for NCCL) in
+//  place across the nodes when
 //    defined, and `loss` (fp64: a loss sum and target count) when defined; the callers of every
 //    node must start the same sizes in the same order. Poll() is true once the sums are in the
 //    tensors, or the error (naming the group) if one failed.

@@ -32,10 +32,10 @@ namespace rp::nodes {
 class NodeStore {
  public:
   static bool Available();
-  static StatusOr<std::unique_ptr<NodeStore>> Host(const std::string& host, int port, double timeout_s,
-                                                   const StoreSeal& seal);
-  static StatusOr<std::unique_ptr<NodeStore>> Connect(const std::string& host, int port, double timeout_s,
-                                                      const StoreSeal& seal);
+  static StatusOr<std::unique_ptr<NodeStore>> Host(const std::string& host, int port,
+                                                   double timeout_s, const StoreSeal& seal);
+  static StatusOr<std::unique_ptr<NodeStore>> Connect(const std::string& host, int port,
+                                                      double timeout_s, const StoreSeal& seal);
   ~NodeStore();
   NodeStore(const NodeStore&) = delete;
   NodeStore& operator=(const NodeStore&) = delete;
@@ -50,7 +50,8 @@ class NodeStore {
   struct Impl;
 
  private:
-  NodeStore(std::unique_ptr<Impl> impl, std::string address, double timeout_s, const StoreSeal& seal);
+  NodeStore(std::unique_ptr<Impl> impl, std::string address, double timeout_s,
+            const StoreSeal& seal);
   std::unique_ptr<Impl> impl_;
   StoreSeal seal_;
   std::string address_;  // "host:port", for messages

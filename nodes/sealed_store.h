@@ -42,7 +42,8 @@ class SealedStore : public c10d::Store {
   bool check(const std::vector<std::string>& keys) override;
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override;
   const std::chrono::milliseconds& getTimeout() const noexcept override;
   void setTimeout(const std::chrono::milliseconds& timeout) override;
 

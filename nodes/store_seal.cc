@@ -5,15 +5,14 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
-
 namespace rp::nodes {
 namespace {
 
 std::string Hmac(std::string_view key, std::string_view message) {
   unsigned char out[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(message.data()),
-       message.size(), out, &len);
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &len);
   return std::string(reinterpret_cast<const char*>(out), len);
 }
 
@@ -52,9 +51,10 @@ std::string StoreSeal::Seal(std::string_view key, std::string_view value) const 
 
 StatusOr<std::string> StoreSeal::Open(std::string_view key, std::string_view sealed) const {
   const auto tampered = [&] {
-    return Status::ProtocolError("the node store's value of " + std::string(key) +
-                                 " fails authentication: it was altered, or written by a process without this run's "
-                                 "secret (tampering with the store, or a node whose RP_NODE_SECRET differs)");
+    return Status::ProtocolError(
+        "the node store's value of " + std::string(key) +
+        " fails authentication: it was altered, or written by a process without this run's "
+        "secret (tampering with the store, or a node whose RP_NODE_SECRET differs)");
   };
   if (sealed.size() < kTagBytes) return tampered();
   const std::string_view value = sealed.substr(0, sealed.size() - kTagBytes);

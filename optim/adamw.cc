@@ -35,8 +35,10 @@ uint16_t FloatToHalf(float f) {
   std::memcpy(&bits, &f, 4);
   const uint32_t sign = (bits >> 16) & 0x8000u;
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN, quiet
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: infinity
+  if (abs > 0x7f800000u)
+    return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN, quiet
+  if (abs >= 0x477ff000u)
+    return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: infinity
   if (abs < 0x38800000u) {
     // Below the smallest normal half (2^-14): a subnormal, units of 2^-24, rounded to nearest even.
     if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25: rounds to zero
@@ -71,10 +73,12 @@ float HalfToFloat(uint16_t h) {
 
 namespace {
 #if defined(__x86_64__)
-__attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* in, uint16_t* out, int64_t n) {
+__attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* in, uint16_t* out,
+                                                            int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 #endif
@@ -155,14 +159,15 @@ __attribute__((optimize("no-tree-vectorize")))
 #endif
 void AdamWScalar(const AdamWConsts& k, const float* grad, float* master, float* m, float* v,
                  Out* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) AdamWElement<Out, kMaster, kMoments>(k, grad, master, m, v, out, i);
+  for (int64_t i = 0; i < n; ++i)
+    AdamWElement<Out, kMaster, kMoments>(k, grad, master, m, v, out, i);
 }
 
 #if defined(__x86_64__)
 template <typename Out, bool kMaster, bool kMoments>
 __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float* grad,
-                                                 float* master, float* m, float* v, Out* out,
-                                                 int64_t n) {
+                                               float* master, float* m, float* v, Out* out,
+                                               int64_t n) {
   const __m256 scale = _mm256_set1_ps(k.grad_scale), decay = _mm256_set1_ps(k.decay);
   const __m256 b1 = _mm256_set1_ps(k.b1), b2 = _mm256_set1_ps(k.b2);
   const __m256 omb1 = _mm256_set1_ps(k.one_minus_b1), omb2 = _mm256_set1_ps(k.one_minus_b2);
@@ -175,7 +180,8 @@ __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), scale);
     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(master + i), decay);
-    const __m256 mi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + i), b1), _mm256_mul_ps(g, omb1));
+    const __m256 mi =
+        _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + i), b1), _mm256_mul_ps(g, omb1));
     const __m256 vi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), b2),
                                     _mm256_mul_ps(_mm256_mul_ps(g, g), omb2));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
@@ -217,8 +223,8 @@ std::atomic<int64_t> prefetch_elements{[] {
 
 template <typename Out, bool kMaster, bool kMoments>
 __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const float* grad,
-                                                     float* master, float* m, float* v, Out* out,
-                                                     int64_t n) {
+                                                    float* master, float* m, float* v, Out* out,
+                                                    int64_t n) {
   const __m512 scale = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
   const __m512 b1 = _mm512_set1_ps(k.b1), b2 = _mm512_set1_ps(k.b2);
   const __m512 omb1 = _mm512_set1_ps(k.one_minus_b1), omb2 = _mm512_set1_ps(k.one_minus_b2);
@@ -236,7 +242,8 @@ __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const 
       // Addresses past the arrays' ends are formed as integers (pointer arithmetic there would be
       // undefined); a prefetch never faults.
       auto ahead = [&](const float* p) {
-        return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + i) + static_cast<uintptr_t>(pf) * 4);
+        return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + i) +
+                                             static_cast<uintptr_t>(pf) * 4);
       };
       _mm_prefetch(ahead(grad), _MM_HINT_T0);
       _mm_prefetch(ahead(m), _MM_HINT_T0);
@@ -245,7 +252,8 @@ __attribute__((target("avx512f"))) void AdamWAvx512(const AdamWConsts& k, const 
     }
     const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), scale);
     __m512 p = _mm512_mul_ps(_mm512_loadu_ps(master + i), decay);
-    const __m512 mi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(m + i), b1), _mm512_mul_ps(g, omb1));
+    const __m512 mi =
+        _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(m + i), b1), _mm512_mul_ps(g, omb1));
     const __m512 vi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), b2),
                                     _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
@@ -281,7 +289,9 @@ SimdLevel DetectSimdLevel() {
 #endif
   if (const char* cap = std::getenv("RP_SIMD")) {
     const std::string c = cap;
-    const SimdLevel want = c == "scalar" ? SimdLevel::kScalar : c == "avx2" ? SimdLevel::kAvx2 : best;
+    const SimdLevel want = c == "scalar" ? SimdLevel::kScalar
+                           : c == "avx2" ? SimdLevel::kAvx2
+                                         : best;
     if (static_cast<int>(want) < static_cast<int>(best)) best = want;
   }
   return best;
@@ -292,7 +302,8 @@ SimdLevel DetectSimdLevel() {
 // write flags as std::bool_constant: the one place that maps (copy, UpdateWrites) to a loop
 // instantiation, for every optimizer.
 template <typename Loop>
-void WithWrites(void* compute, const float* master, ComputeDtype dtype, UpdateWrites writes, Loop&& loop) {
+void WithWrites(void* compute, const float* master, ComputeDtype dtype, UpdateWrites writes,
+                Loop&& loop) {
   using Yes = std::true_type;
   using No = std::false_type;
   void* const none = nullptr;
@@ -376,15 +387,17 @@ void AdamWUpdateWith(SimdLevel level, const AdamWHyper& h, float grad_scale, con
 }
 
 void AdamWUpdate(const AdamWHyper& h, float grad_scale, const float* grad, float* master, float* m,
-                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype, UpdateWrites writes) {
-  AdamWUpdateWith(BestSimdLevel(), h, grad_scale, grad, master, m, v, n, compute, compute_dtype, writes);
+                 float* v, int64_t n, void* compute, ComputeDtype compute_dtype,
+                 UpdateWrites writes) {
+  AdamWUpdateWith(BestSimdLevel(), h, grad_scale, grad, master, m, v, n, compute, compute_dtype,
+                  writes);
 }
 
 namespace {
 template <typename Out, bool kMaster, bool kMoments>
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void SgdLoop(const float* __restrict grad, float* __restrict master, float* __restrict buf,
-             Out* __restrict out_copy, int64_t n, float grad_scale, float lr, float mu, float wd) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) void SgdLoop(
+    const float* __restrict grad, float* __restrict master, float* __restrict buf,
+    Out* __restrict out_copy, int64_t n, float grad_scale, float lr, float mu, float wd) {
   for (int64_t i = 0; i < n; ++i) {
     const float p = master[i];
     const float d = grad[i] * grad_scale + wd * p;
@@ -402,7 +415,8 @@ void SgdUpdate(const SgdHyper& h, float grad_scale, const float* grad, float* ma
                int64_t n, void* compute, ComputeDtype compute_dtype, UpdateWrites writes) {
   const float lr = static_cast<float>(h.lr), mu = static_cast<float>(h.momentum);
   const float wd = static_cast<float>(h.weight_decay);
-  if (compute_dtype == ComputeDtype::kFloat32 && compute == master && writes != UpdateWrites::kAll) {
+  if (compute_dtype == ComputeDtype::kFloat32 && compute == master &&
+      writes != UpdateWrites::kAll) {
     // The momentum reads the old master (weight decay enters through the gradient), so with the
     // master as its own copy nothing can be deferred: the first pass does all of it.
     if (writes == UpdateWrites::kRest) return;

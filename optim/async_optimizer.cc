@@ -43,9 +43,11 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       norm_first_(core::UpdatesWaitForNorm(cfg) && !workers_norm_),
       // The two passes keep the step's inputs (gradient, master, moments) until every first pass
       // is done, so a clipped step can run its first passes again over the same inputs.
-      speculate_(core::SpeculatesUnclippedUpdate(cfg) && norm_first_ && two_passes_ && layout.compute_buffers == 2),
+      speculate_(core::SpeculatesUnclippedUpdate(cfg) && norm_first_ && two_passes_ &&
+                 layout.compute_buffers == 2),
       layer_start_us_(spec.NumLayers()) {
-  if (layout.loss_scaling != 0) scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
+  if (layout.loss_scaling != 0)
+    scaling_ = reinterpret_cast<shm::LossScaleRecord*>(state + layout.loss_scaling);
   cur_.slots_left.assign(spec.params.size(), 0);
   cur_.param_chunks_left = std::vector<std::atomic<int64_t>>(spec.params.size());
   hold_.held = std::vector<std::atomic<uint8_t>>(spec.params.size());
@@ -82,7 +84,8 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     // The lookup's slot goes second, so the fold adds it into the head's (a + b == b + a: the
     // same bits as the other order).
     for (size_t i = 0; i < 2; ++i)
-      if (spec.grad_slots[slots[i]].layer == spec.params[p].owner_layer) geo_.lookup_slot[p] = slots[i];
+      if (spec.grad_slots[slots[i]].layer == spec.params[p].owner_layer)
+        geo_.lookup_slot[p] = slots[i];
     if (geo_.lookup_slot[p] == slots[0]) std::swap(slots[0], slots[1]);
   }
   cur_.partial.assign(geo_.chunks.size(), 0.0);
@@ -90,7 +93,8 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   cur_.param_squares.assign(spec.params.size(), 0.0);
   for (size_t p = 0; p < spec.params.size(); ++p)
     RP_CHECK(!shard_grads_ || geo_.param_slots[p].size() == 1)
-        << "sharded gradient slots with parameter " << spec.params[p].name << " used by several layers";
+        << "sharded gradient slots with parameter " << spec.params[p].name
+        << " used by several layers";
   std::vector<int> last_use(spec.params.size(), -1);
   for (int l = 0; l < spec.NumLayers(); ++l)
     for (const auto& use : spec.layer_uses[l]) {
@@ -113,9 +117,10 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
     geo_.lookup_cols = spec.params[geo_.lookup_param].shape[1];
   }
   const int pool = std::max(1, threads);
-  const int rest_threads = cfg.bench.optimizer_rest_threads > 0
-                               ? static_cast<int>(std::min<int64_t>(pool, cfg.bench.optimizer_rest_threads))
-                               : std::max(1, pool / 4);
+  const int rest_threads =
+      cfg.bench.optimizer_rest_threads > 0
+          ? static_cast<int>(std::min<int64_t>(pool, cfg.bench.optimizer_rest_threads))
+          : std::max(1, pool / 4);
   pool_ = std::make_unique<TaskPool>(pool, rest_threads);
 }
 
@@ -144,14 +149,16 @@ Status AsyncOptimizer::StartAfter(int64_t steps_done) {
   updated_through_.store(steps_done - 1);
   if (!scaling_) return Status::Ok();
   const int ring = shm::kLossScaleRing;
-  // The state after step `t` (-1: before the first): the record's entry, checked, or the initial one.
+  // The state after step `t` (-1: before the first): the record's entry, checked, or the initial
+  // one.
   auto after = [&](int64_t t) -> StatusOr<shm::LossScalerState> {
     if (t < 0) return InitialLossScaler(cfg_.train.loss_scaling);
     const shm::LossScalerState e = scaling_->after[t % ring];
     if (e.step != t || !(e.scale > 0.0) || e.skipped < 0 || e.skipped > t + 1)
       return Status::InvalidArgument("the loss scaler's state after step " + std::to_string(t + 1) +
                                      " is missing from the checkpoint (its entry is for step " +
-                                     std::to_string(e.step + 1) + ", scale " + std::to_string(e.scale) + ")");
+                                     std::to_string(e.step + 1) + ", scale " +
+                                     std::to_string(e.scale) + ")");
     return e;
   };
   RP_ASSIGN_OR_RETURN(scaler_, after(steps_done - 1));
@@ -172,8 +179,9 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
   if (step != cur_.step) {
     RP_CHECK(step == cur_.step + 1 && published_through_.load() == cur_.step)
         << "optimizer step " << step << " began before step " << cur_.step << " was published";
-    RP_CHECK(cur_.chunks_norm_left.load() == 0) << "optimizer step " << step << " began before step " << cur_.step
-                                            << "'s norm was complete";
+    RP_CHECK(cur_.chunks_norm_left.load() == 0)
+        << "optimizer step " << step << " began before step " << cur_.step
+        << "'s norm was complete";
     cur_.step = step;
     for (size_t p = 0; p < spec_.params.size(); ++p) {
       cur_.slots_left[p] = static_cast<int>(geo_.param_slots[p].size());
@@ -210,14 +218,16 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     if (workers_norm_) TakeNorm(step, given);
   }
   const int p = spec_.grad_slots[slot].param;
-  RP_CHECK(cur_.slots_left[p] > 0) << "gradient slot " << slot << " finalized twice in step " << step;
+  RP_CHECK(cur_.slots_left[p] > 0)
+      << "gradient slot " << slot << " finalized twice in step " << step;
   const bool update_now = !norm_first_;
   if (--cur_.slots_left[p] > 0) {
     // The head's slot of a row-summed parameter is final and the lookup's is not: square the
     // head's rows now, while the backward runs.
     if (geo_.lookup_slot[p] >= 0 && slot != geo_.lookup_slot[p]) {
       cur_.early[p] = 1;
-      for (size_t c : geo_.param_chunks[p]) Submit([this, step, c, update_now] { RowSquares(step, c, update_now); });
+      for (size_t c : geo_.param_chunks[p])
+        Submit([this, step, c, update_now] { RowSquares(step, c, update_now); });
     }
     return;
   }
@@ -226,7 +236,8 @@ void AsyncOptimizer::SlotFinal(int64_t step, int slot) {
     // layers hold step + 1's weights or later, which follow p's update for this step, queued
     // below.
     const double* sq = layout_.GradSquares(state_, step) + layout_.square_chunk_base[p];
-    const int64_t chunks = (spec_.params[p].numel + shm::kSquareChunkElems - 1) / shm::kSquareChunkElems;
+    const int64_t chunks =
+        (spec_.params[p].numel + shm::kSquareChunkElems - 1) / shm::kSquareChunkElems;
     double total = 0.0;
     for (int64_t i = 0; i < chunks; ++i) total += sq[i];
     cur_.param_squares[p] = total;
@@ -243,7 +254,8 @@ void AsyncOptimizer::RowSquares(int64_t step, size_t chunk, bool then_update) {
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(geo_.param_slots[c.param][0]));
   double* sq = row_sq_.data() + geo_.row_sq_base[c.param];
   for (int64_t r = c.begin / cols; r < c.end / cols; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
-  if (cur_.chunk_gate[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) NormChunk(step, chunk, then_update);
+  if (cur_.chunk_gate[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    NormChunk(step, chunk, then_update);
 }
 
 double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
@@ -251,29 +263,35 @@ double AsyncOptimizer::RowSummedChunk(int64_t step, const Chunk& c) {
   const int64_t cols = geo_.row_elems[c.param];
   const int64_t r0 = c.begin / cols, r1 = c.end / cols;
   float* g = reinterpret_cast<float*>(state_ + grads_->Offset(slots[0]));
-  auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])); };
+  auto other = [&](size_t s) {
+    return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s]));
+  };
   double* sq = row_sq_.data() + geo_.row_sq_base[c.param];
   // A compact lookup slot (core::CompactLookupRows) holds the touched rows only, packed in order.
-  const bool compact = geo_.lookup_slot[c.param] >= 0 && geo_.lookup_slot[c.param] == layout_.compact_lookup_slot;
+  const bool compact =
+      geo_.lookup_slot[c.param] >= 0 && geo_.lookup_slot[c.param] == layout_.compact_lookup_slot;
   std::shared_ptr<const std::vector<int64_t>> touched;
   if (cur_.early[c.param] || compact) {
     std::lock_guard<std::mutex> l(reported_.mu);
     auto it = reported_.touched.find(step);
     if (it != reported_.touched.end()) touched = it->second;
   }
-  RP_CHECK(touched || !compact) << "step " << step << ": the compact lookup slot came without its rows (SetTouchedRows)";
+  RP_CHECK(touched || !compact)
+      << "step " << step << ": the compact lookup slot came without its rows (SetTouchedRows)";
   if (touched) {
     // The other rows of the lookup's slot are zero (or absent): their fold adds +0.0, done
     // early (FoldZeroRow) with their squares.
     if (!cur_.early[c.param])
       for (int64_t r = r0; r < r1; ++r) sq[r] = FoldZeroRow(g + r * cols, cols);
     const float* o = other(1);
-    for (auto it = std::lower_bound(touched->begin(), touched->end(), r0); it != touched->end() && *it < r1; ++it) {
+    for (auto it = std::lower_bound(touched->begin(), touched->end(), r0);
+         it != touched->end() && *it < r1; ++it) {
       const int64_t from = compact ? (it - touched->begin()) : *it;
       sq[*it] = AddAndSquaredSum(g + *it * cols, o + from * cols, cols);
     }
   } else {
-    for (int64_t r = r0; r < r1; ++r) sq[r] = AddAndSquaredSum(g + r * cols, other(1) + r * cols, cols);
+    for (int64_t r = r0; r < r1; ++r)
+      sq[r] = AddAndSquaredSum(g + r * cols, other(1) + r * cols, cols);
   }
   double total = 0.0;
   for (int64_t r = r0; r < r1; ++r) total += sq[r];  // RowwiseSquaredSum's order
@@ -300,12 +318,15 @@ void AsyncOptimizer::NormChunk(int64_t step, size_t chunk, bool then_update) {
     // Several uses: fold the others into the first slot, in slot order; the last fold and the
     // squared sum share one pass.
     const int64_t n = c.end - c.begin;
-    auto other = [&](size_t s) { return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin; };
+    auto other = [&](size_t s) {
+      return reinterpret_cast<const float*>(state_ + grads_->Offset(slots[s])) + c.begin;
+    };
     for (size_t s = 1; s + 1 < slots.size(); ++s) {
       const float* o = other(s);
       for (int64_t i = 0; i < n; ++i) g[i] += o[i];
     }
-    cur_.partial[chunk] = slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
+    cur_.partial[chunk] =
+        slots.size() > 1 ? AddAndSquaredSum(g, other(slots.size() - 1), n) : SquaredSum(g, n);
     if (Speculates(c.param)) {
       // Before the count below: OnNormsDone, on whichever thread counts last, reads the flag.
       WaitIfHeld(step, c.param);
@@ -347,7 +368,8 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
   for (char s : cur_.speculated) any = any || s;
   const StepUpdate& u = cur_.update[step & 1];
   const StepUpdate unclipped = Unclipped(step);
-  const bool confirmed = any && !u.skip && u.grad_scale == unclipped.grad_scale && u.adam_step == unclipped.adam_step;
+  const bool confirmed =
+      any && !u.skip && u.grad_scale == unclipped.grad_scale && u.adam_step == unclipped.adam_step;
   if (any) (confirmed ? spec_confirmed_ : spec_redone_).fetch_add(1);
   if (!confirmed) std::fill(cur_.speculated.begin(), cur_.speculated.end(), 0);
   // Published before anything is queued: the next step's forward may start on those layers now.
@@ -357,7 +379,8 @@ void AsyncOptimizer::OnNormsDone(int64_t step) {
     const int param = geo_.chunks[c].param;
     int64_t unset = 0;
     layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, now_us);
-    if (cur_.param_chunks_left[param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamPublished(step, param);
+    if (cur_.param_chunks_left[param].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      OnParamPublished(step, param);
   }
   // Ascending parameter order = ascending layers: the next step's first stages get theirs first.
   const UpdateWrites writes = two_passes_ ? UpdateWrites::kFetched : UpdateWrites::kAll;
@@ -373,8 +396,9 @@ bool AsyncOptimizer::Speculates(int param) const {
   // Not the row-summed (tied) parameters, whose squares and first pass come in row order (rows
   // first), nor the layers below spec_from_layer_, whose gradients land last: speculating on them
   // would hold up the norm by as much as it saves.
-  return speculate_ && !last_clipped_.load(std::memory_order_relaxed) && geo_.row_elems[param] == 0 &&
-         param != geo_.lookup_param && spec_.params[param].owner_layer >= spec_from_layer_.load();
+  return speculate_ && !last_clipped_.load(std::memory_order_relaxed) &&
+         geo_.row_elems[param] == 0 && param != geo_.lookup_param &&
+         spec_.params[param].owner_layer >= spec_from_layer_.load();
 }
 
 AsyncOptimizer::StepUpdate AsyncOptimizer::Unclipped(int64_t step) const {
@@ -398,7 +422,8 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
     scaling.scale_after = scaler_.scale;
     scaling_->after[step % ring] = scaler_;
     // Before any version this update publishes: the first step that fetches one reads it.
-    scaling_->step_scale[(step + 1 + LossScaleLag(cfg_)) % ring].store(scaler_.scale, std::memory_order_release);
+    scaling_->step_scale[(step + 1 + LossScaleLag(cfg_)) % ring].store(scaler_.scale,
+                                                                       std::memory_order_release);
     norm /= scaling.scale;
   }
   {
@@ -413,7 +438,8 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
   StepUpdate& u = cur_.update[step & 1];
   u.skip = scaling.skipped;
   u.adam_step = step + 1 - (scaling_ ? scaler_.skipped : 0);
-  const double clip_scale = cfg_.train.grad_clip > 0.0 && !u.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
+  const double clip_scale =
+      cfg_.train.grad_clip > 0.0 && !u.skip ? ClipScale(norm, cfg_.train.grad_clip) : 1.0;
   u.grad_scale = static_cast<float>(clip_scale / scaling.scale);
   // The next step speculates only after an unclipped one: a run that clips keeps clipping for a
   // while, and each refuted guess costs a first pass.
@@ -475,17 +501,20 @@ bool AsyncOptimizer::SubmitRowsFirst(int64_t step, UpdateWrites writes) {
   for (auto& t : first)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, true, writes); });
   for (size_t c = 0; c < geo_.chunks.size(); ++c)
-    if (geo_.chunks[c].param != geo_.lookup_param && !cur_.speculated[c] && !geo_.device_param[geo_.chunks[c].param])
+    if (geo_.chunks[c].param != geo_.lookup_param && !cur_.speculated[c] &&
+        !geo_.device_param[geo_.chunks[c].param])
       Submit([this, step, c, writes] { UpdateChunk(step, c, writes); });
   for (auto& t : rest)
     Submit([this, step, t = std::move(t), writes] { UpdateLookupRanges(step, t, false, writes); });
   return true;
 }
 
-void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows, UpdateWrites writes) {
+void AsyncOptimizer::UpdateLookupRanges(int64_t step, const Ranges& ranges, bool next_rows,
+                                        UpdateWrites writes) {
   WaitIfHeld(step, geo_.lookup_param);
   for (const auto& [begin, end] : ranges) UpdateElems(step, geo_.lookup_param, begin, end, writes);
-  if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) StoreLookupVersion(step);
+  if (next_rows && lookup_rows_left_.fetch_sub(1, std::memory_order_acq_rel) == 1)
+    StoreLookupVersion(step);
   if (cur_.param_chunks_left[geo_.lookup_param].fetch_sub(1, std::memory_order_acq_rel) == 1)
     OnParamPublished(step, geo_.lookup_param);
 }
@@ -532,7 +561,8 @@ void AsyncOptimizer::ReleaseUpdates() {
 
 bool AsyncOptimizer::Held(int64_t step, int param) const {
   if (step < hold_.from.load(std::memory_order_acquire)) return false;
-  return hold_.every_param.load(std::memory_order_acquire) || hold_.held[param].load(std::memory_order_acquire) != 0;
+  return hold_.every_param.load(std::memory_order_acquire) ||
+         hold_.held[param].load(std::memory_order_acquire) != 0;
 }
 
 void AsyncOptimizer::WaitIfHeld(int64_t step, int param) {
@@ -551,15 +581,16 @@ std::vector<int> AsyncOptimizer::UpdateOrder() const {
   return order;
 }
 
-void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes) {
+void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end,
+                                 UpdateWrites writes) {
   int64_t unset = 0;
   if (writes != UpdateWrites::kRest)
     layer_start_us_[spec_.params[param].owner_layer].compare_exchange_strong(unset, WallMicros());
   UpdateElems(step, param, begin, end, writes, cur_.update[step & 1]);
 }
 
-void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes,
-                                 const StepUpdate& u) {
+void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t end,
+                                 UpdateWrites writes, const StepUpdate& u) {
   // Sharded state: only this node's share; the other nodes update theirs with the same
   // gradient (summed across the nodes), and the workers gather the shares.
   begin = std::max(begin, layout_.share[param].begin);
@@ -572,9 +603,10 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   // Masters the workers fetch are whole parameters in the state segment; the optimizer
   // segment's arrays hold the share.
   const int from = static_cast<int>(step % layout_.compute_buffers);
-  float* master = layout_.masters_in_state
-                      ? reinterpret_cast<float*>(state_ + layout_.ComputeCopy(param, from)) + begin
-                      : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.master, param, begin));
+  float* master =
+      layout_.masters_in_state
+          ? reinterpret_cast<float*>(state_ + layout_.ComputeCopy(param, from)) + begin
+          : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.master, param, begin));
   // Workers that fetch the masters need no compute copy: passing the master as its own fp32
   // copy makes the update skip the write. With two buffers the next master goes to the other
   // one as an fp32 copy; the second pass then writes only the moments (the master passed as its
@@ -590,19 +622,23 @@ void AsyncOptimizer::UpdateElems(int64_t step, int param, int64_t begin, int64_t
   if (u.skip) {
     // A skipped step changes nothing, and the version it publishes holds the same weights: a
     // separate compute copy (the other buffer in stale1) gets the masters again.
-    if (writes != UpdateWrites::kRest && compute != master) ToComputeCopy(master, compute, end - begin, compute_dtype);
+    if (writes != UpdateWrites::kRest && compute != master)
+      ToComputeCopy(master, compute, end - begin, compute_dtype);
     return;
   }
   // A sharded slot starts at the share's first element.
-  const float* grad = reinterpret_cast<const float*>(state_ + grads_->Offset(geo_.param_slots[param][0])) + begin -
-                      (shard_grads_ ? layout_.share[param].begin : 0);
+  const float* grad =
+      reinterpret_cast<const float*>(state_ + grads_->Offset(geo_.param_slots[param][0])) + begin -
+      (shard_grads_ ? layout_.share[param].begin : 0);
   float* m = reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_m, param, begin));
-  float* v = layout_.adam_v.empty() ? nullptr
-                                    : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));
+  float* v =
+      layout_.adam_v.empty()
+          ? nullptr
+          : reinterpret_cast<float*>(optim_ + layout_.ShareElem(layout_.adam_v, param, begin));
   // Without a norm first (no clipping, no loss scaling) nothing is skipped: the step's own count.
   const int64_t adam_step = norm_first_ || workers_norm_ ? u.adam_step : step + 1;
-  UpdateRange(cfg_.optimizer, LearningRate(step), adam_step, ps.weight_decay, scale, grad, master, m, v, end - begin,
-              compute, compute_dtype, writes);
+  UpdateRange(cfg_.optimizer, LearningRate(step), adam_step, ps.weight_decay, scale, grad, master,
+              m, v, end - begin, compute, compute_dtype, writes);
 }
 
 void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes) {
@@ -610,7 +646,8 @@ void AsyncOptimizer::UpdateChunk(int64_t step, size_t chunk, UpdateWrites writes
   WaitIfHeld(step, c.param);
   UpdateElems(step, c.param, c.begin, c.end, writes);
   if (writes == UpdateWrites::kRest) {
-    if (cur_.param_rest_chunks_left[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) OnParamUpdated(step, c.param);
+    if (cur_.param_rest_chunks_left[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      OnParamUpdated(step, c.param);
   } else if (cur_.param_chunks_left[c.param].fetch_sub(1, std::memory_order_acq_rel) == 1) {
     OnParamPublished(step, c.param);
   }
@@ -657,7 +694,8 @@ void AsyncOptimizer::OnParamUpdated(int64_t step, int param) {
 }
 
 void AsyncOptimizer::CountUpdated(int64_t step) {
-  if (cur_.params_rest_left[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1) StoreMax(updated_through_, step);
+  if (cur_.params_rest_left[step & 1].fetch_sub(1, std::memory_order_acq_rel) == 1)
+    StoreMax(updated_through_, step);
 }
 
 void AsyncOptimizer::StoreMax(std::atomic<int64_t>& through, int64_t step) {
@@ -701,6 +739,5 @@ bool AsyncOptimizer::Updated(int64_t step) const {
 }
 
 bool AsyncOptimizer::Published(int64_t step) const { return published_through_.load() >= step; }
-
 
 }  // namespace rp::coord

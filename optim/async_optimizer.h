@@ -45,7 +45,8 @@
 //    until Updated. Step t's second passes may still run then. A parameter's first pass of step
 //    t + 1 needs its slots final for t + 1, so placed again, so released by its second pass of
 //    step t (with clipping every parameter's, since the norm needs every slot).
-//  * fp16 (core::ScalesLoss): updates wait for the norm as with clipping (core::UpdatesWaitForNorm).
+//  * fp16 (core::ScalesLoss): updates wait for the norm as with clipping
+//  (core::UpdatesWaitForNorm).
 //    The norm of the scaled gradients, divided by the step's scale, is the step's norm. A norm that
 //    is not finite skips the step: no master or moment changes, and the version it publishes holds
 //    the same weights (the compute copy is rewritten from the masters). Either way the scaler's
@@ -67,9 +68,10 @@
 //    in one pass (masters, moments and what workers fetch together), queued behind every other
 //    parameter's first pass (on the rest threads, ahead of the second passes; with gradients
 //    waiting in the workers their commits come last instead, and each runs as it lands): the
-//    worker holding their gradients computes the same weights on its device (TakeStepConstants gives it each
-//    step's constants), and the next step's forward uses those, so the host's copy is wanted only
-//    by the next backward. Their layer versions are published after that one pass; a version
+//    worker holding their gradients computes the same weights on its device (TakeStepConstants
+//    gives it each step's constants), and the next step's forward uses those, so the host's copy is
+//    wanted only by the next backward. Their layer versions are published after that one pass; a
+//    version
 //    >= t + 1 then means masters and moments hold step t too (what the worker reads for t + 1).
 //  * Gradients waiting in the workers (core::GradientsWaitInWorkers): the norm comes from
 //    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
@@ -264,25 +266,25 @@ class AsyncOptimizer {
     // (ArenaLayout::lookup_from_host), else -1; its row length.
     int lookup_param = -1;
     int64_t lookup_cols = 0;
-    std::vector<int> rest_order;  // second passes: last using layer, descending
+    std::vector<int> rest_order;     // second passes: last using layer, descending
     std::vector<char> device_param;  // per parameter: owned by a block the worker updates too
     int two_pass_params = 0;         // parameters outside device_param
   };
   Geometry geo_;
-  const bool two_passes_;                      // exact mode, arena holds every slot
-  const bool workers_norm_;                    // core::GradientsWaitInWorkers
-  const bool shard_grads_;                     // core::ShardedGradients: slots hold the share
-  const bool norm_first_;                      // updates wait for a norm taken here
-  const bool speculate_;                       // core::SpeculatesUnclippedUpdate
-  std::atomic<bool> last_clipped_{false};      // the last step whose norm is known was clipped
+  const bool two_passes_;                  // exact mode, arena holds every slot
+  const bool workers_norm_;                // core::GradientsWaitInWorkers
+  const bool shard_grads_;                 // core::ShardedGradients: slots hold the share
+  const bool norm_first_;                  // updates wait for a norm taken here
+  const bool speculate_;                   // core::SpeculatesUnclippedUpdate
+  std::atomic<bool> last_clipped_{false};  // the last step whose norm is known was clipped
   std::atomic<int> spec_from_layer_{0};
   std::atomic<int64_t> spec_confirmed_{0}, spec_redone_{0};
   // fp16: the state segment's record (null without loss scaling), and the scaler's state after
   // the last step whose norm is known (written by TakeNorm only, which steps reach in order).
   shm::LossScaleRecord* scaling_ = nullptr;
   shm::LossScalerState scaler_{};
-  std::vector<double> row_sq_;                 // per row of the row-summed parameters
-  std::atomic<int64_t> lookup_rows_left_{0};   // rows-first tasks of the next step's rows left
+  std::vector<double> row_sq_;                // per row of the row-summed parameters
+  std::atomic<int64_t> lookup_rows_left_{0};  // rows-first tasks of the next step's rows left
 
   struct StepUpdate {
     float grad_scale = 1.0f;  // what the update multiplies gradients by: clip scale / loss scale
@@ -290,7 +292,8 @@ class AsyncOptimizer {
     int64_t adam_step = 0;    // 1-based count of updates applied, this one included
   };
   // The same with explicit constants (a speculative first pass: Unclipped).
-  void UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes, const StepUpdate& u);
+  void UpdateElems(int64_t step, int param, int64_t begin, int64_t end, UpdateWrites writes,
+                   const StepUpdate& u);
   // Whether `param`'s chunks get a speculative first pass as their norms are taken (NormChunk).
   bool Speculates(int param) const;
   // What TakeNorm sets for `step` when its norm does not clip it.
@@ -298,8 +301,8 @@ class AsyncOptimizer {
   // The current step's counters (and the previous step's second passes, by parity).
   struct StepCounters {
     int64_t step = -1;
-    std::vector<int> slots_left;   // per parameter
-    std::vector<double> partial;   // per chunk
+    std::vector<int> slots_left;  // per parameter
+    std::vector<double> partial;  // per chunk
     // Per chunk: its first pass ran speculatively, unclipped (read by OnNormsDone, written
     // before the chunk's norm is counted).
     std::vector<char> speculated;
@@ -312,7 +315,7 @@ class AsyncOptimizer {
     std::atomic<int64_t> chunks_norm_left{0};
     std::vector<std::atomic<int64_t>> param_chunks_left;
     std::vector<std::atomic<int>> layer_params_left;
-    std::atomic<int> params_left{0};  // first passes left (the only pass in stale1)
+    std::atomic<int> params_left{0};   // first passes left (the only pass in stale1)
     std::atomic<int> fetched_left{0};  // first passes of the two-pass parameters left
     std::vector<std::atomic<int64_t>> param_rest_chunks_left;
     // Second passes left, by step parity: step t's may still run once step t + 1 has begun.
@@ -341,8 +344,8 @@ class AsyncOptimizer {
   // The checkpoint copy's hold (HoldUpdatesFrom): updates of steps >= `from` wait.
   struct Hold {
     std::atomic<int64_t> from{std::numeric_limits<int64_t>::max()};
-    std::atomic<bool> every_param{true};         // false after HoldOnly: `held` says which
-    std::vector<std::atomic<uint8_t>> held;      // per parameter
+    std::atomic<bool> every_param{true};     // false after HoldOnly: `held` says which
+    std::vector<std::atomic<uint8_t>> held;  // per parameter
     std::mutex mu;
     std::condition_variable cv;
   };

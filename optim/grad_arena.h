@@ -11,9 +11,10 @@
 //    the largest slot) lands at the arena's start and later holes coalesce behind it.
 //  * When the arena can hold every slot at once (!layout.grads_streamed: exact clipping or K > 1
 //    size it so), each slot has a fixed range instead (the slots' sizes summed in slot order)
-//    and Place only fails for a slot already placed (checked). Why: exact mode places the next step's slots while the
-//    previous step's second optimizer passes still release theirs, in an order that first fit
-//    could fragment into holes too small for a large slot, with nothing left to release.
+//    and Place only fails for a slot already placed (checked). Why: exact mode places the next
+//    step's slots while the previous step's second optimizer passes still release theirs, in an
+//    order that first fit could fragment into holes too small for a large slot, with nothing left
+//    to release.
 //  * Release(slot) returns a placed slot's range; releasing an unplaced slot is a bug (checked).
 //  * Thread-safe: the coordinator's event loop places, optimizer threads release.
 #pragma once
@@ -48,10 +49,10 @@ class GradArena {
   const shm::ArenaLayout& layout_;
   std::atomic<uint64_t>* table_;
   mutable std::mutex mu_;
-  std::map<uint64_t, uint64_t> free_;   // GUARDED_BY(mu_): offset -> bytes, coalesced
-  std::vector<uint64_t> placed_;        // GUARDED_BY(mu_): per slot, 0 = not placed
-  std::vector<uint64_t> fixed_;         // per slot when every slot fits at once; else empty
-  uint64_t used_ = 0, peak_ = 0;        // GUARDED_BY(mu_)
+  std::map<uint64_t, uint64_t> free_;  // GUARDED_BY(mu_): offset -> bytes, coalesced
+  std::vector<uint64_t> placed_;       // GUARDED_BY(mu_): per slot, 0 = not placed
+  std::vector<uint64_t> fixed_;        // per slot when every slot fits at once; else empty
+  uint64_t used_ = 0, peak_ = 0;       // GUARDED_BY(mu_)
 };
 
 }  // namespace rp::coord

@@ -43,6 +43,8 @@ inline shm::LossScalerState NextLossScaler(const shm::LossScalerState& s, bool f
 // How many steps after a step's own the scale it produced is first used: the workers of step s
 // compute with the weights of version s (exact) or s - 1 (stale1), published once the norm of the
 // step before that version is known, so step s's scale is the state after step s - 1 - lag.
-inline int LossScaleLag(const core::JobConfig& c) { return c.optimizer.mode == core::OptimizerMode::kStale1 ? 1 : 0; }
+inline int LossScaleLag(const core::JobConfig& c) {
+  return c.optimizer.mode == core::OptimizerMode::kStale1 ? 1 : 0;
+}
 
 }  // namespace rp::coord

@@ -20,8 +20,8 @@ double Combine(const double* lane) {
 
 // Written as whole groups of kLanes plus a tail so the compiler vectorizes the lanes (each lane
 // keeps its own order: no reassociation), in each instruction set the CPU may have.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-double SquaredSum(const float* g, int64_t n) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) double SquaredSum(const float* g,
+                                                                               int64_t n) {
   double lane[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
@@ -30,8 +30,8 @@ double SquaredSum(const float* g, int64_t n) {
   return Combine(lane);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-double AddAndSquaredSum(float* g, const float* other, int64_t n) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) double AddAndSquaredSum(
+    float* g, const float* other, int64_t n) {
   double lane[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
@@ -65,13 +65,14 @@ void UpdateRange(const core::OptimizerConfig& opt, double lr, int64_t step_one_b
   if (dtype == ComputeDtype::kFloat16) {
     // The master as its own copy (its first pass writes it, the second the moments), then rounded
     // into the half copy by whichever pass writes what workers fetch.
-    UpdateRange(opt, lr, step_one_based, decay, grad_scale, grad, master, m, v, n, master, ComputeDtype::kFloat32,
-                writes);
+    UpdateRange(opt, lr, step_one_based, decay, grad_scale, grad, master, m, v, n, master,
+                ComputeDtype::kFloat32, writes);
     if (writes != UpdateWrites::kRest) FloatsToHalves(master, static_cast<uint16_t*>(compute), n);
     return;
   }
   if (opt.name == core::OptimizerName::kSgd) {
-    SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype, writes);
+    SgdUpdate(SgdHyper{lr, opt.momentum, wd}, grad_scale, grad, master, m, n, compute, dtype,
+              writes);
     return;
   }
   AdamWUpdate(AdamWHyper{lr, opt.beta1, opt.beta2, opt.eps, wd, step_one_based}, grad_scale, grad,
@@ -82,18 +83,23 @@ OptimizerStepResult OptimizerStep(const std::vector<ParamArrays>& params,
                                   const core::OptimizerConfig& opt, double lr,
                                   int64_t step_one_based, double grad_clip, ComputeDtype dtype,
                                   int threads) {
-  struct Task { size_t param; int64_t begin, end; };
+  struct Task {
+    size_t param;
+    int64_t begin, end;
+  };
   std::vector<Task> tasks;
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t chunk = ChunkElems(params[i].row_elems);
-    for (int64_t b = 0; b < params[i].numel; b += chunk) tasks.push_back({i, b, std::min(params[i].numel, b + chunk)});
+    for (int64_t b = 0; b < params[i].numel; b += chunk)
+      tasks.push_back({i, b, std::min(params[i].numel, b + chunk)});
   }
   std::vector<double> partial(tasks.size(), 0.0);
   ParallelFor(static_cast<int64_t>(tasks.size()), threads, [&](int64_t t) {
     const ParamArrays& p = params[tasks[t].param];
     const float* g = p.grad + tasks[t].begin;
     const int64_t n = tasks[t].end - tasks[t].begin;
-    partial[t] = p.row_elems > 0 ? RowwiseSquaredSum(g, n / p.row_elems, p.row_elems) : SquaredSum(g, n);
+    partial[t] =
+        p.row_elems > 0 ? RowwiseSquaredSum(g, n / p.row_elems, p.row_elems) : SquaredSum(g, n);
   });
   double total = 0.0;
   for (double s : partial) total += s;

@@ -21,7 +21,8 @@ namespace rp::coord {
 inline ComputeDtype ComputeDtypeOf(core::TrainDtype d) {
   switch (d) {
     case core::TrainDtype::kBf16:
-    case core::TrainDtype::kFp8: return ComputeDtype::kBFloat16;  // fp8 rounds inside the products only
+    case core::TrainDtype::kFp8:
+      return ComputeDtype::kBFloat16;  // fp8 rounds inside the products only
     case core::TrainDtype::kFp16: return ComputeDtype::kFloat16;
     case core::TrainDtype::kFp32: break;
   }
@@ -46,11 +47,13 @@ struct ParamArrays {
 // per-(parameter, chunk) partial sums taken in (parameter, chunk) order, so the synchronous step
 // below and the coordinator's asynchronous per-layer optimizer get bit-identical norms.
 inline constexpr int64_t kOptimizerChunk = 1 << 20;
-static_assert(kOptimizerChunk == shm::kSquareChunkElems, "workers' gradient squares use the optimizer's chunks");
+static_assert(kOptimizerChunk == shm::kSquareChunkElems,
+              "workers' gradient squares use the optimizer's chunks");
 // Elements per chunk of a parameter: kOptimizerChunk, or for a row-summed parameter the most
 // whole rows of `row_elems` that fit (at least one).
 inline int64_t ChunkElems(int64_t row_elems) {
-  return row_elems > 0 ? std::max<int64_t>(1, kOptimizerChunk / row_elems) * row_elems : kOptimizerChunk;
+  return row_elems > 0 ? std::max<int64_t>(1, kOptimizerChunk / row_elems) * row_elems
+                       : kOptimizerChunk;
 }
 // Squared sum of n floats in double: eight interleaved partial sums combined in a fixed order
 // (optimizer_step.cc says why), so the same input gives the same bits everywhere.

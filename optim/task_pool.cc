@@ -44,9 +44,11 @@ void TaskPool::Loop(int index) {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> l(mu_);
-      work_cv_.wait(l, [&] { return stopping_ || !queue_.empty() || (takes_rest && !rest_queue_.empty()); });
+      work_cv_.wait(
+          l, [&] { return stopping_ || !queue_.empty() || (takes_rest && !rest_queue_.empty()); });
       auto& from = !queue_.empty() ? queue_ : rest_queue_;
-      if (from.empty() || (&from == &rest_queue_ && !takes_rest)) return;  // stopping, nothing left for it
+      if (from.empty() || (&from == &rest_queue_ && !takes_rest))
+        return;  // stopping, nothing left for it
       task = std::move(from.front());
       from.pop_front();
     }

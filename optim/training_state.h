@@ -65,7 +65,8 @@ struct StateSection {
   std::vector<std::pair<uint64_t, uint64_t>> pieces;
 };
 // Calls fn(source, bytes, offset in the section) for each contiguous piece of `s`, in order.
-void ForEachPiece(const StateSection& s, const std::function<void(const uint8_t*, uint64_t, uint64_t)>& fn);
+void ForEachPiece(const StateSection& s,
+                  const std::function<void(const uint8_t*, uint64_t, uint64_t)>& fn);
 
 // Which file of a checkpoint a writer writes: node `rank` of `count` (count 1: the whole file).
 struct ShardId {
@@ -94,15 +95,17 @@ struct ExpectedSection {
 // The sections of file `shard` of a checkpoint written on shard.count nodes, as this job's layout
 // reads them, and (with `optim` and `state` non-null) the copies that put every share of the
 // compute copies and this node's share of the masters and moments (layout.share) in place.
-std::vector<ExpectedSection> ShareSections(const core::JobConfig& config, const core::ModelSpec& spec,
-                                           const shm::ArenaLayout& layout, ShardId shard, uint8_t* optim,
-                                           uint8_t* state);
+std::vector<ExpectedSection> ShareSections(const core::JobConfig& config,
+                                           const core::ModelSpec& spec,
+                                           const shm::ArenaLayout& layout, ShardId shard,
+                                           uint8_t* optim, uint8_t* state);
 
 // The sections a checkpoint of this layout holds: "optim" (the optimizer segment) and "compute"
 // (every compute-copy buffer of the state segment), or with sharded state "compute_shares" (this
 // node's shares of them, as pieces). `optim` and `state` are the mapped segments,
 // or null where only the sizes are wanted (checking a header).
-std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim, uint8_t* state);
+std::vector<StateSection> CheckpointSections(const shm::ArenaLayout& layout, uint8_t* optim,
+                                             uint8_t* state);
 
 // What must match for a checkpoint to be loadable into this job's segments.
 uint64_t TrainingStateHash(const core::JobConfig& config, const core::ModelSpec& spec,
@@ -121,7 +124,8 @@ struct WriteStats {
 Status WriteTrainingState(const std::string& dir, int64_t steps_done, uint64_t state_hash,
                           bool masters_in_state, const core::RunRecord& run,
                           const std::vector<StateSection>& sections, int keep,
-                          int checksum_threads = 0, WriteStats* stats = nullptr, ShardId shard = {});
+                          int checksum_threads = 0, WriteStats* stats = nullptr,
+                          ShardId shard = {});
 // One contiguous run of a checkpoint's bytes and where they come from: bytes [offset, offset +
 // bytes) of section `section`, read from `src`. Extents of one `group` (>= 0) share a source that
 // may change once all of them are written; -1: no such group.
@@ -143,8 +147,9 @@ struct SectionShape {
 // section (or per piece).
 Status WriteTrainingStateExtents(const std::string& dir, int64_t steps_done, uint64_t state_hash,
                                  bool masters_in_state, const core::RunRecord& run,
-                                 const std::vector<SectionShape>& shapes, const std::vector<SourcedExtent>& extents,
-                                 int keep, int checksum_threads = 0, WriteStats* stats = nullptr,
+                                 const std::vector<SectionShape>& shapes,
+                                 const std::vector<SourcedExtent>& extents, int keep,
+                                 int checksum_threads = 0, WriteStats* stats = nullptr,
                                  ShardId shard = {}, const std::function<void(int)>& written = {});
 // Removes shard `shard`'s files of steps after `steps_done` from `dir`: what a resumed run's node
 // does first, so a file of the run it continues (a step that never completed) cannot later make
@@ -164,7 +169,8 @@ Status ReadTrainingState(const StateFile& file, uint64_t state_hash, bool master
 // chunk at a time, so no file is held in memory whole. With null `optim` and `state`, only the
 // checks that need no reading (where the masters live, the hash, the sections' names and sizes,
 // the files' lengths): what rp-launch checks before --resume starts anything.
-Status ReadTrainingStateShares(const StateFile& file, const core::JobConfig& config, const core::ModelSpec& spec,
-                               const shm::ArenaLayout& layout, uint64_t state_hash, uint8_t* optim, uint8_t* state);
+Status ReadTrainingStateShares(const StateFile& file, const core::JobConfig& config,
+                               const core::ModelSpec& spec, const shm::ArenaLayout& layout,
+                               uint64_t state_hash, uint8_t* optim, uint8_t* state);
 
 }  // namespace rp::coord

@@ -8,14 +8,15 @@
 namespace rp::core {
 
 namespace {
-std::vector<uint64_t> ByOwner(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan, const Stage& st,
-                              const std::vector<int>& uses) {
+std::vector<uint64_t> ByOwner(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
+                              const Stage& st, const std::vector<int>& uses) {
   std::vector<uint64_t> bytes(static_cast<size_t>(plan.num_layers), 0);
   if (st.kind == StageKind::kForward) return bytes;
   for (int l = st.begin; l < st.end; ++l)
     for (const auto& use : spec.layer_uses[l])
       if (uses[use.param] == 1)  // shared ones: GradArenaSizing::shared
-        bytes[static_cast<size_t>(spec.params[use.param].owner_layer)] += GradSlotBytes(c, spec, use.grad_slot);
+        bytes[static_cast<size_t>(spec.params[use.param].owner_layer)] +=
+            GradSlotBytes(c, spec, use.grad_slot);
   return bytes;
 }
 }  // namespace
@@ -28,7 +29,8 @@ uint64_t GradSlotBytes(const JobConfig& c, const ModelSpec& spec, int slot) {
   return (static_cast<uint64_t>(numel) * 4 + 255) / 256 * 256;
 }
 
-StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
+StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& c, const ModelSpec& spec,
+                                        const PipelinePlan& plan,
                                         std::vector<std::vector<uint64_t>>* stage_bytes_by_owner) {
   GradArenaSizing s;
   // How many grad slots each parameter has (more than one: a tied parameter).
@@ -55,17 +57,21 @@ StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& c, const ModelSpec& spe
   if (requested == 0) {
     s.chosen = s.must_hold_all ? s.all_slots : std::min(s.all_slots, 2 * largest_stage + s.shared);
   } else if (requested < s.minimum) {
-    const std::string why = s.must_hold_all
-        ? std::string(UpdatesWaitForNorm(c)
-                          ? "train.grad_clip > 0 or train.dtype = \"fp16\" (no update may start before the "
-                            "global gradient norm is known)"
-                          : "train.accum_calls > 1 (every slot takes a commit per call)") +
-              ", so every gradient is held at once"
-        : std::string("the largest stage's gradients") +
-              (s.shared > 0 ? " plus the tied parameters' (held until their last use)" : "") + " must fit";
-    return Status::InvalidArgument("optimizer.grad_buffer_mb: " + std::to_string(c.optimizer.grad_buffer_mb) +
-                                   " MiB is below the " + std::to_string((s.minimum + (1 << 20) - 1) >> 20) +
-                                   " MiB this job needs: " + why);
+    const std::string why =
+        s.must_hold_all
+            ? std::string(UpdatesWaitForNorm(c)
+                              ? "train.grad_clip > 0 or train.dtype = \"fp16\" (no update may "
+                                "start before the "
+                                "global gradient norm is known)"
+                              : "train.accum_calls > 1 (every slot takes a commit per call)") +
+                  ", so every gradient is held at once"
+            : std::string("the largest stage's gradients") +
+                  (s.shared > 0 ? " plus the tied parameters' (held until their last use)" : "") +
+                  " must fit";
+    return Status::InvalidArgument(
+        "optimizer.grad_buffer_mb: " + std::to_string(c.optimizer.grad_buffer_mb) +
+        " MiB is below the " + std::to_string((s.minimum + (1 << 20) - 1) >> 20) +
+        " MiB this job needs: " + why);
   } else {
     s.chosen = std::min(requested, s.all_slots);
   }

@@ -32,17 +32,18 @@ inline constexpr uint64_t kGradArenaAlign = 4096;
 uint64_t GradSlotBytes(const JobConfig& config, const ModelSpec& spec, int slot);
 
 struct GradArenaSizing {
-  uint64_t all_slots = 0;   // every slot at once (no streaming)
-  uint64_t minimum = 0;     // smallest arena that always makes progress
-  uint64_t chosen = 0;      // what the layout uses, a multiple of kGradArenaAlign
-  uint64_t shared = 0;      // of those, the tied parameters' slots, held until their last use
+  uint64_t all_slots = 0;  // every slot at once (no streaming)
+  uint64_t minimum = 0;    // smallest arena that always makes progress
+  uint64_t chosen = 0;     // what the layout uses, a multiple of kGradArenaAlign
+  uint64_t shared = 0;     // of those, the tied parameters' slots, held until their last use
   bool must_hold_all = false;
 };
 // Fails for an explicit optimizer.grad_buffer_mb below the minimum, naming why. With
 // `stage_bytes_by_owner`, also what each stage's commit places in the arena (leaving out
 // `shared`), per owner layer (the host releases them with that layer's update): one row of
 // plan.num_layers entries per stage, zeros for a forward stage.
-StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& config, const ModelSpec& spec, const PipelinePlan& plan,
-                                        std::vector<std::vector<uint64_t>>* stage_bytes_by_owner = nullptr);
+StatusOr<GradArenaSizing> SizeGradArena(
+    const JobConfig& config, const ModelSpec& spec, const PipelinePlan& plan,
+    std::vector<std::vector<uint64_t>>* stage_bytes_by_owner = nullptr);
 
 }  // namespace rp::core

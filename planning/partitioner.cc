@@ -75,7 +75,9 @@ std::vector<std::vector<int>> SideCandidates(const std::vector<double>& costs, i
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
-double MaxOf(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
+double MaxOf(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end());
+}
 }  // namespace
 
 std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
@@ -104,7 +106,8 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
   return starts;
 }
 
-MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
+MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers,
+                              const Profile* profile) {
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
   const double elem = static_cast<double>(core::ComputeElemBytes(c));
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
@@ -125,10 +128,13 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // its input and output (2 x k hidden-sized rows), with ten hidden-sized tensors (not refitted).
   // The estimate is one per-block figure: the larger of the dense and the sparse block's, for
   // each part, over the kinds the model has.
-  const double tile = c.train.mlp_tile_tokens > 0 ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens)) : tokens;
+  const double tile = c.train.mlp_tile_tokens > 0
+                          ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens))
+                          : tokens;
   double kept_per_block = 0.0, working = 0.0;
   bool dense = false, sparse = false;
-  for (int64_t b = 0; b < c.model.num_layers; ++b) (SparseBlock(c.model, b) ? sparse : dense) = true;
+  for (int64_t b = 0; b < c.model.num_layers; ++b)
+    (SparseBlock(c.model, b) ? sparse : dense) = true;
   if (dense || !sparse) {
     const double I = static_cast<double>(c.model.intermediate_size);
     const bool tiled = tile < tokens;
@@ -137,7 +143,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   }
   if (sparse) {
     const double k = static_cast<double>(c.model.moe.experts_per_token);
-    const double I = k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0;
+    const double I =
+        k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0;
     kept_per_block = std::max(kept_per_block, tokens * (10.0 * H + 3.0 * I) * elem);
     working = std::max(working, tokens * (6.0 * H + 3.0 * I) * elem);
   }
@@ -164,11 +171,11 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     mask = s * s;
   }
   for (const auto& st : plan.stages) {
-    double params = 0.0;  // weights fetched
+    double params = 0.0;         // weights fetched
     double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
                                  // gradient in the compute dtype unless summed into a sink
-    double mapped = 0.0;  // elements of the mapped embedding, when the stage has it
-    double sums = 0.0;    // the job's fp32 gradient sums
+    double mapped = 0.0;         // elements of the mapped embedding, when the stage has it
+    double sums = 0.0;           // the job's fp32 gradient sums
     // A backward stage's kept layers come with their graphs, weights and sums (counted below as
     // `kept`): it fetches, recomputes and sums only the layers under them.
     const bool adopts = st.kind == StageKind::kBackward;
@@ -191,17 +198,22 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // (no graph): one block's working set. train.layer_recompute: a gradient stage keeps each
     // block's input and one block's graph at a time. A fused tail counts its head's loss chunk
     // (below) beside the working set, though the two are not alive at once: the fit absorbed it.
-    const int kept_here = adopts ? std::max(0, std::min(st.end, plan.tail_start) - std::max(st.begin, plan.kept_start)) : 0;
-    const double blocks =
-        static_cast<double>(std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1) - kept_here));
+    const int kept_here =
+        adopts
+            ? std::max(0, std::min(st.end, plan.tail_start) - std::max(st.begin, plan.kept_start))
+            : 0;
+    const double blocks = static_cast<double>(
+        std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1) - kept_here));
     const double stage_working = blocks > 0 ? working : 0.0;
     const double kept_inputs = blocks * tokens * H * elem;
-    double acts = stage_working + (!grads                       ? 0.0
-                                   : c.train.layer_recompute ? kept_inputs + std::min(blocks, 1.0) * kept_per_block
-                                                             : blocks * kept_per_block);
+    double acts = stage_working + (!grads ? 0.0
+                                   : c.train.layer_recompute
+                                       ? kept_inputs + std::min(blocks, 1.0) * kept_per_block
+                                       : blocks * kept_per_block);
     double stage_scores =
         blocks > 0 && scores > 0.0
-            ? 2.0 * scores + mask + (grads ? (c.train.layer_recompute ? 1.0 : blocks) * (scores + mask) : 0.0)
+            ? 2.0 * scores + mask +
+                  (grads ? (c.train.layer_recompute ? 1.0 : blocks) * (scores + mask) : 0.0)
             : 0.0;
     acts += stage_scores;
     // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
@@ -227,7 +239,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
     // their softmax and gradient (the fused kernel writes the gradient over the logits).
     if (st.end == plan.num_layers)
       acts += (fused_cuda ? elem : elem + 3.0 * 4.0) *
-              std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) * static_cast<double>(c.model.vocab_size);
+              std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
+              static_cast<double>(c.model.vocab_size);
     weight_bytes.push_back(params * elem);
     gradient_bytes.push_back(grads ? grads_of_uses + mapped * 8.0 : 0.0);
     act_bytes.push_back(acts);
@@ -249,7 +262,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
   const int64_t ahead = std::max(1, workers);
-  const bool next_step_waits = c.optimizer.mode == core::OptimizerMode::kExact && core::UpdatesWaitForNorm(c);
+  const bool next_step_waits =
+      c.optimizer.mode == core::OptimizerMode::kExact && core::UpdatesWaitForNorm(c);
   double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
@@ -273,17 +287,22 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // activation pool (activations = "cuda_ipc") holds the same in every worker.
   double resident = 0.0;
   if (c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)) {
-    resident = static_cast<double>(ActivationParities(c)) * static_cast<double>(core::Round(c).microbatches) *
+    resident = static_cast<double>(ActivationParities(c)) *
+               static_cast<double>(core::Round(c).microbatches) *
                plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
   }
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
-  const double staging = WorkersFetchMasters(c) && elem == 2.0 && c.job.device != core::DeviceKind::kCpu ? 64.0 * (1 << 20) : 0.0;
+  const double staging =
+      WorkersFetchMasters(c) && elem == 2.0 && c.job.device != core::DeviceKind::kCpu
+          ? 64.0 * (1 << 20)
+          : 0.0;
   // Gradients waiting in the workers for the norm: a worker holds every gradient job's sums it ran
   // this step (job g runs on worker g mod workers) until the step's last gradient job is done.
   double held = 0.0;
   if (GradientsWaitInWorkers(c)) {
     std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
-    for (int64_t g = 0; g < jobs_per_step; ++g) per_worker[static_cast<size_t>(g % ahead)] += sum_bytes[order[g].stage];
+    for (int64_t g = 0; g < jobs_per_step; ++g)
+      per_worker[static_cast<size_t>(g % ahead)] += sum_bytes[order[g].stage];
     const double busiest = *std::max_element(per_worker.begin(), per_worker.end());
     held = std::max(0.0, busiest - (out.stage >= 0 ? sum_bytes[out.stage] : 0.0));
     // stale1: step t + 1's jobs need only version t, so a worker may finish them and hold their
@@ -299,12 +318,15 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const int kept_blocks = std::max(0, plan.tail_start - plan.kept_start);
   if (kept_blocks > 0) {
     const double calls_in_flight = InterleaveCalls(c) && core::Round(c).calls >= 2 ? 2.0 : 1.0;
-    const double graph = tokens * (8.6 * H + 3.0 * static_cast<double>(c.model.intermediate_size)) * elem;
-    double per_call = static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
+    const double graph =
+        tokens * (8.6 * H + 3.0 * static_cast<double>(c.model.intermediate_size)) * elem;
+    double per_call =
+        static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
     for (int l = plan.kept_start; l < plan.tail_start; ++l) {
       per_call += static_cast<double>(spec.LayerWeightBytes(l, 1, frozen_on_device ? 0 : 1)) * elem;
       for (const auto& use : spec.layer_uses[l])
-        per_call += static_cast<double>(spec.params[use.param].numel) * (fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
+        per_call += static_cast<double>(spec.params[use.param].numel) *
+                    (fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
     }
     kept = calls_in_flight * per_call;
   }
@@ -354,8 +376,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
 }
 
 double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) {
-  const double common =
-      m->weights + m->next_weights + m->gradients + m->activations + m->resident + m->staging + m->frozen;
+  const double common = m->weights + m->next_weights + m->gradients + m->activations + m->resident +
+                        m->staging + m->frozen;
   const double parts = common + m->kept + m->held_gradients + simulated_held + m->device_update;
   double peak = parts;
   if (GradientsWaitInWorkers(c)) {
@@ -367,13 +389,15 @@ double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) 
     const double forward_end =
         m->kept + std::min(m->held_with_kept, held) + m->covered_waiting + m->device_update_weights;
     const double backward_end = held + m->device_update;
-    peak = common + (m->kept_apart ? std::max(forward_end, backward_end) : m->kept + held + m->device_update);
+    peak = common + (m->kept_apart ? std::max(forward_end, backward_end)
+                                   : m->kept + held + m->device_update);
   }
   m->not_at_once = parts - peak;
   return peak;
 }
 
-double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int workers, const Profile* profile) {
+double EstimatePeakMemory(const JobConfig& c, const PipelinePlan& plan, int workers,
+                          const Profile* profile) {
   return EstimateMemory(c, plan, workers, profile).total;
 }
 
@@ -437,58 +461,61 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   // pipeline's needs (SideCandidates), tried only when no coarse plan fits the budget, so a job
   // that fits keeps the plan it had and its search time.
   auto search = [&](bool finer) {
-  double previous_tail_best = std::numeric_limits<double>::infinity();
-  for (int tail : TailCandidates(L, limit > 0)) {
-    const int t = L + 1 - tail;  // layers before the tail
-    probe.schedule.tail_blocks = tail;
-    double tail_best = std::numeric_limits<double>::infinity();
-    const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
-    std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
-    // Kept blocks under this tail cost their backward only: the backward cuts balance that.
-    for (int l = KeptStart(probe, t); l < t; ++l) b_layers[l] = profile.layers[l].backward_s;
-    for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true, finer))
-      for (const auto& bc : SideCandidates(b_layers, 3 * workers + 3, /*front_loaded=*/false, finer)) {
-        // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
-        probe.schedule.forward_stages = static_cast<int>(fc.size());
-        probe.schedule.backward_stages = static_cast<int>(bc.size());
-        probe.schedule.forward_cuts.assign(fc.begin() + 1, fc.end());
-        probe.schedule.backward_cuts.assign(bc.begin() + 1, bc.end());
-        auto plan = BuildPlan(probe);
-        if (!plan.ok()) continue;
-        candidates++;
-        MemoryEstimate estimate = EstimateMemory(probe, *plan, workers, &profile);
-        const double mem = estimate.total;
-        // Over before any gradient waits: skip the simulation unless nothing has fit so far (the
-        // error then names the smallest complete estimate, not a partial one).
-        if (limit > 0 && mem > limit && mem >= smallest_memory) continue;
-        auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
-        const double total_mem = PeakMemory(probe, &estimate, MaxOf(sim.peak_held_grad_bytes));
-        smallest_memory = std::min(smallest_memory, total_mem);
-        if (limit > 0 && total_mem > limit) continue;
-        tail_best = std::min(tail_best, sim.steady_step_s);
-        const int jobs = static_cast<int>(plan->stages.size());
-        // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
-        if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
-            (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs)) {
-          best_plan = *plan;
-          best_step = sim.steady_step_s;
-          best_jobs = jobs;
+    double previous_tail_best = std::numeric_limits<double>::infinity();
+    for (int tail : TailCandidates(L, limit > 0)) {
+      const int t = L + 1 - tail;  // layers before the tail
+      probe.schedule.tail_blocks = tail;
+      double tail_best = std::numeric_limits<double>::infinity();
+      const std::vector<double> f_layers(fwd_cost.begin(), fwd_cost.begin() + t);
+      std::vector<double> b_layers(bwd_cost.begin(), bwd_cost.begin() + t);
+      // Kept blocks under this tail cost their backward only: the backward cuts balance that.
+      for (int l = KeptStart(probe, t); l < t; ++l) b_layers[l] = profile.layers[l].backward_s;
+      for (const auto& fc : SideCandidates(f_layers, 2 * workers + 2, /*front_loaded=*/true, finer))
+        for (const auto& bc :
+             SideCandidates(b_layers, 3 * workers + 3, /*front_loaded=*/false, finer)) {
+          // Counts too: a single-stage side has no cuts and BuildPlan then reads the count.
+          probe.schedule.forward_stages = static_cast<int>(fc.size());
+          probe.schedule.backward_stages = static_cast<int>(bc.size());
+          probe.schedule.forward_cuts.assign(fc.begin() + 1, fc.end());
+          probe.schedule.backward_cuts.assign(bc.begin() + 1, bc.end());
+          auto plan = BuildPlan(probe);
+          if (!plan.ok()) continue;
+          candidates++;
+          MemoryEstimate estimate = EstimateMemory(probe, *plan, workers, &profile);
+          const double mem = estimate.total;
+          // Over before any gradient waits: skip the simulation unless nothing has fit so far (the
+          // error then names the smallest complete estimate, not a partial one).
+          if (limit > 0 && mem > limit && mem >= smallest_memory) continue;
+          auto sim = Simulate(BuildSimInput(probe, spec, *plan, profile, workers, kPlanningSteps));
+          const double total_mem = PeakMemory(probe, &estimate, MaxOf(sim.peak_held_grad_bytes));
+          smallest_memory = std::min(smallest_memory, total_mem);
+          if (limit > 0 && total_mem > limit) continue;
+          tail_best = std::min(tail_best, sim.steady_step_s);
+          const int jobs = static_cast<int>(plan->stages.size());
+          // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
+          if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
+              (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs)) {
+            best_plan = *plan;
+            best_step = sim.steady_step_s;
+            best_jobs = jobs;
+          }
         }
-      }
-    // Past the tails tried without a budget, on a model too deep to try every size: stop once a
-    // longer tail no longer pays. The step falls with the tail while the recompute saved outweighs
-    // the longer tail job and boundary, then rises, and each size costs a full search (a
-    // multi-worker job of a deep model: tens of seconds in every process).
-    if (L > kEveryTailUpTo && tail > kTailsWithoutBudget && !(tail_best < previous_tail_best)) break;
-    previous_tail_best = tail_best;
-  }
+      // Past the tails tried without a budget, on a model too deep to try every size: stop once a
+      // longer tail no longer pays. The step falls with the tail while the recompute saved
+      // outweighs the longer tail job and boundary, then rises, and each size costs a full search
+      // (a multi-worker job of a deep model: tens of seconds in every process).
+      if (L > kEveryTailUpTo && tail > kTailsWithoutBudget && !(tail_best < previous_tail_best))
+        break;
+      previous_tail_best = tail_best;
+    }
   };
   search(/*finer=*/false);
   if (best_jobs == std::numeric_limits<int>::max() && limit > 0) search(/*finer=*/true);
   if (best_jobs == std::numeric_limits<int>::max())
-    return Status::InvalidArgument(
-        "schedule.gpu_memory_gb: no plan fits in " + std::to_string(c.schedule.gpu_memory_gb) +
-        " GB per worker; the smallest estimate is " + std::to_string(smallest_memory / 1e9) + " GB");
+    return Status::InvalidArgument("schedule.gpu_memory_gb: no plan fits in " +
+                                   std::to_string(c.schedule.gpu_memory_gb) +
+                                   " GB per worker; the smallest estimate is " +
+                                   std::to_string(smallest_memory / 1e9) + " GB");
   PlanChoice best = PredictPlan(c, best_plan, profile, workers);
   best.candidates = candidates;
   return best;
@@ -497,18 +524,22 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
 Status ResolveKeptBlocks(JobConfig* c, int workers) {
   if (c->schedule.kept_blocks != kKeptBlocksAuto) return Status::Ok();
   c->schedule.kept_blocks = 0;
-  if (workers != 1 || c->nodes.count > 1 || c->train.layer_recompute || c->train.mlp_tile_tokens != 0)
+  if (workers != 1 || c->nodes.count > 1 || c->train.layer_recompute ||
+      c->train.mlp_tile_tokens != 0)
     return Status::Ok();
   // Blocks just before the tail, up to the first sparse one (kept blocks must be dense).
   int64_t most = 0;
-  for (int64_t b = c->model.num_layers - c->schedule.tail_blocks - 1; b >= 0 && !SparseBlock(c->model, b); --b) ++most;
+  for (int64_t b = c->model.num_layers - c->schedule.tail_blocks - 1;
+       b >= 0 && !SparseBlock(c->model, b); --b)
+    ++most;
   auto fits = [&](int64_t k) -> StatusOr<bool> {
     JobConfig trial = *c;
     trial.schedule.kept_blocks = k;
     const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
     if (trial.schedule.partition == Partition::kAuto) return ChoosePlan(trial, workers, costs).ok();
     RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
-    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <= c->schedule.gpu_memory_gb * 1e9;
+    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
+           c->schedule.gpu_memory_gb * 1e9;
   };
   // More kept blocks never need less memory, so those that fit are a prefix of 0..most.
   int64_t lo = 0, hi = most;  // lo fits (or is 0); once bisecting, hi does not
@@ -578,26 +609,34 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   }
   char text[320];
   if (tiles.size() == 1)
-    std::snprintf(text, sizeof(text),
-                  "train.mlp_tile_tokens = -1: a microbatch of %lld tokens is not longer than the smallest tile tried "
-                  "(%lld), and untiled it fits no plan within schedule.gpu_memory_gb = %.2f GB per worker",
-                  static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile), c->schedule.gpu_memory_gb);
+    std::snprintf(
+        text, sizeof(text),
+        "train.mlp_tile_tokens = -1: a microbatch of %lld tokens is not longer than the smallest "
+        "tile tried "
+        "(%lld), and untiled it fits no plan within schedule.gpu_memory_gb = %.2f GB per worker",
+        static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile),
+        c->schedule.gpu_memory_gb);
   else
     std::snprintf(text, sizeof(text),
-                  "train.mlp_tile_tokens = -1: no MLP tile from the whole microbatch (%lld tokens) down to %lld lets a "
+                  "train.mlp_tile_tokens = -1: no MLP tile from the whole microbatch (%lld tokens) "
+                  "down to %lld lets a "
                   "plan fit schedule.gpu_memory_gb = %.2f GB per worker",
-                  static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile), c->schedule.gpu_memory_gb);
+                  static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile),
+                  c->schedule.gpu_memory_gb);
   std::string why = text;
   if (std::isfinite(smallest)) {
     std::snprintf(text, sizeof(text), "; the smallest estimate is %.2f GB", smallest / 1e9);
     why += text;
   }
-  return Status::InvalidArgument(why + " (shorter sequences, train.layer_recompute or more workers may fit)");
+  return Status::InvalidArgument(
+      why + " (shorter sequences, train.layer_recompute or more workers may fit)");
 }
 
-std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int workers, const Profile& profile,
+std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int workers,
+                                                    const Profile& profile,
                                                     double current_step_seconds) {
-  if (!c.lora.enabled() || c.schedule.frozen_on_device || c.job.device == DeviceKind::kCpu) return std::nullopt;
+  if (!c.lora.enabled() || c.schedule.frozen_on_device || c.job.device == DeviceKind::kCpu)
+    return std::nullopt;
   JobConfig kept = c;
   kept.schedule.frozen_on_device = true;
   std::optional<PlanChoice> alt;
@@ -609,7 +648,8 @@ std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int work
     auto plan = BuildPlan(kept);
     if (!plan.ok()) return std::nullopt;
     alt = PredictPlan(kept, *plan, profile, workers);
-    if (kept.schedule.gpu_memory_gb > 0 && alt->peak_memory_bytes > kept.schedule.gpu_memory_gb * 1e9)
+    if (kept.schedule.gpu_memory_gb > 0 &&
+        alt->peak_memory_bytes > kept.schedule.gpu_memory_gb * 1e9)
       return std::nullopt;
   }
   if (alt->step_seconds > 0.99 * current_step_seconds) return std::nullopt;

@@ -41,8 +41,8 @@ struct MemoryEstimate {
   double gradients = 0.0;     // weight gradients and their fp32 sums
   double activations = 0.0;   // kept for the backward, held hidden states, the head's loss chunk
   double attention_scores = 0.0;  // of those, CPU workers' explicit attention scores (none on CUDA)
-  double resident = 0.0;      // activation slots on the device (activations = worker, pools)
-  double staging = 0.0;       // the chunk fp32 masters are rounded through
+  double resident = 0.0;          // activation slots on the device (activations = worker, pools)
+  double staging = 0.0;           // the chunk fp32 masters are rounded through
   // Gradients waiting in the workers (GradientsWaitInWorkers): the fp32 sums of the step's other
   // gradient jobs the busiest worker holds until the norm.
   double held_gradients = 0.0;
@@ -73,9 +73,9 @@ struct MemoryEstimate {
 
 struct PlanChoice {
   PipelinePlan plan;
-  double step_seconds = 0.0;       // predicted steady-state step time (simulated over 3 steps)
-  double bubble_ratio = 0.0;       // predicted, steady state
-  double first_step_seconds = 0.0; // predicted, one step from idle
+  double step_seconds = 0.0;        // predicted steady-state step time (simulated over 3 steps)
+  double bubble_ratio = 0.0;        // predicted, steady state
+  double first_step_seconds = 0.0;  // predicted, one step from idle
   double fill_ratio = 0.0, drain_ratio = 0.0, imbalance_ratio = 0.0;  // one step from idle
   double peak_memory_bytes = 0.0;  // estimated, per worker: PeakMemory(memory, held_grad_bytes)
   MemoryEstimate memory;           // EstimateMemory's parts
@@ -133,8 +133,8 @@ double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int
 // more memory, so the first that fits is found by bisection. "Fits" is ChoosePlan finding a plan
 // (partition = "auto") or the job's own plan's estimate being within the limit ("equal"), under
 // the FLOP cost model (DefaultCostModel) even when the job has a measured profile, so that every
-// start of a run (the first, --resume, a re-plan) chooses the same tile. InvalidArgument naming the key
-// when no tile fits. Any other value is left as it is.
+// start of a run (the first, --resume, a re-plan) chooses the same tile. InvalidArgument naming the
+// key when no tile fits. Any other value is left as it is.
 inline constexpr int64_t kSmallestAutoMlpTile = 512;
 Status ResolveMlpTile(JobConfig* config, int workers);
 
@@ -152,7 +152,8 @@ Status ResolveKeptBlocks(JobConfig* config, int workers);
 // at least 1% shorter than `current_step_seconds`. rp-plan and rp-launch --dry-run print it as a
 // suggestion; the job's setting is never changed for it. Nothing for CPU workers (their device
 // memory is the host memory the base is already in), full fine-tunes, or a base already kept.
-std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& config, int workers, const Profile& profile,
+std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& config, int workers,
+                                                    const Profile& profile,
                                                     double current_step_seconds);
 
 // The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "planning/plan.h"
 
-
 #include <algorithm>
 #include <set>
 #include <sstream>
@@ -50,13 +49,15 @@ int PipelinePlan::NumForward() const {
 
 int PipelinePlan::HiddenSlot(int b) const {
   auto it = std::lower_bound(hidden_boundaries.begin(), hidden_boundaries.end(), b);
-  return it != hidden_boundaries.end() && *it == b ? static_cast<int>(it - hidden_boundaries.begin())
-                                                   : -1;
+  return it != hidden_boundaries.end() && *it == b
+             ? static_cast<int>(it - hidden_boundaries.begin())
+             : -1;
 }
 
 int PipelinePlan::GradSlot(int b) const {
   auto it = std::lower_bound(grad_boundaries.begin(), grad_boundaries.end(), b);
-  return it != grad_boundaries.end() && *it == b ? static_cast<int>(it - grad_boundaries.begin()) : -1;
+  return it != grad_boundaries.end() && *it == b ? static_cast<int>(it - grad_boundaries.begin())
+                                                 : -1;
 }
 
 bool PipelinePlan::IsCheckpoint(int b) const {
@@ -67,8 +68,10 @@ bool PipelinePlan::IsCheckpoint(int b) const {
 
 std::string Stage::Describe() const {
   std::ostringstream o;
-  o << (kind == StageKind::kForward ? "F" : kind == StageKind::kBackward ? "B" : "T") << "[" << begin << "," << end
-    << ")";
+  o << (kind == StageKind::kForward    ? "F"
+        : kind == StageKind::kBackward ? "B"
+                                       : "T")
+    << "[" << begin << "," << end << ")";
   return o.str();
 }
 
@@ -83,7 +86,9 @@ std::string PipelinePlan::Describe() const {
 
 int KeptStart(const JobConfig& c, int tail_start) {
   // kKeptBlocksAuto not yet resolved (ResolveMlpTile's probes, before ResolveKeptBlocks): none.
-  int start = c.schedule.kept_blocks > 0 ? std::max(1, tail_start - static_cast<int>(c.schedule.kept_blocks)) : tail_start;
+  int start = c.schedule.kept_blocks > 0
+                  ? std::max(1, tail_start - static_cast<int>(c.schedule.kept_blocks))
+                  : tail_start;
   for (int l = start; l < tail_start; ++l)
     if (SparseBlock(c.model, l - 1)) start = l + 1;
   return start;
@@ -108,13 +113,17 @@ StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {
   std::vector<int> bwd = starts_from(c.schedule.backward_cuts, c.schedule.backward_stages);
   for (size_t i = 0; i < fwd.size(); ++i) {
     int end = i + 1 < fwd.size() ? fwd[i + 1] : t;
-    if (end <= fwd[i]) return Status::InvalidArgument("schedule: empty forward stage at layer " + std::to_string(fwd[i]));
+    if (end <= fwd[i])
+      return Status::InvalidArgument("schedule: empty forward stage at layer " +
+                                     std::to_string(fwd[i]));
     p.stages.push_back({StageKind::kForward, fwd[i], end});
   }
   p.stages.push_back({StageKind::kFusedTail, t, L + 2});
   for (size_t i = bwd.size(); i-- > 0;) {
     int end = i + 1 < bwd.size() ? bwd[i + 1] : t;
-    if (end <= bwd[i]) return Status::InvalidArgument("schedule: empty backward stage at layer " + std::to_string(bwd[i]));
+    if (end <= bwd[i])
+      return Status::InvalidArgument("schedule: empty backward stage at layer " +
+                                     std::to_string(bwd[i]));
     p.stages.push_back({StageKind::kBackward, bwd[i], end});
   }
 
@@ -129,8 +138,8 @@ StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {
   for (int l = 0; l < p.num_layers; ++l)
     if (fcount[l] != 1 || bcount[l] != 1)
       return Status::Internal("plan covers layer " + std::to_string(l) + " " +
-                              std::to_string(fcount[l]) + "x forward, " + std::to_string(bcount[l]) +
-                              "x backward: " + p.Describe());
+                              std::to_string(fcount[l]) + "x forward, " +
+                              std::to_string(bcount[l]) + "x backward: " + p.Describe());
 
   std::set<int> hidden, grads;
   for (auto& s : p.stages) {

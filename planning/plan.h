@@ -29,8 +29,8 @@ const char* StageKindName(StageKind k);
 
 struct Stage {
   StageKind kind;
-  int begin;  // first layer
-  int end;    // one past the last layer
+  int begin;                     // first layer
+  int end;                       // one past the last layer
   std::string Describe() const;  // "F[0,7)", "T[28,30)", "B[0,4)"
 };
 
@@ -41,15 +41,17 @@ struct PipelinePlan {
   // (schedule.kept_blocks): their forward stage runs them with autograd and the backward stages
   // backpropagate through those graphs instead of recomputing. tail_start (or above) when none.
   int kept_start = 1 << 30;
-  std::vector<Stage> stages;             // chain order: forward, tail, backward
-  std::vector<int> hidden_boundaries;    // boundaries stored in activation slots, ascending
-  std::vector<int> grad_boundaries;      // boundaries whose input-gradient crosses stages
+  std::vector<Stage> stages;           // chain order: forward, tail, backward
+  std::vector<int> hidden_boundaries;  // boundaries stored in activation slots, ascending
+  std::vector<int> grad_boundaries;    // boundaries whose input-gradient crosses stages
 
   int NumForward() const;
   // Activation slots one microbatch needs (shm/layout.h): every hidden boundary, plus input-
   // gradient slots used alternately (boundary index i in slot i % 2; a chain writes descending
   // boundaries, so two suffice).
-  int InputGradSlotsPerMicrobatch() const { return grad_boundaries.size() < 2 ? static_cast<int>(grad_boundaries.size()) : 2; }
+  int InputGradSlotsPerMicrobatch() const {
+    return grad_boundaries.size() < 2 ? static_cast<int>(grad_boundaries.size()) : 2;
+  }
   int ActivationSlotsPerMicrobatch() const {
     return static_cast<int>(hidden_boundaries.size()) + InputGradSlotsPerMicrobatch();
   }
@@ -104,8 +106,8 @@ inline bool InterleaveCalls(const JobConfig& c) {
 // worker decides per job from what is ready; the planner's memory estimate counts it wherever
 // it may.
 inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t microbatches) {
-  return c.bench.layer_major_forward != core::Tristate::kNever && stage.kind == StageKind::kForward &&
-         stage.end - stage.begin > 1 && microbatches > 1;
+  return c.bench.layer_major_forward != core::Tristate::kNever &&
+         stage.kind == StageKind::kForward && stage.end - stage.begin > 1 && microbatches > 1;
 }
 
 // Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains.

@@ -34,15 +34,16 @@ LayerFlops ForwardFlops(const JobConfig& c, int l) {
   if (l == 0) return {};
   if (l == L + 1) return {2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens, 0.0};
   // A sparse block's MLP: the router and the k experts each token runs through.
-  const int64_t mlp = SparseBlock(m, l - 1)
-                          ? m.hidden_size * m.moe.num_experts +
-                                m.moe.experts_per_token * 3 * m.hidden_size * m.moe.expert_intermediate_size
-                          : 3 * m.hidden_size * m.intermediate_size;
-  const double block_params = static_cast<double>(
-      m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim +
-      m.num_heads * m.head_dim * m.hidden_size + mlp);
+  const int64_t mlp = SparseBlock(m, l - 1) ? m.hidden_size * m.moe.num_experts +
+                                                  m.moe.experts_per_token * 3 * m.hidden_size *
+                                                      m.moe.expert_intermediate_size
+                                            : 3 * m.hidden_size * m.intermediate_size;
+  const double block_params =
+      static_cast<double>(m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim +
+                          m.num_heads * m.head_dim * m.hidden_size + mlp);
   // Causal attention: QK^T and PV over half the square.
-  return {2.0 * block_params * tokens, 2.0 * tokens * seq * static_cast<double>(m.num_heads * m.head_dim)};
+  return {2.0 * block_params * tokens,
+          2.0 * tokens * seq * static_cast<double>(m.num_heads * m.head_dim)};
 }
 
 }  // namespace
@@ -66,12 +67,12 @@ std::string WorkloadKey(const JobConfig& c) {
     << m.num_heads << "x" << m.head_dim << "-kv" << m.num_kv_heads << "-v" << m.vocab_size
     << (m.tie_embeddings ? "-tied" : "");
   if (m.moe.num_experts > 0) {
-    s << "-e" << m.moe.num_experts << "k" << m.moe.experts_per_token << "i" << m.moe.expert_intermediate_size
-      << "s" << m.moe.sparse_step;
+    s << "-e" << m.moe.num_experts << "k" << m.moe.experts_per_token << "i"
+      << m.moe.expert_intermediate_size << "s" << m.moe.sparse_step;
     for (auto d : m.moe.dense_layers) s << "d" << d;
   }
-  s << "/mb" << c.train.microbatch_size << "x"
-    << c.data.seq_len << "/" << EnumName(c.train.dtype) << "/" << (c.job.device == core::DeviceKind::kCpu ? "cpu" : "cuda");
+  s << "/mb" << c.train.microbatch_size << "x" << c.data.seq_len << "/" << EnumName(c.train.dtype)
+    << "/" << (c.job.device == core::DeviceKind::kCpu ? "cpu" : "cuda");
   return s.str();
 }
 
@@ -112,8 +113,10 @@ DeviceModel H200Model() {
   d.link_bytes_per_s = 55e9;
   d.optimizer_params_per_s = 6.7e9;
   d.memory_gb = 141.0;
-  d.source = "one H200: bf16 products at the 790 TFLOP/s its kernels reach, fp32 67 TFLOP/s, host link 55 GB/s "
-             "measured, AdamW 6.7e9 parameters/s on 16 cores";
+  d.source =
+      "one H200: bf16 products at the 790 TFLOP/s its kernels reach, fp32 67 TFLOP/s, host link 55 "
+      "GB/s "
+      "measured, AdamW 6.7e9 parameters/s on 16 cores";
   return d;
 }
 
@@ -125,16 +128,20 @@ DeviceModel H100Model() {
   d.name = "h100";
   d.link_bytes_per_s = 53.9e9;
   d.memory_gb = 80.0;
-  d.source = "one H100 SXM: its datasheet's dense bf16 and fp32 rates equal the H200's, so bf16 products at the "
-             "790 TFLOP/s the H200's kernels reach, fp32 67 TFLOP/s, host link 53.9 GB/s (its link probe), AdamW "
-             "6.7e9 parameters/s on 16 cores";
+  d.source =
+      "one H100 SXM: its datasheet's dense bf16 and fp32 rates equal the H200's, so bf16 products "
+      "at the "
+      "790 TFLOP/s the H200's kernels reach, fp32 67 TFLOP/s, host link 53.9 GB/s (its link "
+      "probe), AdamW "
+      "6.7e9 parameters/s on 16 cores";
   return d;
 }
 
 StatusOr<DeviceModel> DeviceModelNamed(const std::string& name) {
   if (name == "h200") return H200Model();
   if (name == "h100") return H100Model();
-  return Status::InvalidArgument("--device: \"" + name + "\" is not a device the cost model knows (h200, h100, or "
+  return Status::InvalidArgument("--device: \"" + name +
+                                 "\" is not a device the cost model knows (h200, h100, or "
                                  "custom with --tflops and --h2d-gbs)");
 }
 
@@ -148,7 +155,8 @@ Profile DefaultCostModel(const JobConfig& c, const DeviceModel& device) {
   if (c.job.device == core::DeviceKind::kCpu) return CostModelProfile(c, 2e10, 0.0, 0.0);
   // fp16 and fp8: bf16's tensor-core peak. fp8's faster products are not modelled here; a run's
   // measured profile (schedule.profile_steps) times them as they run.
-  const double peak = c.train.dtype == core::TrainDtype::kFp32 ? device.fp32_flops_per_s : device.bf16_flops_per_s;
+  const double peak =
+      c.train.dtype == core::TrainDtype::kFp32 ? device.fp32_flops_per_s : device.bf16_flops_per_s;
   return CostModelProfile(c, 0.7 * peak, device.link_bytes_per_s, device.optimizer_params_per_s);
 }
 
@@ -156,9 +164,13 @@ std::string ProfileToJson(const Profile& p) {
   nlohmann::json layers = nlohmann::json::array();
   for (size_t l = 0; l < p.layers.size(); ++l) {
     const auto& c = p.layers[l];
-    layers.push_back({{"layer", l}, {"forward_s", c.forward_s}, {"recompute_s", c.recompute_s},
-                      {"backward_s", c.backward_s}, {"saved_bytes", c.saved_bytes},
-                      {"samples", c.samples}, {"filled", c.filled}});
+    layers.push_back({{"layer", l},
+                      {"forward_s", c.forward_s},
+                      {"recompute_s", c.recompute_s},
+                      {"backward_s", c.backward_s},
+                      {"saved_bytes", c.saved_bytes},
+                      {"samples", c.samples},
+                      {"filled", c.filled}});
   }
   nlohmann::json j = {{"format_version", kProfileFormatVersion},
                       {"source", p.source},
@@ -185,9 +197,12 @@ StatusOr<Profile> LoadProfile(const std::string& path, const JobConfig& c) {
   } catch (const std::exception& e) {
     return Status::InvalidArgument("profile " + path + ": not JSON (" + e.what() + ")");
   }
-  auto bad = [&](const std::string& what) { return Status::InvalidArgument("profile " + path + ": " + what); };
+  auto bad = [&](const std::string& what) {
+    return Status::InvalidArgument("profile " + path + ": " + what);
+  };
   auto number = [&](const nlohmann::json& o, const char* key, double* out) -> Status {
-    if (!o.contains(key) || !o[key].is_number()) return bad(std::string("\"") + key + "\" is missing or not a number");
+    if (!o.contains(key) || !o[key].is_number())
+      return bad(std::string("\"") + key + "\" is missing or not a number");
     *out = o[key].get<double>();
     if (!std::isfinite(*out)) return bad(std::string("\"") + key + "\" is not finite");
     return Status::Ok();
@@ -276,8 +291,10 @@ StatusOr<Profile> ProfileBuilder::Build(const JobConfig& c) const {
     lc.backward_s = l == head ? 0.0 : Median(s.phase[2]);
     lc.saved_bytes = Median(s.bytes);
     lc.samples = static_cast<int>(s.phase[0].size() + s.phase[1].size() + s.phase[2].size());
-    if (l > 0 && l < head && lc.forward_s > 0 && lc.recompute_s > 0) fwd_over_rec.push_back(lc.forward_s / lc.recompute_s);
-    if (l > 0 && l < head && lc.backward_s > 0 && lc.recompute_s > 0) bwd_over_rec.push_back(lc.backward_s / lc.recompute_s);
+    if (l > 0 && l < head && lc.forward_s > 0 && lc.recompute_s > 0)
+      fwd_over_rec.push_back(lc.forward_s / lc.recompute_s);
+    if (l > 0 && l < head && lc.backward_s > 0 && lc.recompute_s > 0)
+      bwd_over_rec.push_back(lc.backward_s / lc.recompute_s);
     p.layers.push_back(lc);
   }
   const double f_ratio = fwd_over_rec.empty() ? 1.0 : Median(fwd_over_rec);
@@ -306,7 +323,8 @@ StatusOr<Profile> ProfileBuilder::Build(const JobConfig& c) const {
   // weights, or for the CPU) is a real cost of every step.
   double overhead_sum = 0.0;
   for (double o : overhead_) overhead_sum += o;
-  p.microbatch_overhead_s = overhead_.empty() ? 0.0 : overhead_sum / static_cast<double>(overhead_.size());
+  p.microbatch_overhead_s =
+      overhead_.empty() ? 0.0 : overhead_sum / static_cast<double>(overhead_.size());
   return p;
 }
 

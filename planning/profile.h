@@ -42,8 +42,8 @@ struct LayerCost {
 };
 
 struct Profile {
-  std::string source;    // "measured" or "cost-model"
-  std::string workload;  // WorkloadKey() of the job measured
+  std::string source;             // "measured" or "cost-model"
+  std::string workload;           // WorkloadKey() of the job measured
   std::vector<LayerCost> layers;  // one per pipeline layer (L + 2)
   double h2d_bytes_per_s = 0.0;   // host -> device, per worker; 0: free
   double d2h_bytes_per_s = 0.0;
@@ -76,8 +76,9 @@ struct DeviceModel {
   double fp32_flops_per_s = 0.0;
   double link_bytes_per_s = 0.0;
   double optimizer_params_per_s = 0.0;
-  double memory_gb = 0.0;  // what the device holds (for the reader; budgets are schedule.gpu_memory_gb)
-  std::string source;      // where the numbers come from, in words
+  double memory_gb =
+      0.0;             // what the device holds (for the reader; budgets are schedule.gpu_memory_gb)
+  std::string source;  // where the numbers come from, in words
 };
 DeviceModel H200Model();
 DeviceModel H100Model();

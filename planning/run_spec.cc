@@ -37,16 +37,16 @@ constexpr int kSpecVersion = 9;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
-#define RP_SPEC_ENUM(E, NAME)                                                        \
-  void to_json(nlohmann::json& j, const E& e) { j = NAME(e); }                       \
-  void from_json(const nlohmann::json& j, E& e) {                                    \
-    const std::string s = j.get<std::string>();                                      \
-    for (int v = 0; v < 16; ++v)                                                     \
-      if (s == NAME(static_cast<E>(v))) {                                            \
-        e = static_cast<E>(v);                                                       \
-        return;                                                                      \
-      }                                                                              \
-    throw std::invalid_argument("\"" + s + "\" is not a " #E);                       \
+#define RP_SPEC_ENUM(E, NAME)                                  \
+  void to_json(nlohmann::json& j, const E& e) { j = NAME(e); } \
+  void from_json(const nlohmann::json& j, E& e) {              \
+    const std::string s = j.get<std::string>();                \
+    for (int v = 0; v < 16; ++v)                               \
+      if (s == NAME(static_cast<E>(v))) {                      \
+        e = static_cast<E>(v);                                 \
+        return;                                                \
+      }                                                        \
+    throw std::invalid_argument("\"" + s + "\" is not a " #E); \
   }
 RP_SPEC_ENUM(DeviceKind, EnumName)
 RP_SPEC_ENUM(DataFormat, EnumName)
@@ -67,43 +67,51 @@ RP_SPEC_ENUM(Tristate, EnumName)
 RP_SPEC_ENUM(StageKind, StageKindName)
 RP_SPEC_ENUM(RopeConfig::Type, RopeTypeName)
 #undef RP_SPEC_ENUM
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RopeConfig, type, theta, factor, low_freq_factor, high_freq_factor,
-                                   original_max_position, attention_factor, beta_fast, beta_slow, truncate)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MoeConfig, num_experts, experts_per_token, expert_intermediate_size,
-                                   norm_topk_prob, sparse_step, dense_layers, aux_loss_weight)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hidden_size, intermediate_size,
-                                   num_layers, num_heads, num_kv_heads, head_dim, rope, rms_norm_eps, qk_norm,
-                                   qkv_bias, o_bias, mlp_bias, tie_embeddings, sliding_window,
-                                   max_position_embeddings, init_std, moe)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path, eval_fraction, packing,
-                                   long_records)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LossScaling, init, growth_factor, backoff_factor, growth_interval)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RopeConfig, type, theta, factor, low_freq_factor,
+                                   high_freq_factor, original_max_position, attention_factor,
+                                   beta_fast, beta_slow, truncate)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MoeConfig, num_experts, experts_per_token,
+                                   expert_intermediate_size, norm_topk_prob, sparse_step,
+                                   dense_layers, aux_loss_weight)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ModelConfig, path, model_type, vocab_size, hidden_size,
+                                   intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
+                                   rope, rms_norm_eps, qk_norm, qkv_bias, o_bias, mlp_bias,
+                                   tie_embeddings, sliding_window, max_position_embeddings,
+                                   init_std, moe)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(DataConfig, format, path, seq_len, shuffle, eval_path,
+                                   eval_fraction, packing, long_records)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LossScaling, init, growth_factor, backoff_factor,
+                                   growth_interval)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, epochs, seed, microbatches, accum_calls,
-                                   microbatch_size, dtype, loss_scaling, grad_clip, loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after, eval_every,
-                                   eval_microbatches)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr, min_lr, lr_schedule, warmup_steps,
-                                   warmup_ratio, weight_decay, beta1,
-                                   beta2, eps, momentum, grad_buffer_mb, speculative_update,
+                                   microbatch_size, dtype, loss_scaling, grad_clip,
+                                   loss_chunk_tokens, mlp_tile_tokens, layer_recompute, stop_after,
+                                   eval_every, eval_microbatches)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr,
+                                   min_lr, lr_schedule, warmup_steps, warmup_ratio, weight_decay,
+                                   beta1, beta2, eps, momentum, grad_buffer_mb, speculative_update,
                                    device_update_blocks)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules, target_parameters, init_from,
-                                   export_dir)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks, kept_blocks,
-                                   frozen_on_device, activations,
-                                   weights_source, embedding_lookup, forward_cuts, backward_cuts, partition,
-                                   gpu_memory_gb, profile, profile_steps, replan_gain, drift, node_link_gb_s)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, memory_gb, export_hf, export_shard_mb, export_dtype,
-                                   export_every)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules,
+                                   target_parameters, init_from, export_dir)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks,
+                                   kept_blocks, frozen_on_device, activations, weights_source,
+                                   embedding_lookup, forward_cuts, backward_cuts, partition,
+                                   gpu_memory_gb, profile, profile_steps, replan_gain, drift,
+                                   node_link_gb_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, memory_gb, export_hf,
+                                   export_shard_mb, export_dtype, export_every)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace, tensorboard)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward, fused_kernels,
-                                   fused_norms, grouped_experts, optimizer_threads, optimizer_rest_threads)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts, worker_timeout_s,
-                                   stopped_timeout_s, device_memory_limit_gib, node_timeout_s)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(BenchKnobs, interleave_calls, merge_calls, layer_major_forward,
+                                   fused_kernels, fused_norms, grouped_experts, optimizer_threads,
+                                   optimizer_rest_threads)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_worker_restarts,
+                                   worker_timeout_s, stopped_timeout_s, device_memory_limit_gib,
+                                   node_timeout_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodesConfig, count, rank, store_host, store_port)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule, checkpoint,
-                                   metrics, bench, nodes, source_path)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule,
+                                   checkpoint, metrics, bench, nodes, source_path)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Stage, kind, begin, end)
-NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_start, stages, hidden_boundaries,
-                                   grad_boundaries)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_start, stages,
+                                   hidden_boundaries, grad_boundaries)
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
                              int workers, const NodesConfig& nodes, const HostFacts& host) {
@@ -116,39 +124,44 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
     spec.job.job.max_worker_restarts = 0;
     if (nodes.rank > 0) {
       auto& out = spec.job.job.output_dir;
-      spec.job.checkpoint.dir = (std::filesystem::path(out) / spec.job.checkpoint.dir).lexically_normal().string();
+      spec.job.checkpoint.dir =
+          (std::filesystem::path(out) / spec.job.checkpoint.dir).lexically_normal().string();
       out = (std::filesystem::path(out) / ("node-" + std::to_string(nodes.rank))).string();
     }
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
   if (spec.job.optimizer.device_update_blocks > 0 && workers != 1)
-    return Status::InvalidArgument("optimizer.device_update_blocks: needs one worker (--gpus 1): the worker that "
-                                   "holds a step's gradients must also run the next step's first stages, and with " +
-                                   std::to_string(workers) + " workers they take turns");
+    return Status::InvalidArgument(
+        "optimizer.device_update_blocks: needs one worker (--gpus 1): the worker that "
+        "holds a step's gradients must also run the next step's first stages, and with " +
+        std::to_string(workers) + " workers they take turns");
   RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
   spec.workers = workers;
   return spec;
 }
 
 std::string SharedOutputDir(const JobConfig& job) {
-  if (job.nodes.count > 1 && job.nodes.rank > 0) return std::filesystem::path(job.job.output_dir).parent_path().string();
+  if (job.nodes.count > 1 && job.nodes.rank > 0)
+    return std::filesystem::path(job.job.output_dir).parent_path().string();
   return job.job.output_dir;
 }
 
 std::string RunSpecJson(const RunSpec& spec) {
-  const nlohmann::json j = {{"version", kSpecVersion}, {"workers", spec.workers}, {"job", spec.job},
-                            {"plan", spec.plan}};
+  const nlohmann::json j = {
+      {"version", kSpecVersion}, {"workers", spec.workers}, {"job", spec.job}, {"plan", spec.plan}};
   return j.dump(1) + "\n";
 }
 
 StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what) {
   auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Status::InvalidArgument(what + ": not a JSON object");
+  if (j.is_discarded() || !j.is_object())
+    return Status::InvalidArgument(what + ": not a JSON object");
   if (!j.contains("version") || j["version"] != kSpecVersion)
-    return Status::InvalidArgument(what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
-                                   ", this build reads " + std::to_string(kSpecVersion) +
-                                   " (rp-launch and the other programs come from different builds?)");
+    return Status::InvalidArgument(
+        what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
+        ", this build reads " + std::to_string(kSpecVersion) +
+        " (rp-launch and the other programs come from different builds?)");
   RunSpec spec;
   try {
     spec.workers = j.at("workers").get<int>();
@@ -176,8 +189,9 @@ StatusOr<RunSpec> ReadRunSpec(const std::string& path) {
 StatusOr<RunSpec> ReadRunSpecFor(const std::string& path, int workers) {
   RP_ASSIGN_OR_RETURN(RunSpec spec, ReadRunSpec(path));
   if (spec.workers != workers)
-    return Status::InvalidArgument("run spec " + path + " was resolved for " + std::to_string(spec.workers) +
-                                   " workers, this run has " + std::to_string(workers));
+    return Status::InvalidArgument("run spec " + path + " was resolved for " +
+                                   std::to_string(spec.workers) + " workers, this run has " +
+                                   std::to_string(workers));
   return spec;
 }
 

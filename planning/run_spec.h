@@ -32,7 +32,8 @@ struct RunSpec {
 };
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
-                             int workers, const NodesConfig& nodes = {}, const HostFacts& host = {});
+                             int workers, const NodesConfig& nodes = {},
+                             const HostFacts& host = {});
 // The output directory every node of a resolved job shares: node 0's, in which ResolveRun puts
 // node r > 0's own outputs as node-r.
 std::string SharedOutputDir(const JobConfig& job);

@@ -41,21 +41,27 @@ SimResult Simulate(const SimInput& in) {
     // Norms in the order the gradients became final, one after another on the optimizer's
     // threads (they share its memory bandwidth); a gradient's update waits for its norm.
     std::vector<int> by_final = order;
-    std::stable_sort(by_final.begin(), by_final.end(), [&](int a, int b) { return final_at[t][a] < final_at[t][b]; });
+    std::stable_sort(by_final.begin(), by_final.end(),
+                     [&](int a, int b) { return final_at[t][a] < final_at[t][b]; });
     std::vector<double> normed(owners, 0.0);
     double norm_free = 0.0;
     for (int o : by_final) {
-      norm_free = std::max(norm_free, final_at[t][o]) + (o < static_cast<int>(in.norm_s.size()) ? in.norm_s[o] : 0.0);
+      norm_free = std::max(norm_free, final_at[t][o]) +
+                  (o < static_cast<int>(in.norm_s.size()) ? in.norm_s[o] : 0.0);
       normed[o] = norm_free;
     }
     double all_final = 0.0;
     for (int o : order) all_final = std::max(all_final, normed[o]);
     if (!in.updates_wait_for_norm) order = by_final;
-    auto cost_of = [&](int o) { return o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0; };
-    const bool rows_first = in.lookup_owner > 0 && in.updates_wait_for_norm && !order.empty() && order[0] == 0;
+    auto cost_of = [&](int o) {
+      return o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0;
+    };
+    const bool rows_first =
+        in.lookup_owner > 0 && in.updates_wait_for_norm && !order.empty() && order[0] == 0;
     if (rows_first) {
       // The next step's rows of owner 0, then the others, then owner 0's other rows.
-      updated[t][in.lookup_owner] = std::max(optimizer_free, all_final) + in.lookup_fraction * cost_of(0);
+      updated[t][in.lookup_owner] =
+          std::max(optimizer_free, all_final) + in.lookup_fraction * cost_of(0);
       optimizer_free = updated[t][in.lookup_owner];
       order.erase(order.begin());
       order.push_back(0);
@@ -64,12 +70,15 @@ SimResult Simulate(const SimInput& in) {
       // The worker's copies are there at the norm; the host does those layers after all others
       // (the tied embedding's other rows included).
       if (in.updates_wait_for_norm) norm_known[t] = all_final;
-      for (int l = 1; l <= in.device_blocks; ++l) updated[t][in.device_owner_base + l - 1] = norm_known[t];
-      std::stable_partition(order.begin(), order.end(), [&](int o) { return !device_updated_owner(o); });
+      for (int l = 1; l <= in.device_blocks; ++l)
+        updated[t][in.device_owner_base + l - 1] = norm_known[t];
+      std::stable_partition(order.begin(), order.end(),
+                            [&](int o) { return !device_updated_owner(o); });
     }
     for (int o : order) {
       const double ready = in.updates_wait_for_norm ? all_final : normed[o];
-      const double cost = rows_first && o == 0 ? (1.0 - in.lookup_fraction) * cost_of(0) : cost_of(o);
+      const double cost =
+          rows_first && o == 0 ? (1.0 - in.lookup_fraction) * cost_of(0) : cost_of(o);
       const double start = std::max(optimizer_free, ready);
       updated[t][o] = start + cost;
       optimizer_free = updated[t][o];
@@ -98,7 +107,8 @@ SimResult Simulate(const SimInput& in) {
   std::vector<std::vector<double>> chain(K, std::vector<double>(M, 0.0));
   std::vector<JobSlot> order = in.order;
   bool valid = order.size() == static_cast<size_t>(jobs_per_step);
-  for (const auto& j : order) valid = valid && j.call >= 0 && j.call < K && j.stage >= 0 && j.stage < S;
+  for (const auto& j : order)
+    valid = valid && j.call >= 0 && j.call < K && j.stage >= 0 && j.stage < S;
   if (!valid) order.clear();  // not one step's jobs: call by call (the contract's default)
   if (order.empty())
     for (int c = 0; c < K; ++c)
@@ -148,7 +158,9 @@ SimResult Simulate(const SimInput& in) {
       const int64_t k = static_cast<int64_t>(t) * jobs_per_step + pos;
       const int w = static_cast<int>(k % N);
       const SimStage& st = in.stages[s];
-      auto copy_s = [&](double bytes) { return in.h2d_bytes_per_s > 0 ? bytes / in.h2d_bytes_per_s : 0.0; };
+      auto copy_s = [&](double bytes) {
+        return in.h2d_bytes_per_s > 0 ? bytes / in.h2d_bytes_per_s : 0.0;
+      };
       auto ready_at = [&](const std::vector<int>& owner_layers) {
         double ready = 0.0;
         if (need >= 0)
@@ -157,7 +169,7 @@ SimResult Simulate(const SimInput& in) {
       };
       double fetch_end = std::max(weights_free[w], began[w]);
       std::vector<double> layer_copied;  // per fetch: when its copy ends
-      if (st.fetches.empty()) {  // one copy after the last owner's update
+      if (st.fetches.empty()) {          // one copy after the last owner's update
         fetch_end = std::max(fetch_end, ready_at(st.owners)) + copy_s(st.weight_bytes);
       } else {  // layer by layer, each as soon as it is published
         for (const SimFetch& f : st.fetches) {
@@ -171,7 +183,8 @@ SimResult Simulate(const SimInput& in) {
       const size_t L = st.layer_compute_s.size();
       double lm_begin = 0.0;
       bool layer_major = false;
-      if (in.layer_major != SimInput::LayerMajor::kNever && L > 1 && L == layer_copied.size() && M > 1) {
+      if (in.layer_major != SimInput::LayerMajor::kNever && L > 1 && L == layer_copied.size() &&
+          M > 1) {
         lm_begin = std::max(compute_free[w], layer_copied[0]);
         for (int m = 0; m < M && s > 0; ++m) lm_begin = std::max(lm_begin, chain[c][m]);
         layer_major = in.layer_major == SimInput::LayerMajor::kAlways || lm_begin < fetch_end;
@@ -187,9 +200,11 @@ SimResult Simulate(const SimInput& in) {
         // every microbatch once it is copied.
         if (in.copies_overlap) now += in_copy;  // the others' copies overlap the first's compute
         if (first_start[w] < 0) first_start[w] = now;
-        if (!in.copies_overlap) now += M * in_copy;  // in series, and busy, as microbatch order has them
+        if (!in.copies_overlap)
+          now += M * in_copy;  // in series, and busy, as microbatch order has them
         now += M * std::max(0.0, overhead);
-        for (size_t i = 0; i < L; ++i) now = std::max(now, layer_copied[i]) + M * st.layer_compute_s[i];
+        for (size_t i = 0; i < L; ++i)
+          now = std::max(now, layer_copied[i]) + M * st.layer_compute_s[i];
         if (!in.copies_overlap) now += M * out_copy;
         for (int m = 0; m < M; ++m) chain[c][m] = now + (in.copies_overlap ? out_copy : 0.0);
         outputs_done = chain[c][M - 1];
@@ -233,8 +248,9 @@ SimResult Simulate(const SimInput& in) {
       norm_known[t] = norm_at;
       // Device updates: stages inside the covered blocks after all others.
       std::vector<GradientJob> ordered(waiting.rbegin(), waiting.rend());
-      std::stable_partition(ordered.begin(), ordered.end(),
-                            [&](const GradientJob& g) { return !in.stages[g.stage].device_updated; });
+      std::stable_partition(ordered.begin(), ordered.end(), [&](const GradientJob& g) {
+        return !in.stages[g.stage].device_updated;
+      });
       // A streamed arena: a commit waits for room, which the host's updates of earlier commits'
       // layers release, one commit after another from where the previous step's updates left
       // the optimizer (run_updates' order: the commits' grant order, covered layers last). A
@@ -243,7 +259,8 @@ SimResult Simulate(const SimInput& in) {
       if (in.arena_bytes > 0)
         for (size_t i = 0; i < ordered.size(); ++i)
           for (int o : in.stages[ordered[i].stage].owners) last_commit[o] = static_cast<int>(i);
-      std::vector<std::pair<double, double>> placed;  // (released at, bytes) per layer, in update order
+      std::vector<std::pair<double, double>>
+          placed;  // (released at, bytes) per layer, in update order
       double host_free = optimizer_free;
       for (size_t i = 0; i < ordered.size(); ++i) {
         const SimStage& st = in.stages[ordered[i].stage];
@@ -267,7 +284,8 @@ SimResult Simulate(const SimInput& in) {
           const int o = st.owners[j];
           const double bytes = j < st.owner_arena_bytes.size() ? st.owner_arena_bytes[j] : 0.0;
           if (last_commit[o] != static_cast<int>(i)) continue;  // updated after a later commit
-          host_free = std::max(host_free, end) + (o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0);
+          host_free = std::max(host_free, end) +
+                      (o < static_cast<int>(in.update_s.size()) ? in.update_s[o] : 0.0);
           if (bytes > 0) placed.push_back({host_free, bytes});
         }
       }
@@ -334,14 +352,16 @@ SimResult SimulateRoundRobin(const std::vector<double>& stage_time, int workers,
 double NodeSumSeconds(const SimInput& in, double bytes) {
   if (in.nodes <= 1) return 0.0;
   const double n = static_cast<double>(in.nodes);
-  const double wire = in.node_link_bytes_per_s > 0 ? 2.0 * (n - 1.0) / n * bytes / in.node_link_bytes_per_s : 0.0;
+  const double wire =
+      in.node_link_bytes_per_s > 0 ? 2.0 * (n - 1.0) / n * bytes / in.node_link_bytes_per_s : 0.0;
   return wire + 2.0 * (n - 1.0) * in.node_hop_s;
 }
 
 double NodeGatherSeconds(const SimInput& in, double bytes) {
   if (in.nodes <= 1) return 0.0;
   const double n = static_cast<double>(in.nodes);
-  const double wire = in.node_link_bytes_per_s > 0 ? (n - 1.0) / n * bytes / in.node_link_bytes_per_s : 0.0;
+  const double wire =
+      in.node_link_bytes_per_s > 0 ? (n - 1.0) / n * bytes / in.node_link_bytes_per_s : 0.0;
   return wire + (n - 1.0) * in.node_hop_s;
 }
 
@@ -369,11 +389,13 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   // pass on the host.
   in.commits_wait_for_norm = core::GradientsWaitInWorkers(c);
   in.updates_wait_for_norm = core::UpdatesWaitForNorm(c) && !in.commits_wait_for_norm;
-  in.copies_overlap = c.job.device != core::DeviceKind::kCpu;  // as WorkloadKey() tells the two kinds apart
+  in.copies_overlap =
+      c.job.device != core::DeviceKind::kCpu;  // as WorkloadKey() tells the two kinds apart
   in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
-  in.layer_major = c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
-                   : c.bench.layer_major_forward == core::Tristate::kAlways ? SimInput::LayerMajor::kAlways
-                                                                : SimInput::LayerMajor::kAuto;
+  in.layer_major =
+      c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
+      : c.bench.layer_major_forward == core::Tristate::kAlways ? SimInput::LayerMajor::kAlways
+                                                               : SimInput::LayerMajor::kAuto;
   const double elem = static_cast<double>(core::ComputeElemBytes(c));
   // Trainable weights cross the link as fp32 when workers fetch the masters.
   const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
@@ -391,7 +413,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   const bool mapped = LookupInPlaceParam(c, spec) >= 0;
   // Distinct rows of a step's tokens, expected for tokens drawn uniformly.
   const double vocab = static_cast<double>(c.model.vocab_size);
-  const double step_tokens = tokens * static_cast<double>(core::Round(c).microbatches * core::Round(c).calls);
+  const double step_tokens =
+      tokens * static_cast<double>(core::Round(c).microbatches * core::Round(c).calls);
   const double touched_rows = -vocab * std::expm1(step_tokens * std::log1p(-1.0 / vocab));
   if (mapped) {
     in.lookup_owner = plan.num_layers;
@@ -418,7 +441,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       // A kept layer (schedule.kept_blocks) backpropagates through its forward's graph, with the
       // forward's weights.
       const bool adopted = s.kind == StageKind::kBackward && plan.KeepsGraph(l);
-      st.compute_s += s.kind == StageKind::kForward ? lc.forward_s : (adopted ? 0.0 : lc.recompute_s) + lc.backward_s;
+      st.compute_s += s.kind == StageKind::kForward
+                          ? lc.forward_s
+                          : (adopted ? 0.0 : lc.recompute_s) + lc.backward_s;
       // train.layer_recompute: a gradient stage first runs its layers (not the head) without
       // autograd, then rebuilds each one's graph.
       if (grads && c.train.layer_recompute && l < plan.num_layers - 1) st.compute_s += lc.forward_s;
@@ -431,7 +456,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
         // A compact lookup slot (CompactLookupRows) commits the rows of the step's tokens only.
         const ParamSpec& ps = spec.params[use.param];
         const bool compact = CompactLookupRows(c, spec, use.grad_slot) > 0;
-        const double elems = compact ? touched_rows * static_cast<double>(ps.shape[1]) : static_cast<double>(ps.numel);
+        const double elems = compact ? touched_rows * static_cast<double>(ps.shape[1])
+                                     : static_cast<double>(ps.numel);
         if (grads) st.grad_bytes += elems * 4.0;
         owner[spec.params[use.param].owner_layer] = true;
         f.owners.push_back(spec.params[use.param].owner_layer);
@@ -452,7 +478,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       if (owner[l]) {
         st.owners.push_back(l);
         if (in.arena_bytes > 0) {
-          st.owner_arena_bytes.push_back(static_cast<double>(arena_by_owner[i][static_cast<size_t>(l)]));
+          st.owner_arena_bytes.push_back(
+              static_cast<double>(arena_by_owner[i][static_cast<size_t>(l)]));
           st.arena_bytes += st.owner_arena_bytes.back();
         }
       }
@@ -482,8 +509,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     // The norm moves host memory at the first pass's rate: that pass reads the master, both
     // moments and the gradient and writes the fetched copy (the fp32 master, or a compute copy;
     // stale1's one pass writes all of them).
-    const double pass_bytes = c.optimizer.mode == core::OptimizerMode::kStale1 ? 16.0 + 12.0 + elem
-                                                           : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
+    const double pass_bytes = c.optimizer.mode == core::OptimizerMode::kStale1
+                                  ? 16.0 + 12.0 + elem
+                                  : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
     const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;
     std::vector<int> slots(spec.params.size(), 0);
     for (const auto& g : spec.grad_slots) slots[g.param]++;
@@ -491,8 +519,10 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       const ParamSpec& ps = spec.params[p];
       // A device-updated layer's host update is one whole pass: masters and moments written too.
       const double whole = 28.0 + (WorkersFetchMasters(c) ? 0.0 : elem);
-      const double pass = device_updated(ps.owner_layer) && !in.commits_wait_for_norm ? whole / pass_bytes : 1.0;
-      in.update_s[ps.owner_layer] += pass * static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
+      const double pass =
+          device_updated(ps.owner_layer) && !in.commits_wait_for_norm ? whole / pass_bytes : 1.0;
+      in.update_s[ps.owner_layer] +=
+          pass * static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
       // A tied embedding squares its head slot's rows before its lookup slot is final; at the
       // end it folds (reads both, writes one) and squares the rows of the step's tokens only.
       const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0

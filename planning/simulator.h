@@ -60,9 +60,10 @@ struct SimStage {
   double out_bytes = 0.0;     // per microbatch, device -> host after compute
   double weight_bytes = 0.0;  // per job
   double grad_bytes = 0.0;    // per job, written back after the last microbatch (0: none)
-  double arena_bytes = 0.0;   // per job, what its commit places in the arena (SimInput::arena_bytes)
-  std::vector<double> owner_arena_bytes;  // of those, per entry of `owners` (released with its update)
-  std::vector<int> owners;    // owner layers whose weights it reads (and gradients it writes)
+  double arena_bytes = 0.0;  // per job, what its commit places in the arena (SimInput::arena_bytes)
+  std::vector<double>
+      owner_arena_bytes;    // of those, per entry of `owners` (released with its update)
+  std::vector<int> owners;  // owner layers whose weights it reads (and gradients it writes)
   // Device updates (SimInput::device_blocks): every owner it writes is one of those blocks; with
   // commits waiting for the norm such stages commit after all others.
   bool device_updated = false;
@@ -153,7 +154,7 @@ struct SimResult {
   double drain_ratio = 0.0;   // idle after a worker's last microbatch
   double imbalance_ratio = 0.0;
   std::vector<double> step_done;  // per step: its last microbatch or gradient copy finished
-  double steady_step_s = 0.0;     // (step_done[last] - step_done[0]) / (steps - 1); 1 step: makespan
+  double steady_step_s = 0.0;  // (step_done[last] - step_done[0]) / (steps - 1); 1 step: makespan
   double steady_bubble_ratio = 0.0;  // 1 - busy per step / (N x steady_step_s)
   // Per worker: the most fp32 gradient bytes of finished jobs waiting on the device for their
   // write-back at one time (device memory on top of the running job's).
@@ -173,6 +174,5 @@ SimInput BuildSimInput(const JobConfig& cfg, const ModelSpec& spec, const Pipeli
 
 // Seconds of modelled activation transfer for one microbatch of `stage`.
 double TransferSeconds(const SimStage& stage, double h2d_bytes_per_s, double d2h_bytes_per_s);
-
 
 }  // namespace rp::core

@@ -46,7 +46,8 @@ StatusOr<RouterChannel> RouterChannel::Bind(const std::string& endpoint) {
     auto impl = std::make_unique<Impl>();
     impl->wake = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (impl->wake.get() < 0)
-      return Status::IoError(std::string("creating the control socket's wake-up eventfd: ") + std::strerror(errno));
+      return Status::IoError(std::string("creating the control socket's wake-up eventfd: ") +
+                             std::strerror(errno));
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 1);
     // A replacement worker connects with its dead predecessor's routing id and takes it over.
@@ -65,7 +66,8 @@ Status RouterChannel::Send(int rank, const Message& m) {
   try {
     auto r1 = impl_->sock.send(zmq::buffer(id), zmq::send_flags::sndmore);
     auto r2 = impl_->sock.send(zmq::buffer(frame), zmq::send_flags::none);
-    if (!r1 || !r2) return Status::Unavailable("sending to worker " + std::to_string(rank) + ": would block");
+    if (!r1 || !r2)
+      return Status::Unavailable("sending to worker " + std::to_string(rank) + ": would block");
   } catch (const zmq::error_t& e) {
     return Status::Unavailable("sending " + std::string(MsgTypeName(TypeOfMessage(m))) +
                                " to worker " + std::to_string(rank) + ": " + e.what());
@@ -81,7 +83,8 @@ void RouterChannel::Wake() {
 
 StatusOr<std::optional<Envelope>> RouterChannel::Receive(int timeout_ms) {
   try {
-    zmq::pollitem_t items[] = {{impl_->sock.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, impl_->wake.get(), ZMQ_POLLIN, 0}};
+    zmq::pollitem_t items[] = {{impl_->sock.handle(), 0, ZMQ_POLLIN, 0},
+                               {nullptr, impl_->wake.get(), ZMQ_POLLIN, 0}};
     zmq::poll(items, 2, std::chrono::milliseconds(timeout_ms));
     if (items[1].revents & ZMQ_POLLIN) {
       uint64_t count = 0;
@@ -101,7 +104,10 @@ StatusOr<std::optional<Envelope>> RouterChannel::Receive(int timeout_ms) {
     if (id.size() >= 2 && id.size() <= 6 && id[0] == 'w') {
       rank = 0;
       for (size_t i = 1; i < id.size(); ++i) {
-        if (id[i] < '0' || id[i] > '9') { rank = -1; break; }
+        if (id[i] < '0' || id[i] > '9') {
+          rank = -1;
+          break;
+        }
         rank = rank * 10 + (id[i] - '0');
       }
     }

@@ -132,9 +132,12 @@ StatusOr<Message> Decode(std::string_view frame) {
     return Status::ProtocolError("Welcome: segment_name is not NUL-terminated");
   if (auto* f = std::get_if<JobFailed>(&m.value()); f && !Terminated(f->message))
     return Status::ProtocolError("JobFailed: message is not NUL-terminated");
-  if (auto* t = std::get_if<LayerTime>(&m.value()); t && (t->phase < 0 || t->phase > kMaxLayerPhase))
-    return Status::ProtocolError("LayerTime: phase " + std::to_string(t->phase) + " is out of range");
-  if (auto* d = std::get_if<MicrobatchDone>(&m.value()); d && (d->flags & ~kKnownMicrobatchFlags) != 0)
+  if (auto* t = std::get_if<LayerTime>(&m.value());
+      t && (t->phase < 0 || t->phase > kMaxLayerPhase))
+    return Status::ProtocolError("LayerTime: phase " + std::to_string(t->phase) +
+                                 " is out of range");
+  if (auto* d = std::get_if<MicrobatchDone>(&m.value());
+      d && (d->flags & ~kKnownMicrobatchFlags) != 0)
     return Status::ProtocolError("MicrobatchDone: unknown flags " + std::to_string(d->flags));
   return m;
 }

@@ -102,15 +102,15 @@ struct Welcome {
 static_assert(sizeof(Welcome) == 80);
 
 struct RunJob {
-  int64_t job_index;      // global launch counter (round-robin key)
+  int64_t job_index;  // global launch counter (round-robin key)
   int64_t step;
-  int32_t call;           // accumulation call inside the step
-  int32_t stage;          // index into PipelinePlan::stages
-  int32_t parity;         // activation slot set: global call % ArenaLayout::parities
+  int32_t call;    // accumulation call inside the step
+  int32_t stage;   // index into PipelinePlan::stages
+  int32_t parity;  // activation slot set: global call % ArenaLayout::parities
   int32_t num_microbatches;
-  double loss_scale;      // 1 / (non-ignored targets in the whole step)
+  double loss_scale;        // 1 / (non-ignored targets in the whole step)
   int64_t weights_version;  // fetch only after every used layer's version reaches this
-  int32_t profile;        // 1: time every layer of every microbatch and send LayerTime
+  int32_t profile;          // 1: time every layer of every microbatch and send LayerTime
   uint32_t reserved;
 };
 static_assert(sizeof(RunJob) == 56);
@@ -139,10 +139,10 @@ inline constexpr uint32_t kKnownMicrobatchFlags = kMicrobatchLayerMajor;
 struct MicrobatchDone {
   int64_t job_index;
   int32_t microbatch;
-  uint32_t flags;         // kMicrobatchLayerMajor
-  double loss_sum;        // fused tail only: summed token cross-entropy (unscaled)
-  int64_t targets;        // fused tail only: non-ignored labels in this microbatch
-  int64_t start_us;       // wall clock, microseconds
+  uint32_t flags;    // kMicrobatchLayerMajor
+  double loss_sum;   // fused tail only: summed token cross-entropy (unscaled)
+  int64_t targets;   // fused tail only: non-ignored labels in this microbatch
+  int64_t start_us;  // wall clock, microseconds
   int64_t end_us;
 };
 static_assert(sizeof(MicrobatchDone) == 48);
@@ -154,38 +154,39 @@ static_assert(sizeof(GradsReady) == 8);
 
 struct CommitGrads {
   int64_t job_index;
-  int32_t accumulate;     // 0: first commit of these slots in the step, overwrite; 1: add
+  int32_t accumulate;  // 0: first commit of these slots in the step, overwrite; 1: add
   uint32_t reserved;
 };
 static_assert(sizeof(CommitGrads) == 16);
 
 struct JobDone {
   int64_t job_index;
-  int64_t start_us;       // job began (weight fetch)
-  int64_t fetch_end_us;   // weights resident
+  int64_t start_us;      // job began (weight fetch)
+  int64_t fetch_end_us;  // weights resident
   int64_t end_us;
   // Several nodes, fused tail jobs: the loss of this job summed over the same job of every node
   // (summed token cross-entropy, non-ignored labels); the step's loss is their sum. 0 otherwise.
   double nodes_loss_sum;
   int64_t nodes_targets;
-  int64_t device_peak_bytes;  // the worker's peak of device memory held by tensors so far; -1: not tracked
+  int64_t device_peak_bytes;  // the worker's peak of device memory held by tensors so far; -1: not
+                              // tracked
 };
 static_assert(sizeof(JobDone) == 56);
 
 struct JobFailed {
   int64_t job_index;
-  char message[504];      // NUL-terminated
+  char message[504];  // NUL-terminated
 };
 static_assert(sizeof(JobFailed) == 512);
 
 struct Shutdown {
-  int32_t exit_code;      // what the worker should exit with
+  int32_t exit_code;  // what the worker should exit with
   uint32_t reserved;
 };
 static_assert(sizeof(Shutdown) == 8);
 
 struct Heartbeat {
-  int64_t sent_us;        // wall clock, microseconds
+  int64_t sent_us;  // wall clock, microseconds
 };
 static_assert(sizeof(Heartbeat) == 8);
 
@@ -209,12 +210,12 @@ inline constexpr int32_t kMaxLayerPhase = 2;
 struct LayerTime {
   int64_t job_index;
   int32_t microbatch;
-  int32_t layer;          // pipeline layer (0 = embedding, L + 1 = head)
-  int32_t phase;          // LayerPhase
+  int32_t layer;  // pipeline layer (0 = embedding, L + 1 = head)
+  int32_t phase;  // LayerPhase
   uint32_t reserved;
-  double seconds;         // device time (CUDA events on the compute stream; CPU: wall clock)
-  int64_t saved_bytes;    // device memory the layer's autograd forward left allocated (its
-                          // saved activations and output); -1 where not measured (CPU)
+  double seconds;       // device time (CUDA events on the compute stream; CPU: wall clock)
+  int64_t saved_bytes;  // device memory the layer's autograd forward left allocated (its
+                        // saved activations and output); -1 where not measured (CPU)
 };
 static_assert(sizeof(LayerTime) == 40);
 
@@ -232,8 +233,8 @@ static_assert(sizeof(RunEval) == 32);
 
 struct EvalDone {
   int64_t job_index;
-  double loss_sum;          // summed token cross-entropy
-  int64_t targets;          // labels != -100
+  double loss_sum;  // summed token cross-entropy
+  int64_t targets;  // labels != -100
   int64_t start_us, end_us;
 };
 static_assert(sizeof(EvalDone) == 40);
@@ -243,9 +244,9 @@ static_assert(sizeof(EvalDone) == 40);
 // the workers' device backend: a cudaIpcMemHandle_t for CUDA workers (64 bytes), a
 // NUL-terminated shared-memory name for CPU workers.
 struct ActivationPool {
-  int32_t rank;             // owner
-  int32_t device_index;     // owner's CUDA device, -1 for CPU
-  uint64_t bytes;           // must equal the layout's pool_bytes
+  int32_t rank;          // owner
+  int32_t device_index;  // owner's CUDA device, -1 for CPU
+  uint64_t bytes;        // must equal the layout's pool_bytes
   char handle[64];
 };
 static_assert(sizeof(ActivationPool) == 80);
@@ -254,9 +255,9 @@ static_assert(sizeof(ActivationPool) == 80);
 // coordinator's optimizer uses (gpu_worker/device_update.h). Sent once the step's norm is known.
 struct StepUpdate {
   int64_t step;
-  int64_t adam_step;      // 1-based count of updates applied, this one included
+  int64_t adam_step;  // 1-based count of updates applied, this one included
   double lr;
-  float grad_scale;       // clip scale: what the update multiplies gradients by
+  float grad_scale;  // clip scale: what the update multiplies gradients by
   uint32_t reserved;
 };
 static_assert(sizeof(StepUpdate) == 32);
@@ -267,22 +268,73 @@ using Message = std::variant<Hello, Welcome, RunJob, InputReady, MicrobatchDone,
 
 template <typename T>
 constexpr MsgType TypeOf();
-template <> constexpr MsgType TypeOf<Hello>() { return MsgType::kHello; }
-template <> constexpr MsgType TypeOf<Welcome>() { return MsgType::kWelcome; }
-template <> constexpr MsgType TypeOf<RunJob>() { return MsgType::kRunJob; }
-template <> constexpr MsgType TypeOf<InputReady>() { return MsgType::kInputReady; }
-template <> constexpr MsgType TypeOf<MicrobatchDone>() { return MsgType::kMicrobatchDone; }
-template <> constexpr MsgType TypeOf<GradsReady>() { return MsgType::kGradsReady; }
-template <> constexpr MsgType TypeOf<CommitGrads>() { return MsgType::kCommitGrads; }
-template <> constexpr MsgType TypeOf<JobDone>() { return MsgType::kJobDone; }
-template <> constexpr MsgType TypeOf<JobFailed>() { return MsgType::kJobFailed; }
-template <> constexpr MsgType TypeOf<Shutdown>() { return MsgType::kShutdown; }
-template <> constexpr MsgType TypeOf<Heartbeat>() { return MsgType::kHeartbeat; }
-template <> constexpr MsgType TypeOf<LinkProbe>() { return MsgType::kLinkProbe; }
-template <> constexpr MsgType TypeOf<LayerTime>() { return MsgType::kLayerTime; }
-template <> constexpr MsgType TypeOf<RunEval>() { return MsgType::kRunEval; }
-template <> constexpr MsgType TypeOf<EvalDone>() { return MsgType::kEvalDone; }
-template <> constexpr MsgType TypeOf<ActivationPool>() { return MsgType::kActivationPool; }
-template <> constexpr MsgType TypeOf<StepUpdate>() { return MsgType::kStepUpdate; }
+template <>
+constexpr MsgType TypeOf<Hello>() {
+  return MsgType::kHello;
+}
+template <>
+constexpr MsgType TypeOf<Welcome>() {
+  return MsgType::kWelcome;
+}
+template <>
+constexpr MsgType TypeOf<RunJob>() {
+  return MsgType::kRunJob;
+}
+template <>
+constexpr MsgType TypeOf<InputReady>() {
+  return MsgType::kInputReady;
+}
+template <>
+constexpr MsgType TypeOf<MicrobatchDone>() {
+  return MsgType::kMicrobatchDone;
+}
+template <>
+constexpr MsgType TypeOf<GradsReady>() {
+  return MsgType::kGradsReady;
+}
+template <>
+constexpr MsgType TypeOf<CommitGrads>() {
+  return MsgType::kCommitGrads;
+}
+template <>
+constexpr MsgType TypeOf<JobDone>() {
+  return MsgType::kJobDone;
+}
+template <>
+constexpr MsgType TypeOf<JobFailed>() {
+  return MsgType::kJobFailed;
+}
+template <>
+constexpr MsgType TypeOf<Shutdown>() {
+  return MsgType::kShutdown;
+}
+template <>
+constexpr MsgType TypeOf<Heartbeat>() {
+  return MsgType::kHeartbeat;
+}
+template <>
+constexpr MsgType TypeOf<LinkProbe>() {
+  return MsgType::kLinkProbe;
+}
+template <>
+constexpr MsgType TypeOf<LayerTime>() {
+  return MsgType::kLayerTime;
+}
+template <>
+constexpr MsgType TypeOf<RunEval>() {
+  return MsgType::kRunEval;
+}
+template <>
+constexpr MsgType TypeOf<EvalDone>() {
+  return MsgType::kEvalDone;
+}
+template <>
+constexpr MsgType TypeOf<ActivationPool>() {
+  return MsgType::kActivationPool;
+}
+template <>
+constexpr MsgType TypeOf<StepUpdate>() {
+  return MsgType::kStepUpdate;
+}
 
 }  // namespace rp::proto

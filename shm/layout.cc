@@ -23,14 +23,15 @@ uint64_t PackWeights(const std::vector<core::ParamSpec>& params, int elem_bytes,
 uint64_t HashParams(uint64_t h, const std::vector<core::ParamSpec>& params, uint64_t salt) {
   for (const auto& p : params) {
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
-    h = salt == 0 ? HashKey({h, static_cast<uint64_t>(p.numel)}) : HashKey({h, salt, static_cast<uint64_t>(p.numel)});
+    h = salt == 0 ? HashKey({h, static_cast<uint64_t>(p.numel)})
+                  : HashKey({h, salt, static_cast<uint64_t>(p.numel)});
   }
   return h;
 }
 }  // namespace
 
-OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state, core::OptimizerName optimizer,
-                               int64_t nodes, int64_t rank) {
+OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state,
+                               core::OptimizerName optimizer, int64_t nodes, int64_t rank) {
   // SGD keeps one state buffer (momentum, in adam_m); AdamW two.
   OptimLayout o;
   for (const auto& p : spec.params) o.share.push_back(core::ShardOf(p.numel, nodes, rank));
@@ -69,7 +70,8 @@ uint64_t ArenaLayout::EvalPositionSlot(int slot) const {
 }
 // Offset of input-gradient slot (parity, mb, idx) from the start of the input-gradient region.
 static uint64_t GradInRegion(const ArenaLayout& a, int parity, int mb, int idx) {
-  return ((static_cast<uint64_t>(parity) * a.microbatches + mb) * a.grad_slots_per_mb + idx % a.grad_slots_per_mb) *
+  return ((static_cast<uint64_t>(parity) * a.microbatches + mb) * a.grad_slots_per_mb +
+          idx % a.grad_slots_per_mb) *
          a.act_slot_bytes;
 }
 // A pool holds the hidden slots, then the input-gradient slots, at the offsets the segment's
@@ -78,10 +80,13 @@ uint64_t ArenaLayout::PoolHiddenSlot(int parity, int mb, int idx) const {
   return ((static_cast<uint64_t>(parity) * microbatches + mb) * num_hidden + idx) * act_slot_bytes;
 }
 uint64_t ArenaLayout::PoolInputGradSlot(int parity, int mb, int idx) const {
-  const uint64_t hidden_bytes = static_cast<uint64_t>(parities) * microbatches * num_hidden * act_slot_bytes;
+  const uint64_t hidden_bytes =
+      static_cast<uint64_t>(parities) * microbatches * num_hidden * act_slot_bytes;
   return hidden_bytes + GradInRegion(*this, parity, mb, idx);
 }
-uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const { return hidden + PoolHiddenSlot(parity, mb, idx); }
+uint64_t ArenaLayout::HiddenSlot(int parity, int mb, int idx) const {
+  return hidden + PoolHiddenSlot(parity, mb, idx);
+}
 uint64_t ArenaLayout::RouterStatsSlot(int parity, int mb, int block) const {
   return router_stats + (static_cast<uint64_t>(parity) * microbatches + mb) * router_slot_bytes +
          static_cast<uint64_t>(block) * 2 * router_experts * 8;
@@ -117,7 +122,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   // stale1 reads the previous version while the optimizer writes the next; a speculative update
   // writes the next while the step still reads the current one.
   a.compute_buffers =
-      c.optimizer.mode == core::OptimizerMode::kStale1 || core::SpeculatesUnclippedUpdate(c) ? 2 : 1;
+      c.optimizer.mode == core::OptimizerMode::kStale1 || core::SpeculatesUnclippedUpdate(c) ? 2
+                                                                                             : 1;
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
   // frozen base out: it is reloaded from its source on resume.
@@ -125,7 +131,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = a.frozen_end = PackWeights(spec.frozen, a.compute_elem_bytes, pos, &a.frozen);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
     a.grad_slot_bytes.push_back(core::GradSlotBytes(c, spec, static_cast<int>(g)));
-    if (core::CompactLookupRows(c, spec, static_cast<int>(g)) > 0) a.compact_lookup_slot = static_cast<int>(g);
+    if (core::CompactLookupRows(c, spec, static_cast<int>(g)) > 0)
+      a.compact_lookup_slot = static_cast<int>(g);
   }
   a.sharded_grads = core::ShardedGradients(c);
   a.grad_arena = pos;
@@ -161,7 +168,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   if (in_segment) pos += slots * a.num_hidden * a.act_slot_bytes;
   a.input_grad = pos;
   if (in_segment) pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
-  if (a.activations_in_pools) a.pool_bytes = slots * (a.num_hidden + a.grad_slots_per_mb) * a.act_slot_bytes;
+  if (a.activations_in_pools)
+    a.pool_bytes = slots * (a.num_hidden + a.grad_slots_per_mb) * a.act_slot_bytes;
   if (c.model.moe.aux_loss_weight > 0.0) {
     a.router_blocks = static_cast<int>(core::SparseBlocks(c.model));
     a.router_experts = static_cast<int>(c.model.moe.num_experts);
@@ -184,28 +192,31 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.total_bytes = pos;
 
   // The optimizer segment.
-  OptimLayout o = ComputeOptimLayout(spec, a.masters_in_state, c.optimizer.name, a.sharded ? c.nodes.count : 1,
-                                     a.sharded ? c.nodes.rank : 0);
+  OptimLayout o = ComputeOptimLayout(spec, a.masters_in_state, c.optimizer.name,
+                                     a.sharded ? c.nodes.count : 1, a.sharded ? c.nodes.rank : 0);
   a.share = std::move(o.share);
   if (!a.masters_in_state) a.master = std::move(o.master);
   a.adam_m = std::move(o.adam_m);
   a.adam_v = std::move(o.adam_v);
   a.optim_total_bytes = o.total_bytes;
 
-  uint64_t h = HashKey({kSegmentMagic, kSegmentVersion, a.total_bytes,
-                        static_cast<uint64_t>(a.compute_elem_bytes),
-                        static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities),
-                        static_cast<uint64_t>(a.masters_in_state), static_cast<uint64_t>(a.lookup_from_host)});
+  uint64_t h = HashKey(
+      {kSegmentMagic, kSegmentVersion, a.total_bytes, static_cast<uint64_t>(a.compute_elem_bytes),
+       static_cast<uint64_t>(a.compute_buffers), static_cast<uint64_t>(a.parities),
+       static_cast<uint64_t>(a.masters_in_state), static_cast<uint64_t>(a.lookup_from_host)});
   h = HashParams(h, spec.params, 0);
   h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
-               static_cast<uint64_t>(a.eval_slots), static_cast<uint64_t>(a.activations_in_worker)});
+               static_cast<uint64_t>(a.eval_slots),
+               static_cast<uint64_t>(a.activations_in_worker)});
   if (a.activations_in_pools) h = HashKey({h, 0x900Lu, a.pool_bytes});
   if (a.sharded) h = HashKey({h, 0x5Au, a.gathered_versions, static_cast<uint64_t>(c.nodes.count)});
   if (a.router_blocks > 0)
-    h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks), static_cast<uint64_t>(a.router_experts)});
+    h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks),
+                 static_cast<uint64_t>(a.router_experts)});
   if (a.loss_scaling != 0) h = HashKey({h, 0x1055u, a.loss_scaling});
-  if (a.grad_squares != 0) h = HashKey({h, 0x5Du, a.grad_squares, static_cast<uint64_t>(a.square_chunks)});
+  if (a.grad_squares != 0)
+    h = HashKey({h, 0x5Du, a.grad_squares, static_cast<uint64_t>(a.square_chunks)});
   if (a.sharded_grads) h = HashKey({h, 0x5Eu, a.grad_arena_bytes});
   // The plan is part of the contract too: RunJob names stages by index.
   for (const auto& st : plan.stages)

@@ -2,8 +2,8 @@
 // The two shared-memory segments of a run: header POD and arena layouts.
 //
 // Segment "rp-<session>-state" (one per run, created 0600 by the coordinator before any worker
-// attaches, never resized; see docs/architecture.md, "The shared-memory segments"). Workers map it and pin it for DMA, so it holds
-// only what workers read or write:
+// attaches, never resized; see docs/architecture.md, "The shared-memory segments"). Workers map it
+// and pin it for DMA, so it holds only what workers read or write:
 //
 //   [0, 4096)            SegmentHeader (below)
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
@@ -15,7 +15,8 @@
 //                        own shares; the worker that gathers the layer (GatheringWorker) stores
 //                        this (release) once the other nodes' shares are in. What workers wait
 //                        for before a fetch (fetch_versions).
-//   lookup version       std::atomic<uint64_t>, one word after the layer versions: the number of updates the
+//   lookup version       std::atomic<uint64_t>, one word after the layer versions: the number of
+//   updates the
 //                        embedding's rows of the next step's tokens hold (>= the embedding
 //                        layer's version; ahead of it while the optimizer updates those rows
 //                        first, core::LookupFromHost). What a stage that looks up from host
@@ -30,7 +31,8 @@
 //                        When workers fetch the masters (core::WorkersFetchMasters) this region
 //                        holds the fp32 masters instead, and there is no compute copy anywhere;
 //                        with two buffers (core::SpeculatesUnclippedUpdate) the masters holding
-//                        v updates are in buffer v % 2, and the update reads one and writes the other
+//                        v updates are in buffer v % 2, and the update reads one and writes the
+//                        other
 //   frozen weights       LoRA only: the base model's compute copies (dtype = train.dtype), one
 //                        buffer, written once at start and never updated (no version, no master)
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
@@ -78,10 +80,11 @@
 // Every array starts on a kArenaAlign boundary. Accumulation call g uses parity g % P, so with
 // P = 2 call g+1 can fill its slots while call g drains. P = 1 in exact mode with one call per
 // step: there the next call's first stage waits for the embedding's update, which follows the
-// last stage of the previous call, so a second set of slots would never be used concurrently. The layout is a pure function of the job config;
-// its hash is stored in the header and every attacher recomputes and compares it, so a worker
-// built or configured differently refuses to attach instead of reading garbage.
-// No interprocess mutexes live here: single-writer fields and control messages only.
+// last stage of the previous call, so a second set of slots would never be used concurrently. The
+// layout is a pure function of the job config; its hash is stored in the header and every attacher
+// recomputes and compares it, so a worker built or configured differently refuses to attach instead
+// of reading garbage. No interprocess mutexes live here: single-writer fields and control messages
+// only.
 #pragma once
 
 #include <atomic>
@@ -102,7 +105,8 @@ inline constexpr uint64_t kSegmentMagic = 0x3174536550695052ull;  // "RPiPeSt1"
 inline constexpr uint32_t kSegmentVersion = 4;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kArenaAlign = 4096;
-static_assert(kArenaAlign == core::kGradArenaAlign, "the gradient arena is sized in the segment's placement unit");
+static_assert(kArenaAlign == core::kGradArenaAlign,
+              "the gradient arena is sized in the segment's placement unit");
 // The optimizer's chunk of a parameter that is not row-summed (optim/optimizer_step.h
 // checks that they agree): the unit of the gradient squares' table.
 inline constexpr int64_t kSquareChunkElems = int64_t{1} << 20;
@@ -168,27 +172,28 @@ struct OptimLayout {
   std::vector<uint64_t> master, adam_m, adam_v;
   uint64_t total_bytes = 0;
 };
-OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state, core::OptimizerName optimizer,
-                               int64_t nodes, int64_t rank);
+OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state,
+                               core::OptimizerName optimizer, int64_t nodes, int64_t rank);
 
 // Byte offsets of every array. Pure function of the config (see above).
 struct ArenaLayout {
   uint64_t total_bytes = 0;        // the state segment
   uint64_t optim_total_bytes = 0;  // the optimizer segment
   uint64_t hash = 0;
-  int compute_elem_bytes = 4;                     // train.dtype: activations, frozen weights
+  int compute_elem_bytes = 4;  // train.dtype: activations, frozen weights
   // Workers fetch the fp32 masters (core::WorkersFetchMasters): `compute` and `master` are then the
   // same state-segment offsets, weights_elem_bytes is 4 and the worker rounds to train.dtype.
   bool masters_in_state = false;
-  int weights_elem_bytes = 4;                     // what `compute` holds per element
-  std::vector<uint64_t> compute;                  // per parameter, state segment
-  std::vector<uint64_t> master, adam_m, adam_v;   // per parameter, optimizer segment (master: state
-                                                  // segment if masters_in_state); adam_v empty for sgd
+  int weights_elem_bytes = 4;     // what `compute` holds per element
+  std::vector<uint64_t> compute;  // per parameter, state segment
+  std::vector<uint64_t> master, adam_m,
+      adam_v;  // per parameter, optimizer segment (master: state
+               // segment if masters_in_state); adam_v empty for sgd
   // Sharded state (core::ShardedState): per parameter the elements this node updates and keeps
   // the master (when not masters_in_state) and moments of; the whole parameter otherwise.
   bool sharded = false;
   std::vector<core::ElemRange> share;
-  std::vector<uint64_t> grad_slot_bytes;          // per gradient slot: fp32 bytes, 256-aligned
+  std::vector<uint64_t> grad_slot_bytes;  // per gradient slot: fp32 bytes, 256-aligned
   // core::ShardedGradients: each slot holds its parameter's `share` only (element share[p].begin
   // first), and the gradient squares table holds the squares of the whole summed gradients.
   bool sharded_grads = false;
@@ -199,25 +204,25 @@ struct ArenaLayout {
   uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
   bool grads_streamed = false;                    // arena smaller than every slot at once
   uint64_t compute_begin = 0, compute_end = 0;    // the compute-copy region (buffer 0)
-  int compute_buffers = 1;                        // 2 in stale1 mode or with a speculative update: version v in v % 2
-  std::vector<uint64_t> frozen;                   // per frozen parameter (LoRA base), state segment
+  int compute_buffers = 1;  // 2 in stale1 mode or with a speculative update: version v in v % 2
+  std::vector<uint64_t> frozen;  // per frozen parameter (LoRA base), state segment
   uint64_t frozen_begin = 0, frozen_end = 0;
-  uint64_t layer_versions = 0;                    // std::atomic<uint64_t>[num layers]
-  uint64_t gathered_versions = 0;                 // std::atomic<uint64_t>[num layers]; sharded only
+  uint64_t layer_versions = 0;     // std::atomic<uint64_t>[num layers]
+  uint64_t gathered_versions = 0;  // std::atomic<uint64_t>[num layers]; sharded only
   // What a worker waits for before fetching a layer: gathered_versions when sharded, else
   // layer_versions.
   uint64_t fetch_versions = 0;
-  uint64_t lookup_version = 0;                    // std::atomic<uint64_t> (see above)
-  bool lookup_from_host = false;                  // core::LookupInPlaceParam >= 0
+  uint64_t lookup_version = 0;    // std::atomic<uint64_t> (see above)
+  bool lookup_from_host = false;  // core::LookupInPlaceParam >= 0
   uint64_t tokens = 0, labels = 0, positions = 0, hidden = 0, input_grad = 0;
   uint64_t eval_tokens = 0, eval_labels = 0, eval_positions = 0;
   int eval_slots = 0;
-  uint64_t tokens_per_mb = 0;        // elements per token slot
-  uint64_t act_elems = 0;            // elements per hidden / input-grad slot
-  uint64_t act_slot_bytes = 0;       // bytes per slot, aligned
+  uint64_t tokens_per_mb = 0;   // elements per token slot
+  uint64_t act_elems = 0;       // elements per hidden / input-grad slot
+  uint64_t act_slot_bytes = 0;  // bytes per slot, aligned
   int microbatches = 0, num_hidden = 0, num_grad = 0;
-  int parities = 2;                  // activation slot sets (see above)
-  int grad_slots_per_mb = 0;         // input-gradient slots per microbatch: min(num_grad, 2)
+  int parities = 2;           // activation slot sets (see above)
+  int grad_slots_per_mb = 0;  // input-gradient slots per microbatch: min(num_grad, 2)
   // schedule.activations = "worker": the hidden and input-gradient slots exist only in the
   // worker's memory (same indexing); the segment has no bytes for them.
   bool activations_in_worker = false;
@@ -268,7 +273,8 @@ struct ArenaLayout {
   uint64_t EvalPositionSlot(int slot) const;
 };
 
-// Fails only where core::SizeGradArena does (an explicit optimizer.grad_buffer_mb below the minimum).
+// Fails only where core::SizeGradArena does (an explicit optimizer.grad_buffer_mb below the
+// minimum).
 StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& config, const core::ModelSpec& spec,
                                     const core::PipelinePlan& plan);
 
@@ -279,13 +285,18 @@ static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_al
 // (the same rank on every node, so each rank's gathers pair up across the nodes in one order).
 inline int GatheringWorker(int layer, int workers) { return layer % workers; }
 
-inline std::string StateSegmentName(const std::string& session) { return "rp-" + session + "-state"; }
-inline std::string OptimSegmentName(const std::string& session) { return "rp-" + session + "-optim"; }
+inline std::string StateSegmentName(const std::string& session) {
+  return "rp-" + session + "-state";
+}
+inline std::string OptimSegmentName(const std::string& session) {
+  return "rp-" + session + "-optim";
+}
 // The optimizer segment of the run whose state segment is `state_name` (StateSegmentName); empty
 // for a name of another form.
 inline std::string OptimSegmentOf(const std::string& state_name) {
   const std::string suffix = "-state";
-  if (state_name.size() <= suffix.size() || state_name.compare(state_name.size() - suffix.size(), suffix.size(), suffix) != 0)
+  if (state_name.size() <= suffix.size() ||
+      state_name.compare(state_name.size() - suffix.size(), suffix.size(), suffix) != 0)
     return "";
   return state_name.substr(0, state_name.size() - suffix.size()) + "-optim";
 }

@@ -64,16 +64,18 @@ uint64_t CgroupMemoryRoom() {
 Status CheckSharedMemoryRoom(uint64_t bytes, const std::string& what) {
   struct statvfs fs {};
   if (::statvfs(kShmDir, &fs) != 0) {  // cannot tell: let creation decide, as before this check
-    RP_LOG(WARNING) << "statvfs " << kShmDir << ": " << std::strerror(errno) << "; not checking its free space";
+    RP_LOG(WARNING) << "statvfs " << kShmDir << ": " << std::strerror(errno)
+                    << "; not checking its free space";
     return Status::Ok();
   }
   if (fs.f_blocks == 0) return Status::Ok();  // tmpfs mounted with size=0: no limit
   const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
   if (bytes <= free_bytes) return Status::Ok();
-  return Status::InvalidArgument(
-      what + " needs " + GiB(bytes) + " of shared memory, but " + kShmDir + " has " + GiB(free_bytes) +
-      " free: free space there, enlarge it (Docker: --shm-size; otherwise mount -o remount,size=... " +
-      kShmDir + "), or shrink the job");
+  return Status::InvalidArgument(what + " needs " + GiB(bytes) + " of shared memory, but " +
+                                 kShmDir + " has " + GiB(free_bytes) +
+                                 " free: free space there, enlarge it (Docker: --shm-size; "
+                                 "otherwise mount -o remount,size=... " +
+                                 kShmDir + "), or shrink the job");
 }
 
 uint64_t AvailableHostMemory() {
@@ -120,9 +122,11 @@ StatusOr<Segment> Segment::Create(const std::string& name, uint64_t bytes) {
   }
 }
 
-StatusOr<Segment> Segment::CreateStamped(const std::string& name, uint64_t bytes, uint64_t layout_hash) {
+StatusOr<Segment> Segment::CreateStamped(const std::string& name, uint64_t bytes,
+                                         uint64_t layout_hash) {
   if (bytes < kHeaderBytes)
-    return Status::InvalidArgument("segment " + name + ": " + std::to_string(bytes) + " bytes cannot hold its header");
+    return Status::InvalidArgument("segment " + name + ": " + std::to_string(bytes) +
+                                   " bytes cannot hold its header");
   RP_ASSIGN_OR_RETURN(auto seg, Create(name, bytes));
   seg.StampHeader(layout_hash);
   seg.header()->ready.store(1, std::memory_order_release);
@@ -178,8 +182,8 @@ StatusOr<Segment> Segment::OpenReadOnly(const std::string& name, uint64_t expect
   }
   Segment seg(std::move(impl), name);
   if (seg.size() != expected_bytes)
-    return Status::ProtocolError("segment " + name + " has " + std::to_string(seg.size()) + " bytes, this job's layout " +
-                                 std::to_string(expected_bytes));
+    return Status::ProtocolError("segment " + name + " has " + std::to_string(seg.size()) +
+                                 " bytes, this job's layout " + std::to_string(expected_bytes));
   return seg;
 }
 

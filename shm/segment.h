@@ -35,7 +35,8 @@ class Segment {
   static StatusOr<Segment> Create(const std::string& name, uint64_t bytes);
   // Create() plus a header (magic, version, `layout_hash`, size, ready) that Open() accepts: for
   // segments a worker makes for its peers (a CPU worker's activation pool).
-  static StatusOr<Segment> CreateStamped(const std::string& name, uint64_t bytes, uint64_t layout_hash);
+  static StatusOr<Segment> CreateStamped(const std::string& name, uint64_t bytes,
+                                         uint64_t layout_hash);
   // Opens and checks magic, version, size and layout hash.
   static StatusOr<Segment> Open(const std::string& name, uint64_t expected_layout_hash);
   // Maps an existing object that has no header (the optimizer segment) for reading only: the

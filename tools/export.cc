@@ -46,8 +46,10 @@ Status Export(const ExportOptions& o) {
   const std::string spec_path = (fs::path(o.run_dir) / "run-spec.json").string();
   std::error_code ec;
   if (!fs::is_regular_file(spec_path, ec))
-    return Status::InvalidArgument(spec_path + " does not exist: RUN_DIR is the job.output_dir of an rp-launch run, "
-                                   "where the coordinator keeps the run as resolved");
+    return Status::InvalidArgument(
+        spec_path +
+        " does not exist: RUN_DIR is the job.output_dir of an rp-launch run, "
+        "where the coordinator keeps the run as resolved");
   RP_ASSIGN_OR_RETURN(rp::core::RunSpec run, rp::core::ReadRunSpec(spec_path));
   rp::core::JobConfig cfg = run.job;
   // Read as one node reads any checkpoint (whole, or every node's shares) back, from the
@@ -56,37 +58,45 @@ Status Export(const ExportOptions& o) {
   cfg.job.output_dir = o.run_dir;
   const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model, cfg.lora);
   if (o.merged && !spec.lora.enabled())
-    return Status::InvalidArgument("--merged: " + o.run_dir + " is a full fine-tune; its export is the whole model already");
+    return Status::InvalidArgument("--merged: " + o.run_dir +
+                                   " is a full fine-tune; its export is the whole model already");
   if (o.merged && cfg.model.path.empty())
-    return Status::InvalidArgument("--merged: the run's LoRA base was the seeded random init (no model.path), which "
-                                   "rp-export does not rebuild; export the adapter, or use the run's own merged export");
+    return Status::InvalidArgument(
+        "--merged: the run's LoRA base was the seeded random init (no model.path), which "
+        "rp-export does not rebuild; export the adapter, or use the run's own merged export");
   if (!o.dtype.empty()) {
     if (o.dtype == "float32") cfg.checkpoint.export_dtype = rp::core::ExportDtype::kFloat32;
     else if (o.dtype == "bfloat16") cfg.checkpoint.export_dtype = rp::core::ExportDtype::kBfloat16;
     else if (o.dtype == "float16") cfg.checkpoint.export_dtype = rp::core::ExportDtype::kFloat16;
-    else return Status::InvalidArgument("--dtype: \"" + o.dtype + "\" is not float32, bfloat16 or float16");
+    else
+      return Status::InvalidArgument("--dtype: \"" + o.dtype +
+                                     "\" is not float32, bfloat16 or float16");
   }
-  RP_ASSIGN_OR_RETURN(const rp::shm::ArenaLayout layout, rp::shm::ComputeLayout(cfg, spec, run.plan));
+  RP_ASSIGN_OR_RETURN(const rp::shm::ArenaLayout layout,
+                      rp::shm::ComputeLayout(cfg, spec, run.plan));
   auto found = rp::coord::FindTrainingState(rp::coord::CheckpointDir(cfg), o.step);
-  if (!found.ok()) return Status::InvalidArgument(found.status().message());  // said to the user as it is
+  if (!found.ok())
+    return Status::InvalidArgument(found.status().message());  // said to the user as it is
   const rp::coord::StateFile file = *found;
-  const fs::path out = o.out.empty() ? fs::path(o.run_dir) / ("export-step-" + std::to_string(file.steps_done))
-                                     : fs::path(o.out);
+  const fs::path out =
+      o.out.empty() ? fs::path(o.run_dir) / ("export-step-" + std::to_string(file.steps_done))
+                    : fs::path(o.out);
   if (fs::exists(out, ec))
-    return Status::InvalidArgument(out.string() + " exists; rp-export writes a new directory and overwrites nothing");
+    return Status::InvalidArgument(
+        out.string() + " exists; rp-export writes a new directory and overwrites nothing");
   // The segments as the run held them, filled from the checkpoint (pages only where it writes).
   std::unique_ptr<uint8_t[]> optim(new uint8_t[std::max<uint64_t>(layout.optim_total_bytes, 1)]);
   std::unique_ptr<uint8_t[]> state(new uint8_t[std::max<uint64_t>(layout.total_bytes, 1)]);
-  RP_RETURN_IF_ERROR(rp::coord::ReadTrainingStateShares(file, cfg, spec, layout,
-                                                        rp::coord::TrainingStateHash(cfg, spec, layout), optim.get(),
-                                                        state.get()));
+  RP_RETURN_IF_ERROR(rp::coord::ReadTrainingStateShares(
+      file, cfg, spec, layout, rp::coord::TrainingStateHash(cfg, spec, layout), optim.get(),
+      state.get()));
   // Parameter p's fp32 weights after steps_done updates, where the run keeps them
   // (coord::HostState::Weights, one node).
   const int64_t version = file.steps_done;
   auto master = [&](int p) -> const float* {
     if (layout.masters_in_state)
-      return reinterpret_cast<const float*>(state.get() +
-                                            layout.ComputeCopy(p, static_cast<int>(version % layout.compute_buffers)));
+      return reinterpret_cast<const float*>(
+          state.get() + layout.ComputeCopy(p, static_cast<int>(version % layout.compute_buffers)));
     return reinterpret_cast<const float*>(optim.get() + layout.master[p]);
   };
   std::optional<rp::core::HfWeights> base;
@@ -123,12 +133,16 @@ Status Export(const ExportOptions& o) {
 
 int main(int argc, char** argv) {
   ExportOptions o;
-  CLI::App app{"RoundPipe export: a training checkpoint as a Hugging Face directory or a PEFT adapter"};
+  CLI::App app{
+      "RoundPipe export: a training checkpoint as a Hugging Face directory or a PEFT adapter"};
   app.add_option("run_dir", o.run_dir, "the run's output directory (job.output_dir)")->required();
   app.add_option("--step", o.step, "the checkpoint after this many steps (default: the newest)");
-  app.add_flag("--merged", o.merged, "LoRA: the merged model (W + alpha/rank * B A) instead of the adapter");
-  app.add_option("--out", o.out, "output directory (default RUN_DIR/export-step-N); must not exist");
-  app.add_option("--dtype", o.dtype, "float32, bfloat16 or float16 (default: the run's checkpoint.export_dtype)");
+  app.add_flag("--merged", o.merged,
+               "LoRA: the merged model (W + alpha/rank * B A) instead of the adapter");
+  app.add_option("--out", o.out,
+                 "output directory (default RUN_DIR/export-step-N); must not exist");
+  app.add_option("--dtype", o.dtype,
+                 "float32, bfloat16 or float16 (default: the run's checkpoint.export_dtype)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// rp-plan job.toml --gpus N [--nnodes N] [--profile out/profile.json] [--set section.key=value ...] [--json]
-// Prints the plan schedule.partition = "auto" would run, with the simulator's predictions from
-// a measured profile (--profile, or schedule.profile) or the FLOP cost model. With
-// partition = "equal" in the job it also shows the job's own plan under the same costs, and
-// then no auto plan under schedule.gpu_memory_gb is no error: it says why in place of that plan
+// rp-plan job.toml --gpus N [--nnodes N] [--profile out/profile.json] [--set section.key=value ...]
+// [--json] Prints the plan schedule.partition = "auto" would run, with the simulator's predictions
+// from a measured profile (--profile, or schedule.profile) or the FLOP cost model. With partition =
+// "equal" in the job it also shows the job's own plan under the same costs, and then no auto plan
+// under schedule.gpu_memory_gb is no error: it says why in place of that plan
 // (--json: "auto_plan_error" in place of its fields).
 // --json prints one JSON object and nothing else.
 //
@@ -98,12 +98,15 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
 int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_memory_gb, bool json,
            const rp::core::DeviceModel& device) {
   if (cfg.schedule.gpu_memory_gb <= 0) {
-    std::fprintf(stderr, "rp-plan: --max-seq needs schedule.gpu_memory_gb, the device memory per worker to fit "
-                         "(--set schedule.gpu_memory_gb=...)\n");
+    std::fprintf(
+        stderr,
+        "rp-plan: --max-seq needs schedule.gpu_memory_gb, the device memory per worker to fit "
+        "(--set schedule.gpu_memory_gb=...)\n");
     return rp::kExitBadConfig;
   }
-  const double host_limit =
-      host_memory_gb > 0 ? host_memory_gb * 1e9 : static_cast<double>(rp::shm::AvailableHostMemory());
+  const double host_limit = host_memory_gb > 0
+                                ? host_memory_gb * 1e9
+                                : static_cast<double>(rp::shm::AvailableHostMemory());
   // Doubling to the first length that does not fit, then bisection on multiples of `step`.
   constexpr int64_t kLongest = int64_t{1} << 20;  // data.seq_len's own bound
   int64_t lo = 0, hi = 0;
@@ -118,7 +121,8 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
     best = f;
   }
   if (lo == 0) {
-    std::fprintf(stderr, "rp-plan: not even %lld tokens per sequence fit (%s)\n", static_cast<long long>(step),
+    std::fprintf(stderr, "rp-plan: not even %lld tokens per sequence fit (%s)\n",
+                 static_cast<long long>(step),
                  FitAt(cfg, step, gpus, host_limit, device).why.c_str());
     return rp::kExitBadConfig;
   }
@@ -134,33 +138,39 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
     }
   }
   const rp::core::RoundShape whole = rp::core::GlobalRound(cfg);
-  const double tokens = static_cast<double>(whole.calls * whole.microbatches * cfg.train.microbatch_size * lo);
+  const double tokens =
+      static_cast<double>(whole.calls * whole.microbatches * cfg.train.microbatch_size * lo);
   const std::string limit = FitAt(cfg, lo + step, gpus, host_limit, device).why;
   if (json) {
-    std::printf("%s\n", nlohmann::json{{"max_seq_len", lo},
-                                       {"plan", best.choice.plan.Describe()},
-                                       {"peak_memory_bytes_per_worker", best.choice.peak_memory_bytes},
-                                       {"gpu_memory_limit_bytes", cfg.schedule.gpu_memory_gb * 1e9},
-                                       {"host_bytes", best.host_bytes},
-                                       {"host_limit_bytes", host_limit},
-                                       {"predicted_step_s", best.choice.step_seconds},
-                                       {"predicted_tokens_per_s", tokens / best.choice.step_seconds},
-                                       {"costs", best.choice.cost_source},
-                                       {"device", device.name},
-                                       {"mlp_tile_tokens", best.mlp_tile_tokens},
-                                       {"kept_blocks", best.kept_blocks},
-                                       {"next_length_limited_by", limit}}
-                             .dump()
-                             .c_str());
+    std::printf("%s\n",
+                nlohmann::json{{"max_seq_len", lo},
+                               {"plan", best.choice.plan.Describe()},
+                               {"peak_memory_bytes_per_worker", best.choice.peak_memory_bytes},
+                               {"gpu_memory_limit_bytes", cfg.schedule.gpu_memory_gb * 1e9},
+                               {"host_bytes", best.host_bytes},
+                               {"host_limit_bytes", host_limit},
+                               {"predicted_step_s", best.choice.step_seconds},
+                               {"predicted_tokens_per_s", tokens / best.choice.step_seconds},
+                               {"costs", best.choice.cost_source},
+                               {"device", device.name},
+                               {"mlp_tile_tokens", best.mlp_tile_tokens},
+                               {"kept_blocks", best.kept_blocks},
+                               {"next_length_limited_by", limit}}
+                    .dump()
+                    .c_str());
     return 0;
   }
-  std::printf("longest sequence that fits: %lld tokens (%lld more do not: %s)\n", static_cast<long long>(lo),
-              static_cast<long long>(step), limit.c_str());
-  std::printf("  plan %s; estimated peak device memory per worker %.2f GB of %.2f; shared memory %.2f GB of %.2f\n",
-              best.choice.plan.Describe().c_str(), best.choice.peak_memory_bytes / 1e9, cfg.schedule.gpu_memory_gb,
-              best.host_bytes / 1e9, host_limit / 1e9);
-  if (best.mlp_tile_tokens > 0) std::printf("  MLP tile: %lld tokens\n", static_cast<long long>(best.mlp_tile_tokens));
-  if (best.kept_blocks > 0) std::printf("  kept blocks: %lld\n", static_cast<long long>(best.kept_blocks));
+  std::printf("longest sequence that fits: %lld tokens (%lld more do not: %s)\n",
+              static_cast<long long>(lo), static_cast<long long>(step), limit.c_str());
+  std::printf(
+      "  plan %s; estimated peak device memory per worker %.2f GB of %.2f; shared memory %.2f GB "
+      "of %.2f\n",
+      best.choice.plan.Describe().c_str(), best.choice.peak_memory_bytes / 1e9,
+      cfg.schedule.gpu_memory_gb, best.host_bytes / 1e9, host_limit / 1e9);
+  if (best.mlp_tile_tokens > 0)
+    std::printf("  MLP tile: %lld tokens\n", static_cast<long long>(best.mlp_tile_tokens));
+  if (best.kept_blocks > 0)
+    std::printf("  kept blocks: %lld\n", static_cast<long long>(best.kept_blocks));
   std::printf("  predicted step %.3f s, %.0f tokens/s (%s costs)\n", best.choice.step_seconds,
               tokens / best.choice.step_seconds, best.choice.cost_source.c_str());
   if (cfg.schedule.profile.empty() && cfg.job.device != rp::core::DeviceKind::kCpu)
@@ -180,30 +190,37 @@ int main(int argc, char** argv) {
   app.add_option("--gpus", gpus, "workers")->check(CLI::Range(1, 4096));
   app.add_option("--set", overrides, "override a job key: section.key=value (repeatable)");
   std::string profile;
-  app.add_option("--profile", profile, "measured profile.json to plan with (else the FLOP cost model)");
+  app.add_option("--profile", profile,
+                 "measured profile.json to plan with (else the FLOP cost model)");
   app.add_flag("--json", json, "print JSON only");
   int nnodes = 1;
-  app.add_option("--nnodes", nnodes, "nodes the job runs on (rp-launch --nnodes): plan and predict one node's share, "
-                                     "with the cross-node gradient sums")
+  app.add_option("--nnodes", nnodes,
+                 "nodes the job runs on (rp-launch --nnodes): plan and predict one node's share, "
+                 "with the cross-node gradient sums")
       ->check(CLI::Range(1, 65536));
   bool max_seq = false;
   int64_t seq_step = 1024;
   double host_memory_gb = 0.0;
   app.add_flag("--max-seq", max_seq,
-               "print the longest data.seq_len that fits schedule.gpu_memory_gb per worker and the host's memory");
+               "print the longest data.seq_len that fits schedule.gpu_memory_gb per worker and the "
+               "host's memory");
   app.add_option("--seq-step", seq_step, "--max-seq: lengths searched are multiples of this")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option("--host-memory-gb", host_memory_gb,
-                 "--max-seq: shared memory the run may take (default: this host's available memory)")
+  app.add_option(
+         "--host-memory-gb", host_memory_gb,
+         "--max-seq: shared memory the run may take (default: this host's available memory)")
       ->check(CLI::Range(0.0, 1e9));
   std::string device_name = "h200";
   double tflops = 0.0, h2d_gbs = 0.0;
   app.add_option("--device", device_name,
-                 "the GPU the cost model assumes: h200 (default), h100, or custom (with --tflops and --h2d-gbs); "
+                 "the GPU the cost model assumes: h200 (default), h100, or custom (with --tflops "
+                 "and --h2d-gbs); "
                  "a measured --profile or schedule.profile replaces its rates");
-  app.add_option("--tflops", tflops, "--device custom: the dense bf16 TFLOP/s the GPU's matrix products reach")
+  app.add_option("--tflops", tflops,
+                 "--device custom: the dense bf16 TFLOP/s the GPU's matrix products reach")
       ->check(CLI::Range(0.001, 1e6));
-  app.add_option("--h2d-gbs", h2d_gbs, "--device custom: host-to-device GB/s of its link")->check(CLI::Range(0.001, 1e6));
+  app.add_option("--h2d-gbs", h2d_gbs, "--device custom: host-to-device GB/s of its link")
+      ->check(CLI::Range(0.001, 1e6));
   CLI11_PARSE(app, argc, argv);
   rp::core::DeviceModel device;
   if (device_name == "custom") {
@@ -218,8 +235,10 @@ int main(int argc, char** argv) {
     device.link_bytes_per_s = h2d_gbs * 1e9;
     device.memory_gb = 0.0;
     char text[160];
-    std::snprintf(text, sizeof(text), "custom: bf16 products at %g TFLOP/s, host link %g GB/s, AdamW 6.7e9 "
-                  "parameters/s", tflops, h2d_gbs);
+    std::snprintf(text, sizeof(text),
+                  "custom: bf16 products at %g TFLOP/s, host link %g GB/s, AdamW 6.7e9 "
+                  "parameters/s",
+                  tflops, h2d_gbs);
     device.source = text;
   } else {
     if (tflops > 0 || h2d_gbs > 0) {
@@ -244,8 +263,9 @@ int main(int argc, char** argv) {
     return rp::kExitBadConfig;
   }
   // Every node runs the same share: the global tokens of a step over one node's step time.
-  const double step_tokens = static_cast<double>(rp::core::GlobalRound(*cfg).calls * rp::core::GlobalRound(*cfg).microbatches *
-                                                 cfg->TokensPerMicrobatch());
+  const double step_tokens =
+      static_cast<double>(rp::core::GlobalRound(*cfg).calls *
+                          rp::core::GlobalRound(*cfg).microbatches * cfg->TokensPerMicrobatch());
   if (!profile.empty()) cfg->schedule.profile = profile;
   if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json, device);
   const bool tile_chosen = cfg->train.mlp_tile_tokens == rp::core::kMlpTileAuto;
@@ -280,39 +300,45 @@ int main(int argc, char** argv) {
     }
     own = rp::core::PredictPlan(*cfg, *plan, *costs, gpus);
   }
-  // What the job would run (its own plan, else the auto one) against keeping a LoRA base on the GPU.
+  // What the job would run (its own plan, else the auto one) against keeping a LoRA base on the
+  // GPU.
   const rp::core::PlanChoice& runs = own ? *own : *choice;
-  const auto frozen_alt = rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, runs.step_seconds);
+  const auto frozen_alt =
+      rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, runs.step_seconds);
   auto to_json = [&](const rp::core::PlanChoice& c) {
     nlohmann::json stages = nlohmann::json::array();
     for (const auto& s : c.plan.stages)
       stages.push_back({{"kind", rp::core::StageKindName(s.kind)}, {"layers", {s.begin, s.end}}});
-    return nlohmann::json{{"plan", c.plan.Describe()}, {"stages", stages},
-                          {"predicted_step_s", c.step_seconds},
-                          {"predicted_tokens_per_s", step_tokens / c.step_seconds},
-                          {"predicted_bubble_ratio", c.bubble_ratio},
-                          {"predicted_first_step_s", c.first_step_seconds},
-                          {"first_step_fill_ratio", c.fill_ratio},
-                          {"first_step_drain_ratio", c.drain_ratio},
-                          {"first_step_imbalance_ratio", c.imbalance_ratio},
-                          {"peak_memory_bytes_per_worker", c.peak_memory_bytes},
-                          {"peak_memory_parts",
-                           {{"stage", c.memory.stage >= 0 ? c.plan.stages[c.memory.stage].Describe() : "-"},
-                            {"weights", c.memory.weights},
-                            {"next_job_weights", c.memory.next_weights},
-                            {"gradients", c.memory.gradients},
-                            {"activations", c.memory.activations},
-                            {"resident_activation_slots", c.memory.resident},
-                            {"staging", c.memory.staging},
-                            {"gradients_waiting_for_slots", c.held_grad_bytes},
-                            {"gradients_waiting_for_norm", c.memory.held_gradients},
-                            {"kept_graphs", c.memory.kept},
-                            {"frozen_on_device", c.memory.frozen},
-                            {"device_update", c.memory.device_update},
-                            {"not_at_once", c.memory.not_at_once}}}};
+    return nlohmann::json{
+        {"plan", c.plan.Describe()},
+        {"stages", stages},
+        {"predicted_step_s", c.step_seconds},
+        {"predicted_tokens_per_s", step_tokens / c.step_seconds},
+        {"predicted_bubble_ratio", c.bubble_ratio},
+        {"predicted_first_step_s", c.first_step_seconds},
+        {"first_step_fill_ratio", c.fill_ratio},
+        {"first_step_drain_ratio", c.drain_ratio},
+        {"first_step_imbalance_ratio", c.imbalance_ratio},
+        {"peak_memory_bytes_per_worker", c.peak_memory_bytes},
+        {"peak_memory_parts",
+         {{"stage", c.memory.stage >= 0 ? c.plan.stages[c.memory.stage].Describe() : "-"},
+          {"weights", c.memory.weights},
+          {"next_job_weights", c.memory.next_weights},
+          {"gradients", c.memory.gradients},
+          {"activations", c.memory.activations},
+          {"resident_activation_slots", c.memory.resident},
+          {"staging", c.memory.staging},
+          {"gradients_waiting_for_slots", c.held_grad_bytes},
+          {"gradients_waiting_for_norm", c.memory.held_gradients},
+          {"kept_graphs", c.memory.kept},
+          {"frozen_on_device", c.memory.frozen},
+          {"device_update", c.memory.device_update},
+          {"not_at_once", c.memory.not_at_once}}}};
   };
   if (json) {
-    nlohmann::json out = choice.ok() ? to_json(*choice) : nlohmann::json{{"auto_plan_error", choice.status().message()}};
+    nlohmann::json out = choice.ok()
+                             ? to_json(*choice)
+                             : nlohmann::json{{"auto_plan_error", choice.status().message()}};
     out["workers"] = gpus;
     out["nodes"] = nnodes;
     out["candidates"] = choice.ok() ? choice->candidates : 0;
@@ -330,43 +356,52 @@ int main(int argc, char** argv) {
   }
   auto print = [&](const char* title, const rp::core::PlanChoice& c) {
     std::printf("%s: %s\n", title, c.plan.Describe().c_str());
-    std::printf("  predicted step (steady state): %.4f s, bubble ratio %.1f%%, %.0f tokens/s%s\n", c.step_seconds,
-                100.0 * c.bubble_ratio, step_tokens / c.step_seconds,
+    std::printf("  predicted step (steady state): %.4f s, bubble ratio %.1f%%, %.0f tokens/s%s\n",
+                c.step_seconds, 100.0 * c.bubble_ratio, step_tokens / c.step_seconds,
                 nnodes > 1 ? (" over " + std::to_string(nnodes) + " nodes").c_str() : "");
-    std::printf("  first step from idle: %.4f s; idle: fill %.1f%%, drain %.1f%%, imbalance %.1f%%\n",
-                c.first_step_seconds, 100.0 * c.fill_ratio, 100.0 * c.drain_ratio,
-                100.0 * c.imbalance_ratio);
+    std::printf(
+        "  first step from idle: %.4f s; idle: fill %.1f%%, drain %.1f%%, imbalance %.1f%%\n",
+        c.first_step_seconds, 100.0 * c.fill_ratio, 100.0 * c.drain_ratio,
+        100.0 * c.imbalance_ratio);
     std::printf("  estimated peak memory per worker: %.2f GB\n", c.peak_memory_bytes / 1e9);
     const auto& m = c.memory;
-    std::printf("    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
-                "gradients waiting for slots %.2f, for the norm %.2f, resident activation slots %.2f, staging %.2f, "
-                "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never at once %.2f GB\n",
-                m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9, m.next_weights / 1e9,
-                m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9, m.held_gradients / 1e9, m.resident / 1e9,
-                m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9, m.device_update / 1e9, m.not_at_once / 1e9);
+    std::printf(
+        "    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
+        "gradients waiting for slots %.2f, for the norm %.2f, resident activation slots %.2f, "
+        "staging %.2f, "
+        "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never "
+        "at once %.2f GB\n",
+        m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9,
+        m.next_weights / 1e9, m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9,
+        m.held_gradients / 1e9, m.resident / 1e9, m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9,
+        m.device_update / 1e9, m.not_at_once / 1e9);
   };
   std::printf("costs: %s%s%s\n", runs.cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());
   if (cfg->schedule.profile.empty() && cfg->job.device != rp::core::DeviceKind::kCpu)
     std::printf("device assumed: %s (--device %s)\n", device.source.c_str(), device.name.c_str());
   if (tile_chosen)
-    std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n", cfg->schedule.gpu_memory_gb,
-                cfg->train.mlp_tile_tokens == 0 ? "untiled (the whole microbatch fits)"
-                                                 : (std::to_string(cfg->train.mlp_tile_tokens) + " tokens").c_str());
+    std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n",
+                cfg->schedule.gpu_memory_gb,
+                cfg->train.mlp_tile_tokens == 0
+                    ? "untiled (the whole microbatch fits)"
+                    : (std::to_string(cfg->train.mlp_tile_tokens) + " tokens").c_str());
   if (kept_chosen)
-    std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n", cfg->schedule.gpu_memory_gb,
-                static_cast<long long>(cfg->schedule.kept_blocks));
-  const std::string auto_title = "auto plan for " + std::to_string(gpus) + " workers" +
-                                 (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string());
-  if (choice.ok())
-    print(auto_title.c_str(), *choice);
-  else
-    std::printf("%s: none (%s)\n", auto_title.c_str(), choice.status().message().c_str());
+    std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n",
+                cfg->schedule.gpu_memory_gb, static_cast<long long>(cfg->schedule.kept_blocks));
+  const std::string auto_title =
+      "auto plan for " + std::to_string(gpus) + " workers" +
+      (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string());
+  if (choice.ok()) print(auto_title.c_str(), *choice);
+  else std::printf("%s: none (%s)\n", auto_title.c_str(), choice.status().message().c_str());
   if (own) print("the job's own plan", *own);
   if (frozen_alt)
-    print("with schedule.frozen_on_device = true (the frozen base kept on each GPU, only the adapters fetched)",
-          *frozen_alt);
+    print(
+        "with schedule.frozen_on_device = true (the frozen base kept on each GPU, only the "
+        "adapters fetched)",
+        *frozen_alt);
   if (choice.ok())
-    std::printf("(%d candidate plans evaluated; use with [schedule] partition = \"auto\")\n", choice->candidates);
+    std::printf("(%d candidate plans evaluated; use with [schedule] partition = \"auto\")\n",
+                choice->candidates);
   return 0;
 }

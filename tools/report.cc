@@ -94,7 +94,8 @@ Axis NiceAxis(double lo, double hi, int target, bool integer) {
   a.step = step;
   a.lo = std::floor(lo / step + 1e-9) * step;
   a.hi = std::ceil(hi / step - 1e-9) * step;
-  for (double t = a.lo; t <= a.hi + step * 1e-6; t += step) a.ticks.push_back(std::fabs(t) < step * 1e-9 ? 0.0 : t);
+  for (double t = a.lo; t <= a.hi + step * 1e-6; t += step)
+    a.ticks.push_back(std::fabs(t) < step * 1e-9 ? 0.0 : t);
   return a;
 }
 
@@ -130,10 +131,10 @@ std::string Chart(const std::string& id, const std::string& title, const std::st
       y_lo = std::min(y_lo, y), y_hi = std::max(y_hi, y);
     }
   std::ostringstream o;
-  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"rp-chart\" id=\"" << id << "\" width=\"" << width
-    << "\" height=\"" << height << "\" font-family=\"sans-serif\">\n"
-    << "<text class=\"title\" x=\"" << left << "\" y=\"22\" font-size=\"" << kTitleFont << "\" font-weight=\"bold\">"
-    << Escape(title) << "</text>\n";
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"rp-chart\" id=\"" << id << "\" width=\""
+    << width << "\" height=\"" << height << "\" font-family=\"sans-serif\">\n"
+    << "<text class=\"title\" x=\"" << left << "\" y=\"22\" font-size=\"" << kTitleFont
+    << "\" font-weight=\"bold\">" << Escape(title) << "</text>\n";
   if (x_lo > x_hi) {
     o << "<text x=\"" << left << "\" y=\"" << top + plot_h / 2 << "\" font-size=\"" << kLabelFont
       << "\">no values yet</text>\n</svg>\n";
@@ -145,36 +146,41 @@ std::string Chart(const std::string& id, const std::string& title, const std::st
   auto py = [&](double y) { return top + plot_h - (y - ya.lo) / (ya.hi - ya.lo) * plot_h; };
   o << "<g class=\"grid\" stroke=\"#e3e3e3\">\n";
   for (double t : xa.ticks)
-    o << "<line class=\"grid\" x1=\"" << px(t) << "\" x2=\"" << px(t) << "\" y1=\"" << top << "\" y2=\"" << top + plot_h
-      << "\"/>\n";
+    o << "<line class=\"grid\" x1=\"" << px(t) << "\" x2=\"" << px(t) << "\" y1=\"" << top
+      << "\" y2=\"" << top + plot_h << "\"/>\n";
   for (double t : ya.ticks)
-    o << "<line class=\"grid\" x1=\"" << left << "\" x2=\"" << left + plot_w << "\" y1=\"" << py(t) << "\" y2=\""
-      << py(t) << "\"/>\n";
-  o << "</g>\n<g class=\"x-axis\" font-size=\"" << kTickFont << "\">\n<line x1=\"" << left << "\" x2=\""
-    << left + plot_w << "\" y1=\"" << top + plot_h << "\" y2=\"" << top + plot_h << "\" stroke=\"#444\"/>\n";
+    o << "<line class=\"grid\" x1=\"" << left << "\" x2=\"" << left + plot_w << "\" y1=\"" << py(t)
+      << "\" y2=\"" << py(t) << "\"/>\n";
+  o << "</g>\n<g class=\"x-axis\" font-size=\"" << kTickFont << "\">\n<line x1=\"" << left
+    << "\" x2=\"" << left + plot_w << "\" y1=\"" << top + plot_h << "\" y2=\"" << top + plot_h
+    << "\" stroke=\"#444\"/>\n";
   for (double t : xa.ticks)
-    o << "<line x1=\"" << px(t) << "\" x2=\"" << px(t) << "\" y1=\"" << top + plot_h << "\" y2=\"" << top + plot_h + 5
-      << "\" stroke=\"#444\"/><text class=\"tick-label\" x=\"" << px(t) << "\" y=\"" << top + plot_h + 18
-      << "\" text-anchor=\"middle\">" << xa.Label(t) << "</text>\n";
+    o << "<line x1=\"" << px(t) << "\" x2=\"" << px(t) << "\" y1=\"" << top + plot_h << "\" y2=\""
+      << top + plot_h + 5 << "\" stroke=\"#444\"/><text class=\"tick-label\" x=\"" << px(t)
+      << "\" y=\"" << top + plot_h + 18 << "\" text-anchor=\"middle\">" << xa.Label(t)
+      << "</text>\n";
   o << "<text class=\"axis-title\" x=\"" << left + plot_w / 2 << "\" y=\"" << height - 10
-    << "\" text-anchor=\"middle\" font-size=\"" << kLabelFont << "\">step (optimizer updates)</text>\n</g>\n"
-    << "<g class=\"y-axis\" font-size=\"" << kTickFont << "\">\n<line x1=\"" << left << "\" x2=\"" << left
-    << "\" y1=\"" << top << "\" y2=\"" << top + plot_h << "\" stroke=\"#444\"/>\n";
+    << "\" text-anchor=\"middle\" font-size=\"" << kLabelFont
+    << "\">step (optimizer updates)</text>\n</g>\n"
+    << "<g class=\"y-axis\" font-size=\"" << kTickFont << "\">\n<line x1=\"" << left << "\" x2=\""
+    << left << "\" y1=\"" << top << "\" y2=\"" << top + plot_h << "\" stroke=\"#444\"/>\n";
   for (double t : ya.ticks)
-    o << "<line x1=\"" << left - 5 << "\" x2=\"" << left << "\" y1=\"" << py(t) << "\" y2=\"" << py(t)
-      << "\" stroke=\"#444\"/><text class=\"tick-label\" x=\"" << left - 8 << "\" y=\"" << py(t) + 4
-      << "\" text-anchor=\"end\">" << ya.Label(t) << "</text>\n";
+    o << "<line x1=\"" << left - 5 << "\" x2=\"" << left << "\" y1=\"" << py(t) << "\" y2=\""
+      << py(t) << "\" stroke=\"#444\"/><text class=\"tick-label\" x=\"" << left - 8 << "\" y=\""
+      << py(t) + 4 << "\" text-anchor=\"end\">" << ya.Label(t) << "</text>\n";
   o << "<text class=\"axis-title\" transform=\"translate(16," << top + plot_h / 2
-    << ") rotate(-90)\" text-anchor=\"middle\" font-size=\"" << kLabelFont << "\">" << Escape(y_title)
-    << "</text>\n</g>\n";
+    << ") rotate(-90)\" text-anchor=\"middle\" font-size=\"" << kLabelFont << "\">"
+    << Escape(y_title) << "</text>\n</g>\n";
   for (const auto& s : series) {
     if (s.points.empty()) continue;
-    o << "<polyline class=\"series\" fill=\"none\" stroke=\"" << s.colour << "\" stroke-width=\"2\" points=\"";
+    o << "<polyline class=\"series\" fill=\"none\" stroke=\"" << s.colour
+      << "\" stroke-width=\"2\" points=\"";
     for (const auto& [x, y] : s.points) o << px(x) << "," << py(y) << " ";
     o << "\"><title>" << Escape(s.name) << "</title></polyline>\n";
     if (s.markers)
       for (const auto& [x, y] : s.points)
-        o << "<circle cx=\"" << px(x) << "\" cy=\"" << py(y) << "\" r=\"3\" fill=\"" << s.colour << "\"/>\n";
+        o << "<circle cx=\"" << px(x) << "\" cy=\"" << py(y) << "\" r=\"3\" fill=\"" << s.colour
+          << "\"/>\n";
   }
   // The legend, top right, above the plot.
   o << "<g class=\"legend\" font-size=\"" << kLabelFont << "\">\n";
@@ -183,17 +189,18 @@ std::string Chart(const std::string& id, const std::string& title, const std::st
     const double w = it->name.size() * kLabelFont * 0.62 + 22;
     lx -= w;
     o << "<rect x=\"" << lx << "\" y=\"12\" width=\"14\" height=\"4\" fill=\"" << it->colour
-      << "\"/><text class=\"legend-entry\" x=\"" << lx + 18 << "\" y=\"19\">" << Escape(it->name) << "</text>\n";
+      << "\"/><text class=\"legend-entry\" x=\"" << lx + 18 << "\" y=\"19\">" << Escape(it->name)
+      << "</text>\n";
   }
   o << "</g>\n</svg>\n";
   return o.str();
 }
 
 struct Event {
-  int lane = 0;            // worker rank; the optimizer's lane is `workers`
-  double t0 = 0, t1 = 0;   // seconds from the window's first event
-  std::string part;        // legend entry
-  std::string title;       // tooltip
+  int lane = 0;           // worker rank; the optimizer's lane is `workers`
+  double t0 = 0, t1 = 0;  // seconds from the window's first event
+  std::string part;       // legend entry
+  std::string title;      // tooltip
 };
 
 // The parts of the timeline, in legend order, with their colours.
@@ -221,8 +228,8 @@ struct Timeline {
   std::vector<double> busy;  // per worker, seconds inside microbatches
 };
 
-std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_step, int64_t last_step,
-                                     std::string* why) {
+std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_step,
+                                     int64_t last_step, std::string* why) {
   Timeline tl;
   tl.workers = trace.value("otherData", nlohmann::json::object()).value("num_workers", 0);
   std::map<int64_t, nlohmann::json> jobs;  // job_index -> args of jobs inside the window
@@ -238,12 +245,13 @@ std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_
     tl.workers = std::max(tl.workers, a["worker_rank"].get<int>() + 1);
   }
   if (jobs.empty()) {
-    *why = "no stage job of steps " + std::to_string(first_step) + ".." + std::to_string(last_step) + " in trace.json";
+    *why = "no stage job of steps " + std::to_string(first_step) + ".." +
+           std::to_string(last_step) + " in trace.json";
     return std::nullopt;
   }
   double origin = 1e300, end = 0;
   std::vector<Event> events;
-  std::map<int64_t, double> step_start;  // step -> its first job's start (absolute, s)
+  std::map<int64_t, double> step_start;   // step -> its first job's start (absolute, s)
   std::map<int64_t, double> last_mb_end;  // job -> its last microbatch's end
   for (const auto& e : trace["traceEvents"]) {
     const std::string cat = e.value("cat", "");
@@ -256,10 +264,11 @@ std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_
       Event ev;
       ev.lane = a["worker_rank"].get<int>();
       ev.t0 = t0, ev.t1 = t1;
-      ev.part = kind == "forward" ? "forward" : kind == "fused_tail" ? "fused tail (forward and backward)"
-                                                                     : "backward (with its recompute)";
-      ev.title = e.value("name", "") + ": step " + std::to_string(a["step"].get<int64_t>() + 1) + ", stage " +
-                 std::to_string(a["stage"].get<int>()) + ", " + Num(t1 - t0, 4) + " s";
+      ev.part = kind == "forward"      ? "forward"
+                : kind == "fused_tail" ? "fused tail (forward and backward)"
+                                       : "backward (with its recompute)";
+      ev.title = e.value("name", "") + ": step " + std::to_string(a["step"].get<int64_t>() + 1) +
+                 ", stage " + std::to_string(a["stage"].get<int>()) + ", " + Num(t1 - t0, 4) + " s";
       events.push_back(ev);
       auto& m = last_mb_end[job->first];
       m = std::max(m, t1);
@@ -271,7 +280,8 @@ std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_
       ev.lane = -1;  // placed once the worker count is known
       ev.t0 = t0, ev.t1 = t1;
       ev.part = "optimizer update";
-      ev.title = e.value("name", "") + " of step " + std::to_string(step) + ", " + Num(t1 - t0, 4) + " s";
+      ev.title =
+          e.value("name", "") + " of step " + std::to_string(step) + ", " + Num(t1 - t0, 4) + " s";
       events.push_back(ev);
     }
   }
@@ -281,10 +291,11 @@ std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_
     auto& s = step_start.emplace(step, t0).first->second;
     s = std::min(s, t0);
     const double fetch = a.value("fetch_us", 0.0) * 1e-6;
-    const std::string name = "job " + std::to_string(index) + " (step " + std::to_string(step) + ", stage " +
-                             std::to_string(a["stage"].get<int>()) + ")";
-    if (fetch > 0) events.push_back({a["worker_rank"].get<int>(), t0, t0 + fetch, "weight fetch",
-                                     name + ": weights fetched in " + Num(fetch, 4) + " s"});
+    const std::string name = "job " + std::to_string(index) + " (step " + std::to_string(step) +
+                             ", stage " + std::to_string(a["stage"].get<int>()) + ")";
+    if (fetch > 0)
+      events.push_back({a["worker_rank"].get<int>(), t0, t0 + fetch, "weight fetch",
+                        name + ": weights fetched in " + Num(fetch, 4) + " s"});
     // After its last microbatch a tail or backward job hands its gradients back.
     auto mb = last_mb_end.find(index);
     if (a["kind"].get<std::string>() != "forward" && mb != last_mb_end.end() && t1 > mb->second)
@@ -304,42 +315,52 @@ std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_
   auto px = [&](double t) { return left + (t - origin) / tl.span * width; };
   std::ostringstream o;
   const double legend_y = top + plot_h + 62;
-  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"rp-timeline\" id=\"timeline\" width=\"" << left + width + right
-    << "\" height=\"" << legend_y + 30 << "\" font-family=\"sans-serif\">\n<text class=\"title\" x=\"" << left
-    << "\" y=\"20\" font-size=\"" << kTitleFont << "\" font-weight=\"bold\">Steps " << first_step << ".."
-    << std::min<int64_t>(last_step, step_start.empty() ? last_step : step_start.rbegin()->first) << ": "
-    << tl.microbatches << " microbatches on " << tl.workers << " workers, " << Num(tl.span, 3) << " s</text>\n";
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"rp-timeline\" id=\"timeline\" width=\""
+    << left + width + right << "\" height=\"" << legend_y + 30
+    << "\" font-family=\"sans-serif\">\n<text class=\"title\" x=\"" << left
+    << "\" y=\"20\" font-size=\"" << kTitleFont << "\" font-weight=\"bold\">Steps " << first_step
+    << ".."
+    << std::min<int64_t>(last_step, step_start.empty() ? last_step : step_start.rbegin()->first)
+    << ": " << tl.microbatches << " microbatches on " << tl.workers << " workers, "
+    << Num(tl.span, 3) << " s</text>\n";
   for (int lane = 0; lane < lanes; ++lane) {
     const double y = top + lane * lane_h;
     const bool optimizer = lane == tl.workers;
-    o << "<g class=\"lane\" " << (optimizer ? "data-lane=\"optimizer\"" : "data-worker=\"" + std::to_string(lane) + "\"")
-      << "><rect x=\"" << left << "\" y=\"" << y << "\" width=\"" << width << "\" height=\"" << lane_h - 4
-      << "\" fill=\"" << PartColour("idle") << "\"/><text class=\"lane-label\" x=\"" << left - 8 << "\" y=\""
-      << y + lane_h / 2 + 2 << "\" text-anchor=\"end\" font-size=\"" << kLabelFont << "\">"
-      << (optimizer ? std::string("optimizer") : "worker " + std::to_string(lane)) << "</text></g>\n";
+    o << "<g class=\"lane\" "
+      << (optimizer ? "data-lane=\"optimizer\"" : "data-worker=\"" + std::to_string(lane) + "\"")
+      << "><rect x=\"" << left << "\" y=\"" << y << "\" width=\"" << width << "\" height=\""
+      << lane_h - 4 << "\" fill=\"" << PartColour("idle") << "\"/><text class=\"lane-label\" x=\""
+      << left - 8 << "\" y=\"" << y + lane_h / 2 + 2 << "\" text-anchor=\"end\" font-size=\""
+      << kLabelFont << "\">"
+      << (optimizer ? std::string("optimizer") : "worker " + std::to_string(lane))
+      << "</text></g>\n";
   }
   for (const auto& ev : events) {
     const double y = top + ev.lane * lane_h;
-    if (ev.part != "weight fetch" && ev.part != "gradient return" && ev.part != "optimizer update" &&
-        ev.lane < tl.workers)
+    if (ev.part != "weight fetch" && ev.part != "gradient return" &&
+        ev.part != "optimizer update" && ev.lane < tl.workers)
       tl.busy[ev.lane] += ev.t1 - ev.t0;
-    o << "<rect class=\"" << (ev.part == "forward" || ev.part.rfind("fused", 0) == 0 || ev.part.rfind("backward", 0) == 0
-                                  ? "mb"
-                                  : "part")
-      << "\" data-part=\"" << Escape(ev.part) << "\" x=\"" << px(ev.t0) << "\" y=\"" << y << "\" width=\""
-      << std::max(0.5, (ev.t1 - ev.t0) / tl.span * width) << "\" height=\"" << lane_h - 4 << "\" fill=\""
-      << PartColour(ev.part) << "\"><title>" << Escape(ev.title) << "</title></rect>\n";
+    o << "<rect class=\""
+      << (ev.part == "forward" || ev.part.rfind("fused", 0) == 0 ||
+                  ev.part.rfind("backward", 0) == 0
+              ? "mb"
+              : "part")
+      << "\" data-part=\"" << Escape(ev.part) << "\" x=\"" << px(ev.t0) << "\" y=\"" << y
+      << "\" width=\"" << std::max(0.5, (ev.t1 - ev.t0) / tl.span * width) << "\" height=\""
+      << lane_h - 4 << "\" fill=\"" << PartColour(ev.part) << "\"><title>" << Escape(ev.title)
+      << "</title></rect>\n";
   }
   // Step boundaries: where each step's first job starts; labels thinned so that none overlap.
   const double min_label_gap = 8 * kLabelFont * 0.62;
   double last_label = -1e300;
   for (const auto& [step, t] : step_start) {
     const double x = px(t);
-    o << "<line class=\"step-boundary\" data-step=\"" << step << "\" x1=\"" << x << "\" x2=\"" << x << "\" y1=\""
-      << top - 6 << "\" y2=\"" << top + plot_h << "\" stroke=\"#222\" stroke-dasharray=\"4 3\"/>\n";
+    o << "<line class=\"step-boundary\" data-step=\"" << step << "\" x1=\"" << x << "\" x2=\"" << x
+      << "\" y1=\"" << top - 6 << "\" y2=\"" << top + plot_h
+      << "\" stroke=\"#222\" stroke-dasharray=\"4 3\"/>\n";
     if (x - last_label >= min_label_gap) {
-      o << "<text class=\"step-label\" x=\"" << x + 3 << "\" y=\"" << top - 9 << "\" font-size=\"" << kTickFont
-        << "\">step " << step << "</text>\n";
+      o << "<text class=\"step-label\" x=\"" << x + 3 << "\" y=\"" << top - 9 << "\" font-size=\""
+        << kTickFont << "\">step " << step << "</text>\n";
       last_label = x;
     }
   }
@@ -348,18 +369,19 @@ std::optional<Timeline> DrawTimeline(const nlohmann::json& trace, int64_t first_
   for (double t : ta.ticks) {
     if (t > tl.span * (1 + 1e-9)) continue;
     const double x = left + t / tl.span * width;
-    o << "<line x1=\"" << x << "\" x2=\"" << x << "\" y1=\"" << top + plot_h - 4 << "\" y2=\"" << top + plot_h + 1
-      << "\" stroke=\"#444\"/><text class=\"tick-label\" x=\"" << x << "\" y=\"" << top + plot_h + 14
-      << "\" text-anchor=\"middle\">" << ta.Label(t) << "</text>\n";
+    o << "<line x1=\"" << x << "\" x2=\"" << x << "\" y1=\"" << top + plot_h - 4 << "\" y2=\""
+      << top + plot_h + 1 << "\" stroke=\"#444\"/><text class=\"tick-label\" x=\"" << x << "\" y=\""
+      << top + plot_h + 14 << "\" text-anchor=\"middle\">" << ta.Label(t) << "</text>\n";
   }
   o << "<text class=\"axis-title\" x=\"" << left + width / 2 << "\" y=\"" << top + plot_h + 32
-    << "\" text-anchor=\"middle\" font-size=\"" << kLabelFont << "\">time since the window's first event (s)</text>\n"
+    << "\" text-anchor=\"middle\" font-size=\"" << kLabelFont
+    << "\">time since the window's first event (s)</text>\n"
     << "</g>\n<g class=\"legend\" font-size=\"" << kLabelFont << "\">\n";
   double lx = left;
   for (const auto& [part, colour] : kParts) {
-    o << "<rect x=\"" << lx << "\" y=\"" << legend_y - 10 << "\" width=\"12\" height=\"12\" fill=\"" << colour
-      << "\" stroke=\"#999\"/><text class=\"legend-entry\" x=\"" << lx + 16 << "\" y=\"" << legend_y << "\">"
-      << Escape(part) << "</text>\n";
+    o << "<rect x=\"" << lx << "\" y=\"" << legend_y - 10 << "\" width=\"12\" height=\"12\" fill=\""
+      << colour << "\" stroke=\"#999\"/><text class=\"legend-entry\" x=\"" << lx + 16 << "\" y=\""
+      << legend_y << "\">" << Escape(part) << "</text>\n";
     lx += part.size() * kLabelFont * 0.62 + 34;
   }
   o << "</g>\n</svg>\n";
@@ -394,7 +416,9 @@ int main(int argc, char** argv) {
   if (out.empty()) out = dir + "/report";
   int64_t first_step = 1, last_step = std::numeric_limits<int64_t>::max();
   if (!steps.empty() && !ParseSteps(steps, &first_step, &last_step)) {
-    std::fprintf(stderr, "rp-report: --steps %s: expected A..B with 1 <= A <= B (for example 3..5)\n", steps.c_str());
+    std::fprintf(stderr,
+                 "rp-report: --steps %s: expected A..B with 1 <= A <= B (for example 3..5)\n",
+                 steps.c_str());
     return rp::kExitBadConfig;
   }
 
@@ -402,15 +426,17 @@ int main(int argc, char** argv) {
   std::string text;
   std::vector<nlohmann::json> lines;
   if (!ReadText(dir + "/metrics.jsonl", &text)) {
-    std::fprintf(stderr, "rp-report: cannot read %s/metrics.jsonl (is %s a run's output directory?)\n", dir.c_str(),
-                 dir.c_str());
+    std::fprintf(stderr,
+                 "rp-report: cannot read %s/metrics.jsonl (is %s a run's output directory?)\n",
+                 dir.c_str(), dir.c_str());
     return rp::kExitBadConfig;
   }
   {
     std::istringstream in(text);
     for (std::string line; std::getline(in, line);) {
       auto j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number_integer()) lines.push_back(std::move(j));
+      if (j.is_object() && j.contains("step") && j["step"].is_number_integer())
+        lines.push_back(std::move(j));
     }
   }
   auto series_of = [&lines](const char* field, const char* name, const char* colour, bool markers) {
@@ -428,7 +454,8 @@ int main(int argc, char** argv) {
   };
   std::vector<Picture> charts = {
       {"loss.svg", Chart("loss", "Loss", "mean token cross-entropy (nats)", loss_series)},
-      {"lr.svg", Chart("lr", "Learning rate", "learning rate", {series_of("lr", "lr", "#7a4fb3", false)})},
+      {"lr.svg",
+       Chart("lr", "Learning rate", "learning rate", {series_of("lr", "lr", "#7a4fb3", false)})},
       {"grad_norm.svg", Chart("grad_norm", "Gradient norm", "global L2 norm (before clipping)",
                               {series_of("grad_norm", "gradient norm", "#3c9a50", false)})},
       {"tokens_per_s.svg", Chart("tokens_per_s", "Throughput", "tokens/s",
@@ -470,16 +497,21 @@ int main(int argc, char** argv) {
                                           std::to_string(lines.back()["step"].get<int64_t>())});
     rows.push_back({"loss", Num(lines.front().value("loss", 0.0), 4) + " at the first step, " +
                                 Num(lines.back().value("loss", 0.0), 4) + " at the last"});
-    if (!eval.points.empty()) rows.push_back({"eval loss", Num(eval.points.back().second, 4) + " at step " +
-                                                               Num(eval.points.back().first, 0)});
+    if (!eval.points.empty())
+      rows.push_back({"eval loss", Num(eval.points.back().second, 4) + " at step " +
+                                       Num(eval.points.back().first, 0)});
     if (lines.back().contains("elapsed_s"))
       rows.push_back({"elapsed", Num(lines.back()["elapsed_s"].get<double>(), 1) + " s"});
-    if (lines.back().contains("host_gib")) rows.push_back({"host memory", Num(lines.back()["host_gib"].get<double>(), 2) + " GiB"});
+    if (lines.back().contains("host_gib"))
+      rows.push_back({"host memory", Num(lines.back()["host_gib"].get<double>(), 2) + " GiB"});
     if (lines.back().contains("device_peak_gib"))
-      rows.push_back({"device memory peak", Num(lines.back()["device_peak_gib"].get<double>(), 2) + " GiB"});
+      rows.push_back(
+          {"device memory peak", Num(lines.back()["device_peak_gib"].get<double>(), 2) + " GiB"});
   }
-  if (summary.contains("tokens_per_s")) rows.push_back({"tokens/s (whole run)", Num(summary["tokens_per_s"].get<double>(), 0)});
-  if (summary.contains("wall_s")) rows.push_back({"wall time", Num(summary["wall_s"].get<double>(), 1) + " s"});
+  if (summary.contains("tokens_per_s"))
+    rows.push_back({"tokens/s (whole run)", Num(summary["tokens_per_s"].get<double>(), 0)});
+  if (summary.contains("wall_s"))
+    rows.push_back({"wall time", Num(summary["wall_s"].get<double>(), 1) + " s"});
   if (ReadText(dir + "/job.toml", &text)) {
     const auto at = text.find("\nname = ");
     if (at != std::string::npos) {
@@ -497,23 +529,29 @@ int main(int argc, char** argv) {
     return rp::kExitError;
   }
   std::ostringstream html;
-  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>RoundPipe run "
-       << Escape(job_name) << "</title>\n<style>\nbody { font-family: sans-serif; margin: 24px; color: #222; }\n"
+  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>RoundPipe "
+          "run "
+       << Escape(job_name)
+       << "</title>\n<style>\nbody { font-family: sans-serif; margin: 24px; color: #222; }\n"
        << "h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; }\n"
-       << "table { border-collapse: collapse; } td, th { padding: 3px 12px 3px 0; font-size: 14px; text-align: left; "
+       << "table { border-collapse: collapse; } td, th { padding: 3px 12px 3px 0; font-size: 14px; "
+          "text-align: left; "
           "vertical-align: top; }\n.charts { display: flex; flex-wrap: wrap; gap: 16px; }\n"
        << ".note { font-size: 14px; color: #555; }\n</style>\n</head>\n<body>\n<h1>RoundPipe run "
        << Escape(job_name) << "</h1>\n<h2>Summary</h2>\n<table id=\"summary\">\n";
-  for (const auto& [k, v] : rows) html << "<tr><th>" << Escape(k) << "</th><td>" << Escape(v) << "</td></tr>\n";
+  for (const auto& [k, v] : rows)
+    html << "<tr><th>" << Escape(k) << "</th><td>" << Escape(v) << "</td></tr>\n";
   html << "</table>\n<h2>Training</h2>\n<div class=\"charts\">\n";
   for (const auto& c : charts) html << c.svg;
   html << "</div>\n<h2>Timeline</h2>\n";
   if (timeline)
-    html << "<p class=\"note\">Hover a box for its job, stage and duration. Recompute runs inside each backward "
+    html << "<p class=\"note\">Hover a box for its job, stage and duration. Recompute runs inside "
+            "each backward "
             "job's microbatches and is drawn with them.</p>\n"
          << timeline->svg;
   else
-    html << "<p class=\"note\" id=\"no-timeline\">No timeline: " << Escape(no_timeline) << ".</p>\n";
+    html << "<p class=\"note\" id=\"no-timeline\">No timeline: " << Escape(no_timeline)
+         << ".</p>\n";
   html << "</body>\n</html>\n";
   std::vector<Picture> files = charts;
   if (timeline) files.push_back({"timeline.svg", timeline->svg});
@@ -525,14 +563,15 @@ int main(int argc, char** argv) {
     }
   std::printf("%s: %zu steps reported\n", dir.c_str(), lines.size());
   if (timeline) {
-    std::printf("  timeline: %zu microbatches, %d workers, %.3f s\n", timeline->microbatches, timeline->workers,
-                timeline->span);
+    std::printf("  timeline: %zu microbatches, %d workers, %.3f s\n", timeline->microbatches,
+                timeline->workers, timeline->span);
     double total = 0;
     for (int w = 0; w < timeline->workers; ++w) {
       std::printf("  worker %d busy %.1f%%\n", w, 100.0 * timeline->busy[w] / timeline->span);
       total += timeline->busy[w];
     }
-    std::printf("  bubble ratio over the window %.1f%%\n", 100.0 * (1.0 - total / (timeline->span * timeline->workers)));
+    std::printf("  bubble ratio over the window %.1f%%\n",
+                100.0 * (1.0 - total / (timeline->span * timeline->workers)));
   } else {
     std::printf("  no timeline: %s\n", no_timeline.c_str());
   }

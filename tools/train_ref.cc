@@ -47,7 +47,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     eval_data.emplace(std::move(e));
   }
   RP_RETURN_IF_ERROR(rp::core::PrepareOutputDir(cfg));
-  RP_ASSIGN_OR_RETURN(auto metrics, rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
+  RP_ASSIGN_OR_RETURN(auto metrics,
+                      rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
   const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model, cfg.lora);
   rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora);
 
@@ -67,7 +68,9 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   for (const auto& ps : spec.frozen) {
     at::Tensor t = at::empty(ps.shape, at::kFloat);
     if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, t.data_ptr<float>()));
-    else rp::core::InitParam(ps, spec.config, static_cast<uint64_t>(cfg.train.seed), t.data_ptr<float>());
+    else
+      rp::core::InitParam(ps, spec.config, static_cast<uint64_t>(cfg.train.seed),
+                          t.data_ptr<float>());
     frozen.push_back(t);
   }
   std::optional<rp::core::PeftAdapter> adapter;
@@ -82,8 +85,9 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     at::Tensor t = at::empty(spec.params[p].shape, at::kFloat);
     if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec.params[p], t.data_ptr<float>()));
     else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec.params[p], t.data_ptr<float>()));
-    else rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
-                             t.data_ptr<float>());
+    else
+      rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
+                          t.data_ptr<float>());
     masters.push_back(stale1 ? t.clone() : t);
     params.push_back(t.requires_grad_(true));
     adam_m.push_back(at::zeros_like(t));
@@ -99,9 +103,10 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   at::Tensor tokens = at::empty({B, S}, at::kLong), labels = at::empty({B, S}, at::kLong);
   at::Tensor positions = at::empty({B, S}, at::kLong);
   auto set_documents = [&] {
-    math.SetDocuments(rp::model::MakeDocuments(positions.data_ptr<int64_t>(), B, S, [](const int64_t* host, int64_t n) {
-      return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
-    }));
+    math.SetDocuments(rp::model::MakeDocuments(
+        positions.data_ptr<int64_t>(), B, S, [](const int64_t* host, int64_t n) {
+          return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
+        }));
   };
   const int L = static_cast<int>(cfg.model.num_layers);
   for (int64_t step = 0; step < cfg.train.steps; ++step) {
@@ -111,9 +116,11 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     int64_t targets = 0;
     for (int64_t c = 0; c < rp::core::Round(cfg).calls; ++c)
       for (int64_t mb = 0; mb < rp::core::Round(cfg).microbatches; ++mb) {
-        data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(), positions.data_ptr<int64_t>());
+        data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(),
+                  positions.data_ptr<int64_t>());
         set_documents();
-        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step, c * rp::core::Round(cfg).microbatches + mb));
+        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step,
+                                                 c * rp::core::Round(cfg).microbatches + mb));
         // The routers' load-balancing loss: its gradient, set before the forward, is filled
         // once every sparse block has routed, before the backward reads it.
         at::Tensor aux_grad;
@@ -125,7 +132,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
         for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
         double aux_loss_sum = 0.0;
         if (aux_grad.defined()) {
-          const rp::model::RouterAux aux = math.WholeModelRouterAux(B * S, rp::core::RouterAuxWeight(cfg));
+          const rp::model::RouterAux aux =
+              math.WholeModelRouterAux(B * S, rp::core::RouterAuxWeight(cfg));
           aux_grad.copy_(at::tensor(aux.grad, at::kFloat));
           aux_loss_sum = aux.value / scale;
         }
@@ -147,7 +155,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
       rp::coord::ParamArrays a;
       a.master = masters[p].data_ptr<float>();
       a.m = adam_m[p].data_ptr<float>();
-      a.v = cfg.optimizer.name == rp::core::OptimizerName::kAdamW ? adam_v[p].data_ptr<float>() : nullptr;
+      a.v = cfg.optimizer.name == rp::core::OptimizerName::kAdamW ? adam_v[p].data_ptr<float>()
+                                                                  : nullptr;
       a.grad = g.data_ptr<float>();
       a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
       a.numel = spec.params[p].numel;
@@ -172,7 +181,8 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
         for (auto& use : spec.layer_frozen[l]) current[l].emplace(use.role, frozen[use.param]);
       }
       for (int64_t k = 0; k < cfg.train.eval_microbatches; ++k) {
-        eval_data->FillEval(k, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(), positions.data_ptr<int64_t>());
+        eval_data->FillEval(k, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(),
+                            positions.data_ptr<int64_t>());
         set_documents();
         at::Tensor x = math.Embed(current[0], tokens);
         for (int l = 1; l <= L; ++l) x = math.Block(current[l], x, l);
@@ -181,9 +191,11 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
         eval_targets += r.targets;
       }
       math.SetTraining(true);
-      if (eval_targets == 0) return rp::Status::InvalidArgument("data: the eval set has no target tokens");
+      if (eval_targets == 0)
+        return rp::Status::InvalidArgument("data: the eval set has no target tokens");
     }
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rp::core::StepMetrics m;
     m.step = step + 1;
     m.loss = loss_sum / static_cast<double>(targets);
@@ -197,15 +209,19 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
     }
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm))
       return rp::Status::NonFinite("step " + std::to_string(step + 1) + ": the gradient norm is " +
-                                   std::to_string(m.grad_norm) + " (not finite): training diverged");
+                                   std::to_string(m.grad_norm) +
+                                   " (not finite): training diverged");
     RP_RETURN_IF_ERROR(metrics.Append(m));
     RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm
-                 << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss) : std::string());
+                 << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss)
+                                      : std::string());
   }
   // The same exports as the coordinator's.
   RP_RETURN_IF_ERROR(rp::core::ExportTrainedModel(
       cfg, spec, [&](int p) { return masters[p].data_ptr<float>(); },
-      [&](int f, float* out) { std::memcpy(out, frozen[f].data_ptr<float>(), frozen[f].numel() * sizeof(float)); }));
+      [&](int f, float* out) {
+        std::memcpy(out, frozen[f].data_ptr<float>(), frozen[f].numel() * sizeof(float));
+      }));
   return rp::Status::Ok();
 }
 

@@ -8,13 +8,13 @@
 //   grads        low priority: D2H of a finished job's gradients, overlapping the next job
 // An accumulating commit (a later call of the step) first brings the slot's current value in and
 // adds on the GPU, all on the grads stream: PCIe both ways costs less than a CPU pass over the
-// slot, and the compute stream never waits for it. A committer thread waits for each gradient copy so the compute thread never blocks.
-// Compute runs on LibTorch's current stream of the device (the default stream). Every copy into
-// a freshly allocated tensor first waits for the compute stream's progress so far, because the
-// caching allocator may hand out memory that queued kernels still read; except an activation
-// fetch, whose tensor comes from the activations stream's own pool (and is marked as used by the
-// compute stream), so the next microbatch's input arrives while this one computes.
-// The caching allocator's statistics and stream pools need the CUDA LibTorch's generated
+// slot, and the compute stream never waits for it. A committer thread waits for each gradient copy
+// so the compute thread never blocks. Compute runs on LibTorch's current stream of the device (the
+// default stream). Every copy into a freshly allocated tensor first waits for the compute stream's
+// progress so far, because the caching allocator may hand out memory that queued kernels still
+// read; except an activation fetch, whose tensor comes from the activations stream's own pool (and
+// is marked as used by the compute stream), so the next microbatch's input arrives while this one
+// computes. The caching allocator's statistics and stream pools need the CUDA LibTorch's generated
 // headers. A CPU LibTorch lacks them; such a build only compile-checks this backend
 // (AllocatedBytes() then reports "not tracked", and OnStream does nothing).
 #if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
@@ -62,12 +62,14 @@ class HostRegistration {
  public:
   static StatusOr<HostRegistration> Create(void* base, uint64_t bytes) {
     // Mapped too: Device::MapWeights hands kernels pointers into it.
-    RP_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+    RP_CUDA_RETURN_IF_ERROR(
+        cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
     return HostRegistration(base);
   }
   // A mapping the process may only read (PROT_READ): DMA reads it, nothing writes it.
   static StatusOr<HostRegistration> CreateReadOnly(void* base, uint64_t bytes) {
-    RP_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly));
+    RP_CUDA_RETURN_IF_ERROR(
+        cudaHostRegister(base, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly));
     return HostRegistration(base);
   }
   HostRegistration(HostRegistration&& o) noexcept : base_(o.base_) { o.base_ = nullptr; }
@@ -132,7 +134,8 @@ class OnStream {
       : guard_(c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(index))) {}
   static void UsedByCurrent(const at::Tensor& t, int index) {
     c10::cuda::CUDACachingAllocator::recordStream(
-        t.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)));
+        t.storage().data_ptr(),
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)));
   }
 
  private:
@@ -198,8 +201,9 @@ class CudaDevice final : public Device {
     void* on_device = nullptr;
     const cudaError_t e = cudaHostGetDevicePointer(&on_device, const_cast<void*>(src), 0);
     if (e != cudaSuccess)
-      throw std::runtime_error(std::string("MapWeights: no device address for the shared segment: ") +
-                               cudaGetErrorString(e));
+      throw std::runtime_error(
+          std::string("MapWeights: no device address for the shared segment: ") +
+          cudaGetErrorString(e));
     // target_device: LibTorch would otherwise ask the pointer which device it lives on, and
     // host memory has none.
     return at::for_blob(on_device, shape)
@@ -215,8 +219,8 @@ class CudaDevice final : public Device {
       return;
     }
     if (stored != at::kFloat || (dtype != at::kBFloat16 && dtype != at::kHalf))
-      throw std::runtime_error(std::string("CopyWeights: no conversion from ") + c10::toString(stored) +
-                               " to " + c10::toString(dtype));
+      throw std::runtime_error(std::string("CopyWeights: no conversion from ") +
+                               c10::toString(stored) + " to " + c10::toString(dtype));
     // fp32 masters for bf16 compute: each chunk lands in one staging buffer and is rounded into
     // t, both on the weights stream. The next chunk's copy waits for the rounding, a few percent
     // of the copy's time in memory traffic (though the kernel shares the SMs with the compute
@@ -225,15 +229,17 @@ class CudaDevice final : public Device {
     constexpr int64_t kChunkElems = static_cast<int64_t>(kChunkBytes / sizeof(float));
     if (!staging_.defined()) {
       OnStream on_weights(weights_, index_);  // only the weights stream ever touches it
-      staging_ = at::empty({kChunkElems}, at::TensorOptions().dtype(at::kFloat).device(torch_device()));
+      staging_ =
+          at::empty({kChunkElems}, at::TensorOptions().dtype(at::kFloat).device(torch_device()));
     }
     const auto* in = static_cast<const float*>(src);
     auto* out = static_cast<uint16_t*>(t.data_ptr());
     for (int64_t off = 0; off < t.numel(); off += kChunkElems) {
       const int64_t n = std::min(kChunkElems, t.numel() - off);
-      ThrowIfError(cudaMemcpyAsync(staging_.data_ptr(), in + off, static_cast<size_t>(n) * sizeof(float),
-                                   cudaMemcpyHostToDevice, weights_),
-                   "cudaMemcpyAsync(master weights H2D)");
+      ThrowIfError(
+          cudaMemcpyAsync(staging_.data_ptr(), in + off, static_cast<size_t>(n) * sizeof(float),
+                          cudaMemcpyHostToDevice, weights_),
+          "cudaMemcpyAsync(master weights H2D)");
       if (dtype == at::kBFloat16) {
         ThrowIfError(kernels::RoundToBFloat16(staging_.data_ptr<float>(), out + off, n, weights_),
                      "RoundToBFloat16(master weights)");
@@ -260,18 +266,22 @@ class CudaDevice final : public Device {
       constexpr int64_t kSliceChunks = 64;
       for (int64_t c = 0; c < whole; c += kSliceChunks) {
         const int64_t k = std::min(kSliceChunks, whole - c);
-        parts.push_back(flat.narrow(0, c * chunk, k * chunk).view({k, chunk}).square().sum(1, false, at::kDouble));
+        parts.push_back(flat.narrow(0, c * chunk, k * chunk)
+                            .view({k, chunk})
+                            .square()
+                            .sum(1, false, at::kDouble));
       }
       if (whole < chunks)
-        parts.push_back(flat.narrow(0, whole * chunk, n - whole * chunk).square().sum(at::kDouble).view({1}));
+        parts.push_back(
+            flat.narrow(0, whole * chunk, n - whole * chunk).square().sum(at::kDouble).view({1}));
       q->outs.push_back({it.out, chunks});
       total += chunks;
     }
     if (total > 0) {
       q->sums = at::cat(parts);
       q->host = at::empty({total}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
-      ThrowIfError(cudaMemcpyAsync(q->host.data_ptr(), q->sums.data_ptr(), q->host.nbytes(), cudaMemcpyDeviceToHost,
-                                   grads_),
+      ThrowIfError(cudaMemcpyAsync(q->host.data_ptr(), q->sums.data_ptr(), q->host.nbytes(),
+                                   cudaMemcpyDeviceToHost, grads_),
                    "cudaMemcpyAsync(gradient squares D2H)");
     }
     q->items = std::move(items);
@@ -294,7 +304,8 @@ class CudaDevice final : public Device {
       src += count;
     }
     events_.Give(q.event);
-    squares_.erase(it);  // the gradients and temporaries go back to their pools after the copy ended
+    squares_.erase(
+        it);  // the gradients and temporaries go back to their pools after the copy ended
     return true;
   }
 
@@ -329,7 +340,8 @@ class CudaDevice final : public Device {
   }
   int64_t fetches_ = 0;
 
-  at::Tensor FetchActivation(const void* src, at::IntArrayRef shape, at::ScalarType dtype) override {
+  at::Tensor FetchActivation(const void* src, at::IntArrayRef shape,
+                             at::ScalarType dtype) override {
     MaybeInjectFaultForTest();
     at::Tensor t;
     {
@@ -361,7 +373,8 @@ class CudaDevice final : public Device {
     // a read from a peer's pool before the owner may overwrite that slot (the owner rewrites it
     // only after this worker's MicrobatchDone or JobDone). The worker's microbatches rely on
     // CompletionFence() for the same; this is the blocking form (evaluation, tests).
-    if (pool_copies_pending_) ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
+    if (pool_copies_pending_)
+      ThrowIfError(cudaStreamSynchronize(kComputeStream), "cudaStreamSynchronize(compute)");
     pool_copies_pending_ = false;
   }
 
@@ -370,7 +383,8 @@ class CudaDevice final : public Device {
     c.id = ++completion_counter_;
     // Pool copies run on the compute stream, activation stores on d2h_: one event on each.
     c.compute = TakeEvent();
-    ThrowIfError(cudaEventRecord(c.compute, kComputeStream), "cudaEventRecord(completion, compute)");
+    ThrowIfError(cudaEventRecord(c.compute, kComputeStream),
+                 "cudaEventRecord(completion, compute)");
     c.d2h = TakeEvent();
     ThrowIfError(cudaEventRecord(c.d2h, d2h_), "cudaEventRecord(completion, d2h)");
     c.keep_alive = std::move(keep_alive_);
@@ -399,7 +413,8 @@ class CudaDevice final : public Device {
     if (cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
       cudaGetLastError();
       return Status::Unavailable(
-          "allocating worker " + std::to_string(rank) + "'s activation pool (" + std::to_string(bytes >> 20) +
+          "allocating worker " + std::to_string(rank) + "'s activation pool (" +
+          std::to_string(bytes >> 20) +
           " MiB of device memory, schedule.activations = \"cuda_ipc\"): " + cudaGetErrorString(e) +
           "; use activations = \"host\", or fewer/smaller microbatches");
     }
@@ -416,24 +431,29 @@ class CudaDevice final : public Device {
   Status OpenPeerPool(int rank, const PoolHandle& handle, uint64_t bytes, uint64_t) override {
     if (bytes != pool_bytes_)
       return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + " has " +
-                                   std::to_string(bytes) + " bytes, this worker's has " + std::to_string(pool_bytes_));
+                                   std::to_string(bytes) + " bytes, this worker's has " +
+                                   std::to_string(pool_bytes_));
     if (rank == own_rank_ || peers_.count(rank))
-      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) + " announced twice");
+      return Status::ProtocolError("activation pool of worker " + std::to_string(rank) +
+                                   " announced twice");
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), sizeof(h));
     void* p = nullptr;
-    if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+    if (cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+        e != cudaSuccess) {
       cudaGetLastError();
-      return Status::Unavailable("opening worker " + std::to_string(rank) + "'s activation pool on cuda:" +
-                                 std::to_string(index_) + " (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
-                                 "): CUDA IPC needs both workers on one GPU or on GPUs with peer access; use "
-                                 "schedule.activations = \"host\"");
+      return Status::Unavailable(
+          "opening worker " + std::to_string(rank) + "'s activation pool on cuda:" +
+          std::to_string(index_) + " (cudaIpcOpenMemHandle: " + cudaGetErrorString(e) +
+          "): CUDA IPC needs both workers on one GPU or on GPUs with peer access; use "
+          "schedule.activations = \"host\"");
     }
     peers_.emplace(rank, IpcMapping(p));
     return Status::Ok();
   }
 
-  at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape, at::ScalarType dtype) override {
+  at::Tensor FetchFromPool(int rank, uint64_t offset, at::IntArrayRef shape,
+                           at::ScalarType dtype) override {
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype).device(torch_device()));
     const char* src = PoolBytes(rank, offset, t.nbytes());
     // On the compute stream: a device-to-device copy of one slot takes microseconds (same GPU) to
@@ -449,7 +469,8 @@ class CudaDevice final : public Device {
     // stream order, after this copy.
     at::Tensor src = t.detach().to(dtype).contiguous();
     char* dst = const_cast<char*>(PoolBytes(own_rank_, offset, src.nbytes()));
-    ThrowIfError(cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, kComputeStream),
+    ThrowIfError(cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice,
+                                 kComputeStream),
                  "cudaMemcpyAsync(device -> activation pool)");
     pool_copies_pending_ = true;
   }
@@ -470,7 +491,8 @@ class CudaDevice final : public Device {
       OnStream on_grads(grads_, index_);
       for (auto& it : items) {
         at::Tensor current = at::empty_like(it.grad);
-        ThrowIfError(cudaMemcpyAsync(current.data_ptr(), it.dst, current.nbytes(), cudaMemcpyHostToDevice, grads_),
+        ThrowIfError(cudaMemcpyAsync(current.data_ptr(), it.dst, current.nbytes(),
+                                     cudaMemcpyHostToDevice, grads_),
                      "cudaMemcpyAsync(gradient slot H2D)");
         it.grad.add_(current);
       }
@@ -512,7 +534,8 @@ class CudaDevice final : public Device {
 
   int64_t AllocatedBytes() override {
 #if RP_HAVE_CUDA_LIBTORCH
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
     return stats.allocated_bytes[0].current;  // index 0: all pools together
 #else
     return -1;
@@ -521,7 +544,8 @@ class CudaDevice final : public Device {
 
   int64_t PeakAllocatedBytes() override {
 #if RP_HAVE_CUDA_LIBTORCH
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
     return stats.allocated_bytes[0].peak;
 #else
     return -1;
@@ -530,9 +554,11 @@ class CudaDevice final : public Device {
 
   std::string MemoryReport() override {
 #if RP_HAVE_CUDA_LIBTORCH
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index_));
     char buf[160];
-    std::snprintf(buf, sizeof(buf), "device memory peak: %.2f GiB allocated by tensors, %.2f GiB reserved",
+    std::snprintf(buf, sizeof(buf),
+                  "device memory peak: %.2f GiB allocated by tensors, %.2f GiB reserved",
                   static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30),
                   static_cast<double>(stats.reserved_bytes[0].peak) / (1 << 30));
     return buf;
@@ -548,7 +574,8 @@ class CudaDevice final : public Device {
     const auto page = static_cast<uintptr_t>(4096);
     const auto begin = reinterpret_cast<uintptr_t>(base) & ~(page - 1);
     const auto end = (reinterpret_cast<uintptr_t>(base) + bytes + page - 1) & ~(page - 1);
-    RP_ASSIGN_OR_RETURN(auto reg, HostRegistration::CreateReadOnly(reinterpret_cast<void*>(begin), end - begin));
+    RP_ASSIGN_OR_RETURN(
+        auto reg, HostRegistration::CreateReadOnly(reinterpret_cast<void*>(begin), end - begin));
     read_only_pins_.push_back(std::move(reg));
     return Status::Ok();
   }
@@ -559,13 +586,17 @@ class CudaDevice final : public Device {
     const int64_t n = out.numel();
     for (const at::Tensor* t : {&grad, &master, &m, &v})
       if (t->numel() != n || t->scalar_type() != at::kFloat || !t->is_contiguous() || !t->is_cuda())
-        throw std::runtime_error("AdamWComputeCopy: grad, master and moments must be contiguous fp32 tensors on "
-                                 "the device with the output's " + std::to_string(n) + " elements");
-    const kernels::Dtype dtype = out.scalar_type() == at::kBFloat16 ? kernels::Dtype::kBFloat16 : kernels::Dtype::kFloat32;
-    ThrowIfError(kernels::AdamWComputeCopy(coord::MakeAdamWConstants(h, grad_scale), grad.data_ptr<float>(),
-                                           master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                                           out.data_ptr(), dtype, n, kComputeStream),
-                 "AdamWComputeCopy");
+        throw std::runtime_error(
+            "AdamWComputeCopy: grad, master and moments must be contiguous fp32 tensors on "
+            "the device with the output's " +
+            std::to_string(n) + " elements");
+    const kernels::Dtype dtype =
+        out.scalar_type() == at::kBFloat16 ? kernels::Dtype::kBFloat16 : kernels::Dtype::kFloat32;
+    ThrowIfError(
+        kernels::AdamWComputeCopy(coord::MakeAdamWConstants(h, grad_scale), grad.data_ptr<float>(),
+                                  master.data_ptr<float>(), m.data_ptr<float>(),
+                                  v.data_ptr<float>(), out.data_ptr(), dtype, n, kComputeStream),
+        "AdamWComputeCopy");
   }
 
   StatusOr<LinkRates> ProbeLink(const void* src, uint64_t bytes) override {
@@ -595,8 +626,12 @@ class CudaDevice final : public Device {
       cudaEventRecord(ev[2], weights_);
       status = CudaStatus(cudaEventSynchronize(ev[2]), "cudaEventSynchronize(probe)");
       float h2d_ms = 0.0f, d2h_ms = 0.0f;
-      if (status.ok()) status = CudaStatus(cudaEventElapsedTime(&h2d_ms, ev[0], ev[1]), "cudaEventElapsedTime(probe)");
-      if (status.ok()) status = CudaStatus(cudaEventElapsedTime(&d2h_ms, ev[1], ev[2]), "cudaEventElapsedTime(probe)");
+      if (status.ok())
+        status =
+            CudaStatus(cudaEventElapsedTime(&h2d_ms, ev[0], ev[1]), "cudaEventElapsedTime(probe)");
+      if (status.ok())
+        status =
+            CudaStatus(cudaEventElapsedTime(&d2h_ms, ev[1], ev[2]), "cudaEventElapsedTime(probe)");
       if (status.ok() && h2d_ms > 0 && d2h_ms > 0) {
         r.h2d_bytes_per_s = std::max(r.h2d_bytes_per_s, bytes / (h2d_ms * 1e-3));
         r.d2h_bytes_per_s = std::max(r.d2h_bytes_per_s, bytes / (d2h_ms * 1e-3));
@@ -631,10 +666,13 @@ class CudaDevice final : public Device {
     } else if (auto it = peers_.find(rank); it != peers_.end()) {
       base = it->second.get();
     }
-    if (!base) throw std::runtime_error("no activation pool of worker " + std::to_string(rank) + " is open here");
+    if (!base)
+      throw std::runtime_error("no activation pool of worker " + std::to_string(rank) +
+                               " is open here");
     if (bytes > pool_bytes_ || offset > pool_bytes_ - bytes)
-      throw std::runtime_error("activation pool of worker " + std::to_string(rank) + ": " + std::to_string(bytes) +
-                               " bytes at offset " + std::to_string(offset) + " do not fit its " +
+      throw std::runtime_error("activation pool of worker " + std::to_string(rank) + ": " +
+                               std::to_string(bytes) + " bytes at offset " +
+                               std::to_string(offset) + " do not fit its " +
                                std::to_string(pool_bytes_));
     return static_cast<const char*>(base) + offset;
   }
@@ -698,9 +736,10 @@ class CudaDevice final : public Device {
   static void CopyChunked(void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind,
                           cudaStream_t s) {
     for (uint64_t off = 0; off < bytes; off += kChunkBytes)
-      ThrowIfError(cudaMemcpyAsync(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off,
-                                   std::min(kChunkBytes, bytes - off), kind, s),
-                   "cudaMemcpyAsync(weights H2D)");
+      ThrowIfError(
+          cudaMemcpyAsync(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off,
+                          std::min(kChunkBytes, bytes - off), kind, s),
+          "cudaMemcpyAsync(weights H2D)");
   }
 
   int index_;
@@ -724,25 +763,25 @@ class CudaDevice final : public Device {
   uint64_t completion_counter_ = 0;
   struct Squares {
     uint64_t ticket = 0;
-    std::vector<SquaresItem> items;                  // the gradients, alive until the sums are read
-    at::Tensor sums, host;                           // on the device; pinned copy of them
-    std::vector<std::pair<double*, int64_t>> outs;   // each item's destination and chunk count
+    std::vector<SquaresItem> items;                 // the gradients, alive until the sums are read
+    at::Tensor sums, host;                          // on the device; pinned copy of them
+    std::vector<std::pair<double*, int64_t>> outs;  // each item's destination and chunk count
     cudaEvent_t event = nullptr;
   };
   std::map<uint64_t, std::unique_ptr<Squares>> squares_;
   uint64_t squares_counter_ = 0;
   at::Tensor staging_;  // fp32 chunk of masters being rounded to bf16 (weights stream only)
   uint64_t commit_counter_ = 0;
-  DeviceAllocation own_pool_;            // this worker's activation pool (exported)
-  std::map<int, IpcMapping> peers_;      // peers' pools, mapped; destroyed before own_pool_
+  DeviceAllocation own_pool_;        // this worker's activation pool (exported)
+  std::map<int, IpcMapping> peers_;  // peers' pools, mapped; destroyed before own_pool_
   int own_rank_ = -1;
   uint64_t pool_bytes_ = 0;
-  bool pool_copies_pending_ = false;     // a pool store or read since the last Synchronize or fence
+  bool pool_copies_pending_ = false;  // a pool store or read since the last Synchronize or fence
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stopping_ = false;                                     // GUARDED_BY(mu_)
-  std::deque<std::shared_ptr<Commit>> to_finish_;             // GUARDED_BY(mu_)
-  std::map<uint64_t, std::shared_ptr<Commit>> inflight_;      // GUARDED_BY(mu_)
+  bool stopping_ = false;                                 // GUARDED_BY(mu_)
+  std::deque<std::shared_ptr<Commit>> to_finish_;         // GUARDED_BY(mu_)
+  std::map<uint64_t, std::shared_ptr<Commit>> inflight_;  // GUARDED_BY(mu_)
   std::thread committer_;  // last member: joined before the state above goes away
 };
 
@@ -757,7 +796,8 @@ int CudaDeviceCount() {
   return n;
 }
 
-StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes, uint64_t memory_limit_bytes) {
+StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t bytes,
+                                                 uint64_t memory_limit_bytes) {
   if (!at::hasCUDA())
     return Status::Internal("LibTorch reports no CUDA support (is libtorch_cuda linked?)");
   RP_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
@@ -765,17 +805,20 @@ StatusOr<std::unique_ptr<Device>> MakeCudaDevice(int index, void* base, uint64_t
     size_t free_bytes = 0, total_bytes = 0;
     RP_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
     if (memory_limit_bytes > total_bytes)
-      return Status::InvalidArgument("job.device_memory_limit_gib: " + std::to_string(memory_limit_bytes >> 20) +
-                                     " MiB is more than GPU " + std::to_string(index) + "'s " +
-                                     std::to_string(total_bytes >> 20) + " MiB");
+      return Status::InvalidArgument(
+          "job.device_memory_limit_gib: " + std::to_string(memory_limit_bytes >> 20) +
+          " MiB is more than GPU " + std::to_string(index) + "'s " +
+          std::to_string(total_bytes >> 20) + " MiB");
     // The caching allocator is set up by LibTorch's lazy CUDA initialization, which the first
     // tensor on the device runs; a fraction set before it is refused.
-    (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index))));
+    (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(
+                             at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index))));
     // The allocator refuses (out of memory) past this share of the device, as a smaller card would.
     c10::cuda::CUDACachingAllocator::setMemoryFraction(
-        static_cast<double>(memory_limit_bytes) / static_cast<double>(total_bytes), static_cast<c10::DeviceIndex>(index));
-    RP_LOG(INFO) << "device memory capped at " << (memory_limit_bytes >> 20) << " MiB of " << (total_bytes >> 20)
-                 << " MiB (job.device_memory_limit_gib)";
+        static_cast<double>(memory_limit_bytes) / static_cast<double>(total_bytes),
+        static_cast<c10::DeviceIndex>(index));
+    RP_LOG(INFO) << "device memory capped at " << (memory_limit_bytes >> 20) << " MiB of "
+                 << (total_bytes >> 20) << " MiB (job.device_memory_limit_gib)";
   }
   RP_ASSIGN_OR_RETURN(auto reg, HostRegistration::Create(base, bytes));
   auto dev = std::make_unique<CudaDevice>(index, std::move(reg));

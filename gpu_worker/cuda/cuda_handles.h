@@ -30,7 +30,8 @@ class CudaStream {
   CudaStream() = default;
   static StatusOr<CudaStream> Create(int priority) {
     CudaStream s;
-    RP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, priority));
+    RP_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, priority));
     return s;
   }
   CudaStream(CudaStream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
@@ -98,7 +99,8 @@ class EventPool {
       return e;
     }
     cudaEvent_t e = nullptr;
-    if (Status s = CudaStatus(cudaEventCreateWithFlags(&e, flags_), "cudaEventCreateWithFlags"); !s.ok())
+    if (Status s = CudaStatus(cudaEventCreateWithFlags(&e, flags_), "cudaEventCreateWithFlags");
+        !s.ok())
       throw std::runtime_error(s.message());
     owned_.push_back(e);
     return e;

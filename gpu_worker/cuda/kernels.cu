@@ -20,9 +20,13 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162fl
 template <typename T>
 __device__ __forceinline__ T FromFloat(float v);
 template <>
-__device__ __forceinline__ float FromFloat<float>(float v) { return v; }
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // (max, sum of exp(x - max)) pairs: the running state of a one-pass softmax normalizer.
 __device__ __forceinline__ void Merge(float& m, float& s, float m2, float s2) {
@@ -53,8 +57,8 @@ constexpr int kLossThreads = 1024;
 
 template <typename T, bool kPacked>
 __global__ void __launch_bounds__(kLossThreads)
-CrossEntropyKernel(T* logits, const int64_t* labels, int64_t vocab, float scale, bool write_grad,
-                   float* row_loss) {
+    CrossEntropyKernel(T* logits, const int64_t* labels, int64_t vocab, float scale,
+                       bool write_grad, float* row_loss) {
   const int64_t row = blockIdx.x;
   T* x = logits + row * vocab;
   const int64_t label = labels[row];
@@ -113,7 +117,8 @@ CrossEntropyKernel(T* logits, const int64_t* labels, int64_t vocab, float scale,
       p[j] = pk;
     }
   } else {
-    for (int64_t j = threadIdx.x; j < vocab; j += kLossThreads) x[j] = FromFloat<T>(grad(ToFloat(x[j]), j));
+    for (int64_t j = threadIdx.x; j < vocab; j += kLossThreads)
+      x[j] = FromFloat<T>(grad(ToFloat(x[j]), j));
   }
 }
 
@@ -124,8 +129,7 @@ cudaError_t LaunchCrossEntropy(void* logits, const int64_t* labels, int64_t rows
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
   // Rows start on 16-byte boundaries when the vocabulary is a multiple of the pack width (the
   // tensor itself comes from the caching allocator, 512-byte aligned).
-  const bool packed = vocab % Pack<T>::kWidth == 0 &&
-                      reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  const bool packed = vocab % Pack<T>::kWidth == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
   T* x = static_cast<T*>(logits);
   if (packed)
     CrossEntropyKernel<T, true><<<static_cast<unsigned>(rows), kLossThreads, 0, stream>>>(
@@ -137,8 +141,8 @@ cudaError_t LaunchCrossEntropy(void* logits, const int64_t* labels, int64_t rows
 }
 
 template <typename T>
-__global__ void RopeKernel(const T* x, const T* cos, const T* sin, T* y, int64_t pairs,
-                           int64_t seq, int64_t heads, int64_t half, bool backward) {
+__global__ void RopeKernel(const T* x, const T* cos, const T* sin, T* y, int64_t pairs, int64_t seq,
+                           int64_t heads, int64_t half, bool backward) {
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < pairs;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = p / half, i = p % half;
@@ -159,7 +163,8 @@ __global__ void RopeKernel(const T* x, const T* cos, const T* sin, T* y, int64_t
 
 template <typename T>
 cudaError_t LaunchRope(const void* x, const void* cos, const void* sin, void* y, int64_t rows,
-                       int64_t seq, int64_t heads, int64_t dim, bool backward, cudaStream_t stream) {
+                       int64_t seq, int64_t heads, int64_t dim, bool backward,
+                       cudaStream_t stream) {
   if (dim % 2 != 0 || seq <= 0 || heads <= 0) return cudaErrorInvalidValue;
   const int64_t pairs = rows * (dim / 2);
   if (pairs <= 0) return cudaSuccess;
@@ -183,8 +188,8 @@ __device__ __forceinline__ float WarpSum(float v) {
 
 template <typename T, int kPer>
 __global__ void __launch_bounds__(kNormWarps * 32)
-HeadNormRopeKernel(const T* x, const T* w, const T* cos, const T* sin, T* y, int64_t rows, int64_t seq,
-                   int64_t heads, float eps) {
+    HeadNormRopeKernel(const T* x, const T* w, const T* cos, const T* sin, T* y, int64_t rows,
+                       int64_t seq, int64_t heads, float eps) {
   constexpr int kDim = 32 * kPer;
   const int lane = threadIdx.x % 32;
   const int c = lane * kPer;
@@ -205,15 +210,17 @@ HeadNormRopeKernel(const T* x, const T* w, const T* cos, const T* sin, T* y, int
     for (int j = 0; j < kPer; ++j) {
       const float n = v[j] * rstd * wv[j];
       const float partner = __shfl_xor_sync(0xffffffffu, n, 16);
-      yr[c + j] = FromFloat<T>(n * ToFloat(cos[pos * kDim + c + j]) + partner * ToFloat(sin[pos * kDim + c + j]));
+      yr[c + j] = FromFloat<T>(n * ToFloat(cos[pos * kDim + c + j]) +
+                               partner * ToFloat(sin[pos * kDim + c + j]));
     }
   }
 }
 
 template <typename T, int kPer>
 __global__ void __launch_bounds__(kNormWarps * 32)
-HeadNormRopeBackwardKernel(const T* x, const T* w, const T* cos, const T* sin, const T* dy, T* dx,
-                           float* dw, int64_t rows, int64_t seq, int64_t heads, float eps) {
+    HeadNormRopeBackwardKernel(const T* x, const T* w, const T* cos, const T* sin, const T* dy,
+                               T* dx, float* dw, int64_t rows, int64_t seq, int64_t heads,
+                               float eps) {
   constexpr int kDim = 32 * kPer;
   constexpr int kHalf = kDim / 2;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -241,7 +248,8 @@ HeadNormRopeBackwardKernel(const T* x, const T* w, const T* cos, const T* sin, c
       const int i = c + j;
       const float d = ToFloat(dyr[i]);
       const float partner = __shfl_xor_sync(0xffffffffu, d, 16);
-      g[j] = d * ToFloat(cos[pos * kDim + i]) + partner * ToFloat(sin[pos * kDim + (i + kHalf) % kDim]);
+      g[j] = d * ToFloat(cos[pos * kDim + i]) +
+             partner * ToFloat(sin[pos * kDim + (i + kHalf) % kDim]);
       const float n = v[j] * rstd;
       dw_acc[j] += g[j] * n;
       g[j] *= wv[j];  // dL/d(normalized)
@@ -264,14 +272,17 @@ HeadNormRopeBackwardKernel(const T* x, const T* w, const T* cos, const T* sin, c
 }
 
 template <typename T, int kPer>
-cudaError_t LaunchHeadNormRope(const void* x, const void* w, const void* cos, const void* sin, void* y,
-                               const void* dy, void* dx, float* dw, int64_t rows, int64_t seq,
-                               int64_t heads, float eps, bool backward, cudaStream_t stream) {
+cudaError_t LaunchHeadNormRope(const void* x, const void* w, const void* cos, const void* sin,
+                               void* y, const void* dy, void* dx, float* dw, int64_t rows,
+                               int64_t seq, int64_t heads, float eps, bool backward,
+                               cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>((rows + kNormWarps - 1) / kNormWarps, 132 * 16);
   if (backward)
-    HeadNormRopeBackwardKernel<T, kPer><<<static_cast<unsigned>(blocks), kNormWarps * 32, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(cos),
-        static_cast<const T*>(sin), static_cast<const T*>(dy), static_cast<T*>(dx), dw, rows, seq, heads, eps);
+    HeadNormRopeBackwardKernel<T, kPer>
+        <<<static_cast<unsigned>(blocks), kNormWarps * 32, 0, stream>>>(
+            static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(cos),
+            static_cast<const T*>(sin), static_cast<const T*>(dy), static_cast<T*>(dx), dw, rows,
+            seq, heads, eps);
   else
     HeadNormRopeKernel<T, kPer><<<static_cast<unsigned>(blocks), kNormWarps * 32, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(cos),
@@ -280,15 +291,22 @@ cudaError_t LaunchHeadNormRope(const void* x, const void* w, const void* cos, co
 }
 
 template <typename T>
-cudaError_t DispatchHeadNormRope(const void* x, const void* w, const void* cos, const void* sin, void* y,
-                                 const void* dy, void* dx, float* dw, int64_t rows, int64_t seq,
-                                 int64_t heads, int64_t dim, float eps, bool backward, cudaStream_t stream) {
+cudaError_t DispatchHeadNormRope(const void* x, const void* w, const void* cos, const void* sin,
+                                 void* y, const void* dy, void* dx, float* dw, int64_t rows,
+                                 int64_t seq, int64_t heads, int64_t dim, float eps, bool backward,
+                                 cudaStream_t stream) {
   if (seq <= 0 || heads <= 0) return cudaErrorInvalidValue;
   if (rows <= 0) return cudaSuccess;
   switch (dim) {
-    case 64: return LaunchHeadNormRope<T, 2>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps, backward, stream);
-    case 128: return LaunchHeadNormRope<T, 4>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps, backward, stream);
-    case 256: return LaunchHeadNormRope<T, 8>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps, backward, stream);
+    case 64:
+      return LaunchHeadNormRope<T, 2>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps,
+                                      backward, stream);
+    case 128:
+      return LaunchHeadNormRope<T, 4>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps,
+                                      backward, stream);
+    case 256:
+      return LaunchHeadNormRope<T, 8>(x, w, cos, sin, y, dy, dx, dw, rows, seq, heads, eps,
+                                      backward, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -317,7 +335,7 @@ __device__ __forceinline__ float BlockSum(float v, float* scratch) {
 
 template <typename T, int kPer>
 __global__ void __launch_bounds__(kRowThreads)
-AddRmsNormKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64_t rows, float eps) {
+    AddRmsNormKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64_t rows, float eps) {
   constexpr int kDim = kRowThreads * kPer;
   __shared__ float scratch[kRowThreads / 32];
   float wv[kPer];
@@ -345,8 +363,8 @@ AddRmsNormKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64_t row
 
 template <typename T, int kPer>
 __global__ void __launch_bounds__(kRowThreads)
-RmsNormBackwardKernel(const T* s, const T* w, const T* dy, const T* ds_other, T* ds, float* dw, int64_t rows,
-                      float eps) {
+    RmsNormBackwardKernel(const T* s, const T* w, const T* dy, const T* ds_other, T* ds, float* dw,
+                          int64_t rows, float eps) {
   constexpr int kDim = kRowThreads * kPer;
   __shared__ float scratch[kRowThreads / 32];
   float wv[kPer], dw_acc[kPer];
@@ -384,10 +402,10 @@ RmsNormBackwardKernel(const T* s, const T* w, const T* dy, const T* ds_other, T*
   for (int j = 0; j < kPer; ++j) atomicAdd(dw + j * kRowThreads + threadIdx.x, dw_acc[j]);
 }
 
-// The forward's packed layout: a block of kThreads = dim / 8 threads per row (1024 -> 128, 2048 -> 256,
-// 2560 -> 320, 4096 -> 512, 5120 -> 640), and thread t holds the 16-byte packs j * kThreads + t of
-// the row (j < kVecs: one pack of 8 bf16, or two of 4 fp32). Each load or store instruction of a
-// warp moves 512 contiguous bytes, eight times the scalar layout's 64 in bf16, so a row takes an
+// The forward's packed layout: a block of kThreads = dim / 8 threads per row (1024 -> 128, 2048 ->
+// 256, 2560 -> 320, 4096 -> 512, 5120 -> 640), and thread t holds the 16-byte packs j * kThreads +
+// t of the row (j < kVecs: one pack of 8 bf16, or two of 4 fp32). Each load or store instruction of
+// a warp moves 512 contiguous bytes, eight times the scalar layout's 64 in bf16, so a row takes an
 // eighth of the memory instructions. The arithmetic is the scalar kernel's, element for element;
 // only the order of the sum of squares differs, still fixed.
 constexpr int kPackedRowElems = 8;  // elements per thread and row, either dtype
@@ -406,7 +424,8 @@ constexpr int BlocksPerSm(int bf16_threads_per_sm, int threads) {
 
 template <typename T, int kThreads>
 __global__ void __launch_bounds__(kThreads, BlocksPerSm<T>(kForwardThreadsPerSm, kThreads))
-AddRmsNormPackedKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64_t rows, float eps) {
+    AddRmsNormPackedKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64_t rows,
+                           float eps) {
   using P = Pack<T>;
   constexpr int kW = P::kWidth, kVecs = kPackedRowElems / kW;
   constexpr int kDim = kThreads * kPackedRowElems, kRowPacks = kDim / kW;
@@ -434,7 +453,8 @@ AddRmsNormPackedKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64
       for (int j = 0; j < kVecs; ++j) {
         // Rounded as the separate add would leave it: the residual stream and the norm's input.
 #pragma unroll
-        for (int k = 0; k < kW; ++k) v[j].v[k] = FromFloat<T>(ToFloat(v[j].v[k]) + ToFloat(add[j].v[k]));
+        for (int k = 0; k < kW; ++k)
+          v[j].v[k] = FromFloat<T>(ToFloat(v[j].v[k]) + ToFloat(add[j].v[k]));
         sp[base + j * kThreads] = v[j];
       }
     }
@@ -458,19 +478,21 @@ AddRmsNormPackedKernel(const T* x, const T* res, const T* w, T* sum, T* y, int64
 }
 
 template <typename T, int kThreads>
-cudaError_t LaunchAddRmsNormPacked(const void* x, const void* res, const void* w, void* sum, void* y, int64_t rows,
-                                   float eps, cudaStream_t stream) {
+cudaError_t LaunchAddRmsNormPacked(const void* x, const void* res, const void* w, void* sum,
+                                   void* y, int64_t rows, float eps, cudaStream_t stream) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps of one block");
-  const int64_t blocks = std::min<int64_t>(rows, 132 * BlocksPerSm<T>(kForwardThreadsPerSm, kThreads));
+  const int64_t blocks =
+      std::min<int64_t>(rows, 132 * BlocksPerSm<T>(kForwardThreadsPerSm, kThreads));
   AddRmsNormPackedKernel<T, kThreads><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w), static_cast<T*>(sum),
-      static_cast<T*>(y), rows, eps);
+      static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w),
+      static_cast<T*>(sum), static_cast<T*>(y), rows, eps);
   return cudaGetLastError();
 }
 
 template <typename T, int kPer>
-cudaError_t LaunchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y, const void* dy,
-                          void* ds, float* dw, int64_t rows, float eps, bool backward, cudaStream_t stream) {
+cudaError_t LaunchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y,
+                          const void* dy, void* ds, float* dw, int64_t rows, float eps,
+                          bool backward, cudaStream_t stream) {
   // The forward takes the packed layout whenever the row arrays (not the weight: read by
   // element) allow 16-byte accesses; rows then start aligned too, every size being a multiple of
   // 256 elements. A null pointer is an unused one. The backward keeps the scalar layout: a packed
@@ -480,33 +502,40 @@ cudaError_t LaunchRmsNorm(const void* x, const void* res, const void* w, void* s
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   static_assert(kRowThreads * kPer % kPackedRowElems == 0, "whole packs per thread");
   if (!backward && aligned(x) && aligned(res) && aligned(sum) && aligned(y))
-    return LaunchAddRmsNormPacked<T, kRowThreads * kPer / kPackedRowElems>(x, res, w, sum, y, rows, eps, stream);
+    return LaunchAddRmsNormPacked<T, kRowThreads * kPer / kPackedRowElems>(x, res, w, sum, y, rows,
+                                                                           eps, stream);
   // Four blocks per SM (1,024 threads) keep enough loads in flight; more would multiply the
   // backward's weight-gradient atomics.
   const int64_t blocks = std::min<int64_t>(rows, 132 * 4);
   if (backward)
     RmsNormBackwardKernel<T, kPer><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(dy), static_cast<const T*>(res),
-        static_cast<T*>(ds), dw, rows, eps);
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(dy),
+        static_cast<const T*>(res), static_cast<T*>(ds), dw, rows, eps);
   else
     AddRmsNormKernel<T, kPer><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w), static_cast<T*>(sum),
-        static_cast<T*>(y), rows, eps);
+        static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w),
+        static_cast<T*>(sum), static_cast<T*>(y), rows, eps);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t DispatchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y, const void* dy,
-                            void* ds, float* dw, int64_t rows, int64_t dim, float eps, bool backward,
-                            cudaStream_t stream) {
+cudaError_t DispatchRmsNorm(const void* x, const void* res, const void* w, void* sum, void* y,
+                            const void* dy, void* ds, float* dw, int64_t rows, int64_t dim,
+                            float eps, bool backward, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   switch (dim) {
-    case kRowThreads * 4: return LaunchRmsNorm<T, 4>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
-    case kRowThreads * 8: return LaunchRmsNorm<T, 8>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
-    case kRowThreads * 10: return LaunchRmsNorm<T, 10>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
-    case kRowThreads * 12: return LaunchRmsNorm<T, 12>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
-    case kRowThreads * 16: return LaunchRmsNorm<T, 16>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
-    case kRowThreads * 20: return LaunchRmsNorm<T, 20>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 4:
+      return LaunchRmsNorm<T, 4>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 8:
+      return LaunchRmsNorm<T, 8>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 10:
+      return LaunchRmsNorm<T, 10>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 12:
+      return LaunchRmsNorm<T, 12>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 16:
+      return LaunchRmsNorm<T, 16>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
+    case kRowThreads * 20:
+      return LaunchRmsNorm<T, 20>(x, res, w, sum, y, dy, ds, dw, rows, eps, backward, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -515,8 +544,8 @@ cudaError_t DispatchRmsNorm(const void* x, const void* res, const void* w, void*
 __device__ __forceinline__ float Sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 template <typename T>
-__global__ void SwiGluKernel(const T* gate, const T* up, int64_t ld, const T* dy, T* y_or_dgate, T* dup,
-                             int64_t rows, int64_t cols, bool backward) {
+__global__ void SwiGluKernel(const T* gate, const T* up, int64_t ld, const T* dy, T* y_or_dgate,
+                             T* dup, int64_t rows, int64_t cols, bool backward) {
   const int64_t n = rows * cols;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -535,8 +564,9 @@ __global__ void SwiGluKernel(const T* gate, const T* up, int64_t ld, const T* dy
 
 // Eight bf16 (or four fp32) per thread and step, when every row start is 16-byte aligned.
 template <typename T>
-__global__ void SwiGluPackedKernel(const T* gate, const T* up, int64_t ld, const T* dy, T* y_or_dgate, T* dup,
-                                   int64_t rows, int64_t cols, bool backward) {
+__global__ void SwiGluPackedKernel(const T* gate, const T* up, int64_t ld, const T* dy,
+                                   T* y_or_dgate, T* dup, int64_t rows, int64_t cols,
+                                   bool backward) {
   using P = Pack<T>;
   constexpr int kW = P::kWidth;
   const int64_t packs_per_row = cols / kW, n = rows * packs_per_row;
@@ -567,15 +597,17 @@ __global__ void SwiGluPackedKernel(const T* gate, const T* up, int64_t ld, const
 }
 
 template <typename T>
-cudaError_t LaunchSwiGlu(const void* gate, const void* up, int64_t ld, const void* dy, void* a, void* b,
-                         int64_t rows, int64_t cols, bool backward, cudaStream_t stream) {
+cudaError_t LaunchSwiGlu(const void* gate, const void* up, int64_t ld, const void* dy, void* a,
+                         void* b, int64_t rows, int64_t cols, bool backward, cudaStream_t stream) {
   if (cols <= 0 || ld < cols) return cudaErrorInvalidValue;
   if (rows <= 0) return cudaSuccess;
   constexpr int kThreads = 256;
   constexpr int kW = Pack<T>::kWidth;
-  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool packed = cols % kW == 0 && ld % kW == 0 && aligned(gate) && aligned(up) && aligned(dy) &&
-                      aligned(a) && aligned(b);
+  auto aligned = [](const void* p) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  };
+  const bool packed = cols % kW == 0 && ld % kW == 0 && aligned(gate) && aligned(up) &&
+                      aligned(dy) && aligned(a) && aligned(b);
   const int64_t work = packed ? rows * (cols / kW) : rows * cols;
   const int64_t blocks = std::min<int64_t>((work + kThreads - 1) / kThreads, 132 * 32);
   auto* g = static_cast<const T*>(gate);
@@ -618,8 +650,9 @@ __global__ void RoundToBFloat16TailKernel(const float* src, uint16_t* dst, int64
 // The CPU loops' operations in their order (adamw_constants.h); _rn intrinsics are never
 // contracted into fused multiply-adds, and the sqrt and division are correctly rounded.
 template <bool kBf16>
-__global__ void AdamWComputeCopyKernel(coord::AdamWConstants k, const float* grad, const float* master,
-                                       const float* m, const float* v, void* out, int64_t n) {
+__global__ void AdamWComputeCopyKernel(coord::AdamWConstants k, const float* grad,
+                                       const float* master, const float* m, const float* v,
+                                       void* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = __fmul_rn(grad[i], k.grad_scale);
@@ -641,7 +674,8 @@ __global__ void AdamWComputeCopyKernel(coord::AdamWConstants k, const float* gra
 cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0;
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0;
   const int64_t quads = aligned ? n / 4 : 0;
   if (quads > 0) {
     const int64_t blocks = std::min<int64_t>((quads + kThreads - 1) / kThreads, 132 * 32);
@@ -650,8 +684,8 @@ cudaError_t RoundToBFloat16(const float* src, uint16_t* dst, int64_t n, cudaStre
   }
   const int64_t rest = n - quads * 4;
   if (rest > 0) {
-    RoundToBFloat16TailKernel<<<static_cast<unsigned>((rest + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        src + quads * 4, dst + quads * 4, rest);
+    RoundToBFloat16TailKernel<<<static_cast<unsigned>((rest + kThreads - 1) / kThreads), kThreads,
+                                0, stream>>>(src + quads * 4, dst + quads * 4, rest);
   }
   return cudaGetLastError();
 }
@@ -661,7 +695,8 @@ cudaError_t AdamWComputeCopy(const coord::AdamWConstants& k, const float* grad, 
                              cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 32));
+  const auto blocks =
+      static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 32));
   if (out_dtype == Dtype::kBFloat16) {
     AdamWComputeCopyKernel<true><<<blocks, kThreads, 0, stream>>>(k, grad, master, m, v, out, n);
   } else {
@@ -674,18 +709,20 @@ cudaError_t CrossEntropyRows(Dtype dtype, void* logits, const int64_t* labels, i
                              int64_t vocab, float scale, bool write_grad, float* row_loss,
                              cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return LaunchCrossEntropy<__nv_bfloat16>(logits, labels, rows, vocab, scale, write_grad, row_loss, stream);
-  return LaunchCrossEntropy<float>(logits, labels, rows, vocab, scale, write_grad, row_loss, stream);
+    return LaunchCrossEntropy<__nv_bfloat16>(logits, labels, rows, vocab, scale, write_grad,
+                                             row_loss, stream);
+  return LaunchCrossEntropy<float>(logits, labels, rows, vocab, scale, write_grad, row_loss,
+                                   stream);
 }
 
-cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* cos, const void* sin_signed,
-                         void* y, int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
-                         cudaStream_t stream) {
+cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* cos,
+                         const void* sin_signed, void* y, int64_t rows, int64_t seq, int64_t heads,
+                         int64_t dim, float eps, cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return DispatchHeadNormRope<__nv_bfloat16>(x, w, cos, sin_signed, y, nullptr, nullptr, nullptr, rows, seq,
-                                               heads, dim, eps, false, stream);
-  return DispatchHeadNormRope<float>(x, w, cos, sin_signed, y, nullptr, nullptr, nullptr, rows, seq, heads, dim,
-                                     eps, false, stream);
+    return DispatchHeadNormRope<__nv_bfloat16>(x, w, cos, sin_signed, y, nullptr, nullptr, nullptr,
+                                               rows, seq, heads, dim, eps, false, stream);
+  return DispatchHeadNormRope<float>(x, w, cos, sin_signed, y, nullptr, nullptr, nullptr, rows, seq,
+                                     heads, dim, eps, false, stream);
 }
 
 cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, const void* cos,
@@ -693,16 +730,21 @@ cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, cons
                                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
                                  cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return DispatchHeadNormRope<__nv_bfloat16>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows, seq, heads,
-                                               dim, eps, true, stream);
-  return DispatchHeadNormRope<float>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows, seq, heads, dim, eps,
-                                     true, stream);
+    return DispatchHeadNormRope<__nv_bfloat16>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows,
+                                               seq, heads, dim, eps, true, stream);
+  return DispatchHeadNormRope<float>(x, w, cos, sin_signed, nullptr, dy, dx, dw_f32, rows, seq,
+                                     heads, dim, eps, true, stream);
 }
 
 bool RmsNormSupports(int64_t dim) {
   if (dim % kRowThreads != 0) return false;
   switch (dim / kRowThreads) {
-    case 4: case 8: case 10: case 12: case 16: case 20: return true;
+    case 4:
+    case 8:
+    case 10:
+    case 12:
+    case 16:
+    case 20: return true;
     default: return false;
   }
 }
@@ -712,7 +754,7 @@ constexpr int kQuantThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kQuantThreads)
-QuantizeRowsE4m3Kernel(const T* x, uint8_t* q, float* scales, int64_t cols) {
+    QuantizeRowsE4m3Kernel(const T* x, uint8_t* q, float* scales, int64_t cols) {
   const int64_t row = blockIdx.x;
   const T* in = x + row * cols;
   uint8_t* out = q + row * cols;
@@ -752,43 +794,50 @@ QuantizeRowsE4m3Kernel(const T* x, uint8_t* q, float* scales, int64_t cols) {
 }
 }  // namespace
 
-cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows, int64_t cols,
-                             cudaStream_t stream) {
+cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows,
+                             int64_t cols, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return cudaSuccess;
   if (rows > INT32_MAX) return cudaErrorInvalidValue;
   if (dtype == Dtype::kBFloat16)
-    QuantizeRowsE4m3Kernel<__nv_bfloat16><<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), q, scales, cols);
+    QuantizeRowsE4m3Kernel<__nv_bfloat16>
+        <<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
+            static_cast<const __nv_bfloat16*>(x), q, scales, cols);
   else
     QuantizeRowsE4m3Kernel<float><<<static_cast<unsigned>(rows), kQuantThreads, 0, stream>>>(
         static_cast<const float*>(x), q, scales, cols);
   return cudaGetLastError();
 }
 
-cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum, void* y,
-                       int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum,
+                       void* y, int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return DispatchRmsNorm<__nv_bfloat16>(x, res, w, sum, y, nullptr, nullptr, nullptr, rows, dim, eps, false, stream);
-  return DispatchRmsNorm<float>(x, res, w, sum, y, nullptr, nullptr, nullptr, rows, dim, eps, false, stream);
+    return DispatchRmsNorm<__nv_bfloat16>(x, res, w, sum, y, nullptr, nullptr, nullptr, rows, dim,
+                                          eps, false, stream);
+  return DispatchRmsNorm<float>(x, res, w, sum, y, nullptr, nullptr, nullptr, rows, dim, eps, false,
+                                stream);
 }
 
-cudaError_t RmsNormBackward(Dtype dtype, const void* s, const void* w, const void* dy, const void* ds_other,
-                            void* ds, float* dw_f32, int64_t rows, int64_t dim, float eps, cudaStream_t stream) {
+cudaError_t RmsNormBackward(Dtype dtype, const void* s, const void* w, const void* dy,
+                            const void* ds_other, void* ds, float* dw_f32, int64_t rows,
+                            int64_t dim, float eps, cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return DispatchRmsNorm<__nv_bfloat16>(s, ds_other, w, nullptr, nullptr, dy, ds, dw_f32, rows, dim, eps, true,
-                                          stream);
-  return DispatchRmsNorm<float>(s, ds_other, w, nullptr, nullptr, dy, ds, dw_f32, rows, dim, eps, true, stream);
+    return DispatchRmsNorm<__nv_bfloat16>(s, ds_other, w, nullptr, nullptr, dy, ds, dw_f32, rows,
+                                          dim, eps, true, stream);
+  return DispatchRmsNorm<float>(s, ds_other, w, nullptr, nullptr, dy, ds, dw_f32, rows, dim, eps,
+                                true, stream);
 }
 
 cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, void* y, int64_t rows,
                    int64_t cols, cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return LaunchSwiGlu<__nv_bfloat16>(gate, up, ld, nullptr, y, nullptr, rows, cols, false, stream);
+    return LaunchSwiGlu<__nv_bfloat16>(gate, up, ld, nullptr, y, nullptr, rows, cols, false,
+                                       stream);
   return LaunchSwiGlu<float>(gate, up, ld, nullptr, y, nullptr, rows, cols, false, stream);
 }
 
-cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld, const void* dy,
-                           void* d_gate, void* d_up, int64_t rows, int64_t cols, cudaStream_t stream) {
+cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld,
+                           const void* dy, void* d_gate, void* d_up, int64_t rows, int64_t cols,
+                           cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
     return LaunchSwiGlu<__nv_bfloat16>(gate, up, ld, dy, d_gate, d_up, rows, cols, true, stream);
   return LaunchSwiGlu<float>(gate, up, ld, dy, d_gate, d_up, rows, cols, true, stream);
@@ -798,7 +847,8 @@ cudaError_t Rope(Dtype dtype, const void* x, const void* cos, const void* sin_si
                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, bool backward,
                  cudaStream_t stream) {
   if (dtype == Dtype::kBFloat16)
-    return LaunchRope<__nv_bfloat16>(x, cos, sin_signed, y, rows, seq, heads, dim, backward, stream);
+    return LaunchRope<__nv_bfloat16>(x, cos, sin_signed, y, rows, seq, heads, dim, backward,
+                                     stream);
   return LaunchRope<float>(x, cos, sin_signed, y, rows, seq, heads, dim, backward, stream);
 }
 

@@ -43,11 +43,12 @@ cudaError_t Rope(Dtype dtype, const void* x, const void* cos, const void* sin_si
 // [..., seq, heads, dim] (`rows` dim-vectors), weight w [dim], tables as Rope():
 //   n = x / sqrt(mean(x^2) + eps) * w;   y = rope(n)   (fp32 inside, one rounding).
 // dim must be 64, 128 or 256 (one warp per vector); anything else returns cudaErrorInvalidValue.
-cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* cos, const void* sin_signed,
-                         void* y, int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
-                         cudaStream_t stream);
+cudaError_t HeadNormRope(Dtype dtype, const void* x, const void* w, const void* cos,
+                         const void* sin_signed, void* y, int64_t rows, int64_t seq, int64_t heads,
+                         int64_t dim, float eps, cudaStream_t stream);
 // Its backward from dL/dy: writes dL/dx (dtype) and adds dL/dw into dw_f32 [dim] (fp32, which
-// the caller zeroes; null: no weight gradient). Recomputes the statistics from x (nothing saved but x).
+// the caller zeroes; null: no weight gradient). Recomputes the statistics from x (nothing saved but
+// x).
 cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, const void* cos,
                                  const void* sin_signed, const void* dy, void* dx, float* dw_f32,
                                  int64_t rows, int64_t seq, int64_t heads, int64_t dim, float eps,
@@ -58,16 +59,18 @@ cudaError_t HeadNormRopeBackward(Dtype dtype, const void* x, const void* w, cons
 // (the residual stream), and s is normalized; else s = x.
 //   y = s / sqrt(mean(s^2) + eps) * w   (fp32 inside, one rounding).
 // One block per row at a time; the forward's threads make 16-byte accesses when the row arrays
-// are 16-byte aligned (else element by element, as the backward's; `w` may have any alignment). RmsNormSupports(dim) says which
-// sizes, the same for both dtypes: 1024, 2048, 2560, 3072, 4096 and 5120.
+// are 16-byte aligned (else element by element, as the backward's; `w` may have any alignment).
+// RmsNormSupports(dim) says which sizes, the same for both dtypes: 1024, 2048, 2560, 3072, 4096 and
+// 5120.
 bool RmsNormSupports(int64_t dim);
-cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum, void* y,
-                       int64_t rows, int64_t dim, float eps, cudaStream_t stream);
+cudaError_t AddRmsNorm(Dtype dtype, const void* x, const void* res, const void* w, void* sum,
+                       void* y, int64_t rows, int64_t dim, float eps, cudaStream_t stream);
 // Its backward from dL/dy, given s: writes dL/ds (plus `ds_other`, the gradient reaching s from
 // its other uses, when non-null: the residual's) to `ds`, and adds dL/dw into dw_f32 [dim]
 // (fp32, zeroed by the caller; null: no weight gradient).
-cudaError_t RmsNormBackward(Dtype dtype, const void* s, const void* w, const void* dy, const void* ds_other,
-                            void* ds, float* dw_f32, int64_t rows, int64_t dim, float eps, cudaStream_t stream);
+cudaError_t RmsNormBackward(Dtype dtype, const void* s, const void* w, const void* dy,
+                            const void* ds_other, void* ds, float* dw_f32, int64_t rows,
+                            int64_t dim, float eps, cudaStream_t stream);
 
 // SwiGLU: y = silu(gate) * up over `rows` rows of `cols`; gate and up rows start every `ld`
 // elements (ld = cols for separate tensors), y is contiguous [rows, cols]. fp32 inside.
@@ -75,8 +78,9 @@ cudaError_t SwiGlu(Dtype dtype, const void* gate, const void* up, int64_t ld, vo
                    int64_t cols, cudaStream_t stream);
 // Its backward: d_gate = dy * up * silu'(gate), d_up = dy * silu(gate), both contiguous
 // [rows, cols] (dy too).
-cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld, const void* dy,
-                           void* d_gate, void* d_up, int64_t rows, int64_t cols, cudaStream_t stream);
+cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_t ld,
+                           const void* dy, void* d_gate, void* d_up, int64_t rows, int64_t cols,
+                           cudaStream_t stream);
 
 // e4m3 quantization by rows (train.dtype = "fp8"; the rule of model/fp8.h): for each of `rows`
 // rows of `cols` elements of x, the row's scale is the smallest power of two 2^k with
@@ -86,8 +90,8 @@ cudaError_t SwiGluBackward(Dtype dtype, const void* gate, const void* up, int64_
 // whatever its finite elements round to, its NaN scale making the product NaN. One block per
 // row: one read for the row's maximum, one more read and one write. rows <= INT32_MAX (the
 // caller checks).
-cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows, int64_t cols,
-                             cudaStream_t stream);
+cudaError_t QuantizeRowsE4m3(Dtype dtype, const void* x, uint8_t* q, float* scales, int64_t rows,
+                             int64_t cols, cudaStream_t stream);
 
 // Rounds n fp32 values to bf16 (round to nearest even on the bit pattern; a NaN stays NaN, made
 // quiet), bit for bit as the coordinator's FloatToBFloat16: what a worker fetching the fp32

@@ -25,7 +25,8 @@ using testing::Losses;
 // The first GPU's memory in GiB as nvidia-smi reports it (0 when it cannot say): decided without
 // touching CUDA in this process.
 double DeviceMemoryGiB() {
-  auto r = testing::RunProcess({"/bin/sh", "-c", "nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits"}, 30);
+  auto r = testing::RunProcess(
+      {"/bin/sh", "-c", "nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits"}, 30);
   try {
     return r.code == 0 ? std::stod(r.output) / 1024.0 : 0.0;
   } catch (const std::exception&) {
@@ -39,7 +40,8 @@ class GpuTest : public ::testing::Test {
     // Decided without touching CUDA in this process (the workers do that): a CUDA build and a
     // visible NVIDIA device node.
     if (!RP_WITH_CUDA) GTEST_SKIP() << "built without CUDA";
-    if (!fs::exists("/dev/nvidiactl") && !fs::exists("/dev/nvidia0")) GTEST_SKIP() << "no NVIDIA device";
+    if (!fs::exists("/dev/nvidiactl") && !fs::exists("/dev/nvidia0"))
+      GTEST_SKIP() << "no NVIDIA device";
     tmp_ = testing::MakeTempDir("rp-gpu-");
   }
   void TearDown() override {
@@ -50,8 +52,11 @@ class GpuTest : public ::testing::Test {
   std::vector<double> Launch(int n, const std::string& name, std::vector<std::string> sets,
                              std::vector<std::string> env = {}, std::string* output = nullptr) {
     const std::string out = tmp_ + "/" + name;
-    std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", std::to_string(n),
-                                  SourceDir() + "/tests/testdata/parity.toml", "--set",
+    std::vector<std::string> a = {BinDir() + "/rp-launch",
+                                  "--gpus",
+                                  std::to_string(n),
+                                  SourceDir() + "/tests/testdata/parity.toml",
+                                  "--set",
                                   "job.output_dir=" + out};
     for (auto& s : sets) {
       a.push_back("--set");
@@ -64,8 +69,9 @@ class GpuTest : public ::testing::Test {
   }
   // rp-train-ref (CPU, the oracle) on the parity job with `sets`; its metrics file.
   std::string RefMetrics(const std::string& name, const std::vector<std::string>& sets = {}) {
-    std::vector<std::string> args = {BinDir() + "/rp-train-ref", SourceDir() + "/tests/testdata/parity.toml",
-                                     "--set", "job.output_dir=" + tmp_ + "/" + name};
+    std::vector<std::string> args = {BinDir() + "/rp-train-ref",
+                                     SourceDir() + "/tests/testdata/parity.toml", "--set",
+                                     "job.output_dir=" + tmp_ + "/" + name};
     for (const auto& s : sets) args.insert(args.end(), {"--set", s});
     auto ref = testing::RunProcess(args, 300);
     EXPECT_EQ(ref.code, 0) << ref.output;
@@ -79,10 +85,12 @@ class GpuTest : public ::testing::Test {
     const auto loop = Launch(1, name + "-loop", sets, {"RP_GROUPED_EXPERTS=0"});
     ASSERT_EQ(grouped.size(), loop.size());
     double worst = 0.0;
-    for (size_t s = 0; s < loop.size(); ++s) worst = std::max(worst, std::abs(grouped[s] - loop[s]) / loop[s]);
+    for (size_t s = 0; s < loop.size(); ++s)
+      worst = std::max(worst, std::abs(grouped[s] - loop[s]) / loop[s]);
     EXPECT_LE(worst, 1e-2) << "bf16 " << what << ", grouped vs loop over experts";
     EXPECT_LT(grouped.back(), grouped.front());
-    std::printf("cuda bf16 %s, grouped vs loop: max relative loss difference %.3g\n", what.c_str(), worst);
+    std::printf("cuda bf16 %s, grouped vs loop: max relative loss difference %.3g\n", what.c_str(),
+                worst);
   }
   std::string tmp_;
 };
@@ -106,7 +114,8 @@ double WorstRelative(const std::vector<double>& got, const std::vector<double>& 
 TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
   auto expected = Losses(RefMetrics("ref"));
   auto got = Launch(1, "cuda", {"job.device=\"cuda\""});
-  std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
+  std::printf("cuda fp32 vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(got, expected));
 }
 
 TEST_F(GpuTest, CudaDocumentPackingMatchesCpuReferenceAndOneRecordPerWindow) {
@@ -122,19 +131,23 @@ TEST_F(GpuTest, CudaDocumentPackingMatchesCpuReferenceAndOneRecordPerWindow) {
       f << "]}\n";
     }
   }
-  const std::vector<std::string> data = {"data.format=\"jsonl\"", "data.path=\"" + path + "\"", "data.shuffle=false",
-                                         "model.head_dim=64", "train.steps=8"};
+  const std::vector<std::string> data = {"data.format=\"jsonl\"", "data.path=\"" + path + "\"",
+                                         "data.shuffle=false", "model.head_dim=64",
+                                         "train.steps=8"};
   std::vector<std::string> packed = data, alone = data;
-  for (const std::string s : {"data.packing=\"documents\"", "train.microbatch_size=2", "train.microbatches=2", "train.accum_calls=1"})
+  for (const std::string s : {"data.packing=\"documents\"", "train.microbatch_size=2",
+                              "train.microbatches=2", "train.accum_calls=1"})
     packed.push_back(s);
-  for (const std::string s : {"data.packing=\"pad\"", "train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2"})
+  for (const std::string s : {"data.packing=\"pad\"", "train.microbatch_size=2",
+                              "train.microbatches=3", "train.accum_calls=2"})
     alone.push_back(s);
   auto cuda = [](std::vector<std::string> sets, const std::string& dtype) {
     sets.push_back("job.device=\"cuda\"");
     sets.push_back("train.dtype=\"" + dtype + "\"");
     return sets;
   };
-  // fp32: the masked scores, and the fused per-head norm + RoPE kernels at the documents' positions.
+  // fp32: the masked scores, and the fused per-head norm + RoPE kernels at the documents'
+  // positions.
   const auto expected = Losses(RefMetrics("documents-ref", packed));
   std::printf("cuda fp32 documents vs cpu reference: max relative loss difference %.3g\n",
               WorstRelative(Launch(2, "documents-fp32", cuda(packed, "fp32")), expected));
@@ -144,10 +157,12 @@ TEST_F(GpuTest, CudaDocumentPackingMatchesCpuReferenceAndOneRecordPerWindow) {
   const auto bf16_alone = Launch(1, "alone-bf16", cuda(alone, "bf16"));
   ASSERT_EQ(bf16_packed.size(), bf16_alone.size());
   double worst = 0.0;
-  for (size_t s = 0; s < bf16_alone.size(); ++s) worst = std::max(worst, std::abs(bf16_packed[s] - bf16_alone[s]) / bf16_alone[s]);
+  for (size_t s = 0; s < bf16_alone.size(); ++s)
+    worst = std::max(worst, std::abs(bf16_packed[s] - bf16_alone[s]) / bf16_alone[s]);
   EXPECT_LE(worst, 1e-2) << "bf16 documents packing against one record per window";
   EXPECT_LT(bf16_packed.back(), bf16_packed.front());
-  std::printf("cuda bf16 documents vs one record per window: max relative loss difference %.3g\n", worst);
+  std::printf("cuda bf16 documents vs one record per window: max relative loss difference %.3g\n",
+              worst);
 }
 
 TEST_F(GpuTest, CudaFusedHeadNormRopeMatchesCpuReference) {
@@ -164,14 +179,16 @@ TEST_F(GpuTest, CudaFusedHeadNormRopeMatchesCpuReference) {
 
 TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
   // The dropout mask is integer hashing on the worker's device: CUDA must draw the CPU's mask.
-  const std::vector<std::string> lora = {"lora.rank=4", "lora.dropout=0.2",
-                                         "lora.target_modules=[\"q_proj\",\"v_proj\",\"down_proj\"]"};
+  const std::vector<std::string> lora = {
+      "lora.rank=4", "lora.dropout=0.2",
+      "lora.target_modules=[\"q_proj\",\"v_proj\",\"down_proj\"]"};
   auto expected = Losses(RefMetrics("lora-ref", lora));
   std::vector<std::string> sets = lora;
   sets.push_back("job.device=\"cuda\"");
   auto got = Launch(2, "lora-cuda", sets);
   EXPECT_LT(expected.back(), expected.front());
-  std::printf("cuda fp32 LoRA vs cpu reference: max relative loss difference %.3g\n", WorstRelative(got, expected));
+  std::printf("cuda fp32 LoRA vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(got, expected));
 }
 
 // Adapters on the experts (lora.target_parameters) on a mixture-of-experts parity job: CUDA fp32
@@ -180,10 +197,14 @@ TEST_F(GpuTest, CudaLoraWithDropoutMatchesCpuReference) {
 // this tiny shape both paths may round alike (the H200 gave identical losses), so agreement here
 // does not show by itself that the grouped kernels ran.
 TEST_F(GpuTest, CudaExpertAdaptersMatchCpuReferenceAndGroupedMatchesTheLoop) {
-  const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
-                                        "model.expert_intermediate_size=32", "model.router_aux_loss_coef=0.01",
-                                        "lora.rank=8", "lora.target_modules=[\"q_proj\"]",
-                                        "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]"};
+  const std::vector<std::string> moe = {
+      "model.num_experts=4",
+      "model.experts_per_token=2",
+      "model.expert_intermediate_size=32",
+      "model.router_aux_loss_coef=0.01",
+      "lora.rank=8",
+      "lora.target_modules=[\"q_proj\"]",
+      "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]"};
   auto expected = Losses(RefMetrics("moe-lora-ref", moe));
   EXPECT_LT(expected.back(), expected.front());
   std::vector<std::string> sets = moe;
@@ -199,7 +220,8 @@ TEST_F(GpuTest, CudaExpertAdaptersMatchCpuReferenceAndGroupedMatchesTheLoop) {
 // experts, and fp32 (the loop) against the CPU reference.
 TEST_F(GpuTest, CudaTrainedExpertsGroupedMatchTheLoopAndFp32MatchesCpuReference) {
   const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
-                                        "model.expert_intermediate_size=32", "model.router_aux_loss_coef=0.01"};
+                                        "model.expert_intermediate_size=32",
+                                        "model.router_aux_loss_coef=0.01"};
   auto expected = Losses(RefMetrics("moe-full-ref", moe));
   EXPECT_LT(expected.back(), expected.front());
   std::vector<std::string> sets = moe;
@@ -236,14 +258,19 @@ TEST_F(GpuTest, NcclSumsAcrossANodeAloneChangeNothing) {
   EXPECT_NE(output.find("joined the cross-node reduction group"), std::string::npos) << output;
   EXPECT_NE(output.find("NCCL"), std::string::npos) << output;
   ASSERT_EQ(alone.size(), plain.size());
-  const auto norms = [&](const std::string& name) { return Losses(tmp_ + "/" + name + "/metrics.jsonl", "grad_norm"); };
+  const auto norms = [&](const std::string& name) {
+    return Losses(tmp_ + "/" + name + "/metrics.jsonl", "grad_norm");
+  };
   if (plain == again && norms("plain") == norms("again")) {
     EXPECT_EQ(alone, plain);
     EXPECT_EQ(norms("alone"), norms("plain"));
     std::printf("NCCL world of one: losses and gradient norms equal the plain run's bit for bit\n");
   } else {
     const double worst = WorstRelative(alone, plain);
-    std::printf("this GPU does not repeat runs bit for bit; NCCL world of one within %.3g of the plain run\n", worst);
+    std::printf(
+        "this GPU does not repeat runs bit for bit; NCCL world of one within %.3g of the plain "
+        "run\n",
+        worst);
   }
 }
 
@@ -276,10 +303,13 @@ TEST_F(GpuTest, NcclShardedStateOnANodeAloneChangesNothing) {
     if (plain == again) {
       EXPECT_EQ(alone, plain) << dtype;
       if (alone == plain)
-        std::printf("%s: sharded over NCCL, world of one: losses equal the plain run's bit for bit\n", dtype.c_str());
+        std::printf(
+            "%s: sharded over NCCL, world of one: losses equal the plain run's bit for bit\n",
+            dtype.c_str());
     } else {
-      std::printf("%s: this GPU does not repeat runs bit for bit; sharded within %.3g of the plain run\n",
-                  dtype.c_str(), WorstRelative(alone, plain));
+      std::printf(
+          "%s: this GPU does not repeat runs bit for bit; sharded within %.3g of the plain run\n",
+          dtype.c_str(), WorstRelative(alone, plain));
     }
   }
 }
@@ -292,7 +322,8 @@ TEST_F(GpuTest, WorkersSharingOneGpuMatchOneWorker) {
     auto got = Launch(n, name, {"job.device=\"cuda\""});
     ASSERT_EQ(got.size(), one.size());
     for (size_t s = 0; s < got.size(); ++s)
-      EXPECT_LE(std::abs(got[s] - one[s]) / std::abs(one[s]), 1e-5) << "N=" << n << " step " << s + 1;
+      EXPECT_LE(std::abs(got[s] - one[s]) / std::abs(one[s]), 1e-5)
+          << "N=" << n << " step " << s + 1;
   }
 }
 
@@ -304,8 +335,8 @@ TEST_F(GpuTest, CudaIpcPoolsMatchHostSlots) {
     const std::string suffix = std::to_string(n);
     auto host = Launch(n, "host" + suffix, {"job.device=\"cuda\""});
     std::string output;
-    auto ipc = Launch(n, "ipc" + suffix, {"job.device=\"cuda\"", "schedule.activations=\"cuda_ipc\""}, {},
-                      &output);
+    auto ipc = Launch(n, "ipc" + suffix,
+                      {"job.device=\"cuda\"", "schedule.activations=\"cuda_ipc\""}, {}, &output);
     EXPECT_NE(output.find("activation pools: " + suffix + " x "), std::string::npos) << output;
     ASSERT_EQ(ipc.size(), host.size());
     ASSERT_FALSE(ipc.empty());
@@ -315,7 +346,9 @@ TEST_F(GpuTest, CudaIpcPoolsMatchHostSlots) {
       worst = std::max(worst, rel);
       EXPECT_LE(rel, 1e-5) << "N=" << n << " step " << s + 1;
     }
-    std::printf("cuda_ipc vs host slots, %d workers on one GPU: max relative loss difference %.3g\n", n, worst);
+    std::printf(
+        "cuda_ipc vs host slots, %d workers on one GPU: max relative loss difference %.3g\n", n,
+        worst);
   }
 }
 
@@ -323,10 +356,12 @@ TEST_F(GpuTest, InjectedCudaFaultIsSurvivedByAReplacementWorker) {
   // Two workers share the GPU; one launches a faulting kernel (device-side assert) mid-run. Its
   // job fails, it exits, the launcher starts a replacement, the coordinator re-dispatches, and
   // the losses are the fault-free run's.
-  const std::vector<std::string> sets = {"job.device=\"cuda\"", "train.accum_calls=1", "train.microbatches=4"};
+  const std::vector<std::string> sets = {"job.device=\"cuda\"", "train.accum_calls=1",
+                                         "train.microbatches=4"};
   auto clean = Launch(2, "fault-free", sets);
   std::string output;
-  auto got = Launch(2, "fault", sets, {"RP_TEST_CUDA_FAULT_ONCE=" + tmp_ + "/fault-marker"}, &output);
+  auto got =
+      Launch(2, "fault", sets, {"RP_TEST_CUDA_FAULT_ONCE=" + tmp_ + "/fault-marker"}, &output);
   EXPECT_NE(output.find("launching a faulting kernel on purpose"), std::string::npos) << output;
   EXPECT_NE(output.find("starting a replacement"), std::string::npos) << output;
   ASSERT_EQ(got.size(), clean.size());
@@ -344,11 +379,16 @@ TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
   // The untiled 32K run holds about 80 GiB (measured on an H100: out of memory at 65 GiB in use
   // with 16 GiB more asked for); an H200's 141 GB holds it.
   if (const double gib = DeviceMemoryGiB(); gib < 100)
-    GTEST_SKIP() << "the untiled 32K-token run needs a GPU of about 100 GiB or more; this one has " << gib << " GiB";
+    GTEST_SKIP() << "the untiled 32K-token run needs a GPU of about 100 GiB or more; this one has "
+                 << gib << " GiB";
   auto job = [](int64_t seq_len) {
-    return std::vector<std::string>{"job.device=\"cuda\"", "data.format=\"random\"",
-                                    "data.seq_len=" + std::to_string(seq_len), "train.steps=3",
-                                    "train.microbatches=3", "train.accum_calls=1", "train.microbatch_size=1"};
+    return std::vector<std::string>{"job.device=\"cuda\"",
+                                    "data.format=\"random\"",
+                                    "data.seq_len=" + std::to_string(seq_len),
+                                    "train.steps=3",
+                                    "train.microbatches=3",
+                                    "train.accum_calls=1",
+                                    "train.microbatch_size=1"};
   };
   struct Variant {
     std::string tag;
@@ -356,10 +396,11 @@ TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
     int64_t seq_len;
     std::vector<std::string> sets;
   };
-  const std::vector<Variant> variants = {{"tiled-1", 1, 32768, {"train.mlp_tile_tokens=3000"}},
-                                         {"layers-1", 1, 32768, {"train.mlp_tile_tokens=3000", "train.layer_recompute=true"}},
-                                         {"tiled-2", 2, 16384, {"train.mlp_tile_tokens=3000"}},
-                                         {"tiled-3", 3, 16384, {"train.mlp_tile_tokens=3000"}}};
+  const std::vector<Variant> variants = {
+      {"tiled-1", 1, 32768, {"train.mlp_tile_tokens=3000"}},
+      {"layers-1", 1, 32768, {"train.mlp_tile_tokens=3000", "train.layer_recompute=true"}},
+      {"tiled-2", 2, 16384, {"train.mlp_tile_tokens=3000"}},
+      {"tiled-3", 3, 16384, {"train.mlp_tile_tokens=3000"}}};
   for (const int64_t seq_len : {32768, 16384}) {
     const std::string untiled = "untiled-" + std::to_string(seq_len);
     auto want = Launch(1, untiled, job(seq_len));
@@ -381,8 +422,9 @@ TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
         EXPECT_LE(norm_rel, 1e-5) << v.tag << " norm, step " << s + 1;
         worst = std::max({worst, loss_rel, norm_rel});
       }
-      std::printf("cuda fp32 at %lld tokens, %s vs untiled: max relative difference (losses, norms) %.3g\n",
-                  static_cast<long long>(seq_len), v.tag.c_str(), worst);
+      std::printf(
+          "cuda fp32 at %lld tokens, %s vs untiled: max relative difference (losses, norms) %.3g\n",
+          static_cast<long long>(seq_len), v.tag.c_str(), worst);
     }
   }
 }
@@ -394,16 +436,32 @@ TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
 // the plan: eight Qwen3-1.7B-sized blocks in bf16, two sequences of 65,536 tokens per step.
 TEST_F(GpuTest, PlansUnderAMemoryBudgetStayUnderItResumedFromAMeasuredProfileToo) {
   const double budget_gb = 16.0;
-  const std::vector<std::string> job = {
-      "job.device=\"cuda\"", "train.dtype=\"bf16\"", "data.format=\"random\"", "model.hidden_size=2048",
-      "model.intermediate_size=6144", "model.num_layers=8", "model.num_heads=16", "model.num_kv_heads=8",
-      "model.head_dim=128", "data.seq_len=65536", "train.microbatch_size=1", "train.microbatches=2",
-      "train.accum_calls=1", "train.steps=5", "train.mlp_tile_tokens=-1", "schedule.partition=\"auto\"",
-      "schedule.gpu_memory_gb=" + std::to_string(budget_gb), "schedule.replan_gain=0"};
+  const std::vector<std::string> job = {"job.device=\"cuda\"",
+                                        "train.dtype=\"bf16\"",
+                                        "data.format=\"random\"",
+                                        "model.hidden_size=2048",
+                                        "model.intermediate_size=6144",
+                                        "model.num_layers=8",
+                                        "model.num_heads=16",
+                                        "model.num_kv_heads=8",
+                                        "model.head_dim=128",
+                                        "data.seq_len=65536",
+                                        "train.microbatch_size=1",
+                                        "train.microbatches=2",
+                                        "train.accum_calls=1",
+                                        "train.steps=5",
+                                        "train.mlp_tile_tokens=-1",
+                                        "schedule.partition=\"auto\"",
+                                        "schedule.gpu_memory_gb=" + std::to_string(budget_gb),
+                                        "schedule.replan_gain=0"};
   const std::string out = tmp_ + "/budget";
   auto run = [&](const std::vector<std::string>& extra) {
-    std::vector<std::string> a = {BinDir() + "/rp-launch", "--gpus", "1", SourceDir() + "/tests/testdata/parity.toml",
-                                  "--set", "job.output_dir=" + out};
+    std::vector<std::string> a = {BinDir() + "/rp-launch",
+                                  "--gpus",
+                                  "1",
+                                  SourceDir() + "/tests/testdata/parity.toml",
+                                  "--set",
+                                  "job.output_dir=" + out};
     for (const auto& s : job) a.insert(a.end(), {"--set", s});
     a.insert(a.end(), extra.begin(), extra.end());
     auto r = testing::RunProcess(a, 300);
@@ -418,7 +476,8 @@ TEST_F(GpuTest, PlansUnderAMemoryBudgetStayUnderItResumedFromAMeasuredProfileToo
     const auto at = output->find(said);
     ASSERT_NE(at, std::string::npos) << *output;
     const double peak_gib = std::stod(output->substr(at + said.size()));
-    EXPECT_LE(peak_gib * (1 << 30), budget_gb * 1e9) << (output == &first ? "first command" : "resumed");
+    EXPECT_LE(peak_gib * (1 << 30), budget_gb * 1e9)
+        << (output == &first ? "first command" : "resumed");
     std::printf("%s: device memory peak %.2f GiB allocated, budget %.1f GB\n",
                 output == &first ? "cost model" : "measured profile", peak_gib, budget_gb);
   }
@@ -441,10 +500,12 @@ TEST_F(GpuTest, Fp8TrainingFollowsBf16) {
   ASSERT_EQ(bf16.size(), fp8.size());
   EXPECT_LT(fp8.back(), 0.8 * fp8.front());
   double worst = 0;
-  for (size_t s = 0; s < fp8.size(); ++s) worst = std::max(worst, std::abs(fp8[s] - bf16[s]) / bf16[s]);
+  for (size_t s = 0; s < fp8.size(); ++s)
+    worst = std::max(worst, std::abs(fp8[s] - bf16[s]) / bf16[s]);
   EXPECT_LE(worst, 0.03);
   EXPECT_NE(fp8, bf16);
-  std::printf("fp8 against bf16: max relative loss difference %.4f over %zu steps\n", worst, fp8.size());
+  std::printf("fp8 against bf16: max relative loss difference %.4f over %zu steps\n", worst,
+              fp8.size());
 }
 
 // Kept blocks (schedule.kept_blocks) on a CUDA worker: fp32 against the CPU reference, and bf16
@@ -465,7 +526,8 @@ TEST_F(GpuTest, CudaKeptBlocksMatchCpuReferenceAndTheRecomputingRun) {
   ASSERT_FALSE(a.empty());
   EXPECT_EQ(a[0], recompute[0]);
   double worst = 0;
-  for (size_t s = 0; s < a.size(); ++s) worst = std::max(worst, std::abs(a[s] - recompute[s]) / recompute[s]);
+  for (size_t s = 0; s < a.size(); ++s)
+    worst = std::max(worst, std::abs(a[s] - recompute[s]) / recompute[s]);
   EXPECT_LE(worst, 1e-2);
   std::printf("bf16 with 2 kept blocks vs recomputing: max relative loss difference %.3g\n", worst);
 }
@@ -485,17 +547,20 @@ TEST_F(GpuTest, Bf16FromMastersMatchesTheComputeCopy) {
   ASSERT_FALSE(a.empty());
   EXPECT_EQ(a[0], b[0]);
   double worst = 0;
-  for (size_t s = 0; s < a.size(); ++s) worst = std::max(worst, std::abs(a[s] - b[s]) / std::abs(b[s]));
+  for (size_t s = 0; s < a.size(); ++s)
+    worst = std::max(worst, std::abs(a[s] - b[s]) / std::abs(b[s]));
   EXPECT_LE(worst, 1e-2);
-  std::printf("bf16 from masters vs compute copy: step 1 %.9g vs %.9g, max relative difference %.3g\n",
-              a[0], b[0], worst);
+  std::printf(
+      "bf16 from masters vs compute copy: step 1 %.9g vs %.9g, max relative difference %.3g\n",
+      a[0], b[0], worst);
 }
 
 // Gradients waiting for the clipping norm in the GPU's memory (optimizer.gradients_wait_in =
 // "workers", the squares summed on the device): clip-then-AdamW as the CPU reference computes it,
 // in fp32, with clipping that bites (the reference's first norms are above 0.05).
 TEST_F(GpuTest, CudaGradientsHeldForTheNormMatchCpuReference) {
-  const std::vector<std::string> job = {"model.tie_embeddings=false", "train.accum_calls=1", "train.grad_clip=0.05"};
+  const std::vector<std::string> job = {"model.tie_embeddings=false", "train.accum_calls=1",
+                                        "train.grad_clip=0.05"};
   const std::string ref = RefMetrics("held-ref", job);
   auto expected = Losses(ref);
   auto expected_norms = Losses(ref, "grad_norm");
@@ -512,9 +577,12 @@ TEST_F(GpuTest, CudaGradientsHeldForTheNormMatchCpuReference) {
   // sensitive figure of a step (the first within 1e-5; later steps' grow with the trajectory's
   // own drift, 4.4e-5 at step 19 measured on the H200).
   for (size_t s = 0; s < norms.size(); ++s)
-    EXPECT_NEAR(norms[s], expected_norms[s], (s == 0 ? 1e-5 : 1e-4) * expected_norms[s]) << "step " << s + 1;
-  std::printf("cuda fp32, gradients held on the GPU for the norm, vs cpu reference: max relative loss difference %.3g\n",
-              worst);
+    EXPECT_NEAR(norms[s], expected_norms[s], (s == 0 ? 1e-5 : 1e-4) * expected_norms[s])
+        << "step " << s + 1;
+  std::printf(
+      "cuda fp32, gradients held on the GPU for the norm, vs cpu reference: max relative loss "
+      "difference %.3g\n",
+      worst);
 }
 
 // fp16 on CUDA workers (LibTorch's fp16 operators, dynamic loss scaling): it learns like the bf16
@@ -545,7 +613,8 @@ TEST_F(GpuTest, Fp16TrainingLearnsAndSkipsInjectedOverflows) {
 // as the GPU is to itself (bit for bit when the repeat is).
 TEST_F(GpuTest, Fp16StopAndResumeMatchesTheUninterruptedRun) {
   for (const std::string mode : {"exact", "stale1"}) {
-    const std::vector<std::string> sets = {"job.device=\"cuda\"", "train.dtype=\"fp16\"", "optimizer.mode=\"" + mode + "\"",
+    const std::vector<std::string> sets = {"job.device=\"cuda\"", "train.dtype=\"fp16\"",
+                                           "optimizer.mode=\"" + mode + "\"",
                                            "train.loss_scale_growth_interval=2"};
     const std::vector<std::string> env = {"RP_TEST_OVERFLOW_AT_STEPS=2,3"};
     const auto whole = Launch(2, "fp16-whole-" + mode, sets, env);
@@ -553,8 +622,12 @@ TEST_F(GpuTest, Fp16StopAndResumeMatchesTheUninterruptedRun) {
     std::vector<std::string> first = sets;
     first.push_back("train.stop_after=4");
     ASSERT_EQ(Launch(2, "fp16-resumed-" + mode, first, env).size(), 4u) << mode;
-    std::vector<std::string> a = {BinDir() + "/rp-launch", "--resume", "--gpus", "2",
-                                  SourceDir() + "/tests/testdata/parity.toml", "--set",
+    std::vector<std::string> a = {BinDir() + "/rp-launch",
+                                  "--resume",
+                                  "--gpus",
+                                  "2",
+                                  SourceDir() + "/tests/testdata/parity.toml",
+                                  "--set",
                                   "job.output_dir=" + tmp_ + "/fp16-resumed-" + mode};
     for (const auto& x : sets) a.insert(a.end(), {"--set", x});
     auto r = testing::RunProcess(a, 300, env);
@@ -569,9 +642,13 @@ TEST_F(GpuTest, Fp16StopAndResumeMatchesTheUninterruptedRun) {
       worst = std::max(worst, std::abs(resumed[s] - whole[s]) / whole[s]);
     }
     EXPECT_LE(worst, noise == 0.0 ? 0.0 : 2.0 * noise + 1e-6) << mode;
-    EXPECT_EQ(Losses(out, "loss_scale"), Losses(tmp_ + "/fp16-whole-" + mode + "/metrics.jsonl", "loss_scale")) << mode;
-    std::printf("cuda fp16 %s, stopped after step 4 and resumed: max relative loss difference %.3g "
-                "(the uninterrupted run against its repeat: %.3g)\n", mode.c_str(), worst, noise);
+    EXPECT_EQ(Losses(out, "loss_scale"),
+              Losses(tmp_ + "/fp16-whole-" + mode + "/metrics.jsonl", "loss_scale"))
+        << mode;
+    std::printf(
+        "cuda fp16 %s, stopped after step 4 and resumed: max relative loss difference %.3g "
+        "(the uninterrupted run against its repeat: %.3g)\n",
+        mode.c_str(), worst, noise);
   }
 }
 

@@ -178,12 +178,14 @@ TEST_P(FusedHeadNormRope, MatchesCompositeForwardAndBackward) {
   const bool f32 = dtype == at::kFloat;
   EXPECT_LE(MaxAbs(y, ref), f32 ? 1e-5 : 8.0 * std::pow(2.0, -8));
   EXPECT_LE(MaxAbs(dx, xf.grad()), f32 ? 1e-4 : 0.05 * xf.grad().abs().max().item<double>());
-  EXPECT_LE(MaxAbs(dw, wf.grad()), f32 ? 1e-3 : std::pow(2.0, -7) * wf.grad().abs().max().item<double>());
+  EXPECT_LE(MaxAbs(dw, wf.grad()),
+            f32 ? 1e-3 : std::pow(2.0, -7) * wf.grad().abs().max().item<double>());
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndHeadSizes, FusedHeadNormRope,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
-                                            ::testing::Values(int64_t{64}, int64_t{128}, int64_t{256})));
+                                            ::testing::Values(int64_t{64}, int64_t{128},
+                                                              int64_t{256})));
 
 TEST(FusedHeadNormRopeShapes, RefusesAHeadSizeItDoesNotTake) {
   if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
@@ -241,8 +243,8 @@ TEST_P(FusedRmsNorm, MatchesCompositeForwardAndBackward) {
 
 INSTANTIATE_TEST_SUITE_P(DtypesSizesAndResidual, FusedRmsNorm,
                          ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
-                                            ::testing::Values(int64_t{1024}, int64_t{2048}, int64_t{2560},
-                                                              int64_t{4096}),
+                                            ::testing::Values(int64_t{1024}, int64_t{2048},
+                                                              int64_t{2560}, int64_t{4096}),
                                             ::testing::Bool()));
 
 TEST(FusedRmsNormShapes, RefusesASizeItDoesNotTake) {
@@ -265,7 +267,8 @@ TEST(FusedRmsNormShapes, UnalignedRowsTakeTheScalarKernels) {
   const double eps = 1e-6;
   at::manual_seed(23);
   auto dev = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  at::Tensor x = at::randn({rows, D}, dev), res = at::randn({rows, D}, dev), dy = at::randn({rows, D}, dev);
+  at::Tensor x = at::randn({rows, D}, dev), res = at::randn({rows, D}, dev),
+             dy = at::randn({rows, D}, dev);
   at::Tensor w = at::rand({D}, dev) + 0.5;
   auto shifted = [&](const at::Tensor& t) {
     return at::empty({rows * D + 1}, dev).narrow(0, 1, rows * D).view({rows, D}).copy_(t);
@@ -298,7 +301,8 @@ TEST_P(BlockFusedNorms, MatchLibTorchsNormsThroughAutograd) {
   at::manual_seed(31);
   auto dev = at::TensorOptions().device(at::kCUDA).dtype(dtype);
   model::LayerWeights w = BlockWeights(spec, dev);
-  at::Tensor x = at::randn({2, 16, mc.hidden_size}, dev), dy = at::randn({2, 16, mc.hidden_size}, dev);
+  at::Tensor x = at::randn({2, 16, mc.hidden_size}, dev),
+             dy = at::randn({2, 16, mc.hidden_size}, dev);
   auto run = [&](bool fused_norms, std::map<std::string, at::Tensor>* grads, at::Tensor* dx) {
     model::Transformer m(mc);
     m.UseFusedKernels(&rp::worker::CudaKernels());
@@ -318,7 +322,9 @@ TEST_P(BlockFusedNorms, MatchLibTorchsNormsThroughAutograd) {
   const at::Tensor want_out = run(false, &want, &want_dx);
   const at::Tensor got_out = run(true, &got, &got_dx);
   const bool f32 = dtype == at::kFloat;
-  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -6)) * r.abs().max().item<double>(); };
+  auto tol = [f32](const at::Tensor& r) {
+    return (f32 ? 1e-5 : std::pow(2.0, -6)) * r.abs().max().item<double>();
+  };
   EXPECT_LE(MaxAbs(got_out, want_out), tol(want_out));
   EXPECT_LE(MaxAbs(got_dx, want_dx), tol(want_dx));
   for (auto& [role, g] : want) EXPECT_LE(MaxAbs(got[role], g), tol(g)) << role;
@@ -349,16 +355,19 @@ TEST_P(BlockDocuments, PackedRowsGiveEachDocumentAlone) {
   // Row 0: documents of 20, 17 and 11 tokens; row 1: 18 tokens at positions 30..47 (a split
   // record's piece, which always starts a row), then 30 tokens from position 0.
   const int64_t S = 48;
-  const std::vector<std::pair<int64_t, int64_t>> docs = {{0, 20}, {20, 17}, {37, 11}, {48, 18}, {66, 30}};
+  const std::vector<std::pair<int64_t, int64_t>> docs = {
+      {0, 20}, {20, 17}, {37, 11}, {48, 18}, {66, 30}};
   const std::vector<int64_t> first_position = {0, 0, 0, 30, 0};
   std::vector<int64_t> positions;
   for (size_t d = 0; d < docs.size(); ++d)
     for (int64_t i = 0; i < docs[d].second; ++i) positions.push_back(first_position[d] + i);
-  at::Tensor x = at::randn({2, S, mc.hidden_size}, dev), dy = at::randn({2, S, mc.hidden_size}, dev);
+  at::Tensor x = at::randn({2, S, mc.hidden_size}, dev),
+             dy = at::randn({2, S, mc.hidden_size}, dev);
   auto to_device = [](const int64_t* host, int64_t n) {
     return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).to(at::kCUDA);
   };
-  auto run = [&](const at::Tensor& in, const at::Tensor& grad_out, model::Documents documents, at::Tensor* dx) {
+  auto run = [&](const at::Tensor& in, const at::Tensor& grad_out, model::Documents documents,
+                 at::Tensor* dx) {
     model::Transformer m(mc);
     m.UseFusedKernels(&rp::worker::CudaKernels());
     m.SetDocuments(std::move(documents));
@@ -377,23 +386,29 @@ TEST_P(BlockDocuments, PackedRowsGiveEachDocumentAlone) {
     return g;
   };
   at::Tensor packed_dx;
-  const at::Tensor packed = run(x, dy, model::MakeDocuments(positions.data(), 2, S, to_device), &packed_dx);
+  const at::Tensor packed =
+      run(x, dy, model::MakeDocuments(positions.data(), 2, S, to_device), &packed_dx);
   const auto packed_grads = grads();
   std::map<std::string, at::Tensor> alone_grads;
   const bool f32 = dtype == at::kFloat;
-  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -6)) * r.abs().max().item<double>(); };
+  auto tol = [f32](const at::Tensor& r) {
+    return (f32 ? 1e-5 : std::pow(2.0, -6)) * r.abs().max().item<double>();
+  };
   for (size_t d = 0; d < docs.size(); ++d) {
     auto slice = [&](const at::Tensor& t) {
       return t.view({2 * S, mc.hidden_size}).narrow(0, docs[d].first, docs[d].second).unsqueeze(0);
     };
     // Alone from position 0, or, for the piece, at its own positions (a one-row microbatch
     // whose positions are not 0..n-1 is a document too).
-    std::vector<int64_t> own(positions.begin() + docs[d].first, positions.begin() + docs[d].first + docs[d].second);
+    std::vector<int64_t> own(positions.begin() + docs[d].first,
+                             positions.begin() + docs[d].first + docs[d].second);
     at::Tensor dx;
-    const at::Tensor out = run(slice(x), slice(dy), model::MakeDocuments(own.data(), 1, docs[d].second, to_device), &dx);
+    const at::Tensor out = run(slice(x), slice(dy),
+                               model::MakeDocuments(own.data(), 1, docs[d].second, to_device), &dx);
     EXPECT_LE(MaxAbs(slice(packed), out), tol(out)) << "document " << d << " output";
     EXPECT_LE(MaxAbs(slice(packed_dx), dx), tol(dx)) << "document " << d << " input gradient";
-    for (auto& [role, g] : grads()) alone_grads[role] = alone_grads.count(role) ? alone_grads[role] + g : g;
+    for (auto& [role, g] : grads())
+      alone_grads[role] = alone_grads.count(role) ? alone_grads[role] + g : g;
   }
   for (auto& [role, g] : alone_grads) EXPECT_LE(MaxAbs(packed_grads.at(role), g), tol(g)) << role;
   // The same rows without documents are not the documents alone.
@@ -404,7 +419,8 @@ TEST_P(BlockDocuments, PackedRowsGiveEachDocumentAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndNorms, BlockDocuments,
-                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kBFloat16),
+                                            ::testing::Bool()));
 
 // SwiGLU against silu(gate) * up and its autograd gradients: separate tensors (packed rows),
 // the two halves of one [rows, 2 * cols] tensor (strided rows), and an odd width (scalar path).
@@ -429,7 +445,9 @@ TEST_P(FusedSwiGlu, MatchesCompositeForwardAndBackward) {
   at::Tensor y = k.SwiGlu(gate, up);
   auto [dg, du] = k.SwiGluBackward(gate, up, dy);
   const bool f32 = dtype == at::kFloat;
-  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -8)) * std::max(1.0, r.abs().max().item<double>()); };
+  auto tol = [f32](const at::Tensor& r) {
+    return (f32 ? 1e-5 : std::pow(2.0, -8)) * std::max(1.0, r.abs().max().item<double>());
+  };
   EXPECT_LE(MaxAbs(y, ref), tol(ref));
   EXPECT_LE(MaxAbs(dg, gf.grad()), tol(gf.grad()));
   EXPECT_LE(MaxAbs(du, uf.grad()), tol(uf.grad()));
@@ -458,7 +476,8 @@ TEST_P(FusedWeightGrad, AddsTheProductIntoAnFp32Sink) {
   const auto& k = rp::worker::CudaKernels();
   k.AddWeightGrad(sink, dy, x);
   k.AddWeightGrad(sink, dy, x);
-  const double scale = at::mm(dy.to(at::kDouble).abs().t(), x.to(at::kDouble).abs()).max().item<double>();
+  const double scale =
+      at::mm(dy.to(at::kDouble).abs().t(), x.to(at::kDouble).abs()).max().item<double>();
   EXPECT_LE(MaxAbs(sink, want), 2e-6 * scale);
   // Overwriting the sink (beta = 0) would lose its starting values: far from `want`.
   EXPECT_GT(MaxAbs(want - before, want), 1e-3);
@@ -476,8 +495,9 @@ TEST(FusedWeightGradArgs, RefusesABf16SinkNamingIt) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("sink"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(rp::worker::CudaKernels().AddWeightGrad(at::zeros({6, 4}, dev.dtype(at::kFloat)), dy, x),
-               std::invalid_argument);
+  EXPECT_THROW(
+      rp::worker::CudaKernels().AddWeightGrad(at::zeros({6, 4}, dev.dtype(at::kFloat)), dy, x),
+      std::invalid_argument);
 }
 
 // A decoder block whose projections have sinks gives the same input gradient and, in the
@@ -520,7 +540,9 @@ TEST_P(BlockWeightGradSinks, MatchAutogradsWeightGradients) {
   at::Tensor x2 = x.detach().requires_grad_(true);
   sunk.Block(w, x2, 1).backward(dy);
   const bool f32 = dtype == at::kFloat;
-  auto tol = [f32](const at::Tensor& r) { return (f32 ? 1e-5 : std::pow(2.0, -7)) * r.abs().max().item<double>(); };
+  auto tol = [f32](const at::Tensor& r) {
+    return (f32 ? 1e-5 : std::pow(2.0, -7)) * r.abs().max().item<double>();
+  };
   EXPECT_LE(MaxAbs(x2.grad(), x1.grad()), tol(x1.grad()));
   for (auto& [role, t] : w) {
     if (sink_of.count(role)) {
@@ -533,12 +555,13 @@ TEST_P(BlockWeightGradSinks, MatchAutogradsWeightGradients) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, BlockWeightGradSinks, ::testing::Values(at::kFloat, at::kBFloat16));
+INSTANTIATE_TEST_SUITE_P(Dtypes, BlockWeightGradSinks,
+                         ::testing::Values(at::kFloat, at::kBFloat16));
 
-// A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "auto" in exact mode) must see
-// exactly the weights a compute copy would hold: round-to-nearest-even, bit for bit. Through the
-// real fetch path: pinned host memory, 64 MiB staging chunks (this tensor takes two and a
-// tail), the rounding kernel on the weights stream.
+// A worker fetching fp32 masters for bf16 compute (schedule.weights_source = "auto" in exact mode)
+// must see exactly the weights a compute copy would hold: round-to-nearest-even, bit for bit.
+// Through the real fetch path: pinned host memory, 64 MiB staging chunks (this tensor takes two and
+// a tail), the rounding kernel on the weights stream.
 TEST(MasterFetch, RoundsLikeTheComputeCopyBitForBit) {
   if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
   const int64_t n = (80ll << 20) / 4 + 7;  // odd: the kernel's scalar tail runs too
@@ -549,7 +572,8 @@ TEST(MasterFetch, RoundsLikeTheComputeCopyBitForBit) {
   const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x00000001u, 0x80008000u, 0x007fffffu,
                               0x7f7fffffu, 0x7f800000u, 0xff800000u, 0x80000000u, 0x3f807fffu};
   auto* h = host.data_ptr<float>();
-  for (size_t i = 0; i < sizeof(special) / sizeof(special[0]); ++i) std::memcpy(&h[n - 1 - i], &special[i], 4);
+  for (size_t i = 0; i < sizeof(special) / sizeof(special[0]); ++i)
+    std::memcpy(&h[n - 1 - i], &special[i], 4);
   auto dev = rp::worker::MakeCudaDevice(0, host.data_ptr(), static_cast<uint64_t>(host.nbytes()));
   ASSERT_TRUE(dev.ok()) << dev.status().message();
   at::Tensor got = (*dev)->FetchWeights(host.data_ptr(), {n}, at::kFloat, at::kBFloat16);
@@ -564,11 +588,11 @@ TEST(MasterFetch, RoundsLikeTheComputeCopyBitForBit) {
   EXPECT_TRUE(std::isnan(nan.cpu().to(at::kFloat).index({0}).item<float>()));
 }
 
-// schedule.embedding_lookup = "auto" (where it reads the masters): the lookup reads the fp32 masters in place through the
-// mapped segment (Device::MapWeights) and rounds the rows it read. Its output and the table's
-// gradient must be bit for bit those of the copy path (the table rounded to bf16 on the device,
-// then looked up), with the gradient summed in fp32 instead of bf16, so compared in fp32 against
-// the fp32 sum of the copy path's per-token gradients.
+// schedule.embedding_lookup = "auto" (where it reads the masters): the lookup reads the fp32
+// masters in place through the mapped segment (Device::MapWeights) and rounds the rows it read. Its
+// output and the table's gradient must be bit for bit those of the copy path (the table rounded to
+// bf16 on the device, then looked up), with the gradient summed in fp32 instead of bf16, so
+// compared in fp32 against the fp32 sum of the copy path's per-token gradients.
 TEST(MappedLookup, MatchesTheCopiedTableBitForBit) {
   if (!HaveCuda()) GTEST_SKIP() << "no CUDA device";
   const int64_t vocab = 5000, hidden = 2048;
@@ -589,7 +613,8 @@ TEST(MappedLookup, MatchesTheCopiedTableBitForBit) {
   at::Tensor got = math.Embed({{"embed", mapped}}, tokens);
   ASSERT_EQ(got.scalar_type(), at::kBFloat16);
 
-  at::Tensor copied = (*dev)->FetchWeights(host.data_ptr(), {vocab, hidden}, at::kFloat, at::kBFloat16);
+  at::Tensor copied =
+      (*dev)->FetchWeights(host.data_ptr(), {vocab, hidden}, at::kFloat, at::kBFloat16);
   (*dev)->WaitWeights((*dev)->WeightsFence());
   copied.requires_grad_(true);
   at::Tensor want = math.Embed({{"embed", copied}}, tokens);
@@ -598,7 +623,8 @@ TEST(MappedLookup, MatchesTheCopiedTableBitForBit) {
   at::Tensor dy = at::randn(got.sizes(), got.options());
   got.backward(dy);
   ASSERT_EQ(mapped.grad().scalar_type(), at::kFloat);
-  at::Tensor ref = at::zeros({vocab, hidden}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+  at::Tensor ref =
+      at::zeros({vocab, hidden}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
   ref.index_add_(0, tokens.reshape(-1), dy.reshape({-1, hidden}).to(at::kFloat));
   EXPECT_TRUE(at::allclose(mapped.grad(), ref, 1e-6, 1e-6));
   // The table in host memory is only read.
@@ -622,7 +648,8 @@ TEST_P(E4m3Quantization, GivesTheEmulationsBitsAndScales) {
   const at::ScalarType dtype = GetParam();
   at::manual_seed(41);
   auto dev = at::TensorOptions().device(at::kCUDA);
-  at::Tensor x = (at::randn({37, 2051}, dev) * at::exp2(at::rand({37, 1}, dev) * 40.0 - 20.0)).to(dtype);
+  at::Tensor x =
+      (at::randn({37, 2051}, dev) * at::exp2(at::rand({37, 1}, dev) * 40.0 - 20.0)).to(dtype);
   x[5].zero_();
   x[9][100] = std::nanf("");
   x[13][7] = std::numeric_limits<float>::infinity();
@@ -663,14 +690,17 @@ TEST(E4m3Matmul, IsTheProductOfTheRoundedOperands) {
     const at::Tensor got = k.MatmulE4m3(aq, as, bq, bs, fast);
     ASSERT_EQ(got.scalar_type(), at::kBFloat16);
     ASSERT_EQ(got.sizes(), (std::vector<int64_t>{300, 384}));
-    const at::Tensor magnitude = at::mm(model::E4m3RoundTripRows(a).abs(), model::E4m3RoundTripRows(b).abs().t());
+    const at::Tensor magnitude =
+        at::mm(model::E4m3RoundTripRows(a).abs(), model::E4m3RoundTripRows(b).abs().t());
     const at::Tensor excess = (got.to(at::kFloat) - want).abs() - want.abs() * std::pow(2.0, -8);
     const double err = (excess / magnitude).max().item<double>();
     EXPECT_LE(err, std::pow(2.0, -8)) << "fast_accum " << fast;
-    std::printf("e4m3 product, fast_accum %d: error beyond bf16 rounding %.3g of the products' magnitude\n",
-                static_cast<int>(fast), err);
+    std::printf(
+        "e4m3 product, fast_accum %d: error beyond bf16 rounding %.3g of the products' magnitude\n",
+        static_cast<int>(fast), err);
   }
-  EXPECT_THROW(k.MatmulE4m3(aq.narrow(1, 0, 500).contiguous(), as, bq.narrow(1, 0, 500).contiguous(), bs, false),
+  EXPECT_THROW(k.MatmulE4m3(aq.narrow(1, 0, 500).contiguous(), as,
+                            bq.narrow(1, 0, 500).contiguous(), bs, false),
                std::invalid_argument);
 }
 
@@ -684,9 +714,11 @@ TEST(BlockE4m3Projections, FollowTheBf16BlockThroughAutograd) {
   at::manual_seed(47);
   auto dev = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   model::LayerWeights w = BlockWeights(spec, dev);
-  at::Tensor x = at::randn({2, 64, mc.hidden_size}, dev), dy = at::randn({2, 64, mc.hidden_size}, dev);
+  at::Tensor x = at::randn({2, 64, mc.hidden_size}, dev),
+             dy = at::randn({2, 64, mc.hidden_size}, dev);
   auto rel = [](const at::Tensor& a, const at::Tensor& b) {
-    return ((a.to(at::kDouble) - b.to(at::kDouble)).norm() / b.to(at::kDouble).norm()).item<double>();
+    return ((a.to(at::kDouble) - b.to(at::kDouble)).norm() / b.to(at::kDouble).norm())
+        .item<double>();
   };
   auto run = [&](bool e4m3, bool sinks, std::map<std::string, at::Tensor>* grads) {
     model::Transformer math(mc);
@@ -713,7 +745,8 @@ TEST(BlockE4m3Projections, FollowTheBf16BlockThroughAutograd) {
     return y.detach();
   };
   std::map<std::string, at::Tensor> g16, g8, g8s;
-  const at::Tensor y16 = run(false, false, &g16), y8 = run(true, false, &g8), y8s = run(true, true, &g8s);
+  const at::Tensor y16 = run(false, false, &g16), y8 = run(true, false, &g8),
+                   y8s = run(true, true, &g8s);
   const double out_err = rel(y8, y16);
   EXPECT_GT(out_err, 0.0);
   EXPECT_LE(out_err, 0.05);
@@ -725,8 +758,8 @@ TEST(BlockE4m3Projections, FollowTheBf16BlockThroughAutograd) {
     EXPECT_LE(rel(g8[role], g), 0.1) << role;
     EXPECT_LE(rel(g8s[role], g8[role]), std::pow(2.0, -7)) << role;
   }
-  std::printf("e4m3 block against bf16: output %.4f, input gradient %.4f relative (Frobenius)\n", out_err,
-              rel(g8["x"], g16["x"]));
+  std::printf("e4m3 block against bf16: output %.4f, input gradient %.4f relative (Frobenius)\n",
+              out_err, rel(g8["x"], g16["x"]));
 }
 
 // optimizer.device_update_blocks: the CUDA backend's AdamW compute copy must give the CPU's scalar
@@ -752,15 +785,17 @@ TEST(DeviceAdamW, CudaComputeCopyHasTheCpuScalarLoopsBits) {
       const coord::AdamWHyper h{3e-4, 0.9, 0.95, 1e-8, 0.1, 7};
       at::Tensor want = at::empty({n}, dtype);
       at::Tensor mc = master.clone(), m1 = m.clone(), v1 = v.clone();
-      coord::AdamWUpdateWith(coord::SimdLevel::kScalar, h, grad_scale, grad.data_ptr<float>(), mc.data_ptr<float>(),
-                             m1.data_ptr<float>(), v1.data_ptr<float>(), n, want.data_ptr(),
-                             dtype == at::kFloat ? coord::ComputeDtype::kFloat32 : coord::ComputeDtype::kBFloat16,
-                             coord::UpdateWrites::kFetched);
+      coord::AdamWUpdateWith(
+          coord::SimdLevel::kScalar, h, grad_scale, grad.data_ptr<float>(), mc.data_ptr<float>(),
+          m1.data_ptr<float>(), v1.data_ptr<float>(), n, want.data_ptr(),
+          dtype == at::kFloat ? coord::ComputeDtype::kFloat32 : coord::ComputeDtype::kBFloat16,
+          coord::UpdateWrites::kFetched);
       at::Tensor got = at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kCUDA));
       (*device)->AdamWComputeCopy(h, grad_scale, cuda(grad), cuda(master), cuda(m), cuda(v), got);
       const at::ScalarType bits = dtype == at::kFloat ? at::kInt : at::kShort;
       const at::Tensor differ = want.view(bits).ne(got.cpu().view(bits));
-      EXPECT_EQ(differ.sum().item<int64_t>(), 0) << c10::toString(dtype) << ", grad_scale " << grad_scale;
+      EXPECT_EQ(differ.sum().item<int64_t>(), 0)
+          << c10::toString(dtype) << ", grad_scale " << grad_scale;
     }
   }
 }

@@ -20,18 +20,22 @@ class ActivationsTest : public LaunchTest {};
 
 TEST_F(ActivationsTest, KeptInTheWorkerGivesTheHostSlotsResultsBitForBit) {
   for (const std::string mode : {"exact", "stale1"}) {
-    const std::vector<std::string> job = {"train.steps=6", "optimizer.mode=" + mode, "train.eval_every=3",
-                                          "data.eval_fraction=0.1", "checkpoint.every=6"};
+    const std::vector<std::string> job = {"train.steps=6", "optimizer.mode=" + mode,
+                                          "train.eval_every=3", "data.eval_fraction=0.1",
+                                          "checkpoint.every=6"};
     auto host = Launch(1, tmp_ + "/host-" + mode, job);
     ASSERT_EQ(host.code, 0) << host.output;
     auto worker = Launch(1, tmp_ + "/worker-" + mode, With(job, {"schedule.activations=worker"}));
     ASSERT_EQ(worker.code, 0) << worker.output;
-    EXPECT_EQ(Losses(tmp_ + "/worker-" + mode + "/metrics.jsonl"), Losses(tmp_ + "/host-" + mode + "/metrics.jsonl"));
+    EXPECT_EQ(Losses(tmp_ + "/worker-" + mode + "/metrics.jsonl"),
+              Losses(tmp_ + "/host-" + mode + "/metrics.jsonl"));
     EXPECT_EQ(Losses(tmp_ + "/worker-" + mode + "/metrics.jsonl", "eval_loss"),
               Losses(tmp_ + "/host-" + mode + "/metrics.jsonl", "eval_loss"));
     const std::string state = "/checkpoints/step-00000006.rpstate";
     ASSERT_TRUE(std::filesystem::exists(tmp_ + "/host-" + mode + state));
-    EXPECT_EQ(ReadBytes(tmp_ + "/worker-" + mode + state), ReadBytes(tmp_ + "/host-" + mode + state)) << mode;
+    EXPECT_EQ(ReadBytes(tmp_ + "/worker-" + mode + state),
+              ReadBytes(tmp_ + "/host-" + mode + state))
+        << mode;
   }
 }
 
@@ -56,10 +60,11 @@ TEST_F(ActivationsTest, MoreThanOneWorkerIsRefusedNamingTheKey) {
 TEST_F(ActivationsTest, AWorkerThatDiesStopsTheRunSayingHowToGoOn) {
   // The eval fault hook makes the worker fail a job and exit; its replacement cannot re-run jobs
   // whose inputs lived in the dead process.
-  const std::vector<std::string> job = {"train.steps=6", "train.eval_every=2", "data.eval_fraction=0.1",
-                                        "schedule.activations=worker"};
-  auto r = testing::RunProcess(LaunchArgs(1, tmp_ + "/faulty", job), 240,
-                               With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
+  const std::vector<std::string> job = {"train.steps=6", "train.eval_every=2",
+                                        "data.eval_fraction=0.1", "schedule.activations=worker"};
+  auto r =
+      testing::RunProcess(LaunchArgs(1, tmp_ + "/faulty", job), 240,
+                          With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("cannot be re-run"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
@@ -78,8 +83,9 @@ TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
       {"stale1", {"optimizer.mode=stale1"}},
       {"exact-k1", {"optimizer.mode=exact", "train.accum_calls=1", "schedule.backward_stages=3"}}};
   for (const auto& [name, mode] : cases) {
-    const std::vector<std::string> job = With(mode, {"train.steps=4", "train.eval_every=2", "data.eval_fraction=0.1",
-                                                     "checkpoint.every=4"});
+    const std::vector<std::string> job = With(
+        mode,
+        {"train.steps=4", "train.eval_every=2", "data.eval_fraction=0.1", "checkpoint.every=4"});
     auto host = Launch(2, tmp_ + "/host-" + name, job);
     ASSERT_EQ(host.code, 0) << host.output;
     const auto expected = Losses(tmp_ + "/host-" + name + "/metrics.jsonl");
@@ -90,9 +96,11 @@ TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
       ASSERT_EQ(pools.code, 0) << pools.output;
       EXPECT_EQ(Summary(out)["activations"], "cuda_ipc");
       EXPECT_EQ(Losses(out + "/metrics.jsonl"), expected) << name << ", " << n << " workers";
-      EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"), Losses(tmp_ + "/host-" + name + "/metrics.jsonl", "eval_loss"));
+      EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"),
+                Losses(tmp_ + "/host-" + name + "/metrics.jsonl", "eval_loss"));
       const std::string state = "/checkpoints/step-00000004.rpstate";
-      EXPECT_EQ(ReadBytes(out + state), ReadBytes(tmp_ + "/host-" + name + state)) << name << ", " << n << " workers";
+      EXPECT_EQ(ReadBytes(out + state), ReadBytes(tmp_ + "/host-" + name + state))
+          << name << ", " << n << " workers";
     }
   }
 }
@@ -102,19 +110,23 @@ TEST_F(ActivationsTest, PoolsGiveTheHostSlotsResultsBitForBit) {
 // leaving the coordinator waiting.
 TEST_F(ActivationsTest, APoolThatCannotBeSetUpStopsTheRunWithItsReason) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/nopool", {"train.steps=2", "schedule.activations=cuda_ipc"}),
-                               120, With(Env(), {"RP_TEST_FAIL_POOL_ONCE=" + tmp_ + "/pool-fault-marker"}));
+  auto r = testing::RunProcess(
+      LaunchArgs(2, tmp_ + "/nopool", {"train.steps=2", "schedule.activations=cuda_ipc"}), 120,
+      With(Env(), {"RP_TEST_FAIL_POOL_ONCE=" + tmp_ + "/pool-fault-marker"}));
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("could not set up its activation pool"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("failing the activation pool's setup on purpose"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("failing the activation pool's setup on purpose"), std::string::npos)
+      << r.output;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
 }
 
 TEST_F(ActivationsTest, AWorkerThatDiesWithPoolsStopsTheRunNamingTheSetting) {
-  const std::vector<std::string> job = {"train.steps=6", "train.eval_every=2", "data.eval_fraction=0.1",
-                                        "schedule.activations=cuda_ipc", "job.max_worker_restarts=2"};
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/faulty", job), 240,
-                               With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
+  const std::vector<std::string> job = {"train.steps=6", "train.eval_every=2",
+                                        "data.eval_fraction=0.1", "schedule.activations=cuda_ipc",
+                                        "job.max_worker_restarts=2"};
+  auto r =
+      testing::RunProcess(LaunchArgs(2, tmp_ + "/faulty", job), 240,
+                          With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("schedule.activations = \"cuda_ipc\""), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("cannot be re-run"), std::string::npos) << r.output;

@@ -49,7 +49,8 @@ class EvalTest : public LaunchTest {
 };
 
 TEST_F(EvalTest, HeldOutFractionExactMode) {
-  ExpectMatch(2, "fraction", {"train.eval_every=4", "data.eval_fraction=0.1", "train.eval_microbatches=3"},
+  ExpectMatch(2, "fraction",
+              {"train.eval_every=4", "data.eval_fraction=0.1", "train.eval_microbatches=3"},
               {4, 8, 12, 16, 20});
   const auto eval = Losses(tmp_ + "/fraction/metrics.jsonl", "eval_loss");
   EXPECT_LT(eval[19], eval[3]);  // the model generalizes to text it never trained on
@@ -59,7 +60,8 @@ TEST_F(EvalTest, HeldOutFractionExactMode) {
   const std::string svg = testing::ReadFile(tmp_ + "/fraction/report/loss.svg");
   EXPECT_NE(svg.find("eval loss"), std::string::npos);
   size_t markers = 0;
-  for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++markers;
+  for (size_t at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1))
+    ++markers;
   EXPECT_EQ(markers, 5u);
 }
 
@@ -67,7 +69,8 @@ TEST_F(EvalTest, SeparateFileStale1ModeThreeWorkers) {
   const std::string file = tmp_ + "/eval.txt";
   {
     std::ofstream f(file);
-    for (int i = 0; i < 40; ++i) f << "Held-out text that the training corpus does not contain, line " << i << ".\n";
+    for (int i = 0; i < 40; ++i)
+      f << "Held-out text that the training corpus does not contain, line " << i << ".\n";
   }
   ExpectMatch(3, "file", {"train.eval_every=3", "data.eval_path=" + file, "optimizer.mode=stale1"},
               {3, 6, 9, 12, 15, 18, 20});
@@ -84,16 +87,20 @@ TEST_F(EvalTest, EveryStepWithLoraDropout) {
 
 TEST_F(EvalTest, AFailedEvalJobIsReRunByTheReplacementWorker) {
   // One call per step: a worker that dies mid-way through an accumulating commit stops the run.
-  const std::vector<std::string> job = {"train.steps=8", "train.accum_calls=1", "train.eval_every=2", "data.eval_fraction=0.1",
+  const std::vector<std::string> job = {"train.steps=8", "train.accum_calls=1",
+                                        "train.eval_every=2", "data.eval_fraction=0.1",
                                         "train.eval_microbatches=3"};
   auto clean = Launch(2, tmp_ + "/clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
-  auto faulty = testing::RunProcess(LaunchArgs(2, tmp_ + "/faulty", job), 240,
-                                    With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
+  auto faulty =
+      testing::RunProcess(LaunchArgs(2, tmp_ + "/faulty", job), 240,
+                          With(Env(), {"RP_TEST_FAIL_EVAL_ONCE=" + tmp_ + "/eval-fault-marker"}));
   ASSERT_EQ(faulty.code, 0) << faulty.output;
-  EXPECT_NE(faulty.output.find("failing an eval job on purpose"), std::string::npos) << faulty.output;
+  EXPECT_NE(faulty.output.find("failing an eval job on purpose"), std::string::npos)
+      << faulty.output;
   EXPECT_GE(Summary(tmp_ + "/faulty")["jobs_redispatched"].get<int>(), 1);
-  EXPECT_EQ(Losses(tmp_ + "/faulty/metrics.jsonl", "eval_loss"), Losses(tmp_ + "/clean/metrics.jsonl", "eval_loss"));
+  EXPECT_EQ(Losses(tmp_ + "/faulty/metrics.jsonl", "eval_loss"),
+            Losses(tmp_ + "/clean/metrics.jsonl", "eval_loss"));
   EXPECT_EQ(Losses(tmp_ + "/faulty/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
 }
 

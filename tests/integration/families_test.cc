@@ -22,12 +22,14 @@ namespace {
 namespace fs = std::filesystem;
 using testing::Losses;
 
-std::string Fixture(const std::string& name) { return testing::SourceDir() + "/tests/testdata/hf_fixtures/" + name; }
+std::string Fixture(const std::string& name) {
+  return testing::SourceDir() + "/tests/testdata/hf_fixtures/" + name;
+}
 
 // 64-token sequences: longer than the scaled fixtures' original_max_position_embeddings (32),
 // so the rescaled low frequencies are exercised.
 std::vector<std::string> FixtureJob(const std::string& model, int steps) {
-  return {"model.path=" + model, "data.seq_len=64", "train.steps=" + std::to_string(steps),
+  return {"model.path=" + model,     "data.seq_len=64",      "train.steps=" + std::to_string(steps),
           "train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2"};
 }
 
@@ -50,7 +52,8 @@ TEST_F(LaunchTest, RopeParametersTrainExactlyLikeTopLevelRopeTheta) {
   ASSERT_EQ(a.code, 0) << a.output;
   auto b = Launch(2, tmp_ + "/run-v4", FixtureJob(v4, 5));
   ASSERT_EQ(b.code, 0) << b.output;
-  const auto la = Losses(tmp_ + "/run-v5/metrics.jsonl"), lb = Losses(tmp_ + "/run-v4/metrics.jsonl");
+  const auto la = Losses(tmp_ + "/run-v5/metrics.jsonl"),
+             lb = Losses(tmp_ + "/run-v4/metrics.jsonl");
   ASSERT_EQ(la.size(), 5u);
   EXPECT_EQ(la, lb);
   // And the base matters: the default base (what a reader of the top-level key alone falls back
@@ -73,21 +76,35 @@ TEST_F(LaunchTest, EveryConfigJsonKeyWithAWrongTypeOrRangeExits2BeforeAnythingSt
     std::string says;  // what the message names; the key itself when empty
   };
   const std::vector<Case> cases = {
-      {"hidden_size", "64", ""},           {"hidden_size", -64, ""},
-      {"intermediate_size", "128", ""},    {"intermediate_size", 0, ""},
-      {"num_hidden_layers", "two", ""},    {"num_hidden_layers", 100000, ""},
-      {"num_attention_heads", 4.5, ""},    {"num_attention_heads", 0, ""},
-      {"num_key_value_heads", {2}, ""},    {"num_key_value_heads", 0, ""},
-      {"head_dim", true, ""},              {"head_dim", -16, ""},
-      {"vocab_size", "256", ""},           {"vocab_size", 0, ""},
-      {"rms_norm_eps", "1e-6", ""},        {"rms_norm_eps", -1e-6, ""},
-      {"tie_word_embeddings", "yes", ""},  {"attention_bias", "no", ""},
-      {"max_position_embeddings", "256", ""}, {"max_position_embeddings", -1, ""},
-      {"rope_parameters.rope_theta", "1e6", "rope_theta"}, {"rope_parameters.rope_theta", -1.0, "rope_theta"},
-      {"rope_parameters.rope_type", 5, "rope_type"},       {"rope_parameters.rope_type", "longrope", "longrope"},
+      {"hidden_size", "64", ""},
+      {"hidden_size", -64, ""},
+      {"intermediate_size", "128", ""},
+      {"intermediate_size", 0, ""},
+      {"num_hidden_layers", "two", ""},
+      {"num_hidden_layers", 100000, ""},
+      {"num_attention_heads", 4.5, ""},
+      {"num_attention_heads", 0, ""},
+      {"num_key_value_heads", {2}, ""},
+      {"num_key_value_heads", 0, ""},
+      {"head_dim", true, ""},
+      {"head_dim", -16, ""},
+      {"vocab_size", "256", ""},
+      {"vocab_size", 0, ""},
+      {"rms_norm_eps", "1e-6", ""},
+      {"rms_norm_eps", -1e-6, ""},
+      {"tie_word_embeddings", "yes", ""},
+      {"attention_bias", "no", ""},
+      {"max_position_embeddings", "256", ""},
+      {"max_position_embeddings", -1, ""},
+      {"rope_parameters.rope_theta", "1e6", "rope_theta"},
+      {"rope_parameters.rope_theta", -1.0, "rope_theta"},
+      {"rope_parameters.rope_type", 5, "rope_type"},
+      {"rope_parameters.rope_type", "longrope", "longrope"},
       {"rope_parameters", "default", "rope_parameters"},
-      {"attention_dropout", "0", ""},      {"attention_dropout", 0.5, ""},
-      {"hidden_act", 1, ""},               {"hidden_act", "gelu", ""},
+      {"attention_dropout", "0", ""},
+      {"attention_dropout", 0.5, ""},
+      {"hidden_act", 1, ""},
+      {"hidden_act", "gelu", ""},
       {"use_sliding_window", "false", ""},
       {"layer_types", "full_attention", ""},
   };
@@ -105,10 +122,12 @@ TEST_F(LaunchTest, EveryConfigJsonKeyWithAWrongTypeOrRangeExits2BeforeAnythingSt
     const std::string out = tmp_ + "/refused-" + std::to_string(n++);
     const auto t0 = std::chrono::steady_clock::now();
     auto r = Launch(2, out, FixtureJob(model, 2), 30);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const std::string says = c.says.empty() ? c.key : c.says;
     EXPECT_EQ(r.code, 2) << c.key << " = " << c.value.dump() << ": " << r.output;
-    EXPECT_NE(r.output.find(says), std::string::npos) << c.key << " = " << c.value.dump() << ": " << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos)
+        << c.key << " = " << c.value.dump() << ": " << r.output;
     // Refused by rp-launch itself: no coordinator filled a state, no worker waited for one (that
     // takes the 30 s limit). Far under a second on an idle machine; 5 s leaves room for a loaded
     // 2-core CI machine, where 1.04 s was seen.
@@ -126,15 +145,17 @@ TEST_P(FamilyParity, PipelineMatchesTheReferenceForTenSteps) {
   const std::string name = GetParam();
   std::vector<std::string> sets = FixtureJob(Fixture(name), 10);
   if (name == "qwen2" || name == "llama_bias") {
-    sets = With(sets, {"lora.rank=4", "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\","
-                                      "\"gate_proj\",\"up_proj\",\"down_proj\"]",
+    sets = With(sets, {"lora.rank=4",
+                       "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\","
+                       "\"gate_proj\",\"up_proj\",\"down_proj\"]",
                        "optimizer.lr=2e-2"});
   }
   auto ref = Ref(tmp_ + "/ref", sets);
   ASSERT_EQ(ref.code, 0) << ref.output;
   auto run = Launch(2, tmp_ + "/run", sets);
   ASSERT_EQ(run.code, 0) << run.output;
-  const auto expected = Losses(tmp_ + "/ref/metrics.jsonl"), got = Losses(tmp_ + "/run/metrics.jsonl");
+  const auto expected = Losses(tmp_ + "/ref/metrics.jsonl"),
+             got = Losses(tmp_ + "/run/metrics.jsonl");
   ASSERT_EQ(expected.size(), 10u);
   ASSERT_EQ(got.size(), 10u);
   for (size_t s = 0; s < got.size(); ++s)
@@ -143,8 +164,9 @@ TEST_P(FamilyParity, PipelineMatchesTheReferenceForTenSteps) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, FamilyParity,
-                         ::testing::Values("qwen3", "qwen3_yarn", "llama3", "llama_tied_linear", "llama_bias",
-                                           "qwen2", "mistral", "qwen3_moe", "qwen3_moe_aux"));
+                         ::testing::Values("qwen3", "qwen3_yarn", "llama3", "llama_tied_linear",
+                                           "llama_bias", "qwen2", "mistral", "qwen3_moe",
+                                           "qwen3_moe_aux"));
 
 }  // namespace
 }  // namespace rp

@@ -27,8 +27,8 @@ struct StepLine {
   bool skipped = false;
   double eval_loss = -1.0;
   bool operator==(const StepLine& o) const {
-    return loss == o.loss && grad_norm == o.grad_norm && loss_scale == o.loss_scale && skipped == o.skipped &&
-           eval_loss == o.eval_loss;
+    return loss == o.loss && grad_norm == o.grad_norm && loss_scale == o.loss_scale &&
+           skipped == o.skipped && eval_loss == o.eval_loss;
   }
 };
 
@@ -52,8 +52,10 @@ std::vector<StepLine> ReadSteps(const std::string& out) {
 // GradScaler's scale for each of `steps` steps given which overflow, from its documented rule:
 // an overflow multiplies the scale by the backoff factor and restarts the count of good steps;
 // `interval` good steps in a row multiply it by the growth factor. `lag`: stale1 computes step s
-// with the scale after step s - 2 (its weights are a step older too), exact with the one after s - 1.
-std::vector<double> ExpectedScales(int steps, const std::set<int>& overflow, double init, int interval, int lag) {
+// with the scale after step s - 2 (its weights are a step older too), exact with the one after s
+// - 1.
+std::vector<double> ExpectedScales(int steps, const std::set<int>& overflow, double init,
+                                   int interval, int lag) {
   std::vector<double> after;  // after[t]: the scale after step t
   double scale = init;
   int good = 0;
@@ -74,7 +76,8 @@ std::vector<double> ExpectedScales(int steps, const std::set<int>& overflow, dou
 
 class Fp16Test : public LaunchTest {
  protected:
-  // The fp16 job with overflows at 0-based steps 2, 3 and 6 and the scale growing every 2 good steps.
+  // The fp16 job with overflows at 0-based steps 2, 3 and 6 and the scale growing every 2 good
+  // steps.
   std::vector<std::string> Sets(const std::string& mode) const {
     return {"train.dtype=\"fp16\"", "train.steps=10", "train.loss_scale_growth_interval=2",
             "optimizer.mode=\"" + mode + "\"", "RP_TEST_OVERFLOW_AT_STEPS=2,3,6"};
@@ -87,7 +90,9 @@ TEST_F(Fp16Test, InjectedOverflowsSkipExactlyThoseStepsAndMoveTheScaleAsGradScal
     const std::string out = tmp_ + "/" + mode;
     // Evaluations after every step: a skipped step's weights are the step before's, so its eval
     // loss is that step's to the bit.
-    auto r = Launch(2, out, With(Sets(mode), {"train.eval_every=1", "data.eval_fraction=0.1", "train.eval_microbatches=2"}));
+    auto r = Launch(2, out,
+                    With(Sets(mode), {"train.eval_every=1", "data.eval_fraction=0.1",
+                                      "train.eval_microbatches=2"}));
     ASSERT_EQ(r.code, 0) << r.output;
     const auto steps = ReadSteps(out);
     ASSERT_EQ(steps.size(), 10u);
@@ -162,7 +167,8 @@ TEST_F(Fp16Test, Bf16OnCpuWorkersIsEmulatedNearTheFp32Run) {
   ASSERT_EQ(bf16.code, 0) << bf16.output;
   auto copy = Launch(2, tmp_ + "/copy", With(job, {"schedule.weights_source=\"compute_copy\""}));
   ASSERT_EQ(copy.code, 0) << copy.output;
-  const auto a = testing::Losses(tmp_ + "/fp32/metrics.jsonl"), b = testing::Losses(tmp_ + "/bf16/metrics.jsonl");
+  const auto a = testing::Losses(tmp_ + "/fp32/metrics.jsonl"),
+             b = testing::Losses(tmp_ + "/bf16/metrics.jsonl");
   ASSERT_EQ(a.size(), b.size());
   for (size_t s = 0; s < a.size(); ++s) {
     EXPECT_NEAR(b[s], a[s], 0.02 * a[s]) << "step " << s + 1;

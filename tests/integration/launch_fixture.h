@@ -26,7 +26,8 @@ inline std::string ReadBytes(const std::string& path) {
 }
 
 // `a` followed by `b` (job overrides, environment entries).
-inline std::vector<std::string> With(std::vector<std::string> a, const std::vector<std::string>& b) {
+inline std::vector<std::string> With(std::vector<std::string> a,
+                                     const std::vector<std::string>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
 }
@@ -54,8 +55,9 @@ class LaunchTest : public ::testing::Test {
   // The job for `sets`: with model.path among them, parity.toml without its [model] keys (a
   // checkpoint's config.json decides the architecture, and a job key that disagrees is refused).
   std::string JobFor(const std::vector<std::string>& sets) const {
-    const bool from_checkpoint =
-        std::any_of(sets.begin(), sets.end(), [](const std::string& s) { return s.rfind("model.path=", 0) == 0; });
+    const bool from_checkpoint = std::any_of(sets.begin(), sets.end(), [](const std::string& s) {
+      return s.rfind("model.path=", 0) == 0;
+    });
     if (!from_checkpoint) return Job();
     const std::string path = tmp_ + "/parity-from-checkpoint.toml";
     std::ifstream in(Job());
@@ -64,7 +66,8 @@ class LaunchTest : public ::testing::Test {
     for (std::string line; std::getline(in, line);) {
       if (!line.empty() && line[0] == '[') in_model = line == "[model]";
       if (in_model) continue;
-      if (line.rfind("path = \"../../", 0) == 0) line = "path = \"" + testing::SourceDir() + "/" + line.substr(14);
+      if (line.rfind("path = \"../../", 0) == 0)
+        line = "path = \"" + testing::SourceDir() + "/" + line.substr(14);
       out << line << "\n";
     }
     return path;
@@ -85,9 +88,11 @@ class LaunchTest : public ::testing::Test {
     return env;
   }
 
-  std::vector<std::string> LaunchArgs(int n, const std::string& out, std::vector<std::string> sets = {}) {
-    std::vector<std::string> a = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), JobFor(sets),
-                                  "--set", "job.output_dir=" + out};
+  std::vector<std::string> LaunchArgs(int n, const std::string& out,
+                                      std::vector<std::string> sets = {}) {
+    std::vector<std::string> a = {
+        testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), JobFor(sets), "--set",
+        "job.output_dir=" + out};
     for (auto& s : sets) {
       if (IsEnv(s)) continue;
       a.push_back("--set");
@@ -103,7 +108,8 @@ class LaunchTest : public ::testing::Test {
 
   // A run of `job` stopped with a checkpoint after `stop_after` steps, then resumed to its end in
   // the same output directory; false (with the output in a test failure) if either part fails.
-  bool LaunchStoppedAndResumed(int n, const std::string& out, const std::vector<std::string>& job, int stop_after) {
+  bool LaunchStoppedAndResumed(int n, const std::string& out, const std::vector<std::string>& job,
+                               int stop_after) {
     auto first = Launch(n, out, With(job, {"train.stop_after=" + std::to_string(stop_after)}));
     EXPECT_EQ(first.code, 0) << first.output;
     if (first.code != 0) return false;
@@ -116,14 +122,16 @@ class LaunchTest : public ::testing::Test {
 
   // rp-train-ref, the oracle, on the same job with the same overrides.
   testing::ProcessResult Ref(const std::string& out, const std::vector<std::string>& sets = {}) {
-    std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", JobFor(sets), "--set", "job.output_dir=" + out};
+    std::vector<std::string> args = {testing::BinDir() + "/rp-train-ref", JobFor(sets), "--set",
+                                     "job.output_dir=" + out};
     for (const auto& s : sets)
       if (!IsEnv(s)) args.insert(args.end(), {"--set", s});
     return testing::RunProcess(args, 240, EnvWith(sets));
   }
 
   // A launch with the test hook `hook` armed for one firing (its marker file beside `out`).
-  testing::ProcessResult LaunchWithHookOnce(int workers, const std::string& out, const std::vector<std::string>& job,
+  testing::ProcessResult LaunchWithHookOnce(int workers, const std::string& out,
+                                            const std::vector<std::string>& job,
                                             const std::string& hook) {
     auto env = Env();
     env.push_back(hook + "=" + out + "-marker");
@@ -134,23 +142,29 @@ class LaunchTest : public ::testing::Test {
   // with the test hook `hook` (an environment variable naming a marker file) armed in one worker:
   // the armed run must say `fired`, lose that worker to hang detection, replace it, and end with
   // the fault-free run's losses and checkpoint. Returns the job's overrides.
-  std::vector<std::string> ExpectHungWorkerReplaced(const std::string& tag, int steps, const std::string& hook,
+  std::vector<std::string> ExpectHungWorkerReplaced(const std::string& tag, int steps,
+                                                    const std::string& hook,
                                                     const std::string& fired) {
     const std::string n = std::to_string(steps);
-    const std::vector<std::string> job = {"train.steps=" + n, "train.accum_calls=1", "train.microbatches=4",
-                                          "checkpoint.every=" + n, "job.worker_timeout_s=2"};
+    const std::vector<std::string> job = {"train.steps=" + n, "train.accum_calls=1",
+                                          "train.microbatches=4", "checkpoint.every=" + n,
+                                          "job.worker_timeout_s=2"};
     auto clean = Launch(2, tmp_ + "/" + tag + "-clean", job);
     EXPECT_EQ(clean.code, 0) << clean.output;
     auto r = LaunchWithHookOnce(2, tmp_ + "/" + tag, job, hook);
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find(fired), std::string::npos) << r.output;
-    const auto summary = nlohmann::json::parse(testing::ReadFile(tmp_ + "/" + tag + "/summary.json"));
+    const auto summary =
+        nlohmann::json::parse(testing::ReadFile(tmp_ + "/" + tag + "/summary.json"));
     EXPECT_EQ(summary["workers_hung"], 1) << summary.dump();
     EXPECT_EQ(summary["worker_replacements"], 1) << summary.dump();
     EXPECT_EQ(testing::Losses(tmp_ + "/" + tag + "/metrics.jsonl"),
               testing::Losses(tmp_ + "/" + tag + "-clean/metrics.jsonl"));
-    const std::string state = "/checkpoints/step-" + std::string(8 - n.size(), '0') + n + ".rpstate";
-    EXPECT_TRUE(ReadBytes(tmp_ + "/" + tag + state) == ReadBytes(tmp_ + "/" + tag + "-clean" + state)) << tag;
+    const std::string state =
+        "/checkpoints/step-" + std::string(8 - n.size(), '0') + n + ".rpstate";
+    EXPECT_TRUE(ReadBytes(tmp_ + "/" + tag + state) ==
+                ReadBytes(tmp_ + "/" + tag + "-clean" + state))
+        << tag;
     return job;
   }
 
@@ -158,9 +172,9 @@ class LaunchTest : public ::testing::Test {
   // the armed run replaces one worker and ends with the fault-free run's losses and gradient
   // norms. Returns the two output directories, for the caller to compare what else its job
   // writes.
-  std::pair<std::string, std::string> ExpectReplacementChangesNothing(const std::string& tag, int workers,
-                                                                      const std::vector<std::string>& job,
-                                                                      const std::string& hook) {
+  std::pair<std::string, std::string> ExpectReplacementChangesNothing(
+      const std::string& tag, int workers, const std::vector<std::string>& job,
+      const std::string& hook) {
     const std::string clean = tmp_ + "/" + tag + "-clean", hang = tmp_ + "/" + tag + "-hang";
     auto c = Launch(workers, clean, job);
     EXPECT_EQ(c.code, 0) << c.output;
@@ -169,7 +183,8 @@ class LaunchTest : public ::testing::Test {
     if (c.code != 0 || r.code != 0) return {clean, hang};
     EXPECT_EQ(Summary(hang)["worker_replacements"], 1) << Summary(hang).dump();
     EXPECT_EQ(testing::Losses(hang + "/metrics.jsonl"), testing::Losses(clean + "/metrics.jsonl"));
-    EXPECT_EQ(testing::Losses(hang + "/metrics.jsonl", "grad_norm"), testing::Losses(clean + "/metrics.jsonl", "grad_norm"));
+    EXPECT_EQ(testing::Losses(hang + "/metrics.jsonl", "grad_norm"),
+              testing::Losses(clean + "/metrics.jsonl", "grad_norm"));
     return {clean, hang};
   }
 

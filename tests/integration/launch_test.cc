@@ -40,11 +40,10 @@ using testing::SourceDir;
 
 using testing::Losses;
 
-
-
 TEST_F(LaunchTest, PipelineMatchesReferenceForEveryWorkerCountAndPartition) {
   const std::string ref_out = tmp_ + "/ref";
-  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + ref_out}, 240);
+  auto ref = testing::RunProcess(
+      {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + ref_out}, 240);
   ASSERT_EQ(ref.code, 0) << ref.output;
   const std::vector<double> expected = Losses(ref_out + "/metrics.jsonl");
   ASSERT_EQ(expected.size(), 20u);
@@ -91,10 +90,13 @@ TEST_F(LaunchTest, InterleavedCallsGiveTheSequentialOrdersResultsBitForBit) {
       ASSERT_EQ(seq.code, 0) << seq.output;
       auto inter = Launch(n, tmp_ + "/int-" + tag, job);
       ASSERT_EQ(inter.code, 0) << inter.output;
-      EXPECT_EQ(Losses(tmp_ + "/int-" + tag + "/metrics.jsonl"), Losses(tmp_ + "/seq-" + tag + "/metrics.jsonl")) << tag;
+      EXPECT_EQ(Losses(tmp_ + "/int-" + tag + "/metrics.jsonl"),
+                Losses(tmp_ + "/seq-" + tag + "/metrics.jsonl"))
+          << tag;
       const std::string state = "/checkpoints/step-00000005.rpstate";
       ASSERT_TRUE(fs::exists(tmp_ + "/seq-" + tag + state)) << tag;
-      EXPECT_EQ(ReadBytes(tmp_ + "/int-" + tag + state), ReadBytes(tmp_ + "/seq-" + tag + state)) << tag;
+      EXPECT_EQ(ReadBytes(tmp_ + "/int-" + tag + state), ReadBytes(tmp_ + "/seq-" + tag + state))
+          << tag;
     }
 }
 
@@ -116,14 +118,19 @@ TEST_F(LaunchTest, LayerMajorForwardStagesGiveTheMicrobatchOrdersResultsBitForBi
     auto profile = core::LoadProfile(tmp_ + "/layers-" + tag + "/profile.json", *cfg);
     ASSERT_TRUE(profile.ok()) << profile.status().ToString();
     ASSERT_EQ(profile->layers.size(), 6u);
-    for (int l = 0; l < 4; ++l) EXPECT_GT(profile->layers[l].forward_s, 0.0) << "layer " << l << ", " << n;
+    for (int l = 0; l < 4; ++l)
+      EXPECT_GT(profile->layers[l].forward_s, 0.0) << "layer " << l << ", " << n;
     auto mbs = Launch(n, tmp_ + "/mbs-" + tag, With(job, {"RP_LAYER_MAJOR_FORWARD=never"}));
     ASSERT_EQ(mbs.code, 0) << mbs.output;
     EXPECT_EQ(Summary(tmp_ + "/mbs-" + tag)["layer_major_jobs"].get<int>(), 0);
-    EXPECT_EQ(Losses(tmp_ + "/layers-" + tag + "/metrics.jsonl"), Losses(tmp_ + "/mbs-" + tag + "/metrics.jsonl")) << n;
+    EXPECT_EQ(Losses(tmp_ + "/layers-" + tag + "/metrics.jsonl"),
+              Losses(tmp_ + "/mbs-" + tag + "/metrics.jsonl"))
+        << n;
     const std::string state = "/checkpoints/step-00000005.rpstate";
     ASSERT_TRUE(fs::exists(tmp_ + "/mbs-" + tag + state)) << n;
-    EXPECT_TRUE(ReadBytes(tmp_ + "/layers-" + tag + state) == ReadBytes(tmp_ + "/mbs-" + tag + state)) << n;
+    EXPECT_TRUE(ReadBytes(tmp_ + "/layers-" + tag + state) ==
+                ReadBytes(tmp_ + "/mbs-" + tag + state))
+        << n;
   }
 }
 
@@ -135,8 +142,11 @@ TEST_F(LaunchTest, KeptBlocksGiveTheRecomputingRunsResultsBitForBit) {
   // the second forward stage, 3 cross into the first and leave one recomputed layer (the
   // embedding) under them. The profile shows the kept blocks were not recomputed: their
   // recompute time is filled in, never measured.
-  const std::vector<std::vector<std::string>> variants = {
-      {}, {"RP_MERGE_CALLS=never"}, {"RP_LAYER_MAJOR_FORWARD=always"}, {"optimizer.mode=stale1"}, {"lora.rank=4"}};
+  const std::vector<std::vector<std::string>> variants = {{},
+                                                          {"RP_MERGE_CALLS=never"},
+                                                          {"RP_LAYER_MAJOR_FORWARD=always"},
+                                                          {"optimizer.mode=stale1"},
+                                                          {"lora.rank=4"}};
   for (size_t v = 0; v < variants.size(); ++v) {
     const std::vector<std::string> job = With({"train.steps=5", "checkpoint.every=5"}, variants[v]);
     const std::string base = tmp_ + "/recompute-" + std::to_string(v);
@@ -160,7 +170,8 @@ TEST_F(LaunchTest, KeptBlocksGiveTheRecomputingRunsResultsBitForBit) {
       ASSERT_TRUE(profile.ok()) << profile.status().ToString();
       ASSERT_EQ(profile->layers.size(), 6u);
       // The tiny job: blocks 1-4, the last in the tail, so kept layers are [4 - kept, 4).
-      for (int l = 4 - kept; l < 4; ++l) EXPECT_TRUE(profile->layers[l].filled) << tag << ", layer " << l;
+      for (int l = 4 - kept; l < 4; ++l)
+        EXPECT_TRUE(profile->layers[l].filled) << tag << ", layer " << l;
       if (kept == 2) {
         EXPECT_FALSE(profile->layers[1].filled) << tag << ": layer 1 is recomputed";
       }
@@ -171,9 +182,11 @@ TEST_F(LaunchTest, KeptBlocksGiveTheRecomputingRunsResultsBitForBit) {
 TEST_F(LaunchTest, KeptBlocksSurviveAReplacedWorkerWithTheSameResults) {
   // The worker that kept the graphs hangs and is replaced: its successor finds no graph for the
   // jobs it re-runs that need them and recomputes from the checkpoints; the results do not change.
-  const std::vector<std::string> job = {"train.steps=4", "train.accum_calls=1", "train.microbatches=4",
-                                        "checkpoint.every=4", "job.worker_timeout_s=2", "schedule.kept_blocks=2"};
-  const auto [clean, hang] = ExpectReplacementChangesNothing("kept", 1, job, "RP_TEST_DEVICE_HANG_ONCE");
+  const std::vector<std::string> job = {"train.steps=4",          "train.accum_calls=1",
+                                        "train.microbatches=4",   "checkpoint.every=4",
+                                        "job.worker_timeout_s=2", "schedule.kept_blocks=2"};
+  const auto [clean, hang] =
+      ExpectReplacementChangesNothing("kept", 1, job, "RP_TEST_DEVICE_HANG_ONCE");
   const std::string state = "/checkpoints/step-00000004.rpstate";
   EXPECT_TRUE(ReadBytes(hang + state) == ReadBytes(clean + state));
 }
@@ -184,7 +197,8 @@ TEST_F(LaunchTest, KeptBlocksAreRefusedWithSeveralWorkers) {
   EXPECT_NE(r.output.find("schedule.kept_blocks = 1"), std::string::npos) << r.output;
   auto many = Launch(1, tmp_ + "/kept-many", {"schedule.kept_blocks=4"});
   EXPECT_EQ(many.code, kExitBadConfig) << many.output;
-  EXPECT_NE(many.output.find("only 3 blocks precede the fused tail"), std::string::npos) << many.output;
+  EXPECT_NE(many.output.find("only 3 blocks precede the fused tail"), std::string::npos)
+      << many.output;
 }
 
 TEST_F(LaunchTest, MicrobatchesReportedLateGiveTheSameResultsBitForBit) {
@@ -194,8 +208,9 @@ TEST_F(LaunchTest, MicrobatchesReportedLateGiveTheSameResultsBitForBit) {
   // microbatches are reported, announce themselves later, and evals wait for them: the
   // arithmetic and the checkpoint must not change, for one and for several workers, with K > 1.
   for (int n : {1, 3}) {
-    const std::vector<std::string> job = {"train.steps=4", "checkpoint.every=4", "train.accum_calls=2",
-                                          "train.eval_every=2", "data.eval_fraction=0.1"};
+    const std::vector<std::string> job = {"train.steps=4", "checkpoint.every=4",
+                                          "train.accum_calls=2", "train.eval_every=2",
+                                          "data.eval_fraction=0.1"};
     std::string tag = "n";
     tag += std::to_string(n);  // (not "n" + ...: GCC 12 warns falsely on that concatenation)
     auto prompt = Launch(n, tmp_ + "/prompt-" + tag, job);
@@ -204,11 +219,14 @@ TEST_F(LaunchTest, MicrobatchesReportedLateGiveTheSameResultsBitForBit) {
     env.push_back("RP_TEST_LATE_COMPLETION_MS=15");
     auto late = testing::RunProcess(LaunchArgs(n, tmp_ + "/late-" + tag, job), 240, env);
     ASSERT_EQ(late.code, 0) << late.output;
-    EXPECT_EQ(Losses(tmp_ + "/late-" + tag + "/metrics.jsonl"), Losses(tmp_ + "/prompt-" + tag + "/metrics.jsonl"))
+    EXPECT_EQ(Losses(tmp_ + "/late-" + tag + "/metrics.jsonl"),
+              Losses(tmp_ + "/prompt-" + tag + "/metrics.jsonl"))
         << tag;
     const std::string state = "/checkpoints/step-00000004.rpstate";
     ASSERT_TRUE(fs::exists(tmp_ + "/prompt-" + tag + state)) << tag;
-    EXPECT_TRUE(ReadBytes(tmp_ + "/late-" + tag + state) == ReadBytes(tmp_ + "/prompt-" + tag + state)) << tag;
+    EXPECT_TRUE(ReadBytes(tmp_ + "/late-" + tag + state) ==
+                ReadBytes(tmp_ + "/prompt-" + tag + state))
+        << tag;
   }
 }
 
@@ -216,7 +234,8 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   // Exact mode, fp32: workers reading the masters (the default) or a compute copy the optimizer
   // writes see the same bits, so losses and the exported model are identical. A checkpoint of
   // one layout is refused by the other with a message naming the key, and left intact.
-  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=3", "checkpoint.export_hf=hf"};
+  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=3",
+                                        "checkpoint.export_hf=hf"};
   const std::string m = tmp_ + "/masters", c = tmp_ + "/copy";
   auto masters = Launch(2, m, With(job, {"schedule.weights_source=\"auto\""}));
   ASSERT_EQ(masters.code, 0) << masters.output;
@@ -224,8 +243,9 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   // The copy run also lets all three optimizer threads run the second passes
   // (RP_OPTIMIZER_REST_THREADS; the default is a quarter): a scheduling choice that must not change
   // a bit either.
-  auto copy = Launch(2, c, With(job, {"schedule.weights_source=\"compute_copy\"", "RP_OPTIMIZER_THREADS=3",
-                                      "RP_OPTIMIZER_REST_THREADS=3"}));
+  auto copy = Launch(2, c,
+                     With(job, {"schedule.weights_source=\"compute_copy\"",
+                                "RP_OPTIMIZER_THREADS=3", "RP_OPTIMIZER_REST_THREADS=3"}));
   ASSERT_EQ(copy.code, 0) << copy.output;
   EXPECT_EQ(Summary(c)["workers_fetch"], "compute_copy");
   EXPECT_EQ(Losses(m + "/metrics.jsonl"), Losses(c + "/metrics.jsonl"));
@@ -238,8 +258,11 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   args.push_back("--resume");
   auto refused = testing::RunProcess(args, 120, Env());
   EXPECT_NE(refused.code, 0);
-  EXPECT_NE(refused.output.find("holds a compute copy beside the masters (schedule.weights_source = \"compute_copy\")"),
-            std::string::npos) << refused.output;
+  EXPECT_NE(
+      refused.output.find(
+          "holds a compute copy beside the masters (schedule.weights_source = \"compute_copy\")"),
+      std::string::npos)
+      << refused.output;
   EXPECT_TRUE(ReadBytes(ckpt) == before);
 }
 
@@ -256,29 +279,35 @@ TEST_F(LaunchTest, IntermediateExportsHoldTheirStepsWeights) {
   EXPECT_FALSE(fs::exists(a + "/hf-step-6"));
   auto stopped = Launch(2, b, With(job, {"train.stop_after=4"}));
   ASSERT_EQ(stopped.code, 0) << stopped.output;
-  EXPECT_TRUE(ReadBytes(a + "/hf-step-4/model.safetensors") == ReadBytes(b + "/hf/model.safetensors"));
-  EXPECT_FALSE(ReadBytes(a + "/hf-step-2/model.safetensors") == ReadBytes(a + "/hf-step-4/model.safetensors"));
+  EXPECT_TRUE(ReadBytes(a + "/hf-step-4/model.safetensors") ==
+              ReadBytes(b + "/hf/model.safetensors"));
+  EXPECT_FALSE(ReadBytes(a + "/hf-step-2/model.safetensors") ==
+               ReadBytes(a + "/hf-step-4/model.safetensors"));
   // Nothing to export is refused.
   auto nothing = Launch(2, tmp_ + "/nothing", {"checkpoint.export_every=2"});
   EXPECT_EQ(nothing.code, kExitBadConfig);
-  EXPECT_NE(nothing.output.find("checkpoint.export_every: nothing to export"), std::string::npos) << nothing.output;
+  EXPECT_NE(nothing.output.find("checkpoint.export_every: nothing to export"), std::string::npos)
+      << nothing.output;
 }
 
 TEST_F(LaunchTest, ExportingACheckpointGivesTheRunsOwnExport) {
   // rp-export of the newest checkpoint (after the last step) is the run's final export bit for
   // bit, of the one after step 4 its intermediate export; a LoRA run's gives its adapter.
   const std::string a = tmp_ + "/run";
-  auto run = Launch(2, a, {"train.steps=6", "checkpoint.every=2", "checkpoint.keep=3", "checkpoint.export_hf=hf",
-                           "checkpoint.export_every=2"});
+  auto run = Launch(2, a,
+                    {"train.steps=6", "checkpoint.every=2", "checkpoint.keep=3",
+                     "checkpoint.export_hf=hf", "checkpoint.export_every=2"});
   ASSERT_EQ(run.code, 0) << run.output;
   const std::string tool = testing::BinDir() + "/rp-export";
   auto newest = testing::RunProcess({tool, a}, 120, Env());
   ASSERT_EQ(newest.code, 0) << newest.output;
-  EXPECT_TRUE(ReadBytes(a + "/export-step-6/model.safetensors") == ReadBytes(a + "/hf/model.safetensors"));
+  EXPECT_TRUE(ReadBytes(a + "/export-step-6/model.safetensors") ==
+              ReadBytes(a + "/hf/model.safetensors"));
   EXPECT_TRUE(ReadBytes(a + "/export-step-6/config.json") == ReadBytes(a + "/hf/config.json"));
   auto four = testing::RunProcess({tool, a, "--step", "4", "--out", tmp_ + "/four"}, 120, Env());
   ASSERT_EQ(four.code, 0) << four.output;
-  EXPECT_TRUE(ReadBytes(tmp_ + "/four/model.safetensors") == ReadBytes(a + "/hf-step-4/model.safetensors"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/four/model.safetensors") ==
+              ReadBytes(a + "/hf-step-4/model.safetensors"));
   // Nothing is overwritten; a step without a checkpoint names those there are.
   auto again = testing::RunProcess({tool, a, "--step", "4", "--out", tmp_ + "/four"}, 120, Env());
   EXPECT_EQ(again.code, kExitBadConfig);
@@ -288,15 +317,18 @@ TEST_F(LaunchTest, ExportingACheckpointGivesTheRunsOwnExport) {
   EXPECT_NE(missing.output.find("it holds steps 2, 4, 6)\n"), std::string::npos) << missing.output;
   auto not_a_run = testing::RunProcess({tool, tmp_}, 120, Env());
   EXPECT_EQ(not_a_run.code, kExitBadConfig);
-  EXPECT_NE(not_a_run.output.find("run-spec.json does not exist"), std::string::npos) << not_a_run.output;
+  EXPECT_NE(not_a_run.output.find("run-spec.json does not exist"), std::string::npos)
+      << not_a_run.output;
 
   const std::string l = tmp_ + "/lora";
   auto lora = Launch(2, l, {"train.steps=4", "checkpoint.every=4", "lora.rank=4", "lora.alpha=8"});
   ASSERT_EQ(lora.code, 0) << lora.output;
   auto adapter = testing::RunProcess({tool, l, "--out", tmp_ + "/adapter"}, 120, Env());
   ASSERT_EQ(adapter.code, 0) << adapter.output;
-  EXPECT_TRUE(ReadBytes(tmp_ + "/adapter/adapter_model.safetensors") == ReadBytes(l + "/adapter/adapter_model.safetensors"));
-  EXPECT_TRUE(ReadBytes(tmp_ + "/adapter/adapter_config.json") == ReadBytes(l + "/adapter/adapter_config.json"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/adapter/adapter_model.safetensors") ==
+              ReadBytes(l + "/adapter/adapter_model.safetensors"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/adapter/adapter_config.json") ==
+              ReadBytes(l + "/adapter/adapter_config.json"));
   auto merged = testing::RunProcess({tool, l, "--merged", "--out", tmp_ + "/merged"}, 120, Env());
   EXPECT_EQ(merged.code, kExitBadConfig);
   EXPECT_NE(merged.output.find("seeded random init"), std::string::npos) << merged.output;
@@ -307,7 +339,8 @@ TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
   // step's speculative first passes are run again with the clip scale and later steps' are
   // confirmed. With the masters double-buffered (2 workers), a compute copy (3 workers) and a
   // stop and resume (1 worker): the losses and the exported model of the run without the key.
-  const std::vector<std::string> job = {"train.steps=10", "train.grad_clip=2.0", "checkpoint.export_hf=hf"};
+  const std::vector<std::string> job = {"train.steps=10", "train.grad_clip=2.0",
+                                        "checkpoint.export_hf=hf"};
   const std::string base = tmp_ + "/waiting";
   auto waiting = Launch(2, base, job);
   ASSERT_EQ(waiting.code, 0) << waiting.output;
@@ -329,12 +362,15 @@ TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
   EXPECT_EQ(Summary(masters)["workers_fetch"], "masters");
 
   const std::string copy = tmp_ + "/copy";
-  auto c = Launch(3, copy, With(job, {"optimizer.speculative_update=true", "schedule.weights_source=\"compute_copy\""}));
+  auto c = Launch(
+      3, copy,
+      With(job, {"optimizer.speculative_update=true", "schedule.weights_source=\"compute_copy\""}));
   ASSERT_EQ(c.code, 0) << c.output;
   same(copy);
 
   // Both buffers are in the checkpoint: a resume continues with the same bits.
-  const std::vector<std::string> resumable = With(job, {"optimizer.speculative_update=true", "checkpoint.every=3"});
+  const std::vector<std::string> resumable =
+      With(job, {"optimizer.speculative_update=true", "checkpoint.every=3"});
   const std::string pieces = tmp_ + "/pieces";
   ASSERT_TRUE(LaunchStoppedAndResumed(1, pieces, resumable, 5));
   same(pieces);
@@ -349,7 +385,8 @@ TEST_F(LaunchTest, SpeculativeUpdatesGiveTheWaitingRunsResultsBitForBit) {
   flipped.push_back("--resume");
   auto refused = testing::RunProcess(flipped, 120, Env());
   EXPECT_NE(refused.code, 0);
-  EXPECT_NE(refused.output.find("optimizer.speculative_update = true"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("optimizer.speculative_update = true"), std::string::npos)
+      << refused.output;
   EXPECT_TRUE(ReadBytes(latest) == before);
 }
 
@@ -357,8 +394,9 @@ TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
   // stale1: step t computes with the weights before step t - 1's update; the reference does the
   // same with a second weight set. The two must agree, and differ from exact mode.
   const std::string ref_out = tmp_ + "/ref-stale1";
-  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + ref_out,
-                                  "--set", "optimizer.mode=stale1"}, 240);
+  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set",
+                                  "job.output_dir=" + ref_out, "--set", "optimizer.mode=stale1"},
+                                 240);
   ASSERT_EQ(ref.code, 0) << ref.output;
   const auto expected = Losses(ref_out + "/metrics.jsonl");
   const std::string out = tmp_ + "/stale1";
@@ -370,7 +408,8 @@ TEST_F(LaunchTest, Stale1ModeMatchesTheStale1Reference) {
     EXPECT_LE(std::abs(got[s] - expected[s]) / expected[s], 1e-5) << "step " << s + 1;
   // Step 2 computes with the initial weights in stale1 mode, so its loss is close to step 1's.
   const std::string exact_out = tmp_ + "/ref-exact";
-  auto exact = testing::RunProcess({BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + exact_out}, 240);
+  auto exact = testing::RunProcess(
+      {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + exact_out}, 240);
   ASSERT_EQ(exact.code, 0);
   EXPECT_NE(Losses(exact_out + "/metrics.jsonl")[1], got[1]);
 }
@@ -382,7 +421,8 @@ TEST_F(LaunchTest, StreamedGradientsMatchTheReference) {
   const std::vector<std::string> sets = {"train.accum_calls=1", "train.microbatches=4",
                                          "train.grad_clip=0", "schedule.tail_blocks=0",
                                          "schedule.backward_stages=5"};
-  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/ref-stream"};
+  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set",
+                                       "job.output_dir=" + tmp_ + "/ref-stream"};
   for (auto& s : sets) {
     ref_args.push_back("--set");
     ref_args.push_back(s);
@@ -397,15 +437,16 @@ TEST_F(LaunchTest, StreamedGradientsMatchTheReference) {
     const auto got = Losses(out + "/metrics.jsonl");
     ASSERT_EQ(got.size(), expected.size());
     for (size_t s = 0; s < got.size(); ++s)
-      EXPECT_LE(std::abs(got[s] - expected[s]) / expected[s], 1e-5) << "N=" << n << ", step " << s + 1;
+      EXPECT_LE(std::abs(got[s] - expected[s]) / expected[s], 1e-5)
+          << "N=" << n << ", step " << s + 1;
     std::ifstream f(out + "/summary.json");
     auto summary = nlohmann::json::parse(f);
     EXPECT_TRUE(summary["grads_streamed"].get<bool>());
     EXPECT_GT(summary["grad_arena_peak_bytes"].get<int64_t>(), 0);
-    EXPECT_LE(summary["grad_arena_peak_bytes"].get<int64_t>(), summary["grad_arena_bytes"].get<int64_t>());
+    EXPECT_LE(summary["grad_arena_peak_bytes"].get<int64_t>(),
+              summary["grad_arena_bytes"].get<int64_t>());
   }
 }
-
 
 // Waits (polling) until the run's metrics file holds at least `n` complete lines, i.e. `n` steps
 // reported; complete lines only, since the run is still appending. False on timeout.
@@ -423,55 +464,59 @@ TEST_F(LaunchTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   // final state bits as 20 steps in one go (fp32, CPU, N = 2). Then stale1 mode, N = 3, stopped
   // after 7.
   for (const bool stale1 : {false, true}) {
-  SCOPED_TRACE(stale1 ? "stale1" : "exact");
-  const int n = stale1 ? 3 : 2, stop = stale1 ? 7 : 10;
-  const std::string mode = std::string("optimizer.mode=") + (stale1 ? "stale1" : "exact");
-  const std::string a = tmp_ + "/whole-" + mode, b = tmp_ + "/pieces-" + mode;
-  auto whole = Launch(n, a, {"checkpoint.every=20", mode});
-  ASSERT_EQ(whole.code, 0) << whole.output;
-  auto first = Launch(n, b, {"checkpoint.every=20", mode, "train.stop_after=" + std::to_string(stop)});
-  ASSERT_EQ(first.code, 0) << first.output;
-  ASSERT_EQ(Losses(b + "/metrics.jsonl").size(), static_cast<size_t>(stop));
-  char name[64];
-  std::snprintf(name, sizeof(name), "/checkpoints/step-%08d.rpstate", stop);
-  ASSERT_TRUE(fs::exists(b + name));
-  // Resumed from the run directory alone (the job.toml it keeps); the stale1 run's directory is
-  // moved first, and its outputs follow it.
-  std::string dir = b;
-  if (stale1) {
-    dir = b + "-moved";
-    fs::rename(b, dir);
-  }
-  auto second = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), dir, "--resume"},
-                                    240, Env());
-  ASSERT_EQ(second.code, 0) << second.output;
-  const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(dir + "/metrics.jsonl");
-  ASSERT_EQ(got.size(), 20u);
-  for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
-  const std::string sa = ReadBytes(a + "/checkpoints/step-00000020.rpstate");
-  const std::string sb = ReadBytes(dir + "/checkpoints/step-00000020.rpstate");
-  ASSERT_GT(sa.size(), 4096u);
-  EXPECT_TRUE(sa == sb) << "final training state differs between the resumed and the whole run";
-  EXPECT_EQ(testing::EventsMatchMetrics(dir + "/tb", dir + "/metrics.jsonl"), "");
-  // keep = 2: the stop's checkpoint is still there beside step 20's.
-  EXPECT_TRUE(fs::exists(dir + name));
-  for (auto& e : fs::recursive_directory_iterator(dir))
-    EXPECT_NE(e.path().extension(), ".safetensors") << "training state must not use the HF extension";
+    SCOPED_TRACE(stale1 ? "stale1" : "exact");
+    const int n = stale1 ? 3 : 2, stop = stale1 ? 7 : 10;
+    const std::string mode = std::string("optimizer.mode=") + (stale1 ? "stale1" : "exact");
+    const std::string a = tmp_ + "/whole-" + mode, b = tmp_ + "/pieces-" + mode;
+    auto whole = Launch(n, a, {"checkpoint.every=20", mode});
+    ASSERT_EQ(whole.code, 0) << whole.output;
+    auto first =
+        Launch(n, b, {"checkpoint.every=20", mode, "train.stop_after=" + std::to_string(stop)});
+    ASSERT_EQ(first.code, 0) << first.output;
+    ASSERT_EQ(Losses(b + "/metrics.jsonl").size(), static_cast<size_t>(stop));
+    char name[64];
+    std::snprintf(name, sizeof(name), "/checkpoints/step-%08d.rpstate", stop);
+    ASSERT_TRUE(fs::exists(b + name));
+    // Resumed from the run directory alone (the job.toml it keeps); the stale1 run's directory is
+    // moved first, and its outputs follow it.
+    std::string dir = b;
+    if (stale1) {
+      dir = b + "-moved";
+      fs::rename(b, dir);
+    }
+    auto second = testing::RunProcess(
+        {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), dir, "--resume"}, 240,
+        Env());
+    ASSERT_EQ(second.code, 0) << second.output;
+    const auto expected = Losses(a + "/metrics.jsonl"), got = Losses(dir + "/metrics.jsonl");
+    ASSERT_EQ(got.size(), 20u);
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
+    const std::string sa = ReadBytes(a + "/checkpoints/step-00000020.rpstate");
+    const std::string sb = ReadBytes(dir + "/checkpoints/step-00000020.rpstate");
+    ASSERT_GT(sa.size(), 4096u);
+    EXPECT_TRUE(sa == sb) << "final training state differs between the resumed and the whole run";
+    EXPECT_EQ(testing::EventsMatchMetrics(dir + "/tb", dir + "/metrics.jsonl"), "");
+    // keep = 2: the stop's checkpoint is still there beside step 20's.
+    EXPECT_TRUE(fs::exists(dir + name));
+    for (auto& e : fs::recursive_directory_iterator(dir))
+      EXPECT_NE(e.path().extension(), ".safetensors")
+          << "training state must not use the HF extension";
   }
 }
 
 TEST_F(LaunchTest, AJobLargerThanSharedMemoryIsRefusedBeforeAnythingStarts) {
   // About 21 TB of segments: no machine's /dev/shm holds that. tmpfs would accept the size and
   // SIGBUS at the first untouched page; the launcher refuses up front, naming the fix.
-  const std::vector<std::string> huge = {"model.vocab_size=16777216", "model.hidden_size=65536",
-                                         "model.num_heads=512", "model.num_kv_heads=8",
-                                         "model.head_dim=128", "model.intermediate_size=4096"};
+  const std::vector<std::string> huge = {
+      "model.vocab_size=16777216", "model.hidden_size=65536", "model.num_heads=512",
+      "model.num_kv_heads=8",      "model.head_dim=128",      "model.intermediate_size=4096"};
   const std::string out = tmp_ + "/huge";
   auto r = Launch(1, out, huge);
   EXPECT_EQ(r.code, kExitBadConfig) << r.output;
   EXPECT_NE(r.output.find("of shared memory, but /dev/shm has"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("--shm-size"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("coordinator"), std::string::npos) << "nothing should have started: " << r.output;
+  EXPECT_EQ(r.output.find("coordinator"), std::string::npos)
+      << "nothing should have started: " << r.output;
   EXPECT_FALSE(fs::exists(out + "/metrics.jsonl"));
   // The dry run refuses it alike.
   auto dry = testing::RunProcess(With(LaunchArgs(1, out, huge), {"--dry-run"}), 60, Env());
@@ -486,7 +531,8 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
   auto none = testing::RunProcess(args, 120, Env());
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.output.find("no complete training checkpoint"), std::string::npos) << none.output;
-  EXPECT_EQ(none.output.find(".cc:"), std::string::npos) << "a source location for the user: " << none.output;
+  EXPECT_EQ(none.output.find(".cc:"), std::string::npos)
+      << "a source location for the user: " << none.output;
   auto stopped = Launch(1, out, {"train.steps=6", "train.stop_after=3"});
   ASSERT_EQ(stopped.code, 0) << stopped.output;
   const std::string ckpt = out + "/checkpoints/step-00000003.rpstate";
@@ -500,8 +546,10 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
     std::ofstream(ckpt, std::ios::binary | std::ios::trunc) << flipped;
     auto damaged = testing::RunProcess(args, 120, Env());
     EXPECT_EQ(damaged.code, 2) << damaged.output;
-    EXPECT_NE(damaged.output.find("do not match their checksum"), std::string::npos) << damaged.output;
-    EXPECT_NE(damaged.output.find(".weight"), std::string::npos) << "names no tensor: " << damaged.output;
+    EXPECT_NE(damaged.output.find("do not match their checksum"), std::string::npos)
+        << damaged.output;
+    EXPECT_NE(damaged.output.find(".weight"), std::string::npos)
+        << "names no tensor: " << damaged.output;
     EXPECT_EQ(ReadBytes(ckpt), flipped);
     std::ofstream(ckpt, std::ios::binary | std::ios::trunc) << bytes;
   }
@@ -524,35 +572,46 @@ TEST_F(LaunchTest, ResumeRefusesMissingOrDamagedCheckpoints) {
 TEST_F(LaunchTest, AnotherRunsCheckpointIsRefusedNamingTheKeysUnlessForced) {
   // Same shapes, another seed and learning rate: the checkpoint is another run's. --resume refuses
   // it (exit 2, both keys with both values, launch and dry run alike) and starts nothing;
-  // --force-resume continues it, logging the differences. A longer run (train.steps) is the same run.
+  // --force-resume continues it, logging the differences. A longer run (train.steps) is the same
+  // run.
   const std::string out = tmp_ + "/foreign";
-  auto first = Launch(1, out, {"train.steps=6", "train.stop_after=3", "checkpoint.every=3", "train.seed=1",
-                               "optimizer.lr=0.001"});
+  auto first = Launch(1, out,
+                      {"train.steps=6", "train.stop_after=3", "checkpoint.every=3", "train.seed=1",
+                       "optimizer.lr=0.001"});
   ASSERT_EQ(first.code, 0) << first.output;
-  const std::vector<std::string> other = {"train.steps=6", "checkpoint.every=3", "train.seed=7", "optimizer.lr=0.003"};
+  const std::vector<std::string> other = {"train.steps=6", "checkpoint.every=3", "train.seed=7",
+                                          "optimizer.lr=0.003"};
   for (const bool dry : {false, true}) {
     auto args = With(LaunchArgs(1, out, other), {"--resume"});
     if (dry) args.push_back("--dry-run");
     auto refused = testing::RunProcess(args, 120, Env());
     EXPECT_EQ(refused.code, kExitBadConfig) << refused.output;
-    EXPECT_NE(refused.output.find("is another run's checkpoint"), std::string::npos) << refused.output;
-    EXPECT_NE(refused.output.find("train.seed 1 there, 7 here"), std::string::npos) << refused.output;
-    EXPECT_NE(refused.output.find("optimizer.lr 0.001 there, 0.003 here"), std::string::npos) << refused.output;
+    EXPECT_NE(refused.output.find("is another run's checkpoint"), std::string::npos)
+        << refused.output;
+    EXPECT_NE(refused.output.find("train.seed 1 there, 7 here"), std::string::npos)
+        << refused.output;
+    EXPECT_NE(refused.output.find("optimizer.lr 0.001 there, 0.003 here"), std::string::npos)
+        << refused.output;
     EXPECT_NE(refused.output.find("--force-resume"), std::string::npos) << refused.output;
-    EXPECT_EQ(refused.output.find("coordinator"), std::string::npos) << "nothing should have started: " << refused.output;
+    EXPECT_EQ(refused.output.find("coordinator"), std::string::npos)
+        << "nothing should have started: " << refused.output;
   }
   EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 3u);
   auto stray = testing::RunProcess(With(LaunchArgs(1, out, other), {"--force-resume"}), 60, Env());
   EXPECT_EQ(stray.code, kExitBadConfig) << stray.output;
-  EXPECT_NE(stray.output.find("--force-resume goes with --resume"), std::string::npos) << stray.output;
-  auto forced = testing::RunProcess(With(LaunchArgs(1, out, other), {"--resume", "--force-resume"}), 240, Env());
+  EXPECT_NE(stray.output.find("--force-resume goes with --resume"), std::string::npos)
+      << stray.output;
+  auto forced = testing::RunProcess(With(LaunchArgs(1, out, other), {"--resume", "--force-resume"}),
+                                    240, Env());
   ASSERT_EQ(forced.code, 0) << forced.output;
   EXPECT_NE(forced.output.find("train.seed 1 there, 7 here"), std::string::npos) << forced.output;
   EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 6u);
   // The forced run's checkpoint records its own keys: a longer run of the same job resumes it.
-  auto longer = testing::RunProcess(With(LaunchArgs(1, out, {"train.steps=8", "checkpoint.every=3", "train.seed=7",
-                                                             "optimizer.lr=0.003"}),
-                                         {"--resume"}), 240, Env());
+  auto longer = testing::RunProcess(With(LaunchArgs(1, out,
+                                                    {"train.steps=8", "checkpoint.every=3",
+                                                     "train.seed=7", "optimizer.lr=0.003"}),
+                                         {"--resume"}),
+                                    240, Env());
   ASSERT_EQ(longer.code, 0) << longer.output;
   EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 8u);
 }
@@ -566,14 +625,16 @@ TEST_F(LaunchTest, HuggingFaceExportLoadsBackIntoThePipelineAndTheReference) {
   ASSERT_EQ(train.code, 0) << train.output;
   ASSERT_TRUE(fs::exists(a + "/hf/config.json"));
   ASSERT_TRUE(fs::exists(a + "/hf/model.safetensors"));
-  const std::vector<std::string> frozen = {"model.path=" + a + "/hf", "train.steps=1", "optimizer.lr=0",
-                                           "optimizer.min_lr=0", "checkpoint.export_hf=hf"};
+  const std::vector<std::string> frozen = {"model.path=" + a + "/hf", "train.steps=1",
+                                           "optimizer.lr=0", "optimizer.min_lr=0",
+                                           "checkpoint.export_hf=hf"};
   const std::string b = tmp_ + "/hf-load";
   auto load = Launch(2, b, frozen);
   ASSERT_EQ(load.code, 0) << load.output;
   EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") == ReadBytes(b + "/hf/model.safetensors"))
       << "the weights changed on the way through load and export";
-  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/hf-ref"};
+  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set",
+                                       "job.output_dir=" + tmp_ + "/hf-ref"};
   for (const auto& f : frozen) {
     ref_args.push_back("--set");
     ref_args.push_back(f);
@@ -581,8 +642,10 @@ TEST_F(LaunchTest, HuggingFaceExportLoadsBackIntoThePipelineAndTheReference) {
   auto ref = testing::RunProcess(ref_args, 240);
   ASSERT_EQ(ref.code, 0) << ref.output;
   // rp-train-ref saves the same format: its export of the unchanged weights is the same file.
-  EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") == ReadBytes(tmp_ + "/hf-ref/hf/model.safetensors"));
-  EXPECT_EQ(testing::ReadFile(a + "/hf/config.json"), testing::ReadFile(tmp_ + "/hf-ref/hf/config.json"));
+  EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") ==
+              ReadBytes(tmp_ + "/hf-ref/hf/model.safetensors"));
+  EXPECT_EQ(testing::ReadFile(a + "/hf/config.json"),
+            testing::ReadFile(tmp_ + "/hf-ref/hf/config.json"));
   const auto got = Losses(b + "/metrics.jsonl"), expected = Losses(tmp_ + "/hf-ref/metrics.jsonl");
   ASSERT_EQ(got.size(), 1u);
   ASSERT_EQ(expected.size(), 1u);
@@ -592,8 +655,10 @@ TEST_F(LaunchTest, HuggingFaceExportLoadsBackIntoThePipelineAndTheReference) {
 }
 
 TEST_F(LaunchTest, SgdMatchesTheReference) {
-  const std::vector<std::string> sgd = {"optimizer.name=sgd", "optimizer.lr=0.05", "optimizer.min_lr=0.005"};
-  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set", "job.output_dir=" + tmp_ + "/ref-sgd"};
+  const std::vector<std::string> sgd = {"optimizer.name=sgd", "optimizer.lr=0.05",
+                                        "optimizer.min_lr=0.005"};
+  std::vector<std::string> ref_args = {BinDir() + "/rp-train-ref", Job(), "--set",
+                                       "job.output_dir=" + tmp_ + "/ref-sgd"};
   for (auto& s : sgd) {
     ref_args.push_back("--set");
     ref_args.push_back(s);
@@ -649,20 +714,26 @@ TEST_F(LaunchTest, TraceShowsRoundRobinDispatchAndNoCoordinatorCompute) {
       EXPECT_GE(e["dur"].get<int64_t>(), 0);
     }
   EXPECT_EQ(updates, 18u);
-  for (auto& [k, a] : jobs) EXPECT_EQ(a["worker_rank"].get<int>(), (cursor0 + k) % 3) << "job " << k;
+  for (auto& [k, a] : jobs)
+    EXPECT_EQ(a["worker_rank"].get<int>(), (cursor0 + k) % 3) << "job " << k;
   EXPECT_EQ(pid_of_rank.size(), 3u);
   // rp-report draws the same trace: one row per worker, one box per microbatch.
   auto rep = testing::RunProcess({BinDir() + "/rp-report", out}, 60);
   ASSERT_EQ(rep.code, 0) << rep.output;
   const std::string svg = testing::ReadFile(out + "/report/timeline.svg");
   size_t rows = 0, mbs = 0;
-  for (size_t p = svg.find("data-worker="); p != std::string::npos; p = svg.find("data-worker=", p + 1)) rows++;
-  for (size_t p = svg.find("class=\"mb\""); p != std::string::npos; p = svg.find("class=\"mb\"", p + 1)) mbs++;
+  for (size_t p = svg.find("data-worker="); p != std::string::npos;
+       p = svg.find("data-worker=", p + 1))
+    rows++;
+  for (size_t p = svg.find("class=\"mb\""); p != std::string::npos;
+       p = svg.find("class=\"mb\"", p + 1))
+    mbs++;
   EXPECT_EQ(rows, 3u);
   EXPECT_EQ(mbs, 15u * 6u);
   EXPECT_TRUE(fs::exists(out + "/report/loss.svg"));
   EXPECT_TRUE(fs::exists(out + "/report/report.html"));
-  EXPECT_EQ(testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/nothing-here"}, 60).code, kExitBadConfig);
+  EXPECT_EQ(testing::RunProcess({BinDir() + "/rp-report", tmp_ + "/nothing-here"}, 60).code,
+            kExitBadConfig);
   // The coordinator cannot run layer compute: it does not even link LibTorch.
   auto ldd = testing::RunProcess({"/usr/bin/ldd", BinDir() + "/rp-coordinator"}, 30);
   EXPECT_EQ(ldd.output.find("libtorch"), std::string::npos) << ldd.output;
@@ -680,15 +751,17 @@ TEST_F(LaunchTest, BadConfigFailsBeforeAnythingStarts) {
   EXPECT_NE(r2.output.find("model.num_kv_heads"), std::string::npos) << r2.output;
   auto words = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "two", Job()}, 30, Env());
   EXPECT_EQ(words.code, kExitBadConfig);
-  EXPECT_NE(words.output.find("--gpus: \"two\" is not a number of workers"), std::string::npos) << words.output;
-  auto r3 = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", tmp_ + "/missing.toml"}, 30, Env());
+  EXPECT_NE(words.output.find("--gpus: \"two\" is not a number of workers"), std::string::npos)
+      << words.output;
+  auto r3 = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", tmp_ + "/missing.toml"},
+                                30, Env());
   EXPECT_EQ(r3.code, kExitBadConfig);
   EXPECT_NE(r3.output.find("no such file"), std::string::npos) << r3.output;
 }
 
 TEST_F(LaunchTest, MistakesAreNamedAsGivenWithTheClosestKnownName) {
-  // Each mistake: a job file's extra lines (or none: parity.toml), the arguments after the job, what
-  // the message must quote of the input, and the suggestion (empty: none expected).
+  // Each mistake: a job file's extra lines (or none: parity.toml), the arguments after the job,
+  // what the message must quote of the input, and the suggestion (empty: none expected).
   struct Mistake {
     std::string job_lines;
     std::vector<std::string> args;
@@ -696,24 +769,53 @@ TEST_F(LaunchTest, MistakesAreNamedAsGivenWithTheClosestKnownName) {
     std::string suggests;
   };
   const std::vector<Mistake> mistakes = {
-      {"[optimizer]\nlearning_rate = 1e-4\n", {}, "optimizer.learning_rate: unknown key", "did you mean optimizer.lr?"},
+      {"[optimizer]\nlearning_rate = 1e-4\n",
+       {},
+       "optimizer.learning_rate: unknown key",
+       "did you mean optimizer.lr?"},
       {"[optimiser]\nlr = 1e-4\n", {}, "optimiser: unknown section", "did you mean [optimizer]?"},
       {"[training]\nsteps = 5\n", {}, "training: unknown section", "did you mean [train]?"},
       {"[train]\nstep = 5\n", {}, "train.step: unknown key", "did you mean train.steps?"},
       {"[lora]\nlora_alpha = 16\n", {}, "lora.lora_alpha: unknown key", "did you mean lora.alpha?"},
-      {"[optimizer]\nmode = \"exakt\"\n", {}, "optimizer.mode: must be one of", "got \"exakt\"; did you mean \"exact\"?"},
+      {"[optimizer]\nmode = \"exakt\"\n",
+       {},
+       "optimizer.mode: must be one of",
+       "got \"exakt\"; did you mean \"exact\"?"},
       {"[train]\nsteps = \"ten\"\n", {}, "train.steps: expected an integer, got string 'ten'", ""},
-      {"[train]\nmicrobatch_size = 2.5\n", {}, "train.microbatch_size: expected an integer, got float 2.5", ""},
+      {"[train]\nmicrobatch_size = 2.5\n",
+       {},
+       "train.microbatch_size: expected an integer, got float 2.5",
+       ""},
       {"", {"--set", "train.step=5"}, "--set train.step: unknown key", "did you mean train.steps?"},
-      {"", {"--set", "model.num_layer=2"}, "--set model.num_layer: unknown key", "did you mean model.num_layers?"},
-      {"", {"--set", "steps=5"}, "--set steps=5: expected section.key=value", "did you mean --set train.steps=5?"},
+      {"",
+       {"--set", "model.num_layer=2"},
+       "--set model.num_layer: unknown key",
+       "did you mean model.num_layers?"},
+      {"",
+       {"--set", "steps=5"},
+       "--set steps=5: expected section.key=value",
+       "did you mean --set train.steps=5?"},
       {"", {"--set", "train.steps"}, "--set train.steps: expected section.key=value", ""},
-      {"", {"--set", "optimizer.lr_schedule=cosin"}, "--set optimizer.lr_schedule: must be one of",
+      {"",
+       {"--set", "optimizer.lr_schedule=cosin"},
+       "--set optimizer.lr_schedule: must be one of",
        "got \"cosin\"; did you mean \"cosine\"?"},
-      {"", {"--set", "train.dtype=bfloat16"}, "--set train.dtype: must be one of", "did you mean \"bf16\"?"},
-      {"", {"--set", "job.device=gpu"}, "--set job.device: must be one of", "did you mean \"cuda\"?"},
-      {"", {"--set", "data.packing=document"}, "--set data.packing: must be one of", "did you mean \"documents\"?"},
-      {"", {"--set", "lora.rank=eight"}, "--set lora.rank: expected an integer, got string 'eight'", ""},
+      {"",
+       {"--set", "train.dtype=bfloat16"},
+       "--set train.dtype: must be one of",
+       "did you mean \"bf16\"?"},
+      {"",
+       {"--set", "job.device=gpu"},
+       "--set job.device: must be one of",
+       "did you mean \"cuda\"?"},
+      {"",
+       {"--set", "data.packing=document"},
+       "--set data.packing: must be one of",
+       "did you mean \"documents\"?"},
+      {"",
+       {"--set", "lora.rank=eight"},
+       "--set lora.rank: expected an integer, got string 'eight'",
+       ""},
       {"", {"--gpu", "2"}, "--gpu: unknown flag", "did you mean --gpus?"},
       {"", {"--dryrun"}, "--dryrun: unknown flag", "did you mean --dry-run?"},
       {"", {"--reume"}, "--reume: unknown flag", "did you mean --resume?"},
@@ -725,10 +827,17 @@ TEST_F(LaunchTest, MistakesAreNamedAsGivenWithTheClosestKnownName) {
     std::string job = Job();
     if (!m.job_lines.empty()) {
       job = tmp_ + "/mistake-" + std::to_string(n) + ".toml";
-      std::ofstream(job) << "[job]\noutput_dir = \"out\"\n[data]\nformat = \"random\"\nseq_len = 32\n" << m.job_lines;
+      std::ofstream(job)
+          << "[job]\noutput_dir = \"out\"\n[data]\nformat = \"random\"\nseq_len = 32\n"
+          << m.job_lines;
     }
-    std::vector<std::string> args = {BinDir() + "/rp-launch", "--gpus", "1", job, "--set",
-                                     "job.output_dir=" + tmp_ + "/m" + std::to_string(n++), "--dry-run"};
+    std::vector<std::string> args = {BinDir() + "/rp-launch",
+                                     "--gpus",
+                                     "1",
+                                     job,
+                                     "--set",
+                                     "job.output_dir=" + tmp_ + "/m" + std::to_string(n++),
+                                     "--dry-run"};
     args.insert(args.end(), m.args.begin(), m.args.end());
     auto r = testing::RunProcess(args, 30, Env());
     EXPECT_EQ(r.code, kExitBadConfig) << r.output;
@@ -745,7 +854,8 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   args.push_back("--dry-run");
   auto r = testing::RunProcess(args, 30, Env());
   EXPECT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("plan: F[0,2) F[2,4) T[4,6) B[2,4) B[0,2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("plan: F[0,2) F[2,4) T[4,6) B[2,4) B[0,2)"), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("predicted bubble ratio"), std::string::npos);
   EXPECT_NE(r.output.find("windows per epoch"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
@@ -756,39 +866,54 @@ TEST_F(LaunchTest, DryRunPrintsThePlanAndStartsNothing) {
   ASSERT_NE(at, std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("export_dir"), std::string::npos) << r.output;
   std::ofstream(tmp_ + "/resolved.toml") << r.output.substr(at + heading.size());
-  auto again = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "3", tmp_ + "/resolved.toml", "--dry-run"}, 30, Env());
+  auto again = testing::RunProcess(
+      {BinDir() + "/rp-launch", "--gpus", "3", tmp_ + "/resolved.toml", "--dry-run"}, 30, Env());
   EXPECT_EQ(again.code, 0) << again.output;
-  EXPECT_EQ(again.output.substr(again.output.find("plan: ")), r.output.substr(r.output.find("plan: ")));
+  EXPECT_EQ(again.output.substr(again.output.find("plan: ")),
+            r.output.substr(r.output.find("plan: ")));
 
   // The data is read as the coordinator will read it: a malformed record is refused here.
   const std::string bad = tmp_ + "/bad.jsonl";
   std::ofstream(bad) << "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": \"1 2 3\"}\n";
   auto refused = testing::RunProcess(
-      With(LaunchArgs(3, tmp_ + "/dry", {"data.format=\"jsonl\"", "data.path=\"" + bad + "\""}), {"--dry-run"}), 30,
-      Env());
+      With(LaunchArgs(3, tmp_ + "/dry", {"data.format=\"jsonl\"", "data.path=\"" + bad + "\""}),
+           {"--dry-run"}),
+      30, Env());
   EXPECT_EQ(refused.code, kExitBadConfig) << refused.output;
-  EXPECT_NE(refused.output.find("bad.jsonl:2: no non-empty \"input_ids\""), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("bad.jsonl:2: no non-empty \"input_ids\""), std::string::npos)
+      << refused.output;
   // Sequences past the checkpoint's pretraining context: said, not refused.
   const std::string fixture = testing::SourceDir() + "/tests/testdata/hf_fixtures/qwen3";
   const auto config = nlohmann::json::parse(testing::ReadFile(fixture + "/config.json"));
   const int64_t context = config["max_position_embeddings"].get<int64_t>();
   auto past = testing::RunProcess(
-      With(LaunchArgs(1, tmp_ + "/dry", {"model.path=" + fixture, "data.seq_len=" + std::to_string(2 * context)}),
+      With(LaunchArgs(1, tmp_ + "/dry",
+                      {"model.path=" + fixture, "data.seq_len=" + std::to_string(2 * context)}),
            {"--dry-run"}),
       30, Env());
   EXPECT_EQ(past.code, 0) << past.output;
-  EXPECT_NE(past.output.find("warning: data.seq_len = " + std::to_string(2 * context) + " is above " + fixture +
-                             "/config.json's max_position_embeddings (" + std::to_string(context) + ")"),
-            std::string::npos) << past.output;
+  EXPECT_NE(past.output.find("warning: data.seq_len = " + std::to_string(2 * context) +
+                             " is above " + fixture + "/config.json's max_position_embeddings (" +
+                             std::to_string(context) + ")"),
+            std::string::npos)
+      << past.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/dry"));
 }
 
 TEST_F(LaunchTest, PlanFindsTheLongestSequenceThatFitsTheMemory) {
   // rp-plan --max-seq: the length it names fits schedule.gpu_memory_gb by the planner's own
   // estimate (partition = "auto", so every candidate plan is tried) and one step more does not.
-  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--json", "--set",
-                                         "schedule.partition=auto", "--set", "schedule.gpu_memory_gb=0.05",
-                                         "--set", "data.format=random"};  // any length of data
+  const std::vector<std::string> base = {BinDir() + "/rp-plan",
+                                         Job(),
+                                         "--gpus",
+                                         "2",
+                                         "--json",
+                                         "--set",
+                                         "schedule.partition=auto",
+                                         "--set",
+                                         "schedule.gpu_memory_gb=0.05",
+                                         "--set",
+                                         "data.format=random"};  // any length of data
   auto found = testing::RunProcess(With(base, {"--max-seq", "--seq-step", "256"}), 120, Env());
   ASSERT_EQ(found.code, 0) << found.output;
   const auto j = nlohmann::json::parse(found.output);
@@ -797,19 +922,23 @@ TEST_F(LaunchTest, PlanFindsTheLongestSequenceThatFitsTheMemory) {
   EXPECT_EQ(longest % 256, 0);
   EXPECT_LE(j["peak_memory_bytes_per_worker"].get<double>(), 0.05e9);
   EXPECT_GT(j["predicted_tokens_per_s"].get<double>(), 0.0);
-  auto at = testing::RunProcess(With(base, {"--set", "data.seq_len=" + std::to_string(longest)}), 60, Env());
+  auto at = testing::RunProcess(With(base, {"--set", "data.seq_len=" + std::to_string(longest)}),
+                                60, Env());
   ASSERT_EQ(at.code, 0) << at.output;
   EXPECT_LE(nlohmann::json::parse(at.output)["peak_memory_bytes_per_worker"].get<double>(), 0.05e9);
-  auto beyond = testing::RunProcess(With(base, {"--set", "data.seq_len=" + std::to_string(longest + 256)}), 60, Env());
+  auto beyond = testing::RunProcess(
+      With(base, {"--set", "data.seq_len=" + std::to_string(longest + 256)}), 60, Env());
   EXPECT_NE(beyond.code, 0) << "a plan fits at " << longest + 256 << ": " << beyond.output;
   // Without a device memory to fit, it says what is missing.
   auto unbounded = testing::RunProcess({BinDir() + "/rp-plan", Job(), "--max-seq"}, 60, Env());
   EXPECT_EQ(unbounded.code, 2);
-  EXPECT_NE(unbounded.output.find("needs schedule.gpu_memory_gb"), std::string::npos) << unbounded.output;
+  EXPECT_NE(unbounded.output.find("needs schedule.gpu_memory_gb"), std::string::npos)
+      << unbounded.output;
 }
 
 TEST_F(LaunchTest, PlanSaysWhichDeviceItAssumes) {
-  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set", "job.device=\"cuda\""};
+  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set",
+                                         "job.device=\"cuda\""};
   auto step_of = [](const std::string& out) {
     const std::string said = "predicted step (steady state): ";
     const auto at = out.find(said);
@@ -823,18 +952,24 @@ TEST_F(LaunchTest, PlanSaysWhichDeviceItAssumes) {
   ASSERT_EQ(h100.code, 0) << h100.output;
   EXPECT_NE(h100.output.find("device assumed: one H100"), std::string::npos) << h100.output;
   // Half the H200's product rate and link: every part of the step takes longer.
-  auto custom = testing::RunProcess(With(base, {"--device", "custom", "--tflops", "395", "--h2d-gbs", "27.5"}), 60, Env());
+  auto custom = testing::RunProcess(
+      With(base, {"--device", "custom", "--tflops", "395", "--h2d-gbs", "27.5"}), 60, Env());
   ASSERT_EQ(custom.code, 0) << custom.output;
-  EXPECT_NE(custom.output.find("custom: bf16 products at 395 TFLOP/s, host link 27.5 GB/s"), std::string::npos)
+  EXPECT_NE(custom.output.find("custom: bf16 products at 395 TFLOP/s, host link 27.5 GB/s"),
+            std::string::npos)
       << custom.output;
   EXPECT_GT(step_of(custom.output), 1.5 * step_of(h200.output)) << custom.output << h200.output;
   auto unknown = testing::RunProcess(With(base, {"--device", "a100"}), 60, Env());
   EXPECT_EQ(unknown.code, kExitBadConfig);
-  EXPECT_NE(unknown.output.find("\"a100\" is not a device the cost model knows (h200, h100, or custom"),
-            std::string::npos) << unknown.output;
-  auto incomplete = testing::RunProcess(With(base, {"--device", "custom", "--tflops", "100"}), 60, Env());
+  EXPECT_NE(
+      unknown.output.find("\"a100\" is not a device the cost model knows (h200, h100, or custom"),
+      std::string::npos)
+      << unknown.output;
+  auto incomplete =
+      testing::RunProcess(With(base, {"--device", "custom", "--tflops", "100"}), 60, Env());
   EXPECT_EQ(incomplete.code, kExitBadConfig);
-  EXPECT_NE(incomplete.output.find("--device custom needs --tflops and --h2d-gbs"), std::string::npos)
+  EXPECT_NE(incomplete.output.find("--device custom needs --tflops and --h2d-gbs"),
+            std::string::npos)
       << incomplete.output;
 }
 
@@ -842,18 +977,20 @@ TEST_F(LaunchTest, PlanShowsTheJobsOwnPlanWhenNoAutoPlanFitsTheMemory) {
   // A job with its own plan runs it whatever the auto planner finds, so a budget no auto plan
   // fits still gets that plan's prediction, with the reason in place of the auto plan; a job
   // that asks for the auto plan gets the error.
-  const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set",
-                                         "schedule.gpu_memory_gb=0.000001"};
+  const std::vector<std::string> base = {
+      BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set", "schedule.gpu_memory_gb=0.000001"};
   auto own = testing::RunProcess(With(base, {"--json"}), 60, Env());
   ASSERT_EQ(own.code, 0) << own.output;
   const auto j = nlohmann::json::parse(own.output);
-  EXPECT_NE(j["auto_plan_error"].get<std::string>().find("no plan fits"), std::string::npos) << own.output;
+  EXPECT_NE(j["auto_plan_error"].get<std::string>().find("no plan fits"), std::string::npos)
+      << own.output;
   EXPECT_FALSE(j.contains("plan")) << own.output;
   EXPECT_GT(j["job_plan"]["predicted_step_s"].get<double>(), 0.0);
   EXPECT_GT(j["job_plan"]["peak_memory_bytes_per_worker"].get<double>(), 0.000001e9);
   auto text = testing::RunProcess(base, 60, Env());
   ASSERT_EQ(text.code, 0) << text.output;
-  EXPECT_NE(text.output.find("auto plan for 2 workers: none (schedule.gpu_memory_gb"), std::string::npos)
+  EXPECT_NE(text.output.find("auto plan for 2 workers: none (schedule.gpu_memory_gb"),
+            std::string::npos)
       << text.output;
   EXPECT_NE(text.output.find("the job's own plan: "), std::string::npos) << text.output;
   auto wanted = testing::RunProcess(With(base, {"--set", "schedule.partition=auto"}), 60, Env());
@@ -893,8 +1030,9 @@ TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   const double ratio = pred["measured_over_predicted"].get<double>();
   EXPECT_GT(ratio, 0.2);
   EXPECT_LT(ratio, 5.0);
-  auto plan = testing::RunProcess({BinDir() + "/rp-plan", Job(), "--gpus", "2", "--profile",
-                                   out + "/profile.json", "--json"}, 30, Env());
+  auto plan = testing::RunProcess(
+      {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--profile", out + "/profile.json", "--json"},
+      30, Env());
   ASSERT_EQ(plan.code, 0) << plan.output;
   auto j = nlohmann::json::parse(plan.output);
   EXPECT_EQ(j["costs"], "measured");
@@ -903,12 +1041,14 @@ TEST_F(LaunchTest, ProfileIsWrittenAndTheRunComparesItsPrediction) {
   // on the device at once).
   const auto& parts = j["peak_memory_parts"];
   double sum = -parts["not_at_once"].get<double>();
-  for (const char* k : {"weights", "next_job_weights", "gradients", "activations", "resident_activation_slots",
-                        "staging", "gradients_waiting_for_slots", "gradients_waiting_for_norm", "kept_graphs",
-                        "frozen_on_device", "device_update"})
+  for (const char* k :
+       {"weights", "next_job_weights", "gradients", "activations", "resident_activation_slots",
+        "staging", "gradients_waiting_for_slots", "gradients_waiting_for_norm", "kept_graphs",
+        "frozen_on_device", "device_update"})
     sum += parts[k].get<double>();
   EXPECT_NEAR(sum, j["peak_memory_bytes_per_worker"].get<double>(), 1.0) << parts.dump();
-  EXPECT_NE(j["plan"].get<std::string>().find(parts["stage"].get<std::string>()), std::string::npos) << parts.dump();
+  EXPECT_NE(j["plan"].get<std::string>().find(parts["stage"].get<std::string>()), std::string::npos)
+      << parts.dump();
 }
 
 TEST_F(LaunchTest, StepsThatDriftFromThePredictionTriggerANewProfile) {
@@ -918,7 +1058,8 @@ TEST_F(LaunchTest, StepsThatDriftFromThePredictionTriggerANewProfile) {
   const std::string out = tmp_ + "/drift";
   auto env = Env();
   env.push_back("RP_TEST_SLOW_FROM_STEP=7:40");
-  auto r = testing::RunProcess(LaunchArgs(2, out, {"train.steps=20", "schedule.drift=0.3"}), 240, env);
+  auto r =
+      testing::RunProcess(LaunchArgs(2, out, {"train.steps=20", "schedule.drift=0.3"}), 240, env);
   ASSERT_EQ(r.code, 0) << r.output;
   auto summary = Summary(out);
   EXPECT_GE(summary["profiles_written"].get<int>(), 2) << "a second profile";
@@ -955,8 +1096,9 @@ TEST_F(LaunchTest, AutoRePlansFromAFreshProfileAndResumesExactly) {
                            "schedule.backward_stages=1", "schedule.tail_blocks=0",
                            "schedule.profile=" + wrong_path, "schedule.replan_gain=0.01"});
   const std::string out = tmp_ + "/replan";
-  auto r = testing::RunProcess(LaunchArgs(2, out, sets), 240,
-                               With(Env(), {"RP_TEST_REPLAN_ONCE=" + tmp_ + "/replan-once-marker"}));
+  auto r =
+      testing::RunProcess(LaunchArgs(2, out, sets), 240,
+                          With(Env(), {"RP_TEST_REPLAN_ONCE=" + tmp_ + "/replan-once-marker"}));
   ASSERT_EQ(r.code, 0) << r.output;
   // The run that finished is the resumed one, on another plan than the one it started on.
   std::vector<std::string> keys;
@@ -980,8 +1122,9 @@ TEST_F(LaunchTest, PlansThatKeepChangingFinishOnTheLatestWithoutReplanning) {
   const std::vector<std::string> job = {"train.steps=20", "RP_INTERLEAVE_CALLS=0"};
   auto clean = Launch(2, tmp_ + "/clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
-  auto r = testing::RunProcess(LaunchArgs(2, tmp_ + "/noisy", With(job, {"schedule.partition=auto"})), 240,
-                               With(Env(), {"RP_TEST_ALWAYS_REPLAN=1"}));
+  auto r =
+      testing::RunProcess(LaunchArgs(2, tmp_ + "/noisy", With(job, {"schedule.partition=auto"})),
+                          240, With(Env(), {"RP_TEST_ALWAYS_REPLAN=1"}));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_GT(Summary(tmp_ + "/noisy")["first_step"].get<int>(), 1) << "resumed on a new plan";
   EXPECT_EQ(Losses(tmp_ + "/noisy/metrics.jsonl"), Losses(tmp_ + "/clean/metrics.jsonl"));
@@ -1003,7 +1146,9 @@ TEST_F(LaunchTest, PreviousRunIsNeverOverwritten) {
 // The pid of the process among `kids` whose command line names `program`.
 pid_t ChildRunning(const std::vector<pid_t>& kids, const std::string& program) {
   for (pid_t k : kids)
-    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find(program) != std::string::npos) return k;
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find(program) !=
+        std::string::npos)
+      return k;
   return -1;
 }
 
@@ -1012,7 +1157,8 @@ std::vector<pid_t> WaitForChildren(pid_t launcher, size_t n) {
     std::vector<pid_t> kids;
     for (pid_t k : testing::ChildrenOf(launcher)) {
       const std::string cmd = testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline");
-      if (cmd.find("rp-coordinator") != std::string::npos || cmd.find("rp-worker") != std::string::npos)
+      if (cmd.find("rp-coordinator") != std::string::npos ||
+          cmd.find("rp-worker") != std::string::npos)
         kids.push_back(k);
     }
     if (kids.size() >= n) return kids;
@@ -1025,7 +1171,8 @@ bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
 TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
   const std::string out = tmp_ + "/kill";
-  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}), Env());
+  testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}),
+                            Env());
   auto kids = WaitForChildren(launcher.pid(), 3);
   ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
   // Let the run get into its steps (two reported), then kill a worker mid-step; no restarts.
@@ -1043,7 +1190,8 @@ TEST_F(LaunchTest, KilledWorkerStopsTheRunAndNamesIt) {
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.code, kExitPeerLost) << r.output;
   EXPECT_NE(r.output.find("(pid " + std::to_string(victim) + ") was killed by signal 9"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   EXPECT_LT(secs, 10.0);
   for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
   // The diagnosis names the worker's device and the last step, ends with the failed worker's last
@@ -1063,9 +1211,9 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
   // replacement, the coordinator re-dispatches the dead worker's unfinished jobs, and the final
   // training state equals the fault-free run's bit for bit.
   // Evaluations every other step: a kill may also land on an eval job, which must be re-run too.
-  const std::vector<std::string> job = {"train.steps=30", "train.accum_calls=1",
-                                        "train.microbatches=4", "checkpoint.every=30",
-                                        "train.eval_every=2", "data.eval_fraction=0.1",
+  const std::vector<std::string> job = {"train.steps=30",           "train.accum_calls=1",
+                                        "train.microbatches=4",     "checkpoint.every=30",
+                                        "train.eval_every=2",       "data.eval_fraction=0.1",
                                         "train.eval_microbatches=3"};
   const std::string ref = tmp_ + "/fault-free";
   auto clean = Launch(3, ref, job);
@@ -1081,7 +1229,8 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
     ASSERT_EQ(kids.size(), 4u) << launcher.OutputSoFar();
     std::vector<pid_t> workers;
     for (pid_t k : kids)
-      if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-worker") != std::string::npos)
+      if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-worker") !=
+          std::string::npos)
         workers.push_back(k);
     ASSERT_EQ(workers.size(), 3u);
     const long after = 1 + static_cast<long>(rng() % 25);
@@ -1094,9 +1243,11 @@ TEST_F(LaunchTest, KilledWorkersAreReplacedAndTheResultIsUnchanged) {
     ASSERT_EQ(r.code, 0) << r.output;
     const auto summary = Summary(out);
     EXPECT_EQ(summary["worker_replacements"], 1) << summary.dump();
-    EXPECT_GE(summary["jobs_redispatched"].get<int>(), 1) << "the kill landed while no job was in flight";
+    EXPECT_GE(summary["jobs_redispatched"].get<int>(), 1)
+        << "the kill landed while no job was in flight";
     EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(ref + "/metrics.jsonl"));
-    EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"), Losses(ref + "/metrics.jsonl", "eval_loss"));
+    EXPECT_EQ(Losses(out + "/metrics.jsonl", "eval_loss"),
+              Losses(ref + "/metrics.jsonl", "eval_loss"));
     EXPECT_TRUE(ReadBytes(out + "/checkpoints/step-00000030.rpstate") == ref_state)
         << "final training state differs from the fault-free run";
     for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
@@ -1113,7 +1264,8 @@ TEST_F(LaunchTest, KilledCoordinatorIsNamedAndResumeReproducesTheRun) {
   ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
   pid_t coordinator = -1;
   for (pid_t k : kids)
-    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") != std::string::npos)
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") !=
+        std::string::npos)
       coordinator = k;
   ASSERT_GT(coordinator, 0);
   for (int i = 0; i < 3000 && !fs::exists(out + "/checkpoints/step-00000008.rpstate"); ++i)
@@ -1125,8 +1277,10 @@ TEST_F(LaunchTest, KilledCoordinatorIsNamedAndResumeReproducesTheRun) {
   ASSERT_FALSE(r.timed_out);
   EXPECT_NE(r.code, 0);
   EXPECT_LT(secs, 5.0);
-  EXPECT_NE(r.output.find("coordinator (pid " + std::to_string(coordinator) + ") was killed by signal 9"),
-            std::string::npos) << r.output;
+  EXPECT_NE(
+      r.output.find("coordinator (pid " + std::to_string(coordinator) + ") was killed by signal 9"),
+      std::string::npos)
+      << r.output;
   for (pid_t k : kids) EXPECT_FALSE(Alive(k)) << "child " << k << " survived";
   // Resume from the newest checkpoint and run to step 16; an uninterrupted run to step 16 must
   // give the same losses and the same state.
@@ -1184,7 +1338,8 @@ void LaunchFuzzTest::FuzzOneRun(const std::vector<std::string>& job, const std::
     // Queued frames must reach the coordinator before the socket closes (LINGER 0 would drop
     // whatever the connection had not flushed yet, and with it the test's point).
     s.set(zmq::sockopt::linger, 2000);
-    const std::string ids[] = {"fuzz", "w99", "w", "w-1", "x0", "w0000000", std::string(1, '\0'), "w12345"};
+    const std::string ids[] = {"fuzz",  "w99", "w", "w-1", "x0", "w0000000", std::string(1, '\0'),
+                               "w12345"};
     s.set(zmq::sockopt::routing_id, ids[peer]);
     s.connect("ipc://" + sock);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the connection complete
@@ -1217,7 +1372,8 @@ void LaunchFuzzTest::FuzzOneRun(const std::vector<std::string>& job, const std::
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_GT(sent, 0);
   EXPECT_NE(r.output.find("dropped"), std::string::npos) << "nothing reached the coordinator";
-  EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/fuzz-clean-" + name + "/metrics.jsonl"));
+  EXPECT_EQ(Losses(out + "/metrics.jsonl"),
+            Losses(tmp_ + "/fuzz-clean-" + name + "/metrics.jsonl"));
 }
 
 TEST_F(LaunchTest, HungWorkerIsKilledAndReplaced) {
@@ -1242,7 +1398,8 @@ TEST_F(LaunchTest, AStalledDeviceIsTreatedAsAHungWorker) {
   // (RP_TEST_DEVICE_HANG_ONCE: a stuck kernel) the loop keeps running, but its heartbeats stop
   // after job.worker_timeout_s without progress: the coordinator replaces it, and the result
   // equals the fault-free run's.
-  ExpectHungWorkerReplaced("stall", 12, "RP_TEST_DEVICE_HANG_ONCE", "stops completing work on purpose");
+  ExpectHungWorkerReplaced("stall", 12, "RP_TEST_DEVICE_HANG_ONCE",
+                           "stops completing work on purpose");
 }
 
 TEST_F(LaunchTest, WorkersRunUnderAWrapperTool) {
@@ -1290,15 +1447,19 @@ TEST_F(LaunchTest, DebugWorkerWaitsForADebuggerAndTheRunCompletes) {
       else std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     ASSERT_GT(worker, 0) << launcher.OutputSoFar();
-    EXPECT_NE(launcher.OutputSoFar().find("cuda-gdb -p " + std::to_string(worker)), std::string::npos);
-    for (int i = 0; i < 200 && launcher.OutputSoFar().find("paused for a debugger") == std::string::npos; ++i)
+    EXPECT_NE(launcher.OutputSoFar().find("cuda-gdb -p " + std::to_string(worker)),
+              std::string::npos);
+    for (int i = 0;
+         i < 200 && launcher.OutputSoFar().find("paused for a debugger") == std::string::npos; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    EXPECT_EQ(launcher.OutputSoFar().find("joined: device"), launcher.OutputSoFar().rfind("joined: device"))
+    EXPECT_EQ(launcher.OutputSoFar().find("joined: device"),
+              launcher.OutputSoFar().rfind("joined: device"))
         << "only the other worker may have joined while worker 1 waits";
     if (with_gdb) {
       // Runs until the worker exits at the end of the run.
-      auto gdb = testing::RunProcess({"/usr/bin/gdb", "-p", std::to_string(worker), "-batch", "-ex", "continue"}, 240, Env());
+      auto gdb = testing::RunProcess(
+          {"/usr/bin/gdb", "-p", std::to_string(worker), "-batch", "-ex", "continue"}, 240, Env());
       if (gdb.output.find("Operation not permitted") != std::string::npos) {
         ::kill(worker, SIGUSR1);
         launcher.Wait(240);
@@ -1310,7 +1471,8 @@ TEST_F(LaunchTest, DebugWorkerWaitsForADebuggerAndTheRunCompletes) {
     }
     auto r = launcher.Wait(240);
     EXPECT_EQ(r.code, 0) << r.output;
-    EXPECT_NE(r.output.find(with_gdb ? "debugger attached; running" : "resumed by SIGUSR1"), std::string::npos)
+    EXPECT_NE(r.output.find(with_gdb ? "debugger attached; running" : "resumed by SIGUSR1"),
+              std::string::npos)
         << r.output;
   }
 }
@@ -1349,7 +1511,8 @@ TEST_F(LaunchTest, WhatAKilledLauncherLeftIsReclaimedByTheNextWhileALiveRunIsUnt
   const auto dirs_a = session_dirs();
   ASSERT_EQ(dirs_a.size(), 1u);
   for (pid_t k : a_kids)
-    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") != std::string::npos)
+    if (testing::ReadFile("/proc/" + std::to_string(k) + "/cmdline").find("rp-coordinator") !=
+        std::string::npos)
       ::kill(k, SIGKILL);
   ::kill(a.pid(), SIGKILL);
   a.Wait(30);
@@ -1390,19 +1553,21 @@ TEST_F(LaunchTest, AKilledLauncherCoordinatorOrWorkerLeavesNothingBehind) {
     std::string victim;
     bool in_tmp;
   };
-  for (const Case& c : {Case{"rp-launch", false}, Case{"rp-launch", true}, Case{"rp-coordinator", false},
-                        Case{"rp-worker", false}}) {
+  for (const Case& c : {Case{"rp-launch", false}, Case{"rp-launch", true},
+                        Case{"rp-coordinator", false}, Case{"rp-worker", false}}) {
     SCOPED_TRACE(c.victim + (c.in_tmp ? " (runtime directory in /tmp)" : ""));
     const std::string out = tmp_ + "/killed-" + c.victim + (c.in_tmp ? "-tmp" : "");
     std::vector<std::string> env = Env();
     if (c.in_tmp) env = {"XDG_RUNTIME_DIR="};
-    testing::Process launcher(LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}), env);
+    testing::Process launcher(
+        LaunchArgs(2, out, {"train.steps=100000", "job.max_worker_restarts=0"}), env);
     auto kids = WaitForChildren(launcher.pid(), 3);
     ASSERT_EQ(kids.size(), 3u) << launcher.OutputSoFar();
     ASSERT_TRUE(WaitForSteps(out + "/metrics.jsonl", 1, 60)) << launcher.OutputSoFar();
     // The run's names: its session id is its log directory's name.
     std::string session;
-    for (const auto& e : fs::directory_iterator(out + "/logs")) session = e.path().filename().string();
+    for (const auto& e : fs::directory_iterator(out + "/logs"))
+      session = e.path().filename().string();
     ASSERT_EQ(session.size(), 20u);
     const std::string runtime_dir = (c.in_tmp ? std::string("/tmp") : runtime_) + "/rp-" + session;
     auto ours = [&] {
@@ -1412,7 +1577,8 @@ TEST_F(LaunchTest, AKilledLauncherCoordinatorOrWorkerLeavesNothingBehind) {
       if (fs::exists(runtime_dir)) left.push_back(runtime_dir);
       return left;
     };
-    ASSERT_GE(ours().size(), 3u) << "the state and optimizer segments and the runtime directory while it runs";
+    ASSERT_GE(ours().size(), 3u)
+        << "the state and optimizer segments and the runtime directory while it runs";
     const pid_t victim = c.victim == "rp-launch" ? launcher.pid() : ChildRunning(kids, c.victim);
     ASSERT_GT(victim, 0);
     ::kill(victim, SIGKILL);
@@ -1447,60 +1613,63 @@ TEST_F(LaunchTest, SigintStopsAfterACheckpointAndResumeMatchesAnUninterruptedRun
   // can reach the optimizer while the step being reported still waits for its eval; the
   // checkpoint at the stop must still hold whole steps.
   for (const bool evals : {false, true}) {
-  SCOPED_TRACE(evals ? "stale1 with evals" : "exact");
-  const std::vector<std::string> job =
-      evals ? std::vector<std::string>{"train.steps=400", "optimizer.mode=stale1", "train.eval_every=1",
-                                       "data.eval_fraction=0.1", "train.eval_microbatches=2"}
-            : std::vector<std::string>{"train.steps=400"};
-  auto with = [&](std::vector<std::string> more) {
-    more.insert(more.begin(), job.begin(), job.end());
-    return more;
-  };
-  const std::string tag = evals ? "-evals" : "";
-  const std::string b = tmp_ + "/sigint" + tag, a = tmp_ + "/sigint-whole" + tag;
-  // Slow evaluations make the window wide: the next step's backward finishes during the eval.
-  std::vector<std::string> env = Env();
-  if (evals) env.push_back("RP_TEST_SLOW_EVAL_MS=150");
-  testing::Process launcher(LaunchArgs(2, b, job), env);
-  WaitForSteps(b + "/metrics.jsonl", 3, 12);
-  ::kill(launcher.pid(), SIGINT);
-  auto r = launcher.Wait(120);
-  ASSERT_FALSE(r.timed_out) << "no exit within 120 s of SIGINT; the run's output:\n" << r.output;
-  ASSERT_EQ(r.code, kExitInterrupted) << r.output;
-  EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
-  const size_t n = Losses(b + "/metrics.jsonl").size();
-  ASSERT_GE(n, 3u);
-  ASSERT_LT(n, 400u) << "the run finished before the signal";
-  char name[64];
-  std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n);
-  ASSERT_TRUE(fs::exists(b + name)) << "no checkpoint after the last reported step " << n;
-  // Resume for two more steps, and compare with an uninterrupted run stopped at the same step.
-  const std::string stop = "train.stop_after=" + std::to_string(n + 2);
-  auto args = LaunchArgs(2, b, with({stop}));
-  args.push_back("--resume");
-  auto resumed = testing::RunProcess(args, 240, Env());
-  ASSERT_EQ(resumed.code, 0) << resumed.output;
-  auto whole = Launch(2, a, with({stop}));
-  ASSERT_EQ(whole.code, 0) << whole.output;
-  const auto got = Losses(b + "/metrics.jsonl"), expected = Losses(a + "/metrics.jsonl");
-  ASSERT_EQ(got.size(), n + 2);
-  ASSERT_EQ(expected.size(), n + 2);
-  for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
-  std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n + 2);
-  EXPECT_TRUE(ReadBytes(a + name) == ReadBytes(b + name)) << "final state differs";
-  EXPECT_EQ(Losses(b + "/metrics.jsonl", "eval_loss"), Losses(a + "/metrics.jsonl", "eval_loss"));
+    SCOPED_TRACE(evals ? "stale1 with evals" : "exact");
+    const std::vector<std::string> job =
+        evals ? std::vector<std::string>{"train.steps=400", "optimizer.mode=stale1",
+                                         "train.eval_every=1", "data.eval_fraction=0.1",
+                                         "train.eval_microbatches=2"}
+              : std::vector<std::string>{"train.steps=400"};
+    auto with = [&](std::vector<std::string> more) {
+      more.insert(more.begin(), job.begin(), job.end());
+      return more;
+    };
+    const std::string tag = evals ? "-evals" : "";
+    const std::string b = tmp_ + "/sigint" + tag, a = tmp_ + "/sigint-whole" + tag;
+    // Slow evaluations make the window wide: the next step's backward finishes during the eval.
+    std::vector<std::string> env = Env();
+    if (evals) env.push_back("RP_TEST_SLOW_EVAL_MS=150");
+    testing::Process launcher(LaunchArgs(2, b, job), env);
+    WaitForSteps(b + "/metrics.jsonl", 3, 12);
+    ::kill(launcher.pid(), SIGINT);
+    auto r = launcher.Wait(120);
+    ASSERT_FALSE(r.timed_out) << "no exit within 120 s of SIGINT; the run's output:\n" << r.output;
+    ASSERT_EQ(r.code, kExitInterrupted) << r.output;
+    EXPECT_NE(r.output.find("--resume"), std::string::npos) << r.output;
+    const size_t n = Losses(b + "/metrics.jsonl").size();
+    ASSERT_GE(n, 3u);
+    ASSERT_LT(n, 400u) << "the run finished before the signal";
+    char name[64];
+    std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n);
+    ASSERT_TRUE(fs::exists(b + name)) << "no checkpoint after the last reported step " << n;
+    // Resume for two more steps, and compare with an uninterrupted run stopped at the same step.
+    const std::string stop = "train.stop_after=" + std::to_string(n + 2);
+    auto args = LaunchArgs(2, b, with({stop}));
+    args.push_back("--resume");
+    auto resumed = testing::RunProcess(args, 240, Env());
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    auto whole = Launch(2, a, with({stop}));
+    ASSERT_EQ(whole.code, 0) << whole.output;
+    const auto got = Losses(b + "/metrics.jsonl"), expected = Losses(a + "/metrics.jsonl");
+    ASSERT_EQ(got.size(), n + 2);
+    ASSERT_EQ(expected.size(), n + 2);
+    for (size_t s = 0; s < got.size(); ++s) EXPECT_EQ(got[s], expected[s]) << "step " << s + 1;
+    std::snprintf(name, sizeof(name), "/checkpoints/step-%08zu.rpstate", n + 2);
+    EXPECT_TRUE(ReadBytes(a + name) == ReadBytes(b + name)) << "final state differs";
+    EXPECT_EQ(Losses(b + "/metrics.jsonl", "eval_loss"), Losses(a + "/metrics.jsonl", "eval_loss"));
   }
 }
 
 TEST_F(LaunchTest, DemoJobLossFallsByAThird) {
   const std::string out = tmp_ + "/demo";
-  auto r = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2",
-                                SourceDir() + "/configs/tiny.toml", "--set", "job.output_dir=" + out},
-                               600, Env());
+  auto r =
+      testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2",
+                           SourceDir() + "/configs/tiny.toml", "--set", "job.output_dir=" + out},
+                          600, Env());
   ASSERT_EQ(r.code, 0) << r.output;
   auto losses = Losses(out + "/metrics.jsonl");
   ASSERT_FALSE(losses.empty());
-  std::printf("demo: loss %.4f -> %.4f over %zu steps\n", losses.front(), losses.back(), losses.size());
+  std::printf("demo: loss %.4f -> %.4f over %zu steps\n", losses.front(), losses.back(),
+              losses.size());
   EXPECT_LE(losses.back(), 0.7 * losses.front());
 }
 
@@ -1514,11 +1683,13 @@ TEST_F(LaunchTest, ASlowCheckpointOnTheCoordinatorsLoopKillsNoWorker) {
   // Each checkpoint holds the coordinator's loop 2.5 s, over twice job.worker_timeout_s: the
   // workers' messages wait unheard meanwhile. Liveness counts only time the coordinator was
   // listening, so no worker is judged hung, and the run equals one without the delay.
-  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=2", "job.worker_timeout_s=1",
-                                        "job.max_worker_restarts=2"};
+  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=2",
+                                        "job.worker_timeout_s=1", "job.max_worker_restarts=2"};
   auto fast = Launch(2, tmp_ + "/fast", job);
   ASSERT_EQ(fast.code, 0) << fast.output;
-  auto slow = Launch(2, tmp_ + "/slow", With(job, {"RP_TEST_SLOW_CHECKPOINT_MS=2500", "RP_TEST_CHECKPOINT_ON_LOOP=1"}));
+  auto slow =
+      Launch(2, tmp_ + "/slow",
+             With(job, {"RP_TEST_SLOW_CHECKPOINT_MS=2500", "RP_TEST_CHECKPOINT_ON_LOOP=1"}));
   ASSERT_EQ(slow.code, 0) << slow.output;
   EXPECT_EQ(Summary(tmp_ + "/slow")["workers_hung"], 0);
   EXPECT_EQ(Summary(tmp_ + "/slow")["worker_replacements"], 0);
@@ -1531,8 +1702,8 @@ TEST_F(LaunchTest, ACheckpointWrittenInTheBackgroundLetsTheNextStepRun) {
   // The same slow disk, with room for a copy of the state: the checkpoint after step 2 is written
   // from the copy while step 3 computes, so step 3 takes no longer than a step without one. (The
   // checkpoint after step 4 waits for that write: the disk is the limit.) Same losses, same files.
-  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=2", "job.worker_timeout_s=1",
-                                        "job.max_worker_restarts=0"};
+  const std::vector<std::string> job = {"train.steps=6", "checkpoint.every=2",
+                                        "job.worker_timeout_s=1", "job.max_worker_restarts=0"};
   auto fast = Launch(2, tmp_ + "/fast", job);
   ASSERT_EQ(fast.code, 0) << fast.output;
   auto slow = Launch(2, tmp_ + "/slow", With(job, {"RP_TEST_SLOW_CHECKPOINT_MS=2500"}));
@@ -1547,7 +1718,8 @@ TEST_F(LaunchTest, ACheckpointWrittenInTheBackgroundLetsTheNextStepRun) {
     EXPECT_GE(c["write_s"].get<double>(), 2.5);
   }
   for (const char* f : {"step-00000006.rpstate"})
-    EXPECT_EQ(testing::ReadFile(tmp_ + "/slow/checkpoints/" + f), testing::ReadFile(tmp_ + "/fast/checkpoints/" + f));
+    EXPECT_EQ(testing::ReadFile(tmp_ + "/slow/checkpoints/" + f),
+              testing::ReadFile(tmp_ + "/fast/checkpoints/" + f));
 }
 
 }  // namespace
@@ -1563,15 +1735,16 @@ TEST_F(LaunchTest, CheckpointsOnASlowDiskKillNoWorker) {
   // messages. job.worker_timeout_s = 2 with restarts allowed: no worker is judged hung, and the
   // losses and the last checkpoint are the unthrottled run's, bit for bit.
   const std::vector<std::string> job = {
-      "train.steps=5", "checkpoint.every=1", "checkpoint.keep=1", "job.worker_timeout_s=2",
-      "job.max_worker_restarts=2", "model.vocab_size=4096", "model.hidden_size=512",
-      "model.intermediate_size=1536", "model.num_layers=3", "model.num_heads=8", "model.num_kv_heads=4",
-      "model.head_dim=64", "train.microbatches=2", "train.accum_calls=1", "train.microbatch_size=1"};
+      "train.steps=5",          "checkpoint.every=1",           "checkpoint.keep=1",
+      "job.worker_timeout_s=2", "job.max_worker_restarts=2",    "model.vocab_size=4096",
+      "model.hidden_size=512",  "model.intermediate_size=1536", "model.num_layers=3",
+      "model.num_heads=8",      "model.num_kv_heads=4",         "model.head_dim=64",
+      "train.microbatches=2",   "train.accum_calls=1",          "train.microbatch_size=1"};
   auto fast = Launch(2, tmp_ + "/fast", job);
   ASSERT_EQ(fast.code, 0) << fast.output;
   auto env = EnvWith(job);
-  env.insert(env.end(), {"LD_PRELOAD=" + testing::BinDir() + "/librp_slow_disk.so", "RP_SLOW_DISK_MB_S=50",
-                         "RP_SLOW_DISK_WRITE_MS=100"});
+  env.insert(env.end(), {"LD_PRELOAD=" + testing::BinDir() + "/librp_slow_disk.so",
+                         "RP_SLOW_DISK_MB_S=50", "RP_SLOW_DISK_WRITE_MS=100"});
   auto slow = testing::RunProcess(LaunchArgs(2, tmp_ + "/slow", job), 400, env);
   ASSERT_EQ(slow.code, 0) << slow.output;
   // The disk was slow: each write took longer than the hang timeout.
@@ -1594,9 +1767,11 @@ TEST_F(LaunchTest, CheckpointsWithinAMemoryBudgetAreTheWholeCopysBitForBit) {
   // in the backward's order), then with clipping (parameter order after the norm) and nothing
   // copied at all.
   const std::vector<std::string> job = {
-      "train.steps=4", "checkpoint.every=1", "checkpoint.keep=4", "model.vocab_size=4096", "model.hidden_size=512",
-      "model.intermediate_size=1536", "model.num_layers=3", "model.num_heads=8", "model.num_kv_heads=4",
-      "model.head_dim=64", "train.microbatches=2", "train.accum_calls=1", "train.microbatch_size=1"};
+      "train.steps=4",          "checkpoint.every=1",    "checkpoint.keep=4",
+      "model.vocab_size=4096",  "model.hidden_size=512", "model.intermediate_size=1536",
+      "model.num_layers=3",     "model.num_heads=8",     "model.num_kv_heads=4",
+      "model.head_dim=64",      "train.microbatches=2",  "train.accum_calls=1",
+      "train.microbatch_size=1"};
   for (const std::vector<std::string>& variant :
        {std::vector<std::string>{"checkpoint.memory_gb=0.08"},
         std::vector<std::string>{"checkpoint.memory_gb=0", "train.grad_clip=0.5"}}) {
@@ -1608,14 +1783,16 @@ TEST_F(LaunchTest, CheckpointsWithinAMemoryBudgetAreTheWholeCopysBitForBit) {
     auto full = Launch(2, a, whole);
     ASSERT_EQ(full.code, 0) << full.output;
     auto env = EnvWith(budget);
-    env.insert(env.end(), {"LD_PRELOAD=" + testing::BinDir() + "/librp_slow_disk.so", "RP_SLOW_DISK_MB_S=50"});
+    env.insert(env.end(),
+               {"LD_PRELOAD=" + testing::BinDir() + "/librp_slow_disk.so", "RP_SLOW_DISK_MB_S=50"});
     auto part = testing::RunProcess(LaunchArgs(2, b, budget), 400, env);
     ASSERT_EQ(part.code, 0) << part.output;
     EXPECT_NE(part.output.find("GB written from the live state"), std::string::npos) << part.output;
     EXPECT_EQ(Losses(b + "/metrics.jsonl"), Losses(a + "/metrics.jsonl"));
     for (int step = 1; step <= 4; ++step) {
       const std::string f = "/checkpoints/step-0000000" + std::to_string(step) + ".rpstate";
-      EXPECT_TRUE(ReadBytes(b + f) == ReadBytes(a + f)) << variant.back() << ": " << f << " differs";
+      EXPECT_TRUE(ReadBytes(b + f) == ReadBytes(a + f))
+          << variant.back() << ": " << f << " differs";
     }
   }
 }
@@ -1631,7 +1808,8 @@ TEST_F(LaunchTest, ADivergedStepStopsTheRunAndResumeFromTheLastGoodCheckpointWor
   auto bad = Launch(2, out, With(job, {"RP_TEST_NAN_AT_STEP=4"}));
   EXPECT_EQ(bad.code, kExitDiverged) << bad.output;
   EXPECT_NE(bad.output.find("step 5: the gradient norm is"), std::string::npos) << bad.output;
-  EXPECT_NE(bad.output.find("Newest checkpoint: the one after step 4"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("Newest checkpoint: the one after step 4"), std::string::npos)
+      << bad.output;
   EXPECT_TRUE(fs::exists(out + "/checkpoints/step-00000004.rpstate"));
   EXPECT_FALSE(fs::exists(out + "/checkpoints/step-00000006.rpstate"));
   EXPECT_EQ(Losses(out + "/metrics.jsonl").size(), 4u);
@@ -1669,7 +1847,9 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   if (!RP_WITH_CUDA) {
     cases.push_back({1, {"job.device=\"cuda\""}, "this build has no CUDA backend"});
     // Without a GPU, "auto" gives CPU workers, which have no e4m3 products.
-    cases.push_back({1, {"job.device=\"auto\"", "train.dtype=\"fp8\""}, "train.dtype = \"fp8\" needs CUDA workers"});
+    cases.push_back({1,
+                     {"job.device=\"auto\"", "train.dtype=\"fp8\""},
+                     "train.dtype = \"fp8\" needs CUDA workers"});
   }
   // A planted link where the run writes (logs here; every output name is checked alike).
   const std::string planted = tmp_ + "/planted";
@@ -1688,15 +1868,20 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   cases.push_back({1, {"model.path=" + tmp_ + "/no-weights"}, "has neither model.safetensors"});
   cases.push_back({1, {"model.path=" + tmp_ + "/dir-weights"}, "is not a regular file"});
   // A job key that disagrees with the checkpoint's config.json, which decides the architecture.
-  cases.push_back({1, {"model.path=" + fixture, "model.hidden_size=128"},
-                   "--set model.hidden_size = 128 and model.path: " + fixture + "/config.json gives"});
+  cases.push_back(
+      {1,
+       {"model.path=" + fixture, "model.hidden_size=128"},
+       "--set model.hidden_size = 128 and model.path: " + fixture + "/config.json gives"});
   // What the coordinator would refuse once started: the data (a malformed record, a token id past
   // the vocabulary), and what it needs of the output directory.
   const std::string bad = tmp_ + "/bad.jsonl", big_id = tmp_ + "/big-id.jsonl";
   std::ofstream(bad) << "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": \"1 2 3\"}\n";
   std::ofstream(big_id) << "{\"input_ids\": [1, 2, 300]}\n";
-  cases.push_back({1, {"data.format=\"jsonl\"", "data.path=\"" + bad + "\""}, "bad.jsonl:2: no non-empty \"input_ids\""});
-  cases.push_back({1, {"data.format=\"jsonl\"", "data.path=\"" + big_id + "\""},
+  cases.push_back({1,
+                   {"data.format=\"jsonl\"", "data.path=\"" + bad + "\""},
+                   "bad.jsonl:2: no non-empty \"input_ids\""});
+  cases.push_back({1,
+                   {"data.format=\"jsonl\"", "data.path=\"" + big_id + "\""},
                    "input_ids[2] is not a token id below model.vocab_size 256"});
   const std::string previous = tmp_ + "/previous";
   fs::create_directories(previous);
@@ -1705,13 +1890,16 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   const std::string no_checkpoint = tmp_ + "/no-checkpoint";
   fs::create_directories(no_checkpoint);
   std::ofstream(no_checkpoint + "/metrics.jsonl") << "{\"step\": 1, \"loss\": 5}\n";
-  cases.push_back({1, {"job.output_dir=" + no_checkpoint}, "no complete training checkpoint", true});
+  cases.push_back(
+      {1, {"job.output_dir=" + no_checkpoint}, "no complete training checkpoint", true});
   // The host's memory: segments larger than /dev/shm, and CPU workers' attention scores.
-  cases.push_back({1, {"model.vocab_size=16777216", "model.hidden_size=65536", "model.num_heads=512",
-                       "model.num_kv_heads=8", "model.head_dim=128", "model.intermediate_size=4096"},
+  cases.push_back({1,
+                   {"model.vocab_size=16777216", "model.hidden_size=65536", "model.num_heads=512",
+                    "model.num_kv_heads=8", "model.head_dim=128", "model.intermediate_size=4096"},
                    "of shared memory, but /dev/shm has"});
-  cases.push_back({2, {"data.format=\"random\"", "train.microbatches=2", "train.accum_calls=1", "train.microbatch_size=1",
-                       "data.seq_len=131072"},
+  cases.push_back({2,
+                   {"data.format=\"random\"", "train.microbatches=2", "train.accum_calls=1",
+                    "train.microbatch_size=1", "data.seq_len=131072"},
                    "attention scores"});
   // What needs one worker.
   cases.push_back({2, {"schedule.activations=\"worker\""}, "needs --gpus 1"});
@@ -1719,13 +1907,15 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   cases.push_back({2, {"optimizer.device_update_blocks=1"}, "needs one worker (--gpus 1)"});
   // The host's free memory moves between the two runs: its figures are left out of the comparison.
   auto first_line = [](const std::string& text) {
-    return std::regex_replace(text.substr(0, text.find('\n')), std::regex("[0-9.]+ (GiB|GB|MiB)"), "N $1");
+    return std::regex_replace(text.substr(0, text.find('\n')), std::regex("[0-9.]+ (GiB|GB|MiB)"),
+                              "N $1");
   };
   int n = 0;
   for (const auto& c : cases) {
     SCOPED_TRACE(c.says);
     const std::string out = tmp_ + "/refused-" + std::to_string(n++);
-    std::vector<std::string> args = {testing::BinDir() + "/rp-launch", "--gpus", std::to_string(c.gpus), JobFor(c.sets)};
+    std::vector<std::string> args = {testing::BinDir() + "/rp-launch", "--gpus",
+                                     std::to_string(c.gpus), JobFor(c.sets)};
     const bool own_dir = c.sets.empty() || c.sets[0].rfind("job.output_dir", 0) != 0;
     if (own_dir) args.insert(args.end(), {"--set", "job.output_dir=" + out});
     for (const auto& s : c.sets) args.insert(args.end(), {"--set", s});
@@ -1734,7 +1924,8 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
     auto r = testing::RunProcess(args, 60, Env());
     EXPECT_EQ(r.code, 2) << c.says << ": " << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
-    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0) << c.says;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0)
+        << c.says;
     if (own_dir) EXPECT_FALSE(fs::exists(out)) << c.says;
     auto dry = testing::RunProcess(With(args, {"--dry-run"}), 60, Env());
     EXPECT_EQ(dry.code, r.code) << dry.output;
@@ -1760,8 +1951,9 @@ TEST_F(LaunchTest, AStoppedCoordinatorOrWorkerIsWaitedForAndTheRunGoesOnUnchange
   // SIGSTOP for 3.5x job.worker_timeout_s (a debugger, Ctrl-Z, a swapping host), then SIGCONT:
   // the coordinator, then a worker. No replacement (none is allowed), the run completes with the
   // uninterrupted run's losses and final state bit for bit, and the log said it was waiting.
-  const std::vector<std::string> job = {"train.steps=24", "checkpoint.every=24", "job.worker_timeout_s=2",
-                                        "job.max_worker_restarts=0", "RP_TEST_SLOW_FROM_STEP=0:30"};
+  const std::vector<std::string> job = {"train.steps=24", "checkpoint.every=24",
+                                        "job.worker_timeout_s=2", "job.max_worker_restarts=0",
+                                        "RP_TEST_SLOW_FROM_STEP=0:30"};
   auto clean = Launch(2, tmp_ + "/clean", job);
   ASSERT_EQ(clean.code, 0) << clean.output;
   for (const std::string program : {"rp-coordinator", "rp-worker"}) {
@@ -1778,8 +1970,10 @@ TEST_F(LaunchTest, AStoppedCoordinatorOrWorkerIsWaitedForAndTheRunGoesOnUnchange
     ::kill(target, SIGCONT);
     auto r = launcher.Wait(120);
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_NE(r.output.find("(pid " + std::to_string(target) + ") is stopped (SIGSTOP, Ctrl-Z or a debugger)"),
-              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(pid " + std::to_string(target) +
+                            ") is stopped (SIGSTOP, Ctrl-Z or a debugger)"),
+              std::string::npos)
+        << r.output;
     EXPECT_NE(r.output.find("job.stopped_timeout_s = 600"), std::string::npos) << r.output;
     EXPECT_EQ(Summary(out)["worker_replacements"], 0);
     EXPECT_EQ(Summary(out)["workers_hung"], 0);
@@ -1793,8 +1987,8 @@ TEST_F(LaunchTest, AProcessStoppedPastStoppedTimeoutEndsTheRunNamingIt) {
   // Past job.stopped_timeout_s a stopped process is hung: a stopped coordinator ends the run
   // (exit 10), a stopped worker without restarts left too, each named as stopped; nothing
   // survives. A coordinator that runs but makes no progress is still ended after the plain timeout.
-  const std::vector<std::string> job = {"train.steps=100000", "job.worker_timeout_s=2", "job.stopped_timeout_s=4",
-                                        "job.max_worker_restarts=0"};
+  const std::vector<std::string> job = {"train.steps=100000", "job.worker_timeout_s=2",
+                                        "job.stopped_timeout_s=4", "job.max_worker_restarts=0"};
   for (const std::string program : {"rp-coordinator", "rp-worker"}) {
     SCOPED_TRACE(program);
     const std::string out = tmp_ + "/stopped-" + program;
@@ -1807,11 +2001,14 @@ TEST_F(LaunchTest, AProcessStoppedPastStoppedTimeoutEndsTheRunNamingIt) {
     ::kill(target, SIGSTOP);
     const auto t0 = std::chrono::steady_clock::now();
     auto r = launcher.Wait(60);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     EXPECT_FALSE(r.timed_out);
     EXPECT_EQ(r.code, kExitPeerLost) << r.output;
-    EXPECT_NE(r.output.find("(pid " + std::to_string(target) + ") has been stopped (SIGSTOP, Ctrl-Z or a debugger) for"),
-              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(pid " + std::to_string(target) +
+                            ") has been stopped (SIGSTOP, Ctrl-Z or a debugger) for"),
+              std::string::npos)
+        << r.output;
     EXPECT_NE(r.output.find("past job.stopped_timeout_s = 4 s"), std::string::npos) << r.output;
     // Counted from the last sign of life (a heartbeat, up to a second before the stop); ended at
     // the first look past the bound (looks come a timeout apart), plus the shutdown.
@@ -1832,7 +2029,8 @@ TEST_F(LaunchTest, AFullDiskFailsTheRunAndSummaryJsonSaysWhy) {
   EXPECT_NE(r.output.find("No space left on device"), std::string::npos) << r.output;
   auto summary = nlohmann::json::parse(testing::ReadFile(mnt + "/run/summary.json"));
   EXPECT_EQ(summary["status"], "failed");
-  EXPECT_NE(summary["error"].get<std::string>().find("No space left on device"), std::string::npos) << summary.dump();
+  EXPECT_NE(summary["error"].get<std::string>().find("No space left on device"), std::string::npos)
+      << summary.dump();
   ::system(("umount " + mnt).c_str());
 }
 

@@ -18,7 +18,8 @@ namespace {
 
 using testing::Losses;
 
-void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want,
+                 const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t s = 0; s < got.size(); ++s)
     EXPECT_LE(std::abs(got[s] - want[s]) / want[s], 1e-5) << what << ", step " << s + 1;
@@ -27,11 +28,14 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
 // 512-token sequences, MLP tiles of 300 tokens (2 x 512 tokens per microbatch: tiles that do not
 // divide it), on 1 to 3 CPU workers, and LoRA with dropout on every projection on 2.
 TEST_F(LaunchTest, TiledMlpsMatchTheUntiledReferenceOnOneToThreeWorkers) {
-  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=512", "train.steps=3",
-                                        "train.microbatches=3", "train.accum_calls=1", "train.microbatch_size=2"};
+  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=512",
+                                        "train.steps=3",          "train.microbatches=3",
+                                        "train.accum_calls=1",    "train.microbatch_size=2"};
   const std::vector<std::vector<std::string>> variants = {
-      {}, {"lora.rank=4", "lora.dropout=0.1",
-           "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]"}};
+      {},
+      {"lora.rank=4", "lora.dropout=0.1",
+       "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\","
+       "\"down_proj\"]"}};
   for (size_t v = 0; v < variants.size(); ++v) {
     const auto sets = With(job, variants[v]);
     const std::string tag = v == 0 ? "full" : "lora";
@@ -43,9 +47,11 @@ TEST_F(LaunchTest, TiledMlpsMatchTheUntiledReferenceOnOneToThreeWorkers) {
       const std::string out = tmp_ + "/tiled-" + tag + "-" + std::to_string(n);
       auto run = Launch(n, out, With(sets, {"train.mlp_tile_tokens=300"}));
       ASSERT_EQ(run.code, 0) << run.output;
-      ExpectClose(Losses(out + "/metrics.jsonl"), want, tag + " on " + std::to_string(n) + " workers");
+      ExpectClose(Losses(out + "/metrics.jsonl"), want,
+                  tag + " on " + std::to_string(n) + " workers");
       // The norm counts every weight's gradient, the norms' inside the tiles too.
-      ExpectClose(Losses(out + "/metrics.jsonl", "grad_norm"), Losses(tmp_ + "/ref-" + tag + "/metrics.jsonl", "grad_norm"),
+      ExpectClose(Losses(out + "/metrics.jsonl", "grad_norm"),
+                  Losses(tmp_ + "/ref-" + tag + "/metrics.jsonl", "grad_norm"),
                   tag + " gradient norms on " + std::to_string(n) + " workers");
     }
   }
@@ -56,8 +62,9 @@ TEST_F(LaunchTest, TiledMlpsMatchTheUntiledReferenceOnOneToThreeWorkers) {
 // A limit no tile meets is refused before anything starts, naming the key.
 TEST_F(LaunchTest, AnAutoMlpTileIsChosenOnceAndRunsAsThatTile) {
   // Wide MLPs, so that their intermediates decide the estimate.
-  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=2048", "train.steps=2",
-                                        "model.intermediate_size=2048", "train.microbatches=2", "train.accum_calls=1",
+  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=2048",
+                                        "train.steps=2",          "model.intermediate_size=2048",
+                                        "train.microbatches=2",   "train.accum_calls=1",
                                         "train.microbatch_size=1"};
   // The limit: between the estimates of 1024-token and untiled MLPs of this job's plan (0.33 and
   // 0.45 GB by the planner's estimate, 0.28 of it the CPU workers' attention scores).
@@ -74,10 +81,12 @@ TEST_F(LaunchTest, AnAutoMlpTileIsChosenOnceAndRunsAsThatTile) {
   EXPECT_LT(tile, 2048);
   auto chosen = Launch(2, tmp_ + "/auto", auto_tile);
   ASSERT_EQ(chosen.code, 0) << chosen.output;
-  auto given = Launch(2, tmp_ + "/given", With(job, {"train.mlp_tile_tokens=" + std::to_string(tile)}));
+  auto given =
+      Launch(2, tmp_ + "/given", With(job, {"train.mlp_tile_tokens=" + std::to_string(tile)}));
   ASSERT_EQ(given.code, 0) << given.output;
   EXPECT_EQ(Losses(tmp_ + "/auto/metrics.jsonl"), Losses(tmp_ + "/given/metrics.jsonl"));
-  auto none = Launch(2, tmp_ + "/none", With(job, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=0.02"}), 30);
+  auto none = Launch(2, tmp_ + "/none",
+                     With(job, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=0.02"}), 30);
   EXPECT_EQ(none.code, 2) << none.output;
   EXPECT_NE(none.output.find("train.mlp_tile_tokens = -1"), std::string::npos) << none.output;
 }
@@ -87,20 +96,28 @@ TEST_F(LaunchTest, AnAutoMlpTileIsChosenOnceAndRunsAsThatTile) {
 // stage-at-once graph (losses, gradient norms, exported weights) on 1 to 3 workers, in both modes,
 // with LoRA dropout, tiled MLPs, and a mixture of experts with the routers' loss.
 TEST_F(LaunchTest, LayerRecomputeGivesTheStageGraphsBitsEverywhere) {
-  const std::vector<std::string> job = {"train.steps=4", "train.accum_calls=1", "train.microbatches=4",
-                                        "schedule.tail_blocks=2", "checkpoint.export_hf=hf"};
+  const std::vector<std::string> job = {"train.steps=4", "train.accum_calls=1",
+                                        "train.microbatches=4", "schedule.tail_blocks=2",
+                                        "checkpoint.export_hf=hf"};
   struct Variant {
     std::string tag;
     std::vector<std::string> sets;
     std::vector<int> workers;
   };
   const std::vector<Variant> variants = {
-      {"exact", {"schedule.backward_stages=1"}, {1, 2, 3}},  // B[0,3): three layers rebuilt one by one
+      {"exact",
+       {"schedule.backward_stages=1"},
+       {1, 2, 3}},  // B[0,3): three layers rebuilt one by one
       {"stale1", {"optimizer.mode=\"stale1\""}, {2}},
-      {"lora", {"lora.rank=4", "lora.dropout=0.1", "lora.target_modules=[\"q_proj\",\"v_proj\",\"down_proj\"]"}, {2}},
+      {"lora",
+       {"lora.rank=4", "lora.dropout=0.1",
+        "lora.target_modules=[\"q_proj\",\"v_proj\",\"down_proj\"]"},
+       {2}},
       {"tiled", {"data.format=\"random\"", "data.seq_len=256", "train.mlp_tile_tokens=100"}, {2}},
-      {"moe", {"model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=32",
-               "model.router_aux_loss_coef=0.05"}, {2}}};
+      {"moe",
+       {"model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=32",
+        "model.router_aux_loss_coef=0.05"},
+       {2}}};
   for (const auto& v : variants) {
     const auto sets = With(job, v.sets);
     const std::string base = tmp_ + "/" + v.tag;
@@ -112,9 +129,11 @@ TEST_F(LaunchTest, LayerRecomputeGivesTheStageGraphsBitsEverywhere) {
       ASSERT_EQ(r.code, 0) << r.output;
       SCOPED_TRACE(v.tag + " on " + std::to_string(n) + " workers");
       EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(base + "/metrics.jsonl"));
-      EXPECT_EQ(Losses(out + "/metrics.jsonl", "grad_norm"), Losses(base + "/metrics.jsonl", "grad_norm"));
+      EXPECT_EQ(Losses(out + "/metrics.jsonl", "grad_norm"),
+                Losses(base + "/metrics.jsonl", "grad_norm"));
       if (v.tag != "lora") {
-        EXPECT_TRUE(ReadBytes(out + "/hf/model.safetensors") == ReadBytes(base + "/hf/model.safetensors"));
+        EXPECT_TRUE(ReadBytes(out + "/hf/model.safetensors") ==
+                    ReadBytes(base + "/hf/model.safetensors"));
       }
     }
   }
@@ -125,17 +144,25 @@ TEST_F(LaunchTest, LayerRecomputeGivesTheStageGraphsBitsEverywhere) {
 // restarts are allowed, so a worker killed as hung would stop the run.
 TEST_F(LaunchTest, AStageLongerThanTheHangTimeoutIsNotAHang) {
   const double timeout_s = 10.0;
-  const std::vector<std::string> job = {"data.format=\"random\"", "data.seq_len=4096", "train.steps=1",
-                                        "train.microbatches=1", "train.accum_calls=1", "train.microbatch_size=1",
-                                        "model.num_layers=12", "schedule.forward_stages=1", "schedule.backward_stages=1",
-                                        "job.worker_timeout_s=" + std::to_string(timeout_s), "job.max_worker_restarts=0"};
+  const std::vector<std::string> job = {"data.format=\"random\"",
+                                        "data.seq_len=4096",
+                                        "train.steps=1",
+                                        "train.microbatches=1",
+                                        "train.accum_calls=1",
+                                        "train.microbatch_size=1",
+                                        "model.num_layers=12",
+                                        "schedule.forward_stages=1",
+                                        "schedule.backward_stages=1",
+                                        "job.worker_timeout_s=" + std::to_string(timeout_s),
+                                        "job.max_worker_restarts=0"};
   auto r = Launch(1, tmp_ + "/long", job, 300);
   ASSERT_EQ(r.code, 0) << r.output;
   // The test means something only where the stages outlast the timeout: each of the step's
   // forward and backward stages runs eleven of the twelve layers, about a second each here.
   const auto step_s = Losses(tmp_ + "/long/metrics.jsonl", "step_time_s");
   ASSERT_EQ(step_s.size(), 1u);
-  if (step_s[0] < 2 * timeout_s) GTEST_SKIP() << "a step of " << step_s[0] << " s: too fast a machine for this test";
+  if (step_s[0] < 2 * timeout_s)
+    GTEST_SKIP() << "a step of " << step_s[0] << " s: too fast a machine for this test";
 }
 
 // CPU workers keep attention scores for every pair of positions: a sequence whose scores cannot
@@ -143,8 +170,8 @@ TEST_F(LaunchTest, AStageLongerThanTheHangTimeoutIsNotAHang) {
 // instead of swapping until the worker is taken for a hung one. The dry run prints the estimate
 // and says so.
 TEST_F(LaunchTest, ACpuSequenceWhoseAttentionScoresDoNotFitTheHostIsRefused) {
-  const std::vector<std::string> job = {"data.format=\"random\"", "train.microbatches=2", "train.accum_calls=1",
-                                        "train.microbatch_size=1"};
+  const std::vector<std::string> job = {"data.format=\"random\"", "train.microbatches=2",
+                                        "train.accum_calls=1", "train.microbatch_size=1"};
   auto dry_args = LaunchArgs(2, tmp_ + "/dry", With(job, {"data.seq_len=8192"}));
   dry_args.insert(dry_args.begin() + 1, "--dry-run");
   auto dry = testing::RunProcess(dry_args, 60, Env());

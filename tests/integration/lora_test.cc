@@ -28,7 +28,8 @@ const std::vector<std::string> kLora = {
 
 using LoraTest = LaunchTest;
 
-void ExpectClose(const std::vector<double>& got, const std::vector<double>& expected, const std::string& what) {
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& expected,
+                 const std::string& what) {
   ASSERT_EQ(got.size(), expected.size()) << what;
   for (size_t s = 0; s < got.size(); ++s)
     EXPECT_LE(std::abs(got[s] - expected[s]) / std::abs(expected[s]), 1e-5)
@@ -59,7 +60,8 @@ TEST_F(LoraTest, PipelineMatchesTheReferenceInBothModes) {
   ASSERT_EQ(ref1.code, 0) << ref1.output;
   auto r = Launch(2, tmp_ + "/stale1", With(kLora, {"optimizer.mode=stale1"}));
   ASSERT_EQ(r.code, 0) << r.output;
-  ExpectClose(Losses(tmp_ + "/stale1/metrics.jsonl"), Losses(tmp_ + "/ref-stale1/metrics.jsonl"), "stale1, N=2");
+  ExpectClose(Losses(tmp_ + "/stale1/metrics.jsonl"), Losses(tmp_ + "/ref-stale1/metrics.jsonl"),
+              "stale1, N=2");
 }
 
 // schedule.frozen_on_device: the workers keep the base from their first fetch on and copy only
@@ -88,19 +90,23 @@ TEST_F(LoraTest, TheFrozenBaseKeptOnTheWorkersChangesNoBit) {
     ASSERT_EQ(want.size(), 8u) << tag;
     EXPECT_EQ(Losses(tmp_ + "/kept-" + tag + "/metrics.jsonl"), want) << tag;
     ASSERT_TRUE(fs::exists(tmp_ + "/fetched-" + tag + adapter)) << tag;
-    EXPECT_EQ(ReadBytes(tmp_ + "/kept-" + tag + adapter), ReadBytes(tmp_ + "/fetched-" + tag + adapter)) << tag;
+    EXPECT_EQ(ReadBytes(tmp_ + "/kept-" + tag + adapter),
+              ReadBytes(tmp_ + "/fetched-" + tag + adapter))
+        << tag;
   }
   const auto eval_losses = [](const std::string& metrics) {
     std::vector<double> out;
     std::ifstream f(metrics);
     for (std::string line; std::getline(f, line);)
-      if (auto j = nlohmann::json::parse(line); j.contains("eval_loss")) out.push_back(j["eval_loss"].get<double>());
+      if (auto j = nlohmann::json::parse(line); j.contains("eval_loss"))
+        out.push_back(j["eval_loss"].get<double>());
     return out;
   };
   const auto evals = eval_losses(tmp_ + "/fetched-eval/metrics.jsonl");
   EXPECT_FALSE(evals.empty());
   EXPECT_EQ(eval_losses(tmp_ + "/kept-eval/metrics.jsonl"), evals);
-  const auto hang_job = With(kLora, {"train.steps=6", "job.worker_timeout_s=2", "schedule.frozen_on_device=true"});
+  const auto hang_job =
+      With(kLora, {"train.steps=6", "job.worker_timeout_s=2", "schedule.frozen_on_device=true"});
   auto clean = Launch(2, tmp_ + "/kept-clean", hang_job);
   ASSERT_EQ(clean.code, 0) << clean.output;
   auto hung = LaunchWithHookOnce(2, tmp_ + "/kept-hung", hang_job, "RP_TEST_HANG_ONCE");
@@ -112,7 +118,8 @@ TEST_F(LoraTest, TheFrozenBaseKeptOnTheWorkersChangesNoBit) {
 
 TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   // With evaluations every 3 steps: the resumed run evaluates at the same steps, bit for bit.
-  const auto job = With(kLora, {"checkpoint.every=20", "train.eval_every=3", "data.eval_fraction=0.1"});
+  const auto job =
+      With(kLora, {"checkpoint.every=20", "train.eval_every=3", "data.eval_fraction=0.1"});
   const std::string a = tmp_ + "/whole", b = tmp_ + "/pieces";
   auto whole = Launch(2, a, job);
   ASSERT_EQ(whole.code, 0) << whole.output;
@@ -133,7 +140,8 @@ TEST_F(LoraTest, StopAndResumeIsBitIdenticalToAnUninterruptedRun) {
   EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
               ReadBytes(b + "/adapter/adapter_model.safetensors"));
   // The checkpoint holds the adapters' state only: far smaller than a full fine-tune's.
-  auto full = Launch(2, tmp_ + "/full", {"checkpoint.every=20", "train.steps=2", "train.stop_after=2"});
+  auto full =
+      Launch(2, tmp_ + "/full", {"checkpoint.every=20", "train.steps=2", "train.stop_after=2"});
   ASSERT_EQ(full.code, 0) << full.output;
   EXPECT_LT(fs::file_size(a + "/checkpoints/step-00000020.rpstate") * 4,
             fs::file_size(tmp_ + "/full/checkpoints/step-00000002.rpstate"));
@@ -152,34 +160,36 @@ TEST_F(LoraTest, AdapterAndMergedExportsLoadBack) {
   // the same loss as base + adapter. Qwen3-style with tied embeddings (the job's model), then
   // Llama-style (no q/k norm) with an untied LM head.
   for (const bool llama : {false, true}) {
-  SCOPED_TRACE(llama ? "llama, untied" : "qwen3, tied");
-  const std::string tag = llama ? "/llama" : "/qwen3";
-  std::vector<std::string> lora = {"lora.rank=4", "lora.alpha=16",
-                                   "lora.target_modules=[\"q_proj\",\"v_proj\",\"gate_proj\",\"down_proj\"]"};
-  if (llama) lora = With(lora, {"model.qk_norm=false", "model.tie_embeddings=false"});
-  const std::string a = tmp_ + tag + "-train";
-  auto train = Launch(2, a, With(lora, {"train.steps=5", "checkpoint.export_hf=merged"}));
-  ASSERT_EQ(train.code, 0) << train.output;
-  ASSERT_TRUE(fs::exists(a + "/adapter/adapter_config.json"));
-  ASSERT_TRUE(fs::exists(a + "/merged/model.safetensors"));
-  const std::vector<std::string> frozen = {"train.steps=1", "optimizer.lr=0", "optimizer.min_lr=0"};
-  const auto again = With(With(lora, frozen), {"lora.init_from=" + a + "/adapter"});
-  auto load = Launch(2, tmp_ + tag + "-load", again);
-  ASSERT_EQ(load.code, 0) << load.output;
-  EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
-              ReadBytes(tmp_ + tag + "-load/adapter/adapter_model.safetensors"))
-      << "the adapter changed on the way through load and export";
-  auto ref = Ref(tmp_ + tag + "-ref", again);
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  const double loaded = Losses(tmp_ + tag + "-load/metrics.jsonl").at(0);
-  EXPECT_LE(std::abs(loaded - Losses(tmp_ + tag + "-ref/metrics.jsonl").at(0)) / loaded, 1e-5);
-  EXPECT_LT(loaded, Losses(a + "/metrics.jsonl").at(0));  // trained adapters, not fresh ones
-  // The merged directory's config.json carries the architecture (llama / qwen3, tied or not).
-  auto merged = Launch(2, tmp_ + tag + "-merged", With(frozen, {"model.path=" + a + "/merged"}));
-  ASSERT_EQ(merged.code, 0) << merged.output;
-  EXPECT_LE(std::abs(Losses(tmp_ + tag + "-merged/metrics.jsonl").at(0) - loaded) / loaded, 1e-5);
-  EXPECT_NE(testing::ReadFile(a + "/merged/config.json").find(llama ? "\"llama\"" : "\"qwen3\""),
-            std::string::npos);
+    SCOPED_TRACE(llama ? "llama, untied" : "qwen3, tied");
+    const std::string tag = llama ? "/llama" : "/qwen3";
+    std::vector<std::string> lora = {
+        "lora.rank=4", "lora.alpha=16",
+        "lora.target_modules=[\"q_proj\",\"v_proj\",\"gate_proj\",\"down_proj\"]"};
+    if (llama) lora = With(lora, {"model.qk_norm=false", "model.tie_embeddings=false"});
+    const std::string a = tmp_ + tag + "-train";
+    auto train = Launch(2, a, With(lora, {"train.steps=5", "checkpoint.export_hf=merged"}));
+    ASSERT_EQ(train.code, 0) << train.output;
+    ASSERT_TRUE(fs::exists(a + "/adapter/adapter_config.json"));
+    ASSERT_TRUE(fs::exists(a + "/merged/model.safetensors"));
+    const std::vector<std::string> frozen = {"train.steps=1", "optimizer.lr=0",
+                                             "optimizer.min_lr=0"};
+    const auto again = With(With(lora, frozen), {"lora.init_from=" + a + "/adapter"});
+    auto load = Launch(2, tmp_ + tag + "-load", again);
+    ASSERT_EQ(load.code, 0) << load.output;
+    EXPECT_TRUE(ReadBytes(a + "/adapter/adapter_model.safetensors") ==
+                ReadBytes(tmp_ + tag + "-load/adapter/adapter_model.safetensors"))
+        << "the adapter changed on the way through load and export";
+    auto ref = Ref(tmp_ + tag + "-ref", again);
+    ASSERT_EQ(ref.code, 0) << ref.output;
+    const double loaded = Losses(tmp_ + tag + "-load/metrics.jsonl").at(0);
+    EXPECT_LE(std::abs(loaded - Losses(tmp_ + tag + "-ref/metrics.jsonl").at(0)) / loaded, 1e-5);
+    EXPECT_LT(loaded, Losses(a + "/metrics.jsonl").at(0));  // trained adapters, not fresh ones
+    // The merged directory's config.json carries the architecture (llama / qwen3, tied or not).
+    auto merged = Launch(2, tmp_ + tag + "-merged", With(frozen, {"model.path=" + a + "/merged"}));
+    ASSERT_EQ(merged.code, 0) << merged.output;
+    EXPECT_LE(std::abs(Losses(tmp_ + tag + "-merged/metrics.jsonl").at(0) - loaded) / loaded, 1e-5);
+    EXPECT_NE(testing::ReadFile(a + "/merged/config.json").find(llama ? "\"llama\"" : "\"qwen3\""),
+              std::string::npos);
   }
 }
 
@@ -190,12 +200,15 @@ TEST_F(LoraTest, MismatchedOrDamagedAdaptersAreRefusedNamingTheProblem) {
   const std::string dir = a + "/adapter";
   auto wrong_rank = Launch(1, tmp_ + "/r8", With(kLora, {"lora.rank=8", "lora.init_from=" + dir}));
   EXPECT_NE(wrong_rank.code, 0);
-  EXPECT_NE(wrong_rank.output.find("adapter_config.json: \"r\" is 4; lora.rank is 8"), std::string::npos)
+  EXPECT_NE(wrong_rank.output.find("adapter_config.json: \"r\" is 4; lora.rank is 8"),
+            std::string::npos)
       << wrong_rank.output;
-  auto wrong_targets = Launch(1, tmp_ + "/targets",
-                              With(kLora, {"lora.target_modules=[\"q_proj\"]", "lora.init_from=" + dir}));
+  auto wrong_targets =
+      Launch(1, tmp_ + "/targets",
+             With(kLora, {"lora.target_modules=[\"q_proj\"]", "lora.init_from=" + dir}));
   EXPECT_NE(wrong_targets.code, 0);
-  EXPECT_NE(wrong_targets.output.find("\"target_modules\" is ["), std::string::npos) << wrong_targets.output;
+  EXPECT_NE(wrong_targets.output.find("\"target_modules\" is ["), std::string::npos)
+      << wrong_targets.output;
   const std::string weights = dir + "/adapter_model.safetensors";
   fs::resize_file(weights, fs::file_size(weights) - 100);
   auto truncated = Launch(1, tmp_ + "/trunc", With(kLora, {"lora.init_from=" + dir}));
@@ -203,7 +216,8 @@ TEST_F(LoraTest, MismatchedOrDamagedAdaptersAreRefusedNamingTheProblem) {
   EXPECT_NE(truncated.output.find(weights), std::string::npos) << truncated.output;
   auto bad_target = Launch(1, tmp_ + "/bad", With(kLora, {"lora.target_modules=[\"qproj\"]"}));
   EXPECT_NE(bad_target.code, 0);
-  EXPECT_NE(bad_target.output.find("lora.target_modules: \"qproj\""), std::string::npos) << bad_target.output;
+  EXPECT_NE(bad_target.output.find("lora.target_modules: \"qproj\""), std::string::npos)
+      << bad_target.output;
 }
 
 TEST_F(LoraTest, AnAdapterSavedByPeftComputesPeftsLoss) {
@@ -215,19 +229,24 @@ TEST_F(LoraTest, AnAdapterSavedByPeftComputesPeftsLoss) {
   const auto at = text.find("\"loss\":");
   ASSERT_NE(at, std::string::npos) << text;
   const double expected = std::stod(text.substr(at + 7));
-  auto ref = testing::RunProcess({BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
-                                  "job.output_dir=" + tmp_ + "/ref"}, 240, Env());
+  auto ref = testing::RunProcess(
+      {BinDir() + "/rp-train-ref", dir + "/job.toml", "--set", "job.output_dir=" + tmp_ + "/ref"},
+      240, Env());
   ASSERT_EQ(ref.code, 0) << ref.output;
-  auto pipe = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", dir + "/job.toml", "--set",
-                                   "job.output_dir=" + tmp_ + "/pipe"}, 240, Env());
+  auto pipe = testing::RunProcess({BinDir() + "/rp-launch", "--gpus", "2", dir + "/job.toml",
+                                   "--set", "job.output_dir=" + tmp_ + "/pipe"},
+                                  240, Env());
   ASSERT_EQ(pipe.code, 0) << pipe.output;
   for (const std::string out : {"/ref", "/pipe"}) {
     const double got = Losses(tmp_ + out + "/metrics.jsonl").at(0);
-    EXPECT_LE(std::abs(got - expected) / expected, 1e-5) << out << ": " << got << " vs peft's " << expected;
+    EXPECT_LE(std::abs(got - expected) / expected, 1e-5)
+        << out << ": " << got << " vs peft's " << expected;
   }
   // Without the adapter the same batch scores differently: the adapter was applied.
-  auto bare = testing::RunProcess({BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
-                                   "job.output_dir=" + tmp_ + "/bare", "--set", "lora.init_from=\"\""}, 240, Env());
+  auto bare =
+      testing::RunProcess({BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
+                           "job.output_dir=" + tmp_ + "/bare", "--set", "lora.init_from=\"\""},
+                          240, Env());
   ASSERT_EQ(bare.code, 0) << bare.output;
   EXPECT_GT(std::abs(Losses(tmp_ + "/bare/metrics.jsonl").at(0) - expected) / expected, 1e-3);
 }

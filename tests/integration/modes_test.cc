@@ -26,22 +26,38 @@ struct Factor {
 };
 
 // The factors; index kWorkers holds the worker count, kActivations the transports.
-enum { kMode, kOptimizer, kActivations, kWeights, kLookup, kPartition, kLora, kMerge, kInterleave, kLayerMajor, kWorkers };
+enum {
+  kMode,
+  kOptimizer,
+  kActivations,
+  kWeights,
+  kLookup,
+  kPartition,
+  kLora,
+  kMerge,
+  kInterleave,
+  kLayerMajor,
+  kWorkers
+};
 
 const std::vector<Factor>& Factors() {
   static const std::vector<Factor> f = {
       {"optimizer.mode", {"optimizer.mode=\"exact\"", "optimizer.mode=\"stale1\""}},
       {"optimizer.name", {"optimizer.name=\"adamw\"", "optimizer.name=\"sgd\""}},
       {"schedule.activations",
-       {"schedule.activations=\"host\"", "schedule.activations=\"worker\"", "schedule.activations=\"cuda_ipc\""}},
-      {"schedule.weights_source", {"schedule.weights_source=\"auto\"", "schedule.weights_source=\"compute_copy\""}},
-      {"schedule.embedding_lookup", {"schedule.embedding_lookup=\"auto\"", "schedule.embedding_lookup=\"copy\""}},
+       {"schedule.activations=\"host\"", "schedule.activations=\"worker\"",
+        "schedule.activations=\"cuda_ipc\""}},
+      {"schedule.weights_source",
+       {"schedule.weights_source=\"auto\"", "schedule.weights_source=\"compute_copy\""}},
+      {"schedule.embedding_lookup",
+       {"schedule.embedding_lookup=\"auto\"", "schedule.embedding_lookup=\"copy\""}},
       {"schedule.partition", {"schedule.partition=\"equal\"", "schedule.partition=\"auto\""}},
       {"lora.rank", {"lora.rank=0", "lora.rank=4"}},
       {"RP_MERGE_CALLS", {"RP_MERGE_CALLS=auto", "RP_MERGE_CALLS=always", "RP_MERGE_CALLS=never"}},
       {"RP_INTERLEAVE_CALLS", {"RP_INTERLEAVE_CALLS=1", "RP_INTERLEAVE_CALLS=0"}},
       {"RP_LAYER_MAJOR_FORWARD",
-       {"RP_LAYER_MAJOR_FORWARD=auto", "RP_LAYER_MAJOR_FORWARD=always", "RP_LAYER_MAJOR_FORWARD=never"}},
+       {"RP_LAYER_MAJOR_FORWARD=auto", "RP_LAYER_MAJOR_FORWARD=always",
+        "RP_LAYER_MAJOR_FORWARD=never"}},
       {"workers", {"1", "2", "3"}},
   };
   return f;
@@ -86,7 +102,8 @@ std::vector<std::vector<int>> AllPairs() {
     }
     if (best_gain == 0) break;
     for (size_t i = 0; i < n; ++i)
-      for (size_t j = i + 1; j < n; ++j) uncovered.erase({static_cast<int>(i), best[i], static_cast<int>(j), best[j]});
+      for (size_t j = i + 1; j < n; ++j)
+        uncovered.erase({static_cast<int>(i), best[i], static_cast<int>(j), best[j]});
     rows.push_back(best);
   }
   EXPECT_TRUE(uncovered.empty()) << uncovered.size() << " pairs no allowed row covers";
@@ -99,8 +116,11 @@ class ModesTest : public LaunchTest {
   // clipping on, LoRA targets with dropout so the adapters' masks are exercised too; no
   // re-planning, so `auto` keeps its cost-model plan and a row and its plain twin run one plan.
   static std::vector<std::string> Sets(const std::vector<int>& row) {
-    std::vector<std::string> s = {"train.steps=6", "train.accum_calls=2", "train.microbatches=2",
-                                  "schedule.replan_gain=0", "lora.target_modules=[\"q_proj\",\"down_proj\"]",
+    std::vector<std::string> s = {"train.steps=6",
+                                  "train.accum_calls=2",
+                                  "train.microbatches=2",
+                                  "schedule.replan_gain=0",
+                                  "lora.target_modules=[\"q_proj\",\"down_proj\"]",
                                   "lora.dropout=0.1"};
     for (size_t i = 0; i < Factors().size(); ++i)
       if (i != kWorkers) s.push_back(Factors()[i].values[row[i]]);
@@ -108,7 +128,8 @@ class ModesTest : public LaunchTest {
   }
   static std::string Describe(const std::vector<int>& row) {
     std::string d;
-    for (size_t i = 0; i < Factors().size(); ++i) d += (d.empty() ? "" : " ") + Factors()[i].values[row[i]];
+    for (size_t i = 0; i < Factors().size(); ++i)
+      d += (d.empty() ? "" : " ") + Factors()[i].values[row[i]];
     return d;
   }
 };
@@ -139,7 +160,8 @@ TEST_F(ModesTest, EveryPairOfModesMatchesTheReference) {
     plain[kActivations] = plain[kLayerMajor] = plain[kLookup] = 0;
     auto base = Launch(workers, tmp_ + "/plain-" + tag, Sets(plain));
     ASSERT_EQ(base.code, 0) << base.output;
-    EXPECT_EQ(Losses(tmp_ + "/plain-" + tag + "/metrics.jsonl"), got) << "not bit-identical to " << Describe(plain);
+    EXPECT_EQ(Losses(tmp_ + "/plain-" + tag + "/metrics.jsonl"), got)
+        << "not bit-identical to " << Describe(plain);
     ++bitwise_checks;
   }
   EXPECT_GE(bitwise_checks, 3);

@@ -30,14 +30,26 @@ constexpr int64_t kVocab = 256, kHidden = 32, kHeads = 4, kKvHeads = 2, kHeadDim
 constexpr int64_t kLayers = 3, kExperts = 4, kTopK = 2, kExpertInter = 16;
 
 json MoeConfig() {
-  return {{"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"},
-          {"vocab_size", kVocab}, {"hidden_size", kHidden}, {"intermediate_size", kInter},
-          {"num_hidden_layers", kLayers}, {"num_attention_heads", kHeads},
-          {"num_key_value_heads", kKvHeads}, {"head_dim", kHeadDim}, {"rms_norm_eps", 1e-6},
+  return {{"architectures", {"Qwen3MoeForCausalLM"}},
+          {"model_type", "qwen3_moe"},
+          {"vocab_size", kVocab},
+          {"hidden_size", kHidden},
+          {"intermediate_size", kInter},
+          {"num_hidden_layers", kLayers},
+          {"num_attention_heads", kHeads},
+          {"num_key_value_heads", kKvHeads},
+          {"head_dim", kHeadDim},
+          {"rms_norm_eps", 1e-6},
           {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1000000.0}}},
-          {"tie_word_embeddings", false}, {"num_experts", kExperts}, {"num_experts_per_tok", kTopK},
-          {"moe_intermediate_size", kExpertInter}, {"norm_topk_prob", true}, {"decoder_sparse_step", 1},
-          {"mlp_only_layers", {1}}, {"output_router_logits", false}, {"router_aux_loss_coef", 0.001}};
+          {"tie_word_embeddings", false},
+          {"num_experts", kExperts},
+          {"num_experts_per_tok", kTopK},
+          {"moe_intermediate_size", kExpertInter},
+          {"norm_topk_prob", true},
+          {"decoder_sparse_step", 1},
+          {"mlp_only_layers", {1}},
+          {"output_router_logits", false},
+          {"router_aux_loss_coef", 0.001}};
 }
 
 // A Qwen3-MoE directory with random weights (std 0.1; routers 0.4 so that routing is decided by
@@ -96,11 +108,17 @@ void WriteMoeModel(const std::string& dir, bool fused, const json& config = MoeC
       }
     }
     store.push_back(gate_up);
-    tensors.push_back({p + "mlp.experts.gate_up_proj", "F32", {kExperts, 2 * kExpertInter, kHidden},
-                       store.back().data(), gate_up.size() * 4});
+    tensors.push_back({p + "mlp.experts.gate_up_proj",
+                       "F32",
+                       {kExperts, 2 * kExpertInter, kHidden},
+                       store.back().data(),
+                       gate_up.size() * 4});
     store.push_back(down);
-    tensors.push_back({p + "mlp.experts.down_proj", "F32", {kExperts, kHidden, kExpertInter},
-                       store.back().data(), down.size() * 4});
+    tensors.push_back({p + "mlp.experts.down_proj",
+                       "F32",
+                       {kExperts, kHidden, kExpertInter},
+                       store.back().data(),
+                       down.size() * 4});
   }
   add("model.norm.weight", {kHidden}, 1.0f, 0.1f);
   add("lm_head.weight", {kVocab, kHidden}, 0.0f, 0.1f);
@@ -109,11 +127,13 @@ void WriteMoeModel(const std::string& dir, bool fused, const json& config = MoeC
 }
 
 std::vector<std::string> MoeJob(const std::string& model, int steps) {
-  return {"model.path=" + model, "data.seq_len=32", "train.steps=" + std::to_string(steps),
-          "train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2", "optimizer.lr=1e-2"};
+  return {"model.path=" + model,     "data.seq_len=32",      "train.steps=" + std::to_string(steps),
+          "train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2",
+          "optimizer.lr=1e-2"};
 }
 
-void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want,
+                 const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t s = 0; s < got.size(); ++s)
     EXPECT_LE(std::abs(got[s] - want[s]) / want[s], 1e-5) << what << ", step " << s + 1;
@@ -148,11 +168,13 @@ TEST_F(LaunchTest, MoePipelineMatchesTheReferenceForOneToThreeWorkersInBothModes
         const std::string out = tmp_ + "/run-" + tag + "-" + std::to_string(n);
         auto run = Launch(n, out, sets);
         ASSERT_EQ(run.code, 0) << run.output;
-        ExpectClose(Losses(out + "/metrics.jsonl"), want, tag + " on " + std::to_string(n) + " workers");
+        ExpectClose(Losses(out + "/metrics.jsonl"), want,
+                    tag + " on " + std::to_string(n) + " workers");
       }
       if (!aux) continue;
       const std::string out = tmp_ + "/run-" + tag + "-layer-major";
-      auto run = Launch(3, out, With(sets, {"RP_LAYER_MAJOR_FORWARD=always", "RP_MERGE_CALLS=never"}));
+      auto run =
+          Launch(3, out, With(sets, {"RP_LAYER_MAJOR_FORWARD=always", "RP_MERGE_CALLS=never"}));
       ASSERT_EQ(run.code, 0) << run.output;
       ExpectClose(Losses(out + "/metrics.jsonl"), want, tag + ", layer-major forward");
     }
@@ -170,7 +192,8 @@ TEST_F(LaunchTest, MoeLayoutsAndTheExportAreTheSameModel) {
   const std::vector<std::string> still = {"optimizer.lr=0", "optimizer.min_lr=0"};
   auto a = Launch(2, tmp_ + "/a", With(MoeJob(per_expert, 2), still));
   ASSERT_EQ(a.code, 0) << a.output;
-  auto b = Launch(2, tmp_ + "/b", With(MoeJob(fused, 2), With(still, {"checkpoint.export_hf=\"hf\""})));
+  auto b =
+      Launch(2, tmp_ + "/b", With(MoeJob(fused, 2), With(still, {"checkpoint.export_hf=\"hf\""})));
   ASSERT_EQ(b.code, 0) << b.output;
   const auto la = Losses(tmp_ + "/a/metrics.jsonl");
   ASSERT_EQ(la.size(), 2u);
@@ -180,7 +203,8 @@ TEST_F(LaunchTest, MoeLayoutsAndTheExportAreTheSameModel) {
   ASSERT_TRUE(header.ok()) << header.status().message();
   EXPECT_NE(header->Find("model.layers.0.mlp.experts.3.up_proj.weight"), nullptr);
   EXPECT_EQ(header->Find("model.layers.0.mlp.experts.gate_up_proj"), nullptr);
-  EXPECT_EQ(header->Find("model.layers.1.mlp.experts.0.up_proj.weight"), nullptr) << "layer 1 is dense";
+  EXPECT_EQ(header->Find("model.layers.1.mlp.experts.0.up_proj.weight"), nullptr)
+      << "layer 1 is dense";
   const json cfg = json::parse(testing::ReadFile(exported + "/config.json"));
   EXPECT_EQ(cfg["model_type"], "qwen3_moe");
   EXPECT_EQ(cfg["mlp_only_layers"], json::array({1}));
@@ -208,7 +232,9 @@ TEST_F(LaunchTest, MoeRefusesMlpModuleTargetsAndANegativeRouterLossWeight) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("router_aux_loss_coef"), std::string::npos) << r.output;
   WriteMoeModel(tmp_ + "/moe", false);
-  auto l = Launch(2, tmp_ + "/l", With(MoeJob(tmp_ + "/moe", 2), {"lora.rank=4", "lora.target_modules=[\"up_proj\"]"}), 30);
+  auto l = Launch(
+      2, tmp_ + "/l",
+      With(MoeJob(tmp_ + "/moe", 2), {"lora.rank=4", "lora.target_modules=[\"up_proj\"]"}), 30);
   EXPECT_EQ(l.code, 2) << l.output;
   EXPECT_NE(l.output.find("lora.target_modules"), std::string::npos) << l.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/r"));
@@ -223,8 +249,10 @@ TEST_F(LaunchTest, MoeLoraOnAttentionMatchesTheReference) {
   cfg["output_router_logits"] = true;
   cfg["router_aux_loss_coef"] = 0.05;
   WriteMoeModel(tmp_ + "/moe", false, cfg);
-  const auto sets = With(MoeJob(tmp_ + "/moe", 6), {"lora.rank=4", "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\"]",
-                                                    "optimizer.lr=2e-2"});
+  const auto sets =
+      With(MoeJob(tmp_ + "/moe", 6),
+           {"lora.rank=4", "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\"]",
+            "optimizer.lr=2e-2"});
   auto ref = Ref(tmp_ + "/ref", sets);
   ASSERT_EQ(ref.code, 0) << ref.output;
   auto run = Launch(2, tmp_ + "/run", sets);
@@ -243,11 +271,13 @@ TEST_F(LaunchTest, MoeExpertAdaptersMatchTheReferenceForOneToThreeWorkersInBothM
   cfg["output_router_logits"] = true;
   cfg["router_aux_loss_coef"] = 0.05;
   WriteMoeModel(tmp_ + "/moe", false, cfg);
-  const std::vector<std::string> both = {"lora.rank=4", "lora.target_modules=[\"q_proj\",\"v_proj\"]",
-                                         "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]",
-                                         "optimizer.lr=2e-2"};
+  const std::vector<std::string> both = {
+      "lora.rank=4", "lora.target_modules=[\"q_proj\",\"v_proj\"]",
+      "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]",
+      "optimizer.lr=2e-2"};
   for (const char* mode : {"exact", "stale1"}) {
-    const auto sets = With(MoeJob(tmp_ + "/moe", 6), With(both, {std::string("optimizer.mode=\"") + mode + "\""}));
+    const auto sets = With(MoeJob(tmp_ + "/moe", 6),
+                           With(both, {std::string("optimizer.mode=\"") + mode + "\""}));
     auto ref = Ref(tmp_ + "/ref-" + mode, sets);
     ASSERT_EQ(ref.code, 0) << ref.output;
     const auto want = Losses(tmp_ + "/ref-" + mode + "/metrics.jsonl");
@@ -257,12 +287,14 @@ TEST_F(LaunchTest, MoeExpertAdaptersMatchTheReferenceForOneToThreeWorkersInBothM
       const std::string out = tmp_ + "/run-" + mode + "-" + std::to_string(n);
       auto run = Launch(n, out, sets);
       ASSERT_EQ(run.code, 0) << run.output;
-      ExpectClose(Losses(out + "/metrics.jsonl"), want, std::string(mode) + " on " + std::to_string(n) + " workers");
+      ExpectClose(Losses(out + "/metrics.jsonl"), want,
+                  std::string(mode) + " on " + std::to_string(n) + " workers");
     }
   }
-  const auto down_only = With(MoeJob(tmp_ + "/moe", 6), {"lora.rank=4", "lora.target_modules=[]",
-                                                         "lora.target_parameters=[\"mlp.experts.down_proj\"]",
-                                                         "optimizer.lr=2e-2"});
+  const auto down_only =
+      With(MoeJob(tmp_ + "/moe", 6),
+           {"lora.rank=4", "lora.target_modules=[]",
+            "lora.target_parameters=[\"mlp.experts.down_proj\"]", "optimizer.lr=2e-2"});
   auto ref = Ref(tmp_ + "/ref-down", down_only);
   ASSERT_EQ(ref.code, 0) << ref.output;
   auto run = Launch(2, tmp_ + "/run-down", down_only);
@@ -285,41 +317,49 @@ TEST_F(LaunchTest, MoeExpertAdaptersSavedByPeftComputePeftsLossAndGradient) {
   for (const auto& [name, control] : expected["controls"].items())
     EXPECT_GE(std::abs(control["loss"].get<double>() - loss) / loss, 1e-3) << name;
   auto ref = testing::RunProcess({testing::BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
-                                  "job.output_dir=" + tmp_ + "/ref"}, 240, Env());
+                                  "job.output_dir=" + tmp_ + "/ref"},
+                                 240, Env());
   ASSERT_EQ(ref.code, 0) << ref.output;
   for (int n : {1, 3}) {
     const std::string out = tmp_ + "/pipe" + std::to_string(n);
-    auto pipe = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n), dir + "/job.toml",
-                                     "--set", "job.output_dir=" + out}, 240, Env());
+    auto pipe = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", std::to_string(n),
+                                     dir + "/job.toml", "--set", "job.output_dir=" + out},
+                                    240, Env());
     ASSERT_EQ(pipe.code, 0) << pipe.output;
   }
   // The same tensors named by PEFT-style suffixes.
-  auto suffixes = testing::RunProcess({testing::BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
-                                       "job.output_dir=" + tmp_ + "/suffixes", "--set",
-                                       "lora.target_parameters=[\"gate_up_proj\",\"experts.down_proj\"]"}, 240, Env());
+  auto suffixes =
+      testing::RunProcess({testing::BinDir() + "/rp-train-ref", dir + "/job.toml", "--set",
+                           "job.output_dir=" + tmp_ + "/suffixes", "--set",
+                           "lora.target_parameters=[\"gate_up_proj\",\"experts.down_proj\"]"},
+                          240, Env());
   ASSERT_EQ(suffixes.code, 0) << suffixes.output;
   for (const std::string out : {"/ref", "/pipe1", "/pipe3", "/suffixes"}) {
     const double got = Losses(tmp_ + out + "/metrics.jsonl").at(0);
     const double got_norm = Losses(tmp_ + out + "/metrics.jsonl", "grad_norm").at(0);
     EXPECT_LE(std::abs(got - loss) / loss, 1e-6) << out << ": " << got << " vs peft's " << loss;
-    EXPECT_LE(std::abs(got_norm - norm) / norm, 1e-5) << out << ": gradient norm " << got_norm << " vs peft's " << norm;
+    EXPECT_LE(std::abs(got_norm - norm) / norm, 1e-5)
+        << out << ": gradient norm " << got_norm << " vs peft's " << norm;
   }
   // The adapter's target sets are checked against the job's.
-  auto other = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", "1", dir + "/job.toml", "--set",
-                                    "job.output_dir=" + tmp_ + "/other", "--set",
-                                    "lora.target_parameters=[\"mlp.experts.down_proj\"]"}, 60, Env());
+  auto other = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", "1",
+                                    dir + "/job.toml", "--set", "job.output_dir=" + tmp_ + "/other",
+                                    "--set", "lora.target_parameters=[\"mlp.experts.down_proj\"]"},
+                                   60, Env());
   EXPECT_EQ(other.code, 2) << other.output;
   EXPECT_NE(other.output.find("\"target_parameters\" is ["), std::string::npos) << other.output;
   // An adapter written by a peft that laid these tensors out the other way is refused by version.
   const std::string old_peft = tmp_ + "/old-peft";
   fs::create_directories(old_peft);
-  fs::copy_file(dir + "/adapter/adapter_model.safetensors", old_peft + "/adapter_model.safetensors");
+  fs::copy_file(dir + "/adapter/adapter_model.safetensors",
+                old_peft + "/adapter_model.safetensors");
   json old_config = json::parse(testing::ReadFile(dir + "/adapter/adapter_config.json"));
   old_config["peft_version"] = "0.18.1";
   std::ofstream(old_peft + "/adapter_config.json") << old_config.dump(2);
-  auto old = testing::RunProcess({testing::BinDir() + "/rp-launch", "--gpus", "1", dir + "/job.toml", "--set",
-                                  "job.output_dir=" + tmp_ + "/old", "--set", "lora.init_from=\"" + old_peft + "\""},
-                                 60, Env());
+  auto old = testing::RunProcess(
+      {testing::BinDir() + "/rp-launch", "--gpus", "1", dir + "/job.toml", "--set",
+       "job.output_dir=" + tmp_ + "/old", "--set", "lora.init_from=\"" + old_peft + "\""},
+      60, Env());
   EXPECT_EQ(old.code, 2) << old.output;
   EXPECT_NE(old.output.find("\"peft_version\" is 0.18.1"), std::string::npos) << old.output;
 }
@@ -329,46 +369,60 @@ TEST_F(LaunchTest, MoeExpertAdaptersSavedByPeftComputePeftsLossAndGradient) {
 // checkpoint alone give the same loss (1e-5), which differs from the base's.
 TEST_F(LaunchTest, MoeExpertAdaptersExportAsPeftAndMerged) {
   WriteMoeModel(tmp_ + "/moe", false);
-  const std::vector<std::string> lora = {"lora.rank=4", "lora.target_modules=[\"q_proj\"]",
-                                         "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]"};
-  auto train = Launch(2, tmp_ + "/train", With(MoeJob(tmp_ + "/moe", 4),
-                                               With(lora, {"optimizer.lr=5e-2", "checkpoint.export_hf=\"hf\""})));
+  const std::vector<std::string> lora = {
+      "lora.rank=4", "lora.target_modules=[\"q_proj\"]",
+      "lora.target_parameters=[\"mlp.experts.gate_up_proj\",\"mlp.experts.down_proj\"]"};
+  auto train = Launch(2, tmp_ + "/train",
+                      With(MoeJob(tmp_ + "/moe", 4),
+                           With(lora, {"optimizer.lr=5e-2", "checkpoint.export_hf=\"hf\""})));
   ASSERT_EQ(train.code, 0) << train.output;
   const json cfg = json::parse(testing::ReadFile(tmp_ + "/train/adapter/adapter_config.json"));
-  EXPECT_EQ(cfg["target_parameters"], json::array({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  EXPECT_EQ(cfg["target_parameters"],
+            json::array({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
   auto header = core::SafetensorsFile::Open(tmp_ + "/train/adapter/adapter_model.safetensors");
   ASSERT_TRUE(header.ok()) << header.status().message();
-  const auto* gate_up_a = header->Find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
+  const auto* gate_up_a =
+      header->Find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
   ASSERT_NE(gate_up_a, nullptr);
   EXPECT_EQ(gate_up_a->shape, (std::vector<int64_t>{4 * kExperts, kHidden}));
   EXPECT_NE(header->Find("base_model.model.model.layers.2.mlp.experts.lora_B.weight"), nullptr);
-  EXPECT_EQ(header->Find("base_model.model.model.layers.1.mlp.experts.lora_A.weight"), nullptr) << "layer 1 is dense";
+  EXPECT_EQ(header->Find("base_model.model.model.layers.1.mlp.experts.lora_A.weight"), nullptr)
+      << "layer 1 is dense";
   const std::vector<std::string> still = {"optimizer.lr=0", "optimizer.min_lr=0"};
-  auto loaded = Launch(2, tmp_ + "/loaded", With(MoeJob(tmp_ + "/moe", 1),
-                                                 With(lora, With(still, {"lora.init_from=\"" + tmp_ + "/train/adapter\""}))));
+  auto loaded =
+      Launch(2, tmp_ + "/loaded",
+             With(MoeJob(tmp_ + "/moe", 1),
+                  With(lora, With(still, {"lora.init_from=\"" + tmp_ + "/train/adapter\""}))));
   ASSERT_EQ(loaded.code, 0) << loaded.output;
   auto merged = Launch(2, tmp_ + "/merged", With(MoeJob(tmp_ + "/train/hf", 1), still));
   ASSERT_EQ(merged.code, 0) << merged.output;
   auto base = Launch(2, tmp_ + "/base", With(MoeJob(tmp_ + "/moe", 1), still));
   ASSERT_EQ(base.code, 0) << base.output;
-  const double l = Losses(tmp_ + "/loaded/metrics.jsonl").at(0), m = Losses(tmp_ + "/merged/metrics.jsonl").at(0);
+  const double l = Losses(tmp_ + "/loaded/metrics.jsonl").at(0),
+               m = Losses(tmp_ + "/merged/metrics.jsonl").at(0);
   EXPECT_LE(std::abs(l - m) / m, 1e-5) << "adapter on the base " << l << ", merged " << m;
-  EXPECT_GT(std::abs(Losses(tmp_ + "/base/metrics.jsonl").at(0) - m) / m, 1e-4) << "the adapters changed the model";
+  EXPECT_GT(std::abs(Losses(tmp_ + "/base/metrics.jsonl").at(0) - m) / m, 1e-4)
+      << "the adapters changed the model";
 }
 
 // A mixture of experts from job keys (random init, no checkpoint; the CPU demo's kind of job):
 // the pipeline against rp-train-ref with the load-balancing loss, and the export is a qwen3_moe
 // checkpoint with the job's experts.
 TEST_F(LaunchTest, MoeFromJobKeysMatchesTheReferenceAndExportsAsQwen3Moe) {
-  const std::vector<std::string> sets = {"model.num_experts=4", "model.experts_per_token=2",
-                                         "model.expert_intermediate_size=32", "model.norm_topk_prob=true",
-                                         "model.router_aux_loss_coef=0.05", "model.sparse_step=2",
-                                         "train.steps=4", "checkpoint.export_hf=hf"};
+  const std::vector<std::string> sets = {"model.num_experts=4",
+                                         "model.experts_per_token=2",
+                                         "model.expert_intermediate_size=32",
+                                         "model.norm_topk_prob=true",
+                                         "model.router_aux_loss_coef=0.05",
+                                         "model.sparse_step=2",
+                                         "train.steps=4",
+                                         "checkpoint.export_hf=hf"};
   auto ref = Ref(tmp_ + "/ref", sets);
   ASSERT_EQ(ref.code, 0) << ref.output;
   auto run = Launch(2, tmp_ + "/run", sets);
   ASSERT_EQ(run.code, 0) << run.output;
-  ExpectClose(Losses(tmp_ + "/run/metrics.jsonl"), Losses(tmp_ + "/ref/metrics.jsonl"), "job keys on 2 workers");
+  ExpectClose(Losses(tmp_ + "/run/metrics.jsonl"), Losses(tmp_ + "/ref/metrics.jsonl"),
+              "job keys on 2 workers");
   const json cfg = json::parse(ReadBytes(tmp_ + "/run/hf/config.json"));
   EXPECT_EQ(cfg["model_type"], "qwen3_moe");
   EXPECT_EQ(cfg["num_experts"], 4);
@@ -376,11 +430,13 @@ TEST_F(LaunchTest, MoeFromJobKeysMatchesTheReferenceAndExportsAsQwen3Moe) {
   EXPECT_EQ(cfg["decoder_sparse_step"], 2);
   EXPECT_EQ(cfg["output_router_logits"], true);
   // A dense job with a router weight, and more experts per token than experts: refused.
-  for (const auto& bad : {std::vector<std::string>{"model.router_aux_loss_coef=0.01"},
-                          std::vector<std::string>{"model.num_experts=2", "model.experts_per_token=3"}}) {
+  for (const auto& bad :
+       {std::vector<std::string>{"model.router_aux_loss_coef=0.01"},
+        std::vector<std::string>{"model.num_experts=2", "model.experts_per_token=3"}}) {
     auto r = Launch(1, tmp_ + "/bad", bad, 30);
     EXPECT_EQ(r.code, 2) << r.output;
-    EXPECT_NE(r.output.find(bad.back().substr(0, bad.back().find('='))), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(bad.back().substr(0, bad.back().find('='))), std::string::npos)
+        << r.output;
   }
 }
 

@@ -47,7 +47,8 @@ std::map<std::string, std::vector<float>> ReadTensors(const std::string& path) {
   return out;
 }
 
-void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, double rel, const std::string& what) {
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, double rel,
+                 const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i)
     EXPECT_NEAR(got[i], want[i], rel * std::abs(want[i]) + 1e-12) << what << " at step " << i + 1;
@@ -56,14 +57,17 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
 class NodesTest : public LaunchTest {
  protected:
   // Starts `nodes` rp-launch processes of `workers` CPU workers each, meeting at a fresh port.
-  std::vector<std::unique_ptr<testing::Process>> StartNodes(int nodes, int workers, const std::string& out,
-                                                            const std::vector<std::string>& sets, bool resume = false) {
+  std::vector<std::unique_ptr<testing::Process>> StartNodes(int nodes, int workers,
+                                                            const std::string& out,
+                                                            const std::vector<std::string>& sets,
+                                                            bool resume = false) {
     port_ = testing::FreePort();
     const std::string master = "127.0.0.1:" + std::to_string(port_);
     std::vector<std::unique_ptr<testing::Process>> procs;
     for (int r = 0; r < nodes; ++r) {
       auto args = LaunchArgs(workers, out, sets);
-      args.insert(args.end(), {"--nnodes", std::to_string(nodes), "--node-rank", std::to_string(r), "--master", master});
+      args.insert(args.end(), {"--nnodes", std::to_string(nodes), "--node-rank", std::to_string(r),
+                               "--master", master});
       if (resume) args.push_back("--resume");
       procs.push_back(std::make_unique<testing::Process>(args, NodeEnv(sets)));
     }
@@ -71,10 +75,11 @@ class NodesTest : public LaunchTest {
   }
   // StartNodes, then waits for all of them.
   std::vector<testing::ProcessResult> LaunchNodes(int nodes, int workers, const std::string& out,
-                                                  const std::vector<std::string>& sets, bool resume = false,
-                                                  double timeout = 300) {
+                                                  const std::vector<std::string>& sets,
+                                                  bool resume = false, double timeout = 300) {
     std::vector<testing::ProcessResult> results;
-    for (auto& p : StartNodes(nodes, workers, out, sets, resume)) results.push_back(p->Wait(timeout));
+    for (auto& p : StartNodes(nodes, workers, out, sets, resume))
+      results.push_back(p->Wait(timeout));
     return results;
   }
   std::vector<std::string> NodeEnv(const std::vector<std::string>& sets) const {
@@ -107,14 +112,16 @@ class NodesTest : public LaunchTest {
   // Two runs' losses, gradient norms and exported models are the same bits.
   static void ExpectSameBits(const std::string& a, const std::string& b, const std::string& what) {
     for (const std::string field : {"loss", "grad_norm"})
-      EXPECT_EQ(testing::Losses(a + "/metrics.jsonl", field), testing::Losses(b + "/metrics.jsonl", field))
+      EXPECT_EQ(testing::Losses(a + "/metrics.jsonl", field),
+                testing::Losses(b + "/metrics.jsonl", field))
           << what << ": " << field;
     EXPECT_TRUE(ReadBytes(a + "/hf/model.safetensors") == ReadBytes(b + "/hf/model.safetensors"))
         << what << ": the exported models differ";
   }
   static std::string Outputs(const std::vector<testing::ProcessResult>& rs) {
     std::string all;
-    for (size_t r = 0; r < rs.size(); ++r) all += "--- node " + std::to_string(r) + ":\n" + rs[r].output;
+    for (size_t r = 0; r < rs.size(); ++r)
+      all += "--- node " + std::to_string(r) + ":\n" + rs[r].output;
     return all;
   }
   void SetUp() override {
@@ -125,8 +132,9 @@ class NodesTest : public LaunchTest {
 };
 
 // Six microbatches per step: they split over 2 and over 3 nodes.
-const std::vector<std::string> kJob = {"train.steps=10", "train.microbatches=6", "train.accum_calls=1",
-                                       "train.grad_clip=1.0", "checkpoint.export_hf=hf"};
+const std::vector<std::string> kJob = {"train.steps=10", "train.microbatches=6",
+                                       "train.accum_calls=1", "train.grad_clip=1.0",
+                                       "checkpoint.export_hf=hf"};
 
 TEST_F(NodesTest, TwoAndThreeNodesEqualOneNodeInBothModes) {
   for (const std::string mode : {"exact", "stale1"}) {
@@ -144,11 +152,13 @@ TEST_F(NodesTest, TwoAndThreeNodesEqualOneNodeInBothModes) {
       for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
       const std::string what = mode + " on " + std::to_string(nodes) + " nodes";
       ExpectClose(testing::Losses(out + "/metrics.jsonl"), want, 1e-5, what + ": loss");
-      ExpectClose(testing::Losses(out + "/metrics.jsonl", "grad_norm"), want_norm, 1e-5, what + ": grad norm");
+      ExpectClose(testing::Losses(out + "/metrics.jsonl", "grad_norm"), want_norm, 1e-5,
+                  what + ": grad norm");
       // Every node reports the same (whole-step) loss; node 0 alone exports.
       for (int r = 1; r < nodes; ++r) {
         const std::string mine = out + "/node-" + std::to_string(r);
-        EXPECT_EQ(testing::Losses(mine + "/metrics.jsonl"), testing::Losses(out + "/metrics.jsonl")) << what;
+        EXPECT_EQ(testing::Losses(mine + "/metrics.jsonl"), testing::Losses(out + "/metrics.jsonl"))
+            << what;
         EXPECT_FALSE(fs::exists(mine + "/hf")) << what;
         EXPECT_EQ(Summary(mine)["node_rank"], r);
       }
@@ -175,8 +185,8 @@ TEST_F(NodesTest, MergedCallsLoraDropoutAndEvaluationsEqualOneNode) {
   // Two calls of 3 microbatches merged into one round of 6, LoRA adapters with dropout (keyed by
   // the global microbatch), an eval split, stale1 with two unmerged calls (accumulating commits).
   const std::vector<std::vector<std::string>> jobs = {
-      {"train.steps=6", "train.microbatches=3", "train.accum_calls=2", "lora.rank=4", "lora.dropout=0.1",
-       "train.eval_every=2", "data.eval_fraction=0.1"},
+      {"train.steps=6", "train.microbatches=3", "train.accum_calls=2", "lora.rank=4",
+       "lora.dropout=0.1", "train.eval_every=2", "data.eval_fraction=0.1"},
       {"train.steps=6", "train.microbatches=6", "train.accum_calls=2", "optimizer.mode=stale1"},
   };
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -187,7 +197,8 @@ TEST_F(NodesTest, MergedCallsLoraDropoutAndEvaluationsEqualOneNode) {
     for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
     for (const std::string field : {"loss", "grad_norm", "eval_loss"})
       ExpectClose(testing::Losses(tmp_ + "/two" + tag + "/metrics.jsonl", field),
-                  testing::Losses(tmp_ + "/one" + tag + "/metrics.jsonl", field), 1e-5, "job " + tag + ": " + field);
+                  testing::Losses(tmp_ + "/one" + tag + "/metrics.jsonl", field), 1e-5,
+                  "job " + tag + ": " + field);
   }
 }
 
@@ -196,22 +207,27 @@ TEST_F(NodesTest, MergedCallsLoraDropoutAndEvaluationsEqualOneNode) {
 // step's microbatch count, so two nodes train as one.
 TEST_F(NodesTest, MixtureOfExpertsWithTheRouterLossEqualsOneNode) {
   const std::vector<std::string> job = {
-      "model.path=" + testing::SourceDir() + "/tests/testdata/hf_fixtures/qwen3_moe_aux", "data.seq_len=32",
-      "train.steps=4", "train.microbatches=4", "train.accum_calls=1", "optimizer.lr=1e-2"};
+      "model.path=" + testing::SourceDir() + "/tests/testdata/hf_fixtures/qwen3_moe_aux",
+      "data.seq_len=32",
+      "train.steps=4",
+      "train.microbatches=4",
+      "train.accum_calls=1",
+      "optimizer.lr=1e-2"};
   auto one = Launch(2, tmp_ + "/one", job);
   ASSERT_EQ(one.code, 0) << one.output;
   auto rs = LaunchNodes(2, 1, tmp_ + "/two", job);
   for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
   for (const std::string field : {"loss", "grad_norm"})
-    ExpectClose(testing::Losses(tmp_ + "/two/metrics.jsonl", field), testing::Losses(tmp_ + "/one/metrics.jsonl", field),
-                1e-5, field);
+    ExpectClose(testing::Losses(tmp_ + "/two/metrics.jsonl", field),
+                testing::Losses(tmp_ + "/one/metrics.jsonl", field), 1e-5, field);
 }
 
 TEST_F(NodesTest, EvaluationsSplitAcrossNodesWhenTheyDivide) {
   // Three eval microbatches: one per node on 3 nodes (each eval job's loss summed across them),
   // all three on every node of 2. Both equal one node's eval losses.
-  const std::vector<std::string> job = {"train.steps=4", "train.microbatches=6", "train.accum_calls=1",
-                                        "train.eval_every=2", "data.eval_fraction=0.1", "train.eval_microbatches=3"};
+  const std::vector<std::string> job = {"train.steps=4",          "train.microbatches=6",
+                                        "train.accum_calls=1",    "train.eval_every=2",
+                                        "data.eval_fraction=0.1", "train.eval_microbatches=3"};
   auto one = Launch(2, tmp_ + "/one", job);
   ASSERT_EQ(one.code, 0) << one.output;
   const auto want = testing::Losses(tmp_ + "/one/metrics.jsonl", "eval_loss");
@@ -222,7 +238,8 @@ TEST_F(NodesTest, EvaluationsSplitAcrossNodesWhenTheyDivide) {
     ExpectClose(testing::Losses(out + "/metrics.jsonl", "eval_loss"), want, 1e-5,
                 "eval loss on " + std::to_string(nodes) + " nodes");
     EXPECT_EQ(Summary(out)["eval_microbatches_here"], nodes == 3 ? 1 : 3);
-    EXPECT_EQ(testing::Losses(out + "/node-1/metrics.jsonl", "eval_loss"), testing::Losses(out + "/metrics.jsonl", "eval_loss"));
+    EXPECT_EQ(testing::Losses(out + "/node-1/metrics.jsonl", "eval_loss"),
+              testing::Losses(out + "/metrics.jsonl", "eval_loss"));
   }
 }
 
@@ -232,8 +249,8 @@ TEST_F(NodesTest, OneNodeEqualsTheReference) {
   ASSERT_EQ(ref.code, 0) << ref.output;
   auto rs = LaunchNodes(2, 1, tmp_ + "/n2", kJob);
   for (const auto& r : rs) ASSERT_EQ(r.code, 0) << Outputs(rs);
-  ExpectClose(testing::Losses(tmp_ + "/n2/metrics.jsonl"), testing::Losses(tmp_ + "/ref/metrics.jsonl"), 1e-5,
-              "2 nodes against rp-train-ref");
+  ExpectClose(testing::Losses(tmp_ + "/n2/metrics.jsonl"),
+              testing::Losses(tmp_ + "/ref/metrics.jsonl"), 1e-5, "2 nodes against rp-train-ref");
 }
 
 TEST_F(NodesTest, CheckpointOnTwoNodesResumesOnThreeAndOnOne) {
@@ -261,13 +278,16 @@ TEST_F(NodesTest, SumsAcrossANodeAloneChangeNothing) {
     env.push_back("RP_TEST_NODE_SUMS_ALONE=1");
     auto alone = testing::RunProcess(LaunchArgs(2, tmp_ + "/alone-" + mode, job), 240, env);
     ASSERT_EQ(alone.code, 0) << alone.output;
-    EXPECT_NE(alone.output.find("joined the cross-node reduction group"), std::string::npos) << alone.output;
+    EXPECT_NE(alone.output.find("joined the cross-node reduction group"), std::string::npos)
+        << alone.output;
     ExpectSameBits(tmp_ + "/alone-" + mode, tmp_ + "/plain-" + mode, mode);
     // Sharded state on that node alone: its share is everything, and every gather runs.
     const auto sharded = With(job, {"optimizer.state=sharded"});
-    auto gathered = testing::RunProcess(LaunchArgs(2, tmp_ + "/sharded-" + mode, sharded), 240, env);
+    auto gathered =
+        testing::RunProcess(LaunchArgs(2, tmp_ + "/sharded-" + mode, sharded), 240, env);
     ASSERT_EQ(gathered.code, 0) << gathered.output;
-    EXPECT_NE(gathered.output.find("joined the cross-node gather group"), std::string::npos) << gathered.output;
+    EXPECT_NE(gathered.output.find("joined the cross-node gather group"), std::string::npos)
+        << gathered.output;
     ExpectSameBits(tmp_ + "/sharded-" + mode, tmp_ + "/plain-" + mode, mode + ", sharded");
   }
 }
@@ -279,14 +299,17 @@ TEST_F(NodesTest, SumsAcrossANodeAloneChangeNothing) {
 // bits; the norm, summed in another order, agrees to rounding.
 TEST_F(NodesTest, ShardedGradientSlotsHoldTheNodesShareWithoutClipping) {
   for (const std::string mode : {"exact", "stale1"}) {
-    const auto job = With(kJob, {"optimizer.mode=" + mode, "train.grad_clip=0", "model.tie_embeddings=false"});
+    const auto job =
+        With(kJob, {"optimizer.mode=" + mode, "train.grad_clip=0", "model.tie_embeddings=false"});
     for (int nodes : {2, 3}) {
-      const std::string tag = mode + std::to_string(nodes), what = mode + " on " + std::to_string(nodes) + " nodes";
+      const std::string tag = mode + std::to_string(nodes),
+                        what = mode + " on " + std::to_string(nodes) + " nodes";
       auto rep = LaunchNodes(nodes, 2, tmp_ + "/rep" + tag, job);
       for (const auto& r : rep) ASSERT_EQ(r.code, 0) << Outputs(rep);
       auto sh = LaunchNodes(nodes, 2, tmp_ + "/sh" + tag, With(job, {"optimizer.state=sharded"}));
       for (const auto& r : sh) ASSERT_EQ(r.code, 0) << Outputs(sh);
-      EXPECT_EQ(testing::Losses(tmp_ + "/sh" + tag + "/metrics.jsonl"), testing::Losses(tmp_ + "/rep" + tag + "/metrics.jsonl"))
+      EXPECT_EQ(testing::Losses(tmp_ + "/sh" + tag + "/metrics.jsonl"),
+                testing::Losses(tmp_ + "/rep" + tag + "/metrics.jsonl"))
           << what;
       EXPECT_TRUE(ReadBytes(tmp_ + "/sh" + tag + "/hf/model.safetensors") ==
                   ReadBytes(tmp_ + "/rep" + tag + "/hf/model.safetensors"))
@@ -299,19 +322,23 @@ TEST_F(NodesTest, ShardedGradientSlotsHoldTheNodesShareWithoutClipping) {
         EXPECT_NEAR(norms[s], want[s], 1e-12 * want[s]) << what << ", step " << s + 1;
       const double replicated = Summary(tmp_ + "/rep" + tag)["grad_arena_bytes"].get<double>();
       for (int r = 0; r < nodes; ++r) {
-        const std::string dir = tmp_ + "/sh" + tag + (r == 0 ? std::string() : "/node-" + std::to_string(r));
+        const std::string dir =
+            tmp_ + "/sh" + tag + (r == 0 ? std::string() : "/node-" + std::to_string(r));
         const double mine = Summary(dir)["grad_arena_bytes"].get<double>();
-        // Each slot rounds up to 256 bytes (the tiny model has many small ones), the arena to a page.
-        EXPECT_LT(mine, replicated / nodes * 1.25 + 8 * 1024) << what << ", node " << r << " (replicated "
-                                                             << replicated << " bytes)";
+        // Each slot rounds up to 256 bytes (the tiny model has many small ones), the arena to a
+        // page.
+        EXPECT_LT(mine, replicated / nodes * 1.25 + 8 * 1024)
+            << what << ", node " << r << " (replicated " << replicated << " bytes)";
       }
       if (mode != "exact" || nodes != 2) continue;
       // Squares and microbatches reported late, as a GPU's copies land after the host has moved
       // on: a job's commit is reported done only once its squares are written too.
-      auto late = LaunchNodes(nodes, 2, tmp_ + "/late" + tag,
-                              With(job, {"optimizer.state=sharded", "RP_TEST_LATE_COMPLETION_MS=15"}));
+      auto late =
+          LaunchNodes(nodes, 2, tmp_ + "/late" + tag,
+                      With(job, {"optimizer.state=sharded", "RP_TEST_LATE_COMPLETION_MS=15"}));
       for (const auto& r : late) ASSERT_EQ(r.code, 0) << Outputs(late);
-      EXPECT_EQ(testing::Losses(tmp_ + "/late" + tag + "/metrics.jsonl", "grad_norm"), norms) << what << ", reported late";
+      EXPECT_EQ(testing::Losses(tmp_ + "/late" + tag + "/metrics.jsonl", "grad_norm"), norms)
+          << what << ", reported late";
       EXPECT_TRUE(ReadBytes(tmp_ + "/late" + tag + "/hf/model.safetensors") ==
                   ReadBytes(tmp_ + "/rep" + tag + "/hf/model.safetensors"))
           << what << ", reported late";
@@ -332,11 +359,13 @@ TEST_F(NodesTest, ShardedStateInFp16WhereWorkersFetchTheMasters) {
   ExpectSameBits(tmp_ + "/sh", tmp_ + "/rep", "fp16, exact, on 2 nodes");
 
   auto stale = testing::RunProcess(
-      With(LaunchArgs(2, tmp_ + "/stale", With(job, {"optimizer.state=sharded", "optimizer.mode=stale1"})),
+      With(LaunchArgs(2, tmp_ + "/stale",
+                      With(job, {"optimizer.state=sharded", "optimizer.mode=stale1"})),
            {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
       60, Env());
   EXPECT_EQ(stale.code, 2) << stale.output;
-  EXPECT_NE(stale.output.find("hold the fp32 masters only where workers fetch them"), std::string::npos)
+  EXPECT_NE(stale.output.find("hold the fp32 masters only where workers fetch them"),
+            std::string::npos)
       << stale.output;
 }
 
@@ -356,7 +385,8 @@ TEST_F(NodesTest, ShardedStateEqualsReplicatedBitForBit) {
       ExpectSameBits(tmp_ + "/sh" + tag, tmp_ + "/rep" + tag, what);
       const double replicated = Summary(tmp_ + "/rep" + tag)["optim_segment_bytes"].get<double>();
       for (int r = 0; r < nodes; ++r) {
-        const std::string dir = tmp_ + "/sh" + tag + (r == 0 ? std::string() : "/node-" + std::to_string(r));
+        const std::string dir =
+            tmp_ + "/sh" + tag + (r == 0 ? std::string() : "/node-" + std::to_string(r));
         const double mine = Summary(dir)["optim_segment_bytes"].get<double>();
         // Each array of each parameter rounds up to 256 bytes, each region to a page.
         EXPECT_LT(mine, replicated / nodes * 1.1 + 64 * 1024) << what << ", node " << r;
@@ -390,7 +420,8 @@ TEST_F(NodesTest, ShardedStateWithSgdComputeCopiesAndLoraEqualsReplicated) {
   const auto sgd = With(jobs[0], {"optimizer.state=sharded"});
   auto half = LaunchNodes(2, 2, tmp_ + "/half", With(sgd, {"train.stop_after=5"}));
   for (const auto& r : half) ASSERT_EQ(r.code, 0) << Outputs(half);
-  ExpectResumed(3, tmp_ + "/half", sgd, testing::Losses(tmp_ + "/sh0/metrics.jsonl"), "SGD resumed on 3 sharded nodes");
+  ExpectResumed(3, tmp_ + "/half", sgd, testing::Losses(tmp_ + "/sh0/metrics.jsonl"),
+                "SGD resumed on 3 sharded nodes");
 }
 
 TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
@@ -404,9 +435,11 @@ TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
   EXPECT_FALSE(fs::exists(tmp_ + "/half/checkpoints/step-00000005.rpstate"));
   // rp-export reads both shards back as one node: the export the stopped run wrote, bit for bit.
   auto exported = testing::RunProcess(
-      {testing::BinDir() + "/rp-export", tmp_ + "/half", "--out", tmp_ + "/half-export"}, 120, Env());
+      {testing::BinDir() + "/rp-export", tmp_ + "/half", "--out", tmp_ + "/half-export"}, 120,
+      Env());
   ASSERT_EQ(exported.code, 0) << exported.output;
-  EXPECT_TRUE(ReadBytes(tmp_ + "/half-export/model.safetensors") == ReadBytes(tmp_ + "/half/hf/model.safetensors"));
+  EXPECT_TRUE(ReadBytes(tmp_ + "/half-export/model.safetensors") ==
+              ReadBytes(tmp_ + "/half/hf/model.safetensors"));
   for (const std::string to : {"on2", "on3", "on1", "rep3", "lost"})
     fs::copy(tmp_ + "/half", tmp_ + "/" + to, fs::copy_options::recursive);
 
@@ -414,7 +447,8 @@ TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
   auto on2 = LaunchNodes(2, 2, tmp_ + "/on2", sharded, /*resume=*/true);
   for (const auto& r : on2) ASSERT_EQ(r.code, 0) << Outputs(on2);
   EXPECT_EQ(testing::Losses(tmp_ + "/on2/metrics.jsonl"), want);
-  EXPECT_TRUE(ReadBytes(tmp_ + "/on2/hf/model.safetensors") == ReadBytes(tmp_ + "/whole/hf/model.safetensors"))
+  EXPECT_TRUE(ReadBytes(tmp_ + "/on2/hf/model.safetensors") ==
+              ReadBytes(tmp_ + "/whole/hf/model.safetensors"))
       << "the exported models differ";
   // Other counts, sharded and replicated: the shares re-partitioned.
   ExpectResumed(3, tmp_ + "/on3", sharded, want, "resumed on 3 sharded nodes");
@@ -425,7 +459,8 @@ TEST_F(NodesTest, ShardedCheckpointsResumeOnAnyNodeCount) {
 
   // A set missing a shard is no checkpoint: nothing to resume from, named.
   fs::remove(tmp_ + "/lost/checkpoints/step-00000005.shard-1-of-2.rpstate");
-  auto lost = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/lost", job), {"--resume"}), 60, Env());
+  auto lost =
+      testing::RunProcess(With(LaunchArgs(2, tmp_ + "/lost", job), {"--resume"}), 60, Env());
   EXPECT_EQ(lost.code, 2) << lost.output;
   EXPECT_NE(lost.output.find("no complete training checkpoint"), std::string::npos) << lost.output;
 }
@@ -446,7 +481,8 @@ TEST_F(NodesTest, AKilledNodeStopsTheOthersNamingIt) {
     EXPECT_EQ(res.code, 10) << res.output;
     EXPECT_NE(res.output.find("node 2"), std::string::npos) << res.output;
   }
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
   EXPECT_LT(took, 10 + 30) << "the others stopped " << took << " s after node 2 died";
   procs[2]->Wait(10);
   // Node 2's workers died with its launcher and its coordinator removed the node's shared memory
@@ -457,12 +493,13 @@ TEST_F(NodesTest, AStoppedNodeLauncherIsWaitedForAndTheRunGoesOnUnchanged) {
   // Node 1's rp-launch SIGSTOPped for 3.5x job.worker_timeout_s (its coordinator and workers run
   // on), then SIGCONT: both nodes complete with the uninterrupted run's losses bit for bit, and
   // no worker is replaced.
-  const auto job = With(kJob, {"train.steps=16", "job.worker_timeout_s=2", "job.max_worker_restarts=0",
-                               "RP_TEST_SLOW_FROM_STEP=0:30"});
+  const auto job = With(kJob, {"train.steps=16", "job.worker_timeout_s=2",
+                               "job.max_worker_restarts=0", "RP_TEST_SLOW_FROM_STEP=0:30"});
   auto clean = LaunchNodes(2, 1, tmp_ + "/clean", job);
   for (const auto& r : clean) ASSERT_EQ(r.code, 0) << Outputs(clean);
   auto procs = StartNodes(2, 1, tmp_ + "/stopped", job);
-  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/stopped/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/stopped/metrics.jsonl").size() < 2; ++i)
+    ::usleep(100 * 1000);
   ASSERT_GE(testing::Losses(tmp_ + "/stopped/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
   ::kill(procs[1]->pid(), SIGSTOP);
   std::this_thread::sleep_for(std::chrono::milliseconds(7000));
@@ -470,7 +507,8 @@ TEST_F(NodesTest, AStoppedNodeLauncherIsWaitedForAndTheRunGoesOnUnchanged) {
   std::vector<testing::ProcessResult> results;
   for (auto& p : procs) results.push_back(p->Wait(120));
   for (const auto& r : results) EXPECT_EQ(r.code, 0) << Outputs(results);
-  EXPECT_EQ(testing::Losses(tmp_ + "/stopped/metrics.jsonl"), testing::Losses(tmp_ + "/clean/metrics.jsonl"));
+  EXPECT_EQ(testing::Losses(tmp_ + "/stopped/metrics.jsonl"),
+            testing::Losses(tmp_ + "/clean/metrics.jsonl"));
   EXPECT_EQ(Summary(tmp_ + "/stopped")["worker_replacements"], 0);
 }
 
@@ -483,15 +521,18 @@ TEST_F(NodesTest, AnInterruptOfOneNodeStopsEveryNodeAfterTheSameStep) {
   const auto job = With(kJob, {"train.steps=400", "checkpoint.every=1000", "job.node_timeout_s=20",
                                "optimizer.state=sharded"});
   for (int interrupted : {1, 0}) {
-    const std::string out = tmp_ + "/int" + std::to_string(interrupted), other = std::to_string(1 - interrupted);
+    const std::string out = tmp_ + "/int" + std::to_string(interrupted),
+                      other = std::to_string(1 - interrupted);
     auto procs = StartNodes(2, 1, out, job);
-    for (int i = 0; i < 600 && testing::Losses(out + "/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+    for (int i = 0; i < 600 && testing::Losses(out + "/metrics.jsonl").size() < 2; ++i)
+      ::usleep(100 * 1000);
     ASSERT_GE(testing::Losses(out + "/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
     ::kill(procs[interrupted]->pid(), SIGINT);
     std::vector<testing::ProcessResult> ends;
     for (auto& p : procs) ends.push_back(p->Wait(120));
     for (const auto& e : ends) ASSERT_EQ(e.code, 3) << Outputs(ends);
-    EXPECT_NE(ends[1 - interrupted].output.find("node " + std::to_string(interrupted) + " was interrupted"),
+    EXPECT_NE(ends[1 - interrupted].output.find("node " + std::to_string(interrupted) +
+                                                " was interrupted"),
               std::string::npos)
         << Outputs(ends);
     // Both nodes reported the same last step, and wrote their parts of its checkpoint.
@@ -512,10 +553,12 @@ TEST_F(NodesTest, AnInterruptOfOneNodeStopsEveryNodeAfterTheSameStep) {
     for (const auto& r : resumed) ASSERT_EQ(r.code, 0) << Outputs(resumed);
     auto whole = LaunchNodes(2, 1, out + "-whole", more);
     for (const auto& r : whole) ASSERT_EQ(r.code, 0) << Outputs(whole);
-    const auto got = testing::Losses(out + "/metrics.jsonl"), want = testing::Losses(out + "-whole/metrics.jsonl");
+    const auto got = testing::Losses(out + "/metrics.jsonl"),
+               want = testing::Losses(out + "-whole/metrics.jsonl");
     ASSERT_EQ(want.size(), static_cast<size_t>(stop + 2));
     ASSERT_GE(got.size(), 2u);
-    EXPECT_EQ(std::vector<double>(got.end() - 2, got.end()), std::vector<double>(want.end() - 2, want.end()))
+    EXPECT_EQ(std::vector<double>(got.end() - 2, got.end()),
+              std::vector<double>(want.end() - 2, want.end()))
         << "node " << interrupted << " interrupted";
   }
 }
@@ -529,15 +572,18 @@ TEST_F(NodesTest, NodesWithDifferentPlansAreRefused) {
     const std::string master = "127.0.0.1:" + std::to_string(testing::FreePort());
     std::vector<std::unique_ptr<testing::Process>> procs;
     for (int r = 0; r < 2; ++r) {
-      auto args = LaunchArgs(r == 1 ? workers : 2, tmp_ + "/mismatch", With(kJob, {"job.node_timeout_s=20"}));
+      auto args = LaunchArgs(r == 1 ? workers : 2, tmp_ + "/mismatch",
+                             With(kJob, {"job.node_timeout_s=20"}));
       if (r == 1) args.insert(args.end(), difference.begin(), difference.end());
-      args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+      args.insert(args.end(),
+                  {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
       procs.push_back(std::make_unique<testing::Process>(args, NodeEnv({})));
     }
     for (auto& p : procs) {
       auto res = p->Wait(60);
       EXPECT_EQ(res.code, 2) << workers << " workers: " << res.output;
-      EXPECT_NE(res.output.find("every node must resolve the same run"), std::string::npos) << res.output;
+      EXPECT_NE(res.output.find("every node must resolve the same run"), std::string::npos)
+          << res.output;
     }
   }
 }
@@ -550,7 +596,8 @@ TEST_F(NodesTest, NodesWithDifferentSecretsNeverMeetAndSaySo) {
   std::vector<std::unique_ptr<testing::Process>> procs;
   for (int r = 0; r < 2; ++r) {
     auto args = LaunchArgs(1, tmp_ + "/strangers", With(kJob, {"job.node_timeout_s=5"}));
-    args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+    args.insert(args.end(),
+                {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
     procs.push_back(std::make_unique<testing::Process>(
         args, NodeEnv({"RP_NODE_SECRET=the secret of node " + std::to_string(r) + " alone"})));
   }
@@ -569,10 +616,12 @@ class NetworkPair {
  public:
   NetworkPair() : tag_(std::to_string(::getpid() % 100000)) {
     ok_ = Ip({"netns", "add", ns(0)}) && Ip({"netns", "add", ns(1)}) &&
-          Ip({"link", "add", dev(0), "netns", ns(0), "type", "veth", "peer", "name", dev(1), "netns", ns(1)});
+          Ip({"link", "add", dev(0), "netns", ns(0), "type", "veth", "peer", "name", dev(1),
+              "netns", ns(1)});
     for (int r = 0; r < 2 && ok_; ++r)
       ok_ = Ip({"-n", ns(r), "addr", "add", address(r) + "/24", "dev", dev(r)}) &&
-            Ip({"-n", ns(r), "link", "set", "lo", "up"}) && Ip({"-n", ns(r), "link", "set", dev(r), "up"});
+            Ip({"-n", ns(r), "link", "set", "lo", "up"}) &&
+            Ip({"-n", ns(r), "link", "set", dev(r), "up"});
   }
   ~NetworkPair() {
     for (int r = 0; r < 2; ++r) (void)Ip({"netns", "del", ns(r)});
@@ -601,7 +650,8 @@ class NetworkPair {
 // checkpoint with the uninterrupted run's losses.
 TEST_F(NodesTest, ANetworkCutStopsBothNodesNamingTheOtherAndTheRunResumes) {
   if (::geteuid() != 0) {
-    if (const char* ci = std::getenv("CI"); ci && std::string(ci) == "true") FAIL() << "CI runs as root";
+    if (const char* ci = std::getenv("CI"); ci && std::string(ci) == "true")
+      FAIL() << "CI runs as root";
     GTEST_SKIP() << "network namespaces need root";
   }
   NetworkPair net;
@@ -610,38 +660,45 @@ TEST_F(NodesTest, ANetworkCutStopsBothNodesNamingTheOtherAndTheRunResumes) {
                                "RP_TEST_SLOW_FROM_STEP=0:20"});
   auto clean = LaunchNodes(2, 1, tmp_ + "/clean", job);
   for (const auto& r : clean) ASSERT_EQ(r.code, 0) << Outputs(clean);
-  const std::string out = tmp_ + "/cut", master = net.address(0) + ":" + std::to_string(testing::FreePort());
+  const std::string out = tmp_ + "/cut",
+                    master = net.address(0) + ":" + std::to_string(testing::FreePort());
   std::vector<std::unique_ptr<testing::Process>> procs;
   for (int r = 0; r < 2; ++r) {
     auto args = LaunchArgs(1, out, job);
     args.insert(args.begin(), {"/usr/sbin/ip", "netns", "exec", net.ns(r)});
-    args.insert(args.end(), {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
+    args.insert(args.end(),
+                {"--nnodes", "2", "--node-rank", std::to_string(r), "--master", master});
     auto env = EnvWith(job);
     env.push_back("GLOO_SOCKET_IFNAME=" + net.dev(r));
     procs.push_back(std::make_unique<testing::Process>(args, env));
   }
-  for (int i = 0; i < 600 && testing::Losses(out + "/metrics.jsonl").size() < 12; ++i) ::usleep(100 * 1000);
+  for (int i = 0; i < 600 && testing::Losses(out + "/metrics.jsonl").size() < 12; ++i)
+    ::usleep(100 * 1000);
   ASSERT_GE(testing::Losses(out + "/metrics.jsonl").size(), 12u) << procs[0]->OutputSoFar();
   const auto cut_at = std::chrono::steady_clock::now();
   ASSERT_TRUE(net.Cut()) << net.error();
   std::vector<testing::ProcessResult> ends;
   for (auto& p : procs) ends.push_back(p->Wait(120));
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at).count();
   for (const auto& e : ends) {
     EXPECT_FALSE(e.timed_out) << Outputs(ends);
     EXPECT_EQ(e.code, 10) << Outputs(ends);
   }
   EXPECT_NE(ends[0].output.find("node 1 gave no sign of life"), std::string::npos) << Outputs(ends);
-  EXPECT_NE(ends[1].output.find("node 0 is gone or unreachable"), std::string::npos) << Outputs(ends);
+  EXPECT_NE(ends[1].output.find("node 0 is gone or unreachable"), std::string::npos)
+      << Outputs(ends);
   EXPECT_LT(took, 10 + 15) << "the nodes stopped " << took << " s after the cut";
   ASSERT_LT(testing::Losses(out + "/metrics.jsonl").size(), 40u) << "the run ended before the cut";
-  ExpectResumed(2, out, job, testing::Losses(tmp_ + "/clean/metrics.jsonl"), "resumed after the cut");
+  ExpectResumed(2, out, job, testing::Losses(tmp_ + "/clean/metrics.jsonl"),
+                "resumed after the cut");
 }
 
 TEST_F(NodesTest, AStepThatDoesNotSplitIsRefused) {
-  auto r = testing::RunProcess(With(LaunchArgs(2, tmp_ + "/uneven", {"train.microbatches=3", "train.accum_calls=1"}),
-                                    {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
-                               60, Env());
+  auto r = testing::RunProcess(
+      With(LaunchArgs(2, tmp_ + "/uneven", {"train.microbatches=3", "train.accum_calls=1"}),
+           {"--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1"}),
+      60, Env());
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("do not split evenly over 2 nodes"), std::string::npos) << r.output;
 }
@@ -673,7 +730,8 @@ void Disturb(int port, const std::string& prefix, const std::atomic<bool>& done)
   for (const std::string what : {"plan", "met", "beat", "end", "failing", "interrupt", "stop"})
     for (int r = 0; r < 2; ++r) names.push_back(prefix + "rp/" + what + "/" + std::to_string(r));
   for (const std::string purpose : {"reduce", "gather"})
-    for (const std::string key : {"0", "1", "rank_0", "rank_1"}) names.push_back(prefix + "rp/" + purpose + "/0/" + key);
+    for (const std::string key : {"0", "1", "rank_0", "rank_1"})
+      names.push_back(prefix + "rp/" + purpose + "/0/" + key);
   const std::vector<uint8_t> junk = {'1', ' ', 'x', 0, 0xff};
   uint32_t lcg = 12345;
   while (!done) {
@@ -724,7 +782,8 @@ TEST_F(NodesTest, ARogueClientOnTheStorePortChangesNothing) {
   done = true;
   disturb.join();
   for (const auto& r : results) EXPECT_EQ(r.code, 0) << Outputs(results);
-  EXPECT_EQ(testing::Losses(tmp_ + "/rogue/metrics.jsonl", "loss"), testing::Losses(tmp_ + "/clean/metrics.jsonl", "loss"));
+  EXPECT_EQ(testing::Losses(tmp_ + "/rogue/metrics.jsonl", "loss"),
+            testing::Losses(tmp_ + "/clean/metrics.jsonl", "loss"));
   EXPECT_EQ(testing::Losses(tmp_ + "/rogue/metrics.jsonl", "grad_norm"),
             testing::Losses(tmp_ + "/clean/metrics.jsonl", "grad_norm"));
 }
@@ -734,9 +793,11 @@ TEST_F(NodesTest, ARogueClientOnTheStorePortChangesNothing) {
 // naming the tampering, never a silent change and never a hang.
 TEST_F(NodesTest, AForgedValueUnderTheRunsKeysStopsTheRunNamingTheTampering) {
   const std::string secret = "a secret of this test's run";
-  const auto job = With(kJob, {"train.steps=400", "job.node_timeout_s=10", "RP_NODE_SECRET=" + secret});
+  const auto job =
+      With(kJob, {"train.steps=400", "job.node_timeout_s=10", "RP_NODE_SECRET=" + secret});
   auto procs = StartNodes(2, 1, tmp_ + "/forged", job);
-  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/forged/metrics.jsonl").size() < 2; ++i) ::usleep(100 * 1000);
+  for (int i = 0; i < 600 && testing::Losses(tmp_ + "/forged/metrics.jsonl").size() < 2; ++i)
+    ::usleep(100 * 1000);
   ASSERT_GE(testing::Losses(tmp_ + "/forged/metrics.jsonl").size(), 2u) << procs[0]->OutputSoFar();
   const auto forged_at = std::chrono::steady_clock::now();
   std::atomic<bool> done{false};
@@ -745,7 +806,8 @@ TEST_F(NodesTest, AForgedValueUnderTheRunsKeysStopsTheRunNamingTheTampering) {
   for (auto& p : procs) results.push_back(p->Wait(120));
   done = true;
   disturb.join();
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - forged_at).count();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - forged_at).count();
   for (const auto& r : results) {
     EXPECT_FALSE(r.timed_out) << Outputs(results);
     EXPECT_NE(r.code, 0) << Outputs(results);

@@ -37,16 +37,22 @@ class PackingTest : public LaunchTest {
     return path;
   }
   std::vector<std::string> Job(const std::string& packing) {
-    return {"data.format=jsonl", "data.path=" + WriteRecords(), "data.shuffle=false", "data.packing=" + packing,
-            "train.steps=6"};
+    return {"data.format=jsonl", "data.path=" + WriteRecords(), "data.shuffle=false",
+            "data.packing=" + packing, "train.steps=6"};
   }
   // Every window of the file in each step: 4 packed windows (2 microbatches of 2), or 12 windows
   // of one record each (2 calls of 3 microbatches of 2).
-  std::vector<std::string> Packed() { return With(Job("documents"), {"train.microbatch_size=2", "train.microbatches=2", "train.accum_calls=1"}); }
-  std::vector<std::string> OnePerWindow() { return With(Job("pad"), {"train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2"}); }
+  std::vector<std::string> Packed() {
+    return With(Job("documents"),
+                {"train.microbatch_size=2", "train.microbatches=2", "train.accum_calls=1"});
+  }
+  std::vector<std::string> OnePerWindow() {
+    return With(Job("pad"),
+                {"train.microbatch_size=2", "train.microbatches=3", "train.accum_calls=2"});
+  }
 
-  static void ExpectClose(const std::vector<double>& got, const std::vector<double>& expected, double tol,
-                          const std::string& what) {
+  static void ExpectClose(const std::vector<double>& got, const std::vector<double>& expected,
+                          double tol, const std::string& what) {
     ASSERT_EQ(got.size(), expected.size()) << what;
     for (size_t s = 0; s < got.size(); ++s)
       EXPECT_LE(std::abs(got[s] - expected[s]), tol * std::abs(expected[s]))
@@ -57,17 +63,21 @@ class PackingTest : public LaunchTest {
 TEST_F(PackingTest, PackedDocumentsTrainAsTheSameRecordsOnePerWindow) {
   auto packed = Ref(tmp_ + "/packed", Packed());
   ASSERT_EQ(packed.code, 0) << packed.output;
-  EXPECT_NE(packed.output.find("12 records, 128 tokens, 4 windows of 32 tokens (documents packing)"), std::string::npos)
+  EXPECT_NE(
+      packed.output.find("12 records, 128 tokens, 4 windows of 32 tokens (documents packing)"),
+      std::string::npos)
       << packed.output;
   auto alone = Ref(tmp_ + "/alone", OnePerWindow());
   ASSERT_EQ(alone.code, 0) << alone.output;
   for (const std::string field : {"loss", "grad_norm"})
-    ExpectClose(Losses(tmp_ + "/packed/metrics.jsonl", field), Losses(tmp_ + "/alone/metrics.jsonl", field), 1e-6,
+    ExpectClose(Losses(tmp_ + "/packed/metrics.jsonl", field),
+                Losses(tmp_ + "/alone/metrics.jsonl", field), 1e-6,
                 "documents packing against one record per window, " + field);
   // The same windows without isolation train differently from the first step on.
   auto stream = Ref(tmp_ + "/stream", With(Packed(), {"data.packing=stream"}));
   ASSERT_EQ(stream.code, 0) << stream.output;
-  const auto crossing = Losses(tmp_ + "/stream/metrics.jsonl"), isolated = Losses(tmp_ + "/packed/metrics.jsonl");
+  const auto crossing = Losses(tmp_ + "/stream/metrics.jsonl"),
+             isolated = Losses(tmp_ + "/packed/metrics.jsonl");
   ASSERT_FALSE(crossing.empty());
   EXPECT_GT(std::abs(crossing[0] - isolated[0]), 1e-4 * isolated[0]);
 }
@@ -81,24 +91,26 @@ TEST_F(PackingTest, PipelineMatchesTheReferenceOnOneToThreeWorkers) {
     auto run = Launch(n, out, Packed());
     ASSERT_EQ(run.code, 0) << run.output;
     for (const std::string field : {"loss", "grad_norm"})
-      ExpectClose(Losses(out + "/metrics.jsonl", field), Losses(tmp_ + "/ref/metrics.jsonl", field), 1e-6,
-                  std::to_string(n) + " workers, " + field);
+      ExpectClose(Losses(out + "/metrics.jsonl", field), Losses(tmp_ + "/ref/metrics.jsonl", field),
+                  1e-6, std::to_string(n) + " workers, " + field);
   }
   // Evaluation sees the documents too: one record per window held out, the pipeline's eval loss
   // against the reference's.
-  const auto eval = With(OnePerWindow(), {"data.eval_fraction=0.25", "train.eval_every=3", "train.eval_microbatches=2"});
+  const auto eval = With(OnePerWindow(), {"data.eval_fraction=0.25", "train.eval_every=3",
+                                          "train.eval_microbatches=2"});
   auto ref_eval = Ref(tmp_ + "/ref-eval", eval);
   ASSERT_EQ(ref_eval.code, 0) << ref_eval.output;
   auto run_eval = Launch(2, tmp_ + "/run-eval", eval);
   ASSERT_EQ(run_eval.code, 0) << run_eval.output;
-  ExpectClose(Losses(tmp_ + "/run-eval/metrics.jsonl", "eval_loss"), Losses(tmp_ + "/ref-eval/metrics.jsonl", "eval_loss"),
-              1e-6, "eval loss");
+  ExpectClose(Losses(tmp_ + "/run-eval/metrics.jsonl", "eval_loss"),
+              Losses(tmp_ + "/ref-eval/metrics.jsonl", "eval_loss"), 1e-6, "eval loss");
 }
 
 TEST_F(PackingTest, PackingNeedsRecords) {
   auto r = Launch(1, tmp_ + "/bytes", {"data.packing=documents"});
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_NE(r.output.find("data.packing: \"documents\" needs records"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("data.packing: \"documents\" needs records"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

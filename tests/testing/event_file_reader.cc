@@ -64,7 +64,8 @@ class WireReader {
     at_ += n;
     return true;
   }
-  // Reads a field's key and leaves its value to the caller; `Skip` passes over one it does not want.
+  // Reads a field's key and leaves its value to the caller; `Skip` passes over one it does not
+  // want.
   bool Key(int* field, int* wire) {
     uint64_t k = 0;
     if (!Varint(&k)) return false;
@@ -164,7 +165,8 @@ EventFile ParseEventFile(const std::string& b) {
       return out;
     }
     const uint64_t len = LittleEndian(b, at, 8);
-    if (Unmask(static_cast<uint32_t>(LittleEndian(b, at + 8, 4))) != ReferenceCrc32c(b.data() + at, 8)) {
+    if (Unmask(static_cast<uint32_t>(LittleEndian(b, at + 8, 4))) !=
+        ReferenceCrc32c(b.data() + at, 8)) {
       out.error = where + "the length's CRC does not match";
       return out;
     }
@@ -173,7 +175,8 @@ EventFile ParseEventFile(const std::string& b) {
       return out;
     }
     const std::string_view data(b.data() + at + 12, len);
-    if (Unmask(static_cast<uint32_t>(LittleEndian(b, at + 12 + len, 4))) != ReferenceCrc32c(data.data(), len)) {
+    if (Unmask(static_cast<uint32_t>(LittleEndian(b, at + 12 + len, 4))) !=
+        ReferenceCrc32c(data.data(), len)) {
       out.error = where + "the data's CRC does not match";
       return out;
     }
@@ -188,17 +191,19 @@ EventFile ParseEventFile(const std::string& b) {
   return out;
 }
 
-const char* const kTensorBoardFields[11] = {"loss",         "eval_loss",    "lr",          "grad_norm",
-                                            "loss_scale",   "tokens_per_s", "step_time_s", "bubble_ratio",
-                                            "h2d_gb_per_s", "device_peak_gib", "host_gib"};
+const char* const kTensorBoardFields[11] = {
+    "loss",        "eval_loss",    "lr",           "grad_norm",       "loss_scale", "tokens_per_s",
+    "step_time_s", "bubble_ratio", "h2d_gb_per_s", "device_peak_gib", "host_gib"};
 
 std::string EventsMatchMetrics(const std::string& tb_dir, const std::string& metrics_jsonl) {
   std::vector<std::string> files;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(tb_dir, ec))
-    if (e.path().filename().string().find("tfevents") != std::string::npos) files.push_back(e.path().string());
+    if (e.path().filename().string().find("tfevents") != std::string::npos)
+      files.push_back(e.path().string());
   if (ec) return "cannot list " + tb_dir + ": " + ec.message();
-  if (files.size() != 1) return tb_dir + " holds " + std::to_string(files.size()) + " event files, not 1";
+  if (files.size() != 1)
+    return tb_dir + " holds " + std::to_string(files.size()) + " event files, not 1";
   const EventFile f = ReadEventFile(files[0]);
   if (!f.error.empty()) return files[0] + ": " + f.error;
   if (f.events.empty() || f.events[0].file_version != "brain.Event:2")
@@ -211,8 +216,10 @@ std::string EventsMatchMetrics(const std::string& tb_dir, const std::string& met
     const std::string where = "line " + std::to_string(i) + " (step " + line["step"].dump() + "): ";
     if (i >= f.events.size()) return where + "no event for it";
     const EventRecord& e = f.events[i];
-    if (e.step != line["step"].get<int64_t>()) return where + "the event's step is " + std::to_string(e.step);
-    if (e.wall_time != line["time"].get<double>()) return where + "the event's wall time differs from \"time\"";
+    if (e.step != line["step"].get<int64_t>())
+      return where + "the event's step is " + std::to_string(e.step);
+    if (e.wall_time != line["time"].get<double>())
+      return where + "the event's wall time differs from \"time\"";
     size_t expected = 0;
     for (const char* field : kTensorBoardFields) {
       if (!line.contains(field) || !line[field].is_number()) continue;
@@ -223,12 +230,15 @@ std::string EventsMatchMetrics(const std::string& tb_dir, const std::string& met
         const auto slash = tag.find('/');
         if (slash == std::string::npos || tag.substr(slash + 1) != field) continue;
         found = true;
-        if (value != want) return where + tag + " is " + std::to_string(value) + ", metrics.jsonl " + line[field].dump();
+        if (value != want)
+          return where + tag + " is " + std::to_string(value) + ", metrics.jsonl " +
+                 line[field].dump();
       }
       if (!found) return where + "no scalar for " + field;
     }
     if (e.scalars.size() != expected)
-      return where + std::to_string(e.scalars.size()) + " scalars where metrics.jsonl has " + std::to_string(expected);
+      return where + std::to_string(e.scalars.size()) + " scalars where metrics.jsonl has " +
+             std::to_string(expected);
   }
   if (i != f.events.size())
     return std::to_string(f.events.size() - i) + " events after the last line of metrics.jsonl";

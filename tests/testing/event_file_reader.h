@@ -25,7 +25,7 @@ uint32_t ReferenceCrc32c(const void* data, size_t bytes);
 struct EventRecord {
   double wall_time = 0.0;
   int64_t step = 0;
-  std::string file_version;                           // set on a file's first record only
+  std::string file_version;                            // set on a file's first record only
   std::vector<std::pair<std::string, float>> scalars;  // (tag, simple_value)
 };
 

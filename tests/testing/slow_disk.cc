@@ -19,11 +19,13 @@ double EnvNumber(const char* name) {
 }
 
 void Throttle(int fd, size_t bytes) {
-  const double rate = EnvNumber("RP_SLOW_DISK_MB_S") * 1e6, per_call = EnvNumber("RP_SLOW_DISK_WRITE_MS") * 1e-3;
+  const double rate = EnvNumber("RP_SLOW_DISK_MB_S") * 1e6,
+               per_call = EnvNumber("RP_SLOW_DISK_WRITE_MS") * 1e-3;
   struct stat st {};
   if ((rate <= 0 && per_call <= 0) || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return;
   const double s = (rate > 0 ? static_cast<double>(bytes) / rate : 0.0) + per_call;
-  timespec t{static_cast<time_t>(s), static_cast<long>((s - static_cast<double>(static_cast<time_t>(s))) * 1e9)};
+  timespec t{static_cast<time_t>(s),
+             static_cast<long>((s - static_cast<double>(static_cast<time_t>(s))) * 1e9)};
   while (::nanosleep(&t, &t) != 0) {
   }
 }

@@ -82,7 +82,8 @@ struct Child {
   int code = -1;  // exit status, 128 + signal, or -1 when killed at the deadline
 };
 
-Child Spawn(const std::vector<std::string>& args, const std::vector<std::string>& env, const std::string& log) {
+Child Spawn(const std::vector<std::string>& args, const std::vector<std::string>& env,
+            const std::string& log) {
   Child c;
   c.log = log;
   std::vector<std::string> env_store;
@@ -97,7 +98,8 @@ Child Spawn(const std::vector<std::string>& args, const std::vector<std::string>
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  if (::posix_spawn(&c.pid, args[0].c_str(), &fa, nullptr, argv.data(), envp.data()) != 0) c.pid = -1;
+  if (::posix_spawn(&c.pid, args[0].c_str(), &fa, nullptr, argv.data(), envp.data()) != 0)
+    c.pid = -1;
   posix_spawn_file_actions_destroy(&fa);
   return c;
 }
@@ -127,7 +129,7 @@ std::string Slurp(const std::string& path) {
 
 constexpr uint64_t kPoolBytes = 8ull << 20;
 constexpr uint64_t kLayoutHash = 0x5eed;
-constexpr int64_t kElems = 300001;         // odd: no accidental alignment
+constexpr int64_t kElems = 300001;          // odd: no accidental alignment
 constexpr uint64_t kProducerOffset = 4096;  // not the pool's start
 constexpr uint64_t kAnswerOffset = 3ull << 20;
 
@@ -186,7 +188,9 @@ Backend MakeBackend() {
   return b;
 }
 
-std::string PoolName(int rank) { return shm::PoolSegmentName("pooltest" + std::to_string(::getppid()), rank); }
+std::string PoolName(int rank) {
+  return shm::PoolSegmentName("pooltest" + std::to_string(::getppid()), rank);
+}
 
 // Child roles: run only when the parent test starts this binary with RP_POOL_TEST_ROLE.
 TEST(RP_POOL_CHILD, Producer) {
@@ -202,7 +206,9 @@ TEST(RP_POOL_CHILD, Producer) {
   b.device->Synchronize();
   WriteHandle(Dir() + "/producer.handle", *h);
   ASSERT_TRUE(WaitForFile(Dir() + "/consumer.handle", 60)) << "no answer from the consumer";
-  ASSERT_TRUE(b.device->OpenPeerPool(1, ReadHandle(Dir() + "/consumer.handle"), kPoolBytes, kLayoutHash).ok());
+  ASSERT_TRUE(
+      b.device->OpenPeerPool(1, ReadHandle(Dir() + "/consumer.handle"), kPoolBytes, kLayoutHash)
+          .ok());
   at::Tensor answer = b.device->FetchFromPool(1, kAnswerOffset, {kElems}, at::kFloat).cpu();
   EXPECT_TRUE(answer.equal(Pattern(at::TensorOptions()) * 3)) << "the consumer's answer differs";
   std::ofstream(Dir() + "/done") << "ok";
@@ -216,11 +222,15 @@ TEST(RP_POOL_CHILD, Consumer) {
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   ASSERT_TRUE(WaitForFile(Dir() + "/producer.handle", 60)) << "no handle from the producer";
   // A pool announced with another size is refused before anything maps it.
-  EXPECT_FALSE(b.device->OpenPeerPool(0, ReadHandle(Dir() + "/producer.handle"), kPoolBytes / 2, kLayoutHash).ok());
-  Status opened = b.device->OpenPeerPool(0, ReadHandle(Dir() + "/producer.handle"), kPoolBytes, kLayoutHash);
+  EXPECT_FALSE(
+      b.device->OpenPeerPool(0, ReadHandle(Dir() + "/producer.handle"), kPoolBytes / 2, kLayoutHash)
+          .ok());
+  Status opened =
+      b.device->OpenPeerPool(0, ReadHandle(Dir() + "/producer.handle"), kPoolBytes, kLayoutHash);
   ASSERT_TRUE(opened.ok()) << opened.ToString();
   at::Tensor f32 = b.device->FetchFromPool(0, kProducerOffset, {kElems}, at::kFloat);
-  at::Tensor bf16 = b.device->FetchFromPool(0, kProducerOffset + kElems * 4, {kElems}, at::kBFloat16);
+  at::Tensor bf16 =
+      b.device->FetchFromPool(0, kProducerOffset + kElems * 4, {kElems}, at::kBFloat16);
   EXPECT_EQ(f32.device(), b.device->torch_device());
   EXPECT_TRUE(f32.cpu().equal(Pattern(at::TensorOptions())));
   EXPECT_TRUE(bf16.cpu().to(at::kFloat).equal(Pattern(at::TensorOptions())));
@@ -236,7 +246,8 @@ TEST(RP_POOL_CHILD, Consumer) {
 
 TEST(RP_POOL_SUITE, RoundTripBetweenTwoWorkerProcesses) {
   if (Role()) GTEST_SKIP() << "parent only";
-  if (RP_POOL_TEST_CUDA && !Exists("/dev/nvidiactl") && !Exists("/dev/nvidia0")) GTEST_SKIP() << "no NVIDIA device";
+  if (RP_POOL_TEST_CUDA && !Exists("/dev/nvidiactl") && !Exists("/dev/nvidia0"))
+    GTEST_SKIP() << "no NVIDIA device";
   const auto before = OurSegments();
   char tmpl[] = "/tmp/rp-pool-XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
@@ -247,7 +258,8 @@ TEST(RP_POOL_SUITE, RoundTripBetweenTwoWorkerProcesses) {
   self[n] = '\0';
   auto child = [&](const char* role, const char* test) {
     return Spawn({self, std::string("--gtest_filter=" RP_STR(RP_POOL_CHILD) ".") + test},
-                 {std::string("RP_POOL_TEST_ROLE=") + role, "RP_POOL_TEST_DIR=" + dir}, dir + "/" + role + ".log");
+                 {std::string("RP_POOL_TEST_ROLE=") + role, "RP_POOL_TEST_DIR=" + dir},
+                 dir + "/" + role + ".log");
   };
   Child producer = child("producer", "Producer");
   Child consumer = child("consumer", "Consumer");
@@ -264,7 +276,8 @@ TEST(RP_POOL_SUITE, RoundTripBetweenTwoWorkerProcesses) {
   EXPECT_TRUE(Exists(dir + "/done"));
   // Each process unlinked its CPU pool on exit.
   EXPECT_EQ(OurSegments(), before);
-  for (const char* f : {"/producer.log", "/consumer.log", "/producer.handle", "/consumer.handle", "/done"})
+  for (const char* f :
+       {"/producer.log", "/consumer.log", "/producer.handle", "/consumer.handle", "/done"})
     ::unlink((dir + f).c_str());
   ::rmdir(dir.c_str());
 }

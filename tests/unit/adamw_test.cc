@@ -27,7 +27,8 @@ TEST(AdamW, MatchesTorchOptimAdamWOverSeveralSteps) {
     std::vector<float> m(n, 0.f), v(n, 0.f), compute(n, 0.f);
     p_ref.set_requires_grad(true);
     const double lr = 3e-3, wd = 0.1;
-    torch::optim::AdamW opt({p_ref}, torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(wd));
+    torch::optim::AdamW opt(
+        {p_ref}, torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(wd));
     for (int step = 1; step <= 5; ++step) {
       at::Tensor g = at::randn({n});
       p_ref.mutable_grad() = g.clone();
@@ -112,21 +113,25 @@ TEST(AdamW, SimdPathsMatchTheScalarOracle) {
         auto master2 = master, m2 = m, v2 = v;
         std::vector<float> out32(n), out32b(n);
         std::vector<uint16_t> out16(n), out16b(n);
-        void* o1 = dtype == ComputeDtype::kFloat32 ? static_cast<void*>(out32.data()) : out16.data();
-        void* o2 = dtype == ComputeDtype::kFloat32 ? static_cast<void*>(out32b.data()) : out16b.data();
+        void* o1 =
+            dtype == ComputeDtype::kFloat32 ? static_cast<void*>(out32.data()) : out16.data();
+        void* o2 =
+            dtype == ComputeDtype::kFloat32 ? static_cast<void*>(out32b.data()) : out16b.data();
         for (int64_t step = 1; step <= 3; ++step) {
           AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1, step};
-          AdamWUpdateWith(SimdLevel::kScalar, h, 0.5f, g.data(), master.data(), m.data(), v.data(), n, o1, dtype);
-          AdamWUpdateWith(level, h, 0.5f, g.data(), master2.data(), m2.data(), v2.data(), n, o2, dtype);
+          AdamWUpdateWith(SimdLevel::kScalar, h, 0.5f, g.data(), master.data(), m.data(), v.data(),
+                          n, o1, dtype);
+          AdamWUpdateWith(level, h, 0.5f, g.data(), master2.data(), m2.data(), v2.data(), n, o2,
+                          dtype);
         }
         int64_t worst = 0;
         for (int64_t i = 0; i < n; ++i) {
           worst = std::max({worst, UlpDistance(master[i], master2[i]), UlpDistance(m[i], m2[i]),
                             UlpDistance(v[i], v2[i])});
           if (dtype == ComputeDtype::kBFloat16)
-            ASSERT_EQ(out16b[i], FloatToBFloat16(master2[i])) << SimdLevelName(level) << " n=" << n << " i=" << i;
-          else
-            ASSERT_EQ(out32b[i], master2[i]);
+            ASSERT_EQ(out16b[i], FloatToBFloat16(master2[i]))
+                << SimdLevelName(level) << " n=" << n << " i=" << i;
+          else ASSERT_EQ(out32b[i], master2[i]);
         }
         EXPECT_LE(worst, 4) << SimdLevelName(level) << " n=" << n;
         EXPECT_EQ(worst, 0) << "expected the same bits: " << SimdLevelName(level) << " n=" << n;
@@ -139,8 +144,9 @@ TEST(AdamW, SimdPathsMatchTheScalarOracle) {
 
 // The exact-mode optimizer updates in two passes (kFetched, then kRest; adamw.h). For every SIMD
 // path of AdamW (SGD runs the loader's pick each time), every compute-copy layout (master aliased
-// as its own fp32 copy, a separate fp32 copy, a bf16 copy) and both optimizers: the two passes leave exactly the bits of one kAll pass, and
-// after the first pass alone only the fetched array has changed.
+// as its own fp32 copy, a separate fp32 copy, a bf16 copy) and both optimizers: the two passes
+// leave exactly the bits of one kAll pass, and after the first pass alone only the fetched array
+// has changed.
 TEST(AdamW, TwoPassesLeaveTheBitsOfOne) {
   std::mt19937 rng(12);
   std::normal_distribution<float> normal;
@@ -178,13 +184,14 @@ TEST(AdamW, TwoPassesLeaveTheBitsOfOne) {
           ComputeDtype dtype;
           void* out = target(a, &dtype);
           if (sgd)
-            SgdUpdate(SgdHyper{0.05, 0.9, 0.01}, 0.5f, g.data(), a.master.data(), a.m.data(), n, out, dtype, writes);
+            SgdUpdate(SgdHyper{0.05, 0.9, 0.01}, 0.5f, g.data(), a.master.data(), a.m.data(), n,
+                      out, dtype, writes);
           else
-            AdamWUpdateWith(level, AdamWHyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 2}, 0.5f, g.data(), a.master.data(),
-                            a.m.data(), a.v.data(), n, out, dtype, writes);
+            AdamWUpdateWith(level, AdamWHyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 2}, 0.5f, g.data(),
+                            a.master.data(), a.m.data(), a.v.data(), n, out, dtype, writes);
         };
-        const std::string what = std::string(SimdLevelName(level)) + (sgd ? " sgd" : " adamw") + " copy " +
-                                 std::to_string(static_cast<int>(copy));
+        const std::string what = std::string(SimdLevelName(level)) + (sgd ? " sgd" : " adamw") +
+                                 " copy " + std::to_string(static_cast<int>(copy));
         const Arrays before = one;
         update(one, UpdateWrites::kAll);
         update(two, UpdateWrites::kFetched);
@@ -232,8 +239,10 @@ TEST(OptimizerStep, SquaredSumIsTheDefinedLaneSum) {
       o[i] = normal(rng);
     }
     double lane[8] = {};
-    for (int64_t i = 0; i < n; ++i) lane[i % 8] += static_cast<double>(g[i]) * static_cast<double>(g[i]);
-    const double want = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (int64_t i = 0; i < n; ++i)
+      lane[i % 8] += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+    const double want =
+        ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     EXPECT_EQ(SquaredSum(g.data(), n), want) << n;
     std::vector<float> folded = g;
     for (int64_t i = 0; i < n; ++i) folded[i] += o[i];
@@ -246,7 +255,8 @@ TEST(OptimizerStep, SquaredSumIsTheDefinedLaneSum) {
 
 TEST(AdamW, BFloat16ConversionMatchesATen) {
   at::manual_seed(4);
-  at::Tensor x = at::cat({at::randn({10000}) * 100, at::tensor({0.f, -0.f, 1e-40f, 65504.f, 3.0e38f})});
+  at::Tensor x =
+      at::cat({at::randn({10000}) * 100, at::tensor({0.f, -0.f, 1e-40f, 65504.f, 3.0e38f})});
   at::Tensor ref = x.to(at::kBFloat16).to(at::kFloat);
   for (int64_t i = 0; i < x.numel(); ++i) {
     float f = x[i].item<float>();
@@ -271,9 +281,10 @@ TEST(AdamW, HalfConversionsMatchATen) {
   std::vector<float> xs;
   at::Tensor r = at::randn({20000}) * at::pow(2.0, at::randint(-30, 20, {20000}).to(at::kFloat));
   for (int64_t i = 0; i < r.numel(); ++i) xs.push_back(r[i].item<float>());
-  for (float f : {0.f, -0.f, 65504.f, 65519.99f, 65520.f, -65520.f, 1e30f, 5.9604645e-8f, 2.9802322e-8f,
-                  2.9802326e-8f, 8.940697e-8f, 6.097555e-5f, 6.1035156e-5f, 1.0009766f, 1.0004883f, 1.0014648f,
-                  std::numeric_limits<float>::infinity(), 1e-45f})
+  for (float f :
+       {0.f, -0.f, 65504.f, 65519.99f, 65520.f, -65520.f, 1e30f, 5.9604645e-8f, 2.9802322e-8f,
+        2.9802326e-8f, 8.940697e-8f, 6.097555e-5f, 6.1035156e-5f, 1.0009766f, 1.0004883f,
+        1.0014648f, std::numeric_limits<float>::infinity(), 1e-45f})
     xs.push_back(f);
   std::vector<uint16_t> fast(xs.size());
   FloatsToHalves(xs.data(), fast.data(), static_cast<int64_t>(xs.size()));
@@ -292,15 +303,15 @@ TEST(AdamW, Fp16ComputeCopyIsTheRoundedMasterInEitherPassOrder) {
   std::vector<float> m(4, 0.0f), v(4, 0.0f);
   auto one = master, one_m = m, one_v = v, two = master, two_m = m, two_v = v;
   std::vector<uint16_t> c1(4), c2(4);
-  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), one.data(), one_m.data(), one_v.data(), 4, c1.data(),
-              ComputeDtype::kFloat16, UpdateWrites::kAll);
-  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), two.data(), two_m.data(), two_v.data(), 4, c2.data(),
-              ComputeDtype::kFloat16, UpdateWrites::kFetched);
-  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), two.data(), two_m.data(), two_v.data(), 4, c2.data(),
-              ComputeDtype::kFloat16, UpdateWrites::kRest);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), one.data(), one_m.data(), one_v.data(), 4,
+              c1.data(), ComputeDtype::kFloat16, UpdateWrites::kAll);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), two.data(), two_m.data(), two_v.data(), 4,
+              c2.data(), ComputeDtype::kFloat16, UpdateWrites::kFetched);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), two.data(), two_m.data(), two_v.data(), 4,
+              c2.data(), ComputeDtype::kFloat16, UpdateWrites::kRest);
   std::vector<float> f32 = master, f32_m = m, f32_v = v;
-  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), f32.data(), f32_m.data(), f32_v.data(), 4, f32.data(),
-              ComputeDtype::kFloat32, UpdateWrites::kAll);
+  UpdateRange(opt, 1e-2, 1, true, 1.0f, grad.data(), f32.data(), f32_m.data(), f32_v.data(), 4,
+              f32.data(), ComputeDtype::kFloat32, UpdateWrites::kAll);
   EXPECT_EQ(one, f32);
   EXPECT_EQ(two, f32);
   EXPECT_EQ(one_m, f32_m);
@@ -331,7 +342,8 @@ TEST(LossScaler, FollowsGradScalersRule) {
   }
   // The scale is fp32: 0.3 x 2700 rounds as torch's float tensor does, and growth stops short of
   // infinity.
-  EXPECT_EQ(NextLossScaler({0, 2700.0, 0, 0}, true, c).scale, static_cast<double>(static_cast<float>(2700 * 0.3)));
+  EXPECT_EQ(NextLossScaler({0, 2700.0, 0, 0}, true, c).scale,
+            static_cast<double>(static_cast<float>(2700 * 0.3)));
   core::LossScaling big{3e38, 2.0, 0.5, 1};
   EXPECT_EQ(NextLossScaler(InitialLossScaler(big), false, big).scale, static_cast<double>(3e38f));
 }
@@ -365,7 +377,8 @@ TEST(OptimizerStep, ClipsByGlobalNormAndIsThreadCountIndependent) {
   std::vector<std::vector<float>> a, b;
   auto r1 = run(1, &a);
   auto r4 = run(4, &b);
-  const double norm = std::sqrt(grads[0].pow(2).sum().item<double>() + grads[1].pow(2).sum().item<double>());
+  const double norm =
+      std::sqrt(grads[0].pow(2).sum().item<double>() + grads[1].pow(2).sum().item<double>());
   EXPECT_NEAR(r1.grad_norm, norm, 1e-6 * norm);
   EXPECT_NEAR(r1.clip_scale, 1.0 / norm, 1e-6);
   EXPECT_EQ(r1.grad_norm, r4.grad_norm);

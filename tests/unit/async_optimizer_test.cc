@@ -38,7 +38,8 @@ bool WaitFor(Done done) {
 
 // (optimizer.mode, train.grad_clip, train.accum_calls, next step's rows given ahead): K = 2 makes
 // the arena hold every slot without clipping, so exact mode runs two passes there too.
-class AsyncOptimizerTest : public ::testing::TestWithParam<std::tuple<std::string, double, int, bool>> {};
+class AsyncOptimizerTest
+    : public ::testing::TestWithParam<std::tuple<std::string, double, int, bool>> {};
 
 TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   const std::string mode = std::get<0>(GetParam());
@@ -52,7 +53,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   cfg.train.dtype = core::TrainDtype::kFp32;
   cfg.train.grad_clip = clip;
   cfg.train.accum_calls = accum_calls;
-  cfg.bench.merge_calls = core::Tristate::kNever;  // K calls run as K rounds, as the test reads them
+  cfg.bench.merge_calls =
+      core::Tristate::kNever;  // K calls run as K rounds, as the test reads them
   cfg.train.steps = 4;
   cfg.optimizer.mode = mode == "exact" ? core::OptimizerMode::kExact : core::OptimizerMode::kStale1;
   cfg.optimizer.weight_decay = 0.1;
@@ -63,7 +65,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   auto layout = shm::ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(layout.ok()) << layout.status().message();
   const shm::ArenaLayout& a = *layout;
-  std::vector<uint64_t> state_words(a.total_bytes / 8 + 1, 0), optim_words(a.optim_total_bytes / 8 + 1, 0);
+  std::vector<uint64_t> state_words(a.total_bytes / 8 + 1, 0),
+      optim_words(a.optim_total_bytes / 8 + 1, 0);
   auto* state = reinterpret_cast<uint8_t*>(state_words.data());
   auto* optim = reinterpret_cast<uint8_t*>(optim_words.data());
   auto f32 = [](uint8_t* base, uint64_t off) { return reinterpret_cast<float*>(base + off); };
@@ -100,7 +103,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
     // Slots in backward order, as the coordinator finalizes them; each placed once its previous
     // step's update has given it back.
     for (int s = static_cast<int>(spec.grad_slots.size()) - 1; s >= 0; --s) {
-      ASSERT_TRUE(WaitFor([&] { return !arena.IsPlaced(s); })) << "slot " << s << " never came back";
+      ASSERT_TRUE(WaitFor([&] { return !arena.IsPlaced(s); }))
+          << "slot " << s << " never came back";
       ASSERT_TRUE(arena.Place({s}));
       const int p = spec.grad_slots[s].param;
       float* g = f32(state, arena.Offset(s));
@@ -122,7 +126,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
         continue;
       }
       for (int64_t i = 0; i < spec.params[p].numel; ++i) {
-        g[i] = (step == 0 || rows_ahead) && lookup && !is_touched(i / cols) ? 0.0f : normal(rng) * 0.5f;
+        g[i] = (step == 0 || rows_ahead) && lookup && !is_touched(i / cols) ? 0.0f
+                                                                            : normal(rng) * 0.5f;
         ref_grad[p][i] += g[i];  // tied uses fold in slot order: first slot first, here two at most
       }
     }
@@ -143,7 +148,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
     for (int s = static_cast<int>(spec.grad_slots.size()) - 1; s >= 0; --s) opt.SlotFinal(step, s);
     if (step == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      EXPECT_EQ(std::memcmp(optim, optim_before.data(), a.optim_total_bytes), 0) << "an update wrote while held";
+      EXPECT_EQ(std::memcmp(optim, optim_before.data(), a.optim_total_bytes), 0)
+          << "an update wrote while held";
       EXPECT_FALSE(opt.Published(1));
       opt.ReleaseUpdates();
     }
@@ -153,7 +159,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
       for (int l = 0; l < spec.NumLayers(); ++l)
         if (versions[l].load() != static_cast<uint64_t>(step + 1)) return false;
       return true;
-    })) << "step " << step;
+    })) << "step "
+        << step;
     EXPECT_TRUE(opt.Published(step));
     if (a.lookup_from_host) {
       EXPECT_EQ(reinterpret_cast<std::atomic<uint64_t>*>(state + a.lookup_version)->load(),
@@ -171,8 +178,9 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
       arrays[p].decay = spec.params[p].weight_decay;
       arrays[p].row_elems = spec.TiedRowElems(static_cast<int>(p));
     }
-    const auto r = OptimizerStep(arrays, cfg.optimizer, core::LearningRate(cfg.optimizer, step, cfg.train.steps),
-                                 step + 1, clip, ComputeDtype::kFloat32, 2);
+    const auto r = OptimizerStep(arrays, cfg.optimizer,
+                                 core::LearningRate(cfg.optimizer, step, cfg.train.steps), step + 1,
+                                 clip, ComputeDtype::kFloat32, 2);
     // The norm is complete before the last layer is published (without clipping too).
     auto norm = opt.GradNorm(step);
     ASSERT_TRUE(norm.has_value()) << "step " << step;
@@ -181,11 +189,15 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   ASSERT_TRUE(WaitFor([&] { return opt.Updated(1); }));
   for (size_t p = 0; p < P; ++p) {
     const size_t bytes = spec.params[p].numel * 4;
-    EXPECT_EQ(std::memcmp(f32(master_base, a.master[p]), ref_master[p].data(), bytes), 0) << spec.params[p].name;
-    EXPECT_EQ(std::memcmp(f32(optim, a.adam_m[p]), ref_m[p].data(), bytes), 0) << spec.params[p].name;
-    EXPECT_EQ(std::memcmp(f32(optim, a.adam_v[p]), ref_v[p].data(), bytes), 0) << spec.params[p].name;
+    EXPECT_EQ(std::memcmp(f32(master_base, a.master[p]), ref_master[p].data(), bytes), 0)
+        << spec.params[p].name;
+    EXPECT_EQ(std::memcmp(f32(optim, a.adam_m[p]), ref_m[p].data(), bytes), 0)
+        << spec.params[p].name;
+    EXPECT_EQ(std::memcmp(f32(optim, a.adam_v[p]), ref_v[p].data(), bytes), 0)
+        << spec.params[p].name;
   }
-  for (size_t s = 0; s < spec.grad_slots.size(); ++s) EXPECT_FALSE(arena.IsPlaced(static_cast<int>(s)));
+  for (size_t s = 0; s < spec.grad_slots.size(); ++s)
+    EXPECT_FALSE(arena.IsPlaced(static_cast<int>(s)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, AsyncOptimizerTest,

@@ -72,7 +72,8 @@ TEST(JobConfig, ValidJobParsesWithDefaults) {
   EXPECT_EQ(c->data.seq_len, 16);
   EXPECT_STREQ(core::EnumName(c->optimizer.mode), "exact");
   EXPECT_EQ(c->TotalLayers(), c->model.num_layers + 2);
-  EXPECT_EQ(c->data.path, std::filesystem::path(CorpusDir() + "/tiny_corpus.txt").lexically_normal().string());
+  EXPECT_EQ(c->data.path,
+            std::filesystem::path(CorpusDir() + "/tiny_corpus.txt").lexically_normal().string());
 }
 
 TEST(JobConfig, UnknownSectionAndKey) {
@@ -81,32 +82,41 @@ TEST(JobConfig, UnknownSectionAndKey) {
 }
 
 TEST(JobConfig, WrongTypes) {
-  ExpectError(std::string(kValid) + "[model]\nhidden_size = \"big\"\n", "model.hidden_size: expected an integer");
-  ExpectError(std::string(kValid) + "[model]\nqk_norm = 1\n", "model.qk_norm: expected true or false");
-  ExpectError(std::string(kValid) + "[optimizer]\nlr = \"fast\"\n", "optimizer.lr: expected a number");
-  ExpectError(std::string(kValid) + "[schedule]\nforward_cuts = [1, \"x\"]\n", "schedule.forward_cuts[1]");
+  ExpectError(std::string(kValid) + "[model]\nhidden_size = \"big\"\n",
+              "model.hidden_size: expected an integer");
+  ExpectError(std::string(kValid) + "[model]\nqk_norm = 1\n",
+              "model.qk_norm: expected true or false");
+  ExpectError(std::string(kValid) + "[optimizer]\nlr = \"fast\"\n",
+              "optimizer.lr: expected a number");
+  ExpectError(std::string(kValid) + "[schedule]\nforward_cuts = [1, \"x\"]\n",
+              "schedule.forward_cuts[1]");
   ExpectError("model = 3\n", "model: must be a [model] table");
 }
 
 TEST(JobConfig, OutOfRange) {
-  ExpectError(std::string(kValid) + "[model]\nnum_layers = 0\n", "model.num_layers: must be in [1,");
+  ExpectError(std::string(kValid) + "[model]\nnum_layers = 0\n",
+              "model.num_layers: must be in [1,");
   ExpectError(std::string(kValid) + "[optimizer]\nbeta2 = 1.5\n", "optimizer.beta2: must be in");
   ExpectError(std::string(kValid) + "[job]\ndevice = \"tpu\"\n", "job.device: must be one of");
 }
 
 TEST(JobConfig, CrossFieldChecks) {
-  ExpectError(std::string(kValid) + "[model]\nnum_heads = 4\nnum_kv_heads = 3\n", "model.num_kv_heads");
+  ExpectError(std::string(kValid) + "[model]\nnum_heads = 4\nnum_kv_heads = 3\n",
+              "model.num_kv_heads");
   ExpectError(std::string(kValid) + "[model]\nhead_dim = 7\n", "model.head_dim");
   ExpectError(std::string(kValid) + "[schedule]\nforward_cuts = [3, 2]\n", "schedule.forward_cuts");
-  ExpectError(std::string(kValid) + "[schedule]\nbackward_cuts = [99]\n", "schedule.backward_cuts[0]");
+  ExpectError(std::string(kValid) + "[schedule]\nbackward_cuts = [99]\n",
+              "schedule.backward_cuts[0]");
   ExpectError(std::string(kValid) + "[schedule]\nforward_stages = 50\n", "schedule.forward_stages");
   ExpectError(std::string(kValid) + "[schedule]\ntail_blocks = 9\n", "schedule.tail_blocks");
   ExpectError(std::string(kValid) + "[model]\npath = \"/models/qwen\"\n", "model.path");
   // Values and keys that duplicated another are gone, and refused by name: "master" was auto
   // where accepted, "host" the lookup auto picks, activation_transport one key for activations'
   // choice.
-  ExpectError(std::string(kValid) + "[schedule]\nweights_source = \"master\"\n", "schedule.weights_source");
-  ExpectError(std::string(kValid) + "[schedule]\nembedding_lookup = \"host\"\n", "schedule.embedding_lookup");
+  ExpectError(std::string(kValid) + "[schedule]\nweights_source = \"master\"\n",
+              "schedule.weights_source");
+  ExpectError(std::string(kValid) + "[schedule]\nembedding_lookup = \"host\"\n",
+              "schedule.embedding_lookup");
   ExpectError(std::string(kValid) + "[schedule]\nactivation_transport = \"cuda_ipc\"\n",
               "schedule.activation_transport: unknown key");
   // An empty output directory would put the run's files at the filesystem's root.
@@ -116,7 +126,8 @@ TEST(JobConfig, CrossFieldChecks) {
               {"lora.rank=80", "lora.target_modules=[\"q_proj\",\"k_proj\"]"});
   EXPECT_TRUE(Parse(kValid, {"lora.rank=64", "lora.target_modules=[\"q_proj\",\"k_proj\"]"}).ok());
   for (const char* knob : {"merge_calls", "layer_major_forward", "interleave_calls"})
-    ExpectError(std::string(kValid) + "[schedule]\n" + knob + " = \"auto\"\n", std::string("schedule.") + knob);
+    ExpectError(std::string(kValid) + "[schedule]\n" + knob + " = \"auto\"\n",
+                std::string("schedule.") + knob);
   auto ipc = Parse(std::string(kValid) + "[schedule]\nactivations = \"cuda_ipc\"\n");
   ASSERT_TRUE(ipc.ok()) << ipc.status().ToString();
   EXPECT_TRUE(ActivationsInPools(*ipc));
@@ -126,7 +137,7 @@ TEST(JobConfig, CrossFieldChecks) {
   auto exact = Parse(kValid);
   ASSERT_TRUE(exact.ok());
   EXPECT_TRUE(WorkersFetchMasters(*exact));  // auto, exact mode
-  EXPECT_TRUE(LookupFromHost(*exact));  // auto, with the masters as the source
+  EXPECT_TRUE(LookupFromHost(*exact));       // auto, with the masters as the source
   exact->schedule.weights_source = core::WeightsSource::kComputeCopy;
   EXPECT_FALSE(WorkersFetchMasters(*exact));
   EXPECT_FALSE(LookupFromHost(*exact));
@@ -134,7 +145,8 @@ TEST(JobConfig, CrossFieldChecks) {
 }
 
 TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
-  auto c = Parse(kValid, {"train.dtype=fp16", "train.loss_scale_init=1024", "train.loss_scale_growth_interval=50"});
+  auto c = Parse(kValid, {"train.dtype=fp16", "train.loss_scale_init=1024",
+                          "train.loss_scale_growth_interval=50"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->train.loss_scaling.init, 1024.0);
   EXPECT_EQ(c->train.loss_scaling.growth_interval, 50);
@@ -144,9 +156,12 @@ TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_TRUE(UpdatesWaitForNorm(*c));  // an overflow must be known before anything is updated
   ExpectError(kValid, "train.loss_scale_*", {"train.loss_scale_init=1024"});
-  ExpectError(kValid, "train.loss_scale_*", {"train.dtype=bf16", "job.device=cuda", "train.loss_scale_growth_interval=5"});
-  ExpectError(kValid, "train.loss_scale_growth_factor", {"train.dtype=fp16", "train.loss_scale_growth_factor=1"});
-  ExpectError(kValid, "train.loss_scale_backoff_factor", {"train.dtype=fp16", "train.loss_scale_backoff_factor=1"});
+  ExpectError(kValid, "train.loss_scale_*",
+              {"train.dtype=bf16", "job.device=cuda", "train.loss_scale_growth_interval=5"});
+  ExpectError(kValid, "train.loss_scale_growth_factor",
+              {"train.dtype=fp16", "train.loss_scale_growth_factor=1"});
+  ExpectError(kValid, "train.loss_scale_backoff_factor",
+              {"train.dtype=fp16", "train.loss_scale_backoff_factor=1"});
   ExpectError(kValid, "train.loss_scale_init", {"train.dtype=fp16", "train.loss_scale_init=0"});
 }
 
@@ -160,7 +175,8 @@ TEST(JobConfig, Fp8IsBf16WithE4m3ProductsOnCudaWorkers) {
   c = Parse(kValid, {"train.dtype=bf16", "job.device=cuda"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_FALSE(Fp8Matmuls(*c));
-  ExpectError(kValid, "train.dtype: \"fp8\" needs job.device", {"train.dtype=fp8", "job.device=cpu"});
+  ExpectError(kValid, "train.dtype: \"fp8\" needs job.device",
+              {"train.dtype=fp8", "job.device=cpu"});
   ScopedEnv no_fused("RP_FUSED_KERNELS=0");
   ExpectError(kValid, "train.dtype: \"fp8\" multiplies", {"train.dtype=fp8", "job.device=cuda"});
 }
@@ -171,16 +187,19 @@ TEST(JobConfig, ADeviceMemoryLimitIsTheBudgetThePlannerPlansFor) {
   auto c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 22 * 1.073741824, 1e-9);
-  c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=23"});
+  c = Parse(kValid,
+            {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=23"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_NEAR(c->schedule.gpu_memory_gb, 0.85 * 22 * 1.073741824, 1e-9);
-  c = Parse(kValid, {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=20"});
+  c = Parse(kValid,
+            {"job.device=cuda", "job.device_memory_limit_gib=22", "schedule.gpu_memory_gb=20"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->schedule.gpu_memory_gb, 20);
   c = Parse(kValid, {"job.device=cuda"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->schedule.gpu_memory_gb, 0);
-  ExpectError(kValid, "job.device_memory_limit_gib: caps a CUDA worker's", {"job.device=cpu", "job.device_memory_limit_gib=22"});
+  ExpectError(kValid, "job.device_memory_limit_gib: caps a CUDA worker's",
+              {"job.device=cpu", "job.device_memory_limit_gib=22"});
 }
 
 TEST(JobConfig, WithoutABudgetCudaWorkersPlanForTheHostsSmallestGpu) {
@@ -202,8 +221,10 @@ TEST(JobConfig, WithoutABudgetCudaWorkersPlanForTheHostsSmallestGpu) {
   // A budget above the card (an H200 job file on an 80 GiB card) is refused naming both.
   c = plan_for({"job.device=cuda", "schedule.gpu_memory_gb=130"}, h100);
   ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.status().message().find("schedule.gpu_memory_gb = 130"), std::string::npos) << c.status().message();
-  EXPECT_NE(c.status().message().find("85.9 GB, 80.0 GiB"), std::string::npos) << c.status().message();
+  EXPECT_NE(c.status().message().find("schedule.gpu_memory_gb = 130"), std::string::npos)
+      << c.status().message();
+  EXPECT_NE(c.status().message().find("85.9 GB, 80.0 GiB"), std::string::npos)
+      << c.status().message();
   // CPU workers have no card to outgrow.
   EXPECT_TRUE(plan_for({"job.device=cpu", "schedule.gpu_memory_gb=130"}, h100).ok());
   c = plan_for({"job.device=cuda", "job.device_memory_limit_gib=22"}, h100);
@@ -220,7 +241,8 @@ TEST(JobConfig, WithoutABudgetCudaWorkersPlanForTheHostsSmallestGpu) {
 }
 
 TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
-  auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.accum_calls=1"});
+  auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false",
+                          "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_TRUE(GradientsWaitInWorkers(*c));
   // Its commits come after the norm, the tail's last: the next step's tokens and checkpoints go
@@ -230,24 +252,33 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   ASSERT_TRUE(host.ok()) << host.status().message();
   EXPECT_EQ(ActivationParities(*host), 1);
   // Exact mode merges the calls into one round: allowed with accumulation calls too.
-  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"}).ok());
+  EXPECT_TRUE(
+      Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"}).ok());
   ExpectError(kValid, "optimizer.gradients_wait_in",
-              {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "optimizer.mode=stale1"});
-  ExpectError(kValid, "optimizer.gradients_wait_in", {"optimizer.gradients_wait_in=workers", "train.accum_calls=1"});
+              {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false",
+               "optimizer.mode=stale1"});
   ExpectError(kValid, "optimizer.gradients_wait_in",
-              {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.grad_clip=0"});
-  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "train.accum_calls=1", "lora.rank=4"}).ok());
+              {"optimizer.gradients_wait_in=workers", "train.accum_calls=1"});
+  ExpectError(
+      kValid, "optimizer.gradients_wait_in",
+      {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.grad_clip=0"});
+  EXPECT_TRUE(
+      Parse(kValid, {"optimizer.gradients_wait_in=workers", "train.accum_calls=1", "lora.rank=4"})
+          .ok());
   // fp16's scaler needs the norm first even without clipping.
-  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false", "train.grad_clip=0",
-                             "train.dtype=fp16"}).ok());
+  EXPECT_TRUE(Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false",
+                             "train.grad_clip=0", "train.dtype=fp16"})
+                  .ok());
 }
 
 TEST(JobConfig, DeviceUpdatesNeedAClippedExactAdamWStepInOneRound) {
-  auto c = Parse(kValid, {"optimizer.device_update_blocks=2", "train.grad_clip=1.0", "train.accum_calls=1"});
+  auto c = Parse(
+      kValid, {"optimizer.device_update_blocks=2", "train.grad_clip=1.0", "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(DeviceUpdateBlocks(*c), 2);
   const std::string key = "optimizer.device_update_blocks";
-  const std::vector<std::string> on = {"optimizer.device_update_blocks=2", "train.grad_clip=1.0", "train.accum_calls=1"};
+  const std::vector<std::string> on = {"optimizer.device_update_blocks=2", "train.grad_clip=1.0",
+                                       "train.accum_calls=1"};
   auto with = [&](std::vector<std::string> more) {
     more.insert(more.begin(), on.begin(), on.end());
     return more;
@@ -276,12 +307,17 @@ TEST(JobConfig, ASpeculativeUpdateNeedsAClippedExactAdamWStepOnTheHost) {
   EXPECT_FALSE(SpeculatesUnclippedUpdate(*Parse(kValid, {"train.grad_clip=1.0"})));
   const std::string key = "optimizer.speculative_update";
   ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=0"});
-  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "optimizer.mode=stale1"});
-  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "optimizer.name=sgd"});
-  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0",
-                            "optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"});
-  ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=1.0", "train.dtype=fp16",
-                            "job.device=cuda"});
+  ExpectError(
+      kValid, key,
+      {"optimizer.speculative_update=true", "train.grad_clip=1.0", "optimizer.mode=stale1"});
+  ExpectError(kValid, key,
+              {"optimizer.speculative_update=true", "train.grad_clip=1.0", "optimizer.name=sgd"});
+  ExpectError(kValid, key,
+              {"optimizer.speculative_update=true", "train.grad_clip=1.0",
+               "optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"});
+  ExpectError(kValid, key,
+              {"optimizer.speculative_update=true", "train.grad_clip=1.0", "train.dtype=fp16",
+               "job.device=cuda"});
   JobConfig nodes = *c;
   nodes.nodes.count = 2;
   nodes.train.microbatches = 4;
@@ -295,22 +331,28 @@ TEST(JobConfig, AnAutoMlpTileNeedsTheDeviceMemoryToFit) {
   auto c = Parse(kValid, {"train.mlp_tile_tokens=-1", "schedule.gpu_memory_gb=40"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->train.mlp_tile_tokens, kMlpTileAuto);
-  ExpectError(kValid, "train.mlp_tile_tokens", {"train.mlp_tile_tokens=-2", "schedule.gpu_memory_gb=40"});
+  ExpectError(kValid, "train.mlp_tile_tokens",
+              {"train.mlp_tile_tokens=-2", "schedule.gpu_memory_gb=40"});
 }
 
 TEST(JobConfig, KeptBlocksAreChecked) {
   // The default model: 4 blocks, none in the tail, so 4 precede it.
-  ExpectError(kValid, "schedule.frozen_on_device: set, but lora.rank = 0", {"schedule.frozen_on_device=true"});
+  ExpectError(kValid, "schedule.frozen_on_device: set, but lora.rank = 0",
+              {"schedule.frozen_on_device=true"});
   EXPECT_TRUE(Parse(kValid, {"schedule.frozen_on_device=true", "lora.rank=4"}).ok());
   EXPECT_TRUE(Parse(kValid, {"schedule.kept_blocks=4"}).ok());
-  ExpectError(kValid, "schedule.kept_blocks: 4 kept blocks, but only 3", {"schedule.kept_blocks=4", "schedule.tail_blocks=1"});
-  ExpectError(kValid, "schedule.kept_blocks", {"schedule.kept_blocks=2", "train.layer_recompute=true"});
-  ExpectError(kValid, "schedule.kept_blocks: a tiled MLP", {"schedule.kept_blocks=2", "train.mlp_tile_tokens=8"});
+  ExpectError(kValid, "schedule.kept_blocks: 4 kept blocks, but only 3",
+              {"schedule.kept_blocks=4", "schedule.tail_blocks=1"});
+  ExpectError(kValid, "schedule.kept_blocks",
+              {"schedule.kept_blocks=2", "train.layer_recompute=true"});
+  ExpectError(kValid, "schedule.kept_blocks: a tiled MLP",
+              {"schedule.kept_blocks=2", "train.mlp_tile_tokens=8"});
   ExpectError(kValid, "schedule.kept_blocks = -1", {"schedule.kept_blocks=-1"});
   auto c = Parse(kValid, {"schedule.kept_blocks=-1", "schedule.gpu_memory_gb=40"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->schedule.kept_blocks, kKeptBlocksAuto);
-  const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=16",
+  const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
+                                        "model.expert_intermediate_size=16",
                                         "schedule.kept_blocks=1"};
   ExpectError(kValid, "schedule.kept_blocks: block 3 is a mixture-of-experts block", moe);
 }
@@ -318,38 +360,49 @@ TEST(JobConfig, KeptBlocksAreChecked) {
 TEST(JobConfig, LoraKeysAreChecked) {
   const std::string lora = std::string(kValid) + "[lora]\nrank = 4\n";
   ExpectError(lora + "target_modules = [\"qproj\"]\n", "lora.target_modules: \"qproj\"");
-  ExpectError(lora + "target_modules = [\"q_proj\", \"q_proj\"]\n", "lora.target_modules: \"q_proj\" is listed twice");
+  ExpectError(lora + "target_modules = [\"q_proj\", \"q_proj\"]\n",
+              "lora.target_modules: \"q_proj\" is listed twice");
   ExpectError(lora + "target_modules = []\n", "lora.target_modules: empty");
   ExpectError(lora + "target_modules = [\"q_proj\", 3]\n", "lora.target_modules[1]");
   ExpectError(lora + "init_from = \"no/such/adapter\"\n", "lora.init_from: no such directory");
-  ExpectError(std::string(kValid) + "[lora]\ninit_from = \".\"\n", "lora.init_from: set, but lora.rank = 0");
+  ExpectError(std::string(kValid) + "[lora]\ninit_from = \".\"\n",
+              "lora.init_from: set, but lora.rank = 0");
   ExpectError(lora + "dropout = 1.0\n", "lora.dropout");
   // Expert tensors: PEFT's names, a model with experts, no dropout, the per-expert rank bound.
   const std::vector<std::string> moe = {"model.num_experts=4", "model.experts_per_token=2",
                                         "model.expert_intermediate_size=16"};
-  auto experts = Parse(lora + "target_modules = []\ntarget_parameters = [\"mlp.experts.down_proj\"]\n", moe);
+  auto experts =
+      Parse(lora + "target_modules = []\ntarget_parameters = [\"mlp.experts.down_proj\"]\n", moe);
   ASSERT_TRUE(experts.ok()) << experts.status().ToString();
   EXPECT_EQ(experts->lora.target_parameters, std::vector<std::string>{"mlp.experts.down_proj"});
-  ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\"]\n", "lora.target_parameters: \"mlp.experts.down_proj\" names expert tensors");
-  ExpectError(lora + "target_parameters = [\"experts.down\"]\n", "lora.target_parameters: \"experts.down\" is not", moe);
-  ExpectError(lora + "target_parameters = [\"proj\"]\n", "lora.target_parameters: \"proj\" is not", moe);
+  ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\"]\n",
+              "lora.target_parameters: \"mlp.experts.down_proj\" names expert tensors");
+  ExpectError(lora + "target_parameters = [\"experts.down\"]\n",
+              "lora.target_parameters: \"experts.down\" is not", moe);
+  ExpectError(lora + "target_parameters = [\"proj\"]\n", "lora.target_parameters: \"proj\" is not",
+              moe);
   // PEFT's suffix matching: a suffix after a dot names the same tensor.
-  auto suffix = Parse(lora + "target_parameters = [\"down_proj\", \"experts.gate_up_proj\"]\n", moe);
+  auto suffix =
+      Parse(lora + "target_parameters = [\"down_proj\", \"experts.gate_up_proj\"]\n", moe);
   ASSERT_TRUE(suffix.ok()) << suffix.status().ToString();
   EXPECT_EQ(CanonicalLoraParameter("down_proj"), "mlp.experts.down_proj");
   EXPECT_EQ(CanonicalLoraParameter("xperts.down_proj"), "");
   ExpectError(lora + "target_parameters = [\"mlp.experts.down_proj\", \"down_proj\"]\n",
               "lora.target_parameters: \"down_proj\" names mlp.experts.down_proj twice", moe);
   // Experts in the config but no sparse block: nothing to adapt.
-  ExpectError(lora + "target_parameters = [\"down_proj\"]\n", "lora.target_parameters: \"down_proj\" names expert tensors, and no block",
-              {"model.num_experts=4", "model.experts_per_token=2", "model.expert_intermediate_size=16",
-               "model.sparse_step=1000"});
-  ExpectError(lora + "dropout = 0.1\ntarget_parameters = [\"mlp.experts.gate_up_proj\"]\n", "lora.dropout: must be 0", moe);
-  ExpectError(std::string(kValid) + "[lora]\nrank = 17\ntarget_parameters = [\"mlp.experts.down_proj\"]\n",
-              "lora.rank: 17 exceeds mlp.experts.down_proj", moe);
+  ExpectError(lora + "target_parameters = [\"down_proj\"]\n",
+              "lora.target_parameters: \"down_proj\" names expert tensors, and no block",
+              {"model.num_experts=4", "model.experts_per_token=2",
+               "model.expert_intermediate_size=16", "model.sparse_step=1000"});
+  ExpectError(lora + "dropout = 0.1\ntarget_parameters = [\"mlp.experts.gate_up_proj\"]\n",
+              "lora.dropout: must be 0", moe);
+  ExpectError(
+      std::string(kValid) + "[lora]\nrank = 17\ntarget_parameters = [\"mlp.experts.down_proj\"]\n",
+      "lora.rank: 17 exceeds mlp.experts.down_proj", moe);
   ExpectError(std::string(kValid) + "[lora]\ntarget_parameters = [\"mlp.experts.down_proj\"]\n",
               "lora.target_parameters: set, but lora.rank = 0", moe);
-  ExpectError(lora + "target_modules = [\"up_proj\"]\n", "lora.target_modules: \"up_proj\" on a mixture-of-experts", moe);
+  ExpectError(lora + "target_modules = [\"up_proj\"]\n",
+              "lora.target_modules: \"up_proj\" on a mixture-of-experts", moe);
   auto c = Parse(lora + "alpha = 16\ntarget_modules = [\"down_proj\"]\n");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_DOUBLE_EQ(c->lora.scale(), 4.0);
@@ -381,8 +434,8 @@ TEST(JobConfig, SyntaxErrorNamesLine) {
 }
 
 TEST(JobConfig, Overrides) {
-  auto c = Parse(kValid, {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0", "job.name=abc",
-                          "schedule.forward_cuts=[2]", "model.qk_norm=false"});
+  auto c = Parse(kValid, {"train.steps=7", "optimizer.lr=1e-4", "optimizer.min_lr=0",
+                          "job.name=abc", "schedule.forward_cuts=[2]", "model.qk_norm=false"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->train.steps, 7);
   EXPECT_DOUBLE_EQ(c->optimizer.lr, 1e-4);
@@ -390,7 +443,8 @@ TEST(JobConfig, Overrides) {
   EXPECT_EQ(c->schedule.forward_cuts, std::vector<int64_t>{2});
   EXPECT_FALSE(c->model.qk_norm);
   ExpectError(kValid, "--set train.steps", {"train.steps"});
-  ExpectError(kValid, "--set train.stepz: unknown key; did you mean train.steps?", {"train.stepz=3"});
+  ExpectError(kValid, "--set train.stepz: unknown key; did you mean train.steps?",
+              {"train.stepz=3"});
   ExpectError(kValid, "--set train.steps: expected an integer", {"train.steps=three"});
   ExpectError(kValid, "--set trian: unknown section", {"trian.steps=3"});
   // Did you mean: the same key in its section, or the closest name; nothing when none is close.
@@ -416,9 +470,11 @@ TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
   // The merged round keeps one activation parity, as the two calls' two parities of M did.
   EXPECT_EQ(ActivationParities(*a), 1);
   // auto leaves more calls, stale1 and one call alone; never keeps the calls; always merges.
-  for (auto sets : std::vector<std::vector<std::string>>{
-           {"train.accum_calls=3"}, {"train.accum_calls=2", "optimizer.mode=stale1"},
-           {"train.accum_calls=1"}, {"train.accum_calls=2", "RP_MERGE_CALLS=never"}}) {
+  for (auto sets :
+       std::vector<std::vector<std::string>>{{"train.accum_calls=3"},
+                                             {"train.accum_calls=2", "optimizer.mode=stale1"},
+                                             {"train.accum_calls=1"},
+                                             {"train.accum_calls=2", "RP_MERGE_CALLS=never"}}) {
     sets.push_back("train.microbatches=3");
     ScopedEnv env(sets[1].rfind("RP_", 0) == 0 ? sets[1] : "");
     if (sets[1].rfind("RP_", 0) == 0) sets.erase(sets.begin() + 1);
@@ -458,7 +514,8 @@ TEST(JobConfig, ReadmeDocumentsEveryKeyWithItsTypeAndDefault) {
   for (std::string line; std::getline(in, line);) {
     if (line.rfind("| `", 0) != 0) continue;
     std::vector<std::string> cells;
-    for (size_t a = 1, b; (b = line.find(" | ", a)) != std::string::npos || a < line.size(); a = b + 3) {
+    for (size_t a = 1, b; (b = line.find(" | ", a)) != std::string::npos || a < line.size();
+         a = b + 3) {
       if (b == std::string::npos) b = line.size();
       std::string c = line.substr(a, b - a);
       while (!c.empty() && (c.front() == ' ' || c.front() == '|')) c.erase(0, 1);
@@ -466,7 +523,8 @@ TEST(JobConfig, ReadmeDocumentsEveryKeyWithItsTypeAndDefault) {
       cells.push_back(c);
       if (cells.size() == 3) break;
     }
-    if (cells.size() < 3 || cells[0].size() < 3 || cells[0].find('.') == std::string::npos) continue;
+    if (cells.size() < 3 || cells[0].size() < 3 || cells[0].find('.') == std::string::npos)
+      continue;
     rows[cells[0].substr(1, cells[0].size() - 2)] = {cells[1], cells[2]};
   }
   std::set<std::string> seen;
@@ -479,10 +537,12 @@ TEST(JobConfig, ReadmeDocumentsEveryKeyWithItsTypeAndDefault) {
       continue;
     }
     EXPECT_EQ(row->second.first, k.type) << name << ": type in configs/README.md";
-    EXPECT_EQ(row->second.second, "`" + k.default_value + "`") << name << ": default in configs/README.md";
+    EXPECT_EQ(row->second.second, "`" + k.default_value + "`")
+        << name << ": default in configs/README.md";
   }
   for (const auto& [name, row] : rows)
-    EXPECT_TRUE(seen.count(name)) << "configs/README.md documents " << name << ", which is not a key";
+    EXPECT_TRUE(seen.count(name)) << "configs/README.md documents " << name
+                                  << ", which is not a key";
 }
 
 TEST(JobConfig, ShippedConfigsAreValid) {
@@ -521,7 +581,8 @@ TEST(JobConfig, FineTuningJobsParseWithTheirModelInTheCache) {
     fs::copy_file(configs + publisher + "/config.json", snapshot + "/config.json");
     std::ofstream(cache + "/" + dir + "/refs/main") << "0000";
   };
-  for (const char* id : {"Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"}) put(id, "Qwen3-8B");
+  for (const char* id : {"Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"})
+    put(id, "Qwen3-8B");
   put("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B");
   ScopedEnv hub("HF_HUB_CACHE=" + cache);
   int jobs = 0;
@@ -532,7 +593,8 @@ TEST(JobConfig, FineTuningJobsParseWithTheirModelInTheCache) {
     EXPECT_EQ(job->data.packing, DataPacking::kDocuments) << e.path();
     EXPECT_EQ(job->checkpoint.export_dtype, ExportDtype::kBfloat16) << e.path();
     EXPECT_EQ(job->train.epochs, 3.0) << e.path();
-    EXPECT_EQ(job->lora.enabled(), e.path().string().find("-lora") != std::string::npos) << e.path();
+    EXPECT_EQ(job->lora.enabled(), e.path().string().find("-lora") != std::string::npos)
+        << e.path();
     ASSERT_TRUE(ResolveTrainingLength(&*job).ok()) << e.path();
     EXPECT_GE(job->train.steps, 1);
     ++jobs;
@@ -545,7 +607,8 @@ TEST(JobConfig, ModelIdsResolveInTheHubCache) {
   namespace fs = std::filesystem;
   const std::string cache = testing::MakeTempDir("rp-hub-");
   const std::string repo = cache + "/models--tiny-org--Tiny.Llama-1";
-  const std::string fixture = testing::SourceDir() + "/tests/testdata/hf_fixtures/llama3/config.json";
+  const std::string fixture =
+      testing::SourceDir() + "/tests/testdata/hf_fixtures/llama3/config.json";
   for (const std::string commit : {"1111aaaa", "2222bbbb"}) {
     fs::create_directories(repo + "/snapshots/" + commit);
     fs::create_directories(repo + "/blobs");
@@ -556,7 +619,9 @@ TEST(JobConfig, ModelIdsResolveInTheHubCache) {
   std::ofstream(repo + "/refs/main") << "1111aaaa";
   std::ofstream(repo + "/refs/v2") << "2222bbbb\n";
   ScopedEnv hub("HF_HUB_CACHE=" + cache);
-  auto job = [](const std::string& path) { return std::string(kValid) + "[model]\npath = \"" + path + "\"\n"; };
+  auto job = [](const std::string& path) {
+    return std::string(kValid) + "[model]\npath = \"" + path + "\"\n";
+  };
   auto main = Parse(job("tiny-org/Tiny.Llama-1"));
   ASSERT_TRUE(main.ok()) << main.status().message();
   EXPECT_EQ(main->model.path, repo + "/snapshots/1111aaaa");
@@ -576,28 +641,35 @@ TEST(JobConfig, ModelIdsResolveInTheHubCache) {
     ScopedEnv hf_home("HF_HOME=" + home);
     auto via_home = Parse(job("tiny-org/Tiny.Llama-1"));
     ASSERT_TRUE(via_home.ok()) << via_home.status().message();
-    EXPECT_EQ(via_home->model.path, home + "/hub/models--tiny-org--Tiny.Llama-1/snapshots/1111aaaa");
+    EXPECT_EQ(via_home->model.path,
+              home + "/hub/models--tiny-org--Tiny.Llama-1/snapshots/1111aaaa");
     fs::remove_all(home);
   }
   ::setenv("HF_HUB_CACHE", cache.c_str(), 1);
   // Missing: the message says where it looked and how to fetch it.
   auto missing = Parse(job("Qwen/Qwen3-0.6B"));
   ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find("models--Qwen--Qwen3-0.6B does not exist"), std::string::npos)
+  EXPECT_NE(missing.status().message().find("models--Qwen--Qwen3-0.6B does not exist"),
+            std::string::npos)
       << missing.status().message();
-  EXPECT_NE(missing.status().message().find("hf download Qwen/Qwen3-0.6B"), std::string::npos) << missing.status().message();
+  EXPECT_NE(missing.status().message().find("hf download Qwen/Qwen3-0.6B"), std::string::npos)
+      << missing.status().message();
   auto no_revision = Parse(job("tiny-org/Tiny.Llama-1@v9"));
   ASSERT_FALSE(no_revision.ok());
-  EXPECT_NE(no_revision.status().message().find("snapshots/v9/config.json is missing"), std::string::npos)
+  EXPECT_NE(no_revision.status().message().find("snapshots/v9/config.json is missing"),
+            std::string::npos)
       << no_revision.status().message();
-  EXPECT_NE(no_revision.status().message().find("--revision v9"), std::string::npos) << no_revision.status().message();
+  EXPECT_NE(no_revision.status().message().find("--revision v9"), std::string::npos)
+      << no_revision.status().message();
   // A directory of that name relative to the job file wins over the cache.
   const std::string job_dir = testing::MakeTempDir("rp-job-dir-");
   const std::string local = job_dir + "/tiny-org/Tiny.Llama-1";
   fs::create_directories(local);
   fs::copy_file(fixture, local + "/config.json");
-  auto dir = ParseJobConfig("[data]\npath = \"" + CorpusDir() + "/tiny_corpus.txt\"\nseq_len = 16\n"
-                            "[model]\npath = \"tiny-org/Tiny.Llama-1\"\n", job_dir, {});
+  auto dir = ParseJobConfig("[data]\npath = \"" + CorpusDir() +
+                                "/tiny_corpus.txt\"\nseq_len = 16\n"
+                                "[model]\npath = \"tiny-org/Tiny.Llama-1\"\n",
+                            job_dir, {});
   fs::remove_all(job_dir);
   ASSERT_TRUE(dir.ok()) << dir.status().message();
   EXPECT_EQ(dir->model.path, local);

@@ -55,7 +55,8 @@ class InProcessChannel final : public proto::CoordinatorChannel {
   }
   StatusOr<std::optional<proto::Envelope>> Receive(int timeout_ms) override {
     std::unique_lock<std::mutex> l(mu_);
-    cv_.wait_for(l, std::chrono::milliseconds(timeout_ms), [&] { return !to_coordinator_.empty() || woken_; });
+    cv_.wait_for(l, std::chrono::milliseconds(timeout_ms),
+                 [&] { return !to_coordinator_.empty() || woken_; });
     woken_ = false;
     if (to_coordinator_.empty()) return std::optional<proto::Envelope>();
     proto::Envelope e = std::move(to_coordinator_.front());
@@ -76,7 +77,8 @@ class InProcessChannel final : public proto::CoordinatorChannel {
   }
   std::optional<Message> ToWorker(int rank, int timeout_ms) {
     std::unique_lock<std::mutex> l(mu_);
-    if (!cv_.wait_for(l, std::chrono::milliseconds(timeout_ms), [&] { return !to_worker_[rank].empty(); }))
+    if (!cv_.wait_for(l, std::chrono::milliseconds(timeout_ms),
+                      [&] { return !to_worker_[rank].empty(); }))
       return std::nullopt;
     Message m = std::move(to_worker_[rank].front());
     to_worker_[rank].pop_front();
@@ -105,16 +107,16 @@ class InProcessChannel final : public proto::CoordinatorChannel {
 
 // How a simulated worker misbehaves.
 struct Fault {
-  int die_at_run_job = 0;     // > 0: disconnects on receiving its n-th RunJob (a crash)
-  bool silent = false;        // says Hello, then never answers (a hang)
+  int die_at_run_job = 0;       // > 0: disconnects on receiving its n-th RunJob (a crash)
+  bool silent = false;          // says Hello, then never answers (a hang)
   bool bogus_job_done = false;  // answers its first RunJob with a JobDone for a job never sent
   bool fail_in_latin1 = false;  // fails its first RunJob with a message that is not UTF-8
 };
 
 class SimulatedWorker {
  public:
-  SimulatedWorker(InProcessChannel& ch, int rank, const core::RunSpec& run, const shm::ArenaLayout& layout,
-                  Fault fault = {})
+  SimulatedWorker(InProcessChannel& ch, int rank, const core::RunSpec& run,
+                  const shm::ArenaLayout& layout, Fault fault = {})
       : ch_(ch), rank_(rank), run_(run), layout_(layout), fault_(fault) {
     thread_ = std::thread([this] { Main(); });
   }
@@ -140,18 +142,20 @@ class SimulatedWorker {
       if (const auto* eval = std::get_if<proto::RunEval>(&queue_.front())) {
         if (!WaitForVersions(0, run_.plan.num_layers, eval->weights_version)) return false;
         const int64_t targets = static_cast<int64_t>(layout_.tokens_per_mb);
-        ch_.FromWorker(rank_, proto::EvalDone{eval->job_index, 1.5 * targets, targets, WallMicros(), WallMicros()});
+        ch_.FromWorker(rank_, proto::EvalDone{eval->job_index, 1.5 * targets, targets, WallMicros(),
+                                              WallMicros()});
         queue_.pop_front();
         continue;
       }
       const auto& job = std::get<proto::RunJob>(queue_.front());
       const core::Stage& stage = run_.plan.stages[job.stage];
-      if (next_mb_ == 0 && !WaitForVersions(stage.begin, stage.end, job.weights_version)) return false;
+      if (next_mb_ == 0 && !WaitForVersions(stage.begin, stage.end, job.weights_version))
+        return false;
       while (next_mb_ < job.num_microbatches && ready_[job.job_index].count(next_mb_)) {
         const bool tail = stage.kind == core::StageKind::kFusedTail;
         const int64_t targets = tail ? static_cast<int64_t>(layout_.tokens_per_mb) : 0;
-        ch_.FromWorker(rank_, proto::MicrobatchDone{job.job_index, next_mb_, 0, kLoss * targets, targets, WallMicros(),
-                                                    WallMicros()});
+        ch_.FromWorker(rank_, proto::MicrobatchDone{job.job_index, next_mb_, 0, kLoss * targets,
+                                                    targets, WallMicros(), WallMicros()});
         next_mb_++;
       }
       if (next_mb_ < job.num_microbatches) return true;
@@ -162,7 +166,8 @@ class SimulatedWorker {
         }
         if (!committed_.count(job.job_index)) return true;
       }
-      ch_.FromWorker(rank_, proto::JobDone{job.job_index, WallMicros(), WallMicros(), WallMicros(), 0.0, 0, -1});
+      ch_.FromWorker(rank_, proto::JobDone{job.job_index, WallMicros(), WallMicros(), WallMicros(),
+                                           0.0, 0, -1});
       queue_.pop_front();
       next_mb_ = 0;
       grads_ready_sent_ = false;
@@ -280,7 +285,8 @@ class CoordinatorTest : public ::testing::Test {
 TEST_F(CoordinatorTest, AWholeRunReportsEveryStepAndDispatchesRoundRobinWithCommitsInCallOrder) {
   // Two calls that stay two rounds (not merged into one), so commits have an order to keep.
   ::setenv("RP_MERGE_CALLS", "never", 1);
-  Resolve(2, {"train.steps=4", "train.accum_calls=2", "train.microbatches=3", "job.worker_timeout_s=0"});
+  Resolve(2, {"train.steps=4", "train.accum_calls=2", "train.microbatches=3",
+              "job.worker_timeout_s=0"});
   ::unsetenv("RP_MERGE_CALLS");
   ASSERT_EQ(core::Round(run_.job).calls, 2);
   InProcessChannel ch(2);
@@ -296,7 +302,8 @@ TEST_F(CoordinatorTest, AWholeRunReportsEveryStepAndDispatchesRoundRobinWithComm
   std::map<int64_t, std::pair<int, proto::RunJob>> jobs;
   std::vector<std::pair<int, proto::CommitGrads>> commits;
   for (const auto& [rank, m] : ch.Sent()) {
-    if (const auto* r = std::get_if<proto::RunJob>(&m)) jobs.emplace(r->job_index, std::make_pair(rank, *r));
+    if (const auto* r = std::get_if<proto::RunJob>(&m))
+      jobs.emplace(r->job_index, std::make_pair(rank, *r));
     if (const auto* c = std::get_if<proto::CommitGrads>(&m)) commits.emplace_back(rank, *c);
   }
   const size_t per_step = 2 * run_.plan.stages.size();
@@ -310,13 +317,14 @@ TEST_F(CoordinatorTest, AWholeRunReportsEveryStepAndDispatchesRoundRobinWithComm
     EXPECT_EQ(c.accumulate, r.call > 0 ? 1 : 0);
     calls[{r.step, r.stage}].push_back(r.call);
   }
-  for (const auto& [key, order] : calls) EXPECT_EQ(order, (std::vector<int>{0, 1})) << "step " << key.first;
+  for (const auto& [key, order] : calls)
+    EXPECT_EQ(order, (std::vector<int>{0, 1})) << "step " << key.first;
   EXPECT_TRUE(SegmentsRemoved());
 }
 
 TEST_F(CoordinatorTest, ACrashedWorkersReplacementGetsItsUnfinishedJobsAgainInOrder) {
-  Resolve(2, {"train.steps=4", "train.accum_calls=1", "train.microbatches=3", "job.worker_timeout_s=0",
-              "job.max_worker_restarts=1"});
+  Resolve(2, {"train.steps=4", "train.accum_calls=1", "train.microbatches=3",
+              "job.worker_timeout_s=0", "job.max_worker_restarts=1"});
   InProcessChannel ch(2);
   Status s;
   {
@@ -359,7 +367,8 @@ TEST_F(CoordinatorTest, AMessageAboutAJobNotInFlightEndsTheRunNamingIt) {
   InProcessChannel ch(2);
   Status s;
   {
-    SimulatedWorker w0(ch, 0, run_, layout_, Fault{.bogus_job_done = true}), w1(ch, 1, run_, layout_);
+    SimulatedWorker w0(ch, 0, run_, layout_, Fault{.bogus_job_done = true}),
+        w1(ch, 1, run_, layout_);
     s = RunCoordinator(Options(2), nullptr, &ch);
   }
   EXPECT_EQ(s.code(), StatusCode::kProtocolError) << s.ToString();
@@ -376,7 +385,8 @@ TEST_F(CoordinatorTest, AFailureMessageThatIsNotUtf8StillEndsInSummaryJson) {
   InProcessChannel ch(2);
   Status s;
   {
-    SimulatedWorker w0(ch, 0, run_, layout_, Fault{.fail_in_latin1 = true}), w1(ch, 1, run_, layout_);
+    SimulatedWorker w0(ch, 0, run_, layout_, Fault{.fail_in_latin1 = true}),
+        w1(ch, 1, run_, layout_);
     s = RunCoordinator(Options(2), nullptr, &ch);
   }
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();

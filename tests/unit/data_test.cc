@@ -89,7 +89,8 @@ TEST(Dataset, HeldOutEvalWindowsAreNeverTrainedOn) {
     eval->FillEval(k, t.data(), l.data());
     evaluated.insert(t);
     EXPECT_EQ(trained.count(t), 0u) << "eval window " << k << " was trained on";
-    EXPECT_EQ(t[0], static_cast<unsigned char>(testing::ReadFile(c.data.path)[(all->NumWindows() - held + k) * 32]));
+    EXPECT_EQ(t[0], static_cast<unsigned char>(
+                        testing::ReadFile(c.data.path)[(all->NumWindows() - held + k) * 32]));
   }
   EXPECT_EQ(static_cast<int64_t>(evaluated.size()), held);
   std::vector<int64_t> again(32), again_l(32);
@@ -101,7 +102,8 @@ TEST(Dataset, HeldOutEvalWindowsAreNeverTrainedOn) {
   c.data.seq_len = static_cast<int64_t>(testing::ReadFile(c.data.path).size()) - 1;  // one window
   auto none = Dataset::Open(c);
   ASSERT_FALSE(none.ok());
-  EXPECT_NE(none.status().message().find("data.eval_fraction"), std::string::npos) << none.status().message();
+  EXPECT_NE(none.status().message().find("data.eval_fraction"), std::string::npos)
+      << none.status().message();
 }
 
 TEST(Dataset, RandomFormatEvaluatesOnItsOwnStream) {
@@ -126,7 +128,8 @@ TEST(Dataset, RandomFormatEvaluatesOnItsOwnStream) {
 TEST(Dataset, TokenFilesWithASidecar) {
   const std::string dir = testing::MakeTempDir("rp-tokens-");
   auto write = [&](const std::string& name, const std::string& bytes, const std::string& sidecar) {
-    std::ofstream(dir + "/" + name, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    std::ofstream(dir + "/" + name, std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     if (!sidecar.empty()) std::ofstream(dir + "/" + name + ".json") << sidecar;
     return dir + "/" + name;
   };
@@ -148,7 +151,8 @@ TEST(Dataset, TokenFilesWithASidecar) {
     name += std::to_string(width);
     name += ".bin";
     c.data.path = write(name, ids(1000, width, 300),
-                        std::string("{\"dtype\": \"") + (width == 2 ? "uint16" : "uint32") + "\", \"vocab_size\": 300}");
+                        std::string("{\"dtype\": \"") + (width == 2 ? "uint16" : "uint32") +
+                            "\", \"vocab_size\": 300}");
     auto d = Dataset::Open(c);
     ASSERT_TRUE(d.ok()) << d.status().message();
     EXPECT_EQ(d->NumWindows(), (1000 - 1) / 8);
@@ -162,15 +166,22 @@ TEST(Dataset, TokenFilesWithASidecar) {
         }
       }
   }
-  struct Bad { std::string file, bytes, sidecar, expect; };
+  struct Bad {
+    std::string file, bytes, sidecar, expect;
+  };
   const std::vector<Bad> bad = {
       {"nosidecar.bin", ids(100, 2, 300), "", "sidecar"},
-      {"dtype.bin", ids(100, 2, 300), R"({"dtype": "int8", "vocab_size": 300})", "not uint16 or uint32"},
-      {"odd.bin", ids(100, 2, 300) + "x", R"({"dtype": "uint16", "vocab_size": 300})", "not a whole number"},
-      {"big.bin", ids(100, 2, 300), R"({"dtype": "uint16", "vocab_size": 5000})", "more than model.vocab_size"},
+      {"dtype.bin", ids(100, 2, 300), R"({"dtype": "int8", "vocab_size": 300})",
+       "not uint16 or uint32"},
+      {"odd.bin", ids(100, 2, 300) + "x", R"({"dtype": "uint16", "vocab_size": 300})",
+       "not a whole number"},
+      {"big.bin", ids(100, 2, 300), R"({"dtype": "uint16", "vocab_size": 5000})",
+       "more than model.vocab_size"},
       {"id.bin", ids(400, 2, 301), R"({"dtype": "uint16", "vocab_size": 300})", "at position 300"},
-      {"short.bin", ids(5, 2, 300), R"({"dtype": "uint16", "vocab_size": 300})", "fewer than seq_len + 1"},
-      // The sidecar and the file must agree: ids up to 255 with a vocabulary of 100, and no vocabulary.
+      {"short.bin", ids(5, 2, 300), R"({"dtype": "uint16", "vocab_size": 300})",
+       "fewer than seq_len + 1"},
+      // The sidecar and the file must agree: ids up to 255 with a vocabulary of 100, and no
+      // vocabulary.
       {"sidecar-vocab.bin", ids(400, 2, 256), R"({"dtype": "uint16", "vocab_size": 100})",
        "token 100 at position 100 is not below the vocab_size 100 that"},
       {"negative-vocab.bin", ids(100, 2, 300), R"({"dtype": "uint16", "vocab_size": -5})",
@@ -180,7 +191,8 @@ TEST(Dataset, TokenFilesWithASidecar) {
     c.data.path = write(b.file, b.bytes, b.sidecar);
     auto d = Dataset::Open(c);
     ASSERT_FALSE(d.ok()) << b.file;
-    EXPECT_NE(d.status().message().find(b.expect), std::string::npos) << b.file << ": " << d.status().message();
+    EXPECT_NE(d.status().message().find(b.expect), std::string::npos)
+        << b.file << ": " << d.status().message();
   }
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
@@ -198,9 +210,12 @@ TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
   c.train.microbatch_size = 1;
   c.data.packing = core::DataPacking::kStream;
   c.data.path = dir + "/d.jsonl";
-  std::ofstream(c.data.path) << R"({"input_ids": [1, 2, 3]})" << "\n"
-                             << R"({"input_ids": [4, 5, 6], "loss_mask": [1, 0, 1]})" << "\n\n"
-                             << R"({"input_ids": [7, 8], "labels": [-100, 9]})" << "\n";
+  std::ofstream(c.data.path) << R"({"input_ids": [1, 2, 3]})"
+                             << "\n"
+                             << R"({"input_ids": [4, 5, 6], "loss_mask": [1, 0, 1]})"
+                             << "\n\n"
+                             << R"({"input_ids": [7, 8], "labels": [-100, 9]})"
+                             << "\n";
   auto d = Dataset::Open(c);
   ASSERT_TRUE(d.ok()) << d.status().message();
   EXPECT_EQ(d->NumWindows(), 2);  // 8 tokens
@@ -213,12 +228,15 @@ TEST(Dataset, JsonlRecordsPackWithoutCrossRecordTargets) {
   EXPECT_EQ(tok, (std::vector<int64_t>{5, 6, 7, 8}));
   EXPECT_EQ(lab, (std::vector<int64_t>{6, kIgnoreIndex, 9, kIgnoreIndex}));
   EXPECT_EQ(pos, (std::vector<int64_t>{0, 1, 2, 3}));  // stream: one sequence per window
-  struct Bad { std::string text, expect; };
-  for (const auto& b : std::vector<Bad>{{"[1,2]", ":1: not a JSON object"},
-                                        {R"({"input_ids": [1, 99]})", "input_ids[1]"},
-                                        {R"({"input_ids": [1, 2], "labels": [1]})", "as long as"},
-                                        {R"({"input_ids": [1, 2], "loss_mask": [1, 2]})", "loss_mask[1]"},
-                                        {R"({"ids": [1]})", "no non-empty"}}) {
+  struct Bad {
+    std::string text, expect;
+  };
+  for (const auto& b :
+       std::vector<Bad>{{"[1,2]", ":1: not a JSON object"},
+                        {R"({"input_ids": [1, 99]})", "input_ids[1]"},
+                        {R"({"input_ids": [1, 2], "labels": [1]})", "as long as"},
+                        {R"({"input_ids": [1, 2], "loss_mask": [1, 2]})", "loss_mask[1]"},
+                        {R"({"ids": [1]})", "no non-empty"}}) {
     std::ofstream(c.data.path, std::ios::trunc) << b.text << "\n";
     auto bad = Dataset::Open(c);
     ASSERT_FALSE(bad.ok()) << b.text;
@@ -236,7 +254,8 @@ struct Packed {
 };
 StatusOr<Packed> PackWindows(const JobConfig& c);
 
-StatusOr<Packed> PackRecords(DataPacking packing, LongRecords long_records, int64_t seq_len, const std::string& text) {
+StatusOr<Packed> PackRecords(DataPacking packing, LongRecords long_records, int64_t seq_len,
+                             const std::string& text) {
   const std::string dir = testing::MakeTempDir("rp-packing-");
   JobConfig c;
   c.model.vocab_size = 50;
@@ -278,8 +297,14 @@ constexpr int64_t X = kIgnoreIndex;
 using Rows = std::vector<std::vector<int64_t>>;
 
 TEST(Dataset, DocumentPackingKeepsRecordsWholeWithTheirOwnPositions) {
-  const std::string records = R"({"input_ids": [1, 2, 3]})" "\n" R"({"input_ids": [4, 5]})" "\n"
-                              R"({"input_ids": [6, 7, 8, 9], "loss_mask": [1, 1, 0, 1]})" "\n" R"({"input_ids": [10]})" "\n";
+  const std::string records = R"({"input_ids": [1, 2, 3]})"
+                              "\n"
+                              R"({"input_ids": [4, 5]})"
+                              "\n"
+                              R"({"input_ids": [6, 7, 8, 9], "loss_mask": [1, 1, 0, 1]})"
+                              "\n"
+                              R"({"input_ids": [10]})"
+                              "\n";
   auto p = PackRecords(DataPacking::kDocuments, LongRecords::kSplit, 6, records);
   ASSERT_TRUE(p.ok()) << p.status().message();
   // [1 2 3][4 5] fit one window; [6 7 8 9] does not fit the one token left, so it starts the
@@ -290,18 +315,26 @@ TEST(Dataset, DocumentPackingKeepsRecordsWholeWithTheirOwnPositions) {
   EXPECT_EQ(p->stats.records, 4);
   EXPECT_EQ(p->stats.tokens, 10);
   EXPECT_EQ(p->stats.padding, 2);
-  EXPECT_NE(p->summary.find("4 records, 10 tokens, 2 windows of 6 tokens (documents packing, 83.3%"), std::string::npos)
+  EXPECT_NE(
+      p->summary.find("4 records, 10 tokens, 2 windows of 6 tokens (documents packing, 83.3%"),
+      std::string::npos)
       << p->summary;
 
   auto pad = PackRecords(DataPacking::kPad, LongRecords::kSplit, 6, records);
   ASSERT_TRUE(pad.ok()) << pad.status().message();
-  EXPECT_EQ(pad->tokens, (Rows{{1, 2, 3, 0, 0, 0}, {4, 5, 0, 0, 0, 0}, {6, 7, 8, 9, 0, 0}, {10, 0, 0, 0, 0, 0}}));
+  EXPECT_EQ(
+      pad->tokens,
+      (Rows{{1, 2, 3, 0, 0, 0}, {4, 5, 0, 0, 0, 0}, {6, 7, 8, 9, 0, 0}, {10, 0, 0, 0, 0, 0}}));
   EXPECT_EQ(pad->positions[1], (std::vector<int64_t>{0, 1, 0, 1, 2, 3}));
 }
 
 TEST(Dataset, RecordsLongerThanAWindowAreSplitTruncatedOrDropped) {
-  const std::string records = R"({"input_ids": [1, 2]})" "\n" R"({"input_ids": [3, 4, 5, 6, 7, 8, 9]})" "\n"
-                              R"({"input_ids": [10, 11]})" "\n";
+  const std::string records = R"({"input_ids": [1, 2]})"
+                              "\n"
+                              R"({"input_ids": [3, 4, 5, 6, 7, 8, 9]})"
+                              "\n"
+                              R"({"input_ids": [10, 11]})"
+                              "\n";
   auto split = PackRecords(DataPacking::kDocuments, LongRecords::kSplit, 3, records);
   ASSERT_TRUE(split.ok()) << split.status().message();
   // Each piece starts a window, positions continue across the pieces, and a piece's last
@@ -314,18 +347,24 @@ TEST(Dataset, RecordsLongerThanAWindowAreSplitTruncatedOrDropped) {
   auto truncated = PackRecords(DataPacking::kDocuments, LongRecords::kTruncate, 3, records);
   ASSERT_TRUE(truncated.ok()) << truncated.status().message();
   EXPECT_EQ(truncated->tokens, (Rows{{1, 2, 0}, {3, 4, 5}, {10, 11, 0}}));
-  EXPECT_EQ(truncated->labels, (Rows{{2, X, X}, {4, 5, X}, {11, X, X}}));  // a truncated record's last predicts nothing
+  EXPECT_EQ(
+      truncated->labels,
+      (Rows{{2, X, X}, {4, 5, X}, {11, X, X}}));  // a truncated record's last predicts nothing
   EXPECT_EQ(truncated->stats.truncated, 1);
-  EXPECT_NE(truncated->summary.find("0 split, 1 truncated, 0 dropped"), std::string::npos) << truncated->summary;
+  EXPECT_NE(truncated->summary.find("0 split, 1 truncated, 0 dropped"), std::string::npos)
+      << truncated->summary;
 
   auto dropped = PackRecords(DataPacking::kDocuments, LongRecords::kDrop, 3, records);
   ASSERT_TRUE(dropped.ok()) << dropped.status().message();
   EXPECT_EQ(dropped->tokens, (Rows{{1, 2, 0}, {10, 11, 0}}));
   EXPECT_EQ(dropped->stats.dropped, 1);
 
-  auto nothing_left = PackRecords(DataPacking::kDocuments, LongRecords::kDrop, 3, R"({"input_ids": [1, 2, 3, 4]})" "\n");
+  auto nothing_left = PackRecords(DataPacking::kDocuments, LongRecords::kDrop, 3,
+                                  R"({"input_ids": [1, 2, 3, 4]})"
+                                  "\n");
   ASSERT_FALSE(nothing_left.ok());
-  EXPECT_NE(nothing_left.status().message().find("after dropping 1 records longer than seq_len"), std::string::npos)
+  EXPECT_NE(nothing_left.status().message().find("after dropping 1 records longer than seq_len"),
+            std::string::npos)
       << nothing_left.status().message();
 }
 
@@ -334,8 +373,10 @@ TEST(Dataset, RecordsLongerThanAWindowAreSplitTruncatedOrDropped) {
 // or sidecar is refused naming what is wrong.
 TEST(Dataset, IndexedTokenFilesAreTheSameRecordsAsJsonl) {
   const std::string dir = testing::MakeTempDir("rp-indexed-");
-  const std::vector<std::vector<uint32_t>> records = {{1, 2, 3}, {4, 5, 6, 7, 8}, {9, 10}, {11, 12, 13, 14, 15, 16, 17}};
-  const std::vector<std::vector<uint8_t>> masks = {{0, 1, 1}, {0, 0, 1, 1, 1}, {1, 1}, {0, 1, 0, 1, 1, 1, 1}};
+  const std::vector<std::vector<uint32_t>> records = {
+      {1, 2, 3}, {4, 5, 6, 7, 8}, {9, 10}, {11, 12, 13, 14, 15, 16, 17}};
+  const std::vector<std::vector<uint8_t>> masks = {
+      {0, 1, 1}, {0, 0, 1, 1, 1}, {1, 1}, {0, 1, 0, 1, 1, 1, 1}};
   std::string jsonl, tokens, mask, index;
   auto put64 = [&index](uint64_t v) { index.append(reinterpret_cast<const char*>(&v), 8); };
   put64(0);
@@ -354,13 +395,15 @@ TEST(Dataset, IndexedTokenFilesAreTheSameRecordsAsJsonl) {
     put64(n);
   }
   auto write = [&](const std::string& name, const std::string& bytes) {
-    std::ofstream(dir + "/" + name, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    std::ofstream(dir + "/" + name, std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   };
   write("d.jsonl", jsonl);
   write("d.bin", tokens);
   write("d.bin.docs", index);
   write("d.bin.mask", mask);
-  const std::string sidecar = R"({"dtype": "uint16", "vocab_size": 50, "documents": 4, "loss_mask": true, "tokens": 17)";
+  const std::string sidecar =
+      R"({"dtype": "uint16", "vocab_size": 50, "documents": 4, "loss_mask": true, "tokens": 17)";
   write("d.bin.json", sidecar + "}");
   JobConfig c;
   c.model.vocab_size = 50;
@@ -384,41 +427,48 @@ TEST(Dataset, IndexedTokenFilesAreTheSameRecordsAsJsonl) {
     EXPECT_EQ(from_tokens->stats.records, 4);
   }
   // The job file's default packing for such a file is "documents".
-  write("job.toml", "[data]\nformat = \"tokens\"\npath = \"d.bin\"\nseq_len = 6\n[model]\nvocab_size = 50\n");
+  write("job.toml",
+        "[data]\nformat = \"tokens\"\npath = \"d.bin\"\nseq_len = 6\n[model]\nvocab_size = 50\n");
   auto job = LoadJobConfig(dir + "/job.toml", {});
   ASSERT_TRUE(job.ok()) << job.status().message();
   EXPECT_EQ(job->data.packing, DataPacking::kDocuments);
 
   c.data.packing = DataPacking::kDocuments;
-  struct Bad { std::string what, file, bytes, expect; };
+  struct Bad {
+    std::string what, file, bytes, expect;
+  };
   std::string backwards = index;
   std::memcpy(&backwards[16], &backwards[8], 8);  // document 1 empty
-  std::string past = index;  // document 0 ends at 1000, past the 17 tokens (read before the next is checked)
+  std::string past =
+      index;  // document 0 ends at 1000, past the 17 tokens (read before the next is checked)
   const uint64_t far = 1000;
   std::memcpy(&past[8], &far, 8);
   const std::vector<Bad> bad = {
       {"an index too short", "d.bin.docs", index.substr(8), "4 documents need 40"},
-      {"an index not ending at the token count", "d.bin.docs", index.substr(0, 32) + std::string(8, '\0'),
-       "from 0 to the token count 17"},
+      {"an index not ending at the token count", "d.bin.docs",
+       index.substr(0, 32) + std::string(8, '\0'), "from 0 to the token count 17"},
       {"an empty document", "d.bin.docs", backwards, "document 1 is empty"},
       {"a document past the end", "d.bin.docs", past, "document 0 ends past the token count 17"},
       {"a mask byte of 2", "d.bin.mask", std::string(16, '\1') + "\2", "byte 16 is 2"},
       {"a mask too short", "d.bin.mask", mask.substr(1), "one per token would be 17"},
-      {"an unknown sidecar key", "d.bin.json", sidecar + R"(, "bos": true})", "unknown key \"bos\""},
-      {"a wrong token count", "d.bin.json", R"({"dtype": "uint16", "vocab_size": 50, "documents": 4, "tokens": 18})",
-       "says tokens 18"},
+      {"an unknown sidecar key", "d.bin.json", sidecar + R"(, "bos": true})",
+       "unknown key \"bos\""},
+      {"a wrong token count", "d.bin.json",
+       R"({"dtype": "uint16", "vocab_size": 50, "documents": 4, "tokens": 18})", "says tokens 18"},
   };
   for (const auto& b : bad) {
     write(b.file, b.bytes);
     c.data.path = dir + "/d.bin";
     auto d = Dataset::Open(c);
     ASSERT_FALSE(d.ok()) << b.what;
-    EXPECT_NE(d.status().message().find(b.expect), std::string::npos) << b.what << ": " << d.status().message();
+    EXPECT_NE(d.status().message().find(b.expect), std::string::npos)
+        << b.what << ": " << d.status().message();
     write("d.bin.docs", index);
     write("d.bin.mask", mask);
     write("d.bin.json", sidecar + "}");
   }
-  // Without an index a token file is one stream: documents packing is refused, a mask still applies.
+  // Without an index a token file is one stream: documents packing is refused, a mask still
+  // applies.
   write("d.bin.json", R"({"dtype": "uint16", "vocab_size": 50, "loss_mask": true})");
   auto unindexed = Dataset::Open(c);
   ASSERT_FALSE(unindexed.ok());
@@ -469,7 +519,8 @@ TEST(Dataset, PreparedChatsAreTransformersTokensAndAssistantMasks) {
   c.model.vocab_size = 300;
   auto small = Dataset::Open(c);
   ASSERT_FALSE(small.ok());
-  EXPECT_NE(small.status().message().find("vocab_size 383"), std::string::npos) << small.status().message();
+  EXPECT_NE(small.status().message().find("vocab_size 383"), std::string::npos)
+      << small.status().message();
 }
 
 TEST(LearningRate, WarmupThenCosineToMin) {
@@ -492,14 +543,14 @@ TEST(LearningRate, LinearAndConstantAfterWarmup) {
   o.lr_schedule = LrSchedule::kLinear;
   EXPECT_DOUBLE_EQ(LearningRate(o, 0, 7), 0.5);
   EXPECT_DOUBLE_EQ(LearningRate(o, 1, 7), 1.0);
-  EXPECT_DOUBLE_EQ(LearningRate(o, 2, 7), 1.0);  // the first step after warmup runs at lr
+  EXPECT_DOUBLE_EQ(LearningRate(o, 2, 7), 1.0);    // the first step after warmup runs at lr
   EXPECT_NEAR(LearningRate(o, 4, 7), 0.6, 1e-12);  // halfway along the line
   EXPECT_NEAR(LearningRate(o, 6, 7), 0.2, 1e-12);  // the last step at min_lr
   o.lr_schedule = LrSchedule::kConstant;
   EXPECT_DOUBLE_EQ(LearningRate(o, 0, 7), 0.5);
   for (int s = 1; s < 7; ++s) EXPECT_DOUBLE_EQ(LearningRate(o, s, 7), 1.0);
   o.lr_schedule = LrSchedule::kCosine;
-  EXPECT_NEAR(LearningRate(o, 4, 7), 0.6, 1e-12);  // a cosine's middle is the line's
+  EXPECT_NEAR(LearningRate(o, 4, 7), 0.6, 1e-12);      // a cosine's middle is the line's
   EXPECT_GT(LearningRate(o, 3, 7), 0.6 + 0.2 * 0.25);  // and above it before
 }
 
@@ -507,8 +558,9 @@ TEST(LearningRate, LinearAndConstantAfterWarmup) {
 // that says the same thing two ways is refused.
 TEST(TrainingLength, EpochsDeriveTheStepsFromTheWindows) {
   const std::string base = testing::SourceDir() + "/data";
-  const std::string job = "[data]\npath = \"tiny_corpus.txt\"\nseq_len = 32\n"
-                          "[train]\nmicrobatch_size = 2\nmicrobatches = 3\naccum_calls = 2\n";
+  const std::string job =
+      "[data]\npath = \"tiny_corpus.txt\"\nseq_len = 32\n"
+      "[train]\nmicrobatch_size = 2\nmicrobatches = 3\naccum_calls = 2\n";
   auto plain = ParseJobConfig(job, base, {});
   ASSERT_TRUE(plain.ok()) << plain.status().message();
   auto windows = Dataset::Open(*plain);
@@ -524,7 +576,8 @@ TEST(TrainingLength, EpochsDeriveTheStepsFromTheWindows) {
   EXPECT_EQ(c->optimizer.warmup_steps, (steps + 9) / 10);
   auto d = Dataset::Open(*c);
   ASSERT_TRUE(d.ok());
-  EXPECT_NE(d->LengthSummary().find(std::to_string(steps) + " steps = 2.5"), std::string::npos) << d->LengthSummary();
+  EXPECT_NE(d->LengthSummary().find(std::to_string(steps) + " steps = 2.5"), std::string::npos)
+      << d->LengthSummary();
 
   // One epoch of whole steps covers every window; the step before the last leaves some unread.
   auto one = ParseJobConfig(job, base, {"train.epochs=1"});
@@ -548,7 +601,8 @@ TEST(TrainingLength, EpochsDeriveTheStepsFromTheWindows) {
     EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().message();
   };
   refused({"train.epochs=1", "train.steps=5"}, "train.epochs and train.steps: both given");
-  refused({"optimizer.warmup_ratio=0.1", "optimizer.warmup_steps=3"}, "warmup_ratio and optimizer.warmup_steps");
+  refused({"optimizer.warmup_ratio=0.1", "optimizer.warmup_steps=3"},
+          "warmup_ratio and optimizer.warmup_steps");
   refused({"train.epochs=1", "data.format=\"random\""}, "endless synthetic stream");
   refused({"train.epochs=0.1", "train.stop_after=100"}, "train.stop_after: 100 is past the");
 }
@@ -638,7 +692,8 @@ TEST(ModelSpec, ExpertAdaptersHavePeftsNamesAndShapes) {
   EXPECT_EQ(by_name.at(pre + "lora_A.weight")->shape, (std::vector<int64_t>{8, 16}));
   EXPECT_EQ(by_name.at(pre + "lora_B.weight")->shape, (std::vector<int64_t>{32, 8}));
   EXPECT_EQ(spec.frozen.at(static_cast<size_t>(gate_up_a.adapts)).name, pre + "gate_up_proj");
-  EXPECT_EQ(spec.frozen.at(static_cast<size_t>(by_name.at(pre + "lora_A.weight")->adapts)).name, pre + "down_proj");
+  EXPECT_EQ(spec.frozen.at(static_cast<size_t>(by_name.at(pre + "lora_A.weight")->adapts)).name,
+            pre + "down_proj");
   EXPECT_EQ(gate_up_a.experts, 4);
   for (size_t p = 0; p < spec.params.size(); ++p)
     if (spec.params[p].name.find("lora_A") != std::string::npos) {
@@ -649,7 +704,8 @@ TEST(ModelSpec, ExpertAdaptersHavePeftsNamesAndShapes) {
   lora.target_parameters = {"mlp.experts.gate_up_proj"};
   const ModelSpec one = BuildModelSpec(m, lora);
   bool found = false;
-  for (const auto& p : one.params) found |= p.name == pre + "lora_A.weight" && p.shape == std::vector<int64_t>{8, 32};
+  for (const auto& p : one.params)
+    found |= p.name == pre + "lora_A.weight" && p.shape == std::vector<int64_t>{8, 32};
   EXPECT_TRUE(found);
 }
 

@@ -27,7 +27,8 @@ std::vector<E4m3Value> E4m3Table() {
   for (int code = 0; code < 256; ++code) {
     if ((code & 0x7f) == 0x7f) continue;
     const int exp = (code >> 3) & 0xf, mant = code & 0x7;
-    const double mag = exp == 0 ? mant / 8.0 * std::ldexp(1.0, -6) : (1.0 + mant / 8.0) * std::ldexp(1.0, exp - 7);
+    const double mag =
+        exp == 0 ? mant / 8.0 * std::ldexp(1.0, -6) : (1.0 + mant / 8.0) * std::ldexp(1.0, exp - 7);
     t.push_back({(code & 0x80) ? -mag : mag, code});
   }
   return t;
@@ -67,9 +68,11 @@ TEST(E4m3Rounding, MatchesTheNearestTableValueTiesToEven) {
   }
   // Log-uniform magnitudes from far below the smallest subnormal to beyond 448, both signs.
   at::manual_seed(3);
-  at::Tensor r = at::exp2(at::rand({4000}, at::kDouble) * 24.0 - 14.0) * (at::rand({4000}, at::kDouble) - 0.5).sign();
+  at::Tensor r = at::exp2(at::rand({4000}, at::kDouble) * 24.0 - 14.0) *
+                 (at::rand({4000}, at::kDouble) - 0.5).sign();
   for (int64_t i = 0; i < r.numel(); ++i) probes.push_back(static_cast<float>(r[i].item<double>()));
-  probes.insert(probes.end(), {460.0f, -1e6f, 0.0f, -0.0f, std::ldexp(1.0f, -10), std::ldexp(3.0f, -11)});
+  probes.insert(probes.end(),
+                {460.0f, -1e6f, 0.0f, -0.0f, std::ldexp(1.0f, -10), std::ldexp(3.0f, -11)});
 
   at::Tensor v = at::tensor(probes);
   at::Tensor got = model::RoundToE4m3(v);
@@ -78,8 +81,9 @@ TEST(E4m3Rounding, MatchesTheNearestTableValueTiesToEven) {
   for (int64_t i = 0; i < v.numel(); ++i) {
     const double want = NearestE4m3(v[i].item<float>(), table);
     const double have = got[i].item<float>();
-    if (have != want && mismatches++ < 10) ADD_FAILURE() << "RoundToE4m3(" << v[i].item<float>() << ") = " << have
-                                                         << ", nearest e4m3 is " << want;
+    if (have != want && mismatches++ < 10)
+      ADD_FAILURE() << "RoundToE4m3(" << v[i].item<float>() << ") = " << have
+                    << ", nearest e4m3 is " << want;
   }
   EXPECT_EQ(mismatches, 0) << "of " << v.numel();
   EXPECT_TRUE(std::isnan(model::RoundToE4m3(at::tensor({std::nanf("")}))[0].item<float>()));
@@ -88,11 +92,11 @@ TEST(E4m3Rounding, MatchesTheNearestTableValueTiesToEven) {
 TEST(E4m3RowScales, AreTheSmallestPowersOfTwoThatFitTheRowInto448) {
   const float up = std::nextafter(448.0f, 1e9f);
   at::Tensor x = at::zeros({7, 5});
-  x[0][2] = 448.0f;               // fits at 2^0 exactly
-  x[1][0] = -up;                  // just above: 2^1
-  x[2][4] = 448.0f * 1024.0f;     // 2^10
-  x[3][1] = 3.0f;                 // 3 / 2^-7 = 384 fits, 3 / 2^-8 = 768 does not
-  x[4][3] = 1e-30f;               // far below: 2^-108
+  x[0][2] = 448.0f;            // fits at 2^0 exactly
+  x[1][0] = -up;               // just above: 2^1
+  x[2][4] = 448.0f * 1024.0f;  // 2^10
+  x[3][1] = 3.0f;              // 3 / 2^-7 = 384 fits, 3 / 2^-8 = 768 does not
+  x[4][3] = 1e-30f;            // far below: 2^-108
   // row 5 stays zero: scale 1
   x[6][0] = std::numeric_limits<float>::infinity();
   at::Tensor s = model::E4m3RowScales(x);
@@ -121,7 +125,8 @@ TEST(E4m3RoundTripRows, RoundsEachRowRelativeToItsOwnScale) {
   at::manual_seed(5);
   // Rows six binades apart: each keeps e4m3's relative precision (half a step, 2^-4) at its own
   // scale, which one scale for the whole tensor would not give the small rows.
-  at::Tensor x = at::randn({12, 256}) * at::exp2(at::arange(12, at::kFloat).mul(-6.0)).view({12, 1});
+  at::Tensor x =
+      at::randn({12, 256}) * at::exp2(at::arange(12, at::kFloat).mul(-6.0)).view({12, 1});
   x.narrow(1, 0, 16).mul_(1e-5);  // below each row's smallest normal
   at::Tensor y = model::E4m3RoundTripRows(x);
   at::Tensor s = model::E4m3RowScales(x);
@@ -142,7 +147,8 @@ TEST(E4m3RoundTripRows, RoundsEachRowRelativeToItsOwnScale) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
 TEST(E4m3Rounding, MatchesLibTorchsFloat8Conversion) {
   at::manual_seed(6);
-  at::Tensor v = (at::randn({20000}) * at::exp2(at::rand({20000}) * 20.0 - 12.0)).clamp(-448.0, 448.0);
+  at::Tensor v =
+      (at::randn({20000}) * at::exp2(at::rand({20000}) * 20.0 - 12.0)).clamp(-448.0, 448.0);
   EXPECT_TRUE(model::RoundToE4m3(v).equal(v.to(at::kFloat8_e4m3fn).to(at::kFloat)));
 }
 #endif

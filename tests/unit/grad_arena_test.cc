@@ -26,12 +26,12 @@ TEST(GradArena, PlacesAllOrNothingAndPublishesOffsets) {
   ASSERT_TRUE(arena.Place({0, 1}));
   EXPECT_EQ(table[0].load(), a.grad_arena);  // first fit from the start
   EXPECT_EQ(table[1].load(), a.grad_arena + 1024);
-  EXPECT_FALSE(arena.Place({2}));            // 1536 bytes left
+  EXPECT_FALSE(arena.Place({2}));  // 1536 bytes left
   EXPECT_FALSE(arena.IsPlaced(2));
   arena.Release(0);
-  EXPECT_FALSE(arena.Place({2}));            // free space is split: 1024 + 1536 around slot 1
+  EXPECT_FALSE(arena.Place({2}));  // free space is split: 1024 + 1536 around slot 1
   arena.Release(1);
-  ASSERT_TRUE(arena.Place({2}));             // coalesced back to one range
+  ASSERT_TRUE(arena.Place({2}));  // coalesced back to one range
   EXPECT_EQ(table[2].load(), a.grad_arena);
   EXPECT_EQ(arena.PeakBytes(), 2048u);
 }
@@ -96,8 +96,10 @@ TEST(GradArena, RandomSequencesNeverOverlap) {
       }
       for (size_t x = 0; x < sizes.size(); ++x)
         for (size_t y = x + 1; y < sizes.size(); ++y) {
-          if (!arena.IsPlaced(static_cast<int>(x)) || !arena.IsPlaced(static_cast<int>(y))) continue;
-          const uint64_t ox = arena.Offset(static_cast<int>(x)), oy = arena.Offset(static_cast<int>(y));
+          if (!arena.IsPlaced(static_cast<int>(x)) || !arena.IsPlaced(static_cast<int>(y)))
+            continue;
+          const uint64_t ox = arena.Offset(static_cast<int>(x)),
+                         oy = arena.Offset(static_cast<int>(y));
           EXPECT_TRUE(ox + sizes[x] <= oy || oy + sizes[y] <= ox) << "slots " << x << " and " << y;
         }
     }

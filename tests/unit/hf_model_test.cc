@@ -88,7 +88,9 @@ std::vector<std::vector<float>> RandomMasters(const ModelSpec& spec, unsigned se
   return masters;
 }
 
-ModelConfig Small(bool qwen3, bool tied) { return Small(std::string(qwen3 ? "qwen3" : "llama"), tied); }
+ModelConfig Small(bool qwen3, bool tied) {
+  return Small(std::string(qwen3 ? "qwen3" : "llama"), tied);
+}
 
 void ExpectSameArchitecture(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.model_type, b.model_type);
@@ -151,11 +153,13 @@ TEST_P(HfModelTest, ExportThenLoadRoundTrips) {
   for (size_t p = 0; p < spec2.params.size(); ++p) {
     std::vector<float> got(spec2.params[p].numel);
     ASSERT_TRUE(w->Load(spec2.params[p], got.data()).ok()) << spec2.params[p].name;
-    EXPECT_EQ(std::memcmp(got.data(), masters[p].data(), got.size() * 4), 0) << spec2.params[p].name;
+    EXPECT_EQ(std::memcmp(got.data(), masters[p].data(), got.size() * 4), 0)
+        << spec2.params[p].name;
   }
 }
 INSTANTIATE_TEST_SUITE_P(Families, HfModelTest,
-                         ::testing::Combine(::testing::Values("llama", "qwen2", "qwen3", "qwen3_moe", "mistral"),
+                         ::testing::Combine(::testing::Values("llama", "qwen2", "qwen3",
+                                                              "qwen3_moe", "mistral"),
                                             ::testing::Bool()));
 
 TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
@@ -190,7 +194,9 @@ TEST(HfModel, ShardedExportLoadsBackAndReplacesTheOtherLayout) {
   for (const auto& f : files) {
     EXPECT_TRUE(fs::exists(fs::path(dir) / f)) << f;
     EXPECT_NE(f.find("-of-" + std::string(5 - std::to_string(files.size()).size(), '0') +
-                     std::to_string(files.size()) + ".safetensors"), std::string::npos) << f;
+                     std::to_string(files.size()) + ".safetensors"),
+              std::string::npos)
+        << f;
   }
   auto w = HfWeights::Open(dir);
   ASSERT_TRUE(w.ok()) << w.status().message();
@@ -218,16 +224,19 @@ TEST(HfModel, ShardedCheckpointWithIndexLoads) {
   std::vector<SafetensorToWrite> first, second;
   nlohmann::json map;
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    bf16.emplace_back(spec.params[p].numel, static_cast<uint16_t>(0x3f80 + p));  // 1.0, 1.0078125, ...
+    bf16.emplace_back(spec.params[p].numel,
+                      static_cast<uint16_t>(0x3f80 + p));  // 1.0, 1.0078125, ...
     auto& shard = p % 2 ? second : first;
     shard.push_back({spec.params[p].name, "BF16", spec.params[p].shape, bf16.back().data(),
                      static_cast<uint64_t>(spec.params[p].numel) * 2});
-    map[spec.params[p].name] = p % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+    map[spec.params[p].name] =
+        p % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
   }
   fs::remove(fs::path(dir) / "model.safetensors");
   ASSERT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", first).ok());
   ASSERT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", second).ok());
-  std::ofstream(dir + "/model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << nlohmann::json{{"weight_map", map}}.dump();
   auto w = HfWeights::Open(dir);
   ASSERT_TRUE(w.ok()) << w.status().message();
   for (size_t p = 0; p < spec.params.size(); ++p) {
@@ -264,19 +273,27 @@ TEST(HfModel, PublisherConfigsResolveToTheirArchitectures) {
     bool tied, qkv_bias, qk_norm;
   };
   const Want wants[] = {
-      {"Llama-3.1-8B", "llama", 8030261248, 128, RopeConfig::Type::kLlama3, 500000.0, false, false, false},
-      {"Llama-3.2-1B", "llama", 1235814400, 64, RopeConfig::Type::kLlama3, 500000.0, true, false, false},
-      {"Qwen2.5-7B", "qwen2", 7615616512, 128, RopeConfig::Type::kDefault, 1000000.0, false, true, false},
-      {"Qwen3-8B", "qwen3", 8190735360, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, true},
-      {"Qwen3-4B-Instruct-2507", "qwen3", 4022468096, 128, RopeConfig::Type::kDefault, 5000000.0, true, false, true},
-      {"Mistral-7B-v0.3", "mistral", 7248023552, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, false},
+      {"Llama-3.1-8B", "llama", 8030261248, 128, RopeConfig::Type::kLlama3, 500000.0, false, false,
+       false},
+      {"Llama-3.2-1B", "llama", 1235814400, 64, RopeConfig::Type::kLlama3, 500000.0, true, false,
+       false},
+      {"Qwen2.5-7B", "qwen2", 7615616512, 128, RopeConfig::Type::kDefault, 1000000.0, false, true,
+       false},
+      {"Qwen3-8B", "qwen3", 8190735360, 128, RopeConfig::Type::kDefault, 1000000.0, false, false,
+       true},
+      {"Qwen3-4B-Instruct-2507", "qwen3", 4022468096, 128, RopeConfig::Type::kDefault, 5000000.0,
+       true, false, true},
+      {"Mistral-7B-v0.3", "mistral", 7248023552, 128, RopeConfig::Type::kDefault, 1000000.0, false,
+       false, false},
       // "30.5B in total": 48 blocks of 128 experts, 8 per token.
-      {"Qwen3-30B-A3B", "qwen3_moe", 30532122624, 128, RopeConfig::Type::kDefault, 1000000.0, false, false, true},
+      {"Qwen3-30B-A3B", "qwen3_moe", 30532122624, 128, RopeConfig::Type::kDefault, 1000000.0, false,
+       false, true},
   };
   for (const Want& w : wants) {
     SCOPED_TRACE(w.name);
     ModelConfig m;
-    auto s = ApplyHfConfig(testing::SourceDir() + "/tests/testdata/publisher_configs/" + w.name, &m);
+    auto s =
+        ApplyHfConfig(testing::SourceDir() + "/tests/testdata/publisher_configs/" + w.name, &m);
     ASSERT_TRUE(s.ok()) << s.message();
     EXPECT_EQ(m.model_type, w.type);
     EXPECT_EQ(BuildModelSpec(m).TrainableParams(), w.params);
@@ -313,7 +330,10 @@ TEST(HfModel, RopeBaseIsReadFromEveryPlaceTransformersPutsIt) {
   const std::string dir = testing::MakeTempDir("rp-hf-rope-");
   ModelConfig v5, v4, none;
   v5.rope.theta = v4.rope.theta = none.rope.theta = 123.0;  // a job key's value must not leak in
-  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"})"), &v5), "");
+  EXPECT_EQ(
+      Apply(dir, Llama(R"(,"rope_parameters":{"rope_theta":1000000.0,"rope_type":"default"})"),
+            &v5),
+      "");
   EXPECT_EQ(v5.rope.theta, 1000000.0);
   EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":1000000.0)"), &v4), "");
   ExpectSameArchitecture(v5, v4);
@@ -322,22 +342,41 @@ TEST(HfModel, RopeBaseIsReadFromEveryPlaceTransformersPutsIt) {
   EXPECT_EQ(none.rope.theta, 10000.0);
   // The dictionary's base wins over the top level's, as transformers 5 standardizes them.
   ModelConfig both;
-  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":5.0,"rope_parameters":{"rope_theta":77.0})"), &both), "");
+  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":5.0,"rope_parameters":{"rope_theta":77.0})"), &both),
+            "");
   EXPECT_EQ(both.rope.theta, 77.0);
   // Llama 3.1 as transformers 4 wrote it: rope_scaling with rope_type llama3, base at the top.
   ModelConfig l31;
-  EXPECT_EQ(Apply(dir, Llama(R"(,"rope_theta":500000.0,"rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192,"rope_type":"llama3"})"), &l31), "");
+  EXPECT_EQ(
+      Apply(
+          dir,
+          Llama(
+              R"(,"rope_theta":500000.0,"rope_scaling":{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192,"rope_type":"llama3"})"),
+          &l31),
+      "");
   EXPECT_EQ(l31.rope.type, RopeConfig::Type::kLlama3);
   EXPECT_EQ(l31.rope.theta, 500000.0);
   EXPECT_EQ(l31.rope.original_max_position, 8192);
   // transformers 4's "type" spelling, and YaRN's default attention factor 0.1 ln(factor) + 1.
   ModelConfig yarn;
-  EXPECT_EQ(Apply(dir, Llama(R"(,"max_position_embeddings":131072,"rope_scaling":{"type":"yarn","factor":4.0,"original_max_position_embeddings":32768})"), &yarn), "");
+  EXPECT_EQ(
+      Apply(
+          dir,
+          Llama(
+              R"(,"max_position_embeddings":131072,"rope_scaling":{"type":"yarn","factor":4.0,"original_max_position_embeddings":32768})"),
+          &yarn),
+      "");
   EXPECT_EQ(yarn.rope.type, RopeConfig::Type::kYarn);
   EXPECT_DOUBLE_EQ(yarn.rope.attention_factor, 0.1 * std::log(4.0) + 1.0);
   // Without a factor YaRN takes max_position_embeddings / original_max_position_embeddings.
   ModelConfig implied;
-  EXPECT_EQ(Apply(dir, Llama(R"(,"max_position_embeddings":65536,"rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":8192})"), &implied), "");
+  EXPECT_EQ(
+      Apply(
+          dir,
+          Llama(
+              R"(,"max_position_embeddings":65536,"rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":8192})"),
+          &implied),
+      "");
   EXPECT_EQ(implied.rope.factor, 8.0);
   std::error_code ec;
   fs::remove_all(dir, ec);
@@ -360,18 +399,27 @@ TEST(HfModel, MoeConfigsFollowTransformersAndBadValuesAreRefusedByKey) {
   EXPECT_EQ(d.moe.sparse_step, 1);
   EXPECT_TRUE(d.moe.dense_layers.empty());
   ModelConfig local;
-  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"num_local_experts":6,"num_experts_per_tok":2,"mlp_only_layers":[0,3]})", &local), "");
+  EXPECT_EQ(Apply(dir,
+                  "{" + shape +
+                      R"(,"num_local_experts":6,"num_experts_per_tok":2,"mlp_only_layers":[0,3]})",
+                  &local),
+            "");
   EXPECT_EQ(local.moe.num_experts, 6);
   EXPECT_EQ(local.moe.dense_layers, (std::vector<int64_t>{0, 3}));
   // The load-balancing loss weighs router_aux_loss_coef (0.001 by default) exactly when
   // output_router_logits is true.
   EXPECT_EQ(d.moe.aux_loss_weight, 0.0);
   ModelConfig aux, aux_default, aux_off;
-  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":true,"router_aux_loss_coef":0.02})", &aux), "");
+  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":true,"router_aux_loss_coef":0.02})",
+                  &aux),
+            "");
   EXPECT_EQ(aux.moe.aux_loss_weight, 0.02);
   EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":true})", &aux_default), "");
   EXPECT_EQ(aux_default.moe.aux_loss_weight, 0.001);
-  EXPECT_EQ(Apply(dir, "{" + shape + R"(,"output_router_logits":false,"router_aux_loss_coef":0.02})", &aux_off), "");
+  EXPECT_EQ(
+      Apply(dir, "{" + shape + R"(,"output_router_logits":false,"router_aux_loss_coef":0.02})",
+            &aux_off),
+      "");
   EXPECT_EQ(aux_off.moe.aux_loss_weight, 0.0);
   const std::pair<const char*, const char*> bad[] = {
       {R"(,"output_router_logits":true,"router_aux_loss_coef":-0.1)", "router_aux_loss_coef"},
@@ -403,20 +451,31 @@ TEST(HfModel, FamilyDefaultsFollowTransformers) {
   EXPECT_TRUE(q3.qk_norm);
   EXPECT_FALSE(q3.qkv_bias);
   EXPECT_EQ(q3.sliding_window, 0);
-  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + ",\"attention_bias\":false}", &q2), "");
+  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + ",\"attention_bias\":false}", &q2),
+            "");
   EXPECT_EQ(q2.head_dim, 16);
   EXPECT_TRUE(q2.qkv_bias);  // Qwen2's attention always has them
   EXPECT_FALSE(q2.o_bias);
   EXPECT_FALSE(q2.qk_norm);
   EXPECT_EQ(Apply(dir, "{\"model_type\":\"mistral\"," + shape + "}", &mi), "");
   EXPECT_EQ(mi.sliding_window, 4096);  // MistralConfig's default window
-  EXPECT_EQ(Apply(dir, "{\"model_type\":\"mistral\"," + shape + ",\"sliding_window\":null}", &mi_null), "");
+  EXPECT_EQ(
+      Apply(dir, "{\"model_type\":\"mistral\"," + shape + ",\"sliding_window\":null}", &mi_null),
+      "");
   EXPECT_EQ(mi_null.sliding_window, 0);
   ModelConfig q2w;
-  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + R"(,"use_sliding_window":true,"sliding_window":512,"max_window_layers":28})", &q2w), "");
+  EXPECT_EQ(Apply(dir,
+                  "{\"model_type\":\"qwen2\"," + shape +
+                      R"(,"use_sliding_window":true,"sliding_window":512,"max_window_layers":28})",
+                  &q2w),
+            "");
   EXPECT_EQ(q2w.sliding_window, 512);
   ModelConfig q2n;
-  EXPECT_EQ(Apply(dir, "{\"model_type\":\"qwen2\"," + shape + R"(,"use_sliding_window":true,"sliding_window":512,"max_window_layers":30})", &q2n), "");
+  EXPECT_EQ(Apply(dir,
+                  "{\"model_type\":\"qwen2\"," + shape +
+                      R"(,"use_sliding_window":true,"sliding_window":512,"max_window_layers":30})",
+                  &q2n),
+            "");
   EXPECT_EQ(q2n.sliding_window, 0);  // every layer below max_window_layers: full attention
   std::error_code ec;
   fs::remove_all(dir, ec);
@@ -432,13 +491,17 @@ TEST(HfModel, UnsupportedOrMalformedConfigsAreRefusedByKey) {
   };
   refused(R"({"model_type":"gemma","vocab_size":10})", "model_type");
   refused(Llama(R"(,"rope_scaling":{"type":"llama3"})"), "rope_scaling.factor");
-  refused(Llama(R"(,"rope_parameters":{"rope_type":"dynamic","factor":2.0})"), "rope_parameters.rope_type");
+  refused(Llama(R"(,"rope_parameters":{"rope_type":"dynamic","factor":2.0})"),
+          "rope_parameters.rope_type");
   refused(Llama(R"(,"rope_parameters":{"rope_type":"longrope"})"), "rope_parameters.rope_type");
   refused(Llama(R"(,"rope_parameters":{"rope_type":"default","partial_rotary_factor":0.5})"),
           "rope_parameters.partial_rotary_factor");
-  refused(Llama(R"(,"rope_parameters":{"full_attention":{"rope_type":"default"}})"), "rope_parameters.full_attention");
-  refused(Llama(R"(,"rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1})"),
-          "high_freq_factor");
+  refused(Llama(R"(,"rope_parameters":{"full_attention":{"rope_type":"default"}})"),
+          "rope_parameters.full_attention");
+  refused(
+      Llama(
+          R"(,"rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1})"),
+      "high_freq_factor");
   refused(Llama(R"(,"hidden_act":"gelu")"), "hidden_act");
   refused(Llama(R"(,"attention_dropout":0.1)"), "attention_dropout");
   refused(Llama(R"(,"quantization_config":{"quant_method":"gptq"})"), "quantization_config");
@@ -451,8 +514,9 @@ TEST(HfModel, UnsupportedOrMalformedConfigsAreRefusedByKey) {
   refused(Llama(R"(,"rms_norm_eps":-1)"), "rms_norm_eps");
   refused(Llama(R"(,"num_key_value_heads":1.5)"), "num_key_value_heads");
   refused(Llama(R"(,"head_dim":0)"), "head_dim");
-  refused(R"({"model_type":"qwen2","vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"use_sliding_window":true,"layer_types":["chunked_attention"]})",
-          "layer_types");
+  refused(
+      R"({"model_type":"qwen2","vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"use_sliding_window":true,"layer_types":["chunked_attention"]})",
+      "layer_types");
   refused(R"({"model_type":"llama","vocab_size":10,"hidden_size":8})", "intermediate_size");
   EXPECT_FALSE(ApplyHfConfig(dir, &m).ok());
   std::ofstream(dir + "/config.json") << "not json";
@@ -463,7 +527,13 @@ TEST(HfModel, UnsupportedOrMalformedConfigsAreRefusedByKey) {
   refused(Llama(R"(,"rope_parameters":{"rope_theta":0.5})"), "rope_theta");
   refused(Llama(R"(,"rms_norm_eps":2)"), "rms_norm_eps: must be in [0, 1]");
   // Keys that do not change the math are ignored.
-  EXPECT_EQ(Apply(dir, Llama(R"(,"bos_token_id":1,"use_cache":true,"pretraining_tp":1,"dtype":"bfloat16","some_future_key":[1,2])"), &m), "");
+  EXPECT_EQ(
+      Apply(
+          dir,
+          Llama(
+              R"(,"bos_token_id":1,"use_cache":true,"pretraining_tp":1,"dtype":"bfloat16","some_future_key":[1,2])"),
+          &m),
+      "");
   std::error_code ec;
   fs::remove_all(dir, ec);
 }
@@ -472,10 +542,10 @@ TEST(HfModel, UnsupportedOrMalformedConfigsAreRefusedByKey) {
 // in every family that reads it.
 TEST(HfModel, EveryReadKeyWithAWrongTypeIsRefusedByName) {
   const std::string dir = testing::MakeTempDir("rp-hf-types-");
-  const char* const numeric[] = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads", "num_key_value_heads", "head_dim",
-                                 "max_position_embeddings", "rope_theta", "rms_norm_eps",
-                                 "attention_dropout", "partial_rotary_factor"};
+  const char* const numeric[] = {
+      "vocab_size",          "hidden_size",         "intermediate_size", "num_hidden_layers",
+      "num_attention_heads", "num_key_value_heads", "head_dim",          "max_position_embeddings",
+      "rope_theta",          "rms_norm_eps",        "attention_dropout", "partial_rotary_factor"};
   const char* const flags[] = {"tie_word_embeddings", "attention_bias", "mlp_bias"};
   const std::string shape =
       R"("vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2)";
@@ -489,14 +559,18 @@ TEST(HfModel, EveryReadKeyWithAWrongTypeIsRefusedByName) {
     std::vector<std::pair<std::string, std::string>> cases;
     for (const char* k : numeric) cases.push_back({k, R"("12")"});
     for (const char* k : flags) cases.push_back({k, "1"});
-    cases.insert(cases.end(), {{"model_type", "3"}, {"hidden_act", "[1]"}, {"architectures", R"("LlamaForCausalLM")"},
-                               {"rope_parameters", "[]"}, {"rope_scaling", "2.0"}});
+    cases.insert(cases.end(), {{"model_type", "3"},
+                               {"hidden_act", "[1]"},
+                               {"architectures", R"("LlamaForCausalLM")"},
+                               {"rope_parameters", "[]"},
+                               {"rope_scaling", "2.0"}});
     if (type == "qwen2" || type == "qwen3")
       cases.insert(cases.end(), {{"use_sliding_window", R"("no")"}});
     for (const auto& [key, value] : cases) {
       ModelConfig m;
       const std::string msg = Apply(dir, config(key, value), &m);
-      EXPECT_NE(msg.find(key), std::string::npos) << type << " " << key << "=" << value << " -> " << msg;
+      EXPECT_NE(msg.find(key), std::string::npos)
+          << type << " " << key << "=" << value << " -> " << msg;
     }
     // sliding_window is read where the family attends through one: always for Mistral, with
     // use_sliding_window for Qwen2/Qwen3 (Llama has none).
@@ -516,11 +590,14 @@ TEST(HfExport, RoundsToBf16AndHalfAsTorchDoes) {
   std::mt19937 rng(5);
   std::vector<float> v;
   for (int i = 0; i < 20000; ++i)
-    v.push_back(std::normal_distribution<float>()(rng) * std::pow(2.0f, std::uniform_int_distribution<int>(-30, 20)(rng)));
-  for (float x : {0.0f, -0.0f, 1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 65504.0f, 65519.0f, 65520.0f, 1e30f, -1e30f,
-                  5.96e-8f, 2.9e-8f, 3.0e-8f, 6.1e-5f, 1e-45f, std::numeric_limits<float>::infinity()})
+    v.push_back(std::normal_distribution<float>()(rng) *
+                std::pow(2.0f, std::uniform_int_distribution<int>(-30, 20)(rng)));
+  for (float x : {0.0f, -0.0f, 1.0f + 1.0f / 256, 1.0f + 3.0f / 256, 65504.0f, 65519.0f, 65520.0f,
+                  1e30f, -1e30f, 5.96e-8f, 2.9e-8f, 3.0e-8f, 6.1e-5f, 1e-45f,
+                  std::numeric_limits<float>::infinity()})
     v.push_back(x);
-  for (uint32_t bits : {0x3f808000u, 0x3f818000u, 0x33000000u, 0x33000001u, 0x387fe000u, 0x387ff000u}) {
+  for (uint32_t bits :
+       {0x3f808000u, 0x3f818000u, 0x33000000u, 0x33000001u, 0x387fe000u, 0x387ff000u}) {
     float x;
     std::memcpy(&x, &bits, 4);
     v.push_back(x);
@@ -549,7 +626,8 @@ TEST(HfExport, RoundsToBf16AndHalfAsTorchDoes) {
 // An export in the base's dtype carries what a server needs from the base: its special-token ids,
 // tokenizer and generation config; a job's export_dtype "auto" reads the base's dtype.
 TEST(HfExport, InTheBasesDtypeWithItsTokenizerAndSpecialTokens) {
-  const std::string base = testing::MakeTempDir("rp-base-"), out = testing::MakeTempDir("rp-export-");
+  const std::string base = testing::MakeTempDir("rp-base-"),
+                    out = testing::MakeTempDir("rp-export-");
   const ModelConfig m = Small(std::string("qwen3"), false);
   const ModelSpec spec = BuildModelSpec(m);
   const auto masters = RandomMasters(spec, 9);
@@ -564,24 +642,32 @@ TEST(HfExport, InTheBasesDtypeWithItsTokenizerAndSpecialTokens) {
   std::ofstream(base + "/config.json") << config.dump();
   std::ofstream(base + "/tokenizer.json") << R"({"model": {"type": "BPE"}})";
   std::ofstream(base + "/tokenizer_config.json") << R"({"eos_token": "<|im_end|>"})";
-  std::ofstream(base + "/generation_config.json") << R"({"eos_token_id": [151645, 151643], "temperature": 0.6})";
+  std::ofstream(base + "/generation_config.json")
+      << R"({"eos_token_id": [151645, 151643], "temperature": 0.6})";
 
   // The job resolves "auto" to the base's bfloat16.
-  auto job = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n", base, {});
+  auto job =
+      ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n", base, {});
   ASSERT_TRUE(job.ok()) << job.status().message();
   EXPECT_EQ(job->checkpoint.export_dtype, ExportDtype::kBfloat16);
-  auto chosen = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n[checkpoint]\nexport_dtype = \"float32\"\n", base, {});
+  auto chosen = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base +
+                                   "\"\n[checkpoint]\nexport_dtype = \"float32\"\n",
+                               base, {});
   ASSERT_TRUE(chosen.ok());
   EXPECT_EQ(chosen->checkpoint.export_dtype, ExportDtype::kFloat32);
   config["torch_dtype"] = config["dtype"] = "float8_e4m3fn";
   std::ofstream(base + "/config.json") << config.dump();
-  auto odd = ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n", base, {});
+  auto odd =
+      ParseJobConfig("[data]\nformat = \"random\"\n[model]\npath = \"" + base + "\"\n", base, {});
   ASSERT_FALSE(odd.ok());
-  EXPECT_NE(odd.status().message().find("checkpoint.export_dtype"), std::string::npos) << odd.status().message();
+  EXPECT_NE(odd.status().message().find("checkpoint.export_dtype"), std::string::npos)
+      << odd.status().message();
   config["torch_dtype"] = config["dtype"] = "bfloat16";
   std::ofstream(base + "/config.json") << config.dump();
 
-  ASSERT_TRUE(ExportHf(out, m, spec, master, HfExport{.dtype = job->checkpoint.export_dtype, .base_dir = base}).ok());
+  ASSERT_TRUE(ExportHf(out, m, spec, master,
+                       HfExport{.dtype = job->checkpoint.export_dtype, .base_dir = base})
+                  .ok());
   const auto exported = nlohmann::json::parse(testing::ReadFile(out + "/config.json"));
   EXPECT_EQ(exported["dtype"], "bfloat16");
   EXPECT_EQ(exported["torch_dtype"], "bfloat16");
@@ -597,10 +683,15 @@ TEST(HfExport, InTheBasesDtypeWithItsTokenizerAndSpecialTokens) {
   for (size_t p = 0; p < spec.params.size(); ++p) {
     std::vector<float> back(spec.params[p].numel);
     ASSERT_TRUE(weights->Load(spec.params[p], back.data()).ok());
-    const at::Tensor want = at::from_blob(const_cast<float*>(masters[p].data()), {spec.params[p].numel}, at::kFloat).to(at::kBFloat16).to(at::kFloat);
-    EXPECT_TRUE(at::equal(at::from_blob(back.data(), {spec.params[p].numel}, at::kFloat), want)) << spec.params[p].name;
+    const at::Tensor want =
+        at::from_blob(const_cast<float*>(masters[p].data()), {spec.params[p].numel}, at::kFloat)
+            .to(at::kBFloat16)
+            .to(at::kFloat);
+    EXPECT_TRUE(at::equal(at::from_blob(back.data(), {spec.params[p].numel}, at::kFloat), want))
+        << spec.params[p].name;
   }
-  EXPECT_LT(fs::file_size(out + "/model.safetensors"), fs::file_size(base + "/model.safetensors") + 4096);
+  EXPECT_LT(fs::file_size(out + "/model.safetensors"),
+            fs::file_size(base + "/model.safetensors") + 4096);
   std::error_code ec;
   fs::remove_all(base, ec);
   fs::remove_all(out, ec);

@@ -123,11 +123,13 @@ TEST(Moe, ExpertsEqualTheirFormulaTokenByToken) {
       if (norm) top = top / top.sum();
       for (int64_t j = 0; j < 2; ++j) {
         const int64_t e = idx[j].item<int64_t>();
-        at::Tensor g = at::mv(gu[e].narrow(0, 0, 12), flat[i]), u = at::mv(gu[e].narrow(0, 12, 12), flat[i]);
+        at::Tensor g = at::mv(gu[e].narrow(0, 0, 12), flat[i]),
+                   u = at::mv(gu[e].narrow(0, 12, 12), flat[i]);
         want[i] += top[j] * at::mv(dn[e], at::silu(g) * u);
       }
     }
-    EXPECT_TRUE(at::allclose((full - x1).reshape({-1, 32}), want, 1e-5, 1e-6)) << "norm_topk_prob " << norm;
+    EXPECT_TRUE(at::allclose((full - x1).reshape({-1, 32}), want, 1e-5, 1e-6))
+        << "norm_topk_prob " << norm;
   }
 }
 
@@ -179,7 +181,8 @@ TEST(Transformer, TiledMlpEqualsTheWholeMicrobatch) {
       // Adapters' B matrices start at zero; random ones make the adapters matter.
       w.emplace(u.role, (at::randn(spec.params[u.param].shape) * 0.2).requires_grad_(true));
     }
-    for (const auto& u : spec.layer_frozen[1]) w.emplace(u.role, at::randn(spec.frozen[u.param].shape) * 0.2);
+    for (const auto& u : spec.layer_frozen[1])
+      w.emplace(u.role, at::randn(spec.frozen[u.param].shape) * 0.2);
     at::Tensor x = at::randn({2, 7, 32}).requires_grad_(true);
     at::Tensor r = at::randn({2, 7, 32});
     auto run = [&](int64_t tile, std::map<std::string, at::Tensor>* grads) {
@@ -203,7 +206,8 @@ TEST(Transformer, TiledMlpEqualsTheWholeMicrobatch) {
     EXPECT_TRUE(at::allclose(y0, y1, 1e-5, 1e-6)) << t.size() << " targets: output";
     ASSERT_EQ(whole.size(), tiled.size());
     for (const auto& [name, g] : whole)
-      EXPECT_TRUE(at::allclose(g, tiled.at(name), 1e-5, 1e-6)) << t.size() << " targets: gradient of " << name;
+      EXPECT_TRUE(at::allclose(g, tiled.at(name), 1e-5, 1e-6))
+          << t.size() << " targets: gradient of " << name;
     if (t.empty()) {
       ASSERT_TRUE(whole.count("post_norm"));
       EXPECT_GT(whole.at("post_norm").abs().sum().item<double>(), 0.0);
@@ -244,9 +248,11 @@ TEST(Transformer, ChunkedHeadEqualsFullCrossEntropy) {
     at::Tensor x = t.Embed(f.layers[0], tokens);
     for (int l = 1; l <= 2; ++l) x = t.Block(f.layers[l], x, l);
     const auto& head = f.layers[3];
-    at::Tensor h = x * at::rsqrt(x.pow(2).mean(-1, true) + f.cfg.rms_norm_eps) * head.at("final_norm");
+    at::Tensor h =
+        x * at::rsqrt(x.pow(2).mean(-1, true) + f.cfg.rms_norm_eps) * head.at("final_norm");
     at::Tensor logits = at::linear(h, head.at("lm_head")).reshape({-1, 50});
-    double ref = at::cross_entropy_loss(logits, labels.reshape(-1), {}, at::Reduction::Sum, -100).item<double>();
+    double ref = at::cross_entropy_loss(logits, labels.reshape(-1), {}, at::Reduction::Sum, -100)
+                     .item<double>();
     EXPECT_NEAR(loss_big, ref, 1e-4);
   }
 }
@@ -289,11 +295,14 @@ TEST(Documents, ReadFromPositionsAlone) {
   EXPECT_EQ(b.max_position, 7);
   const std::vector<int64_t> plain = {0, 1, 2, 0, 1, 2};
   EXPECT_TRUE(FindDocuments(plain.data(), 2, 3).plain);
-  auto on_cpu = [](const int64_t* host, int64_t n) { return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone(); };
+  auto on_cpu = [](const int64_t* host, int64_t n) {
+    return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
+  };
   EXPECT_FALSE(MakeDocuments(plain.data(), 2, 3, on_cpu).defined());
   const Documents d = MakeDocuments(pos.data(), 2, 6, on_cpu);
   ASSERT_TRUE(d.defined());
-  EXPECT_TRUE(at::equal(d.segments, at::tensor({0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3}, at::kLong).view({2, 6})));
+  EXPECT_TRUE(at::equal(d.segments,
+                        at::tensor({0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 3, 3}, at::kLong).view({2, 6})));
   EXPECT_TRUE(at::equal(d.cu_seqlens, at::tensor({0, 3, 5, 6, 12}, at::kInt)));
 }
 
@@ -303,17 +312,19 @@ struct DocumentRun {
   double loss_sum = 0.0;
   std::vector<at::Tensor> grads;
 };
-DocumentRun RunDocuments(Fixture& f, const at::Tensor& tokens, const at::Tensor& labels, Documents documents,
-                         bool backward = true) {
+DocumentRun RunDocuments(Fixture& f, const at::Tensor& tokens, const at::Tensor& labels,
+                         Documents documents, bool backward = true) {
   f.ZeroGrads();
   Transformer math(f.cfg);
   math.SetDocuments(std::move(documents));
   at::Tensor x = math.Embed(f.layers[0], tokens);
   for (int l = 1; l <= f.cfg.num_layers; ++l) x = math.Block(f.layers[l], x, l);
   DocumentRun r;
-  r.loss_sum = math.HeadForwardBackward(f.layers[f.cfg.num_layers + 1], x, labels, 1.0, backward).loss_sum;
+  r.loss_sum =
+      math.HeadForwardBackward(f.layers[f.cfg.num_layers + 1], x, labels, 1.0, backward).loss_sum;
   if (backward)
-    for (auto& p : f.params) r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+    for (auto& p : f.params)
+      r.grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
   return r;
 }
 
@@ -323,7 +334,9 @@ at::Tensor Ids(const std::vector<int64_t>& v, int64_t rows) {
 
 Documents OnCpu(const std::vector<int64_t>& positions, int64_t rows) {
   return MakeDocuments(positions.data(), rows, static_cast<int64_t>(positions.size()) / rows,
-                       [](const int64_t* host, int64_t n) { return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone(); });
+                       [](const int64_t* host, int64_t n) {
+                         return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
+                       });
 }
 
 // The largest difference between a and b, relative to b's largest element.
@@ -343,7 +356,8 @@ class PackedDocuments : public ::testing::Test {
   static constexpr int64_t kIgnore = -100;
   // Two rows of 12: documents of 4, 5 and 3 tokens; documents of 6 and 4 tokens, then 2 tokens
   // of padding (token 0, no target, a document of its own), as io/data.cc packs them.
-  std::vector<std::vector<int64_t>> docs = {{3, 17, 9, 41}, {8, 8, 30, 2, 11}, {45, 6, 19}, {1, 2, 3, 4, 5, 6}, {33, 21, 7, 9}};
+  std::vector<std::vector<int64_t>> docs = {
+      {3, 17, 9, 41}, {8, 8, 30, 2, 11}, {45, 6, 19}, {1, 2, 3, 4, 5, 6}, {33, 21, 7, 9}};
   std::vector<int64_t> tokens, labels, positions;
   std::vector<std::pair<int64_t, int64_t>> where;  // each document's first token and length
   void SetUp() override {
@@ -380,7 +394,8 @@ TEST_F(PackedDocuments, EachDocumentGivesItsLossAndGradientsAlone) {
     auto r = RunDocuments(f, Ids(docs[d], 1), Ids(lab, 1), Documents{});
     alone_loss.push_back(r.loss_sum);
     if (alone_grads.empty()) alone_grads = r.grads;
-    else for (size_t p = 0; p < r.grads.size(); ++p) alone_grads[p] += r.grads[p];
+    else
+      for (size_t p = 0; p < r.grads.size(); ++p) alone_grads[p] += r.grads[p];
   }
   double alone_total = 0.0;
   for (double l : alone_loss) alone_total += l;

@@ -42,7 +42,8 @@ TEST(StoreSeal, OpensWhatItSealedAndNothingElse) {
   for (const auto& [what, bad] : std::map<std::string, StatusOr<std::string>>{
            {"an altered value", seal.Open(key, altered)},
            {"an altered tag", seal.Open(key, retagged)},
-           {"a value moved from another key", seal.Open(key, seal.Seal(seal.Key("rp/plan/1"), "plan text"))},
+           {"a value moved from another key",
+            seal.Open(key, seal.Seal(seal.Key("rp/plan/1"), "plan text"))},
            {"a value sealed with another secret", seal.Open(key, other.Seal(key, "plan text"))},
            {"a value written without a seal", seal.Open(key, "plan text")},
            {"a value shorter than a tag", seal.Open(key, "x")}}) {
@@ -102,8 +103,10 @@ TEST(NodeStore, AValueWrittenWithoutTheSecretIsRefusedNamingTampering) {
   auto forged = (*host)->TryGet("rp/end/1");
   ASSERT_FALSE(forged.ok());
   EXPECT_EQ(forged.status().code(), StatusCode::kProtocolError);
-  EXPECT_NE(forged.status().message().find("fails authentication"), std::string::npos) << forged.status().message();
-  EXPECT_NE(forged.status().message().find("rp/end/1"), std::string::npos) << forged.status().message();
+  EXPECT_NE(forged.status().message().find("fails authentication"), std::string::npos)
+      << forged.status().message();
+  EXPECT_NE(forged.status().message().find("rp/end/1"), std::string::npos)
+      << forged.status().message();
 }
 
 TEST(SealedStore, GlooAndNcclRendezvousValuesAreSealedToo) {
@@ -175,7 +178,7 @@ TEST_F(RunSecretTest, NodesSharingTheOutputDirectoryAgreeAndEachAllocationDiffer
   auto first = ResolveRunSecret(dir_.string(), Env({}));
   ASSERT_TRUE(first.ok()) << first.status().message();
   EXPECT_FALSE(first->from_env);
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(::stat((dir_ / kNodeSecretFile).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   auto second = ResolveRunSecret(dir_.string(), Env({}));
@@ -200,14 +203,16 @@ TEST_F(RunSecretTest, AFileThatIsNoSecretIsRefusedNamingIt) {
     auto bad = ResolveRunSecret(dir_.string(), Env({}));
     ASSERT_FALSE(bad.ok()) << what;
     EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << what;
-    EXPECT_NE(bad.status().message().find(file.string()), std::string::npos) << what << ": " << bad.status().message();
+    EXPECT_NE(bad.status().message().find(file.string()), std::string::npos)
+        << what << ": " << bad.status().message();
   };
   std::ofstream(file) << "not hex\n";
   fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write);
   refused("not hex");
   // A good secret that others may read is no secret.
   std::ofstream(file) << std::string(64, 'a') << "\n";
-  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read);
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                            fs::perms::others_read);
   refused("readable by others");
   // A link planted where the file goes, to a file whose contents someone else chose.
   fs::remove(file);

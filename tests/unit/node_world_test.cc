@@ -58,32 +58,43 @@ TEST(NodeWorld, BadFlagsAreNamed) {
 }
 
 TEST(NodeWorld, Torchrun) {
-  auto w = ResolveNodeWorld({}, Env({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "1"},
-                                     {"MASTER_ADDR", "node-a"}, {"MASTER_PORT", "29500"}}));
+  auto w = ResolveNodeWorld({}, Env({{"RANK", "1"},
+                                     {"WORLD_SIZE", "4"},
+                                     {"LOCAL_WORLD_SIZE", "1"},
+                                     {"MASTER_ADDR", "node-a"},
+                                     {"MASTER_PORT", "29500"}}));
   ASSERT_TRUE(w.ok()) << w.status().message();
   EXPECT_EQ(w->source, "torchrun");
   EXPECT_EQ(w->nodes, 4);
   EXPECT_EQ(w->rank, 1);
   EXPECT_EQ(w->store_host, "node-a");
   EXPECT_EQ(w->store_port, 29501);  // torchrun's own store keeps 29500
-  auto own = ResolveNodeWorld({}, Env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"},
-                                       {"MASTER_PORT", "29500"}, {"RP_MASTER_PORT", "31000"}}));
+  auto own = ResolveNodeWorld({}, Env({{"RANK", "0"},
+                                       {"WORLD_SIZE", "2"},
+                                       {"MASTER_ADDR", "a"},
+                                       {"MASTER_PORT", "29500"},
+                                       {"RP_MASTER_PORT", "31000"}}));
   ASSERT_TRUE(own.ok());
   EXPECT_EQ(own->store_port, 31000);
-  auto two = ResolveNodeWorld({}, Env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "8"},
-                                       {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}));
+  auto two = ResolveNodeWorld({}, Env({{"RANK", "0"},
+                                       {"WORLD_SIZE", "2"},
+                                       {"LOCAL_WORLD_SIZE", "8"},
+                                       {"MASTER_ADDR", "a"},
+                                       {"MASTER_PORT", "1"}}));
   ASSERT_FALSE(two.ok());
   EXPECT_NE(two.status().message().find("--nproc-per-node 1"), std::string::npos);
   auto bad = ResolveNodeWorld({}, Env({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("RANK = 2 is not below WORLD_SIZE = 2"), std::string::npos);
-  auto noaddr = ResolveNodeWorld({}, Env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "5"}}));
+  auto noaddr =
+      ResolveNodeWorld({}, Env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "5"}}));
   ASSERT_FALSE(noaddr.ok());
   EXPECT_NE(noaddr.status().message().find("MASTER_ADDR is not set"), std::string::npos);
 }
 
 TEST(NodeWorld, Slurm) {
-  auto w = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "3"},
+  auto w = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "2"},
+                                     {"SLURM_NTASKS", "3"},
                                      {"SLURM_JOB_NODELIST", "gpu[07-09,12],cpu3"}}));
   ASSERT_TRUE(w.ok()) << w.status().message();
   EXPECT_EQ(w->source, "slurm");
@@ -91,19 +102,26 @@ TEST(NodeWorld, Slurm) {
   EXPECT_EQ(w->rank, 2);
   EXPECT_EQ(w->store_host, "gpu07");
   EXPECT_EQ(w->store_port, 29500);
-  auto port = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
-                                        {"SLURM_JOB_NODELIST", "a,b"}, {"MASTER_PORT", "4000"}}));
+  auto port = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "0"},
+                                        {"SLURM_NTASKS", "2"},
+                                        {"SLURM_JOB_NODELIST", "a,b"},
+                                        {"MASTER_PORT", "4000"}}));
   ASSERT_TRUE(port.ok());
   EXPECT_EQ(port->store_host, "a");
   EXPECT_EQ(port->store_port, 4000);
   auto bad = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "two"}}));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("SLURM_NTASKS"), std::string::npos);
-  auto step = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_NTASKS_PER_NODE", "1"},
-                                        {"SLURM_STEP_NODELIST", "n[3-4]"}, {"SLURM_JOB_NODELIST", "n[1-4]"}}));
+  auto step = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "1"},
+                                        {"SLURM_NTASKS", "2"},
+                                        {"SLURM_NTASKS_PER_NODE", "1"},
+                                        {"SLURM_STEP_NODELIST", "n[3-4]"},
+                                        {"SLURM_JOB_NODELIST", "n[1-4]"}}));
   ASSERT_TRUE(step.ok()) << step.status().message();
   EXPECT_EQ(step->store_host, "n3");  // the step's hosts, not the allocation's
-  auto eight = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "16"}, {"SLURM_NTASKS_PER_NODE", "8"},
+  auto eight = ResolveNodeWorld({}, Env({{"SLURM_PROCID", "1"},
+                                         {"SLURM_NTASKS", "16"},
+                                         {"SLURM_NTASKS_PER_NODE", "8"},
                                          {"SLURM_JOB_NODELIST", "n[1-2]"}}));
   ASSERT_FALSE(eight.ok());
   EXPECT_NE(eight.status().message().find("--ntasks-per-node 1"), std::string::npos);

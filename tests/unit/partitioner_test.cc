@@ -85,8 +85,9 @@ void ExpectNoEqualPlanIsFaster(const JobConfig& c, int workers, const Profile& c
 
 // Every plan with a `tail`-block fused tail and any contiguous forward and backward cuts of the
 // layers before it (brute force, independent of the planner's enumeration), built from `eq`.
-void ForEachContiguousPlan(JobConfig eq, int tail,
-                           const std::function<void(const JobConfig&, const PipelinePlan&)>& visit) {
+void ForEachContiguousPlan(
+    JobConfig eq, int tail,
+    const std::function<void(const JobConfig&, const PipelinePlan&)>& visit) {
   const int t = static_cast<int>(eq.model.num_layers) + 1 - tail;
   eq.schedule.tail_blocks = tail;
   for (uint32_t fm = 0; fm < (1u << (t - 1)); ++fm)
@@ -164,14 +165,16 @@ TEST(Partitioner, SmallModelsAreSearchedExhaustively) {
         ForEachContiguousPlan(eq, tail, [&](const JobConfig& with, const PipelinePlan& plan) {
           best = std::min(best, PredictPlan(with, plan, p, workers).step_seconds);
         });
-      EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best) << layers << " layers, " << workers << " workers";
+      EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best)
+          << layers << " layers, " << workers << " workers";
     }
 }
 
 TEST(Partitioner, TailSizesTriedGrowWithAMemoryBudgetOnly) {
   EXPECT_EQ(TailCandidates(28, false), (std::vector<int>{0, 1, 2, 3}));
   EXPECT_EQ(TailCandidates(2, false), (std::vector<int>{0, 1, 2}));
-  EXPECT_EQ(TailCandidates(28, true), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 17, 22, 28}));
+  EXPECT_EQ(TailCandidates(28, true),
+            (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 17, 22, 28}));
   EXPECT_EQ(TailCandidates(5, true), (std::vector<int>{0, 1, 2, 3, 4, 5}));
   EXPECT_EQ(TailCandidates(9, true), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
 }
@@ -219,12 +222,14 @@ TEST(Partitioner, WithAMemoryBudgetEveryTailIsSearchedAndTheBudgetHolds) {
           }
         auto choice = ChoosePlan(c, workers, p);
         ASSERT_TRUE(choice.ok()) << choice.status().ToString();
-        EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best) << layers << " layers, " << workers << " workers";
+        EXPECT_NEAR(choice->step_seconds, best, 1e-6 * best)
+            << layers << " layers, " << workers << " workers";
         EXPECT_LE(choice->peak_memory_bytes, c.schedule.gpu_memory_gb * 1e9);
         longer_tail_won = longer_tail_won || best_tail > 3;
       }
     }
-  EXPECT_TRUE(longer_tail_won) << "no case needed a tail of more than 3 blocks: the test checks nothing beyond them";
+  EXPECT_TRUE(longer_tail_won)
+      << "no case needed a tail of more than 3 blocks: the test checks nothing beyond them";
 }
 
 // A deep model with a budget and dear recompute: tails longer than 8 blocks (the sizes tried in
@@ -241,7 +246,8 @@ TEST(Partitioner, LongerTailsAreSearchedWhileTheyPay) {
   c.schedule.gpu_memory_gb = 0;
   auto unbounded = ChoosePlan(c, 1, dear);
   ASSERT_TRUE(unbounded.ok()) << unbounded.status().ToString();
-  EXPECT_LE(unbounded->plan.num_layers - 1 - unbounded->plan.tail_start, 3) << unbounded->plan.Describe();
+  EXPECT_LE(unbounded->plan.num_layers - 1 - unbounded->plan.tail_start, 3)
+      << unbounded->plan.Describe();
 }
 
 // A deep model under a budget that every split into the pipeline's few stages overflows (a stage's
@@ -263,7 +269,8 @@ TEST(Partitioner, ABudgetOnlyFineSplitsMeetIsMetBySplittingFiner) {
   finest.schedule.backward_stages = 25;
   auto finest_plan = BuildPlan(finest);
   ASSERT_TRUE(finest_plan.ok()) << finest_plan.status().ToString();
-  const double finest_peak = PredictPlan(finest, *finest_plan, DefaultCostModel(c), 1).peak_memory_bytes;
+  const double finest_peak =
+      PredictPlan(finest, *finest_plan, DefaultCostModel(c), 1).peak_memory_bytes;
   // The smallest peak among the splits into at most 6 backward stages (what the coarse search
   // tries with one worker): the budget sits between it and the finest plan's.
   double coarse_smallest = std::numeric_limits<double>::infinity();
@@ -275,7 +282,8 @@ TEST(Partitioner, ABudgetOnlyFineSplitsMeetIsMetBySplittingFiner) {
         finest.schedule.backward_stages = b;
         auto plan = BuildPlan(finest);
         ASSERT_TRUE(plan.ok());
-        coarse_smallest = std::min(coarse_smallest, PredictPlan(finest, *plan, DefaultCostModel(c), 1).peak_memory_bytes);
+        coarse_smallest = std::min(
+            coarse_smallest, PredictPlan(finest, *plan, DefaultCostModel(c), 1).peak_memory_bytes);
       }
   ASSERT_LT(finest_peak * 1.2, coarse_smallest) << "the case does not need finer splits";
   c.schedule.gpu_memory_gb = (finest_peak + coarse_smallest) / 2 / 1e9;
@@ -288,7 +296,8 @@ TEST(Partitioner, ABudgetOnlyFineSplitsMeetIsMetBySplittingFiner) {
   c.schedule.gpu_memory_gb = finest_peak * 0.9 / 1e9;
   auto refused = ChoosePlan(c, 1);
   ASSERT_FALSE(refused.ok()) << refused->plan.Describe();
-  EXPECT_NE(refused.status().message().find("no plan fits"), std::string::npos) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("no plan fits"), std::string::npos)
+      << refused.status().ToString();
 }
 
 // Small(layers) as one forward stage, a tail of one block and one backward stage, equal cuts.
@@ -311,7 +320,9 @@ TEST(Partitioner, MemoryEstimateCountsCpuAttentionScores) {
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
   const MemoryEstimate m = EstimateMemory(c, *plan, 1);
-  const double s = 2048.0, scores = static_cast<double>(c.train.microbatch_size * c.model.num_heads) * s * s * 4.0;
+  const double s = 2048.0,
+               scores =
+                   static_cast<double>(c.train.microbatch_size * c.model.num_heads) * s * s * 4.0;
   EXPECT_NEAR(m.attention_scores, 2.0 * scores + s * s + 7.0 * (scores + s * s), 1.0);
   c.train.layer_recompute = true;
   EXPECT_NEAR(EstimateMemory(c, *plan, 1).attention_scores, 3.0 * scores + 2.0 * s * s, 1.0);
@@ -343,7 +354,8 @@ TEST(Partitioner, AFrozenBaseKeptOnTheDeviceCountsOnceAndIsNotFetched) {
   const Stage& peak = plan->stages[kept.stage];
   double peak_frozen = 0.0;
   for (int l = peak.begin; l < peak.end; ++l)
-    for (const auto& use : spec.layer_frozen[l]) peak_frozen += static_cast<double>(spec.frozen[use.param].numel) * elem;
+    for (const auto& use : spec.layer_frozen[l])
+      peak_frozen += static_cast<double>(spec.frozen[use.param].numel) * elem;
   ASSERT_GT(peak_frozen, 0.0);
   EXPECT_NEAR(streamed.weights - kept.weights, peak_frozen, 1e-9 * peak_frozen);
   EXPECT_DOUBLE_EQ(kept.gradients, streamed.gradients);
@@ -352,9 +364,12 @@ TEST(Partitioner, AFrozenBaseKeptOnTheDeviceCountsOnceAndIsNotFetched) {
     const Stage& st = plan->stages[i];
     ASSERT_EQ(kept_in.stages[i].fetches.size(), static_cast<size_t>(st.end - st.begin));
     for (int l = st.begin; l < st.end; ++l) {
-      const double trainable = static_cast<double>(spec.LayerWeightBytes(l, static_cast<int>(elem), 0));
-      EXPECT_DOUBLE_EQ(kept_in.stages[i].fetches[l - st.begin].bytes, trainable) << st.Describe() << " layer " << l;
-      EXPECT_GT(streamed_in.stages[i].fetches[l - st.begin].bytes, trainable) << st.Describe() << " layer " << l;
+      const double trainable =
+          static_cast<double>(spec.LayerWeightBytes(l, static_cast<int>(elem), 0));
+      EXPECT_DOUBLE_EQ(kept_in.stages[i].fetches[l - st.begin].bytes, trainable)
+          << st.Describe() << " layer " << l;
+      EXPECT_GT(streamed_in.stages[i].fetches[l - st.begin].bytes, trainable)
+          << st.Describe() << " layer " << l;
     }
   }
 }
@@ -378,7 +393,8 @@ TEST(Partitioner, KeepingTheFrozenBaseIsSuggestedWhereItFitsAndIsFaster) {
   ASSERT_TRUE(alt.has_value());
   EXPECT_LT(alt->step_seconds, 0.99 * current->step_seconds);
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
-  EXPECT_DOUBLE_EQ(alt->memory.frozen, static_cast<double>(spec.FrozenParams()) * ComputeElemBytes(c));
+  EXPECT_DOUBLE_EQ(alt->memory.frozen,
+                   static_cast<double>(spec.FrozenParams()) * ComputeElemBytes(c));
   // The same with the job's own plan, of stages small enough that keeping the whole base costs
   // memory over fetching each stage's share.
   JobConfig equal = c;
@@ -414,7 +430,8 @@ TEST(Partitioner, KeepingTheFrozenBaseIsSuggestedWhereItFitsAndIsFaster) {
 // recomputed in the backward), and the block being computed holds one tile's instead of the
 // microbatch's; nothing else of the estimate changes.
 TEST(Partitioner, MemoryEstimateOfTiledBlocksKeepsNoMlpIntermediates) {
-  JobConfig c = OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
+  JobConfig c =
+      OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
   c.data.seq_len = 4096;
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
@@ -449,7 +466,8 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
     EXPECT_TRUE(plan.ok() && costs.ok());
     return PredictPlan(t, *plan, *costs, 1).peak_memory_bytes;
   };
-  const double untiled = estimate(0), big = estimate(half), mid = estimate(half / 2), t512 = estimate(512);
+  const double untiled = estimate(0), big = estimate(half), mid = estimate(half / 2),
+               t512 = estimate(512);
   ASSERT_GT(untiled, big);
   ASSERT_GT(big, mid);
   ASSERT_GT(mid, t512);
@@ -472,7 +490,8 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
   EXPECT_EQ(resolve(c, (t512 + estimate(1024)) / 2).second.train.mlp_tile_tokens, 512);
   auto none = resolve(c, t512 * 0.999);
   ASSERT_FALSE(none.first.ok());
-  EXPECT_NE(none.first.message().find("train.mlp_tile_tokens = -1"), std::string::npos) << none.first.message();
+  EXPECT_NE(none.first.message().find("train.mlp_tile_tokens = -1"), std::string::npos)
+      << none.first.message();
   EXPECT_EQ(none.second.train.mlp_tile_tokens, kMlpTileAuto);
   // partition = "auto": the planner's search decides what fits, with the tile it gets; the tile
   // chosen fits and the next larger one (or untiled) does not.
@@ -496,10 +515,11 @@ TEST(Partitioner, AutoMlpTileIsTheLargestThatFits) {
     if (tile == 0) continue;
     ++tiled;
     // The bisection's answer is the first fit of a scan from untiled down: no larger tile fits.
-    for (int64_t t = tile * 2; ; t *= 2) {
+    for (int64_t t = tile * 2;; t *= 2) {
       JobConfig larger = r;
       larger.train.mlp_tile_tokens = t >= tokens ? 0 : t;
-      EXPECT_FALSE(ChoosePlan(larger, 1).ok()) << "a larger tile than " << tile << " fits " << limit << ": " << t;
+      EXPECT_FALSE(ChoosePlan(larger, 1).ok())
+          << "a larger tile than " << tile << " fits " << limit << ": " << t;
       if (t >= tokens) break;
     }
   }
@@ -554,7 +574,8 @@ TEST(Partitioner, KeptBlocksAreCountedAndChosenToFitTheBudget) {
     EXPECT_TRUE(plan->KeepsGraph(9) && plan->KeepsGraph(11));
     EXPECT_FALSE(plan->KeepsGraph(8) || plan->KeepsGraph(12));
     const Profile profile = DefaultCostModel(t);
-    EXPECT_LT(PredictPlan(t, *plan, profile, 1).step_seconds, PredictPlan(c, *BuildPlan(c), profile, 1).step_seconds);
+    EXPECT_LT(PredictPlan(t, *plan, profile, 1).step_seconds,
+              PredictPlan(c, *BuildPlan(c), profile, 1).step_seconds);
   }
   // -1: the most that fit the budget, found by bisection: between the estimates of k and k + 1
   // kept blocks it chooses k; with several workers none.
@@ -590,9 +611,12 @@ TEST(Partitioner, KeptBlocksNeverReachAMixtureOfExpertsBlock) {
     t.schedule.tail_blocks = tail;
     auto plan = BuildPlan(t);
     ASSERT_TRUE(plan.ok()) << tail;
-    for (int l = 1; l < plan->tail_start; ++l) EXPECT_FALSE(plan->KeepsGraph(l) && SparseBlock(t.model, l - 1)) << "tail " << tail << ", layer " << l;
+    for (int l = 1; l < plan->tail_start; ++l)
+      EXPECT_FALSE(plan->KeepsGraph(l) && SparseBlock(t.model, l - 1))
+          << "tail " << tail << ", layer " << l;
     // Layer 7 is the first dense block (block 6); a tail reaching below it keeps none.
-    EXPECT_EQ(plan->kept_start, std::min(plan->tail_start, std::max(7, plan->tail_start - 5))) << tail;
+    EXPECT_EQ(plan->kept_start, std::min(plan->tail_start, std::max(7, plan->tail_start - 5)))
+        << tail;
   }
 }
 
@@ -607,7 +631,8 @@ TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
   ASSERT_EQ(plan->stages[whole.stage].Describe(), "B[0,24)");
   // B[0,24) keeps 23 blocks' graphs (23 x per block) without it; with it 23 hidden-sized inputs and
   // one block's graph, less than the tail's one block plus the head's loss chunk, now the peak.
-  const double tokens = static_cast<double>(c.TokensPerMicrobatch()), H = static_cast<double>(c.model.hidden_size);
+  const double tokens = static_cast<double>(c.TokensPerMicrobatch()),
+               H = static_cast<double>(c.model.hidden_size);
   const double per_block = whole.activations / 23.0;
   EXPECT_EQ(plan->stages[one.stage].Describe(), "T[24,26)");
   EXPECT_GT(one.activations, 23.0 * tokens * H * 4.0 + per_block);
@@ -629,17 +654,19 @@ TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
 TEST(Partitioner, MeasuredSavedBytesGetTheWorkingSetOfTheBlockBeingComputed) {
   for (int64_t tile : {int64_t{0}, int64_t{1000}}) {
     JobConfig c = OneStageOfEachKind(24);  // B[0,24): 23 blocks, the peak
-    c.job.device = DeviceKind::kCuda;     // no explicit attention scores
+    c.job.device = DeviceKind::kCuda;      // no explicit attention scores
     c.data.seq_len = 4096;
     c.train.mlp_tile_tokens = tile;
     auto plan = BuildPlan(c);
     ASSERT_TRUE(plan.ok());
     const MemoryEstimate model = EstimateMemory(c, *plan, 1);
     ASSERT_EQ(plan->stages[model.stage].Describe(), "B[0,24)") << tile;
-    const double tokens = static_cast<double>(c.TokensPerMicrobatch()), H = static_cast<double>(c.model.hidden_size),
+    const double tokens = static_cast<double>(c.TokensPerMicrobatch()),
+                 H = static_cast<double>(c.model.hidden_size),
                  I = static_cast<double>(c.model.intermediate_size), elem = 4.0;
     const double kept = tokens * (7.5 * H + (tile > 0 ? 0.0 : 3.0 * I)) * elem;
-    const double working = (6.0 * tokens * H + 3.0 * (tile > 0 ? static_cast<double>(tile) : tokens) * I) * elem;
+    const double working =
+        (6.0 * tokens * H + 3.0 * (tile > 0 ? static_cast<double>(tile) : tokens) * I) * elem;
     EXPECT_NEAR(model.activations, 23.0 * kept + working, 1e-9 * model.activations) << tile;
     Profile measured = DefaultCostModel(c);
     measured.source = "measured";
@@ -677,7 +704,8 @@ TEST(Partitioner, MixedDenseAndSparseBlocksTakeTheLargerOfEachPart) {
   all_sparse.model.moe.sparse_step = 1;
   JobConfig all_sparse_tiled = all_sparse;
   all_sparse_tiled.train.mlp_tile_tokens = 512;
-  EXPECT_DOUBLE_EQ(EstimateMemory(all_sparse, *plan, 1).total, EstimateMemory(all_sparse_tiled, *plan, 1).total);
+  EXPECT_DOUBLE_EQ(EstimateMemory(all_sparse, *plan, 1).total,
+                   EstimateMemory(all_sparse_tiled, *plan, 1).total);
   EXPECT_GE(part.activations, EstimateMemory(all_sparse, *plan, 1).activations);
 }
 
@@ -722,12 +750,14 @@ TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOn
   ASSERT_TRUE(m.kept_apart);
   ASSERT_GT(m.held_with_kept, 0.0);
   EXPECT_LT(m.held_with_kept, m.held_gradients);
-  const double common = m.weights + m.next_weights + m.gradients + m.activations + m.resident + m.staging + m.frozen;
+  const double common =
+      m.weights + m.next_weights + m.gradients + m.activations + m.resident + m.staging + m.frozen;
   EXPECT_DOUBLE_EQ(m.total, common + std::max(m.kept + m.held_with_kept, m.held_gradients));
   EXPECT_DOUBLE_EQ(m.total + m.not_at_once, common + m.kept + m.held_gradients);
   // The simulator's gradients waiting for slots are the held ones again: counted once, the larger.
   const double simulated = 1.5 * m.held_gradients;
-  EXPECT_DOUBLE_EQ(PeakMemory(c, &m, simulated), common + std::max(m.kept + m.held_with_kept, simulated));
+  EXPECT_DOUBLE_EQ(PeakMemory(c, &m, simulated),
+                   common + std::max(m.kept + m.held_with_kept, simulated));
   EXPECT_DOUBLE_EQ(PeakMemory(c, &m, 0.5 * m.held_gradients), m.total);
 
   // Blocks 1..3 updated on the device: their state (12 bytes per parameter; their gradients are
@@ -746,7 +776,8 @@ TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOn
   EXPECT_DOUBLE_EQ(d.device_update_weights, covered * elem);
   EXPECT_DOUBLE_EQ(d.held_with_kept, m.held_with_kept);
   EXPECT_DOUBLE_EQ(d.covered_waiting, covered * 4.0);
-  const double forward_end = d.kept + d.held_with_kept + d.covered_waiting + d.device_update_weights;
+  const double forward_end =
+      d.kept + d.held_with_kept + d.covered_waiting + d.device_update_weights;
   // Here the forward's end is the peak, the previous step's covered gradients in it.
   ASSERT_GT(forward_end, d.held_gradients + d.device_update);
   EXPECT_DOUBLE_EQ(d.total, common + forward_end);
@@ -771,7 +802,8 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   // clipping they may be. B (with the embedding's gradient) is the worst stage here.
   JobConfig c = OneStageOfEachKind(6);
   c.train.accum_calls = 1;
-  c.data.seq_len = 4096;  // the blocks' activations (CPU attention scores among them) above the head's loss chunk
+  c.data.seq_len = 4096;  // the blocks' activations (CPU attention scores among them) above the
+                          // head's loss chunk
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->Describe(), "F[0,6) T[6,8) B[0,6)");
@@ -787,8 +819,8 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   ASSERT_GE(m.stage, 0);
   EXPECT_EQ(plan->stages[m.stage].Describe(), "B[0,6)");
   EXPECT_EQ(m.next_weights, 0.0);
-  EXPECT_NEAR(m.weights + m.next_weights + m.gradients + m.activations + m.resident + m.staging, clipped,
-              1e-9 * clipped);
+  EXPECT_NEAR(m.weights + m.next_weights + m.gradients + m.activations + m.resident + m.staging,
+              clipped, 1e-9 * clipped);
   EXPECT_EQ(plan->stages[u.stage].Describe(), "B[0,6)");
   EXPECT_GT(u.next_weights, 0.0);
   EXPECT_DOUBLE_EQ(u.total - m.total, u.next_weights);
@@ -816,11 +848,13 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   for (int l = 0; l < 6; ++l)
     for (const auto& use : spec.layer_uses[l])
       if (SinkableRole(use.role)) sinkable += static_cast<double>(spec.params[use.param].numel);
-  const MemoryEstimate fused = EstimateMemory(cuda, *plan, 1), plain = EstimateMemory(unfused, *plan, 1);
+  const MemoryEstimate fused = EstimateMemory(cuda, *plan, 1),
+                       plain = EstimateMemory(unfused, *plan, 1);
   ASSERT_EQ(plan->stages[fused.stage].Describe(), "B[0,6)");
   ASSERT_EQ(plan->stages[plain.stage].Describe(), "B[0,6)");
   EXPECT_GT(sinkable, 0.0);
-  EXPECT_DOUBLE_EQ(plain.gradients - fused.gradients, sinkable * (c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0));
+  EXPECT_DOUBLE_EQ(plain.gradients - fused.gradients,
+                   sinkable * (c.train.dtype == core::TrainDtype::kBf16 ? 2.0 : 4.0));
   // Three workers: every job's next job on its worker is the same stage of the next step, so
   // with clipping only F, which may run layer-major and then reserves its next job's weights,
   // is paired; B, the worst, is not.

@@ -81,7 +81,8 @@ class PeftTest : public ::testing::Test {
       values_.emplace_back(p.numel);
       for (auto& x : values_.back()) x = std::normal_distribution<float>()(rng);
     }
-    ASSERT_TRUE(ExportPeft(dir_, spec_, "/models/base", [&](int p) { return values_[p].data(); }).ok());
+    ASSERT_TRUE(
+        ExportPeft(dir_, spec_, "/models/base", [&](int p) { return values_[p].data(); }).ok());
   }
   void TearDown() override {
     std::error_code ec;
@@ -186,7 +187,8 @@ TEST_F(PeftTest, TensorMismatchesAreRefused) {
   ASSERT_TRUE(WriteSafetensors(path, rewrite(more)).ok());
   ExpectRefused("k_proj.lora_A.weight\" is not an adapter of this model");
   // Wrong shape (rank 3 tensors under a rank-2 config).
-  ASSERT_TRUE(WriteSafetensors(path, rewrite(BuildModelSpec(Small(), Lora(3, {"q_proj", "v_proj"})))).ok());
+  ASSERT_TRUE(
+      WriteSafetensors(path, rewrite(BuildModelSpec(Small(), Lora(3, {"q_proj", "v_proj"})))).ok());
   ExpectRefused("has shape [3, 64], this job's adapter needs [2, 64]");
   fs::remove(path);
   ExpectRefused("adapter_model.safetensors: no such file");

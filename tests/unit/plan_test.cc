@@ -85,8 +85,11 @@ TEST(Plan, RoundRobinDispatch) {
 
 TEST(Plan, StepJobOrderRunsEveryJobOnceAfterWhatItNeeds) {
   PipelinePlan plan;
-  plan.stages = {{StageKind::kForward, 0, 2}, {StageKind::kForward, 2, 4}, {StageKind::kFusedTail, 4, 6},
-                 {StageKind::kBackward, 2, 4}, {StageKind::kBackward, 0, 2}};
+  plan.stages = {{StageKind::kForward, 0, 2},
+                 {StageKind::kForward, 2, 4},
+                 {StageKind::kFusedTail, 4, 6},
+                 {StageKind::kBackward, 2, 4},
+                 {StageKind::kBackward, 0, 2}};
   const int S = static_cast<int>(plan.stages.size());
   for (bool interleave : {false, true})
     for (int K : {1, 2, 3, 4, 5}) {
@@ -94,7 +97,8 @@ TEST(Plan, StepJobOrderRunsEveryJobOnceAfterWhatItNeeds) {
       ASSERT_EQ(order.size(), static_cast<size_t>(K * S));
       std::map<std::pair<int, int>, int> pos;
       for (int i = 0; i < static_cast<int>(order.size()); ++i)
-        EXPECT_TRUE(pos.emplace(std::make_pair(order[i].call, order[i].stage), i).second) << "duplicate";
+        EXPECT_TRUE(pos.emplace(std::make_pair(order[i].call, order[i].stage), i).second)
+            << "duplicate";
       for (int c = 0; c < K; ++c)
         for (int s = 0; s < S; ++s) {
           const int at = pos.at({c, s});

@@ -28,8 +28,8 @@ TEST(Profile, BuilderTakesMediansAndFillsMissingPhases) {
   ProfileBuilder b(5);
   for (double s : {1.0, 9.0, 2.0}) {
     for (int l = 0; l < 4; ++l) {
-      b.AddLayer(l, 1, s, 100.0);      // recompute
-      b.AddLayer(l, 2, 2 * s, -1.0);   // backward
+      b.AddLayer(l, 1, s, 100.0);     // recompute
+      b.AddLayer(l, 2, 2 * s, -1.0);  // backward
     }
     for (int l = 0; l < 3; ++l) b.AddLayer(l, 0, 0.5 * s, -1.0);  // layer 3 is in the tail only
     b.AddLayer(4, 1, 3 * s, -1.0);  // the head: forward + loss + backward
@@ -73,13 +73,15 @@ TEST(Profile, CostModelCountsTheActiveExpertsOfSparseBlocks) {
   c.model.moe.dense_layers = {1};  // blocks 0 and 2 sparse (pipeline layers 1 and 3), block 1 dense
   const double flops_per_s = 1e9;
   const Profile p = CostModelProfile(c, flops_per_s, 5e9, 1e8);
-  const double H = static_cast<double>(c.model.hidden_size), I = static_cast<double>(c.model.intermediate_size);
+  const double H = static_cast<double>(c.model.hidden_size),
+               I = static_cast<double>(c.model.intermediate_size);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   const double sparse_mlp = H * 16 + 2 * 3 * H * 40, dense_mlp = 3 * H * I;
-  EXPECT_NEAR(p.layers[1].forward_s - p.layers[2].forward_s, 2.0 * tokens * (sparse_mlp - dense_mlp) / flops_per_s,
-              1e-12);
+  EXPECT_NEAR(p.layers[1].forward_s - p.layers[2].forward_s,
+              2.0 * tokens * (sparse_mlp - dense_mlp) / flops_per_s, 1e-12);
   EXPECT_DOUBLE_EQ(p.layers[1].forward_s, p.layers[3].forward_s);
-  EXPECT_NE(WorkloadKey(c), WorkloadKey(Small(3))) << "a profile of the dense model must not be taken for it";
+  EXPECT_NE(WorkloadKey(c), WorkloadKey(Small(3)))
+      << "a profile of the dense model must not be taken for it";
 }
 
 // A product with a weight costs twice its forward backwards; the attention core costs 2.5x on
@@ -95,8 +97,10 @@ TEST(Profile, CostModelChargesTheFusedAttentionBackwardItsRecomputedScores) {
   c.job.device = DeviceKind::kCuda;
   const Profile gpu = CostModelProfile(c, flops_per_s, 5e9, 1e8);
   EXPECT_DOUBLE_EQ(gpu.layers[1].forward_s, cpu.layers[1].forward_s);
-  EXPECT_NEAR(gpu.layers[1].backward_s, 2.0 * gpu.layers[1].forward_s + 0.5 * attention, 1e-9 * attention);
-  EXPECT_GT(attention, 0.1 * gpu.layers[1].forward_s) << "the attention core should matter at this length";
+  EXPECT_NEAR(gpu.layers[1].backward_s, 2.0 * gpu.layers[1].forward_s + 0.5 * attention,
+              1e-9 * attention);
+  EXPECT_GT(attention, 0.1 * gpu.layers[1].forward_s)
+      << "the attention core should matter at this length";
   // The head has no attention core.
   EXPECT_DOUBLE_EQ(gpu.layers[3].recompute_s, cpu.layers[3].recompute_s);
 }

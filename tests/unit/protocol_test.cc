@@ -17,16 +17,23 @@ TEST(Codec, RoundTripsEveryMessage) {
   JobFailed f{};
   f.job_index = 9;
   CopyText(f.message, "boom");
-  std::vector<Message> all = {Hello{2, 1000, 0xabcdef, -1, 0}, w,
+  std::vector<Message> all = {Hello{2, 1000, 0xabcdef, -1, 0},
+                              w,
                               RunJob{17, 3, 1, 4, 1, 5, 0.25, 3, 1, 0},
                               InputReady{17, 2, 1, kFromHostSlot, 0},
                               MicrobatchDone{17, 2, kMicrobatchLayerMajor, 1.5, 64, 10, 20},
-                              GradsReady{17}, CommitGrads{17, 1, 0}, JobDone{17, 1, 2, 3, 0.5, 4, 5}, f,
-                              Shutdown{0, 0}, Heartbeat{123},
+                              GradsReady{17},
+                              CommitGrads{17, 1, 0},
+                              JobDone{17, 1, 2, 3, 0.5, 4, 5},
+                              f,
+                              Shutdown{0, 0},
+                              Heartbeat{123},
                               LinkProbe{5e10, 4e10, 1 << 20},
                               LayerTime{17, 2, 5, 2, 0, 0.001, 4096},
-                              RunEval{40, 9, 10, 2, 0}, EvalDone{40, 123.5, 256, 5, 9},
-                              ActivationPool{1, 0, 1 << 30, {}}, StepUpdate{3, 4, 1e-5, 0.5f, 0}};
+                              RunEval{40, 9, 10, 2, 0},
+                              EvalDone{40, 123.5, 256, 5, 9},
+                              ActivationPool{1, 0, 1 << 30, {}},
+                              StepUpdate{3, 4, 1e-5, 0.5f, 0}};
   ASSERT_EQ(all.size(), static_cast<size_t>(kMaxMsgType - kMinMsgType + 1));
   for (const auto& m : all) {
     std::string frame = Encode(m);
@@ -71,7 +78,8 @@ TEST(Codec, RejectsMalformedFrames) {
   std::memset(w.segment_name, 'a', sizeof(w.segment_name));
   expect_bad(Encode(w), "NUL");
   expect_bad(Encode(LayerTime{1, 0, 3, 7, 0, 0.5, -1}), "phase 7");
-  expect_bad(Encode(MicrobatchDone{1, 0, kMicrobatchLayerMajor | 4u, 0.0, 0, 0, 0}), "unknown flags 5");
+  expect_bad(Encode(MicrobatchDone{1, 0, kMicrobatchLayerMajor | 4u, 0.0, 0, 0, 0}),
+             "unknown flags 5");
 }
 
 TEST(Codec, RandomBytesNeverCrash) {

@@ -24,9 +24,10 @@ namespace fs = std::filesystem;
 // A job that exercises what only resolution knows: config.json's architecture (a Llama with
 // llama3 RoPE), merged calls, a bench switch from the environment and the planner's choice.
 RunSpec Resolve(const std::string& dir) {
-  std::ofstream(dir + "/job.toml") << "[model]\npath = \"" << testing::SourceDir()
-                                   << "/tests/testdata/hf_fixtures/llama3\"\n[data]\nformat = \"random\"\nseq_len = 64\n"
-                                      "[train]\naccum_calls = 2\nmicrobatches = 3\n[schedule]\npartition = \"auto\"\n";
+  std::ofstream(dir + "/job.toml")
+      << "[model]\npath = \"" << testing::SourceDir()
+      << "/tests/testdata/hf_fixtures/llama3\"\n[data]\nformat = \"random\"\nseq_len = 64\n"
+         "[train]\naccum_calls = 2\nmicrobatches = 3\n[schedule]\npartition = \"auto\"\n";
   ::setenv("RP_LAYER_MAJOR_FORWARD", "never", 1);
   auto r = ResolveRun(dir + "/job.toml", {"optimizer.lr=1e-3"}, 2);
   ::unsetenv("RP_LAYER_MAJOR_FORWARD");
@@ -71,15 +72,17 @@ TEST(RunSpec, TheJobTomlOfEveryShippedJobResolvesToTheSameRun) {
     std::ofstream out(dir + "/epochs.toml");
     for (std::string line; std::getline(in, line);) {
       if (line.rfind("steps", 0) == 0 || line.rfind("warmup_steps", 0) == 0) continue;
-      if (line.rfind("path", 0) == 0) line = "path = \"" + testing::SourceDir() + "/data/tiny_corpus.txt\"";
+      if (line.rfind("path", 0) == 0)
+        line = "path = \"" + testing::SourceDir() + "/data/tiny_corpus.txt\"";
       out << line << "\n";
     }
   }
   cases.push_back({dir + "/epochs.toml", {"train.epochs=0.5", "optimizer.warmup_ratio=0.2"}});
   cases.push_back({dir + "/llama.toml", {}});
-  std::ofstream(dir + "/llama.toml") << "[model]\npath = \"" << testing::SourceDir()
-                                     << "/tests/testdata/hf_fixtures/llama3\"\n[data]\nformat = \"random\"\n"
-                                        "seq_len = 64\n[job]\noutput_dir = \"out\"\n";
+  std::ofstream(dir + "/llama.toml")
+      << "[model]\npath = \"" << testing::SourceDir()
+      << "/tests/testdata/hf_fixtures/llama3\"\n[data]\nformat = \"random\"\n"
+         "seq_len = 64\n[job]\noutput_dir = \"out\"\n";
   for (const auto& [path, overrides] : cases) {
     SCOPED_TRACE(path);
     auto run = ResolveRun(path, overrides, 2);
@@ -118,21 +121,24 @@ TEST(RunSpec, TheRunRecordHoldsWhatDecidesTheTrainingAndNothingElse) {
   };
   const RunRecord base = record("");
   EXPECT_EQ(base.at("optimizer.lr"), "0.003");  // the shortest decimal, not 17 digits
-  for (const char* other : {"optimizer.lr=0.001", "train.seed=7", "data.seq_len=32", "optimizer.mode=\"stale1\"",
-                            "lora.rank=4", "train.grad_clip=0.5", "model.intermediate_size=256", "data.shuffle=false",
-                            "optimizer.warmup_steps=3", "train.microbatches=2", "train.dtype=\"bf16\""}) {
+  for (const char* other :
+       {"optimizer.lr=0.001", "train.seed=7", "data.seq_len=32", "optimizer.mode=\"stale1\"",
+        "lora.rank=4", "train.grad_clip=0.5", "model.intermediate_size=256", "data.shuffle=false",
+        "optimizer.warmup_steps=3", "train.microbatches=2", "train.dtype=\"bf16\""}) {
     const auto d = RunDifferences(base, record(other));
     ASSERT_EQ(d.size(), 1u) << other;
     const std::string key = std::string(other).substr(0, std::string(other).find('='));
     EXPECT_EQ(d[0].rfind(key + " ", 0), 0u) << d[0];
   }
-  for (const char* same : {"train.steps=20", "train.stop_after=3", "train.eval_every=5", "checkpoint.every=2",
-                           "job.output_dir=\"elsewhere\"", "schedule.forward_stages=2",
-                           "optimizer.speculative_update=false", "train.loss_chunk_tokens=16",
-                           "metrics.tensorboard=false", "job.worker_timeout_s=9", "optimizer.state=\"sharded\""})
+  for (const char* same :
+       {"train.steps=20", "train.stop_after=3", "train.eval_every=5", "checkpoint.every=2",
+        "job.output_dir=\"elsewhere\"", "schedule.forward_stages=2",
+        "optimizer.speculative_update=false", "train.loss_chunk_tokens=16",
+        "metrics.tensorboard=false", "job.worker_timeout_s=9", "optimizer.state=\"sharded\""})
     EXPECT_EQ(RunDifferences(base, record(same)), std::vector<std::string>{}) << same;
-  EXPECT_EQ(RunDifferences({{"a.b", "1"}}, {{"a.c", "2"}}),
-            (std::vector<std::string>{"a.b 1 there, (not set) here", "a.c (not set) there, 2 here"}));
+  EXPECT_EQ(
+      RunDifferences({{"a.b", "1"}}, {{"a.c", "2"}}),
+      (std::vector<std::string>{"a.b 1 there, (not set) here", "a.c (not set) there, 2 here"}));
   fs::remove_all(dir);
 }
 
@@ -168,7 +174,8 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   ASSERT_TRUE(WriteRunSpec(dir + "/two.json", run).ok());
   EXPECT_TRUE(ReadRunSpecFor(dir + "/two.json", 2).ok());
   auto other = ReadRunSpecFor(dir + "/two.json", 3);
-  EXPECT_NE(other.status().message().find("resolved for 2 workers, this run has 3"), std::string::npos);
+  EXPECT_NE(other.status().message().find("resolved for 2 workers, this run has 3"),
+            std::string::npos);
   fs::remove_all(dir);
 }
 

@@ -31,7 +31,8 @@ void Spit(const std::string& path, const std::string& bytes) {
 }
 
 // A file made of an explicit header text and `data_bytes` zero bytes of data.
-std::string FileWith(const std::string& header, size_t data_bytes, uint64_t announced = UINT64_MAX) {
+std::string FileWith(const std::string& header, size_t data_bytes,
+                     uint64_t announced = UINT64_MAX) {
   std::string out(8, '\0');
   const uint64_t n = announced == UINT64_MAX ? header.size() : announced;
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
@@ -93,11 +94,12 @@ TEST_F(SafetensorsTest, LargeTensorsReadTheSameOnEveryCore) {
   for (auto& x : floats) x = std::normal_distribution<float>()(rng);
   const int64_t piece = 1000;
   const std::string path = dir_ + "/large.safetensors";
-  ASSERT_TRUE(WriteSafetensors(path, {{"bf16", "BF16", {n}, halves.data(), static_cast<uint64_t>(n) * 2},
-                                      {"f16", "F16", {n}, halves.data(), static_cast<uint64_t>(n) * 2},
-                                      {"f16_tail", "F16", {piece}, halves.data() + n - piece, piece * 2},
-                                      {"f32", "F32", {n}, floats.data(), static_cast<uint64_t>(n) * 4}})
-                  .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(path, {{"bf16", "BF16", {n}, halves.data(), static_cast<uint64_t>(n) * 2},
+                              {"f16", "F16", {n}, halves.data(), static_cast<uint64_t>(n) * 2},
+                              {"f16_tail", "F16", {piece}, halves.data() + n - piece, piece * 2},
+                              {"f32", "F32", {n}, floats.data(), static_cast<uint64_t>(n) * 4}})
+          .ok());
   auto f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().message();
   std::vector<float> out(n);
@@ -123,10 +125,11 @@ TEST_F(SafetensorsTest, WriteThenReadRoundTripsBitForBit) {
   for (auto& x : h) x = static_cast<uint16_t>(rng());
   std::vector<int64_t> ids = {1, 2, 3};
   const std::string path = dir_ + "/rt.safetensors";
-  ASSERT_TRUE(WriteSafetensors(path, {{"model.layers.0.w", "F32", {37}, w.data(), w.size() * 4},
-                                      {"model.norm.weight", "BF16", {2, 5}, h.data(), h.size() * 2},
-                                      {"ids", "I64", {3}, ids.data(), 24},
-                                      {"empty", "F32", {0, 4}, nullptr, 0}},
+  ASSERT_TRUE(WriteSafetensors(path,
+                               {{"model.layers.0.w", "F32", {37}, w.data(), w.size() * 4},
+                                {"model.norm.weight", "BF16", {2, 5}, h.data(), h.size() * 2},
+                                {"ids", "I64", {3}, ids.data(), 24},
+                                {"empty", "F32", {0, 4}, nullptr, 0}},
                                {{"format", "pt"}})
                   .ok());
   auto f = SafetensorsFile::Open(path);
@@ -159,16 +162,28 @@ TEST_F(SafetensorsTest, RejectsEveryMalformedClassNamingFileAndProblem) {
       {"huge_header", FileWith("{}", 0, uint64_t{1} << 40), "exceeds the 100 MiB limit"},
       {"not_json", FileWith("{\"t\":", 0), "not valid JSON"},
       {"not_object", FileWith("[1,2]", 0), "not a JSON object"},
-      {"bad_dtype", FileWith(R"({"t":{"dtype":"F7","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype"},
-      {"size_mismatch", FileWith(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "span 8"},
-      {"out_of_range", FileWith(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4), "outside the 4-byte data region"},
+      {"bad_dtype", FileWith(R"({"t":{"dtype":"F7","shape":[2],"data_offsets":[0,8]}})", 8),
+       "unknown dtype"},
+      {"size_mismatch", FileWith(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+       "span 8"},
+      {"out_of_range", FileWith(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4),
+       "outside the 4-byte data region"},
       {"truncated_data", FileWith("{" + ok_entry + "}", 7), "outside"},
-      {"overlap", FileWith(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "overlaps"},
-      {"hole", FileWith(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "belong to no tensor"},
+      {"overlap",
+       FileWith(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+           8),
+       "overlaps"},
+      {"hole", FileWith(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+       "belong to no tensor"},
       {"trailing", FileWith("{" + ok_entry + "}", 12), "trailing bytes"},
-      {"negative_dim", FileWith(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "negative"},
-      {"reversed", FileWith(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", 8), "outside"},
-      {"overflow", FileWith(R"({"t":{"dtype":"F64","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8), "overflows"},
+      {"negative_dim", FileWith(R"({"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8),
+       "negative"},
+      {"reversed", FileWith(R"({"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", 8),
+       "outside"},
+      {"overflow",
+       FileWith(R"({"t":{"dtype":"F64","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8),
+       "overflows"},
       {"bad_metadata", FileWith(R"({"__metadata__":{"k":1}})", 0), "__metadata__"},
   };
   for (const auto& c : cases) {
@@ -176,8 +191,10 @@ TEST_F(SafetensorsTest, RejectsEveryMalformedClassNamingFileAndProblem) {
     Spit(path, c.bytes);
     auto f = SafetensorsFile::Open(path);
     ASSERT_FALSE(f.ok()) << c.name << " was accepted";
-    EXPECT_NE(f.status().message().find(path), std::string::npos) << c.name << ": " << f.status().message();
-    EXPECT_NE(f.status().message().find(c.expect), std::string::npos) << c.name << ": " << f.status().message();
+    EXPECT_NE(f.status().message().find(path), std::string::npos)
+        << c.name << ": " << f.status().message();
+    EXPECT_NE(f.status().message().find(c.expect), std::string::npos)
+        << c.name << ": " << f.status().message();
   }
 }
 
@@ -188,7 +205,9 @@ TEST_F(SafetensorsTest, FuzzedFilesAreRejectedOrReadSafely) {
   std::vector<float> w(24, 1.5f);
   std::vector<uint16_t> h(6, 0x3f80);
   const std::string seed_path = dir_ + "/seed.safetensors";
-  ASSERT_TRUE(WriteSafetensors(seed_path, {{"a", "F32", {4, 6}, w.data(), 96}, {"b", "BF16", {6}, h.data(), 12}}).ok());
+  ASSERT_TRUE(WriteSafetensors(
+                  seed_path, {{"a", "F32", {4, 6}, w.data(), 96}, {"b", "BF16", {6}, h.data(), 12}})
+                  .ok());
   const std::string seed = Slurp(seed_path);
   std::mt19937 rng(1234);
   int accepted = 0;
@@ -197,9 +216,11 @@ TEST_F(SafetensorsTest, FuzzedFilesAreRejectedOrReadSafely) {
     std::string bytes = seed;
     const int kind = static_cast<int>(rng() % 4);
     if (kind == 0) {
-      for (int k = 0; k < 1 + static_cast<int>(rng() % 4); ++k) bytes[rng() % bytes.size()] = static_cast<char>(rng());
+      for (int k = 0; k < 1 + static_cast<int>(rng() % 4); ++k)
+        bytes[rng() % bytes.size()] = static_cast<char>(rng());
     } else if (kind == 1) {
-      const uint64_t n = rng() % 2 ? rng() % (bytes.size() + 16) : (static_cast<uint64_t>(rng()) << 32 | rng());
+      const uint64_t n =
+          rng() % 2 ? rng() % (bytes.size() + 16) : (static_cast<uint64_t>(rng()) << 32 | rng());
       for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
     } else if (kind == 2) {
       bytes.resize(rng() % bytes.size());
@@ -217,14 +238,14 @@ TEST_F(SafetensorsTest, FuzzedFilesAreRejectedOrReadSafely) {
     for (const auto& t : f->tensors()) {
       ASSERT_LE(t.end, bytes.size());
       uint8_t sum = 0;
-      for (uint64_t i = t.begin; i < t.end; ++i) sum = static_cast<uint8_t>(sum ^ f->Data(t)[i - t.begin]);
+      for (uint64_t i = t.begin; i < t.end; ++i)
+        sum = static_cast<uint8_t>(sum ^ f->Data(t)[i - t.begin]);
       checksum += sum;
     }
   }
   std::printf("fuzz: 3000 mutated files, %d accepted (valid after mutation), checksum %llu\n",
               accepted, static_cast<unsigned long long>(checksum));
 }
-
 
 // The mapping underneath every reader: a regular file maps whole (an empty one to nothing); a FIFO
 // or a directory in a file's place is refused at once instead of blocking or failing later, and a
@@ -244,7 +265,8 @@ TEST(MappedFile, MapsRegularFilesAndRefusesEverythingElse) {
   EXPECT_EQ(empty->size(), 0u);
   ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
   auto fifo = MappedFile::Open(dir + "/fifo", "probe");
-  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos) << fifo.status().message();
+  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos)
+      << fifo.status().message();
   auto st = SafetensorsFile::Open(dir + "/fifo");
   EXPECT_NE(st.status().message().find("fifo"), std::string::npos);
   EXPECT_FALSE(MappedFile::Open(dir, "probe").ok());

@@ -39,8 +39,12 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
   auto layout = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(layout.ok()) << layout.status().message();
   const ArenaLayout& a = *layout;
-  EXPECT_EQ(a.masters_in_state, GetParam() == core::WeightsSource::kAuto);  // exact mode: the masters
-  struct Range { uint64_t begin, end; std::string what; };
+  EXPECT_EQ(a.masters_in_state,
+            GetParam() == core::WeightsSource::kAuto);  // exact mode: the masters
+  struct Range {
+    uint64_t begin, end;
+    std::string what;
+  };
   std::vector<Range> ranges, optim;
   for (size_t p = 0; p < spec.params.size(); ++p) {
     const uint64_t n = spec.params[p].numel;
@@ -56,20 +60,25 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
     EXPECT_EQ(a.compute[p] % 256, 0u);
     EXPECT_EQ(a.master[p] % 256, 0u);
   }
-  ranges.push_back({a.layer_versions, a.layer_versions + 8 * static_cast<uint64_t>(plan->num_layers), "versions"});
+  ranges.push_back({a.layer_versions,
+                    a.layer_versions + 8 * static_cast<uint64_t>(plan->num_layers), "versions"});
   ranges.push_back({a.lookup_version, a.lookup_version + 8, "lookup version"});
   ranges.push_back({a.grad_table, a.grad_table + 8 * spec.grad_slots.size(), "grad table"});
   ranges.push_back({a.grad_arena, a.grad_arena + a.grad_arena_bytes, "grad arena"});
   for (int par = 0; par < a.parities; ++par)
     for (int mb = 0; mb < a.microbatches; ++mb) {
-      ranges.push_back({a.TokenSlot(par, mb), a.TokenSlot(par, mb) + a.tokens_per_mb * 8, "tokens"});
-      ranges.push_back({a.LabelSlot(par, mb), a.LabelSlot(par, mb) + a.tokens_per_mb * 8, "labels"});
+      ranges.push_back(
+          {a.TokenSlot(par, mb), a.TokenSlot(par, mb) + a.tokens_per_mb * 8, "tokens"});
+      ranges.push_back(
+          {a.LabelSlot(par, mb), a.LabelSlot(par, mb) + a.tokens_per_mb * 8, "labels"});
       for (int h = 0; h < a.num_hidden; ++h) {
         EXPECT_EQ(a.HiddenSlot(par, mb, h) % kArenaAlign, 0u);
-        ranges.push_back({a.HiddenSlot(par, mb, h), a.HiddenSlot(par, mb, h) + a.act_elems * 2, "hidden"});
+        ranges.push_back(
+            {a.HiddenSlot(par, mb, h), a.HiddenSlot(par, mb, h) + a.act_elems * 2, "hidden"});
       }
       for (int h = 0; h < a.grad_slots_per_mb; ++h)
-        ranges.push_back({a.InputGradSlot(par, mb, h), a.InputGradSlot(par, mb, h) + a.act_elems * 2, "igrad"});
+        ranges.push_back(
+            {a.InputGradSlot(par, mb, h), a.InputGradSlot(par, mb, h) + a.act_elems * 2, "igrad"});
     }
   auto check = [](std::vector<Range> r, uint64_t first, uint64_t total) {
     std::sort(r.begin(), r.end(), [](auto& x, auto& y) { return x.begin < y.begin; });
@@ -85,7 +94,8 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sources, LayoutBySource,
-                         ::testing::Values(core::WeightsSource::kComputeCopy, core::WeightsSource::kAuto));
+                         ::testing::Values(core::WeightsSource::kComputeCopy,
+                                           core::WeightsSource::kAuto));
 
 // Workers fetching the fp32 masters: the bf16 compute copy (2 bytes per parameter) is gone from
 // host memory, the masters moved from the optimizer segment into the one workers map. stale1
@@ -112,8 +122,10 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   const double saved = static_cast<double>(copy->total_bytes + copy->optim_total_bytes) -
                        static_cast<double>(masters->total_bytes + masters->optim_total_bytes);
   EXPECT_NEAR(saved / params, 2.0, 0.1);  // the bf16 copy, give or take alignment
-  EXPECT_GE(masters->compute_end - masters->compute_begin, 4 * static_cast<uint64_t>(spec.TrainableParams()));
-  EXPECT_LT(masters->compute_end - masters->compute_begin, 2 * (copy->compute_end - copy->compute_begin));
+  EXPECT_GE(masters->compute_end - masters->compute_begin,
+            4 * static_cast<uint64_t>(spec.TrainableParams()));
+  EXPECT_LT(masters->compute_end - masters->compute_begin,
+            2 * (copy->compute_end - copy->compute_begin));
 
   cfg.optimizer.mode = core::OptimizerMode::kStale1;
   auto stale = ComputeLayout(cfg, spec, *core::MakePlan(cfg));
@@ -130,7 +142,8 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   EXPECT_TRUE(speculative->masters_in_state);
   EXPECT_EQ(speculative->compute_buffers, 2);
   EXPECT_NE(speculative->hash, masters->hash);
-  const double more = static_cast<double>(speculative->total_bytes) - static_cast<double>(masters->total_bytes);
+  const double more =
+      static_cast<double>(speculative->total_bytes) - static_cast<double>(masters->total_bytes);
   EXPECT_NEAR(more / params, 4.0, 0.1);
   EXPECT_EQ(speculative->ComputeCopy(0, 1) - speculative->ComputeCopy(0, 0),
             speculative->compute_end - speculative->compute_begin);
@@ -235,7 +248,8 @@ TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (int p = 0; p < pools->parities; ++p)
     for (int m = 0; m < pools->microbatches; ++m) {
-      for (int i = 0; i < pools->num_hidden; ++i) ranges.emplace_back(pools->PoolHiddenSlot(p, m, i), pools->act_slot_bytes);
+      for (int i = 0; i < pools->num_hidden; ++i)
+        ranges.emplace_back(pools->PoolHiddenSlot(p, m, i), pools->act_slot_bytes);
       for (int i = 0; i < pools->grad_slots_per_mb; ++i)
         ranges.emplace_back(pools->PoolInputGradSlot(p, m, i), pools->act_slot_bytes);
     }
@@ -271,7 +285,8 @@ TEST(Segment, CreateOpenValidateAndUnlink) {
     ASSERT_TRUE(seg.ok()) << seg.status().ToString();
     EXPECT_TRUE(InDevShm(name));
     auto mode = std::filesystem::status("/dev/shm/" + name).permissions();
-    EXPECT_EQ(mode & std::filesystem::perms::all, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+    EXPECT_EQ(mode & std::filesystem::perms::all,
+              std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
     // Second create of the same name fails instead of sharing a stale segment.
     EXPECT_FALSE(Segment::Create(name, 1 << 16).ok());
     // An uninitialized header is rejected.

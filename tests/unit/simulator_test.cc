@@ -57,14 +57,16 @@ TEST(Simulator, CostModelWeighsBackwardThreeTimes) {
   auto plan = MakePlan(c);
   ASSERT_TRUE(plan.ok());
   // At 1 FLOP/s with free links the stages' compute seconds are their FLOPs.
-  auto in = BuildSimInput(c, BuildModelSpec(c.model), *plan, CostModelProfile(c, 1.0, 0.0, 0.0), 1, 1);
+  auto in =
+      BuildSimInput(c, BuildModelSpec(c.model), *plan, CostModelProfile(c, 1.0, 0.0, 0.0), 1, 1);
   std::vector<double> f;
   for (const auto& st : in.stages) f.push_back(st.compute_s);
   ASSERT_EQ(f.size(), 3u);  // F[0,5) T[5,6) B[0,5)
   EXPECT_NEAR(f[2], 3.0 * f[0], 1e-6 * f[2]);
   EXPECT_GT(f[1], 0.0);
   c.job.device = DeviceKind::kCuda;
-  auto gpu = BuildSimInput(c, BuildModelSpec(c.model), *plan, CostModelProfile(c, 1.0, 0.0, 0.0), 1, 1);
+  auto gpu =
+      BuildSimInput(c, BuildModelSpec(c.model), *plan, CostModelProfile(c, 1.0, 0.0, 0.0), 1, 1);
   EXPECT_DOUBLE_EQ(gpu.stages[0].compute_s, f[0]);
   EXPECT_GT(gpu.stages[2].compute_s, 3.0 * f[0] * (1.0 + 1e-6));
 }
@@ -154,8 +156,10 @@ TEST(Simulator, ShardedStateGathersEachUpdateBeforeItsNextFetch) {
   EXPECT_DOUBLE_EQ(gathered.step_done[0], plain.step_done[0]);
   EXPECT_GT(gathered.step_done[1], plain.step_done[1]);
   // Sharded jobs: one node's share of each update (half of it on 2 nodes), and the gathers.
-  auto cfg = ParseJobConfig("[train]\nmicrobatches = 6\naccum_calls = 1\n[job]\ndevice = \"cpu\"\n[data]\nformat = "
-                            "\"random\"\n[optimizer]\nstate = \"sharded\"\n", "/tmp", {});
+  auto cfg = ParseJobConfig(
+      "[train]\nmicrobatches = 6\naccum_calls = 1\n[job]\ndevice = \"cpu\"\n[data]\nformat = "
+      "\"random\"\n[optimizer]\nstate = \"sharded\"\n",
+      "/tmp", {});
   ASSERT_TRUE(cfg.ok()) << cfg.status().message();
   JobConfig c = *cfg;
   c.nodes.count = 2;
@@ -179,7 +183,10 @@ TEST(Simulator, ShardedStateGathersEachUpdateBeforeItsNextFetch) {
 TEST(Simulator, SeveralNodesPlanOneNodesShareOfTheStep) {
   // rp-plan --nnodes: each node runs M / N microbatches per round, so with the FLOP cost model
   // the predicted step falls with the node count (a little less than 1/N: the sums, the fill).
-  auto cfg = ParseJobConfig("[train]\nmicrobatches = 6\naccum_calls = 1\n[job]\ndevice = \"cpu\"\n[data]\nformat = \"random\"\n", "/tmp", {});
+  auto cfg = ParseJobConfig(
+      "[train]\nmicrobatches = 6\naccum_calls = 1\n[job]\ndevice = \"cpu\"\n[data]\nformat = "
+      "\"random\"\n",
+      "/tmp", {});
   ASSERT_TRUE(cfg.ok()) << cfg.status().message();
   std::vector<double> steps;
   for (int nodes : {1, 2, 3}) {
@@ -534,8 +541,10 @@ TEST(Simulator, InterleavedCallsKeepUpWithTheOptimizer) {
   // jobs: 19. Interleaved: F_a of both calls 10-12, F_b of both 12-14, then the four backward
   // jobs: 18.
   PipelinePlan plan;
-  plan.stages = {{StageKind::kForward, 0, 1}, {StageKind::kForward, 1, 2},
-                 {StageKind::kBackward, 1, 2}, {StageKind::kBackward, 0, 1}};
+  plan.stages = {{StageKind::kForward, 0, 1},
+                 {StageKind::kForward, 1, 2},
+                 {StageKind::kBackward, 1, 2},
+                 {StageKind::kBackward, 0, 1}};
   SimInput in;
   SimStage fa, fb, bb, ba;
   fa.compute_s = fb.compute_s = bb.compute_s = ba.compute_s = 1.0;

@@ -23,7 +23,8 @@ namespace fs = std::filesystem;
 std::vector<std::string> EventFiles(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().filename().string().find("tfevents") != std::string::npos) out.push_back(e.path().string());
+    if (e.path().filename().string().find("tfevents") != std::string::npos)
+      out.push_back(e.path().string());
   return out;
 }
 
@@ -33,18 +34,12 @@ void WriteLines(const std::string& path, const std::vector<nlohmann::json>& line
 }
 
 nlohmann::json Line(int64_t step) {
-  nlohmann::json j = {{"step", step},
-                      {"loss", 5.0 - 0.1 * step},
-                      {"lr", 3e-4 * step},
-                      {"grad_norm", 1.25 + step},
-                      {"tokens", 512},
-                      {"step_time_s", 0.5},
-                      {"tokens_per_s", 1024.0},
-                      {"bubble_ratio", 0.125},
-                      {"h2d_bytes", 1000},
-                      {"h2d_gb_per_s", 2e-6},
-                      {"host_gib", 0.75},
-                      {"time", 1.7e9 + step + 0.25},
+  nlohmann::json j = {{"step", step},           {"loss", 5.0 - 0.1 * step},
+                      {"lr", 3e-4 * step},      {"grad_norm", 1.25 + step},
+                      {"tokens", 512},          {"step_time_s", 0.5},
+                      {"tokens_per_s", 1024.0}, {"bubble_ratio", 0.125},
+                      {"h2d_bytes", 1000},      {"h2d_gb_per_s", 2e-6},
+                      {"host_gib", 0.75},       {"time", 1.7e9 + step + 0.25},
                       {"elapsed_s", 0.5 * step}};
   if (step % 2 == 0) j["eval_loss"] = 4.5 - 0.01 * step;
   return j;
@@ -62,8 +57,11 @@ TEST(TensorBoardTest, Crc32cMatchesTheRfc3720TestVectors) {
     const void* data;
     size_t bytes;
     uint32_t crc;
-  } cases[] = {{zeros.data(), 32, 0x8a9136aa}, {ones.data(), 32, 0x62a8ab43}, {up.data(), 32, 0x46dd794e},
-               {down.data(), 32, 0x113fdb5c}, {digits.data(), 9, 0xe3069283}};
+  } cases[] = {{zeros.data(), 32, 0x8a9136aa},
+               {ones.data(), 32, 0x62a8ab43},
+               {up.data(), 32, 0x46dd794e},
+               {down.data(), 32, 0x113fdb5c},
+               {digits.data(), 9, 0xe3069283}};
   for (const auto& c : cases) {
     EXPECT_EQ(core::Crc32c(c.data, c.bytes), c.crc);
     EXPECT_EQ(testing::ReferenceCrc32c(c.data, c.bytes), c.crc);
@@ -98,7 +96,8 @@ TEST(TensorBoardTest, EveryScalarOfEveryLineReadsBackWithItsStepAndTime) {
   std::vector<nlohmann::json> other = lines;
   other[1]["loss"] = 9.0;
   WriteLines(dir + "/other.jsonl", other);
-  EXPECT_NE(testing::EventsMatchMetrics(dir + "/tb", dir + "/other.jsonl").find("line 2"), std::string::npos);
+  EXPECT_NE(testing::EventsMatchMetrics(dir + "/tb", dir + "/other.jsonl").find("line 2"),
+            std::string::npos);
   fs::remove_all(dir);
 }
 
@@ -117,7 +116,8 @@ TEST(TensorBoardTest, AFlippedByteIsReportedAsABadCrc) {
   ASSERT_EQ(read.error, "");
   ASSERT_EQ(read.events.size(), 3u);
   // Record 2 starts after record 1 (12 header bytes, its data, 4 CRC bytes).
-  const size_t first_len = static_cast<uint8_t>(clean[0]) | (static_cast<size_t>(static_cast<uint8_t>(clean[1])) << 8);
+  const size_t first_len =
+      static_cast<uint8_t>(clean[0]) | (static_cast<size_t>(static_cast<uint8_t>(clean[1])) << 8);
   const size_t second = 12 + first_len + 4;
   std::string data_flip = clean;
   data_flip[second + 12 + 5] ^= 0x10;
@@ -184,7 +184,8 @@ TEST(TensorBoardTest, TheReaderReadsAFileWrittenByTensorBoardItself) {
     uint64_t len = 0;
     for (int i = 7; i >= 0; --i) len = (len << 8) | static_cast<uint8_t>(bytes[at + i]);
     uint32_t stored = 0;
-    for (int i = 3; i >= 0; --i) stored = (stored << 8) | static_cast<uint8_t>(bytes[at + 12 + len + i]);
+    for (int i = 3; i >= 0; --i)
+      stored = (stored << 8) | static_cast<uint8_t>(bytes[at + 12 + len + i]);
     EXPECT_EQ(core::MaskedCrc32c(bytes.data() + at + 12, len), stored);
     at += 12 + len + 4;
   }

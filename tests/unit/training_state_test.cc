@@ -56,13 +56,16 @@ TEST_F(TrainingStateTest, AFlippedByteOrExtraBytesAreRefusedNamingTheSection) {
   std::memcpy(&len, bytes.data() + 8, 8);
   const auto header = nlohmann::json::parse(bytes.substr(16, len));
   for (const auto& s : header["sections"]) {
-    for (const uint64_t at : {uint64_t{0}, s["bytes"].get<uint64_t>() / 2, s["bytes"].get<uint64_t>() - 1}) {
+    for (const uint64_t at :
+         {uint64_t{0}, s["bytes"].get<uint64_t>() / 2, s["bytes"].get<uint64_t>() - 1}) {
       std::string damaged = bytes;
       damaged[s["offset"].get<uint64_t>() + at] ^= 0x10;
       std::ofstream(path, std::ios::binary | std::ios::trunc) << damaged;
       const Status st = Read(path);
-      EXPECT_NE(st.message().find("section \"" + s["name"].get<std::string>() + "\" do not match their checksum"),
-                std::string::npos) << st.message();
+      EXPECT_NE(st.message().find("section \"" + s["name"].get<std::string>() +
+                                  "\" do not match their checksum"),
+                std::string::npos)
+          << st.message();
     }
   }
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes << "extra";
@@ -76,7 +79,8 @@ TEST_F(TrainingStateTest, AFlippedByteOrExtraBytesAreRefusedNamingTheSection) {
 // start after it, so every byte of both reads back.
 TEST_F(TrainingStateTest, AHeaderLongerThanAPageIsNotOverwrittenByTheSections) {
   core::RunRecord run;
-  for (int i = 0; i < 400; ++i) run["key." + std::to_string(i)] = std::string(60, static_cast<char>('a' + i % 26));
+  for (int i = 0; i < 400; ++i)
+    run["key." + std::to_string(i)] = std::string(60, static_cast<char>('a' + i % 26));
   ASSERT_TRUE(WriteTrainingState(dir_, 2, 77, false, run, Sections(optim_, compute_), 2).ok());
   const std::string path = dir_ + "/step-00000002.rpstate";
   auto file = FindLatestTrainingState(dir_);
@@ -100,21 +104,25 @@ TEST_F(TrainingStateTest, ExtentsInAnyOrderMakeTheSameFileAndReportEachGroupOnce
   // Copies of the state as the sources: group g's bytes are scribbled over once reported.
   std::vector<uint8_t> optim = optim_, compute = compute_;
   const std::vector<SectionShape> shapes = {{"optim", optim.size()}, {"compute", compute.size()}};
-  std::vector<SourcedExtent> extents = {
-      {1, 0, 1000, compute.data(), 0},               {0, 200000, 100000, optim.data() + 200000, 1},
-      {0, 0, 70000, optim.data(), -1},               {0, 70000, 130000, optim.data() + 70000, 1}};
+  std::vector<SourcedExtent> extents = {{1, 0, 1000, compute.data(), 0},
+                                        {0, 200000, 100000, optim.data() + 200000, 1},
+                                        {0, 0, 70000, optim.data(), -1},
+                                        {0, 70000, 130000, optim.data() + 70000, 1}};
   std::vector<int> reported;
   auto scribble = [&](int group) {
     reported.push_back(group);
     for (const auto& e : extents)
       if (e.group == group) std::memset(const_cast<uint8_t*>(e.src), 0xAB, e.bytes);
   };
-  ASSERT_TRUE(WriteTrainingStateExtents(dir_, 2, 77, false, {}, shapes, extents, 2, 3, nullptr, {}, scribble).ok());
+  ASSERT_TRUE(WriteTrainingStateExtents(dir_, 2, 77, false, {}, shapes, extents, 2, 3, nullptr, {},
+                                        scribble)
+                  .ok());
   EXPECT_EQ(reported, (std::vector<int>{0, 1}));
   EXPECT_TRUE(testing::ReadFile(dir_ + "/step-00000002.rpstate") == whole);
   extents.pop_back();
   const Status gap = WriteTrainingStateExtents(dir_, 3, 77, false, {}, shapes, extents, 2);
-  EXPECT_NE(gap.message().find("section \"optim\" cover bytes [0, 70000)"), std::string::npos) << gap.message();
+  EXPECT_NE(gap.message().find("section \"optim\" cover bytes [0, 70000)"), std::string::npos)
+      << gap.message();
   EXPECT_FALSE(fs::exists(dir_ + "/step-00000003.rpstate"));
 }
 
@@ -122,10 +130,14 @@ TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
   // The layout before checksums: the same header without them.
   const uint64_t off = 4096, end = 4096 * ((off + optim_.size() + 4095) / 4096);
   const uint64_t off2 = end, end2 = 4096 * ((off2 + compute_.size() + 4095) / 4096);
-  const std::string text = nlohmann::json{{"version", 1}, {"steps_done", 2}, {"state_hash", "77"},
-                                          {"sections", {{{"name", "optim"}, {"offset", off}, {"bytes", optim_.size()}},
-                                                        {{"name", "compute"}, {"offset", off2}, {"bytes", compute_.size()}}}}}
-                               .dump();
+  const std::string text =
+      nlohmann::json{{"version", 1},
+                     {"steps_done", 2},
+                     {"state_hash", "77"},
+                     {"sections",
+                      {{{"name", "optim"}, {"offset", off}, {"bytes", optim_.size()}},
+                       {{"name", "compute"}, {"offset", off2}, {"bytes", compute_.size()}}}}}
+          .dump();
   std::string file(end2, '\0');
   std::memcpy(file.data(), "RPSTATE1", 8);
   const uint64_t len = text.size();
@@ -146,12 +158,13 @@ TEST_F(TrainingStateTest, FilesWithoutChecksumsStillLoad) {
 // whatever the other nodes have written.
 TEST_F(TrainingStateTest, ShardFilesMakeACheckpointOnlyTogetherAndArePrunedPerShard) {
   auto write = [&](int64_t step, int rank) {
-    return WriteTrainingState(dir_, step, 77, false, {}, Sections(optim_, compute_), /*keep=*/1, 0, nullptr,
-                              ShardId{rank, 2});
+    return WriteTrainingState(dir_, step, 77, false, {}, Sections(optim_, compute_), /*keep=*/1, 0,
+                              nullptr, ShardId{rank, 2});
   };
   auto shard = [&](int64_t step, int rank) {
     char name[64];
-    std::snprintf(name, sizeof(name), "/step-%08lld.shard-%d-of-2.rpstate", static_cast<long long>(step), rank);
+    std::snprintf(name, sizeof(name), "/step-%08lld.shard-%d-of-2.rpstate",
+                  static_cast<long long>(step), rank);
     return dir_ + name;
   };
   ASSERT_TRUE(write(1, 0).ok());
@@ -178,7 +191,8 @@ TEST_F(TrainingStateTest, ShardFilesMakeACheckpointOnlyTogetherAndArePrunedPerSh
 TEST_F(TrainingStateTest, AResumedNodeRemovesItsOwnLaterShardFilesOnly) {
   for (int64_t step : {1, 2, 3})
     for (int rank : {0, 1})
-      ASSERT_TRUE(WriteTrainingState(dir_, step, 77, false, {}, Sections(optim_, compute_), 0, 0, nullptr, ShardId{rank, 2})
+      ASSERT_TRUE(WriteTrainingState(dir_, step, 77, false, {}, Sections(optim_, compute_), 0, 0,
+                                     nullptr, ShardId{rank, 2})
                       .ok());
   ASSERT_TRUE(RemoveLaterShardFiles(dir_, 1, ShardId{0, 2}).ok());
   EXPECT_TRUE(fs::exists(dir_ + "/step-00000001.shard-0-of-2.rpstate"));
@@ -211,7 +225,8 @@ TEST(ShardOf, SharesCoverEachParameterOnceInAlignedRuns) {
 TEST(MetricsWriter, LinesCarryWallTimeAndAnElapsedClockThatResumeContinues) {
   const std::string dir = testing::MakeTempDir("rp-metrics-"), path = dir + "/metrics.jsonl";
   auto now = [] {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
   };
   const double before = now();
   {

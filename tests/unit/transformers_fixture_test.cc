@@ -41,8 +41,10 @@ Batch LoadBatch(int64_t seqs, int64_t seq) {
   f.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size() * 2));
   EXPECT_TRUE(f.good()) << "tokens.bin is short";
   at::Tensor all = at::empty({static_cast<int64_t>(raw.size())}, at::kLong);
-  for (size_t i = 0; i < raw.size(); ++i) all[static_cast<int64_t>(i)] = static_cast<int64_t>(raw[i]);
-  return {all.narrow(0, 0, seqs * seq).reshape({seqs, seq}), all.narrow(0, 1, seqs * seq).reshape({seqs, seq})};
+  for (size_t i = 0; i < raw.size(); ++i)
+    all[static_cast<int64_t>(i)] = static_cast<int64_t>(raw[i]);
+  return {all.narrow(0, 0, seqs * seq).reshape({seqs, seq}),
+          all.narrow(0, 1, seqs * seq).reshape({seqs, seq})};
 }
 
 struct Result {
@@ -87,7 +89,8 @@ Result ForwardBackward(const core::ModelConfig& m, const std::string& dir, const
     aux = a.value;
   }
   const double targets = static_cast<double>(batch.labels.numel());
-  auto head = math.HeadForwardBackward(layers[L + 1], x, batch.labels, 1.0 / targets, /*backward=*/true);
+  auto head =
+      math.HeadForwardBackward(layers[L + 1], x, batch.labels, 1.0 / targets, /*backward=*/true);
   r.loss = head.loss_sum / targets + aux;
   for (size_t p = 0; p < params.size(); ++p)
     r.grad_norms[spec.params[p].name] = params[p].grad().to(at::kDouble).norm().item<double>();
@@ -149,7 +152,8 @@ TEST_P(TransformersFixture, LossAndGradientNormsMatchTransformers) {
   for (const auto& [name, control] : expected["controls"].items()) {
     const double c = control["loss"].get<double>();
     EXPECT_GE(Rel(c, want), 1e-3) << name;
-    EXPECT_GT(Rel(ours.loss, c), 5e-4) << name << ": our loss is as close to the control as to the real one";
+    EXPECT_GT(Rel(ours.loss, c), 5e-4)
+        << name << ": our loss is as close to the control as to the real one";
     // Controls that change config.json (another RoPE, another key) are recomputed by us.
     if (!control.contains("rope_parameters") && !control.contains("config")) continue;
     const std::string alt = ::testing::TempDir() + "/rp-control-" + GetParam() + "-" + name;
@@ -159,14 +163,16 @@ TEST_P(TransformersFixture, LossAndGradientNormsMatchTransformers) {
     if (control.contains("config")) cfg.update(control["config"]);
     std::ofstream(alt + "/config.json") << cfg.dump();
     const Result other = ForwardBackward(Load(alt), dir, batch);
-    EXPECT_LT(Rel(other.loss, c), 1e-6) << name << ": ours " << other.loss << ", transformers " << c;
+    EXPECT_LT(Rel(other.loss, c), 1e-6)
+        << name << ": ours " << other.loss << ", transformers " << c;
     fs::remove_all(alt);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TransformersFixture,
-                         ::testing::Values("qwen3", "qwen3_yarn", "llama3", "llama_tied_linear", "llama_bias",
-                                           "qwen2", "mistral", "qwen3_moe", "qwen3_moe_aux"));
+                         ::testing::Values("qwen3", "qwen3_yarn", "llama3", "llama_tied_linear",
+                                           "llama_bias", "qwen2", "mistral", "qwen3_moe",
+                                           "qwen3_moe_aux"));
 
 // Every fixture directory is tested above, so a new fixture cannot go untested.
 TEST(TransformersFixture, EveryFixtureIsTested) {
