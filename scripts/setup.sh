@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build pkg-config libtorch-dev libopenblas0-serial libzmq3-dev cppzmq-dev
           libboost-dev libgoogle-glog-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev
-          libgtest-dev zlib1g-dev libssl-dev libgloo-dev libprotobuf-dev protobuf-compiler gdb iproute2)
+          libgtest-dev zlib1g-dev libssl-dev libgloo-dev libprotobuf-dev protobuf-compiler gdb iproute2
+          clang-format)
 # RP_EXTRA_PACKAGES: more for the caller (scripts/test.sh adds the browser its report test renders in).
 packages+=(${RP_EXTRA_PACKAGES:-})
 missing=()
