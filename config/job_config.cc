@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "config/job_config.h"
 
+#include "config/cross_checks.h"
 #include "config/hf_config.h"
 #include "common/closest_match.h"
 
@@ -749,22 +750,6 @@ std::string Join(const std::string& dir, const std::string& p) {
   return (fs::path(dir) / path).lexically_normal().string();
 }
 
-Status CheckCuts(const std::string& name, const std::vector<int64_t>& cuts, int64_t lo,
-                 int64_t hi) {
-  int64_t prev = lo - 1;
-  for (size_t i = 0; i < cuts.size(); ++i) {
-    if (cuts[i] < lo || cuts[i] > hi)
-      return Status::InvalidArgument(name + "[" + std::to_string(i) + "]: layer " +
-                                     std::to_string(cuts[i]) + " is outside [" +
-                                     std::to_string(lo) + ", " + std::to_string(hi) + "]");
-    if (cuts[i] <= prev)
-      return Status::InvalidArgument(name + ": must be strictly ascending, got " +
-                                     std::to_string(cuts[i]) + " after " + std::to_string(prev));
-    prev = cuts[i];
-  }
-  return Status::Ok();
-}
-
 // BenchKnobs from the environment; a value that does not parse is an error naming the variable.
 Status ReadBenchKnobs(BenchKnobs* k) {
   auto text = [](const char* var) -> std::optional<std::string> {
@@ -805,358 +790,6 @@ Status ReadBenchKnobs(BenchKnobs* k) {
   RP_RETURN_IF_ERROR(flag("RP_GROUPED_EXPERTS", &k->grouped_experts));
   RP_RETURN_IF_ERROR(count("RP_OPTIMIZER_THREADS", &k->optimizer_threads));
   return count("RP_OPTIMIZER_REST_THREADS", &k->optimizer_rest_threads);
-}
-
-Status CrossValidate(const JobConfig& c) {
-  if (c.job.device_memory_limit_gib > 0 && c.job.device == DeviceKind::kCpu)
-    return Status::InvalidArgument(
-        "job.device_memory_limit_gib: caps a CUDA worker's device memory, and "
-        "job.device = \"cpu\" has none; leave it 0 or use CUDA workers");
-  const auto& m = c.model;
-  if (m.moe.num_experts > 0 && m.path.empty()) {
-    if (m.moe.experts_per_token > m.moe.num_experts)
-      return Status::InvalidArgument(
-          "model.experts_per_token: " + std::to_string(m.moe.experts_per_token) +
-          " is more than the " + std::to_string(m.moe.num_experts) + " experts");
-    if (!m.qk_norm)
-      return Status::InvalidArgument(
-          "model.num_experts: experts are Qwen3-MoE's, whose attention has a q/k "
-          "norm; set model.qk_norm = true");
-  }
-  if (m.moe.num_experts == 0 && m.moe.aux_loss_weight > 0.0)
-    return Status::InvalidArgument(
-        "model.router_aux_loss_coef: the model has no routers (model.num_experts = 0)");
-  if (m.num_heads % m.num_kv_heads != 0)
-    return Status::InvalidArgument("model.num_kv_heads: must divide model.num_heads (" +
-                                   std::to_string(m.num_heads) + "), got " +
-                                   std::to_string(m.num_kv_heads));
-  if (m.head_dim % 2 != 0)
-    return Status::InvalidArgument("model.head_dim: must be even for rotary embeddings, got " +
-                                   std::to_string(m.head_dim));
-  if (m.sliding_window > 0 && c.data.seq_len > m.sliding_window)
-    return Status::InvalidArgument(
-        "data.seq_len: " + std::to_string(c.data.seq_len) + " is longer than the model's " +
-        "sliding attention window (" + std::to_string(m.sliding_window) + " tokens, " + m.path +
-        "/config.json: sliding_window), which is not implemented; sequences "
-        "up to the window are exact");
-  if (c.data.format == DataFormat::kTokens || c.data.format == DataFormat::kJsonl) {
-    std::error_code ec;
-    if (c.data.path.empty() || !fs::is_regular_file(c.data.path, ec))
-      return Status::InvalidArgument("data.path: no such file: \"" + c.data.path +
-                                     "\" (data.format = \"" + EnumName(c.data.format) + "\")");
-  }
-  if (c.data.format == DataFormat::kBytes) {
-    if (c.data.path.empty())
-      return Status::InvalidArgument("data.path: required when data.format = \"bytes\"");
-    std::error_code ec;
-    if (!fs::is_regular_file(c.data.path, ec))
-      return Status::InvalidArgument("data.path: no such file: " + c.data.path);
-    if (m.vocab_size < 256)
-      return Status::InvalidArgument(
-          "model.vocab_size: must be >= 256 for data.format = "
-          "\"bytes\", got " +
-          std::to_string(m.vocab_size));
-    auto size = fs::file_size(c.data.path, ec);
-    if (ec || static_cast<int64_t>(size) < c.data.seq_len + 1)
-      return Status::InvalidArgument(
-          "data.path: " + c.data.path +
-          " holds fewer than seq_len + 1 = " + std::to_string(c.data.seq_len + 1) + " bytes");
-  }
-  if (c.data.packing != DataPacking::kStream && c.data.format != DataFormat::kJsonl &&
-      !(c.data.format == DataFormat::kTokens && TokenFileHasDocuments(c.data.path)))
-    return Status::InvalidArgument(
-        std::string("data.packing: \"") + EnumName(c.data.packing) +
-        "\" needs records; data.format = \"" + EnumName(c.data.format) +
-        "\" is one stream without document boundaries "
-        "(use data.format = \"jsonl\", a token file with a document index as "
-        "tools/prepare_data.py writes it, or data.packing = \"stream\")");
-  if (!c.data.eval_path.empty() && c.data.eval_fraction > 0.0)
-    return Status::InvalidArgument(
-        "data.eval_fraction: set together with data.eval_path; choose one");
-  if (c.data.eval_fraction > 0.0 && c.data.format == DataFormat::kRandom)
-    return Status::InvalidArgument(
-        "data.eval_fraction: data.format = \"random\" evaluates on its own "
-        "held-out synthetic stream; remove data.eval_fraction");
-  if (!c.data.eval_path.empty()) {
-    std::error_code ec;
-    if (!fs::is_regular_file(c.data.eval_path, ec))
-      return Status::InvalidArgument("data.eval_path: no such file: " + c.data.eval_path);
-    if (c.data.format == DataFormat::kRandom)
-      return Status::InvalidArgument(
-          "data.eval_path: data.format = \"random\" evaluates on its own "
-          "held-out synthetic stream; remove data.eval_path");
-  }
-  if (c.train.eval_every > 0 && c.data.format != DataFormat::kRandom && c.data.eval_path.empty() &&
-      c.data.eval_fraction <= 0.0)
-    return Status::InvalidArgument(
-        "train.eval_every: needs an eval set: set data.eval_path or "
-        "data.eval_fraction");
-  if (c.lora.enabled()) {
-    if (c.lora.target_modules.empty() && c.lora.target_parameters.empty())
-      return Status::InvalidArgument(
-          "lora.target_modules: empty; name at least one of q_proj, "
-          "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or expert "
-          "tensors in lora.target_parameters)");
-    std::vector<std::string> seen_params;
-    bool sparse = false;
-    for (int64_t b = 0; b < m.num_layers; ++b) sparse = sparse || SparseBlock(m, b);
-    for (const auto& name : c.lora.target_parameters) {
-      const std::string t = CanonicalLoraParameter(name);
-      if (t.empty())
-        return Status::InvalidArgument(
-            "lora.target_parameters: \"" + name +
-            "\" is not a tensor this runtime "
-            "adapts (mlp.experts.gate_up_proj, mlp.experts.down_proj, or a suffix of "
-            "them after a dot, as PEFT matches)");
-      if (std::find(seen_params.begin(), seen_params.end(), t) != seen_params.end())
-        return Status::InvalidArgument("lora.target_parameters: \"" + name + "\" names " + t +
-                                       " twice");
-      seen_params.push_back(t);
-      if (m.moe.num_experts == 0)
-        return Status::InvalidArgument("lora.target_parameters: \"" + name +
-                                       "\" names expert tensors, and this "
-                                       "model has no experts; use lora.target_modules");
-      if (!sparse)
-        return Status::InvalidArgument(
-            "lora.target_parameters: \"" + name +
-            "\" names expert tensors, and no "
-            "block of this model is sparse (mlp_only_layers / sparse_step)");
-      // PEFT adapts a whole tensor by adding B A to the weight before the product, so it cannot
-      // drop out the adapter's input alone (and refuses dropout there); the same math here.
-      if (c.lora.dropout > 0.0)
-        return Status::InvalidArgument(
-            "lora.dropout: must be 0 with lora.target_parameters (an adapter on "
-            "expert tensors has no input of its own to drop, as in PEFT)");
-      const int64_t in =
-          t == "mlp.experts.gate_up_proj" ? m.hidden_size : m.moe.expert_intermediate_size;
-      const int64_t out =
-          t == "mlp.experts.gate_up_proj" ? 2 * m.moe.expert_intermediate_size : m.hidden_size;
-      if (c.lora.rank > std::min(in, out))
-        return Status::InvalidArgument("lora.rank: " + std::to_string(c.lora.rank) + " exceeds " +
-                                       t + "'s " + std::to_string(out) + " x " +
-                                       std::to_string(in) + " per-expert rank bound " +
-                                       std::to_string(std::min(in, out)));
-    }
-    std::vector<std::string> seen;
-    for (const auto& t : c.lora.target_modules) {
-      const auto& ok = LoraTargetableModules();
-      if (std::find(ok.begin(), ok.end(), t) == ok.end())
-        return Status::InvalidArgument("lora.target_modules: \"" + t +
-                                       "\" is not a projection this "
-                                       "runtime adapts (q_proj, k_proj, v_proj, o_proj, gate_proj, "
-                                       "up_proj, down_proj)");
-      if (std::find(seen.begin(), seen.end(), t) != seen.end())
-        return Status::InvalidArgument("lora.target_modules: \"" + t + "\" is listed twice");
-      seen.push_back(t);
-      // On a mixture-of-experts model these names mean different adapters to PEFT depending on
-      // the transformers version (each expert a module of its own in 4, fused expert tensors
-      // that module names do not reach in 5): refused, the experts take target_parameters.
-      if (m.moe.num_experts > 0 && (t == "gate_proj" || t == "up_proj" || t == "down_proj"))
-        return Status::InvalidArgument(
-            "lora.target_modules: \"" + t +
-            "\" on a mixture-of-experts model: "
-            "the experts are adapted through lora.target_parameters "
-            "(mlp.experts.gate_up_proj, mlp.experts.down_proj), as PEFT names them");
-      // B A has rank at most min(in, out): a larger rank adds parameters and no expressiveness.
-      const int64_t q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
-      const int64_t in = t == "o_proj" ? q : t == "down_proj" ? m.intermediate_size : m.hidden_size;
-      const int64_t out = t == "q_proj"                          ? q
-                          : (t == "k_proj" || t == "v_proj")     ? kv
-                          : (t == "gate_proj" || t == "up_proj") ? m.intermediate_size
-                                                                 : m.hidden_size;
-      if (c.lora.rank > std::min(in, out))
-        return Status::InvalidArgument(
-            "lora.rank: " + std::to_string(c.lora.rank) + " exceeds " + t + "'s " +
-            std::to_string(out) + " x " + std::to_string(in) + " weight's rank bound " +
-            std::to_string(std::min(in, out)) + "; lower lora.rank or leave " + t +
-            " out of lora.target_modules");
-    }
-    if (!c.lora.init_from.empty()) {
-      std::error_code ec;
-      if (!fs::is_directory(c.lora.init_from, ec))
-        return Status::InvalidArgument("lora.init_from: no such directory: " + c.lora.init_from);
-    }
-  } else if (!c.lora.init_from.empty()) {
-    return Status::InvalidArgument(
-        "lora.init_from: set, but lora.rank = 0 (full fine-tuning); "
-        "set lora.rank to the adapter's rank");
-  } else if (!c.lora.target_parameters.empty()) {
-    return Status::InvalidArgument(
-        "lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
-        "set lora.rank to train adapters");
-  }
-  if (c.schedule.frozen_on_device && !c.lora.enabled())
-    return Status::InvalidArgument(
-        "schedule.frozen_on_device: set, but lora.rank = 0: a full fine-tune has no "
-        "frozen weights to keep on the device");
-  if (c.schedule.kept_blocks == kKeptBlocksAuto && !(c.schedule.gpu_memory_gb > 0.0))
-    return Status::InvalidArgument(
-        "schedule.kept_blocks = -1 (as many as fit) needs schedule.gpu_memory_gb, "
-        "the device memory per worker the kept graphs must fit in");
-  if (c.train.mlp_tile_tokens == kMlpTileAuto && !(c.schedule.gpu_memory_gb > 0.0))
-    return Status::InvalidArgument(
-        "train.mlp_tile_tokens = -1 (chosen by the planner) needs schedule.gpu_memory_gb, "
-        "the device memory per worker the plan must fit");
-  if (c.optimizer.min_lr > c.optimizer.lr)
-    return Status::InvalidArgument("optimizer.min_lr: must not exceed optimizer.lr");
-  {
-    const LossScaling& ls = c.train.loss_scaling;
-    if (!(ls.growth_factor > 1.0))
-      return Status::InvalidArgument(
-          "train.loss_scale_growth_factor: must be > 1 (a scale that never grows "
-          "stays as low as its last overflow left it)");
-    if (!(ls.backoff_factor < 1.0))
-      return Status::InvalidArgument(
-          "train.loss_scale_backoff_factor: must be < 1 (the scale must fall after "
-          "an overflow)");
-    const LossScaling defaults;
-    if (!ScalesLoss(c) && (ls.init != defaults.init || ls.growth_factor != defaults.growth_factor ||
-                           ls.backoff_factor != defaults.backoff_factor ||
-                           ls.growth_interval != defaults.growth_interval))
-      return Status::InvalidArgument(std::string("train.loss_scale_*: set, but train.dtype = \"") +
-                                     EnumName(c.train.dtype) +
-                                     "\" does not scale its loss; only \"fp16\" does");
-  }
-  if (GradientsWaitInWorkers(c)) {
-    const std::string key = "optimizer.gradients_wait_in: \"workers\" ";
-    if (!UpdatesWaitForNorm(c))
-      return Status::InvalidArgument(
-          key +
-          "holds gradients for the clipping norm, but train.grad_clip = 0 streams "
-          "them without one; use \"host\"");
-    if (Round(c).calls > 1)
-      return Status::InvalidArgument(
-          key +
-          "needs one accumulation round per step (train.accum_calls = 1, or "
-          "exact mode, which merges the calls): with several, each round adds "
-          "into the host's slots and no worker holds a whole gradient");
-    if (m.tie_embeddings && !c.lora.enabled())
-      return Status::InvalidArgument(
-          key +
-          "needs every trainable parameter in one layer: the tied embedding's "
-          "gradient is the lookup's plus the head's, summed on the host "
-          "(model.tie_embeddings = true); use \"host\"");
-  }
-  if (SpeculatesUnclippedUpdate(c)) {
-    const std::string key = "optimizer.speculative_update: ";
-    if (c.optimizer.mode != OptimizerMode::kExact)
-      return Status::InvalidArgument(
-          key + "speculates past exact mode's wait for the norm; stale1 does not wait");
-    if (c.optimizer.name != OptimizerName::kAdamW)
-      return Status::InvalidArgument(key + "needs optimizer.name = \"adamw\"");
-    if (!(c.train.grad_clip > 0.0))
-      return Status::InvalidArgument(
-          key +
-          "guesses that a step is not clipped, but train.grad_clip = 0 never "
-          "clips: updates then start as gradients land without it");
-    if (GradientsWaitInWorkers(c))
-      return Status::InvalidArgument(key +
-                                     "needs the gradients on the host before the norm "
-                                     "(optimizer.gradients_wait_in = \"host\")");
-    if (ScalesLoss(c))
-      return Status::InvalidArgument(
-          key + "is not implemented with fp16's loss scaling (train.dtype = \"fp16\")");
-  }
-  if (DeviceUpdateBlocks(c) > 0) {
-    const std::string key = "optimizer.device_update_blocks: ";
-    if (c.optimizer.mode != OptimizerMode::kExact)
-      return Status::InvalidArgument(
-          key +
-          "updates the blocks the next step needs first, which only exact mode waits "
-          "for; stale1 does not wait");
-    if (c.optimizer.name != OptimizerName::kAdamW)
-      return Status::InvalidArgument(key + "needs optimizer.name = \"adamw\"");
-    if (!(c.train.grad_clip > 0.0))
-      return Status::InvalidArgument(
-          key +
-          "needs train.grad_clip > 0: without clipping each parameter is updated as "
-          "its gradient lands, and no step boundary waits for the first blocks");
-    if (SpeculatesUnclippedUpdate(c))
-      return Status::InvalidArgument(
-          key +
-          "and optimizer.speculative_update both change where the next weights come "
-          "from; use one");
-    if (Round(c).calls > 1)
-      return Status::InvalidArgument(
-          key +
-          "needs one accumulation round per step (train.accum_calls = 1): with "
-          "several, no worker holds a whole gradient");
-    if (c.lora.enabled())
-      return Status::InvalidArgument(key + "is not implemented for LoRA adapters");
-    if (c.train.dtype == TrainDtype::kFp16 || c.train.dtype == TrainDtype::kFp8)
-      return Status::InvalidArgument(
-          std::string(key) + "is implemented for train.dtype = \"bf16\" and \"fp32\", not \"" +
-          EnumName(c.train.dtype) + "\"");
-    if (DeviceUpdateBlocks(c) > m.num_layers)
-      return Status::InvalidArgument(key + std::to_string(DeviceUpdateBlocks(c)) +
-                                     " is more than the model's " + std::to_string(m.num_layers) +
-                                     " blocks");
-  }
-  if (c.train.dtype == TrainDtype::kFp8 && c.job.device == DeviceKind::kCpu)
-    return Status::InvalidArgument(
-        "train.dtype: \"fp8\" needs job.device = \"cuda\" or \"auto\"; CPU workers have no "
-        "e4m3 products");
-  if (Fp8Matmuls(c) && !c.bench.fused_kernels)
-    return Status::InvalidArgument(
-        "train.dtype: \"fp8\" multiplies through the fused kernels' path; "
-        "RP_FUSED_KERNELS=0 leaves no fp8 product");
-  // Pipeline layers: 0 = embedding, 1..L = blocks, L+1 = head. The tail holds the head and
-  // tail_blocks blocks, so forward stages cover [0, tail_start).
-  const int64_t L = m.num_layers;
-  if (c.schedule.tail_blocks > L)
-    return Status::InvalidArgument("schedule.tail_blocks: must be <= model.num_layers (" +
-                                   std::to_string(L) + "), got " +
-                                   std::to_string(c.schedule.tail_blocks));
-  const int64_t tail_start = L + 1 - c.schedule.tail_blocks;
-  if (c.schedule.kept_blocks > tail_start - 1)
-    return Status::InvalidArgument(
-        "schedule.kept_blocks: " + std::to_string(c.schedule.kept_blocks) +
-        " kept blocks, but only " + std::to_string(tail_start - 1) +
-        " blocks precede the fused tail (model.num_layers - schedule.tail_blocks)");
-  if (c.schedule.kept_blocks > 0 && c.train.mlp_tile_tokens != 0)
-    return Status::InvalidArgument(
-        "schedule.kept_blocks: a tiled MLP (train.mlp_tile_tokens) recomputes its tiles "
-        "from weights the job that kept the graph no longer holds; not implemented "
-        "together (kept_blocks = -1 keeps none when a tile is chosen)");
-  if (c.schedule.kept_blocks > 0 && c.train.layer_recompute)
-    return Status::InvalidArgument(
-        "schedule.kept_blocks: keeps forward graphs for the backward, "
-        "train.layer_recompute rebuilds them; choose one");
-  if (c.schedule.kept_blocks > 0) {
-    for (int64_t b = tail_start - 1 - c.schedule.kept_blocks; b < tail_start - 1; ++b)
-      if (SparseBlock(m, b))
-        return Status::InvalidArgument(
-            "schedule.kept_blocks: block " + std::to_string(b) +
-            " is a mixture-of-experts block, whose backward needs the "
-            "load-balancing loss's gradient when its graph is built (known "
-            "only after the tail); not implemented for kept blocks");
-  }
-  if (c.schedule.forward_cuts.empty() && c.schedule.forward_stages > tail_start)
-    return Status::InvalidArgument(
-        "schedule.forward_stages: " + std::to_string(c.schedule.forward_stages) +
-        " stages for only " + std::to_string(tail_start) + " forward layers");
-  if (c.schedule.backward_cuts.empty() && c.schedule.backward_stages > tail_start)
-    return Status::InvalidArgument(
-        "schedule.backward_stages: " + std::to_string(c.schedule.backward_stages) +
-        " stages for only " + std::to_string(tail_start) + " backward layers");
-  if (c.schedule.partition == Partition::kAuto &&
-      (!c.schedule.forward_cuts.empty() || !c.schedule.backward_cuts.empty()))
-    return Status::InvalidArgument(
-        "schedule.partition: \"auto\" chooses the cuts itself; remove "
-        "schedule.forward_cuts and schedule.backward_cuts");
-  RP_RETURN_IF_ERROR(
-      CheckCuts("schedule.forward_cuts", c.schedule.forward_cuts, 1, tail_start - 1));
-  RP_RETURN_IF_ERROR(
-      CheckCuts("schedule.backward_cuts", c.schedule.backward_cuts, 1, tail_start - 1));
-  if (c.checkpoint.export_every > 0 && c.checkpoint.export_hf.empty() &&
-      !(c.lora.enabled() && !c.lora.export_dir.empty()))
-    return Status::InvalidArgument(
-        "checkpoint.export_every: nothing to export; set checkpoint.export_hf (or, "
-        "with LoRA, lora.export)");
-  if (c.train.epochs == 0 && c.train.stop_after > c.train.steps)
-    return Status::InvalidArgument("train.stop_after: " + std::to_string(c.train.stop_after) +
-                                   " is past train.steps (" + std::to_string(c.train.steps) + ")");
-  return Status::Ok();
 }
 
 StatusOr<toml::table> ParseText(const std::string& text, const std::string& origin) {
@@ -1492,9 +1125,10 @@ Status CheckModelKeysAgree(JobConfig as_given, JobConfig resolved, const Given& 
 
 }  // namespace
 
-StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
-                                   const std::vector<std::string>& overrides,
-                                   const HostFacts& host) {
+StatusOr<JobConfig> ParseJobConfigBeforeCrossChecks(const std::string& toml_text,
+                                                    const std::string& base_dir,
+                                                    const std::vector<std::string>& overrides,
+                                                    const HostFacts& host) {
   RP_ASSIGN_OR_RETURN(toml::table root, ParseText(toml_text, base_dir + "/<job>"));
   // Keys given by --set are named as such in errors (LoadJobConfig then names no file).
   std::set<std::string> from_set;
@@ -1628,6 +1262,17 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::stri
       cfg.schedule.gpu_memory_gb = planned_gb(host.gpu_memory_gib);
   }
   RP_RETURN_IF_ERROR(ReadBenchKnobs(&cfg.bench));
+  return cfg;
+}
+
+StatusOr<JobConfig> ParseJobConfig(const std::string& toml_text, const std::string& base_dir,
+                                   const std::vector<std::string>& overrides,
+                                   const HostFacts& host) {
+  // Passed on as they are: the parse's refusals already name where they arose.
+  StatusOr<JobConfig> parsed =
+      ParseJobConfigBeforeCrossChecks(toml_text, base_dir, overrides, host);
+  if (!parsed.ok()) return parsed.status();
+  JobConfig cfg = std::move(parsed).value();
   RP_RETURN_IF_ERROR(CrossValidate(cfg));
   if (MergeCalls(cfg)) {
     if (cfg.train.microbatches * cfg.train.accum_calls > 4096)
