@@ -106,271 +106,326 @@ std::vector<int> MinMaxPartition(const std::vector<double>& costs, int parts) {
   return starts;
 }
 
-MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers,
-                              const Profile* profile) {
-  const ModelSpec spec = BuildModelSpec(c.model, c.lora);
-  const double elem = static_cast<double>(core::ComputeElemBytes(c));
-  const double tokens = static_cast<double>(c.TokensPerMicrobatch());
-  const double H = static_cast<double>(c.model.hidden_size);
-  // What a block holds, per token of the microbatch, in two parts (fitted to the allocator's
-  // peaks at long sequences, tiled and untiled; docs/benchmarks.md, "Planner accuracy", has the
-  // fit's errors):
-  //  * kept: what a block's graph saves for its backward: about 7.5 hidden-sized tensors, tiled
-  //    or not (the checks above did not separate the normed sequence an untiled block also
-  //    keeps), and, untiled, its MLP's three intermediate-sized ones (a tiled block recomputes
-  //    each tile in the backward, so its graph keeps only the tile's input, the residual stream).
-  //  * working: what the one block being computed adds beside the kept tensors: about six
-  //    hidden-sized tensors (in a backward, the gradients flowing through it and the attention
-  //    kernel's fp32 accumulators; a forward without a graph holds fewer) and three
-  //    intermediate-sized ones over one tile (the whole sequence untiled). A measured profile
-  //    records only the kept part, so it is added to it too.
-  // A sparse block is never tiled and keeps its experts' intermediates and the routed copies of
-  // its input and output (2 x k hidden-sized rows), with ten hidden-sized tensors (not refitted).
-  // The estimate is one per-block figure: the larger of the dense and the sparse block's, for
-  // each part, over the kinds the model has.
+namespace {
+
+// What the estimate's parts share: the job's sizes in bytes and elements, decided once.
+struct EstimateBasis {
+  const JobConfig& c;
+  const PipelinePlan& plan;
+  ModelSpec spec;
+  double elem, tokens, H;
+  int mapped_param;       // the embedding looked up in place (LookupInPlaceParam), or -1
+  bool frozen_on_device;  // FrozenOnDevice
+  // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
+  // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
+  bool fused_cuda;
+
+  EstimateBasis(const JobConfig& job, const PipelinePlan& p)
+      : c(job),
+        plan(p),
+        spec(BuildModelSpec(job.model, job.lora)),
+        elem(static_cast<double>(core::ComputeElemBytes(job))),
+        tokens(static_cast<double>(job.TokensPerMicrobatch())),
+        H(static_cast<double>(job.model.hidden_size)),
+        mapped_param(LookupInPlaceParam(job, spec)),
+        frozen_on_device(FrozenOnDevice(job)),
+        fused_cuda(core::FusedKernelsApply(job) && job.job.device != core::DeviceKind::kCpu) {}
+
+  // A use's gradient per element: its fp32 sum, and the microbatch's gradient in the compute
+  // dtype unless it is summed into a sink.
+  double GradientBytesPerElement(const std::string& role) const {
+    return fused_cuda && SinkableRole(role) ? 4.0 : 4.0 + elem;
+  }
+};
+
+// What a block holds, per token of the microbatch, in two parts (fitted to the allocator's peaks
+// at long sequences, tiled and untiled; docs/benchmarks.md, "Planner accuracy", has the fit's
+// errors):
+//  * kept: what a block's graph saves for its backward: about 7.5 hidden-sized tensors, tiled or
+//    not (the checks above did not separate the normed sequence an untiled block also keeps),
+//    and, untiled, its MLP's three intermediate-sized ones (a tiled block recomputes each tile in
+//    the backward, so its graph keeps only the tile's input, the residual stream).
+//  * working: what the one block being computed adds beside the kept tensors: about six
+//    hidden-sized tensors (in a backward, the gradients flowing through it and the attention
+//    kernel's fp32 accumulators; a forward without a graph holds fewer) and three
+//    intermediate-sized ones over one tile (the whole sequence untiled). A measured profile
+//    records only the kept part, so it is added to it too.
+// A sparse block is never tiled and keeps its experts' intermediates and the routed copies of
+// its input and output (2 x k hidden-sized rows), with ten hidden-sized tensors (not refitted).
+// The estimate is one per-block figure: the larger of the dense and the sparse block's, for each
+// part, over the kinds the model has.
+struct BlockActivations {
+  double kept = 0.0, working = 0.0;
+};
+BlockActivations PerBlockActivations(const EstimateBasis& e) {
+  const JobConfig& c = e.c;
+  const double tokens = e.tokens, H = e.H, elem = e.elem;
   const double tile = c.train.mlp_tile_tokens > 0
                           ? std::min(tokens, static_cast<double>(c.train.mlp_tile_tokens))
                           : tokens;
-  double kept_per_block = 0.0, working = 0.0;
+  BlockActivations a;
   bool dense = false, sparse = false;
   for (int64_t b = 0; b < c.model.num_layers; ++b)
     (SparseBlock(c.model, b) ? sparse : dense) = true;
   if (dense || !sparse) {
     const double I = static_cast<double>(c.model.intermediate_size);
     const bool tiled = tile < tokens;
-    kept_per_block = tokens * (7.5 * H + (tiled ? 0.0 : 3.0 * I)) * elem;
-    working = (tokens * 6.0 * H + 3.0 * tile * I) * elem;
+    a.kept = tokens * (7.5 * H + (tiled ? 0.0 : 3.0 * I)) * elem;
+    a.working = (tokens * 6.0 * H + 3.0 * tile * I) * elem;
   }
   if (sparse) {
     const double k = static_cast<double>(c.model.moe.experts_per_token);
     const double I =
         k * static_cast<double>(c.model.moe.expert_intermediate_size) + 2.0 * k * H / 3.0;
-    kept_per_block = std::max(kept_per_block, tokens * (10.0 * H + 3.0 * I) * elem);
-    working = std::max(working, tokens * (6.0 * H + 3.0 * I) * elem);
+    a.kept = std::max(a.kept, tokens * (10.0 * H + 3.0 * I) * elem);
+    a.working = std::max(a.working, tokens * (6.0 * H + 3.0 * I) * elem);
   }
-  // Per stage: its weights, gradients and activations while it runs.
-  std::vector<double> weight_bytes, gradient_bytes, act_bytes, sum_bytes, score_bytes;
-  // The embedding looked up in place (LookupFromHost) takes no device copy; its gradient is fp32,
-  // a microbatch's beside the job's sum.
-  const int mapped_param = LookupInPlaceParam(c, spec);
-  const bool frozen_on_device = FrozenOnDevice(c);
-  // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
-  // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
-  const bool fused_cuda = core::FusedKernelsApply(c) && c.job.device != core::DeviceKind::kCpu;
+  return a;
+}
+
+// One stage's weights, gradients and activations while it runs.
+struct StageMemory {
+  double weights = 0.0, gradients = 0.0, activations = 0.0, scores = 0.0, sums = 0.0;
+};
+
+StageMemory EstimateStage(const EstimateBasis& e, const BlockActivations& block, const Stage& st,
+                          const Profile* profile) {
+  const JobConfig& c = e.c;
+  const PipelinePlan& plan = e.plan;
+  const double tokens = e.tokens, H = e.H, elem = e.elem;
   // CPU workers compute attention explicitly (model::Transformer::Attention): fp32 scores of
-  // every head, [microbatch_size, heads, seq, seq], and a causal mask of a byte per pair. Two
-  // such tensors are alive at once besides what a graph keeps (an operation's input and output;
-  // in a softmax's backward, the probabilities' gradient and the scores'), and a gradient stage's
-  // graph keeps each block's probabilities and mask. Quadratic in the sequence (checked against a
-  // CPU worker's resident memory at 8K tokens; at 32K one head's scores alone are 4 GiB). CUDA's
-  // fused kernels keep no score.
+  // every head, [microbatch_size, heads, seq, seq], and a causal mask of a byte per pair. Two such
+  // tensors are alive at once besides what a graph keeps (an operation's input and output; in a
+  // softmax's backward, the probabilities' gradient and the scores'), and a gradient stage's graph
+  // keeps each block's probabilities and mask. Quadratic in the sequence (checked against a CPU
+  // worker's resident memory at 8K tokens; at 32K one head's scores alone are 4 GiB). CUDA's fused
+  // kernels keep no score.
   double scores = 0.0, mask = 0.0;
   if (c.job.device == core::DeviceKind::kCpu) {
     const double s = static_cast<double>(c.data.seq_len);
     scores = static_cast<double>(c.train.microbatch_size * c.model.num_heads) * s * s * 4.0;
     mask = s * s;
   }
-  for (const auto& st : plan.stages) {
-    double params = 0.0;         // weights fetched
-    double grads_of_uses = 0.0;  // of those, the trainable ones': fp32 sums, and each microbatch's
-                                 // gradient in the compute dtype unless summed into a sink
-    double mapped = 0.0;         // elements of the mapped embedding, when the stage has it
-    double sums = 0.0;           // the job's fp32 gradient sums
-    // A backward stage's kept layers come with their graphs, weights and sums (counted below as
-    // `kept`): it fetches, recomputes and sums only the layers under them.
-    const bool adopts = st.kind == StageKind::kBackward;
-    for (int l = st.begin; l < st.end; ++l) {
-      if (adopts && plan.KeepsGraph(l)) continue;
-      if (mapped_param >= 0 && l == 0) {
-        mapped = static_cast<double>(spec.params[mapped_param].numel);
-        continue;
-      }
-      // A base kept on the device counts once, as `frozen`, below.
-      params += static_cast<double>(spec.LayerWeightBytes(l, 1, frozen_on_device ? 0 : 1));
-      for (const auto& use : spec.layer_uses[l]) {
-        const double per_elem = fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem;
-        grads_of_uses += static_cast<double>(spec.params[use.param].numel) * per_elem;
-        sums += static_cast<double>(spec.params[use.param].numel) * 4.0;
-      }
+  double params = 0.0;         // weights fetched
+  double grads_of_uses = 0.0;  // of those, the trainable ones' gradients
+  double mapped = 0.0;         // elements of the mapped embedding, when the stage has it
+  double sums = 0.0;           // the job's fp32 gradient sums
+  // A backward stage's kept layers come with their graphs, weights and sums (counted as `kept`,
+  // KeptBlocksBytes): it fetches, recomputes and sums only the layers under them.
+  const bool adopts = st.kind == StageKind::kBackward;
+  for (int l = st.begin; l < st.end; ++l) {
+    if (adopts && plan.KeepsGraph(l)) continue;
+    // The embedding looked up in place takes no device copy; its gradient is fp32, a
+    // microbatch's beside the job's sum.
+    if (e.mapped_param >= 0 && l == 0) {
+      mapped = static_cast<double>(e.spec.params[e.mapped_param].numel);
+      continue;
     }
-    const bool grads = st.kind != StageKind::kForward;
-    // A gradient stage: every block's kept tensors and one block's working set; a forward stage
-    // (no graph): one block's working set. train.layer_recompute: a gradient stage keeps each
-    // block's input and one block's graph at a time. A fused tail counts its head's loss chunk
-    // (below) beside the working set, though the two are not alive at once: the fit absorbed it.
-    const int kept_here =
-        adopts
-            ? std::max(0, std::min(st.end, plan.tail_start) - std::max(st.begin, plan.kept_start))
-            : 0;
-    const double blocks = static_cast<double>(
-        std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1) - kept_here));
-    const double stage_working = blocks > 0 ? working : 0.0;
-    const double kept_inputs = blocks * tokens * H * elem;
-    double acts = stage_working + (!grads ? 0.0
-                                   : c.train.layer_recompute
-                                       ? kept_inputs + std::min(blocks, 1.0) * kept_per_block
-                                       : blocks * kept_per_block);
-    double stage_scores =
-        blocks > 0 && scores > 0.0
-            ? 2.0 * scores + mask +
-                  (grads ? (c.train.layer_recompute ? 1.0 : blocks) * (scores + mask) : 0.0)
-            : 0.0;
-    acts += stage_scores;
-    // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's
-    // hidden state at once.
-    if (MayRunLayerMajor(c, st, core::Round(c).microbatches))
-      acts += static_cast<double>(core::Round(c).microbatches - 1) * tokens * H * elem;
-    if (grads && profile) {  // measured: what each layer's autograd forward kept
-      double measured = 0.0, largest = 0.0;
-      bool all = true;
-      for (int l = std::max(st.begin, 1); l < std::min(st.end, plan.num_layers - 1); ++l) {
-        if (adopts && plan.KeepsGraph(l)) continue;
-        all = all && profile->layers[l].saved_bytes >= 0;
-        measured += profile->layers[l].saved_bytes;
-        largest = std::max(largest, profile->layers[l].saved_bytes);
-      }
-      if (all) {
-        // The profile measures what the graphs keep (the kept part), not the working set.
-        acts = (c.train.layer_recompute ? kept_inputs + largest : measured) + stage_working;
-        stage_scores = 0.0;  // measured: whatever the layers kept is in it
-      }
+    // A base kept on the device counts once, as `frozen`.
+    params += static_cast<double>(e.spec.LayerWeightBytes(l, 1, e.frozen_on_device ? 0 : 1));
+    for (const auto& use : e.spec.layer_uses[l]) {
+      const double numel = static_cast<double>(e.spec.params[use.param].numel);
+      grads_of_uses += numel * e.GradientBytesPerElement(use.role);
+      sums += numel * 4.0;
     }
-    // The head: one chunk's logits in the compute dtype; the composite loss adds fp32 logits,
-    // their softmax and gradient (the fused kernel writes the gradient over the logits).
-    if (st.end == plan.num_layers)
-      acts += (fused_cuda ? elem : elem + 3.0 * 4.0) *
-              std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
-              static_cast<double>(c.model.vocab_size);
-    weight_bytes.push_back(params * elem);
-    gradient_bytes.push_back(grads ? grads_of_uses + mapped * 8.0 : 0.0);
-    act_bytes.push_back(acts);
-    score_bytes.push_back(stage_scores);
-    sum_bytes.push_back(grads ? sums + mapped * 4.0 : 0.0);
   }
-  // While a job runs, its worker holds the weights of its next job: prefetched, or reserved
-  // (allocated, copied into as published) when the running job is a layer-major forward job.
-  // Jobs go to workers round-robin in the step's order (StepJobOrder: with interleaved calls
-  // F c0, F c1, T c0, B c0, T c1, B c1), so the next job of the job at position g is the one at
-  // g + workers, of this step or the next. (Pairing the worst stage with the largest weights of
-  // any stage overstates plans with one long stage: the 4B job's auto plan, whose last backward
-  // stage precedes a 36-layer forward stage, by about 8 GB.) A next job in the next step waits
-  // for this step's update in exact mode with clipping, which needs this job's gradients
-  // committed: unless this job reserves it, nothing of it is on the device while this job
-  // computes.
-  MemoryEstimate out;
-  const int calls = static_cast<int>(std::max<int64_t>(1, core::Round(c).calls));
-  const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
+  const bool grads = st.kind != StageKind::kForward;
+  // A gradient stage: every block's kept tensors and one block's working set; a forward stage
+  // (no graph): one block's working set. train.layer_recompute: a gradient stage keeps each
+  // block's input and one block's graph at a time. A fused tail counts its head's loss chunk
+  // (below) beside the working set, though the two are not alive at once: the fit absorbed it.
+  const int kept_here =
+      adopts ? std::max(0, std::min(st.end, plan.tail_start) - std::max(st.begin, plan.kept_start))
+             : 0;
+  const double blocks = static_cast<double>(
+      std::max(0, std::min(st.end, plan.num_layers - 1) - std::max(st.begin, 1) - kept_here));
+  const double stage_working = blocks > 0 ? block.working : 0.0;
+  const double kept_inputs = blocks * tokens * H * elem;
+  double acts =
+      stage_working + (!grads                    ? 0.0
+                       : c.train.layer_recompute ? kept_inputs + std::min(blocks, 1.0) * block.kept
+                                                 : blocks * block.kept);
+  double stage_scores =
+      blocks > 0 && scores > 0.0
+          ? 2.0 * scores + mask +
+                (grads ? (c.train.layer_recompute ? 1.0 : blocks) * (scores + mask) : 0.0)
+          : 0.0;
+  acts += stage_scores;
+  // A layer-major forward stage (worker::Executor::ForwardLayers) holds every microbatch's hidden
+  // state at once.
+  if (MayRunLayerMajor(c, st, core::Round(c).microbatches))
+    acts += static_cast<double>(core::Round(c).microbatches - 1) * tokens * H * elem;
+  if (grads && profile) {  // measured: what each layer's autograd forward kept
+    double measured = 0.0, largest = 0.0;
+    bool all = true;
+    for (int l = std::max(st.begin, 1); l < std::min(st.end, plan.num_layers - 1); ++l) {
+      if (adopts && plan.KeepsGraph(l)) continue;
+      all = all && profile->layers[l].saved_bytes >= 0;
+      measured += profile->layers[l].saved_bytes;
+      largest = std::max(largest, profile->layers[l].saved_bytes);
+    }
+    if (all) {
+      // The profile measures what the graphs keep (the kept part), not the working set.
+      acts = (c.train.layer_recompute ? kept_inputs + largest : measured) + stage_working;
+      stage_scores = 0.0;  // measured: whatever the layers kept is in it
+    }
+  }
+  // The head: one chunk's logits in the compute dtype; the composite loss adds fp32 logits, their
+  // softmax and gradient (the fused kernel writes the gradient over the logits).
+  if (st.end == plan.num_layers)
+    acts += (e.fused_cuda ? elem : elem + 3.0 * 4.0) *
+            std::min(static_cast<double>(c.train.loss_chunk_tokens), tokens) *
+            static_cast<double>(c.model.vocab_size);
+  StageMemory m;
+  m.weights = params * elem;
+  m.gradients = grads ? grads_of_uses + mapped * 8.0 : 0.0;
+  m.activations = acts;
+  m.scores = stage_scores;
+  m.sums = grads ? sums + mapped * 4.0 : 0.0;
+  return m;
+}
+
+// The job whose worker holds the most. While a job runs, its worker holds the weights of its
+// next job: prefetched, or reserved (allocated, copied into as published) when the running job is
+// a layer-major forward job. Jobs go to workers round-robin in the step's order (StepJobOrder:
+// with interleaved calls F c0, F c1, T c0, B c0, T c1, B c1), so the next job of the job at
+// position g is the one at g + workers, of this step or the next. (Pairing the worst stage with
+// the largest weights of any stage overstates plans with one long stage, such as an auto plan
+// whose last backward stage precedes a long forward stage.) A next job in the next step waits
+// for this step's update in exact mode with clipping, which needs this job's gradients
+// committed: unless this job reserves it, nothing of it is on the device while this job computes.
+void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages,
+                  const std::vector<JobSlot>& order, int64_t ahead, MemoryEstimate* out) {
+  const JobConfig& c = e.c;
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
-  const int64_t ahead = std::max(1, workers);
   const bool next_step_waits =
       c.optimizer.mode == core::OptimizerMode::kExact && core::UpdatesWaitForNorm(c);
   double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
     const int n = order[(g + ahead) % jobs_per_step].stage;
-    const bool reserves = MayRunLayerMajor(c, plan.stages[i], core::Round(c).microbatches);
+    const bool reserves = MayRunLayerMajor(c, e.plan.stages[i], core::Round(c).microbatches);
     const bool waits = g + ahead >= jobs_per_step && next_step_waits && !reserves;
-    const double next = waits ? 0.0 : weight_bytes[n];
-    const double job = weight_bytes[i] + gradient_bytes[i] + act_bytes[i] + next;
-    if (out.stage < 0 || job > worst) {
+    const double next = waits ? 0.0 : stages[n].weights;
+    const double job = stages[i].weights + stages[i].gradients + stages[i].activations + next;
+    if (out->stage < 0 || job > worst) {
       worst = job;
-      out.stage = i;
-      out.weights = weight_bytes[i];
-      out.next_weights = next;
-      out.gradients = gradient_bytes[i];
-      out.activations = act_bytes[i];
-      out.attention_scores = score_bytes[i];
+      out->stage = i;
+      out->weights = stages[i].weights;
+      out->next_weights = next;
+      out->gradients = stages[i].gradients;
+      out->activations = stages[i].activations;
+      out->attention_scores = stages[i].scores;
     }
   }
-  // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
-  // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
-  // activation pool (activations = "cuda_ipc") holds the same in every worker.
-  double resident = 0.0;
-  if (c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)) {
-    resident = static_cast<double>(ActivationParities(c)) *
-               static_cast<double>(core::Round(c).microbatches) *
-               plan.ActivationSlotsPerMicrobatch() * tokens * H * elem;
+}
+
+// Gradients waiting in the workers for the norm: a worker holds every gradient job's sums it ran
+// this step (job g runs on worker g mod workers) until the step's last gradient job is done.
+double HeldGradientBytes(const EstimateBasis& e, const std::vector<StageMemory>& stages,
+                         const std::vector<JobSlot>& order, int64_t ahead, int worst_stage) {
+  if (!GradientsWaitInWorkers(e.c)) return 0.0;
+  std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
+  for (size_t g = 0; g < order.size(); ++g)
+    per_worker[g % static_cast<size_t>(ahead)] += stages[order[g].stage].sums;
+  const double busiest = *std::max_element(per_worker.begin(), per_worker.end());
+  double held = std::max(0.0, busiest - (worst_stage >= 0 ? stages[worst_stage].sums : 0.0));
+  // stale1: step t + 1's jobs need only version t, so a worker may finish them and hold their
+  // sums while step t's still wait for its norm.
+  if (e.c.optimizer.mode == core::OptimizerMode::kStale1) held += busiest;
+  return held;
+}
+
+// Kept blocks: a whole round's graphs and the blocks' weights in the compute dtype with their
+// fp32 sums; twice over with interleaved calls, whose forward stages both run (each with its own
+// weights) before the first call's backward. A kept block's graph holds about 8.6 hidden-sized
+// and three intermediate-sized tensors per token (fitted to the allocator's peaks with two counts
+// of kept blocks), more than a gradient stage's 7.5 (PerBlockActivations' kept part).
+double KeptBlocksBytes(const EstimateBasis& e) {
+  const JobConfig& c = e.c;
+  const int kept_blocks = std::max(0, e.plan.tail_start - e.plan.kept_start);
+  if (kept_blocks == 0) return 0.0;
+  const double calls_in_flight = InterleaveCalls(c) && core::Round(c).calls >= 2 ? 2.0 : 1.0;
+  const double graph =
+      e.tokens * (8.6 * e.H + 3.0 * static_cast<double>(c.model.intermediate_size)) * e.elem;
+  double per_call =
+      static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
+  for (int l = e.plan.kept_start; l < e.plan.tail_start; ++l) {
+    per_call +=
+        static_cast<double>(e.spec.LayerWeightBytes(l, 1, e.frozen_on_device ? 0 : 1)) * e.elem;
+    for (const auto& use : e.spec.layer_uses[l])
+      per_call +=
+          static_cast<double>(e.spec.params[use.param].numel) * e.GradientBytesPerElement(use.role);
   }
-  // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
-  const double staging =
-      WorkersFetchMasters(c) && elem == 2.0 && c.job.device != core::DeviceKind::kCpu
-          ? 64.0 * (1 << 20)
-          : 0.0;
-  // Gradients waiting in the workers for the norm: a worker holds every gradient job's sums it ran
-  // this step (job g runs on worker g mod workers) until the step's last gradient job is done.
-  double held = 0.0;
-  if (GradientsWaitInWorkers(c)) {
-    std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
-    for (int64_t g = 0; g < jobs_per_step; ++g)
-      per_worker[static_cast<size_t>(g % ahead)] += sum_bytes[order[g].stage];
-    const double busiest = *std::max_element(per_worker.begin(), per_worker.end());
-    held = std::max(0.0, busiest - (out.stage >= 0 ? sum_bytes[out.stage] : 0.0));
-    // stale1: step t + 1's jobs need only version t, so a worker may finish them and hold their
-    // sums while step t's still wait for its norm.
-    if (c.optimizer.mode == core::OptimizerMode::kStale1) held += busiest;
-  }
-  // Kept blocks: a whole round's graphs and the blocks' weights in the compute dtype with their
-  // fp32 sums; twice over with interleaved calls, whose forward stages both run (each with its
-  // own weights) before the first call's backward. A kept block's graph holds about 8.6
-  // hidden-sized and three intermediate-sized tensors per token (fitted to the allocator's peaks
-  // with two counts of kept blocks), more than a gradient stage's 7.5 (the kept part above).
-  double kept = 0.0;
-  const int kept_blocks = std::max(0, plan.tail_start - plan.kept_start);
-  if (kept_blocks > 0) {
-    const double calls_in_flight = InterleaveCalls(c) && core::Round(c).calls >= 2 ? 2.0 : 1.0;
-    const double graph =
-        tokens * (8.6 * H + 3.0 * static_cast<double>(c.model.intermediate_size)) * elem;
-    double per_call =
-        static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
-    for (int l = plan.kept_start; l < plan.tail_start; ++l) {
-      per_call += static_cast<double>(spec.LayerWeightBytes(l, 1, frozen_on_device ? 0 : 1)) * elem;
-      for (const auto& use : spec.layer_uses[l])
-        per_call += static_cast<double>(spec.params[use.param].numel) *
-                    (fused_cuda && SinkableRole(use.role) ? 4.0 : 4.0 + elem);
-    }
-    kept = calls_in_flight * per_call;
-  }
-  // The frozen base every worker keeps (FrozenOnDevice): all of it, copied at its first fetch,
-  // whichever stages it runs (evaluations read every layer).
-  out.frozen = frozen_on_device ? static_cast<double>(spec.FrozenParams()) * elem : 0.0;
-  out.resident = resident;
-  out.staging = staging;
-  out.held_gradients = held;
-  out.kept = kept;
-  // Device updates: the covered blocks' fp32 masters and moments (prefetched during the backward)
-  // and their fp32 gradients wait on the device for the step's constants, then their new weights
-  // in the compute dtype stay until the next step's update replaces them (PeakMemory says when
-  // they are there with what). With gradients waiting in the workers a covered gradient is one
-  // of the held ones.
+  return calls_in_flight * per_call;
+}
+
+// Device updates: the covered blocks' fp32 masters and moments (prefetched during the backward)
+// and their fp32 gradients wait on the device for the step's constants, then their new weights in
+// the compute dtype stay until the next step's update replaces them (PeakMemory says when they
+// are there with what). With gradients waiting in the workers a covered gradient is one of the
+// held ones.
+void EstimateDeviceUpdates(const EstimateBasis& e, const std::vector<StageMemory>& stages,
+                           MemoryEstimate* out) {
+  const JobConfig& c = e.c;
   const double state_bytes = GradientsWaitInWorkers(c) ? 12.0 : 16.0;
-  double device_update = 0.0, device_update_weights = 0.0, covered_gradients = 0.0;
+  double covered_gradients = 0.0;
   bool covered_kept = false;
-  for (size_t p = 0; p < spec.params.size(); ++p) {
-    const int layer = spec.params[p].owner_layer;
-    if (!DeviceUpdatesLayer(c, layer)) continue;
-    device_update += static_cast<double>(spec.params[p].numel) * (state_bytes + elem);
-    device_update_weights += static_cast<double>(spec.params[p].numel) * elem;
-    covered_gradients += static_cast<double>(spec.params[p].numel) * 4.0;
-    covered_kept = covered_kept || plan.KeepsGraph(layer);
+  for (const auto& param : e.spec.params) {
+    if (!DeviceUpdatesLayer(c, param.owner_layer)) continue;
+    const double numel = static_cast<double>(param.numel);
+    out->device_update += numel * (state_bytes + e.elem);
+    out->device_update_weights += numel * e.elem;
+    covered_gradients += numel * 4.0;
+    covered_kept = covered_kept || e.plan.KeepsGraph(param.owner_layer);
   }
-  out.device_update = device_update;
-  out.device_update_weights = device_update_weights;
   // The kept blocks end where the tail begins, so while all their graphs are there this step holds
   // only the tail's gradients; the covered blocks' state arrives with their own backward stages,
   // after the kept graphs are gone, unless a covered block is itself kept. The previous step's
   // covered gradients are committed after every other stage's (the host updates those blocks
   // last, while the next backward runs), so through a small arena they may still wait on the
   // device while the kept graphs fill: with clipping, the covered blocks' weights and fp32
-  // gradients show in the peak on top of the kept graphs. Exact mode
-  // only: in stale1 every gradient of the previous step may still wait while this step's forward
-  // runs.
-  out.kept_apart =
+  // gradients show in the peak on top of the kept graphs. Exact mode only: in stale1 every
+  // gradient of the previous step may still wait while this step's forward runs.
+  out->kept_apart =
       GradientsWaitInWorkers(c) && c.optimizer.mode == core::OptimizerMode::kExact && !covered_kept;
-  if (out.kept_apart) {
-    for (size_t i = 0; i < plan.stages.size(); ++i)
-      if (plan.stages[i].kind == StageKind::kFusedTail) out.held_with_kept += sum_bytes[i];
-    out.covered_waiting = covered_gradients;
+  if (out->kept_apart) {
+    for (size_t i = 0; i < e.plan.stages.size(); ++i)
+      if (e.plan.stages[i].kind == StageKind::kFusedTail) out->held_with_kept += stages[i].sums;
+    out->covered_waiting = covered_gradients;
   }
+}
+
+}  // namespace
+
+MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int workers,
+                              const Profile* profile) {
+  const EstimateBasis e(c, plan);
+  const BlockActivations block = PerBlockActivations(e);
+  std::vector<StageMemory> stages;
+  for (const auto& st : plan.stages) stages.push_back(EstimateStage(e, block, st, profile));
+  MemoryEstimate out;
+  const int calls = static_cast<int>(std::max<int64_t>(1, core::Round(c).calls));
+  const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
+  const int64_t ahead = std::max(1, workers);
+  FindWorstJob(e, stages, order, ahead, &out);
+  // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
+  // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
+  // activation pool (activations = "cuda_ipc") holds the same in every worker.
+  if (c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)) {
+    out.resident = static_cast<double>(ActivationParities(c)) *
+                   static_cast<double>(core::Round(c).microbatches) *
+                   plan.ActivationSlotsPerMicrobatch() * e.tokens * e.H * e.elem;
+  }
+  // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
+  if (WorkersFetchMasters(c) && e.elem == 2.0 && c.job.device != core::DeviceKind::kCpu)
+    out.staging = 64.0 * (1 << 20);
+  out.held_gradients = HeldGradientBytes(e, stages, order, ahead, out.stage);
+  out.kept = KeptBlocksBytes(e);
+  // The frozen base every worker keeps (FrozenOnDevice): all of it, copied at its first fetch,
+  // whichever stages it runs (evaluations read every layer).
+  out.frozen = e.frozen_on_device ? static_cast<double>(e.spec.FrozenParams()) * e.elem : 0.0;
+  EstimateDeviceUpdates(e, stages, &out);
   out.total = PeakMemory(c, &out, 0.0);
   return out;
 }
