@@ -178,6 +178,84 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   return 0;
 }
 
+// The GPU the cost model assumes: a named one, or one of the given rates.
+rp::StatusOr<rp::core::DeviceModel> DeviceFromFlags(const std::string& device_name, double tflops,
+                                                    double h2d_gbs) {
+  if (device_name != "custom") {
+    if (tflops > 0 || h2d_gbs > 0)
+      return rp::Status::InvalidArgument("--tflops and --h2d-gbs go with --device custom");
+    return rp::core::DeviceModelNamed(device_name);
+  }
+  if (tflops <= 0 || h2d_gbs <= 0)
+    return rp::Status::InvalidArgument("--device custom needs --tflops and --h2d-gbs");
+  rp::core::DeviceModel device = rp::core::H200Model();  // fp32 and the optimizer scale with it
+  device.name = "custom";
+  device.fp32_flops_per_s = device.fp32_flops_per_s * tflops * 1e12 / device.bf16_flops_per_s;
+  device.bf16_flops_per_s = tflops * 1e12;
+  device.link_bytes_per_s = h2d_gbs * 1e9;
+  device.memory_gb = 0.0;
+  char text[160];
+  std::snprintf(text, sizeof(text),
+                "custom: bf16 products at %g TFLOP/s, host link %g GB/s, AdamW 6.7e9 "
+                "parameters/s",
+                tflops, h2d_gbs);
+  device.source = text;
+  return device;
+}
+
+nlohmann::json ChoiceJson(const rp::core::PlanChoice& c, double step_tokens) {
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& s : c.plan.stages)
+    stages.push_back({{"kind", rp::core::StageKindName(s.kind)}, {"layers", {s.begin, s.end}}});
+  return nlohmann::json{
+      {"plan", c.plan.Describe()},
+      {"stages", stages},
+      {"predicted_step_s", c.step_seconds},
+      {"predicted_tokens_per_s", step_tokens / c.step_seconds},
+      {"predicted_bubble_ratio", c.bubble_ratio},
+      {"predicted_first_step_s", c.first_step_seconds},
+      {"first_step_fill_ratio", c.fill_ratio},
+      {"first_step_drain_ratio", c.drain_ratio},
+      {"first_step_imbalance_ratio", c.imbalance_ratio},
+      {"peak_memory_bytes_per_worker", c.peak_memory_bytes},
+      {"peak_memory_parts",
+       {{"stage", c.memory.stage >= 0 ? c.plan.stages[c.memory.stage].Describe() : "-"},
+        {"weights", c.memory.weights},
+        {"next_job_weights", c.memory.next_weights},
+        {"gradients", c.memory.gradients},
+        {"activations", c.memory.activations},
+        {"resident_activation_slots", c.memory.resident},
+        {"staging", c.memory.staging},
+        {"gradients_waiting_for_slots", c.held_grad_bytes},
+        {"gradients_waiting_for_norm", c.memory.held_gradients},
+        {"kept_graphs", c.memory.kept},
+        {"frozen_on_device", c.memory.frozen},
+        {"device_update", c.memory.device_update},
+        {"not_at_once", c.memory.not_at_once}}}};
+}
+
+void PrintChoice(const char* title, const rp::core::PlanChoice& c, double step_tokens, int nnodes) {
+  std::printf("%s: %s\n", title, c.plan.Describe().c_str());
+  std::printf("  predicted step (steady state): %.4f s, bubble ratio %.1f%%, %.0f tokens/s%s\n",
+              c.step_seconds, 100.0 * c.bubble_ratio, step_tokens / c.step_seconds,
+              nnodes > 1 ? (" over " + std::to_string(nnodes) + " nodes").c_str() : "");
+  std::printf("  first step from idle: %.4f s; idle: fill %.1f%%, drain %.1f%%, imbalance %.1f%%\n",
+              c.first_step_seconds, 100.0 * c.fill_ratio, 100.0 * c.drain_ratio,
+              100.0 * c.imbalance_ratio);
+  std::printf("  estimated peak memory per worker: %.2f GB\n", c.peak_memory_bytes / 1e9);
+  const auto& m = c.memory;
+  std::printf(
+      "    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
+      "gradients waiting for slots %.2f, for the norm %.2f, resident activation slots %.2f, "
+      "staging %.2f, "
+      "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never "
+      "at once %.2f GB\n",
+      m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9,
+      m.next_weights / 1e9, m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9,
+      m.held_gradients / 1e9, m.resident / 1e9, m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9,
+      m.device_update / 1e9, m.not_at_once / 1e9);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -222,35 +300,10 @@ int main(int argc, char** argv) {
   app.add_option("--h2d-gbs", h2d_gbs, "--device custom: host-to-device GB/s of its link")
       ->check(CLI::Range(0.001, 1e6));
   CLI11_PARSE(app, argc, argv);
-  rp::core::DeviceModel device;
-  if (device_name == "custom") {
-    if (tflops <= 0 || h2d_gbs <= 0) {
-      std::fprintf(stderr, "rp-plan: --device custom needs --tflops and --h2d-gbs\n");
-      return rp::kExitBadConfig;
-    }
-    device = rp::core::H200Model();  // fp32 and the optimizer's rate scale with the products
-    device.name = "custom";
-    device.fp32_flops_per_s = device.fp32_flops_per_s * tflops * 1e12 / device.bf16_flops_per_s;
-    device.bf16_flops_per_s = tflops * 1e12;
-    device.link_bytes_per_s = h2d_gbs * 1e9;
-    device.memory_gb = 0.0;
-    char text[160];
-    std::snprintf(text, sizeof(text),
-                  "custom: bf16 products at %g TFLOP/s, host link %g GB/s, AdamW 6.7e9 "
-                  "parameters/s",
-                  tflops, h2d_gbs);
-    device.source = text;
-  } else {
-    if (tflops > 0 || h2d_gbs > 0) {
-      std::fprintf(stderr, "rp-plan: --tflops and --h2d-gbs go with --device custom\n");
-      return rp::kExitBadConfig;
-    }
-    auto named = rp::core::DeviceModelNamed(device_name);
-    if (!named.ok()) {
-      std::fprintf(stderr, "rp-plan: %s\n", named.status().message().c_str());
-      return rp::kExitBadConfig;
-    }
-    device = *named;
+  auto device = DeviceFromFlags(device_name, tflops, h2d_gbs);
+  if (!device.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", device.status().message().c_str());
+    return rp::kExitBadConfig;
   }
   auto cfg = rp::core::LoadJobConfig(job, overrides);
   if (!cfg.ok()) {
@@ -267,7 +320,7 @@ int main(int argc, char** argv) {
       static_cast<double>(rp::core::GlobalRound(*cfg).calls *
                           rp::core::GlobalRound(*cfg).microbatches * cfg->TokensPerMicrobatch());
   if (!profile.empty()) cfg->schedule.profile = profile;
-  if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json, device);
+  if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json, *device);
   const bool tile_chosen = cfg->train.mlp_tile_tokens == rp::core::kMlpTileAuto;
   if (auto s = rp::core::ResolveMlpTile(&*cfg, gpus); !s.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
@@ -278,7 +331,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
     return rp::kExitBadConfig;
   }
-  auto costs = rp::core::PlanningProfile(*cfg, device);
+  auto costs = rp::core::PlanningProfile(*cfg, *device);
   if (!costs.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
     return rp::kExitBadConfig;
@@ -305,36 +358,8 @@ int main(int argc, char** argv) {
   const rp::core::PlanChoice& runs = own ? *own : *choice;
   const auto frozen_alt =
       rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, runs.step_seconds);
-  auto to_json = [&](const rp::core::PlanChoice& c) {
-    nlohmann::json stages = nlohmann::json::array();
-    for (const auto& s : c.plan.stages)
-      stages.push_back({{"kind", rp::core::StageKindName(s.kind)}, {"layers", {s.begin, s.end}}});
-    return nlohmann::json{
-        {"plan", c.plan.Describe()},
-        {"stages", stages},
-        {"predicted_step_s", c.step_seconds},
-        {"predicted_tokens_per_s", step_tokens / c.step_seconds},
-        {"predicted_bubble_ratio", c.bubble_ratio},
-        {"predicted_first_step_s", c.first_step_seconds},
-        {"first_step_fill_ratio", c.fill_ratio},
-        {"first_step_drain_ratio", c.drain_ratio},
-        {"first_step_imbalance_ratio", c.imbalance_ratio},
-        {"peak_memory_bytes_per_worker", c.peak_memory_bytes},
-        {"peak_memory_parts",
-         {{"stage", c.memory.stage >= 0 ? c.plan.stages[c.memory.stage].Describe() : "-"},
-          {"weights", c.memory.weights},
-          {"next_job_weights", c.memory.next_weights},
-          {"gradients", c.memory.gradients},
-          {"activations", c.memory.activations},
-          {"resident_activation_slots", c.memory.resident},
-          {"staging", c.memory.staging},
-          {"gradients_waiting_for_slots", c.held_grad_bytes},
-          {"gradients_waiting_for_norm", c.memory.held_gradients},
-          {"kept_graphs", c.memory.kept},
-          {"frozen_on_device", c.memory.frozen},
-          {"device_update", c.memory.device_update},
-          {"not_at_once", c.memory.not_at_once}}}};
-  };
+  auto to_json = [&](const rp::core::PlanChoice& c) { return ChoiceJson(c, step_tokens); };
+
   if (json) {
     nlohmann::json out = choice.ok()
                              ? to_json(*choice)
@@ -343,8 +368,8 @@ int main(int argc, char** argv) {
     out["nodes"] = nnodes;
     out["candidates"] = choice.ok() ? choice->candidates : 0;
     out["costs"] = runs.cost_source;
-    out["device"] = device.name;
-    out["device_model"] = device.source;
+    out["device"] = device->name;
+    out["device_model"] = device->source;
     out["mlp_tile_tokens"] = cfg->train.mlp_tile_tokens;
     out["mlp_tile_chosen"] = tile_chosen;
     out["kept_blocks"] = cfg->schedule.kept_blocks;
@@ -355,31 +380,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   auto print = [&](const char* title, const rp::core::PlanChoice& c) {
-    std::printf("%s: %s\n", title, c.plan.Describe().c_str());
-    std::printf("  predicted step (steady state): %.4f s, bubble ratio %.1f%%, %.0f tokens/s%s\n",
-                c.step_seconds, 100.0 * c.bubble_ratio, step_tokens / c.step_seconds,
-                nnodes > 1 ? (" over " + std::to_string(nnodes) + " nodes").c_str() : "");
-    std::printf(
-        "  first step from idle: %.4f s; idle: fill %.1f%%, drain %.1f%%, imbalance %.1f%%\n",
-        c.first_step_seconds, 100.0 * c.fill_ratio, 100.0 * c.drain_ratio,
-        100.0 * c.imbalance_ratio);
-    std::printf("  estimated peak memory per worker: %.2f GB\n", c.peak_memory_bytes / 1e9);
-    const auto& m = c.memory;
-    std::printf(
-        "    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
-        "gradients waiting for slots %.2f, for the norm %.2f, resident activation slots %.2f, "
-        "staging %.2f, "
-        "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never "
-        "at once %.2f GB\n",
-        m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9,
-        m.next_weights / 1e9, m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9,
-        m.held_gradients / 1e9, m.resident / 1e9, m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9,
-        m.device_update / 1e9, m.not_at_once / 1e9);
+    PrintChoice(title, c, step_tokens, nnodes);
   };
+
   std::printf("costs: %s%s%s\n", runs.cost_source.c_str(),
               cfg->schedule.profile.empty() ? "" : " from ", cfg->schedule.profile.c_str());
   if (cfg->schedule.profile.empty() && cfg->job.device != rp::core::DeviceKind::kCpu)
-    std::printf("device assumed: %s (--device %s)\n", device.source.c_str(), device.name.c_str());
+    std::printf("device assumed: %s (--device %s)\n", device->source.c_str(), device->name.c_str());
   if (tile_chosen)
     std::printf("MLP tile chosen for schedule.gpu_memory_gb = %.2f: %s\n",
                 cfg->schedule.gpu_memory_gb,

@@ -404,6 +404,90 @@ bool ParseSteps(const std::string& text, int64_t* a, int64_t* b) {
   return *a >= 1 && *b >= *a;
 }
 
+struct Picture {
+  std::string file, svg;
+};
+
+// The summary's rows: the job, its plan, the run's figures. `job_name` becomes the job's name
+// where the run directory's job.toml names it.
+std::vector<std::pair<std::string, std::string>> SummaryRows(
+    const std::string& dir, const std::vector<nlohmann::json>& lines, const Series& eval,
+    std::string* job_name) {
+  std::string text;
+  nlohmann::json summary = nlohmann::json::object();
+  if (ReadText(dir + "/summary.json", &text)) {
+    auto j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_object()) summary = j;
+  }
+  std::string plan = summary.value("plan", std::string());
+  std::vector<std::pair<std::string, std::string>> rows;
+  rows.push_back({"run directory", fs::absolute(dir).lexically_normal().string()});
+  rows.push_back({"status", summary.value("status", std::string("no summary.json yet"))});
+  if (!plan.empty()) rows.push_back({"plan", plan});
+  if (!lines.empty()) {
+    rows.push_back({"steps reported", std::to_string(lines.front()["step"].get<int64_t>()) + ".." +
+                                          std::to_string(lines.back()["step"].get<int64_t>())});
+    rows.push_back({"loss", Num(lines.front().value("loss", 0.0), 4) + " at the first step, " +
+                                Num(lines.back().value("loss", 0.0), 4) + " at the last"});
+    if (!eval.points.empty())
+      rows.push_back({"eval loss", Num(eval.points.back().second, 4) + " at step " +
+                                       Num(eval.points.back().first, 0)});
+    if (lines.back().contains("elapsed_s"))
+      rows.push_back({"elapsed", Num(lines.back()["elapsed_s"].get<double>(), 1) + " s"});
+    if (lines.back().contains("host_gib"))
+      rows.push_back({"host memory", Num(lines.back()["host_gib"].get<double>(), 2) + " GiB"});
+    if (lines.back().contains("device_peak_gib"))
+      rows.push_back(
+          {"device memory peak", Num(lines.back()["device_peak_gib"].get<double>(), 2) + " GiB"});
+  }
+  if (summary.contains("tokens_per_s"))
+    rows.push_back({"tokens/s (whole run)", Num(summary["tokens_per_s"].get<double>(), 0)});
+  if (summary.contains("wall_s"))
+    rows.push_back({"wall time", Num(summary["wall_s"].get<double>(), 1) + " s"});
+  if (ReadText(dir + "/job.toml", &text)) {
+    const auto at = text.find("\nname = ");
+    if (at != std::string::npos) {
+      const auto q = text.find_first_of("'\"", at);
+      const auto q2 = q == std::string::npos ? q : text.find(text[q], q + 1);
+      if (q2 != std::string::npos) *job_name = text.substr(q + 1, q2 - q - 1);
+    }
+    rows.push_back({"job", "job.toml in the run directory (the job as resolved)"});
+  }
+  return rows;
+}
+
+std::string ReportHtml(const std::string& job_name,
+                       const std::vector<std::pair<std::string, std::string>>& rows,
+                       const std::vector<Picture>& charts, const std::optional<Timeline>& timeline,
+                       const std::string& no_timeline) {
+  std::ostringstream html;
+  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>RoundPipe "
+          "run "
+       << Escape(job_name)
+       << "</title>\n<style>\nbody { font-family: sans-serif; margin: 24px; color: #222; }\n"
+       << "h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; }\n"
+       << "table { border-collapse: collapse; } td, th { padding: 3px 12px 3px 0; font-size: 14px; "
+          "text-align: left; "
+          "vertical-align: top; }\n.charts { display: flex; flex-wrap: wrap; gap: 16px; }\n"
+       << ".note { font-size: 14px; color: #555; }\n</style>\n</head>\n<body>\n<h1>RoundPipe run "
+       << Escape(job_name) << "</h1>\n<h2>Summary</h2>\n<table id=\"summary\">\n";
+  for (const auto& [k, v] : rows)
+    html << "<tr><th>" << Escape(k) << "</th><td>" << Escape(v) << "</td></tr>\n";
+  html << "</table>\n<h2>Training</h2>\n<div class=\"charts\">\n";
+  for (const auto& c : charts) html << c.svg;
+  html << "</div>\n<h2>Timeline</h2>\n";
+  if (timeline)
+    html << "<p class=\"note\">Hover a box for its job, stage and duration. Recompute runs inside "
+            "each backward "
+            "job's microbatches and is drawn with them.</p>\n"
+         << timeline->svg;
+  else
+    html << "<p class=\"note\" id=\"no-timeline\">No timeline: " << Escape(no_timeline)
+         << ".</p>\n";
+  html << "</body>\n</html>\n";
+  return html.str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -449,9 +533,6 @@ int main(int argc, char** argv) {
   const Series eval = series_of("eval_loss", "eval loss", "#e07b24", true);
   std::vector<Series> loss_series = {series_of("loss", "training loss", "#3b6fb6", false)};
   if (!eval.points.empty()) loss_series.push_back(eval);
-  struct Picture {
-    std::string file, svg;
-  };
   std::vector<Picture> charts = {
       {"loss.svg", Chart("loss", "Loss", "mean token cross-entropy (nats)", loss_series)},
       {"lr.svg",
@@ -481,46 +562,8 @@ int main(int argc, char** argv) {
   }
 
   // The summary: the job, its plan, the run's figures.
-  nlohmann::json summary = nlohmann::json::object();
-  if (ReadText(dir + "/summary.json", &text)) {
-    auto j = nlohmann::json::parse(text, nullptr, false);
-    if (j.is_object()) summary = j;
-  }
   std::string job_name = fs::path(dir).filename().string();
-  std::string plan = summary.value("plan", std::string());
-  std::vector<std::pair<std::string, std::string>> rows;
-  rows.push_back({"run directory", fs::absolute(dir).lexically_normal().string()});
-  rows.push_back({"status", summary.value("status", std::string("no summary.json yet"))});
-  if (!plan.empty()) rows.push_back({"plan", plan});
-  if (!lines.empty()) {
-    rows.push_back({"steps reported", std::to_string(lines.front()["step"].get<int64_t>()) + ".." +
-                                          std::to_string(lines.back()["step"].get<int64_t>())});
-    rows.push_back({"loss", Num(lines.front().value("loss", 0.0), 4) + " at the first step, " +
-                                Num(lines.back().value("loss", 0.0), 4) + " at the last"});
-    if (!eval.points.empty())
-      rows.push_back({"eval loss", Num(eval.points.back().second, 4) + " at step " +
-                                       Num(eval.points.back().first, 0)});
-    if (lines.back().contains("elapsed_s"))
-      rows.push_back({"elapsed", Num(lines.back()["elapsed_s"].get<double>(), 1) + " s"});
-    if (lines.back().contains("host_gib"))
-      rows.push_back({"host memory", Num(lines.back()["host_gib"].get<double>(), 2) + " GiB"});
-    if (lines.back().contains("device_peak_gib"))
-      rows.push_back(
-          {"device memory peak", Num(lines.back()["device_peak_gib"].get<double>(), 2) + " GiB"});
-  }
-  if (summary.contains("tokens_per_s"))
-    rows.push_back({"tokens/s (whole run)", Num(summary["tokens_per_s"].get<double>(), 0)});
-  if (summary.contains("wall_s"))
-    rows.push_back({"wall time", Num(summary["wall_s"].get<double>(), 1) + " s"});
-  if (ReadText(dir + "/job.toml", &text)) {
-    const auto at = text.find("\nname = ");
-    if (at != std::string::npos) {
-      const auto q = text.find_first_of("'\"", at);
-      const auto q2 = q == std::string::npos ? q : text.find(text[q], q + 1);
-      if (q2 != std::string::npos) job_name = text.substr(q + 1, q2 - q - 1);
-    }
-    rows.push_back({"job", "job.toml in the run directory (the job as resolved)"});
-  }
+  const auto rows = SummaryRows(dir, lines, eval, &job_name);
 
   std::error_code ec;
   fs::create_directories(out, ec);
@@ -528,34 +571,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-report: cannot create %s: %s\n", out.c_str(), ec.message().c_str());
     return rp::kExitError;
   }
-  std::ostringstream html;
-  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>RoundPipe "
-          "run "
-       << Escape(job_name)
-       << "</title>\n<style>\nbody { font-family: sans-serif; margin: 24px; color: #222; }\n"
-       << "h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; }\n"
-       << "table { border-collapse: collapse; } td, th { padding: 3px 12px 3px 0; font-size: 14px; "
-          "text-align: left; "
-          "vertical-align: top; }\n.charts { display: flex; flex-wrap: wrap; gap: 16px; }\n"
-       << ".note { font-size: 14px; color: #555; }\n</style>\n</head>\n<body>\n<h1>RoundPipe run "
-       << Escape(job_name) << "</h1>\n<h2>Summary</h2>\n<table id=\"summary\">\n";
-  for (const auto& [k, v] : rows)
-    html << "<tr><th>" << Escape(k) << "</th><td>" << Escape(v) << "</td></tr>\n";
-  html << "</table>\n<h2>Training</h2>\n<div class=\"charts\">\n";
-  for (const auto& c : charts) html << c.svg;
-  html << "</div>\n<h2>Timeline</h2>\n";
-  if (timeline)
-    html << "<p class=\"note\">Hover a box for its job, stage and duration. Recompute runs inside "
-            "each backward "
-            "job's microbatches and is drawn with them.</p>\n"
-         << timeline->svg;
-  else
-    html << "<p class=\"note\" id=\"no-timeline\">No timeline: " << Escape(no_timeline)
-         << ".</p>\n";
-  html << "</body>\n</html>\n";
+  const std::string html = ReportHtml(job_name, rows, charts, timeline, no_timeline);
   std::vector<Picture> files = charts;
   if (timeline) files.push_back({"timeline.svg", timeline->svg});
-  files.push_back({"report.html", html.str()});
+  files.push_back({"report.html", html});
   for (const auto& f : files)
     if (auto s = rp::core::WriteFileAtomically(out + "/" + f.file, f.svg); !s.ok()) {
       std::fprintf(stderr, "rp-report: %s\n", s.message().c_str());

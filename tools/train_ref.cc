@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <optional>
 
 #include "common/exit_codes.h"
@@ -33,7 +34,53 @@
 
 namespace {
 
-rp::Status Train(const std::string& job, const std::vector<std::string>& overrides) {
+// The whole training in one process: the job's model, data and state, and the parts of a step.
+class ReferenceTrainer {
+ public:
+  static rp::StatusOr<std::unique_ptr<ReferenceTrainer>> Open(
+      const std::string& job, const std::vector<std::string>& overrides);
+  rp::Status Run();
+
+ private:
+  struct Sums {
+    double loss = 0.0;
+    int64_t targets = 0;
+  };
+
+  ReferenceTrainer(rp::core::JobConfig cfg, rp::core::Dataset data, rp::core::MetricsWriter metrics)
+      : cfg_(std::move(cfg)),
+        data_(std::move(data)),
+        metrics_(std::move(metrics)),
+        spec_(rp::core::BuildModelSpec(cfg_.model, cfg_.lora)),
+        math_(cfg_.model, cfg_.train.loss_chunk_tokens, cfg_.lora),
+        stale1_(cfg_.optimizer.mode == rp::core::OptimizerMode::kStale1) {}
+
+  rp::Status LoadWeights();
+  std::vector<rp::model::LayerWeights> Layers(const std::vector<at::Tensor>& trained) const;
+  void SetDocuments();
+  // The forward and backward of every microbatch of `step`, gradients summed into params_.
+  Sums ComputeStep(int64_t step);
+  rp::StatusOr<rp::coord::OptimizerStepResult> Update(int64_t step);
+  // The eval set's loss after `step`'s update, when the job evaluates then; zero sums otherwise.
+  rp::StatusOr<Sums> Evaluate(int64_t step);
+
+  rp::core::JobConfig cfg_;
+  rp::core::Dataset data_;
+  std::optional<rp::core::Dataset> eval_data_;
+  rp::core::MetricsWriter metrics_;
+  const rp::core::ModelSpec spec_;
+  rp::model::Transformer math_;
+  // `params_` are what the model computes with; `masters_` are what the optimizer updates. In
+  // exact mode they are the same tensors. In stale1 mode step t computes with the weights holding
+  // t - 1 updates, so `params_` trail `masters_` by one update.
+  const bool stale1_;
+  std::vector<at::Tensor> params_, masters_, adam_m_, adam_v_, frozen_;
+  std::vector<rp::model::LayerWeights> layers_;
+  at::Tensor tokens_, labels_, positions_;
+};
+
+rp::StatusOr<std::unique_ptr<ReferenceTrainer>> ReferenceTrainer::Open(
+    const std::string& job, const std::vector<std::string>& overrides) {
   RP_ASSIGN_OR_RETURN(rp::core::JobConfig cfg, rp::core::LoadJobConfig(job, overrides));
   RP_RETURN_IF_ERROR(rp::core::ResolveTrainingLength(&cfg));
   if (cfg.train.dtype != rp::core::TrainDtype::kFp32)
@@ -49,180 +96,204 @@ rp::Status Train(const std::string& job, const std::vector<std::string>& overrid
   RP_RETURN_IF_ERROR(rp::core::PrepareOutputDir(cfg));
   RP_ASSIGN_OR_RETURN(auto metrics,
                       rp::core::MetricsWriter::Open(cfg.job.output_dir + "/metrics.jsonl"));
-  const rp::core::ModelSpec spec = rp::core::BuildModelSpec(cfg.model, cfg.lora);
-  rp::model::Transformer math(cfg.model, cfg.train.loss_chunk_tokens, cfg.lora);
+  std::unique_ptr<ReferenceTrainer> trainer(
+      new ReferenceTrainer(std::move(cfg), std::move(data), std::move(metrics)));
+  trainer->eval_data_ = std::move(eval_data);
+  RP_RETURN_IF_ERROR(trainer->LoadWeights());
+  const int64_t B = trainer->cfg_.train.microbatch_size, S = trainer->cfg_.data.seq_len;
+  trainer->tokens_ = at::empty({B, S}, at::kLong);
+  trainer->labels_ = at::empty({B, S}, at::kLong);
+  trainer->positions_ = at::empty({B, S}, at::kLong);
+  return trainer;
+}
 
-  // `params` are what the model computes with; `masters` are what the optimizer updates. In
-  // exact mode they are the same tensors. In stale1 mode step t computes with the weights
-  // holding t - 1 updates, so `params` trail `masters` by one update.
-  const bool stale1 = cfg.optimizer.mode == rp::core::OptimizerMode::kStale1;
-  std::vector<at::Tensor> params, masters, adam_m, adam_v;
+rp::Status ReferenceTrainer::LoadWeights() {
   std::optional<rp::core::HfWeights> hf;
-  if (!cfg.model.path.empty()) {
-    RP_ASSIGN_OR_RETURN(auto w, rp::core::HfWeights::Open(cfg.model.path));
+  if (!cfg_.model.path.empty()) {
+    RP_ASSIGN_OR_RETURN(auto w, rp::core::HfWeights::Open(cfg_.model.path));
     hf.emplace(std::move(w));
   }
   // LoRA: the base is frozen (no gradient), from the checkpoint or the seeded init; the adapters
   // start from lora.init_from or their own init.
-  std::vector<at::Tensor> frozen;
-  for (const auto& ps : spec.frozen) {
+  const auto seed = static_cast<uint64_t>(cfg_.train.seed);
+  for (const auto& ps : spec_.frozen) {
     at::Tensor t = at::empty(ps.shape, at::kFloat);
     if (hf) RP_RETURN_IF_ERROR(hf->Load(ps, t.data_ptr<float>()));
-    else
-      rp::core::InitParam(ps, spec.config, static_cast<uint64_t>(cfg.train.seed),
-                          t.data_ptr<float>());
-    frozen.push_back(t);
+    else rp::core::InitParam(ps, spec_.config, seed, t.data_ptr<float>());
+    frozen_.push_back(t);
   }
   std::optional<rp::core::PeftAdapter> adapter;
-  if (spec.lora.enabled()) {
+  if (spec_.lora.enabled()) {
     hf.reset();
-    if (!cfg.lora.init_from.empty()) {
-      RP_ASSIGN_OR_RETURN(auto a, rp::core::PeftAdapter::Open(cfg.lora.init_from, spec));
+    if (!cfg_.lora.init_from.empty()) {
+      RP_ASSIGN_OR_RETURN(auto a, rp::core::PeftAdapter::Open(cfg_.lora.init_from, spec_));
       adapter.emplace(std::move(a));
     }
   }
-  for (size_t p = 0; p < spec.params.size(); ++p) {
-    at::Tensor t = at::empty(spec.params[p].shape, at::kFloat);
-    if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec.params[p], t.data_ptr<float>()));
-    else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec.params[p], t.data_ptr<float>()));
-    else
-      rp::core::InitParam(spec, static_cast<int>(p), static_cast<uint64_t>(cfg.train.seed),
-                          t.data_ptr<float>());
-    masters.push_back(stale1 ? t.clone() : t);
-    params.push_back(t.requires_grad_(true));
-    adam_m.push_back(at::zeros_like(t));
-    adam_v.push_back(at::zeros_like(t));
+  for (size_t p = 0; p < spec_.params.size(); ++p) {
+    at::Tensor t = at::empty(spec_.params[p].shape, at::kFloat);
+    if (adapter) RP_RETURN_IF_ERROR(adapter->Load(spec_.params[p], t.data_ptr<float>()));
+    else if (hf) RP_RETURN_IF_ERROR(hf->Load(spec_.params[p], t.data_ptr<float>()));
+    else rp::core::InitParam(spec_, static_cast<int>(p), seed, t.data_ptr<float>());
+    masters_.push_back(stale1_ ? t.clone() : t);
+    params_.push_back(t.requires_grad_(true));
+    adam_m_.push_back(at::zeros_like(t));
+    adam_v_.push_back(at::zeros_like(t));
   }
-  std::vector<rp::model::LayerWeights> layers(spec.NumLayers());
-  for (int l = 0; l < spec.NumLayers(); ++l) {
-    for (auto& use : spec.layer_uses[l]) layers[l].emplace(use.role, params[use.param]);
-    for (auto& use : spec.layer_frozen[l]) layers[l].emplace(use.role, frozen[use.param]);
-  }
+  layers_ = Layers(params_);
+  return rp::Status::Ok();
+}
 
-  const int64_t B = cfg.train.microbatch_size, S = cfg.data.seq_len;
-  at::Tensor tokens = at::empty({B, S}, at::kLong), labels = at::empty({B, S}, at::kLong);
-  at::Tensor positions = at::empty({B, S}, at::kLong);
-  auto set_documents = [&] {
-    math.SetDocuments(rp::model::MakeDocuments(
-        positions.data_ptr<int64_t>(), B, S, [](const int64_t* host, int64_t n) {
-          return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
-        }));
-  };
-  const int L = static_cast<int>(cfg.model.num_layers);
-  for (int64_t step = 0; step < cfg.train.steps; ++step) {
+std::vector<rp::model::LayerWeights> ReferenceTrainer::Layers(
+    const std::vector<at::Tensor>& trained) const {
+  std::vector<rp::model::LayerWeights> layers(spec_.NumLayers());
+  for (int l = 0; l < spec_.NumLayers(); ++l) {
+    for (auto& use : spec_.layer_uses[l]) layers[l].emplace(use.role, trained[use.param]);
+    for (auto& use : spec_.layer_frozen[l]) layers[l].emplace(use.role, frozen_[use.param]);
+  }
+  return layers;
+}
+
+void ReferenceTrainer::SetDocuments() {
+  math_.SetDocuments(rp::model::MakeDocuments(
+      positions_.data_ptr<int64_t>(), cfg_.train.microbatch_size, cfg_.data.seq_len,
+      [](const int64_t* host, int64_t n) {
+        return at::from_blob(const_cast<int64_t*>(host), {n}, at::kLong).clone();
+      }));
+}
+
+ReferenceTrainer::Sums ReferenceTrainer::ComputeStep(int64_t step) {
+  const int L = static_cast<int>(cfg_.model.num_layers);
+  const int64_t tokens_per_microbatch = cfg_.train.microbatch_size * cfg_.data.seq_len;
+  const double scale = 1.0 / static_cast<double>(data_.CountStepTargets(step));
+  Sums sums;
+  for (int64_t c = 0; c < rp::core::Round(cfg_).calls; ++c)
+    for (int64_t mb = 0; mb < rp::core::Round(cfg_).microbatches; ++mb) {
+      data_.Fill(step, c, mb, tokens_.data_ptr<int64_t>(), labels_.data_ptr<int64_t>(),
+                 positions_.data_ptr<int64_t>());
+      SetDocuments();
+      math_.SetDropoutKey(rp::model::DropoutKey(cfg_.train.seed, step,
+                                                c * rp::core::Round(cfg_).microbatches + mb));
+      // The routers' load-balancing loss: its gradient, set before the forward, is filled once
+      // every sparse block has routed, before the backward reads it.
+      at::Tensor aux_grad;
+      if (cfg_.model.moe.aux_loss_weight > 0.0) {
+        aux_grad = at::zeros({cfg_.model.moe.num_experts}, at::kFloat);
+        math_.SetRouterAuxGrad(aux_grad);
+      }
+      at::Tensor x = math_.Embed(layers_[0], tokens_);
+      for (int l = 1; l <= L; ++l) x = math_.Block(layers_[l], x, l);
+      double aux_loss_sum = 0.0;
+      if (aux_grad.defined()) {
+        const rp::model::RouterAux aux =
+            math_.WholeModelRouterAux(tokens_per_microbatch, rp::core::RouterAuxWeight(cfg_));
+        aux_grad.copy_(at::tensor(aux.grad, at::kFloat));
+        aux_loss_sum = aux.value / scale;
+      }
+      const double loss_scale = step == rp::TestNanStep() ? std::nan("") : scale;
+      auto r = math_.HeadForwardBackward(layers_[L + 1], x, labels_, loss_scale, /*backward=*/true);
+      math_.SetRouterAuxGrad({});
+      sums.loss += r.loss_sum + aux_loss_sum;
+      sums.targets += r.targets;
+    }
+  return sums;
+}
+
+rp::StatusOr<rp::coord::OptimizerStepResult> ReferenceTrainer::Update(int64_t step) {
+  if (stale1_ && step > 0) {
+    // The next step computes with the weights as they are now (step updates applied).
+    c10::NoGradGuard no_grad;
+    for (size_t p = 0; p < params_.size(); ++p) params_[p].copy_(masters_[p]);
+  }
+  std::vector<rp::coord::ParamArrays> arrays;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    at::Tensor g = params_[p].grad();
+    if (!g.defined()) return rp::Status::Internal(spec_.params[p].name + " received no gradient");
+    rp::coord::ParamArrays a;
+    a.master = masters_[p].data_ptr<float>();
+    a.m = adam_m_[p].data_ptr<float>();
+    a.v = cfg_.optimizer.name == rp::core::OptimizerName::kAdamW ? adam_v_[p].data_ptr<float>()
+                                                                 : nullptr;
+    a.grad = g.data_ptr<float>();
+    a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
+    a.numel = spec_.params[p].numel;
+    a.decay = spec_.params[p].weight_decay;
+    a.row_elems = spec_.TiedRowElems(static_cast<int>(p));
+    arrays.push_back(a);
+  }
+  const double lr = rp::core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
+  auto res = rp::coord::OptimizerStep(arrays, cfg_.optimizer, lr, step + 1, cfg_.train.grad_clip,
+                                      rp::coord::ComputeDtype::kFloat32, 1);
+  for (auto& p : params_) p.mutable_grad().zero_();
+  return res;
+}
+
+// Eval after this step's update, with the weights holding step + 1 updates (the masters).
+rp::StatusOr<ReferenceTrainer::Sums> ReferenceTrainer::Evaluate(int64_t step) {
+  const int64_t every = cfg_.train.eval_every;
+  Sums sums;
+  if (!(every > 0 && ((step + 1) % every == 0 || step + 1 == cfg_.train.steps))) return sums;
+  const int L = static_cast<int>(cfg_.model.num_layers);
+  c10::NoGradGuard no_grad;
+  math_.SetTraining(false);
+  const std::vector<rp::model::LayerWeights> current = Layers(masters_);
+  for (int64_t k = 0; k < cfg_.train.eval_microbatches; ++k) {
+    eval_data_->FillEval(k, tokens_.data_ptr<int64_t>(), labels_.data_ptr<int64_t>(),
+                         positions_.data_ptr<int64_t>());
+    SetDocuments();
+    at::Tensor x = math_.Embed(current[0], tokens_);
+    for (int l = 1; l <= L; ++l) x = math_.Block(current[l], x, l);
+    auto r = math_.HeadForwardBackward(current[L + 1], x, labels_, 1.0, /*backward=*/false);
+    sums.loss += r.loss_sum;
+    sums.targets += r.targets;
+  }
+  math_.SetTraining(true);
+  if (sums.targets == 0)
+    return rp::Status::InvalidArgument("data: the eval set has no target tokens");
+  return sums;
+}
+
+rp::Status ReferenceTrainer::Run() {
+  for (int64_t step = 0; step < cfg_.train.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
-    const double scale = 1.0 / static_cast<double>(data.CountStepTargets(step));
-    double loss_sum = 0.0;
-    int64_t targets = 0;
-    for (int64_t c = 0; c < rp::core::Round(cfg).calls; ++c)
-      for (int64_t mb = 0; mb < rp::core::Round(cfg).microbatches; ++mb) {
-        data.Fill(step, c, mb, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(),
-                  positions.data_ptr<int64_t>());
-        set_documents();
-        math.SetDropoutKey(rp::model::DropoutKey(cfg.train.seed, step,
-                                                 c * rp::core::Round(cfg).microbatches + mb));
-        // The routers' load-balancing loss: its gradient, set before the forward, is filled
-        // once every sparse block has routed, before the backward reads it.
-        at::Tensor aux_grad;
-        if (cfg.model.moe.aux_loss_weight > 0.0) {
-          aux_grad = at::zeros({cfg.model.moe.num_experts}, at::kFloat);
-          math.SetRouterAuxGrad(aux_grad);
-        }
-        at::Tensor x = math.Embed(layers[0], tokens);
-        for (int l = 1; l <= L; ++l) x = math.Block(layers[l], x, l);
-        double aux_loss_sum = 0.0;
-        if (aux_grad.defined()) {
-          const rp::model::RouterAux aux =
-              math.WholeModelRouterAux(B * S, rp::core::RouterAuxWeight(cfg));
-          aux_grad.copy_(at::tensor(aux.grad, at::kFloat));
-          aux_loss_sum = aux.value / scale;
-        }
-        const double loss_scale = step == rp::TestNanStep() ? std::nan("") : scale;
-        auto r = math.HeadForwardBackward(layers[L + 1], x, labels, loss_scale, /*backward=*/true);
-        math.SetRouterAuxGrad({});
-        loss_sum += r.loss_sum + aux_loss_sum;
-        targets += r.targets;
-      }
-    if (stale1 && step > 0) {
-      // The next step computes with the weights as they are now (step updates applied).
-      c10::NoGradGuard no_grad;
-      for (size_t p = 0; p < params.size(); ++p) params[p].copy_(masters[p]);
-    }
-    std::vector<rp::coord::ParamArrays> arrays;
-    for (size_t p = 0; p < params.size(); ++p) {
-      at::Tensor g = params[p].grad();
-      if (!g.defined()) return rp::Status::Internal(spec.params[p].name + " received no gradient");
-      rp::coord::ParamArrays a;
-      a.master = masters[p].data_ptr<float>();
-      a.m = adam_m[p].data_ptr<float>();
-      a.v = cfg.optimizer.name == rp::core::OptimizerName::kAdamW ? adam_v[p].data_ptr<float>()
-                                                                  : nullptr;
-      a.grad = g.data_ptr<float>();
-      a.compute = a.master;  // the master is its own copy; stale1 copies it into params above
-      a.numel = spec.params[p].numel;
-      a.decay = spec.params[p].weight_decay;
-      a.row_elems = spec.TiedRowElems(static_cast<int>(p));
-      arrays.push_back(a);
-    }
-    const double lr = rp::core::LearningRate(cfg.optimizer, step, cfg.train.steps);
-    auto res = rp::coord::OptimizerStep(arrays, cfg.optimizer, lr, step + 1, cfg.train.grad_clip,
-                                        rp::coord::ComputeDtype::kFloat32, 1);
-    for (auto& p : params) p.mutable_grad().zero_();
-    // Eval after this step's update, with the weights holding step + 1 updates (the masters).
-    const int64_t every = cfg.train.eval_every;
-    double eval_sum = 0.0;
-    int64_t eval_targets = 0;
-    if (every > 0 && ((step + 1) % every == 0 || step + 1 == cfg.train.steps)) {
-      c10::NoGradGuard no_grad;
-      math.SetTraining(false);
-      std::vector<rp::model::LayerWeights> current(spec.NumLayers());
-      for (int l = 0; l < spec.NumLayers(); ++l) {
-        for (auto& use : spec.layer_uses[l]) current[l].emplace(use.role, masters[use.param]);
-        for (auto& use : spec.layer_frozen[l]) current[l].emplace(use.role, frozen[use.param]);
-      }
-      for (int64_t k = 0; k < cfg.train.eval_microbatches; ++k) {
-        eval_data->FillEval(k, tokens.data_ptr<int64_t>(), labels.data_ptr<int64_t>(),
-                            positions.data_ptr<int64_t>());
-        set_documents();
-        at::Tensor x = math.Embed(current[0], tokens);
-        for (int l = 1; l <= L; ++l) x = math.Block(current[l], x, l);
-        auto r = math.HeadForwardBackward(current[L + 1], x, labels, 1.0, /*backward=*/false);
-        eval_sum += r.loss_sum;
-        eval_targets += r.targets;
-      }
-      math.SetTraining(true);
-      if (eval_targets == 0)
-        return rp::Status::InvalidArgument("data: the eval set has no target tokens");
-    }
+    const Sums train = ComputeStep(step);
+    RP_ASSIGN_OR_RETURN(const rp::coord::OptimizerStepResult res, Update(step));
+    RP_ASSIGN_OR_RETURN(const Sums eval, Evaluate(step));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rp::core::StepMetrics m;
     m.step = step + 1;
-    m.loss = loss_sum / static_cast<double>(targets);
-    m.lr = lr;
+    m.loss = train.loss / static_cast<double>(train.targets);
+    m.lr = rp::core::LearningRate(cfg_.optimizer, step, cfg_.train.steps);
     m.grad_norm = res.grad_norm;
-    m.tokens = rp::core::Round(cfg).calls * rp::core::Round(cfg).microbatches * B * S;
+    m.tokens = rp::core::Round(cfg_).calls * rp::core::Round(cfg_).microbatches *
+               cfg_.train.microbatch_size * cfg_.data.seq_len;
     m.step_time_s = secs;
-    if (eval_targets > 0) {
-      m.eval_loss = eval_sum / static_cast<double>(eval_targets);
-      m.eval_tokens = eval_targets;
+    if (eval.targets > 0) {
+      m.eval_loss = eval.loss / static_cast<double>(eval.targets);
+      m.eval_tokens = eval.targets;
     }
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm))
       return rp::Status::NonFinite("step " + std::to_string(step + 1) + ": the gradient norm is " +
                                    std::to_string(m.grad_norm) +
                                    " (not finite): training diverged");
-    RP_RETURN_IF_ERROR(metrics.Append(m));
+    RP_RETURN_IF_ERROR(metrics_.Append(m));
     RP_LOG(INFO) << "step " << m.step << " loss " << m.loss << " grad_norm " << m.grad_norm
                  << (m.eval_loss >= 0 ? " eval_loss " + std::to_string(m.eval_loss)
                                       : std::string());
   }
   // The same exports as the coordinator's.
-  RP_RETURN_IF_ERROR(rp::core::ExportTrainedModel(
-      cfg, spec, [&](int p) { return masters[p].data_ptr<float>(); },
+  return rp::core::ExportTrainedModel(
+      cfg_, spec_, [&](int p) { return masters_[p].data_ptr<float>(); },
       [&](int f, float* out) {
-        std::memcpy(out, frozen[f].data_ptr<float>(), frozen[f].numel() * sizeof(float));
-      }));
-  return rp::Status::Ok();
+        std::memcpy(out, frozen_[f].data_ptr<float>(), frozen_[f].numel() * sizeof(float));
+      });
+}
+
+rp::Status Train(const std::string& job, const std::vector<std::string>& overrides) {
+  RP_ASSIGN_OR_RETURN(std::unique_ptr<ReferenceTrainer> trainer,
+                      ReferenceTrainer::Open(job, overrides));
+  return trainer->Run();
 }
 
 }  // namespace
