@@ -59,6 +59,16 @@ class Worker {
   Status Run();
 
  private:
+  // Run's parts, in order: the resolved run and its layout; CUDA or CPU; the groups that sum
+  // across nodes (joined in the background); Hello until Welcome and the segment; the device and
+  // what runs on it; the activation pool's handle and the host link's probe; the job loop.
+  Status ReadSpec();
+  Status ChooseBackend(int gpus);
+  void StartNodeGroups(int gpus);
+  Status JoinCoordinator(int gpus);
+  Status OpenDevice(int gpus);
+  Status AnnounceResources(int gpus);
+  Status Loop();
   Status Handle(const proto::Message& m);
   // Makes as much progress on the head job as its inputs allow. Returns true if it did work.
   StatusOr<bool> Progress();
@@ -661,6 +671,17 @@ proto::JobDone Worker::DoneMessage(const Finishing& f) const {
 }
 
 Status Worker::Run() {
+  RP_RETURN_IF_ERROR(ReadSpec());
+  const int gpus = CudaDeviceCount();
+  RP_RETURN_IF_ERROR(ChooseBackend(gpus));
+  StartNodeGroups(gpus);
+  RP_RETURN_IF_ERROR(JoinCoordinator(gpus));
+  RP_RETURN_IF_ERROR(OpenDevice(gpus));
+  RP_RETURN_IF_ERROR(AnnounceResources(gpus));
+  return Loop();
+}
+
+Status Worker::ReadSpec() {
   // The job and its plan as rp-launch resolved them: a worker neither parses the job file nor
   // plans.
   RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
@@ -669,7 +690,10 @@ Status Worker::Run() {
   round_microbatches_ = core::Round(cfg_).microbatches;
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
-  const int gpus = CudaDeviceCount();
+  return Status::Ok();
+}
+
+Status Worker::ChooseBackend(int gpus) {
   use_cuda_ = cfg_.job.device == core::DeviceKind::kCuda ||
               (cfg_.job.device == core::DeviceKind::kAuto && gpus > 0);
   if (use_cuda_ && gpus == 0)
@@ -679,34 +703,39 @@ Status Worker::Run() {
   if (!use_cuda_ && core::Fp8Matmuls(cfg_))
     return Status::InvalidArgument(std::string("train.dtype: \"") +
                                    core::EnumName(cfg_.train.dtype) + "\" needs CUDA workers");
+  return Status::Ok();
+}
+
+void Worker::StartNodeGroups(int gpus) {
   // Decided once: whether this worker sums its gradients across the nodes. A test hook forms a
   // group of this node alone, which runs every sum through the whole path and must change nothing.
   sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
-  if (sums_) {
-    // The run's secret comes from rp-launch through the environment, never through a file.
-    const char* secret = std::getenv(nodes::kRunSecretVariable);
-    nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count),
-                           static_cast<int>(cfg_.nodes.rank),
-                           cfg_.nodes.store_host,
-                           static_cast<int>(cfg_.nodes.store_port),
-                           cfg_.job.node_timeout_s,
-                           secret != nullptr ? secret : ""};
-    const int rank = opts_.rank;
-    // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
-    const int device = use_cuda_ ? opts_.rank % gpus : -1;
-    sums_options_ = at::TensorOptions().device(
-        use_cuda_ ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))
-                  : at::Device(at::kCPU));
-    auto join = [group, rank, device](const std::string& purpose) {
-      return device >= 0 ? JoinNcclGroup(group, rank, purpose, device)
-                         : nodes::NodeReduction::Join(group, rank, purpose);
-    };
-    join_gather_ = [join] { return join("gather"); };
-    joining_ = std::async(std::launch::async, [join] { return join("reduce"); });
-    if (core::EvalSplitAcrossNodes(cfg_) && cfg_.train.eval_every > 0)
-      joining_eval_ = std::async(std::launch::async, [join] { return join("eval"); });
-  }
+  if (!sums_) return;
+  // The run's secret comes from rp-launch through the environment, never through a file.
+  const char* secret = std::getenv(nodes::kRunSecretVariable);
+  nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count),
+                         static_cast<int>(cfg_.nodes.rank),
+                         cfg_.nodes.store_host,
+                         static_cast<int>(cfg_.nodes.store_port),
+                         cfg_.job.node_timeout_s,
+                         secret != nullptr ? secret : ""};
+  const int rank = opts_.rank;
+  // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
+  const int device = use_cuda_ ? opts_.rank % gpus : -1;
+  sums_options_ = at::TensorOptions().device(
+      use_cuda_ ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))
+                : at::Device(at::kCPU));
+  auto join = [group, rank, device](const std::string& purpose) {
+    return device >= 0 ? JoinNcclGroup(group, rank, purpose, device)
+                       : nodes::NodeReduction::Join(group, rank, purpose);
+  };
+  join_gather_ = [join] { return join("gather"); };
+  joining_ = std::async(std::launch::async, [join] { return join("reduce"); });
+  if (core::EvalSplitAcrossNodes(cfg_) && cfg_.train.eval_every > 0)
+    joining_eval_ = std::async(std::launch::async, [join] { return join("eval"); });
+}
 
+Status Worker::JoinCoordinator(int gpus) {
   RP_ASSIGN_OR_RETURN(
       auto ch, proto::DealerChannel::Connect(ControlEndpoint(opts_.runtime_dir), opts_.rank));
   channel_.emplace(std::move(ch));
@@ -749,6 +778,10 @@ Status Worker::Run() {
       return Status::ProtocolError("segment " + seg.name() + " is not initialized");
     segment_.emplace(std::move(seg));
   }
+  return Status::Ok();
+}
+
+Status Worker::OpenDevice(int gpus) {
   if (use_cuda_) {
     // Worker i uses GPU i mod the device count; N workers may share one GPU.
     RP_ASSIGN_OR_RETURN(
@@ -785,6 +818,10 @@ Status Worker::Run() {
     while (!device_->Completed(t)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   });
   RP_LOG(INFO) << "joined: device " << device_->Describe() << ", segment " << segment_->name();
+  return Status::Ok();
+}
+
+Status Worker::AnnounceResources(int gpus) {
   if (layout_.activations_in_pools) {
     // Announced once; the coordinator relays every peer's handle before the first RunJob. A
     // failure is reported (job -1) so the coordinator ends the run with the reason.
@@ -808,7 +845,10 @@ Status Worker::Run() {
   RP_ASSIGN_OR_RETURN(auto link, device_->ProbeLink(segment_->data(), probe_bytes));
   RP_RETURN_IF_ERROR(channel_->Send(proto::LinkProbe{link.h2d_bytes_per_s, link.d2h_bytes_per_s,
                                                      static_cast<int64_t>(probe_bytes)}));
+  return Status::Ok();
+}
 
+Status Worker::Loop() {
   while (!shutdown_) {
     if (g_stop) return Status::Cancelled("stopped by signal");
     if (LauncherGone()) return Status::Unavailable("launcher is gone");

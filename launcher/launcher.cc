@@ -830,6 +830,78 @@ Status Refusal(const char* format, ...) {
   return Status::InvalidArgument(text);
 }
 
+// The backend the job asks for against this build and host, and what the worker count allows:
+// GPUs per worker, cores per CPU worker, options that keep state in one worker.
+Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::JobConfig& cfg, int visible,
+                              bool cpu_workers) {
+  if (cfg.job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
+    return Refusal(
+        "job.device = \"cuda\", but this build has no CUDA backend "
+        "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build");
+  }
+  if (cfg.nodes.count > 1) {
+    // The workers sum across the nodes with Gloo (CPU workers) or NCCL (CUDA workers).
+    const bool cuda = RP_WITH_CUDA && (cfg.job.device == core::DeviceKind::kCuda ||
+                                       (cfg.job.device == core::DeviceKind::kAuto && visible != 0));
+    if (cuda && !RP_WITH_NCCL) {
+      return Refusal(
+          "several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
+          "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"");
+    }
+    if (!cuda && !RP_WITH_GLOO) {
+      return Refusal(
+          "several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
+          "build lacks (Debian: install libgloo-dev and rebuild)");
+    }
+  }
+  // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
+  // (docs/features.md); beyond that they only contend for its memory and its queue.
+  if (cfg.job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
+    constexpr int kWorkersPerGpu = 4;
+    if (visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
+      return Refusal(
+          "--gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
+          "at most %d per GPU",
+          o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
+    }
+    if (core::FrozenOnDevice(cfg) && visible > 0 && o.gpus > visible) {
+      return Refusal(
+          "schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
+          "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
+          "worker per GPU or leave the option off",
+          o.gpus, visible, visible == 1 ? "" : "s");
+    }
+  }
+  // CPU workers share the host's cores: beyond a few per core they only contend.
+  if (cpu_workers && core::Fp8Matmuls(cfg)) {
+    return Refusal(
+        "train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
+        "workers here (%s)",
+        core::EnumName(cfg.job.device),
+        RP_WITH_CUDA ? "no GPU is visible" : "this build has no CUDA backend");
+  }
+  const int max_cpu_workers = 4 * UsableCores();
+  if (cpu_workers && o.gpus > max_cpu_workers) {
+    return Refusal("--gpus %d CPU workers on %d usable cores; at most %d (4 per core)", o.gpus,
+                   UsableCores(), max_cpu_workers);
+  }
+  if (cfg.schedule.activations == core::Activations::kWorker && o.gpus != 1) {
+    return Refusal(
+        "schedule.activations = \"worker\" keeps activations in the one worker's "
+        "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"",
+        o.gpus);
+  }
+  if (cfg.schedule.kept_blocks > 0 && (o.gpus != 1 || cfg.nodes.count > 1)) {
+    return Refusal(
+        "schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
+        "the forward, for its backward, and needs one worker in the run (this launch asks for "
+        "%d on %lld node(s)); set it to 0",
+        static_cast<long long>(cfg.schedule.kept_blocks), o.gpus,
+        static_cast<long long>(cfg.nodes.count));
+  }
+  return Status::Ok();
+}
+
 // The run resolved and every check a launch makes before anything exists: the build, the
 // workers' count for the device, the files it reads first, the data, the output directory and
 // the host's memory. The dry run makes the same checks with the same messages and then prints
@@ -851,74 +923,9 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   core::RunSpec run = std::move(resolved).value();
   const core::JobConfig* cfg = &run.job;
   // Refused here, before any process exists, not by the workers once everything started.
-  if (cfg->job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
-    return Refusal(
-        "job.device = \"cuda\", but this build has no CUDA backend "
-        "(configured without a CUDA LibTorch and nvcc); use \"cpu\", or a CUDA build");
-  }
-  if (cfg->nodes.count > 1) {
-    // The workers sum across the nodes with Gloo (CPU workers) or NCCL (CUDA workers).
-    const bool cuda =
-        RP_WITH_CUDA && (cfg->job.device == core::DeviceKind::kCuda ||
-                         (cfg->job.device == core::DeviceKind::kAuto && visible != 0));
-    if (cuda && !RP_WITH_NCCL) {
-      return Refusal(
-          "several nodes with CUDA workers need LibTorch's c10d with NCCL, which this "
-          "build lacks (no nccl.h found at configure time); set job.device = \"cpu\"");
-    }
-    if (!cuda && !RP_WITH_GLOO) {
-      return Refusal(
-          "several nodes with CPU workers need LibTorch's c10d with Gloo, which this "
-          "build lacks (Debian: install libgloo-dev and rebuild)");
-    }
-  }
-  // CUDA workers take the visible GPUs round-robin (rank mod GPUs). A few may share one GPU
-  // (docs/features.md); beyond that they only contend for its memory and its queue.
-  if (cfg->job.device == core::DeviceKind::kCuda && RP_WITH_CUDA) {
-    constexpr int kWorkersPerGpu = 4;
-    if (visible >= 0 && o.gpus > kWorkersPerGpu * visible) {
-      return Refusal(
-          "--gpus %d CUDA workers on %d visible GPU%s (CUDA_VISIBLE_DEVICES, /dev/nvidia*); "
-          "at most %d per GPU",
-          o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
-    }
-    if (core::FrozenOnDevice(*cfg) && visible > 0 && o.gpus > visible) {
-      return Refusal(
-          "schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
-          "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
-          "worker per GPU or leave the option off",
-          o.gpus, visible, visible == 1 ? "" : "s");
-    }
-  }
-  // CPU workers share the host's cores: beyond a few per core they only contend.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
                            (cfg->job.device == core::DeviceKind::kAuto && visible == 0);
-  if (cpu_workers && core::Fp8Matmuls(*cfg)) {
-    return Refusal(
-        "train.dtype = \"fp8\" needs CUDA workers, and job.device = \"%s\" gives CPU "
-        "workers here (%s)",
-        core::EnumName(cfg->job.device),
-        RP_WITH_CUDA ? "no GPU is visible" : "this build has no CUDA backend");
-  }
-  const int max_cpu_workers = 4 * UsableCores();
-  if (cpu_workers && o.gpus > max_cpu_workers) {
-    return Refusal("--gpus %d CPU workers on %d usable cores; at most %d (4 per core)", o.gpus,
-                   UsableCores(), max_cpu_workers);
-  }
-  if (cfg->schedule.activations == core::Activations::kWorker && o.gpus != 1) {
-    return Refusal(
-        "schedule.activations = \"worker\" keeps activations in the one worker's "
-        "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"",
-        o.gpus);
-  }
-  if (cfg->schedule.kept_blocks > 0 && (o.gpus != 1 || cfg->nodes.count > 1)) {
-    return Refusal(
-        "schedule.kept_blocks = %lld keeps forward graphs in the worker that ran "
-        "the forward, for its backward, and needs one worker in the run (this launch asks for "
-        "%d on %lld node(s)); set it to 0",
-        static_cast<long long>(cfg->schedule.kept_blocks), o.gpus,
-        static_cast<long long>(cfg->nodes.count));
-  }
+  if (Status s = CheckWorkersFitTheHost(o, *cfg, visible, cpu_workers); !s.ok()) return s;
   uint64_t shared_bytes = 0;
   const core::ModelSpec spec = core::BuildModelSpec(cfg->model, cfg->lora);
   auto layout = shm::ComputeLayout(*cfg, spec, run.plan);
