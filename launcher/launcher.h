@@ -9,7 +9,9 @@
 //    (common/session.h RemoveOnLauncherDeath).
 //  * The first failure decides the outcome: which process, its pid, exit code or signal. The
 //    others are then stopped (SIGTERM, then SIGKILL).
-//  * SIGINT/SIGTERM are forwarded to every child; the launcher then exits kExitInterrupted.
+//  * The first SIGINT/SIGTERM is passed to the coordinator alone, as SIGINT, so it ends the run
+//    cleanly (a checkpoint, the summary); a second one sends SIGTERM to every child. The launcher
+//    then exits kExitInterrupted.
 //  * On every exit path the run's shared-memory segment and its 0700 runtime directory (control
 //    socket) are removed.
 //  * Several nodes (options.world): this node's rp-launch meets the others (launcher/node_link.h)

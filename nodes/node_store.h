@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // NodeStore: the key-value store the nodes of a multi-node run meet at (c10d's TCPStore). Node
-// 0's rp-launch hosts it; every launcher, coordinator and worker of every node is a client.
+// 0's rp-launch hosts it and every node's rp-launch is a client; the workers meet on the same
+// store under their reductions' rendezvous (SealedStore). Coordinators never connect to it.
 //
 // Contract:
 //  * Host() listens on `port` (every address) and is itself a client of what it hosts;

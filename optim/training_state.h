@@ -12,8 +12,9 @@
 //                    (core::RunDefiningValues); "masters_in_state", "run" and the checksums are
 //                    absent in older files
 //   sections         raw bytes: "optim" (the optimizer segment: moments, and the masters unless
-//                    workers fetch them) and "compute" (every compute-copy buffer, so stale1's
-//                    older weights resume too; the fp32 masters when workers fetch them)
+//                    workers fetch them), "compute" (every compute-copy buffer, so stale1's
+//                    older weights resume too; the fp32 masters when workers fetch them) and,
+//                    with fp16, "loss_scaling" (the dynamic loss scale's state)
 // Sharded state (core::ShardedState) on N nodes: node r writes
 // "step-<8 digits>.shard-<r>-of-<N>.rpstate" into the same directory, its header adding "shard"
 // and "shards", with "optim" (its optimizer segment: its shares only) and "compute_shares" (its
