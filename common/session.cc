@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "common/session.h"
+#include "common/environment.h"
 
 #include "common/exit_codes.h"
 #include "common/stop_agreement.h"
@@ -29,8 +30,8 @@ void OnLauncherDeath(int) {
   ::_exit(kExitPeerLost);
 }
 pid_t LauncherPid() {
-  const char* v = std::getenv("RP_LAUNCHER_PID");
-  return v ? static_cast<pid_t>(std::atol(v)) : 0;
+  const auto v = EnvironmentValue("RP_LAUNCHER_PID");
+  return v ? static_cast<pid_t>(std::atol(v->c_str())) : 0;
 }
 }  // namespace
 

@@ -1,10 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Test-only fault switches, shared by the hooks that fake a hang or a CUDA fault.
+// Test-only fault switches: RP_TEST_* environment variables that fake a hang, a fault, a slow
+// disk or a diverging step inside the programs, so the fault tests run the production paths.
 //
-// Contract: ClaimTestHookOnce("RP_TEST_X") is true in exactly one process of a run: the first to
-// create the marker file named by the environment variable (O_EXCL). Replacement processes
-// inherit the same environment but find the marker, so a fault fires once per run. False when the
-// variable is unset (production).
+// Contract:
+//  * The variables are the ones kTestHookVariables names; TestHookValue() reads all of them from
+//    the environment once, at a process's first use of any hook, and keeps them for the
+//    process's life (a hook consulted per microbatch costs no environment read). A name outside
+//    the list is a programming error: it aborts. Unset, every hook is off (production).
+//  * ClaimTestHookOnce("RP_TEST_X") is true in exactly one process of a run: the first to create
+//    the marker file the variable names (O_EXCL). Replacement processes inherit the same
+//    environment but find the marker, so a fault fires once per run.
 #pragma once
 
 #include <fcntl.h>
@@ -15,15 +20,27 @@
 
 namespace rp {
 
+inline constexpr const char* kTestHookVariables[] = {
+    "RP_TEST_ALWAYS_REPLAN",    "RP_TEST_CHECKPOINT_ON_LOOP",  "RP_TEST_CUDA_FAULT_ONCE",
+    "RP_TEST_DEVICE_HANG_ONCE", "RP_TEST_DEVICE_UPDATE_NUDGE", "RP_TEST_FAIL_EVAL_ONCE",
+    "RP_TEST_FAIL_POOL_ONCE",   "RP_TEST_HANG_ONCE",           "RP_TEST_LATE_COMPLETION_MS",
+    "RP_TEST_NAN_AT_STEP",      "RP_TEST_NODE_SUMS_ALONE",     "RP_TEST_OVERFLOW_AT_STEPS",
+    "RP_TEST_REPLAN_ONCE",      "RP_TEST_SLOW_CHECKPOINT_MS",  "RP_TEST_SLOW_EVAL_MS",
+    "RP_TEST_SLOW_FILL_MS",     "RP_TEST_SLOW_FROM_STEP",      "RP_TEST_WELCOME_TIMEOUT_S",
+};
+
+// The variable's value as the process found it at its first hook, or nullptr when unset.
+const char* TestHookValue(const char* name);
+
 // The milliseconds an environment variable names, in seconds; 0 when it is unset or not positive.
 inline double DelaySecondsFromEnv(const char* env_var) {
-  const char* v = std::getenv(env_var);
+  const char* v = TestHookValue(env_var);
   const double ms = v == nullptr ? 0.0 : std::strtod(v, nullptr);
   return ms > 0 ? ms * 1e-3 : 0.0;
 }
 
 inline bool ClaimTestHookOnce(const char* env_var) {
-  const char* path = std::getenv(env_var);
+  const char* path = TestHookValue(env_var);
   if (path == nullptr) return false;
   const int fd = ::open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return false;
@@ -37,7 +54,7 @@ inline bool ClaimTestHookOnce(const char* env_var) {
 // across that group too (core::ShardedState), so the whole path runs on one machine and must
 // change no bit.
 inline bool TestNodeSumsAlone() {
-  const char* v = std::getenv("RP_TEST_NODE_SUMS_ALONE");
+  const char* v = TestHookValue("RP_TEST_NODE_SUMS_ALONE");
   return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
 
@@ -46,7 +63,7 @@ inline bool TestNodeSumsAlone() {
 // while the host runs ahead, so the worker's bookkeeping of work in flight runs in CI. 0 when
 // unset.
 inline double TestLateCompletionSeconds() {
-  const char* v = std::getenv("RP_TEST_LATE_COMPLETION_MS");
+  const char* v = TestHookValue("RP_TEST_LATE_COMPLETION_MS");
   return v == nullptr ? 0.0 : std::strtod(v, nullptr) * 1e-3;
 }
 
@@ -59,13 +76,13 @@ inline bool TestDeviceHangOnce() { return ClaimTestHookOnce("RP_TEST_DEVICE_HANG
 // (optimizer.device_update_blocks) are scaled by 1 + 2^-7 before any stage uses them, so a test can
 // see that forward stages did use them (the run's losses then leave the host-updated run's).
 inline bool TestDeviceUpdateNudge() {
-  const char* v = std::getenv("RP_TEST_DEVICE_UPDATE_NUDGE");
+  const char* v = TestHookValue("RP_TEST_DEVICE_UPDATE_NUDGE");
   return v != nullptr && v[0] == '1' && v[1] == '\0';
 }
 
 // RP_TEST_ALWAYS_REPLAN (any value): every profile of an auto-partitioned run asks for a re-plan,
 // as profiles too noisy to agree would (the launcher's limit on re-plans).
-inline bool TestAlwaysReplan() { return std::getenv("RP_TEST_ALWAYS_REPLAN") != nullptr; }
+inline bool TestAlwaysReplan() { return TestHookValue("RP_TEST_ALWAYS_REPLAN") != nullptr; }
 // RP_TEST_REPLAN_ONCE=<marker path>: the run's first profile asks for a re-plan whatever it
 // predicts (ClaimTestHookOnce), so a test of the re-plan mechanics does not depend on which plan
 // a noisy profile favours; later profiles decide as usual.
@@ -75,7 +92,7 @@ inline bool TestReplanOnce() { return ClaimTestHookOnce("RP_TEST_REPLAN_ONCE"); 
 // milliseconds longer, in every worker: a machine that slowed down mid-run (the drift test).
 // Returns the extra seconds for a microbatch of `step`; 0 when the variable is unset.
 inline double TestSlowdownSeconds(int64_t step) {
-  const char* v = std::getenv("RP_TEST_SLOW_FROM_STEP");
+  const char* v = TestHookValue("RP_TEST_SLOW_FROM_STEP");
   if (v == nullptr) return 0.0;
   char* end = nullptr;
   const long long from = std::strtoll(v, &end, 10);
@@ -93,7 +110,9 @@ inline double TestEvalDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_
 // disk would. 0 when unset.
 // RP_TEST_CHECKPOINT_ON_LOOP=1: checkpoints are written on the coordinator's loop even where a
 // copy for a background write would fit (what a host short of memory does).
-inline bool TestCheckpointOnLoop() { return std::getenv("RP_TEST_CHECKPOINT_ON_LOOP") != nullptr; }
+inline bool TestCheckpointOnLoop() {
+  return TestHookValue("RP_TEST_CHECKPOINT_ON_LOOP") != nullptr;
+}
 
 inline double TestCheckpointDelaySeconds() {
   return DelaySecondsFromEnv("RP_TEST_SLOW_CHECKPOINT_MS");
@@ -102,7 +121,7 @@ inline double TestCheckpointDelaySeconds() {
 // RP_TEST_NAN_AT_STEP="<step>": the loss scale of every microbatch of that step (0-based) is NaN
 // in the workers and rp-train-ref, so its gradients are: a run that diverges. -1 when unset.
 inline int64_t TestNanStep() {
-  const char* v = std::getenv("RP_TEST_NAN_AT_STEP");
+  const char* v = TestHookValue("RP_TEST_NAN_AT_STEP");
   return v == nullptr ? -1 : std::strtoll(v, nullptr, 10);
 }
 
@@ -110,7 +129,7 @@ inline int64_t TestNanStep() {
 // (0-based) is infinite in the workers, so their gradients are not finite: what an fp16 overflow
 // does (an fp16 run skips exactly those steps; any other run diverges there).
 inline bool TestOverflowAt(int64_t step) {
-  const char* v = std::getenv("RP_TEST_OVERFLOW_AT_STEPS");
+  const char* v = TestHookValue("RP_TEST_OVERFLOW_AT_STEPS");
   if (v == nullptr) return false;
   for (const char* p = v; *p != '\0';) {
     char* end = nullptr;
@@ -129,7 +148,7 @@ inline double TestFillDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_
 // RP_TEST_WELCOME_TIMEOUT_S="<s>": a worker waits that long for the coordinator's Welcome instead
 // of its --hello-timeout-s (so a test of a slow fill needs no minutes-long wait). -1 when unset.
 inline int TestWelcomeTimeoutSeconds() {
-  const char* v = std::getenv("RP_TEST_WELCOME_TIMEOUT_S");
+  const char* v = TestHookValue("RP_TEST_WELCOME_TIMEOUT_S");
   return v == nullptr ? -1 : static_cast<int>(std::strtol(v, nullptr, 10));
 }
 

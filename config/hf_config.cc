@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "config/hf_config.h"
+#include "common/environment.h"
 
 #include <cctype>
 #include <cmath>
@@ -444,10 +445,7 @@ StatusOr<nlohmann::ordered_json> HfConfigJson(const ModelConfig& m) {
 }
 
 std::string HubCacheDir() {
-  auto env = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
-    return v != nullptr ? v : "";
-  };
+  auto env = [](const char* name) -> std::string { return EnvironmentValue(name).value_or(""); };
   if (!env("HF_HUB_CACHE").empty()) return env("HF_HUB_CACHE");
   if (!env("HF_HOME").empty()) return env("HF_HOME") + "/hub";
   if (!env("XDG_CACHE_HOME").empty()) return env("XDG_CACHE_HOME") + "/huggingface/hub";

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "config/job_config.h"
+#include "common/environment.h"
 
 #include "config/cross_checks.h"
 #include "config/hf_config.h"
@@ -753,9 +754,9 @@ std::string Join(const std::string& dir, const std::string& p) {
 // BenchKnobs from the environment; a value that does not parse is an error naming the variable.
 Status ReadBenchKnobs(BenchKnobs* k) {
   auto text = [](const char* var) -> std::optional<std::string> {
-    const char* v = std::getenv(var);
-    if (v == nullptr || *v == '\0') return std::nullopt;
-    return std::string(v);
+    auto v = EnvironmentValue(var);
+    if (!v || v->empty()) return std::nullopt;
+    return v;
   };
   auto flag = [&](const char* var, bool* out) -> Status {
     auto v = text(var);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "gpu_worker/kernel_trace.h"
+#include "common/environment.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
@@ -28,10 +29,10 @@ void StartKineto() {
 std::unique_ptr<prof::ProfilerResult> StopKineto() { return prof::disableProfiler(); }
 
 KernelTrace::KernelTrace(int rank, std::function<void()> drain) : drain_(std::move(drain)) {
-  const char* prefix = std::getenv("RP_TRACE_KERNELS");
-  if (prefix == nullptr || *prefix == '\0') return;
-  path_ = std::string(prefix) + ".w" + std::to_string(rank) + ".json";
-  if (const char* s = std::getenv("RP_TRACE_KERNELS_STEP")) step_ = std::atoll(s);
+  const auto prefix = EnvironmentValue("RP_TRACE_KERNELS");
+  if (!prefix || prefix->empty()) return;
+  path_ = *prefix + ".w" + std::to_string(rank) + ".json";
+  if (const auto s = EnvironmentValue("RP_TRACE_KERNELS_STEP")) step_ = std::atoll(s->c_str());
 }
 
 KernelTrace::~KernelTrace() { Stop(); }

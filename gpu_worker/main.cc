@@ -12,6 +12,7 @@
 #include <torch/version.h>
 
 #include "common/exit_status.h"
+#include "common/environment.h"
 #include "common/logging.h"
 #include "common/session.h"
 #include "common/test_hooks.h"
@@ -61,7 +62,7 @@ int main(int argc, char** argv) {
   }
   rp::InitLogging(argv[0], "worker " + std::to_string(o.rank));
   if (const int t = rp::TestWelcomeTimeoutSeconds(); t >= 0) o.welcome_timeout_s = t;
-  if (std::getenv("RP_DEBUG_PAUSE") != nullptr) {
+  if (rp::EnvironmentValue("RP_DEBUG_PAUSE")) {
     // --debug-worker: let any debugger of this user attach (Yama ptrace scope) and wait, before
     // touching the GPU, until one is attached and lets the process run, or until SIGUSR1. Not a
     // SIGSTOP: a stopped process stays stopped after a debugger detaches, which confuses users.

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "gpu_worker/worker.h"
+#include "common/environment.h"
 
 #include <unistd.h>
 
@@ -712,13 +713,13 @@ void Worker::StartNodeGroups(int gpus) {
   sums_ = cfg_.nodes.count > 1 || (cfg_.nodes.count == 1 && TestNodeSumsAlone());
   if (!sums_) return;
   // The run's secret comes from rp-launch through the environment, never through a file.
-  const char* secret = std::getenv(nodes::kRunSecretVariable);
+  const std::string secret = EnvironmentValue(nodes::kRunSecretVariable).value_or("");
   nodes::NodeGroup group{static_cast<int>(cfg_.nodes.count),
                          static_cast<int>(cfg_.nodes.rank),
                          cfg_.nodes.store_host,
                          static_cast<int>(cfg_.nodes.store_port),
                          cfg_.job.node_timeout_s,
-                         secret != nullptr ? secret : ""};
+                         secret};
   const int rank = opts_.rank;
   // CUDA workers sum on their GPU over NCCL, CPU workers in host memory over Gloo.
   const int device = use_cuda_ ? opts_.rank % gpus : -1;

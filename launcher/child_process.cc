@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "launcher/child_process.h"
 
+#include "common/environment.h"
+
 #include <signal.h>
 #include <spawn.h>
 #include <string.h>
@@ -8,8 +10,6 @@
 #include <unistd.h>
 
 #include <thread>
-
-extern char** environ;
 
 namespace rp::launch {
 
@@ -27,8 +27,7 @@ StatusOr<ChildProcess> ChildProcess::Spawn(const std::string& role,
   std::vector<char*> args;
   for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  std::vector<std::string> env_store;
-  for (char** e = environ; *e; ++e) env_store.emplace_back(*e);
+  std::vector<std::string> env_store = EnvironmentEntries();
   for (auto& e : extra_env) env_store.push_back(e);
   std::vector<char*> env;
   for (auto& e : env_store) env.push_back(const_cast<char*>(e.c_str()));

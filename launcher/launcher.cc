@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "launcher/launcher.h"
+#include "common/environment.h"
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -66,8 +67,8 @@ std::string NewSessionId() {
 }
 
 std::string RuntimeBase() {
-  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
-  if (xdg && *xdg && ::access(xdg, W_OK) == 0) return xdg;
+  const auto xdg = EnvironmentValue("XDG_RUNTIME_DIR");
+  if (xdg && !xdg->empty() && ::access(xdg->c_str(), W_OK) == 0) return *xdg;
   return "/tmp";
 }
 
@@ -240,9 +241,9 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
 // The GPUs a CUDA worker may use: CUDA_VISIBLE_DEVICES's entries when it is set, else the
 // /dev/nvidia<N> device nodes; -1 when neither says (the workers' own start-up then decides).
 int VisibleGpus() {
-  if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) {
+  if (const auto v = EnvironmentValue("CUDA_VISIBLE_DEVICES")) {
     int n = 0;
-    std::string list(v);
+    const std::string& list = *v;
     for (size_t at = 0; at <= list.size();) {
       const size_t comma = std::min(list.find(',', at), list.size());
       const std::string entry = list.substr(at, comma - at);
@@ -530,7 +531,7 @@ class ChildCommands {
     env_ = {"RP_LAUNCHER_PID=" + std::to_string(::getpid()), "RP_SESSION=" + session,
             "NCCL_NVLS_ENABLE=0"};
     // One BLAS thread per process: workers share the cores and CPU results stay reproducible.
-    if (!std::getenv("OPENBLAS_NUM_THREADS")) env_.push_back("OPENBLAS_NUM_THREADS=1");
+    if (!EnvironmentValue("OPENBLAS_NUM_THREADS")) env_.push_back("OPENBLAS_NUM_THREADS=1");
     // The workers' cross-node groups seal their store traffic with the run's secret.
     if (node_secret && !node_secret->from_env)
       env_.push_back(std::string(nodes::kRunSecretVariable) + "=" + node_secret->value);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "launcher/node_world.h"
+#include "common/environment.h"
 
 #include <cstdlib>
 #include <limits>
@@ -76,11 +77,7 @@ StatusOr<std::vector<std::string>> ExpandRanges(const std::string& body, const s
 
 }  // namespace
 
-std::optional<std::string> ProcessEnv(const std::string& name) {
-  const char* v = std::getenv(name.c_str());
-  if (!v) return std::nullopt;
-  return std::string(v);
-}
+std::optional<std::string> ProcessEnv(const std::string& name) { return EnvironmentValue(name); }
 
 StatusOr<std::vector<std::string>> ExpandHostList(const std::string& list) {
   std::vector<std::string> hosts;

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "nodes/node_reduction.h"
+#include "common/environment.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -93,8 +94,8 @@ StatusOr<std::unique_ptr<NodeReduction>> NodeReduction::Join(const NodeGroup& g,
     auto opts = c10d::ProcessGroupGloo::Options::create(op_timeout);
     // The interface the other nodes reach this one on: GLOO_SOCKET_IFNAME as torch.distributed
     // reads it, else the address this host's name resolves to.
-    if (const char* ifnames = std::getenv("GLOO_SOCKET_IFNAME"); ifnames && *ifnames) {
-      std::stringstream list(ifnames);
+    if (const auto ifnames = EnvironmentValue("GLOO_SOCKET_IFNAME"); ifnames && !ifnames->empty()) {
+      std::stringstream list(*ifnames);
       for (std::string ifname; std::getline(list, ifname, ',');)
         if (!ifname.empty())
           opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));

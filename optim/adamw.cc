@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "optim/adamw.h"
+#include "common/environment.h"
 
 #include <atomic>
 #include <cmath>
@@ -217,8 +218,8 @@ __attribute__((target("avx2"))) void AdamWAvx2(const AdamWConsts& k, const float
 // optimizer alone"): the hardware prefetchers stop at each 4 KiB page, software prefetches do
 // not.
 std::atomic<int64_t> prefetch_elements{[] {
-  const char* e = std::getenv("RP_OPTIM_PREFETCH");
-  return e ? std::atoll(e) : int64_t{512};
+  const auto e = EnvironmentValue("RP_OPTIM_PREFETCH");
+  return e ? std::atoll(e->c_str()) : int64_t{512};
 }()};
 
 template <typename Out, bool kMaster, bool kMoments>
@@ -287,8 +288,8 @@ SimdLevel DetectSimdLevel() {
   if (__builtin_cpu_supports("avx2")) best = SimdLevel::kAvx2;
   if (__builtin_cpu_supports("avx512f")) best = SimdLevel::kAvx512;
 #endif
-  if (const char* cap = std::getenv("RP_SIMD")) {
-    const std::string c = cap;
+  if (const auto cap = EnvironmentValue("RP_SIMD")) {
+    const std::string& c = *cap;
     const SimdLevel want = c == "scalar" ? SimdLevel::kScalar
                            : c == "avx2" ? SimdLevel::kAvx2
                                          : best;
