@@ -404,6 +404,20 @@ std::vector<std::string> RunDifferences(const RunRecord& checkpoint, const RunRe
 // from a checkpoint's config.json get the job keys' validation.
 Status CheckModelValue(const std::string& key, double value, const std::string& name);
 
+// How many updates a step's weights lag its own count: step t computes with the weights that hold
+// t - WeightVersionLag updates (none before step 0's). 0 in exact mode (synchronous training);
+// 1 in stale1, so step t - 1's update overlaps all of step t. The one definition of stale1's
+// lag: the dispatch's weight versions, the loss scale's delay, the compute buffers and the
+// simulator's dependencies all derive from it.
+inline int64_t WeightVersionLag(const JobConfig& c) {
+  return c.optimizer.mode == OptimizerMode::kStale1 ? 1 : 0;
+}
+
+// Whether the next step's weights need this step's update (no lag: exact mode). Where it holds,
+// the step boundary waits for the optimizer, which the dispatch, the optimizer's passes, the
+// activation slot sets, interleaved calls and the planner each account for.
+inline bool NextStepWaitsForUpdate(const JobConfig& c) { return WeightVersionLag(c) == 0; }
+
 // Whether no parameter may be updated before the step's global gradient norm is known: with
 // clipping (the norm scales every update) and with fp16's loss scaling (a step whose gradients are
 // not all finite updates nothing). Otherwise each parameter is updated as soon as its gradient is

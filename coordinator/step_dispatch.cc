@@ -41,11 +41,7 @@ Status StepDispatch::Dispatch(int64_t step) {
   const int K = static_cast<int>(parts_.round.calls);
   const int S = static_cast<int>(parts_.plan.stages.size());
   st.job_at.assign(static_cast<size_t>(K) * S, -1);
-  // exact: step t reads weights holding t updates; stale1: t - 1 updates, so step t - 1's update
-  // overlaps all of step t.
-  const int64_t version = parts_.cfg.optimizer.mode == core::OptimizerMode::kStale1
-                              ? std::max<int64_t>(0, step - 1)
-                              : step;
+  const int64_t version = std::max<int64_t>(0, step - core::WeightVersionLag(parts_.cfg));
   for (const auto [c, s] : core::StepJobOrder(parts_.plan, K, core::InterleaveCalls(parts_.cfg))) {
     StageJob j;
     j.index = TakeJobIndex();
@@ -155,7 +151,7 @@ bool StepDispatch::FirstCommitMayGo(int64_t step, int stage) const {
   // this step computes, and each slot comes back when its parameter's update is complete). In
   // stale1 mode, and before a checkpoint (which must hold step - 1 whole and nothing of this
   // step), the whole previous update must be complete.
-  if ((parts_.cfg.optimizer.mode != core::OptimizerMode::kExact ||
+  if ((!core::NextStepWaitsForUpdate(parts_.cfg) ||
        PeriodicCheckpointAfter(parts_.cfg, step - 1)) &&
       !parts_.optimizer.Updated(step - 1))
     return false;

@@ -37,7 +37,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // Two passes hold a parameter's slots until its second pass. That was measured where the
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
-      two_passes_(cfg.optimizer.mode == core::OptimizerMode::kExact && !layout.grads_streamed),
+      two_passes_(core::NextStepWaitsForUpdate(cfg) && !layout.grads_streamed),
       workers_norm_(core::GradientsWaitInWorkers(cfg)),
       shard_grads_(layout.sharded_grads),
       norm_first_(core::UpdatesWaitForNorm(cfg) && !workers_norm_),

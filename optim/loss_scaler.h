@@ -44,7 +44,7 @@ inline shm::LossScalerState NextLossScaler(const shm::LossScalerState& s, bool f
 // compute with the weights of version s (exact) or s - 1 (stale1), published once the norm of the
 // step before that version is known, so step s's scale is the state after step s - 1 - lag.
 inline int LossScaleLag(const core::JobConfig& c) {
-  return c.optimizer.mode == core::OptimizerMode::kStale1 ? 1 : 0;
+  return static_cast<int>(core::WeightVersionLag(c));
 }
 
 }  // namespace rp::coord

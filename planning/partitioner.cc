@@ -298,8 +298,7 @@ void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages
                   const std::vector<JobSlot>& order, int64_t ahead, MemoryEstimate* out) {
   const JobConfig& c = e.c;
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
-  const bool next_step_waits =
-      c.optimizer.mode == core::OptimizerMode::kExact && core::UpdatesWaitForNorm(c);
+  const bool next_step_waits = core::NextStepWaitsForUpdate(c) && core::UpdatesWaitForNorm(c);
   double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
@@ -332,7 +331,7 @@ double HeldGradientBytes(const EstimateBasis& e, const std::vector<StageMemory>&
   double held = std::max(0.0, busiest - (worst_stage >= 0 ? stages[worst_stage].sums : 0.0));
   // stale1: step t + 1's jobs need only version t, so a worker may finish them and hold their
   // sums while step t's still wait for its norm.
-  if (e.c.optimizer.mode == core::OptimizerMode::kStale1) held += busiest;
+  if (core::WeightVersionLag(e.c) > 0) held += busiest;
   return held;
 }
 
@@ -387,8 +386,7 @@ void EstimateDeviceUpdates(const EstimateBasis& e, const std::vector<StageMemory
   // device while the kept graphs fill: with clipping, the covered blocks' weights and fp32
   // gradients show in the peak on top of the kept graphs. Exact mode only: in stale1 every
   // gradient of the previous step may still wait while this step's forward runs.
-  out->kept_apart =
-      GradientsWaitInWorkers(c) && c.optimizer.mode == core::OptimizerMode::kExact && !covered_kept;
+  out->kept_apart = GradientsWaitInWorkers(c) && core::NextStepWaitsForUpdate(c) && !covered_kept;
   if (out->kept_apart) {
     for (size_t i = 0; i < e.plan.stages.size(); ++i)
       if (e.plan.stages[i].kind == StageKind::kFusedTail) out->held_with_kept += stages[i].sums;

@@ -98,7 +98,7 @@ std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool inte
 // step-boundary wait to hide, and with several workers the simulator predicts the interleaved
 // order ~1% slower there).
 inline bool InterleaveCalls(const JobConfig& c) {
-  return c.bench.interleave_calls && c.optimizer.mode == core::OptimizerMode::kExact;
+  return c.bench.interleave_calls && core::NextStepWaitsForUpdate(c);
 }
 
 // Whether a job of `stage` over `microbatches` may run layer-major (bench.layer_major_forward,
@@ -119,7 +119,7 @@ inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t mic
 // then, so its forward could not start behind the first layers' updates. A slot is reused only
 // when every job that read it is done, so a replacement worker can re-run any of them.
 inline int ActivationParities(const JobConfig& c) {
-  if (c.optimizer.mode != core::OptimizerMode::kExact || core::Round(c).calls > 1) return 2;
+  if (!core::NextStepWaitsForUpdate(c) || core::Round(c).calls > 1) return 2;
   return GradientsWaitInWorkers(c) ? 2 : 1;
 }
 

@@ -453,7 +453,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.steps = steps;
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
-  in.version_lag = c.optimizer.mode == core::OptimizerMode::kStale1 ? 2 : 1;
+  in.version_lag = static_cast<int>(1 + core::WeightVersionLag(c));
   // Gradients waiting in the workers: the norm comes from their squares before any commit, and
   // each parameter is updated as its commit lands (coordinator::AsyncOptimizer), with no norm
   // pass on the host.
@@ -579,7 +579,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     // The norm moves host memory at the first pass's rate: that pass reads the master, both
     // moments and the gradient and writes the fetched copy (the fp32 master, or a compute copy;
     // stale1's one pass writes all of them).
-    const double pass_bytes = c.optimizer.mode == core::OptimizerMode::kStale1
+    const double pass_bytes = !core::NextStepWaitsForUpdate(c)
                                   ? 16.0 + 12.0 + elem
                                   : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
     const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;

@@ -119,11 +119,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   pos = PackWeights(spec.params, a.weights_elem_bytes, pos, &a.compute);
   a.compute_end = pos;
   if (a.masters_in_state) a.master = a.compute;
-  // stale1 reads the previous version while the optimizer writes the next; a speculative update
-  // writes the next while the step still reads the current one.
-  a.compute_buffers =
-      c.optimizer.mode == core::OptimizerMode::kStale1 || core::SpeculatesUnclippedUpdate(c) ? 2
-                                                                                             : 1;
+  // A lagging step reads an older version while the optimizer writes the next one; a speculative
+  // update writes the next while the step still reads the current one.
+  a.compute_buffers = static_cast<int>(
+      std::max<int64_t>(1 + core::WeightVersionLag(c), core::SpeculatesUnclippedUpdate(c) ? 2 : 1));
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
   // frozen base out: it is reloaded from its source on resume.

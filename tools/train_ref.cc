@@ -53,7 +53,7 @@ class ReferenceTrainer {
         metrics_(std::move(metrics)),
         spec_(rp::core::BuildModelSpec(cfg_.model, cfg_.lora)),
         math_(cfg_.model, cfg_.train.loss_chunk_tokens, cfg_.lora),
-        stale1_(cfg_.optimizer.mode == rp::core::OptimizerMode::kStale1) {}
+        stale1_(rp::core::WeightVersionLag(cfg_) > 0) {}
 
   rp::Status LoadWeights();
   std::vector<rp::model::LayerWeights> Layers(const std::vector<at::Tensor>& trained) const;
