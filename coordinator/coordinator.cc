@@ -138,9 +138,7 @@ class Coordinator {
   int64_t StepH2dBytes() const;
   // Activations live in workers (schedule.activations = "worker", or activation pools) and a
   // worker is gone (`what` happened): the run stops.
-  bool ActivationsInWorkers() const {
-    return layout_.activations_in_worker || layout_.activations_in_pools;
-  }
+  bool ActivationsInWorkers() const { return layout_.activations != core::Activations::kHost; }
   Status ActivationsLost(const std::string& what) const;
   Status Finish(Status st);
 
@@ -194,8 +192,9 @@ class Coordinator {
 };
 
 Status Coordinator::ActivationsLost(const std::string& what) const {
-  const char* setting = layout_.activations_in_worker ? "schedule.activations = \"worker\""
-                                                      : "schedule.activations = \"cuda_ipc\"";
+  const char* setting = layout_.activations == core::Activations::kWorker
+                            ? "schedule.activations = \"worker\""
+                            : "schedule.activations = \"cuda_ipc\"";
   return Status::Unavailable(
       what + "; with " + setting +
       " the step's hidden states and input gradients lived in that worker's memory, so its "
@@ -211,7 +210,7 @@ Status Coordinator::Setup() {
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   trace_.emplace(cfg_.metrics.trace, plan_, round_.microbatches, opts_.num_workers);
   RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
-  if (layout_.activations_in_worker && opts_.num_workers != 1)
+  if (layout_.activations == core::Activations::kWorker && opts_.num_workers != 1)
     return Status::InvalidArgument(
         "schedule.activations = \"worker\" keeps activations in the one worker's "
         "memory and needs --gpus 1 (this run has " +
@@ -289,8 +288,8 @@ Status Coordinator::Setup() {
       << layout_.optim_total_bytes / (1 << 20) << " MiB; workers fetch "
       << (layout_.masters_in_state ? "the fp32 masters (no compute copy)" : "a compute copy")
       << "; activations "
-      << (layout_.activations_in_worker ? "kept in the worker's memory"
-          : layout_.activations_in_pools
+      << (layout_.activations == core::Activations::kWorker ? "kept in the worker's memory"
+          : layout_.activations == core::Activations::kCudaIpc
               ? "in each worker's activation pool (" + std::to_string(layout_.pool_bytes >> 10) +
                     " KiB per worker, activations = cuda_ipc)"
               : "in shared-memory slots (" +
@@ -327,7 +326,7 @@ Status Coordinator::StartParts() {
   WorkerTable::Setup table;
   table.workers = opts_.num_workers;
   table.layout_hash = layout_.hash;
-  table.activation_pools = layout_.activations_in_pools;
+  table.activation_pools = layout_.activations == core::Activations::kCudaIpc;
   table.pool_bytes = layout_.pool_bytes;
   table.segment_name = host_->state().name();
   table.segment_bytes = layout_.total_bytes;
@@ -876,9 +875,9 @@ Status Coordinator::Finish(Status st) {
       const auto spec = optimizer_->Speculation();
       summary["speculative_updates"] = {{"confirmed", spec.confirmed}, {"redone", spec.redone}};
     }
-    summary["activations"] = layout_.activations_in_worker  ? "worker"
-                             : layout_.activations_in_pools ? "cuda_ipc"
-                                                            : "host";
+    summary["activations"] = layout_.activations == core::Activations::kWorker    ? "worker"
+                             : layout_.activations == core::Activations::kCudaIpc ? "cuda_ipc"
+                                                                                  : "host";
     if (workers_) {
       summary["worker_replacements"] = workers_->replacements();
       summary["workers_hung"] = workers_->hung();

@@ -6,7 +6,7 @@ namespace rp::coord {
 InputRouting::InputRouting(const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
                            int microbatches)
     : plan_(plan), layout_(layout), microbatches_(microbatches) {
-  if (!layout_.activations_in_pools) return;
+  if (layout_.activations != core::Activations::kCudaIpc) return;
   const size_t per_parity = static_cast<size_t>(layout_.parities) * microbatches_;
   hidden_owner_.assign(per_parity * layout_.num_hidden, -1);
   grad_owner_.assign(per_parity * layout_.grad_slots_per_mb, -1);
@@ -17,7 +17,7 @@ size_t InputRouting::Base(const proto::RunJob& run, int mb) const {
 }
 
 void InputRouting::Recorded(const proto::RunJob& run, int mb, int rank) {
-  if (!layout_.activations_in_pools) return;
+  if (layout_.activations != core::Activations::kCudaIpc) return;
   const core::Stage& st = plan_.stages[run.stage];
   const size_t base = Base(run, mb);
   if (st.kind == core::StageKind::kForward) {
@@ -32,7 +32,7 @@ void InputRouting::Recorded(const proto::RunJob& run, int mb, int rank) {
 
 proto::InputReady InputRouting::For(const proto::RunJob& run, int mb) const {
   proto::InputReady r{run.job_index, mb, proto::kFromHostSlot, proto::kFromHostSlot, 0};
-  if (!layout_.activations_in_pools) return r;
+  if (layout_.activations != core::Activations::kCudaIpc) return r;
   const core::Stage& st = plan_.stages[run.stage];
   const size_t base = Base(run, mb);
   if (st.begin > 0)

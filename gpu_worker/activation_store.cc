@@ -111,8 +111,9 @@ std::unique_ptr<ActivationStore> MakeActivationStore(const shm::ArenaLayout& lay
                                                      const shm::Segment& segment, Device& device,
                                                      std::vector<int64_t> shape,
                                                      at::ScalarType dtype) {
-  if (layout.activations_in_worker) return std::make_unique<WorkerMemory>(layout, dtype);
-  if (layout.activations_in_pools)
+  if (layout.activations == core::Activations::kWorker)
+    return std::make_unique<WorkerMemory>(layout, dtype);
+  if (layout.activations == core::Activations::kCudaIpc)
     return std::make_unique<Pools>(layout, device, std::move(shape), dtype);
   return std::make_unique<SegmentSlots>(layout, segment, device, std::move(shape), dtype);
 }

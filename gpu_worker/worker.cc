@@ -218,8 +218,8 @@ Status Worker::Handle(const proto::Message& m) {
     }
     case proto::MsgType::kActivationPool: {
       const auto& p = std::get<proto::ActivationPool>(m);
-      if (!layout_.activations_in_pools || p.rank < 0 || p.rank >= opts_.num_workers ||
-          p.rank == opts_.rank)
+      if (layout_.activations != core::Activations::kCudaIpc || p.rank < 0 ||
+          p.rank >= opts_.num_workers || p.rank == opts_.rank)
         return Status::ProtocolError("ActivationPool for worker " + std::to_string(p.rank) +
                                      " does not fit this run (worker " +
                                      std::to_string(opts_.rank) + " of " +
@@ -823,7 +823,7 @@ Status Worker::OpenDevice(int gpus) {
 }
 
 Status Worker::AnnounceResources(int gpus) {
-  if (layout_.activations_in_pools) {
+  if (layout_.activations == core::Activations::kCudaIpc) {
     // Announced once; the coordinator relays every peer's handle before the first RunJob. A
     // failure is reported (job -1) so the coordinator ends the run with the reason.
     if (ClaimTestHookOnce("RP_TEST_FAIL_POOL_ONCE"))

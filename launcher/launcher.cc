@@ -218,7 +218,7 @@ void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_
               : layout->compute_elem_bytes == 2
                   ? "the fp32 masters and round them to bf16 (no compute copy)"
                   : "the fp32 masters (no compute copy)");
-  if (layout->activations_in_pools)
+  if (layout->activations == core::Activations::kCudaIpc)
     std::printf(
         "activations: in each worker's activation pool, %.1f MiB per worker (%s), copied device to "
         "device by the consumer (activations = \"cuda_ipc\")\n",

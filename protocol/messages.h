@@ -121,7 +121,7 @@ inline constexpr int32_t kFromHostSlot = -1;
 struct InputReady {
   int64_t job_index;
   int32_t microbatch;
-  // With activation pools (shm::ArenaLayout::activations_in_pools): the rank whose pool holds
+  // With activation pools (shm::ArenaLayout::activations is kCudaIpc): the rank whose pool holds
   // the hidden state the job starts from, and the one whose pool holds the incoming input
   // gradient (backward stages). kFromHostSlot where the input is not in a pool.
   int32_t hidden_rank;

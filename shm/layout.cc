@@ -160,14 +160,13 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.num_hidden = static_cast<int>(plan.hidden_boundaries.size());
   a.num_grad = static_cast<int>(plan.grad_boundaries.size());
   a.grad_slots_per_mb = plan.InputGradSlotsPerMicrobatch();
-  a.activations_in_worker = c.schedule.activations == core::Activations::kWorker;
-  a.activations_in_pools = core::ActivationsInPools(c);
-  const bool in_segment = !a.activations_in_worker && !a.activations_in_pools;
+  a.activations = c.schedule.activations;
+  const bool in_segment = a.activations == core::Activations::kHost;
   a.hidden = pos;
   if (in_segment) pos += slots * a.num_hidden * a.act_slot_bytes;
   a.input_grad = pos;
   if (in_segment) pos += slots * a.grad_slots_per_mb * a.act_slot_bytes;
-  if (a.activations_in_pools)
+  if (a.activations == core::Activations::kCudaIpc)
     a.pool_bytes = slots * (a.num_hidden + a.grad_slots_per_mb) * a.act_slot_bytes;
   if (c.model.moe.aux_loss_weight > 0.0) {
     a.router_blocks = static_cast<int>(core::SparseBlocks(c.model));
@@ -207,8 +206,8 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   h = HashParams(h, spec.frozen, 0xF0u);
   h = HashKey({h, a.grad_table, a.grad_arena, a.grad_arena_bytes, a.compute_begin,
                static_cast<uint64_t>(a.eval_slots),
-               static_cast<uint64_t>(a.activations_in_worker)});
-  if (a.activations_in_pools) h = HashKey({h, 0x900Lu, a.pool_bytes});
+               static_cast<uint64_t>(a.activations == core::Activations::kWorker)});
+  if (a.activations == core::Activations::kCudaIpc) h = HashKey({h, 0x900Lu, a.pool_bytes});
   if (a.sharded) h = HashKey({h, 0x5Au, a.gathered_versions, static_cast<uint64_t>(c.nodes.count)});
   if (a.router_blocks > 0)
     h = HashKey({h, 0x70u, a.router_stats, static_cast<uint64_t>(a.router_blocks),

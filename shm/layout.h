@@ -223,13 +223,12 @@ struct ArenaLayout {
   int microbatches = 0, num_hidden = 0, num_grad = 0;
   int parities = 2;           // activation slot sets (see above)
   int grad_slots_per_mb = 0;  // input-gradient slots per microbatch: min(num_grad, 2)
-  // schedule.activations = "worker": the hidden and input-gradient slots exist only in the
-  // worker's memory (same indexing); the segment has no bytes for them.
-  bool activations_in_worker = false;
-  // schedule.activations = "cuda_ipc" (core::ActivationsInPools): the slots live in each
-  // worker's activation pool instead, `pool_bytes` per worker, indexed by PoolHiddenSlot and
-  // PoolInputGradSlot (offsets from the pool's base); the segment has no bytes for them.
-  bool activations_in_pools = false;
+  // Where the hidden and input-gradient slots live (schedule.activations). kHost: in this
+  // segment. kWorker: only in the one worker's memory (same indexing). kCudaIpc
+  // (core::ActivationsInPools): in each worker's activation pool, `pool_bytes` per worker,
+  // indexed by PoolHiddenSlot and PoolInputGradSlot (offsets from the pool's base). The segment
+  // has no bytes for them unless kHost.
+  core::Activations activations = core::Activations::kHost;
   uint64_t pool_bytes = 0;
   // Router statistics (above): none when router_blocks is 0.
   uint64_t router_stats = 0, router_slot_bytes = 0;
@@ -300,7 +299,7 @@ inline std::string OptimSegmentOf(const std::string& state_name) {
     return "";
   return state_name.substr(0, state_name.size() - suffix.size()) + "-optim";
 }
-// A CPU worker's activation pool (ArenaLayout::activations_in_pools): created by worker `rank`,
+// A CPU worker's activation pool (ArenaLayout::activations is kCudaIpc): created by worker `rank`,
 // mapped by its peers; a kHeaderBytes header (the run's layout hash) precedes the slots.
 inline std::string PoolSegmentName(const std::string& session, int rank) {
   return "rp-" + session + "-pool" + std::to_string(rank);
@@ -308,7 +307,8 @@ inline std::string PoolSegmentName(const std::string& session, int rank) {
 // Bytes of /dev/shm a run takes: both segments, plus every CPU worker's activation pool (CUDA
 // workers' pools are device memory).
 inline uint64_t SharedMemoryBytes(const ArenaLayout& a, const core::JobConfig& c, int workers) {
-  const bool cpu_pools = a.activations_in_pools && c.job.device == core::DeviceKind::kCpu;
+  const bool cpu_pools =
+      a.activations == core::Activations::kCudaIpc && c.job.device == core::DeviceKind::kCpu;
   return a.total_bytes + a.optim_total_bytes +
          (cpu_pools ? static_cast<uint64_t>(workers) * (kHeaderBytes + a.pool_bytes) : 0);
 }

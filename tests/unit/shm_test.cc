@@ -217,8 +217,8 @@ TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
   cfg.schedule.activations = core::Activations::kWorker;
   auto worker = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(host.ok() && worker.ok());
-  EXPECT_FALSE(host->activations_in_worker);
-  EXPECT_TRUE(worker->activations_in_worker);
+  EXPECT_NE(host->activations, core::Activations::kWorker);
+  EXPECT_EQ(worker->activations, core::Activations::kWorker);
   const uint64_t slots = ActivationSlotBytes(*host);
   ASSERT_GT(slots, 0u);
   EXPECT_EQ(worker->total_bytes + slots, host->total_bytes);
@@ -237,9 +237,9 @@ TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
   cfg.schedule.activations = core::Activations::kCudaIpc;
   auto pools = ComputeLayout(cfg, spec, *plan);
   ASSERT_TRUE(host.ok() && pools.ok());
-  EXPECT_FALSE(host->activations_in_pools);
+  EXPECT_NE(host->activations, core::Activations::kCudaIpc);
   EXPECT_EQ(host->pool_bytes, 0u);
-  ASSERT_TRUE(pools->activations_in_pools);
+  ASSERT_EQ(pools->activations, core::Activations::kCudaIpc);
   const uint64_t slots = ActivationSlotBytes(*host);
   ASSERT_GT(slots, 0u);
   EXPECT_EQ(pools->total_bytes + slots, host->total_bytes);
