@@ -1926,7 +1926,9 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
     EXPECT_NE(r.output.find(c.says), std::string::npos) << r.output;
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0)
         << c.says;
-    if (own_dir) EXPECT_FALSE(fs::exists(out)) << c.says;
+    if (own_dir) {
+      EXPECT_FALSE(fs::exists(out)) << c.says;
+    }
     auto dry = testing::RunProcess(With(args, {"--dry-run"}), 60, Env());
     EXPECT_EQ(dry.code, r.code) << dry.output;
     EXPECT_EQ(first_line(dry.output), first_line(r.output));
