@@ -919,7 +919,8 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   core::HostFacts host;
   const int visible = VisibleGpus();  // read once: -1 when nothing says
   if (visible > 0) host.gpu_memory_gib = QueryGpuMemoryGib(ProcessEnv);
-  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes, host);
+  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes, host,
+                                   core::SessionInputs{o.frozen_profile, o.replanning_off});
   if (!resolved.ok()) return resolved.status();
   core::RunSpec run = std::move(resolved).value();
   const core::JobConfig* cfg = &run.job;
@@ -1160,10 +1161,10 @@ int RunSession(const LaunchOptions& o) {
 // With schedule.partition = "auto" and no schedule.profile, the plan comes from the run's
 // stored profile when it exists and fits the workload. Every process must plan from the same
 // numbers while the coordinator may rewrite profile.json mid-run, so the launcher freezes a copy
-// (<output_dir>/plan-profile.json) and points schedule.profile at it. After a re-plan the fresh
-// profile wins over a schedule.profile the user gave: it is what the coordinator planned with.
-Status FreezeProfile(const LaunchOptions& o, bool after_replan,
-                     std::vector<std::string>* overrides) {
+// (<output_dir>/plan-profile.json) for the session to plan from (`frozen_profile`). After a
+// re-plan the fresh profile wins over a schedule.profile the user gave: it is what the
+// coordinator planned with.
+Status FreezeProfile(const LaunchOptions& o, bool after_replan, std::string* frozen_profile) {
   auto loaded = core::LoadJobConfig(o.job_path, o.overrides);
   if (!loaded.ok()) return Status::Ok();  // RunSession reports it, with its exit code
   const core::JobConfig& cfg = *loaded;
@@ -1182,7 +1183,7 @@ Status FreezeProfile(const LaunchOptions& o, bool after_replan,
   // A dry run writes nothing: it reads the stored profile itself.
   const std::string frozen = o.dry_run ? stored : cfg.job.output_dir + "/plan-profile.json";
   if (!o.dry_run) RP_RETURN_IF_ERROR(core::SaveProfile(frozen, *profile));
-  overrides->push_back("schedule.profile=" + frozen);
+  *frozen_profile = frozen;
   std::fprintf(stderr, "rp-launch: planning from the measured profile %s\n", stored.c_str());
   return Status::Ok();
 }
@@ -1198,7 +1199,7 @@ int RunLauncher(const LaunchOptions& options) {
   LaunchOptions o = options;
   for (int replans = 0;; ++replans) {
     LaunchOptions run = o;
-    if (Status s = FreezeProfile(o, replans > 0, &run.overrides); !s.ok()) {
+    if (Status s = FreezeProfile(o, replans > 0, &run.frozen_profile); !s.ok()) {
       std::fprintf(stderr, "rp-launch: %s\n", s.message().c_str());
       return kExitError;
     }
@@ -1214,7 +1215,7 @@ int RunLauncher(const LaunchOptions& options) {
       std::fprintf(stderr,
                    "rp-launch: a third re-plan was asked for (each new profile favours another "
                    "plan); finishing the run on the latest plan without re-planning\n");
-      o.overrides.push_back("schedule.replan_gain=0");
+      o.replanning_off = true;
     } else {
       std::fprintf(stderr, "rp-launch: resuming the run on the plan made from its new profile\n");
     }

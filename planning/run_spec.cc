@@ -114,9 +114,12 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_st
                                    hidden_boundaries, grad_boundaries)
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
-                             int workers, const NodesConfig& nodes, const HostFacts& host) {
+                             int workers, const NodesConfig& nodes, const HostFacts& host,
+                             const SessionInputs& session) {
   RunSpec spec;
   RP_ASSIGN_OR_RETURN(spec.job, LoadJobConfig(job_path, overrides, host));
+  if (!session.frozen_profile.empty()) spec.job.schedule.profile = session.frozen_profile;
+  if (session.replanning_off) spec.job.schedule.replan_gain = 0.0;
   spec.job.nodes = nodes;
   RP_RETURN_IF_ERROR(CheckNodes(spec.job));
   RP_RETURN_IF_ERROR(ResolveTrainingLength(&spec.job));

@@ -31,9 +31,17 @@ struct RunSpec {
   int workers = 1;
 };
 
+// What rp-launch decides about a session before resolving it, passed as values rather than as
+// job-key overrides: the profile it froze for planning (empty: the job's own schedule.profile),
+// and whether re-planning is off for this session (its cap on re-plans reached).
+struct SessionInputs {
+  std::string frozen_profile;
+  bool replanning_off = false;
+};
+
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,
-                             int workers, const NodesConfig& nodes = {},
-                             const HostFacts& host = {});
+                             int workers, const NodesConfig& nodes = {}, const HostFacts& host = {},
+                             const SessionInputs& session = {});
 // The output directory every node of a resolved job shares: node 0's, in which ResolveRun puts
 // node r > 0's own outputs as node-r.
 std::string SharedOutputDir(const JobConfig& job);

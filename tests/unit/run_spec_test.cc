@@ -181,3 +181,35 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
 
 }  // namespace
 }  // namespace rp::core
+
+namespace rp::core {
+namespace {
+
+// The launcher's decisions about a session reach the resolution as values: the frozen profile is
+// what the planner reads (a missing one is named), and re-planning off is replan_gain 0.
+TEST(RunSpec, ASessionsFrozenProfileAndReplanningOffAreWhatTheRunResolvesWith) {
+  const std::string dir = testing::MakeTempDir("rp-spec-session-");
+  std::ofstream(dir + "/job.toml")
+      << "[data]\nformat = \"random\"\nseq_len = 64\n[schedule]\npartition = \"auto\"\n";
+  auto plain = ResolveRun(dir + "/job.toml", {}, 2);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  EXPECT_GT(plain->job.schedule.replan_gain, 0.0);
+  EXPECT_TRUE(plain->job.schedule.profile.empty());
+
+  SessionInputs off;
+  off.replanning_off = true;
+  auto capped = ResolveRun(dir + "/job.toml", {}, 2, {}, {}, off);
+  ASSERT_TRUE(capped.ok()) << capped.status().message();
+  EXPECT_EQ(capped->job.schedule.replan_gain, 0.0);
+  EXPECT_EQ(capped->plan.Describe(), plain->plan.Describe());
+
+  SessionInputs frozen;
+  frozen.frozen_profile = dir + "/plan-profile.json";  // not written: the planner must say so
+  auto missing = ResolveRun(dir + "/job.toml", {}, 2, {}, {}, frozen);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find(frozen.frozen_profile), std::string::npos)
+      << missing.status().message();
+}
+
+}  // namespace
+}  // namespace rp::core
