@@ -590,9 +590,10 @@ StatusOr<nlohmann::json> CheckedHeader(
   if (written.get<bool>() != masters_in_state) {
     auto where = [](bool in_state) {
       return std::string(
-          in_state
-              ? "the fp32 masters workers fetch (schedule.weights_source = \"master\")"
-              : "a compute copy beside the masters (schedule.weights_source = \"compute_copy\")");
+          in_state ? "the fp32 masters workers fetch (exact mode with schedule.weights_source = "
+                     "\"auto\")"
+                   : "a compute copy beside the masters (stale1, or schedule.weights_source = "
+                     "\"compute_copy\")");
     };
     return Status::InvalidArgument("checkpoint " + path + " holds " + where(written.get<bool>()) +
                                    ", this job keeps " + where(masters_in_state) +
