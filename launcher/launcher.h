@@ -40,8 +40,8 @@ struct LaunchOptions {
   int debug_worker = -1;      // this worker starts stopped, for a debugger to attach
   std::string worker_wrapper;  // a tool to run workers under, e.g. compute-sanitizer
   NodeWorld world;             // which node of how many this is (node_world.h)
-  // Set by rp-launch between sessions of one run (a re-plan restarts it): the profile frozen for
-  // planning, and re-planning turned off once the cap on re-plans is reached.
+  // Set by rp-launch between launches of one run (a re-plan restarts it): the profile frozen for
+  // planning, and re-planning turned off once the run has re-planned as often as allowed.
   std::string frozen_profile;
   bool replanning_off = false;
 };

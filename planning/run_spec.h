@@ -31,9 +31,9 @@ struct RunSpec {
   int workers = 1;
 };
 
-// What rp-launch decides about a session before resolving it, passed as values rather than as
-// job-key overrides: the profile it froze for planning (empty: the job's own schedule.profile),
-// and whether re-planning is off for this session (its cap on re-plans reached).
+// What rp-launch decides about one launch of a run before resolving it, passed as values rather
+// than as job-key overrides: the profile it froze for planning (empty: the job's own
+// schedule.profile), and whether re-planning is off (the run has re-planned as often as allowed).
 struct SessionInputs {
   std::string frozen_profile;
   bool replanning_off = false;
