@@ -1253,8 +1253,8 @@ StatusOr<JobConfig> ParseJobConfigBeforeCrossChecks(const std::string& toml_text
       std::snprintf(
           msg, sizeof msg,
           "schedule.gpu_memory_gb = %g is more than this host's smallest visible GPU holds "
-          "(%.1f GB, %.1f GiB); leave it out to plan for 85%% of the card (%.1f GB), or set "
-          "it lower",
+          "(%.1f GB, %.1f GiB); remove it (or --set schedule.gpu_memory_gb=0) to plan for 85%% "
+          "of the card (%.1f GB), or set it lower",
           cfg.schedule.gpu_memory_gb, card_gb, host.gpu_memory_gib,
           planned_gb(host.gpu_memory_gib));
       return Status::InvalidArgument(msg);
