@@ -51,8 +51,8 @@ inline bool ClaimTestHookOnce(const char* env_var) {
 // RP_TEST_NODE_SUMS_ALONE=1: the workers of a one-node run sum their gradients, losses and eval
 // losses across a group of that node alone (Gloo between CPU workers, NCCL between CUDA workers),
 // as on several nodes, and with optimizer.state = "sharded" the node shards its state and gathers
-// across that group too (core::ShardedState), so the whole path runs on one machine and must
-// change no bit.
+// across that group too (ExecutionPlan::sharded_state), so the whole path runs on one machine and
+// must change no bit.
 inline bool TestNodeSumsAlone() {
   const char* v = TestHookValue("RP_TEST_NODE_SUMS_ALONE");
   return v != nullptr && v[0] == '1' && v[1] == '\0';

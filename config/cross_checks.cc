@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "config/cross_checks.h"
+#include "config/execution_plan.h"
+#include "config/mode_key_access.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -220,7 +222,7 @@ Status CheckLoraStart(const JobConfig& c) {
         "lora.target_parameters: set, but lora.rank = 0 (full fine-tuning); "
         "set lora.rank to train adapters");
   }
-  if (c.schedule.frozen_on_device && !c.lora.enabled())
+  if (c.schedule.frozen_on_device.Read(ModeKeyGrant::Access()) && !c.lora.enabled())
     return Status::InvalidArgument(
         "schedule.frozen_on_device: set, but lora.rank = 0: a full fine-tune has no "
         "frozen weights to keep on the device");
@@ -266,9 +268,10 @@ Status CheckLossScaling(const JobConfig& c) {
 }
 
 Status CheckGradientsWaitInWorkers(const JobConfig& c) {
-  if (!GradientsWaitInWorkers(c)) return Status::Ok();
+  const ExecutionPlan x = ResolveExecution(c);
+  if (!x.gradients_wait_in_workers) return Status::Ok();
   const std::string key = "optimizer.gradients_wait_in: \"workers\" ";
-  if (!UpdatesWaitForNorm(c))
+  if (!x.updates_wait_for_norm)
     return Status::InvalidArgument(key +
                                    "holds gradients for the clipping norm, but train.grad_clip = "
                                    "0 streams them without one; use \"host\"");
@@ -288,9 +291,10 @@ Status CheckGradientsWaitInWorkers(const JobConfig& c) {
 }
 
 Status CheckSpeculativeUpdate(const JobConfig& c) {
-  if (!SpeculatesUnclippedUpdate(c)) return Status::Ok();
+  const ExecutionPlan x = ResolveExecution(c);
+  if (!x.speculative_update) return Status::Ok();
   const std::string key = "optimizer.speculative_update: ";
-  if (c.optimizer.mode != OptimizerMode::kExact)
+  if (!x.NextStepWaitsForUpdate())
     return Status::InvalidArgument(
         key + "speculates past exact mode's wait for the norm; stale1 does not wait");
   if (c.optimizer.name != OptimizerName::kAdamW)
@@ -299,7 +303,7 @@ Status CheckSpeculativeUpdate(const JobConfig& c) {
     return Status::InvalidArgument(key +
                                    "guesses that a step is not clipped, but train.grad_clip = 0 "
                                    "never clips: updates then start as gradients land without it");
-  if (GradientsWaitInWorkers(c))
+  if (x.gradients_wait_in_workers)
     return Status::InvalidArgument(
         key +
         "needs the gradients on the host before the norm (optimizer.gradients_wait_in = "
@@ -311,9 +315,10 @@ Status CheckSpeculativeUpdate(const JobConfig& c) {
 }
 
 Status CheckDeviceUpdates(const JobConfig& c) {
-  if (DeviceUpdateBlocks(c) == 0) return Status::Ok();
+  const ExecutionPlan x = ResolveExecution(c);
+  if (x.device_update_blocks == 0) return Status::Ok();
   const std::string key = "optimizer.device_update_blocks: ";
-  if (c.optimizer.mode != OptimizerMode::kExact)
+  if (!x.NextStepWaitsForUpdate())
     return Status::InvalidArgument(key +
                                    "updates the blocks the next step needs first, which only "
                                    "exact mode waits for; stale1 does not wait");
@@ -324,7 +329,7 @@ Status CheckDeviceUpdates(const JobConfig& c) {
                                    "needs train.grad_clip > 0: without clipping each parameter "
                                    "is updated as its gradient lands, and no step boundary "
                                    "waits for the first blocks");
-  if (SpeculatesUnclippedUpdate(c))
+  if (x.speculative_update)
     return Status::InvalidArgument(key +
                                    "and optimizer.speculative_update both change where the "
                                    "next weights come from; use one");
@@ -339,8 +344,8 @@ Status CheckDeviceUpdates(const JobConfig& c) {
                                    "is implemented for train.dtype = \"bf16\" and \"fp32\", "
                                    "not \"" +
                                    EnumName(c.train.dtype) + "\"");
-  if (DeviceUpdateBlocks(c) > c.model.num_layers)
-    return Status::InvalidArgument(key + std::to_string(DeviceUpdateBlocks(c)) +
+  if (x.device_update_blocks > c.model.num_layers)
+    return Status::InvalidArgument(key + std::to_string(x.device_update_blocks) +
                                    " is more than the model's " +
                                    std::to_string(c.model.num_layers) + " blocks");
   return Status::Ok();
@@ -419,7 +424,7 @@ Status CheckStagesAndCuts(const JobConfig& c) {
     return Status::InvalidArgument(
         "schedule.backward_stages: " + std::to_string(c.schedule.backward_stages) +
         " stages for only " + std::to_string(tail_start) + " backward layers");
-  if (c.schedule.partition == Partition::kAuto &&
+  if (c.schedule.partition.Read(ModeKeyGrant::Access()) == Partition::kAuto &&
       (!c.schedule.forward_cuts.empty() || !c.schedule.backward_cuts.empty()))
     return Status::InvalidArgument(
         "schedule.partition: \"auto\" chooses the cuts itself; remove "

@@ -3,6 +3,8 @@
 #include "common/environment.h"
 
 #include "config/cross_checks.h"
+#include "config/execution_plan.h"
+#include "config/mode_key_access.h"
 #include "config/hf_config.h"
 #include "common/closest_match.h"
 
@@ -311,6 +313,9 @@ KeySpec StrArray(std::string section, std::string key, Field field, std::string 
 
 #define F(member) \
   [](JobConfig & c) -> auto& { return c.member; }
+// A mode key's field (ModeKey): the table is its reader and writer.
+#define FM(member) \
+  [](JobConfig & c) -> auto& { return c.member.Field(ModeKeyGrant::Access()); }
 constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
 
 const std::vector<KeySpec>& Table() {
@@ -496,11 +501,11 @@ const std::vector<KeySpec>& Table() {
       Enum("optimizer", "name", F(optimizer.name), OptimizerName::kAdamW, kOptimizerNames,
            "adamw: decoupled weight decay, bias correction (state m, v); sgd: momentum with "
            "coupled weight decay as torch.optim.SGD (state: one momentum buffer)"),
-      Enum("optimizer", "mode", F(optimizer.mode), OptimizerMode::kExact, kModeNames,
+      Enum("optimizer", "mode", FM(optimizer.mode), OptimizerMode::kExact, kModeNames,
            "exact: step t+1 reads weights holding step t's update (synchronous semantics); stale1: "
            "step t+1 reads the weights before step t's update, which then overlaps all of step t+1 "
            "(the published asynchronous mode; one more bf16/fp32 weight copy in host memory)"),
-      Enum("optimizer", "state", F(optimizer.state), OptimizerState::kReplicated, kStateNames,
+      Enum("optimizer", "state", FM(optimizer.state), OptimizerState::kReplicated, kStateNames,
            "Several nodes (rp-launch --nnodes N): replicated: every node keeps the whole optimizer "
            "state and makes the whole update; sharded: each node keeps the fp32 masters and "
            "moments of 1/N of every parameter and updates only those, and the workers gather the "
@@ -529,7 +534,7 @@ const std::vector<KeySpec>& Table() {
       Float("optimizer", "eps", F(optimizer.eps), 1e-8, 0.0, 1.0, "Adam epsilon"),
       Float("optimizer", "momentum", F(optimizer.momentum), 0.9, 0.0, 0.999999, "SGD momentum"),
       Enum(
-          "optimizer", "gradients_wait_in", F(optimizer.gradients_wait_in), GradientsWait::kHost,
+          "optimizer", "gradients_wait_in", FM(optimizer.gradients_wait_in), GradientsWait::kHost,
           kGradientsWaitNames,
           "With clipping, where a step's gradients wait for its global norm. host: in the host's "
           "gradient arena (4 bytes per parameter of host memory: every gradient is held). workers: "
@@ -540,7 +545,7 @@ const std::vector<KeySpec>& Table() {
           "0, one accumulation round per step, no tied embedding (unless LoRA freezes it) and one "
           "node"),
       Bool(
-          "optimizer", "speculative_update", F(optimizer.speculative_update), false,
+          "optimizer", "speculative_update", FM(optimizer.speculative_update), false,
           "Exact mode with clipping: while the backward runs, write each parameter's next weights "
           "as "
           "if the step were not clipped, into a second buffer (2 bytes per parameter of host "
@@ -552,7 +557,7 @@ const std::vector<KeySpec>& Table() {
           "until a step is unclipped. The same bits either way. For jobs whose steps are mostly "
           "unclipped. Needs adamw, train.grad_clip > 0, optimizer.gradients_wait_in = \"host\" and "
           "no fp16"),
-      Int("optimizer", "device_update_blocks", F(optimizer.device_update_blocks), 0, 0, 4096,
+      Int("optimizer", "device_update_blocks", FM(optimizer.device_update_blocks), 0, 0, 4096,
           "Exact mode with clipping: blocks 1..N are also updated on the worker's GPU at each step "
           "boundary (the same bits as the host's update), and the next step's forward uses those "
           "weights at once while the host updates the other blocks first. The worker reads the "
@@ -616,7 +621,7 @@ const std::vector<KeySpec>& Table() {
           "the plan fit "
           "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
           "the number), none with several workers"),
-      Bool("schedule", "frozen_on_device", F(schedule.frozen_on_device), false,
+      Bool("schedule", "frozen_on_device", FM(schedule.frozen_on_device), false,
            "LoRA: every worker copies the whole frozen base to its device at its first fetch and "
            "keeps it, so its jobs copy only the adapters over the host link. Costs the whole base "
            "in the compute dtype on each worker's device (rp-plan prints it); exact mode's next "
@@ -630,7 +635,8 @@ const std::vector<KeySpec>& Table() {
       IntArray("schedule", "backward_cuts", F(schedule.backward_cuts),
                "Explicit first layers of the non-tail backward stages except the one at 0 "
                "(ascending)"),
-      Enum("schedule", "activations", F(schedule.activations), Activations::kHost, kActivationNames,
+      Enum("schedule", "activations", FM(schedule.activations), Activations::kHost,
+           kActivationNames,
            "Where hidden states (stage outputs, recompute checkpoints) and input gradients live "
            "between stages. host: shared-memory slots (any number of workers; a replaced worker "
            "re-runs its jobs from them). worker: in the worker's own (device) memory, with no "
@@ -642,7 +648,7 @@ const std::vector<KeySpec>& Table() {
            "the slots' size per worker in device memory, and a worker that dies stops the run. "
            "CPU workers stand in with a named shared-memory pool per worker (the same protocol, "
            "what CI tests)"),
-      Enum("schedule", "weights_source", F(schedule.weights_source), WeightsSource::kAuto,
+      Enum("schedule", "weights_source", FM(schedule.weights_source), WeightsSource::kAuto,
            kWeightsNames,
            "What workers fetch a layer's weights from. auto: in exact mode the fp32 masters "
            "themselves, rounded to train.dtype on the worker (no host compute copy: 2 bytes per "
@@ -650,7 +656,7 @@ const std::vector<KeySpec>& Table() {
            "write; twice the weight bytes over the host link in bf16); in stale1, which must keep "
            "the previous version readable while the masters change, a compute copy. "
            "compute_copy: always a separate copy in train.dtype that the optimizer writes"),
-      Enum("schedule", "embedding_lookup", F(schedule.embedding_lookup), EmbeddingLookup::kAuto,
+      Enum("schedule", "embedding_lookup", FM(schedule.embedding_lookup), EmbeddingLookup::kAuto,
            kLookupNames,
            "How a stage with the embedding gets the rows it looks up. auto, where workers fetch "
            "the masters (schedule.weights_source) and the embedding is trained: its lookup reads "
@@ -661,7 +667,7 @@ const std::vector<KeySpec>& Table() {
            "lookup's weight gradient is summed in fp32 instead of bf16, so bf16 runs differ from "
            "copy in the last bits, fp32 runs not at all). copy: the whole table is copied to the "
            "device once its update is complete"),
-      Enum("schedule", "partition", F(schedule.partition), Partition::kEqual, kPartitionNames,
+      Enum("schedule", "partition", FM(schedule.partition), Partition::kEqual, kPartitionNames,
            "equal: forward_stages/backward_stages (or explicit cuts); auto: the planner picks the "
            "tail size (up to 3 blocks; with schedule.gpu_memory_gb, up to every block, beyond 8 in "
            "steps "
@@ -743,6 +749,7 @@ const std::vector<KeySpec>& Table() {
   return table;
 }
 #undef F
+#undef FM
 
 std::string Join(const std::string& dir, const std::string& p) {
   if (p.empty()) return p;
@@ -1323,32 +1330,40 @@ Status CheckNodes(const JobConfig& c) {
                             : std::string()) +
         " do not split evenly over " + std::to_string(n) +
         " nodes; make it a multiple of the node count");
-  if (SpeculatesUnclippedUpdate(c))
+  const ExecutionPlan x = ResolveExecution(c);
+  if (x.speculative_update)
     return Status::InvalidArgument(
         "optimizer.speculative_update: not supported with several nodes; leave it "
         "false");
-  if (DeviceUpdateBlocks(c) > 0)
+  if (x.device_update_blocks > 0)
     return Status::InvalidArgument(
         "optimizer.device_update_blocks: not supported with several nodes; leave it 0");
-  if (GradientsWaitInWorkers(c))
+  if (x.gradients_wait_in_workers)
     return Status::InvalidArgument(
         "optimizer.gradients_wait_in: \"workers\" with several nodes is not "
         "supported (each node's norm would need the summed gradients first); use "
         "\"host\"");
-  if (ShardedState(c) && c.checkpoint.export_every > 0)
+  if (x.sharded_state && c.checkpoint.export_every > 0)
     return Status::InvalidArgument(
         "checkpoint.export_every: with optimizer.state = \"sharded\" no node holds "
         "every weight while training goes on; export at the end only (0)");
-  if (ShardedState(c) && c.train.dtype != TrainDtype::kFp32 && !WorkersFetchMasters(c))
+  if (x.sharded_state && c.train.dtype != TrainDtype::kFp32 && !x.workers_fetch_masters)
     return Status::InvalidArgument(
         "optimizer.state: \"sharded\" with train.dtype = \"" +
         std::string(EnumName(c.train.dtype)) + "\" and schedule.weights_source = \"" +
-        std::string(EnumName(c.schedule.weights_source)) + "\" in " +
-        std::string(EnumName(c.optimizer.mode)) +
+        std::string(EnumName(c.schedule.weights_source.Read(ModeKeyGrant::Access()))) + "\" in " +
+        std::string(EnumName(c.optimizer.mode.Read(ModeKeyGrant::Access()))) +
         " mode: the export at the end reads the gathered weights, which hold the fp32 "
         "masters only where workers fetch them (exact mode, weights_source \"auto\") or "
         "in fp32; use \"replicated\"");
   return Status::Ok();
+}
+
+bool MergeCalls(const JobConfig& c) {
+  if (c.train.accum_calls < 2 || c.bench.merge_calls == Tristate::kNever) return false;
+  return c.bench.merge_calls == Tristate::kAlways ||
+         (c.optimizer.mode.Read(ModeKeyGrant::Access()) == OptimizerMode::kExact &&
+          c.train.accum_calls == 2);
 }
 
 }  // namespace rp::core

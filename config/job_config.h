@@ -23,6 +23,30 @@
 
 namespace rp::core {
 
+// The passkey that reads a mode key (ModeKey): only ModeKeyGrant (config/mode_key_access.h)
+// makes one, and only the job file's reader and writers, its checks, ResolveExecution
+// (config/execution_plan.h) and the files that record a key's spelling include that header
+// (Tools.ModeKeysAreReadInTheResolutionOnly checks the list).
+class ModeKeyAccess {
+  ModeKeyAccess() = default;
+  friend struct ModeKeyGrant;
+};
+
+// A key that decides how a run executes (its optimizer mode, where activations and the state
+// live, where weights are fetched from, how the plan is found): anyone may set it, as a job file
+// or a test does, but reading it takes a ModeKeyAccess. Everything else asks the ExecutionPlan
+// that ResolveExecution derives from these keys once, so no component re-derives a decision.
+template <typename T>
+class ModeKey {
+ public:
+  constexpr ModeKey(T value = T{}) : value_(value) {}  // NOLINT: set like the plain value it is
+  T Read(const ModeKeyAccess&) const { return value_; }
+  T& Field(const ModeKeyAccess&) { return value_; }
+
+ private:
+  T value_;
+};
+
 // Every mode a job file names, as a type: the strings exist only in the key table
 // (job_config.cc), which maps them once; EnumName() gives them back for logs and output files.
 enum class DeviceKind : uint8_t { kAuto, kCpu, kCuda };                // job.device
@@ -193,9 +217,9 @@ struct TrainConfig {
 
 struct OptimizerConfig {
   OptimizerName name = OptimizerName::kAdamW;
-  OptimizerMode mode = OptimizerMode::kExact;
-  OptimizerState state = OptimizerState::kReplicated;      // several nodes only; see ShardedState
-  GradientsWait gradients_wait_in = GradientsWait::kHost;  // GradientsWaitInWorkers
+  ModeKey<OptimizerMode> mode = OptimizerMode::kExact;
+  ModeKey<OptimizerState> state = OptimizerState::kReplicated;  // several nodes only
+  ModeKey<GradientsWait> gradients_wait_in = GradientsWait::kHost;
   double lr = 3e-3;
   double min_lr = 3e-4;
   LrSchedule lr_schedule =
@@ -206,10 +230,10 @@ struct OptimizerConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double momentum = 0.9;             // SGD only
-  int64_t grad_buffer_mb = 0;        // gradient arena in MiB; 0 = auto (shm/layout.h)
-  bool speculative_update = false;   // SpeculatesUnclippedUpdate
-  int64_t device_update_blocks = 0;  // DeviceUpdateBlocks
+  double momentum = 0.9;       // SGD only
+  int64_t grad_buffer_mb = 0;  // gradient arena in MiB; 0 = auto (shm/layout.h)
+  ModeKey<bool> speculative_update = false;
+  ModeKey<int64_t> device_update_blocks = 0;
 };
 
 // LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets
@@ -243,26 +267,27 @@ const std::vector<std::string>& LoraTargetableParameters();
 std::string CanonicalLoraParameter(const std::string& name);
 
 struct ScheduleConfig {
-  int64_t forward_stages = 2;     // equal split of the forward layers when forward_cuts is empty
-  int64_t backward_stages = 2;    // equal split of the non-tail backward layers
-  int64_t tail_blocks = 0;        // decoder blocks fused into the tail with norm + head + loss
-  int64_t kept_blocks = 0;        // blocks before the tail whose forward graphs wait on the device;
-                                  // kKeptBlocksAuto = as many as fit gpu_memory_gb
-  bool frozen_on_device = false;  // LoRA: each worker keeps the whole frozen base on its device
-                                  // (FrozenOnDevice)
+  int64_t forward_stages = 2;   // equal split of the forward layers when forward_cuts is empty
+  int64_t backward_stages = 2;  // equal split of the non-tail backward layers
+  int64_t tail_blocks = 0;      // decoder blocks fused into the tail with norm + head + loss
+  int64_t kept_blocks = 0;      // blocks before the tail whose forward graphs wait on the device;
+                                // kKeptBlocksAuto = as many as fit gpu_memory_gb
+  // LoRA: each worker keeps the whole frozen base on its device (ExecutionPlan)
+  ModeKey<bool> frozen_on_device = false;
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing
-  // worker's pool, mapped by its consumers (ActivationsInPools)
-  Activations activations = Activations::kHost;
-  WeightsSource weights_source = WeightsSource::kAuto;        // WorkersFetchMasters
-  EmbeddingLookup embedding_lookup = EmbeddingLookup::kAuto;  // LookupFromHost
-  std::vector<int64_t> forward_cuts;        // explicit stage start layers (layer 0 = embedding)
-  std::vector<int64_t> backward_cuts;       // explicit stage start layers of the backward stages
-  Partition partition = Partition::kEqual;  // equal: stage counts or explicit cuts; auto: planner
-  double gpu_memory_gb = 0.0;               // per-worker memory limit for "auto"; 0 = unlimited
-  std::string profile;        // measured profile for "auto" (planning/profile.h); "" = cost model
-  int64_t profile_steps = 2;  // steps timed per layer after a warm-up step; 0 = none
-  double replan_gain = 0.05;  // predicted speed-up that justifies restarting on a new plan
-  double drift = 0.2;         // measured/predicted step mismatch that triggers re-profiling
+  // worker's pool, mapped by its consumers (ExecutionPlan::ActivationsInPools)
+  ModeKey<Activations> activations = Activations::kHost;
+  ModeKey<WeightsSource> weights_source = WeightsSource::kAuto;
+  ModeKey<EmbeddingLookup> embedding_lookup = EmbeddingLookup::kAuto;
+  std::vector<int64_t> forward_cuts;   // explicit stage start layers (layer 0 = embedding)
+  std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
+  // equal: stage counts or explicit cuts; auto: the planner chooses
+  ModeKey<Partition> partition = Partition::kEqual;
+  double gpu_memory_gb = 0.0;  // per-worker memory limit for "auto"; 0 = unlimited
+  std::string profile;         // measured profile for "auto" (planning/profile.h); "" = cost model
+  int64_t profile_steps = 2;   // steps timed per layer after a warm-up step; 0 = none
+  double replan_gain = 0.05;   // predicted speed-up that justifies restarting on a new plan
+  double drift = 0.2;          // measured/predicted step mismatch that triggers re-profiling
   double node_link_gb_s = 10.0;  // several nodes: the planner's bandwidth between nodes
 };
 
@@ -404,61 +429,6 @@ std::vector<std::string> RunDifferences(const RunRecord& checkpoint, const RunRe
 // from a checkpoint's config.json get the job keys' validation.
 Status CheckModelValue(const std::string& key, double value, const std::string& name);
 
-// How many updates a step's weights lag its own count: step t computes with the weights that hold
-// t - WeightVersionLag updates (none before step 0's). 0 in exact mode (synchronous training);
-// 1 in stale1, so step t - 1's update overlaps all of step t. The one definition of stale1's
-// lag: the dispatch's weight versions, the loss scale's delay, the compute buffers and the
-// simulator's dependencies all derive from it.
-inline int64_t WeightVersionLag(const JobConfig& c) {
-  return c.optimizer.mode == OptimizerMode::kStale1 ? 1 : 0;
-}
-
-// Whether the next step's weights need this step's update (no lag: exact mode). Where it holds,
-// the step boundary waits for the optimizer, which the dispatch, the optimizer's passes, the
-// activation slot sets, interleaved calls and the planner each account for.
-inline bool NextStepWaitsForUpdate(const JobConfig& c) { return WeightVersionLag(c) == 0; }
-
-// Whether no parameter may be updated before the step's global gradient norm is known: with
-// clipping (the norm scales every update) and with fp16's loss scaling (a step whose gradients are
-// not all finite updates nothing). Otherwise each parameter is updated as soon as its gradient is
-// final. Decided here once: the optimizer, the gradient arena's size and the planner follow it.
-inline bool UpdatesWaitForNorm(const JobConfig& c) {
-  return c.train.grad_clip > 0.0 || c.train.dtype == TrainDtype::kFp16;
-}
-// optimizer.gradients_wait_in = "workers": where updates wait for the norm (UpdatesWaitForNorm:
-// clipping, fp16's loss scaling), each step's gradients wait for the
-// global norm on the workers that computed them (device memory) instead of in the host's gradient
-// arena. Each worker writes the squared sums of its gradients' optimizer chunks into the state
-// segment; the coordinator adds them up in the optimizer's order, and only then grants the step's
-// commits, which stream through an arena sized as without clipping, each parameter updated as its
-// gradient lands; the activation slots get a second parity (ActivationParities). Validated to
-// need a norm to wait for, one commit per gradient slot and step, and
-// no parameter shared between layers.
-inline bool GradientsWaitInWorkers(const JobConfig& c) {
-  return c.optimizer.gradients_wait_in == GradientsWait::kWorkers;
-}
-// optimizer.speculative_update: in exact mode with clipping, the optimizer writes each parameter's
-// next weights as if the step were not clipped while the backward still runs, into a second
-// buffer of what workers fetch (shm::ArenaLayout::compute_buffers = 2: 2 or 4 more bytes per
-// parameter of host memory). If the norm then leaves the step unclipped, those weights are the
-// update's exactly (a clip scale of 1 multiplies by 1) and the next step starts at once;
-// otherwise the update runs again with the clip scale, as without the key. Validated to need
-// AdamW, exact mode, train.grad_clip > 0, gradients waiting on the host and no loss scaling.
-inline bool SpeculatesUnclippedUpdate(const JobConfig& c) { return c.optimizer.speculative_update; }
-// optimizer.device_update_blocks = N: blocks 1..N (pipeline layers) are updated twice per step
-// with the same bits: on the worker's device, into the weights the next step's stages use there
-// (gpu_worker/device_update.h), and on the host as always, which stays the state's only owner.
-// The host does those blocks after every other parameter's first pass, so the next step's
-// forward runs its first N blocks while the host updates the rest. Validated to need AdamW,
-// exact mode, train.grad_clip > 0, bf16 or fp32 compute, one accumulation round, one worker,
-// one node, no speculation and no LoRA.
-inline int DeviceUpdateBlocks(const JobConfig& c) {
-  return static_cast<int>(c.optimizer.device_update_blocks);
-}
-// Whether pipeline layer `layer` is one of the blocks DeviceUpdateBlocks covers (1..N).
-inline bool DeviceUpdatesLayer(const JobConfig& c, int layer) {
-  return layer >= 1 && layer <= DeviceUpdateBlocks(c);
-}
 // Bytes of one element of train.dtype: what compute copies, frozen weights and activations take.
 inline int ComputeElemBytes(const JobConfig& c) {
   return c.train.dtype == TrainDtype::kFp32 ? 4 : 2;
@@ -475,48 +445,6 @@ inline bool FusedKernelsApply(const JobConfig& c) {
 inline bool Fp8Matmuls(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp8; }
 // Whether each step's loss is scaled (LossScaling).
 inline bool ScalesLoss(const JobConfig& c) { return c.train.dtype == TrainDtype::kFp16; }
-
-// schedule.weights_source resolved: true when workers fetch the fp32 masters (shm/layout.h puts
-// them in the shared state segment and there is no compute copy). Exact mode can: a layer's
-// masters change only after every job of the step that reads them has run. stale1 cannot: the
-// next step reads version t while the optimizer writes version t + 1.
-inline bool WorkersFetchMasters(const JobConfig& c) {
-  return c.schedule.weights_source == WeightsSource::kAuto &&
-         c.optimizer.mode == OptimizerMode::kExact;
-}
-
-// schedule.embedding_lookup resolved: true when the embedding's lookup reads the rows it needs
-// straight from the fp32 masters in the shared segment instead of copying the whole table to the
-// device first, and the exact-mode optimizer updates the next step's token rows first. It needs
-// the masters as the workers' source (WorkersFetchMasters): there a row the next step reads keeps
-// its value from its update until the next step's own update, which waits for every job of that
-// step. A LoRA job's embedding is a frozen copy: nothing to gain there.
-// Not with sharded state (ShardedState): there the rows of other nodes' shards are current only
-// once the whole layer is gathered, so the embedding is fetched as a whole like any layer.
-inline bool LookupFromHost(const JobConfig& c);
-
-// optimizer.state resolved: true when each of several nodes keeps the fp32 masters (where they
-// are not what workers fetch) and the moments of its own share of every parameter (ShardOf),
-// updates only that share, and the workers gather the updated shares of every node before a
-// layer is fetched (ZeRO-1 across nodes). One node's share is everything: replicated, except
-// under the test hook RP_TEST_NODE_SUMS_ALONE (common/test_hooks.h), where one node shards and
-// gathers across a group of itself, so the whole path runs on one machine and must change no bit.
-inline bool ShardedState(const JobConfig& c) {
-  return c.optimizer.state == OptimizerState::kSharded &&
-         (c.nodes.count > 1 || (c.nodes.count == 1 && TestNodeSumsAlone()));
-}
-
-// schedule.frozen_on_device: a worker copies the whole frozen (LoRA base) weights to its device at
-// its first fetch and keeps them; a stage's fetch is then its trainable weights only (planner,
-// simulator, worker).
-inline bool FrozenOnDevice(const JobConfig& c) {
-  return c.schedule.frozen_on_device && c.lora.enabled();
-}
-
-inline bool LookupFromHost(const JobConfig& c) {
-  return c.schedule.embedding_lookup == EmbeddingLookup::kAuto && WorkersFetchMasters(c) &&
-         !c.lora.enabled() && !ShardedState(c);
-}
 
 // The elements [begin, end) of a parameter of `numel` elements that node `rank` of `nodes` owns
 // under sharded state: consecutive shares of ceil(numel / nodes) elements rounded up to 16 (64
@@ -545,11 +473,7 @@ inline ElemRange ShardOf(int64_t numel, int64_t nodes, int64_t rank) {
 // parities either way), would need K/2 times the activation memory: "always" accepts that.
 // Round() below applies it, so
 // every process, the layout and the planner see the merged round.
-inline bool MergeCalls(const JobConfig& c) {
-  if (c.train.accum_calls < 2 || c.bench.merge_calls == Tristate::kNever) return false;
-  return c.bench.merge_calls == Tristate::kAlways ||
-         (c.optimizer.mode == OptimizerMode::kExact && c.train.accum_calls == 2);
-}
+bool MergeCalls(const JobConfig& c);
 
 // How a step runs, against how the job file states it (train.accum_calls calls of
 // train.microbatches, which keep the user's values): `calls` rounds of `microbatches`
@@ -574,16 +498,6 @@ inline RoundShape Round(const JobConfig& c) {
   RoundShape r = GlobalRound(c);
   r.microbatches /= std::max<int64_t>(1, c.nodes.count);
   return r;
-}
-// Sharded state whose gradient slots hold only this node's share of each parameter, so the
-// gradient arena is 1/N too: when nothing waits for the norm (no clipping, no loss scaling: the
-// slots stream layer by layer), one call per step, and no trainable parameter used by two layers
-// (a tied embedding's two slots are summed on the host). The workers commit their node's share of
-// each summed gradient and write the squares of the whole into the gradient squares table
-// (shm/layout.h), from which the coordinator takes the step's norm: it holds no other node's part.
-inline bool ShardedGradients(const JobConfig& c) {
-  return ShardedState(c) && !UpdatesWaitForNorm(c) && Round(c).calls == 1 &&
-         !(c.model.tie_embeddings && !c.lora.enabled());
 }
 // Sequences (windows of data.seq_len) one optimizer step reads over every node.
 inline int64_t SequencesPerStep(const JobConfig& c) {
@@ -610,15 +524,5 @@ inline bool EvalSplitAcrossNodes(const JobConfig& c) {
 // cross-node reduction does not cover (CUDA workers without the NCCL path, a plan that a node
 // could change on its own) refused, naming the key.
 Status CheckNodes(const JobConfig& c);
-
-// schedule.activations = "cuda_ipc": true when every worker keeps the hidden states and
-// input gradients it produces in its own activation pool (device memory for CUDA workers,
-// exported once through CUDA IPC; a named shared-memory object for CPU workers) and consumers
-// copy them from the producer's pool, instead of staging them in the state segment's slots.
-// The default stays with the host slots: a pool per worker costs device memory the slots do not,
-// and a worker that dies takes its pool with it (the run stops instead of re-running its jobs).
-inline bool ActivationsInPools(const JobConfig& c) {
-  return c.schedule.activations == Activations::kCudaIpc;
-}
 
 }  // namespace rp::core

@@ -63,8 +63,8 @@ bool SinkableRole(const std::string& role) {
   return false;
 }
 
-int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec) {
-  if (!LookupFromHost(c) || spec.layer_uses.empty() || spec.layer_uses[0].size() != 1 ||
+int LookupInPlaceParam(const ExecutionPlan& x, const ModelSpec& spec) {
+  if (!x.lookup_from_host || spec.layer_uses.empty() || spec.layer_uses[0].size() != 1 ||
       (!spec.layer_frozen.empty() && !spec.layer_frozen[0].empty()))
     return -1;
   const int p = spec.layer_uses[0][0].param;

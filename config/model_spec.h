@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "config/execution_plan.h"
 #include "config/job_config.h"
 
 namespace rp::core {
@@ -96,10 +97,11 @@ struct ModelSpec {
 
 ModelSpec BuildModelSpec(const ModelConfig& config, const LoraConfig& lora = LoraConfig{});
 
-// The trainable table the embedding layer looks up in place (LookupFromHost, with layer 0 one
-// trainable 2-D parameter and nothing frozen), else -1. The one place that decides it: the
-// layout's flag, the optimizer's rows first, the worker's mapping and the planner all follow it.
-int LookupInPlaceParam(const JobConfig& c, const ModelSpec& spec);
+// The trainable table the embedding layer looks up in place (ExecutionPlan::lookup_from_host,
+// with layer 0 one trainable 2-D parameter and nothing frozen), else -1. The one place that
+// decides it: the layout's flag, the optimizer's rows first, the worker's mapping and the planner
+// all follow it.
+int LookupInPlaceParam(const ExecutionPlan& x, const ModelSpec& spec);
 
 // Rows the gradient slot `slot` holds when it is the tied embedding's input-lookup slot with
 // one call per step (after bench.merge_calls): at most one row per input token of the step,

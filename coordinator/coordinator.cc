@@ -132,8 +132,8 @@ class Coordinator {
   // Several nodes: reads the agreed stop step once the launcher wrote it, stops there and
   // dispatches what the wait held back.
   Status PollAgreedStop();
-  // Device updates (core::DeviceUpdateBlocks): each step's update constants to the workers, once
-  // the optimizer has the step's norm.
+  // Device updates (ExecutionPlan::device_update_blocks): each step's update constants to the
+  // workers, once the optimizer has the step's norm.
   Status SendStepUpdates();
   int64_t StepH2dBytes() const;
   // Activations live in workers (schedule.activations = "worker", or activation pools) and a
@@ -146,7 +146,8 @@ class Coordinator {
   proto::CoordinatorChannel* channel_;          // opts' socket, or a test's channel
   std::optional<proto::RouterChannel> router_;  // the socket, when this process binds it
   core::JobConfig cfg_;
-  core::RoundShape round_;  // how each step runs: decided once in Setup
+  core::ExecutionPlan exec_;  // the run spec's: how this run executes
+  core::RoundShape round_;    // how each step runs: decided once in Setup
   core::ModelSpec spec_;
   core::PipelinePlan plan_;
   shm::ArenaLayout layout_;
@@ -205,11 +206,12 @@ Status Coordinator::ActivationsLost(const std::string& what) const {
 Status Coordinator::Setup() {
   RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
+  exec_ = run.execution;
   plan_ = std::move(run.plan);
   round_ = core::Round(cfg_);
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
   trace_.emplace(cfg_.metrics.trace, plan_, round_.microbatches, opts_.num_workers);
-  RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
+  RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, exec_, spec_, plan_));
   if (layout_.activations == core::Activations::kWorker && opts_.num_workers != 1)
     return Status::InvalidArgument(
         "schedule.activations = \"worker\" keeps activations in the one worker's "
@@ -274,7 +276,7 @@ Status Coordinator::Setup() {
   // The run as resolved, beside its checkpoints: what rp-export reads them with.
   if (WritesOutputs())
     RP_RETURN_IF_ERROR(core::WriteRunSpec(cfg_.job.output_dir + "/run-spec.json",
-                                          {cfg_, plan_, opts_.num_workers}));
+                                          {cfg_, exec_, plan_, opts_.num_workers}));
   // The job as a job file (rp-launch --resume RUN_DIR).
   if (WritesOutputs())
     RP_RETURN_IF_ERROR(
@@ -321,7 +323,7 @@ Status Coordinator::StartParts() {
   }
   g_channel.store(channel_);
   proto::CoordinatorChannel* wake = channel_;
-  profiler_ = std::make_unique<RunProfiler>(cfg_, spec_, plan_, opts_.num_workers,
+  profiler_ = std::make_unique<RunProfiler>(cfg_, exec_, spec_, plan_, opts_.num_workers,
                                             [wake] { wake->Wake(); });
   WorkerTable::Setup table;
   table.workers = opts_.num_workers;
@@ -337,7 +339,7 @@ Status Coordinator::StartParts() {
   workers_ = std::make_unique<WorkerTable>(*channel_, table);
   const int threads = OptimizerThreads(opts_, cfg_);
   RP_LOG(INFO) << "optimizer: " << threads << " threads";
-  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, spec_, layout_, host_->state().data(),
+  optimizer_ = std::make_unique<AsyncOptimizer>(cfg_, exec_, spec_, layout_, host_->state().data(),
                                                 host_->optim().data(), &host_->grad_arena(),
                                                 threads, [wake] { wake->Wake(); });
   RP_RETURN_IF_ERROR(optimizer_->StartAfter(window_.first_step));
@@ -345,7 +347,7 @@ Status Coordinator::StartParts() {
   if (!plan_.stages.empty()) optimizer_->SpeculateFromLayer(plan_.stages.back().end);
   evals_ = std::make_unique<Evaluations>(cfg_, layout_, window_, *optimizer_, *workers_);
   dispatch_ = std::make_unique<StepDispatch>(
-      StepDispatch::Parts{cfg_, round_, spec_, plan_, layout_, host_->state(), *data_,
+      StepDispatch::Parts{cfg_, exec_, round_, spec_, plan_, layout_, host_->state(), *data_,
                           host_->grad_arena(), *optimizer_, *workers_, *profiler_, window_});
   RP_RETURN_IF_ERROR(workers_->Register(
       opts_.hello_timeout_s, [] { return g_stop || g_graceful_stop; },
@@ -482,7 +484,7 @@ Status Coordinator::Handle(int rank, const Message& m) {
 }
 
 Status Coordinator::SendStepUpdates() {
-  if (core::DeviceUpdateBlocks(cfg_) == 0) return Status::Ok();
+  if (exec_.device_update_blocks == 0) return Status::Ok();
   for (const auto& k : optimizer_->TakeStepConstants()) {
     // Every worker: a replacement that holds none of the step's gradients ignores it.
     for (int rank = 0; rank < workers_->size(); ++rank)
@@ -544,9 +546,9 @@ int64_t Coordinator::StepH2dBytes() const {
   // What the workers' executors read from host memory in one step: each job's stage weights
   // once, and per microbatch its inputs (tokens or a hidden state; labels for the tail; the
   // incoming gradient for backward stages). A frozen base kept on the devices
-  // (core::FrozenOnDevice) is copied once, in a worker's first jobs, and not counted.
+  // (ExecutionPlan::frozen_on_device) is copied once, in a worker's first jobs, and not counted.
   int64_t h2d = 0;
-  const int frozen_elem = core::FrozenOnDevice(cfg_) ? 0 : layout_.compute_elem_bytes;
+  const int frozen_elem = exec_.frozen_on_device ? 0 : layout_.compute_elem_bytes;
   const int64_t act = static_cast<int64_t>(layout_.act_elems) * layout_.compute_elem_bytes;
   const int64_t tok = static_cast<int64_t>(layout_.tokens_per_mb) * 8;
   for (const auto& st : plan_.stages) {
@@ -871,7 +873,7 @@ Status Coordinator::Finish(Status st) {
     if (host_) summary["grad_arena_peak_bytes"] = host_->grad_arena().PeakBytes();
     // What the run did, for whoever checks it (tests, scripts) without reading logs.
     summary["workers_fetch"] = layout_.masters_in_state ? "masters" : "compute_copy";
-    if (optimizer_ && core::SpeculatesUnclippedUpdate(cfg_)) {
+    if (optimizer_ && exec_.speculative_update) {
       const auto spec = optimizer_->Speculation();
       summary["speculative_updates"] = {{"confirmed", spec.confirmed}, {"redone", spec.redone}};
     }

@@ -12,10 +12,11 @@
 
 namespace rp::coord {
 
-RunProfiler::RunProfiler(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                         const core::PipelinePlan& plan, int workers,
+RunProfiler::RunProfiler(const core::JobConfig& cfg, const core::ExecutionPlan& execution,
+                         const core::ModelSpec& spec, const core::PipelinePlan& plan, int workers,
                          std::function<void()> on_search_done)
     : cfg_(cfg),
+      replans_(execution.planner_chooses_partition && cfg.schedule.replan_gain > 0),
       spec_(spec),
       plan_(plan),
       workers_(workers),
@@ -119,8 +120,7 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
                << "; prediction for " << plan_.Describe() << ": step " << prediction_->step_seconds
                << " s, bubble " << 100.0 * prediction_->bubble_ratio << "%, peak memory per worker "
                << prediction_->peak_memory_bytes / 1e9 << " GB";
-  if (cfg_.schedule.partition != core::Partition::kAuto || cfg_.schedule.replan_gain <= 0)
-    return Status::Ok();
+  if (!replans_) return Status::Ok();
   // A search for an older profile (drift) is waited for and dropped: the new one supersedes it.
   WaitForSearch();
   std::promise<StatusOr<core::PlanChoice>> result;

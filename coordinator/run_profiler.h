@@ -46,8 +46,9 @@ namespace rp::coord {
 
 class RunProfiler {
  public:
-  RunProfiler(const core::JobConfig& cfg, const core::ModelSpec& spec,
-              const core::PipelinePlan& plan, int workers, std::function<void()> on_search_done);
+  RunProfiler(const core::JobConfig& cfg, const core::ExecutionPlan& execution,
+              const core::ModelSpec& spec, const core::PipelinePlan& plan, int workers,
+              std::function<void()> on_search_done);
   ~RunProfiler();  // waits for a search still running
 
   void StartWindow(int64_t begin, int64_t stop_step);
@@ -75,6 +76,8 @@ class RunProfiler {
 
  private:
   const core::JobConfig& cfg_;
+  // schedule.partition = "auto" with a replan_gain: a fresh profile starts a plan search.
+  const bool replans_;
   const core::ModelSpec& spec_;
   const core::PipelinePlan& plan_;
   int workers_;

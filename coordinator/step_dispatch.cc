@@ -41,8 +41,8 @@ Status StepDispatch::Dispatch(int64_t step) {
   const int K = static_cast<int>(parts_.round.calls);
   const int S = static_cast<int>(parts_.plan.stages.size());
   st.job_at.assign(static_cast<size_t>(K) * S, -1);
-  const int64_t version = std::max<int64_t>(0, step - core::WeightVersionLag(parts_.cfg));
-  for (const auto [c, s] : core::StepJobOrder(parts_.plan, K, core::InterleaveCalls(parts_.cfg))) {
+  const int64_t version = std::max<int64_t>(0, step - parts_.execution.weight_version_lag);
+  for (const auto [c, s] : core::StepJobOrder(parts_.plan, K, parts_.execution.interleave_calls)) {
     StageJob j;
     j.index = TakeJobIndex();
     j.step = step;
@@ -151,14 +151,14 @@ bool StepDispatch::FirstCommitMayGo(int64_t step, int stage) const {
   // this step computes, and each slot comes back when its parameter's update is complete). In
   // stale1 mode, and before a checkpoint (which must hold step - 1 whole and nothing of this
   // step), the whole previous update must be complete.
-  if ((!core::NextStepWaitsForUpdate(parts_.cfg) ||
+  if ((!parts_.execution.NextStepWaitsForUpdate() ||
        PeriodicCheckpointAfter(parts_.cfg, step - 1)) &&
       !parts_.optimizer.Updated(step - 1))
     return false;
   // Device updates: the step's forward took the covered blocks from the worker, not from the
   // host's update, so nothing else orders this commit after that update; the optimizer takes a
   // step's first slot only once the previous step is published.
-  if (core::DeviceUpdateBlocks(parts_.cfg) > 0 && !parts_.optimizer.Published(step - 1))
+  if (parts_.execution.device_update_blocks > 0 && !parts_.optimizer.Published(step - 1))
     return false;
   // Also when Updated: the optimizer counts a parameter just before it gives its slots back.
   for (int slot : StageGradSlots(stage))
@@ -179,15 +179,15 @@ Status StepDispatch::TryCommitsOf(int64_t step) {
   // Gradients waiting in the workers are all ready once the norm is known (one round per step):
   // granted from the last stage back, so the first layers, which the next step's forward needs
   // first, are committed and updated first.
-  // With device updates (core::DeviceUpdateBlocks) the stages inside blocks 1..N go after all
-  // others: the worker updates those blocks itself, and the host's copy is wanted later.
-  const bool first_layers_first = core::GradientsWaitInWorkers(parts_.cfg);
+  // With device updates (ExecutionPlan::device_update_blocks) the stages inside blocks 1..N go
+  // after all others: the worker updates those blocks itself, and the host's copy is wanted later.
+  const bool first_layers_first = parts_.execution.gradients_wait_in_workers;
   if (first_layers_first && !NormFromWorkers(step)) return Status::Ok();
-  const int device_blocks = core::DeviceUpdateBlocks(parts_.cfg);
+  const int device_blocks = parts_.execution.device_update_blocks;
   auto device_updated = [&](int pos) {
     const core::Stage& st = parts_.plan.stages[pos % S];
-    return core::DeviceUpdatesLayer(parts_.cfg, st.begin) &&
-           core::DeviceUpdatesLayer(parts_.cfg, st.end - 1);
+    return parts_.execution.DeviceUpdatesLayer(st.begin) &&
+           parts_.execution.DeviceUpdatesLayer(st.end - 1);
   };
   std::vector<int> order;
   for (int i = 0; i < positions; ++i) order.push_back(first_layers_first ? positions - 1 - i : i);

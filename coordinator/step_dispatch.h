@@ -19,10 +19,10 @@
 //    stage's slots back (in stale1 mode, and before a checkpoint, once the whole previous update
 //    is done; with device updates, once its first passes are all done), and only when the
 //    gradient arena has room; with gradients waiting in the workers
-//    (core::GradientsWaitInWorkers), none of a step's before every gradient job of it has written
-//    its squares and the optimizer has the norm, and then first layers first, except that stages
-//    inside the device-updated blocks (core::DeviceUpdateBlocks) go last. Called on every loop
-//    turn.
+//    (ExecutionPlan::gradients_wait_in_workers), none of a step's before every gradient job of it
+//    has written its squares and the optimizer has the norm, and then first layers first, except
+//    that stages inside the device-updated blocks (ExecutionPlan::device_update_blocks) go last.
+//    Called on every loop turn.
 //  * OnJobDone() checks and marks a job done and returns it; the coordinator acts on its
 //    finality (checkpoint, final slots), then calls Retire(), which says whether the step is done.
 //  * Resend() gives a replacement worker its rank's unfinished jobs and eval jobs in index order,
@@ -90,6 +90,7 @@ class StepDispatch {
   // Everything it reads or drives; all of it outlives the StepDispatch.
   struct Parts {
     const core::JobConfig& cfg;
+    const core::ExecutionPlan& execution;
     const core::RoundShape& round;
     const core::ModelSpec& spec;
     const core::PipelinePlan& plan;
@@ -133,8 +134,9 @@ class StepDispatch {
   std::vector<int64_t> StepRows(int64_t step);
   Status TryCommitsOf(int64_t step);
   bool FirstCommitMayGo(int64_t step, int stage) const;
-  // core::GradientsWaitInWorkers: true once every gradient job of `step` has reported its
-  // squares; the first time, adds them up (the optimizer's order) and gives the optimizer the norm.
+  // ExecutionPlan::gradients_wait_in_workers: true once every gradient job of `step` has reported
+  // its squares; the first time, adds them up (the optimizer's order) and gives the optimizer the
+  // norm.
   bool NormFromWorkers(int64_t step);
   std::vector<int> StageGradSlots(int stage) const;
 

@@ -31,7 +31,8 @@ const TinyJob& Job() {
     j.spec = rp::core::BuildModelSpec(j.config.model, j.config.lora);
     auto plan = rp::core::MakePlan(j.config, 1);
     if (!plan.ok()) __builtin_trap();
-    auto layout = rp::shm::ComputeLayout(j.config, j.spec, *plan);
+    auto layout =
+        rp::shm::ComputeLayout(j.config, rp::core::ResolveExecution(j.config), j.spec, *plan);
     if (!layout.ok()) __builtin_trap();
     j.layout = *layout;
     j.hash = rp::coord::TrainingStateHash(j.config, j.spec, j.layout);

@@ -116,9 +116,9 @@ class Device {
   };
   virtual uint64_t StartCommit(std::vector<CommitItem> items, bool accumulate) = 0;
   virtual bool CommitDone(uint64_t ticket) = 0;
-  // Squared sums of finished fp32 gradients (core::GradientsWaitInWorkers, share-sized slots):
-  // for each item, out[i] becomes the sum of the squares of elements [i x chunk, (i + 1) x chunk)
-  // of grad flattened, in double, for every chunk. Asynchronous, so that the worker goes on
+  // Squared sums of finished fp32 gradients (ExecutionPlan::gradients_wait_in_workers, share-sized
+  // slots): for each item, out[i] becomes the sum of the squares of elements [i x chunk, (i + 1) x
+  // chunk) of grad flattened, in double, for every chunk. Asynchronous, so that the worker goes on
   // queueing the next job meanwhile: the values are in every `out` once SquaresDone(ticket) has
   // returned true; the device keeps the gradients alive until then. The gradients must be
   // complete when this is called, with no work on them queued since (their microbatches'

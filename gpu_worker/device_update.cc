@@ -13,16 +13,18 @@
 namespace rp::worker {
 
 StatusOr<std::unique_ptr<DeviceUpdate>> DeviceUpdate::Create(
-    const core::JobConfig& cfg, const core::ModelSpec& spec, const shm::ArenaLayout& layout,
-    const shm::Segment& state, Device& device, at::ScalarType weights_dtype) {
+    const core::JobConfig& cfg, const core::ExecutionPlan& execution, const core::ModelSpec& spec,
+    const shm::ArenaLayout& layout, const shm::Segment& state, Device& device,
+    at::ScalarType weights_dtype) {
   const std::string name = shm::OptimSegmentOf(state.name());
   if (name.empty())
     return Status::InvalidArgument(
         "optimizer.device_update_blocks: the state segment " + state.name() +
         " is not named like a run's, so its optimizer segment is unknown");
   RP_ASSIGN_OR_RETURN(auto optim, shm::Segment::OpenReadOnly(name, layout.optim_total_bytes));
-  std::unique_ptr<DeviceUpdate> u(
-      new DeviceUpdate(cfg, spec, layout, state, std::move(optim), device, weights_dtype));
+  std::unique_ptr<DeviceUpdate> u(new DeviceUpdate(cfg, execution.device_update_blocks, spec,
+                                                   layout, state, std::move(optim), device,
+                                                   weights_dtype));
   // Each array's covered parameters are consecutive (parameters are in layer order): one range
   // per array to pin. The masters in the state segment are pinned with it already.
   std::vector<const std::vector<uint64_t>*> arrays = {&layout.adam_m, &layout.adam_v};
@@ -44,10 +46,11 @@ StatusOr<std::unique_ptr<DeviceUpdate>> DeviceUpdate::Create(
   return u;
 }
 
-DeviceUpdate::DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& spec,
+DeviceUpdate::DeviceUpdate(const core::JobConfig& cfg, int blocks, const core::ModelSpec& spec,
                            const shm::ArenaLayout& layout, const shm::Segment& state,
                            shm::Segment optim, Device& device, at::ScalarType weights_dtype)
     : cfg_(cfg),
+      blocks_(blocks),
       spec_(spec),
       layout_(layout),
       state_(state),

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// DeviceUpdate: the worker's half of optimizer.device_update_blocks (core::DeviceUpdateBlocks).
+// DeviceUpdate: the worker's half of optimizer.device_update_blocks
+// (ExecutionPlan::device_update_blocks).
 //
 // At an exact-mode step boundary with clipping nothing can be updated before the global norm,
 // and the host's optimizer then publishes layer after layer more slowly than the next forward
@@ -54,25 +55,27 @@ class DeviceUpdate {
   // `state` is the mapped state segment (whose name gives the optimizer segment's), `weights_dtype`
   // the dtype of the weights the executor makes (what Apply writes).
   static StatusOr<std::unique_ptr<DeviceUpdate>> Create(const core::JobConfig& cfg,
+                                                        const core::ExecutionPlan& execution,
                                                         const core::ModelSpec& spec,
                                                         const shm::ArenaLayout& layout,
                                                         const shm::Segment& state, Device& device,
                                                         at::ScalarType weights_dtype);
 
-  bool CoversLayer(int layer) const { return core::DeviceUpdatesLayer(cfg_, layer); }
+  bool CoversLayer(int layer) const { return layer >= 1 && layer <= blocks_; }
   void Prefetch(int64_t step, int layer);
   void Hold(int param, const at::Tensor& grad);
   void Apply(const proto::StepUpdate& u);
   const at::Tensor* Weights(int param, int64_t version) const;
 
  private:
-  DeviceUpdate(const core::JobConfig& cfg, const core::ModelSpec& spec,
+  DeviceUpdate(const core::JobConfig& cfg, int blocks, const core::ModelSpec& spec,
                const shm::ArenaLayout& layout, const shm::Segment& state, shm::Segment optim,
                Device& device, at::ScalarType weights_dtype);
   const float* MasterOf(int param, int64_t step) const;
   const float* MomentOf(const std::vector<uint64_t>& array, int param) const;
 
   const core::JobConfig& cfg_;
+  const int blocks_;  // ExecutionPlan::device_update_blocks: blocks 1..blocks_ are covered
   const core::ModelSpec& spec_;
   const shm::ArenaLayout& layout_;
   const shm::Segment& state_;

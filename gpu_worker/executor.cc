@@ -31,10 +31,11 @@ at::ScalarType StoredDtype(core::TrainDtype d) {
 }
 }  // namespace
 
-Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                   const core::PipelinePlan& plan, const shm::ArenaLayout& layout,
-                   const shm::Segment& segment, Device& device)
+Executor::Executor(const core::JobConfig& cfg, const core::ExecutionPlan& execution,
+                   const core::ModelSpec& spec, const core::PipelinePlan& plan,
+                   const shm::ArenaLayout& layout, const shm::Segment& segment, Device& device)
     : cfg_(cfg),
+      execution_(execution),
       round_(core::Round(cfg)),
       spec_(spec),
       plan_(plan),
@@ -47,7 +48,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
                                                                               : store_dtype_),
       weights_dtype_(layout.weights_elem_bytes == 4 ? at::kFloat : store_dtype_),
       emulate_half_(store_dtype_ != at::kFloat && act_dtype_ == at::kFloat),
-      frozen_on_device_(core::FrozenOnDevice(cfg)),
+      frozen_on_device_(execution.frozen_on_device),
       activations_(MakeActivationStore(layout, segment, device, ActivationShape(), store_dtype_)) {
   if (core::FusedKernelsApply(cfg)) {
     math_.UseFusedKernels(device.fused_kernels());
@@ -56,7 +57,8 @@ Executor::Executor(const core::JobConfig& cfg, const core::ModelSpec& spec,
     math_.UseE4m3Projections(core::Fp8Matmuls(cfg));  // the worker checked the device takes them
   }
   math_.SetEmbedDtype(act_dtype_);
-  // Rows looked up in place from the fp32 masters (core::LookupFromHost) are what fp16 would hold.
+  // Rows looked up in place from the fp32 masters (ExecutionPlan::lookup_from_host) are what fp16
+  // would hold.
   if (emulate_half_) math_.SetEmbedRounding(store_dtype_);
   math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
   math_.UseGroupedExperts(cfg.bench.grouped_experts);
@@ -237,7 +239,7 @@ model::LayerWeights Executor::FetchLayer(int l, int64_t weights_version, bool gr
       t = dst.at(next_dst++);
       t.copy_(*computed);
     } else if (mapped) {
-      // The lookup reads its rows from the masters in place (core::LookupFromHost).
+      // The lookup reads its rows from the masters in place (ExecutionPlan::lookup_from_host).
       t = device_.MapWeights(src, spec_.params[use.param].shape, weights_dtype_);
     } else {
       t = dst.at(next_dst++);
@@ -948,7 +950,7 @@ Status Executor::ApplyStepUpdate(const proto::StepUpdate& u) {
                                  ", but this worker updates no blocks on its device");
   return Guarded(
       [&] {
-        return "updating blocks 1.." + std::to_string(core::DeviceUpdateBlocks(cfg_)) +
+        return "updating blocks 1.." + std::to_string(execution_.device_update_blocks) +
                " on the device for step " + std::to_string(u.step);
       },
       [&] {

@@ -97,7 +97,8 @@ struct InputSources {
 
 class Executor {
  public:
-  Executor(const core::JobConfig& cfg, const core::ModelSpec& spec, const core::PipelinePlan& plan,
+  Executor(const core::JobConfig& cfg, const core::ExecutionPlan& execution,
+           const core::ModelSpec& spec, const core::PipelinePlan& plan,
            const shm::ArenaLayout& layout, const shm::Segment& segment, Device& device);
 
   // Starts copying the job's stage weights, layer by layer as the optimizer finishes each layer
@@ -150,7 +151,7 @@ class Executor {
   // would, but only in the forward, where the device holds the least.
   Status Reserve(const proto::RunJob& job);
   bool LayerMajorBegun() const { return lm_.job; }
-  // Bytes of frozen weights kept on the device (core::FrozenOnDevice); 0 otherwise.
+  // Bytes of frozen weights kept on the device (ExecutionPlan::frozen_on_device); 0 otherwise.
   int64_t FrozenKeptBytes() const {
     int64_t n = 0;
     for (const auto& [param, t] : frozen_kept_) n += static_cast<int64_t>(t.nbytes());
@@ -317,8 +318,8 @@ class Executor {
   void StartSinks();
   // Forgets next_ (another job's fetch, partial or unused) safely for the device allocator.
   void DropNext();
-  // core::FrozenOnDevice: copies the whole frozen base into frozen_kept_ once, at the worker's
-  // first fetch or eval; Unavailable naming the option when the device cannot hold it.
+  // ExecutionPlan::frozen_on_device: copies the whole frozen base into frozen_kept_ once, at the
+  // worker's first fetch or eval; Unavailable naming the option when the device cannot hold it.
   Status KeepFrozenBase();
   // Whether every weight layer `l` reads holds `version` updates (with `device_weights`, weights
   // the device update kept at that version count).
@@ -333,8 +334,8 @@ class Executor {
                                  std::vector<at::Tensor> dst = {}, bool map_lookup = false,
                                  bool device_weights = false);
   // Whether a stage job reads layer `l`'s weights in place instead of copying them: the
-  // embedding's table under core::LookupFromHost (Device::MapWeights). Its readiness is then the
-  // lookup version (shm/layout.h), and it has no destination.
+  // embedding's table under ExecutionPlan::lookup_from_host (Device::MapWeights). Its readiness is
+  // then the lookup version (shm/layout.h), and it has no destination.
   bool MapsLookup(int l) const { return l == 0 && layout_.lookup_from_host; }
   // Uninitialized device tensors for layer `layer`'s weights, in FetchLayer's order.
   std::vector<at::Tensor> EmptyLayer(int layer);
@@ -346,6 +347,7 @@ class Executor {
   void AccumulateGrads();
 
   const core::JobConfig& cfg_;
+  const core::ExecutionPlan execution_;
   const core::RoundShape round_;  // core::Round(cfg_), decided once
   const core::ModelSpec& spec_;
   const core::PipelinePlan& plan_;
@@ -363,9 +365,9 @@ class Executor {
       weights_dtype_;  // what the segment holds for trainable weights (fp32 masters or train.dtype)
   bool emulate_half_ = false;       // fp16 or bf16 on a CPU worker (above)
   bool weight_grad_sinks_ = false;  // the device's fused kernels sum projection gradients
-  // core::FrozenOnDevice: every frozen tensor, by frozen parameter index (KeepFrozenBase);
-  // EmptyLayer then makes no destination for them. Read-only for the math, so every job and
-  // eval shares the one copy.
+  // ExecutionPlan::frozen_on_device: every frozen tensor, by frozen parameter index
+  // (KeepFrozenBase); EmptyLayer then makes no destination for them. Read-only for the math, so
+  // every job and eval shares the one copy.
   const bool frozen_on_device_;
   std::map<int, at::Tensor> frozen_kept_;
   // Where the tensors between stages live (schedule.activations), chosen once.

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// ShareGatherer: with sharded optimizer state (core::ShardedState), the worker thread that brings
-// every node's updated shares of its layers into this node's compute copies.
+// ShareGatherer: with sharded optimizer state (ExecutionPlan::sharded_state), the worker thread
+// that brings every node's updated shares of its layers into this node's compute copies.
 //
 // Each node's coordinator updates only its own share of each parameter (core::ShardOf) and
 // publishes it as the layer's version in shared memory. Layer l is gathered by worker

@@ -82,6 +82,7 @@ class Worker {
 
   WorkerOptions opts_;
   core::JobConfig cfg_;
+  core::ExecutionPlan execution_;   // the run spec's: how this run executes
   int64_t round_microbatches_ = 0;  // core::Round(cfg_).microbatches, decided once in Run
   core::ModelSpec spec_;
   core::PipelinePlan plan_;
@@ -523,7 +524,7 @@ StatusOr<bool> Worker::Finish() {
         worked = true;
         continue;
       }
-      if (core::GradientsWaitInWorkers(cfg_)) {
+      if (execution_.gradients_wait_in_workers) {
         // The coordinator adds these up for the step's norm before it grants any of its commits.
         // Summed while this loop goes on queueing the next job.
         if (!it->squaring) {
@@ -687,10 +688,11 @@ Status Worker::ReadSpec() {
   // plans.
   RP_ASSIGN_OR_RETURN(core::RunSpec run, core::ReadRunSpecFor(opts_.spec_path, opts_.num_workers));
   cfg_ = std::move(run.job);
+  execution_ = run.execution;
   plan_ = std::move(run.plan);
   round_microbatches_ = core::Round(cfg_).microbatches;
   spec_ = core::BuildModelSpec(cfg_.model, cfg_.lora);
-  RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, spec_, plan_));
+  RP_ASSIGN_OR_RETURN(layout_, shm::ComputeLayout(cfg_, execution_, spec_, plan_));
   return Status::Ok();
 }
 
@@ -799,10 +801,11 @@ Status Worker::OpenDevice(int gpus) {
         "products (at::_scaled_mm; compute capability 8.9 or newer, LibTorch 2.5 or "
         "newer); a test product failed on " +
         device_->Describe());
-  exec_ = std::make_unique<Executor>(cfg_, spec_, plan_, layout_, *segment_, *device_);
-  if (core::DeviceUpdateBlocks(cfg_) > 0) {
-    RP_ASSIGN_OR_RETURN(device_update_, DeviceUpdate::Create(cfg_, spec_, layout_, *segment_,
-                                                             *device_, exec_->weights_dtype()));
+  exec_ = std::make_unique<Executor>(cfg_, execution_, spec_, plan_, layout_, *segment_, *device_);
+  if (execution_.device_update_blocks > 0) {
+    RP_ASSIGN_OR_RETURN(device_update_,
+                        DeviceUpdate::Create(cfg_, execution_, spec_, layout_, *segment_, *device_,
+                                             exec_->weights_dtype()));
     exec_->UseDeviceUpdate(device_update_.get());
   }
   // The loop's own rule: no heartbeat while the device has stopped completing work.

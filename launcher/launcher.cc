@@ -143,11 +143,11 @@ class RuntimeDir {
   std::string path_;
 };
 
-void PrintDryRun(const core::JobConfig& cfg, const core::PipelinePlan& resolved_plan, int gpus,
-                 bool cpu_workers) {
+void PrintDryRun(const core::RunSpec& run, int gpus, bool cpu_workers) {
+  const core::JobConfig& cfg = run.job;
   auto spec = core::BuildModelSpec(cfg.model, cfg.lora);
-  const core::PipelinePlan* plan = &resolved_plan;
-  auto layout = shm::ComputeLayout(cfg, spec, *plan);
+  const core::PipelinePlan* plan = &run.plan;
+  auto layout = shm::ComputeLayout(cfg, run.execution, spec, *plan);
   if (!layout.ok()) {
     std::fprintf(stderr, "layout: %s\n", layout.status().message().c_str());
     return;
@@ -485,8 +485,9 @@ StatusOr<std::vector<int>> OpenLogPipes(LogPump* pump, const std::string& log_di
 // The launcher's exit code once the children are gone, with what the user does next: an
 // interrupt (stopped at once, or `checkpointed` after a graceful stop), a re-plan, or the run's
 // own code.
-int EndOfRunCode(const core::JobConfig& cfg, bool interrupted, bool checkpointed, bool replan,
+int EndOfRunCode(const core::RunSpec& run, bool interrupted, bool checkpointed, bool replan,
                  int exit_code) {
+  const core::JobConfig& cfg = run.job;
   if (interrupted) {
     std::fprintf(stderr, "rp-launch: interrupted; run stopped\n");
     return kExitInterrupted;
@@ -494,7 +495,7 @@ int EndOfRunCode(const core::JobConfig& cfg, bool interrupted, bool checkpointed
   if (checkpointed) {
     // checkpoint.dir is relative to the output directory, or absolute (node 0's, on the others).
     const std::string checkpoints = (fs::path(cfg.job.output_dir) / cfg.checkpoint.dir).string();
-    if (core::ShardedState(cfg))
+    if (run.execution.sharded_state)
       // Every node wrote its own part after the step the nodes agreed on.
       std::fprintf(
           stderr,
@@ -833,8 +834,9 @@ Status Refusal(const char* format, ...) {
 
 // The backend the job asks for against this build and host, and what the worker count allows:
 // GPUs per worker, cores per CPU worker, options that keep state in one worker.
-Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::JobConfig& cfg, int visible,
+Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::RunSpec& run, int visible,
                               bool cpu_workers) {
+  const core::JobConfig& cfg = run.job;
   if (cfg.job.device == core::DeviceKind::kCuda && !RP_WITH_CUDA) {
     return Refusal(
         "job.device = \"cuda\", but this build has no CUDA backend "
@@ -865,7 +867,7 @@ Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::JobConfig& cfg
           "at most %d per GPU",
           o.gpus, visible, visible == 1 ? "" : "s", kWorkersPerGpu);
     }
-    if (core::FrozenOnDevice(cfg) && visible > 0 && o.gpus > visible) {
+    if (run.execution.frozen_on_device && visible > 0 && o.gpus > visible) {
       return Refusal(
           "schedule.frozen_on_device with --gpus %d CUDA workers on %d visible GPU%s: "
           "workers sharing a GPU would each keep a copy of the frozen base there; run at most one "
@@ -886,7 +888,7 @@ Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::JobConfig& cfg
     return Refusal("--gpus %d CPU workers on %d usable cores; at most %d (4 per core)", o.gpus,
                    UsableCores(), max_cpu_workers);
   }
-  if (cfg.schedule.activations == core::Activations::kWorker && o.gpus != 1) {
+  if (run.execution.activations == core::Activations::kWorker && o.gpus != 1) {
     return Refusal(
         "schedule.activations = \"worker\" keeps activations in the one worker's "
         "memory and needs --gpus 1 (this launch asks for %d); use \"host\" or \"cuda_ipc\"",
@@ -927,10 +929,10 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   // Refused here, before any process exists, not by the workers once everything started.
   const bool cpu_workers = cfg->job.device == core::DeviceKind::kCpu || !RP_WITH_CUDA ||
                            (cfg->job.device == core::DeviceKind::kAuto && visible == 0);
-  if (Status s = CheckWorkersFitTheHost(o, *cfg, visible, cpu_workers); !s.ok()) return s;
+  if (Status s = CheckWorkersFitTheHost(o, run, visible, cpu_workers); !s.ok()) return s;
   uint64_t shared_bytes = 0;
   const core::ModelSpec spec = core::BuildModelSpec(cfg->model, cfg->lora);
-  auto layout = shm::ComputeLayout(*cfg, spec, run.plan);
+  auto layout = shm::ComputeLayout(*cfg, run.execution, spec, run.plan);
   if (!layout.ok()) {
     return layout.status();
   }
@@ -993,7 +995,7 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
     return s;
   }
   if (o.dry_run) {
-    PrintDryRun(*cfg, run.plan, o.gpus, cpu_workers);
+    PrintDryRun(run, o.gpus, cpu_workers);
     if (!packing_summary.empty()) std::printf("%s\n", packing_summary.c_str());
     if (!length_summary.empty()) std::printf("%s\n", length_summary.c_str());
     if (cpu_worker)
@@ -1155,7 +1157,7 @@ int RunSession(const LaunchOptions& o) {
     std::fprintf(stderr, "rp-launch: last lines of %s (all logs in %s):\n%s", failed_role.c_str(),
                  log_dir.c_str(), pump.LastLines(failed_role).c_str());
   }
-  return EndOfRunCode(*cfg, interrupted, graceful_done && failure.empty(), replan, exit_code);
+  return EndOfRunCode(run, interrupted, graceful_done && failure.empty(), replan, exit_code);
 }
 
 // With schedule.partition = "auto" and no schedule.profile, the plan comes from the run's
@@ -1168,7 +1170,7 @@ Status FreezeProfile(const LaunchOptions& o, bool after_replan, std::string* fro
   auto loaded = core::LoadJobConfig(o.job_path, o.overrides);
   if (!loaded.ok()) return Status::Ok();  // RunSession reports it, with its exit code
   const core::JobConfig& cfg = *loaded;
-  if (cfg.schedule.partition != core::Partition::kAuto ||
+  if (!core::ResolveExecution(cfg).planner_chooses_partition ||
       (!cfg.schedule.profile.empty() && !after_replan))
     return Status::Ok();
   const std::string stored = cfg.job.output_dir + "/profile.json";

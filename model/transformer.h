@@ -136,8 +136,8 @@ class Transformer {
     int64_t version = -1;
   };
   // Embed's output dtype when its table is stored wider (an fp32 master read in place,
-  // core::LookupFromHost): the looked-up rows are rounded, the same values as rounding the
-  // table first. Unset: the table's dtype.
+  // ExecutionPlan::lookup_from_host): the looked-up rows are rounded, the same values as rounding
+  // the table first. Unset: the table's dtype.
   void SetEmbedDtype(at::ScalarType dtype) { embed_dtype_ = dtype; }
   // Embed's rows rounded through `dtype` first (an fp32 table for emulated fp16 arithmetic: the
   // values an fp16 table would hold). Unset: no rounding.

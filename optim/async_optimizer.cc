@@ -24,10 +24,12 @@ double FoldZeroRow(float* row, int64_t cols) {
 
 }  // namespace
 
-AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                               const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim,
-                               GradArena* grads, int threads, std::function<void()> on_progress)
+AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ExecutionPlan& execution,
+                               const core::ModelSpec& spec, const shm::ArenaLayout& layout,
+                               uint8_t* state, uint8_t* optim, GradArena* grads, int threads,
+                               std::function<void()> on_progress)
     : cfg_(cfg),
+      exec_(execution),
       spec_(spec),
       layout_(layout),
       state_(state),
@@ -37,13 +39,13 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       // Two passes hold a parameter's slots until its second pass. That was measured where the
       // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
       // call: about two stages' slots) it would keep the next stages' commits waiting for space.
-      two_passes_(core::NextStepWaitsForUpdate(cfg) && !layout.grads_streamed),
-      workers_norm_(core::GradientsWaitInWorkers(cfg)),
+      two_passes_(execution.NextStepWaitsForUpdate() && !layout.grads_streamed),
+      workers_norm_(execution.gradients_wait_in_workers),
       shard_grads_(layout.sharded_grads),
-      norm_first_(core::UpdatesWaitForNorm(cfg) && !workers_norm_),
+      norm_first_(execution.updates_wait_for_norm && !workers_norm_),
       // The two passes keep the step's inputs (gradient, master, moments) until every first pass
       // is done, so a clipped step can run its first passes again over the same inputs.
-      speculate_(core::SpeculatesUnclippedUpdate(cfg) && norm_first_ && two_passes_ &&
+      speculate_(execution.speculative_update && norm_first_ && two_passes_ &&
                  layout.compute_buffers == 2),
       layer_start_us_(spec.NumLayers()) {
   if (layout.loss_scaling != 0)
@@ -101,10 +103,10 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
       const int p = spec.grad_slots[use.grad_slot].param;
       last_use[p] = std::max(last_use[p], l);
     }
-  // Blocks 1..N (pipeline layers) are updated on the worker's device too (DeviceUpdateBlocks).
+  // Blocks 1..N (pipeline layers) are updated on the worker's device too (device_update_blocks).
   geo_.device_param.assign(spec.params.size(), 0);
   for (size_t p = 0; p < spec.params.size(); ++p) {
-    geo_.device_param[p] = core::DeviceUpdatesLayer(cfg, spec.params[p].owner_layer) ? 1 : 0;
+    geo_.device_param[p] = execution.DeviceUpdatesLayer(spec.params[p].owner_layer) ? 1 : 0;
     if (!geo_.device_param[p]) {
       geo_.rest_order.push_back(static_cast<int>(p));
       geo_.two_pass_params++;
@@ -113,7 +115,7 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec
   std::stable_sort(geo_.rest_order.begin(), geo_.rest_order.end(),
                    [&](int a, int b) { return last_use[a] > last_use[b]; });
   if (layout.lookup_from_host) {
-    geo_.lookup_param = core::LookupInPlaceParam(cfg, spec);
+    geo_.lookup_param = core::LookupInPlaceParam(execution, spec);
     geo_.lookup_cols = spec.params[geo_.lookup_param].shape[1];
   }
   const int pool = std::max(1, threads);
@@ -162,8 +164,8 @@ Status AsyncOptimizer::StartAfter(int64_t steps_done) {
     return e;
   };
   RP_ASSIGN_OR_RETURN(scaler_, after(steps_done - 1));
-  for (int64_t s = steps_done; s <= steps_done + LossScaleLag(cfg_); ++s) {
-    RP_ASSIGN_OR_RETURN(const shm::LossScalerState used, after(s - 1 - LossScaleLag(cfg_)));
+  for (int64_t s = steps_done; s <= steps_done + LossScaleLag(exec_); ++s) {
+    RP_ASSIGN_OR_RETURN(const shm::LossScalerState used, after(s - 1 - LossScaleLag(exec_)));
     scaling_->step_scale[s % ring].store(used.scale, std::memory_order_release);
   }
   return Status::Ok();
@@ -422,8 +424,8 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
     scaling.scale_after = scaler_.scale;
     scaling_->after[step % ring] = scaler_;
     // Before any version this update publishes: the first step that fetches one reads it.
-    scaling_->step_scale[(step + 1 + LossScaleLag(cfg_)) % ring].store(scaler_.scale,
-                                                                       std::memory_order_release);
+    scaling_->step_scale[(step + 1 + LossScaleLag(exec_)) % ring].store(scaler_.scale,
+                                                                        std::memory_order_release);
     norm /= scaling.scale;
   }
   {
@@ -444,7 +446,7 @@ void AsyncOptimizer::TakeNorm(int64_t step, double total) {
   // The next step speculates only after an unclipped one: a run that clips keeps clipping for a
   // while, and each refuted guess costs a first pass.
   last_clipped_.store(clip_scale != 1.0, std::memory_order_relaxed);
-  if (core::DeviceUpdateBlocks(cfg_) > 0) {
+  if (exec_.device_update_blocks > 0) {
     // The caller wakes the coordinator's loop (Progress), which sends them to the workers.
     std::lock_guard<std::mutex> l(reported_.mu);
     reported_.constants.push_back({step, u.adam_step, LearningRate(step), u.grad_scale});

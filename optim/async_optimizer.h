@@ -46,7 +46,7 @@
 //    t + 1 needs its slots final for t + 1, so placed again, so released by its second pass of
 //    step t (with clipping every parameter's, since the norm needs every slot).
 //  * fp16 (core::ScalesLoss): updates wait for the norm as with clipping
-//  (core::UpdatesWaitForNorm).
+//  (ExecutionPlan::updates_wait_for_norm).
 //    The norm of the scaled gradients, divided by the step's scale, is the step's norm. A norm that
 //    is not finite skips the step: no master or moment changes, and the version it publishes holds
 //    the same weights (the compute copy is rewritten from the masters). Either way the scaler's
@@ -55,7 +55,7 @@
 //    step). AdamW's step count is the number of updates applied, as torch's when GradScaler skips
 //    optimizer.step(). The gradients are multiplied by clip scale / loss scale in the update: for
 //    a power-of-two scale (the defaults keep it one) the bits of unscaling, then clipping.
-//  * Speculative updates (core::SpeculatesUnclippedUpdate: clipping, two passes, two buffers of
+//  * Speculative updates (ExecutionPlan::speculative_update: clipping, two passes, two buffers of
 //    what workers fetch): as a parameter's chunk is squared, its first pass also runs with the
 //    constants of an unclipped step (Unclipped), writing the next version's buffer, which no job
 //    of this step reads. When the norm leaves the step unclipped (grad_scale exactly 1, as those
@@ -64,7 +64,8 @@
 //    row-summed parameters and not the layers below SpeculateFromLayer; paused after a clipped
 //    step. With the masters as what workers fetch, the update reads the masters of buffer
 //    step % 2 and writes those of (step + 1) % 2; its second pass writes only the moments.
-//  * Device updates (core::DeviceUpdateBlocks = N): the parameters of blocks 1..N are updated
+//  * Device updates (ExecutionPlan::device_update_blocks = N): the parameters of blocks 1..N are
+//  updated
 //    in one pass (masters, moments and what workers fetch together), queued behind every other
 //    parameter's first pass (on the rest threads, ahead of the second passes; with gradients
 //    waiting in the workers their commits come last instead, and each runs as it lands): the
@@ -73,11 +74,13 @@
 //    wanted only by the next backward. Their layer versions are published after that one pass; a
 //    version
 //    >= t + 1 then means masters and moments hold step t too (what the worker reads for t + 1).
-//  * Gradients waiting in the workers (core::GradientsWaitInWorkers): the norm comes from
+//  * Gradients waiting in the workers (ExecutionPlan::gradients_wait_in_workers): the norm comes
+//  from
 //    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
 //    is updated, clipped, as soon as its slots are final, as without clipping; no squares are
 //    taken here.
-//  * Sharded gradient slots (core::ShardedGradients: no clipping, no loss scaling): a slot holds
+//  * Sharded gradient slots (ExecutionPlan::sharded_gradients: no clipping, no loss scaling): a
+//  slot holds
 //    this node's share of its parameter, and the norm is the sum of the squares the workers wrote
 //    of the whole summed gradient (shm::ArenaLayout::grad_squares), read when the parameter's slot
 //    is final; it is reported only (nothing it scales).
@@ -116,9 +119,10 @@ class AsyncOptimizer {
   // `state` is the mapped state segment (compute copies, or the masters when workers fetch
   // them; layer versions, gradient arena), `optim` the optimizer segment (moments, and the
   // masters otherwise: layout.masters_in_state says which); `grads` places and releases slots.
-  AsyncOptimizer(const core::JobConfig& cfg, const core::ModelSpec& spec,
-                 const shm::ArenaLayout& layout, uint8_t* state, uint8_t* optim, GradArena* grads,
-                 int threads, std::function<void()> on_progress = {});
+  AsyncOptimizer(const core::JobConfig& cfg, const core::ExecutionPlan& execution,
+                 const core::ModelSpec& spec, const shm::ArenaLayout& layout, uint8_t* state,
+                 uint8_t* optim, GradArena* grads, int threads,
+                 std::function<void()> on_progress = {});
   ~AsyncOptimizer();
   AsyncOptimizer(const AsyncOptimizer&) = delete;
   AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
@@ -138,10 +142,11 @@ class AsyncOptimizer {
   // lookup slot is final; any thread.
   void SetTouchedRows(int64_t step, std::vector<int64_t> rows);
   void SlotFinal(int64_t step, int slot);
-  // core::GradientsWaitInWorkers: the sum of the squares of step `step`'s gradients, which the
-  // workers took (shm::ArenaLayout::grad_squares) and the coordinator added up in this class's
-  // chunk order; given before the step's first SlotFinal. Its root is the step's norm, which
-  // clips each parameter's update as soon as its gradient lands (nothing waits for a host norm).
+  // ExecutionPlan::gradients_wait_in_workers: the sum of the squares of step `step`'s gradients,
+  // which the workers took (shm::ArenaLayout::grad_squares) and the coordinator added up in this
+  // class's chunk order; given before the step's first SlotFinal. Its root is the step's norm,
+  // which clips each parameter's update as soon as its gradient lands (nothing waits for a host
+  // norm).
   void SetNormSquares(int64_t step, double squares);
   std::optional<double> GradNorm(int64_t step) const;
   // Device updates: the constants of each step's update whose norm became known since the last
@@ -243,6 +248,7 @@ class AsyncOptimizer {
   static void StoreMax(std::atomic<int64_t>& through, int64_t step);
 
   const core::JobConfig cfg_;
+  const core::ExecutionPlan exec_;
   const core::ModelSpec& spec_;
   const shm::ArenaLayout& layout_;
   uint8_t* state_;
@@ -272,10 +278,10 @@ class AsyncOptimizer {
   };
   Geometry geo_;
   const bool two_passes_;                  // exact mode, arena holds every slot
-  const bool workers_norm_;                // core::GradientsWaitInWorkers
-  const bool shard_grads_;                 // core::ShardedGradients: slots hold the share
+  const bool workers_norm_;                // ExecutionPlan::gradients_wait_in_workers
+  const bool shard_grads_;                 // ExecutionPlan::sharded_gradients: slots hold the share
   const bool norm_first_;                  // updates wait for a norm taken here
-  const bool speculate_;                   // core::SpeculatesUnclippedUpdate
+  const bool speculate_;                   // ExecutionPlan::speculative_update
   std::atomic<bool> last_clipped_{false};  // the last step whose norm is known was clipped
   std::atomic<int> spec_from_layer_{0};
   std::atomic<int64_t> spec_confirmed_{0}, spec_redone_{0};

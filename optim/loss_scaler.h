@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "config/execution_plan.h"
 #include "config/job_config.h"
 #include "shm/layout.h"
 
@@ -43,8 +44,6 @@ inline shm::LossScalerState NextLossScaler(const shm::LossScalerState& s, bool f
 // How many steps after a step's own the scale it produced is first used: the workers of step s
 // compute with the weights of version s (exact) or s - 1 (stale1), published once the norm of the
 // step before that version is known, so step s's scale is the state after step s - 1 - lag.
-inline int LossScaleLag(const core::JobConfig& c) {
-  return static_cast<int>(core::WeightVersionLag(c));
-}
+inline int LossScaleLag(const core::ExecutionPlan& x) { return x.weight_version_lag; }
 
 }  // namespace rp::coord

@@ -21,6 +21,7 @@
 
 #include "common/rng.h"
 #include "common/unique_fd.h"
+#include "config/mode_key_access.h"
 #include "io/run_output.h"
 
 namespace rp::coord {
@@ -249,8 +250,10 @@ uint64_t TrainingStateHash(const core::JobConfig& c, const core::ModelSpec& spec
     for (char ch : p.name) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
     h = HashKey({h, static_cast<uint64_t>(p.numel)});
   }
-  // The modes' job-file spellings, so checkpoints keep the hash they were written with.
-  for (const std::string s : {core::EnumName(c.optimizer.name), core::EnumName(c.optimizer.mode)})
+  // The modes' job-file spellings, so checkpoints keep the hash they were written with (the
+  // checkpoint records the optimizer mode key itself: ModeKeyGrant).
+  const core::OptimizerMode mode = c.optimizer.mode.Read(core::ModeKeyGrant::Access());
+  for (const std::string s : {core::EnumName(c.optimizer.name), core::EnumName(mode)})
     for (char ch : s) h = SplitMix64(h ^ static_cast<uint8_t>(ch));
   if (!spec.frozen.empty()) {
     // LoRA: the checkpoint leaves the base out; resuming reloads it from the same source, so the

@@ -15,7 +15,7 @@
 //                    workers fetch them), "compute" (every compute-copy buffer, so stale1's
 //                    older weights resume too; the fp32 masters when workers fetch them) and,
 //                    with fp16, "loss_scaling" (the dynamic loss scale's state)
-// Sharded state (core::ShardedState) on N nodes: node r writes
+// Sharded state (ExecutionPlan::sharded_state) on N nodes: node r writes
 // "step-<8 digits>.shard-<r>-of-<N>.rpstate" into the same directory, its header adding "shard"
 // and "shards", with "optim" (its optimizer segment: its shares only) and "compute_shares" (its
 // share of each parameter in each compute-copy buffer, buffer-major, then parameter order,

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "config/execution_plan.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "planning/plan.h"
@@ -29,7 +30,8 @@ inline constexpr uint64_t kGradArenaAlign = 4096;
 
 // fp32 bytes of gradient slot `slot`, 256-aligned: what the arena places for it (a compact
 // lookup slot holds only its rows, CompactLookupRows; sharded gradients this node's share).
-uint64_t GradSlotBytes(const JobConfig& config, const ModelSpec& spec, int slot);
+uint64_t GradSlotBytes(const JobConfig& config, const ExecutionPlan& execution,
+                       const ModelSpec& spec, int slot);
 
 struct GradArenaSizing {
   uint64_t all_slots = 0;  // every slot at once (no streaming)
@@ -43,7 +45,7 @@ struct GradArenaSizing {
 // `shared`), per owner layer (the host releases them with that layer's update): one row of
 // plan.num_layers entries per stage, zeros for a forward stage.
 StatusOr<GradArenaSizing> SizeGradArena(
-    const JobConfig& config, const ModelSpec& spec, const PipelinePlan& plan,
-    std::vector<std::vector<uint64_t>>* stage_bytes_by_owner = nullptr);
+    const JobConfig& config, const ExecutionPlan& execution, const ModelSpec& spec,
+    const PipelinePlan& plan, std::vector<std::vector<uint64_t>>* stage_bytes_by_owner = nullptr);
 
 }  // namespace rp::core

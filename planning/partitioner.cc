@@ -111,24 +111,24 @@ namespace {
 // What the estimate's parts share: the job's sizes in bytes and elements, decided once.
 struct EstimateBasis {
   const JobConfig& c;
+  const ExecutionPlan x;  // the decisions of the job being estimated (a trial may change a key)
   const PipelinePlan& plan;
   ModelSpec spec;
   double elem, tokens, H;
-  int mapped_param;       // the embedding looked up in place (LookupInPlaceParam), or -1
-  bool frozen_on_device;  // FrozenOnDevice
+  int mapped_param;  // the embedding looked up in place (LookupInPlaceParam), or -1
   // CUDA workers with the fused kernels: projection and head gradients go into fp32 sinks
   // (worker::Executor, SinkableRole) and the head's loss chunk keeps only its logits.
   bool fused_cuda;
 
   EstimateBasis(const JobConfig& job, const PipelinePlan& p)
       : c(job),
+        x(ResolveExecution(job)),
         plan(p),
         spec(BuildModelSpec(job.model, job.lora)),
         elem(static_cast<double>(core::ComputeElemBytes(job))),
         tokens(static_cast<double>(job.TokensPerMicrobatch())),
         H(static_cast<double>(job.model.hidden_size)),
-        mapped_param(LookupInPlaceParam(job, spec)),
-        frozen_on_device(FrozenOnDevice(job)),
+        mapped_param(LookupInPlaceParam(x, spec)),
         fused_cuda(core::FusedKernelsApply(job) && job.job.device != core::DeviceKind::kCpu) {}
 
   // A use's gradient per element: its fp32 sum, and the microbatch's gradient in the compute
@@ -222,7 +222,7 @@ StageMemory EstimateStage(const EstimateBasis& e, const BlockActivations& block,
       continue;
     }
     // A base kept on the device counts once, as `frozen`.
-    params += static_cast<double>(e.spec.LayerWeightBytes(l, 1, e.frozen_on_device ? 0 : 1));
+    params += static_cast<double>(e.spec.LayerWeightBytes(l, 1, e.x.frozen_on_device ? 0 : 1));
     for (const auto& use : e.spec.layer_uses[l]) {
       const double numel = static_cast<double>(e.spec.params[use.param].numel);
       grads_of_uses += numel * e.GradientBytesPerElement(use.role);
@@ -298,7 +298,7 @@ void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages
                   const std::vector<JobSlot>& order, int64_t ahead, MemoryEstimate* out) {
   const JobConfig& c = e.c;
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
-  const bool next_step_waits = core::NextStepWaitsForUpdate(c) && core::UpdatesWaitForNorm(c);
+  const bool next_step_waits = e.x.NextStepWaitsForUpdate() && e.x.updates_wait_for_norm;
   double worst = 0.0;
   for (int64_t g = 0; g < jobs_per_step; ++g) {
     const int i = order[g].stage;
@@ -323,7 +323,7 @@ void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages
 // this step (job g runs on worker g mod workers) until the step's last gradient job is done.
 double HeldGradientBytes(const EstimateBasis& e, const std::vector<StageMemory>& stages,
                          const std::vector<JobSlot>& order, int64_t ahead, int worst_stage) {
-  if (!GradientsWaitInWorkers(e.c)) return 0.0;
+  if (!e.x.gradients_wait_in_workers) return 0.0;
   std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
   for (size_t g = 0; g < order.size(); ++g)
     per_worker[g % static_cast<size_t>(ahead)] += stages[order[g].stage].sums;
@@ -331,7 +331,7 @@ double HeldGradientBytes(const EstimateBasis& e, const std::vector<StageMemory>&
   double held = std::max(0.0, busiest - (worst_stage >= 0 ? stages[worst_stage].sums : 0.0));
   // stale1: step t + 1's jobs need only version t, so a worker may finish them and hold their
   // sums while step t's still wait for its norm.
-  if (core::WeightVersionLag(e.c) > 0) held += busiest;
+  if (e.x.weight_version_lag > 0) held += busiest;
   return held;
 }
 
@@ -344,14 +344,14 @@ double KeptBlocksBytes(const EstimateBasis& e) {
   const JobConfig& c = e.c;
   const int kept_blocks = std::max(0, e.plan.tail_start - e.plan.kept_start);
   if (kept_blocks == 0) return 0.0;
-  const double calls_in_flight = InterleaveCalls(c) && core::Round(c).calls >= 2 ? 2.0 : 1.0;
+  const double calls_in_flight = e.x.interleave_calls && core::Round(c).calls >= 2 ? 2.0 : 1.0;
   const double graph =
       e.tokens * (8.6 * e.H + 3.0 * static_cast<double>(c.model.intermediate_size)) * e.elem;
   double per_call =
       static_cast<double>(kept_blocks) * static_cast<double>(core::Round(c).microbatches) * graph;
   for (int l = e.plan.kept_start; l < e.plan.tail_start; ++l) {
     per_call +=
-        static_cast<double>(e.spec.LayerWeightBytes(l, 1, e.frozen_on_device ? 0 : 1)) * e.elem;
+        static_cast<double>(e.spec.LayerWeightBytes(l, 1, e.x.frozen_on_device ? 0 : 1)) * e.elem;
     for (const auto& use : e.spec.layer_uses[l])
       per_call +=
           static_cast<double>(e.spec.params[use.param].numel) * e.GradientBytesPerElement(use.role);
@@ -367,11 +367,11 @@ double KeptBlocksBytes(const EstimateBasis& e) {
 void EstimateDeviceUpdates(const EstimateBasis& e, const std::vector<StageMemory>& stages,
                            MemoryEstimate* out) {
   const JobConfig& c = e.c;
-  const double state_bytes = GradientsWaitInWorkers(c) ? 12.0 : 16.0;
+  const double state_bytes = e.x.gradients_wait_in_workers ? 12.0 : 16.0;
   double covered_gradients = 0.0;
   bool covered_kept = false;
   for (const auto& param : e.spec.params) {
-    if (!DeviceUpdatesLayer(c, param.owner_layer)) continue;
+    if (!e.x.DeviceUpdatesLayer(param.owner_layer)) continue;
     const double numel = static_cast<double>(param.numel);
     out->device_update += numel * (state_bytes + e.elem);
     out->device_update_weights += numel * e.elem;
@@ -386,7 +386,7 @@ void EstimateDeviceUpdates(const EstimateBasis& e, const std::vector<StageMemory
   // device while the kept graphs fill: with clipping, the covered blocks' weights and fp32
   // gradients show in the peak on top of the kept graphs. Exact mode only: in stale1 every
   // gradient of the previous step may still wait while this step's forward runs.
-  out->kept_apart = GradientsWaitInWorkers(c) && core::NextStepWaitsForUpdate(c) && !covered_kept;
+  out->kept_apart = e.x.gradients_wait_in_workers && e.x.NextStepWaitsForUpdate() && !covered_kept;
   if (out->kept_apart) {
     for (size_t i = 0; i < e.plan.stages.size(); ++i)
       if (e.plan.stages[i].kind == StageKind::kFusedTail) out->held_with_kept += stages[i].sums;
@@ -404,25 +404,25 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   for (const auto& st : plan.stages) stages.push_back(EstimateStage(e, block, st, profile));
   MemoryEstimate out;
   const int calls = static_cast<int>(std::max<int64_t>(1, core::Round(c).calls));
-  const auto order = StepJobOrder(plan, calls, InterleaveCalls(c));
+  const auto order = StepJobOrder(plan, calls, e.x.interleave_calls);
   const int64_t ahead = std::max(1, workers);
   FindWorstJob(e, stages, order, ahead, &out);
   // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
   // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
   // activation pool (activations = "cuda_ipc") holds the same in every worker.
-  if (c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)) {
-    out.resident = static_cast<double>(ActivationParities(c)) *
+  if (e.x.ActivationsInWorkers()) {
+    out.resident = static_cast<double>(e.x.activation_parities) *
                    static_cast<double>(core::Round(c).microbatches) *
                    plan.ActivationSlotsPerMicrobatch() * e.tokens * e.H * e.elem;
   }
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
-  if (WorkersFetchMasters(c) && e.elem == 2.0 && c.job.device != core::DeviceKind::kCpu)
+  if (e.x.workers_fetch_masters && e.elem == 2.0 && c.job.device != core::DeviceKind::kCpu)
     out.staging = 64.0 * (1 << 20);
   out.held_gradients = HeldGradientBytes(e, stages, order, ahead, out.stage);
   out.kept = KeptBlocksBytes(e);
-  // The frozen base every worker keeps (FrozenOnDevice): all of it, copied at its first fetch,
-  // whichever stages it runs (evaluations read every layer).
-  out.frozen = e.frozen_on_device ? static_cast<double>(e.spec.FrozenParams()) * e.elem : 0.0;
+  // The frozen base every worker keeps (ExecutionPlan::frozen_on_device): all of it, copied at its
+  // first fetch, whichever stages it runs (evaluations read every layer).
+  out.frozen = e.x.frozen_on_device ? static_cast<double>(e.spec.FrozenParams()) * e.elem : 0.0;
   EstimateDeviceUpdates(e, stages, &out);
   out.total = PeakMemory(c, &out, 0.0);
   return out;
@@ -433,7 +433,7 @@ double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) 
                         m->staging + m->frozen;
   const double parts = common + m->kept + m->held_gradients + simulated_held + m->device_update;
   double peak = parts;
-  if (GradientsWaitInWorkers(c)) {
+  if (ResolveExecution(c).gradients_wait_in_workers) {
     const double held = std::max(m->held_gradients, simulated_held);
     // kept_apart: at the forward's end every kept graph, the tail's gradients (among this step's
     // held ones), the covered blocks' weights of the last update and their gradients of the
@@ -589,7 +589,8 @@ Status ResolveKeptBlocks(JobConfig* c, int workers) {
     JobConfig trial = *c;
     trial.schedule.kept_blocks = k;
     const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
-    if (trial.schedule.partition == Partition::kAuto) return ChoosePlan(trial, workers, costs).ok();
+    if (ResolveExecution(trial).planner_chooses_partition)
+      return ChoosePlan(trial, workers, costs).ok();
     RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
     return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
            c->schedule.gpu_memory_gb * 1e9;
@@ -625,7 +626,7 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
     // and would rate every tile alike, and a run's later starts (--resume, a re-plan) must
     // choose the tile its first one did, whatever profile they have by then.
     const Profile costs = DefaultCostModel(trial);
-    if (trial.schedule.partition == Partition::kAuto) {
+    if (ResolveExecution(trial).planner_chooses_partition) {
       // ChoosePlan fails only when no candidate fits the limit.
       auto choice = ChoosePlan(trial, workers, costs);
       return choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
@@ -688,12 +689,12 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
 std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int workers,
                                                     const Profile& profile,
                                                     double current_step_seconds) {
-  if (!c.lora.enabled() || c.schedule.frozen_on_device || c.job.device == DeviceKind::kCpu)
+  if (!c.lora.enabled() || ResolveExecution(c).frozen_on_device || c.job.device == DeviceKind::kCpu)
     return std::nullopt;
   JobConfig kept = c;
   kept.schedule.frozen_on_device = true;
   std::optional<PlanChoice> alt;
-  if (kept.schedule.partition == Partition::kAuto) {
+  if (ResolveExecution(kept).planner_chooses_partition) {
     auto chosen = ChoosePlan(kept, workers, profile);
     if (!chosen.ok()) return std::nullopt;  // no plan fits the memory budget with the base kept
     alt = std::move(chosen).value();
@@ -710,7 +711,7 @@ std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int work
 }
 
 StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
-  if (c.schedule.partition != core::Partition::kAuto) return BuildPlan(c);
+  if (!ResolveExecution(c).planner_chooses_partition) return BuildPlan(c);
   RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));
   return choice.plan;
 }

@@ -43,8 +43,8 @@ struct MemoryEstimate {
   double attention_scores = 0.0;  // of those, CPU workers' explicit attention scores (none on CUDA)
   double resident = 0.0;          // activation slots on the device (activations = worker, pools)
   double staging = 0.0;           // the chunk fp32 masters are rounded through
-  // Gradients waiting in the workers (GradientsWaitInWorkers): the fp32 sums of the step's other
-  // gradient jobs the busiest worker holds until the norm.
+  // Gradients waiting in the workers (ExecutionPlan::gradients_wait_in_workers): the fp32 sums of
+  // the step's other gradient jobs the busiest worker holds until the norm.
   double held_gradients = 0.0;
   // Kept blocks (schedule.kept_blocks): every in-flight microbatch's graph of those blocks, and
   // their weights and fp32 sums, held from their forward to their backward.

@@ -94,12 +94,6 @@ struct JobSlot {
   int stage;
 };
 std::vector<JobSlot> StepJobOrder(const PipelinePlan& plan, int calls, bool interleave);
-// Whether a job interleaves calls: bench.interleave_calls, in exact mode only (stale1 has no
-// step-boundary wait to hide, and with several workers the simulator predicts the interleaved
-// order ~1% slower there).
-inline bool InterleaveCalls(const JobConfig& c) {
-  return c.bench.interleave_calls && core::NextStepWaitsForUpdate(c);
-}
 
 // Whether a job of `stage` over `microbatches` may run layer-major (bench.layer_major_forward,
 // worker::Executor::ForwardLayers): a forward stage of several layers and microbatches. The
@@ -108,19 +102,6 @@ inline bool InterleaveCalls(const JobConfig& c) {
 inline bool MayRunLayerMajor(const JobConfig& c, const Stage& stage, int64_t microbatches) {
   return c.bench.layer_major_forward != core::Tristate::kNever &&
          stage.kind == StageKind::kForward && stage.end - stage.begin > 1 && microbatches > 1;
-}
-
-// Activation slot sets (shm/layout.h): 2 so call g + 1 fills its slots while call g drains.
-// Exact mode with one call per step has one: the next step's first forward needs this step's
-// update, which comes after this step's last job is done. Not with gradients waiting in the
-// workers (core::GradientsWaitInWorkers): there a job is done only after its commit, the commits
-// follow the norm through the arena, the first layers' first, and the tail's (the largest) comes
-// last, after most of the update; with one set the next step's tokens could not go in before
-// then, so its forward could not start behind the first layers' updates. A slot is reused only
-// when every job that read it is done, so a replacement worker can re-run any of them.
-inline int ActivationParities(const JobConfig& c) {
-  if (!core::NextStepWaitsForUpdate(c) || core::Round(c).calls > 1) return 2;
-  return GradientsWaitInWorkers(c) ? 2 : 1;
 }
 
 inline int WorkerForJob(int64_t job_index, int cursor0, int num_workers) {

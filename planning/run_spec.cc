@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/mode_key_access.h"
 #include "io/data.h"
 #include "io/run_output.h"
 #include "planning/partitioner.h"
@@ -31,9 +32,10 @@ static_assert(sizeof(JobOptions) == 112);
 static_assert(sizeof(NodesConfig) == 56);
 static_assert(sizeof(PipelinePlan) == 88);
 static_assert(sizeof(MetricsConfig) == 2);
+static_assert(sizeof(ExecutionPlan) == 28);
 
 namespace {
-constexpr int kSpecVersion = 9;
+constexpr int kSpecVersion = 10;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -67,6 +69,15 @@ RP_SPEC_ENUM(Tristate, EnumName)
 RP_SPEC_ENUM(StageKind, StageKindName)
 RP_SPEC_ENUM(RopeConfig::Type, RopeTypeName)
 #undef RP_SPEC_ENUM
+// Mode keys travel as their values: the spec records the job file's keys as they are.
+template <typename T>
+void to_json(nlohmann::json& j, const ModeKey<T>& k) {
+  j = k.Read(ModeKeyGrant::Access());
+}
+template <typename T>
+void from_json(const nlohmann::json& j, ModeKey<T>& k) {
+  j.get_to(k.Field(ModeKeyGrant::Access()));
+}
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(RopeConfig, type, theta, factor, low_freq_factor,
                                    high_freq_factor, original_max_position, attention_factor,
                                    beta_fast, beta_slow, truncate)
@@ -109,6 +120,11 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobOptions, name, output_dir, device, max_wor
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(NodesConfig, count, rank, store_host, store_port)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer, lora, schedule,
                                    checkpoint, metrics, bench, nodes, source_path)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ExecutionPlan, weight_version_lag, updates_wait_for_norm,
+                                   gradients_wait_in_workers, speculative_update,
+                                   device_update_blocks, workers_fetch_masters, lookup_from_host,
+                                   sharded_state, sharded_gradients, frozen_on_device, activations,
+                                   activation_parities, interleave_calls, planner_chooses_partition)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Stage, kind, begin, end)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_start, stages,
                                    hidden_boundaries, grad_boundaries)
@@ -134,7 +150,8 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
-  if (spec.job.optimizer.device_update_blocks > 0 && workers != 1)
+  spec.execution = ResolveExecution(spec.job);
+  if (spec.execution.device_update_blocks > 0 && workers != 1)
     return Status::InvalidArgument(
         "optimizer.device_update_blocks: needs one worker (--gpus 1): the worker that "
         "holds a step's gradients must also run the next step's first stages, and with " +
@@ -151,8 +168,11 @@ std::string SharedOutputDir(const JobConfig& job) {
 }
 
 std::string RunSpecJson(const RunSpec& spec) {
-  const nlohmann::json j = {
-      {"version", kSpecVersion}, {"workers", spec.workers}, {"job", spec.job}, {"plan", spec.plan}};
+  const nlohmann::json j = {{"version", kSpecVersion},
+                            {"workers", spec.workers},
+                            {"job", spec.job},
+                            {"execution", spec.execution},
+                            {"plan", spec.plan}};
   return j.dump(1) + "\n";
 }
 
@@ -169,10 +189,18 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   try {
     spec.workers = j.at("workers").get<int>();
     spec.job = j.at("job").get<JobConfig>();
+    spec.execution = j.at("execution").get<ExecutionPlan>();
     spec.plan = j.at("plan").get<PipelinePlan>();
   } catch (const std::exception& e) {
     return Status::InvalidArgument(what + ": not a complete run spec: " + e.what());
   }
+  // Every process acts on the stored decisions; they must be the ones its job resolves to (a
+  // spec edited by hand, or written by another build's resolution, is refused).
+  if (spec.execution != ResolveExecution(spec.job))
+    return Status::InvalidArgument(
+        what + ": execution " + nlohmann::json(spec.execution).dump() +
+        " is not what its job resolves to, " + nlohmann::json(ResolveExecution(spec.job)).dump() +
+        " (rp-launch and the other programs come from different builds?)");
   if (spec.workers < 1) return Status::InvalidArgument(what + ": workers must be at least 1");
   return spec;
 }

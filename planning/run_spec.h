@@ -3,8 +3,9 @@
 //
 // Contract:
 //  * ResolveRun() is the one place a run's decisions are made: the job file with its overrides
-//    and the RP_* switches (LoadJobConfig: config.json's architecture, merged calls, typed modes)
-//    and the pipeline plan for `workers` workers (MakePlan; the planner's search for partition =
+//    and the RP_* switches (LoadJobConfig: config.json's architecture, merged calls, typed modes),
+//    the execution plan its mode keys resolve to (ResolveExecution), and the pipeline plan for
+//    `workers` workers (MakePlan; the planner's search for partition =
 //    "auto"). Pure given its inputs (the job file, the model's config.json, a stored profile).
 //    With several nodes (`nodes`), the plan is for this node's share of each step, node r > 0
 //    writes into <job.output_dir>/node-<r> and reads node 0's checkpoints, and dead workers are
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "config/execution_plan.h"
 #include "config/job_config.h"
 #include "planning/plan.h"
 
@@ -27,6 +29,7 @@ namespace rp::core {
 
 struct RunSpec {
   JobConfig job;
+  ExecutionPlan execution;  // ResolveExecution(job), stored so no process derives it again
   PipelinePlan plan;
   int workers = 1;
 };

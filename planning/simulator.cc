@@ -443,6 +443,8 @@ constexpr double kNodeHopSeconds = 50e-6;
 
 SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
                        const Profile& profile, int workers, int steps) {
+  // The decisions of the job being simulated: the planner simulates trial jobs too.
+  const ExecutionPlan x = ResolveExecution(c);
   SimInput in;
   in.workers = workers;
   in.nodes = static_cast<int>(c.nodes.count);
@@ -453,34 +455,33 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   in.steps = steps;
   in.h2d_bytes_per_s = profile.h2d_bytes_per_s;
   in.d2h_bytes_per_s = profile.d2h_bytes_per_s;
-  in.version_lag = static_cast<int>(1 + core::WeightVersionLag(c));
+  in.version_lag = 1 + x.weight_version_lag;
   // Gradients waiting in the workers: the norm comes from their squares before any commit, and
   // each parameter is updated as its commit lands (coordinator::AsyncOptimizer), with no norm
   // pass on the host.
-  in.commits_wait_for_norm = core::GradientsWaitInWorkers(c);
-  in.updates_wait_for_norm = core::UpdatesWaitForNorm(c) && !in.commits_wait_for_norm;
+  in.commits_wait_for_norm = x.gradients_wait_in_workers;
+  in.updates_wait_for_norm = x.updates_wait_for_norm && !in.commits_wait_for_norm;
   in.copies_overlap =
       c.job.device != core::DeviceKind::kCpu;  // as WorkloadKey() tells the two kinds apart
-  in.order = StepJobOrder(plan, in.calls, InterleaveCalls(c));
+  in.order = StepJobOrder(plan, in.calls, x.interleave_calls);
   in.layer_major =
       c.bench.layer_major_forward == core::Tristate::kNever    ? SimInput::LayerMajor::kNever
       : c.bench.layer_major_forward == core::Tristate::kAlways ? SimInput::LayerMajor::kAlways
                                                                : SimInput::LayerMajor::kAuto;
   const double elem = static_cast<double>(core::ComputeElemBytes(c));
   // Trainable weights cross the link as fp32 when workers fetch the masters.
-  const int weight_elem = WorkersFetchMasters(c) ? 4 : static_cast<int>(elem);
+  const int weight_elem = x.workers_fetch_masters ? 4 : static_cast<int>(elem);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
   // Activations kept in the worker (schedule.activations = "worker") cost no host transfers, and
   // neither do activation pools: their device-to-device copies (tens of microseconds per slot on
   // one GPU, a few hundred over NVLink) are left out.
-  const double act = c.schedule.activations == core::Activations::kWorker || ActivationsInPools(c)
-                         ? 0.0
-                         : tokens * static_cast<double>(c.model.hidden_size) * elem;
+  const double act =
+      x.ActivationsInWorkers() ? 0.0 : tokens * static_cast<double>(c.model.hidden_size) * elem;
   const double ids = tokens * 8.0;  // int64 token ids or labels
   // The embedding looked up from host memory: its stages copy nothing for it and wait for the
   // next step's rows (SimInput::lookup_owner), about this fraction of the table for tokens drawn
   // uniformly (real text repeats more, so fewer rows).
-  const bool mapped = LookupInPlaceParam(c, spec) >= 0;
+  const bool mapped = LookupInPlaceParam(x, spec) >= 0;
   // Distinct rows of a step's tokens, expected for tokens drawn uniformly.
   const double vocab = static_cast<double>(c.model.vocab_size);
   const double step_tokens =
@@ -490,14 +491,14 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     in.lookup_owner = plan.num_layers;
     in.lookup_fraction = touched_rows / vocab;
   }
-  in.device_blocks = DeviceUpdateBlocks(c);
+  in.device_blocks = x.device_update_blocks;
   in.device_owner_base = plan.num_layers + 1;
-  auto device_updated = [&](int l) { return DeviceUpdatesLayer(c, l); };
+  auto device_updated = [&](int l) { return x.DeviceUpdatesLayer(l); };
   // A streamed arena delays the commits that wait for the norm (SimInput::arena_bytes); when it
   // holds every gradient, or its size is refused (the run would not start), room is left out.
   std::vector<std::vector<uint64_t>> arena_by_owner;  // per stage, per owner layer
   if (in.commits_wait_for_norm) {
-    auto sizing = SizeGradArena(c, spec, plan, &arena_by_owner);
+    auto sizing = SizeGradArena(c, x, spec, plan, &arena_by_owner);
     if (sizing.ok() && sizing->chosen < sizing->all_slots)
       in.arena_bytes = static_cast<double>(sizing->chosen - sizing->shared);
   }
@@ -519,9 +520,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       if (grads && c.train.layer_recompute && l < plan.num_layers - 1) st.compute_s += lc.forward_s;
       if (s.kind == StageKind::kForward) st.layer_compute_s.push_back(lc.forward_s);
       SimFetch f;  // the worker copies each layer as soon as its weights are published
-      // Steady state: the frozen base is on the device since the first step (FrozenOnDevice).
+      // Steady state: the frozen base is on the device since the first step (frozen_on_device).
       f.bytes = static_cast<double>(
-          spec.LayerWeightBytes(l, weight_elem, FrozenOnDevice(c) ? 0 : static_cast<int>(elem)));
+          spec.LayerWeightBytes(l, weight_elem, x.frozen_on_device ? 0 : static_cast<int>(elem)));
       for (const auto& use : spec.layer_uses[l]) {
         // A compact lookup slot (CompactLookupRows) commits the rows of the step's tokens only.
         const ParamSpec& ps = spec.params[use.param];
@@ -579,16 +580,16 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
     // The norm moves host memory at the first pass's rate: that pass reads the master, both
     // moments and the gradient and writes the fetched copy (the fp32 master, or a compute copy;
     // stale1's one pass writes all of them).
-    const double pass_bytes = !core::NextStepWaitsForUpdate(c)
+    const double pass_bytes = !x.NextStepWaitsForUpdate()
                                   ? 16.0 + 12.0 + elem
-                                  : 16.0 + (WorkersFetchMasters(c) ? 4.0 : elem);
+                                  : 16.0 + (x.workers_fetch_masters ? 4.0 : elem);
     const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;
     std::vector<int> slots(spec.params.size(), 0);
     for (const auto& g : spec.grad_slots) slots[g.param]++;
     for (size_t p = 0; p < spec.params.size(); ++p) {
       const ParamSpec& ps = spec.params[p];
       // A device-updated layer's host update is one whole pass: masters and moments written too.
-      const double whole = 28.0 + (WorkersFetchMasters(c) ? 0.0 : elem);
+      const double whole = 28.0 + (x.workers_fetch_masters ? 0.0 : elem);
       const double pass =
           device_updated(ps.owner_layer) && !in.commits_wait_for_norm ? whole / pass_bytes : 1.0;
       in.update_s[ps.owner_layer] +=
@@ -601,7 +602,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       if (!in.commits_wait_for_norm) in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
     }
   }
-  if (ShardedState(c)) {
+  if (x.sharded_state) {
     // Each node updates its share; the weights workers fetch are then gathered from every node.
     for (double& u : in.update_s) u /= static_cast<double>(c.nodes.count);
     in.gather_s.assign(plan.num_layers, 0.0);

@@ -82,7 +82,7 @@ struct SimInput {
   double h2d_bytes_per_s = 0.0;  // 0: transfers are free
   double d2h_bytes_per_s = 0.0;
   std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
-  // Rows first (core::LookupFromHost, coordinator::AsyncOptimizer): fetches that name
+  // Rows first (ExecutionPlan::lookup_from_host, coordinator::AsyncOptimizer): fetches that name
   // `lookup_owner` (a pseudo owner past the layers; -1: none) wait for the part of owner 0's
   // update over the next step's rows, `lookup_fraction` of its cost, which runs before every other
   // update; the rest of owner 0's update runs after them. Needs updates_wait_for_norm; without
@@ -93,8 +93,8 @@ struct SimInput {
   // parameter's slots, squaring), on the optimizer's threads before its update; with clipping
   // every update waits for every norm. Empty: free.
   std::vector<double> norm_s;
-  // Device updates (core::DeviceUpdateBlocks): owner layers 1..device_blocks are also updated on
-  // the worker's device. A forward stage's fetch of one of them names pseudo owner
+  // Device updates (ExecutionPlan::device_update_blocks): owner layers 1..device_blocks are also
+  // updated on the worker's device. A forward stage's fetch of one of them names pseudo owner
   // device_owner_base + layer - 1, published once the step's norm is known (the device's update
   // takes milliseconds: left out; so is the first step's copy of them from the host); the host
   // updates those layers after every other owner.
@@ -105,9 +105,9 @@ struct SimInput {
   int device_owner_base = -1;
   int version_lag = 1;
   bool updates_wait_for_norm = false;
-  // Gradients waiting in the workers (core::GradientsWaitInWorkers): no job's commit starts
-  // before the step's last gradient job has ended (the norm, from the workers' squares); then
-  // the step's commits go last stage first, and each layer is updated once final, as without
+  // Gradients waiting in the workers (ExecutionPlan::gradients_wait_in_workers): no job's commit
+  // starts before the step's last gradient job has ended (the norm, from the workers' squares);
+  // then the step's commits go last stage first, and each layer is updated once final, as without
   // clipping (updates_wait_for_norm false, no norm work on the host).
   bool commits_wait_for_norm = false;
   // With commits_wait_for_norm: the arena's bytes for stage commits (core::SizeGradArena's chosen
@@ -132,8 +132,8 @@ struct SimInput {
   int nodes = 1;
   double node_link_bytes_per_s = 0.0;  // 0: the sum costs only its hops
   double node_hop_s = 0.0;
-  // Sharded optimizer state (core::ShardedState): per owner layer, the all-gather of its updated
-  // shares across the nodes, which a fetch of the layer waits for; layer o's gather runs on
+  // Sharded optimizer state (ExecutionPlan::sharded_state): per owner layer, the all-gather of its
+  // updated shares across the nodes, which a fetch of the layer waits for; layer o's gather runs on
   // worker o mod `workers`, each worker's gathers one at a time in ascending layer order after
   // their updates, beside the optimizer (update_s then holds one node's share of each update).
   // Empty: none.

@@ -95,13 +95,13 @@ uint64_t ArenaLayout::InputGradSlot(int parity, int mb, int idx) const {
   return input_grad + GradInRegion(*this, parity, mb, idx);
 }
 
-StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelSpec& spec,
-                                    const core::PipelinePlan& plan) {
-  RP_ASSIGN_OR_RETURN(core::GradArenaSizing sizing, core::SizeGradArena(c, spec, plan));
+StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ExecutionPlan& x,
+                                    const core::ModelSpec& spec, const core::PipelinePlan& plan) {
+  RP_ASSIGN_OR_RETURN(core::GradArenaSizing sizing, core::SizeGradArena(c, x, spec, plan));
   ArenaLayout a;
   a.compute_elem_bytes = core::ComputeElemBytes(c);
   uint64_t pos = kHeaderBytes;
-  a.sharded = core::ShardedState(c);
+  a.sharded = x.sharded_state;
   a.layer_versions = pos;
   a.lookup_version = pos + 8ull * static_cast<uint64_t>(plan.num_layers);
   pos = Align(a.lookup_version + 8);
@@ -110,10 +110,10 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     a.gathered_versions = a.fetch_versions = pos;
     pos = Align(pos + 8ull * static_cast<uint64_t>(plan.num_layers));
   }
-  a.lookup_from_host = core::LookupInPlaceParam(c, spec) >= 0;
+  a.lookup_from_host = core::LookupInPlaceParam(x, spec) >= 0;
   a.grad_table = pos;
   pos = Align(pos + 8ull * spec.grad_slots.size());
-  a.masters_in_state = core::WorkersFetchMasters(c);
+  a.masters_in_state = x.workers_fetch_masters;
   a.weights_elem_bytes = a.masters_in_state ? 4 : a.compute_elem_bytes;
   a.compute_begin = pos;
   pos = PackWeights(spec.params, a.weights_elem_bytes, pos, &a.compute);
@@ -121,26 +121,25 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   if (a.masters_in_state) a.master = a.compute;
   // A lagging step reads an older version while the optimizer writes the next one; a speculative
   // update writes the next while the step still reads the current one.
-  a.compute_buffers = static_cast<int>(
-      std::max<int64_t>(1 + core::WeightVersionLag(c), core::SpeculatesUnclippedUpdate(c) ? 2 : 1));
+  a.compute_buffers = std::max(1 + x.weight_version_lag, x.speculative_update ? 2 : 1);
   pos += (a.compute_end - a.compute_begin) * static_cast<uint64_t>(a.compute_buffers - 1);
   // After the compute buffers, so a training-state checkpoint (which saves those) leaves the
   // frozen base out: it is reloaded from its source on resume.
   a.frozen_begin = pos;
   pos = a.frozen_end = PackWeights(spec.frozen, a.compute_elem_bytes, pos, &a.frozen);
   for (size_t g = 0; g < spec.grad_slots.size(); ++g) {
-    a.grad_slot_bytes.push_back(core::GradSlotBytes(c, spec, static_cast<int>(g)));
+    a.grad_slot_bytes.push_back(core::GradSlotBytes(c, x, spec, static_cast<int>(g)));
     if (core::CompactLookupRows(c, spec, static_cast<int>(g)) > 0)
       a.compact_lookup_slot = static_cast<int>(g);
   }
-  a.sharded_grads = core::ShardedGradients(c);
+  a.sharded_grads = x.sharded_gradients;
   a.grad_arena = pos;
   a.grad_arena_bytes = sizing.chosen;
   a.grads_streamed = sizing.chosen < sizing.all_slots;
   pos += a.grad_arena_bytes;
   a.microbatches = static_cast<int>(core::Round(c).microbatches);
   a.tokens_per_mb = static_cast<uint64_t>(c.train.microbatch_size * c.data.seq_len);
-  a.parities = core::ActivationParities(c);
+  a.parities = x.activation_parities;
   const uint64_t slots = static_cast<uint64_t>(a.parities) * a.microbatches;
   a.tokens = pos;
   pos += slots * Align(a.tokens_per_mb * 8);
@@ -160,7 +159,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
   a.num_hidden = static_cast<int>(plan.hidden_boundaries.size());
   a.num_grad = static_cast<int>(plan.grad_boundaries.size());
   a.grad_slots_per_mb = plan.InputGradSlotsPerMicrobatch();
-  a.activations = c.schedule.activations;
+  a.activations = x.activations;
   const bool in_segment = a.activations == core::Activations::kHost;
   a.hidden = pos;
   if (in_segment) pos += slots * a.num_hidden * a.act_slot_bytes;
@@ -179,7 +178,7 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::ModelS
     a.loss_scaling = pos;
     pos = Align(pos + sizeof(LossScaleRecord));
   }
-  if (core::GradientsWaitInWorkers(c) || a.sharded_grads) {
+  if (x.gradients_wait_in_workers || a.sharded_grads) {
     for (const auto& p : spec.params) {
       a.square_chunk_base.push_back(a.square_chunks);
       a.square_chunks += (p.numel + kSquareChunkElems - 1) / kSquareChunkElems;

@@ -9,7 +9,8 @@
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
-//   gathered versions    sharded state only (core::ShardedState): std::atomic<uint64_t> per
+//   gathered versions    sharded state only (ExecutionPlan::sharded_state): std::atomic<uint64_t>
+//   per
 //                        pipeline layer, the number of updates every node's shares of the
 //                        layer's compute copies hold here. Layer versions then count this node's
 //                        own shares; the worker that gathers the layer (GatheringWorker) stores
@@ -19,8 +20,8 @@
 //   updates the
 //                        embedding's rows of the next step's tokens hold (>= the embedding
 //                        layer's version; ahead of it while the optimizer updates those rows
-//                        first, core::LookupFromHost). What a stage that looks up from host
-//                        memory waits for instead of the embedding layer's version.
+//                        first, ExecutionPlan::lookup_from_host). What a stage that looks up from
+//                        host memory waits for instead of the embedding layer's version.
 //   gradient table       std::atomic<uint64_t> per gradient slot (a parameter use by a layer):
 //                        where in the gradient arena the slot lives this step. Written by the
 //                        coordinator before it grants the commit that fills the slot.
@@ -28,11 +29,11 @@
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
 //                        mode and with optimizer.speculative_update a second such region
 //                        follows (double buffer by version parity).
-//                        When workers fetch the masters (core::WorkersFetchMasters) this region
-//                        holds the fp32 masters instead, and there is no compute copy anywhere;
-//                        with two buffers (core::SpeculatesUnclippedUpdate) the masters holding
-//                        v updates are in buffer v % 2, and the update reads one and writes the
-//                        other
+//                        When workers fetch the masters (ExecutionPlan::workers_fetch_masters) this
+//                        region holds the fp32 masters instead, and there is no compute copy
+//                        anywhere; with two buffers (ExecutionPlan::speculative_update) the masters
+//                        holding v updates are in buffer v % 2, and the update reads one and writes
+//                        the other
 //   frozen weights       LoRA only: the base model's compute copies (dtype = train.dtype), one
 //                        buffer, written once at start and never updated (no version, no master)
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
@@ -59,17 +60,17 @@
 //                        and backward stages, which all run after its last forward.
 //   loss scaling         fp16 only (core::ScalesLoss): one LossScaleRecord (below).
 //   gradient squares     optimizer.gradients_wait_in = "workers", or sharded gradient slots
-//                        (core::ShardedGradients): fp64 [2 step parities][square chunks]: the
-//                        squared sum of each kSquareChunkElems-element chunk of every parameter's
-//                        (summed) gradient, parameter order, then chunk order. "workers": written
-//                        by the worker holding the gradient before it reports GradsReady, read by
-//                        the coordinator once every gradient of the step is reported; step t + 2
-//                        writes a parity only after step t's commits were granted, which waited
-//                        for the read. Sharded slots: written by the worker before it commits the
-//                        gradient's share, read by the optimizer when the parameter's slot is
-//                        final (AsyncOptimizer::SlotFinal); step t + 2 writes a parameter's
-//                        squares from a job whose layers hold weights that followed that
-//                        parameter's update of step t, which follows the read.
+//                        (ExecutionPlan::sharded_gradients): fp64 [2 step parities][square chunks]:
+//                        the squared sum of each kSquareChunkElems-element chunk of every
+//                        parameter's (summed) gradient, parameter order, then chunk order.
+//                        "workers": written by the worker holding the gradient before it reports
+//                        GradsReady, read by the coordinator once every gradient of the step is
+//                        reported; step t + 2 writes a parity only after step t's commits were
+//                        granted, which waited for the read. Sharded slots: written by the worker
+//                        before it commits the gradient's share, read by the optimizer when the
+//                        parameter's slot is final (AsyncOptimizer::SlotFinal); step t + 2 writes a
+//                        parameter's squares from a job whose layers hold weights that followed
+//                        that parameter's update of step t, which follows the read.
 //
 // Segment "rp-<session>-optim" (written by the coordinator only; workers map it only with
 // optimizer.device_update_blocks, read-only, and pin just the covered blocks' arrays, so they
@@ -181,21 +182,23 @@ struct ArenaLayout {
   uint64_t optim_total_bytes = 0;  // the optimizer segment
   uint64_t hash = 0;
   int compute_elem_bytes = 4;  // train.dtype: activations, frozen weights
-  // Workers fetch the fp32 masters (core::WorkersFetchMasters): `compute` and `master` are then the
-  // same state-segment offsets, weights_elem_bytes is 4 and the worker rounds to train.dtype.
+  // Workers fetch the fp32 masters (ExecutionPlan::workers_fetch_masters): `compute` and `master`
+  // are then the same state-segment offsets, weights_elem_bytes is 4 and the worker rounds to
+  // train.dtype.
   bool masters_in_state = false;
   int weights_elem_bytes = 4;     // what `compute` holds per element
   std::vector<uint64_t> compute;  // per parameter, state segment
   std::vector<uint64_t> master, adam_m,
       adam_v;  // per parameter, optimizer segment (master: state
                // segment if masters_in_state); adam_v empty for sgd
-  // Sharded state (core::ShardedState): per parameter the elements this node updates and keeps
-  // the master (when not masters_in_state) and moments of; the whole parameter otherwise.
+  // Sharded state (ExecutionPlan::sharded_state): per parameter the elements this node updates and
+  // keeps the master (when not masters_in_state) and moments of; the whole parameter otherwise.
   bool sharded = false;
   std::vector<core::ElemRange> share;
   std::vector<uint64_t> grad_slot_bytes;  // per gradient slot: fp32 bytes, 256-aligned
-  // core::ShardedGradients: each slot holds its parameter's `share` only (element share[p].begin
-  // first), and the gradient squares table holds the squares of the whole summed gradients.
+  // ExecutionPlan::sharded_gradients: each slot holds its parameter's `share` only (element
+  // share[p].begin first), and the gradient squares table holds the squares of the whole summed
+  // gradients.
   bool sharded_grads = false;
   // The tied embedding's input-lookup slot when it is compact (CompactLookupRows), else -1: it
   // holds the rows of the step's input tokens only, ascending (core::SortedTokenRows), packed.
@@ -225,7 +228,7 @@ struct ArenaLayout {
   int grad_slots_per_mb = 0;  // input-gradient slots per microbatch: min(num_grad, 2)
   // Where the hidden and input-gradient slots live (schedule.activations). kHost: in this
   // segment. kWorker: only in the one worker's memory (same indexing). kCudaIpc
-  // (core::ActivationsInPools): in each worker's activation pool, `pool_bytes` per worker,
+  // (ExecutionPlan::ActivationsInPools): in each worker's activation pool, `pool_bytes` per worker,
   // indexed by PoolHiddenSlot and PoolInputGradSlot (offsets from the pool's base). The segment
   // has no bytes for them unless kHost.
   core::Activations activations = core::Activations::kHost;
@@ -274,8 +277,9 @@ struct ArenaLayout {
 
 // Fails only where core::SizeGradArena does (an explicit optimizer.grad_buffer_mb below the
 // minimum).
-StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& config, const core::ModelSpec& spec,
-                                    const core::PipelinePlan& plan);
+StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& config,
+                                    const core::ExecutionPlan& execution,
+                                    const core::ModelSpec& spec, const core::PipelinePlan& plan);
 
 static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
               "layer versions must be plain lock-free words to be shared across processes");

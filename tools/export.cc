@@ -73,7 +73,7 @@ Status Export(const ExportOptions& o) {
                                      "\" is not float32, bfloat16 or float16");
   }
   RP_ASSIGN_OR_RETURN(const rp::shm::ArenaLayout layout,
-                      rp::shm::ComputeLayout(cfg, spec, run.plan));
+                      rp::shm::ComputeLayout(cfg, run.execution, spec, run.plan));
   auto found = rp::coord::FindTrainingState(rp::coord::CheckpointDir(cfg), o.step);
   if (!found.ok())
     return Status::InvalidArgument(found.status().message());  // said to the user as it is

@@ -61,7 +61,8 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
     f.why = costs.status().message();
     return f;
   }
-  if (c.schedule.partition == rp::core::Partition::kAuto) {
+  const rp::core::ExecutionPlan x = rp::core::ResolveExecution(c);
+  if (x.planner_chooses_partition) {
     auto choice = rp::core::ChoosePlan(c, gpus, *costs);  // drops plans above gpu_memory_gb
     if (!choice.ok()) {
       f.why = choice.status().message();
@@ -81,7 +82,7 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
     }
   }
   const auto spec = rp::core::BuildModelSpec(c.model, c.lora);
-  auto layout = rp::shm::ComputeLayout(c, spec, f.choice.plan);
+  auto layout = rp::shm::ComputeLayout(c, x, spec, f.choice.plan);
   if (!layout.ok()) {
     f.why = layout.status().message();
     return f;
@@ -338,14 +339,15 @@ int main(int argc, char** argv) {
   }
   // No auto plan under schedule.gpu_memory_gb is an error only when the job asks for one; a job
   // with its own plan still runs that, so its prediction is shown with the reason.
+  const bool auto_plan = rp::core::ResolveExecution(*cfg).planner_chooses_partition;
   auto choice = rp::core::ChoosePlan(*cfg, gpus, *costs);
-  if (!choice.ok() && cfg->schedule.partition == rp::core::Partition::kAuto) {
+  if (!choice.ok() && auto_plan) {
     std::fprintf(stderr, "rp-plan: %s\n", choice.status().message().c_str());
     return rp::kExitBadConfig;
   }
   // The job's own plan under the same costs, when it is not "auto" (what the run would do).
   std::optional<rp::core::PlanChoice> own;
-  if (cfg->schedule.partition != rp::core::Partition::kAuto) {
+  if (!auto_plan) {
     auto plan = rp::core::BuildPlan(*cfg);
     if (!plan.ok()) {
       std::fprintf(stderr, "rp-plan: %s\n", plan.status().message().c_str());

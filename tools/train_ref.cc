@@ -53,7 +53,7 @@ class ReferenceTrainer {
         metrics_(std::move(metrics)),
         spec_(rp::core::BuildModelSpec(cfg_.model, cfg_.lora)),
         math_(cfg_.model, cfg_.train.loss_chunk_tokens, cfg_.lora),
-        stale1_(rp::core::WeightVersionLag(cfg_) > 0) {}
+        stale1_(rp::core::ResolveExecution(cfg_).weight_version_lag > 0) {}
 
   rp::Status LoadWeights();
   std::vector<rp::model::LayerWeights> Layers(const std::vector<at::Tensor>& trained) const;

@@ -278,12 +278,12 @@ TEST_F(GpuTest, NcclSumsAcrossANodeAloneChangeNothing) {
 // GPU. On one GPU the node gathers across a group of itself (the test hook), so every gather, the
 // staging copies and the gathered versions run, and the run must equal the plain one as above;
 // in fp32 (the parity job's dtype), and in bf16, where workers fetch the fp32 masters. Sharded
-// state fetches the embedding whole (core::LookupFromHost), so the plain runs do too: in bf16 a
-// lookup straight from the fp32 masters gives other bits than the rounded table.
+// state fetches the embedding whole (ExecutionPlan::lookup_from_host), so the plain runs do too: in
+// bf16 a lookup straight from the fp32 masters gives other bits than the rounded table.
 TEST_F(GpuTest, NcclShardedStateOnANodeAloneChangesNothing) {
   if (!RP_WITH_NCCL) GTEST_SKIP() << "built without NCCL";
-  // The third case has share-sized gradient slots (core::ShardedGradients): the CUDA worker
-  // commits the share and writes the squares of the whole.
+  // The third case has share-sized gradient slots (ExecutionPlan::sharded_gradients): the CUDA
+  // worker commits the share and writes the squares of the whole.
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"fp32", {"train.dtype=\"fp32\""}},
       {"bf16", {"train.dtype=\"bf16\""}},

@@ -115,8 +115,8 @@ TEST_F(HeldGradientsTest, AFullArenaKeepsTheCommitsInGrantOrder) {
 
 TEST_F(HeldGradientsTest, AHungWorkerHoldingGradientsIsReplacedWithTheSameResult) {
   // The next step's tokens and checkpoints go into the other slot set while this step's commits
-  // wait for the norm (core::ActivationParities), so a replacement can still re-run any job whose
-  // commit had not landed: losses, norms and weights equal the fault-free run's.
+  // wait for the norm (ExecutionPlan::activation_parities), so a replacement can still re-run any
+  // job whose commit had not landed: losses, norms and weights equal the fault-free run's.
   const std::vector<std::string> job = {
       "model.tie_embeddings=false", "train.accum_calls=1",
       "train.microbatches=4",       "train.steps=8",

@@ -293,8 +293,8 @@ TEST_F(NodesTest, SumsAcrossANodeAloneChangeNothing) {
 }
 
 // Without clipping the gradient slots of sharded state hold only the node's share of each
-// parameter (core::ShardedGradients), so the gradient arena shrinks with the node count too; the
-// step's norm is then the sum of the squares the workers took of the whole summed gradient
+// parameter (ExecutionPlan::sharded_gradients), so the gradient arena shrinks with the node count
+// too; the step's norm is then the sum of the squares the workers took of the whole summed gradient
 // (reported only: nothing waits for it). Losses and the exported model are the replicated run's
 // bits; the norm, summed in another order, agrees to rounding.
 TEST_F(NodesTest, ShardedGradientSlotsHoldTheNodesShareWithoutClipping) {

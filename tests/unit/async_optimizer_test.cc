@@ -62,7 +62,7 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   const core::ModelSpec spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok()) << plan.status().message();
-  auto layout = shm::ComputeLayout(cfg, spec, *plan);
+  auto layout = shm::ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(layout.ok()) << layout.status().message();
   const shm::ArenaLayout& a = *layout;
   std::vector<uint64_t> state_words(a.total_bytes / 8 + 1, 0),
@@ -93,7 +93,8 @@ TEST_P(AsyncOptimizerTest, TwoStepsSlotBySlotMatchTheSynchronousStep) {
   EXPECT_EQ(a.compact_lookup_slot >= 0, accum_calls == 1);
   EXPECT_EQ(a.lookup_from_host, mode == "exact");
   GradArena arena(a, reinterpret_cast<std::atomic<uint64_t>*>(state + a.grad_table));
-  AsyncOptimizer opt(cfg, spec, a, state, optim, &arena, /*threads=*/3);
+  AsyncOptimizer opt(cfg, core::ResolveExecution(cfg), spec, a, state, optim, &arena,
+                     /*threads=*/3);
   ASSERT_TRUE(opt.StartAfter(0).ok());
   for (int64_t step = 0; step < 2; ++step) {
     if (step == 1 && mode == "stale1") {

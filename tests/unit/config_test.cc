@@ -70,7 +70,7 @@ TEST(JobConfig, ValidJobParsesWithDefaults) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->train.steps, 3);
   EXPECT_EQ(c->data.seq_len, 16);
-  EXPECT_STREQ(core::EnumName(c->optimizer.mode), "exact");
+  EXPECT_EQ(core::ResolveExecution(*c).weight_version_lag, 0);  // exact mode
   EXPECT_EQ(c->TotalLayers(), c->model.num_layers + 2);
   EXPECT_EQ(c->data.path,
             std::filesystem::path(CorpusDir() + "/tiny_corpus.txt").lexically_normal().string());
@@ -130,18 +130,59 @@ TEST(JobConfig, CrossFieldChecks) {
                 std::string("schedule.") + knob);
   auto ipc = Parse(std::string(kValid) + "[schedule]\nactivations = \"cuda_ipc\"\n");
   ASSERT_TRUE(ipc.ok()) << ipc.status().ToString();
-  EXPECT_TRUE(ActivationsInPools(*ipc));
+  EXPECT_TRUE(ResolveExecution(*ipc).ActivationsInPools());
   auto stale = Parse(std::string(kValid) + "[optimizer]\nmode = \"stale1\"\n");
   ASSERT_TRUE(stale.ok()) << stale.status().ToString();
-  EXPECT_FALSE(WorkersFetchMasters(*stale));
+  EXPECT_FALSE(ResolveExecution(*stale).workers_fetch_masters);
   auto exact = Parse(kValid);
   ASSERT_TRUE(exact.ok());
-  EXPECT_TRUE(WorkersFetchMasters(*exact));  // auto, exact mode
-  EXPECT_TRUE(LookupFromHost(*exact));       // auto, with the masters as the source
+  EXPECT_TRUE(ResolveExecution(*exact).workers_fetch_masters);  // auto, exact mode
+  EXPECT_TRUE(ResolveExecution(*exact).lookup_from_host);  // auto, with the masters as the source
   exact->schedule.weights_source = core::WeightsSource::kComputeCopy;
-  EXPECT_FALSE(WorkersFetchMasters(*exact));
-  EXPECT_FALSE(LookupFromHost(*exact));
-  EXPECT_FALSE(LookupFromHost(*stale));
+  EXPECT_FALSE(ResolveExecution(*exact).workers_fetch_masters);
+  EXPECT_FALSE(ResolveExecution(*exact).lookup_from_host);
+  EXPECT_FALSE(ResolveExecution(*stale).lookup_from_host);
+}
+
+// The mode keys resolve once into the execution plan: stale1 lags one version, cannot fetch the
+// masters and so cannot look up from them, and keeps two activation slot sets; exact mode with
+// one call has one set unless gradients wait in the workers.
+TEST(ExecutionPlan, EachModeKeyResolvesIntoItsDecisions) {
+  auto exact = Parse(kValid, {"train.accum_calls=1"});
+  ASSERT_TRUE(exact.ok()) << exact.status().message();
+  const ExecutionPlan x = ResolveExecution(*exact);
+  EXPECT_EQ(x.weight_version_lag, 0);
+  EXPECT_TRUE(x.NextStepWaitsForUpdate());
+  EXPECT_TRUE(x.workers_fetch_masters);
+  EXPECT_TRUE(x.lookup_from_host);
+  EXPECT_EQ(x.activation_parities, 1);
+  EXPECT_EQ(x.activations, Activations::kHost);
+  EXPECT_FALSE(x.ActivationsInWorkers());
+  EXPECT_FALSE(x.planner_chooses_partition);
+  EXPECT_FALSE(x.sharded_state);  // one node: sharding changes nothing
+
+  auto stale = Parse(kValid, {"train.accum_calls=1", "optimizer.mode=stale1"});
+  ASSERT_TRUE(stale.ok()) << stale.status().message();
+  const ExecutionPlan y = ResolveExecution(*stale);
+  EXPECT_EQ(y.weight_version_lag, 1);
+  EXPECT_FALSE(y.workers_fetch_masters);
+  EXPECT_FALSE(y.lookup_from_host);
+  EXPECT_EQ(y.activation_parities, 2);
+  EXPECT_FALSE(y.interleave_calls);
+  EXPECT_TRUE(x != y);
+
+  auto other = Parse(kValid, {"schedule.activations=cuda_ipc", "schedule.partition=auto",
+                              "schedule.embedding_lookup=copy", "train.grad_clip=1.0"});
+  ASSERT_TRUE(other.ok()) << other.status().message();
+  const ExecutionPlan z = ResolveExecution(*other);
+  EXPECT_TRUE(z.ActivationsInPools());
+  EXPECT_TRUE(z.ActivationsInWorkers());
+  EXPECT_TRUE(z.planner_chooses_partition);
+  EXPECT_TRUE(z.workers_fetch_masters);
+  EXPECT_FALSE(z.lookup_from_host);
+  EXPECT_TRUE(z.updates_wait_for_norm);
+  // Resolving is pure: the same job gives the same plan.
+  EXPECT_TRUE(ResolveExecution(*other) == z);
 }
 
 TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
@@ -151,10 +192,11 @@ TEST(JobConfig, LossScalingKeysAreCheckedAndBelongToFp16) {
   EXPECT_EQ(c->train.loss_scaling.init, 1024.0);
   EXPECT_EQ(c->train.loss_scaling.growth_interval, 50);
   EXPECT_TRUE(ScalesLoss(*c));
-  EXPECT_TRUE(UpdatesWaitForNorm(*c));
+  EXPECT_TRUE(ResolveExecution(*c).updates_wait_for_norm);
   c = Parse(kValid, {"train.dtype=fp16", "train.grad_clip=0"});
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_TRUE(UpdatesWaitForNorm(*c));  // an overflow must be known before anything is updated
+  EXPECT_TRUE(ResolveExecution(*c)
+                  .updates_wait_for_norm);  // an overflow must be known before anything is updated
   ExpectError(kValid, "train.loss_scale_*", {"train.loss_scale_init=1024"});
   ExpectError(kValid, "train.loss_scale_*",
               {"train.dtype=bf16", "job.device=cuda", "train.loss_scale_growth_interval=5"});
@@ -244,13 +286,13 @@ TEST(JobConfig, GradientsWaitingInWorkersNeedWhatTheyCanHold) {
   auto c = Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false",
                           "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_TRUE(GradientsWaitInWorkers(*c));
+  EXPECT_TRUE(ResolveExecution(*c).gradients_wait_in_workers);
   // Its commits come after the norm, the tail's last: the next step's tokens and checkpoints go
   // into a second slot set instead of waiting for them (the host-held exact run keeps one).
-  EXPECT_EQ(ActivationParities(*c), 2);
+  EXPECT_EQ(ResolveExecution(*c).activation_parities, 2);
   auto host = Parse(kValid, {"model.tie_embeddings=false", "train.accum_calls=1"});
   ASSERT_TRUE(host.ok()) << host.status().message();
-  EXPECT_EQ(ActivationParities(*host), 1);
+  EXPECT_EQ(ResolveExecution(*host).activation_parities, 1);
   // Exact mode merges the calls into one round: allowed with accumulation calls too.
   EXPECT_TRUE(
       Parse(kValid, {"optimizer.gradients_wait_in=workers", "model.tie_embeddings=false"}).ok());
@@ -275,7 +317,7 @@ TEST(JobConfig, DeviceUpdatesNeedAClippedExactAdamWStepInOneRound) {
   auto c = Parse(
       kValid, {"optimizer.device_update_blocks=2", "train.grad_clip=1.0", "train.accum_calls=1"});
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_EQ(DeviceUpdateBlocks(*c), 2);
+  EXPECT_EQ(ResolveExecution(*c).device_update_blocks, 2);
   const std::string key = "optimizer.device_update_blocks";
   const std::vector<std::string> on = {"optimizer.device_update_blocks=2", "train.grad_clip=1.0",
                                        "train.accum_calls=1"};
@@ -303,8 +345,8 @@ TEST(JobConfig, DeviceUpdatesNeedAClippedExactAdamWStepInOneRound) {
 TEST(JobConfig, ASpeculativeUpdateNeedsAClippedExactAdamWStepOnTheHost) {
   auto c = Parse(kValid, {"optimizer.speculative_update=true", "train.grad_clip=1.0"});
   ASSERT_TRUE(c.ok()) << c.status().message();
-  EXPECT_TRUE(SpeculatesUnclippedUpdate(*c));
-  EXPECT_FALSE(SpeculatesUnclippedUpdate(*Parse(kValid, {"train.grad_clip=1.0"})));
+  EXPECT_TRUE(ResolveExecution(*c).speculative_update);
+  EXPECT_FALSE(ResolveExecution(*Parse(kValid, {"train.grad_clip=1.0"})).speculative_update);
   const std::string key = "optimizer.speculative_update";
   ExpectError(kValid, key, {"optimizer.speculative_update=true", "train.grad_clip=0"});
   ExpectError(
@@ -468,7 +510,7 @@ TEST(JobConfig, MergeCallsRunsTheStepsCallsAsOneRound) {
   EXPECT_EQ(Round(*a).microbatches, 6);
   EXPECT_EQ(Round(*a).merged_calls, 2);
   // The merged round keeps one activation parity, as the two calls' two parities of M did.
-  EXPECT_EQ(ActivationParities(*a), 1);
+  EXPECT_EQ(ResolveExecution(*a).activation_parities, 1);
   // auto leaves more calls, stale1 and one call alone; never keeps the calls; always merges.
   for (auto sets :
        std::vector<std::vector<std::string>>{{"train.accum_calls=3"},
@@ -556,7 +598,8 @@ TEST(JobConfig, ShippedConfigsAreValid) {
     ASSERT_TRUE(c.ok()) << f << ": " << c.status().ToString();
     auto plan = MakePlan(*c, 1);
     ASSERT_TRUE(plan.ok()) << f << ": " << plan.status().ToString();
-    auto layout = shm::ComputeLayout(*c, BuildModelSpec(c->model, c->lora), *plan);
+    auto layout =
+        shm::ComputeLayout(*c, ResolveExecution(*c), BuildModelSpec(c->model, c->lora), *plan);
     EXPECT_TRUE(layout.ok()) << f << ": " << layout.status().ToString();
     ++checked;
   }

@@ -250,7 +250,7 @@ class CoordinatorTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     run_ = std::move(r).value();
     spec_ = core::BuildModelSpec(run_.job.model, run_.job.lora);
-    auto layout = shm::ComputeLayout(run_.job, spec_, run_.plan);
+    auto layout = shm::ComputeLayout(run_.job, core::ResolveExecution(run_.job), spec_, run_.plan);
     ASSERT_TRUE(layout.ok()) << layout.status().ToString();
     layout_ = *layout;
     ASSERT_TRUE(core::WriteRunSpec(dir_ + "/run-spec.json", run_).ok());

@@ -769,7 +769,8 @@ TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOn
   const core::ModelSpec spec = core::BuildModelSpec(u.model, u.lora);
   double covered = 0.0;
   for (const auto& p : spec.params)
-    if (core::DeviceUpdatesLayer(u, p.owner_layer)) covered += static_cast<double>(p.numel);
+    if (ResolveExecution(u).DeviceUpdatesLayer(p.owner_layer))
+      covered += static_cast<double>(p.numel);
   ASSERT_GT(covered, 0.0);
   const double elem = static_cast<double>(core::ComputeElemBytes(u));
   EXPECT_DOUBLE_EQ(d.device_update, covered * (12.0 + elem));
@@ -807,7 +808,7 @@ TEST(Partitioner, MemoryEstimatePairsAJobWithTheWeightsItsWorkerPrefetchesNext) 
   auto plan = BuildPlan(c);
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->Describe(), "F[0,6) T[6,8) B[0,6)");
-  ASSERT_EQ(c.optimizer.mode, OptimizerMode::kExact);
+  ASSERT_EQ(ResolveExecution(c).weight_version_lag, 0);  // exact mode
   ASSERT_GT(c.train.grad_clip, 0.0);
   JobConfig unclipped = c;
   unclipped.train.grad_clip = 0.0;

@@ -50,6 +50,8 @@ TEST(RunSpec, WrittenAndReadBackIsTheSameRun) {
   EXPECT_EQ(back->job.model.rope.original_max_position, 32);
   EXPECT_EQ(back->job.optimizer.lr, 1e-3);
   EXPECT_EQ(back->workers, 2);
+  EXPECT_TRUE(back->execution == ResolveExecution(run.job));
+  EXPECT_TRUE(back->execution.planner_chooses_partition);
   // The plan is the planner's for the job, not re-derived by the reader.
   auto planned = MakePlan(run.job, 2);
   ASSERT_TRUE(planned.ok());
@@ -170,6 +172,19 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   j = good;
   j["workers"] = 0;
   refused(j, "workers");
+  // The processes act on the stored decisions: a spec without them, or with decisions its job
+  // does not resolve to, is refused, naming the stored and the resolved plan.
+  j = good;
+  j.erase("execution");
+  refused(j, "execution");
+  j = good;
+  ASSERT_EQ(j["execution"]["weight_version_lag"], 0);
+  j["execution"]["weight_version_lag"] = 1;
+  refused(j, "execution {\"activation_parities\"");
+  refused(j, "is not what its job resolves to");
+  j = good;
+  j["job"]["optimizer"]["mode"] = "stale1";  // the key changed, the stored decisions did not
+  refused(j, "is not what its job resolves to");
   EXPECT_FALSE(ReadRunSpec(dir + "/missing.json").ok());
   ASSERT_TRUE(WriteRunSpec(dir + "/two.json", run).ok());
   EXPECT_TRUE(ReadRunSpecFor(dir + "/two.json", 2).ok());

@@ -36,7 +36,7 @@ TEST_P(LayoutBySource, ArraysAreAlignedDisjointAndInside) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  auto layout = ComputeLayout(cfg, spec, *plan);
+  auto layout = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(layout.ok()) << layout.status().message();
   const ArenaLayout& a = *layout;
   EXPECT_EQ(a.masters_in_state,
@@ -109,9 +109,9 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
   cfg.schedule.weights_source = core::WeightsSource::kComputeCopy;
-  auto copy = ComputeLayout(cfg, spec, *plan);
+  auto copy = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   cfg.schedule.weights_source = core::WeightsSource::kAuto;  // exact mode: the masters
-  auto masters = ComputeLayout(cfg, spec, *plan);
+  auto masters = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(copy.ok() && masters.ok());
   EXPECT_FALSE(copy->masters_in_state);
   EXPECT_TRUE(masters->masters_in_state);
@@ -128,7 +128,7 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
             2 * (copy->compute_end - copy->compute_begin));
 
   cfg.optimizer.mode = core::OptimizerMode::kStale1;
-  auto stale = ComputeLayout(cfg, spec, *core::MakePlan(cfg));
+  auto stale = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *core::MakePlan(cfg));
   ASSERT_TRUE(stale.ok());
   EXPECT_FALSE(stale->masters_in_state);
   EXPECT_EQ(stale->compute_buffers, 2);
@@ -137,7 +137,7 @@ TEST(Layout, WorkersFetchingMastersHoldNoComputeCopy) {
   // what workers fetch, 4 more bytes per parameter where that is the masters.
   cfg.optimizer.mode = core::OptimizerMode::kExact;
   cfg.optimizer.speculative_update = true;
-  auto speculative = ComputeLayout(cfg, spec, *plan);
+  auto speculative = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(speculative.ok());
   EXPECT_TRUE(speculative->masters_in_state);
   EXPECT_EQ(speculative->compute_buffers, 2);
@@ -162,13 +162,13 @@ TEST(SharedMemoryRoom, ARequestLargerThanDevShmIsRefusedNamingTheFix) {
 TEST(Layout, HashChangesWithTheConfig) {
   auto cfg = SmallConfig();
   auto spec = core::BuildModelSpec(cfg.model);
-  auto h1 = ComputeLayout(cfg, spec, *core::MakePlan(cfg))->hash;
+  auto h1 = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *core::MakePlan(cfg))->hash;
   cfg.schedule.forward_stages = 1;
-  auto h2 = ComputeLayout(cfg, spec, *core::MakePlan(cfg))->hash;
+  auto h2 = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *core::MakePlan(cfg))->hash;
   EXPECT_NE(h1, h2);
   cfg.train.grad_clip = 0.0;  // a streamed (smaller) gradient arena
   cfg.train.accum_calls = 1;
-  EXPECT_NE(ComputeLayout(cfg, spec, *core::MakePlan(cfg))->hash, h2);
+  EXPECT_NE(ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *core::MakePlan(cfg))->hash, h2);
 }
 
 // Without clipping and with one call per step, only the stages in flight hold gradients.
@@ -181,20 +181,20 @@ TEST(Layout, GradientArenaStreamsOnlyWhenNothingMustBeHeld) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  auto sizing = core::SizeGradArena(cfg, spec, *plan);
+  auto sizing = core::SizeGradArena(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(sizing.ok());
   EXPECT_FALSE(sizing->must_hold_all);
   EXPECT_LT(sizing->chosen, sizing->all_slots);
   EXPECT_LE(sizing->minimum, sizing->chosen);
-  EXPECT_TRUE(ComputeLayout(cfg, spec, *plan)->grads_streamed);
+  EXPECT_TRUE(ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan)->grads_streamed);
 
   cfg.train.grad_clip = 1.0;  // the global norm needs every gradient before any update
-  sizing = core::SizeGradArena(cfg, spec, *plan);
+  sizing = core::SizeGradArena(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(sizing.ok());
   EXPECT_TRUE(sizing->must_hold_all);
   EXPECT_GE(sizing->chosen, sizing->all_slots);
   cfg.optimizer.grad_buffer_mb = 1;
-  auto small = core::SizeGradArena(cfg, spec, *plan);
+  auto small = core::SizeGradArena(cfg, core::ResolveExecution(cfg), spec, *plan);
   if (sizing->all_slots > (1u << 20)) {
     ASSERT_FALSE(small.ok());
     EXPECT_NE(small.status().message().find("optimizer.grad_buffer_mb"), std::string::npos);
@@ -213,9 +213,9 @@ TEST(Layout, ActivationsKeptInTheWorkerTakeNoSegmentBytes) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  auto host = ComputeLayout(cfg, spec, *plan);
+  auto host = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   cfg.schedule.activations = core::Activations::kWorker;
-  auto worker = ComputeLayout(cfg, spec, *plan);
+  auto worker = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(host.ok() && worker.ok());
   EXPECT_NE(host->activations, core::Activations::kWorker);
   EXPECT_EQ(worker->activations, core::Activations::kWorker);
@@ -233,9 +233,9 @@ TEST(Layout, ActivationPoolsHoldTheSlotsTheSegmentDropsDisjointly) {
   auto spec = core::BuildModelSpec(cfg.model);
   auto plan = core::MakePlan(cfg);
   ASSERT_TRUE(plan.ok());
-  auto host = ComputeLayout(cfg, spec, *plan);
+  auto host = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   cfg.schedule.activations = core::Activations::kCudaIpc;
-  auto pools = ComputeLayout(cfg, spec, *plan);
+  auto pools = ComputeLayout(cfg, core::ResolveExecution(cfg), spec, *plan);
   ASSERT_TRUE(host.ok() && pools.ok());
   EXPECT_NE(host->activations, core::Activations::kCudaIpc);
   EXPECT_EQ(host->pool_bytes, 0u);

@@ -492,7 +492,7 @@ TEST(Simulator, AStreamedArenaIsPassedOnOnlyWhereCommitsWaitForTheNorm) {
   EXPECT_EQ(BuildSimInput(c, spec, *plan, profile, 1, 3).arena_bytes, 0.0);
   c.optimizer.gradients_wait_in = GradientsWait::kWorkers;
   const SimInput in = BuildSimInput(c, spec, *plan, profile, 1, 3);
-  auto sizing = SizeGradArena(c, spec, *plan);
+  auto sizing = SizeGradArena(c, ResolveExecution(c), spec, *plan);
   ASSERT_TRUE(sizing.ok());
   ASSERT_LT(sizing->chosen, sizing->all_slots);
   EXPECT_DOUBLE_EQ(in.arena_bytes, static_cast<double>(sizing->chosen - sizing->shared));
