@@ -5,85 +5,81 @@
 // Contract:
 //  * SlotFinal(step, slot) says that gradient slot `slot` holds its final value for `step` (its
 //    last commit of the step is in shared memory). When every slot of a parameter is final, the
-//    parameter's extra slots (tied embeddings) are folded into its first slot and its squared
-//    norm is taken, in chunks of kOptimizerChunk (whole rows for a row-summed parameter, see
-//    optimizer_step.h). A tied embedding's head slot is usually final long before its lookup
-//    slot: its rows are squared then, and once the lookup slot is final only the rows of the
-//    step's tokens (SetTouchedRows) are folded and squared again.
+//    parameter's extra slots (tied embeddings) are folded into its first slot and its squared norm
+//    is taken, in chunks of kOptimizerChunk (whole rows for a row-summed parameter, see
+//    optimizer_step.h). A tied embedding's head slot is usually final long before its lookup slot:
+//    its rows are squared then, and once the lookup slot is final only the rows of the step's
+//    tokens (SetTouchedRows) are folded and squared again.
 //  * Without clipping (train.grad_clip = 0) each parameter is updated right after that. With
-//    clipping the update needs the global norm, so updates start when the last parameter is
-//    final, in ascending parameter order (embedding first: what the next step's first forward
-//    stage needs first). Either way the result is exactly the synchronous step's (the norm is
-//    summed in a fixed order, see optimizer_step.h).
-//  * In exact mode an update runs as two passes (adamw.h: UpdateWrites). The first writes only
-//    what workers fetch; when every parameter a layer owns has had it, the layer's version in
-//    shared memory becomes step + 1 (release store). Workers fetch a layer for step t only at
-//    version >= t, so no fetch reads a half-written array. The second pass writes the moments
-//    (and the master when workers fetch a separate copy) on the first rest_threads pool threads.
-//    With clipping the second passes start once every first pass is done, in the order the next
-//    step's commits need the slots back (parameters by the last layer that uses them,
-//    descending); without clipping each parameter's second pass is queued right after its first.
-//    Why: the next step's forward waits for the first pass only, which moves 20-28% fewer bytes
-//    than a whole update, and the second runs while the workers compute. stale1 mode runs one
-//    whole pass (nothing waits for it), and so does exact mode when gradients are streamed
-//    through an arena smaller than every slot (holding slots longer would stall commits there).
-//  * Rows first (shm::ArenaLayout::lookup_from_host, with clipping and two passes): when the
-//    rows of the next step's tokens are known (SetTouchedRows for step + 1 before this step's
-//    norm is complete), the embedding's first pass runs over those rows before anything else,
-//    then the other parameters, then the embedding's other rows. The lookup version in shared
-//    memory becomes step + 1 when those rows are done; the embedding layer's version when every
-//    row is. Why: the next step's first stage looks up only those rows (from host memory), so
-//    it starts after about a third of the embedding's pass, tens of milliseconds earlier for a
-//    1.7B model. Each row's update is the same computation either way: the same bits.
-//    Without the rows (or without clipping) the lookup version follows the layer's.
+//    clipping the update needs the global norm, so updates start when the last parameter is final,
+//    in ascending parameter order (embedding first: what the next step's first forward stage needs
+//    first). Either way the result is exactly the synchronous step's (the norm is summed in a fixed
+//    order, see optimizer_step.h).
+//  * In exact mode an update runs as two passes (adamw.h: UpdateWrites). The first writes only what
+//    workers fetch; when every parameter a layer owns has had it, the layer's version in shared
+//    memory becomes step + 1 (release store). Workers fetch a layer for step t only at version >=
+//    t, so no fetch reads a half-written array. The second pass writes the moments (and the master
+//    when workers fetch a separate copy) on the first rest_threads pool threads. With clipping the
+//    second passes start once every first pass is done, in the order the next step's commits need
+//    the slots back (parameters by the last layer that uses them, descending); without clipping
+//    each parameter's second pass is queued right after its first. Why: the next step's forward
+//    waits for the first pass only, which moves 20-28% fewer bytes than a whole update, and the
+//    second runs while the workers compute. stale1 mode runs one whole pass (nothing waits for it),
+//    and so does exact mode when gradients are streamed through an arena smaller than every slot
+//    (holding slots longer would stall commits there).
+//  * Rows first (shm::ArenaLayout::lookup_from_host, with clipping and two passes): when the rows
+//    of the next step's tokens are known (SetTouchedRows for step + 1 before this step's norm is
+//    complete), the embedding's first pass runs over those rows before anything else, then the
+//    other parameters, then the embedding's other rows. The lookup version in shared memory becomes
+//    step + 1 when those rows are done; the embedding layer's version when every row is. Why: the
+//    next step's first stage looks up only those rows (from host memory), so it starts after about
+//    a third of the embedding's pass, tens of milliseconds earlier for a 1.7B model. Each row's
+//    update is the same computation either way: the same bits. Without the rows (or without
+//    clipping) the lookup version follows the layer's.
 //  * A parameter's gradient slots go back to the arena when its update is complete (gradient
 //    streaming: the next stage's commit may reuse the space at once). The next step's commit of a
 //    slot must wait until then; the coordinator checks GradArena::IsPlaced for that.
-//  * Steps are sequential: SlotFinal for step t + 1 only once every parameter of step t has had
-//    its first pass (Published). In exact mode the versions guarantee it (the next step's forward
-//    went through every layer); in stale1 the coordinator holds the next step's first commit
-//    until Updated. Step t's second passes may still run then. A parameter's first pass of step
-//    t + 1 needs its slots final for t + 1, so placed again, so released by its second pass of
-//    step t (with clipping every parameter's, since the norm needs every slot).
+//  * Steps are sequential: SlotFinal for step t + 1 only once every parameter of step t has had its
+//    first pass (Published). In exact mode the versions guarantee it (the next step's forward went
+//    through every layer); in stale1 the coordinator holds the next step's first commit until
+//    Updated. Step t's second passes may still run then. A parameter's first pass of step t + 1
+//    needs its slots final for t + 1, so placed again, so released by its second pass of step t
+//    (with clipping every parameter's, since the norm needs every slot).
 //  * fp16 (core::ScalesLoss): updates wait for the norm as with clipping
-//  (ExecutionPlan::updates_wait_for_norm).
-//    The norm of the scaled gradients, divided by the step's scale, is the step's norm. A norm that
-//    is not finite skips the step: no master or moment changes, and the version it publishes holds
-//    the same weights (the compute copy is rewritten from the masters). Either way the scaler's
-//    state advances (loss_scaler.h) and the scale of a later step is stored in the state segment's
-//    LossScaleRecord before any of the update's versions are published (shm/layout.h says which
-//    step). AdamW's step count is the number of updates applied, as torch's when GradScaler skips
-//    optimizer.step(). The gradients are multiplied by clip scale / loss scale in the update: for
-//    a power-of-two scale (the defaults keep it one) the bits of unscaling, then clipping.
+//    (ExecutionPlan::updates_wait_for_norm). The norm of the scaled gradients, divided by the
+//    step's scale, is the step's norm. A norm that is not finite skips the step: no master or
+//    moment changes, and the version it publishes holds the same weights (the compute copy is
+//    rewritten from the masters). Either way the scaler's state advances (loss_scaler.h) and the
+//    scale of a later step is stored in the state segment's LossScaleRecord before any of the
+//    update's versions are published (shm/layout.h says which step). AdamW's step count is the
+//    number of updates applied, as torch's when GradScaler skips optimizer.step(). The gradients
+//    are multiplied by clip scale / loss scale in the update: for a power-of-two scale (the
+//    defaults keep it one) the bits of unscaling, then clipping.
 //  * Speculative updates (ExecutionPlan::speculative_update: clipping, two passes, two buffers of
 //    what workers fetch): as a parameter's chunk is squared, its first pass also runs with the
-//    constants of an unclipped step (Unclipped), writing the next version's buffer, which no job
-//    of this step reads. When the norm leaves the step unclipped (grad_scale exactly 1, as those
+//    constants of an unclipped step (Unclipped), writing the next version's buffer, which no job of
+//    this step reads. When the norm leaves the step unclipped (grad_scale exactly 1, as those
 //    constants have it) the chunk counts as updated without running again: its layers publish at
 //    once. Otherwise every first pass runs as without speculation and overwrites them. Not the
 //    row-summed parameters and not the layers below SpeculateFromLayer; paused after a clipped
-//    step. With the masters as what workers fetch, the update reads the masters of buffer
-//    step % 2 and writes those of (step + 1) % 2; its second pass writes only the moments.
+//    step. With the masters as what workers fetch, the update reads the masters of buffer step % 2
+//    and writes those of (step + 1) % 2; its second pass writes only the moments.
 //  * Device updates (ExecutionPlan::device_update_blocks = N): the parameters of blocks 1..N are
-//  updated
-//    in one pass (masters, moments and what workers fetch together), queued behind every other
-//    parameter's first pass (on the rest threads, ahead of the second passes; with gradients
-//    waiting in the workers their commits come last instead, and each runs as it lands): the
-//    worker holding their gradients computes the same weights on its device (TakeStepConstants
-//    gives it each step's constants), and the next step's forward uses those, so the host's copy is
-//    wanted only by the next backward. Their layer versions are published after that one pass; a
-//    version
+//    updated in one pass (masters, moments and what workers fetch together), queued behind every
+//    other parameter's first pass (on the rest threads, ahead of the second passes; with gradients
+//    waiting in the workers their commits come last instead, and each runs as it lands): the worker
+//    holding their gradients computes the same weights on its device (TakeStepConstants gives it
+//    each step's constants), and the next step's forward uses those, so the host's copy is wanted
+//    only by the next backward. Their layer versions are published after that one pass; a version
 //    >= t + 1 then means masters and moments hold step t too (what the worker reads for t + 1).
 //  * Gradients waiting in the workers (ExecutionPlan::gradients_wait_in_workers): the norm comes
-//  from
-//    SetNormSquares (fp16: a sum that is not finite skips the step as above), and each parameter
-//    is updated, clipped, as soon as its slots are final, as without clipping; no squares are
-//    taken here.
+//    from SetNormSquares (fp16: a sum that is not finite skips the step as above), and each
+//    parameter is updated, clipped, as soon as its slots are final, as without clipping; no squares
+//    are taken here.
 //  * Sharded gradient slots (ExecutionPlan::sharded_gradients: no clipping, no loss scaling): a
-//  slot holds
-//    this node's share of its parameter, and the norm is the sum of the squares the workers wrote
-//    of the whole summed gradient (shm::ArenaLayout::grad_squares), read when the parameter's slot
-//    is final; it is reported only (nothing it scales).
+//    slot holds this node's share of its parameter, and the norm is the sum of the squares the
+//    workers wrote of the whole summed gradient (shm::ArenaLayout::grad_squares), read when the
+//    parameter's slot is final; it is reported only (nothing it scales).
 //  * Thread-safety: SlotFinal, GradNorm, Published and Updated may be called from one thread (the
 //    coordinator's event loop) while the pool runs; the destructor waits for queued work.
 //  * `on_progress` (may be empty) is called from a pool thread after each change the coordinator

@@ -9,19 +9,17 @@
 //   layer versions       std::atomic<uint64_t> per pipeline layer: the number of optimizer
 //                        updates its owned parameters' compute copies hold. Written only by the
 //                        coordinator (release), read by workers (acquire) before a weight fetch.
-//   gathered versions    sharded state only (ExecutionPlan::sharded_state): std::atomic<uint64_t>
-//   per
+//   gathered versions    sharded state only (ExecutionPlan): std::atomic<uint64_t> per
 //                        pipeline layer, the number of updates every node's shares of the
 //                        layer's compute copies hold here. Layer versions then count this node's
 //                        own shares; the worker that gathers the layer (GatheringWorker) stores
 //                        this (release) once the other nodes' shares are in. What workers wait
 //                        for before a fetch (fetch_versions).
-//   lookup version       std::atomic<uint64_t>, one word after the layer versions: the number of
-//   updates the
-//                        embedding's rows of the next step's tokens hold (>= the embedding
-//                        layer's version; ahead of it while the optimizer updates those rows
-//                        first, ExecutionPlan::lookup_from_host). What a stage that looks up from
-//                        host memory waits for instead of the embedding layer's version.
+//   lookup version       std::atomic<uint64_t>, one word after the layer versions: the number
+//                        of updates the embedding's rows of the next step's tokens hold (>= the
+//                        embedding layer's version; ahead of it while the optimizer updates those
+//                        rows first, lookup_from_host). What a stage that looks up from host memory
+//                        waits for instead of the embedding layer's version.
 //   gradient table       std::atomic<uint64_t> per gradient slot (a parameter use by a layer):
 //                        where in the gradient arena the slot lives this step. Written by the
 //                        coordinator before it grants the commit that fills the slot.
@@ -29,11 +27,11 @@
 //                        contiguous run), dtype = train.dtype; what workers fetch. In stale1
 //                        mode and with optimizer.speculative_update a second such region
 //                        follows (double buffer by version parity).
-//                        When workers fetch the masters (ExecutionPlan::workers_fetch_masters) this
-//                        region holds the fp32 masters instead, and there is no compute copy
-//                        anywhere; with two buffers (ExecutionPlan::speculative_update) the masters
-//                        holding v updates are in buffer v % 2, and the update reads one and writes
-//                        the other
+//                        When workers fetch the masters (ExecutionPlan) this region
+//                        holds the fp32 masters instead, and there is no compute copy anywhere;
+//                        with two buffers (speculative_update) the masters holding
+//                        v updates are in buffer v % 2, and the update reads one and writes the
+//                        other
 //   frozen weights       LoRA only: the base model's compute copies (dtype = train.dtype), one
 //                        buffer, written once at start and never updated (no version, no master)
 //   gradient arena       fp32 gradient slots, placed by the coordinator when a commit is granted
@@ -60,17 +58,17 @@
 //                        and backward stages, which all run after its last forward.
 //   loss scaling         fp16 only (core::ScalesLoss): one LossScaleRecord (below).
 //   gradient squares     optimizer.gradients_wait_in = "workers", or sharded gradient slots
-//                        (ExecutionPlan::sharded_gradients): fp64 [2 step parities][square chunks]:
-//                        the squared sum of each kSquareChunkElems-element chunk of every
-//                        parameter's (summed) gradient, parameter order, then chunk order.
-//                        "workers": written by the worker holding the gradient before it reports
-//                        GradsReady, read by the coordinator once every gradient of the step is
-//                        reported; step t + 2 writes a parity only after step t's commits were
-//                        granted, which waited for the read. Sharded slots: written by the worker
-//                        before it commits the gradient's share, read by the optimizer when the
-//                        parameter's slot is final (AsyncOptimizer::SlotFinal); step t + 2 writes a
-//                        parameter's squares from a job whose layers hold weights that followed
-//                        that parameter's update of step t, which follows the read.
+//                        (sharded_gradients): fp64 [2 step parities][square chunks]: the
+//                        squared sum of each kSquareChunkElems-element chunk of every parameter's
+//                        (summed) gradient, parameter order, then chunk order. "workers": written
+//                        by the worker holding the gradient before it reports GradsReady, read by
+//                        the coordinator once every gradient of the step is reported; step t + 2
+//                        writes a parity only after step t's commits were granted, which waited
+//                        for the read. Sharded slots: written by the worker before it commits the
+//                        gradient's share, read by the optimizer when the parameter's slot is
+//                        final (AsyncOptimizer::SlotFinal); step t + 2 writes a parameter's
+//                        squares from a job whose layers hold weights that followed that
+//                        parameter's update of step t, which follows the read.
 //
 // Segment "rp-<session>-optim" (written by the coordinator only; workers map it only with
 // optimizer.device_update_blocks, read-only, and pin just the covered blocks' arrays, so they
