@@ -8,13 +8,13 @@
 
 namespace rp::coord {
 
-GradArena::GradArena(const shm::ArenaLayout& layout, std::atomic<uint64_t>* table)
-    : layout_(layout), table_(table), placed_(layout.grad_slot_bytes.size(), 0) {
+GradArena::GradArena(const shm::GradientRegion& region, std::atomic<uint64_t>* table)
+    : region_(region), table_(table), placed_(region.grad_slot_bytes.size(), 0) {
   // Offset 0 is the segment header, never a slot, so it can mean "not placed".
-  if (layout.grad_arena_bytes > 0) free_[layout.grad_arena] = layout.grad_arena_bytes;
-  if (!layout.grads_streamed) {
-    uint64_t off = layout.grad_arena;
-    for (uint64_t b : layout.grad_slot_bytes) {
+  if (region.grad_arena_bytes > 0) free_[region.grad_arena] = region.grad_arena_bytes;
+  if (!region.grads_streamed) {
+    uint64_t off = region.grad_arena;
+    for (uint64_t b : region.grad_slot_bytes) {
       fixed_.push_back(off);
       off += b;
     }
@@ -22,7 +22,7 @@ GradArena::GradArena(const shm::ArenaLayout& layout, std::atomic<uint64_t>* tabl
 }
 
 bool GradArena::PlaceOneLocked(int slot) {
-  const uint64_t need = layout_.grad_slot_bytes[slot];
+  const uint64_t need = region_.grad_slot_bytes[slot];
   if (!fixed_.empty()) {
     placed_[slot] = fixed_[slot];
     used_ += need;
@@ -45,7 +45,7 @@ bool GradArena::PlaceOneLocked(int slot) {
 }
 
 void GradArena::ReleaseLocked(int slot) {
-  const uint64_t off = placed_[slot], bytes = layout_.grad_slot_bytes[slot];
+  const uint64_t off = placed_[slot], bytes = region_.grad_slot_bytes[slot];
   RP_CHECK(off != 0) << "gradient slot " << slot << " released but not placed";
   placed_[slot] = 0;
   used_ -= bytes;

@@ -6,10 +6,10 @@
 //    bookkeeping is kept here, in the coordinator's private heap. Nothing a worker writes can
 //    change where the coordinator places or frees a slot.
 //  * Place(slots) is all-or-nothing: every slot gets a 256-byte-aligned range of its size
-//    (layout.grad_slot_bytes) or none does and false is returned (the caller retries once an
+//    (region.grad_slot_bytes) or none does and false is returned (the caller retries once an
 //    update has released space). First fit, so the step's first commit (the fused tail, with
 //    the largest slot) lands at the arena's start and later holes coalesce behind it.
-//  * When the arena can hold every slot at once (!layout.grads_streamed: exact clipping or K > 1
+//  * When the arena can hold every slot at once (!region.grads_streamed: exact clipping or K > 1
 //    size it so), each slot has a fixed range instead (the slots' sizes summed in slot order)
 //    and Place only fails for a slot already placed (checked). Why: exact mode places the next
 //    step's slots while the previous step's second optimizer passes still release theirs, in an
@@ -31,9 +31,10 @@ namespace rp::coord {
 
 class GradArena {
  public:
-  // `table` is the shared gradient table (layout.grad_table in the mapped state segment): a
-  // slot's offset is published there (release) before Place returns.
-  GradArena(const shm::ArenaLayout& layout, std::atomic<uint64_t>* table);
+  // `region` is the layout's gradient region (it must outlive the arena); `table` is the shared
+  // gradient table (region.grad_table in the mapped state segment): a slot's offset is published
+  // there (release) before Place returns.
+  GradArena(const shm::GradientRegion& region, std::atomic<uint64_t>* table);
 
   bool Place(const std::vector<int>& slots);
   bool IsPlaced(int slot) const;
@@ -46,7 +47,7 @@ class GradArena {
   bool PlaceOneLocked(int slot);
   void ReleaseLocked(int slot);
 
-  const shm::ArenaLayout& layout_;
+  const shm::GradientRegion& region_;
   std::atomic<uint64_t>* table_;
   mutable std::mutex mu_;
   std::map<uint64_t, uint64_t> free_;  // GUARDED_BY(mu_): offset -> bytes, coalesced

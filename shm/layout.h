@@ -174,40 +174,15 @@ struct OptimLayout {
 OptimLayout ComputeOptimLayout(const core::ModelSpec& spec, bool masters_in_state,
                                core::OptimizerName optimizer, int64_t nodes, int64_t rank);
 
-// Byte offsets of every array. Pure function of the config (see above).
-struct ArenaLayout {
+// The layout by region. Each region is the offsets and sizes one part of the run owns; a
+// component that needs one region takes that struct (GradArena takes the GradientRegion).
+// ArenaLayout is all of them: a pure function of the run (see above), hashed into the header.
+
+// The segments as a whole and their control words.
+struct ControlWords {
   uint64_t total_bytes = 0;        // the state segment
   uint64_t optim_total_bytes = 0;  // the optimizer segment
   uint64_t hash = 0;
-  int compute_elem_bytes = 4;  // train.dtype: activations, frozen weights
-  // Workers fetch the fp32 masters (ExecutionPlan::workers_fetch_masters): `compute` and `master`
-  // are then the same state-segment offsets, weights_elem_bytes is 4 and the worker rounds to
-  // train.dtype.
-  bool masters_in_state = false;
-  int weights_elem_bytes = 4;     // what `compute` holds per element
-  std::vector<uint64_t> compute;  // per parameter, state segment
-  std::vector<uint64_t> master, adam_m,
-      adam_v;  // per parameter, optimizer segment (master: state
-               // segment if masters_in_state); adam_v empty for sgd
-  // Sharded state (ExecutionPlan::sharded_state): per parameter the elements this node updates and
-  // keeps the master (when not masters_in_state) and moments of; the whole parameter otherwise.
-  bool sharded = false;
-  std::vector<core::ElemRange> share;
-  std::vector<uint64_t> grad_slot_bytes;  // per gradient slot: fp32 bytes, 256-aligned
-  // ExecutionPlan::sharded_gradients: each slot holds its parameter's `share` only (element
-  // share[p].begin first), and the gradient squares table holds the squares of the whole summed
-  // gradients.
-  bool sharded_grads = false;
-  // The tied embedding's input-lookup slot when it is compact (CompactLookupRows), else -1: it
-  // holds the rows of the step's input tokens only, ascending (core::SortedTokenRows), packed.
-  int compact_lookup_slot = -1;
-  uint64_t grad_table = 0;                        // std::atomic<uint64_t>[gradient slots]
-  uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
-  bool grads_streamed = false;                    // arena smaller than every slot at once
-  uint64_t compute_begin = 0, compute_end = 0;    // the compute-copy region (buffer 0)
-  int compute_buffers = 1;  // 2 in stale1 mode or with a speculative update: version v in v % 2
-  std::vector<uint64_t> frozen;  // per frozen parameter (LoRA base), state segment
-  uint64_t frozen_begin = 0, frozen_end = 0;
   uint64_t layer_versions = 0;     // std::atomic<uint64_t>[num layers]
   uint64_t gathered_versions = 0;  // std::atomic<uint64_t>[num layers]; sharded only
   // What a worker waits for before fetching a layer: gathered_versions when sharded, else
@@ -215,33 +190,29 @@ struct ArenaLayout {
   uint64_t fetch_versions = 0;
   uint64_t lookup_version = 0;    // std::atomic<uint64_t> (see above)
   bool lookup_from_host = false;  // core::LookupInPlaceParam >= 0
-  uint64_t tokens = 0, labels = 0, positions = 0, hidden = 0, input_grad = 0;
-  uint64_t eval_tokens = 0, eval_labels = 0, eval_positions = 0;
-  int eval_slots = 0;
-  uint64_t tokens_per_mb = 0;   // elements per token slot
-  uint64_t act_elems = 0;       // elements per hidden / input-grad slot
-  uint64_t act_slot_bytes = 0;  // bytes per slot, aligned
-  int microbatches = 0, num_hidden = 0, num_grad = 0;
-  int parities = 2;           // activation slot sets (see above)
-  int grad_slots_per_mb = 0;  // input-gradient slots per microbatch: min(num_grad, 2)
-  // Where the hidden and input-gradient slots live (schedule.activations). kHost: in this
-  // segment. kWorker: only in the one worker's memory (same indexing). kCudaIpc
-  // (ExecutionPlan::ActivationsInPools): in each worker's activation pool, `pool_bytes` per worker,
-  // indexed by PoolHiddenSlot and PoolInputGradSlot (offsets from the pool's base). The segment
-  // has no bytes for them unless kHost.
-  core::Activations activations = core::Activations::kHost;
-  uint64_t pool_bytes = 0;
-  // Router statistics (above): none when router_blocks is 0.
-  uint64_t router_stats = 0, router_slot_bytes = 0;
-  int router_blocks = 0, router_experts = 0;
-  uint64_t loss_scaling = 0;  // the LossScaleRecord; 0 when the loss is not scaled
-  // Gradient squares (above): the table's offset (0: none), and per parameter its first chunk.
-  uint64_t grad_squares = 0;
-  std::vector<int64_t> square_chunk_base;
-  int64_t square_chunks = 0;
-  double* GradSquares(uint8_t* state, int64_t step) const {
-    return reinterpret_cast<double*>(state + grad_squares) + (step & 1) * square_chunks;
-  }
+  uint64_t loss_scaling = 0;      // the LossScaleRecord; 0 when the loss is not scaled
+};
+
+// What workers fetch and the optimizer keeps: written by the coordinator's optimizer only.
+struct WeightRegions {
+  int compute_elem_bytes = 4;  // train.dtype: activations, frozen weights
+  // Workers fetch the fp32 masters (ExecutionPlan::workers_fetch_masters): `compute` and `master`
+  // are then the same state-segment offsets, weights_elem_bytes is 4 and the worker rounds to
+  // train.dtype.
+  bool masters_in_state = false;
+  int weights_elem_bytes = 4;     // what `compute` holds per element
+  std::vector<uint64_t> compute;  // per parameter, state segment
+  // Per parameter, optimizer segment (master: state segment if masters_in_state); adam_v empty
+  // for sgd.
+  std::vector<uint64_t> master, adam_m, adam_v;
+  // Sharded state (ExecutionPlan::sharded_state): per parameter the elements this node updates and
+  // keeps the master (when not masters_in_state) and moments of; the whole parameter otherwise.
+  bool sharded = false;
+  std::vector<core::ElemRange> share;
+  uint64_t compute_begin = 0, compute_end = 0;  // the compute-copy region (buffer 0)
+  int compute_buffers = 1;  // 2 in stale1 mode or with a speculative update: version v in v % 2
+  std::vector<uint64_t> frozen;  // per frozen parameter (LoRA base), state segment
+  uint64_t frozen_begin = 0, frozen_end = 0;
 
   // Byte offset of element `e` (inside this node's share) of parameter p's master, first or
   // second moment: `base` is master, adam_m or adam_v.
@@ -252,12 +223,72 @@ struct ArenaLayout {
   uint64_t ComputeCopy(int p, int buffer) const {
     return compute[p] + static_cast<uint64_t>(buffer) * (compute_end - compute_begin);
   }
+};
+
+// The gradient table, the arena its slots are placed in, and the squares of the gradients that
+// wait for the norm: placed by the coordinator, filled by workers' commits.
+struct GradientRegion {
+  uint64_t grad_table = 0;                // std::atomic<uint64_t>[gradient slots]
+  std::vector<uint64_t> grad_slot_bytes;  // per gradient slot: fp32 bytes, 256-aligned
+  // ExecutionPlan::sharded_gradients: each slot holds its parameter's `share` only (element
+  // share[p].begin first), and the gradient squares table holds the squares of the whole summed
+  // gradients.
+  bool sharded_grads = false;
+  // The tied embedding's input-lookup slot when it is compact (CompactLookupRows), else -1: it
+  // holds the rows of the step's input tokens only, ascending (core::SortedTokenRows), packed.
+  int compact_lookup_slot = -1;
+  uint64_t grad_arena = 0, grad_arena_bytes = 0;  // [grad_arena, grad_arena + grad_arena_bytes)
+  bool grads_streamed = false;                    // arena smaller than every slot at once
+  // Gradient squares (above): the table's offset (0: none), and per parameter its first chunk.
+  uint64_t grad_squares = 0;
+  std::vector<int64_t> square_chunk_base;
+  int64_t square_chunks = 0;
+
+  double* GradSquares(uint8_t* state, int64_t step) const {
+    return reinterpret_cast<double*>(state + grad_squares) + (step & 1) * square_chunks;
+  }
   // True if a gradient slot of `bytes` at `offset` lies inside the arena (what a reader of the
   // gradient table checks before trusting an entry).
   bool GradSlotInArena(uint64_t offset, uint64_t bytes) const {
     return offset >= grad_arena && bytes <= grad_arena_bytes &&
            offset - grad_arena <= grad_arena_bytes - bytes;
   }
+};
+
+// The inputs of each microbatch and evaluation: written by the coordinator before it sends the
+// jobs that read them, rewritten only when every such job is done.
+struct InputSlots {
+  int microbatches = 0;
+  int parities = 2;            // slot sets (see above)
+  uint64_t tokens_per_mb = 0;  // elements per token slot
+  uint64_t tokens = 0, labels = 0, positions = 0;
+  uint64_t eval_tokens = 0, eval_labels = 0, eval_positions = 0;
+  int eval_slots = 0;
+};
+
+// What passes between stages: hidden states and input gradients (here, in one worker, or in each
+// worker's pool) and the routers' statistics.
+struct ActivationSlots {
+  uint64_t act_elems = 0;       // elements per hidden / input-grad slot
+  uint64_t act_slot_bytes = 0;  // bytes per slot, aligned
+  int num_hidden = 0, num_grad = 0;
+  int grad_slots_per_mb = 0;  // input-gradient slots per microbatch: min(num_grad, 2)
+  uint64_t hidden = 0, input_grad = 0;
+  // Where the hidden and input-gradient slots live (schedule.activations). kHost: in this
+  // segment. kWorker: only in the one worker's memory (same indexing). kCudaIpc
+  // (ExecutionPlan::ActivationsInPools): in each worker's activation pool, `pool_bytes` per
+  // worker, indexed by PoolHiddenSlot and PoolInputGradSlot (offsets from the pool's base). The
+  // segment has no bytes for them unless kHost.
+  core::Activations activations = core::Activations::kHost;
+  uint64_t pool_bytes = 0;
+  // Router statistics (above): none when router_blocks is 0.
+  uint64_t router_stats = 0, router_slot_bytes = 0;
+  int router_blocks = 0, router_experts = 0;
+};
+
+struct ArenaLayout : ControlWords, WeightRegions, GradientRegion, InputSlots, ActivationSlots {
+  // Slots by parity (call % parities), microbatch and index: the activation regions are indexed
+  // by the input slots' shape.
   uint64_t TokenSlot(int parity, int mb) const;
   uint64_t LabelSlot(int parity, int mb) const;
   uint64_t PositionSlot(int parity, int mb) const;
