@@ -257,56 +257,67 @@ void PrintChoice(const char* title, const rp::core::PlanChoice& c, double step_t
       m.device_update / 1e9, m.not_at_once / 1e9);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// rp-plan's command line.
+struct PlanFlags {
   std::string job;
   std::vector<std::string> overrides;
   int gpus = 1;
   bool json = false;
-  CLI::App app{"Show the automatic pipeline plan for a job"};
-  app.add_option("job", job, "job file (TOML)")->required();
-  app.add_option("--gpus", gpus, "workers")->check(CLI::Range(1, 4096));
-  app.add_option("--set", overrides, "override a job key: section.key=value (repeatable)");
   std::string profile;
-  app.add_option("--profile", profile,
-                 "measured profile.json to plan with (else the FLOP cost model)");
-  app.add_flag("--json", json, "print JSON only");
   int nnodes = 1;
-  app.add_option("--nnodes", nnodes,
-                 "nodes the job runs on (rp-launch --nnodes): plan and predict one node's share, "
-                 "with the cross-node gradient sums")
-      ->check(CLI::Range(1, 65536));
   bool max_seq = false;
   int64_t seq_step = 1024;
   double host_memory_gb = 0.0;
-  app.add_flag("--max-seq", max_seq,
-               "print the longest data.seq_len that fits schedule.gpu_memory_gb per worker and the "
-               "host's memory");
-  app.add_option("--seq-step", seq_step, "--max-seq: lengths searched are multiples of this")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
-  app.add_option(
-         "--host-memory-gb", host_memory_gb,
-         "--max-seq: shared memory the run may take (default: this host's available memory)")
-      ->check(CLI::Range(0.0, 1e9));
   std::string device_name = "h200";
   double tflops = 0.0, h2d_gbs = 0.0;
-  app.add_option("--device", device_name,
+};
+
+void AddFlags(CLI::App& app, PlanFlags* f) {
+  app.add_option("job", f->job, "job file (TOML)")->required();
+  app.add_option("--gpus", f->gpus, "workers")->check(CLI::Range(1, 4096));
+  app.add_option("--set", f->overrides, "override a job key: section.key=value (repeatable)");
+  app.add_option("--profile", f->profile,
+                 "measured profile.json to plan with (else the FLOP cost model)");
+  app.add_flag("--json", f->json, "print JSON only");
+  app.add_option("--nnodes", f->nnodes,
+                 "nodes the job runs on (rp-launch --nnodes): plan and predict one node's share, "
+                 "with the cross-node gradient sums")
+      ->check(CLI::Range(1, 65536));
+  app.add_flag("--max-seq", f->max_seq,
+               "print the longest data.seq_len that fits schedule.gpu_memory_gb per worker and the "
+               "host's memory");
+  app.add_option("--seq-step", f->seq_step, "--max-seq: lengths searched are multiples of this")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option(
+         "--host-memory-gb", f->host_memory_gb,
+         "--max-seq: shared memory the run may take (default: this host's available memory)")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--device", f->device_name,
                  "the GPU the cost model assumes: h200 (default), h100, or custom (with --tflops "
                  "and --h2d-gbs); "
                  "a measured --profile or schedule.profile replaces its rates");
-  app.add_option("--tflops", tflops,
+  app.add_option("--tflops", f->tflops,
                  "--device custom: the dense bf16 TFLOP/s the GPU's matrix products reach")
       ->check(CLI::Range(0.001, 1e6));
-  app.add_option("--h2d-gbs", h2d_gbs, "--device custom: host-to-device GB/s of its link")
+  app.add_option("--h2d-gbs", f->h2d_gbs, "--device custom: host-to-device GB/s of its link")
       ->check(CLI::Range(0.001, 1e6));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  PlanFlags flags;
+  CLI::App app{"Show the automatic pipeline plan for a job"};
+  AddFlags(app, &flags);
   CLI11_PARSE(app, argc, argv);
-  auto device = DeviceFromFlags(device_name, tflops, h2d_gbs);
+  const int gpus = flags.gpus, nnodes = flags.nnodes;
+  const bool json = flags.json;
+  auto device = DeviceFromFlags(flags.device_name, flags.tflops, flags.h2d_gbs);
   if (!device.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", device.status().message().c_str());
     return rp::kExitBadConfig;
   }
-  auto cfg = rp::core::LoadJobConfig(job, overrides);
+  auto cfg = rp::core::LoadJobConfig(flags.job, flags.overrides);
   if (!cfg.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", cfg.status().message().c_str());
     return rp::kExitBadConfig;
@@ -320,8 +331,8 @@ int main(int argc, char** argv) {
   const double step_tokens =
       static_cast<double>(rp::core::GlobalRound(*cfg).calls *
                           rp::core::GlobalRound(*cfg).microbatches * cfg->TokensPerMicrobatch());
-  if (!profile.empty()) cfg->schedule.profile = profile;
-  if (max_seq) return MaxSeq(*cfg, gpus, seq_step, host_memory_gb, json, *device);
+  if (!flags.profile.empty()) cfg->schedule.profile = flags.profile;
+  if (flags.max_seq) return MaxSeq(*cfg, gpus, flags.seq_step, flags.host_memory_gb, json, *device);
   const bool tile_chosen = cfg->train.mlp_tile_tokens == rp::core::kMlpTileAuto;
   if (auto s = rp::core::ResolveMlpTile(&*cfg, gpus); !s.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
