@@ -123,6 +123,55 @@ bool SelectAttention(const std::string& name) {
 #endif
 }
 
+// The CUDA device when the job asks for one (or "auto" finds one), else a CPU device. `pinned` is
+// the host region the CUDA backend pins (this tool moves nothing through it).
+rp::StatusOr<std::unique_ptr<rp::worker::Device>> OpenDevice(const rp::core::JobConfig& cfg,
+                                                             std::vector<char>* pinned) {
+  const bool want_cuda =
+      cfg.job.device == rp::core::DeviceKind::kCuda ||
+      (cfg.job.device == rp::core::DeviceKind::kAuto && rp::worker::CudaDeviceCount() > 0);
+  if (!want_cuda) return rp::worker::MakeCpuDevice();
+  return rp::worker::MakeCudaDevice(0, pinned->data(), pinned->size());
+}
+
+// One measured part of a microbatch's work; `flops` 0 when it is not counted.
+struct Phase {
+  std::string name;
+  double flops;
+  std::function<void()> run;
+};
+
+// Times every phase (two warm-up runs, then `reps` timed ones) into `line`, with the block's
+// total per microbatch; false, with the error in `line`, when a phase throws.
+bool TimePhases(const std::vector<Phase>& phases, int reps, bool profile, bool cuda,
+                double block_fwd, rp::worker::Device& device, nlohmann::json* line) {
+  try {
+    for (const auto& ph : phases) {
+      ph.run();  // warm-up: allocator, kernel selection, RoPE tables
+      ph.run();
+      const int a = device.Mark();
+      for (int r = 0; r < reps; ++r) ph.run();
+      const double s = device.MarkSeconds(a, device.Mark()) / reps;
+      nlohmann::json j = {{"ms", std::round(s * 1e6) / 1e3}};
+      if (ph.flops > 0) j["tflops"] = std::round(ph.flops / s / 1e10) / 100;
+      device.ClearMarks();
+      if (profile) j["kernels"] = TopKernels(ProfileKernels(ph.run, cuda, device), 14);
+      device.ClearMarks();
+      (*line)[ph.name] = j;
+    }
+    // Per microbatch as a worker spends it: forward stage, then recompute + backward, fold.
+    const double block_ms = (*line)["block_forward"]["ms"].get<double>() +
+                            (*line)["block_recompute_backward"]["ms"].get<double>() +
+                            (*line)["block_grad_accumulate"]["ms"].get<double>();
+    (*line)["block_total_ms"] = std::round(block_ms * 1000) / 1000;
+    (*line)["block_total_tflops"] = std::round(4.0 * block_fwd / (block_ms / 1e3) / 1e10) / 100;
+    return true;
+  } catch (const std::exception& e) {
+    (*line)["error"] = std::string(e.what()).substr(0, 400);
+    return false;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,20 +202,12 @@ int main(int argc, char** argv) {
 
   // The CUDA backend pins a host region; this tool moves nothing through it.
   std::vector<char> unused(1 << 20);
-  std::unique_ptr<rp::worker::Device> device;
-  const bool want_cuda =
-      cfg.job.device == rp::core::DeviceKind::kCuda ||
-      (cfg.job.device == rp::core::DeviceKind::kAuto && rp::worker::CudaDeviceCount() > 0);
-  if (want_cuda) {
-    auto d = rp::worker::MakeCudaDevice(0, unused.data(), unused.size());
-    if (!d.ok()) {
-      std::fprintf(stderr, "rp-block-bench: %s\n", d.status().message().c_str());
-      return rp::kExitCudaError;
-    }
-    device = std::move(*d);
-  } else {
-    device = rp::worker::MakeCpuDevice();
+  auto opened = OpenDevice(cfg, &unused);
+  if (!opened.ok()) {
+    std::fprintf(stderr, "rp-block-bench: %s\n", opened.status().message().c_str());
+    return rp::kExitCudaError;
   }
+  std::unique_ptr<rp::worker::Device> device = std::move(*opened);
   const bool cuda = device->torch_device().is_cuda();
   const bool bf16 = cfg.train.dtype == rp::core::TrainDtype::kBf16 || rp::core::Fp8Matmuls(cfg);
   const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
@@ -222,11 +263,6 @@ int main(int argc, char** argv) {
   const double block_fwd = 2.0 * tokens * proj + attn;
   const double head_fb = 3.0 * 2.0 * tokens * static_cast<double>(cfg.model.vocab_size) * H;
 
-  struct Phase {
-    std::string name;
-    double flops;
-    std::function<void()> run;
-  };
   std::vector<Phase> phases = {
       {"block_forward", block_fwd,
        [&] {
@@ -281,30 +317,7 @@ int main(int argc, char** argv) {
       ++failures;
       continue;
     }
-    try {
-      for (const auto& ph : phases) {
-        ph.run();  // warm-up: allocator, kernel selection, RoPE tables
-        ph.run();
-        const int a = device->Mark();
-        for (int r = 0; r < reps; ++r) ph.run();
-        const double s = device->MarkSeconds(a, device->Mark()) / reps;
-        nlohmann::json j = {{"ms", std::round(s * 1e6) / 1e3}};
-        if (ph.flops > 0) j["tflops"] = std::round(ph.flops / s / 1e10) / 100;
-        device->ClearMarks();
-        if (profile) j["kernels"] = TopKernels(ProfileKernels(ph.run, cuda, *device), 14);
-        device->ClearMarks();
-        line[ph.name] = j;
-      }
-      // Per microbatch as a worker spends it: forward stage, then recompute + backward, fold.
-      const double block_ms = line["block_forward"]["ms"].get<double>() +
-                              line["block_recompute_backward"]["ms"].get<double>() +
-                              line["block_grad_accumulate"]["ms"].get<double>();
-      line["block_total_ms"] = std::round(block_ms * 1000) / 1000;
-      line["block_total_tflops"] = std::round(4.0 * block_fwd / (block_ms / 1e3) / 1e10) / 100;
-    } catch (const std::exception& e) {
-      line["error"] = std::string(e.what()).substr(0, 400);
-      ++failures;
-    }
+    if (!TimePhases(phases, reps, profile, cuda, block_fwd, *device, &line)) ++failures;
     std::printf("%s\n", line.dump().c_str());
     std::fflush(stdout);
   }
