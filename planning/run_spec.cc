@@ -36,6 +36,9 @@ static_assert(sizeof(ExecutionPlan) == 28);
 
 namespace {
 constexpr int kSpecVersion = 10;
+// The version before the stored execution plan: its runs' specs (rp-export reads them from the run
+// directory) are read with the plan their job resolves to.
+constexpr int kSpecVersionWithoutExecution = 9;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -180,7 +183,9 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     return Status::InvalidArgument(what + ": not a JSON object");
-  if (!j.contains("version") || j["version"] != kSpecVersion)
+  const bool without_execution =
+      j.contains("version") && j["version"] == kSpecVersionWithoutExecution;
+  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_execution))
     return Status::InvalidArgument(
         what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
         ", this build reads " + std::to_string(kSpecVersion) +
@@ -189,17 +194,18 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   try {
     spec.workers = j.at("workers").get<int>();
     spec.job = j.at("job").get<JobConfig>();
-    spec.execution = j.at("execution").get<ExecutionPlan>();
+    spec.execution =
+        without_execution ? ResolveExecution(spec.job) : j.at("execution").get<ExecutionPlan>();
     spec.plan = j.at("plan").get<PipelinePlan>();
   } catch (const std::exception& e) {
     return Status::InvalidArgument(what + ": not a complete run spec: " + e.what());
   }
   // Every process acts on the stored decisions; they must be the ones its job resolves to (a
   // spec edited by hand, or written by another build's resolution, is refused).
-  if (spec.execution != ResolveExecution(spec.job))
+  if (const ExecutionPlan resolved = ResolveExecution(spec.job); spec.execution != resolved)
     return Status::InvalidArgument(
         what + ": execution " + nlohmann::json(spec.execution).dump() +
-        " is not what its job resolves to, " + nlohmann::json(ResolveExecution(spec.job)).dump() +
+        " is not what its job resolves to, " + nlohmann::json(resolved).dump() +
         " (rp-launch and the other programs come from different builds?)");
   if (spec.workers < 1) return Status::InvalidArgument(what + ": workers must be at least 1");
   return spec;

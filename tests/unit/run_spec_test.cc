@@ -185,6 +185,14 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   j = good;
   j["job"]["optimizer"]["mode"] = "stale1";  // the key changed, the stored decisions did not
   refused(j, "is not what its job resolves to");
+  // A spec of the version before the stored plan (an older run's directory) is read with the plan
+  // its job resolves to.
+  j = good;
+  j["version"] = 9;
+  j.erase("execution");
+  auto older = ParseRunSpec(j.dump(), "spec");
+  ASSERT_TRUE(older.ok()) << older.status().message();
+  EXPECT_TRUE(older->execution == run.execution);
   EXPECT_FALSE(ReadRunSpec(dir + "/missing.json").ok());
   ASSERT_TRUE(WriteRunSpec(dir + "/two.json", run).ok());
   EXPECT_TRUE(ReadRunSpecFor(dir + "/two.json", 2).ok());
