@@ -4,7 +4,7 @@
     bench/published_roundpipe.py --roundpipe DIR --shape SHAPE --mode {async,sync} \
         --warmup 2 --steps 4 [--layers N] [--out FILE] [--tiny]
 
-SHAPE: qwen3-1.7b, qwen3-4b, qwen3-30b-a3b-lora, qwen3-30b-a3b-fullft (configs/SHAPE.toml).
+SHAPE: qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b-lora, qwen3-30b-a3b-fullft (configs/SHAPE.toml).
 
 The library is imported, unmodified, from --roundpipe DIR (a checkout of ITcarrot/RoundPipe at
 e813c67; default $RP_PUBLISHED_DIR). Its model wrappers were written for transformers 4.x; for
@@ -52,6 +52,12 @@ SHAPES = {
         vocab=151936, hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8,
         head_dim=128, rope_theta=1000000.0, rms_eps=1e-6, tie=True, moe=None,
         seq=2048, microbatch_size=4, microbatches=4, accum_calls=1, lr=1e-5, grad_clip=1.0,
+        seed=1, lora=None,
+    ),
+    "qwen3-8b": dict(
+        vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
+        head_dim=128, rope_theta=1000000.0, rms_eps=1e-6, tie=False, moe=None,
+        seq=2048, microbatch_size=4, microbatches=4, accum_calls=1, lr=1e-5, grad_clip=0.0,
         seed=1, lora=None,
     ),
     "qwen3-30b-a3b-lora": dict(
