@@ -4,7 +4,7 @@
     bench/published_roundpipe.py --roundpipe DIR --shape SHAPE --mode {async,sync} \
         --warmup 2 --steps 4 [--layers N] [--out FILE] [--tiny]
 
-SHAPE: qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b-lora, qwen3-30b-a3b-fullft (configs/SHAPE.toml).
+SHAPE: qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-32b-lora, qwen3-30b-a3b-lora, qwen3-30b-a3b-fullft (configs/SHAPE.toml).
 
 The library is imported, unmodified, from --roundpipe DIR (a checkout of ITcarrot/RoundPipe at
 e813c67; default $RP_PUBLISHED_DIR). Its model wrappers were written for transformers 4.x; for
@@ -14,7 +14,8 @@ shape built by transformers (Qwen3Config / Qwen3MoeConfig, no checkpoint), on th
 then materialized module by module as the library's benchmark/train*.py do (to_empty on the GPU,
 reset_parameters, then into host memory in bf16), with every weight set explicitly afterwards:
 Linear/Embedding/router/expert tensors N(0, 0.02), RMSNorm weights 1, rotary inv_freq recomputed,
-LoRA A kaiming-uniform and B zero (PEFT's default). For qwen3-30b-a3b-lora, PEFT LoRA r=16 on the
+LoRA A kaiming-uniform and B zero (PEFT's default). For qwen3-32b-lora, PEFT LoRA r=16 on all seven
+projections of every block. For qwen3-30b-a3b-lora, PEFT LoRA r=16 on the
 attention projections and (target_parameters) on both fused expert tensors, base frozen; the
 dense shapes and qwen3-30b-a3b-fullft are full fine-tunes. Optimizer: the library's CPU Adam on fp32 masters, constant lr,
 clip_grad_norm_ inside the step function (the library's documented way); --mode async/sync is
@@ -59,6 +60,18 @@ SHAPES = {
         head_dim=128, rope_theta=1000000.0, rms_eps=1e-6, tie=False, moe=None,
         seq=2048, microbatch_size=4, microbatches=4, accum_calls=1, lr=1e-5, grad_clip=0.0,
         seed=1, lora=None,
+    ),
+    "qwen3-32b-lora": dict(
+        vocab=151936, hidden=5120, intermediate=25600, layers=64, heads=64, kv_heads=8,
+        head_dim=128, rope_theta=1000000.0, rms_eps=1e-6, tie=False, moe=None,
+        seq=2048, microbatch_size=4, microbatches=4, accum_calls=1, lr=2e-4, grad_clip=0.0,
+        seed=1,
+        lora=dict(
+            r=16, alpha=32,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"],
+            target_parameters=[],
+        ),
     ),
     "qwen3-30b-a3b-lora": dict(
         vocab=151936, hidden=2048, intermediate=6144, layers=48, heads=32, kv_heads=4,
@@ -436,7 +449,7 @@ def build_model(s, args):
             lora_cfg = LoraConfig(
                 r=s["lora"]["r"], lora_alpha=s["lora"]["alpha"], lora_dropout=0.0, bias="none",
                 target_modules=list(s["lora"]["target_modules"]),
-                target_parameters=list(s["lora"]["target_parameters"]),
+                target_parameters=list(s["lora"]["target_parameters"]) or None,
             )
             model = LoraModel(model, lora_cfg, "default").model  # as benchmark/train_lora.py
     init_device = torch.device(args.init_device)
