@@ -127,13 +127,14 @@ int main(int argc, char** argv) {
 
   const double bytes = 30.0 * static_cast<double>(n);
   std::printf(
-      "{\"params\": %lld, \"threads\": %d, \"adamw_s\": %.4f, \"adamw_gb_per_s\": %.2f, "
+      "{\"params\": %lld, \"threads\": %d, \"adamw_s\": %.4f, \"adamw_params_per_s\": %.4g, "
+      "\"adamw_gb_per_s\": %.2f, "
       "\"memcpy_gb_per_s\": %.2f, \"adamw_vs_memcpy\": %.3f, \"torch_adamw_s\": %.4f, "
       "\"adamw_speedup_vs_torch\": %.2f, \"torch_version\": \"%d.%d\", \"simd\": \"%s\", "
       "\"adamw_gb_per_s_by_path\": {%s}, \"master_layout_s_per_1e9_params_by_prefetch\": {%s}}\n",
-      static_cast<long long>(n), threads, adamw_s, bytes / adamw_s / 1e9,
-      2.0 * static_cast<double>(copy_bytes) / copy_s / 1e9, copy_s / adamw_s, torch_s,
-      torch_s / adamw_s, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR,
+      static_cast<long long>(n), threads, adamw_s, static_cast<double>(n) / adamw_s,
+      bytes / adamw_s / 1e9, 2.0 * static_cast<double>(copy_bytes) / copy_s / 1e9, copy_s / adamw_s,
+      torch_s, torch_s / adamw_s, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR,
       rp::coord::SimdLevelName(rp::coord::BestSimdLevel()), by_path.c_str(), passes.c_str());
   return 0;
 }

@@ -314,6 +314,21 @@ Status CheckSpeculativeUpdate(const JobConfig& c) {
   return Status::Ok();
 }
 
+Status CheckUpdatePasses(const JobConfig& c) {
+  const int64_t passes = c.optimizer.update_passes.Read(ModeKeyGrant::Access());
+  const ExecutionPlan x = ResolveExecution(c);
+  if (passes == 2 && !x.NextStepWaitsForUpdate())
+    return Status::InvalidArgument(
+        "optimizer.update_passes = 2: stale1 updates in one pass (nothing waits for a first "
+        "one); set 1 or 0");
+  if (passes == 1 && (x.speculative_update || x.device_update_blocks > 0))
+    return Status::InvalidArgument(
+        std::string("optimizer.update_passes = 1: ") +
+        (x.speculative_update ? "optimizer.speculative_update" : "optimizer.device_update_blocks") +
+        " is built on the first of two passes; set 2 or 0");
+  return Status::Ok();
+}
+
 Status CheckDeviceUpdates(const JobConfig& c) {
   const ExecutionPlan x = ResolveExecution(c);
   if (x.device_update_blocks == 0) return Status::Ok();
@@ -470,6 +485,7 @@ const std::vector<CrossCheck>& CrossChecks() {
       {"gradients that wait in workers", {"optimizer.gradients_wait_in"}, CheckGradientsWaitInWorkers},
       {"speculative updates", {"optimizer.speculative_update"}, CheckSpeculativeUpdate},
       {"updates on the device", {"optimizer.device_update_blocks"}, CheckDeviceUpdates},
+      {"update passes", {"optimizer.update_passes", "optimizer.speculative_update", "optimizer.device_update_blocks"}, CheckUpdatePasses},
       {"fp8 products", {"train.dtype"}, CheckFp8},
       {"the fused tail and kept blocks", {"schedule.tail_blocks", "schedule.kept_blocks"}, CheckTailAndKeptBlocks},
       {"stages and cuts", {"schedule.forward_stages", "schedule.backward_stages", "schedule.partition", "schedule.forward_cuts", "schedule.backward_cuts"}, CheckStagesAndCuts},

@@ -11,10 +11,10 @@ namespace rp::core {
 bool ExecutionPlan::operator==(const ExecutionPlan& o) const {
   auto tie = [](const ExecutionPlan& x) {
     return std::tie(x.weight_version_lag, x.updates_wait_for_norm, x.gradients_wait_in_workers,
-                    x.speculative_update, x.device_update_blocks, x.workers_fetch_masters,
-                    x.lookup_from_host, x.sharded_state, x.sharded_gradients, x.frozen_on_device,
-                    x.activations, x.activation_parities, x.interleave_calls,
-                    x.planner_chooses_partition);
+                    x.speculative_update, x.device_update_blocks, x.two_pass_updates,
+                    x.planner_chooses_update_passes, x.workers_fetch_masters, x.lookup_from_host,
+                    x.sharded_state, x.sharded_gradients, x.frozen_on_device, x.activations,
+                    x.activation_parities, x.interleave_calls, x.planner_chooses_partition);
   };
   return tie(*this) == tie(o);
 }
@@ -29,6 +29,9 @@ ExecutionPlan ResolveExecution(const JobConfig& c) {
   x.gradients_wait_in_workers = o.gradients_wait_in.Read(key) == GradientsWait::kWorkers;
   x.speculative_update = o.speculative_update.Read(key);
   x.device_update_blocks = static_cast<int>(o.device_update_blocks.Read(key));
+  const int64_t passes = o.update_passes.Read(key);
+  x.two_pass_updates = x.NextStepWaitsForUpdate() && passes != 1;
+  x.planner_chooses_update_passes = passes == kUpdatePassesAuto;
   x.workers_fetch_masters =
       s.weights_source.Read(key) == WeightsSource::kAuto && x.NextStepWaitsForUpdate();
   x.sharded_state = o.state.Read(key) == OptimizerState::kSharded &&

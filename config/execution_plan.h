@@ -4,8 +4,8 @@
 // Contract:
 //  * ResolveExecution() is the one place that reads the mode keys (ModeKey in job_config.h:
 //    optimizer.mode, .state, .gradients_wait_in, .speculative_update, .device_update_blocks,
-//    schedule.activations, .weights_source, .embedding_lookup, .frozen_on_device, .partition)
-//    and derives what the processes act on. Pure given the job (and the test hook
+//    .update_passes, schedule.activations, .weights_source, .embedding_lookup, .frozen_on_device,
+//    .partition) and derives what the processes act on. Pure given the job (and the test hook
 //    RP_TEST_NODE_SUMS_ALONE, read once per process).
 //  * rp-launch resolves it with the run spec (planning/run_spec.h), which stores it; the
 //    layout, the dispatch, the optimizer and the executor take it from there. The planner
@@ -54,6 +54,14 @@ struct ExecutionPlan {
   // clipping, bf16 or fp32 compute, one accumulation round, one worker, one node, no speculation
   // and no LoRA.
   int device_update_blocks = 0;
+  // optimizer.update_passes resolved: in exact mode, where the gradient arena holds every slot
+  // (shm::ArenaLayout::grads_streamed false), each parameter's update runs as two passes over the
+  // same inputs (optim/adamw.h, UpdateWrites): the first writes what workers fetch, the second the
+  // rest, while the next step computes. Fewer bytes stand between a step's norm and the next
+  // forward, more move in all. Auto (0) counts as two until core::ResolveUpdatePasses chooses.
+  bool two_pass_updates = false;
+  // optimizer.update_passes = 0: the planner chooses (core::ResolveUpdatePasses, in ResolveRun).
+  bool planner_chooses_update_passes = false;
   // schedule.weights_source resolved: workers fetch the fp32 masters (the shared state segment
   // holds them and there is no compute copy). Exact mode can: a layer's masters change only after
   // every job of the step that reads them has run. stale1 cannot: the next step reads version t

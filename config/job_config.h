@@ -215,6 +215,9 @@ struct TrainConfig {
       4;  // the eval set: this many microbatches of microbatch_size sequences
 };
 
+// optimizer.update_passes = 0: the planner chooses (core::ResolveUpdatePasses).
+inline constexpr int64_t kUpdatePassesAuto = 0;
+
 struct OptimizerConfig {
   OptimizerName name = OptimizerName::kAdamW;
   ModeKey<OptimizerMode> mode = OptimizerMode::kExact;
@@ -234,6 +237,8 @@ struct OptimizerConfig {
   int64_t grad_buffer_mb = 0;  // gradient arena in MiB; 0 = auto (shm/layout.h)
   ModeKey<bool> speculative_update = false;
   ModeKey<int64_t> device_update_blocks = 0;
+  // kUpdatePassesAuto, 1 or 2 (core::ResolveUpdatePasses chooses for auto)
+  ModeKey<int64_t> update_passes = kUpdatePassesAuto;
 };
 
 // LoRA (low-rank adapters, PEFT's conventions): every targeted projection W of every block gets

@@ -855,6 +855,7 @@ Status Coordinator::Finish(Status st) {
         {"optim_segment_bytes", layout_.optim_total_bytes},
         {"grad_arena_bytes", layout_.grad_arena_bytes},
         {"grads_streamed", layout_.grads_streamed},
+        {"update_passes", optimizer_ && optimizer_->TwoPasses() ? 2 : 1},
         // RP_MERGE_CALLS: the job file's calls that ran as this one round (1 = as written).
         {"merged_calls", round_.merged_calls},
         {"nodes", cfg_.nodes.count},

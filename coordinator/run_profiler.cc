@@ -17,6 +17,7 @@ RunProfiler::RunProfiler(const core::JobConfig& cfg, const core::ExecutionPlan& 
                          std::function<void()> on_search_done)
     : cfg_(cfg),
       replans_(execution.planner_chooses_partition && cfg.schedule.replan_gain > 0),
+      pass_bytes_(core::UpdateBytesPerParam(cfg, execution)),
       spec_(spec),
       plan_(plan),
       workers_(workers),
@@ -99,7 +100,7 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
       covered = std::max(covered, sp.end_us);
       params += owned[sp.layer];
     }
-    builder_.AddOptimizer(params, busy);
+    builder_.AddOptimizer(params, busy, pass_bytes_.Publishing(optimizer.TwoPasses()));
     builder_.AddStep();
   }
   auto profile = builder_.Build(cfg_);

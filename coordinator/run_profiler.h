@@ -78,6 +78,8 @@ class RunProfiler {
   const core::JobConfig& cfg_;
   // schedule.partition = "auto" with a replan_gain: a fresh profile starts a plan search.
   const bool replans_;
+  // What the optimizer's passes move, for the profile's record of the pass its rate timed.
+  const core::UpdatePassBytes pass_bytes_;
   const core::ModelSpec& spec_;
   const core::PipelinePlan& plan_;
   int workers_;

@@ -218,6 +218,12 @@ void PrintDryRun(const core::RunSpec& run, int gpus, bool cpu_workers) {
               : layout->compute_elem_bytes == 2
                   ? "the fp32 masters and round them to bf16 (no compute copy)"
                   : "the fp32 masters (no compute copy)");
+  if (run.execution.NextStepWaitsForUpdate())
+    std::printf("optimizer updates: %s\n",
+                run.execution.two_pass_updates && !layout->grads_streamed
+                    ? "two passes (what workers fetch, then the moments while the next step "
+                      "computes; optimizer.update_passes)"
+                    : "one pass (optimizer.update_passes)");
   if (layout->activations == core::Activations::kCudaIpc)
     std::printf(
         "activations: in each worker's activation pool, %.1f MiB per worker (%s), copied device to "

@@ -36,10 +36,10 @@ AsyncOptimizer::AsyncOptimizer(const core::JobConfig& cfg, const core::Execution
       optim_(optim),
       grads_(grads),
       on_progress_(std::move(on_progress)),
-      // Two passes hold a parameter's slots until its second pass. That was measured where the
-      // arena holds every slot (exact clipping, K > 1); with streamed gradients (no clipping, one
-      // call: about two stages' slots) it would keep the next stages' commits waiting for space.
-      two_passes_(execution.NextStepWaitsForUpdate() && !layout.grads_streamed),
+      // Two passes hold a parameter's slots until its second pass: only where the arena holds
+      // every slot (exact clipping, K > 1). With streamed gradients (no clipping, one call: about
+      // two stages' slots) they would keep the next stages' commits waiting for space.
+      two_passes_(execution.two_pass_updates && !layout.grads_streamed),
       workers_norm_(execution.gradients_wait_in_workers),
       shard_grads_(layout.sharded_grads),
       norm_first_(execution.updates_wait_for_norm && !workers_norm_),

@@ -26,7 +26,9 @@
 //    waits for the first pass only, which moves 20-28% fewer bytes than a whole update, and the
 //    second runs while the workers compute. stale1 mode runs one whole pass (nothing waits for it),
 //    and so does exact mode when gradients are streamed through an arena smaller than every slot
-//    (holding slots longer would stall commits there).
+//    (holding slots longer would stall commits there), or when the job's resolution chose one pass
+//    (ExecutionPlan::two_pass_updates false: the passes' extra bytes would cost more than the
+//    earlier start saves).
 //  * Rows first (shm::ArenaLayout::lookup_from_host, with clipping and two passes): when the rows
 //    of the next step's tokens are known (SetTouchedRows for step + 1 before this step's norm is
 //    complete), the embedding's first pass runs over those rows before anything else, then the
@@ -122,6 +124,9 @@ class AsyncOptimizer {
   ~AsyncOptimizer();
   AsyncOptimizer(const AsyncOptimizer&) = delete;
   AsyncOptimizer& operator=(const AsyncOptimizer&) = delete;
+
+  // Whether updates run as two passes (the first publishes; the profile's rate is that pass's).
+  bool TwoPasses() const { return two_passes_; }
 
   // Resume: the state already holds `steps_done` updates, so the first step seen is steps_done.
   // Call before the first SlotFinal. fp16: the scaler starts from the record's states after steps

@@ -7,12 +7,15 @@
 #include <limits>
 
 #include "config/model_spec.h"
+#include "planning/grad_arena.h"
 #include "planning/simulator.h"
 
 namespace rp::core {
 namespace {
 // Steps simulated to predict the steady-state step (the first carries the pipeline fill).
 constexpr int kPlanningSteps = 3;
+// Steps simulated to compare the update passes (ResolveUpdatePasses).
+constexpr int kPassesSteps = 8;
 // Up to this many layers before the tail the search is exhaustive over contiguous splits.
 constexpr int kExhaustiveLayers = 6;
 // Every fused tail up to this many blocks is tried (TailCandidates), or up to the second number
@@ -609,6 +612,70 @@ Status ResolveKeptBlocks(JobConfig* c, int workers) {
   }
   c->schedule.kept_blocks = lo;
   return Status::Ok();
+}
+
+StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* c, int workers,
+                                                 const Profile& profile) {
+  UpdatePassesChoice out;
+  const ExecutionPlan x = ResolveExecution(*c);
+  out.chosen = x.planner_chooses_update_passes;
+  // Two passes need exact mode (stale1's one pass has nothing to wait for) and an arena that
+  // holds every slot (a streamed one frees a slot only after its whole update).
+  bool holds_every_slot = false;
+  PipelinePlan plan;
+  const ModelSpec spec = BuildModelSpec(c->model, c->lora);
+  if (x.NextStepWaitsForUpdate()) {
+    if (x.planner_chooses_partition) {
+      auto chosen = ChoosePlan(*c, workers, profile);
+      // No plan: MakePlan reports why; until then the choice stays what it was before the key.
+      if (!chosen.ok()) {
+        if (out.chosen) c->optimizer.update_passes = int64_t{2};
+        out.passes = 2;
+        return out;
+      }
+      plan = chosen->plan;
+    } else {
+      RP_ASSIGN_OR_RETURN(plan, BuildPlan(*c));
+    }
+    RP_ASSIGN_OR_RETURN(const GradArenaSizing sizing, SizeGradArena(*c, x, spec, plan));
+    holds_every_slot = sizing.chosen >= sizing.all_slots;
+  }
+  if (!holds_every_slot) {
+    if (!out.chosen && x.two_pass_updates)
+      return Status::InvalidArgument(
+          "optimizer.update_passes = 2: two passes need exact mode and a gradient arena that holds "
+          "every gradient (train.grad_clip > 0, fp16 or train.accum_calls > 1, with "
+          "optimizer.gradients_wait_in = \"host\", or a larger optimizer.grad_buffer_mb); this "
+          "job updates in one pass: set 1 or 0");
+    if (out.chosen) c->optimizer.update_passes = int64_t{1};
+    out.passes = 1;
+    return out;
+  }
+  out.passes = x.two_pass_updates ? 2 : 1;
+  if (!out.chosen) return out;
+  // Speculation and device updates are built on the first pass: they keep two.
+  if (x.speculative_update || x.device_update_blocks > 0) {
+    c->optimizer.update_passes = int64_t{2};
+    out.passes = 2;
+    return out;
+  }
+  // Where the optimizer bounds the step, each step's second passes delay the next step's first
+  // ones, and the period settles only after a few steps: simulate kPassesSteps and take the
+  // later half's period.
+  auto predict = [&](int64_t passes) {
+    JobConfig trial = *c;
+    trial.optimizer.update_passes = passes;
+    const SimResult r = Simulate(BuildSimInput(trial, spec, plan, profile, workers, kPassesSteps));
+    const int half = kPassesSteps / 2;
+    return (r.step_done[kPassesSteps - 1] - r.step_done[half - 1]) /
+           static_cast<double>(kPassesSteps - half);
+  };
+  out.one_pass_step_s = predict(1);
+  out.two_pass_step_s = predict(2);
+  // Ties keep two passes (CPU workers' cost model prices no update at all).
+  out.passes = out.one_pass_step_s < out.two_pass_step_s ? 1 : 2;
+  c->optimizer.update_passes = out.passes;
+  return out;
 }
 
 Status ResolveMlpTile(JobConfig* c, int workers) {

@@ -157,7 +157,10 @@ Profile DefaultCostModel(const JobConfig& c, const DeviceModel& device) {
   // measured profile (schedule.profile_steps) times them as they run.
   const double peak =
       c.train.dtype == core::TrainDtype::kFp32 ? device.fp32_flops_per_s : device.bf16_flops_per_s;
-  return CostModelProfile(c, 0.7 * peak, device.link_bytes_per_s, device.optimizer_params_per_s);
+  Profile p =
+      CostModelProfile(c, 0.7 * peak, device.link_bytes_per_s, device.optimizer_params_per_s);
+  p.optimizer_pass_bytes = device.optimizer_pass_bytes;
+  return p;
 }
 
 std::string ProfileToJson(const Profile& p) {
@@ -178,6 +181,7 @@ std::string ProfileToJson(const Profile& p) {
                       {"h2d_bytes_per_s", p.h2d_bytes_per_s},
                       {"d2h_bytes_per_s", p.d2h_bytes_per_s},
                       {"optimizer_params_per_s", p.optimizer_params_per_s},
+                      {"optimizer_pass_bytes", p.optimizer_pass_bytes},
                       {"microbatch_overhead_s", p.microbatch_overhead_s},
                       {"profiled_steps", p.profiled_steps},
                       {"layers", layers}};
@@ -220,8 +224,11 @@ StatusOr<Profile> LoadProfile(const std::string& path, const JobConfig& c) {
   RP_RETURN_IF_ERROR(number(j, "d2h_bytes_per_s", &p.d2h_bytes_per_s));
   RP_RETURN_IF_ERROR(number(j, "optimizer_params_per_s", &p.optimizer_params_per_s));
   RP_RETURN_IF_ERROR(number(j, "microbatch_overhead_s", &p.microbatch_overhead_s));
+  // Written since the update passes became a choice; older profiles leave it 0 (not recorded).
+  if (j.contains("optimizer_pass_bytes"))
+    RP_RETURN_IF_ERROR(number(j, "optimizer_pass_bytes", &p.optimizer_pass_bytes));
   if (p.h2d_bytes_per_s < 0 || p.d2h_bytes_per_s < 0 || p.optimizer_params_per_s < 0 ||
-      p.microbatch_overhead_s < 0)
+      p.optimizer_pass_bytes < 0 || p.microbatch_overhead_s < 0)
     return bad("rates and overheads must be >= 0");
   p.profiled_steps = j.value("profiled_steps", 0);
   const size_t want = static_cast<size_t>(c.model.num_layers + 2);
@@ -262,15 +269,16 @@ void ProfileBuilder::AddMicrobatch(double interval_s, double explained_s) {
   overhead_.push_back(std::max(0.0, interval_s - explained_s));
 }
 
-void ProfileBuilder::AddOptimizer(double params, double busy_s) {
+void ProfileBuilder::AddOptimizer(double params, double busy_s, double pass_bytes) {
   opt_params_ += params;
   opt_busy_s_ += busy_s;
+  opt_pass_bytes_ = pass_bytes;
 }
 
 void ProfileBuilder::Clear() {
   for (auto& s : samples_) s = LayerSamples();
   overhead_.clear();
-  opt_params_ = opt_busy_s_ = 0.0;
+  opt_params_ = opt_busy_s_ = opt_pass_bytes_ = 0.0;
   steps_ = 0;
 }
 
@@ -319,6 +327,7 @@ StatusOr<Profile> ProfileBuilder::Build(const JobConfig& c) const {
   p.h2d_bytes_per_s = H2dBytesPerS();
   p.d2h_bytes_per_s = D2hBytesPerS();
   p.optimizer_params_per_s = opt_busy_s_ > 0 ? opt_params_ / opt_busy_s_ : 0.0;
+  p.optimizer_pass_bytes = opt_busy_s_ > 0 ? opt_pass_bytes_ : 0.0;
   // The mean, not the median: the occasional long interval (a microbatch that waited for its
   // weights, or for the CPU) is a real cost of every step.
   double overhead_sum = 0.0;

@@ -48,6 +48,10 @@ struct Profile {
   double h2d_bytes_per_s = 0.0;   // host -> device, per worker; 0: free
   double d2h_bytes_per_s = 0.0;
   double optimizer_params_per_s = 0.0;  // coordinator update rate (AdamW over all threads)
+  // Host memory bytes per parameter of the pass that rate timed, the one each layer's
+  // publication waits for (core::UpdatePassBytes); 0: not recorded (the cost model, older
+  // profiles), read as core::BuildSimInput says.
+  double optimizer_pass_bytes = 0.0;
   // Per microbatch: measured interval minus layer compute minus the modelled activation
   // transfers (kernel launch gaps, synchronization, messages). Mean over the profile.
   double microbatch_overhead_s = 0.0;
@@ -76,10 +80,15 @@ struct DeviceModel {
   double fp32_flops_per_s = 0.0;
   double link_bytes_per_s = 0.0;
   double optimizer_params_per_s = 0.0;
+  // Profile::optimizer_pass_bytes of that rate; 0: the models' rate (see H200Model).
+  double optimizer_pass_bytes = 0.0;
   double memory_gb =
       0.0;             // what the device holds (for the reader; budgets are schedule.gpu_memory_gb)
   std::string source;  // where the numbers come from, in words
 };
+// The bytes per parameter of the pass rp-optim-bench times (adamw_params_per_s): gradient,
+// master and moments read, master, moments and a bf16 copy written.
+inline constexpr double kOptimBenchPassBytes = 30.0;
 DeviceModel H200Model();
 DeviceModel H100Model();
 // "h200" or "h100"; anything else is an error naming the choices.
@@ -106,7 +115,8 @@ class ProfileBuilder {
   double D2hBytesPerS() const;
   // One microbatch's measured interval and the part the model explains (compute + transfers).
   void AddMicrobatch(double interval_s, double explained_s);
-  void AddOptimizer(double params, double busy_s);
+  // `pass_bytes`: Profile::optimizer_pass_bytes of the run's updates.
+  void AddOptimizer(double params, double busy_s, double pass_bytes);
   void AddStep() { steps_++; }
   // Medians; missing phases filled (see the header comment). Fails if a layer was never timed.
   StatusOr<Profile> Build(const JobConfig& config) const;
@@ -119,7 +129,7 @@ class ProfileBuilder {
   };
   std::vector<LayerSamples> samples_;
   std::vector<double> h2d_, d2h_, overhead_;
-  double opt_params_ = 0.0, opt_busy_s_ = 0.0;
+  double opt_params_ = 0.0, opt_busy_s_ = 0.0, opt_pass_bytes_ = 0.0;
   int steps_ = 0;
 };
 

@@ -23,7 +23,7 @@ static_assert(sizeof(ModelConfig) == 312);
 static_assert(sizeof(DataConfig) == 104);
 static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 144);
-static_assert(sizeof(OptimizerConfig) == 112);
+static_assert(sizeof(OptimizerConfig) == 120);
 static_assert(sizeof(LoraConfig) == 136);
 static_assert(sizeof(ScheduleConfig) == 168);
 static_assert(sizeof(CheckpointConfig) == 112);
@@ -35,10 +35,13 @@ static_assert(sizeof(MetricsConfig) == 2);
 static_assert(sizeof(ExecutionPlan) == 28);
 
 namespace {
-constexpr int kSpecVersion = 10;
-// The version before the stored execution plan: its runs' specs (rp-export reads them from the run
-// directory) are read with the plan their job resolves to.
+constexpr int kSpecVersion = 11;
+// Earlier versions that rp-export still reads from a run's directory. Their jobs have no
+// optimizer.update_passes: those builds updated in two passes wherever exact mode's arena held
+// every slot, which 2 gives. Version 9 stored no execution plan (the job's resolution stands in);
+// version 10's lacks the update passes (resolved from the job likewise).
 constexpr int kSpecVersionWithoutExecution = 9;
+constexpr int kSpecVersionWithoutUpdatePasses = 10;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -103,7 +106,7 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(TrainConfig, steps, epochs, seed, microbatche
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients_wait_in, lr,
                                    min_lr, lr_schedule, warmup_steps, warmup_ratio, weight_decay,
                                    beta1, beta2, eps, momentum, grad_buffer_mb, speculative_update,
-                                   device_update_blocks)
+                                   device_update_blocks, update_passes)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules,
                                    target_parameters, init_from, export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks,
@@ -125,9 +128,11 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(JobConfig, job, model, data, train, optimizer
                                    checkpoint, metrics, bench, nodes, source_path)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ExecutionPlan, weight_version_lag, updates_wait_for_norm,
                                    gradients_wait_in_workers, speculative_update,
-                                   device_update_blocks, workers_fetch_masters, lookup_from_host,
-                                   sharded_state, sharded_gradients, frozen_on_device, activations,
-                                   activation_parities, interleave_calls, planner_chooses_partition)
+                                   device_update_blocks, two_pass_updates,
+                                   planner_chooses_update_passes, workers_fetch_masters,
+                                   lookup_from_host, sharded_state, sharded_gradients,
+                                   frozen_on_device, activations, activation_parities,
+                                   interleave_calls, planner_chooses_partition)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Stage, kind, begin, end)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(PipelinePlan, num_layers, tail_start, kept_start, stages,
                                    hidden_boundaries, grad_boundaries)
@@ -153,6 +158,14 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
+  {
+    // The passes change no bit and no byte of memory: a profile that cannot be read here (the
+    // planner reports it where it matters) leaves the choice to the cost model.
+    auto costs = PlanningProfile(spec.job);
+    RP_RETURN_IF_ERROR(
+        ResolveUpdatePasses(&spec.job, workers, costs.ok() ? *costs : DefaultCostModel(spec.job))
+            .status());
+  }
   spec.execution = ResolveExecution(spec.job);
   if (spec.execution.device_update_blocks > 0 && workers != 1)
     return Status::InvalidArgument(
@@ -185,7 +198,10 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
     return Status::InvalidArgument(what + ": not a JSON object");
   const bool without_execution =
       j.contains("version") && j["version"] == kSpecVersionWithoutExecution;
-  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_execution))
+  const bool without_update_passes =
+      without_execution ||
+      (j.contains("version") && j["version"] == kSpecVersionWithoutUpdatePasses);
+  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_update_passes))
     return Status::InvalidArgument(
         what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
         ", this build reads " + std::to_string(kSpecVersion) +
@@ -193,7 +209,13 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   RunSpec spec;
   try {
     spec.workers = j.at("workers").get<int>();
+    if (without_update_passes) j.at("job").at("optimizer")["update_passes"] = 2;
     spec.job = j.at("job").get<JobConfig>();
+    if (without_update_passes && !without_execution) {
+      const ExecutionPlan resolved = ResolveExecution(spec.job);
+      j.at("execution")["two_pass_updates"] = resolved.two_pass_updates;
+      j.at("execution")["planner_chooses_update_passes"] = resolved.planner_chooses_update_passes;
+    }
     spec.execution =
         without_execution ? ResolveExecution(spec.job) : j.at("execution").get<ExecutionPlan>();
     spec.plan = j.at("plan").get<PipelinePlan>();

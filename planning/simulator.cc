@@ -149,6 +149,10 @@ void StepSimulation::RunUpdates(int t) {
     updated_[t][o] = start + cost;
     optimizer_free_ = updated_[t][o];
   }
+  // Second passes publish nothing; they keep the optimizer (its memory bandwidth) busy before
+  // the next step's first passes.
+  for (int o : order)
+    if (o < static_cast<int>(in_.second_pass_s.size())) optimizer_free_ += in_.second_pass_s[o];
   if (in_.lookup_owner > 0 && !rows_first) updated_[t][in_.lookup_owner] = updated_[t][0];
   if (!in_.gather_s.empty()) GatherUpdates(t);
 }
@@ -441,6 +445,25 @@ double NodeGatherSeconds(const SimInput& in, double bytes) {
 // on oversubscribed cores.
 constexpr double kNodeHopSeconds = 50e-6;
 
+UpdatePassBytes UpdateBytesPerParam(const JobConfig& c, const ExecutionPlan& x) {
+  // Gradient, master and both moments are fp32. Where the master is what workers fetch, the first
+  // pass writes it and the second reads only the gradient and the moments (the master's new value
+  // is not needed for them); otherwise the first writes the compute copy and the second the
+  // master and the moments.
+  const double elem = static_cast<double>(ComputeElemBytes(c));
+  UpdatePassBytes b;
+  if (x.workers_fetch_masters) {
+    b.whole = 16.0 + 12.0;
+    b.first = 16.0 + 4.0;
+    b.second = 12.0 + 8.0;
+  } else {
+    b.whole = 16.0 + 12.0 + elem;
+    b.first = 16.0 + elem;
+    b.second = 16.0 + 12.0;
+  }
+  return b;
+}
+
 SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const PipelinePlan& plan,
                        const Profile& profile, int workers, int steps) {
   // The decisions of the job being simulated: the planner simulates trial jobs too.
@@ -487,19 +510,21 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   const double step_tokens =
       tokens * static_cast<double>(core::Round(c).microbatches * core::Round(c).calls);
   const double touched_rows = -vocab * std::expm1(step_tokens * std::log1p(-1.0 / vocab));
-  if (mapped) {
-    in.lookup_owner = plan.num_layers;
-    in.lookup_fraction = touched_rows / vocab;
-  }
+  if (mapped) in.lookup_owner = plan.num_layers;
   in.device_blocks = x.device_update_blocks;
   in.device_owner_base = plan.num_layers + 1;
   auto device_updated = [&](int l) { return x.DeviceUpdatesLayer(l); };
   // A streamed arena delays the commits that wait for the norm (SimInput::arena_bytes); when it
   // holds every gradient, or its size is refused (the run would not start), room is left out.
   std::vector<std::vector<uint64_t>> arena_by_owner;  // per stage, per owner layer
-  if (in.commits_wait_for_norm) {
-    auto sizing = SizeGradArena(c, x, spec, plan, &arena_by_owner);
-    if (sizing.ok() && sizing->chosen < sizing->all_slots)
+  // Whether the arena holds every slot (exact mode's two passes apply only then; a refused size
+  // counts as holding them, as the run would not start).
+  bool holds_every_slot = true;
+  if (in.commits_wait_for_norm || x.NextStepWaitsForUpdate()) {
+    auto sizing =
+        SizeGradArena(c, x, spec, plan, in.commits_wait_for_norm ? &arena_by_owner : nullptr);
+    holds_every_slot = !sizing.ok() || sizing->chosen >= sizing->all_slots;
+    if (in.commits_wait_for_norm && !holds_every_slot)
       in.arena_bytes = static_cast<double>(sizing->chosen - sizing->shared);
   }
   for (size_t i = 0; i < plan.stages.size(); ++i) {
@@ -577,28 +602,38 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   if (profile.optimizer_params_per_s > 0) {
     in.update_s.assign(plan.num_layers, 0.0);
     in.norm_s.assign(plan.num_layers, 0.0);
-    // The norm moves host memory at the first pass's rate: that pass reads the master, both
-    // moments and the gradient and writes the fetched copy (the fp32 master, or a compute copy;
-    // stale1's one pass writes all of them).
-    const double pass_bytes = !x.NextStepWaitsForUpdate()
-                                  ? 16.0 + 12.0 + elem
-                                  : 16.0 + (x.workers_fetch_masters ? 4.0 : elem);
-    const double host_bytes_per_s = profile.optimizer_params_per_s * pass_bytes;
+    const UpdatePassBytes pass_bytes = UpdateBytesPerParam(c, x);
+    const bool two_passes = x.two_pass_updates && holds_every_slot;
+    if (two_passes) in.second_pass_s.assign(plan.num_layers, 0.0);
+    // Rows first is a first pass over the next step's rows: in one pass the lookup waits for the
+    // whole embedding.
+    if (mapped && two_passes) in.lookup_fraction = touched_rows / vocab;
+    // The profile's rate is over the pass that publishes each layer, whose bytes it records; a
+    // profile without them (the cost model, and profiles written before they were) timed the
+    // pass that publishes where exact mode always took two passes with every slot held.
+    const double timed_bytes =
+        profile.optimizer_pass_bytes > 0
+            ? profile.optimizer_pass_bytes
+            : pass_bytes.Publishing(x.NextStepWaitsForUpdate() && holds_every_slot);
+    const double host_bytes_per_s = profile.optimizer_params_per_s * timed_bytes;
     std::vector<int> slots(spec.params.size(), 0);
     for (const auto& g : spec.grad_slots) slots[g.param]++;
     for (size_t p = 0; p < spec.params.size(); ++p) {
       const ParamSpec& ps = spec.params[p];
+      const double numel = static_cast<double>(ps.numel);
       // A device-updated layer's host update is one whole pass: masters and moments written too.
-      const double whole = 28.0 + (x.workers_fetch_masters ? 0.0 : elem);
-      const double pass =
-          device_updated(ps.owner_layer) && !in.commits_wait_for_norm ? whole / pass_bytes : 1.0;
+      const bool whole =
+          !two_passes || (device_updated(ps.owner_layer) && !in.commits_wait_for_norm);
       in.update_s[ps.owner_layer] +=
-          pass * static_cast<double>(ps.numel) / profile.optimizer_params_per_s;
-      // A tied embedding squares its head slot's rows before its lookup slot is final; at the
-      // end it folds (reads both, writes one) and squares the rows of the step's tokens only.
+          numel * (whole ? pass_bytes.whole : pass_bytes.first) / host_bytes_per_s;
+      if (two_passes && !whole)
+        in.second_pass_s[ps.owner_layer] += numel * pass_bytes.second / host_bytes_per_s;
+      // The norm moves host memory at the same rate. A tied embedding squares its head slot's
+      // rows before its lookup slot is final; at the end it folds (reads both, writes one) and
+      // squares the rows of the step's tokens only.
       const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0
                                ? touched_rows * static_cast<double>(ps.shape[1]) * 12.0
-                               : static_cast<double>(ps.numel) * 4.0 * slots[p];
+                               : numel * 4.0 * slots[p];
       if (!in.commits_wait_for_norm) in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
     }
   }

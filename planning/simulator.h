@@ -23,7 +23,8 @@
 //  * Optimizer: one server (the coordinator's pool) updating one owner layer at a time: without
 //    clipping each layer as soon as final, with clipping (the global norm is needed) all layers
 //    after the step's last final gradient, ascending. Step t reads weights updated through step
-//    t - lag (lag 1 = exact, 2 = stale1).
+//    t - lag (lag 1 = exact, 2 = stale1). Exact mode's second passes (SimInput::second_pass_s)
+//    follow the step's first passes on the same server and publish nothing.
 //  * Layer-major forward stages: see SimInput::layer_major.
 //  * Several nodes: each simulates its own share of the step (the same on every node), with the
 //    cross-node sum of each job's gradients before their write-back (SimInput::nodes).
@@ -32,8 +33,9 @@
 //    for its own; the host releases each layer's slots when it has updated that layer.
 //  * Not modelled: activation slot reuse across calls, a streamed arena's capacity without
 //    commits waiting for the norm (slots wait only for the previous step's update, as when the
-//    arena holds every gradient), the optimizer's second passes (and, with device updates, that
-//    the host's passes over the covered layers delay them), several workers sharing one GPU's
+//    arena holds every gradient), second passes sharing the host's memory bandwidth with first
+//    passes or running on fewer threads (and, with device updates, that the host's passes over
+//    the covered layers delay them), several workers sharing one GPU's
 //    link or compute, message latency (folded into a measured overhead).
 // Pure and deterministic.
 #pragma once
@@ -41,6 +43,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "config/execution_plan.h"
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "planning/plan.h"
@@ -82,6 +85,10 @@ struct SimInput {
   double h2d_bytes_per_s = 0.0;  // 0: transfers are free
   double d2h_bytes_per_s = 0.0;
   std::vector<double> update_s;  // per owner layer; empty: updates are free and instant
+  // Exact mode's two passes (ExecutionPlan::two_pass_updates, arena holding every slot): per
+  // owner layer, its second pass, run after every update_s (first pass) of the step. Empty: each
+  // update is one pass.
+  std::vector<double> second_pass_s;
   // Rows first (ExecutionPlan::lookup_from_host, coordinator::AsyncOptimizer): fetches that name
   // `lookup_owner` (a pseudo owner past the layers; -1: none) wait for the part of owner 0's
   // update over the next step's rows, `lookup_fraction` of its cost, which runs before every other
@@ -167,6 +174,17 @@ SimResult Simulate(const SimInput& in);
 // no optimizer.
 SimResult SimulateRoundRobin(const std::vector<double>& stage_time, int workers, int microbatches,
                              int calls);
+
+// Bytes of host memory one parameter's AdamW update moves, per kind of pass (optim/adamw.h,
+// UpdateWrites): the rate a profile measures (Profile::optimizer_params_per_s) times the bytes
+// of the pass it timed is the host's bandwidth for updates, from which the others are priced.
+struct UpdatePassBytes {
+  double whole = 0.0;   // one pass writing everything
+  double first = 0.0;   // the first of two: writes what workers fetch
+  double second = 0.0;  // the second: writes the rest
+  double Publishing(bool two_passes) const { return two_passes ? first : whole; }
+};
+UpdatePassBytes UpdateBytesPerParam(const JobConfig& config, const ExecutionPlan& execution);
 
 // The simulator's input for running `plan` on `workers` workers with the costs in `profile`.
 SimInput BuildSimInput(const JobConfig& cfg, const ModelSpec& spec, const PipelinePlan& plan,

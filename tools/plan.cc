@@ -270,6 +270,7 @@ struct PlanFlags {
   double host_memory_gb = 0.0;
   std::string device_name = "h200";
   double tflops = 0.0, h2d_gbs = 0.0;
+  double optimizer_gparams = 0.0;  // 0: the device model's AdamW rate
 };
 
 void AddFlags(CLI::App& app, PlanFlags* f) {
@@ -301,6 +302,11 @@ void AddFlags(CLI::App& app, PlanFlags* f) {
       ->check(CLI::Range(0.001, 1e6));
   app.add_option("--h2d-gbs", f->h2d_gbs, "--device custom: host-to-device GB/s of its link")
       ->check(CLI::Range(0.001, 1e6));
+  app.add_option("--optimizer-gparams", f->optimizer_gparams,
+                 "this host's AdamW rate in 1e9 parameters per second, as rp-optim-bench's "
+                 "adamw_params_per_s reports it (one pass writing a bf16 copy, 30 bytes per "
+                 "parameter), for the cost model (default: the device model's)")
+      ->check(CLI::Range(0.001, 1e6));
 }
 
 }  // namespace
@@ -316,6 +322,12 @@ int main(int argc, char** argv) {
   if (!device.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", device.status().message().c_str());
     return rp::kExitBadConfig;
+  }
+  if (flags.optimizer_gparams > 0) {
+    device->optimizer_params_per_s = flags.optimizer_gparams * 1e9;
+    device->optimizer_pass_bytes = rp::core::kOptimBenchPassBytes;
+    device->source += "; AdamW at " + std::to_string(flags.optimizer_gparams) +
+                      "e9 parameters/s of 30-byte passes (--optimizer-gparams)";
   }
   auto cfg = rp::core::LoadJobConfig(flags.job, flags.overrides);
   if (!cfg.ok()) {
@@ -346,6 +358,11 @@ int main(int argc, char** argv) {
   auto costs = rp::core::PlanningProfile(*cfg, *device);
   if (!costs.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
+    return rp::kExitBadConfig;
+  }
+  auto passes = rp::core::ResolveUpdatePasses(&*cfg, gpus, *costs);
+  if (!passes.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", passes.status().message().c_str());
     return rp::kExitBadConfig;
   }
   // No auto plan under schedule.gpu_memory_gb is an error only when the job asks for one; a job
@@ -387,6 +404,11 @@ int main(int argc, char** argv) {
     out["mlp_tile_chosen"] = tile_chosen;
     out["kept_blocks"] = cfg->schedule.kept_blocks;
     out["kept_blocks_chosen"] = kept_chosen;
+    out["update_passes"] = passes->passes;
+    out["update_passes_chosen"] = passes->chosen;
+    if (passes->one_pass_step_s > 0)
+      out["update_passes_step_s"] = {{"one", passes->one_pass_step_s},
+                                     {"two", passes->two_pass_step_s}};
     if (own) out["job_plan"] = to_json(*own);
     if (frozen_alt) out["frozen_on_device_alternative"] = to_json(*frozen_alt);
     std::printf("%s\n", out.dump().c_str());
@@ -409,6 +431,12 @@ int main(int argc, char** argv) {
   if (kept_chosen)
     std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n",
                 cfg->schedule.gpu_memory_gb, static_cast<long long>(cfg->schedule.kept_blocks));
+  if (passes->chosen && passes->one_pass_step_s > 0)
+    std::printf(
+        "update passes chosen: %lld (predicted %.3f s per step with one, %.3f s with two)\n",
+        static_cast<long long>(passes->passes), passes->one_pass_step_s, passes->two_pass_step_s);
+  else if (passes->chosen)
+    std::printf("update passes: 1 (two apply only in exact mode with every gradient held)\n");
   const std::string auto_title =
       "auto plan for " + std::to_string(gpus) + " workers" +
       (nnodes > 1 ? " on each of " + std::to_string(nnodes) + " nodes" : std::string());

@@ -266,6 +266,22 @@ TEST_F(LaunchTest, FetchingTheMastersGivesTheComputeCopysResultsBitForBit) {
   EXPECT_TRUE(ReadBytes(ckpt) == before);
 }
 
+TEST_F(LaunchTest, OneUpdatePassGivesTwoPassesResultsBitForBit) {
+  // Exact mode with clipping holds every gradient, so the update may run as one pass or two
+  // (optimizer.update_passes): the same losses and the same exported model either way.
+  const std::vector<std::string> job = {"train.steps=5", "train.grad_clip=1.0",
+                                        "checkpoint.export_hf=hf"};
+  const std::string one = tmp_ + "/one", two = tmp_ + "/two";
+  auto a = Launch(2, one, With(job, {"optimizer.update_passes=1"}));
+  ASSERT_EQ(a.code, 0) << a.output;
+  auto b = Launch(2, two, With(job, {"optimizer.update_passes=2"}));
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_EQ(Summary(one)["update_passes"], 1);
+  EXPECT_EQ(Summary(two)["update_passes"], 2);
+  EXPECT_EQ(Losses(one + "/metrics.jsonl"), Losses(two + "/metrics.jsonl"));
+  EXPECT_TRUE(ReadBytes(one + "/hf/model.safetensors") == ReadBytes(two + "/hf/model.safetensors"));
+}
+
 TEST_F(LaunchTest, IntermediateExportsHoldTheirStepsWeights) {
   // checkpoint.export_every = 2 over 6 steps: hf-step-2 and hf-step-4 beside the final hf, each
   // bit for bit what the same job stopped after that step exports (the same schedule and data).

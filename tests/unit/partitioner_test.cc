@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "planning/grad_arena.h"
 #include "planning/partitioner.h"
 #include "planning/simulator.h"
 
@@ -594,6 +595,69 @@ TEST(Partitioner, KeptBlocksAreCountedAndChosenToFitTheBudget) {
   fixed.schedule.kept_blocks = 5;
   ASSERT_TRUE(ResolveKeptBlocks(&fixed, 2).ok());
   EXPECT_EQ(fixed.schedule.kept_blocks, 5);  // refused later, by the launcher, naming the key
+}
+
+TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
+  // A clipped exact job holds every gradient, so both pass counts apply. With an optimizer far
+  // faster than the compute the second passes hide behind the next step and the first pass's
+  // earlier start wins; with one far slower the optimizer bounds the step and two passes' extra
+  // bytes lose.
+  JobConfig c = OneStageOfEachKind(4);
+  c.train.grad_clip = 1.0;
+  auto choose = [&](double optimizer_params_per_s) {
+    JobConfig t = c;
+    const Profile costs = CostModelProfile(t, 1e11, 1e10, optimizer_params_per_s);
+    auto choice = ResolveUpdatePasses(&t, 1, costs);
+    EXPECT_TRUE(choice.ok()) << choice.status().ToString();
+    EXPECT_TRUE(choice->chosen);
+    EXPECT_GT(choice->one_pass_step_s, 0.0);
+    EXPECT_GT(choice->two_pass_step_s, 0.0);
+    EXPECT_EQ(choice->passes, choice->two_pass_step_s < choice->one_pass_step_s ? 2 : 1);
+    // Written into the job: the run spec stores it, and the plan reads it from there.
+    const ExecutionPlan x = ResolveExecution(t);
+    EXPECT_FALSE(x.planner_chooses_update_passes);
+    EXPECT_EQ(x.two_pass_updates, choice->passes == 2);
+    return choice->passes;
+  };
+  EXPECT_EQ(choose(1e13), 2);
+  EXPECT_EQ(choose(1e4), 1);
+
+  // Where two passes do not apply the choice is one pass, and an explicit 2 is refused naming
+  // the key; an explicit 1 stays.
+  JobConfig stale = c;
+  stale.optimizer.mode = OptimizerMode::kStale1;
+  auto one = ResolveUpdatePasses(&stale, 1, DefaultCostModel(stale));
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->passes, 1);
+  EXPECT_EQ(one->one_pass_step_s, 0.0);
+  EXPECT_FALSE(ResolveExecution(stale).two_pass_updates);
+  JobConfig streamed = OneStageOfEachKind(8);
+  streamed.schedule.backward_stages = 6;
+  streamed.train.grad_clip = 0.0;  // one call, no clipping: the arena streams
+  {
+    auto plan = BuildPlan(streamed);
+    ASSERT_TRUE(plan.ok());
+    auto sizing = SizeGradArena(streamed, ResolveExecution(streamed),
+                                BuildModelSpec(streamed.model, streamed.lora), *plan);
+    ASSERT_TRUE(sizing.ok());
+    ASSERT_LT(sizing->chosen, sizing->all_slots);
+  }
+  streamed.optimizer.update_passes = int64_t{2};
+  auto refused = ResolveUpdatePasses(&streamed, 1, DefaultCostModel(streamed));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("optimizer.update_passes = 2"), std::string::npos)
+      << refused.status().message();
+  streamed.optimizer.update_passes = kUpdatePassesAuto;
+  auto auto_streamed = ResolveUpdatePasses(&streamed, 1, DefaultCostModel(streamed));
+  ASSERT_TRUE(auto_streamed.ok());
+  EXPECT_EQ(auto_streamed->passes, 1);
+  JobConfig fixed = c;
+  fixed.optimizer.update_passes = int64_t{1};
+  auto kept = ResolveUpdatePasses(&fixed, 1, CostModelProfile(fixed, 1e11, 1e10, 1e13));
+  ASSERT_TRUE(kept.ok());
+  EXPECT_FALSE(kept->chosen);
+  EXPECT_EQ(kept->passes, 1);
+  EXPECT_FALSE(ResolveExecution(fixed).two_pass_updates);
 }
 
 TEST(Partitioner, KeptBlocksNeverReachAMixtureOfExpertsBlock) {

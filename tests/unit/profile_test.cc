@@ -36,7 +36,7 @@ TEST(Profile, BuilderTakesMediansAndFillsMissingPhases) {
   }
   b.AddLink(10.0, 20.0);
   b.AddMicrobatch(5.0, 4.0);
-  b.AddOptimizer(100.0, 2.0);
+  b.AddOptimizer(100.0, 2.0, 20.0);
   auto p = b.Build(c);
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_EQ(p->source, "measured");
@@ -54,6 +54,7 @@ TEST(Profile, BuilderTakesMediansAndFillsMissingPhases) {
   EXPECT_DOUBLE_EQ(p->d2h_bytes_per_s, 20.0);
   EXPECT_DOUBLE_EQ(p->microbatch_overhead_s, 1.0);
   EXPECT_DOUBLE_EQ(p->optimizer_params_per_s, 50.0);
+  EXPECT_DOUBLE_EQ(p->optimizer_pass_bytes, 20.0);
 
   ProfileBuilder missing(5);
   missing.AddLayer(0, 0, 1.0, -1.0);
@@ -110,6 +111,7 @@ TEST(Profile, SavesAndLoadsAndRejectsWhatDoesNotFit) {
   Profile p = CostModelProfile(c, 1e9, 5e9, 1e8);
   p.source = "measured";
   p.layers[2].saved_bytes = 1234.0;
+  p.optimizer_pass_bytes = 18.0;
   const std::string path = TempPath("round.json");
   ASSERT_TRUE(SaveProfile(path, p).ok());
   auto back = LoadProfile(path, c);
@@ -121,6 +123,7 @@ TEST(Profile, SavesAndLoadsAndRejectsWhatDoesNotFit) {
   }
   EXPECT_DOUBLE_EQ(back->layers[2].saved_bytes, 1234.0);
   EXPECT_DOUBLE_EQ(back->h2d_bytes_per_s, 5e9);
+  EXPECT_DOUBLE_EQ(back->optimizer_pass_bytes, 18.0);
 
   auto expect_bad = [&](const std::string& text, const char* needle, const JobConfig& cfg) {
     const std::string bad = TempPath("bad.json");
@@ -144,6 +147,22 @@ TEST(Profile, SavesAndLoadsAndRejectsWhatDoesNotFit) {
   j = good;
   j.erase("h2d_bytes_per_s");
   expect_bad(j.dump(), "h2d_bytes_per_s", c);
+  j = good;
+  j["optimizer_pass_bytes"] = -4.0;
+  expect_bad(j.dump(), "must be >= 0", c);
+  j = good;
+  j["optimizer_pass_bytes"] = "many";
+  expect_bad(j.dump(), "optimizer_pass_bytes", c);
+  // A profile written before the passes were recorded reads as not recording them.
+  j = good;
+  j.erase("optimizer_pass_bytes");
+  {
+    const std::string older = TempPath("older.json");
+    std::ofstream(older) << j.dump();
+    auto r = LoadProfile(older, c);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_DOUBLE_EQ(r->optimizer_pass_bytes, 0.0);
+  }
   j = good;
   j["format_version"] = 99;
   expect_bad(j.dump(), "format_version", c);

@@ -185,14 +185,32 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   j = good;
   j["job"]["optimizer"]["mode"] = "stale1";  // the key changed, the stored decisions did not
   refused(j, "is not what its job resolves to");
-  // A spec of the version before the stored plan (an older run's directory) is read with the plan
-  // its job resolves to.
+  // The resolution chose the update passes: the stored job holds 1 or 2, never auto.
+  ASSERT_TRUE(good["job"]["optimizer"]["update_passes"] == 1 ||
+              good["job"]["optimizer"]["update_passes"] == 2);
+  EXPECT_FALSE(run.execution.planner_chooses_update_passes);
+  // Specs of the versions before the stored plan (9) and before the update passes (10), in an
+  // older run's directory, are read with two passes (what those builds did) and the rest of the
+  // plan their job resolves to.
+  for (int version : {9, 10}) {
+    j = good;
+    j["version"] = version;
+    j["job"]["optimizer"].erase("update_passes");
+    if (version == 9) {
+      j.erase("execution");
+    } else {
+      j["execution"].erase("two_pass_updates");
+      j["execution"].erase("planner_chooses_update_passes");
+    }
+    auto older = ParseRunSpec(j.dump(), "spec");
+    ASSERT_TRUE(older.ok()) << version << ": " << older.status().message();
+    ExecutionPlan want = run.execution;
+    want.two_pass_updates = run.execution.NextStepWaitsForUpdate();
+    EXPECT_TRUE(older->execution == want) << version;
+  }
   j = good;
-  j["version"] = 9;
-  j.erase("execution");
-  auto older = ParseRunSpec(j.dump(), "spec");
-  ASSERT_TRUE(older.ok()) << older.status().message();
-  EXPECT_TRUE(older->execution == run.execution);
+  j["execution"].erase("two_pass_updates");
+  refused(j, "two_pass_updates");
   EXPECT_FALSE(ReadRunSpec(dir + "/missing.json").ok());
   ASSERT_TRUE(WriteRunSpec(dir + "/two.json", run).ok());
   EXPECT_TRUE(ReadRunSpecFor(dir + "/two.json", 2).ok());

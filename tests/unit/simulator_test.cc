@@ -51,6 +51,14 @@ JobConfig StagedJob(int64_t layers, int64_t forward, int64_t backward, int64_t t
 // On the CPU (explicit attention, which keeps its probabilities) a backward stage costs three
 // times its forward: the recompute and the backward's two products per forward product. On the
 // GPU the fused attention backward also recomputes the scores, so more.
+// StagedJob(4, 1, 2, 1) with clipping and an untied head: exact mode holds every gradient.
+JobConfig ClippedUntiedJob() {
+  JobConfig c = StagedJob(4, 1, 2, 1);
+  c.model.tie_embeddings = false;
+  c.train.grad_clip = 1.0;
+  return c;
+}
+
 TEST(Simulator, CostModelWeighsBackwardThreeTimes) {
   JobConfig c = StagedJob(4, 1, 1, 0);
   c.job.device = DeviceKind::kCpu;
@@ -223,19 +231,26 @@ TEST(Simulator, OverlappedCopiesExposeOnlyEachJobsFirstInputByHand) {
   EXPECT_DOUBLE_EQ(Simulate(in).step_done[0], 15.0);
 }
 
-TEST(Simulator, ExactWaitsForTheUpdateAndStaleOneDoesNot) {
-  // One worker, one stage holding layer 0 with gradients, 1 s per microbatch, M = 1; the update
-  // takes 0.5 s. exact: step 2 starts after step 1's update (1.5), so steps finish at 1 and 2.5.
-  // stale1: step 2 reads weights one update older and starts at once: 1 and 2.
+// One worker, one stage holding layer 0 with gradients, 1 s per microbatch, M = 1, an update of
+// 0.5 s, exact mode, `steps` steps.
+SimInput OneLayerExact(int steps) {
   SimInput in;
   SimStage s;
   s.compute_s = 1.0;
   s.grad_bytes = 1.0;  // free link: marks the stage as producing gradients
   s.owners = {0};
   in.stages = {s};
-  in.steps = 3;
+  in.steps = steps;
   in.update_s = {0.5};
   in.version_lag = 1;
+  return in;
+}
+
+TEST(Simulator, ExactWaitsForTheUpdateAndStaleOneDoesNot) {
+  // One worker, one stage holding layer 0 with gradients, 1 s per microbatch, M = 1; the update
+  // takes 0.5 s. exact: step 2 starts after step 1's update (1.5), so steps finish at 1 and 2.5.
+  // stale1: step 2 reads weights one update older and starts at once: 1 and 2.
+  SimInput in = OneLayerExact(3);
   auto exact = Simulate(in);
   EXPECT_DOUBLE_EQ(exact.step_done[0], 1.0);
   EXPECT_DOUBLE_EQ(exact.step_done[1], 2.5);
@@ -245,6 +260,68 @@ TEST(Simulator, ExactWaitsForTheUpdateAndStaleOneDoesNot) {
   auto stale = Simulate(in);
   EXPECT_DOUBLE_EQ(stale.step_done[1], 2.0);
   EXPECT_DOUBLE_EQ(stale.steady_step_s, 1.0);
+}
+
+TEST(Simulator, SecondPassesDelayTheNextStepsFirstPassesByHand) {
+  // The exact-mode job above with a first pass of 0.5 s and a second of 0.4 s. Step 0 ends at 1
+  // and its update publishes at 1.5 (step 1 runs [1.5, 2.5)); its second pass holds the optimizer
+  // to 1.9, before step 1's gradient is final, so steps still take 1.5 s. With a second pass of
+  // 1.4 s the optimizer is free only at 2.9: step 1's update publishes at 3.4, step 2 ends at 4.4,
+  // and from then on steps take 1.9 s (first pass plus second: the optimizer's time per step).
+  SimInput in = OneLayerExact(4);
+  in.second_pass_s = {0.4};
+  auto hidden = Simulate(in);
+  EXPECT_DOUBLE_EQ(hidden.step_done[1], 2.5);
+  EXPECT_DOUBLE_EQ(hidden.steady_step_s, 1.5);
+  in.second_pass_s = {1.4};
+  auto bound = Simulate(in);
+  EXPECT_DOUBLE_EQ(bound.step_done[1], 2.5);
+  EXPECT_DOUBLE_EQ(bound.step_done[2], 4.4);
+  EXPECT_NEAR(bound.step_done[3] - bound.step_done[2], 1.9, 1e-12);
+}
+
+TEST(Simulator, UpdatePassesArePricedFromTheTimedPassesBytes) {
+  // A clipped exact job whose arena holds every slot. The profile's rate timed 1e9 parameters/s
+  // of the pass that publishes; BuildSimInput prices each pass by its bytes against that.
+  JobConfig c = ClippedUntiedJob();
+  auto plan = MakePlan(c);
+  ASSERT_TRUE(plan.ok());
+  const ModelSpec spec = BuildModelSpec(c.model);
+  Profile profile = CostModelProfile(c, 1e12, 1e10, 1e9);
+  const UpdatePassBytes b = UpdateBytesPerParam(c, ResolveExecution(c));
+  ASSERT_TRUE(ResolveExecution(c).workers_fetch_masters);
+  EXPECT_DOUBLE_EQ(b.whole, 28.0);
+  EXPECT_DOUBLE_EQ(b.first, 20.0);
+  EXPECT_DOUBLE_EQ(b.second, 20.0);
+  std::vector<double> numel(plan->num_layers, 0.0);
+  for (const auto& ps : spec.params) numel[ps.owner_layer] += static_cast<double>(ps.numel);
+  auto expect_costs = [&](const SimInput& in, double first_per_param, double second_per_param) {
+    ASSERT_EQ(in.update_s.size(), numel.size());
+    for (size_t l = 0; l < numel.size(); ++l)
+      EXPECT_NEAR(in.update_s[l], numel[l] * first_per_param, 1e-12) << "layer " << l;
+    if (second_per_param == 0.0) {
+      EXPECT_TRUE(in.second_pass_s.empty());
+      return;
+    }
+    ASSERT_EQ(in.second_pass_s.size(), numel.size());
+    for (size_t l = 0; l < numel.size(); ++l)
+      EXPECT_NEAR(in.second_pass_s[l], numel[l] * second_per_param, 1e-12) << "layer " << l;
+  };
+  // Unrecorded bytes (the cost model): the rate is the first pass's where two passes apply.
+  expect_costs(BuildSimInput(c, spec, *plan, profile, 1, 3), 1e-9, 1e-9);
+  c.optimizer.update_passes = int64_t{1};
+  expect_costs(BuildSimInput(c, spec, *plan, profile, 1, 3), 28.0 / 20.0 * 1e-9, 0.0);
+  // A profile that timed one whole pass: the host moves 28e9 bytes/s for updates.
+  profile.optimizer_pass_bytes = 28.0;
+  expect_costs(BuildSimInput(c, spec, *plan, profile, 1, 3), 1e-9, 0.0);
+  c.optimizer.update_passes = int64_t{2};
+  expect_costs(BuildSimInput(c, spec, *plan, profile, 1, 3), 20.0 / 28.0 * 1e-9,
+               20.0 / 28.0 * 1e-9);
+  // stale1 updates in one pass whatever the key says.
+  c.optimizer.update_passes = kUpdatePassesAuto;
+  c.optimizer.mode = OptimizerMode::kStale1;
+  expect_costs(BuildSimInput(c, spec, *plan, profile, 1, 3),
+               UpdateBytesPerParam(c, ResolveExecution(c)).whole / 28.0 * 1e-9, 0.0);
 }
 
 TEST(Simulator, StaleOneCommitsWaitForTheSlotsAndHoldTheirGradients) {
@@ -481,9 +558,7 @@ TEST(Simulator, AStreamedArenaIsPassedOnOnlyWhereCommitsWaitForTheNorm) {
   // BuildSimInput: gradients waiting in the workers stream through an arena of two stages (the
   // default) less the tied slots; each stage's commit places its layers' slots. Gradients waiting
   // on the host need an arena holding every slot: no room to model.
-  JobConfig c = StagedJob(4, 1, 2, 1);
-  c.model.tie_embeddings = false;
-  c.train.grad_clip = 1.0;
+  JobConfig c = ClippedUntiedJob();
   c.schedule.backward_stages = 4;
   auto plan = MakePlan(c);
   ASSERT_TRUE(plan.ok());
@@ -513,9 +588,7 @@ TEST(Simulator, AStreamedArenaIsPassedOnOnlyWhereCommitsWaitForTheNorm) {
 TEST(Simulator, GradientsWaitingInWorkersAreSimulatedSo) {
   // optimizer.gradients_wait_in = "workers": the commits wait for the norm, the updates do not
   // (each parameter is updated as its commit lands), and the host takes no norm.
-  JobConfig c = StagedJob(4, 1, 2, 1);
-  c.model.tie_embeddings = false;
-  c.train.grad_clip = 1.0;
+  JobConfig c = ClippedUntiedJob();
   auto plan = MakePlan(c);
   ASSERT_TRUE(plan.ok());
   const ModelSpec spec = BuildModelSpec(c.model);
