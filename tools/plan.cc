@@ -141,7 +141,10 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
   const rp::core::RoundShape whole = rp::core::GlobalRound(cfg);
   const double tokens =
       static_cast<double>(whole.calls * whole.microbatches * cfg.train.microbatch_size * lo);
-  const std::string limit = FitAt(cfg, lo + step, gpus, host_limit, device).why;
+  // Past data.seq_len's bound nothing is tried: that bound is the limit.
+  const std::string limit = lo + step > kLongest
+                                ? "data.seq_len's bound, " + std::to_string(kLongest) + " tokens"
+                                : FitAt(cfg, lo + step, gpus, host_limit, device).why;
   if (json) {
     std::printf("%s\n",
                 nlohmann::json{{"max_seq_len", lo},
