@@ -21,12 +21,13 @@
 namespace rp {
 
 inline constexpr const char* kTestHookVariables[] = {
-    "RP_TEST_ALWAYS_REPLAN",    "RP_TEST_CHECKPOINT_ON_LOOP",  "RP_TEST_CUDA_FAULT_ONCE",
-    "RP_TEST_DEVICE_HANG_ONCE", "RP_TEST_DEVICE_UPDATE_NUDGE", "RP_TEST_FAIL_EVAL_ONCE",
-    "RP_TEST_FAIL_POOL_ONCE",   "RP_TEST_HANG_ONCE",           "RP_TEST_LATE_COMPLETION_MS",
-    "RP_TEST_NAN_AT_STEP",      "RP_TEST_NODE_SUMS_ALONE",     "RP_TEST_OVERFLOW_AT_STEPS",
-    "RP_TEST_REPLAN_ONCE",      "RP_TEST_SLOW_CHECKPOINT_MS",  "RP_TEST_SLOW_EVAL_MS",
-    "RP_TEST_SLOW_FILL_MS",     "RP_TEST_SLOW_FROM_STEP",      "RP_TEST_WELCOME_TIMEOUT_S",
+    "RP_TEST_ALWAYS_REPLAN",     "RP_TEST_CHECKPOINT_ON_LOOP",  "RP_TEST_CUDA_FAULT_ONCE",
+    "RP_TEST_DEVICE_HANG_ONCE",  "RP_TEST_DEVICE_UPDATE_NUDGE", "RP_TEST_FAIL_EVAL_ONCE",
+    "RP_TEST_FAIL_POOL_ONCE",    "RP_TEST_HANG_ONCE",           "RP_TEST_LATE_COMPLETION_MS",
+    "RP_TEST_NAN_AT_STEP",       "RP_TEST_NODE_SUMS_ALONE",     "RP_TEST_OVERFLOW_AT_STEPS",
+    "RP_TEST_POISON_CHECKPOINT", "RP_TEST_REPLAN_ONCE",         "RP_TEST_SLOW_CHECKPOINT_MS",
+    "RP_TEST_SLOW_EVAL_MS",      "RP_TEST_SLOW_FILL_MS",        "RP_TEST_SLOW_FROM_STEP",
+    "RP_TEST_WELCOME_TIMEOUT_S",
 };
 
 // The variable's value as the process found it at its first hook, or nullptr when unset.
@@ -144,6 +145,25 @@ inline bool TestOverflowAt(int64_t step) {
 // RP_TEST_SLOW_FILL_MS="<ms>": the coordinator takes <ms> milliseconds longer to fill the run's
 // shared state, as a large model's initialization or checkpoint read would. 0 when unset.
 inline double TestFillDelaySeconds() { return DelaySecondsFromEnv("RP_TEST_SLOW_FILL_MS"); }
+
+// RP_TEST_POISON_CHECKPOINT="<step>:<layer>": once a forward stage of that step (0-based) has
+// written the checkpoint a backward stage starting at pipeline layer <layer> reads (a host
+// activation slot inside the forward stage, not its output), the coordinator adds 1 to every
+// element of it (fp32 activations), so a run whose backward really reads its checkpoints from host
+// memory computes other gradients from that step on. {-1, -1} when unset.
+struct PoisonedCheckpoint {
+  int64_t step = -1;
+  int layer = -1;
+};
+inline PoisonedCheckpoint TestPoisonedCheckpoint() {
+  const char* v = TestHookValue("RP_TEST_POISON_CHECKPOINT");
+  PoisonedCheckpoint p;
+  if (v == nullptr) return p;
+  char* end = nullptr;
+  p.step = std::strtoll(v, &end, 10);
+  p.layer = *end == ':' ? static_cast<int>(std::strtol(end + 1, nullptr, 10)) : -1;
+  return p;
+}
 
 // RP_TEST_WELCOME_TIMEOUT_S="<s>": a worker waits that long for the coordinator's Welcome instead
 // of its --hello-timeout-s (so a test of a slow fill needs no minutes-long wait). -1 when unset.

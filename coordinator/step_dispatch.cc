@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/logging.h"
+#include "common/test_hooks.h"
 #include "common/time_util.h"
 
 namespace rp::coord {
@@ -268,11 +269,27 @@ Status StepDispatch::OnMicrobatchDone(int rank, const proto::MicrobatchDone& d) 
     st.targets += d.targets;
   }
   routing_.Recorded(j->run, d.microbatch, rank);
+  PoisonCheckpointForTest(*j, d.microbatch);
   if (static_cast<size_t>(j->stage) + 1 < parts_.plan.stages.size()) {
     const StageJob& next = jobs_.at(JobIndex(j->step, j->call, j->stage + 1));
     RP_RETURN_IF_ERROR(parts_.workers.Send(next.worker, routing_.For(next.run, d.microbatch)));
   }
   return Status::Ok();
+}
+
+void StepDispatch::PoisonCheckpointForTest(const StageJob& job, int mb) {
+  static const PoisonedCheckpoint poison = TestPoisonedCheckpoint();
+  const core::Stage& s = parts_.plan.stages[job.stage];
+  if (poison.step != job.step || s.kind != core::StageKind::kForward ||
+      !(poison.layer > s.begin && poison.layer < s.end) ||
+      parts_.layout.activations != core::Activations::kHost ||
+      parts_.layout.compute_elem_bytes != 4)
+    return;
+  const int idx = parts_.plan.HiddenSlot(poison.layer);
+  if (idx < 0) return;
+  auto* x = reinterpret_cast<float*>(parts_.state.data() +
+                                     parts_.layout.HiddenSlot(job.run.parity, mb, idx));
+  for (uint64_t i = 0; i < parts_.layout.act_elems; ++i) x[i] += 1.0f;
 }
 
 Status StepDispatch::OnGradsReady(int rank, const proto::GradsReady& g) {

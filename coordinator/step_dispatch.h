@@ -126,6 +126,8 @@ class StepDispatch {
   void Forget(int64_t step) { steps_.erase(step); }
 
  private:
+  // RP_TEST_POISON_CHECKPOINT (common/test_hooks.h): after microbatch `mb` of a forward job.
+  void PoisonCheckpointForTest(const StageJob& job, int mb);
   int64_t JobIndex(int64_t step, int call, int stage) const {
     return steps_.at(step).job_at[static_cast<size_t>(call) * parts_.plan.stages.size() + stage];
   }

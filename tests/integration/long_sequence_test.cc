@@ -139,6 +139,58 @@ TEST_F(LaunchTest, LayerRecomputeGivesTheStageGraphsBitsEverywhere) {
   }
 }
 
+// Where a block's checkpoint lives follows from the backward cuts: a backward stage that starts at
+// a block reads that block's input from a host activation slot, which the forward stage wrote
+// while it ran; inside a longer backward stage the block's input is recomputed and held by the
+// worker. One block per backward stage (every checkpoint in host memory) gives the same bits as
+// one stage recomputing every block (every checkpoint in the worker) on 1 to 3 workers, exact and
+// stale1. Poisoning a host checkpoint after the forward changes the run from that step's
+// gradients on; the same poison has nothing to hit when the worker holds the checkpoints.
+TEST_F(LaunchTest, HostCheckpointsGiveTheWorkersCheckpointsBitsAndAreRead) {
+  const std::vector<std::string> job = {"train.steps=6", "schedule.forward_stages=1",
+                                        "checkpoint.export_hf=hf"};
+  const std::vector<std::string> in_worker = {"schedule.backward_stages=1"};    // F[0,4) .. B[0,4)
+  const std::vector<std::string> in_host = {"schedule.backward_cuts=[1,2,3]"};  // B[3,4) .. B[0,1)
+  for (const std::string mode : {"exact", "stale1"}) {
+    const auto sets = With(job, {"optimizer.mode=\"" + mode + "\""});
+    const std::string worker_out = tmp_ + "/" + mode + "-worker";
+    auto worker = Launch(2, worker_out, With(sets, in_worker));
+    ASSERT_EQ(worker.code, 0) << worker.output;
+    for (int n = 1; n <= 3; ++n) {
+      const std::string out = tmp_ + "/" + mode + "-host-" + std::to_string(n);
+      auto r = Launch(n, out, With(sets, in_host));
+      ASSERT_EQ(r.code, 0) << r.output;
+      SCOPED_TRACE(mode + " on " + std::to_string(n) + " workers");
+      EXPECT_EQ(Summary(out)["plan"], "F[0,4) T[4,6) B[3,4) B[2,3) B[1,2) B[0,1)");
+      EXPECT_EQ(Losses(out + "/metrics.jsonl"), Losses(worker_out + "/metrics.jsonl"));
+      EXPECT_EQ(Losses(out + "/metrics.jsonl", "grad_norm"),
+                Losses(worker_out + "/metrics.jsonl", "grad_norm"));
+      EXPECT_TRUE(ReadBytes(out + "/hf/model.safetensors") ==
+                  ReadBytes(worker_out + "/hf/model.safetensors"));
+    }
+  }
+  // Step 2's checkpoint of block 2 (pipeline layer 2), exact mode on 2 workers: that step's loss
+  // comes from the forward, before the backward reads it, so it stays; its gradient norm and every
+  // later loss change.
+  const auto exact = With(job, {"optimizer.mode=\"exact\""});
+  const std::string clean = tmp_ + "/exact-host-2";
+  const std::string poisoned = tmp_ + "/poisoned";
+  auto p = Launch(2, poisoned,
+                  With(exact, {"schedule.backward_cuts=[1,2,3]", "RP_TEST_POISON_CHECKPOINT=2:2"}));
+  ASSERT_EQ(p.code, 0) << p.output;
+  const auto want = Losses(clean + "/metrics.jsonl"), got = Losses(poisoned + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), 6u);
+  ASSERT_EQ(want.size(), 6u);
+  for (size_t s = 0; s <= 2; ++s) EXPECT_EQ(got[s], want[s]) << "step " << s;
+  for (size_t s = 3; s < 6; ++s) EXPECT_NE(got[s], want[s]) << "step " << s;
+  EXPECT_NE(Losses(poisoned + "/metrics.jsonl", "grad_norm")[2],
+            Losses(clean + "/metrics.jsonl", "grad_norm")[2]);
+  const std::string held = tmp_ + "/poison-missed";
+  auto q = Launch(2, held, With(exact, With(in_worker, {"RP_TEST_POISON_CHECKPOINT=2:2"})));
+  ASSERT_EQ(q.code, 0) << q.output;
+  EXPECT_EQ(Losses(held + "/metrics.jsonl"), Losses(tmp_ + "/exact-worker/metrics.jsonl"));
+}
+
 // A stage that computes for longer than job.worker_timeout_s on a CPU worker (a long sequence
 // through many layers) is not taken for a hung worker: the worker beats between layers. No
 // restarts are allowed, so a worker killed as hung would stop the run.
