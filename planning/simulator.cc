@@ -639,7 +639,8 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   }
   if (x.sharded_state) {
     // Each node updates its share; the weights workers fetch are then gathered from every node.
-    for (double& u : in.update_s) u /= static_cast<double>(c.nodes.count);
+    for (auto* costs : {&in.update_s, &in.second_pass_s})
+      for (double& u : *costs) u /= static_cast<double>(c.nodes.count);
     in.gather_s.assign(plan.num_layers, 0.0);
     std::vector<double> bytes(plan.num_layers, 0.0);
     for (const auto& ps : spec.params)

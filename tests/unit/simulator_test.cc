@@ -171,6 +171,7 @@ TEST(Simulator, ShardedStateGathersEachUpdateBeforeItsNextFetch) {
   ASSERT_TRUE(cfg.ok()) << cfg.status().message();
   JobConfig c = *cfg;
   c.nodes.count = 2;
+  c.train.grad_clip = 1.0;  // every gradient held: second passes, shared like the first
   Profile profile = DefaultCostModel(c);
   profile.optimizer_params_per_s = 1e6;
   auto plan = BuildPlan(c);
@@ -186,6 +187,10 @@ TEST(Simulator, ShardedStateGathersEachUpdateBeforeItsNextFetch) {
     EXPECT_DOUBLE_EQ(sharded.update_s[o], replicated.update_s[o] / 2) << "layer " << o;
     EXPECT_EQ(sharded.gather_s[o] > 0, replicated.update_s[o] > 0) << "layer " << o;
   }
+  ASSERT_EQ(sharded.second_pass_s.size(), replicated.update_s.size());
+  ASSERT_EQ(replicated.second_pass_s.size(), replicated.update_s.size());
+  for (size_t o = 0; o < sharded.second_pass_s.size(); ++o)
+    EXPECT_DOUBLE_EQ(sharded.second_pass_s[o], replicated.second_pass_s[o] / 2) << "layer " << o;
 }
 
 TEST(Simulator, SeveralNodesPlanOneNodesShareOfTheStep) {
