@@ -45,12 +45,18 @@ StatusOr<GradArenaSizing> SizeGradArena(const JobConfig& c, const ExecutionPlan&
   }
   uint64_t largest_stage = 0;
   if (stage_bytes_by_owner) stage_bytes_by_owner->clear();
+  // The slot bytes per parameter, once: the planner sizes the arena for every plan it tries.
+  std::vector<uint64_t> param_bytes(spec.params.size(), 0);
+  for (size_t g = 0; g < spec.grad_slots.size(); ++g)
+    if (uses[spec.grad_slots[g].param] == 1)
+      param_bytes[spec.grad_slots[g].param] = GradSlotBytes(c, x, spec, static_cast<int>(g));
   for (const auto& st : plan.stages) {
-    std::vector<uint64_t> by_owner = ByOwner(c, x, spec, plan, st, uses);
     uint64_t bytes = 0;
-    for (uint64_t b : by_owner) bytes += b;
+    if (st.kind != StageKind::kForward)
+      for (int l = st.begin; l < st.end; ++l)
+        for (const auto& use : spec.layer_uses[l]) bytes += param_bytes[use.param];
     largest_stage = std::max(largest_stage, bytes);
-    if (stage_bytes_by_owner) stage_bytes_by_owner->push_back(std::move(by_owner));
+    if (stage_bytes_by_owner) stage_bytes_by_owner->push_back(ByOwner(c, x, spec, plan, st, uses));
   }
   // Gradients that wait for the norm on the workers reach the arena after it: streamed.
   s.must_hold_all = (x.updates_wait_for_norm && !x.gradients_wait_in_workers) || Round(c).calls > 1;
