@@ -220,7 +220,7 @@ void PrintDryRun(const core::RunSpec& run, int gpus, bool cpu_workers) {
                   : "the fp32 masters (no compute copy)");
   if (run.execution.NextStepWaitsForUpdate())
     std::printf("optimizer updates: %s\n",
-                run.execution.two_pass_updates && !layout->grads_streamed
+                run.execution.two_pass_updates
                     ? "two passes (what workers fetch, then the moments while the next step "
                       "computes; optimizer.update_passes)"
                     : "one pass (optimizer.update_passes)");

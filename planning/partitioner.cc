@@ -614,29 +614,16 @@ Status ResolveKeptBlocks(JobConfig* c, int workers) {
   return Status::Ok();
 }
 
-StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* c, int workers,
-                                                 const Profile& profile) {
+StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* c, int workers, const Profile& profile,
+                                                 const PipelinePlan& plan) {
   UpdatePassesChoice out;
   const ExecutionPlan x = ResolveExecution(*c);
   out.chosen = x.planner_chooses_update_passes;
+  const ModelSpec spec = BuildModelSpec(c->model, c->lora);
   // Two passes need exact mode (stale1's one pass has nothing to wait for) and an arena that
   // holds every slot (a streamed one frees a slot only after its whole update).
   bool holds_every_slot = false;
-  PipelinePlan plan;
-  const ModelSpec spec = BuildModelSpec(c->model, c->lora);
   if (x.NextStepWaitsForUpdate()) {
-    if (x.planner_chooses_partition) {
-      auto chosen = ChoosePlan(*c, workers, profile);
-      // No plan: MakePlan reports why; until then the choice stays what it was before the key.
-      if (!chosen.ok()) {
-        if (out.chosen) c->optimizer.update_passes = int64_t{2};
-        out.passes = 2;
-        return out;
-      }
-      plan = chosen->plan;
-    } else {
-      RP_ASSIGN_OR_RETURN(plan, BuildPlan(*c));
-    }
     RP_ASSIGN_OR_RETURN(const GradArenaSizing sizing, SizeGradArena(*c, x, spec, plan));
     holds_every_slot = sizing.chosen >= sizing.all_slots;
   }

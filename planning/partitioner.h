@@ -147,14 +147,13 @@ Status ResolveMlpTile(JobConfig* config, int workers);
 Status ResolveKeptBlocks(JobConfig* config, int workers);
 
 // optimizer.update_passes = 0 (auto), resolved into `config` as 1 or 2: in exact mode with a
-// gradient arena that holds every slot, the job's plan (ChoosePlan's under partition = "auto",
-// with `profile`) is simulated with each, and one pass is chosen only if predicted faster (two
-// move more bytes: a CPU optimizer that bounds the step runs longer with them); speculative and
-// device updates keep two. Elsewhere one pass, the only one that applies. Both give the same bits
-// and the same memory, so `profile` may be a measured one even though a resumed run may then choose
-// differently. An explicit 2 where two passes do not apply is refused, naming why; explicit values
-// are otherwise left as they are. When ChoosePlan finds no plan, 2 is kept (MakePlan then reports
-// why).
+// gradient arena that holds every slot, `plan` (the job's, as MakePlan made it with auto counting
+// as two passes) is simulated with each under `profile`, and one pass is chosen only if predicted
+// faster (two move more bytes: a CPU optimizer that bounds the step runs longer with them);
+// speculative and device updates keep two. Elsewhere one pass, the only one that applies. Both
+// give the same bits and the same memory, so `profile` may be a measured one even though a resumed
+// run may then choose differently. An explicit 2 where two passes do not apply is refused, naming
+// why; explicit values are otherwise left as they are.
 struct UpdatePassesChoice {
   bool chosen = false;  // the job left it to the planner
   int64_t passes = 1;   // what the run does
@@ -162,7 +161,7 @@ struct UpdatePassesChoice {
   double one_pass_step_s = 0.0, two_pass_step_s = 0.0;
 };
 StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* config, int workers,
-                                                 const Profile& profile);
+                                                 const Profile& profile, const PipelinePlan& plan);
 
 // For a LoRA job whose CUDA workers fetch the frozen base with every job: the prediction with
 // schedule.frozen_on_device = true instead (ChoosePlan's plan then, under partition = "auto";

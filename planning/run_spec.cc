@@ -158,13 +158,15 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
+  RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
   {
     // The passes change no bit and no byte of memory: a profile that cannot be read here (the
     // planner reports it where it matters) leaves the choice to the cost model.
     auto costs = PlanningProfile(spec.job);
-    RP_RETURN_IF_ERROR(
-        ResolveUpdatePasses(&spec.job, workers, costs.ok() ? *costs : DefaultCostModel(spec.job))
-            .status());
+    RP_RETURN_IF_ERROR(ResolveUpdatePasses(&spec.job, workers,
+                                           costs.ok() ? *costs : DefaultCostModel(spec.job),
+                                           spec.plan)
+                           .status());
   }
   spec.execution = ResolveExecution(spec.job);
   if (spec.execution.device_update_blocks > 0 && workers != 1)
@@ -172,7 +174,6 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
         "optimizer.device_update_blocks: needs one worker (--gpus 1): the worker that "
         "holds a step's gradients must also run the next step's first stages, and with " +
         std::to_string(workers) + " workers they take turns");
-  RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
   spec.workers = workers;
   return spec;
 }

@@ -363,11 +363,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", costs.status().message().c_str());
     return rp::kExitBadConfig;
   }
-  auto passes = rp::core::ResolveUpdatePasses(&*cfg, gpus, *costs);
-  if (!passes.ok()) {
-    std::fprintf(stderr, "rp-plan: %s\n", passes.status().message().c_str());
-    return rp::kExitBadConfig;
-  }
   // No auto plan under schedule.gpu_memory_gb is an error only when the job asks for one; a job
   // with its own plan still runs that, so its prediction is shown with the reason.
   const bool auto_plan = rp::core::ResolveExecution(*cfg).planner_chooses_partition;
@@ -385,6 +380,21 @@ int main(int argc, char** argv) {
       return rp::kExitBadConfig;
     }
     own = rp::core::PredictPlan(*cfg, *plan, *costs, gpus);
+  }
+  // The passes are chosen for the plan the run would use, found with auto counting as two (as
+  // rp-launch resolves them); where one pass is chosen, the predictions are made again with it.
+  auto passes = rp::core::ResolveUpdatePasses(&*cfg, gpus, *costs, own ? own->plan : choice->plan);
+  if (!passes.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", passes.status().message().c_str());
+    return rp::kExitBadConfig;
+  }
+  if (passes->chosen && passes->passes == 1) {
+    if (own) own = rp::core::PredictPlan(*cfg, own->plan, *costs, gpus);
+    if (choice.ok()) {
+      const int candidates = choice->candidates;
+      *choice = rp::core::PredictPlan(*cfg, choice->plan, *costs, gpus);
+      choice->candidates = candidates;
+    }
   }
   // What the job would run (its own plan, else the auto one) against keeping a LoRA base on the
   // GPU.

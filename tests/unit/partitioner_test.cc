@@ -607,7 +607,7 @@ TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
   auto choose = [&](double optimizer_params_per_s) {
     JobConfig t = c;
     const Profile costs = CostModelProfile(t, 1e11, 1e10, optimizer_params_per_s);
-    auto choice = ResolveUpdatePasses(&t, 1, costs);
+    auto choice = ResolveUpdatePasses(&t, 1, costs, *BuildPlan(t));
     EXPECT_TRUE(choice.ok()) << choice.status().ToString();
     EXPECT_TRUE(choice->chosen);
     EXPECT_GT(choice->one_pass_step_s, 0.0);
@@ -626,7 +626,7 @@ TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
   // the key; an explicit 1 stays.
   JobConfig stale = c;
   stale.optimizer.mode = OptimizerMode::kStale1;
-  auto one = ResolveUpdatePasses(&stale, 1, DefaultCostModel(stale));
+  auto one = ResolveUpdatePasses(&stale, 1, DefaultCostModel(stale), *BuildPlan(stale));
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one->passes, 1);
   EXPECT_EQ(one->one_pass_step_s, 0.0);
@@ -643,17 +643,20 @@ TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
     ASSERT_LT(sizing->chosen, sizing->all_slots);
   }
   streamed.optimizer.update_passes = int64_t{2};
-  auto refused = ResolveUpdatePasses(&streamed, 1, DefaultCostModel(streamed));
+  auto refused =
+      ResolveUpdatePasses(&streamed, 1, DefaultCostModel(streamed), *BuildPlan(streamed));
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("optimizer.update_passes = 2"), std::string::npos)
       << refused.status().message();
   streamed.optimizer.update_passes = kUpdatePassesAuto;
-  auto auto_streamed = ResolveUpdatePasses(&streamed, 1, DefaultCostModel(streamed));
+  auto auto_streamed =
+      ResolveUpdatePasses(&streamed, 1, DefaultCostModel(streamed), *BuildPlan(streamed));
   ASSERT_TRUE(auto_streamed.ok());
   EXPECT_EQ(auto_streamed->passes, 1);
   JobConfig fixed = c;
   fixed.optimizer.update_passes = int64_t{1};
-  auto kept = ResolveUpdatePasses(&fixed, 1, CostModelProfile(fixed, 1e11, 1e10, 1e13));
+  auto kept =
+      ResolveUpdatePasses(&fixed, 1, CostModelProfile(fixed, 1e11, 1e10, 1e13), *BuildPlan(fixed));
   ASSERT_TRUE(kept.ok());
   EXPECT_FALSE(kept->chosen);
   EXPECT_EQ(kept->passes, 1);
