@@ -518,9 +518,10 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
   // holds every gradient, or its size is refused (the run would not start), room is left out.
   std::vector<std::vector<uint64_t>> arena_by_owner;  // per stage, per owner layer
   // Whether the arena holds every slot (exact mode's two passes apply only then; a refused size
-  // counts as holding them, as the run would not start).
+  // counts as holding them, as the run would not start). Only priced updates need it.
   bool holds_every_slot = true;
-  if (in.commits_wait_for_norm || x.NextStepWaitsForUpdate()) {
+  if (in.commits_wait_for_norm ||
+      (x.NextStepWaitsForUpdate() && profile.optimizer_params_per_s > 0)) {
     auto sizing =
         SizeGradArena(c, x, spec, plan, in.commits_wait_for_norm ? &arena_by_owner : nullptr);
     holds_every_slot = !sizing.ok() || sizing->chosen >= sizing->all_slots;

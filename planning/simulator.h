@@ -35,8 +35,8 @@
 //    commits waiting for the norm (slots wait only for the previous step's update, as when the
 //    arena holds every gradient), second passes sharing the host's memory bandwidth with first
 //    passes or running on fewer threads (and, with device updates, that the host's passes over
-//    the covered layers delay them), several workers sharing one GPU's
-//    link or compute, message latency (folded into a measured overhead).
+//    the covered layers delay them), several workers sharing one GPU's link or compute, message
+//    latency (folded into a measured overhead).
 // Pure and deterministic.
 #pragma once
 
