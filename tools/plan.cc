@@ -444,10 +444,14 @@ int main(int argc, char** argv) {
   if (kept_chosen)
     std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n",
                 cfg->schedule.gpu_memory_gb, static_cast<long long>(cfg->schedule.kept_blocks));
-  if (passes->chosen && passes->one_pass_step_s > 0)
+  if (passes->chosen && passes->one_pass_step_s > 0 &&
+      passes->one_pass_step_s != passes->two_pass_step_s)
     std::printf(
         "update passes chosen: %lld (predicted %.3f s per step with one, %.3f s with two)\n",
         static_cast<long long>(passes->passes), passes->one_pass_step_s, passes->two_pass_step_s);
+  else if (passes->chosen && passes->one_pass_step_s > 0)
+    std::printf("update passes chosen: 2 (the same predicted step either way: %.3f s)\n",
+                passes->two_pass_step_s);
   else if (passes->chosen)
     std::printf("update passes: 1 (two apply only in exact mode with every gradient held)\n");
   const std::string auto_title =

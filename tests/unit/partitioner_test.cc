@@ -612,7 +612,7 @@ TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
     EXPECT_TRUE(choice->chosen);
     EXPECT_GT(choice->one_pass_step_s, 0.0);
     EXPECT_GT(choice->two_pass_step_s, 0.0);
-    EXPECT_EQ(choice->passes, choice->two_pass_step_s < choice->one_pass_step_s ? 2 : 1);
+    EXPECT_EQ(choice->passes, choice->one_pass_step_s < choice->two_pass_step_s ? 1 : 2);
     // Written into the job: the run spec stores it, and the plan reads it from there.
     const ExecutionPlan x = ResolveExecution(t);
     EXPECT_FALSE(x.planner_chooses_update_passes);
