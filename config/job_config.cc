@@ -713,6 +713,14 @@ const std::vector<KeySpec>& Table() {
           "job +25-28%, 4B job -1%); leave room for the CUDA context and the allocator's cache "
           "(~1-2 GB); 0 = for CUDA workers, 85% of the smallest visible GPU's memory as nvidia-smi "
           "reports it to rp-launch (unlimited where it reports none)"),
+      Float("schedule", "host_memory_gb", F(schedule.host_memory_gb), 0.0, 0.0, 1e6,
+            "Shared memory (/dev/shm: weights, optimizer state, the gradient arena and the "
+            "activation slots) the auto planner's plan may take, in GB: a backward stage's first "
+            "block keeps its checkpoint in a host slot (one per microbatch, twice over where "
+            "consecutive steps overlap), so under this limit the planner recomputes across more "
+            "blocks per stage instead (rp-plan prints the shared memory of its plan; --max-seq "
+            "plans for --host-memory-gb); 0 = the plan ignores host memory (rp-launch still "
+            "refuses segments larger than /dev/shm)"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "

@@ -288,11 +288,12 @@ struct ScheduleConfig {
   std::vector<int64_t> backward_cuts;  // explicit stage start layers of the backward stages
   // equal: stage counts or explicit cuts; auto: the planner chooses
   ModeKey<Partition> partition = Partition::kEqual;
-  double gpu_memory_gb = 0.0;  // per-worker memory limit for "auto"; 0 = unlimited
-  std::string profile;         // measured profile for "auto" (planning/profile.h); "" = cost model
-  int64_t profile_steps = 2;   // steps timed per layer after a warm-up step; 0 = none
-  double replan_gain = 0.05;   // predicted speed-up that justifies restarting on a new plan
-  double drift = 0.2;          // measured/predicted step mismatch that triggers re-profiling
+  double gpu_memory_gb = 0.0;   // per-worker memory limit for "auto"; 0 = unlimited
+  double host_memory_gb = 0.0;  // shared memory an "auto" plan may take; 0 = not planned for
+  std::string profile;          // measured profile for "auto" (planning/profile.h); "" = cost model
+  int64_t profile_steps = 2;    // steps timed per layer after a warm-up step; 0 = none
+  double replan_gain = 0.05;    // predicted speed-up that justifies restarting on a new plan
+  double drift = 0.2;           // measured/predicted step mismatch that triggers re-profiling
   double node_link_gb_s = 10.0;  // several nodes: the planner's bandwidth between nodes
 };
 

@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "common/test_hooks.h"
 #include "io/run_output.h"
+#include "shm/layout.h"
 
 namespace rp::coord {
 
@@ -129,7 +130,7 @@ Status RunProfiler::MaybeFinish(int64_t next_to_report, const AsyncOptimizer& op
   search_thread_ = std::thread([result = std::move(result), cfg = cfg_, workers = workers_,
                                 p = *profile, done = on_search_done_]() mutable {
     try {
-      result.set_value(core::ChoosePlan(cfg, workers, p));
+      result.set_value(core::ChoosePlan(cfg, workers, p, shm::SharedBytesFor(workers)));
     } catch (const std::exception& e) {
       result.set_value(Status::Internal(std::string("the planner's search threw: ") + e.what()));
     }

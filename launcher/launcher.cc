@@ -927,8 +927,9 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
   core::HostFacts host;
   const int visible = VisibleGpus();  // read once: -1 when nothing says
   if (visible > 0) host.gpu_memory_gib = QueryGpuMemoryGib(ProcessEnv);
-  auto resolved = core::ResolveRun(o.job_path, o.overrides, o.gpus, nodes, host,
-                                   core::SessionInputs{o.frozen_profile, o.replanning_off});
+  auto resolved = core::ResolveRun(
+      o.job_path, o.overrides, o.gpus, nodes, host,
+      core::SessionInputs{o.frozen_profile, o.replanning_off, shm::SharedBytesFor(o.gpus)});
   if (!resolved.ok()) return resolved.status();
   core::RunSpec run = std::move(resolved).value();
   const core::JobConfig* cfg = &run.job;

@@ -500,10 +500,18 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers) {
   return ChoosePlan(c, workers, profile);
 }
 
-StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& profile) {
+StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& profile,
+                                const SharedBytesOf& shared_bytes) {
   const ModelSpec spec = BuildModelSpec(c.model, c.lora);
   const int L = static_cast<int>(c.model.num_layers);
   const double limit = c.schedule.gpu_memory_gb * 1e9;
+  const double host_limit = c.schedule.host_memory_gb * 1e9;
+  if (host_limit > 0 && !shared_bytes)
+    return Status::Internal(
+        "schedule.host_memory_gb: the planner was given no count of a plan's "
+        "shared memory");
+  double smallest_host = std::numeric_limits<double>::infinity();
+  std::string host_error;  // a plan whose shared memory could not be counted
   const std::vector<double> fwd_cost = profile.ForwardCosts();
   const std::vector<double> bwd_cost = profile.BackwardCosts();
   double best_step = std::numeric_limits<double>::infinity();
@@ -546,11 +554,22 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
           const double total_mem = PeakMemory(probe, &estimate, MaxOf(sim.peak_held_grad_bytes));
           smallest_memory = std::min(smallest_memory, total_mem);
           if (limit > 0 && total_mem > limit) continue;
-          tail_best = std::min(tail_best, sim.steady_step_s);
           const int jobs = static_cast<int>(plan->stages.size());
           // A plan must be clearly faster to justify more stage jobs (each costs a fetch).
-          if (sim.steady_step_s < best_step * (1.0 - 1e-6) ||
-              (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs)) {
+          const bool better = sim.steady_step_s < best_step * (1.0 - 1e-6) ||
+                              (sim.steady_step_s <= best_step * (1.0 + 1e-6) && jobs < best_jobs);
+          // The shared memory is counted (a layout) only for a plan that would matter here.
+          if (host_limit > 0 && (better || sim.steady_step_s < tail_best)) {
+            auto bytes = shared_bytes(probe, *plan);
+            if (!bytes.ok()) {
+              host_error = bytes.status().message();
+              continue;
+            }
+            smallest_host = std::min(smallest_host, static_cast<double>(*bytes));
+            if (static_cast<double>(*bytes) > host_limit) continue;
+          }
+          tail_best = std::min(tail_best, sim.steady_step_s);
+          if (better) {
             best_plan = *plan;
             best_step = sim.steady_step_s;
             best_jobs = jobs;
@@ -566,12 +585,27 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
     }
   };
   search(/*finer=*/false);
-  if (best_jobs == std::numeric_limits<int>::max() && limit > 0) search(/*finer=*/true);
-  if (best_jobs == std::numeric_limits<int>::max())
+  if (best_jobs == std::numeric_limits<int>::max() && (limit > 0 || host_limit > 0))
+    search(/*finer=*/true);
+  if (best_jobs == std::numeric_limits<int>::max()) {
+    if (!host_error.empty() && std::isinf(smallest_host))
+      return Status::InvalidArgument("schedule.host_memory_gb: " + host_error);
+    if (std::isfinite(smallest_host)) {
+      char text[160];
+      std::snprintf(text, sizeof(text),
+                    "no plan that fits the device fits in %.2f GB of shared memory; the smallest "
+                    "takes %.2f GB",
+                    c.schedule.host_memory_gb, smallest_host / 1e9);
+      return Status::InvalidArgument(
+          std::string("schedule.host_memory_gb: ") + text +
+          " (weights, optimizer state, gradient arena and activation slots: rp-launch --dry-run "
+          "shows where the bytes go)");
+    }
     return Status::InvalidArgument("schedule.gpu_memory_gb: no plan fits in " +
                                    std::to_string(c.schedule.gpu_memory_gb) +
                                    " GB per worker; the smallest estimate is " +
                                    std::to_string(smallest_memory / 1e9) + " GB");
+  }
   PlanChoice best = PredictPlan(c, best_plan, profile, workers);
   best.candidates = candidates;
   return best;
@@ -591,6 +625,7 @@ Status ResolveKeptBlocks(JobConfig* c, int workers) {
   auto fits = [&](int64_t k) -> StatusOr<bool> {
     JobConfig trial = *c;
     trial.schedule.kept_blocks = k;
+    trial.schedule.host_memory_gb = 0.0;  // a device question: MakePlan applies the host limit
     const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
     if (ResolveExecution(trial).planner_chooses_partition)
       return ChoosePlan(trial, workers, costs).ok();
@@ -676,6 +711,7 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   auto peak_with = [&](size_t i) -> StatusOr<double> {
     JobConfig trial = *c;
     trial.train.mlp_tile_tokens = tiles[i];
+    trial.schedule.host_memory_gb = 0.0;  // a device question: MakePlan applies the host limit
     // The cost model, never a measured profile: a profile's saved bytes were measured at one tile
     // and would rate every tile alike, and a run's later starts (--resume, a re-plan) must
     // choose the tile its first one did, whatever profile they have by then.
@@ -742,15 +778,16 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
 
 std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int workers,
                                                     const Profile& profile,
-                                                    double current_step_seconds) {
+                                                    double current_step_seconds,
+                                                    const SharedBytesOf& shared_bytes) {
   if (!c.lora.enabled() || ResolveExecution(c).frozen_on_device || c.job.device == DeviceKind::kCpu)
     return std::nullopt;
   JobConfig kept = c;
   kept.schedule.frozen_on_device = true;
   std::optional<PlanChoice> alt;
   if (ResolveExecution(kept).planner_chooses_partition) {
-    auto chosen = ChoosePlan(kept, workers, profile);
-    if (!chosen.ok()) return std::nullopt;  // no plan fits the memory budget with the base kept
+    auto chosen = ChoosePlan(kept, workers, profile, shared_bytes);
+    if (!chosen.ok()) return std::nullopt;  // no plan fits the memory budgets with the base kept
     alt = std::move(chosen).value();
   } else {
     auto plan = BuildPlan(kept);
@@ -764,9 +801,11 @@ std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int work
   return alt;
 }
 
-StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers) {
+StatusOr<PipelinePlan> MakePlan(const JobConfig& c, int workers,
+                                const SharedBytesOf& shared_bytes) {
   if (!ResolveExecution(c).planner_chooses_partition) return BuildPlan(c);
-  RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers));
+  RP_ASSIGN_OR_RETURN(Profile profile, PlanningProfile(c));
+  RP_ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(c, workers, profile, shared_bytes));
   return choice.plan;
 }
 

@@ -21,6 +21,7 @@
 // numbers), else from the FLOP cost model. Deterministic: every process gets the same plan.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -92,7 +93,15 @@ PlanChoice PredictPlan(const JobConfig& config, const PipelinePlan& plan, const 
 // The profile the planner uses for `config`: schedule.profile if set, else the cost model of
 // `device` (CUDA workers).
 StatusOr<Profile> PlanningProfile(const JobConfig& config, const DeviceModel& device = H200Model());
-StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers, const Profile& profile);
+// The bytes of shared memory a run of `plan` takes (the shm library's PlanSharedBytes: it lays the
+// segments out and builds on this library, so the count is passed in).
+using SharedBytesOf = std::function<StatusOr<uint64_t>(const JobConfig&, const PipelinePlan&)>;
+// The fastest plan by the simulator among those whose estimate fits schedule.gpu_memory_gb and,
+// with schedule.host_memory_gb > 0, whose shared memory (`shared_bytes`, which that limit needs:
+// an Internal error without it) fits that. Where a backward stage starts, its block's checkpoint
+// lives in a host slot, so the host limit trades backward stages for recompute per stage.
+StatusOr<PlanChoice> ChoosePlan(const JobConfig& config, int workers, const Profile& profile,
+                                const SharedBytesOf& shared_bytes = {});
 
 // The fused tail sizes ChoosePlan may try for a model of `blocks` decoder blocks, ascending. With a
 // memory budget (schedule.gpu_memory_gb > 0): every size up to 8 blocks (so every size of a small
@@ -171,11 +180,13 @@ StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* config, int workers,
 // memory is the host memory the base is already in), full fine-tunes, or a base already kept.
 std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& config, int workers,
                                                     const Profile& profile,
-                                                    double current_step_seconds);
+                                                    double current_step_seconds,
+                                                    const SharedBytesOf& shared_bytes = {});
 
 // The plan a job runs: BuildPlan's for schedule.partition = "equal"; with "auto" the planner
 // chooses tail size and cuts for `workers` workers first (ChoosePlan). Every process computes
-// the same plan from the same inputs.
-StatusOr<PipelinePlan> MakePlan(const JobConfig& config, int workers = 1);
+// the same plan from the same inputs (`shared_bytes` as for ChoosePlan).
+StatusOr<PipelinePlan> MakePlan(const JobConfig& config, int workers = 1,
+                                const SharedBytesOf& shared_bytes = {});
 
 }  // namespace rp::core

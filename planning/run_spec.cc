@@ -25,7 +25,7 @@ static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 144);
 static_assert(sizeof(OptimizerConfig) == 120);
 static_assert(sizeof(LoraConfig) == 136);
-static_assert(sizeof(ScheduleConfig) == 168);
+static_assert(sizeof(ScheduleConfig) == 176);
 static_assert(sizeof(CheckpointConfig) == 112);
 static_assert(sizeof(BenchKnobs) == 24);
 static_assert(sizeof(JobOptions) == 112);
@@ -35,13 +35,15 @@ static_assert(sizeof(MetricsConfig) == 2);
 static_assert(sizeof(ExecutionPlan) == 28);
 
 namespace {
-constexpr int kSpecVersion = 11;
+constexpr int kSpecVersion = 12;
 // Earlier versions that rp-export still reads from a run's directory. Their jobs have no
-// optimizer.update_passes: those builds updated in two passes wherever exact mode's arena held
-// every slot, which 2 gives. Version 9 stored no execution plan (the job's resolution stands in);
-// version 10's lacks the update passes (resolved from the job likewise).
+// schedule.host_memory_gb (their plans ignored host memory: 0). Versions 9 and 10 have no
+// optimizer.update_passes either: those builds updated in two passes wherever exact mode's arena
+// held every slot, which 2 gives. Version 9 stored no execution plan (the job's resolution stands
+// in); version 10's lacks the update passes (resolved from the job likewise).
 constexpr int kSpecVersionWithoutExecution = 9;
 constexpr int kSpecVersionWithoutUpdatePasses = 10;
+constexpr int kSpecVersionWithoutHostMemory = 11;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -112,8 +114,8 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modu
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks,
                                    kept_blocks, frozen_on_device, activations, weights_source,
                                    embedding_lookup, forward_cuts, backward_cuts, partition,
-                                   gpu_memory_gb, profile, profile_steps, replan_gain, drift,
-                                   node_link_gb_s)
+                                   gpu_memory_gb, host_memory_gb, profile, profile_steps,
+                                   replan_gain, drift, node_link_gb_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, memory_gb, export_hf,
                                    export_shard_mb, export_dtype, export_every)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(MetricsConfig, trace, tensorboard)
@@ -158,7 +160,7 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
-  RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers));
+  RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers, session.shared_bytes));
   {
     // The passes change no bit and no byte of memory: a profile that cannot be read here (the
     // planner reports it where it matters) leaves the choice to the cost model.
@@ -202,7 +204,10 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   const bool without_update_passes =
       without_execution ||
       (j.contains("version") && j["version"] == kSpecVersionWithoutUpdatePasses);
-  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_update_passes))
+  const bool without_host_memory =
+      without_update_passes ||
+      (j.contains("version") && j["version"] == kSpecVersionWithoutHostMemory);
+  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_host_memory))
     return Status::InvalidArgument(
         what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
         ", this build reads " + std::to_string(kSpecVersion) +
@@ -211,6 +216,7 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   try {
     spec.workers = j.at("workers").get<int>();
     if (without_update_passes) j.at("job").at("optimizer")["update_passes"] = 2;
+    if (without_host_memory) j.at("job").at("schedule")["host_memory_gb"] = 0.0;
     spec.job = j.at("job").get<JobConfig>();
     if (without_update_passes && !without_execution) {
       const ExecutionPlan resolved = ResolveExecution(spec.job);

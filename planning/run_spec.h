@@ -23,6 +23,7 @@
 #include "common/status.h"
 #include "config/execution_plan.h"
 #include "config/job_config.h"
+#include "planning/partitioner.h"
 #include "planning/plan.h"
 
 namespace rp::core {
@@ -40,6 +41,8 @@ struct RunSpec {
 struct SessionInputs {
   std::string frozen_profile;
   bool replanning_off = false;
+  // The shared-memory count schedule.host_memory_gb plans against (shm::SharedBytesFor).
+  SharedBytesOf shared_bytes;
 };
 
 StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std::string>& overrides,

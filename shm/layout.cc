@@ -225,4 +225,18 @@ StatusOr<ArenaLayout> ComputeLayout(const core::JobConfig& c, const core::Execut
   return a;
 }
 
+StatusOr<uint64_t> PlanSharedBytes(const core::JobConfig& c, const core::PipelinePlan& plan,
+                                   int workers) {
+  RP_ASSIGN_OR_RETURN(
+      const ArenaLayout layout,
+      ComputeLayout(c, core::ResolveExecution(c), core::BuildModelSpec(c.model, c.lora), plan));
+  return SharedMemoryBytes(layout, c, workers);
+}
+
+core::SharedBytesOf SharedBytesFor(int workers) {
+  return [workers](const core::JobConfig& c, const core::PipelinePlan& plan) {
+    return PlanSharedBytes(c, plan, workers);
+  };
+}
+
 }  // namespace rp::shm

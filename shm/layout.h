@@ -96,6 +96,7 @@
 #include "config/job_config.h"
 #include "config/model_spec.h"
 #include "planning/grad_arena.h"
+#include "planning/partitioner.h"
 #include "planning/plan.h"
 
 namespace rp::shm {
@@ -345,5 +346,10 @@ inline uint64_t SharedMemoryBytes(const ArenaLayout& a, const core::JobConfig& c
   return a.total_bytes + a.optim_total_bytes +
          (cpu_pools ? static_cast<uint64_t>(workers) * (kHeaderBytes + a.pool_bytes) : 0);
 }
+// SharedMemoryBytes of the layout a run of `plan` with `workers` workers would have: what the
+// planner counts against schedule.host_memory_gb (core::ChoosePlan's `shared_bytes`).
+StatusOr<uint64_t> PlanSharedBytes(const core::JobConfig& config, const core::PipelinePlan& plan,
+                                   int workers);
+core::SharedBytesOf SharedBytesFor(int workers);
 
 }  // namespace rp::shm

@@ -9,7 +9,9 @@
 //
 // --max-seq: the longest data.seq_len (a multiple of --seq-step) whose plan fits
 // schedule.gpu_memory_gb per worker (the planner's estimate) and whose shared memory fits
-// --host-memory-gb (default: this host's available memory), with the predicted tokens/s there;
+// --host-memory-gb (default: schedule.host_memory_gb, else this host's available memory), with
+// the predicted tokens/s there; with partition = "auto" the planner chooses among the plans that
+// fit both (fewer backward stages hold fewer checkpoints in host slots);
 // with train.mlp_tile_tokens = -1 the MLP tile is chosen at each length as the run would.
 // Lengths other than the job's are costed by the FLOP cost model (a profile is measured at one
 // length).
@@ -63,7 +65,9 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
   }
   const rp::core::ExecutionPlan x = rp::core::ResolveExecution(c);
   if (x.planner_chooses_partition) {
-    auto choice = rp::core::ChoosePlan(c, gpus, *costs);  // drops plans above gpu_memory_gb
+    // The planner drops the plans above either memory.
+    c.schedule.host_memory_gb = host_limit / 1e9;
+    auto choice = rp::core::ChoosePlan(c, gpus, *costs, rp::shm::SharedBytesFor(gpus));
     if (!choice.ok()) {
       f.why = choice.status().message();
       return f;
@@ -105,8 +109,9 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
         "(--set schedule.gpu_memory_gb=...)\n");
     return rp::kExitBadConfig;
   }
-  const double host_limit = host_memory_gb > 0
-                                ? host_memory_gb * 1e9
+  const double host_limit = host_memory_gb > 0 ? host_memory_gb * 1e9
+                            : cfg.schedule.host_memory_gb > 0
+                                ? cfg.schedule.host_memory_gb * 1e9
                                 : static_cast<double>(rp::shm::AvailableHostMemory());
   // Doubling to the first length that does not fit, then bisection on multiples of `step`.
   constexpr int64_t kLongest = int64_t{1} << 20;  // data.seq_len's own bound
@@ -294,7 +299,8 @@ void AddFlags(CLI::App& app, PlanFlags* f) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option(
          "--host-memory-gb", f->host_memory_gb,
-         "--max-seq: shared memory the run may take (default: this host's available memory)")
+         "--max-seq: shared memory the run may take (default: schedule.host_memory_gb, else "
+         "this host's available memory)")
       ->check(CLI::Range(0.0, 1e9));
   app.add_option("--device", f->device_name,
                  "the GPU the cost model assumes: h200 (default), h100, or custom (with --tflops "
@@ -366,7 +372,8 @@ int main(int argc, char** argv) {
   // No auto plan under schedule.gpu_memory_gb is an error only when the job asks for one; a job
   // with its own plan still runs that, so its prediction is shown with the reason.
   const bool auto_plan = rp::core::ResolveExecution(*cfg).planner_chooses_partition;
-  auto choice = rp::core::ChoosePlan(*cfg, gpus, *costs);
+  const rp::core::SharedBytesOf shared_bytes = rp::shm::SharedBytesFor(gpus);
+  auto choice = rp::core::ChoosePlan(*cfg, gpus, *costs, shared_bytes);
   if (!choice.ok() && auto_plan) {
     std::fprintf(stderr, "rp-plan: %s\n", choice.status().message().c_str());
     return rp::kExitBadConfig;
@@ -400,8 +407,17 @@ int main(int argc, char** argv) {
   // GPU.
   const rp::core::PlanChoice& runs = own ? *own : *choice;
   const auto frozen_alt =
-      rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, runs.step_seconds);
-  auto to_json = [&](const rp::core::PlanChoice& c) { return ChoiceJson(c, step_tokens); };
+      rp::core::FrozenOnDeviceAlternative(*cfg, gpus, *costs, runs.step_seconds, shared_bytes);
+  // Each plan's shared memory, as rp-launch would lay it out (-1 where it cannot be laid out).
+  auto shared_of = [&](const rp::core::PlanChoice& c) {
+    auto bytes = shared_bytes(*cfg, c.plan);
+    return bytes.ok() ? static_cast<double>(*bytes) : -1.0;
+  };
+  auto to_json = [&](const rp::core::PlanChoice& c) {
+    nlohmann::json j = ChoiceJson(c, step_tokens);
+    j["shared_memory_bytes"] = shared_of(c);
+    return j;
+  };
 
   if (json) {
     nlohmann::json out = choice.ok()
@@ -429,6 +445,12 @@ int main(int argc, char** argv) {
   }
   auto print = [&](const char* title, const rp::core::PlanChoice& c) {
     PrintChoice(title, c, step_tokens, nnodes);
+    if (const double bytes = shared_of(c); bytes >= 0) {
+      std::printf("  shared memory: %.2f GB", bytes / 1e9);
+      if (cfg->schedule.host_memory_gb > 0)
+        std::printf(" of schedule.host_memory_gb = %.2f", cfg->schedule.host_memory_gb);
+      std::printf("\n");
+    }
   };
 
   std::printf("costs: %s%s%s\n", runs.cost_source.c_str(),

@@ -11,6 +11,7 @@
 #include "planning/grad_arena.h"
 #include "planning/partitioner.h"
 #include "planning/simulator.h"
+#include "shm/layout.h"
 
 namespace rp::core {
 namespace {
@@ -948,6 +949,53 @@ TEST(Partitioner, RespectsTheMemoryLimit) {
   auto impossible = ChoosePlan(c, 2);
   ASSERT_FALSE(impossible.ok());
   EXPECT_EQ(impossible.status().message().rfind("schedule.gpu_memory_gb", 0), 0u);
+}
+
+// schedule.host_memory_gb: the fastest plan whose shared memory fits. A backward stage's first
+// block keeps its checkpoint in a host slot, so a limit just under the unlimited plan's shared
+// memory takes a plan with fewer slots and a step predicted no shorter; a limit under every plan
+// is an error naming the key and the smallest plan's bytes; the limit without a count is refused.
+TEST(Partitioner, HostMemoryLimitTradesCheckpointSlotsForRecompute) {
+  // Two workers: the fastest plan without a limit splits the backward to keep both busy.
+  JobConfig c = Small(12);
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 16384;
+  const int workers = 2;
+  const SharedBytesOf shared = shm::SharedBytesFor(workers);
+  auto costs = PlanningProfile(c);
+  ASSERT_TRUE(costs.ok());
+  auto free_choice = ChoosePlan(c, workers, *costs, shared);
+  ASSERT_TRUE(free_choice.ok()) << free_choice.status().message();
+  auto free_bytes = shared(c, free_choice->plan);
+  ASSERT_TRUE(free_bytes.ok());
+  const size_t free_slots = free_choice->plan.hidden_boundaries.size();
+  ASSERT_GT(free_slots, 1u) << free_choice->plan.Describe();
+
+  JobConfig limited = c;
+  limited.schedule.host_memory_gb = (static_cast<double>(*free_bytes) - 1.0) / 1e9;
+  auto tight = ChoosePlan(limited, workers, *costs, shared);
+  ASSERT_TRUE(tight.ok()) << tight.status().message();
+  auto tight_bytes = shared(limited, tight->plan);
+  ASSERT_TRUE(tight_bytes.ok());
+  EXPECT_LE(static_cast<double>(*tight_bytes), limited.schedule.host_memory_gb * 1e9);
+  EXPECT_LT(tight->plan.hidden_boundaries.size(), free_slots)
+      << free_choice->plan.Describe() << " -> " << tight->plan.Describe();
+  EXPECT_GE(tight->step_seconds, free_choice->step_seconds * (1.0 - 1e-9));
+  // MakePlan (what ResolveRun runs) applies the same limit.
+  auto made = MakePlan(limited, workers, shared);
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  EXPECT_EQ(made->Describe(), tight->plan.Describe());
+
+  limited.schedule.host_memory_gb = 1e-6;
+  auto none = ChoosePlan(limited, workers, *costs, shared);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("schedule.host_memory_gb"), std::string::npos)
+      << none.status().message();
+  EXPECT_NE(none.status().message().find("the smallest takes"), std::string::npos)
+      << none.status().message();
+  auto uncounted = ChoosePlan(limited, workers, *costs);
+  ASSERT_FALSE(uncounted.ok());
+  EXPECT_EQ(uncounted.status().code(), StatusCode::kInternal);
 }
 
 }  // namespace

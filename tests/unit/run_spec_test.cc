@@ -195,6 +195,7 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
   for (int version : {9, 10}) {
     j = good;
     j["version"] = version;
+    j["job"]["schedule"].erase("host_memory_gb");
     j["job"]["optimizer"].erase("update_passes");
     if (version == 9) {
       j.erase("execution");
@@ -208,6 +209,18 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
     want.two_pass_updates = run.execution.NextStepWaitsForUpdate();
     EXPECT_TRUE(older->execution == want) << version;
   }
+  // Version 11 had no schedule.host_memory_gb: its plans ignored host memory.
+  j = good;
+  j["version"] = 11;
+  j["job"]["schedule"].erase("host_memory_gb");
+  {
+    auto older = ParseRunSpec(j.dump(), "spec");
+    ASSERT_TRUE(older.ok()) << older.status().message();
+    EXPECT_EQ(older->job.schedule.host_memory_gb, 0.0);
+  }
+  j = good;
+  j["job"]["schedule"].erase("host_memory_gb");
+  refused(j, "host_memory_gb");
   j = good;
   j["execution"].erase("two_pass_updates");
   refused(j, "two_pass_updates");
