@@ -952,6 +952,63 @@ TEST_F(LaunchTest, PlanFindsTheLongestSequenceThatFitsTheMemory) {
       << unbounded.output;
 }
 
+// schedule.host_memory_gb: rp-plan's auto plan and the one rp-launch resolves stay within the
+// shared memory it allows (fewer backward stages: fewer checkpoint slots), rp-plan prints each
+// plan's shared memory, a limit no plan fits is refused before anything starts, and --max-seq
+// keeps the plan at its length under --host-memory-gb.
+TEST_F(LaunchTest, AutoPlansStayUnderTheHostMemoryLimit) {
+  const std::vector<std::string> keys = {
+      "--set", "schedule.partition=\"auto\"", "--set", "data.format=\"random\"",
+      "--set", "data.seq_len=2048",           "--set", "model.num_layers=8"};
+  const std::vector<std::string> plan_args =
+      With({BinDir() + "/rp-plan", Job(), "--gpus", "2", "--json"}, keys);
+  auto free_run = testing::RunProcess(plan_args, 120, Env());
+  ASSERT_EQ(free_run.code, 0) << free_run.output;
+  const auto free_plan = nlohmann::json::parse(free_run.output);
+  const double free_bytes = free_plan["shared_memory_bytes"].get<double>();
+  ASSERT_GT(free_bytes, 0.0) << free_run.output;
+  char limit_gb[64];
+  std::snprintf(limit_gb, sizeof(limit_gb), "%.9f", (free_bytes - 1.0) / 1e9);
+  const std::string limit = std::string("schedule.host_memory_gb=") + limit_gb;
+  auto limited = testing::RunProcess(With(plan_args, {"--set", limit}), 120, Env());
+  ASSERT_EQ(limited.code, 0) << limited.output;
+  const auto limited_plan = nlohmann::json::parse(limited.output);
+  EXPECT_LE(limited_plan["shared_memory_bytes"].get<double>(), free_bytes - 1.0);
+  EXPECT_NE(limited_plan["plan"], free_plan["plan"]) << limited.output;
+  // rp-launch resolves the same plan under the same limit.
+  auto dry = testing::RunProcess(
+      With(With({BinDir() + "/rp-launch", "--gpus", "2", Job(), "--dry-run", "--set",
+                 "job.output_dir=\"" + tmp_ + "/host-limit\"", "--set", limit},
+                keys),
+           {}),
+      120, Env());
+  ASSERT_EQ(dry.code, 0) << dry.output;
+  EXPECT_NE(dry.output.find("plan: " + limited_plan["plan"].get<std::string>() + " ("),
+            std::string::npos)
+      << limited_plan["plan"] << "\n"
+      << dry.output;
+  auto refused =
+      testing::RunProcess(With({BinDir() + "/rp-launch", "--gpus", "2", Job(), "--dry-run", "--set",
+                                "job.output_dir=\"" + tmp_ + "/host-limit\"", "--set",
+                                "schedule.host_memory_gb=0.000001"},
+                               keys),
+                          120, Env());
+  EXPECT_EQ(refused.code, kExitBadConfig) << refused.output;
+  EXPECT_NE(refused.output.find("schedule.host_memory_gb: no plan that fits the device fits in"),
+            std::string::npos)
+      << refused.output;
+  EXPECT_FALSE(fs::exists(tmp_ + "/host-limit"));
+  // --max-seq under a host limit: the plan it names at its length fits that limit.
+  auto longest =
+      testing::RunProcess(With(plan_args, {"--set", "schedule.gpu_memory_gb=0.05", "--max-seq",
+                                           "--seq-step", "256", "--host-memory-gb", limit_gb}),
+                          240, Env());
+  ASSERT_EQ(longest.code, 0) << longest.output;
+  const auto l = nlohmann::json::parse(longest.output);
+  EXPECT_LE(l["host_bytes"].get<double>(), free_bytes - 1.0) << longest.output;
+  EXPECT_NEAR(l["host_limit_bytes"].get<double>(), free_bytes - 1.0, 1.0);
+}
+
 TEST_F(LaunchTest, PlanSaysWhichDeviceItAssumes) {
   const std::vector<std::string> base = {BinDir() + "/rp-plan", Job(), "--gpus", "2", "--set",
                                          "job.device=\"cuda\""};
