@@ -297,8 +297,34 @@ StageMemory EstimateStage(const EstimateBasis& e, const BlockActivations& block,
 // whose last backward stage precedes a long forward stage.) A next job in the next step waits
 // for this step's update in exact mode with clipping, which needs this job's gradients
 // committed: unless this job reserves it, nothing of it is on the device while this job computes.
+// stale1 with clipping: a step's first commits wait for the whole previous update
+// (coordinator/step_dispatch.cc, FirstCommitMayGo), which starts only once the previous step's
+// norm is known, after its last commit. Meanwhile the worker goes on with this step's jobs and
+// holds the sums of each gradient job it finished. The first step after a start does hold them
+// all: the update before it is the slowest, writing the moments' pages for the first time.
+bool HeldUntilPreviousUpdate(const ExecutionPlan& x) {
+  return x.weight_version_lag > 0 && x.updates_wait_for_norm && !x.gradients_wait_in_workers;
+}
+
+// Per job position g of the step: the sums of the gradient jobs its worker ran earlier in the step
+// (HeldUntilPreviousUpdate), held while job g runs; zeros otherwise.
+std::vector<double> HeldBeforeEachJob(const EstimateBasis& e,
+                                      const std::vector<StageMemory>& stages,
+                                      const std::vector<JobSlot>& order, int64_t ahead) {
+  std::vector<double> held(order.size(), 0.0);
+  if (!HeldUntilPreviousUpdate(e.x)) return held;
+  std::vector<double> per_worker(static_cast<size_t>(ahead), 0.0);
+  for (size_t g = 0; g < order.size(); ++g) {
+    double& worker = per_worker[g % static_cast<size_t>(ahead)];
+    held[g] = worker;
+    worker += stages[order[g].stage].sums;
+  }
+  return held;
+}
+
 void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages,
-                  const std::vector<JobSlot>& order, int64_t ahead, MemoryEstimate* out) {
+                  const std::vector<JobSlot>& order, int64_t ahead,
+                  const std::vector<double>& held_before, MemoryEstimate* out) {
   const JobConfig& c = e.c;
   const int64_t jobs_per_step = static_cast<int64_t>(order.size());
   const bool next_step_waits = e.x.NextStepWaitsForUpdate() && e.x.updates_wait_for_norm;
@@ -310,9 +336,10 @@ void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages
     const bool waits = g + ahead >= jobs_per_step && next_step_waits && !reserves;
     const double next = waits ? 0.0 : stages[n].weights;
     const double job = stages[i].weights + stages[i].gradients + stages[i].activations + next;
-    if (out->stage < 0 || job > worst) {
-      worst = job;
+    if (out->stage < 0 || job + held_before[g] > worst) {
+      worst = job + held_before[g];
       out->stage = i;
+      out->held_gradients = held_before[g];
       out->weights = stages[i].weights;
       out->next_weights = next;
       out->gradients = stages[i].gradients;
@@ -369,7 +396,6 @@ double KeptBlocksBytes(const EstimateBasis& e) {
 // held ones.
 void EstimateDeviceUpdates(const EstimateBasis& e, const std::vector<StageMemory>& stages,
                            MemoryEstimate* out) {
-  const JobConfig& c = e.c;
   const double state_bytes = e.x.gradients_wait_in_workers ? 12.0 : 16.0;
   double covered_gradients = 0.0;
   bool covered_kept = false;
@@ -409,7 +435,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   const int calls = static_cast<int>(std::max<int64_t>(1, core::Round(c).calls));
   const auto order = StepJobOrder(plan, calls, e.x.interleave_calls);
   const int64_t ahead = std::max(1, workers);
-  FindWorstJob(e, stages, order, ahead, &out);
+  FindWorstJob(e, stages, order, ahead, HeldBeforeEachJob(e, stages, order, ahead), &out);
   // schedule.activations = "worker": every hidden-state and input-gradient slot lives on the
   // device (as the shared-memory layout would hold them: parities x microbatches x slots); an
   // activation pool (activations = "cuda_ipc") holds the same in every worker.
@@ -421,7 +447,8 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   // Fetching fp32 masters for bf16 compute rounds them through one 64 MiB staging chunk.
   if (e.x.workers_fetch_masters && e.elem == 2.0 && c.job.device != core::DeviceKind::kCpu)
     out.staging = 64.0 * (1 << 20);
-  out.held_gradients = HeldGradientBytes(e, stages, order, ahead, out.stage);
+  if (e.x.gradients_wait_in_workers)
+    out.held_gradients = HeldGradientBytes(e, stages, order, ahead, out.stage);
   out.kept = KeptBlocksBytes(e);
   // The frozen base every worker keeps (ExecutionPlan::frozen_on_device): all of it, copied at its
   // first fetch, whichever stages it runs (evaluations read every layer).
@@ -436,7 +463,11 @@ double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) 
                         m->staging + m->frozen;
   const double parts = common + m->kept + m->held_gradients + simulated_held + m->device_update;
   double peak = parts;
-  if (ResolveExecution(c).gradients_wait_in_workers) {
+  const ExecutionPlan x = ResolveExecution(c);
+  // Held until the previous update: the sums waiting for slots are among them, counted once.
+  if (HeldUntilPreviousUpdate(x))
+    peak = common + m->kept + std::max(m->held_gradients, simulated_held) + m->device_update;
+  if (x.gradients_wait_in_workers) {
     const double held = std::max(m->held_gradients, simulated_held);
     // kept_apart: at the forward's end every kept graph, the tail's gradients (among this step's
     // held ones), the covered blocks' weights of the last update and their gradients of the

@@ -45,7 +45,9 @@ struct MemoryEstimate {
   double resident = 0.0;          // activation slots on the device (activations = worker, pools)
   double staging = 0.0;           // the chunk fp32 masters are rounded through
   // Gradients waiting in the workers (ExecutionPlan::gradients_wait_in_workers): the fp32 sums of
-  // the step's other gradient jobs the busiest worker holds until the norm.
+  // the step's other gradient jobs the busiest worker holds until the norm. In stale1 with
+  // clipping: the sums of the gradient jobs this job's worker ran earlier in the step, which may
+  // wait for the whole previous update (it starts after the previous step's norm).
   double held_gradients = 0.0;
   // Kept blocks (schedule.kept_blocks): every in-flight microbatch's graph of those blocks, and
   // their weights and fp32 sums, held from their forward to their backward.

@@ -255,7 +255,8 @@ void PrintChoice(const char* title, const rp::core::PlanChoice& c, double step_t
   const auto& m = c.memory;
   std::printf(
       "    during %s: weights %.2f, next job's weights %.2f, gradients %.2f, activations %.2f, "
-      "gradients waiting for slots %.2f, for the norm %.2f, resident activation slots %.2f, "
+      "gradients waiting for slots %.2f, for the norm or the previous update %.2f, resident "
+      "activation slots %.2f, "
       "staging %.2f, "
       "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never "
       "at once %.2f GB\n",

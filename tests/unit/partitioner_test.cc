@@ -798,6 +798,40 @@ TEST(Partitioner, MemoryEstimateCountsGradientsWaitingInTheWorkersForTheNorm) {
   EXPECT_LT(EstimateMemory(held, *plan, 2).held_gradients, workers.held_gradients);
 }
 
+// stale1 with clipping: a step's first commits wait for the whole previous update, which starts
+// after the previous step's norm, so a worker holds the sums of the gradient jobs it ran earlier
+// in the step. Counted at the job they are held during, once with the gradients the simulator
+// has waiting for slots (the same tensors); not in exact mode, not without clipping (the update
+// then streams with the commits), not on a worker that ran no gradient job before.
+TEST(Partitioner, MemoryEstimateCountsStale1GradientsWaitingForThePreviousUpdate) {
+  JobConfig c = OneStageOfEachKind(24);  // F[0,24) T[24,26) B[0,24): the tail's job runs first
+  c.model.tie_embeddings = false;
+  c.train.accum_calls = 1;
+  c.train.grad_clip = 1.0;
+  auto plan = BuildPlan(c);
+  ASSERT_TRUE(plan.ok());
+  JobConfig stale = c;
+  stale.optimizer.mode = OptimizerMode::kStale1;
+  const MemoryEstimate exact = EstimateMemory(c, *plan, 1), m = EstimateMemory(stale, *plan, 1);
+  EXPECT_EQ(exact.held_gradients, 0.0);
+  ASSERT_EQ(plan->stages[m.stage].Describe(), "B[0,24)");
+  const core::ModelSpec spec = core::BuildModelSpec(c.model, c.lora);
+  double tail_sums = 0.0;
+  for (int l = 24; l < 26; ++l)
+    for (const auto& use : spec.layer_uses[l])
+      tail_sums += 4.0 * static_cast<double>(spec.params[use.param].numel);
+  EXPECT_DOUBLE_EQ(m.held_gradients, tail_sums);
+  MemoryEstimate copy = m;
+  EXPECT_DOUBLE_EQ(PeakMemory(stale, &copy, 0.5 * tail_sums), m.total);
+  copy = m;
+  EXPECT_DOUBLE_EQ(PeakMemory(stale, &copy, 2.0 * tail_sums), m.total + tail_sums);
+  JobConfig unclipped = stale;
+  unclipped.train.grad_clip = 0.0;
+  EXPECT_EQ(EstimateMemory(unclipped, *plan, 1).held_gradients, 0.0);
+  // Two workers: the tail's job runs on the other one.
+  EXPECT_EQ(EstimateMemory(stale, *plan, 2).held_gradients, 0.0);
+}
+
 TEST(Partitioner, HeldGradientsKeptGraphsAndDeviceUpdatesAreCountedWhenTheyAreOnTheDeviceTogether) {
   // Gradients waiting in the workers, blocks kept before the tail, device-updated first blocks:
   // the kept graphs are whole only until the backward stages after the tail, the held gradients
