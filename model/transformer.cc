@@ -494,15 +494,19 @@ at::Tensor Transformer::Attention(const at::Tensor& q, const at::Tensor& k,
   // q: [B, nh, S, D]; k, v: [B, nkv, S, D]. Expand kv heads for grouped-query attention.
   const int64_t groups = config_.num_heads / config_.num_kv_heads;
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-  // Fused kernels on the GPU, grouped-query attention without expanding k and v (the flash
-  // kernel indexes the shared heads); the CPU keeps the explicit path below, the oracle.
-  if (q.is_cuda())
+  // Fused kernels on the GPU, grouped-query attention without expanding k and v in half
+  // precision (the flash kernel indexes the shared heads); the CPU keeps the explicit path below,
+  // the oracle.
+  if (q.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf))
     return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
                                             /*enable_gqa=*/groups > 1);
 #endif
   at::Tensor ke = groups > 1 ? k.repeat_interleave(groups, 1) : k;
   at::Tensor ve = groups > 1 ? v.repeat_interleave(groups, 1) : v;
 #if TORCH_VERSION_MAJOR >= 2
+  // fp32 takes the memory-efficient kernel, which keeps no score matrix but takes no shared
+  // heads: asked for grouped-query attention, SDPA would fall back to the kernel that holds every
+  // score (seq x seq per head), so k and v are expanded instead (their size is linear in seq).
   if (q.is_cuda()) return at::scaled_dot_product_attention(q, ke, ve, {}, 0.0, /*is_causal=*/true);
 #endif
   const int64_t S = q.size(2);

@@ -363,12 +363,18 @@ class CudaDevice final : public Device {
     StreamWaitsForCompute(d2h_);
     ThrowIfError(cudaMemcpyAsync(dst, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, d2h_),
                  "cudaMemcpyAsync(D2H)");
-    keep_alive_.push_back(src);
+    PendingStore p;
+    p.copied = TakeEvent();
+    ThrowIfError(cudaEventRecord(p.copied, d2h_), "cudaEventRecord(store)");
+    p.source = std::move(src);
+    pending_store_bytes_ += p.source.nbytes();
+    pending_stores_.push_back(std::move(p));
+    ReleaseStoredSources();
   }
 
   void Synchronize() override {
     ThrowIfError(cudaStreamSynchronize(d2h_), "cudaStreamSynchronize(d2h)");
-    keep_alive_.clear();
+    DropPendingStores();
     // Pool copies run on the compute stream. A store must be complete before a peer may read it;
     // a read from a peer's pool before the owner may overwrite that slot (the owner rewrites it
     // only after this worker's MicrobatchDone or JobDone). The worker's microbatches rely on
@@ -387,8 +393,8 @@ class CudaDevice final : public Device {
                  "cudaEventRecord(completion, compute)");
     c.d2h = TakeEvent();
     ThrowIfError(cudaEventRecord(c.d2h, d2h_), "cudaEventRecord(completion, d2h)");
-    c.keep_alive = std::move(keep_alive_);
-    keep_alive_.clear();
+    for (auto& p : pending_stores_) c.keep_alive.push_back(std::move(p.source));
+    DropPendingStores();
     pool_copies_pending_ = false;
     completions_.push_back(std::move(c));
     return completion_counter_;
@@ -708,6 +714,34 @@ class CudaDevice final : public Device {
 
   cudaEvent_t TakeEvent() { return events_.Take(); }
 
+  // A store's source stays allocated until its copy is done. A forward stage that writes every
+  // block's input to the host (one backward stage per block) would otherwise hold all of them until
+  // the microbatch's fence, where the planner counts one block's working set: sources whose copies
+  // are done are freed at each store, and older sources beyond kStoreBytesAhead are waited for
+  // (copies finish in order on d2h_). Short-sequence stores stay under that bound and never wait,
+  // so the host keeps enqueueing ahead of the device.
+  static constexpr uint64_t kStoreBytesAhead = 256ull << 20;
+  void ReleaseStoredSources() {
+    while (pending_stores_.size() > 1) {
+      PendingStore& oldest = pending_stores_.front();
+      if (!EventDone(oldest.copied, "cudaEventQuery(store)")) {
+        if (pending_store_bytes_ - pending_stores_.back().source.nbytes() <= kStoreBytesAhead)
+          return;
+        ThrowIfError(cudaEventSynchronize(oldest.copied), "cudaEventSynchronize(store)");
+      }
+      pending_store_bytes_ -= oldest.source.nbytes();
+      events_.Give(oldest.copied);
+      pending_stores_.pop_front();
+    }
+  }
+  // Forgets the pending stores' events and sources: the caller has waited for d2h_ or holds the
+  // sources until a later event on it.
+  void DropPendingStores() {
+    for (auto& p : pending_stores_) events_.Give(p.copied);
+    pending_stores_.clear();
+    pending_store_bytes_ = 0;
+  }
+
   static bool EventDone(cudaEvent_t e, const char* what) {
     const cudaError_t q = cudaEventQuery(e);
     if (q == cudaSuccess) return true;
@@ -753,7 +787,12 @@ class CudaDevice final : public Device {
   std::deque<Fence> fences_;
   std::vector<cudaEvent_t> marks_;
   uint64_t fence_counter_ = 0;
-  std::vector<at::Tensor> keep_alive_;  // sources of activation D2H copies since the last fence
+  struct PendingStore {
+    cudaEvent_t copied = nullptr;  // recorded on d2h_ after the copy
+    at::Tensor source;
+  };
+  std::deque<PendingStore> pending_stores_;  // activation D2H copies since the last fence, in order
+  uint64_t pending_store_bytes_ = 0;         // their sources' bytes
   struct Completion {
     uint64_t id = 0;
     cudaEvent_t compute = nullptr, d2h = nullptr;

@@ -372,12 +372,12 @@ TEST_F(GpuTest, InjectedCudaFaultIsSurvivedByAReplacementWorker) {
 // Long sequences on CUDA workers in fp32: 32,768-token sequences with the dense MLPs in tiles of
 // 3,000 tokens (tiles that do not divide the sequence), and with layer recompute too, train as
 // the untiled run does, within 1e-5 (losses and gradient norms; the GPU's backward kernels are
-// not bit-reproducible run to run). Two and three workers run 16,384-token sequences: the
-// workers share the one GPU, and fp32 attention with grouped-query heads takes the kernel that
-// holds every score (16 GiB per worker at 32K with this job's 4 heads).
+// not bit-reproducible run to run). Two and three workers, which share the one GPU, run
+// 16,384-token sequences.
 TEST_F(GpuTest, CudaTiledMlpsAt32KMatchTheUntiledRun) {
-  // The untiled 32K run holds about 80 GiB (measured on an H100: out of memory at 65 GiB in use
-  // with 16 GiB more asked for); an H200's 141 GB holds it.
+  // Sized for the untiled 32K run as measured when fp32 attention held every score (about 80
+  // GiB; an H100 ran out of memory at 65 GiB in use with 16 GiB more asked for). fp32 attention
+  // now takes the memory-efficient kernel, which holds no score.
   if (const double gib = DeviceMemoryGiB(); gib < 100)
     GTEST_SKIP() << "the untiled 32K-token run needs a GPU of about 100 GiB or more; this one has "
                  << gib << " GiB";
@@ -575,9 +575,10 @@ TEST_F(GpuTest, CudaGradientsHeldForTheNormMatchCpuReference) {
   EXPECT_GT(expected_norms[0], 0.05);
   // The GPU's gradients differ from the CPU's in summation order, and the norm is the most
   // sensitive figure of a step (the first within 1e-5; later steps' grow with the trajectory's
-  // own drift, 4.4e-5 at step 19 measured on the H200).
+  // own drift: 3.4e-4 at step 19 measured on an H100 with fp32 attention in the memory-efficient
+  // kernel, whose sums run in another order than the explicit attention's).
   for (size_t s = 0; s < norms.size(); ++s)
-    EXPECT_NEAR(norms[s], expected_norms[s], (s == 0 ? 1e-5 : 1e-4) * expected_norms[s])
+    EXPECT_NEAR(norms[s], expected_norms[s], (s == 0 ? 1e-5 : 1e-3) * expected_norms[s])
         << "step " << s + 1;
   std::printf(
       "cuda fp32, gradients held on the GPU for the norm, vs cpu reference: max relative loss "
