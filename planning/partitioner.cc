@@ -288,15 +288,6 @@ StageMemory EstimateStage(const EstimateBasis& e, const BlockActivations& block,
   return m;
 }
 
-// The job whose worker holds the most. While a job runs, its worker holds the weights of its
-// next job: prefetched, or reserved (allocated, copied into as published) when the running job is
-// a layer-major forward job. Jobs go to workers round-robin in the step's order (StepJobOrder:
-// with interleaved calls F c0, F c1, T c0, B c0, T c1, B c1), so the next job of the job at
-// position g is the one at g + workers, of this step or the next. (Pairing the worst stage with
-// the largest weights of any stage overstates plans with one long stage, such as an auto plan
-// whose last backward stage precedes a long forward stage.) A next job in the next step waits
-// for this step's update in exact mode with clipping, which needs this job's gradients
-// committed: unless this job reserves it, nothing of it is on the device while this job computes.
 // stale1 with clipping: a step's first commits wait for the whole previous update
 // (coordinator/step_dispatch.cc, FirstCommitMayGo), which starts only once the previous step's
 // norm is known, after its last commit. Meanwhile the worker goes on with this step's jobs and
@@ -322,6 +313,16 @@ std::vector<double> HeldBeforeEachJob(const EstimateBasis& e,
   return held;
 }
 
+// The job whose worker holds the most. While a job runs, its worker holds the weights of its
+// next job: prefetched, or reserved (allocated, copied into as published) when the running job is
+// a layer-major forward job. Jobs go to workers round-robin in the step's order (StepJobOrder:
+// with interleaved calls F c0, F c1, T c0, B c0, T c1, B c1), so the next job of the job at
+// position g is the one at g + workers, of this step or the next. (Pairing the worst stage with
+// the largest weights of any stage overstates plans with one long stage, such as an auto plan
+// whose last backward stage precedes a long forward stage.) A next job in the next step waits
+// for this step's update in exact mode with clipping, which needs this job's gradients
+// committed: unless this job reserves it, nothing of it is on the device while this job computes.
+// Each job also counts `held_before` (HeldBeforeEachJob): the sums its worker holds meanwhile.
 void FindWorstJob(const EstimateBasis& e, const std::vector<StageMemory>& stages,
                   const std::vector<JobSlot>& order, int64_t ahead,
                   const std::vector<double>& held_before, MemoryEstimate* out) {
