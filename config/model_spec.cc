@@ -48,8 +48,9 @@ int64_t CompactLookupRows(const JobConfig& c, const ModelSpec& spec, int slot) {
   // Several nodes sum the slot across them: its rows must mean the same everywhere, so it holds
   // every row there, not this node's tokens' rows.
   if (c.nodes.count > 1) return 0;
-  if (core::Round(c).calls != 1 || spec.TiedRowElems(g.param) == 0 || g.layer != p.owner_layer ||
-      g.layer != 0)
+  // TiedRowElems scans every slot: asked last, for the embedding's lookup slot only.
+  if (g.layer != 0 || g.layer != p.owner_layer || core::Round(c).calls != 1 ||
+      spec.TiedRowElems(g.param) == 0)
     return 0;
   const int64_t tokens = core::Round(c).microbatches * c.train.microbatch_size * c.data.seq_len;
   return std::min(p.shape[0], tokens);

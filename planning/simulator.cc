@@ -632,7 +632,7 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       // The norm moves host memory at the same rate. A tied embedding squares its head slot's
       // rows before its lookup slot is final; at the end it folds (reads both, writes one) and
       // squares the rows of the step's tokens only.
-      const double bytes = spec.TiedRowElems(static_cast<int>(p)) > 0
+      const double bytes = slots[p] == 2 && spec.TiedRowElems(static_cast<int>(p)) > 0
                                ? touched_rows * static_cast<double>(ps.shape[1]) * 12.0
                                : numel * 4.0 * slots[p];
       if (!in.commits_wait_for_norm) in.norm_s[ps.owner_layer] += bytes / host_bytes_per_s;
