@@ -719,8 +719,9 @@ const std::vector<KeySpec>& Table() {
             "block keeps its checkpoint in a host slot (one per microbatch, twice over where "
             "consecutive steps overlap), so under this limit the planner recomputes across more "
             "blocks per stage instead (rp-plan prints the shared memory of its plan; --max-seq "
-            "plans for --host-memory-gb); 0 = the plan ignores host memory (rp-launch still "
-            "refuses segments larger than /dev/shm)"),
+            "plans for --host-memory-gb); with partition = equal, a plan over it is refused; "
+            "0 = the plan ignores host memory (rp-launch still refuses segments larger than "
+            "/dev/shm)"),
 
       Int("checkpoint", "every", F(checkpoint.every), 0, 0, kMax,
           "Write a training-state checkpoint (step-N.rpstate: masters, moments, compute copies) "

@@ -944,6 +944,17 @@ StatusOr<core::RunSpec> ResolveAndCheck(const LaunchOptions& o) {
     return layout.status();
   }
   shared_bytes = shm::SharedMemoryBytes(*layout, *cfg, o.gpus);
+  // An auto plan fits schedule.host_memory_gb by its choice; the job's own plan is checked here.
+  if (cfg->schedule.host_memory_gb > 0 &&
+      static_cast<double>(shared_bytes) > cfg->schedule.host_memory_gb * 1e9) {
+    char sizes[96];
+    std::snprintf(sizes, sizeof(sizes), "takes %.2f GB of shared memory, over the limit of %.2f GB",
+                  static_cast<double>(shared_bytes) / 1e9, cfg->schedule.host_memory_gb);
+    return Status::InvalidArgument("schedule.host_memory_gb: the job's plan " +
+                                   run.plan.Describe() + " " + sizes +
+                                   "; set schedule.partition = \"auto\" to plan under it, or "
+                                   "use fewer backward stages");
+  }
   // The files the run reads at its start, checked here (headers only) so a bad path is refused
   // before anything exists: the weights of model.path and lora.init_from, and with --resume the
   // newest checkpoint's header against this job.

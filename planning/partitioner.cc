@@ -630,8 +630,8 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
                     c.schedule.host_memory_gb, smallest_host / 1e9);
       return Status::InvalidArgument(
           std::string("schedule.host_memory_gb: ") + text +
-          " (weights, optimizer state, gradient arena and activation slots: rp-launch --dry-run "
-          "shows where the bytes go)");
+          " (weights, optimizer state, gradient arena and activation slots; without the limit "
+          "rp-launch --dry-run shows where they go): raise the limit, or shorten data.seq_len");
     }
     return Status::InvalidArgument("schedule.gpu_memory_gb: no plan fits in " +
                                    std::to_string(c.schedule.gpu_memory_gb) +

@@ -998,6 +998,15 @@ TEST_F(LaunchTest, AutoPlansStayUnderTheHostMemoryLimit) {
             std::string::npos)
       << refused.output;
   EXPECT_FALSE(fs::exists(tmp_ + "/host-limit"));
+  // The job's own plan (partition = "equal") over the limit is refused the same way.
+  auto own_over = testing::RunProcess(
+      {BinDir() + "/rp-launch", "--gpus", "2", Job(), "--dry-run", "--set",
+       "job.output_dir=\"" + tmp_ + "/host-limit\"", "--set", "schedule.host_memory_gb=0.000001"},
+      120, Env());
+  EXPECT_EQ(own_over.code, kExitBadConfig) << own_over.output;
+  EXPECT_NE(own_over.output.find("schedule.host_memory_gb: the job's plan F["), std::string::npos)
+      << own_over.output;
+  EXPECT_FALSE(fs::exists(tmp_ + "/host-limit"));
   // --max-seq under a host limit: the plan it names at its length fits that limit.
   auto longest =
       testing::RunProcess(With(plan_args, {"--set", "schedule.gpu_memory_gb=0.05", "--max-seq",
