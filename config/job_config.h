@@ -277,6 +277,10 @@ struct ScheduleConfig {
   int64_t tail_blocks = 0;      // decoder blocks fused into the tail with norm + head + loss
   int64_t kept_blocks = 0;      // blocks before the tail whose forward graphs wait on the device;
                                 // kKeptBlocksAuto = as many as fit gpu_memory_gb
+  // Each recomputed block's attention output and log-sum-exp wait on the device from its forward
+  // to its backward stage, whose recompute then runs no attention forward
+  // (model/recorded_attention.h)
+  bool keep_attention = false;
   // LoRA: each worker keeps the whole frozen base on its device (ExecutionPlan)
   ModeKey<bool> frozen_on_device = false;
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing

@@ -62,6 +62,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ExecutionPlan& execut
   if (emulate_half_) math_.SetEmbedRounding(store_dtype_);
   math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
   math_.UseGroupedExperts(cfg.bench.grouped_experts);
+  math_.UseRecordedAttention(cfg.schedule.keep_attention);
 }
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
@@ -295,6 +296,7 @@ StatusOr<MicrobatchResult> Executor::Evaluate(const proto::RunEval& job,
         c10::NoGradGuard no_grad;
         math_.SetTraining(false);
         math_.SetDocuments(DocumentsAt(layout_.EvalPositionSlot(job.slot)));
+        math_.SetAttentionRecords(nullptr, false);  // an eval neither keeps nor reads any
         const std::vector<int64_t> shape = {cfg_.train.microbatch_size, cfg_.data.seq_len};
         at::Tensor x = device_.FetchActivation(segment_.data() + layout_.EvalTokenSlot(job.slot),
                                                shape, at::kLong);
@@ -356,6 +358,18 @@ Status Executor::Begin(const proto::RunJob& job, bool all_inputs_ready) {
   job_ = job;
   stage_ = plan_.stages[job.stage];
   current_ = std::move(next_);
+  math_.SetAttentionRecords(nullptr, false);
+  if (stage_.kind == core::StageKind::kForward) {
+    // Records of earlier steps nobody took (their backward ran elsewhere) and this stage's own
+    // from an earlier attempt.
+    for (auto it = attention_.begin(); it != attention_.end();) {
+      const auto& [step, call, mb] = it->first;
+      auto& layers = it->second.layers;
+      if (step == job.step && call == job.call)
+        layers.erase(layers.lower_bound(stage_.begin), layers.lower_bound(stage_.end));
+      it = step < job.step || layers.empty() ? attention_.erase(it) : std::next(it);
+    }
+  }
   if (stage_.kind == core::StageKind::kForward && KeptFrom(stage_) < stage_.end) {
     // Defensive: graphs of earlier steps nobody adopted and this job's own from an earlier attempt.
     // Neither happens while the one worker runs every job in step order (a failed job ends the
@@ -567,6 +581,35 @@ void Executor::SetMicrobatchFor(int mb) {
     it = documents_.emplace(key, DocumentsAt(layout_.PositionSlot(job_.parity, mb))).first;
   }
   math_.SetDocuments(it->second);
+  UseAttentionRecords(mb);
+}
+
+void Executor::UseAttentionRecords(int mb) {
+  math_.SetAttentionRecords(nullptr, false);
+  if (!cfg_.schedule.keep_attention) return;
+  const auto key = std::make_tuple(job_.step, static_cast<int64_t>(job_.call), mb);
+  if (stage_.kind == core::StageKind::kForward) {
+    KeptAttention& k = attention_[key];
+    if (k.weights_version != job_.weights_version) {
+      k.layers.clear();
+      k.weights_version = job_.weights_version;
+    }
+    math_.SetAttentionRecords(&k.layers, /*write=*/true);
+  } else if (stage_.kind == core::StageKind::kBackward) {
+    auto it = attention_.find(key);
+    // Records of other weights are another forward's: recompute instead.
+    if (it != attention_.end() && it->second.weights_version == job_.weights_version)
+      math_.SetAttentionRecords(&it->second.layers, /*write=*/false);
+  }
+}
+
+void Executor::DropAttentionRecords(int mb) {
+  math_.SetAttentionRecords(nullptr, false);
+  auto it = attention_.find(std::make_tuple(job_.step, static_cast<int64_t>(job_.call), mb));
+  if (it == attention_.end()) return;
+  auto& layers = it->second.layers;
+  layers.erase(layers.lower_bound(stage_.begin), layers.lower_bound(stage_.end));
+  if (layers.empty()) attention_.erase(it);
 }
 
 model::Documents Executor::DocumentsAt(uint64_t positions) {
@@ -691,11 +734,15 @@ void Executor::SegmentedForward(const at::Tensor& x, int end, Segments* seg) {
   for (int l = stage_.begin; l < end; ++l) {
     at::Tensor in = l == stage_.begin ? x : seg->outputs.back().detach().requires_grad_(true);
     const int64_t before = job_.profile ? device_.AllocatedBytes() : -1;
+    // A layer whose attention comes from its forward's record is timed apart: the profile's
+    // recompute is the whole autograd forward.
+    const auto phase =
+        math_.HasAttentionRecord(l) ? proto::LayerPhase::kReplay : proto::LayerPhase::kRecompute;
     const int a = MarkIfProfiling();
     at::Tensor y = math_.Layer(l, current_.layers[l - stage_.begin], in);
     const int b = MarkIfProfiling();
     const int64_t after = job_.profile ? device_.AllocatedBytes() : -1;
-    Timed(l, proto::LayerPhase::kRecompute, a, b, before >= 0 && after >= 0 ? after - before : -1);
+    Timed(l, phase, a, b, before >= 0 && after >= 0 ? after - before : -1);
     seg->inputs.push_back(in);
     seg->outputs.push_back(y);
   }
@@ -802,6 +849,7 @@ MicrobatchResult Executor::RunBackward(int mb) {
   }
   if (stage_.begin > 0) StoreInputGrad(mb, stage_.begin, g);
   math_.SetRouterAuxGrad({});
+  DropAttentionRecords(mb);
   return {};
 }
 
@@ -1030,6 +1078,7 @@ StatusOr<uint64_t> Executor::StartChunkSquares(int64_t job_index, double* table)
 
 void Executor::End() {
   math_.SetWeightGradSinks({});
+  math_.SetAttentionRecords(nullptr, false);
   // A forward job's kept layers: their weights and sums wait with their graphs (KeptLayer).
   if (stage_.kind == core::StageKind::kForward)
     for (auto& g : current_.grads)

@@ -377,6 +377,19 @@ class Executor {
   // SetMicrobatchFor's documents by (step, call, microbatch); entries of steps before the
   // previous one are dropped.
   std::map<std::tuple<int64_t, int64_t, int>, model::Documents> documents_;
+  // schedule.keep_attention: what forward stages recorded of each block's attention, by (step,
+  // call, microbatch), for the backward stage of the same microbatch (which takes the records out
+  // as its recompute uses them and drops the rest of its layers'). A forward job drops those of
+  // earlier steps: a backward stage that ran on another worker recomputed them.
+  struct KeptAttention {
+    int64_t weights_version = -1;
+    model::AttentionRecords layers;
+  };
+  std::map<std::tuple<int64_t, int64_t, int>, KeptAttention> attention_;
+  // The current microbatch's records (SetMicrobatchFor) and, in a backward stage, dropping what is
+  // left of its layers' once its microbatch is done.
+  void UseAttentionRecords(int mb);
+  void DropAttentionRecords(int mb);
   core::Stage stage_{};
   InputSources from_{};  // the microbatch being computed's
   StageWeights current_, next_;

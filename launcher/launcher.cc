@@ -908,6 +908,13 @@ Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::RunSpec& run, 
         static_cast<long long>(cfg.schedule.kept_blocks), o.gpus,
         static_cast<long long>(cfg.nodes.count));
   }
+  if (cfg.schedule.keep_attention && (o.gpus != 1 || cfg.nodes.count > 1)) {
+    return Refusal(
+        "schedule.keep_attention keeps each block's attention output in the worker that ran its "
+        "forward, for its backward, and needs one worker in the run (this launch asks for %d on "
+        "%lld node(s)); set it to false",
+        o.gpus, static_cast<long long>(cfg.nodes.count));
+  }
   return Status::Ok();
 }
 

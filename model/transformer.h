@@ -33,6 +33,7 @@
 #include "config/job_config.h"
 #include "model/documents.h"
 #include "model/fused_kernels.h"
+#include "model/recorded_attention.h"
 
 namespace rp::model {
 
@@ -84,6 +85,18 @@ class Transformer {
   // to the rounding of the weight gradients' sums (and, with the fused kernels, of the residual
   // sum, which the untiled block's fused add-and-norm keeps in fp32 for its norm).
   void SetMlpTileTokens(int64_t tokens) { mlp_tile_tokens_ = tokens; }
+  // schedule.keep_attention: every block's attention runs through RecordedAttention
+  // (model/recorded_attention.h), whose backward needs no forward. Off: the kernels above.
+  void UseRecordedAttention(bool on) { recorded_attention_ = on; }
+  // Where that attention keeps its records by layer (without autograd and `write`: stores them;
+  // otherwise reads them); null: nowhere. Not owned; must outlive its use.
+  void SetAttentionRecords(AttentionRecords* records, bool write) {
+    attention_records_ = records;
+    write_attention_ = write;
+  }
+  bool HasAttentionRecord(int layer) const {
+    return attention_records_ != nullptr && attention_records_->count(layer) > 0;
+  }
   // A dense block's MLP on h (any leading shape, tokens in flattened order starting at token
   // `first_token` of the microbatch, which keys the LoRA dropout masks).
   at::Tensor Mlp(const LayerWeights& w, const at::Tensor& h, int layer, int64_t first_token);
@@ -231,6 +244,9 @@ class Transformer {
   at::Tensor router_aux_grad_;
   int64_t loss_chunk_tokens_;
   int64_t mlp_tile_tokens_ = 0;
+  bool recorded_attention_ = false;
+  AttentionRecords* attention_records_ = nullptr;
+  bool write_attention_ = false;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
   Documents documents_;
 };

@@ -390,6 +390,21 @@ double KeptBlocksBytes(const EstimateBasis& e) {
   return calls_in_flight * per_call;
 }
 
+// schedule.keep_attention: each recomputed block's attention output (the compute dtype) and its
+// rows' fp32 log-sum-exp, per query head, for every microbatch of a round (twice over with
+// interleaved calls, as KeptBlocksBytes), held from its forward stage to its backward stage.
+double KeptAttentionBytes(const EstimateBasis& e) {
+  const JobConfig& c = e.c;
+  if (!c.schedule.keep_attention) return 0.0;
+  int recomputed = 0;
+  for (int l = 1; l < std::min(e.plan.tail_start, e.plan.num_layers - 1); ++l)
+    if (!e.plan.KeepsGraph(l)) ++recomputed;
+  const double calls_in_flight = e.x.interleave_calls && core::Round(c).calls >= 2 ? 2.0 : 1.0;
+  const double record = e.tokens * static_cast<double>(c.model.num_heads) *
+                        (static_cast<double>(c.model.head_dim) * e.elem + 4.0);
+  return calls_in_flight * static_cast<double>(core::Round(c).microbatches) * recomputed * record;
+}
+
 // Device updates: the covered blocks' fp32 masters and moments (prefetched during the backward)
 // and their fp32 gradients wait on the device for the step's constants, then their new weights in
 // the compute dtype stay until the next step's update replaces them (PeakMemory says when they
@@ -451,6 +466,7 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
   if (e.x.gradients_wait_in_workers)
     out.held_gradients = HeldGradientBytes(e, stages, order, ahead, out.stage);
   out.kept = KeptBlocksBytes(e);
+  out.kept_attention = KeptAttentionBytes(e);
   // The frozen base every worker keeps (ExecutionPlan::frozen_on_device): all of it, copied at its
   // first fetch, whichever stages it runs (evaluations read every layer).
   out.frozen = e.x.frozen_on_device ? static_cast<double>(e.spec.FrozenParams()) * e.elem : 0.0;
@@ -460,14 +476,16 @@ MemoryEstimate EstimateMemory(const JobConfig& c, const PipelinePlan& plan, int 
 }
 
 double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) {
+  // Kept attention records wait from the forward to the backward, as kept graphs do.
+  const double kept = m->kept + m->kept_attention;
   const double common = m->weights + m->next_weights + m->gradients + m->activations + m->resident +
                         m->staging + m->frozen;
-  const double parts = common + m->kept + m->held_gradients + simulated_held + m->device_update;
+  const double parts = common + kept + m->held_gradients + simulated_held + m->device_update;
   double peak = parts;
   const ExecutionPlan x = ResolveExecution(c);
   // Held until the previous update: the sums waiting for slots are among them, counted once.
   if (HeldUntilPreviousUpdate(x))
-    peak = common + m->kept + std::max(m->held_gradients, simulated_held) + m->device_update;
+    peak = common + kept + std::max(m->held_gradients, simulated_held) + m->device_update;
   if (x.gradients_wait_in_workers) {
     const double held = std::max(m->held_gradients, simulated_held);
     // kept_apart: at the forward's end every kept graph, the tail's gradients (among this step's
@@ -475,10 +493,10 @@ double PeakMemory(const JobConfig& c, MemoryEstimate* m, double simulated_held) 
     // previous step; at the backward's end every held gradient and the covered blocks' state,
     // the kept graphs gone. Otherwise all at once.
     const double forward_end =
-        m->kept + std::min(m->held_with_kept, held) + m->covered_waiting + m->device_update_weights;
+        kept + std::min(m->held_with_kept, held) + m->covered_waiting + m->device_update_weights;
     const double backward_end = held + m->device_update;
-    peak = common + (m->kept_apart ? std::max(forward_end, backward_end)
-                                   : m->kept + held + m->device_update);
+    peak = common +
+           (m->kept_apart ? std::max(forward_end, backward_end) : kept + held + m->device_update);
   }
   m->not_at_once = parts - peak;
   return peak;
@@ -545,7 +563,11 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   double smallest_host = std::numeric_limits<double>::infinity();
   std::string host_error;  // a plan whose shared memory could not be counted
   const std::vector<double> fwd_cost = profile.ForwardCosts();
-  const std::vector<double> bwd_cost = profile.BackwardCosts();
+  std::vector<double> bwd_cost = profile.BackwardCosts();
+  // Backward stages' layers (the tail's never are): records stand in for their attention.
+  for (size_t l = 0; l < bwd_cost.size(); ++l)
+    bwd_cost[l] += ReplayedRecompute(c, profile.layers[l], static_cast<int>(l)) -
+                   profile.layers[l].recompute_s;
   double best_step = std::numeric_limits<double>::infinity();
   PipelinePlan best_plan;
   int best_jobs = std::numeric_limits<int>::max();

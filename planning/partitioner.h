@@ -52,6 +52,9 @@ struct MemoryEstimate {
   // Kept blocks (schedule.kept_blocks): every in-flight microbatch's graph of those blocks, and
   // their weights and fp32 sums, held from their forward to their backward.
   double kept = 0.0;
+  // schedule.keep_attention: every in-flight microbatch's attention records of the recomputed
+  // blocks, held from their forward to their backward (PeakMemory counts them with `kept`).
+  double kept_attention = 0.0;
   // schedule.frozen_on_device: the whole frozen base in the compute dtype, kept on the device
   // (and left out of `weights` and `next_weights`).
   double frozen = 0.0;

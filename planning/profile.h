@@ -64,6 +64,12 @@ struct Profile {
 
 std::string WorkloadKey(const JobConfig& config);
 
+// schedule.keep_attention: what pipeline layer `layer`'s recompute in a backward stage costs when
+// its attention comes from the forward's record, `cost` its measured or modelled costs: its
+// recompute_s less the attention core's share of it by the FLOP count (the core's forward FLOPs
+// over the layer's). The layer's recompute_s where the key is off or the layer is no block.
+double ReplayedRecompute(const JobConfig& config, const LayerCost& cost, int layer);
+
 // Median of `v` (mean of the middle two for an even count); -1 for an empty vector.
 double Median(std::vector<double> v);
 
@@ -108,6 +114,9 @@ class ProfileBuilder {
  public:
   explicit ProfileBuilder(int num_layers) : samples_(num_layers) {}
   // phase: 0 forward, 1 recompute, 2 backward (proto::LayerPhase); bytes < 0: not measured.
+  // Phase 3 (a recompute whose attention came from a record, schedule.keep_attention) is not
+  // taken: recompute_s is the whole autograd forward, and the planner takes the attention's share
+  // off where records stand in (ReplayedRecompute).
   void AddLayer(int layer, int phase, double seconds, double saved_bytes);
   void AddLink(double h2d_bytes_per_s, double d2h_bytes_per_s);
   // The medians of the links reported so far (0 before any); kept across Clear().

@@ -35,8 +35,9 @@ static_assert(sizeof(MetricsConfig) == 2);
 static_assert(sizeof(ExecutionPlan) == 28);
 
 namespace {
-constexpr int kSpecVersion = 12;
+constexpr int kSpecVersion = 13;
 // Earlier versions that rp-export still reads from a run's directory. Their jobs have no
+// schedule.keep_attention (false: their attention was recomputed) and before version 12 no
 // schedule.host_memory_gb (their plans ignored host memory: 0). Versions 9 and 10 have no
 // optimizer.update_passes either: those builds updated in two passes wherever exact mode's arena
 // held every slot, which 2 gives. Version 9 stored no execution plan (the job's resolution stands
@@ -44,6 +45,7 @@ constexpr int kSpecVersion = 12;
 constexpr int kSpecVersionWithoutExecution = 9;
 constexpr int kSpecVersionWithoutUpdatePasses = 10;
 constexpr int kSpecVersionWithoutHostMemory = 11;
+constexpr int kSpecVersionWithoutKeptAttention = 12;
 }  // namespace
 
 // Enums travel by their job-file names; an unknown name is refused.
@@ -112,9 +114,9 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(OptimizerConfig, name, mode, state, gradients
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(LoraConfig, rank, alpha, dropout, target_modules,
                                    target_parameters, init_from, export_dir)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ScheduleConfig, forward_stages, backward_stages, tail_blocks,
-                                   kept_blocks, frozen_on_device, activations, weights_source,
-                                   embedding_lookup, forward_cuts, backward_cuts, partition,
-                                   gpu_memory_gb, host_memory_gb, profile, profile_steps,
+                                   kept_blocks, keep_attention, frozen_on_device, activations,
+                                   weights_source, embedding_lookup, forward_cuts, backward_cuts,
+                                   partition, gpu_memory_gb, host_memory_gb, profile, profile_steps,
                                    replan_gain, drift, node_link_gb_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(CheckpointConfig, every, dir, keep, memory_gb, export_hf,
                                    export_shard_mb, export_dtype, export_every)
@@ -207,7 +209,10 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
   const bool without_host_memory =
       without_update_passes ||
       (j.contains("version") && j["version"] == kSpecVersionWithoutHostMemory);
-  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_host_memory))
+  const bool without_kept_attention =
+      without_host_memory ||
+      (j.contains("version") && j["version"] == kSpecVersionWithoutKeptAttention);
+  if (!j.contains("version") || (j["version"] != kSpecVersion && !without_kept_attention))
     return Status::InvalidArgument(
         what + ": run spec version " + (j.contains("version") ? j["version"].dump() : "none") +
         ", this build reads " + std::to_string(kSpecVersion) +
@@ -217,6 +222,7 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
     spec.workers = j.at("workers").get<int>();
     if (without_update_passes) j.at("job").at("optimizer")["update_passes"] = 2;
     if (without_host_memory) j.at("job").at("schedule")["host_memory_gb"] = 0.0;
+    if (without_kept_attention) j.at("job").at("schedule")["keep_attention"] = false;
     spec.job = j.at("job").get<JobConfig>();
     if (without_update_passes && !without_execution) {
       const ExecutionPlan resolved = ResolveExecution(spec.job);

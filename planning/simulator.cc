@@ -538,9 +538,12 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       // A kept layer (schedule.kept_blocks) backpropagates through its forward's graph, with the
       // forward's weights.
       const bool adopted = s.kind == StageKind::kBackward && plan.KeepsGraph(l);
-      st.compute_s += s.kind == StageKind::kForward
-                          ? lc.forward_s
-                          : (adopted ? 0.0 : lc.recompute_s) + lc.backward_s;
+      // schedule.keep_attention: a backward stage's recompute takes each block's attention from
+      // its forward's record.
+      const double recompute =
+          s.kind == StageKind::kBackward ? ReplayedRecompute(c, lc, l) : lc.recompute_s;
+      st.compute_s += s.kind == StageKind::kForward ? lc.forward_s
+                                                    : (adopted ? 0.0 : recompute) + lc.backward_s;
       // train.layer_recompute: a gradient stage first runs its layers (not the head) without
       // autograd, then rebuilds each one's graph.
       if (grads && c.train.layer_recompute && l < plan.num_layers - 1) st.compute_s += lc.forward_s;

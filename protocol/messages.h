@@ -50,7 +50,7 @@
 namespace rp::proto {
 
 inline constexpr uint32_t kFrameMagic = 0x31504d52;  // "RMP1"
-inline constexpr uint16_t kProtocolVersion = 11;
+inline constexpr uint16_t kProtocolVersion = 12;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -204,8 +204,10 @@ enum class LayerPhase : int32_t {
   kRecompute = 1,  // forward with autograd (backward stages and the fused tail; for the head
                    // layer: its chunked forward, loss and backward together)
   kBackward = 2,   // backward through the layer (not the head: counted in kRecompute)
+  kReplay = 3,     // forward with autograd whose attention came from the forward stage's record
+                   // (schedule.keep_attention): no attention forward in it
 };
-inline constexpr int32_t kMaxLayerPhase = 2;
+inline constexpr int32_t kMaxLayerPhase = 3;
 
 struct LayerTime {
   int64_t job_index;

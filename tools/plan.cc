@@ -238,6 +238,7 @@ nlohmann::json ChoiceJson(const rp::core::PlanChoice& c, double step_tokens) {
         {"gradients_waiting_for_slots", c.held_grad_bytes},
         {"gradients_waiting_for_norm", c.memory.held_gradients},
         {"kept_graphs", c.memory.kept},
+        {"kept_attention", c.memory.kept_attention},
         {"frozen_on_device", c.memory.frozen},
         {"device_update", c.memory.device_update},
         {"not_at_once", c.memory.not_at_once}}}};
@@ -258,12 +259,12 @@ void PrintChoice(const char* title, const rp::core::PlanChoice& c, double step_t
       "gradients waiting for slots %.2f, for the norm or the previous update %.2f, resident "
       "activation slots %.2f, "
       "staging %.2f, "
-      "kept blocks %.2f, frozen base on the device %.2f, device update %.2f GB; of those never "
-      "at once %.2f GB\n",
+      "kept blocks %.2f, kept attention %.2f, frozen base on the device %.2f, device update "
+      "%.2f GB; of those never at once %.2f GB\n",
       m.stage >= 0 ? c.plan.stages[m.stage].Describe().c_str() : "-", m.weights / 1e9,
       m.next_weights / 1e9, m.gradients / 1e9, m.activations / 1e9, c.held_grad_bytes / 1e9,
-      m.held_gradients / 1e9, m.resident / 1e9, m.staging / 1e9, m.kept / 1e9, m.frozen / 1e9,
-      m.device_update / 1e9, m.not_at_once / 1e9);
+      m.held_gradients / 1e9, m.resident / 1e9, m.staging / 1e9, m.kept / 1e9,
+      m.kept_attention / 1e9, m.frozen / 1e9, m.device_update / 1e9, m.not_at_once / 1e9);
 }
 
 // rp-plan's command line.

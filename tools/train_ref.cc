@@ -53,7 +53,10 @@ class ReferenceTrainer {
         metrics_(std::move(metrics)),
         spec_(rp::core::BuildModelSpec(cfg_.model, cfg_.lora)),
         math_(cfg_.model, cfg_.train.loss_chunk_tokens, cfg_.lora),
-        stale1_(rp::core::ResolveExecution(cfg_).weight_version_lag > 0) {}
+        stale1_(rp::core::ResolveExecution(cfg_).weight_version_lag > 0) {
+    // The pipeline's attention kernels for the job (its records hold the same values).
+    math_.UseRecordedAttention(cfg_.schedule.keep_attention);
+  }
 
   rp::Status LoadWeights();
   std::vector<rp::model::LayerWeights> Layers(const std::vector<at::Tensor>& trained) const;

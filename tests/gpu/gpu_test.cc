@@ -92,6 +92,19 @@ class GpuTest : public ::testing::Test {
     std::printf("cuda bf16 %s, grouped vs loop: max relative loss difference %.3g\n", what.c_str(),
                 worst);
   }
+  // Twelve records that fill four windows of 32 exactly when packed whole (10 12 10 | 8 8 16 |
+  // 20 12 | 5 7 9 11), as JSONL in the test's directory; the file's path.
+  std::string TwelveRecords() {
+    const std::string path = tmp_ + "/records.jsonl";
+    std::ofstream f(path);
+    int k = 0;
+    for (int n : {10, 12, 10, 8, 8, 16, 20, 12, 5, 7, 9, 11}) {
+      f << "{\"input_ids\": [";
+      for (int i = 0; i < n; ++i) f << (i ? ", " : "") << (37 * k++ + 11 * n) % 256;
+      f << "]}\n";
+    }
+    return path;
+  }
   std::string tmp_;
 };
 
@@ -119,18 +132,8 @@ TEST_F(GpuTest, CudaFp32MatchesCpuReference) {
 }
 
 TEST_F(GpuTest, CudaDocumentPackingMatchesCpuReferenceAndOneRecordPerWindow) {
-  // Twelve records that fill four windows of 32 exactly when packed whole (10 12 10 | 8 8 16 |
-  // 20 12 | 5 7 9 11); every step sees all of them, packed (4 windows) or one per window (12).
-  const std::string path = tmp_ + "/records.jsonl";
-  {
-    std::ofstream f(path);
-    int k = 0;
-    for (int n : {10, 12, 10, 8, 8, 16, 20, 12, 5, 7, 9, 11}) {
-      f << "{\"input_ids\": [";
-      for (int i = 0; i < n; ++i) f << (i ? ", " : "") << (37 * k++ + 11 * n) % 256;
-      f << "]}\n";
-    }
-  }
+  // Every step sees all twelve records, packed (4 windows) or one per window (12).
+  const std::string path = TwelveRecords();
   const std::vector<std::string> data = {"data.format=\"jsonl\"", "data.path=\"" + path + "\"",
                                          "data.shuffle=false", "model.head_dim=64",
                                          "train.steps=8"};
@@ -530,6 +533,59 @@ TEST_F(GpuTest, CudaKeptBlocksMatchCpuReferenceAndTheRecomputingRun) {
     worst = std::max(worst, std::abs(a[s] - recompute[s]) / recompute[s]);
   EXPECT_LE(worst, 1e-2);
   std::printf("bf16 with 2 kept blocks vs recomputing: max relative loss difference %.3g\n", worst);
+}
+
+// schedule.keep_attention on CUDA: fp32 through the memory-efficient kernel's forward and
+// backward (its records standing in for the backward stages' attention forwards) against the
+// same job recomputing its attention with SDPA, within 1e-6 in the loss and the gradient norm,
+// and against the CPU reference; bf16 through the variable-length flash kernel, plain and packed
+// documents, against the recomputing run within bf16's run-to-run spread.
+TEST_F(GpuTest, CudaKeptAttentionMatchesTheRecomputingRunAndCpuReference) {
+  const std::vector<std::string> kept = {"schedule.keep_attention=true"};
+  const std::vector<std::string> fp32 = {"job.device=\"cuda\""};
+  auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const auto recomputed = Launch(1, "attn-fp32", fp32);
+  const auto replayed = Launch(1, "attn-fp32-kept", with(fp32, kept));
+  const auto norms = testing::Losses(tmp_ + "/attn-fp32/metrics.jsonl", "grad_norm");
+  const auto kept_norms = testing::Losses(tmp_ + "/attn-fp32-kept/metrics.jsonl", "grad_norm");
+  ASSERT_EQ(replayed.size(), recomputed.size());
+  ASSERT_EQ(kept_norms.size(), norms.size());
+  ASSERT_FALSE(replayed.empty());
+  double worst = 0.0;
+  for (size_t s = 0; s < replayed.size(); ++s) {
+    worst = std::max(worst, std::abs(replayed[s] - recomputed[s]) / recomputed[s]);
+    worst = std::max(worst, std::abs(kept_norms[s] - norms[s]) / norms[s]);
+  }
+  EXPECT_LE(worst, 1e-6);
+  std::printf(
+      "cuda fp32 kept attention vs recomputing: max relative loss or norm difference %.3g\n",
+      worst);
+  std::printf("cuda fp32 kept attention vs cpu reference: max relative loss difference %.3g\n",
+              WorstRelative(replayed, Losses(RefMetrics("attn-ref", kept))));
+  for (const bool documents : {false, true}) {
+    std::vector<std::string> bf16 = {"job.device=\"cuda\"", "train.dtype=\"bf16\"",
+                                     "model.head_dim=64"};
+    if (documents) {
+      const std::string path = TwelveRecords();
+      bf16 = with(bf16, {"data.format=\"jsonl\"", "data.path=\"" + path + "\"",
+                         "data.shuffle=false", "data.packing=\"documents\"",
+                         "train.microbatch_size=2", "train.microbatches=2", "train.accum_calls=1"});
+    }
+    const std::string name = documents ? "attn-bf16-documents" : "attn-bf16";
+    const auto a = Launch(1, name, bf16);
+    const auto b = Launch(1, name + "-kept", with(bf16, kept));
+    ASSERT_EQ(a.size(), b.size());
+    ASSERT_FALSE(a.empty());
+    double w = 0.0;
+    for (size_t s = 0; s < a.size(); ++s) w = std::max(w, std::abs(a[s] - b[s]) / a[s]);
+    EXPECT_LE(w, 1e-2);
+    EXPECT_LT(b.back(), b.front());
+    std::printf("cuda bf16%s kept attention vs recomputing: max relative loss difference %.3g\n",
+                documents ? " documents" : "", w);
+  }
 }
 
 // bf16 weights rounded on the worker from the fp32 masters (the exact-mode default) against a

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "config/job_config.h"
+#include "planning/profile.h"
 #include "tests/integration/launch_fixture.h"
 #include "tests/testing/process_harness.h"
 
@@ -240,6 +242,61 @@ TEST_F(LaunchTest, ACpuSequenceWhoseAttentionScoresDoNotFitTheHostIsRefused) {
   EXPECT_NE(r.output.find("data.seq_len = 131072"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("attention scores"), std::string::npos) << r.output;
   EXPECT_FALSE(std::filesystem::exists(tmp_ + "/long/metrics.jsonl"));
+}
+
+}  // namespace
+}  // namespace rp
+
+namespace rp {
+namespace {
+
+// schedule.keep_attention: forward stages keep each block's attention output and log-sum-exp and
+// the backward stages' recomputes take them instead of running the attention forward again. The
+// run trains as rp-train-ref with the same kernels does, and as the job without the key does up to
+// the kernels' rounding, in both modes and with a layer-by-layer recompute. The profile shows the
+// records were used: a backward stage's block whose attention came from a record has no measured
+// recompute (it is timed apart), so its recompute is filled from the other layers'.
+TEST_F(LaunchTest, KeptAttentionTrainsAsItsReferenceAndStandsInForTheForward) {
+  const std::vector<std::string> job = {
+      "train.steps=5",          "train.accum_calls=1",        "train.microbatches=3",
+      "schedule.tail_blocks=1", "schedule.backward_stages=2", "schedule.drift=0"};
+  const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
+      {"exact", {}},
+      {"stale1", {"optimizer.mode=\"stale1\""}},
+      {"layers", {"train.layer_recompute=true"}}};
+  for (const auto& [tag, extra] : variants) {
+    SCOPED_TRACE(tag);
+    const auto sets = With(job, extra);
+    const auto kept = With(sets, {"schedule.keep_attention=true"});
+    auto ref = Ref(tmp_ + "/ref-" + tag, kept);
+    ASSERT_EQ(ref.code, 0) << ref.output;
+    const std::string out = tmp_ + "/kept-" + tag, base = tmp_ + "/plain-" + tag;
+    auto run = Launch(1, out, kept);
+    ASSERT_EQ(run.code, 0) << run.output;
+    auto plain = Launch(1, base, sets);
+    ASSERT_EQ(plain.code, 0) << plain.output;
+    ExpectClose(Losses(out + "/metrics.jsonl"), Losses(tmp_ + "/ref-" + tag + "/metrics.jsonl"),
+                "against rp-train-ref");
+    ExpectClose(Losses(out + "/metrics.jsonl", "grad_norm"),
+                Losses(tmp_ + "/ref-" + tag + "/metrics.jsonl", "grad_norm"),
+                "gradient norms against rp-train-ref");
+    ExpectClose(Losses(out + "/metrics.jsonl"), Losses(base + "/metrics.jsonl"),
+                "against the job without the key");
+    if (tag == "layers") continue;  // its layer-by-layer rebuild is timed as a whole
+    auto cfg = core::LoadJobConfig(Job(), With(kept, {"job.output_dir=" + out}));
+    ASSERT_TRUE(cfg.ok());
+    auto with = core::LoadProfile(out + "/profile.json", *cfg);
+    ASSERT_TRUE(with.ok()) << with.status().ToString();
+    auto plain_cfg = core::LoadJobConfig(Job(), With(sets, {"job.output_dir=" + base}));
+    ASSERT_TRUE(plain_cfg.ok());
+    auto without = core::LoadProfile(base + "/profile.json", *plain_cfg);
+    ASSERT_TRUE(without.ok()) << without.status().ToString();
+    const int tail_start = static_cast<int>(with->layers.size()) - 2;  // one block in the tail
+    for (int l = 1; l < tail_start; ++l) {
+      EXPECT_TRUE(with->layers[l].filled) << "block " << l << " was recomputed";
+      EXPECT_FALSE(without->layers[l].filled) << "block " << l;
+    }
+  }
 }
 
 }  // namespace

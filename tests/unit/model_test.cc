@@ -438,3 +438,85 @@ TEST_F(PackedDocuments, EachDocumentGivesItsLossAndGradientsAlone) {
 
 }  // namespace
 }  // namespace rp::model
+
+namespace rp::model {
+namespace {
+
+// One block's output and its input's and weights' gradients for a fixed output gradient.
+struct BlockGrads {
+  at::Tensor y;
+  std::vector<at::Tensor> grads;  // the input's, then the block's weights' in role order
+};
+BlockGrads BlockBackward(Fixture& f, Transformer& t, const at::Tensor& x, const at::Tensor& dy) {
+  f.ZeroGrads();
+  at::Tensor in = x.clone().requires_grad_(true);
+  BlockGrads r;
+  r.y = t.Block(f.layers[1], in, 1);
+  r.y.backward(dy);
+  r.grads.push_back(in.grad().clone());
+  for (const auto& [role, w] : f.layers[1]) r.grads.push_back(w.grad().clone());
+  r.y = r.y.detach();
+  return r;
+}
+
+// schedule.keep_attention's attention (explicit fp32 scores on the CPU, grouped-query heads,
+// causal or inside documents): the values of the composite attention up to rounding, and with a
+// record kept by the forward the very bits of recomputing it; the backward reads the record (a
+// changed one changes the gradients), and a read takes it out.
+TEST(RecordedAttention, EqualsTheCompositeAndItsRecordStandsInForTheForward) {
+  Fixture f(/*tied=*/true);
+  at::manual_seed(5);
+  const at::Tensor x = at::randn({2, 12, 32}), dy = at::randn({2, 12, 32});
+  for (bool documents : {false, true}) {
+    SCOPED_TRACE(documents ? "documents" : "causal");
+    Transformer plain(f.cfg), kept(f.cfg);
+    kept.UseRecordedAttention(true);
+    if (documents) {
+      const std::vector<int64_t> pos = {0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2,
+                                        0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1};
+      plain.SetDocuments(OnCpu(pos, 2));
+      kept.SetDocuments(OnCpu(pos, 2));
+    }
+    const BlockGrads composite = BlockBackward(f, plain, x, dy);
+    const BlockGrads recomputed = BlockBackward(f, kept, x, dy);
+    EXPECT_LT(MaxDiff({recomputed.y}, {composite.y}), 1e-6);
+    EXPECT_LT(MaxDiff(recomputed.grads, composite.grads), 1e-5);
+
+    // The forward stage: no autograd, the record written.
+    AttentionRecords records;
+    at::Tensor forward;
+    {
+      c10::NoGradGuard no_grad;
+      kept.SetAttentionRecords(&records, /*write=*/true);
+      forward = kept.Block(f.layers[1], x, 1);
+    }
+    ASSERT_EQ(records.count(1), 1u);
+    EXPECT_TRUE(at::equal(forward, recomputed.y));
+    EXPECT_GT(records.at(1).Bytes(), 0);
+    // Read without autograd (a layer-by-layer recompute's first pass): left in place.
+    {
+      c10::NoGradGuard no_grad;
+      kept.SetAttentionRecords(&records, /*write=*/false);
+      EXPECT_TRUE(at::equal(kept.Block(f.layers[1], x, 1), forward));
+    }
+    ASSERT_EQ(records.count(1), 1u);
+    const AttentionRecord saved = {records.at(1).out.clone(), records.at(1).lse.clone(), {}};
+    // The backward stage's recompute: the record taken, the same bits as recomputing.
+    const BlockGrads replayed = BlockBackward(f, kept, x, dy);
+    EXPECT_EQ(records.count(1), 0u);
+    EXPECT_TRUE(at::equal(replayed.y, recomputed.y));
+    for (size_t i = 0; i < replayed.grads.size(); ++i)
+      EXPECT_TRUE(at::equal(replayed.grads[i], recomputed.grads[i])) << "gradient " << i;
+    // A changed output or log-sum-exp in the record changes the result: the backward uses them.
+    for (int part = 0; part < 2; ++part) {
+      records[1] = {saved.out.clone(), saved.lse.clone(), {}};
+      (part == 0 ? records[1].out : records[1].lse).add_(0.5);
+      const BlockGrads poisoned = BlockBackward(f, kept, x, dy);
+      EXPECT_GT(MaxDiff(poisoned.grads, recomputed.grads), 1e-3) << "part " << part;
+    }
+    kept.SetAttentionRecords(nullptr, false);
+  }
+}
+
+}  // namespace
+}  // namespace rp::model

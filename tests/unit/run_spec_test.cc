@@ -196,6 +196,7 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
     j = good;
     j["version"] = version;
     j["job"]["schedule"].erase("host_memory_gb");
+    j["job"]["schedule"].erase("keep_attention");
     j["job"]["optimizer"].erase("update_passes");
     if (version == 9) {
       j.erase("execution");
@@ -209,15 +210,21 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
     want.two_pass_updates = run.execution.NextStepWaitsForUpdate();
     EXPECT_TRUE(older->execution == want) << version;
   }
-  // Version 11 had no schedule.host_memory_gb: its plans ignored host memory.
-  j = good;
-  j["version"] = 11;
-  j["job"]["schedule"].erase("host_memory_gb");
-  {
+  // Version 11 had no schedule.host_memory_gb (its plans ignored host memory) and version 12 no
+  // schedule.keep_attention (its attention was recomputed).
+  for (int version : {11, 12}) {
+    j = good;
+    j["version"] = version;
+    if (version == 11) j["job"]["schedule"].erase("host_memory_gb");
+    j["job"]["schedule"].erase("keep_attention");
     auto older = ParseRunSpec(j.dump(), "spec");
-    ASSERT_TRUE(older.ok()) << older.status().message();
-    EXPECT_EQ(older->job.schedule.host_memory_gb, 0.0);
+    ASSERT_TRUE(older.ok()) << version << ": " << older.status().message();
+    EXPECT_EQ(older->job.schedule.host_memory_gb, 0.0) << version;
+    EXPECT_FALSE(older->job.schedule.keep_attention) << version;
   }
+  j = good;
+  j["job"]["schedule"].erase("keep_attention");
+  refused(j, "keep_attention");
   j = good;
   j["job"]["schedule"].erase("host_memory_gb");
   refused(j, "host_memory_gb");
