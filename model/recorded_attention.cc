@@ -26,7 +26,18 @@ int64_t AttentionRecord::Bytes() const {
 
 namespace {
 
-enum class Kernel : int64_t { kFlash = 0, kEfficient = 1, kMath = 2 };
+// kVarlen*: the variable-length kernels over [tokens, heads, D] (documents, and what SDPA would not
+// run fused); kSdpa*: the kernel scaled_dot_product_attention itself picks for [B, heads, S, D]
+// inputs (at::_fused_sdp_choice), called as it calls it, so a recorded job computes the values and
+// at the speed of the job without records.
+enum class Kernel : int64_t {
+  kVarlenFlash = 0,
+  kVarlenEfficient = 1,
+  kMath = 2,
+  kSdpaFlash = 3,
+  kSdpaEfficient = 4,
+  kSdpaCudnn = 5,
+};
 
 // Calls a LibTorch operator through the dispatcher with its arguments by name, so that arguments
 // a later LibTorch added or renamed take their schema's defaults (an argument missing here
@@ -53,7 +64,8 @@ std::vector<c10::IValue> CallByName(const char* name,
 }
 
 // What one call's kernel needs besides q, k and v, in the layouts RecordedAttention prepares:
-// flash q [T, nh, D], k and v [T, nkv, D]; efficient [1, T, nh, D] each; math [B, nh, S, D] each.
+// varlen flash q [T, nh, D], k and v [T, nkv, D]; varlen efficient [1, T, nh, D] each; math and
+// SDPA's kernels [B, heads, S, D] (SDPA's as its caller passes them).
 struct Call {
   Kernel kernel = Kernel::kMath;
   at::Tensor cu;        // CUDA: [sequences + 1] int32 starts over the T = B x S tokens
@@ -70,8 +82,9 @@ at::Tensor MathScores(const Call& c, const at::Tensor& q, const at::Tensor& k) {
 AttentionRecord KernelForward(const Call& c, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v) {
   AttentionRecord r;
+  r.kernel = static_cast<int64_t>(c.kernel);
   switch (c.kernel) {
-    case Kernel::kFlash: {
+    case Kernel::kVarlenFlash: {
       auto out = CallByName("aten::_flash_attention_forward", {{"query", q},
                                                                {"key", k},
                                                                {"value", v},
@@ -87,7 +100,7 @@ AttentionRecord KernelForward(const Call& c, const at::Tensor& q, const at::Tens
       r.kernel_state = {out.at(2).toTensor(), out.at(3).toTensor()};
       break;
     }
-    case Kernel::kEfficient: {
+    case Kernel::kVarlenEfficient: {
       auto out = CallByName("aten::_efficient_attention_forward",
                             {{"query", q},
                              {"key", k},
@@ -100,6 +113,48 @@ AttentionRecord KernelForward(const Call& c, const at::Tensor& q, const at::Tens
                              {"dropout_p", 0.0},
                              {"custom_mask_type", static_cast<int64_t>(1)},  // causal
                              {"compute_log_sumexp", true}});
+      r.out = out.at(0).toTensor();
+      r.lse = out.at(1).toTensor();
+      r.kernel_state = {out.at(2).toTensor(), out.at(3).toTensor()};
+      break;
+    }
+    case Kernel::kSdpaFlash:
+    case Kernel::kSdpaCudnn: {
+      const bool cudnn = c.kernel == Kernel::kSdpaCudnn;
+      auto out = cudnn ? CallByName("aten::_scaled_dot_product_cudnn_attention",
+                                    {{"query", q},
+                                     {"key", k},
+                                     {"value", v},
+                                     {"attn_bias", c10::IValue()},
+                                     {"compute_log_sumexp", true},
+                                     {"dropout_p", 0.0},
+                                     {"is_causal", true},
+                                     {"return_debug_mask", false}})
+                       : CallByName("aten::_scaled_dot_product_flash_attention",
+                                    {{"query", q},
+                                     {"key", k},
+                                     {"value", v},
+                                     {"dropout_p", 0.0},
+                                     {"is_causal", true},
+                                     {"return_debug_mask", false}});
+      // (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, ...)
+      r.out = out.at(0).toTensor();
+      r.lse = out.at(1).toTensor();
+      r.kernel_state = {out.at(2).toTensor(), out.at(3).toTensor(), out.at(6).toTensor(),
+                        out.at(7).toTensor()};
+      r.max_q = out.at(4).toInt();
+      r.max_k = out.at(5).toInt();
+      break;
+    }
+    case Kernel::kSdpaEfficient: {
+      auto out =
+          CallByName("aten::_scaled_dot_product_efficient_attention", {{"query", q},
+                                                                       {"key", k},
+                                                                       {"value", v},
+                                                                       {"attn_bias", c10::IValue()},
+                                                                       {"compute_log_sumexp", true},
+                                                                       {"dropout_p", 0.0},
+                                                                       {"is_causal", true}});
       r.out = out.at(0).toTensor();
       r.lse = out.at(1).toTensor();
       r.kernel_state = {out.at(2).toTensor(), out.at(3).toTensor()};
@@ -120,7 +175,7 @@ std::vector<at::Tensor> KernelBackward(const Call& c, const at::Tensor& q, const
                                        const at::Tensor& v, const AttentionRecord& r,
                                        const at::Tensor& dout) {
   switch (c.kernel) {
-    case Kernel::kFlash: {
+    case Kernel::kVarlenFlash: {
       const at::Tensor& seed = r.kernel_state.at(0);
       const at::Tensor& offset = r.kernel_state.at(1);
       auto out = CallByName("aten::_flash_attention_backward", {{"grad_out", dout.contiguous()},
@@ -141,7 +196,7 @@ std::vector<at::Tensor> KernelBackward(const Call& c, const at::Tensor& q, const
                                                                 {"unused", offset}});
       return {out.at(0).toTensor(), out.at(1).toTensor(), out.at(2).toTensor()};
     }
-    case Kernel::kEfficient: {
+    case Kernel::kVarlenEfficient: {
       auto out = CallByName("aten::_efficient_attention_backward",
                             {{"grad_out_", dout.contiguous()},
                              {"grad_out", dout.contiguous()},
@@ -160,6 +215,61 @@ std::vector<at::Tensor> KernelBackward(const Call& c, const at::Tensor& q, const
                              {"philox_offset", r.kernel_state.at(1)},
                              {"custom_mask_type", static_cast<int64_t>(1)},
                              {"bias_requires_grad", false}});
+      return {out.at(0).toTensor(), out.at(1).toTensor(), out.at(2).toTensor()};
+    }
+    case Kernel::kSdpaFlash: {
+      const auto& st = r.kernel_state;  // cum_seq_q, cum_seq_k, philox_seed, philox_offset
+      auto out = CallByName("aten::_scaled_dot_product_flash_attention_backward",
+                            {{"grad_out", dout},
+                             {"query", q},
+                             {"key", k},
+                             {"value", v},
+                             {"out", r.out},
+                             {"logsumexp", r.lse},
+                             {"cum_seq_q", st.at(0)},
+                             {"cum_seq_k", st.at(1)},
+                             {"max_q", r.max_q},
+                             {"max_k", r.max_k},
+                             {"dropout_p", 0.0},
+                             {"is_causal", true},
+                             {"philox_seed", st.at(2)},
+                             {"philox_offset", st.at(3)}});
+      return {out.at(0).toTensor(), out.at(1).toTensor(), out.at(2).toTensor()};
+    }
+    case Kernel::kSdpaCudnn: {
+      const auto& st = r.kernel_state;
+      auto out = CallByName("aten::_scaled_dot_product_cudnn_attention_backward",
+                            {{"grad_out", dout},
+                             {"query", q},
+                             {"key", k},
+                             {"value", v},
+                             {"out", r.out},
+                             {"logsumexp", r.lse},
+                             {"philox_seed", st.at(2)},
+                             {"philox_offset", st.at(3)},
+                             {"attn_bias", at::Tensor()},
+                             {"cum_seq_q", st.at(0)},
+                             {"cum_seq_k", st.at(1)},
+                             {"max_q", r.max_q},
+                             {"max_k", r.max_k},
+                             {"dropout_p", 0.0},
+                             {"is_causal", true}});
+      return {out.at(0).toTensor(), out.at(1).toTensor(), out.at(2).toTensor()};
+    }
+    case Kernel::kSdpaEfficient: {
+      auto out = CallByName("aten::_scaled_dot_product_efficient_attention_backward",
+                            {{"grad_out_", dout},
+                             {"query", q},
+                             {"key", k},
+                             {"value", v},
+                             {"attn_bias", at::Tensor()},
+                             {"out", r.out},
+                             {"logsumexp", r.lse},
+                             {"philox_seed", r.kernel_state.at(0)},
+                             {"philox_offset", r.kernel_state.at(1)},
+                             {"dropout_p", 0.0},
+                             {"grad_input_mask", c10::List<bool>({true, true, true, false})},
+                             {"is_causal", true}});
       return {out.at(0).toTensor(), out.at(1).toTensor(), out.at(2).toTensor()};
     }
     case Kernel::kMath: {
@@ -187,7 +297,9 @@ struct RecordedAttentionFn : public torch::autograd::Function<RecordedAttentionF
     std::vector<at::Tensor> saved = {q, k, v, r.out, r.lse, call->cu, call->blocked};
     for (auto& t : r.kernel_state) saved.push_back(t);
     ctx->save_for_backward(saved);
-    ctx->saved_data["kernel"] = static_cast<int64_t>(call->kernel);
+    ctx->saved_data["kernel"] = r.kernel;
+    ctx->saved_data["max_q"] = r.max_q;
+    ctx->saved_data["max_k"] = r.max_k;
     ctx->saved_data["max_len"] = call->max_len;
     ctx->saved_data["scale"] = call->scale;
     return r.out;
@@ -204,6 +316,8 @@ struct RecordedAttentionFn : public torch::autograd::Function<RecordedAttentionF
     AttentionRecord r;
     r.out = s[3];
     r.lse = s[4];
+    r.max_q = ctx->saved_data["max_q"].toInt();
+    r.max_k = ctx->saved_data["max_k"].toInt();
     r.kernel_state.assign(s.begin() + 7, s.end());
     auto g = KernelBackward(c, s[0], s[1], s[2], r, grads[0]);
     return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
@@ -222,29 +336,47 @@ at::Tensor RecordedAttention(const at::Tensor& q, const at::Tensor& k, const at:
   at::Tensor qk, kk, vk;  // q, k, v in the kernel's layout
   if (q.is_cuda()) {
     const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
-    c.kernel = half ? Kernel::kFlash : Kernel::kEfficient;
-    if (documents.defined()) {
-      c.cu = documents.cu_seqlens;
-      c.max_len = documents.max_length;
-    } else {
-      c.cu = at::arange(0, (B + 1) * S, S, q.options().dtype(at::kInt));
-      c.max_len = S;
-    }
-    // [B, h, S, D] views of [B, S, h, D] tensors back to the tokens' order.
-    auto tokens = [&](const at::Tensor& t) {
-      return t.transpose(1, 2).reshape({B * S, t.size(1), D});
+    auto expanded = [&](const at::Tensor& t) {
+      return groups > 1 ? t.repeat_interleave(groups, 1) : t;
     };
-    if (half) {
-      qk = tokens(q);
-      kk = tokens(k);
-      vk = tokens(v);
-    } else {
-      qk = tokens(q).unsqueeze(0);
-      kk = tokens(groups > 1 ? k.repeat_interleave(groups, 1) : k).unsqueeze(0);
-      vk = tokens(groups > 1 ? v.repeat_interleave(groups, 1) : v).unsqueeze(0);
+    if (!documents.defined()) {
+      // What Transformer::Attention passes scaled_dot_product_attention, and the kernel it picks.
+      qk = q;
+      kk = half ? k : expanded(k);
+      vk = half ? v : expanded(v);
+      const int64_t choice =
+          CallByName("aten::_fused_sdp_choice", {{"query", qk},
+                                                 {"key", kk},
+                                                 {"value", vk},
+                                                 {"attn_mask", c10::IValue()},
+                                                 {"dropout_p", 0.0},
+                                                 {"is_causal", true},
+                                                 {"enable_gqa", half && groups > 1}})
+              .at(0)
+              .toInt();
+      // at::_fused_sdp_choice's numbers (sdp::SDPBackend): 1 flash, 2 efficient, 3 cuDNN.
+      if (choice == 1) c.kernel = Kernel::kSdpaFlash;
+      if (choice == 2) c.kernel = Kernel::kSdpaEfficient;
+      if (choice == 3) c.kernel = Kernel::kSdpaCudnn;
+    }
+    if (c.kernel == Kernel::kMath) {  // documents, or no fused kernel for these inputs
+      c.kernel = half ? Kernel::kVarlenFlash : Kernel::kVarlenEfficient;
+      if (documents.defined()) {
+        c.cu = documents.cu_seqlens;
+        c.max_len = documents.max_length;
+      } else {
+        c.cu = at::arange(0, (B + 1) * S, S, q.options().dtype(at::kInt));
+        c.max_len = S;
+      }
+      // [B, h, S, D] views of [B, S, h, D] tensors back to the tokens' order.
+      auto tokens = [&](const at::Tensor& t) {
+        return t.transpose(1, 2).reshape({B * S, t.size(1), D});
+      };
+      qk = half ? tokens(q) : tokens(q).unsqueeze(0);
+      kk = half ? tokens(k) : tokens(expanded(k)).unsqueeze(0);
+      vk = half ? tokens(v) : tokens(expanded(v)).unsqueeze(0);
     }
   } else {
-    c.kernel = Kernel::kMath;
     at::Tensor causal = at::ones({S, S}, q.options().dtype(at::kBool)).tril();
     if (documents.defined()) {
       const at::Tensor& seg = documents.segments;
@@ -260,7 +392,8 @@ at::Tensor RecordedAttention(const at::Tensor& q, const at::Tensor& k, const at:
     vk = groups > 1 ? v.repeat_interleave(groups, 1) : v;
   }
   auto as_heads = [&](const at::Tensor& out) {
-    return c.kernel == Kernel::kMath ? out : out.view({B, S, nh, D}).transpose(1, 2);
+    const bool varlen = c.kernel == Kernel::kVarlenFlash || c.kernel == Kernel::kVarlenEfficient;
+    return varlen ? out.view({B, S, nh, D}).transpose(1, 2) : out;
   };
   auto found = records != nullptr ? records->find(layer) : AttentionRecords::iterator();
   const bool recorded = records != nullptr && found != records->end();

@@ -500,7 +500,9 @@ TEST(RecordedAttention, EqualsTheCompositeAndItsRecordStandsInForTheForward) {
       EXPECT_TRUE(at::equal(kept.Block(f.layers[1], x, 1), forward));
     }
     ASSERT_EQ(records.count(1), 1u);
-    const AttentionRecord saved = {records.at(1).out.clone(), records.at(1).lse.clone(), {}};
+    AttentionRecord saved = records.at(1);
+    saved.out = saved.out.clone();
+    saved.lse = saved.lse.clone();
     // The backward stage's recompute: the record taken, the same bits as recomputing.
     const BlockGrads replayed = BlockBackward(f, kept, x, dy);
     EXPECT_EQ(records.count(1), 0u);
@@ -509,7 +511,9 @@ TEST(RecordedAttention, EqualsTheCompositeAndItsRecordStandsInForTheForward) {
       EXPECT_TRUE(at::equal(replayed.grads[i], recomputed.grads[i])) << "gradient " << i;
     // A changed output or log-sum-exp in the record changes the result: the backward uses them.
     for (int part = 0; part < 2; ++part) {
-      records[1] = {saved.out.clone(), saved.lse.clone(), {}};
+      records[1] = saved;
+      records[1].out = saved.out.clone();
+      records[1].lse = saved.lse.clone();
       (part == 0 ? records[1].out : records[1].lse).add_(0.5);
       const BlockGrads poisoned = BlockBackward(f, kept, x, dy);
       EXPECT_GT(MaxDiff(poisoned.grads, recomputed.grads), 1e-3) << "part " << part;
