@@ -235,6 +235,10 @@ Status CheckBudgetedChoices(const JobConfig& c) {
     return Status::InvalidArgument(
         "schedule.kept_blocks = -1 (as many as fit) needs schedule.gpu_memory_gb, "
         "the device memory per worker the kept graphs must fit in");
+  if (c.schedule.keep_attention == kKeepAttentionAuto && !(c.schedule.gpu_memory_gb > 0.0))
+    return Status::InvalidArgument(
+        "schedule.keep_attention = -1 (as many blocks as fit) needs schedule.gpu_memory_gb, "
+        "the device memory per worker the attention records must fit in");
   if (c.train.mlp_tile_tokens == kMlpTileAuto && !(c.schedule.gpu_memory_gb > 0.0))
     return Status::InvalidArgument(
         "train.mlp_tile_tokens = -1 (chosen by the planner) needs schedule.gpu_memory_gb, "
@@ -479,7 +483,7 @@ const std::vector<CrossCheck>& CrossChecks() {
       {"adapters on expert tensors", {"lora.target_modules", "lora.target_parameters", "lora.dropout", "lora.rank"}, CheckLoraExpertTensors},
       {"adapters on projections", {"lora.target_modules", "lora.rank"}, CheckLoraModules},
       {"adapter keys without adapters", {"lora.init_from", "lora.target_parameters", "schedule.frozen_on_device"}, CheckLoraStart},
-      {"planner choices need a budget", {"schedule.kept_blocks", "train.mlp_tile_tokens"}, CheckBudgetedChoices},
+      {"planner choices need a budget", {"schedule.kept_blocks", "schedule.keep_attention", "train.mlp_tile_tokens"}, CheckBudgetedChoices},
       {"the learning rate's floor", {"optimizer.min_lr"}, CheckLearningRate},
       {"fp16's loss scaling", {"train.loss_scale_growth_factor", "train.loss_scale_backoff_factor", "train.loss_scale_*"}, CheckLossScaling},
       {"gradients that wait in workers", {"optimizer.gradients_wait_in"}, CheckGradientsWaitInWorkers},

@@ -621,16 +621,18 @@ const std::vector<KeySpec>& Table() {
           "set)"),
       Int("schedule", "tail_blocks", F(schedule.tail_blocks), 0, 0, 4096,
           "Decoder blocks fused into the tail stage (forward + loss + backward, no recompute)"),
-      Bool("schedule", "keep_attention", F(schedule.keep_attention), false,
-           "Each recomputed block's attention output and the log-sum-exp of its rows stay on the "
-           "device from the block's forward stage to its backward stage, whose recompute then "
-           "runs the attention kernel's backward on them instead of its forward again: device "
-           "memory for one hidden-sized tensor per block and microbatch of a round, for a faster "
-           "backward where attention dominates (long sequences). Needs --gpus 1 (the records stay "
-           "in the worker that ran the forward; a replaced worker recomputes them). The same "
-           "result as without the key up to the attention kernels' rounding (every block's "
-           "attention then runs through the kernels that return the log-sum-exp); rp-train-ref "
-           "uses the same kernels"),
+      Int("schedule", "keep_attention", F(schedule.keep_attention), 0, -1, 4096,
+          "Recomputed decoder blocks, the ones just below the kept blocks or the fused tail, "
+          "whose attention output and the log-sum-exp of its rows stay on the device from the "
+          "block's forward stage to its backward stage, whose recompute then runs the attention "
+          "kernel's backward on them instead of its forward again: device memory for one "
+          "hidden-sized tensor per block and microbatch of a round, for a faster backward where "
+          "attention dominates (long sequences). -1: as many as let the plan fit "
+          "schedule.gpu_memory_gb by the planner's estimate (rp-launch --dry-run and rp-plan print "
+          "the count). Needs --gpus 1 (the records stay in the worker that ran the forward; a "
+          "replaced worker recomputes them). Any count runs every block's attention through "
+          "kernels that return the log-sum-exp (on CUDA the kernel SDPA picks, the same values); "
+          "rp-train-ref uses the same kernels"),
       Int("schedule", "kept_blocks", F(schedule.kept_blocks), 0, -1, 4096,
           "Decoder blocks just before the fused tail whose forward keeps its graph (the "
           "activations the backward needs) on the device until their backward stage, which then "

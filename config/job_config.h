@@ -189,6 +189,8 @@ struct LossScaling {
 };
 
 inline constexpr int64_t kMlpTileAuto = -1;  // train.mlp_tile_tokens chosen by the planner
+// schedule.keep_attention: as many blocks as fit (core::ResolveKeptAttention).
+inline constexpr int64_t kKeepAttentionAuto = -1;
 inline constexpr int64_t kKeptBlocksAuto =
     -1;  // schedule.kept_blocks: as many as fit (core::ResolveKeptBlocks)
 
@@ -277,10 +279,11 @@ struct ScheduleConfig {
   int64_t tail_blocks = 0;      // decoder blocks fused into the tail with norm + head + loss
   int64_t kept_blocks = 0;      // blocks before the tail whose forward graphs wait on the device;
                                 // kKeptBlocksAuto = as many as fit gpu_memory_gb
-  // Each recomputed block's attention output and log-sum-exp wait on the device from its forward
-  // to its backward stage, whose recompute then runs no attention forward
-  // (model/recorded_attention.h)
-  bool keep_attention = false;
+  // The recomputed blocks (those just below the kept blocks or the tail) whose attention output
+  // and log-sum-exp wait on the device from their forward to their backward stage, whose
+  // recompute then runs no attention forward (model/recorded_attention.h); kKeepAttentionAuto =
+  // as many as fit gpu_memory_gb
+  int64_t keep_attention = 0;
   // LoRA: each worker keeps the whole frozen base on its device (ExecutionPlan)
   ModeKey<bool> frozen_on_device = false;
   // host: shared-memory slots; worker: the one worker's memory; cuda_ipc: each producing

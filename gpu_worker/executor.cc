@@ -62,7 +62,7 @@ Executor::Executor(const core::JobConfig& cfg, const core::ExecutionPlan& execut
   if (emulate_half_) math_.SetEmbedRounding(store_dtype_);
   math_.SetMlpTileTokens(cfg.train.mlp_tile_tokens);
   math_.UseGroupedExperts(cfg.bench.grouped_experts);
-  math_.UseRecordedAttention(cfg.schedule.keep_attention);
+  math_.UseRecordedAttention(cfg.schedule.keep_attention != 0);
 }
 
 bool Executor::HasGrads() const { return stage_.kind != core::StageKind::kForward; }
@@ -586,7 +586,7 @@ void Executor::SetMicrobatchFor(int mb) {
 
 void Executor::UseAttentionRecords(int mb) {
   math_.SetAttentionRecords(nullptr, false);
-  if (!cfg_.schedule.keep_attention) return;
+  if (cfg_.schedule.keep_attention == 0) return;
   const auto key = std::make_tuple(job_.step, static_cast<int64_t>(job_.call), mb);
   if (stage_.kind == core::StageKind::kForward) {
     KeptAttention& k = attention_[key];
@@ -594,7 +594,7 @@ void Executor::UseAttentionRecords(int mb) {
       k.layers.clear();
       k.weights_version = job_.weights_version;
     }
-    math_.SetAttentionRecords(&k.layers, /*write=*/true);
+    math_.SetAttentionRecords(&k.layers, /*write=*/true, core::KeptAttentionStart(cfg_, plan_));
   } else if (stage_.kind == core::StageKind::kBackward) {
     auto it = attention_.find(key);
     // Records of other weights are another forward's: recompute instead.

@@ -170,6 +170,12 @@ void PrintDryRun(const core::RunSpec& run, int gpus, bool cpu_workers) {
         "dense MLPs in tiles of %lld tokens (train.mlp_tile_tokens, as the run spec below holds "
         "it)\n",
         static_cast<long long>(cfg.train.mlp_tile_tokens));
+  if (cfg.schedule.keep_attention > 0)
+    std::printf(
+        "attention kept from the forward for blocks %d..%d (schedule.keep_attention = %lld, as the "
+        "run spec below holds it)\n",
+        core::KeptAttentionStart(cfg, *plan) - 1, std::min(plan->kept_start, plan->tail_start) - 2,
+        static_cast<long long>(cfg.schedule.keep_attention));
   if (core::Round(cfg).merged_calls > 1)
     std::printf(
         "the job's %lld accumulation calls of %lld microbatches run as one round of %lld "
@@ -908,12 +914,13 @@ Status CheckWorkersFitTheHost(const LaunchOptions& o, const core::RunSpec& run, 
         static_cast<long long>(cfg.schedule.kept_blocks), o.gpus,
         static_cast<long long>(cfg.nodes.count));
   }
-  if (cfg.schedule.keep_attention && (o.gpus != 1 || cfg.nodes.count > 1)) {
+  if (cfg.schedule.keep_attention != 0 && (o.gpus != 1 || cfg.nodes.count > 1)) {
     return Refusal(
-        "schedule.keep_attention keeps each block's attention output in the worker that ran its "
+        "schedule.keep_attention = %lld keeps attention outputs in the worker that ran their "
         "forward, for its backward, and needs one worker in the run (this launch asks for %d on "
-        "%lld node(s)); set it to false",
-        o.gpus, static_cast<long long>(cfg.nodes.count));
+        "%lld node(s)); set it to 0",
+        static_cast<long long>(cfg.schedule.keep_attention), o.gpus,
+        static_cast<long long>(cfg.nodes.count));
   }
   return Status::Ok();
 }

@@ -600,12 +600,13 @@ at::Tensor Transformer::Block(const LayerWeights& w, const at::Tensor& x, int la
     k = Rope(k.transpose(1, 2), c, s);
   }
   v = v.transpose(1, 2);
-  at::Tensor attn = (recorded_attention_ ? RecordedAttention(q, k, v, documents_, layer,
-                                                             attention_records_, write_attention_)
-                     : documents         ? DocumentAttention(q, k, v)
-                                         : Attention(q, k, v))
-                        .transpose(1, 2)
-                        .reshape({B, S, nh * D});
+  at::Tensor attn =
+      (recorded_attention_ ? RecordedAttention(q, k, v, documents_, layer, attention_records_,
+                                               write_attention_ && layer >= first_written_)
+       : documents         ? DocumentAttention(q, k, v)
+                           : Attention(q, k, v))
+          .transpose(1, 2)
+          .reshape({B, S, nh * D});
   at::Tensor o = Proj(w, "o_proj", attn, layer, 3);
   e4m3_input_ = {};
   const int64_t tokens = B * S, tile = mlp_tile_tokens_;

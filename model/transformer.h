@@ -88,11 +88,13 @@ class Transformer {
   // schedule.keep_attention: every block's attention runs through RecordedAttention
   // (model/recorded_attention.h), whose backward needs no forward. Off: the kernels above.
   void UseRecordedAttention(bool on) { recorded_attention_ = on; }
-  // Where that attention keeps its records by layer (without autograd and `write`: stores them;
-  // otherwise reads them); null: nowhere. Not owned; must outlive its use.
-  void SetAttentionRecords(AttentionRecords* records, bool write) {
+  // Where that attention keeps its records by layer (without autograd and `write`: stores those
+  // of layers from `first_written` on; otherwise reads them); null: nowhere. Not owned; must
+  // outlive its use.
+  void SetAttentionRecords(AttentionRecords* records, bool write, int first_written = 0) {
     attention_records_ = records;
     write_attention_ = write;
+    first_written_ = first_written;
   }
   bool HasAttentionRecord(int layer) const {
     return attention_records_ != nullptr && attention_records_->count(layer) > 0;
@@ -247,6 +249,7 @@ class Transformer {
   bool recorded_attention_ = false;
   AttentionRecords* attention_records_ = nullptr;
   bool write_attention_ = false;
+  int first_written_ = 0;
   at::Tensor cos_, sin_;  // cache for the last (seq, device, dtype); sin_ as Rope() takes it
   Documents documents_;
 };

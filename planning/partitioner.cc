@@ -390,15 +390,15 @@ double KeptBlocksBytes(const EstimateBasis& e) {
   return calls_in_flight * per_call;
 }
 
-// schedule.keep_attention: each recomputed block's attention output (the compute dtype) and its
-// rows' fp32 log-sum-exp, per query head, for every microbatch of a round (twice over with
-// interleaved calls, as KeptBlocksBytes), held from its forward stage to its backward stage.
+// schedule.keep_attention: the attention output (the compute dtype) and its rows' fp32
+// log-sum-exp, per query head, of each block KeepsAttention names, for every microbatch of a round
+// (twice over with interleaved calls, as KeptBlocksBytes), held from its forward stage to its
+// backward stage.
 double KeptAttentionBytes(const EstimateBasis& e) {
   const JobConfig& c = e.c;
-  if (!c.schedule.keep_attention) return 0.0;
   int recomputed = 0;
-  for (int l = 1; l < std::min(e.plan.tail_start, e.plan.num_layers - 1); ++l)
-    if (!e.plan.KeepsGraph(l)) ++recomputed;
+  for (int l = 1; l < e.plan.num_layers - 1; ++l) recomputed += KeepsAttention(c, e.plan, l);
+  if (recomputed == 0) return 0.0;
   const double calls_in_flight = e.x.interleave_calls && core::Round(c).calls >= 2 ? 2.0 : 1.0;
   const double record = e.tokens * static_cast<double>(c.model.num_heads) *
                         (static_cast<double>(c.model.head_dim) * e.elem + 4.0);
@@ -563,11 +563,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   double smallest_host = std::numeric_limits<double>::infinity();
   std::string host_error;  // a plan whose shared memory could not be counted
   const std::vector<double> fwd_cost = profile.ForwardCosts();
-  std::vector<double> bwd_cost = profile.BackwardCosts();
-  // Backward stages' layers (the tail's never are): records stand in for their attention.
-  for (size_t l = 0; l < bwd_cost.size(); ++l)
-    bwd_cost[l] += ReplayedRecompute(c, profile.layers[l], static_cast<int>(l)) -
-                   profile.layers[l].recompute_s;
+  const std::vector<double> bwd_cost = profile.BackwardCosts();
   double best_step = std::numeric_limits<double>::infinity();
   PipelinePlan best_plan;
   int best_jobs = std::numeric_limits<int>::max();
@@ -665,6 +661,49 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
   return best;
 }
 
+namespace {
+// The largest count in 0..most whose trial plan fits schedule.gpu_memory_gb, `key` the count's
+// field in the trial job. More never needs less memory, so those that fit are a prefix of
+// 0..most: a bisection.
+StatusOr<int64_t> MostThatFit(const JobConfig& c, int workers, int64_t ScheduleConfig::*key,
+                              int64_t most) {
+  auto fits = [&](int64_t k) -> StatusOr<bool> {
+    JobConfig trial = c;
+    trial.schedule.*key = k;
+    trial.schedule.host_memory_gb = 0.0;  // a device question: MakePlan applies the host limit
+    const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
+    if (ResolveExecution(trial).planner_chooses_partition)
+      return ChoosePlan(trial, workers, costs).ok();
+    RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
+    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
+           c.schedule.gpu_memory_gb * 1e9;
+  };
+  int64_t lo = 0, hi = most;  // lo fits (or is 0); once bisecting, hi does not
+  RP_ASSIGN_OR_RETURN(const bool all, fits(most));
+  if (all) return most;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    RP_ASSIGN_OR_RETURN(const bool ok, fits(mid));
+    (ok ? lo : hi) = mid;
+  }
+  return lo;
+}
+}  // namespace
+
+Status ResolveKeptAttention(JobConfig* c, int workers) {
+  if (c->schedule.keep_attention != kKeepAttentionAuto) return Status::Ok();
+  c->schedule.keep_attention = 0;
+  if (workers != 1 || c->nodes.count > 1) return Status::Ok();
+  // Every block a backward stage may recompute: those below the kept blocks and the tail (any
+  // tail when the planner chooses it).
+  const int64_t tail = ResolveExecution(*c).planner_chooses_partition ? 0 : c->schedule.tail_blocks;
+  const int64_t most = std::max<int64_t>(
+      0, c->model.num_layers - tail - std::max<int64_t>(c->schedule.kept_blocks, 0));
+  RP_ASSIGN_OR_RETURN(c->schedule.keep_attention,
+                      MostThatFit(*c, workers, &ScheduleConfig::keep_attention, most));
+  return Status::Ok();
+}
+
 Status ResolveKeptBlocks(JobConfig* c, int workers) {
   if (c->schedule.kept_blocks != kKeptBlocksAuto) return Status::Ok();
   c->schedule.kept_blocks = 0;
@@ -676,30 +715,8 @@ Status ResolveKeptBlocks(JobConfig* c, int workers) {
   for (int64_t b = c->model.num_layers - c->schedule.tail_blocks - 1;
        b >= 0 && !SparseBlock(c->model, b); --b)
     ++most;
-  auto fits = [&](int64_t k) -> StatusOr<bool> {
-    JobConfig trial = *c;
-    trial.schedule.kept_blocks = k;
-    trial.schedule.host_memory_gb = 0.0;  // a device question: MakePlan applies the host limit
-    const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
-    if (ResolveExecution(trial).planner_chooses_partition)
-      return ChoosePlan(trial, workers, costs).ok();
-    RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
-    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
-           c->schedule.gpu_memory_gb * 1e9;
-  };
-  // More kept blocks never need less memory, so those that fit are a prefix of 0..most.
-  int64_t lo = 0, hi = most;  // lo fits (or is 0); once bisecting, hi does not
-  RP_ASSIGN_OR_RETURN(const bool all, fits(most));
-  if (all) {
-    lo = most;
-  } else {
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      RP_ASSIGN_OR_RETURN(const bool ok, fits(mid));
-      (ok ? lo : hi) = mid;
-    }
-  }
-  c->schedule.kept_blocks = lo;
+  RP_ASSIGN_OR_RETURN(c->schedule.kept_blocks,
+                      MostThatFit(*c, workers, &ScheduleConfig::kept_blocks, most));
   return Status::Ok();
 }
 

@@ -160,6 +160,15 @@ Status ResolveMlpTile(JobConfig* config, int workers);
 // tail. Any other value is left as it is.
 Status ResolveKeptBlocks(JobConfig* config, int workers);
 
+// schedule.keep_attention = kKeepAttentionAuto (-1): the most blocks whose attention records let
+// the job's plan fit schedule.gpu_memory_gb on its one worker, by the FLOP cost model, written into
+// `config`; after ResolveMlpTile and before ResolveKeptBlocks (kept blocks not yet chosen count as
+// none), which then takes what memory is left: a record saves a block's attention forward, most
+// of its recompute at length, in the memory of one hidden-sized tensor, where a kept graph saves
+// the whole recompute in over ten. None (0) with several workers or nodes. Any other value is
+// left as it is.
+Status ResolveKeptAttention(JobConfig* config, int workers);
+
 // optimizer.update_passes = 0 (auto), resolved into `config` as 1 or 2: in exact mode with a
 // gradient arena that holds every slot, `plan` (the job's, as MakePlan made it with auto counting
 // as two passes) is simulated with each under `profile`, and one pass is chosen only if predicted

@@ -94,6 +94,13 @@ int KeptStart(const JobConfig& c, int tail_start) {
   return start;
 }
 
+int KeptAttentionStart(const JobConfig& c, const PipelinePlan& plan) {
+  const int end = std::min(plan.kept_start, plan.tail_start);
+  return c.schedule.keep_attention > 0
+             ? std::max(1, end - static_cast<int>(c.schedule.keep_attention))
+             : end;
+}
+
 StatusOr<PipelinePlan> BuildPlan(const JobConfig& c) {
   PipelinePlan p;
   const int L = static_cast<int>(c.model.num_layers);

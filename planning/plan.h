@@ -15,6 +15,7 @@
 // runs on worker (cursor0 + k) mod N. One rule, one place: WorkerForJob().
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -69,6 +70,16 @@ struct PipelinePlan {
 // below it, never the embedding nor a mixture-of-experts block (the planner's probes move the tail,
 // and with it the range, onto blocks the job's own check did not see).
 int KeptStart(const JobConfig& config, int tail_start);
+
+// schedule.keep_attention: the first block whose forward keeps its attention for its backward
+// stage. Those blocks are the keep_attention blocks just below the kept blocks (or the tail), so
+// their records wait the least: [KeptAttentionStart, min(kept_start, tail_start)). 0, or
+// kKeepAttentionAuto not yet resolved: none (min(kept_start, tail_start)).
+int KeptAttentionStart(const JobConfig& config, const PipelinePlan& plan);
+inline bool KeepsAttention(const JobConfig& config, const PipelinePlan& plan, int layer) {
+  return layer >= KeptAttentionStart(config, plan) &&
+         layer < std::min(plan.kept_start, plan.tail_start);
+}
 
 // The plan for the config's explicit cuts or equal stage counts (what "auto" evaluates; the
 // plan of a job is planning/partitioner.h's MakePlan). Never drops or duplicates a layer: each of

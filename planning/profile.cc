@@ -49,8 +49,7 @@ LayerFlops ForwardFlops(const JobConfig& c, int l) {
 }  // namespace
 
 double ReplayedRecompute(const JobConfig& c, const LayerCost& cost, int layer) {
-  if (!c.schedule.keep_attention || layer < 1 || layer > c.model.num_layers)
-    return cost.recompute_s;
+  if (layer < 1 || layer > c.model.num_layers) return cost.recompute_s;
   const LayerFlops f = ForwardFlops(c, layer);
   const double total = f.dense + f.attention;
   return total > 0 ? cost.recompute_s * f.dense / total : cost.recompute_s;

@@ -64,10 +64,10 @@ struct Profile {
 
 std::string WorkloadKey(const JobConfig& config);
 
-// schedule.keep_attention: what pipeline layer `layer`'s recompute in a backward stage costs when
-// its attention comes from the forward's record, `cost` its measured or modelled costs: its
+// schedule.keep_attention: what block `layer`'s recompute in a backward stage costs when its
+// attention comes from the forward's record, `cost` its measured or modelled costs: its
 // recompute_s less the attention core's share of it by the FLOP count (the core's forward FLOPs
-// over the layer's). The layer's recompute_s where the key is off or the layer is no block.
+// over the layer's). The layer's recompute_s for a layer that is no block.
 double ReplayedRecompute(const JobConfig& config, const LayerCost& cost, int layer);
 
 // Median of `v` (mean of the middle two for an even count); -1 for an empty vector.

@@ -25,7 +25,7 @@ static_assert(sizeof(LossScaling) == 32);
 static_assert(sizeof(TrainConfig) == 144);
 static_assert(sizeof(OptimizerConfig) == 120);
 static_assert(sizeof(LoraConfig) == 136);
-static_assert(sizeof(ScheduleConfig) == 176);
+static_assert(sizeof(ScheduleConfig) == 184);
 static_assert(sizeof(CheckpointConfig) == 112);
 static_assert(sizeof(BenchKnobs) == 24);
 static_assert(sizeof(JobOptions) == 112);
@@ -161,6 +161,7 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
     }
   }
   RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
+  RP_RETURN_IF_ERROR(ResolveKeptAttention(&spec.job, workers));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
   RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers, session.shared_bytes));
   {
@@ -222,7 +223,7 @@ StatusOr<RunSpec> ParseRunSpec(const std::string& text, const std::string& what)
     spec.workers = j.at("workers").get<int>();
     if (without_update_passes) j.at("job").at("optimizer")["update_passes"] = 2;
     if (without_host_memory) j.at("job").at("schedule")["host_memory_gb"] = 0.0;
-    if (without_kept_attention) j.at("job").at("schedule")["keep_attention"] = false;
+    if (without_kept_attention) j.at("job").at("schedule")["keep_attention"] = 0;
     spec.job = j.at("job").get<JobConfig>();
     if (without_update_passes && !without_execution) {
       const ExecutionPlan resolved = ResolveExecution(spec.job);

@@ -540,8 +540,9 @@ SimInput BuildSimInput(const JobConfig& c, const ModelSpec& spec, const Pipeline
       const bool adopted = s.kind == StageKind::kBackward && plan.KeepsGraph(l);
       // schedule.keep_attention: a backward stage's recompute takes each block's attention from
       // its forward's record.
-      const double recompute =
-          s.kind == StageKind::kBackward ? ReplayedRecompute(c, lc, l) : lc.recompute_s;
+      const double recompute = s.kind == StageKind::kBackward && KeepsAttention(c, plan, l)
+                                   ? ReplayedRecompute(c, lc, l)
+                                   : lc.recompute_s;
       st.compute_s += s.kind == StageKind::kForward ? lc.forward_s
                                                     : (adopted ? 0.0 : recompute) + lc.backward_s;
       // train.layer_recompute: a gradient stage first runs its layers (not the head) without

@@ -39,6 +39,7 @@ struct LengthFit {
   double host_bytes = 0.0;
   int64_t mlp_tile_tokens = 0;  // as resolved at this length
   int64_t kept_blocks = 0;      // likewise
+  int64_t keep_attention = 0;   // likewise
 };
 
 LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_limit,
@@ -52,11 +53,16 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
     f.why = "device memory (" + s.message() + ")";
     return f;
   }
+  if (auto s = rp::core::ResolveKeptAttention(&c, gpus); !s.ok()) {
+    f.why = s.message();
+    return f;
+  }
   if (auto s = rp::core::ResolveKeptBlocks(&c, gpus); !s.ok()) {
     f.why = s.message();
     return f;
   }
   f.kept_blocks = c.schedule.kept_blocks;
+  f.keep_attention = c.schedule.keep_attention;
   f.mlp_tile_tokens = c.train.mlp_tile_tokens;
   auto costs = rp::core::PlanningProfile(c, device);
   if (!costs.ok()) {
@@ -164,6 +170,7 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
                                {"device", device.name},
                                {"mlp_tile_tokens", best.mlp_tile_tokens},
                                {"kept_blocks", best.kept_blocks},
+                               {"keep_attention", best.keep_attention},
                                {"next_length_limited_by", limit}}
                     .dump()
                     .c_str());
@@ -180,6 +187,9 @@ int MaxSeq(const rp::core::JobConfig& cfg, int gpus, int64_t step, double host_m
     std::printf("  MLP tile: %lld tokens\n", static_cast<long long>(best.mlp_tile_tokens));
   if (best.kept_blocks > 0)
     std::printf("  kept blocks: %lld\n", static_cast<long long>(best.kept_blocks));
+  if (best.keep_attention > 0)
+    std::printf("  blocks keeping their attention: %lld\n",
+                static_cast<long long>(best.keep_attention));
   std::printf("  predicted step %.3f s, %.0f tokens/s (%s costs)\n", best.choice.step_seconds,
               tokens / best.choice.step_seconds, best.choice.cost_source.c_str());
   if (cfg.schedule.profile.empty() && cfg.job.device != rp::core::DeviceKind::kCpu)
@@ -361,6 +371,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
     return rp::kExitBadConfig;
   }
+  const bool attention_chosen = cfg->schedule.keep_attention == rp::core::kKeepAttentionAuto;
+  if (auto s = rp::core::ResolveKeptAttention(&*cfg, gpus); !s.ok()) {
+    std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
+    return rp::kExitBadConfig;
+  }
   const bool kept_chosen = cfg->schedule.kept_blocks == rp::core::kKeptBlocksAuto;
   if (auto s = rp::core::ResolveKeptBlocks(&*cfg, gpus); !s.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
@@ -435,6 +450,8 @@ int main(int argc, char** argv) {
     out["mlp_tile_chosen"] = tile_chosen;
     out["kept_blocks"] = cfg->schedule.kept_blocks;
     out["kept_blocks_chosen"] = kept_chosen;
+    out["keep_attention"] = cfg->schedule.keep_attention;
+    out["keep_attention_chosen"] = attention_chosen;
     out["update_passes"] = passes->passes;
     out["update_passes_chosen"] = passes->chosen;
     if (passes->one_pass_step_s > 0)
@@ -465,6 +482,9 @@ int main(int argc, char** argv) {
                 cfg->train.mlp_tile_tokens == 0
                     ? "untiled (the whole microbatch fits)"
                     : (std::to_string(cfg->train.mlp_tile_tokens) + " tokens").c_str());
+  if (attention_chosen)
+    std::printf("blocks keeping their attention chosen for schedule.gpu_memory_gb = %.2f: %lld\n",
+                cfg->schedule.gpu_memory_gb, static_cast<long long>(cfg->schedule.keep_attention));
   if (kept_chosen)
     std::printf("kept blocks chosen for schedule.gpu_memory_gb = %.2f: %lld\n",
                 cfg->schedule.gpu_memory_gb, static_cast<long long>(cfg->schedule.kept_blocks));

@@ -55,7 +55,7 @@ class ReferenceTrainer {
         math_(cfg_.model, cfg_.train.loss_chunk_tokens, cfg_.lora),
         stale1_(rp::core::ResolveExecution(cfg_).weight_version_lag > 0) {
     // The pipeline's attention kernels for the job (its records hold the same values).
-    math_.UseRecordedAttention(cfg_.schedule.keep_attention);
+    math_.UseRecordedAttention(cfg_.schedule.keep_attention != 0);
   }
 
   rp::Status LoadWeights();

@@ -541,7 +541,7 @@ TEST_F(GpuTest, CudaKeptBlocksMatchCpuReferenceAndTheRecomputingRun) {
 // kernel) and packed documents (the variable-length flash kernel), against the recomputing run:
 // the first step's loss equal, later ones within bf16's run-to-run spread.
 TEST_F(GpuTest, CudaKeptAttentionMatchesTheRecomputingRunAndCpuReference) {
-  const std::vector<std::string> kept = {"schedule.keep_attention=true"};
+  const std::vector<std::string> kept = {"schedule.keep_attention=100"};  // every block
   const std::vector<std::string> fp32 = {"job.device=\"cuda\""};
   auto with = [](std::vector<std::string> a, const std::vector<std::string>& b) {
     a.insert(a.end(), b.begin(), b.end());

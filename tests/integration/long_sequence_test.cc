@@ -250,12 +250,13 @@ TEST_F(LaunchTest, ACpuSequenceWhoseAttentionScoresDoNotFitTheHostIsRefused) {
 namespace rp {
 namespace {
 
-// schedule.keep_attention: forward stages keep each block's attention output and log-sum-exp and
-// the backward stages' recomputes take them instead of running the attention forward again. The
-// run trains as rp-train-ref with the same kernels does, and as the job without the key does up to
+// schedule.keep_attention: forward stages keep blocks' attention outputs and log-sum-exps and the
+// backward stages' recomputes take them instead of running the attention forward again. The run
+// trains as rp-train-ref with the same kernels does, and as the job without the key does up to
 // the kernels' rounding, in both modes and with a layer-by-layer recompute. The profile shows the
 // records were used: a backward stage's block whose attention came from a record has no measured
-// recompute (it is timed apart), so its recompute is filled from the other layers'.
+// recompute (it is timed apart), so its recompute is filled from the other layers'; with a count
+// of one, only the block below the tail.
 TEST_F(LaunchTest, KeptAttentionTrainsAsItsReferenceAndStandsInForTheForward) {
   const std::vector<std::string> job = {
       "train.steps=5",          "train.accum_calls=1",        "train.microbatches=3",
@@ -267,7 +268,7 @@ TEST_F(LaunchTest, KeptAttentionTrainsAsItsReferenceAndStandsInForTheForward) {
   for (const auto& [tag, extra] : variants) {
     SCOPED_TRACE(tag);
     const auto sets = With(job, extra);
-    const auto kept = With(sets, {"schedule.keep_attention=true"});
+    const auto kept = With(sets, {"schedule.keep_attention=100"});  // every recomputed block
     auto ref = Ref(tmp_ + "/ref-" + tag, kept);
     ASSERT_EQ(ref.code, 0) << ref.output;
     const std::string out = tmp_ + "/kept-" + tag, base = tmp_ + "/plain-" + tag;
@@ -296,6 +297,16 @@ TEST_F(LaunchTest, KeptAttentionTrainsAsItsReferenceAndStandsInForTheForward) {
       EXPECT_TRUE(with->layers[l].filled) << "block " << l << " was recomputed";
       EXPECT_FALSE(without->layers[l].filled) << "block " << l;
     }
+    if (tag != "exact") continue;
+    // A count: the blocks just below the tail keep theirs, the ones below recompute.
+    const std::string one = tmp_ + "/one-" + tag;
+    auto partial = Launch(1, one, With(sets, {"schedule.keep_attention=1"}));
+    ASSERT_EQ(partial.code, 0) << partial.output;
+    ExpectClose(Losses(one + "/metrics.jsonl"), Losses(out + "/metrics.jsonl"), "one block's");
+    auto some = core::LoadProfile(one + "/profile.json", *cfg);
+    ASSERT_TRUE(some.ok()) << some.status().ToString();
+    for (int l = 1; l < tail_start; ++l)
+      EXPECT_EQ(some->layers[l].filled, l == tail_start - 1) << "block " << l;
   }
 }
 

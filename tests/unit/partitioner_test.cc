@@ -598,6 +598,59 @@ TEST(Partitioner, KeptBlocksAreCountedAndChosenToFitTheBudget) {
   EXPECT_EQ(fixed.schedule.kept_blocks, 5);  // refused later, by the launcher, naming the key
 }
 
+// schedule.keep_attention: the blocks just below the kept blocks keep their attention records;
+// the estimate counts a record per block and microbatch, the simulated step loses the attention's
+// share of each such block's recompute, and -1 chooses the most blocks that fit the budget (none
+// with several workers).
+TEST(Partitioner, KeptAttentionIsCountedAndChosenToFitTheBudget) {
+  JobConfig c = OneStageOfEachKind(12);  // F[0,12) T[12,14) B[0,12): 11 blocks before the tail
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 8192;
+  c.schedule.kept_blocks = 2;  // blocks 10 and 11
+  auto with = [&](int64_t keep) {
+    JobConfig t = c;
+    t.schedule.keep_attention = keep;
+    return t;
+  };
+  auto estimate = [&](int64_t keep) {
+    const JobConfig t = with(keep);
+    return EstimateMemory(t, *BuildPlan(t), 1);
+  };
+  {
+    const JobConfig t = with(3);
+    auto plan = BuildPlan(t);
+    ASSERT_TRUE(plan.ok());
+    EXPECT_EQ(KeptAttentionStart(t, *plan), 7);
+    EXPECT_TRUE(KeepsAttention(t, *plan, 7) && KeepsAttention(t, *plan, 9));
+    EXPECT_FALSE(KeepsAttention(t, *plan, 6) || KeepsAttention(t, *plan, 10));
+    EXPECT_EQ(KeptAttentionStart(with(100), *plan), 1);  // more than there are: every block
+  }
+  const double elem = static_cast<double>(ComputeElemBytes(c));
+  const double record = static_cast<double>(c.TokensPerMicrobatch() * c.model.num_heads) *
+                        (static_cast<double>(c.model.head_dim) * elem + 4.0) *
+                        static_cast<double>(Round(c).microbatches);
+  EXPECT_EQ(estimate(0).kept_attention, 0.0);
+  EXPECT_DOUBLE_EQ(estimate(3).kept_attention, 3 * record);
+  EXPECT_DOUBLE_EQ(estimate(3).total - estimate(0).total, 3 * record);
+  const Profile profile = DefaultCostModel(c);
+  auto step = [&](int64_t keep) {
+    const JobConfig t = with(keep);
+    return PredictPlan(t, *BuildPlan(t), profile, 1).step_seconds;
+  };
+  EXPECT_LT(step(3), step(0));
+  EXPECT_LT(step(9), step(3));
+  auto resolve = [&](double limit, int workers) {
+    JobConfig t = with(kKeepAttentionAuto);
+    t.schedule.gpu_memory_gb = limit / 1e9;
+    EXPECT_TRUE(ResolveKeptAttention(&t, workers).ok());
+    return t.schedule.keep_attention;
+  };
+  for (int64_t k = 0; k < 9; ++k)
+    EXPECT_EQ(resolve((estimate(k).total + estimate(k + 1).total) / 2, 1), k) << k;
+  EXPECT_EQ(resolve(estimate(9).total * 1.01, 1), 9);
+  EXPECT_EQ(resolve(estimate(9).total * 1.01, 2), 0);
+}
+
 TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
   // A clipped exact job holds every gradient, so both pass counts apply. With an optimizer far
   // faster than the compute the second passes hide behind the next step and the first pass's

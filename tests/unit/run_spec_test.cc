@@ -220,7 +220,7 @@ TEST(RunSpec, DamagedOrForeignSpecsAreRefusedNamingWhat) {
     auto older = ParseRunSpec(j.dump(), "spec");
     ASSERT_TRUE(older.ok()) << version << ": " << older.status().message();
     EXPECT_EQ(older->job.schedule.host_memory_gb, 0.0) << version;
-    EXPECT_FALSE(older->job.schedule.keep_attention) << version;
+    EXPECT_EQ(older->job.schedule.keep_attention, 0) << version;
   }
   j = good;
   j["job"]["schedule"].erase("keep_attention");
