@@ -1986,6 +1986,7 @@ TEST_F(LaunchTest, ImpossibleLaunchesAreRefusedBeforeAnythingStarts) {
   // What needs one worker.
   cases.push_back({2, {"schedule.activations=\"worker\""}, "needs --gpus 1"});
   cases.push_back({2, {"schedule.kept_blocks=1"}, "set it to 0"});
+  cases.push_back({2, {"schedule.keep_attention=1"}, "schedule.keep_attention = 1 keeps"});
   cases.push_back({2, {"optimizer.device_update_blocks=1"}, "needs one worker (--gpus 1)"});
   // The host's free memory moves between the two runs: its figures are left out of the comparison.
   auto first_line = [](const std::string& text) {

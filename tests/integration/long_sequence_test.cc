@@ -265,6 +265,15 @@ TEST_F(LaunchTest, KeptAttentionTrainsAsItsReferenceAndStandsInForTheForward) {
       {"exact", {}},
       {"stale1", {"optimizer.mode=\"stale1\""}},
       {"layers", {"train.layer_recompute=true"}}};
+  // -1: as many as fit the budget, decided once and printed by the dry run (here all three
+  // blocks below the one in the tail).
+  auto args = LaunchArgs(1, tmp_ + "/dry",
+                         With(job, {"schedule.keep_attention=-1", "schedule.gpu_memory_gb=50"}));
+  args.insert(args.begin() + 1, "--dry-run");
+  auto dry = testing::RunProcess(args, 60, Env());
+  ASSERT_EQ(dry.code, 0) << dry.output;
+  EXPECT_NE(dry.output.find("attention kept from the forward for blocks 0..2"), std::string::npos)
+      << dry.output;
   for (const auto& [tag, extra] : variants) {
     SCOPED_TRACE(tag);
     const auto sets = With(job, extra);

@@ -82,6 +82,7 @@ const std::map<std::string, std::vector<Example>>& Examples() {
         {{"schedule.frozen_on_device=true"}, "schedule.frozen_on_device"}}},
       {"planner choices need a budget",
        {{{"schedule.kept_blocks=-1"}, "schedule.kept_blocks"},
+        {{"schedule.keep_attention=-1"}, "schedule.keep_attention"},
         {{"train.mlp_tile_tokens=-1"}, "train.mlp_tile_tokens"}}},
       {"the learning rate's floor",
        {{{"optimizer.lr=0.001", "optimizer.min_lr=0.01"}, "optimizer.min_lr"}}},
