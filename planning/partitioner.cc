@@ -666,14 +666,16 @@ namespace {
 // field in the trial job. More never needs less memory, so those that fit are a prefix of
 // 0..most: a bisection.
 StatusOr<int64_t> MostThatFit(const JobConfig& c, int workers, int64_t ScheduleConfig::*key,
-                              int64_t most) {
+                              int64_t most, const SharedBytesOf& shared_bytes = {}) {
   auto fits = [&](int64_t k) -> StatusOr<bool> {
     JobConfig trial = c;
     trial.schedule.*key = k;
-    trial.schedule.host_memory_gb = 0.0;  // a device question: MakePlan applies the host limit
+    // A device question unless a count of shared memory comes with the host limit (MakePlan
+    // applies the limit either way).
+    if (!shared_bytes) trial.schedule.host_memory_gb = 0.0;
     const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
     if (ResolveExecution(trial).planner_chooses_partition)
-      return ChoosePlan(trial, workers, costs).ok();
+      return ChoosePlan(trial, workers, costs, shared_bytes).ok();
     RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
     return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
            c.schedule.gpu_memory_gb * 1e9;
@@ -690,7 +692,7 @@ StatusOr<int64_t> MostThatFit(const JobConfig& c, int workers, int64_t ScheduleC
 }
 }  // namespace
 
-Status ResolveKeptAttention(JobConfig* c, int workers) {
+Status ResolveKeptAttention(JobConfig* c, int workers, const SharedBytesOf& shared_bytes) {
   if (c->schedule.keep_attention != kKeepAttentionAuto) return Status::Ok();
   c->schedule.keep_attention = 0;
   if (workers != 1 || c->nodes.count > 1) return Status::Ok();
@@ -700,7 +702,8 @@ Status ResolveKeptAttention(JobConfig* c, int workers) {
   const int64_t most = std::max<int64_t>(
       0, c->model.num_layers - tail - std::max<int64_t>(c->schedule.kept_blocks, 0));
   RP_ASSIGN_OR_RETURN(c->schedule.keep_attention,
-                      MostThatFit(*c, workers, &ScheduleConfig::keep_attention, most));
+                      MostThatFit(*c, workers, &ScheduleConfig::keep_attention, most,
+                                  c->schedule.host_memory_gb > 0 ? shared_bytes : SharedBytesOf()));
   return Status::Ok();
 }
 

@@ -165,9 +165,11 @@ Status ResolveKeptBlocks(JobConfig* config, int workers);
 // `config`; after ResolveMlpTile and before ResolveKeptBlocks (kept blocks not yet chosen count as
 // none), which then takes what memory is left: a record saves a block's attention forward, most
 // of its recompute at length, in the memory of one hidden-sized tensor, where a kept graph saves
-// the whole recompute in over ten. None (0) with several workers or nodes. Any other value is
-// left as it is.
-Status ResolveKeptAttention(JobConfig* config, int workers);
+// the whole recompute in over ten. With schedule.host_memory_gb > 0 and `shared_bytes` (as
+// ChoosePlan takes it) the plans must fit the host too: records take the device memory that a
+// plan of fewer backward stages, which the host limit may need, would use. None (0) with several
+// workers or nodes. Any other value is left as it is.
+Status ResolveKeptAttention(JobConfig* config, int workers, const SharedBytesOf& shared_bytes = {});
 
 // optimizer.update_passes = 0 (auto), resolved into `config` as 1 or 2: in exact mode with a
 // gradient arena that holds every slot, `plan` (the job's, as MakePlan made it with auto counting

@@ -53,9 +53,16 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
     f.why = "device memory (" + s.message() + ")";
     return f;
   }
-  if (auto s = rp::core::ResolveKeptAttention(&c, gpus); !s.ok()) {
-    f.why = s.message();
-    return f;
+  {
+    // The records' count under both memories, as the run would choose it with this host limit.
+    rp::core::JobConfig limited = c;
+    limited.schedule.host_memory_gb = host_limit / 1e9;
+    if (auto s = rp::core::ResolveKeptAttention(&limited, gpus, rp::shm::SharedBytesFor(gpus));
+        !s.ok()) {
+      f.why = s.message();
+      return f;
+    }
+    c.schedule.keep_attention = limited.schedule.keep_attention;
   }
   if (auto s = rp::core::ResolveKeptBlocks(&c, gpus); !s.ok()) {
     f.why = s.message();
@@ -372,7 +379,8 @@ int main(int argc, char** argv) {
     return rp::kExitBadConfig;
   }
   const bool attention_chosen = cfg->schedule.keep_attention == rp::core::kKeepAttentionAuto;
-  if (auto s = rp::core::ResolveKeptAttention(&*cfg, gpus); !s.ok()) {
+  if (auto s = rp::core::ResolveKeptAttention(&*cfg, gpus, rp::shm::SharedBytesFor(gpus));
+      !s.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
     return rp::kExitBadConfig;
   }

@@ -1042,6 +1042,47 @@ TEST(Partitioner, RespectsTheMemoryLimit) {
 // block keeps its checkpoint in a host slot, so a limit just under the unlimited plan's shared
 // memory takes a plan with fewer slots and a step predicted no shorter; a limit under every plan
 // is an error naming the key and the smallest plan's bytes; the limit without a count is refused.
+// schedule.keep_attention = -1 under a host limit: the records are counted against plans that fit
+// the host as well, since a plan with fewer checkpoint slots needs more device memory for its
+// working set. Chosen by the device alone, the count can leave no plan that fits both.
+TEST(Partitioner, KeptAttentionIsChosenUnderBothMemories) {
+  JobConfig c = Small(12);
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 16384;
+  c.train.microbatches = 1;
+  c.train.accum_calls = 1;
+  c.train.microbatch_size = 1;
+  c.schedule.partition = Partition::kAuto;
+  const SharedBytesOf shared = shm::SharedBytesFor(1);
+  const Profile costs = DefaultCostModel(c);
+  // The host limit: just under the shared memory of the plan a tight device budget gets (a
+  // backward stage per block, every checkpoint in a host slot).
+  JobConfig fine = c;
+  fine.schedule.gpu_memory_gb = 0.3;
+  auto finest = ChoosePlan(fine, 1, costs, shared);
+  ASSERT_TRUE(finest.ok()) << finest.status().message();
+  auto finest_bytes = shared(fine, finest->plan);
+  ASSERT_TRUE(finest_bytes.ok());
+  int fitting = 0, differ = 0;
+  for (double gb = 0.3; gb < 0.8; gb += 0.05) {
+    JobConfig t = c;
+    t.schedule.gpu_memory_gb = gb;
+    t.schedule.host_memory_gb = (static_cast<double>(*finest_bytes) - 1.0) / 1e9;
+    if (!ChoosePlan(t, 1, costs, shared).ok()) continue;  // nothing fits both even without records
+    ++fitting;
+    t.schedule.keep_attention = kKeepAttentionAuto;
+    JobConfig blind = t;
+    ASSERT_TRUE(ResolveKeptAttention(&t, 1, shared).ok());
+    ASSERT_TRUE(ResolveKeptAttention(&blind, 1).ok());
+    EXPECT_TRUE(ChoosePlan(t, 1, costs, shared).ok())
+        << gb << " GB: " << t.schedule.keep_attention << " blocks";
+    EXPECT_LE(t.schedule.keep_attention, blind.schedule.keep_attention) << gb;
+    differ += !ChoosePlan(blind, 1, costs, shared).ok();
+  }
+  EXPECT_GT(fitting, 0);
+  EXPECT_GT(differ, 0) << "no budget where the device alone chooses too many";
+}
+
 TEST(Partitioner, HostMemoryLimitTradesCheckpointSlotsForRecompute) {
   // Two workers: the fastest plan without a limit splits the backward to keep both busy.
   JobConfig c = Small(12);
