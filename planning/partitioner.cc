@@ -144,19 +144,19 @@ struct EstimateBasis {
 // What a block holds, per token of the microbatch, in two parts (fitted to the allocator's peaks
 // at long sequences, tiled and untiled; docs/benchmarks.md, "Planner accuracy", has the fit's
 // errors):
-//  * kept: what a block's graph saves for its backward: about 7.5 hidden-sized tensors, tiled or
-//    not (the checks above did not separate the normed sequence an untiled block also keeps),
-//    and, untiled, its MLP's three intermediate-sized ones (a tiled block recomputes each tile in
-//    the backward, so its graph keeps only the tile's input, the residual stream).
+//  * kept: what a block's graph saves for its backward: about 7.5 hidden-sized tensors tiled (a
+//    tiled block recomputes each tile in the backward, so its graph keeps only the tile's input,
+//    the residual stream); untiled, one more (the normed sequence the MLP reads) and its MLP's
+//    three intermediate-sized ones, as a measured profile's saved bytes at 524,288 tokens and
+//    the kept blocks' fit (KeptBlocksBytes) both found.
 //  * working: what the one block being computed adds beside the kept tensors: about six
 //    hidden-sized tensors (in a backward, the gradients flowing through it and the attention
-//    kernel's fp32 accumulators; a forward without a graph holds fewer) and three
-//    intermediate-sized ones over one tile (the whole sequence untiled). A measured profile
-//    records only the kept part, so it is added to it too.
-// A sparse block is never tiled and keeps its experts' intermediates and the routed copies of
-// its input and output (2 x k hidden-sized rows), with ten hidden-sized tensors (not refitted).
-// The estimate is one per-block figure: the larger of the dense and the sparse block's, for each
-// part, over the kinds the model has.
+//    kernel's fp32 accumulators; a forward without a graph holds fewer), and of intermediate size
+//    three over one tile when tiled (the tile's recomputed intermediates and their gradients) but
+//    only one untiled: the MLP's backward frees each kept intermediate as it consumes it, so its
+//    gradients mostly take their place. Counting three would put blocks backpropagated alone
+//    (their checkpoints in host slots) 15-22% above the peak at 262,144-524,288 tokens.
+//    A measured profile records only the kept part, so the working set is added to it too.
 struct BlockActivations {
   double kept = 0.0, working = 0.0;
 };
@@ -173,8 +173,8 @@ BlockActivations PerBlockActivations(const EstimateBasis& e) {
   if (dense || !sparse) {
     const double I = static_cast<double>(c.model.intermediate_size);
     const bool tiled = tile < tokens;
-    a.kept = tokens * (7.5 * H + (tiled ? 0.0 : 3.0 * I)) * elem;
-    a.working = (tokens * 6.0 * H + 3.0 * tile * I) * elem;
+    a.kept = tokens * (tiled ? 7.5 * H : 8.5 * H + 3.0 * I) * elem;
+    a.working = (tokens * 6.0 * H + (tiled ? 3.0 * tile : tokens) * I) * elem;
   }
   if (sparse) {
     const double k = static_cast<double>(c.model.moe.experts_per_token);
@@ -370,7 +370,7 @@ double HeldGradientBytes(const EstimateBasis& e, const std::vector<StageMemory>&
 // fp32 sums; twice over with interleaved calls, whose forward stages both run (each with its own
 // weights) before the first call's backward. A kept block's graph holds about 8.6 hidden-sized
 // and three intermediate-sized tensors per token (fitted to the allocator's peaks with two counts
-// of kept blocks), more than a gradient stage's 7.5 (PerBlockActivations' kept part).
+// of kept blocks), about what an untiled block keeps (PerBlockActivations' kept part).
 double KeptBlocksBytes(const EstimateBasis& e) {
   const JobConfig& c = e.c;
   const int kept_blocks = std::max(0, e.plan.tail_start - e.plan.kept_start);

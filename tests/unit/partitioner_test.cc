@@ -428,9 +428,10 @@ TEST(Partitioner, KeepingTheFrozenBaseIsSuggestedWhereItFitsAndIsFaster) {
   EXPECT_FALSE(FrozenOnDeviceAlternative(c, 1, costs, alt->step_seconds).has_value());
 }
 
-// train.mlp_tile_tokens: a backward stage's blocks keep no MLP intermediates (each tile is
-// recomputed in the backward), and the block being computed holds one tile's instead of the
-// microbatch's; nothing else of the estimate changes.
+// train.mlp_tile_tokens: a backward stage's blocks keep no MLP intermediates and no normed
+// sequence (each tile is recomputed from the residual stream in the backward), and the block
+// being computed holds three intermediate-sized tensors over one tile instead of one over the
+// microbatch; nothing else of the estimate changes.
 TEST(Partitioner, MemoryEstimateOfTiledBlocksKeepsNoMlpIntermediates) {
   JobConfig c =
       OneStageOfEachKind(24);  // B[0,24): the embedding and 23 blocks, the peak tiled or not
@@ -444,8 +445,9 @@ TEST(Partitioner, MemoryEstimateOfTiledBlocksKeepsNoMlpIntermediates) {
   ASSERT_EQ(plan->stages[whole.stage].Describe(), "B[0,24)");
   ASSERT_EQ(part.stage, whole.stage);
   const double tokens = static_cast<double>(c.TokensPerMicrobatch());
+  const double H = static_cast<double>(c.model.hidden_size);
   const double I = static_cast<double>(c.model.intermediate_size);
-  const double saved = (23.0 * 3.0 * tokens * I + 3.0 * (tokens - 1000.0) * I) * 4.0;
+  const double saved = (23.0 * tokens * (H + 3.0 * I) + (tokens - 3.0 * 1000.0) * I) * 4.0;
   EXPECT_NEAR(whole.activations - part.activations, saved, 1e-6 * saved);
   EXPECT_DOUBLE_EQ(whole.weights, part.weights);
   EXPECT_DOUBLE_EQ(whole.gradients, part.gradients);
@@ -767,9 +769,9 @@ TEST(Partitioner, LayerRecomputeKeepsBlockInputsAndOneBlocksGraph) {
 }
 
 // A measured profile records what each block's graph keeps; the block being backpropagated also
-// holds its working set (about six hidden-sized and three intermediate-sized tensors per token,
-// one tile's with tiled MLPs), which the estimate adds to the measured bytes as it does to the
-// cost model's kept bytes. So a profile that measured exactly what the cost model assumes a
+// holds its working set (about six hidden-sized tensors per token and one intermediate-sized,
+// three over one tile with tiled MLPs), which the estimate adds to the measured bytes as it does to
+// the cost model's kept bytes. So a profile that measured exactly what the cost model assumes a
 // block keeps gives the cost model's estimate, tiled or not, and measured bytes are never the
 // whole of a gradient stage's activations.
 TEST(Partitioner, MeasuredSavedBytesGetTheWorkingSetOfTheBlockBeingComputed) {
@@ -785,9 +787,9 @@ TEST(Partitioner, MeasuredSavedBytesGetTheWorkingSetOfTheBlockBeingComputed) {
     const double tokens = static_cast<double>(c.TokensPerMicrobatch()),
                  H = static_cast<double>(c.model.hidden_size),
                  I = static_cast<double>(c.model.intermediate_size), elem = 4.0;
-    const double kept = tokens * (7.5 * H + (tile > 0 ? 0.0 : 3.0 * I)) * elem;
+    const double kept = tokens * (tile > 0 ? 7.5 * H : 8.5 * H + 3.0 * I) * elem;
     const double working =
-        (6.0 * tokens * H + 3.0 * (tile > 0 ? static_cast<double>(tile) : tokens) * I) * elem;
+        (6.0 * tokens * H + (tile > 0 ? 3.0 * static_cast<double>(tile) : tokens) * I) * elem;
     EXPECT_NEAR(model.activations, 23.0 * kept + working, 1e-9 * model.activations) << tile;
     Profile measured = DefaultCostModel(c);
     measured.source = "measured";
