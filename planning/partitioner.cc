@@ -774,6 +774,60 @@ StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* c, int workers, cons
   return out;
 }
 
+namespace {
+
+// The cost model's step time of `c` as the run would plan it.
+StatusOr<double> PredictedStepSeconds(const JobConfig& c, int workers) {
+  const Profile costs = DefaultCostModel(c);
+  if (ResolveExecution(c).planner_chooses_partition) {
+    RP_ASSIGN_OR_RETURN(const PlanChoice choice, ChoosePlan(c, workers, costs));
+    return choice.step_seconds;
+  }
+  RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(c));
+  return PredictPlan(c, plan, costs, workers).step_seconds;
+}
+
+// With schedule.keep_attention = -1 as well, the largest tile that fits (tiles[fit], already in
+// `c`) may leave too little memory for the records: at a million tokens an untiled block fits
+// 126 GB with two records where 524,288-token tiles leave room for five, and a record saves a
+// block's attention forward, which at length costs far more than running its MLP forward again
+// in tiles. So the smallest tile's count of records is found, and the largest tile that still
+// keeps that many is taken when the cost model (which charges the tiles' extra forward) says
+// its step is shorter. The count itself is left to ResolveKeptAttention, under both memories.
+Status PreferATileKeepingMoreAttention(JobConfig* c, int workers, const std::vector<int64_t>& tiles,
+                                       size_t fit) {
+  auto with = [&](size_t i) {
+    JobConfig trial = *c;
+    trial.train.mlp_tile_tokens = tiles[i];
+    trial.schedule.host_memory_gb = 0.0;  // a device question, as the tile's
+    return trial;
+  };
+  auto records_at = [&](size_t i) -> StatusOr<int64_t> {
+    JobConfig trial = with(i);
+    RP_RETURN_IF_ERROR(ResolveKeptAttention(&trial, workers));
+    return trial.schedule.keep_attention;
+  };
+  RP_ASSIGN_OR_RETURN(const int64_t at_fit, records_at(fit));
+  const size_t last = tiles.size() - 1;
+  RP_ASSIGN_OR_RETURN(const int64_t most, records_at(last));
+  if (most <= at_fit) return Status::Ok();
+  size_t lo = fit, hi = last;  // lo keeps fewer than `most`, hi keeps `most`
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    RP_ASSIGN_OR_RETURN(const int64_t n, records_at(mid));
+    (n >= most ? hi : lo) = mid;
+  }
+  JobConfig larger = with(fit), smaller = with(hi);
+  larger.schedule.keep_attention = at_fit;
+  smaller.schedule.keep_attention = most;
+  RP_ASSIGN_OR_RETURN(const double larger_s, PredictedStepSeconds(larger, workers));
+  RP_ASSIGN_OR_RETURN(const double smaller_s, PredictedStepSeconds(smaller, workers));
+  if (smaller_s < larger_s) c->train.mlp_tile_tokens = tiles[hi];
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ResolveMlpTile(JobConfig* c, int workers) {
   if (c->train.mlp_tile_tokens != kMlpTileAuto) return Status::Ok();
   const int64_t tokens = c->TokensPerMicrobatch();
@@ -823,6 +877,8 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   }
   if (fit < tiles.size()) {
     c->train.mlp_tile_tokens = tiles[fit];
+    if (c->schedule.keep_attention == kKeepAttentionAuto && fit + 1 < tiles.size())
+      return PreferATileKeepingMoreAttention(c, workers, tiles, fit);
     return Status::Ok();
   }
   char text[320];

@@ -147,8 +147,11 @@ double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int
 // more memory, so the first that fits is found by bisection. "Fits" is ChoosePlan finding a plan
 // (partition = "auto") or the job's own plan's estimate being within the limit ("equal"), under
 // the FLOP cost model (DefaultCostModel) even when the job has a measured profile, so that every
-// start of a run (the first, --resume, a re-plan) chooses the same tile. InvalidArgument naming the
-// key when no tile fits. Any other value is left as it is.
+// start of a run (the first, --resume, a re-plan) chooses the same tile. With
+// schedule.keep_attention = -1 too (one worker), a smaller tile is taken instead when it lets more
+// blocks keep their attention records and the cost model, which charges a tiled MLP's second
+// forward, predicts a shorter step with them. InvalidArgument naming the key when no tile fits.
+// Any other value is left as it is.
 inline constexpr int64_t kSmallestAutoMlpTile = 512;
 Status ResolveMlpTile(JobConfig* config, int workers);
 

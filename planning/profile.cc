@@ -25,6 +25,7 @@ namespace {
 struct LayerFlops {
   double dense = 0.0;
   double attention = 0.0;
+  double tiled_mlp = 0.0;  // of `dense`, a tiled MLP's (train.mlp_tile_tokens), run again backwards
 };
 LayerFlops ForwardFlops(const JobConfig& c, int l) {
   const auto& m = c.model;
@@ -41,9 +42,13 @@ LayerFlops ForwardFlops(const JobConfig& c, int l) {
   const double block_params =
       static_cast<double>(m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim +
                           m.num_heads * m.head_dim * m.hidden_size + mlp);
+  // A sparse block is never tiled.
+  const bool tiled = !SparseBlock(m, l - 1) && c.train.mlp_tile_tokens > 0 &&
+                     static_cast<double>(c.train.mlp_tile_tokens) < tokens;
   // Causal attention: QK^T and PV over half the square.
   return {2.0 * block_params * tokens,
-          2.0 * tokens * seq * static_cast<double>(m.num_heads * m.head_dim)};
+          2.0 * tokens * seq * static_cast<double>(m.num_heads * m.head_dim),
+          tiled ? 2.0 * static_cast<double>(mlp) * tokens : 0.0};
 }
 
 }  // namespace
@@ -100,7 +105,9 @@ Profile CostModelProfile(const JobConfig& c, double flops_per_s, double link_byt
     const LayerFlops flops = ForwardFlops(c, l);
     const double f = (flops.dense + flops.attention) / flops_per_s;
     lc.forward_s = lc.recompute_s = f;
-    lc.backward_s = (2.0 * flops.dense + attention_backward * flops.attention) / flops_per_s;
+    // A tiled MLP keeps only its tiles' input and runs each tile forward again in the backward.
+    lc.backward_s =
+        (2.0 * flops.dense + attention_backward * flops.attention + flops.tiled_mlp) / flops_per_s;
     if (l == layers - 1) {  // the head runs forward and backward together
       lc.recompute_s = 3.0 * f;
       lc.backward_s = 0.0;

@@ -73,8 +73,9 @@ double ReplayedRecompute(const JobConfig& config, const LayerCost& cost, int lay
 // Median of `v` (mean of the middle two for an even count); -1 for an empty vector.
 double Median(std::vector<double> v);
 
-// The FLOP cost model as a profile: a forward at `flops_per_s`, backward twice the forward,
-// host links at the given rates, the optimizer at `optimizer_params_per_s`.
+// The FLOP cost model as a profile: a forward at `flops_per_s`, backward twice the forward (a
+// fused attention core's 2.5 times; a tiled MLP's forward once more), host links at the given
+// rates, the optimizer at `optimizer_params_per_s`.
 Profile CostModelProfile(const JobConfig& config, double flops_per_s, double link_bytes_per_s,
                          double optimizer_params_per_s);
 // The GPU the cost model assumes for CUDA workers (rp-plan --device). The layers are assumed to

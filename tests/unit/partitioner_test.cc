@@ -653,6 +653,83 @@ TEST(Partitioner, KeptAttentionIsCountedAndChosenToFitTheBudget) {
   EXPECT_EQ(resolve(estimate(9).total * 1.01, 2), 0);
 }
 
+// train.mlp_tile_tokens = -1 with schedule.keep_attention = -1: where the largest tile that fits
+// (untiled) leaves no room for attention records and the smallest makes room for all of them, the
+// largest tile that keeps them all is taken when the records' saved attention forwards outweigh
+// the tiles' second MLP forward (a long sequence), and untiled stays where they do not (a wide MLP
+// over a short sequence). With a fixed count the tile is the largest that fits.
+TEST(Partitioner, AnAutoTileGivesWayToAttentionRecordsOnlyWhenTheStepIsShorter) {
+  auto check = [](int64_t seq, int64_t intermediate, bool tile_wins) {
+    JobConfig c = OneStageOfEachKind(12);  // F[0,12) T[12,14) B[0,12): 11 recomputed blocks
+    c.job.device = DeviceKind::kCuda;
+    c.data.seq_len = seq;
+    c.model.intermediate_size = intermediate;
+    c.schedule.kept_blocks = 0;
+    auto with = [&](int64_t tile, int64_t keep) {
+      JobConfig t = c;
+      t.train.mlp_tile_tokens = tile;
+      t.schedule.keep_attention = keep;
+      return t;
+    };
+    // As the resolution sees them: the cost model of each tile, its simulated peak.
+    auto predict = [&](int64_t tile, int64_t keep) {
+      const JobConfig t = with(tile, keep);
+      return PredictPlan(t, *BuildPlan(t), DefaultCostModel(t), 1);
+    };
+    auto estimate = [&](int64_t tile, int64_t keep) {
+      return predict(tile, keep).peak_memory_bytes;
+    };
+    auto step = [&](int64_t tile, int64_t keep) { return predict(tile, keep).step_seconds; };
+    const double untiled = estimate(0, 0), record = estimate(0, 1) - untiled;
+    ASSERT_GT(record, 0.0);
+    c.schedule.gpu_memory_gb = (untiled + record / 2) / 1e9;
+    const double limit = c.schedule.gpu_memory_gb * 1e9;
+    ASSERT_LT(estimate(kSmallestAutoMlpTile, 11), limit);
+    JobConfig fixed = with(kMlpTileAuto, 0);
+    ASSERT_TRUE(ResolveMlpTile(&fixed, 1).ok());
+    EXPECT_EQ(fixed.train.mlp_tile_tokens, 0) << seq;
+    JobConfig both = with(kMlpTileAuto, kKeepAttentionAuto);
+    ASSERT_TRUE(ResolveMlpTile(&both, 1).ok());
+    const int64_t tile = both.train.mlp_tile_tokens;
+    if (!tile_wins) {
+      EXPECT_EQ(tile, 0) << seq;
+      EXPECT_GT(step(kSmallestAutoMlpTile, 11), step(0, 0)) << seq;
+      return;
+    }
+    ASSERT_GT(tile, 0) << seq;
+    EXPECT_LT(step(tile, 11), step(0, 0)) << seq;
+    ASSERT_TRUE(ResolveKeptAttention(&both, 1).ok());
+    EXPECT_EQ(both.schedule.keep_attention, 11) << tile;
+    EXPECT_LE(estimate(tile, 11), limit) << tile;
+    if (2 * tile < c.TokensPerMicrobatch()) EXPECT_GT(estimate(2 * tile, 11), limit) << tile;
+  };
+  check(16384, 384, true);
+  check(2048, 2048, false);
+}
+
+// The cost model charges a tiled MLP's second forward to its block's backward: one MLP forward
+// per token, whatever the tile, and nothing to a block's forward.
+TEST(Partitioner, TheCostModelChargesATiledMlpsSecondForward) {
+  JobConfig c = OneStageOfEachKind(4);
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 4096;
+  JobConfig tiled = c, smaller = c;
+  tiled.train.mlp_tile_tokens = 2048;
+  smaller.train.mlp_tile_tokens = 512;
+  const double rate = 1e12;
+  auto model = [&](const JobConfig& t) { return CostModelProfile(t, rate, 1e10, 1e9); };
+  const Profile a = model(c), b = model(tiled), d = model(smaller);
+  const double mlp_s = 2.0 * 3.0 * static_cast<double>(c.model.hidden_size) *
+                       static_cast<double>(c.model.intermediate_size) *
+                       static_cast<double>(c.TokensPerMicrobatch()) / rate;
+  for (int l = 1; l <= 4; ++l) {
+    EXPECT_DOUBLE_EQ(b.layers[l].forward_s, a.layers[l].forward_s) << l;
+    EXPECT_NEAR(b.layers[l].backward_s - a.layers[l].backward_s, mlp_s, 1e-9 * mlp_s) << l;
+    EXPECT_DOUBLE_EQ(d.layers[l].backward_s, b.layers[l].backward_s) << l;
+  }
+  EXPECT_DOUBLE_EQ(b.layers[5].recompute_s, a.layers[5].recompute_s);  // the head
+}
+
 TEST(Partitioner, UpdatePassesAreChosenByTheSimulatedStep) {
   // A clipped exact job holds every gradient, so both pass counts apply. With an optimizer far
   // faster than the compute the second passes hide behind the next step and the first pass's
