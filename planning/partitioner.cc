@@ -777,10 +777,11 @@ StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* c, int workers, cons
 namespace {
 
 // The cost model's step time of `c` as the run would plan it.
-StatusOr<double> PredictedStepSeconds(const JobConfig& c, int workers) {
+StatusOr<double> PredictedStepSeconds(const JobConfig& c, int workers,
+                                      const SharedBytesOf& shared_bytes) {
   const Profile costs = DefaultCostModel(c);
   if (ResolveExecution(c).planner_chooses_partition) {
-    RP_ASSIGN_OR_RETURN(const PlanChoice choice, ChoosePlan(c, workers, costs));
+    RP_ASSIGN_OR_RETURN(const PlanChoice choice, ChoosePlan(c, workers, costs, shared_bytes));
     return choice.step_seconds;
   }
   RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(c));
@@ -793,18 +794,19 @@ StatusOr<double> PredictedStepSeconds(const JobConfig& c, int workers) {
 // block's attention forward, which at length costs far more than running its MLP forward again
 // in tiles. So the smallest tile's count of records is found, and the largest tile that still
 // keeps that many is taken when the cost model (which charges the tiles' extra forward) says
-// its step is shorter. The count itself is left to ResolveKeptAttention, under both memories.
+// its step is shorter. Under the memories the tile was chosen for (`shared_bytes` empty: the
+// device's alone); the count itself is left to ResolveKeptAttention.
 Status PreferATileKeepingMoreAttention(JobConfig* c, int workers, const std::vector<int64_t>& tiles,
-                                       size_t fit) {
+                                       size_t fit, const SharedBytesOf& shared_bytes) {
   auto with = [&](size_t i) {
     JobConfig trial = *c;
     trial.train.mlp_tile_tokens = tiles[i];
-    trial.schedule.host_memory_gb = 0.0;  // a device question, as the tile's
+    if (!shared_bytes) trial.schedule.host_memory_gb = 0.0;
     return trial;
   };
   auto records_at = [&](size_t i) -> StatusOr<int64_t> {
     JobConfig trial = with(i);
-    RP_RETURN_IF_ERROR(ResolveKeptAttention(&trial, workers));
+    RP_RETURN_IF_ERROR(ResolveKeptAttention(&trial, workers, shared_bytes));
     return trial.schedule.keep_attention;
   };
   RP_ASSIGN_OR_RETURN(const int64_t at_fit, records_at(fit));
@@ -820,33 +822,37 @@ Status PreferATileKeepingMoreAttention(JobConfig* c, int workers, const std::vec
   JobConfig larger = with(fit), smaller = with(hi);
   larger.schedule.keep_attention = at_fit;
   smaller.schedule.keep_attention = most;
-  RP_ASSIGN_OR_RETURN(const double larger_s, PredictedStepSeconds(larger, workers));
-  RP_ASSIGN_OR_RETURN(const double smaller_s, PredictedStepSeconds(smaller, workers));
+  RP_ASSIGN_OR_RETURN(const double larger_s, PredictedStepSeconds(larger, workers, shared_bytes));
+  RP_ASSIGN_OR_RETURN(const double smaller_s, PredictedStepSeconds(smaller, workers, shared_bytes));
   if (smaller_s < larger_s) c->train.mlp_tile_tokens = tiles[hi];
   return Status::Ok();
 }
 
 }  // namespace
 
-Status ResolveMlpTile(JobConfig* c, int workers) {
+Status ResolveMlpTile(JobConfig* c, int workers, const SharedBytesOf& shared_bytes) {
   if (c->train.mlp_tile_tokens != kMlpTileAuto) return Status::Ok();
   const int64_t tokens = c->TokensPerMicrobatch();
   std::vector<int64_t> tiles = {0};
   int64_t pow2 = 1;
   while (pow2 * 2 < tokens) pow2 *= 2;
   for (int64_t t = pow2; t >= kSmallestAutoMlpTile && t < tokens; t /= 2) tiles.push_back(t);
+  const bool both = c->schedule.host_memory_gb > 0 && shared_bytes;
   // The estimated peak with tiles[i], as the run would plan it.
   auto peak_with = [&](size_t i) -> StatusOr<double> {
     JobConfig trial = *c;
     trial.train.mlp_tile_tokens = tiles[i];
-    trial.schedule.host_memory_gb = 0.0;  // a device question: MakePlan applies the host limit
+    // A device question unless a count of shared memory comes with the host limit (MakePlan
+    // applies the limit either way): a tile that fits the device may leave no plan that fits
+    // the host, which a smaller one would, more of its blocks' checkpoints staying on the device.
+    if (!both) trial.schedule.host_memory_gb = 0.0;
     // The cost model, never a measured profile: a profile's saved bytes were measured at one tile
     // and would rate every tile alike, and a run's later starts (--resume, a re-plan) must
     // choose the tile its first one did, whatever profile they have by then.
     const Profile costs = DefaultCostModel(trial);
     if (ResolveExecution(trial).planner_chooses_partition) {
       // ChoosePlan fails only when no candidate fits the limit.
-      auto choice = ChoosePlan(trial, workers, costs);
+      auto choice = ChoosePlan(trial, workers, costs, both ? shared_bytes : SharedBytesOf());
       return choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
     }
     RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
@@ -878,7 +884,8 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
   if (fit < tiles.size()) {
     c->train.mlp_tile_tokens = tiles[fit];
     if (c->schedule.keep_attention == kKeepAttentionAuto && fit + 1 < tiles.size())
-      return PreferATileKeepingMoreAttention(c, workers, tiles, fit);
+      return PreferATileKeepingMoreAttention(c, workers, tiles, fit,
+                                             both ? shared_bytes : SharedBytesOf());
     return Status::Ok();
   }
   char text[320];
@@ -898,6 +905,11 @@ Status ResolveMlpTile(JobConfig* c, int workers) {
                   static_cast<long long>(tokens), static_cast<long long>(kSmallestAutoMlpTile),
                   c->schedule.gpu_memory_gb);
   std::string why = text;
+  if (both) {
+    std::snprintf(text, sizeof(text), " and schedule.host_memory_gb = %.2f GB of shared memory",
+                  c->schedule.host_memory_gb);
+    why += text;
+  }
   if (std::isfinite(smallest)) {
     std::snprintf(text, sizeof(text), "; the smallest estimate is %.2f GB", smallest / 1e9);
     why += text;

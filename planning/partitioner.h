@@ -148,12 +148,15 @@ double EstimatePeakMemory(const JobConfig& config, const PipelinePlan& plan, int
 // (partition = "auto") or the job's own plan's estimate being within the limit ("equal"), under
 // the FLOP cost model (DefaultCostModel) even when the job has a measured profile, so that every
 // start of a run (the first, --resume, a re-plan) chooses the same tile. With
+// schedule.host_memory_gb > 0 and `shared_bytes` (as ChoosePlan takes it) the plan must fit the
+// host too: a larger tile that fits the device may leave no plan within the host limit, where a
+// smaller one keeps more checkpoints on the device. With
 // schedule.keep_attention = -1 too (one worker), a smaller tile is taken instead when it lets more
 // blocks keep their attention records and the cost model, which charges a tiled MLP's second
 // forward, predicts a shorter step with them. InvalidArgument naming the key when no tile fits.
 // Any other value is left as it is.
 inline constexpr int64_t kSmallestAutoMlpTile = 512;
-Status ResolveMlpTile(JobConfig* config, int workers);
+Status ResolveMlpTile(JobConfig* config, int workers, const SharedBytesOf& shared_bytes = {});
 
 // schedule.kept_blocks = kKeptBlocksAuto (-1): the most blocks that let the job's plan fit
 // schedule.gpu_memory_gb on its one worker (a plan of partition = "auto" chosen with them), by the

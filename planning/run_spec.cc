@@ -160,7 +160,7 @@ StatusOr<RunSpec> ResolveRun(const std::string& job_path, const std::vector<std:
       out = (std::filesystem::path(out) / ("node-" + std::to_string(nodes.rank))).string();
     }
   }
-  RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers));
+  RP_RETURN_IF_ERROR(ResolveMlpTile(&spec.job, workers, session.shared_bytes));
   RP_RETURN_IF_ERROR(ResolveKeptAttention(&spec.job, workers, session.shared_bytes));
   RP_RETURN_IF_ERROR(ResolveKeptBlocks(&spec.job, workers));
   RP_ASSIGN_OR_RETURN(spec.plan, MakePlan(spec.job, workers, session.shared_bytes));

@@ -48,20 +48,21 @@ LengthFit FitAt(rp::core::JobConfig c, int64_t seq_len, int gpus, double host_li
   const bool measured_length = seq_len == c.data.seq_len;
   c.data.seq_len = seq_len;
   if (!measured_length) c.schedule.profile.clear();  // a profile holds one length's costs
-  // train.mlp_tile_tokens = -1: the tile the run would choose at this length.
-  if (auto s = rp::core::ResolveMlpTile(&c, gpus); !s.ok()) {
-    f.why = "device memory (" + s.message() + ")";
-    return f;
-  }
   {
-    // The records' count under both memories, as the run would choose it with this host limit.
+    // train.mlp_tile_tokens = -1 and the records' count: what the run would choose at this
+    // length with this host limit, under both memories.
     rp::core::JobConfig limited = c;
     limited.schedule.host_memory_gb = host_limit / 1e9;
+    if (auto s = rp::core::ResolveMlpTile(&limited, gpus, rp::shm::SharedBytesFor(gpus)); !s.ok()) {
+      f.why = "memory (" + s.message() + ")";
+      return f;
+    }
     if (auto s = rp::core::ResolveKeptAttention(&limited, gpus, rp::shm::SharedBytesFor(gpus));
         !s.ok()) {
       f.why = s.message();
       return f;
     }
+    c.train.mlp_tile_tokens = limited.train.mlp_tile_tokens;
     c.schedule.keep_attention = limited.schedule.keep_attention;
   }
   if (auto s = rp::core::ResolveKeptBlocks(&c, gpus); !s.ok()) {
@@ -374,7 +375,7 @@ int main(int argc, char** argv) {
   if (!flags.profile.empty()) cfg->schedule.profile = flags.profile;
   if (flags.max_seq) return MaxSeq(*cfg, gpus, flags.seq_step, flags.host_memory_gb, json, *device);
   const bool tile_chosen = cfg->train.mlp_tile_tokens == rp::core::kMlpTileAuto;
-  if (auto s = rp::core::ResolveMlpTile(&*cfg, gpus); !s.ok()) {
+  if (auto s = rp::core::ResolveMlpTile(&*cfg, gpus, rp::shm::SharedBytesFor(gpus)); !s.ok()) {
     std::fprintf(stderr, "rp-plan: %s\n", s.message().c_str());
     return rp::kExitBadConfig;
   }

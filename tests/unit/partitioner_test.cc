@@ -701,7 +701,9 @@ TEST(Partitioner, AnAutoTileGivesWayToAttentionRecordsOnlyWhenTheStepIsShorter) 
     ASSERT_TRUE(ResolveKeptAttention(&both, 1).ok());
     EXPECT_EQ(both.schedule.keep_attention, 11) << tile;
     EXPECT_LE(estimate(tile, 11), limit) << tile;
-    if (2 * tile < c.TokensPerMicrobatch()) EXPECT_GT(estimate(2 * tile, 11), limit) << tile;
+    if (2 * tile < c.TokensPerMicrobatch()) {
+      EXPECT_GT(estimate(2 * tile, 11), limit) << tile;
+    }
   };
   check(16384, 384, true);
   check(2048, 2048, false);
@@ -1160,6 +1162,49 @@ TEST(Partitioner, KeptAttentionIsChosenUnderBothMemories) {
   }
   EXPECT_GT(fitting, 0);
   EXPECT_GT(differ, 0) << "no budget where the device alone chooses too many";
+}
+
+// train.mlp_tile_tokens = -1 under a host limit: the tile is chosen against plans that fit the
+// host as well. A larger tile that fits the device may do so only with a backward stage per
+// block, every checkpoint in a host slot; a smaller one leaves room for plans that keep more
+// checkpoints on the device. Chosen by the device alone, the tile can leave no plan that fits
+// both.
+TEST(Partitioner, AnAutoMlpTileIsChosenUnderBothMemories) {
+  JobConfig c = Small(12);
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 16384;
+  c.train.microbatches = 1;
+  c.train.accum_calls = 1;
+  c.train.microbatch_size = 1;
+  c.schedule.partition = Partition::kAuto;
+  const SharedBytesOf shared = shm::SharedBytesFor(1);
+  auto size = [&](const JobConfig& t) {
+    return t.train.mlp_tile_tokens == 0 ? t.TokensPerMicrobatch() : t.train.mlp_tile_tokens;
+  };
+  int fitting = 0, differ = 0;
+  for (double gb : {0.2, 0.3, 0.6}) {
+    for (double host_share : {0.5, 0.9}) {
+      JobConfig t = c;
+      t.schedule.gpu_memory_gb = gb;
+      t.train.mlp_tile_tokens = kMlpTileAuto;
+      JobConfig blind = t;
+      if (!ResolveMlpTile(&blind, 1).ok()) continue;
+      const Profile blind_costs = DefaultCostModel(blind);
+      auto device_only = ChoosePlan(blind, 1, blind_costs, shared);
+      if (!device_only.ok()) continue;
+      auto bytes = shared(blind, device_only->plan);
+      ASSERT_TRUE(bytes.ok());
+      t.schedule.host_memory_gb = blind.schedule.host_memory_gb =
+          host_share * static_cast<double>(*bytes) / 1e9;
+      if (!ResolveMlpTile(&t, 1, shared).ok()) continue;  // no tile fits both
+      ++fitting;
+      EXPECT_TRUE(ChoosePlan(t, 1, DefaultCostModel(t), shared).ok()) << gb << " GB";
+      EXPECT_LE(size(t), size(blind)) << gb << " GB";
+      differ += !ChoosePlan(blind, 1, blind_costs, shared).ok();
+    }
+  }
+  EXPECT_GT(fitting, 0);
+  EXPECT_GT(differ, 0) << "no budget where the device alone chooses a tile that fits no host plan";
 }
 
 TEST(Partitioner, HostMemoryLimitTradesCheckpointSlotsForRecompute) {
