@@ -1119,6 +1119,19 @@ TEST(Partitioner, RespectsTheMemoryLimit) {
   EXPECT_EQ(impossible.status().message().rfind("schedule.gpu_memory_gb", 0), 0u);
 }
 
+// Twelve small blocks, one sequence of 16,384 tokens per step on one CUDA worker, planned by
+// partition = "auto": long enough that where checkpoints live decides what fits.
+JobConfig OneLongSequenceOnCuda() {
+  JobConfig c = Small(12);
+  c.job.device = DeviceKind::kCuda;
+  c.data.seq_len = 16384;
+  c.train.microbatches = 1;
+  c.train.accum_calls = 1;
+  c.train.microbatch_size = 1;
+  c.schedule.partition = Partition::kAuto;
+  return c;
+}
+
 // schedule.host_memory_gb: the fastest plan whose shared memory fits. A backward stage's first
 // block keeps its checkpoint in a host slot, so a limit just under the unlimited plan's shared
 // memory takes a plan with fewer slots and a step predicted no shorter; a limit under every plan
@@ -1127,13 +1140,7 @@ TEST(Partitioner, RespectsTheMemoryLimit) {
 // the host as well, since a plan with fewer checkpoint slots needs more device memory for its
 // working set. Chosen by the device alone, the count can leave no plan that fits both.
 TEST(Partitioner, KeptAttentionIsChosenUnderBothMemories) {
-  JobConfig c = Small(12);
-  c.job.device = DeviceKind::kCuda;
-  c.data.seq_len = 16384;
-  c.train.microbatches = 1;
-  c.train.accum_calls = 1;
-  c.train.microbatch_size = 1;
-  c.schedule.partition = Partition::kAuto;
+  JobConfig c = OneLongSequenceOnCuda();
   const SharedBytesOf shared = shm::SharedBytesFor(1);
   const Profile costs = DefaultCostModel(c);
   // The host limit: just under the shared memory of the plan a tight device budget gets (a
@@ -1170,13 +1177,7 @@ TEST(Partitioner, KeptAttentionIsChosenUnderBothMemories) {
 // checkpoints on the device. Chosen by the device alone, the tile can leave no plan that fits
 // both.
 TEST(Partitioner, AnAutoMlpTileIsChosenUnderBothMemories) {
-  JobConfig c = Small(12);
-  c.job.device = DeviceKind::kCuda;
-  c.data.seq_len = 16384;
-  c.train.microbatches = 1;
-  c.train.accum_calls = 1;
-  c.train.microbatch_size = 1;
-  c.schedule.partition = Partition::kAuto;
+  JobConfig c = OneLongSequenceOnCuda();
   const SharedBytesOf shared = shm::SharedBytesFor(1);
   auto size = [&](const JobConfig& t) {
     return t.train.mlp_tile_tokens == 0 ? t.TokensPerMicrobatch() : t.train.mlp_tile_tokens;
