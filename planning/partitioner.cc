@@ -665,20 +665,25 @@ namespace {
 // The largest count in 0..most whose trial plan fits schedule.gpu_memory_gb, `key` the count's
 // field in the trial job. More never needs less memory, so those that fit are a prefix of
 // 0..most: a bisection.
+// Whether `trial` has a plan that fits: ChoosePlan finds one (partition = "auto"), or the job's
+// own plan's estimate is within schedule.gpu_memory_gb. A device question unless a count of
+// shared memory comes with the host limit (MakePlan applies the limit either way).
+StatusOr<bool> PlanFits(JobConfig trial, int workers, const SharedBytesOf& shared_bytes) {
+  if (!shared_bytes) trial.schedule.host_memory_gb = 0.0;
+  const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
+  if (ResolveExecution(trial).planner_chooses_partition)
+    return ChoosePlan(trial, workers, costs, shared_bytes).ok();
+  RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
+  return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
+         trial.schedule.gpu_memory_gb * 1e9;
+}
+
 StatusOr<int64_t> MostThatFit(const JobConfig& c, int workers, int64_t ScheduleConfig::*key,
                               int64_t most, const SharedBytesOf& shared_bytes = {}) {
-  auto fits = [&](int64_t k) -> StatusOr<bool> {
+  auto fits = [&](int64_t k) {
     JobConfig trial = c;
     trial.schedule.*key = k;
-    // A device question unless a count of shared memory comes with the host limit (MakePlan
-    // applies the limit either way).
-    if (!shared_bytes) trial.schedule.host_memory_gb = 0.0;
-    const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
-    if (ResolveExecution(trial).planner_chooses_partition)
-      return ChoosePlan(trial, workers, costs, shared_bytes).ok();
-    RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
-    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
-           c.schedule.gpu_memory_gb * 1e9;
+    return PlanFits(trial, workers, shared_bytes);
   };
   int64_t lo = 0, hi = most;  // lo fits (or is 0); once bisecting, hi does not
   RP_ASSIGN_OR_RETURN(const bool all, fits(most));
@@ -809,16 +814,24 @@ Status PreferATileKeepingMoreAttention(JobConfig* c, int workers, const std::vec
     RP_RETURN_IF_ERROR(ResolveKeptAttention(&trial, workers, shared_bytes));
     return trial.schedule.keep_attention;
   };
-  RP_ASSIGN_OR_RETURN(const int64_t at_fit, records_at(fit));
+  // Whether tiles[i] lets `records` blocks keep theirs: one plan search where a count is several.
+  auto keeps = [&](size_t i, int64_t records) {
+    JobConfig trial = with(i);
+    trial.schedule.keep_attention = records;
+    return PlanFits(trial, workers, shared_bytes);
+  };
   const size_t last = tiles.size() - 1;
   RP_ASSIGN_OR_RETURN(const int64_t most, records_at(last));
-  if (most <= at_fit) return Status::Ok();
+  if (most == 0) return Status::Ok();
+  RP_ASSIGN_OR_RETURN(const bool all_at_fit, keeps(fit, most));
+  if (all_at_fit) return Status::Ok();
   size_t lo = fit, hi = last;  // lo keeps fewer than `most`, hi keeps `most`
   while (hi - lo > 1) {
     const size_t mid = lo + (hi - lo) / 2;
-    RP_ASSIGN_OR_RETURN(const int64_t n, records_at(mid));
-    (n >= most ? hi : lo) = mid;
+    RP_ASSIGN_OR_RETURN(const bool ok, keeps(mid, most));
+    (ok ? hi : lo) = mid;
   }
+  RP_ASSIGN_OR_RETURN(const int64_t at_fit, records_at(fit));
   JobConfig larger = with(fit), smaller = with(hi);
   larger.schedule.keep_attention = at_fit;
   smaller.schedule.keep_attention = most;
