@@ -535,6 +535,39 @@ TEST_F(GpuTest, CudaKeptBlocksMatchCpuReferenceAndTheRecomputingRun) {
   std::printf("bf16 with 2 kept blocks vs recomputing: max relative loss difference %.3g\n", worst);
 }
 
+// The attention calls of a worker's traced step (KernelTrace's Chrome trace, RP_TRACE_KERNELS):
+// the ATen ops SDPA dispatches to, forward and backward, and the fused kernels they launch
+// (cutlass's memory-efficient ones for fp32, flash's for half).
+struct AttentionCalls {
+  int forward_ops = 0, backward_ops = 0, forward_kernels = 0, backward_kernels = 0;
+};
+AttentionCalls CountAttentionCalls(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << path;
+  const nlohmann::json trace = nlohmann::json::parse(f, nullptr, false);
+  EXPECT_FALSE(trace.is_discarded()) << path;
+  AttentionCalls n;
+  if (trace.is_discarded()) return n;
+  const nlohmann::json& events =
+      trace.is_array() ? trace : trace.value("traceEvents", nlohmann::json::array());
+  for (const auto& e : events) {
+    if (!e.is_object()) continue;
+    const std::string cat = e.value("cat", ""), name = e.value("name", "");
+    if (cat == "cpu_op") {
+      for (const std::string kernel : {"flash", "efficient", "cudnn"}) {
+        const std::string op = "aten::_scaled_dot_product_" + kernel + "_attention";
+        n.forward_ops += name == op;
+        n.backward_ops += name == op + "_backward";
+      }
+    } else if (cat == "kernel") {
+      const auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+      n.forward_kernels += has("cutlassF") || has("flash_fwd");
+      n.backward_kernels += has("cutlassB") || has("flash_bwd");
+    }
+  }
+  return n;
+}
+
 // schedule.keep_attention on CUDA: fp32 through the kernel SDPA picks (its records standing in for
 // the backward stages' attention forwards) against the same job recomputing its attention, within
 // 1e-6 in the loss and the gradient norm, and against the CPU reference; bf16, plain (SDPA's
@@ -547,8 +580,28 @@ TEST_F(GpuTest, CudaKeptAttentionMatchesTheRecomputingRunAndCpuReference) {
     a.insert(a.end(), b.begin(), b.end());
     return a;
   };
-  const auto recomputed = Launch(1, "attn-fp32", fp32);
-  const auto replayed = Launch(1, "attn-fp32-kept", with(fp32, kept));
+  // Step 3 of each run traced: every block's attention runs forward once per microbatch, in the
+  // forward pass, and backward once. The recomputing run's backward stages run it forward again;
+  // the kept run's must not.
+  auto traced = [&](const std::string& name) {
+    return std::vector<std::string>{"RP_TRACE_KERNELS=" + tmp_ + "/" + name + "-trace",
+                                    "RP_TRACE_KERNELS_STEP=3"};
+  };
+  const auto recomputed = Launch(1, "attn-fp32", fp32, traced("attn-fp32"));
+  const auto replayed = Launch(1, "attn-fp32-kept", with(fp32, kept), traced("attn-fp32-kept"));
+  const AttentionCalls plain = CountAttentionCalls(tmp_ + "/attn-fp32-trace.w0.json");
+  const AttentionCalls records = CountAttentionCalls(tmp_ + "/attn-fp32-kept-trace.w0.json");
+  std::printf(
+      "traced step, attention forward/backward ops (kernels): recomputing %d/%d (%d/%d), kept "
+      "%d/%d (%d/%d)\n",
+      plain.forward_ops, plain.backward_ops, plain.forward_kernels, plain.backward_kernels,
+      records.forward_ops, records.backward_ops, records.forward_kernels, records.backward_kernels);
+  ASSERT_GT(records.backward_ops, 0);
+  EXPECT_EQ(records.backward_ops, plain.backward_ops);
+  EXPECT_EQ(records.forward_ops, records.backward_ops);
+  EXPECT_GT(plain.forward_ops, plain.backward_ops);
+  EXPECT_EQ(records.forward_kernels, records.forward_ops);
+  EXPECT_EQ(plain.forward_kernels, plain.forward_ops);
   const auto norms = testing::Losses(tmp_ + "/attn-fp32/metrics.jsonl", "grad_norm");
   const auto kept_norms = testing::Losses(tmp_ + "/attn-fp32-kept/metrics.jsonl", "grad_norm");
   ASSERT_EQ(replayed.size(), recomputed.size());
