@@ -662,9 +662,7 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
 }
 
 namespace {
-// The largest count in 0..most whose trial plan fits schedule.gpu_memory_gb, `key` the count's
-// field in the trial job. More never needs less memory, so those that fit are a prefix of
-// 0..most: a bisection.
+
 // Whether `trial` has a plan that fits: ChoosePlan finds one (partition = "auto"), or the job's
 // own plan's estimate is within schedule.gpu_memory_gb. A device question unless a count of
 // shared memory comes with the host limit (MakePlan applies the limit either way).
@@ -678,6 +676,9 @@ StatusOr<bool> PlanFits(JobConfig trial, int workers, const SharedBytesOf& share
          trial.schedule.gpu_memory_gb * 1e9;
 }
 
+// The largest count in 0..most whose trial plan fits schedule.gpu_memory_gb, `key` the count's
+// field in the trial job. More never needs less memory, so those that fit are a prefix of
+// 0..most: a bisection.
 StatusOr<int64_t> MostThatFit(const JobConfig& c, int workers, int64_t ScheduleConfig::*key,
                               int64_t most, const SharedBytesOf& shared_bytes = {}) {
   auto fits = [&](int64_t k) {
