@@ -663,17 +663,29 @@ StatusOr<PlanChoice> ChoosePlan(const JobConfig& c, int workers, const Profile& 
 
 namespace {
 
-// Whether `trial` has a plan that fits: ChoosePlan finds one (partition = "auto"), or the job's
-// own plan's estimate is within schedule.gpu_memory_gb. A device question unless a count of
-// shared memory comes with the host limit (MakePlan applies the limit either way).
-StatusOr<bool> PlanFits(JobConfig trial, int workers, const SharedBytesOf& shared_bytes) {
+// The plan `trial` would run under the FLOP cost model (never a measured profile: the automatic
+// choices below must come out the same at every start of a run, whatever profile it has by then):
+// ChoosePlan's for partition = "auto", none when no candidate fits; else the job's own plan with
+// its prediction. Under the device budget alone unless `shared_bytes` comes with the host limit
+// (MakePlan applies the limit either way).
+StatusOr<std::optional<PlanChoice>> CostModelChoice(JobConfig trial, int workers,
+                                                    const SharedBytesOf& shared_bytes) {
   if (!shared_bytes) trial.schedule.host_memory_gb = 0.0;
-  const Profile costs = DefaultCostModel(trial);  // as ResolveMlpTile, for the same reasons
-  if (ResolveExecution(trial).planner_chooses_partition)
-    return ChoosePlan(trial, workers, costs, shared_bytes).ok();
+  const Profile costs = DefaultCostModel(trial);
+  if (ResolveExecution(trial).planner_chooses_partition) {
+    auto choice = ChoosePlan(trial, workers, costs, shared_bytes);  // fails only when none fits
+    return choice.ok() ? std::optional<PlanChoice>(*std::move(choice)) : std::nullopt;
+  }
   RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
-  return PredictPlan(trial, plan, costs, workers).peak_memory_bytes <=
-         trial.schedule.gpu_memory_gb * 1e9;
+  return std::optional<PlanChoice>(PredictPlan(trial, plan, costs, workers));
+}
+
+// Whether `trial` has a plan that fits (CostModelChoice): ChoosePlan found one within the limits,
+// or the job's own plan's estimate is within schedule.gpu_memory_gb.
+StatusOr<bool> PlanFits(const JobConfig& trial, int workers, const SharedBytesOf& shared_bytes) {
+  RP_ASSIGN_OR_RETURN(const auto choice, CostModelChoice(trial, workers, shared_bytes));
+  if (ResolveExecution(trial).planner_chooses_partition) return choice.has_value();
+  return choice->peak_memory_bytes <= trial.schedule.gpu_memory_gb * 1e9;
 }
 
 // The largest count in 0..most whose trial plan fits schedule.gpu_memory_gb, `key` the count's
@@ -782,16 +794,11 @@ StatusOr<UpdatePassesChoice> ResolveUpdatePasses(JobConfig* c, int workers, cons
 
 namespace {
 
-// The cost model's step time of `c` as the run would plan it.
+// The cost model's step time of `c` as the run would plan it; infinite when nothing fits.
 StatusOr<double> PredictedStepSeconds(const JobConfig& c, int workers,
                                       const SharedBytesOf& shared_bytes) {
-  const Profile costs = DefaultCostModel(c);
-  if (ResolveExecution(c).planner_chooses_partition) {
-    RP_ASSIGN_OR_RETURN(const PlanChoice choice, ChoosePlan(c, workers, costs, shared_bytes));
-    return choice.step_seconds;
-  }
-  RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(c));
-  return PredictPlan(c, plan, costs, workers).step_seconds;
+  RP_ASSIGN_OR_RETURN(const auto choice, CostModelChoice(c, workers, shared_bytes));
+  return choice ? choice->step_seconds : std::numeric_limits<double>::infinity();
 }
 
 // With schedule.keep_attention = -1 as well, the largest tile that fits (tiles[fit], already in
@@ -807,7 +814,6 @@ Status PreferATileKeepingMoreAttention(JobConfig* c, int workers, const std::vec
   auto with = [&](size_t i) {
     JobConfig trial = *c;
     trial.train.mlp_tile_tokens = tiles[i];
-    if (!shared_bytes) trial.schedule.host_memory_gb = 0.0;
     return trial;
   };
   auto records_at = [&](size_t i) -> StatusOr<int64_t> {
@@ -852,25 +858,16 @@ Status ResolveMlpTile(JobConfig* c, int workers, const SharedBytesOf& shared_byt
   while (pow2 * 2 < tokens) pow2 *= 2;
   for (int64_t t = pow2; t >= kSmallestAutoMlpTile && t < tokens; t /= 2) tiles.push_back(t);
   const bool both = c->schedule.host_memory_gb > 0 && shared_bytes;
-  // The estimated peak with tiles[i], as the run would plan it.
+  // The estimated peak with tiles[i], as the run would plan it (CostModelChoice: the cost model,
+  // since a profile's saved bytes were measured at one tile and would rate every tile alike).
+  // Under both memories when the job has a host limit: a tile that fits the device may leave no
+  // plan that fits the host, which a smaller one would, more of its checkpoints on the device.
   auto peak_with = [&](size_t i) -> StatusOr<double> {
     JobConfig trial = *c;
     trial.train.mlp_tile_tokens = tiles[i];
-    // A device question unless a count of shared memory comes with the host limit (MakePlan
-    // applies the limit either way): a tile that fits the device may leave no plan that fits
-    // the host, which a smaller one would, more of its blocks' checkpoints staying on the device.
-    if (!both) trial.schedule.host_memory_gb = 0.0;
-    // The cost model, never a measured profile: a profile's saved bytes were measured at one tile
-    // and would rate every tile alike, and a run's later starts (--resume, a re-plan) must
-    // choose the tile its first one did, whatever profile they have by then.
-    const Profile costs = DefaultCostModel(trial);
-    if (ResolveExecution(trial).planner_chooses_partition) {
-      // ChoosePlan fails only when no candidate fits the limit.
-      auto choice = ChoosePlan(trial, workers, costs, both ? shared_bytes : SharedBytesOf());
-      return choice.ok() ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
-    }
-    RP_ASSIGN_OR_RETURN(PipelinePlan plan, BuildPlan(trial));
-    return PredictPlan(trial, plan, costs, workers).peak_memory_bytes;
+    RP_ASSIGN_OR_RETURN(const auto choice,
+                        CostModelChoice(trial, workers, both ? shared_bytes : SharedBytesOf()));
+    return choice ? choice->peak_memory_bytes : std::numeric_limits<double>::infinity();
   };
   const double limit = c->schedule.gpu_memory_gb * 1e9;
   // A smaller tile never needs more memory (its intermediates shrink; the tiles' saved inputs
@@ -929,7 +926,10 @@ Status ResolveMlpTile(JobConfig* c, int workers, const SharedBytesOf& shared_byt
     why += text;
   }
   return Status::InvalidArgument(
-      why + " (shorter sequences, train.layer_recompute or more workers may fit)");
+      why +
+      (both ? " (a higher schedule.host_memory_gb, shorter sequences, train.layer_recompute or "
+              "more workers may fit)"
+            : " (shorter sequences, train.layer_recompute or more workers may fit)"));
 }
 
 std::optional<PlanChoice> FrozenOnDeviceAlternative(const JobConfig& c, int workers,

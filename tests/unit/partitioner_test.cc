@@ -1206,6 +1206,17 @@ TEST(Partitioner, AnAutoMlpTileIsChosenUnderBothMemories) {
   }
   EXPECT_GT(fitting, 0);
   EXPECT_GT(differ, 0) << "no budget where the device alone chooses a tile that fits no host plan";
+  // No tile fits the host: the error names the host limit as well as the key.
+  JobConfig none = c;
+  none.schedule.gpu_memory_gb = 1.0;
+  none.schedule.host_memory_gb = 1e-6;
+  none.train.mlp_tile_tokens = kMlpTileAuto;
+  const Status refused = ResolveMlpTile(&none, 1, shared);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("train.mlp_tile_tokens"), std::string::npos)
+      << refused.message();
+  EXPECT_NE(refused.message().find("schedule.host_memory_gb"), std::string::npos)
+      << refused.message();
 }
 
 TEST(Partitioner, HostMemoryLimitTradesCheckpointSlotsForRecompute) {
